@@ -1,0 +1,6 @@
+"""Lightning callbacks: the privacy mechanisms for centralized training and run tracking."""
+
+from lightning_dp.callbacks.dp_sgd import DPSGD
+from lightning_dp.callbacks.run_artifacts import RunArtifacts
+
+__all__ = ["DPSGD", "RunArtifacts"]

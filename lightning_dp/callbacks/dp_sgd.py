@@ -1,0 +1,471 @@
+"""DP-SGD as a Lightning callback: add it to ``Trainer(callbacks=[...])``, keep your module.
+
+Privacy semantics (see ``docs/privacy.md``):
+
+* With ``poisson_sampling=True`` (default): add/remove adjacency. Every example enters
+  every batch independently with probability ``q = batch_size * world_size / N``; each
+  step releases ``(sum_i clip_C(g_i) + N(0, (sigma C)^2 I)) / (q N)`` and is accounted as
+  one Poisson-subsampled Gaussian mechanism (noise multiplier sigma, rate q).
+* With ``poisson_sampling=False``: the DataLoader's own (shuffled) batches are kept.
+  Batches of one epoch partition the data, so by parallel composition each epoch is one
+  Gaussian mechanism; no amplification by sampling is claimed. The bound is stated for
+  *replacement* adjacency (one example swapped), where a clipped sum moves by at most
+  ``2C``: each epoch is accounted as a Gaussian mechanism with multiplier ``sigma / 2``.
+  Not supported under DDP (DistributedSampler repeats examples to pad shards).
+
+The callback never reaches into private Trainer attributes: it rebuilds the training
+DataLoader by wrapping the public ``train_dataloader`` hook of your DataModule or
+LightningModule, records per-sample gradients with forward/tensor hooks
+(:class:`~lightning_dp.privacy.grad_sample.GradSampleEngine`), and replaces the
+gradients in ``on_before_optimizer_step``.
+
+Example:
+    >>> from lightning_dp.callbacks import DPSGD
+    >>> dp = DPSGD(target_epsilon=3.0, target_delta=1e-5, max_grad_norm=1.0, epochs=5)
+    >>> # trainer = lightning.Trainer(max_epochs=5, callbacks=[dp]); trainer.fit(model, datamodule)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import secrets
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+
+from lightning_dp.privacy.accounting import get_accountant
+from lightning_dp.privacy.calibration import calibrate_noise_multiplier
+from lightning_dp.privacy.clipping import check_max_grad_norm, clip_factors
+from lightning_dp.privacy.grad_sample import GradSampleEngine
+from lightning_dp.privacy.noise import NOISE, check_noise_multiplier, derive_generator, noisy_mean
+from lightning_dp.privacy.sampling import poisson_dataloader
+from lightning_dp.privacy.validators import describe_mixing_layers, find_mixing_layers, replace_batchnorm
+
+__all__ = ["DPSGD"]
+
+_STATE_VERSION = 1
+
+
+def _positive_int(name: str, value: int | None) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name}={value!r} is not allowed: pass a positive integer, or None")
+    return value
+
+
+def _ends_with_sum(loss: torch.Tensor) -> bool:
+    """Whether the loss' last operation, looking through Lightning's scaling, is a sum (a heuristic)."""
+    fn = loss.grad_fn
+    while fn is not None and type(fn).__name__ in ("DivBackward0", "DivBackward1", "MulBackward0", "MulBackward1"):
+        fn = fn.next_functions[0][0] if fn.next_functions else None
+    return fn is not None and type(fn).__name__.startswith("SumBackward")
+
+
+class DPSGD(Callback):
+    """Differentially private SGD (Abadi et al. 2016) for an unmodified LightningModule.
+
+    The module's ``training_step`` must return the batch MEAN of per-example losses, use
+    one optimizer with automatic optimization, and contain no layer that mixes examples.
+
+    Args:
+        noise_multiplier: sigma, the std of the Gaussian noise divided by ``max_grad_norm``.
+            If omitted, it is calibrated so that the planned run spends at most
+            ``target_epsilon``.
+        target_epsilon: the privacy budget. Training stops before a step that would
+            exceed it (with or without ``noise_multiplier``).
+        target_delta: the delta at which epsilon is reported and enforced (default 1e-5;
+            a warning is given when it is not below 1/N).
+        max_grad_norm: C, the per-sample L2 clipping threshold.
+        epochs: planned epochs, for calibration (default: the Trainer's ``max_epochs``).
+        max_steps: planned optimizer steps, for calibration (default: the Trainer's
+            ``max_steps``).
+        accountant: ``"pld"`` (privacy loss distributions, default) or ``"rdp"``.
+        accountant_kwargs: extra arguments of the accountant (e.g.
+            ``value_discretization_interval`` for PLD).
+        poisson_sampling: sample batches by Poisson sampling (required for the
+            add/remove guarantee and for DDP).
+        seed: seed of the sampling and noise streams. Default: a fresh secret seed from
+            the OS (saved in checkpoints so that a resumed run continues the streams).
+        replace_batchnorm: replace BatchNorm layers by GroupNorm instead of refusing them.
+    """
+
+    def __init__(
+        self,
+        *,
+        noise_multiplier: float | None = None,
+        target_epsilon: float | None = None,
+        target_delta: float = 1e-5,
+        max_grad_norm: float = 1.0,
+        epochs: int | None = None,
+        max_steps: int | None = None,
+        accountant: str = "pld",
+        accountant_kwargs: dict[str, Any] | None = None,
+        poisson_sampling: bool = True,
+        seed: int | None = None,
+        replace_batchnorm: bool = False,
+    ) -> None:
+        if noise_multiplier is None and target_epsilon is None:
+            raise ValueError(
+                "DPSGD needs noise_multiplier=<sigma> or target_epsilon=<budget> (or both): with neither there is "
+                "no noise and no budget. Example: DPSGD(target_epsilon=3.0, target_delta=1e-5, epochs=10)")
+        self._requested_sigma = None if noise_multiplier is None else check_noise_multiplier(noise_multiplier)
+        if target_epsilon is not None and not (float(target_epsilon) > 0 and math.isfinite(float(target_epsilon))):
+            raise ValueError(f"target_epsilon={target_epsilon!r} is not allowed: pass a finite number > 0, e.g. 3.0")
+        self.target_epsilon = None if target_epsilon is None else float(target_epsilon)
+        if not 0 < float(target_delta) < 1:
+            raise ValueError(f"target_delta={target_delta!r} is not allowed: delta must be in (0, 1), and well below "
+                             "1/N for N training examples (e.g. 1e-5 for N = 60,000)")
+        self.target_delta = float(target_delta)
+        self.max_grad_norm = check_max_grad_norm(max_grad_norm)
+        self.epochs = _positive_int("epochs", epochs)
+        self.max_steps = _positive_int("max_steps", max_steps)
+        if self.epochs is not None and self.max_steps is not None:
+            raise ValueError(f"pass epochs={epochs} or max_steps={max_steps} for calibration, not both")
+        self.accountant_name = accountant
+        self.accountant_kwargs = dict(accountant_kwargs or {})
+        self._accountant = get_accountant(accountant, **self.accountant_kwargs)  # validates the name
+        self.poisson_sampling = bool(poisson_sampling)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise ValueError(f"seed={seed!r} is not allowed: pass a non-negative integer, or None for a secret seed")
+        self._requested_seed = seed
+        self.replace_batchnorm = bool(replace_batchnorm)
+
+        self._seed: int | None = None
+        self._sigma: float | None = None
+        self._restored_sigma: float | None = None
+        self._engine: GradSampleEngine | None = None
+        self._wrapped: tuple[Any, str] | None = None
+        self._data: dict[str, Any] = {}
+        self._allowed_events: int | None = None
+        self._events_taken = 0
+        self._last_stats: torch.Tensor | None = None
+        self._curve: list[tuple[int, float]] = []
+        self._logged_step = -1
+        self._loss_checked = False
+
+    # ----------------------------------------------------------- properties
+    @property
+    def epsilon(self) -> float:
+        """Privacy spent so far, at ``target_delta``."""
+        return self._accountant.get_epsilon(self.target_delta)
+
+    @property
+    def noise_multiplier(self) -> float | None:
+        """The noise multiplier in use (given or calibrated); None before calibration."""
+        return self._sigma if self._sigma is not None else self._requested_sigma
+
+    @property
+    def accountant(self):
+        """The accountant (its ``history`` lists every mechanism applied)."""
+        return self._accountant
+
+    @property
+    def sample_rate(self) -> float | None:
+        return self._data.get("sample_rate")
+
+    # ------------------------------------------------------------- set-up
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if not pl_module.automatic_optimization:
+            raise MisconfigurationException(
+                "DPSGD supports automatic optimization only (automatic_optimization=False was set): it replaces the "
+                "gradients between backward and the optimizer step. Use automatic optimization.")
+        if trainer.accumulate_grad_batches != 1:
+            raise MisconfigurationException(
+                f"accumulate_grad_batches={trainer.accumulate_grad_batches} is not allowed with DPSGD: every "
+                "optimizer step is one Poisson-sampled batch in the privacy analysis. Use a larger batch_size "
+                "instead (the expected batch size q*N is what matters).")
+        if self.target_epsilon is not None and (trainer.min_steps or trainer.min_epochs):
+            raise MisconfigurationException(
+                f"min_steps={trainer.min_steps} / min_epochs={trainer.min_epochs} conflict with target_epsilon: "
+                "Lightning would keep training after the budget is spent. Remove min_steps/min_epochs.")
+        if not self.poisson_sampling and trainer.world_size > 1:
+            raise MisconfigurationException(
+                "poisson_sampling=False is not supported under DDP (DistributedSampler repeats examples to pad "
+                "shards, which breaks the per-epoch bound). Use poisson_sampling=True.")
+
+        mixing = find_mixing_layers(pl_module)
+        if mixing and self.replace_batchnorm:
+            names = replace_batchnorm(pl_module)
+            rank_zero_warn(f"DPSGD replaced {names} by GroupNorm (replace_batchnorm=True)")
+            mixing = find_mixing_layers(pl_module)
+        if mixing:
+            raise MisconfigurationException(describe_mixing_layers(mixing))
+
+        if self._seed is None:
+            seed = self._requested_seed if self._requested_seed is not None else secrets.randbits(63)
+            self._seed = int(trainer.strategy.broadcast(seed, src=0))
+        self._engine = GradSampleEngine(pl_module)
+        self._wrap_train_dataloader(trainer, pl_module)
+
+    def _wrap_train_dataloader(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        dm = trainer.datamodule
+        if isinstance(dm, LightningDataModule) and is_overridden("train_dataloader", dm):
+            owner = dm
+        elif is_overridden("train_dataloader", pl_module):
+            owner = pl_module
+        else:
+            raise MisconfigurationException(
+                "DPSGD must rebuild the training DataLoader (Poisson sampling) and can only do so through a "
+                "`train_dataloader` hook: pass a LightningDataModule (e.g. LightningDataModule.from_datasets("
+                "train_dataset=..., batch_size=...)) or define `train_dataloader` in your LightningModule instead "
+                "of passing `train_dataloaders=` to `trainer.fit`.")
+        original = owner.train_dataloader
+
+        @functools.wraps(original)
+        def train_dataloader() -> DataLoader:
+            return self._privatize(original(), trainer)
+
+        owner.train_dataloader = train_dataloader  # instance attribute shadows the hook; removed in teardown
+        self._wrapped = (owner, "train_dataloader")
+
+    def _privatize(self, loader: Any, trainer: Trainer) -> DataLoader:
+        if not isinstance(loader, DataLoader):
+            raise MisconfigurationException(
+                f"train_dataloader returned {type(loader).__name__}; DPSGD needs one torch DataLoader over a "
+                "map-style dataset (it rebuilds the loader with Poisson sampling).")
+        try:
+            n = len(loader.dataset)  # type: ignore[arg-type]
+        except TypeError:
+            raise MisconfigurationException(
+                "the training dataset has no length (an IterableDataset?); Poisson sampling needs random access "
+                "to a map-style dataset of known size N.") from None
+        if loader.batch_size is None:
+            raise MisconfigurationException(
+                "the training DataLoader has batch_size=None (a custom batch_sampler?); DPSGD takes the expected "
+                "batch size from DataLoader(batch_size=...). Pass batch_size and no batch_sampler.")
+        world = trainer.world_size
+        expected = loader.batch_size * world
+        if expected > n:
+            raise MisconfigurationException(
+                f"expected batch size {expected} (batch_size={loader.batch_size} x {world} processes) exceeds the "
+                f"training set size N={n}; lower batch_size.")
+        q = expected / n
+        self._data = {"dataset_size": n, "sample_rate": q, "expected_batch_size": expected,
+                      "steps_per_epoch": math.ceil(n / expected) if self.poisson_sampling else len(loader)}
+        if not self.poisson_sampling:
+            return loader
+        return poisson_dataloader(loader, sample_rate=q, seed=self._seed, rank=trainer.global_rank, world_size=world,
+                                  start_step=lambda: trainer.global_step)
+
+    # --------------------------------------------------------- calibration
+    def _event(self) -> tuple[float, float]:
+        """(noise multiplier, sampling rate) of one accounted event."""
+        assert self._sigma is not None
+        if self.poisson_sampling:
+            return self._sigma, self._data["sample_rate"]
+        return self._sigma / 2, 1.0
+
+    def _planned_events(self, trainer: Trainer) -> int | None:
+        per_epoch = self._data["steps_per_epoch"] if self.poisson_sampling else 1
+        if self.max_steps is not None:
+            return self.max_steps if self.poisson_sampling else math.ceil(self.max_steps / self._data["steps_per_epoch"])
+        if self.epochs is not None:
+            return self.epochs * per_epoch
+        if trainer.max_steps is not None and trainer.max_steps > 0:
+            steps = trainer.max_steps
+            if trainer.max_epochs is not None and trainer.max_epochs > 0:
+                steps = min(steps, trainer.max_epochs * self._data["steps_per_epoch"])
+            return steps if self.poisson_sampling else math.ceil(steps / self._data["steps_per_epoch"])
+        if trainer.max_epochs is not None and trainer.max_epochs > 0:
+            return trainer.max_epochs * per_epoch
+        return None
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self._data:
+            raise MisconfigurationException("DPSGD did not see the training DataLoader; was setup() skipped?")
+        n = self._data["dataset_size"]
+        if self.target_delta >= 1 / n:
+            rank_zero_warn(
+                f"target_delta={self.target_delta} is not below 1/N = {1 / n:.3g} (N = {n} training examples): a "
+                "mechanism that publishes one random example satisfies such a delta. Use delta << 1/N, e.g. "
+                f"{10 ** math.floor(math.log10(1 / n) - 1):.0e}.")
+        planned = self._planned_events(trainer)
+        if self._requested_sigma is not None:
+            self._sigma = self._requested_sigma
+        elif self._restored_sigma is not None:
+            self._sigma = self._restored_sigma
+        else:
+            if planned is None:
+                raise MisconfigurationException(
+                    "DPSGD(target_epsilon=...) without noise_multiplier needs the planned length to calibrate the "
+                    "noise: pass epochs=... or max_steps=... to DPSGD, or max_epochs/max_steps to the Trainer.")
+            q = self._data["sample_rate"] if self.poisson_sampling else 1.0
+            sigma = calibrate_noise_multiplier(
+                target_epsilon=self.target_epsilon, target_delta=self.target_delta, sample_rate=q,
+                steps=max(planned - len(self._accountant), 1), accountant=self.accountant_name,
+                accountant_kwargs=self.accountant_kwargs)
+            self._sigma = sigma if self.poisson_sampling else 2 * sigma
+            rank_zero_info(f"DPSGD: calibrated noise_multiplier={self._sigma:.4f} for target_epsilon="
+                           f"{self.target_epsilon}, delta={self.target_delta}, {planned} planned steps, q={q:.4g}")
+        if self.target_epsilon is not None:
+            sigma_e, q_e = self._event()
+            limit = planned if planned is not None else 10**7
+            self._allowed_events = self._accountant.max_steps(
+                self.target_epsilon, self.target_delta, noise_multiplier=sigma_e, sample_rate=q_e, limit=limit)
+            self._events_taken = 0
+            if self._allowed_events == 0 and (planned is None or planned > 0):
+                rank_zero_warn(f"DPSGD: no step fits in the remaining budget (epsilon spent {self.epsilon:.4g} of "
+                               f"target_epsilon={self.target_epsilon}); stopping before the first step.")
+                trainer.should_stop = True
+        self._log_hyperparams(trainer, planned)
+
+    def _log_hyperparams(self, trainer: Trainer, planned: int | None) -> None:
+        params = {
+            "privacy/noise_multiplier": self._sigma, "privacy/max_grad_norm": self.max_grad_norm,
+            "privacy/target_epsilon": self.target_epsilon, "privacy/target_delta": self.target_delta,
+            "privacy/accountant": self.accountant_name, "privacy/poisson_sampling": self.poisson_sampling,
+            "privacy/sample_rate": self._data["sample_rate"], "privacy/dataset_size": self._data["dataset_size"],
+            "privacy/expected_batch_size": self._data["expected_batch_size"],
+            "privacy/steps_per_epoch": self._data["steps_per_epoch"], "privacy/planned_events": planned,
+            "privacy/adjacency": "add/remove" if self.poisson_sampling else "replacement",
+        }
+        for logger in trainer.loggers:
+            logger.log_hyperparams(params)
+
+    # -------------------------------------------------------------- steps
+    def _adds_event(self, batch_idx: int) -> bool:
+        return self.poisson_sampling or batch_idx == 0
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        model = trainer.strategy.model
+        if isinstance(model, DistributedDataParallel):
+            # gradients are reduced by DPSGD (clipped sums, once per step), not by DDP's reducer
+            model.require_backward_grad_sync = False
+        self._step_adds_event = self._adds_event(batch_idx)
+        if self._step_adds_event and self._allowed_events is not None and self._events_taken >= self._allowed_events:
+            raise RuntimeError(
+                f"DPSGD: the privacy budget target_epsilon={self.target_epsilon} is spent (epsilon="
+                f"{self.epsilon:.4g}) but training continued; refusing to release another step.")
+        assert self._engine is not None
+        self._engine.start()
+
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        if self._loss_checked or self._engine is None or self._engine.batch_size() == 0:
+            return  # an empty Poisson batch says nothing about the reduction
+        if loss.dim() != 0:
+            raise MisconfigurationException(
+                f"training_step returned a loss of shape {tuple(loss.shape)}; DPSGD needs the scalar batch MEAN of "
+                "per-example losses (e.g. F.cross_entropy(logits, y) with reduction='mean').")
+        if _ends_with_sum(loss):
+            raise MisconfigurationException(
+                "training_step returned a summed loss (its last operation is a sum); DPSGD needs the batch MEAN of "
+                "per-example losses, because per-sample gradients are recovered as batch_size x the recorded ones. "
+                "Use .mean() or reduction='mean'.")
+        self._loss_checked = True
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        engine = self._engine
+        assert engine is not None and self._sigma is not None
+        engine.stop()
+        engine.check_parameter_gradients()
+        norms = engine.per_sample_norms()
+        sums = engine.clipped_sum(clip_factors(norms, self.max_grad_norm))
+        engine.clear()
+        params = engine.parameters
+        stats = torch.stack([(norms > self.max_grad_norm).sum(), torch.tensor(norms.numel())]).to(sums[0])
+        if trainer.world_size > 1:
+            flat = trainer.strategy.reduce(torch.cat([s.reshape(-1) for s in sums] + [stats]), reduce_op="sum")
+            sizes = [s.numel() for s in sums]
+            sums = [t.view_as(s) for t, s in zip(torch.split(flat[:-2], sizes), sums)]
+            stats = flat[-2:]
+        generator = derive_generator(self._seed, NOISE, trainer.global_step, device=sums[0].device)
+        grads = noisy_mean(sums, noise_multiplier=self._sigma, max_grad_norm=self.max_grad_norm,
+                           expected_batch_size=self._data["expected_batch_size"], generator=generator)
+        for p, g in zip(params, grads):
+            p.grad = g.to(p.dtype)
+        if self._step_adds_event:
+            sigma_e, q_e = self._event()
+            self._accountant.step(noise_multiplier=sigma_e, sample_rate=q_e)
+            self._events_taken += 1
+        self._last_stats = stats.detach()
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._allowed_events is not None and self._events_taken >= self._allowed_events and not trainer.should_stop:
+            if self.poisson_sampling or batch_idx + 1 >= trainer.num_training_batches:
+                rank_zero_info(f"DPSGD: stopping after step {trainer.global_step}: the next step would exceed "
+                               f"target_epsilon={self.target_epsilon} (spent {self.epsilon:.4f} at delta="
+                               f"{self.target_delta}).")
+                trainer.should_stop = True
+        every = trainer.log_every_n_steps
+        if (every and trainer.global_step % every == 0) or trainer.should_stop:
+            self._log_privacy(pl_module, trainer.global_step)
+
+    def _privacy_metrics(self, step: int) -> dict[str, float]:
+        eps = self.epsilon
+        if not self._curve or self._curve[-1][0] != step:
+            self._curve.append((step, eps))
+        metrics = {"privacy/epsilon": eps, "privacy/delta": self.target_delta,
+                   "privacy/noise_multiplier": float(self._sigma), "privacy/max_grad_norm": self.max_grad_norm}
+        if self._last_stats is not None and self._last_stats[1] > 0:
+            metrics["privacy/clipped_fraction"] = float(self._last_stats[0] / self._last_stats[1])
+        return metrics
+
+    def _log_privacy(self, pl_module: LightningModule, step: int) -> None:
+        for name, value in self._privacy_metrics(step).items():
+            # float64 tensors: Lightning would store a Python float as float32 and round the spend
+            pl_module.log(name, torch.tensor(value, dtype=torch.float64), on_step=True, on_epoch=False,
+                          prog_bar=name == "privacy/epsilon")
+        self._logged_step = step
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        step = trainer.global_step
+        if step > 0 and self._logged_step != step:
+            # Lightning writes step metrics only every log_every_n_steps: write the final spend explicitly,
+            # at Lightning's step numbering (metrics of optimizer step n are written at step n - 1)
+            metrics = self._privacy_metrics(step)
+            if trainer.is_global_zero:
+                for logger in trainer.loggers:
+                    logger.log_metrics(metrics, step=step - 1)
+            self._logged_step = step
+        if trainer.is_global_zero and self._curve:
+            from lightning_dp import tracking
+
+            steps, eps = zip(*self._curve)
+            fig = tracking.plot_series(steps, eps, xlabel="step", ylabel=f"epsilon (delta={self.target_delta:g})",
+                                       title=f"privacy spend, sigma={self._sigma:.3g}, C={self.max_grad_norm:g}")
+            tracking.log_figure(trainer, fig, "privacy/epsilon.png")
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if self._engine is not None:
+            self._engine.remove()
+            self._engine = None
+        if self._wrapped is not None:
+            owner, name = self._wrapped
+            owner.__dict__.pop(name, None)
+            self._wrapped = None
+
+    # ---------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": _STATE_VERSION, "accountant": self._accountant.state_dict(), "seed": self._seed,
+                "noise_multiplier": self._sigma, "max_grad_norm": self.max_grad_norm,
+                "poisson_sampling": self.poisson_sampling, "curve": list(self._curve)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("accountant") is None:
+            return
+        saved = state_dict["accountant"]
+        if saved.get("name") != self.accountant_name:
+            raise MisconfigurationException(
+                f"the checkpoint's privacy history was recorded by the {saved.get('name')!r} accountant but this "
+                f"DPSGD uses accountant={self.accountant_name!r}; resume with accountant={saved.get('name')!r}.")
+        self._accountant.load_state_dict(saved)
+        seed = state_dict.get("seed")
+        if seed is not None:
+            if self._requested_seed is not None and self._requested_seed != seed:
+                rank_zero_warn(f"DPSGD: resuming with the checkpoint's seed, not seed={self._requested_seed}")
+            self._seed = int(seed)
+        self._restored_sigma = state_dict.get("noise_multiplier")
+        self._curve = [tuple(x) for x in state_dict.get("curve", [])]

@@ -1,0 +1,169 @@
+"""A LightningModule that trains any image-classification network with cross-entropy."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import nn
+from torchmetrics.classification import MulticlassAccuracy
+
+__all__ = ["ImageClassifier"]
+
+_OPTIMIZERS = ("sgd", "adam")
+_NETWORK_CLASS = "network_class"
+
+
+class ImageClassifier(LightningModule):
+    """Cross-entropy classifier around a plain ``nn.Module`` network.
+
+    The network is an argument so that a ``lightning-dp`` YAML config composes it::
+
+        model:
+          class_path: lightning_dp.models.ImageClassifier
+          init_args:
+            network:
+              class_path: lightning_dp.models.MNISTConvNet
+              init_args: {activation: tanh}
+            lr: 0.1
+
+    Contract with the DP-SGD callback: ``training_step`` returns the batch-MEAN
+    cross-entropy of the examples in the batch, so that its gradient is the mean of the
+    per-example gradients. With Poisson sampling a batch can be empty; for an empty
+    batch ``training_step`` returns a zero loss that is still connected to the
+    parameters (every gradient is exactly zero, the sum over no examples) and logs
+    nothing, instead of the ``nan`` that the mean over zero examples would give.
+
+    Logged metrics: ``train/loss`` (every logged step), ``train/acc`` (per epoch),
+    ``val/loss``, ``val/acc``, ``test/loss``, ``test/acc`` (per epoch, weighted by batch
+    size; averaged over ranks under DDP). Accuracies are plain (micro-averaged)
+    accuracies, computed over all ranks by torchmetrics.
+
+    The hyperparameters are saved except ``network`` (an ``nn.Module`` is saved in the
+    state dict already); its class is logged as the hyperparameter ``network_class``
+    (kept out of checkpoints, which hold constructor arguments only). To load a
+    checkpoint outside the CLI pass the network again:
+    ``ImageClassifier.load_from_checkpoint(path, network=MNISTConvNet())``.
+
+    Args:
+        network: Module mapping a batch of inputs to logits of shape
+            ``(batch, num_classes)``. It must not mix examples (no BatchNorm).
+        num_classes: Number of classes (>= 2), used by the accuracy metrics.
+        lr: Learning rate (> 0).
+        optimizer: ``"sgd"`` or ``"adam"``.
+        momentum: SGD momentum in ``[0, 1)``; must be 0 with ``"adam"``.
+
+    Raises:
+        TypeError: If ``network`` is not a ``torch.nn.Module``.
+        ValueError: If an argument is outside its allowed range (the message names the
+            value, the range and the fix).
+
+    Example:
+        >>> import torch
+        >>> from lightning_dp.models import DigitsConvNet, ImageClassifier
+        >>> model = ImageClassifier(DigitsConvNet(), lr=0.05, momentum=0.9)
+        >>> model(torch.zeros(2, 1, 8, 8)).shape
+        torch.Size([2, 10])
+    """
+
+    def __init__(
+        self,
+        network: nn.Module,
+        num_classes: int = 10,
+        lr: float = 0.1,
+        optimizer: str = "sgd",
+        momentum: float = 0.0,
+    ) -> None:
+        super().__init__()
+        _validate(network=network, num_classes=num_classes, lr=lr, optimizer=optimizer, momentum=momentum)
+        self.save_hyperparameters(ignore=["network"])
+        # A second call merges into the saved (and logged) hyperparameters.
+        self.save_hyperparameters({_NETWORK_CLASS: f"{type(network).__module__}.{type(network).__qualname__}"})
+        self.network = network
+        self.train_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return the network's logits for ``x``."""
+        return self.network(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """Return the batch-mean cross-entropy; log ``train/loss`` and ``train/acc``."""
+        x, y = batch
+        logits = self(x)
+        if y.numel() == 0:
+            # Mean over no example is nan; the sum over no example (0) keeps gradients finite.
+            return logits.sum() * 0.0
+        loss = F.cross_entropy(logits, y)
+        batch_size = y.shape[0]
+        self.train_acc.update(logits.detach(), y)
+        self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True, batch_size=batch_size)
+        self.log("train/acc", self.train_acc, on_step=False, on_epoch=True, batch_size=batch_size)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        """Log ``val/loss`` and ``val/acc``."""
+        self._evaluate(batch, "val", self.val_acc)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        """Log ``test/loss`` and ``test/acc``."""
+        self._evaluate(batch, "test", self.test_acc)
+
+    def _evaluate(self, batch: Any, stage: str, accuracy: MulticlassAccuracy) -> None:
+        x, y = batch
+        if y.numel() == 0:  # torchmetrics cannot update on empty tensors
+            return
+        logits = self(x)
+        batch_size = y.shape[0]
+        accuracy.update(logits, y)
+        loss = F.cross_entropy(logits, y)
+        self.log(
+            f"{stage}/loss", loss, on_step=False, on_epoch=True, prog_bar=True, batch_size=batch_size, sync_dist=True
+        )
+        self.log(f"{stage}/acc", accuracy, on_step=False, on_epoch=True, prog_bar=True, batch_size=batch_size)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Keep only constructor arguments in the checkpoint's hyperparameters.
+
+        ``network_class`` is logged but is no argument of ``__init__``: left in the
+        checkpoint it would break ``load_from_checkpoint`` and ``lightning-dp test
+        --ckpt_path`` (``__init__() got an unexpected keyword argument 'network_class'``).
+        """
+        checkpoint.get(self.CHECKPOINT_HYPER_PARAMS_KEY, {}).pop(_NETWORK_CLASS, None)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        """SGD (with ``momentum``) or Adam at learning rate ``lr`` over all parameters."""
+        if self.hparams.optimizer == "adam":
+            return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)
+
+
+def _validate(*, network: Any, num_classes: Any, lr: Any, optimizer: Any, momentum: Any) -> None:
+    """Raise on the first invalid constructor argument of :class:`ImageClassifier`."""
+    if not isinstance(network, nn.Module):
+        raise TypeError(
+            f"network={network!r} must be a torch.nn.Module; in a config pass "
+            "`network: {class_path: lightning_dp.models.MNISTConvNet}`."
+        )
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
+        raise ValueError(f"num_classes={num_classes!r} must be an integer >= 2; pass e.g. num_classes=10.")
+    network_classes = getattr(network, "num_classes", None)
+    if isinstance(network_classes, int) and network_classes != num_classes:
+        raise ValueError(
+            f"num_classes={num_classes} but the network {type(network).__name__} outputs "
+            f"{network_classes} logits; set both to the number of classes of the data set."
+        )
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+        raise ValueError(f"lr={lr!r} must be a finite number > 0; pass e.g. lr=0.1.")
+    if optimizer not in _OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r} is not supported; choose one of {list(_OPTIMIZERS)}.")
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
+        raise ValueError(f"momentum={momentum!r} must be in [0, 1); pass e.g. momentum=0.9, or 0.0 for plain SGD.")
+    if optimizer == "adam" and momentum != 0.0:
+        raise ValueError(
+            f"momentum={momentum!r} only applies to optimizer='sgd'; with optimizer='adam' leave momentum=0.0."
+        )

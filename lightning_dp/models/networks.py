@@ -1,0 +1,183 @@
+"""Reference networks of the DP-SGD papers, as plain ``torch.nn.Module`` s.
+
+None of these networks mixes the examples of a batch (no BatchNorm, no dropout whose
+mask is shared): DP-SGD needs each example's gradient to depend on that example only,
+otherwise clipping per example no longer bounds the sensitivity of the summed update.
+Use GroupNorm or LayerNorm if a normalisation layer is needed.
+
+Example:
+    >>> import torch
+    >>> from lightning_dp.models import MNISTConvNet
+    >>> MNISTConvNet()(torch.zeros(2, 1, 28, 28)).shape
+    torch.Size([2, 10])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["DigitsConvNet", "MLP", "MNISTConvNet"]
+
+_ACTIVATIONS: dict[str, type[nn.Module]] = {"tanh": nn.Tanh, "relu": nn.ReLU}
+
+
+def _activation(name: str) -> nn.Module:
+    """Return a fresh activation module for ``name`` (one of ``_ACTIVATIONS``)."""
+    if name not in _ACTIVATIONS:
+        raise ValueError(
+            f"activation={name!r} is not supported; choose one of {sorted(_ACTIVATIONS)} "
+            f"(e.g. activation='tanh', the choice of Papernot et al. 2021 for DP-SGD)."
+        )
+    return _ACTIVATIONS[name]()
+
+
+def _check_positive_int(name: str, value: object) -> int:
+    """Return ``value`` if it is an int >= 1, else raise a ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer; pass e.g. {name}=10.")
+    return value
+
+
+class MNISTConvNet(nn.Module):
+    """The standard DP-SGD CNN for 1x28x28 images (MNIST, Fashion-MNIST).
+
+    The architecture of the TF-Privacy MNIST tutorial, of Papernot et al. 2021
+    ("Tempered sigmoid activations for deep learning with differential privacy",
+    AAAI 2021) and of the thesis Table 3.5: two strided convolutions each followed by a
+    2x2 max-pool of stride 1, then a 32-unit hidden layer. Shapes for a 28x28 input::
+
+        Conv2d(1, 16, 8, stride=2, padding=3)  -> 16x14x14 -> act -> MaxPool2d(2, 1) -> 16x13x13
+        Conv2d(16, 32, 4, stride=2)            -> 32x5x5   -> act -> MaxPool2d(2, 1) -> 32x4x4
+        Flatten -> Linear(512, 32) -> act -> Linear(32, num_classes)
+
+    26,010 parameters for 10 classes.
+
+    Args:
+        num_classes: Number of output logits.
+        activation: ``"tanh"`` (Papernot et al. 2021: bounded activations keep the
+            gradient norm small, so less signal is lost to clipping) or ``"relu"``.
+
+    Raises:
+        ValueError: If ``activation`` is not one of ``"tanh"``, ``"relu"`` or
+            ``num_classes`` is not a positive integer.
+
+    Example:
+        >>> import torch
+        >>> MNISTConvNet(activation="relu")(torch.zeros(3, 1, 28, 28)).shape
+        torch.Size([3, 10])
+    """
+
+    def __init__(self, num_classes: int = 10, activation: str = "tanh") -> None:
+        super().__init__()
+        num_classes = _check_positive_int("num_classes", num_classes)
+        self.num_classes = num_classes
+        self.activation = activation
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 16, kernel_size=8, stride=2, padding=3),
+            _activation(activation),
+            nn.MaxPool2d(kernel_size=2, stride=1),
+            nn.Conv2d(16, 32, kernel_size=4, stride=2),
+            _activation(activation),
+            nn.MaxPool2d(kernel_size=2, stride=1),
+        )
+        self.classifier = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(32 * 4 * 4, 32),
+            _activation(activation),
+            nn.Linear(32, num_classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return logits of shape ``(batch, num_classes)`` for ``x`` of shape ``(batch, 1, 28, 28)``."""
+        return self.classifier(self.features(x))
+
+
+class DigitsConvNet(nn.Module):
+    """A small CNN for the 1x8x8 images of scikit-learn's digits data set.
+
+    Shapes::
+
+        Conv2d(1, 16, 3, padding=1)  -> 16x8x8 -> ReLU -> MaxPool2d(2) -> 16x4x4
+        Conv2d(16, 32, 3, padding=1) -> 32x4x4 -> ReLU
+        Flatten -> Linear(512, 64) -> ReLU -> Linear(64, num_classes)
+
+    Args:
+        num_classes: Number of output logits.
+
+    Raises:
+        ValueError: If ``num_classes`` is not a positive integer.
+
+    Example:
+        >>> import torch
+        >>> DigitsConvNet()(torch.zeros(5, 1, 8, 8)).shape
+        torch.Size([5, 10])
+    """
+
+    def __init__(self, num_classes: int = 10) -> None:
+        super().__init__()
+        num_classes = _check_positive_int("num_classes", num_classes)
+        self.num_classes = num_classes
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 16, kernel_size=3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(kernel_size=2),
+            nn.Conv2d(16, 32, kernel_size=3, padding=1),
+            nn.ReLU(),
+        )
+        self.classifier = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(32 * 4 * 4, 64),
+            nn.ReLU(),
+            nn.Linear(64, num_classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return logits of shape ``(batch, num_classes)`` for ``x`` of shape ``(batch, 1, 8, 8)``."""
+        return self.classifier(self.features(x))
+
+
+class MLP(nn.Module):
+    """A fully connected network: Flatten -> [Linear -> ReLU] * len(hidden) -> Linear.
+
+    The input is flattened, so images can be fed directly (``in_features`` is then the
+    product of the image shape, e.g. 64 for 1x8x8 digits, 784 for MNIST).
+
+    Args:
+        in_features: Number of input features after flattening.
+        hidden: Widths of the hidden layers; ``()`` gives multinomial logistic regression.
+        num_classes: Number of output logits.
+
+    Raises:
+        ValueError: If ``in_features``, ``num_classes`` or any hidden width is not a
+            positive integer.
+
+    Example:
+        >>> import torch
+        >>> MLP(64, hidden=(32,), num_classes=10)(torch.zeros(4, 1, 8, 8)).shape
+        torch.Size([4, 10])
+    """
+
+    def __init__(self, in_features: int, hidden: Sequence[int] = (128,), num_classes: int = 10) -> None:
+        super().__init__()
+        in_features = _check_positive_int("in_features", in_features)
+        num_classes = _check_positive_int("num_classes", num_classes)
+        hidden = tuple(hidden)
+        for i, width in enumerate(hidden):
+            _check_positive_int(f"hidden[{i}]", width)
+        self.in_features = in_features
+        self.hidden = hidden
+        self.num_classes = num_classes
+        layers: list[nn.Module] = [nn.Flatten()]
+        width_in = in_features
+        for width in hidden:
+            layers += [nn.Linear(width_in, width), nn.ReLU()]
+            width_in = width
+        layers.append(nn.Linear(width_in, num_classes))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return logits of shape ``(batch, num_classes)``; ``x`` is flattened from dimension 1 on."""
+        return self.net(x)

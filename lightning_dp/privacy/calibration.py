@@ -1,0 +1,243 @@
+"""Noise calibration: the smallest DP-SGD noise multiplier that meets a privacy budget.
+
+The spend of ``steps`` Poisson-subsampled Gaussian steps (add/remove adjacency, see
+:mod:`lightning_dp.privacy.accounting`) decreases as the noise multiplier sigma grows.
+:func:`calibrate_noise_multiplier` brackets the target and bisects on ``log(sigma)``
+with the **same accountant class and configuration that the training callback uses**,
+and returns the upper end of the final bracket: a sigma whose spend has been
+evaluated to be ``<= target_epsilon``, so the calibrated run never reports a spend
+above its budget, while ``sigma / (1 + tolerance)`` was evaluated to exceed it.
+
+Example:
+    >>> from lightning_dp.privacy.calibration import calibrate_noise_multiplier, steps_for_epochs
+    >>> steps = steps_for_epochs(epochs=2, sample_rate=0.01)
+    >>> steps
+    200
+    >>> sigma = calibrate_noise_multiplier(
+    ...     target_epsilon=3.0, target_delta=1e-5, sample_rate=0.01, steps=steps, accountant="rdp")
+    >>> 0.5 < sigma < 1.5
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from lightning_dp.privacy.accounting import (
+    _check_delta,
+    _check_num_steps,
+    _check_sample_rate,
+    _check_target_epsilon,
+    _is_real,
+    get_accountant,
+)
+
+__all__ = ["MAX_NOISE_MULTIPLIER", "MIN_NOISE_MULTIPLIER", "calibrate_noise_multiplier", "steps_for_epochs"]
+
+MIN_NOISE_MULTIPLIER = 0.1
+"""Lower end of the search. Below it DP-SGD gives essentially no protection (epsilon in the
+tens to thousands) and privacy loss distributions become very large (gigabytes at sigma = 0.05)."""
+
+MAX_NOISE_MULTIPLIER = 1e4
+"""Upper end of the search; a target that needs more noise is reported as unreachable."""
+
+_FIRST_GUESS = 1.0
+_FIRST_RATIO = 1.25  # first step of the bracket walk; the ratio is squared after each step
+
+
+class _OutOfRangeError(ValueError):
+    """The target is not bracketed inside the search range; ``boundary`` is the end it ran into."""
+
+    def __init__(self, message: str, boundary: float) -> None:
+        super().__init__(message)
+        self.boundary = boundary
+
+
+def _bracket_and_bisect(
+    spend: Callable[[float], float],
+    target_epsilon: float,
+    guess: float,
+    tolerance: float,
+    describe: str,
+    first_ratio: float = _FIRST_RATIO,
+) -> float:
+    """The upper end of a bracket ``[lo, hi]`` with ``spend(hi) <= target < spend(lo)``, ``hi/lo <= 1+tol``.
+
+    A geometric walk from ``guess`` (step ratio ``first_ratio``, squared after every
+    step) finds the bracket; bisection on ``log(sigma)`` narrows it. ``spend`` must be
+    non-increasing in sigma.
+    """
+    guess = min(max(guess, MIN_NOISE_MULTIPLIER), MAX_NOISE_MULTIPLIER)
+    ratio = first_ratio
+    if spend(guess) <= target_epsilon:
+        hi = guess
+        while True:  # walk down until the spend exceeds the target
+            if hi <= MIN_NOISE_MULTIPLIER:
+                raise _OutOfRangeError(
+                    f"The target is too loose to calibrate: {describe} spends at most target_epsilon even with "
+                    f"noise_multiplier={MIN_NOISE_MULTIPLIER}, the smallest noise multiplier searched (below it "
+                    "DP-SGD offers essentially no protection). Lower target_epsilon, or set the noise multiplier "
+                    "directly instead of calibrating.",
+                    MIN_NOISE_MULTIPLIER,
+                )
+            lo = max(hi / ratio, MIN_NOISE_MULTIPLIER)
+            if spend(lo) > target_epsilon:
+                break
+            hi, ratio = lo, ratio * ratio
+    else:
+        lo = guess
+        while True:  # walk up until the spend fits into the target
+            if lo >= MAX_NOISE_MULTIPLIER:
+                raise _OutOfRangeError(
+                    f"The target is unreachable: {describe} spends more than target_epsilon even with "
+                    f"noise_multiplier={MAX_NOISE_MULTIPLIER:g} (spend {spend(MAX_NOISE_MULTIPLIER):.4g}), the "
+                    "largest noise multiplier searched. Increase target_epsilon or target_delta, train for fewer "
+                    "steps or with a smaller sample_rate (for PLD, a smaller value_discretization_interval also "
+                    "lowers the smallest reportable epsilon).",
+                    MAX_NOISE_MULTIPLIER,
+                )
+            hi = min(lo * ratio, MAX_NOISE_MULTIPLIER)
+            if spend(hi) <= target_epsilon:
+                break
+            lo, ratio = hi, ratio * ratio
+    while hi / lo > 1.0 + tolerance:
+        middle = math.sqrt(lo * hi)
+        if spend(middle) <= target_epsilon:
+            hi = middle
+        else:
+            lo = middle
+    return hi
+
+
+def calibrate_noise_multiplier(
+    *,
+    target_epsilon: float,
+    target_delta: float,
+    sample_rate: float,
+    steps: int,
+    accountant: str = "pld",
+    accountant_kwargs: dict[str, Any] | None = None,
+    tolerance: float = 0.01,
+) -> float:
+    """The smallest noise multiplier whose DP-SGD spend stays within ``target_epsilon``.
+
+    Searches sigma in ``[MIN_NOISE_MULTIPLIER, MAX_NOISE_MULTIPLIER]`` for ``steps``
+    steps of the Poisson-subsampled Gaussian mechanism with rate ``sample_rate``
+    (add/remove adjacency). Epsilon decreases with sigma, so the bracket found by a
+    geometric walk is bisected on ``log(sigma)`` until its ends differ by at most the
+    factor ``1 + tolerance``. For accountants other than ``"rdp"`` the walk starts from
+    a coarse RDP calibration, then (PLD finer than ``1e-3``) from a calibration at a
+    coarser discretization; these cheap stages only choose the starting point, every
+    accepted value is evaluated with the requested accountant and configuration. The
+    returned value is finally re-checked with
+    ``get_accountant(accountant, **accountant_kwargs).epsilon_after(...)``.
+
+    Args:
+        target_epsilon: The privacy budget epsilon (> 0).
+        target_delta: The delta of the budget, in (0, 1).
+        sample_rate: Poisson sampling rate q in (0, 1] (``expected_batch_size / dataset_size``).
+        steps: Number of DP-SGD steps (>= 1), e.g. :func:`steps_for_epochs`.
+        accountant: Registry name of the accountant the training will use (``"pld"`` or ``"rdp"``).
+        accountant_kwargs: Constructor arguments of that accountant (e.g.
+            ``{"value_discretization_interval": 1e-4}``); use the ones of the training run.
+        tolerance: Relative precision in (0, 1): the result is at most ``1 + tolerance``
+            times the smallest sigma that fits.
+
+    Returns:
+        sigma with ``spend(sigma) <= target_epsilon`` under that accountant, and
+        ``spend(sigma / (1 + tolerance)) > target_epsilon``.
+
+    Raises:
+        ValueError: For invalid arguments, an unknown accountant, or a target outside
+            what the search range can reach.
+
+    Example:
+        >>> sigma = calibrate_noise_multiplier(
+        ...     target_epsilon=1.0, target_delta=1e-5, sample_rate=0.01, steps=100, accountant="rdp")
+        >>> from lightning_dp.privacy.accounting import get_accountant
+        >>> spend = get_accountant("rdp").epsilon_after(1e-5, noise_multiplier=sigma, sample_rate=0.01, num_steps=100)
+        >>> spend <= 1.0
+        True
+    """
+    target_epsilon = _check_target_epsilon(target_epsilon)
+    if math.isinf(target_epsilon):
+        raise ValueError("target_epsilon must be finite, got inf: an infinite budget needs no noise to calibrate.")
+    target_delta = _check_delta(target_delta, name="target_delta")
+    sample_rate = _check_sample_rate(sample_rate)
+    steps = _check_num_steps(steps, name="steps")
+    if not _is_real(tolerance) or not 0 < tolerance < 1:
+        raise ValueError(
+            f"tolerance must be a number in (0, 1), got {tolerance!r}. It is the relative precision of the "
+            "calibrated noise multiplier; 0.01 (1%) is the default."
+        )
+    if accountant_kwargs is not None and not isinstance(accountant_kwargs, dict):
+        raise ValueError(f"accountant_kwargs must be a dict or None, got {accountant_kwargs!r}.")
+    kwargs = dict(accountant_kwargs or {})
+    fresh = get_accountant(accountant, **kwargs)  # validates the name and the configuration
+    describe = f"{steps} steps at sample_rate={sample_rate:g}, target_delta={target_delta:g} under {fresh.name!r}"
+
+    def spend_with(name: str, config: dict[str, Any]) -> Callable[[float], float]:
+        probe = get_accountant(name, **config)
+        return lambda sigma: probe.epsilon_after(
+            target_delta, noise_multiplier=sigma, sample_rate=sample_rate, num_steps=steps
+        )
+
+    # Cheap stages only move the starting point of the next one: (name, config, tolerance,
+    # first walk ratio of the next stage). The last stage alone decides the result.
+    stages: list[tuple[str, dict[str, Any], float, float]] = []
+    if fresh.name != "rdp":
+        stages.append(("rdp", {}, 0.05, _FIRST_RATIO))
+    coarse = fresh._coarse_kwargs()  # noqa: SLF001
+    if coarse is not None:
+        stages.append((fresh.name, coarse, float(tolerance), 1.0 + float(tolerance)))
+    guess, ratio = _FIRST_GUESS, _FIRST_RATIO
+    for name, config, stage_tolerance, next_ratio in stages:
+        try:
+            guess = _bracket_and_bisect(
+                spend_with(name, config), target_epsilon, guess, stage_tolerance, describe, first_ratio=ratio
+            )
+            ratio = next_ratio
+        except _OutOfRangeError as error:
+            guess = error.boundary  # only the requested accountant decides reachability
+    sigma = _bracket_and_bisect(
+        spend_with(fresh.name, kwargs), target_epsilon, guess, float(tolerance), describe, first_ratio=ratio
+    )
+
+    # Independent final check with a fresh accountant of the requested kind.
+    for _ in range(100):
+        spent = get_accountant(accountant, **kwargs).epsilon_after(
+            target_delta, noise_multiplier=sigma, sample_rate=sample_rate, num_steps=steps
+        )
+        if spent <= target_epsilon:
+            return sigma
+        sigma *= 1.0 + tolerance
+    raise RuntimeError(f"Calibration could not verify a noise multiplier for {describe}; please report this.")
+
+
+def steps_for_epochs(*, epochs: int, sample_rate: float) -> int:
+    """Number of Poisson-sampled steps in ``epochs`` epochs: ``epochs * ceil(1 / sample_rate)``.
+
+    With Poisson sampling an "epoch" is ``ceil(1 / q)`` steps (the expected number of
+    batches that cover the dataset once). ``1 / q`` within 1e-9 (relative) of an
+    integer counts as that integer, so ``q = 256 / 60000`` gives 235 steps per epoch and
+    ``q = 0.01`` exactly 100, not 101 through floating-point error.
+
+    Args:
+        epochs: Number of epochs (>= 1).
+        sample_rate: Poisson sampling rate q in (0, 1].
+
+    Returns:
+        The number of steps.
+
+    Example:
+        >>> steps_for_epochs(epochs=3, sample_rate=256 / 60000)
+        705
+    """
+    epochs = _check_num_steps(epochs, name="epochs")
+    sample_rate = _check_sample_rate(sample_rate)
+    inverse = 1.0 / sample_rate
+    nearest = round(inverse)
+    per_epoch = nearest if abs(inverse - nearest) <= 1e-9 * inverse else math.ceil(inverse)
+    return epochs * int(per_epoch)

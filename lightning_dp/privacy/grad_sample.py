@@ -1,0 +1,533 @@
+"""Per-sample gradient norms and clipped gradient sums, computed by book-keeping.
+
+Why hand-written: Opacus' hooks materialize every per-sample gradient and let autograd
+compute the (discarded) batch gradient as well; its ghost clipping needs a second
+backward pass. Neither fits a Lightning callback that must not change the user's
+``training_step``. This engine follows the book-keeping idea of Bu et al. (2023,
+"Differentially private optimization on large model at small cost"): one ordinary
+backward pass in which
+
+* a forward pre-hook freezes a layer's own parameters while that layer runs (when its
+  input already requires grad), so autograd computes only the input gradients the
+  chain rule needs and skips the weight gradients it would otherwise throw away;
+* a forward hook records the layer input and a tensor hook on the output records the
+  output gradient;
+* after the backward pass, per-sample gradient norms are computed layer by layer,
+  either by the "ghost norm" trick (Gram matrices of activations and output
+  gradients, never materializing a per-sample gradient) or by instantiating the
+  per-sample gradients, whichever a FLOP/memory cost model says is cheaper
+  (:func:`choose_layer_strategy`), and the clipped sum is formed directly from the
+  records (one matmul per layer, the same cost as the batch gradient autograd skipped).
+
+Layers with a fast rule: ``nn.Linear`` (any number of middle dimensions),
+``nn.Conv1d``/``2d``/``3d`` (any groups, padding mode, stride, dilation; per-sample
+gradients from one grouped weight-gradient convolution), ``nn.Embedding``.
+Every other module that owns trainable parameters directly (LayerNorm, GroupNorm,
+PReLU, custom modules, ...) falls back to ``torch.func`` (``vmap`` over ``vjp`` of the
+module alone), which is exact but slower.
+
+Contract (checked, with clear errors): the batch dimension is dimension 0 of every
+hooked layer's input and output; the loss is the batch MEAN of per-example losses, so
+the per-example gradient is ``batch_size`` times the recorded contribution; every
+trainable parameter is used only inside the forward of the module that owns it.
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    >>> engine = GradSampleEngine(model)
+    >>> x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    >>> with engine.record():
+    ...     torch.nn.functional.cross_entropy(model(x), y).backward()
+    >>> norms = engine.per_sample_norms()
+    >>> grads = engine.clipped_sum(clip_factors(norms, max_grad_norm=1.0))
+    >>> engine.remove()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_dp.privacy.clipping import clip_factors
+
+__all__ = ["GradSampleEngine", "PerSampleGradientError", "choose_layer_strategy", "clip_factors"]
+
+#: Instantiated per-sample gradients larger than this (bytes, per layer) force the ghost norm.
+DEFAULT_INSTANTIATE_LIMIT = 512 * 2**20
+
+
+class PerSampleGradientError(RuntimeError):
+    """Raised when per-sample gradients cannot be computed for the model as used."""
+
+
+def choose_layer_strategy(batch: int, positions: int, d_in: int, d_out: int, *, bytes_per_element: int = 4,
+                          instantiate_limit: int = DEFAULT_INSTANTIATE_LIMIT) -> str:
+    """Chooses between the ghost norm and instantiated per-sample gradients for one weight.
+
+    Costs in multiply-adds for a weight of shape ``(d_out, d_in)`` seen at ``positions``
+    positions per example (sequence length, or output pixels of a convolution):
+
+    * ghost: Gram matrices ``B T^2 (d_in + d_out)`` plus the clipped sum ``B T d_in d_out``;
+    * instantiate: ``B T d_in d_out`` for the per-sample gradients plus ``3 B d_in d_out``
+      for their norms and weighted sum, and ``B d_in d_out`` elements of memory.
+
+    Returns:
+        ``"ghost"`` or ``"instantiate"``.
+    """
+    ghost = batch * positions * positions * (d_in + d_out) + batch * positions * d_in * d_out
+    inst = batch * positions * d_in * d_out + 3 * batch * d_in * d_out
+    if batch * d_in * d_out * bytes_per_element > instantiate_limit:
+        return "ghost"
+    return "ghost" if ghost < inst else "instantiate"
+
+
+@dataclass
+class _Call:
+    """What one forward call of a hooked module left behind."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    frozen: bool
+    grad_output: Tensor | None = None
+
+
+@dataclass
+class _Layer:
+    """A module that owns trainable parameters directly, with its records for one step."""
+
+    name: str
+    module: nn.Module
+    params: list[tuple[str, nn.Parameter]]
+    rule: str
+    calls: list[_Call] = field(default_factory=list)
+    # per-sample gradients kept between the norm pass and the sum pass (instantiate strategy)
+    cache: dict[str, Tensor] = field(default_factory=dict)
+
+
+def _rule_for(module: nn.Module) -> str:
+    if type(module) is nn.Linear or isinstance(module, nn.Linear):
+        return "linear"
+    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        return "conv"
+    if isinstance(module, nn.Embedding) and not module.sparse and not module.scale_grad_by_freq \
+            and module.max_norm is None:
+        return "embedding"
+    return "functorch"
+
+
+class GradSampleEngine:
+    """Book-keeping per-sample gradient engine (see the module docstring).
+
+    Args:
+        module: the model; hooks are attached to every submodule that owns trainable
+            parameters directly.
+        instantiate_limit: bytes above which a layer never instantiates per-sample
+            gradients (see :func:`choose_layer_strategy`).
+    """
+
+    def __init__(self, module: nn.Module, *, instantiate_limit: int = DEFAULT_INSTANTIATE_LIMIT) -> None:
+        self.module = module
+        self.instantiate_limit = int(instantiate_limit)
+        self.layers: list[_Layer] = []
+        owners: dict[int, str] = {}
+        for mod_name, mod in module.named_modules():
+            params = [(n, p) for n, p in mod.named_parameters(recurse=False) if p.requires_grad]
+            if not params:
+                continue
+            for n, p in params:
+                if id(p) in owners:
+                    raise PerSampleGradientError(
+                        f"parameter {mod_name}.{n} is shared with {owners[id(p)]} (tied weights). Per-sample "
+                        "gradients of a parameter used by two modules are not supported; untie the weights "
+                        "or freeze one copy (requires_grad=False).")
+                owners[id(p)] = f"{mod_name}.{n}"
+            self.layers.append(_Layer(mod_name or type(mod).__name__, mod, params, _rule_for(mod)))
+        if not self.layers:
+            raise PerSampleGradientError(
+                f"{type(module).__name__} has no trainable parameters (none with requires_grad=True); "
+                "there is nothing to train privately. Unfreeze at least one parameter.")
+        self._recording = False
+        self._handles: list[Any] = []
+        for layer in self.layers:
+            self._handles.append(layer.module.register_forward_pre_hook(self._make_pre_hook(layer)))
+            self._handles.append(layer.module.register_forward_hook(self._make_hook(layer), with_kwargs=True))
+
+    # ------------------------------------------------------------------ hooks
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        """The trainable parameters, in the order of :meth:`clipped_sum`'s output."""
+        return [p for layer in self.layers for _, p in layer.params]
+
+    def _make_pre_hook(self, layer: _Layer):
+        def pre_hook(mod: nn.Module, args: tuple[Any, ...]) -> None:
+            if not (self._recording and torch.is_grad_enabled()):
+                return
+            # Freeze the weights while this layer runs when its input carries the graph:
+            # autograd then computes only the input gradient. The first layer (input
+            # without grad) keeps its weights live so that its output joins the graph.
+            frozen = any(isinstance(a, Tensor) and a.requires_grad for a in args)
+            if frozen:
+                for _, p in layer.params:
+                    p.requires_grad_(False)
+            layer.calls.append(_Call(args=(), kwargs={}, frozen=frozen))
+        return pre_hook
+
+    def _make_hook(self, layer: _Layer):
+        def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            if not (self._recording and torch.is_grad_enabled()):
+                return
+            call = layer.calls[-1]
+            if call.frozen:
+                for _, p in layer.params:
+                    p.requires_grad_(True)
+            if not isinstance(output, Tensor):
+                raise PerSampleGradientError(
+                    f"module {layer.name} ({type(mod).__name__}) returned {type(output).__name__}; the "
+                    "per-sample gradient engine supports modules with trainable parameters that return one "
+                    "tensor. Wrap the module or freeze its parameters.")
+            call.args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
+            call.kwargs = dict(kwargs)
+            if output.requires_grad:
+                def save_grad(grad: Tensor, call: _Call = call) -> None:
+                    call.grad_output = grad if call.grad_output is None else call.grad_output + grad
+                output.register_hook(save_grad)
+        return hook
+
+    @contextlib.contextmanager
+    def record(self) -> Iterator[None]:
+        """Records layer inputs and output gradients of the forward/backward run inside."""
+        self.start()
+        try:
+            yield
+        finally:
+            self.stop()
+
+    def start(self) -> None:
+        """Clears the previous records and starts recording."""
+        self.clear()
+        self._recording = True
+
+    def stop(self) -> None:
+        """Stops recording (the records stay until :meth:`clear`)."""
+        self._recording = False
+
+    def clear(self) -> None:
+        for layer in self.layers:
+            layer.calls.clear()
+            layer.cache.clear()
+
+    def remove(self) -> None:
+        """Removes every hook from the model."""
+        self.stop()
+        self.clear()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # ------------------------------------------------------------ computation
+    def batch_size(self) -> int:
+        """The batch size seen by the recorded forward (dimension 0 of the layer inputs)."""
+        sizes = {self._call_batch(layer, c) for layer in self.layers for c in layer.calls}
+        if not sizes:
+            raise PerSampleGradientError(
+                "no trainable layer was called during the recorded forward pass; did training_step run the "
+                "model with gradients enabled?")
+        if len(sizes) > 1:
+            raise PerSampleGradientError(
+                f"hooked layers saw different batch sizes {sorted(sizes)}; the engine needs the batch "
+                "dimension first in every layer with trainable parameters (batch_first=True).")
+        return sizes.pop()
+
+    @staticmethod
+    def _call_batch(layer: _Layer, call: _Call) -> int:
+        for a in call.args:
+            if isinstance(a, Tensor):
+                return a.shape[0]
+        raise PerSampleGradientError(f"module {layer.name} was called without a tensor argument")
+
+    def check_parameter_gradients(self) -> None:
+        """Raises if autograd gave a gradient to a parameter outside its module's forward.
+
+        A frozen layer's parameters cannot receive an autograd gradient; if one did, the
+        parameter was also used elsewhere (e.g. ``F.linear(x, self.fc.weight)`` in
+        ``training_step``, or ``nn.MultiheadAttention.out_proj``) and its per-sample
+        gradient would be wrong.
+        """
+        bad = []
+        for layer in self.layers:
+            called = bool(layer.calls)
+            all_frozen = called and all(c.frozen for c in layer.calls)
+            for name, p in layer.params:
+                if p.grad is not None and (not called or all_frozen):
+                    bad.append(f"{layer.name}.{name}" if layer.name else name)
+        if bad:
+            raise PerSampleGradientError(
+                f"parameters {bad} received gradients outside the forward of the module that owns them, so "
+                "their per-sample gradients cannot be recorded. Use each parameter only through its module's "
+                "forward (no F.linear(x, module.weight) in training_step; nn.MultiheadAttention is not "
+                "supported), or freeze it with requires_grad=False.")
+
+    def _records(self, layer: _Layer, scale: float) -> list[tuple[_Call, Tensor]]:
+        out = []
+        for c in layer.calls:
+            if c.grad_output is not None:
+                out.append((c, c.grad_output * scale))
+        return out
+
+    def per_sample_norms(self, *, loss_scale: float | None = None) -> Tensor:
+        """Per-sample L2 norms of the full (flat) gradient, shape ``(batch,)``.
+
+        Args:
+            loss_scale: factor turning a recorded contribution into a per-example
+                gradient; defaults to the batch size (the loss is a batch mean).
+        """
+        b = self.batch_size()
+        scale = float(b) if loss_scale is None else float(loss_scale)
+        self._scale = scale
+        dtype = self.parameters[0].dtype
+        device = self.parameters[0].device
+        sq = torch.zeros(b, dtype=dtype, device=device)
+        for layer in self.layers:
+            records = self._records(layer, scale)
+            if not records or b == 0:
+                continue
+            sq += getattr(self, f"_norms_{layer.rule}")(layer, records, b)
+        return sq.sqrt()
+
+    def clipped_sum(self, factors: Tensor) -> list[Tensor]:
+        """Sum over the batch of per-sample gradients times ``factors``.
+
+        Must follow :meth:`per_sample_norms` on the same records. Returns one tensor per
+        parameter, in the order of :attr:`parameters` (zeros for unused parameters).
+        """
+        scale = getattr(self, "_scale", None)
+        if scale is None:
+            raise PerSampleGradientError("call per_sample_norms() before clipped_sum()")
+        out: list[Tensor] = []
+        for layer in self.layers:
+            records = self._records(layer, scale)
+            if not records or factors.numel() == 0:
+                out.extend(torch.zeros_like(p) for _, p in layer.params)
+                continue
+            sums = getattr(self, f"_sum_{layer.rule}")(layer, records, factors)
+            out.extend(sums[name] for name, _ in layer.params)
+        return out
+
+    # ------------------------------------------------------------- rule: linear
+    @staticmethod
+    def _linear_mats(records: Sequence[tuple[_Call, Tensor]], b: int) -> tuple[Tensor, Tensor]:
+        xs, gs = [], []
+        for call, go in records:
+            x = call.args[0]
+            xs.append(x.reshape(b, -1, x.shape[-1]))
+            gs.append(go.reshape(b, -1, go.shape[-1]))
+        # several calls of one layer = one call over the concatenated positions
+        return (torch.cat(xs, 1), torch.cat(gs, 1)) if len(xs) > 1 else (xs[0], gs[0])
+
+    def _weight_sq_norms(self, layer: _Layer, x: Tensor, go: Tensor) -> Tensor:
+        """Squared per-sample norms of ``sum_t go[b,t] x[b,t]^T``; x: (B,T,d), go: (B,T,p)."""
+        b, t, d = x.shape
+        p = go.shape[-1]
+        if t == 1:
+            return x.square().sum((1, 2)) * go.square().sum((1, 2))
+        strategy = choose_layer_strategy(b, t, d, p, bytes_per_element=x.element_size(),
+                                         instantiate_limit=self.instantiate_limit)
+        if strategy == "ghost":
+            return (torch.bmm(x, x.transpose(1, 2)) * torch.bmm(go, go.transpose(1, 2))).sum((1, 2))
+        gs = torch.bmm(go.transpose(1, 2), x)  # (B, p, d)
+        layer.cache["weight"] = gs
+        return gs.square().sum((1, 2))
+
+    @staticmethod
+    def _weighted_weight_sum(layer: _Layer, x: Tensor, go: Tensor, factors: Tensor) -> Tensor:
+        gs = layer.cache.get("weight")
+        if gs is not None:
+            return torch.einsum("b,bpd->pd", factors.to(gs.dtype), gs)
+        p, d = go.shape[-1], x.shape[-1]
+        return (go * factors.to(go.dtype)[:, None, None]).reshape(-1, p).T @ x.reshape(-1, d)
+
+    def _norms_linear(self, layer: _Layer, records, b: int) -> Tensor:
+        x, go = self._linear_mats(records, b)
+        sq = self._weight_sq_norms(layer, x, go)
+        if layer.module.bias is not None and layer.module.bias.requires_grad:
+            sq = sq + go.sum(1).square().sum(1)
+        return sq
+
+    def _sum_linear(self, layer: _Layer, records, factors: Tensor) -> dict[str, Tensor]:
+        x, go = self._linear_mats(records, factors.shape[0])
+        out = {}
+        if layer.module.weight.requires_grad:
+            out["weight"] = self._weighted_weight_sum(layer, x, go, factors)
+        if layer.module.bias is not None and layer.module.bias.requires_grad:
+            out["bias"] = factors.to(go.dtype) @ go.sum(1)
+        return out
+
+    # --------------------------------------------------------------- rule: conv
+    @staticmethod
+    def _conv_input(m: nn.Module, x: Tensor) -> Tensor:
+        """The input padded the way the convolution pads it (so the rest uses padding 0)."""
+        pad = m._reversed_padding_repeated_twice
+        if any(pad):
+            x = F.pad(x, pad, mode="constant" if m.padding_mode == "zeros" else m.padding_mode)
+        return x
+
+    def _conv_grad_sample(self, layer: _Layer, records, b: int) -> Tensor:
+        """Per-sample weight gradients (B, *weight.shape) by one grouped weight-gradient call.
+
+        The batch is folded into the channels and the convolution is seen as ``B * groups``
+        groups, so ``torch.nn.grad.conv*_weight`` returns every example's gradient at once
+        (the same trick torch.func's batching rule for convolutions uses).
+        """
+        m = layer.module
+        nd = m.weight.dim() - 2
+        weight_fn = (torch.nn.grad.conv1d_weight, torch.nn.grad.conv2d_weight, torch.nn.grad.conv3d_weight)[nd - 1]
+        total = None
+        for call, go in records:
+            x = self._conv_input(m, call.args[0])
+            if x.dim() != nd + 2:
+                raise PerSampleGradientError(f"layer {layer.name} got an input of shape {tuple(x.shape)}; "
+                                             "per-sample gradients need a batched input (batch first)")
+            c_out = m.weight.shape[0]
+            gw = weight_fn(x.reshape(1, b * x.shape[1], *x.shape[2:]), (b * c_out, *m.weight.shape[1:]),
+                           go.reshape(1, b * c_out, *go.shape[2:]), stride=m.stride, padding=0,
+                           dilation=m.dilation, groups=b * m.groups)
+            gw = gw.view(b, *m.weight.shape)
+            total = gw if total is None else total + gw
+        return total
+
+    def _conv_mats(self, layer: _Layer, records, b: int) -> tuple[Tensor, Tensor]:
+        """Unfolded inputs (B, T, C_in*k) and output grads (B, T, C_out), for the ghost norm."""
+        m = layer.module
+        if m.groups != 1 or isinstance(m, nn.Conv3d):
+            raise PerSampleGradientError(
+                f"layer {layer.name} is too large to instantiate per-sample gradients (instantiate_limit="
+                f"{self.instantiate_limit} bytes) and the ghost norm supports Conv1d/Conv2d with groups=1 only; "
+                "raise instantiate_limit or lower the batch size.")
+        xs, gs = [], []
+        for call, go in records:
+            x = self._conv_input(m, call.args[0])
+            if isinstance(m, nn.Conv1d):
+                x = x.unsqueeze(2)
+                kernel, dilation, stride = (1, *m.kernel_size), (1, *m.dilation), (1, *m.stride)
+            else:
+                kernel, dilation, stride = m.kernel_size, m.dilation, m.stride
+            u = F.unfold(x, kernel, dilation=dilation, padding=0, stride=stride)  # (B, C_in*k, T)
+            xs.append(u.transpose(1, 2))
+            gs.append(go.reshape(b, go.shape[1], -1).transpose(1, 2))
+        return (torch.cat(xs, 1), torch.cat(gs, 1)) if len(xs) > 1 else (xs[0], gs[0])
+
+    def _conv_instantiates(self, layer: _Layer, b: int) -> bool:
+        w = layer.module.weight
+        return b * w.numel() * w.element_size() <= self.instantiate_limit
+
+    def _norms_conv(self, layer: _Layer, records, b: int) -> Tensor:
+        m = layer.module
+        if self._conv_instantiates(layer, b):
+            gs = self._conv_grad_sample(layer, records, b)
+            layer.cache["weight"] = gs
+            sq = gs.reshape(b, -1).square().sum(1)
+            go_sum = None
+        else:
+            x, go = self._conv_mats(layer, records, b)
+            layer.cache["mats"] = (x, go)
+            sq = self._weight_sq_norms(layer, x, go)
+        if m.bias is not None and m.bias.requires_grad:
+            bias = sum(go.reshape(b, go.shape[1], -1).sum(2) for _, go in records)
+            layer.cache["bias"] = bias
+            sq = sq + bias.square().sum(1)
+        return sq
+
+    def _sum_conv(self, layer: _Layer, records, factors: Tensor) -> dict[str, Tensor]:
+        m = layer.module
+        b = factors.shape[0]
+        if "weight" not in layer.cache and "mats" not in layer.cache:
+            self._norms_conv(layer, records, b)
+        f = factors.to(m.weight.dtype)
+        out = {}
+        if m.weight.requires_grad:
+            if "weight" in layer.cache:
+                out["weight"] = torch.einsum("b,b...->...", f, layer.cache["weight"])
+            else:
+                x, go = layer.cache["mats"]
+                out["weight"] = self._weighted_weight_sum(layer, x, go, factors).reshape(m.weight.shape)
+        if m.bias is not None and m.bias.requires_grad:
+            out["bias"] = f @ layer.cache["bias"]
+        return out
+
+    # ---------------------------------------------------------- rule: embedding
+    @staticmethod
+    def _embedding_mats(layer: _Layer, records, b: int) -> tuple[Tensor, Tensor]:
+        ids, gs = [], []
+        pad = layer.module.padding_idx
+        for call, go in records:
+            idx = call.args[0].reshape(b, -1)
+            g = go.reshape(b, -1, go.shape[-1])
+            if pad is not None:
+                g = g * (idx != pad).unsqueeze(-1).to(g.dtype)
+            ids.append(idx)
+            gs.append(g)
+        return (torch.cat(ids, 1), torch.cat(gs, 1)) if len(ids) > 1 else (ids[0], gs[0])
+
+    def _norms_embedding(self, layer: _Layer, records, b: int) -> Tensor:
+        idx, go = self._embedding_mats(layer, records, b)
+        same = (idx.unsqueeze(2) == idx.unsqueeze(1)).to(go.dtype)  # (B, T, T)
+        return (same * torch.bmm(go, go.transpose(1, 2))).sum((1, 2))
+
+    def _sum_embedding(self, layer: _Layer, records, factors: Tensor) -> dict[str, Tensor]:
+        idx, go = self._embedding_mats(layer, records, factors.shape[0])
+        w = layer.module.weight
+        weighted = (go * factors.to(go.dtype)[:, None, None]).reshape(-1, go.shape[-1])
+        return {"weight": torch.zeros_like(w).index_add_(0, idx.reshape(-1), weighted)}
+
+    # ---------------------------------------------------------- rule: functorch
+    def _functorch_grads(self, layer: _Layer, records, b: int) -> dict[str, Tensor]:
+        """Exact per-sample gradients of one module via torch.func (vmap over vjp)."""
+        from torch.func import functional_call, vjp, vmap
+
+        names = [n for n, _ in layer.params]
+        params = {n: p.detach() for n, p in layer.params}
+        total: dict[str, Tensor] = {}
+        was_recording, self._recording = self._recording, False  # the replay must not be recorded
+        try:
+            for call, go in records:
+                dims = tuple(0 if isinstance(a, Tensor) and a.dim() > 0 and a.shape[0] == b else None
+                             for a in call.args)
+
+                def one(go_i: Tensor, *args_i: Any, _call: _Call = call, _dims=dims) -> dict[str, Tensor]:
+                    args = tuple(a.unsqueeze(0) if d == 0 else a for a, d in zip(args_i, _dims))
+                    _, pullback = vjp(lambda p: functional_call(layer.module, p, args, _call.kwargs), params)
+                    return pullback(go_i.unsqueeze(0))[0]
+
+                try:
+                    grads = vmap(one, in_dims=(0, *dims))(go, *call.args)
+                except Exception as err:  # torch.func raises many types; say what failed and why
+                    raise PerSampleGradientError(
+                        f"torch.func could not compute per-sample gradients of {layer.name} "
+                        f"({type(layer.module).__name__}): {err}. Freeze this module or replace it with "
+                        "supported layers (Linear, Conv1d/2d, Embedding, LayerNorm, GroupNorm, ...).") from err
+                for n in names:
+                    total[n] = grads[n] if n not in total else total[n] + grads[n]
+        finally:
+            self._recording = was_recording
+        return total
+
+    def _norms_functorch(self, layer: _Layer, records, b: int) -> Tensor:
+        grads = self._functorch_grads(layer, records, b)
+        layer.cache.update(grads)
+        return sum(g.reshape(b, -1).square().sum(1) for g in grads.values())
+
+    def _sum_functorch(self, layer: _Layer, records, factors: Tensor) -> dict[str, Tensor]:
+        grads = layer.cache or self._functorch_grads(layer, records, factors.shape[0])
+        return {n: torch.einsum("b,b...->...", factors.to(g.dtype), g) for n, g in grads.items()}
+
+
+def flat_norm(tensors: Sequence[Tensor]) -> float:
+    """L2 norm of the concatenation of ``tensors`` (a test/diagnostic helper)."""
+    return math.sqrt(sum(float(t.double().square().sum()) for t in tensors))

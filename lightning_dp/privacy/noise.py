@@ -1,0 +1,78 @@
+"""The Gaussian mechanism of DP-SGD: noise on the clipped sum, then the normalization.
+
+Every draw comes from an explicit ``torch.Generator``; :func:`derive_generator` makes
+the generator of one logical query from (seed, stream, counters) so that all ranks of a
+DDP job draw the *same* noise for the same step: added after the all-reduce of the
+clipped sums, it is therefore present exactly once in the aggregate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["check_noise_multiplier", "derive_generator", "gaussian_noise", "noisy_mean", "SAMPLING", "NOISE"]
+
+#: Stream identifiers for :func:`derive_generator`.
+SAMPLING, NOISE = 1, 2
+
+
+def check_noise_multiplier(noise_multiplier: float) -> float:
+    """Validates a noise multiplier sigma (noise std / sensitivity) and returns it as a float."""
+    try:
+        value = float(noise_multiplier)
+    except (TypeError, ValueError):
+        raise ValueError(f"noise_multiplier={noise_multiplier!r} is not a number; pass a positive float such as 1.0, "
+                         "or pass target_epsilon to calibrate it") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(
+            f"noise_multiplier={noise_multiplier!r} is not allowed: sigma must be a finite number > 0 (sigma = 0 "
+            "gives no privacy). Pass e.g. noise_multiplier=1.0, or target_epsilon=... to calibrate it.")
+    return value
+
+
+def derive_generator(seed: int, *counters: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator seeded from ``(seed, *counters)`` through NumPy's SeedSequence hashing.
+
+    Counter-based seeding makes every draw a pure function of the run seed and the step,
+    so a resumed run draws exactly what the uninterrupted run drew, without saving
+    generator states per rank.
+    """
+    state = np.random.SeedSequence([int(seed) % 2**128, *(int(c) for c in counters)]).generate_state(2, np.uint32)
+    g = torch.Generator(device=device)
+    g.manual_seed(int(state[0]) << 32 | int(state[1]))
+    return g
+
+
+def gaussian_noise(shapes: Sequence[torch.Size], std: float, generator: torch.Generator, *,
+                   dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> list[Tensor]:
+    """One flat draw of N(0, std^2 I), split into tensors of ``shapes``."""
+    sizes = [math.prod(s) for s in shapes]
+    flat = torch.randn(sum(sizes), generator=generator, dtype=dtype, device=device) * std
+    return [chunk.view(s) for chunk, s in zip(torch.split(flat, sizes), shapes)]
+
+
+def noisy_mean(clipped_sums: Sequence[Tensor], *, noise_multiplier: float, max_grad_norm: float,
+               expected_batch_size: float, generator: torch.Generator) -> list[Tensor]:
+    """The DP-SGD gradient ``(sum_i clip(g_i) + N(0, (sigma C)^2 I)) / (q N)``.
+
+    Dividing by the *expected* batch size ``q N`` (not the realized one, which depends on
+    the data) keeps the normalization data-independent, as the Poisson-subsampled
+    Gaussian analysis requires (Abadi et al. 2016; Opacus' ``expected_batch_size``).
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> [t.shape for t in noisy_mean([torch.zeros(3)], noise_multiplier=1.0, max_grad_norm=1.0,
+        ...                                 expected_batch_size=10, generator=g)]
+        [torch.Size([3])]
+    """
+    if not expected_batch_size > 0:
+        raise ValueError(f"expected_batch_size={expected_batch_size!r} must be > 0")
+    first = clipped_sums[0]
+    noise = gaussian_noise([t.shape for t in clipped_sums], noise_multiplier * max_grad_norm, generator,
+                           dtype=first.dtype, device=first.device)
+    return [(s + n) / expected_batch_size for s, n in zip(clipped_sums, noise)]

@@ -1,0 +1,138 @@
+"""Poisson sampling of training batches, sharded over distributed ranks.
+
+Each example of the training set enters each batch independently with probability
+``q = expected_batch_size / N`` (the sampling of the Poisson-subsampled Gaussian
+analysis; Abadi et al. 2016, Mironov et al. 2019). With ``world_size`` ranks, rank r
+owns the examples ``r, r + world_size, ...`` (a partition without padding, unlike
+``DistributedSampler``, which repeats examples) and samples them at the same rate, so
+the union over ranks is exactly a Poisson sample of the whole set.
+
+Batch ``k`` of the run (counting from the start of training, across epochs) is drawn
+from a generator derived from ``(seed, SAMPLING, k, rank)``, so batches are a pure
+function of the step: a run resumed from a checkpoint samples the same batches as the
+uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader
+
+from lightning_dp.privacy.noise import SAMPLING, derive_generator
+
+__all__ = ["EmptySafeCollate", "PoissonBatchSampler", "check_sample_rate", "poisson_dataloader"]
+
+
+def check_sample_rate(sample_rate: float) -> float:
+    value = float(sample_rate)
+    if not 0 < value <= 1:
+        raise ValueError(
+            f"sample_rate={sample_rate!r} is not allowed: the Poisson sampling rate q = expected batch size / "
+            "dataset size must be in (0, 1]. Lower the batch size or use a larger training set.")
+    return value
+
+
+class PoissonBatchSampler(BatchSampler):
+    """Yields ``steps_per_epoch`` Poisson-sampled batches of this rank's indices per epoch.
+
+    Args:
+        sampler: ignored; present so that Lightning can re-instantiate the class with a
+            distributed sampler (this class shards by rank itself, without padding).
+        batch_size: the expected batch size *per rank* (kept for the BatchSampler API).
+        drop_last: must be False (kept for the BatchSampler API).
+        num_samples: the size N of the whole training set.
+        sample_rate: q, the inclusion probability of every example in every batch.
+        seed: the run's sampling seed.
+        rank, world_size: this process' shard.
+        start_step: a callable giving the number of batches already trained when an
+            epoch starts (the global step); batch k of that epoch uses counter
+            ``start_step() + k``.
+        steps_per_epoch: batches per epoch; default ``ceil(1 / q)``.
+
+    Example:
+        >>> s = PoissonBatchSampler(None, 2, False, num_samples=10, sample_rate=0.2, seed=0)
+        >>> len(s), all(0 <= i < 10 for b in s for i in b)
+        (5, True)
+    """
+
+    def __init__(self, sampler: object = None, batch_size: int = 1, drop_last: bool = False, *, num_samples: int,
+                 sample_rate: float, seed: int, rank: int = 0, world_size: int = 1,
+                 start_step: Callable[[], int] | None = None, steps_per_epoch: int | None = None) -> None:
+        if drop_last:
+            raise ValueError("drop_last=True is not allowed with Poisson sampling: batch sizes are random by design")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+        if num_samples <= 0:
+            raise ValueError(f"num_samples={num_samples} must be > 0: the training set is empty")
+        self.batch_size = batch_size
+        self.drop_last = False
+        self.num_samples = int(num_samples)
+        self.sample_rate = check_sample_rate(sample_rate)
+        self.seed = int(seed)
+        self.rank, self.world_size = int(rank), int(world_size)
+        self.start_step = start_step if start_step is not None else (lambda: 0)
+        self.steps_per_epoch = int(steps_per_epoch) if steps_per_epoch else math.ceil(1 / self.sample_rate)
+        self.indices = torch.arange(self.rank, self.num_samples, self.world_size)
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def batch(self, step: int) -> list[int]:
+        """The indices of this rank's batch at global batch counter ``step``."""
+        g = derive_generator(self.seed, SAMPLING, step, self.rank)
+        mask = torch.rand(self.indices.numel(), generator=g) < self.sample_rate
+        return self.indices[mask].tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        start = int(self.start_step())
+        for k in range(self.steps_per_epoch):
+            yield self.batch(start + k)
+
+
+def _empty_like(batch: object) -> object:
+    """The batch structure with every tensor cut to length 0 along dimension 0."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:0]
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(_empty_like(b) for b in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_empty_like(b) for b in batch)
+    if isinstance(batch, dict):
+        return type(batch)((k, _empty_like(v)) for k, v in batch.items())
+    return batch
+
+
+class EmptySafeCollate:
+    """Wraps a collate function so that an empty Poisson batch becomes a batch of size 0.
+
+    The empty batch keeps the structure, dtypes and trailing shapes of a real one (built
+    from example 0 and cut to length 0), so the model runs on it and the step releases
+    noise only; skipping the step instead would reveal that the batch was empty.
+    """
+
+    def __init__(self, collate_fn: Callable[[list[object]], object], dataset: object) -> None:
+        self.collate_fn = collate_fn
+        self.dataset = dataset
+
+    def __call__(self, samples: list[object]) -> object:
+        if samples:
+            return self.collate_fn(samples)
+        return _empty_like(self.collate_fn([self.dataset[0]]))  # type: ignore[index]
+
+
+def poisson_dataloader(loader: DataLoader, *, sample_rate: float, seed: int, rank: int = 0, world_size: int = 1,
+                       start_step: Callable[[], int] | None = None) -> DataLoader:
+    """A copy of ``loader`` (same dataset, collate and worker settings) with Poisson batches."""
+    batch_sampler = PoissonBatchSampler(None, loader.batch_size or 1, False, num_samples=len(loader.dataset),
+                                        sample_rate=sample_rate, seed=seed, rank=rank, world_size=world_size,
+                                        start_step=start_step)
+    workers = loader.num_workers
+    return DataLoader(
+        loader.dataset, batch_sampler=batch_sampler, collate_fn=EmptySafeCollate(loader.collate_fn, loader.dataset),
+        num_workers=workers, pin_memory=loader.pin_memory, timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn, multiprocessing_context=loader.multiprocessing_context,
+        prefetch_factor=loader.prefetch_factor if workers > 0 else None,
+        persistent_workers=loader.persistent_workers if workers > 0 else False, pin_memory_device=loader.pin_memory_device)

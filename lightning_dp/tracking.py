@@ -1,0 +1,382 @@
+"""MLflow defaults and helpers: where runs are recorded and how callbacks log artifacts.
+
+Default store (DESIGN.md, "Tracking"): an embedded SQLite database
+``./mlruns/mlflow.db`` with artifacts under ``./mlruns/artifacts``. MLflow 3 refuses
+the plain file store (``file:./mlruns``) that Lightning's own ``MLFlowLogger`` falls
+back to, so this module's :class:`MLFlowLogger` points at the database instead. When
+the ``MLFLOW_TRACKING_URI`` environment variable is set it wins, and the tracking
+server chooses where artifacts go.
+
+Helpers for callbacks (:func:`log_figure`, :func:`log_text`, :func:`log_artifact`,
+:func:`log_params`) act on global rank zero only, on every MLflow logger of the
+trainer, and do nothing when the trainer has none, so a callback can call them
+unconditionally.
+
+Example:
+    >>> from lightning.pytorch import Trainer
+    >>> from lightning_dp.tracking import MLFlowLogger, ui_command
+    >>> logger = MLFlowLogger(experiment_name="mnist-dp")  # doctest: +SKIP
+    >>> trainer = Trainer(logger=logger)  # doctest: +SKIP
+    >>> print(ui_command())  # doctest: +SKIP
+    mlflow ui --backend-store-uri sqlite:////home/me/project/mlruns/mlflow.db
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import os
+import shlex
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Optional
+from urllib.parse import unquote, urlparse
+
+from lightning.pytorch.loggers import MLFlowLogger as _LightningMLFlowLogger
+
+if TYPE_CHECKING:
+    from lightning.pytorch import Trainer
+    from matplotlib.figure import Figure
+
+__all__ = [
+    "DEFAULT_EXPERIMENT_NAME",
+    "MLFlowLogger",
+    "default_artifact_location",
+    "default_tracking_uri",
+    "library_versions",
+    "log_artifact",
+    "log_figure",
+    "log_params",
+    "log_text",
+    "mlflow_loggers",
+    "plot_series",
+    "tracking_uri_of",
+    "ui_command",
+]
+
+DEFAULT_EXPERIMENT_NAME = "lightning-dp"
+_DB_FILENAME = "mlflow.db"
+_ARTIFACTS_DIRNAME = "artifacts"
+# Distributions reported by `library_versions`, in this order; missing ones are skipped.
+_TRACKED_DISTRIBUTIONS = (
+    "lightning-dp",
+    "torch",
+    "lightning",
+    "torchmetrics",
+    "mlflow",
+    "dp-accounting",
+    "opacus",
+    "numpy",
+    "scikit-learn",
+    "fairlearn",
+)
+
+
+def default_tracking_uri(root: str | os.PathLike[str] = "mlruns") -> str:
+    """Return the MLflow tracking URI to use when none is given.
+
+    Args:
+        root: Folder of the embedded store, relative to the working directory or
+            absolute. Created if missing (only when the embedded store is used).
+
+    Returns:
+        ``os.environ["MLFLOW_TRACKING_URI"]`` when set, else
+        ``sqlite:///<absolute root>/mlflow.db``.
+    """
+    from_env = os.environ.get("MLFLOW_TRACKING_URI")
+    if from_env:
+        return from_env
+    folder = Path(root).expanduser().resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{(folder / _DB_FILENAME).as_posix()}"
+
+
+def default_artifact_location(root: str | os.PathLike[str] = "mlruns") -> Optional[str]:
+    """Return the artifact location of new experiments in the embedded store.
+
+    Args:
+        root: Folder of the embedded store (see :func:`default_tracking_uri`).
+
+    Returns:
+        ``file://<absolute root>/artifacts``, or ``None`` when ``MLFLOW_TRACKING_URI``
+        is set (the tracking server then decides).
+    """
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return None
+    return (Path(root).expanduser().resolve() / _ARTIFACTS_DIRNAME).as_uri()
+
+
+def _sqlite_path(tracking_uri: str) -> Optional[Path]:
+    """Return the database file of a ``sqlite:///`` URI, or None for other URIs."""
+    prefix = "sqlite:///"
+    if not tracking_uri.startswith(prefix):
+        return None
+    path = tracking_uri[len(prefix) :]
+    return Path(path) if path and path != ":memory:" else None
+
+
+@contextlib.contextmanager
+def _store_lock(tracking_uri: str) -> Iterator[None]:
+    """Serializes the creation of an SQLite store between processes.
+
+    Lightning's logger builds an ``MlflowClient`` in every process, and each client
+    creates or migrates the SQLite schema: two DDP ranks doing it at once fail with
+    ``sqlite3.OperationalError: duplicate column name``. A file lock next to the
+    database makes the second process wait and find the schema ready.
+    """
+    db_path = _sqlite_path(tracking_uri)
+    if db_path is None:
+        yield
+        return
+    from filelock import FileLock  # a dependency of torch
+
+    db_path.expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(db_path.expanduser().resolve()) + ".lock"):
+        yield
+
+
+class MLFlowLogger(_LightningMLFlowLogger):
+    """Lightning's ``MLFlowLogger`` with the embedded SQLite store as default.
+
+    Same arguments as :class:`lightning.pytorch.loggers.MLFlowLogger`, with these
+    differences:
+
+    - ``tracking_uri=None`` (the default) means :func:`default_tracking_uri` evaluated
+      when the logger is built (Lightning reads ``MLFLOW_TRACKING_URI`` once, at import,
+      and otherwise falls back to the ``file:./mlruns`` store that MLflow 3 refuses).
+    - ``artifact_location=None`` means :func:`default_artifact_location` for the
+      embedded store, ``<folder of the database>/artifacts`` for any other
+      ``sqlite:///`` URI, and the server's choice otherwise. It only applies when the
+      experiment is created.
+    - ``save_dir`` is the folder of the embedded store and the local folder Lightning
+      writes files into (``ModelCheckpoint`` saves under
+      ``<save_dir>/<experiment_id>/<run_id>/checkpoints``). Lightning's logger reports
+      no ``save_dir`` for a database URI, which puts checkpoints in the working
+      directory and breaks ``LightningCLI``'s ``SaveConfigCallback``.
+    - ``experiment_name`` defaults to ``"lightning-dp"``.
+
+    In a ``lightning-dp`` config::
+
+        trainer:
+          logger:
+            class_path: lightning_dp.tracking.MLFlowLogger
+            init_args: {experiment_name: mnist-dp, run_name: sigma-1.0}
+
+    Args:
+        experiment_name: MLflow experiment; created if missing.
+        run_name: Name of the new run (MLflow picks one if None).
+        tracking_uri: Tracking URI; None for :func:`default_tracking_uri`.
+        tags: Tags of the new run.
+        save_dir: Folder of the embedded store and of local files (see above). None
+            for no local folder (``ModelCheckpoint`` then falls back to the trainer's
+            ``default_root_dir``; the embedded store stays in ``./mlruns``).
+        log_model: Log ``ModelCheckpoint`` checkpoints as artifacts (Lightning's semantics).
+        prefix: Prefix of every metric name.
+        artifact_location: Artifact location of a newly created experiment.
+        run_id: Resume logging into this existing run.
+        synchronous: Block on every logging call (MLflow's ``synchronous``).
+
+    Raises:
+        ValueError: If ``log_model`` is not one of True, False, "all".
+    """
+
+    def __init__(
+        self,
+        experiment_name: str = DEFAULT_EXPERIMENT_NAME,
+        run_name: Optional[str] = None,
+        tracking_uri: Optional[str] = None,
+        tags: Optional[dict[str, Any]] = None,
+        save_dir: Optional[str] = "mlruns",
+        log_model: Literal[True, False, "all"] = False,
+        prefix: str = "",
+        artifact_location: Optional[str] = None,
+        run_id: Optional[str] = None,
+        synchronous: Optional[bool] = None,
+    ) -> None:
+        if log_model not in (True, False, "all"):
+            raise ValueError(f"log_model={log_model!r} must be True, False or 'all' (see Lightning's MLFlowLogger).")
+        root = "mlruns" if save_dir is None else save_dir
+        if not tracking_uri:
+            tracking_uri = default_tracking_uri(root)
+            if artifact_location is None:
+                artifact_location = default_artifact_location(root)
+        if artifact_location is None:
+            db_path = _sqlite_path(tracking_uri)
+            if db_path is not None:
+                artifact_location = (db_path.expanduser().resolve().parent / _ARTIFACTS_DIRNAME).as_uri()
+        self._local_dir = None if save_dir is None else str(Path(save_dir).expanduser().resolve())
+        with _store_lock(tracking_uri):
+            self._init_lightning_logger(
+            experiment_name=experiment_name,
+            run_name=run_name,
+            tracking_uri=tracking_uri,
+            tags=tags,
+            save_dir=save_dir,
+            log_model=log_model,
+            prefix=prefix,
+            artifact_location=artifact_location,
+            run_id=run_id,
+            synchronous=synchronous,
+            )
+
+    def _init_lightning_logger(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+
+    @property
+    def tracking_uri(self) -> str:
+        """The tracking URI this logger writes to."""
+        return self._tracking_uri
+
+    @property
+    def save_dir(self) -> Optional[str]:
+        """Absolute local folder for files written next to the run (checkpoints, profiles)."""
+        if self._tracking_uri.startswith("file:"):
+            return super().save_dir
+        return self._local_dir
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def mlflow_loggers(trainer: Trainer) -> list[_LightningMLFlowLogger]:
+    """Return the MLflow loggers of ``trainer`` (Lightning's class or a subclass), possibly empty."""
+    return [logger for logger in trainer.loggers if isinstance(logger, _LightningMLFlowLogger)]
+
+
+def tracking_uri_of(logger: _LightningMLFlowLogger) -> str:
+    """Return the tracking URI of any MLflow logger (Lightning's keeps it private)."""
+    return getattr(logger, "tracking_uri", None) or logger._tracking_uri
+
+
+def _active(trainer: Trainer) -> list[_LightningMLFlowLogger]:
+    """MLflow loggers to write to from this process: all of them on global rank zero, none elsewhere."""
+    return mlflow_loggers(trainer) if trainer.is_global_zero else []
+
+
+def log_figure(trainer: Trainer, figure: Figure, artifact_file: str) -> None:
+    """Log a matplotlib figure as an image artifact (e.g. ``"plots/epsilon.png"``) of every MLflow run.
+
+    Args:
+        trainer: The trainer whose MLflow loggers receive the figure.
+        figure: A matplotlib figure, e.g. from :func:`plot_series`.
+        artifact_file: Path of the image inside the run's artifacts; its extension
+            picks the format.
+    """
+    for logger in _active(trainer):
+        logger.experiment.log_figure(logger.run_id, figure, artifact_file)
+
+
+def log_text(trainer: Trainer, text: str, artifact_file: str) -> None:
+    """Log ``text`` as the artifact file ``artifact_file`` (e.g. ``"config.yaml"``) of every MLflow run."""
+    for logger in _active(trainer):
+        logger.experiment.log_text(logger.run_id, text, artifact_file)
+
+
+def log_artifact(
+    trainer: Trainer, local_path: str | os.PathLike[str], artifact_path: Optional[str] = None
+) -> None:
+    """Copy a local file (or a folder's content) into the artifacts of every MLflow run.
+
+    Args:
+        trainer: The trainer whose MLflow loggers receive the file.
+        local_path: File or folder to copy.
+        artifact_path: Folder inside the run's artifacts (None for the root); the file
+            keeps its name.
+    """
+    local_path = os.fspath(local_path)
+    for logger in _active(trainer):
+        if os.path.isdir(local_path):
+            logger.experiment.log_artifacts(logger.run_id, local_path, artifact_path)
+        else:
+            logger.experiment.log_artifact(logger.run_id, local_path, artifact_path)
+
+
+def log_params(trainer: Trainer, params: Mapping[str, Any]) -> None:
+    """Log ``params`` through ``log_hyperparams`` of every logger of the trainer (not only MLflow).
+
+    MLflow keeps the first value of a parameter: logging another value under the same
+    name into the same run raises ``MlflowException``.
+    """
+    if not trainer.is_global_zero:
+        return
+    for logger in trainer.loggers:
+        logger.log_hyperparams(dict(params))
+
+
+def plot_series(
+    steps: Sequence[float], values: Sequence[float], *, xlabel: str, ylabel: str, title: str
+) -> Figure:
+    """Return a line plot of ``values`` against ``steps`` as a matplotlib figure.
+
+    The figure is built on the Agg canvas without ``pyplot``, so no display is needed
+    and no global figure is left open.
+
+    Args:
+        steps: x values (e.g. optimizer steps).
+        values: y values, same length as ``steps``.
+        xlabel: x-axis label.
+        ylabel: y-axis label.
+        title: Figure title.
+
+    Raises:
+        ValueError: If ``steps`` and ``values`` differ in length.
+
+    Example:
+        >>> fig = plot_series([1, 2, 3], [0.1, 0.4, 0.9], xlabel="step", ylabel="epsilon", title="privacy spend")
+        >>> fig.axes[0].get_ylabel()
+        'epsilon'
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    steps, values = list(steps), list(values)
+    if len(steps) != len(values):
+        raise ValueError(
+            f"steps has {len(steps)} entries but values has {len(values)}; pass one value per step."
+        )
+    figure = Figure(figsize=(6.0, 4.0), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    axes.plot(steps, values, marker="." if len(steps) <= 50 else None)
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel(ylabel)
+    axes.set_title(title)
+    axes.grid(True, alpha=0.3)
+    return figure
+
+
+def library_versions() -> dict[str, str]:
+    """Return the installed versions of the libraries a result depends on.
+
+    Returns:
+        ``{distribution name: version}`` for lightning-dp, torch, lightning,
+        torchmetrics, mlflow, dp-accounting, opacus, numpy, scikit-learn and fairlearn,
+        skipping the ones that are not installed.
+    """
+    versions = {}
+    for name in _TRACKED_DISTRIBUTIONS:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def ui_command(tracking_uri: Optional[str] = None) -> str:
+    """Return what a person runs to browse and compare the runs of ``tracking_uri``.
+
+    Args:
+        tracking_uri: The store; None for :func:`default_tracking_uri`.
+
+    Returns:
+        ``mlflow ui --backend-store-uri <uri>`` for a database or file store (the
+        embedded default gives ``mlflow ui --backend-store-uri
+        sqlite:////abs/path/mlruns/mlflow.db``). For an ``http(s)://`` tracking server
+        there is nothing to start: the server is the UI, and its URL is returned.
+    """
+    uri = tracking_uri or default_tracking_uri()
+    if urlparse(uri).scheme in ("http", "https"):
+        return uri
+    if uri.startswith("file:") and not uri.startswith("file://"):  # file:./mlruns -> a path `mlflow ui` accepts
+        uri = unquote(uri[len("file:") :])
+    return f"mlflow ui --backend-store-uri {shlex.quote(uri)}"

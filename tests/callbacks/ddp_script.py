@@ -1,0 +1,67 @@
+"""Run by tests/callbacks/test_dp_sgd_ddp.py: DPSGD under Lightning DDP, 2 CPU processes, gloo.
+
+Usage: python tests/callbacks/ddp_script.py OUT_DIR TRACKING_URI
+Each rank writes OUT_DIR/rank{r}.pt with what the test checks.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from lightning_dp.callbacks import DPSGD  # noqa: E402
+from lightning_dp.tracking import MLFlowLogger  # noqa: E402
+from tests.helpers import BlobsData, Classifier  # noqa: E402
+
+
+class ZeroGrad(Classifier):
+    """Every per-sample gradient is zero: the released gradient is the noise alone."""
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        return (self.net(x) * 0).mean()
+
+
+class Probe(L.Callback):
+    def __init__(self):
+        self.grads, self.batches = [], []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batches.append(batch[0].clone())
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.grads.append(torch.cat([p.grad.reshape(-1) for p in pl_module.parameters()]).clone())
+
+
+def main(out: Path, tracking_uri: str) -> None:
+    common = dict(accelerator="cpu", devices=2, strategy="ddp", enable_progress_bar=False,
+                  enable_model_summary=False, enable_checkpointing=False)
+    # 1. noise once: zero gradients, sigma=2, C=3, q = 2*10/200 = 0.1 -> std = 2*3/20 = 0.3
+    probe = Probe()
+    dp = DPSGD(noise_multiplier=2.0, max_grad_norm=3.0, seed=7)
+    t = L.Trainer(max_steps=1, logger=False, callbacks=[dp, probe], **common)
+    t.fit(ZeroGrad(d=100, classes=100, net=nn.Sequential(nn.Linear(100, 100))),
+          BlobsData(n=200, batch_size=10, d=100, classes=100))
+    noise = probe.grads[0]
+    # 2. real training tracked in one MLflow run
+    probe2 = Probe()
+    torch.manual_seed(0)
+    model = Classifier()
+    dp2 = DPSGD(noise_multiplier=1.0, max_grad_norm=1.0, seed=3)
+    logger = MLFlowLogger(experiment_name="ddp-test", tracking_uri=tracking_uri, run_name="ddp")
+    t2 = L.Trainer(max_epochs=2, logger=logger, log_every_n_steps=1, callbacks=[dp2, probe2], **common)
+    t2.fit(model, BlobsData(n=200, batch_size=10))
+    torch.save({
+        "rank": t2.global_rank, "noise": noise, "sample_rate": dp.sample_rate,
+        "history": dp2.accountant.history, "epsilon": dp2.epsilon, "steps": t2.global_step,
+        "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+        "batches": [b for b in probe2.batches], "run_id": logger.run_id if t2.global_rank == 0 else None,
+    }, out / f"rank{t2.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2])

@@ -1,0 +1,265 @@
+"""End-to-end tests of the DPSGD callback on ordinary LightningModules."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import dp_accounting as dpa
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_dp.callbacks import DPSGD
+from tests.helpers import BlobsData, Classifier, blobs, trainer
+
+
+class GradProbe(L.Callback):
+    """Records the batch and the gradients DPSGD hands to the optimizer."""
+
+    def __init__(self):
+        self.batches, self.grads = [], []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batches.append([t.clone() for t in batch])
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.grads.append([p.grad.clone() for p in pl_module.parameters()])
+
+
+def library_epsilon(sigma, q, steps, delta=1e-5):
+    acc = dpa.pld.PLDAccountant()
+    acc.compose(dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(sigma)), steps))
+    return acc.get_epsilon(delta)
+
+
+def test_epsilon_equals_library_value_and_is_logged():
+    dp = DPSGD(noise_multiplier=1.1, max_grad_norm=1.0, seed=0)
+    logged = {}
+
+    class Capture(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            logged.update({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("privacy/")})
+
+    t = trainer(max_epochs=2, callbacks=[dp, Capture()], log_every_n_steps=1)
+    t.fit(Classifier(), BlobsData(n=200, batch_size=20))
+    assert t.global_step == 20  # 2 epochs x ceil(200 / 20)
+    expected = library_epsilon(1.1, 0.1, 20)
+    assert dp.epsilon == pytest.approx(expected, rel=1e-9)
+    assert logged["privacy/epsilon"] == pytest.approx(expected, rel=1e-9)
+    assert logged["privacy/noise_multiplier"] == 1.1 and logged["privacy/max_grad_norm"] == 1.0
+    assert logged["privacy/delta"] == 1e-5
+    assert 0.0 <= logged["privacy/clipped_fraction"] <= 1.0
+
+
+def test_gradient_is_clipped_sum_over_expected_batch_size():
+    """With negligible noise the released gradient equals the naive clipped sum / (q N)."""
+    c = 0.05
+    probe = GradProbe()
+    model = Classifier()
+    init = copy.deepcopy(model)
+    # noise std sigma*C/(qN) = 2.5e-7 per coordinate; atol 4e-6 is 16 standard deviations
+    dp = DPSGD(noise_multiplier=1e-4, max_grad_norm=c, seed=3, accountant="rdp")
+    trainer(max_steps=1, callbacks=[dp, probe]).fit(model, BlobsData(n=200, batch_size=20))
+    x, y = probe.batches[0]
+    params = list(init.parameters())
+    rows = []
+    for i in range(x.shape[0]):
+        g = torch.autograd.grad(F.cross_entropy(init(x[i:i + 1]), y[i:i + 1]), params)
+        rows.append(torch.cat([t.reshape(-1) for t in g]))
+    per = torch.stack(rows)
+    assert per.norm(dim=1).min() > c  # every example is clipped
+    factors = (c / (per.norm(dim=1) + 1e-6)).clamp(max=1)
+    expected = (factors[:, None] * per).sum(0) / 20.0  # q N = 0.1 * 200
+    got = torch.cat([t.reshape(-1) for t in probe.grads[0]])
+    torch.testing.assert_close(got, expected, rtol=0, atol=4e-6)
+
+
+def test_noise_std_matches_sigma_c_over_expected_batch():
+    """Zero per-sample gradients: the released gradient is pure noise of std sigma*C/(qN).
+
+    P = 10,100 coordinates; the sample std has relative standard error 1/sqrt(2P) = 0.7%, so a
+    5% tolerance is 7 standard errors (false-failure rate < 1e-11).
+    """
+
+    class ZeroGrad(Classifier):
+        def training_step(self, batch, batch_idx):
+            x, _ = batch
+            return (self.net(x) * 0).mean()
+
+    probe = GradProbe()
+    sigma, c = 2.0, 3.0
+    dp = DPSGD(noise_multiplier=sigma, max_grad_norm=c, seed=7)
+    model = ZeroGrad(d=100, classes=100, hidden=100, net=nn.Sequential(nn.Linear(100, 100)))
+    trainer(max_steps=1, callbacks=[dp, probe]).fit(model, BlobsData(n=200, batch_size=20, d=100, classes=100))
+    flat = torch.cat([g.reshape(-1) for g in probe.grads[0]])
+    assert flat.numel() == 10100
+    assert flat.std().item() == pytest.approx(sigma * c / 20.0, rel=0.05)
+    assert flat.mean().abs().item() < 5 * sigma * c / 20.0 / math.sqrt(flat.numel())
+
+
+def test_budget_stop_before_exceeding_target():
+    target = 4.0
+    dp = DPSGD(noise_multiplier=0.9, target_epsilon=target, max_grad_norm=1.0, seed=0)
+    t = trainer(max_epochs=50, callbacks=[dp])
+    t.fit(Classifier(), BlobsData(n=200, batch_size=20))
+    steps = t.global_step
+    assert 0 < steps < 500
+    assert dp.epsilon <= target
+    assert library_epsilon(0.9, 0.1, steps) <= target < library_epsilon(0.9, 0.1, steps + 1)
+
+
+def test_calibrated_noise_meets_target_for_planned_epochs():
+    dp = DPSGD(target_epsilon=2.0, target_delta=1e-3, max_grad_norm=1.0, epochs=3, seed=0)
+    t = trainer(max_epochs=3, callbacks=[dp])
+    t.fit(Classifier(), BlobsData(n=200, batch_size=20))
+    assert t.global_step == 30
+    assert dp.epsilon <= 2.0
+    assert dp.epsilon > 1.9  # calibrated, not wastefully far below
+    assert dp.noise_multiplier > 0
+
+
+def test_budget_too_small_for_one_step_stops_before_training():
+    dp = DPSGD(noise_multiplier=0.5, target_epsilon=1e-3, max_grad_norm=1.0, seed=0)
+    model = Classifier()
+    before = [p.detach().clone() for p in model.parameters()]
+    t = trainer(max_epochs=1, callbacks=[dp])
+    with pytest.warns(UserWarning, match="no step fits"):
+        t.fit(model, BlobsData())
+    assert t.global_step == 0 and dp.epsilon == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def _fit(tmp_path, epochs, ckpt=None, name="run"):
+    torch.manual_seed(0)
+    model = Classifier()
+    dp = DPSGD(noise_multiplier=1.0, max_grad_norm=0.5, seed=11)
+    t = trainer(max_epochs=epochs, callbacks=[dp], default_root_dir=tmp_path / name)
+    t.fit(model, BlobsData(n=150, batch_size=10), ckpt_path=ckpt)
+    return t, model, dp
+
+
+def test_exact_resume_from_checkpoint(tmp_path):
+    _, full_model, full_dp = _fit(tmp_path, 3, name="full")
+    t1, _, _ = _fit(tmp_path, 2, name="part")
+    path = tmp_path / "mid.ckpt"
+    t1.save_checkpoint(path)
+    t2, resumed_model, resumed_dp = _fit(tmp_path, 3, ckpt=str(path), name="resumed")
+    assert t2.global_step == 45
+    assert resumed_dp.epsilon == full_dp.epsilon
+    assert resumed_dp.accountant.history == full_dp.accountant.history
+    for a, b in zip(full_model.parameters(), resumed_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_empty_poisson_batches_release_noise_only():
+    probe = GradProbe()
+    dp = DPSGD(noise_multiplier=1.0, max_grad_norm=1.0, seed=0)
+    # q = 1/200: most batches are empty
+    t = trainer(max_steps=30, callbacks=[dp, probe])
+    t.fit(Classifier(), BlobsData(n=200, batch_size=1))
+    sizes = [b[0].shape[0] for b in probe.batches]
+    assert 0 in sizes and t.global_step == 30
+    empty = sizes.index(0)
+    assert all(torch.count_nonzero(g) > 0 for g in probe.grads[empty])  # noise was released
+
+
+# --------------------------------------------------------------------------------- errors
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(noise_multiplier=0.0), "noise_multiplier=0.0"),
+    (dict(noise_multiplier=-1.0), "noise_multiplier=-1.0"),
+    (dict(noise_multiplier=1.0, max_grad_norm=0.0), "max_grad_norm=0.0"),
+    (dict(noise_multiplier=1.0, max_grad_norm=float("inf")), "max_grad_norm=inf"),
+    (dict(), "noise_multiplier=<sigma> or target_epsilon"),
+    (dict(target_epsilon=-1.0), "target_epsilon=-1.0"),
+    (dict(noise_multiplier=1.0, target_delta=1.0), "target_delta=1.0"),
+    (dict(noise_multiplier=1.0, accountant="nope"), "nope"),
+    (dict(target_epsilon=1.0, epochs=2, max_steps=3), "not both"),
+])
+def test_constructor_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DPSGD(**kwargs)
+
+
+def test_delta_not_below_one_over_n_warns():
+    with pytest.warns(UserWarning, match="not below 1/N"):
+        trainer(max_steps=1, callbacks=[DPSGD(noise_multiplier=1.0, target_delta=0.05, seed=0)]).fit(
+            Classifier(), BlobsData(n=50, batch_size=5))
+
+
+def test_batchnorm_is_refused_with_layer_name_and_fixed_on_request():
+    net = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+    with pytest.raises(MisconfigurationException, match=r"net\.1 \(BatchNorm1d\).*GroupNorm"):
+        trainer(max_steps=1, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)]).fit(Classifier(net=net), BlobsData())
+    model = Classifier(net=nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)))
+    with pytest.warns(UserWarning, match="GroupNorm"):
+        trainer(max_steps=2, callbacks=[DPSGD(noise_multiplier=1.0, seed=0, replace_batchnorm=True)]).fit(
+            model, BlobsData())
+    assert isinstance(model.net[1], nn.GroupNorm)
+
+
+def test_several_optimizers_refused():
+    class Two(Classifier):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = True
+
+        def configure_optimizers(self):
+            return [torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.SGD(self.net[2].parameters(), lr=0.1)]
+
+    with pytest.raises(Exception, match="optimizer"):
+        trainer(max_steps=1, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)]).fit(Two(), BlobsData())
+
+
+def test_gradient_accumulation_refused():
+    with pytest.raises(MisconfigurationException, match="accumulate_grad_batches=2"):
+        trainer(max_steps=1, accumulate_grad_batches=2, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)]).fit(
+            Classifier(), BlobsData())
+
+
+def test_model_without_trainable_parameters_refused():
+    model = Classifier()
+    model.net.requires_grad_(False)
+    with pytest.raises(Exception, match="no trainable parameters"):
+        trainer(max_steps=1, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)]).fit(model, BlobsData())
+
+
+@pytest.mark.parametrize("reduce,match", [("none", "shape"), ("sum", "summed loss")])
+def test_loss_must_be_scalar_mean(reduce, match):
+    class Bad(Classifier):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self(x), y, reduction="none") if reduce == "none" else \
+                F.cross_entropy(self(x), y, reduction="none").sum()
+
+    with pytest.raises(MisconfigurationException, match=match):
+        trainer(max_steps=1, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)]).fit(Bad(), BlobsData())
+
+
+def test_dataloaders_passed_to_fit_are_refused_with_fix():
+    with pytest.raises(MisconfigurationException, match="from_datasets"):
+        trainer(max_steps=1, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)]).fit(
+            Classifier(), train_dataloaders=DataLoader(blobs(), batch_size=10))
+
+
+def test_from_datasets_datamodule_works():
+    dm = L.LightningDataModule.from_datasets(train_dataset=blobs(), batch_size=10)
+    dp = DPSGD(noise_multiplier=1.0, seed=0)
+    t = trainer(max_steps=3, callbacks=[dp])
+    t.fit(Classifier(), datamodule=dm)
+    assert t.global_step == 3 and dp.epsilon > 0
+
+
+def test_shuffled_batches_are_accounted_per_epoch_without_amplification():
+    dp = DPSGD(noise_multiplier=4.0, max_grad_norm=1.0, poisson_sampling=False, seed=0)
+    t = trainer(max_epochs=2, callbacks=[dp])
+    t.fit(Classifier(), BlobsData(n=200, batch_size=20))
+    assert t.global_step == 20
+    assert dp.accountant.history == [(2.0, 1.0, 2)]
+    acc = dpa.pld.PLDAccountant()
+    acc.compose(dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(2.0), 2))
+    assert dp.epsilon == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)

@@ -1,0 +1,65 @@
+"""Tiny, ordinary Lightning objects used by the callback tests (nothing DP-specific in them)."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def blobs(n: int = 200, d: int = 6, classes: int = 3, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, classes, (n,), generator=g)
+    centers = torch.randn(classes, d, generator=g) * 2
+    x = centers[y] + torch.randn(n, d, generator=g)
+    return TensorDataset(x, y)
+
+
+class BlobsData(L.LightningDataModule):
+    def __init__(self, n: int = 200, batch_size: int = 20, d: int = 6, classes: int = 3):
+        super().__init__()
+        self.n, self.batch_size, self.d, self.classes = n, batch_size, d, classes
+
+    def setup(self, stage: str) -> None:
+        self.train_set = blobs(self.n, self.d, self.classes)
+        self.val_set = blobs(60, self.d, self.classes, seed=1)
+
+    def train_dataloader(self):
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True)
+
+    def val_dataloader(self):
+        return DataLoader(self.val_set, batch_size=30)
+
+
+class Classifier(L.LightningModule):
+    """An unmodified, ordinary LightningModule: batch-mean cross-entropy, one SGD optimizer."""
+
+    def __init__(self, d: int = 6, classes: int = 3, hidden: int = 16, lr: float = 0.5, net: nn.Module | None = None):
+        super().__init__()
+        self.net = net if net is not None else nn.Sequential(nn.Linear(d, hidden), nn.Tanh(), nn.Linear(hidden, classes))
+        self.lr = lr
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train/loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val/acc", (self(x).argmax(1) == y).float().mean())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def trainer(**kwargs) -> L.Trainer:
+    defaults = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False, max_epochs=1)
+    defaults.update(kwargs)
+    return L.Trainer(**defaults)

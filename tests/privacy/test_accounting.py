@@ -1,0 +1,311 @@
+"""Tests of the accountants: agreement with dp_accounting, caching, checkpointing, budgets."""
+
+import io
+import json
+import math
+
+import pytest
+import torch
+from dp_accounting.pld import PLDAccountant as LibraryPLDAccountant
+from dp_accounting.pld import privacy_loss_distribution
+from dp_accounting.rdp import RdpAccountant as LibraryRdpAccountant
+
+from lightning_dp.privacy.accounting import (
+    ACCOUNTANTS,
+    Accountant,
+    PLDAccountant,
+    RDPAccountant,
+    clear_caches,
+    get_accountant,
+    history_to_dp_event,
+)
+
+DELTA = 1e-5
+# A coarser PLD grid keeps the suite fast; the default grid is covered by the MNIST-like case.
+FAST_PLD = {"value_discretization_interval": 1e-3}
+ACCOUNTANT_CONFIGS = [("pld", FAST_PLD), ("rdp", {})]
+LIBRARY = {"pld": LibraryPLDAccountant, "rdp": LibraryRdpAccountant}
+
+HISTORIES = {
+    "homogeneous": [(1.0, 0.01, 300)],
+    "single_step": [(1.1, 0.02, 1)],
+    "unsampled": [(2.0, 1.0, 5)],
+    "mixed": [(1.0, 0.01, 40), (2.0, 0.02, 10), (1.0, 0.01, 25)],
+    "mixed_with_unsampled": [(0.9, 1.0, 2), (1.5, 0.05, 7), (3.0, 1.0, 4)],
+}
+
+
+def _filled(name, config, history):
+    accountant = get_accountant(name, **config)
+    for sigma, q, n in history:
+        accountant.step(noise_multiplier=sigma, sample_rate=q, num_steps=n)
+    return accountant
+
+
+def _library_epsilon(name, config, history, delta=DELTA):
+    return LIBRARY[name](**config).compose(history_to_dp_event(history)).get_epsilon(delta)
+
+
+# --------------------------------------------------------------------------- agreement with the library
+
+
+@pytest.mark.parametrize(("name", "config"), ACCOUNTANT_CONFIGS)
+@pytest.mark.parametrize("history_id", list(HISTORIES))
+def test_epsilon_equals_library_accountant(name, config, history_id):
+    history = HISTORIES[history_id]
+    clear_caches()
+    accountant = _filled(name, config, history)
+    cold = accountant.get_epsilon(DELTA)
+    warm = accountant.get_epsilon(DELTA)  # from the epsilon cache
+    expected = _library_epsilon(name, config, history)
+    assert 0.0 < cold < math.inf
+    assert cold == pytest.approx(expected, rel=1e-12, abs=0.0)
+    assert warm == cold
+
+
+@pytest.mark.parametrize("name", ["pld", "rdp"])
+def test_default_configuration_matches_library_on_mnist_rates(name):
+    history = [(1.0, 256 / 60000, 1000)]
+    accountant = _filled(name, {}, history)
+    assert accountant.get_epsilon(DELTA) == pytest.approx(_library_epsilon(name, {}, history), rel=1e-12, abs=0.0)
+
+
+@pytest.mark.parametrize(("name", "config"), ACCOUNTANT_CONFIGS)
+def test_cached_building_blocks_reproduce_library_after_incremental_steps(name, config):
+    # Step one at a time through a mixed history so that single-step distributions and
+    # composed prefixes come from the caches; the numbers must not change.
+    clear_caches()
+    accountant = get_accountant(name, **config)
+    history = [(1.0, 0.01, 3), (2.0, 0.02, 2), (1.0, 0.01, 2)]
+    for sigma, q, n in history:
+        for _ in range(n):
+            accountant.step(noise_multiplier=sigma, sample_rate=q)
+            accountant.get_epsilon(DELTA)
+    assert accountant.history == history
+    assert accountant.get_epsilon(DELTA) == pytest.approx(_library_epsilon(name, config, history), rel=1e-12, abs=0.0)
+
+
+def test_history_to_dp_event_structure():
+    event = history_to_dp_event([(1.0, 0.5, 3), (2.0, 1.0, 4)])
+    first, second = event.events
+    assert first.count == 3 and first.event.sampling_probability == 0.5
+    assert first.event.event.noise_multiplier == 1.0
+    assert second.count == 4 and second.event.noise_multiplier == 2.0  # q == 1: plain Gaussian
+
+
+def test_unsampled_pld_equals_single_gaussian_of_composed_noise():
+    # n unsampled Gaussian releases of std sigma compose to one with std sigma / sqrt(n).
+    accountant = _filled("pld", FAST_PLD, [(2.0, 1.0, 4)])
+    single = _filled("pld", FAST_PLD, [(1.0, 1.0, 1)])
+    assert accountant.get_epsilon(DELTA) == single.get_epsilon(DELTA)
+
+
+def test_pld_is_pessimistic_and_tighter_than_rdp():
+    history = [(1.0, 0.01, 200)]
+    pld = _filled("pld", FAST_PLD, history).get_epsilon(DELTA)
+    rdp = _filled("rdp", {}, history).get_epsilon(DELTA)
+    optimistic = privacy_loss_distribution.from_gaussian_mechanism(
+        1.0, pessimistic_estimate=False, value_discretization_interval=1e-3, sampling_prob=0.01
+    ).self_compose(200)
+    assert optimistic.get_epsilon_for_delta(DELTA) <= pld < rdp
+
+
+# --------------------------------------------------------------------------- basic behaviour
+
+
+@pytest.mark.parametrize(("name", "config"), ACCOUNTANT_CONFIGS)
+def test_empty_history_spends_nothing(name, config):
+    accountant = get_accountant(name, **config)
+    assert accountant.get_epsilon(DELTA) == 0.0
+    assert len(accountant) == 0
+    assert accountant.history == []
+
+
+@pytest.mark.parametrize(("name", "config"), ACCOUNTANT_CONFIGS)
+def test_epsilon_is_monotone_in_steps(name, config):
+    accountant = get_accountant(name, **config)
+    epsilons = [
+        accountant.epsilon_after(DELTA, noise_multiplier=1.0, sample_rate=0.02, num_steps=n)
+        for n in (1, 2, 5, 10, 50, 100, 400)
+    ]
+    assert all(a < b for a, b in zip(epsilons, epsilons[1:])), epsilons
+
+
+def test_epsilon_decreases_with_delta_and_noise():
+    accountant = _filled("rdp", {}, [(1.0, 0.01, 100)])
+    assert accountant.get_epsilon(1e-3) < accountant.get_epsilon(1e-6)
+    louder = _filled("rdp", {}, [(2.0, 0.01, 100)])
+    assert louder.get_epsilon(DELTA) < accountant.get_epsilon(DELTA)
+
+
+def test_step_merges_equal_consecutive_runs_and_counts_steps():
+    accountant = get_accountant("rdp")
+    accountant.step(noise_multiplier=1.0, sample_rate=0.01)
+    accountant.step(noise_multiplier=1.0, sample_rate=0.01, num_steps=4)
+    accountant.step(noise_multiplier=1.5, sample_rate=0.01)
+    accountant.step(noise_multiplier=1.0, sample_rate=0.01, num_steps=2)
+    accountant.step(noise_multiplier=1.0, sample_rate=0.02)
+    assert accountant.history == [(1.0, 0.01, 5), (1.5, 0.01, 1), (1.0, 0.01, 2), (1.0, 0.02, 1)]
+    assert len(accountant) == 9
+    accountant.history.append((9.0, 0.5, 1))  # a copy: cannot bypass validation
+    assert len(accountant.history) == 4
+
+
+@pytest.mark.parametrize(("name", "config"), ACCOUNTANT_CONFIGS)
+def test_epsilon_after_is_hypothetical_and_exact(name, config):
+    accountant = _filled(name, config, [(1.0, 0.01, 20)])
+    before = accountant.history
+    predicted = accountant.epsilon_after(DELTA, noise_multiplier=1.0, sample_rate=0.01, num_steps=7)
+    assert accountant.history == before
+    accountant.step(noise_multiplier=1.0, sample_rate=0.01, num_steps=7)
+    assert accountant.get_epsilon(DELTA) == predicted
+
+
+def test_get_accountant_registry():
+    assert set(ACCOUNTANTS) == {"pld", "rdp"}
+    assert isinstance(get_accountant(), PLDAccountant)
+    assert isinstance(get_accountant("rdp"), RDPAccountant)
+    assert get_accountant("PLD").name == "pld"
+    assert all(issubclass(cls, Accountant) and cls.name == key for key, cls in ACCOUNTANTS.items())
+    assert get_accountant("pld", value_discretization_interval=1e-3).value_discretization_interval == 1e-3
+    with pytest.raises(ValueError, match=r"Unknown accountant 'prv'.*\['pld', 'rdp'\]"):
+        get_accountant("prv")
+
+
+# --------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"noise_multiplier": 0.0}, r"noise_multiplier must be a finite number > 0, got 0\.0"),
+        ({"noise_multiplier": -1.0}, "noise_multiplier"),
+        ({"noise_multiplier": math.inf}, "noise_multiplier"),
+        ({"noise_multiplier": math.nan}, "noise_multiplier"),
+        ({"noise_multiplier": "1.0"}, "noise_multiplier"),
+        ({"sample_rate": 0.0}, r"sample_rate must be a number in \(0, 1\], got 0\.0"),
+        ({"sample_rate": 1.5}, "sample_rate"),
+        ({"sample_rate": math.nan}, "sample_rate"),
+        ({"num_steps": 0}, r"num_steps must be an integer >= 1, got 0"),
+        ({"num_steps": 2.5}, "num_steps"),
+        ({"num_steps": True}, "num_steps"),
+    ],
+)
+def test_step_rejects_bad_values(kwargs, message):
+    accountant = get_accountant("rdp")
+    arguments = {"noise_multiplier": 1.0, "sample_rate": 0.01, "num_steps": 1, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        accountant.step(**arguments)
+    with pytest.raises(ValueError, match=message):
+        accountant.epsilon_after(DELTA, **arguments)
+    assert len(accountant) == 0
+
+
+@pytest.mark.parametrize("delta", [0.0, 1.0, -1e-5, 2.0, math.nan, "1e-5"])
+def test_bad_delta_raises(delta):
+    accountant = _filled("rdp", {}, [(1.0, 0.01, 1)])
+    with pytest.raises(ValueError, match=r"delta must be a number in \(0, 1\)"):
+        accountant.get_epsilon(delta)
+
+
+def test_bad_configuration_raises():
+    with pytest.raises(ValueError, match="value_discretization_interval must be a number in"):
+        PLDAccountant(value_discretization_interval=0.0)
+    with pytest.raises(ValueError, match="orders must be a non-empty sequence"):
+        RDPAccountant(orders=[0.5, 2.0])
+
+
+def test_max_steps_rejects_bad_values():
+    accountant = get_accountant("rdp")
+    with pytest.raises(ValueError, match="target_epsilon must be a number > 0"):
+        accountant.max_steps(0.0, DELTA, noise_multiplier=1.0, sample_rate=0.01, limit=10)
+    with pytest.raises(ValueError, match="limit must be an integer >= 0"):
+        accountant.max_steps(1.0, DELTA, noise_multiplier=1.0, sample_rate=0.01, limit=-1)
+
+
+# --------------------------------------------------------------------------- checkpointing
+
+
+def _torch_round_trip(state):
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+@pytest.mark.parametrize("round_trip", [lambda s: json.loads(json.dumps(s)), _torch_round_trip], ids=["json", "torch"])
+@pytest.mark.parametrize(("name", "config"), ACCOUNTANT_CONFIGS)
+def test_state_dict_round_trip_is_exact(name, config, round_trip):
+    history = HISTORIES["mixed_with_unsampled"] + [(1.0, 256 / 60000, 3)]
+    original = _filled(name, config, history)
+    state = original.state_dict()
+    assert state["name"] == name
+    assert state["history"] == [list(entry) for entry in history]
+
+    restored = get_accountant(name)  # default configuration, overwritten by the state
+    restored.load_state_dict(round_trip(state))
+    clear_caches()  # the restored number must not depend on a cache
+    assert restored.history == original.history
+    assert restored.state_dict() == state
+    assert len(restored) == len(original)
+    assert restored.get_epsilon(DELTA) == original.get_epsilon(DELTA)
+    # Resume: further steps continue the same run-length encoding.
+    original.step(noise_multiplier=1.0, sample_rate=256 / 60000)
+    restored.step(noise_multiplier=1.0, sample_rate=256 / 60000)
+    assert restored.history == original.history
+    assert restored.get_epsilon(DELTA) == original.get_epsilon(DELTA)
+
+
+def test_state_dict_saves_configuration():
+    state = PLDAccountant(value_discretization_interval=1e-3).state_dict()
+    assert state["value_discretization_interval"] == 1e-3
+    restored = PLDAccountant()
+    restored.load_state_dict(state)
+    assert restored.value_discretization_interval == 1e-3
+    assert RDPAccountant(orders=[2, 4.5, 8]).state_dict()["orders"] == [2.0, 4.5, 8.0]
+
+
+def test_loading_another_accountants_state_raises():
+    state = _filled("rdp", {}, [(1.0, 0.01, 3)]).state_dict()
+    accountant = get_accountant("pld")
+    with pytest.raises(ValueError, match=r"saved by the 'rdp' accountant into the 'pld' accountant"):
+        accountant.load_state_dict(state)
+    assert len(accountant) == 0
+
+
+def test_loading_malformed_state_raises():
+    accountant = get_accountant("rdp")
+    with pytest.raises(ValueError, match=r"history entry must be \[sigma, q, num_steps\]"):
+        accountant.load_state_dict({"name": "rdp", "history": [[1.0, 0.01]]})
+    with pytest.raises(ValueError, match="sample_rate"):
+        accountant.load_state_dict({"name": "rdp", "history": [[1.0, 2.0, 1]]})
+
+
+# --------------------------------------------------------------------------- step budgets
+
+
+@pytest.mark.parametrize(("name", "config"), ACCOUNTANT_CONFIGS)
+@pytest.mark.parametrize(("target", "limit"), [(1.0, 10_000), (0.3, 10_000), (50.0, 300)])
+def test_max_steps_is_the_exact_budget(name, config, target, limit):
+    accountant = _filled(name, config, [(2.0, 0.05, 10)])  # spend continues an existing history
+    sigma, q = 1.0, 0.02
+    k = accountant.max_steps(target, DELTA, noise_multiplier=sigma, sample_rate=q, limit=limit)
+    assert 0 <= k <= limit
+    if k > 0:
+        assert accountant.epsilon_after(DELTA, noise_multiplier=sigma, sample_rate=q, num_steps=k) <= target
+    if k < limit:
+        assert accountant.epsilon_after(DELTA, noise_multiplier=sigma, sample_rate=q, num_steps=k + 1) > target
+    if target == 50.0:
+        assert k == limit
+    assert len(accountant) == 10  # nothing recorded
+
+
+def test_max_steps_edge_cases():
+    accountant = _filled("rdp", {}, [(1.0, 0.01, 100)])
+    spent = accountant.get_epsilon(DELTA)
+    kwargs = {"noise_multiplier": 1.0, "sample_rate": 0.01}
+    assert accountant.max_steps(spent / 2, DELTA, limit=100, **kwargs) == 0  # already over budget
+    assert accountant.max_steps(100.0, DELTA, limit=0, **kwargs) == 0
+    assert accountant.max_steps(100.0, DELTA, limit=1, **kwargs) == 1
+    next_step = accountant.epsilon_after(DELTA, num_steps=1, **kwargs)
+    assert accountant.max_steps(next_step, DELTA, limit=50, **kwargs) >= 1  # the boundary itself fits

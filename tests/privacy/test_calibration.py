@@ -1,0 +1,151 @@
+"""Tests of noise calibration: never above the target, never wastefully far below it."""
+
+import itertools
+import math
+
+import pytest
+
+from lightning_dp.privacy.accounting import get_accountant
+from lightning_dp.privacy.calibration import (
+    MAX_NOISE_MULTIPLIER,
+    _bracket_and_bisect,
+    calibrate_noise_multiplier,
+    steps_for_epochs,
+)
+
+DELTA = 1e-5
+TOLERANCE = 0.01
+# The coarser PLD grid keeps the 16-point grid fast; the default grid is tested separately.
+ACCOUNTANT_CONFIGS = [("pld", {"value_discretization_interval": 1e-3}), ("rdp", {})]
+GRID = list(itertools.product([0.5, 1.0, 3.0, 8.0], [0.004, 0.05], [100, 1000]))
+
+
+def _spend(name, config, sigma, sample_rate, steps):
+    return get_accountant(name, **config).epsilon_after(
+        DELTA, noise_multiplier=sigma, sample_rate=sample_rate, num_steps=steps
+    )
+
+
+def _check_calibrated(name, config, target_epsilon, sample_rate, steps, tolerance=TOLERANCE):
+    sigma = calibrate_noise_multiplier(
+        target_epsilon=target_epsilon,
+        target_delta=DELTA,
+        sample_rate=sample_rate,
+        steps=steps,
+        accountant=name,
+        accountant_kwargs=config,
+        tolerance=tolerance,
+    )
+    assert _spend(name, config, sigma, sample_rate, steps) <= target_epsilon
+    assert _spend(name, config, sigma * (1 - 2 * tolerance), sample_rate, steps) > target_epsilon
+    return sigma
+
+
+@pytest.mark.parametrize(("name", "config"), ACCOUNTANT_CONFIGS, ids=["pld", "rdp"])
+def test_calibration_grid_is_tight_and_never_above_target(name, config):
+    sigmas = {}
+    for target_epsilon, sample_rate, steps in GRID:
+        sigmas[target_epsilon, sample_rate, steps] = _check_calibrated(name, config, target_epsilon, sample_rate, steps)
+    # More budget needs less noise; more steps or a larger sampling rate need more.
+    for (eps, q, steps), sigma in sigmas.items():
+        if eps < 8.0:
+            larger_budget = {0.5: 1.0, 1.0: 3.0, 3.0: 8.0}[eps]
+            assert sigmas[larger_budget, q, steps] < sigma
+        assert sigma < sigmas[eps, q, 1000] or steps == 1000
+        assert sigma < sigmas[eps, 0.05, steps] or q == 0.05
+
+
+@pytest.mark.parametrize("guess", [0.2, 1.0, 30.0, 5000.0])
+@pytest.mark.parametrize("tolerance", [0.01, 0.2])
+def test_bracket_and_bisect_on_a_known_curve(guess, tolerance):
+    # spend(sigma) = 10 / sigma: the smallest sigma within target 0.5 is exactly 20.
+    calls = []
+
+    def spend(sigma):
+        calls.append(sigma)
+        return 10.0 / sigma
+
+    sigma = _bracket_and_bisect(spend, 0.5, guess, tolerance, "test")
+    assert spend(sigma) <= 0.5
+    assert 20.0 <= sigma <= 20.0 * (1 + tolerance)
+    assert len(calls) < 40
+
+
+def test_calibration_with_default_pld_configuration():
+    sigma = _check_calibrated("pld", {}, 1.0, 0.05, 1000)
+    # PLD is tighter than RDP, so it needs no more noise than RDP for the same budget.
+    rdp_sigma = calibrate_noise_multiplier(
+        target_epsilon=1.0, target_delta=DELTA, sample_rate=0.05, steps=1000, accountant="rdp"
+    )
+    assert sigma <= rdp_sigma
+
+
+def test_calibration_of_unsampled_gaussian_matches_closed_form():
+    # One Gaussian release with q == 1: the tight (Balle & Wang 2018) sigma for eps = 1,
+    # delta = 1e-5 is about 3.73; PLD reproduces it within the tolerance.
+    sigma = _check_calibrated("pld", {"value_discretization_interval": 1e-3}, 1.0, 1.0, 1)
+    assert sigma == pytest.approx(3.73, rel=0.03)
+
+
+def test_coarser_tolerance_is_respected():
+    _check_calibrated("rdp", {}, 2.0, 0.01, 500, tolerance=0.1)
+
+
+def test_unreachable_target_raises():
+    with pytest.raises(ValueError, match=rf"unreachable.*noise_multiplier={MAX_NOISE_MULTIPLIER:g}"):
+        calibrate_noise_multiplier(
+            target_epsilon=1e-4, target_delta=DELTA, sample_rate=1.0, steps=1000, accountant="rdp"
+        )
+    with pytest.raises(ValueError, match="unreachable"):
+        calibrate_noise_multiplier(
+            target_epsilon=1e-4,
+            target_delta=DELTA,
+            sample_rate=1.0,
+            steps=1000,
+            accountant="pld",
+            accountant_kwargs={"value_discretization_interval": 1e-3},
+        )
+
+
+def test_too_loose_target_raises():
+    with pytest.raises(ValueError, match="too loose"):
+        calibrate_noise_multiplier(target_epsilon=1e6, target_delta=DELTA, sample_rate=0.01, steps=10, accountant="rdp")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"target_epsilon": 0.0}, r"target_epsilon must be a number > 0, got 0\.0"),
+        ({"target_epsilon": -1.0}, "target_epsilon"),
+        ({"target_epsilon": math.inf}, "target_epsilon must be finite"),
+        ({"target_delta": 0.0}, r"target_delta must be a number in \(0, 1\)"),
+        ({"target_delta": 1.0}, "target_delta"),
+        ({"sample_rate": 0.0}, r"sample_rate must be a number in \(0, 1\]"),
+        ({"sample_rate": 1.01}, "sample_rate"),
+        ({"steps": 0}, r"steps must be an integer >= 1, got 0"),
+        ({"steps": 10.0}, "steps"),
+        ({"tolerance": 0.0}, r"tolerance must be a number in \(0, 1\)"),
+        ({"tolerance": 1.0}, "tolerance"),
+        ({"accountant": "moments"}, r"Unknown accountant 'moments'.*\['pld', 'rdp'\]"),
+        ({"accountant_kwargs": {"value_discretization_interval": -1.0}}, "value_discretization_interval"),
+        ({"accountant_kwargs": [1e-3]}, "accountant_kwargs must be a dict"),
+    ],
+)
+def test_bad_inputs_raise(kwargs, message):
+    arguments = {"target_epsilon": 1.0, "target_delta": DELTA, "sample_rate": 0.01, "steps": 100, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        calibrate_noise_multiplier(**arguments)
+
+
+@pytest.mark.parametrize(
+    ("epochs", "sample_rate", "expected"),
+    [(1, 0.01, 100), (3, 256 / 60000, 3 * 235), (2, 1.0, 2), (1, 0.3, 4), (5, 1 / 3, 15), (1, 0.004, 250)],
+)
+def test_steps_for_epochs(epochs, sample_rate, expected):
+    assert steps_for_epochs(epochs=epochs, sample_rate=sample_rate) == expected
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [({"epochs": 0}, "epochs"), ({"sample_rate": 0.0}, "sample_rate")])
+def test_steps_for_epochs_rejects_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        steps_for_epochs(**{"epochs": 1, "sample_rate": 0.01, **kwargs})

@@ -1,0 +1,230 @@
+"""The `lightning-dp` command: fit/validate/test from YAML, recorded in MLflow."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import mlflow
+import pytest
+import torch
+import yaml
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_dp
+from lightning_dp import cli
+from lightning_dp.models import DigitsConvNet, ImageClassifier
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class TinyDigits(L.LightningDataModule):
+    """64 random 1x8x8 images with labels in 0..9 (a stand-in for the digits)."""
+
+    def __init__(self, n: int = 64, batch_size: int = 16) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+    def setup(self, stage: str) -> None:
+        g = torch.Generator().manual_seed(0)
+        n = self.hparams.n
+        self.data = TensorDataset(torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g))
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.data, batch_size=self.hparams.batch_size)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.data, batch_size=self.hparams.batch_size)
+
+    def test_dataloader(self) -> DataLoader:
+        return DataLoader(self.data, batch_size=self.hparams.batch_size)
+
+
+CONFIG = {
+    "model": {
+        "class_path": "lightning_dp.models.ImageClassifier",
+        "init_args": {"network": {"class_path": "lightning_dp.models.DigitsConvNet"}, "lr": 0.05},
+    },
+    "data": {"class_path": f"{__name__}.TinyDigits", "init_args": {"batch_size": 16}},
+    "trainer": {
+        "max_steps": 2,
+        "log_every_n_steps": 1,
+        "limit_val_batches": 1,
+        "limit_test_batches": 1,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "accelerator": "cpu",
+        "devices": 1,
+    },
+}
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch) -> Path:
+    """Empty working directory, no MLFLOW_TRACKING_URI, no pytest arguments in sys.argv."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setattr(sys, "argv", ["lightning-dp"])
+    return tmp_path.resolve()
+
+
+@pytest.fixture(scope="module")
+def store_template(tmp_path_factory) -> Path:
+    """An MLflow database created once (creating the tables takes seconds); tests start from copies."""
+    root = tmp_path_factory.mktemp("store-template").resolve()
+    mlflow.MlflowClient(f"sqlite:///{root}/mlflow.db").search_experiments()
+    return root / "mlflow.db"
+
+
+def _seed(template: Path, database: Path) -> None:
+    """Put a ready (empty) MLflow database at ``database``."""
+    database.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(template, database)
+
+
+def _write_config(path: Path, **trainer_overrides) -> Path:
+    config = yaml.safe_load(yaml.safe_dump(CONFIG))
+    config["trainer"].update(trainer_overrides)
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _runs(tracking_uri: str, experiment: str = "lightning-dp") -> list:
+    client = mlflow.MlflowClient(tracking_uri)
+    found = client.get_experiment_by_name(experiment)
+    assert found is not None, f"no experiment {experiment!r} in {tracking_uri}"
+    return client.search_runs([found.experiment_id], order_by=["attributes.start_time ASC"])
+
+
+def _artifact_paths(client: mlflow.MlflowClient, run_id: str, path: str | None = None) -> set[str]:
+    found = set()
+    for info in client.list_artifacts(run_id, path):
+        found |= _artifact_paths(client, run_id, info.path) if info.is_dir else {info.path}
+    return found
+
+
+def _assert_recorded_fit(tracking_uri: str, run, workdir: Path, lr: float = 0.05) -> None:
+    client = mlflow.MlflowClient(tracking_uri)
+    assert run.info.status == "FINISHED"
+    params = run.data.params
+    assert params["lr"] == str(lr)
+    assert params["network_class"] == "lightning_dp.models.networks.DigitsConvNet"
+    assert params["batch_size"] == "16"  # the datamodule's hyperparameters
+    assert params["versions/torch"] == torch.__version__
+    assert params["versions/lightning"] == L.__version__
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    assert [m.step for m in history] == [0, 1]
+    assert _artifact_paths(client, run.info.run_id) >= {"config.yaml", "checkpoints/final.ckpt"}
+    text = Path(client.download_artifacts(run.info.run_id, "config.yaml", str(workdir))).read_text()
+    assert f"# lightning-dp=={lightning_dp.__version__}" in text.splitlines()[:3]
+    config = yaml.safe_load(text)
+    assert config["model"]["init_args"]["lr"] == lr
+    assert config["model"]["init_args"]["network"]["class_path"] == "lightning_dp.models.DigitsConvNet"
+    assert config["trainer"]["logger"]["class_path"] == "lightning_dp.tracking.MLFlowLogger"
+
+
+def test_fit_records_params_metrics_config_and_checkpoint(workdir: Path, store_template: Path, capsys) -> None:
+    _seed(store_template, workdir / "mlruns" / "mlflow.db")
+    config = _write_config(workdir / "run.yaml")
+    assert cli.main(["fit", "--config", str(config)]) is None
+
+    uri = f"sqlite:///{workdir}/mlruns/mlflow.db"
+    (run,) = _runs(uri)
+    _assert_recorded_fit(uri, run, workdir)
+    printed = capsys.readouterr().out
+    assert f"MLflow run {run.info.run_id}" in printed
+    assert f"tracking URI: {uri}" in printed
+    assert f"mlflow ui --backend-store-uri {uri}" in printed
+    assert not (workdir / "mlruns" / "config.yaml").exists()  # the config goes to MLflow only
+
+    # The final checkpoint is complete: it loads back and `test --ckpt_path` re-creates the model from it.
+    client = mlflow.MlflowClient(uri)
+    checkpoint = client.download_artifacts(run.info.run_id, "checkpoints/final.ckpt", str(workdir))
+    model = ImageClassifier.load_from_checkpoint(checkpoint, network=DigitsConvNet())
+    assert model.hparams.lr == 0.05
+    assert torch.load(checkpoint, weights_only=False)["global_step"] == 2
+
+    # A second command in the same folder (config.yaml already logged, log dir reused) does not fail.
+    cli.main(["test", "--config", str(config), "--ckpt_path", checkpoint])
+    fit_run, test_run = _runs(uri)
+    assert fit_run.info.run_id == run.info.run_id
+    assert {"test/loss", "test/acc"} <= set(test_run.data.metrics)
+    assert "config.yaml" in _artifact_paths(client, test_run.info.run_id)
+
+
+def test_config_chooses_logger_and_command_line_overrides(workdir: Path, store_template: Path) -> None:
+    _seed(store_template, workdir / "store" / "mlflow.db")
+    config = _write_config(
+        workdir / "run.yaml",
+        logger={
+            "class_path": "lightning_dp.tracking.MLFlowLogger",
+            "init_args": {"experiment_name": "custom", "run_name": "r1", "save_dir": "store"},
+        },
+    )
+    cli.main(["fit", "--config", str(config), "--model.init_args.lr=0.02"])
+    (run,) = _runs(f"sqlite:///{workdir}/store/mlflow.db", experiment="custom")
+    assert run.info.run_name == "r1"
+    assert run.data.params["lr"] == "0.02"
+    assert not (workdir / "mlruns").exists()
+
+    # Without a logger nothing is tracked, and nothing breaks.
+    no_logger = _write_config(workdir / "plain.yaml", logger=False, enable_checkpointing=False)
+    cli.main(["fit", "--config", str(no_logger)])
+    assert not (workdir / "mlruns").exists()
+
+
+def test_command_line_subprocess_uses_mlflow_tracking_uri(workdir: Path, store_template: Path) -> None:
+    config = _write_config(workdir / "run.yaml")
+    uri = f"sqlite:///{workdir}/server/tracking.db"
+    _seed(store_template, workdir / "server" / "tracking.db")
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), *sys.path])}
+    executable = shutil.which("lightning-dp")
+    command = [executable] if executable else [sys.executable, "-m", "lightning_dp.cli"]
+    done = subprocess.run(
+        [*command, "fit", "--config", str(config)], cwd=workdir, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run,) = _runs(uri)
+    _assert_recorded_fit(uri, run, workdir)
+    assert f"MLflow run {run.info.run_id}" in done.stdout
+    assert f"mlflow ui --backend-store-uri {uri}" in done.stdout
+    assert not (workdir / "mlruns" / "mlflow.db").exists()  # ./mlruns only holds ModelCheckpoint's files
+
+
+def test_subcommands_and_reserved_extra_commands(workdir: Path, monkeypatch, capsys) -> None:
+    assert set(cli.LightningDPCLI.subcommands()) == {"fit", "validate", "test"}
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["predict", "--config", str(_write_config(workdir / "run.yaml"))])
+    assert exit_info.value.code != 0
+    calls = []
+    monkeypatch.setitem(cli.EXTRA_COMMANDS, "grid", lambda argv: calls.append(argv) or 3)
+    assert cli.main(["grid", "sweep.yaml", "--jobs=2"]) == 3
+    assert calls == [["sweep.yaml", "--jobs=2"]]
+
+
+def test_example_digits_baseline_runs(workdir: Path, store_template: Path) -> None:
+    _seed(store_template, workdir / "mlruns" / "mlflow.db")
+    pytest.importorskip("sklearn")
+    datamodules = pytest.importorskip("lightning_dp.datamodules")
+    if not hasattr(datamodules, "DigitsDataModule"):
+        pytest.skip("DigitsDataModule is not available")
+    example = REPO_ROOT / "examples" / "digits_nonprivate.yaml"
+    cli.main(
+        [
+            "fit",
+            "--config",
+            str(example),
+            "--trainer.max_epochs=1",
+            "--trainer.limit_train_batches=3",
+            "--trainer.limit_val_batches=1",
+            "--trainer.log_every_n_steps=1",
+            "--trainer.enable_progress_bar=false",
+        ]
+    )
+    (run,) = _runs(f"sqlite:///{workdir}/mlruns/mlflow.db", experiment="digits-baselines")
+    assert run.info.run_name == "digits-nonprivate"
+    assert {"train/loss", "val/acc"} <= set(run.data.metrics)

@@ -1,0 +1,176 @@
+"""MLflow defaults (embedded SQLite store, MLFLOW_TRACKING_URI wins) and the helpers callbacks use."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning as L
+import mlflow
+import pytest
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_dp import tracking
+from lightning_dp.tracking import MLFlowLogger
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch) -> Path:
+    """Run in an empty working directory with no MLFLOW_TRACKING_URI."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    return tmp_path.resolve()
+
+
+@pytest.fixture(scope="module")
+def store_template(tmp_path_factory) -> Path:
+    """An empty MLflow database created once by MLFlowLogger's defaults (creating the tables takes seconds).
+
+    Tests copy it instead of creating their own; it holds no experiment of ours.
+    """
+    root = tmp_path_factory.mktemp("store-template").resolve()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("MLFLOW_TRACKING_URI", raising=False)
+        logger = MLFlowLogger(save_dir=str(root / "mlruns"))
+    assert logger.tracking_uri == f"sqlite:///{root}/mlruns/mlflow.db"
+    logger._mlflow_client.search_experiments()  # creates the tables, not the experiment
+    return root / "mlruns" / "mlflow.db"
+
+
+def _seed(template: Path, folder: Path) -> None:
+    """Give ``folder`` a ready MLflow database (a copy of the template) named mlflow.db."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(template, folder / "mlflow.db")
+
+
+class _NoClient:
+    """Stands in for MlflowClient where a test only checks URIs (no database is created)."""
+
+    def __init__(self, tracking_uri: str) -> None:
+        self.tracking_uri = tracking_uri
+
+
+def _artifact_paths(client: mlflow.MlflowClient, run_id: str, path: str | None = None) -> set[str]:
+    found = set()
+    for info in client.list_artifacts(run_id, path):
+        found |= _artifact_paths(client, run_id, info.path) if info.is_dir else {info.path}
+    return found
+
+
+def test_default_store_is_sqlite_under_mlruns(in_tmp: Path) -> None:
+    uri = tracking.default_tracking_uri()
+    assert uri == f"sqlite:///{in_tmp}/mlruns/mlflow.db"
+    assert (in_tmp / "mlruns").is_dir()
+    assert tracking.default_artifact_location() == (in_tmp / "mlruns" / "artifacts").as_uri()
+    assert tracking.default_artifact_location().startswith("file:///")
+    assert tracking.default_tracking_uri(in_tmp / "elsewhere") == f"sqlite:///{in_tmp}/elsewhere/mlflow.db"
+    assert tracking.ui_command() == f"mlflow ui --backend-store-uri sqlite:///{in_tmp}/mlruns/mlflow.db"
+
+
+def test_environment_variable_wins(in_tmp: Path, monkeypatch) -> None:
+    monkeypatch.setattr(mlflow.tracking, "MlflowClient", _NoClient)
+    target = f"sqlite:///{in_tmp}/server/other.db"
+    (in_tmp / "server").mkdir()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", target)
+    assert tracking.default_tracking_uri() == target
+    assert tracking.default_artifact_location() is None
+    assert not (in_tmp / "mlruns").exists()  # nothing created for the embedded store
+    logger = MLFlowLogger()
+    assert logger.tracking_uri == target
+    assert tracking.ui_command() == f"mlflow ui --backend-store-uri {target}"
+    # An explicit argument beats the environment.
+    explicit = f"sqlite:///{in_tmp}/explicit.db"
+    assert MLFlowLogger(tracking_uri=explicit).tracking_uri == explicit
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.example:5000")
+    assert tracking.ui_command() == "http://mlflow.example:5000"
+
+
+def test_logger_records_metric_param_and_artifact(in_tmp: Path, store_template: Path) -> None:
+    _seed(store_template, in_tmp / "mlruns")
+    logger = MLFlowLogger(run_name="smoke")
+    assert logger.tracking_uri == f"sqlite:///{in_tmp}/mlruns/mlflow.db"
+    assert logger.save_dir == str(in_tmp / "mlruns")
+    logger.log_hyperparams({"lr": 0.1, "network": {"activation": "tanh"}})
+    logger.log_metrics({"train/loss": 1.5}, step=3)
+    local = in_tmp / "note.txt"
+    local.write_text("hello")
+    logger.experiment.log_artifact(logger.run_id, str(local), "notes")
+    logger.finalize("success")
+
+    client = mlflow.MlflowClient(logger.tracking_uri)
+    run = client.get_run(logger.run_id)
+    assert client.get_experiment(run.info.experiment_id).name == "lightning-dp"
+    assert run.info.run_name == "smoke"
+    assert run.info.status == "FINISHED"
+    assert run.data.params == {"lr": "0.1", "network/activation": "tanh"}
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/loss")] == [(3, 1.5)]
+    assert _artifact_paths(client, run.info.run_id) == {"notes/note.txt"}
+    assert run.info.artifact_uri.startswith((in_tmp / "mlruns" / "artifacts").as_uri())
+    assert (in_tmp / "mlruns" / "artifacts" / run.info.run_id / "artifacts" / "notes" / "note.txt").is_file()
+
+
+def test_helpers_reach_every_logger_on_rank_zero(in_tmp: Path, store_template: Path) -> None:
+    _seed(store_template, in_tmp / "mlruns")
+    mlf = MLFlowLogger(experiment_name="helpers")
+    csv = CSVLogger(in_tmp / "csv")
+    trainer = L.Trainer(logger=[csv, mlf], enable_progress_bar=False, enable_model_summary=False)
+    assert tracking.mlflow_loggers(trainer) == [mlf]
+
+    tracking.log_params(trainer, {"versions/torch": "x.y"})
+    tracking.log_text(trainer, "a: 1\n", "config.yaml")
+    figure = tracking.plot_series([0, 1, 2], [0.0, 0.5, 0.7], xlabel="step", ylabel="epsilon", title="spend")
+    tracking.log_figure(trainer, figure, "plots/epsilon.png")
+    checkpoint = in_tmp / "final.ckpt"
+    checkpoint.write_bytes(b"\x00" * 8)
+    tracking.log_artifact(trainer, checkpoint, "checkpoints")
+    folder = in_tmp / "audit"
+    folder.mkdir()
+    (folder / "histogram.txt").write_text("1 2 3")
+    tracking.log_artifact(trainer, folder, "audit")
+
+    client = mlflow.MlflowClient(mlf.tracking_uri)
+    assert client.get_run(mlf.run_id).data.params == {"versions/torch": "x.y"}
+    assert csv.experiment.hparams == {"versions/torch": "x.y"}
+    assert _artifact_paths(client, mlf.run_id) == {
+        "config.yaml",
+        "plots/epsilon.png",
+        "checkpoints/final.ckpt",
+        "audit/histogram.txt",
+    }
+    text = Path(client.download_artifacts(mlf.run_id, "config.yaml", str(in_tmp))).read_text()
+    assert text == "a: 1\n"
+    png = Path(client.download_artifacts(mlf.run_id, "plots/epsilon.png", str(in_tmp))).read_bytes()
+    assert png.startswith(b"\x89PNG")
+
+
+def test_helpers_do_nothing_without_mlflow_or_off_rank_zero(in_tmp: Path, monkeypatch) -> None:
+    monkeypatch.setattr(mlflow.tracking, "MlflowClient", _NoClient)
+    no_logger = L.Trainer(logger=False, enable_progress_bar=False)
+    assert tracking.mlflow_loggers(no_logger) == []
+    for trainer in (no_logger, SimpleNamespace(loggers=[MLFlowLogger()], is_global_zero=False)):
+        tracking.log_text(trainer, "x", "x.txt")
+        tracking.log_params(trainer, {"a": 1})
+        tracking.log_artifact(trainer, in_tmp / "missing-file", None)
+        tracking.log_figure(trainer, None, "x.png")
+    off_rank_logger = trainer.loggers[0]
+    assert off_rank_logger._initialized is False  # the experiment (MLflow client) was never touched
+
+
+def test_plot_series_and_library_versions() -> None:
+    figure = tracking.plot_series(range(4), [1, 2, 3, 4], xlabel="round", ylabel="eps", title="t")
+    (axes,) = figure.axes
+    assert (axes.get_xlabel(), axes.get_ylabel(), axes.get_title()) == ("round", "eps", "t")
+    assert list(axes.lines[0].get_ydata()) == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match="steps has 2 entries but values has 3"):
+        tracking.plot_series([0, 1], [1, 2, 3], xlabel="x", ylabel="y", title="t")
+
+    versions = tracking.library_versions()
+    assert {"torch", "lightning", "torchmetrics", "mlflow", "numpy", "lightning-dp"} <= set(versions)
+    assert versions["lightning"] == L.__version__
+    assert all(isinstance(v, str) and v for v in versions.values())
+
+
+def test_logger_rejects_bad_log_model(in_tmp: Path) -> None:
+    with pytest.raises(ValueError, match="log_model='some'"):
+        MLFlowLogger(log_model="some")
