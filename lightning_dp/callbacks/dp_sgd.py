@@ -35,10 +35,11 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
 from lightning_dp.privacy.accounting import get_accountant
 from lightning_dp.privacy.calibration import calibrate_noise_multiplier
@@ -150,6 +151,7 @@ class DPSGD(Callback):
         self._curve: list[tuple[int, float]] = []
         self._logged_step = -1
         self._loss_checked = False
+        self._batch_size = 0
 
     # ----------------------------------------------------------- properties
     @property
@@ -250,6 +252,10 @@ class DPSGD(Callback):
                 f"expected batch size {expected} (batch_size={loader.batch_size} x {world} processes) exceeds the "
                 f"training set size N={n}; lower batch_size.")
         q = expected / n
+        if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)) and self.poisson_sampling:
+            rank_zero_warn(f"DPSGD replaces the training DataLoader's {type(loader.sampler).__name__} by Poisson "
+                           "sampling (every example enters every batch with probability q); its own sampling is "
+                           "not used.")
         self._data = {"dataset_size": n, "sample_rate": q, "expected_batch_size": expected,
                       "steps_per_epoch": math.ceil(n / expected) if self.poisson_sampling else len(loader)}
         if not self.poisson_sampling:
@@ -347,6 +353,7 @@ class DPSGD(Callback):
                 f"DPSGD: the privacy budget target_epsilon={self.target_epsilon} is spent (epsilon="
                 f"{self.epsilon:.4g}) but training continued; refusing to release another step.")
         assert self._engine is not None
+        self._batch_size = extract_batch_size(batch)
         self._engine.start()
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
@@ -368,6 +375,12 @@ class DPSGD(Callback):
         assert engine is not None and self._sigma is not None
         engine.stop()
         engine.check_parameter_gradients()
+        if engine.batch_size() != self._batch_size:
+            raise MisconfigurationException(
+                f"the layers with trainable parameters saw {engine.batch_size()} rows in dimension 0 but the batch "
+                f"holds {self._batch_size} examples. Per-sample clipping needs the batch dimension first in every "
+                "such layer (a model that flattens (B, T, d) to (B*T, d) would clip tokens, not examples, and "
+                "under-state the sensitivity). Keep dimension 0 as the batch, e.g. apply nn.Linear to (B, T, d).")
         norms = engine.per_sample_norms()
         sums = engine.clipped_sum(clip_factors(norms, self.max_grad_norm))
         engine.clear()

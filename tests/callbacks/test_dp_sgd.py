@@ -263,3 +263,27 @@ def test_shuffled_batches_are_accounted_per_epoch_without_amplification():
     acc = dpa.pld.PLDAccountant()
     acc.compose(dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(2.0), 2))
     assert dp.epsilon == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)
+
+
+def test_model_flattening_the_batch_dimension_is_refused():
+    """(B, T, d) -> (B*T, d) before every layer would clip tokens instead of examples."""
+
+    class Tokens(Classifier):
+        def __init__(self):
+            super().__init__(net=nn.Linear(3, 3))
+
+        def forward(self, x):
+            return self.net(x.reshape(-1, 3)).reshape(x.shape[0], 2, 3).mean(1)
+
+    with pytest.raises(MisconfigurationException, match="clip tokens"):
+        trainer(max_steps=1, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)]).fit(Tokens(), BlobsData(d=6))
+
+
+def test_custom_sampler_replacement_is_announced():
+    class Weighted(BlobsData):
+        def train_dataloader(self):
+            sampler = torch.utils.data.WeightedRandomSampler(torch.ones(len(self.train_set)), len(self.train_set))
+            return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler)
+
+    with pytest.warns(UserWarning, match="WeightedRandomSampler"):
+        trainer(max_steps=1, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)]).fit(Classifier(), Weighted())
