@@ -190,6 +190,11 @@ class DPSGD(Callback):
             raise MisconfigurationException(
                 f"min_steps={trainer.min_steps} / min_epochs={trainer.min_epochs} conflict with target_epsilon: "
                 "Lightning would keep training after the budget is spent. Remove min_steps/min_epochs.")
+        if str(trainer.precision) not in ("32-true", "64-true", "32", "64"):
+            raise MisconfigurationException(
+                f"precision={trainer.precision!r} is not supported by DPSGD yet: per-sample norms computed in half "
+                "precision (or on gradients scaled by a GradScaler) can exceed the clipping threshold C, which would "
+                "under-state the sensitivity. Use Trainer(precision='32-true').")
         if not self.poisson_sampling and trainer.world_size > 1:
             raise MisconfigurationException(
                 "poisson_sampling=False is not supported under DDP (DistributedSampler repeats examples to pad "

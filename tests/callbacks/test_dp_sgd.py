@@ -221,6 +221,12 @@ def test_gradient_accumulation_refused():
             Classifier(), BlobsData())
 
 
+def test_half_precision_refused():
+    with pytest.raises(MisconfigurationException, match="precision='bf16-mixed'"):
+        trainer(max_steps=1, precision="bf16-mixed", callbacks=[DPSGD(noise_multiplier=1.0, seed=0)]).fit(
+            Classifier(), BlobsData())
+
+
 def test_model_without_trainable_parameters_refused():
     model = Classifier()
     model.net.requires_grad_(False)
@@ -287,3 +293,24 @@ def test_custom_sampler_replacement_is_announced():
 
     with pytest.warns(UserWarning, match="WeightedRandomSampler"):
         trainer(max_steps=1, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)]).fit(Classifier(), Weighted())
+
+
+def test_exact_resume_from_mid_epoch_checkpoint(tmp_path):
+    """A checkpoint written in the middle of an epoch (step 23 of 45, epoch = 15 steps) resumes the same
+    batches and noise, ending with the epsilon and parameters of the uninterrupted run."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    torch.manual_seed(0)
+    full_model = Classifier()
+    full_dp = DPSGD(noise_multiplier=1.0, max_grad_norm=0.5, seed=11)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=23, save_top_k=-1,
+                           filename="{step}")
+    t1 = trainer(max_epochs=3, callbacks=[full_dp, ckpt], enable_checkpointing=True, default_root_dir=tmp_path)
+    t1.fit(full_model, BlobsData(n=150, batch_size=10))
+    assert t1.global_step == 45
+    t2, resumed_model, resumed_dp = _fit(tmp_path, 3, ckpt=str(tmp_path / "ckpts" / "step=23.ckpt"), name="resumed")
+    assert t2.global_step == 45
+    assert resumed_dp.accountant.history == full_dp.accountant.history
+    assert resumed_dp.epsilon == full_dp.epsilon
+    for a, b in zip(full_model.parameters(), resumed_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
