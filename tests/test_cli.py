@@ -228,3 +228,36 @@ def test_example_digits_baseline_runs(workdir: Path, store_template: Path) -> No
     (run,) = _runs(f"sqlite:///{workdir}/mlruns/mlflow.db", experiment="digits-baselines")
     assert run.info.run_name == "digits-nonprivate"
     assert {"train/loss", "val/acc"} <= set(run.data.metrics)
+
+
+def test_dpsgd_digits_example_records_privacy_in_mlflow(workdir: Path, store_template: Path, capsys) -> None:
+    """The README's main job (examples/dpsgd_digits.yaml), shortened to 2 epochs."""
+    _seed(store_template, workdir / "mlruns" / "mlflow.db")
+    cli.main(["fit", "--config", str(REPO_ROOT / "examples" / "dpsgd_digits.yaml"), "--trainer.max_epochs=2",
+              "--trainer.callbacks.init_args.epochs=2", "--trainer.enable_progress_bar=false",
+              "--trainer.log_every_n_steps=7"])
+    uri = f"sqlite:///{workdir}/mlruns/mlflow.db"
+    (run,) = _runs(uri, "dpsgd-digits")
+    client = mlflow.MlflowClient(uri)
+    params = run.data.params
+    assert params["privacy/target_epsilon"] == "3.0" and params["privacy/target_delta"] == "1e-05"
+    assert params["privacy/accountant"] == "pld" and params["privacy/max_grad_norm"] == "0.5"
+    sigma, q = float(params["privacy/noise_multiplier"]), float(params["privacy/sample_rate"])
+    steps = 2 * int(params["privacy/steps_per_epoch"])
+    eps = client.get_metric_history(run.info.run_id, "privacy/epsilon")
+    # every 7th step as Lightning writes metrics, plus the final value at the last step
+    assert [m.step for m in eps] == [s - 1 for s in range(7, steps + 1, 7)] + ([steps - 1] if steps % 7 else [])
+    from lightning_dp.privacy import get_accountant
+
+    acc = get_accountant("pld")
+    acc.step(noise_multiplier=sigma, sample_rate=q, num_steps=steps)
+    assert eps[-1].value == pytest.approx(acc.get_epsilon(1e-5), rel=1e-12) and eps[-1].value <= 3.0
+    for name in ("privacy/delta", "privacy/noise_multiplier", "privacy/max_grad_norm", "val/acc"):
+        assert client.get_metric_history(run.info.run_id, name), name
+    artifacts = _artifact_paths(client, run.info.run_id)
+    assert {"config.yaml", "checkpoints/final.ckpt", "privacy/epsilon.png"} <= artifacts
+    ckpt = torch.load(client.download_artifacts(run.info.run_id, "checkpoints/final.ckpt", str(workdir)),
+                      weights_only=False)
+    (state,) = [v for k, v in ckpt["callbacks"].items() if k.startswith("DPSGD")]
+    assert state["accountant"]["history"] == [[sigma, q, steps]]
+    assert "mlflow ui --backend-store-uri" in capsys.readouterr().out
