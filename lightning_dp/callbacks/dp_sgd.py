@@ -410,7 +410,10 @@ class DPSGD(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self._allowed_events is not None and self._events_taken >= self._allowed_events and not trainer.should_stop:
-            if self.poisson_sampling or batch_idx + 1 >= trainer.num_training_batches:
+            last_batch = batch_idx + 1 >= trainer.num_training_batches
+            planned_end = (0 < trainer.max_steps <= trainer.global_step) or (
+                last_batch and trainer.max_epochs is not None and trainer.current_epoch + 1 >= trainer.max_epochs)
+            if (self.poisson_sampling or last_batch) and not planned_end:
                 rank_zero_info(f"DPSGD: stopping after step {trainer.global_step}: the next step would exceed "
                                f"target_epsilon={self.target_epsilon} (spent {self.epsilon:.4f} at delta="
                                f"{self.target_delta}).")
