@@ -3,8 +3,10 @@
 All methods run in ONE process on the same model shape and the same batch, interleaved
 round by round so that machine noise hits every method alike; the report gives the
 median step time and its ratio to the non-private step measured in the same process.
-Peak memory is measured separately, one fresh subprocess per method, as the growth of
-the process' peak resident set size over 5 steps (CPU) or ``max_memory_allocated`` (CUDA).
+Peak memory is measured separately, one fresh subprocess per method: the peak resident
+set size over 5 steps above the resident size after set-up (CPU, Linux ``VmHWM`` reset
+through ``/proc/self/clear_refs``), or ``max_memory_allocated`` above the allocation after
+set-up (CUDA).
 
 Usage:
     python benchmarks/bench_dp_step.py                      # MNIST CNN (thesis Table 3.5), batch 256
@@ -149,16 +151,48 @@ def time_all(methods: list[str], batch_size: int, rounds: int, steps: int, devic
     return {m: statistics.median(v) for m, v in times.items()}
 
 
+def _rss_peak_mib() -> float:
+    """This process' peak resident set size (MiB) since the last :func:`_reset_rss_peak`."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _rss_now_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _reset_rss_peak() -> None:
+    # Linux: writing 5 to clear_refs resets VmHWM to the current RSS. (ru_maxrss is useless
+    # here: a child inherits its parent's high-water mark through fork.)
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def measure_memory(method: str, batch_size: int, device: str) -> float:
+    """MiB of peak memory above the state after set-up, over 5 steps (run in a fresh process)."""
+    fn = build(method, batch_size, device)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+    base = _rss_now_mib()
+    _reset_rss_peak()
+    for _ in range(5):
+        fn()
+    return _rss_peak_mib() - base
+
+
 def peak_memory(method: str, batch_size: int, device: str) -> float:
-    """MiB of peak memory growth over 5 steps, measured in a fresh process."""
-    code = (
-        "import sys, json, resource, torch; sys.path.insert(0, %r); import bench_dp_step as b;"
-        "fn = b.build(%r, %d, %r); r0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;"
-        "torch.cuda.reset_peak_memory_stats() if %r == 'cuda' else None;"
-        "[fn() for _ in range(5)];"
-        "peak = torch.cuda.max_memory_allocated() / 2**20 if %r == 'cuda' else "
-        "(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - r0) / 1024; print(json.dumps(peak))"
-    ) % (str(Path(__file__).parent), method, batch_size, device, device, device)
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); import bench_dp_step as b; "
+            f"print(b.measure_memory({method!r}, {batch_size}, {device!r}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])
 

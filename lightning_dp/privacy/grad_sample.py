@@ -21,7 +21,7 @@ backward pass in which
 
 Layers with a fast rule: ``nn.Linear`` (any number of middle dimensions),
 ``nn.Conv1d``/``2d``/``3d`` (any groups, padding mode, stride, dilation; per-sample
-gradients from one grouped weight-gradient convolution), ``nn.Embedding``.
+gradients from strided input windows and one einsum), ``nn.Embedding``.
 Every other module that owns trainable parameters directly (LayerNorm, GroupNorm,
 PReLU, custom modules, ...) falls back to ``torch.func`` (``vmap`` over ``vjp`` of the
 module alone), which is exact but slower.
@@ -88,13 +88,30 @@ def choose_layer_strategy(batch: int, positions: int, d_in: int, d_out: int, *, 
     return "ghost" if ghost < inst else "instantiate"
 
 
+class _JoinGraph(torch.autograd.Function):
+    """Makes a tensor computed without grad part of the graph, without copying it.
+
+    The output is marked dirty (as an in-place op would be), so it keeps its storage and
+    may itself be modified in place later (``nn.ReLU(inplace=True)``). ``anchor`` is a
+    0-dim leaf that requires grad; it only gives the node a reason to exist.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, output: Tensor, anchor: Tensor) -> Tensor:
+        ctx.mark_dirty(output)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
 @dataclass
 class _Call:
     """What one forward call of a hooked module left behind."""
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    frozen: bool
     grad_output: Tensor | None = None
 
 
@@ -154,6 +171,8 @@ class GradSampleEngine:
                 f"{type(module).__name__} has no trainable parameters (none with requires_grad=True); "
                 "there is nothing to train privately. Unfreeze at least one parameter.")
         self._recording = False
+        self._anchor = torch.zeros((), requires_grad=True)
+        self._buffers: dict[tuple[int, str], Tensor] = {}
         self._handles: list[Any] = []
         for layer in self.layers:
             self._handles.append(layer.module.register_forward_pre_hook(self._make_pre_hook(layer)))
@@ -169,14 +188,12 @@ class GradSampleEngine:
         def pre_hook(mod: nn.Module, args: tuple[Any, ...]) -> None:
             if not (self._recording and torch.is_grad_enabled()):
                 return
-            # Freeze the weights while this layer runs when its input carries the graph:
-            # autograd then computes only the input gradient. The first layer (input
-            # without grad) keeps its weights live so that its output joins the graph.
-            frozen = any(isinstance(a, Tensor) and a.requires_grad for a in args)
-            if frozen:
-                for _, p in layer.params:
-                    p.requires_grad_(False)
-            layer.calls.append(_Call(args=(), kwargs={}, frozen=frozen))
+            # Freeze the weights while this layer runs: autograd then computes only the
+            # input gradients the chain rule needs, not the batch weight gradient that the
+            # engine would throw away.
+            for _, p in layer.params:
+                p.requires_grad_(False)
+            layer.calls.append(_Call(args=(), kwargs={}))
         return pre_hook
 
     def _make_hook(self, layer: _Layer):
@@ -184,9 +201,8 @@ class GradSampleEngine:
             if not (self._recording and torch.is_grad_enabled()):
                 return
             call = layer.calls[-1]
-            if call.frozen:
-                for _, p in layer.params:
-                    p.requires_grad_(True)
+            for _, p in layer.params:
+                p.requires_grad_(True)
             if not isinstance(output, Tensor):
                 raise PerSampleGradientError(
                     f"module {layer.name} ({type(mod).__name__}) returned {type(output).__name__}; the "
@@ -194,10 +210,15 @@ class GradSampleEngine:
                     "tensor. Wrap the module or freeze its parameters.")
             call.args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
             call.kwargs = dict(kwargs)
-            if output.requires_grad:
-                def save_grad(grad: Tensor, call: _Call = call) -> None:
-                    call.grad_output = grad if call.grad_output is None else call.grad_output + grad
-                output.register_hook(save_grad)
+            if not output.requires_grad:
+                # no input carried the graph (typically the first layer): join the output to it
+                output = _JoinGraph.apply(output, self._anchor)
+
+            def save_grad(grad: Tensor, call: _Call = call) -> None:
+                call.grad_output = grad if call.grad_output is None else call.grad_output + grad
+
+            output.register_hook(save_grad)
+            return output
         return hook
 
     @contextlib.contextmanager
@@ -210,8 +231,15 @@ class GradSampleEngine:
             self.stop()
 
     def start(self) -> None:
-        """Clears the previous records and starts recording."""
+        """Clears the previous records and the parameters' ``.grad``, and starts recording.
+
+        While recording, autograd computes no gradient for the hooked parameters; a
+        ``.grad`` found after the backward pass therefore reveals a parameter used outside
+        its module (:meth:`check_parameter_gradients`).
+        """
         self.clear()
+        for p in self.parameters:
+            p.grad = None
         self._recording = True
 
     def stop(self) -> None:
@@ -224,9 +252,10 @@ class GradSampleEngine:
             layer.cache.clear()
 
     def remove(self) -> None:
-        """Removes every hook from the model."""
+        """Removes every hook from the model and frees the work buffers."""
         self.stop()
         self.clear()
+        self._buffers.clear()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -255,18 +284,12 @@ class GradSampleEngine:
     def check_parameter_gradients(self) -> None:
         """Raises if autograd gave a gradient to a parameter outside its module's forward.
 
-        A frozen layer's parameters cannot receive an autograd gradient; if one did, the
-        parameter was also used elsewhere (e.g. ``F.linear(x, self.fc.weight)`` in
+        Parameters are frozen while their module runs, so they cannot receive an autograd
+        gradient there; if one did, the parameter was also used elsewhere (e.g. ``F.linear(x, self.fc.weight)`` in
         ``training_step``, or ``nn.MultiheadAttention.out_proj``) and its per-sample
         gradient would be wrong.
         """
-        bad = []
-        for layer in self.layers:
-            called = bool(layer.calls)
-            all_frozen = called and all(c.frozen for c in layer.calls)
-            for name, p in layer.params:
-                if p.grad is not None and (not called or all_frozen):
-                    bad.append(f"{layer.name}.{name}" if layer.name else name)
+        bad = [f"{layer.name}.{name}" for layer in self.layers for name, p in layer.params if p.grad is not None]
         if bad:
             raise PerSampleGradientError(
                 f"parameters {bad} received gradients outside the forward of the module that owns them, so "
@@ -378,29 +401,62 @@ class GradSampleEngine:
             x = F.pad(x, pad, mode="constant" if m.padding_mode == "zeros" else m.padding_mode)
         return x
 
-    def _conv_grad_sample(self, layer: _Layer, records, b: int) -> Tensor:
-        """Per-sample weight gradients (B, *weight.shape) by one grouped weight-gradient call.
+    def _workspace(self, key: tuple[int, str], shape: tuple[int, ...], like: Tensor) -> Tensor:
+        """A reusable buffer of ``shape`` (grown to the largest size seen, never shrunk).
 
-        The batch is folded into the channels and the convolution is seen as ``B * groups``
-        groups, so ``torch.nn.grad.conv*_weight`` returns every example's gradient at once
-        (the same trick torch.func's batching rule for convolutions uses).
+        Poisson batches change size every step; allocating the large per-layer buffers
+        afresh each time made the allocator map and fault in new pages on every step,
+        which cost about 40% of the conv norm pass on CPU (docs/benchmarks.md).
+        """
+        n = math.prod(shape)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < n or buf.dtype != like.dtype or buf.device != like.device:
+            buf = torch.empty(n, dtype=like.dtype, device=like.device)
+            self._buffers[key] = buf
+        return buf[:n].view(shape)
+
+    def _conv_grad_sample(self, layer: _Layer, records, b: int) -> Tensor:
+        """Per-sample weight gradients, shape ``(B, groups, d, p)`` with ``d = C_in/groups * prod(k)``
+        and ``p = C_out/groups``, from strided windows of the input.
+
+        ``Tensor.unfold`` views the (padded) input as windows; one copy lays them out as
+        ``(B*groups, d, T)`` (T output positions) in a reusable buffer and one batched matmul
+        with the output gradients gives every example's gradient. Measured faster and
+        steadier on CPU than ``F.unfold`` (im2col), an einsum, and a grouped weight-gradient
+        convolution with the batch folded into the groups (docs/benchmarks.md).
         """
         m = layer.module
         nd = m.weight.dim() - 2
-        weight_fn = (torch.nn.grad.conv1d_weight, torch.nn.grad.conv2d_weight, torch.nn.grad.conv3d_weight)[nd - 1]
+        g = m.groups
+        c_out, d = m.weight.shape[0], m.weight[0].numel()
+        p = c_out // g
+        key = id(layer)
         total = None
         for call, go in records:
             x = self._conv_input(m, call.args[0])
             if x.dim() != nd + 2:
                 raise PerSampleGradientError(f"layer {layer.name} got an input of shape {tuple(x.shape)}; "
                                              "per-sample gradients need a batched input (batch first)")
-            c_out = m.weight.shape[0]
-            gw = weight_fn(x.reshape(1, b * x.shape[1], *x.shape[2:]), (b * c_out, *m.weight.shape[1:]),
-                           go.reshape(1, b * c_out, *go.shape[2:]), stride=m.stride, padding=0,
-                           dilation=m.dilation, groups=b * m.groups)
-            gw = gw.view(b, *m.weight.shape)
-            total = gw if total is None else total + gw
+            for i in range(nd):
+                k, dil, st = m.kernel_size[i], m.dilation[i], m.stride[i]
+                x = x.unfold(2 + i, (k - 1) * dil + 1, st)
+                if dil > 1:
+                    x = x[..., ::dil]
+            # (B, C, *S, *K) -> (B, C, *K, *S): the d index runs over (c, k) as in weight[o].flatten()
+            x = x.permute(0, 1, *range(2 + nd, 2 + 2 * nd), *range(2, 2 + nd))
+            t = math.prod(go.shape[2:])
+            patches = self._workspace((key, "patches"), (b, g, d, t), x)
+            patches.view(b, g, x.shape[1] // g, *x.shape[2:]).copy_(x.reshape(b, g, x.shape[1] // g, *x.shape[2:]))
+            out = self._workspace((key, "grads"), (b, g, d, p), x) if total is None else None
+            res = torch.bmm(patches.view(b * g, d, t), go.reshape(b * g, p, t).transpose(1, 2),
+                            out=None if out is None else out.view(b * g, d, p))
+            total = out if total is None else total + res.view(b, g, d, p)
         return total
+
+    @staticmethod
+    def _conv_weight_from(grads: Tensor, weight: Tensor) -> Tensor:
+        """(groups, d, p) -> the weight's layout (C_out, C_in/groups, *k)."""
+        return grads.transpose(1, 2).reshape(weight.shape)
 
     def _conv_mats(self, layer: _Layer, records, b: int) -> tuple[Tensor, Tensor]:
         """Unfolded inputs (B, T, C_in*k) and output grads (B, T, C_out), for the ghost norm."""
@@ -432,8 +488,7 @@ class GradSampleEngine:
         if self._conv_instantiates(layer, b):
             gs = self._conv_grad_sample(layer, records, b)
             layer.cache["weight"] = gs
-            sq = gs.reshape(b, -1).square().sum(1)
-            go_sum = None
+            sq = torch.linalg.vector_norm(gs.view(b, -1), dim=1).square()
         else:
             x, go = self._conv_mats(layer, records, b)
             layer.cache["mats"] = (x, go)
@@ -453,7 +508,9 @@ class GradSampleEngine:
         out = {}
         if m.weight.requires_grad:
             if "weight" in layer.cache:
-                out["weight"] = torch.einsum("b,b...->...", f, layer.cache["weight"])
+                gs = layer.cache["weight"]
+                summed = (f @ gs.view(b, -1)).view(gs.shape[1:])
+                out["weight"] = self._conv_weight_from(summed, m.weight)
             else:
                 x, go = layer.cache["mats"]
                 out["weight"] = self._weighted_weight_sum(layer, x, go, factors).reshape(m.weight.shape)
