@@ -9,7 +9,8 @@ Public API:
 - :func:`stratified_split`: seeded, stratified split with exact sizes.
 """
 
-from lightning_dp.datamodules.digits import DigitsDataModule, stratified_split
+from lightning_dp.datamodules.base import SplitDataModule, stratified_split
+from lightning_dp.datamodules.digits import DigitsDataModule
 from lightning_dp.datamodules.idx import IDXFormatError, read_idx, write_idx
 from lightning_dp.datamodules.mnist import FashionMNISTDataModule, MNISTDataModule, MNISTFamilyDataModule
 
@@ -20,6 +21,7 @@ __all__ = [
     "MNISTDataModule",
     "MNISTFamilyDataModule",
     "read_idx",
+    "SplitDataModule",
     "stratified_split",
     "write_idx",
 ]

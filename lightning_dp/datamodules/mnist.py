@@ -33,14 +33,13 @@ from typing import Any, ClassVar, Literal, Optional, Union
 
 import numpy as np
 import torch
-from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import TensorDataset
 
-from lightning_dp.datamodules.digits import (
+from lightning_dp.datamodules.base import (
+    SplitDataModule,
     _check_fractions,
     _check_non_negative_int,
     _check_positive_int,
-    make_dataloader,
     stratified_split,
 )
 from lightning_dp.datamodules.idx import read_idx
@@ -202,7 +201,7 @@ def _hf_split_to_tensors(split: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(images), torch.from_numpy(labels)
 
 
-class MNISTFamilyDataModule(LightningDataModule):
+class MNISTFamilyDataModule(SplitDataModule):
     """Base DataModule of the 28x28 grayscale, 10-class datasets in the MNIST format.
 
     Subclasses set the class attributes below and a ``data_dir`` default; everything
@@ -467,40 +466,6 @@ class MNISTFamilyDataModule(LightningDataModule):
             )
 
     # ----------------------------------------------------------------- loaders
-    def _require(self, dataset: Optional[Dataset], split: str, stage: str) -> Dataset:
-        if dataset is None:
-            raise RuntimeError(f"{type(self).__name__}: the {split} split is not loaded; call setup({stage!r}) first")
-        return dataset
-
-    def train_dataloader(self) -> DataLoader:
-        """Training batches, reshuffled every epoch (seeded)."""
-        return make_dataloader(
-            self._require(self.train_dataset, "train", "fit"),
-            batch_size=self.batch_size,
-            shuffle=True,
-            num_workers=self.num_workers,
-            seed=self.seed,
-        )
-
-    def val_dataloader(self) -> DataLoader:
-        """Validation batches in a fixed order."""
-        return make_dataloader(
-            self._require(self.val_dataset, "val", "fit"),
-            batch_size=self.batch_size,
-            shuffle=False,
-            num_workers=self.num_workers,
-            seed=self.seed,
-        )
-
-    def test_dataloader(self) -> DataLoader:
-        """Test batches in a fixed order."""
-        return make_dataloader(
-            self._require(self.test_dataset, "test", "test"),
-            batch_size=self.batch_size,
-            shuffle=False,
-            num_workers=self.num_workers,
-            seed=self.seed,
-        )
 
 
 class MNISTDataModule(MNISTFamilyDataModule):

@@ -95,11 +95,10 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("c", [1e-3, 0.5, 1e6])
-def test_norms_and_clipped_sum_match_naive_loop(case, c):
+def prepared(case, seed):
+    """A float64 model and batch of ``case`` with the naive per-sample gradients (B, P)."""
     make, make_x, make_y = CASES[case]
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(seed)
     torch.manual_seed(0)
     model = make().double()
     x, y = make_x(g), make_y(g)
@@ -107,6 +106,13 @@ def test_norms_and_clipped_sum_match_naive_loop(case, c):
         x = x.double()
     ref = naive_per_sample(model, F.cross_entropy, x, y)
     model.zero_grad(set_to_none=True)
+    return model, x, y, ref
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("c", [1e-3, 0.5, 1e6])
+def test_norms_and_clipped_sum_match_naive_loop(case, c):
+    model, x, y, ref = prepared(case, seed=1)
     norms, flat = engine_result(model, F.cross_entropy, x, y, c)
     torch.testing.assert_close(norms, ref.norm(dim=1), rtol=1e-9, atol=1e-12)
     factors = clip_factors(ref.norm(dim=1), c)
@@ -120,14 +126,7 @@ def test_norms_and_clipped_sum_match_naive_loop(case, c):
 @pytest.mark.parametrize("case", ["mnist_cnn", "conv_same_reflect", "text_embedding_conv1d_groupnorm"])
 def test_ghost_norm_path_matches_naive_loop(case):
     """instantiate_limit=0 forces the unfold + ghost-norm path for every conv and linear layer."""
-    make, make_x, make_y = CASES[case]
-    g = torch.Generator().manual_seed(2)
-    torch.manual_seed(0)
-    model = make().double()
-    x, y = make_x(g), make_y(g)
-    if x.is_floating_point():
-        x = x.double()
-    ref = naive_per_sample(model, F.cross_entropy, x, y)
+    model, x, y, ref = prepared(case, seed=2)
     norms, flat = engine_result(model, F.cross_entropy, x, y, 0.3, instantiate_limit=0)
     torch.testing.assert_close(norms, ref.norm(dim=1), rtol=1e-9, atol=1e-12)
     factors = clip_factors(ref.norm(dim=1), 0.3)

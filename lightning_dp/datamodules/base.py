@@ -1,0 +1,147 @@
+"""What the split-based DataModules of the package share: seeded stratified splits and loaders."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader, Dataset
+
+__all__ = ["SplitDataModule", "make_dataloader", "stratified_split"]
+
+
+def stratified_split(labels: torch.Tensor, sizes: Sequence[int], *, seed: int) -> list[torch.Tensor]:
+    """Split ``range(len(labels))`` into blocks of exact sizes, stratified by label.
+
+    Every sample gets a key ``(r + u_c) / n_c``, where ``n_c`` is the size of its class
+    ``c``, ``r`` its rank in a random permutation of that class and ``u_c`` a uniform
+    offset drawn per class (systematic sampling). Sorting by key interleaves the
+    classes evenly, so any contiguous block of the sorted order holds each class in
+    its overall proportion up to about one sample per class; the blocks are taken in
+    order. Unlike :func:`sklearn.model_selection.train_test_split` this works for any
+    class sizes, including classes smaller than the number of splits.
+
+    Args:
+        labels: Integer labels of shape ``(N,)``.
+        sizes: Non-negative block sizes that sum to ``N``.
+        seed: Seed of the ``torch.Generator`` that draws the permutations and offsets.
+
+    Returns:
+        One sorted ``int64`` index tensor per entry of ``sizes``; together a partition of ``range(N)``.
+
+    Raises:
+        ValueError: If ``labels`` is not one-dimensional, or ``sizes`` are negative or do not sum to ``N``.
+
+    Example:
+        >>> labels = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+        >>> first, second = stratified_split(labels, [4, 4], seed=0)
+        >>> labels[first].bincount().tolist(), labels[second].bincount().tolist()
+        ([2, 2], [2, 2])
+    """
+    labels = torch.as_tensor(labels)
+    if labels.ndim != 1:
+        raise ValueError(f"stratified_split: labels must be one-dimensional, got shape {tuple(labels.shape)}")
+    sizes = [int(size) for size in sizes]
+    if any(size < 0 for size in sizes) or sum(sizes) != labels.numel():
+        raise ValueError(
+            f"stratified_split: sizes {sizes} must be non-negative and sum to the number of samples "
+            f"({labels.numel()})"
+        )
+    generator = torch.Generator().manual_seed(seed)
+    keys = torch.empty(labels.numel(), dtype=torch.float64)
+    for label in torch.unique(labels):
+        members = torch.nonzero(labels == label).flatten()
+        count = members.numel()
+        permuted = members[torch.randperm(count, generator=generator)]
+        offset = torch.rand((), generator=generator, dtype=torch.float64)
+        keys[permuted] = (torch.arange(count, dtype=torch.float64) + offset) / count
+    order = torch.argsort(keys, stable=True)
+    blocks = torch.split(order, sizes)
+    return [torch.sort(block).values for block in blocks]
+
+
+def make_dataloader(
+    dataset: Dataset, *, batch_size: int, shuffle: bool, num_workers: int, seed: int
+) -> DataLoader:
+    """Build the DataLoader of one split.
+
+    Args:
+        dataset: The split.
+        batch_size: Samples per batch.
+        shuffle: Reshuffle every epoch (training split only); the order is drawn from a
+            ``torch.Generator`` seeded with ``seed``, so it is reproducible.
+        num_workers: Worker processes; 0 loads in the main process.
+        seed: Seed of the shuffling generator.
+
+    Returns:
+        The DataLoader.
+    """
+    generator = torch.Generator().manual_seed(seed) if shuffle else None
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+        generator=generator,
+    )
+
+
+def _check_positive_int(name: str, value: int, owner: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{owner}: {name} must be a positive integer, got {value!r}")
+
+
+def _check_non_negative_int(name: str, value: int, owner: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{owner}: {name} must be a non-negative integer, got {value!r}")
+
+
+def _check_fractions(owner: str, **fractions: float) -> None:
+    for name, value in fractions.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1.0:
+            raise ValueError(f"{owner}: {name} must be a number in the open interval (0, 1), got {value!r}")
+    if sum(fractions.values()) >= 1.0:
+        described = " + ".join(f"{name}={value}" for name, value in fractions.items())
+        raise ValueError(
+            f"{owner}: {described} = {sum(fractions.values()):.4g} must be below 1 so that the "
+            "remaining split is not empty; lower one of them"
+        )
+
+
+class SplitDataModule(LightningDataModule):
+    """A DataModule whose ``setup`` fills ``train_dataset``, ``val_dataset`` and ``test_dataset``.
+
+    Subclasses set those three attributes (None until loaded) and ``batch_size``,
+    ``num_workers`` and ``seed``; the loaders are built here: the training split is
+    reshuffled every epoch by a seeded generator, the others keep a fixed order.
+    """
+
+    train_dataset: Optional[Dataset] = None
+    val_dataset: Optional[Dataset] = None
+    test_dataset: Optional[Dataset] = None
+    _STAGE_OF_SPLIT = {"train": "fit", "val": "fit", "test": "test"}
+
+    def _require(self, dataset: Optional[Dataset], split: str) -> Dataset:
+        if dataset is None:
+            raise RuntimeError(f"{type(self).__name__}: the {split} split is not loaded; call "
+                               f"setup({self._STAGE_OF_SPLIT[split]!r}) first")
+        return dataset
+
+    def _loader(self, dataset: Optional[Dataset], split: str) -> DataLoader:
+        return make_dataloader(self._require(dataset, split), batch_size=self.batch_size, shuffle=split == "train",
+                               num_workers=self.num_workers, seed=self.seed)
+
+    def train_dataloader(self) -> DataLoader:
+        """Training batches, reshuffled every epoch (seeded)."""
+        return self._loader(self.train_dataset, "train")
+
+    def val_dataloader(self) -> DataLoader:
+        """Validation batches in a fixed order."""
+        return self._loader(self.val_dataset, "val")
+
+    def test_dataloader(self) -> DataLoader:
+        """Test batches in a fixed order."""
+        return self._loader(self.test_dataset, "test")
