@@ -152,6 +152,11 @@ class DPSGD(Callback):
         self._logged_step = -1
         self._loss_checked = False
         self._batch_size = 0
+        self._step_adds_event = False
+        # Steps released by this callback over all its fits (restored from checkpoints). It keys the
+        # noise and sampling streams: Trainer.global_step restarts at 0 in a second fit, and the same
+        # noise on two releases would cancel in their difference.
+        self._released = 0
 
     # ----------------------------------------------------------- properties
     @property
@@ -266,7 +271,7 @@ class DPSGD(Callback):
         if not self.poisson_sampling:
             return loader
         return poisson_dataloader(loader, sample_rate=q, seed=self._seed, rank=trainer.global_rank, world_size=world,
-                                  start_step=lambda: trainer.global_step)
+                                  start_step=lambda: self._released)
 
     # --------------------------------------------------------- calibration
     def _event(self) -> tuple[float, float]:
@@ -396,11 +401,12 @@ class DPSGD(Callback):
             sizes = [s.numel() for s in sums]
             sums = [t.view_as(s) for t, s in zip(torch.split(flat[:-2], sizes), sums)]
             stats = flat[-2:]
-        generator = derive_generator(self._seed, NOISE, trainer.global_step, device=sums[0].device)
+        generator = derive_generator(self._seed, NOISE, self._released, device=sums[0].device)
         grads = noisy_mean(sums, noise_multiplier=self._sigma, max_grad_norm=self.max_grad_norm,
                            expected_batch_size=self._data["expected_batch_size"], generator=generator)
         for p, g in zip(params, grads):
             p.grad = g.to(p.dtype)
+        self._released += 1
         if self._step_adds_event:
             sigma_e, q_e = self._event()
             self._accountant.step(noise_multiplier=sigma_e, sample_rate=q_e)
@@ -472,7 +478,8 @@ class DPSGD(Callback):
     def state_dict(self) -> dict[str, Any]:
         return {"version": _STATE_VERSION, "accountant": self._accountant.state_dict(), "seed": self._seed,
                 "noise_multiplier": self._sigma, "max_grad_norm": self.max_grad_norm,
-                "poisson_sampling": self.poisson_sampling, "curve": list(self._curve)}
+                "poisson_sampling": self.poisson_sampling, "released_steps": self._released,
+                "curve": list(self._curve)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict.get("accountant") is None:
@@ -489,4 +496,5 @@ class DPSGD(Callback):
                 rank_zero_warn(f"DPSGD: resuming with the checkpoint's seed, not seed={self._requested_seed}")
             self._seed = int(seed)
         self._restored_sigma = state_dict.get("noise_multiplier")
+        self._released = int(state_dict.get("released_steps", 0))
         self._curve = [tuple(x) for x in state_dict.get("curve", [])]

@@ -7,8 +7,8 @@ owns the examples ``r, r + world_size, ...`` (a partition without padding, unlik
 ``DistributedSampler``, which repeats examples) and samples them at the same rate, so
 the union over ranks is exactly a Poisson sample of the whole set.
 
-Batch ``k`` of the run (counting from the start of training, across epochs) is drawn
-from a generator derived from ``(seed, SAMPLING, k, rank)``, so batches are a pure
+Batch ``k`` of the run (counting the steps released so far, across epochs and fits) is
+drawn from a generator derived from ``(seed, SAMPLING, k, rank)``, so batches are a pure
 function of the step: a run resumed from a checkpoint samples the same batches as the
 uninterrupted run.
 """
@@ -47,9 +47,8 @@ class PoissonBatchSampler(BatchSampler):
         sample_rate: q, the inclusion probability of every example in every batch.
         seed: the run's sampling seed.
         rank, world_size: this process' shard.
-        start_step: a callable giving the number of batches already trained when an
-            epoch starts (the global step); batch k of that epoch uses counter
-            ``start_step() + k``.
+        start_step: a callable giving the number of batches already released when an
+            epoch starts; batch k of that epoch uses counter ``start_step() + k``.
         steps_per_epoch: batches per epoch; default ``ceil(1 / q)``.
 
     Example:

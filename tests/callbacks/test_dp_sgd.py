@@ -314,3 +314,20 @@ def test_exact_resume_from_mid_epoch_checkpoint(tmp_path):
     assert resumed_dp.epsilon == full_dp.epsilon
     for a, b in zip(full_model.parameters(), resumed_model.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_second_fit_with_the_same_callback_draws_fresh_noise_and_keeps_accounting():
+    """Trainer.global_step restarts in a new fit; reusing step-keyed noise would cancel in differences."""
+
+    class ZeroGrad(Classifier):
+        def training_step(self, batch, batch_idx):
+            return (self.net(batch[0]) * 0).mean()
+
+    dp = DPSGD(noise_multiplier=1.0, max_grad_norm=1.0, seed=5)
+    probe = GradProbe()
+    model = ZeroGrad()
+    for _ in range(2):
+        trainer(max_steps=1, callbacks=[dp, probe]).fit(model, BlobsData())
+    first, second = (torch.cat([g.reshape(-1) for g in grads]) for grads in probe.grads)
+    assert not torch.allclose(first, second)
+    assert dp.accountant.history == [(1.0, 0.1, 2)]
