@@ -151,7 +151,7 @@ class DPSGD(Callback):
         self._curve: list[tuple[int, float]] = []
         self._logged_step = -1
         self._loss_checked = False
-        self._batch_size = 0
+        self._batch_size: int | None = None
         self._step_adds_event = False
         # Steps released by this callback over all its fits (restored from checkpoints). It keys the
         # noise and sampling streams: Trainer.global_step restarts at 0 in a second fit, and the same
@@ -363,7 +363,10 @@ class DPSGD(Callback):
                 f"DPSGD: the privacy budget target_epsilon={self.target_epsilon} is spent (epsilon="
                 f"{self.epsilon:.4g}) but training continued; refusing to release another step.")
         assert self._engine is not None
-        self._batch_size = extract_batch_size(batch)
+        try:
+            self._batch_size = extract_batch_size(batch)
+        except MisconfigurationException:  # no tensor in the batch: the dimension-0 check is skipped
+            self._batch_size = None
         self._engine.start()
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
@@ -385,7 +388,7 @@ class DPSGD(Callback):
         assert engine is not None and self._sigma is not None
         engine.stop()
         engine.check_parameter_gradients()
-        if engine.batch_size() != self._batch_size:
+        if self._batch_size is not None and engine.batch_size() != self._batch_size:
             raise MisconfigurationException(
                 f"the layers with trainable parameters saw {engine.batch_size()} rows in dimension 0 but the batch "
                 f"holds {self._batch_size} examples. Per-sample clipping needs the batch dimension first in every "
