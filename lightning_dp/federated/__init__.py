@@ -1,0 +1,10 @@
+"""Personalized federated learning with metric privacy (Galli et al.): the round's pieces.
+
+- :mod:`~lightning_dp.federated.local`: hypothesis choice and local SGD, vectorized over clients.
+- :mod:`~lightning_dp.federated.aggregation`: clustered averaging of the released models.
+"""
+
+from lightning_dp.federated.aggregation import kmeans_aggregate
+from lightning_dp.federated.local import FlatParams, choose_hypotheses, client_losses, local_sgd, local_sgd_loop
+
+__all__ = ["FlatParams", "choose_hypotheses", "client_losses", "kmeans_aggregate", "local_sgd", "local_sgd_loop"]

@@ -1,0 +1,205 @@
+"""Client-side computations of a round, vectorized over clients (Algorithm 1, client part).
+
+Galli et al., "Group privacy for personalized federated learning", Algorithm 1: every
+sampled client evaluates the k hypotheses on its own data, takes the one with the lowest
+loss, and runs E epochs of mini-batch SGD (learning rate s, batch size B_s) from it.
+
+All clients of a round are trained at once with ``torch.func`` (``vmap`` over clients of
+``grad`` of a functional model call). Clients hold different numbers of examples: their
+data is padded to the largest client and every batch carries a mask, so a client with
+fewer batches in an epoch simply stops moving until the next epoch. Why hand-written: no
+federated framework trains a round's clients in one vectorized call (Flower, FLSim and
+pfl-research loop over clients), and a Python loop over 100 clients of an 11-parameter
+model is dominated by interpreter overhead (see benchmarks/bench_federated_round.py).
+
+Models are handled as flat parameter vectors (:class:`FlatParams`), the form in which the
+sanitizer adds Euclidean noise and the server clusters releases.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+__all__ = ["FlatParams", "LOSSES", "choose_hypotheses", "client_losses", "local_sgd", "local_sgd_loop", "masked_loss"]
+
+#: Loss names accepted by the round; both are means over a client's (masked) batch.
+LOSSES = ("rmse", "cross_entropy")
+
+
+@dataclass(frozen=True)
+class FlatParams:
+    """How a module's trainable parameters map onto one flat vector (in ``named_parameters`` order)."""
+
+    names: tuple[str, ...]
+    shapes: tuple[torch.Size, ...]
+
+    @classmethod
+    def of(cls, module: nn.Module) -> FlatParams:
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError(f"{type(module).__name__} has no trainable parameters; nothing to train federatedly")
+        return cls(tuple(n for n, _ in named), tuple(p.shape for _, p in named))
+
+    @property
+    def sizes(self) -> list[int]:
+        """Number of parameters of each tensor (the per-layer sizes n_l of the sanitizer)."""
+        return [math.prod(s) for s in self.shapes]
+
+    @property
+    def numel(self) -> int:
+        return sum(self.sizes)
+
+    def flatten(self, module: nn.Module) -> Tensor:
+        params = dict(module.named_parameters())
+        return torch.cat([params[n].detach().reshape(-1) for n in self.names])
+
+    def unflatten(self, flat: Tensor) -> dict[str, Tensor]:
+        """``{name: tensor}`` views of a flat vector (works under vmap)."""
+        return {n: t.reshape(s) for n, t, s in zip(self.names, torch.split(flat, self.sizes, dim=-1), self.shapes)}
+
+
+def _check_loss(loss: str) -> None:
+    if loss not in LOSSES:
+        raise ValueError(f"loss={loss!r} is not supported; choose one of {LOSSES} ('rmse' for regression, "
+                         "'cross_entropy' for classification)")
+
+
+def masked_loss(output: Tensor, target: Tensor, mask: Tensor, loss: str) -> Tensor:
+    """Mean loss over the masked-in examples of one client's batch (0 when the batch is empty).
+
+    ``rmse``: ``sqrt(mean((output - target)^2))`` with ``output`` of shape (B, 1) or (B,)
+    (the seed's regression loss); ``cross_entropy``: mean cross-entropy of logits (B, C).
+    """
+    m = mask.to(output.dtype)
+    count = m.sum()
+    denom = torch.clamp(count, min=1.0)
+    if loss == "rmse":
+        err = (output.reshape(target.shape) - target).square()
+        mse = (err * m).sum() / denom
+        # sqrt has an infinite derivative at 0: an exactly fitted batch gets gradient 0
+        return torch.where(mse > 0, torch.sqrt(torch.clamp(mse, min=torch.finfo(mse.dtype).tiny)), mse)
+    per = torch.nn.functional.cross_entropy(output, target.long(), reduction="none")
+    return (per * m).sum() / denom
+
+
+def client_losses(template: nn.Module, spec: FlatParams, hypotheses: Tensor, x: Tensor, y: Tensor, mask: Tensor,
+                  loss: str) -> Tensor:
+    """Loss of every hypothesis on every client's whole data set, shape (clients, k).
+
+    Args:
+        hypotheses: (k, P) flat parameter vectors.
+        x, y, mask: padded client data (C, Nmax, ...), (C, Nmax, ...), (C, Nmax).
+    """
+    _check_loss(loss)
+
+    def one(theta: Tensor, xc: Tensor, yc: Tensor, mc: Tensor) -> Tensor:
+        return masked_loss(functional_call(template, spec.unflatten(theta), (xc,)), yc, mc, loss)
+
+    over_clients = vmap(one, in_dims=(None, 0, 0, 0))
+    return vmap(over_clients, in_dims=(0, None, None, None), out_dims=1)(hypotheses, x, y, mask)
+
+
+def choose_hypotheses(losses: Tensor) -> Tensor:
+    """Each client's argmin over hypotheses (ties go to the lowest index)."""
+    return losses.argmin(dim=1)
+
+
+def _epoch_order(mask: Tensor, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """Per-client random orders of the valid examples, and the valid counts.
+
+    Returns ``order`` (C, Nmax) whose first ``counts[c]`` entries are a uniformly random
+    permutation of client c's valid positions.
+    """
+    keys = torch.rand(mask.shape, generator=generator, device=mask.device)
+    keys = torch.where(mask, keys, torch.full_like(keys, 2.0))
+    return keys.argsort(dim=1), mask.sum(1)
+
+
+def local_sgd(template: nn.Module, spec: FlatParams, start: Tensor, x: Tensor, y: Tensor, mask: Tensor, *,
+              epochs: int, lr: float, batch_size: int, loss: str,
+              generator: torch.Generator | None = None) -> Tensor:
+    """E epochs of mini-batch SGD on every client at once.
+
+    Args:
+        template: the model (its parameters are not used, only its forward).
+        spec: the flat-parameter layout of ``template``.
+        start: (C, P) each client's starting parameters (its chosen hypothesis).
+        x, y, mask: padded client data; ``mask[c, i]`` marks client c's real examples.
+        epochs, lr, batch_size: E, s, B_s of Algorithm 1.
+        loss: ``"rmse"`` or ``"cross_entropy"``.
+        generator: draws each epoch's per-client shuffles.
+
+    Returns:
+        (C, P) the clients' parameters after local training.
+
+    Example:
+        >>> model = nn.Linear(2, 1, bias=False)
+        >>> spec = FlatParams.of(model)
+        >>> x = torch.randn(3, 4, 2); y = x @ torch.tensor([1.0, -1.0]); mask = torch.ones(3, 4, dtype=torch.bool)
+        >>> local_sgd(model, spec, torch.zeros(3, 2), x, y, mask, epochs=1, lr=0.1, batch_size=2, loss="rmse").shape
+        torch.Size([3, 2])
+    """
+    _check_loss(loss)
+    if epochs < 1 or batch_size < 1 or not lr > 0:
+        raise ValueError(f"epochs={epochs}, batch_size={batch_size} must be >= 1 and lr={lr} > 0")
+    c, nmax = mask.shape
+
+    def batch_loss(theta: Tensor, xb: Tensor, yb: Tensor, mb: Tensor) -> Tensor:
+        return masked_loss(functional_call(template, spec.unflatten(theta), (xb,)), yb, mb, loss)
+
+    step_grad = vmap(grad(batch_loss))
+    theta = start.clone()
+    rows = torch.arange(c, device=mask.device).unsqueeze(1)
+    for _ in range(epochs):
+        order, counts = _epoch_order(mask, generator)
+        for first in range(0, nmax, batch_size):
+            pos = torch.arange(first, min(first + batch_size, nmax), device=mask.device)
+            idx = order[:, pos]  # (C, b)
+            valid = pos.unsqueeze(0) < counts.unsqueeze(1)  # (C, b)
+            active = valid.any(dim=1)
+            if not bool(active.any()):
+                break
+            g = step_grad(theta, x[rows, idx], y[rows, idx], valid)
+            theta = theta - lr * g * active.unsqueeze(1).to(theta.dtype)
+    return theta
+
+
+def local_sgd_loop(template: nn.Module, spec: FlatParams, start: Tensor, x: Tensor, y: Tensor, mask: Tensor, *,
+                   epochs: int, lr: float, batch_size: int, loss: str,
+                   generator: torch.Generator | None = None) -> Tensor:
+    """Reference implementation of :func:`local_sgd`: one client at a time, ``torch.optim.SGD``.
+
+    Draws the same shuffles from ``generator``, so both functions agree to rounding; used by
+    the tests and as the baseline of ``benchmarks/bench_federated_round.py``.
+    """
+    import copy
+
+    _check_loss(loss)
+    c, nmax = mask.shape
+    orders = []
+    for _ in range(epochs):
+        orders.append(_epoch_order(mask, generator))
+    out = []
+    model = copy.deepcopy(template)  # one working copy, reloaded for every client
+    params = [model.get_parameter(n) for n in spec.names]
+    for ci in range(c):
+        with torch.no_grad():
+            for p, value in zip(params, spec.unflatten(start[ci]).values()):
+                p.copy_(value)
+        opt = torch.optim.SGD(params, lr=lr)
+        for order, counts in orders:
+            n = int(counts[ci])
+            perm = order[ci, :n]
+            for first in range(0, n, batch_size):
+                idx = perm[first:first + batch_size]
+                opt.zero_grad()
+                ones = torch.ones(idx.numel(), dtype=torch.bool)
+                masked_loss(model(x[ci, idx]), y[ci, idx], ones, loss).backward()
+                opt.step()
+        out.append(spec.flatten(model))
+    return torch.stack(out)

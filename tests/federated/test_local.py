@@ -1,0 +1,90 @@
+"""Vectorized client computations against per-client loops."""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_dp.federated import FlatParams, choose_hypotheses, client_losses, local_sgd, local_sgd_loop
+from lightning_dp.federated.local import masked_loss
+
+
+def padded_clients(sizes, d=3, classes=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    nmax = max(sizes)
+    x = torch.randn(len(sizes), nmax, d, generator=g, dtype=torch.float64)
+    if classes:
+        y = torch.randint(0, classes, (len(sizes), nmax), generator=g)
+    else:
+        y = torch.randn(len(sizes), nmax, generator=g, dtype=torch.float64)
+    mask = torch.arange(nmax).unsqueeze(0) < torch.tensor(sizes).unsqueeze(1)
+    return x, y, mask
+
+
+MODELS = {
+    "rmse": lambda: nn.Sequential(nn.Linear(3, 2), nn.ReLU(), nn.Linear(2, 1)).double(),
+    "cross_entropy": lambda: nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 4)).double(),
+}
+
+
+@pytest.mark.parametrize("loss", ["rmse", "cross_entropy"])
+@pytest.mark.parametrize("epochs,batch_size", [(1, 4), (3, 2), (2, 50)])
+def test_vectorized_local_sgd_equals_per_client_loop(loss, epochs, batch_size):
+    """Unequal client sizes (1 to 13 examples): a client with fewer batches must stop, not train on padding."""
+    torch.manual_seed(0)
+    model = MODELS[loss]()
+    spec = FlatParams.of(model)
+    sizes = [1, 5, 13, 7, 2]
+    x, y, mask = padded_clients(sizes, classes=4 if loss == "cross_entropy" else None)
+    # padding is garbage on purpose: it must never influence the result
+    x = torch.where(mask.unsqueeze(-1), x, torch.full_like(x, 1e6))
+    start = spec.flatten(model).unsqueeze(0).repeat(len(sizes), 1) + 0.01 * torch.randn(len(sizes), spec.numel,
+                                                                                       dtype=torch.float64)
+    kwargs = dict(epochs=epochs, lr=0.05, batch_size=batch_size, loss=loss)
+    fast = local_sgd(model, spec, start, x, y, mask, generator=torch.Generator().manual_seed(3), **kwargs)
+    slow = local_sgd_loop(model, spec, start, x, y, mask, generator=torch.Generator().manual_seed(3), **kwargs)
+    torch.testing.assert_close(fast, slow, rtol=1e-10, atol=1e-12)
+    assert not torch.allclose(fast, start)
+
+
+def test_client_losses_and_choice_match_loop():
+    torch.manual_seed(1)
+    model = MODELS["rmse"]()
+    spec = FlatParams.of(model)
+    x, y, mask = padded_clients([4, 9, 2])
+    hyps = torch.randn(3, spec.numel, dtype=torch.float64)
+    got = client_losses(model, spec, hyps, x, y, mask, "rmse")
+    assert got.shape == (3, 3)
+    for c in range(3):
+        for j in range(3):
+            m = mask[c]
+            out = torch.func.functional_call(model, spec.unflatten(hyps[j]), (x[c, m],))
+            ref = (out.squeeze(-1) - y[c, m]).square().mean().sqrt()
+            torch.testing.assert_close(got[c, j], ref)
+    assert torch.equal(choose_hypotheses(got), got.argmin(1))
+
+
+def test_flat_params_round_trip():
+    model = MODELS["cross_entropy"]()
+    spec = FlatParams.of(model)
+    flat = spec.flatten(model)
+    assert flat.numel() == spec.numel == sum(p.numel() for p in model.parameters())
+    for name, t in spec.unflatten(flat).items():
+        assert torch.equal(t, model.get_parameter(name))
+    assert spec.sizes == [15, 5, 20, 4]
+
+
+def test_masked_loss_of_exact_fit_has_zero_gradient():
+    theta = torch.zeros(2, requires_grad=True)
+    loss = masked_loss(torch.zeros(3, 1) + theta.sum(), torch.zeros(3), torch.ones(3, dtype=torch.bool), "rmse")
+    loss.backward()
+    assert loss.item() == 0 and torch.all(theta.grad == 0)
+
+
+def test_bad_arguments():
+    model = MODELS["rmse"]()
+    spec = FlatParams.of(model)
+    x, y, mask = padded_clients([2])
+    with pytest.raises(ValueError, match="loss='mse'"):
+        local_sgd(model, spec, spec.flatten(model)[None], x, y, mask, epochs=1, lr=0.1, batch_size=1, loss="mse")
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        FlatParams.of(nn.Linear(2, 2).requires_grad_(False))
