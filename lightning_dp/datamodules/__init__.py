@@ -7,15 +7,29 @@ Public API:
   official IDX files (optionally downloaded, md5-verified) or Hugging Face datasets.
 - :func:`read_idx`, :func:`write_idx`, :class:`IDXFormatError`: the IDX file format.
 - :func:`stratified_split`: seeded, stratified split with exact sizes.
+- Federated (per-client data, :class:`FederatedDataModule`, :class:`ClientDataset`):
+  :class:`SyntheticLinearMixture`, :class:`HospitalCharges` (CMS inpatient charges),
+  :class:`FEMNIST` (LEAF JSON or Hugging Face ``flwrlabs/femnist``).
 """
 
 from lightning_dp.datamodules.base import SplitDataModule, stratified_split
 from lightning_dp.datamodules.digits import DigitsDataModule
+from lightning_dp.datamodules.federated import ClientDataset, FederatedDataModule, padded, split_clients
+from lightning_dp.datamodules.femnist import FEMNIST
+from lightning_dp.datamodules.hospital import HospitalCharges
 from lightning_dp.datamodules.idx import IDXFormatError, read_idx, write_idx
 from lightning_dp.datamodules.mnist import FashionMNISTDataModule, MNISTDataModule, MNISTFamilyDataModule
+from lightning_dp.datamodules.synthetic import SyntheticLinearMixture
 
 __all__ = [
+    "ClientDataset",
     "DigitsDataModule",
+    "FEMNIST",
+    "FederatedDataModule",
+    "HospitalCharges",
+    "SyntheticLinearMixture",
+    "padded",
+    "split_clients",
     "FashionMNISTDataModule",
     "IDXFormatError",
     "MNISTDataModule",

@@ -3,6 +3,9 @@
 - :mod:`~lightning_dp.privacy.grad_sample`: per-sample gradient norms and clipped sums.
 - :mod:`~lightning_dp.privacy.clipping`: flat L2 clipping factors.
 - :mod:`~lightning_dp.privacy.noise`: the Gaussian mechanism and generator derivation.
+- :mod:`~lightning_dp.privacy.mechanisms`: the Euclidean Laplace mechanism (d-privacy) and
+  the sanitization of a client's model update.
+- :mod:`~lightning_dp.privacy.ledger`: per-client d-privacy spend.
 - :mod:`~lightning_dp.privacy.sampling`: Poisson batch sampling, sharded over ranks.
 - :mod:`~lightning_dp.privacy.accounting`: accountants over Google's dp-accounting.
 - :mod:`~lightning_dp.privacy.calibration`: noise calibration to a target epsilon.
@@ -13,12 +16,15 @@ from lightning_dp.privacy.accounting import ACCOUNTANTS, Accountant, get_account
 from lightning_dp.privacy.calibration import calibrate_noise_multiplier
 from lightning_dp.privacy.clipping import clip_factors
 from lightning_dp.privacy.grad_sample import GradSampleEngine, PerSampleGradientError
+from lightning_dp.privacy.ledger import PrivacyLedger
+from lightning_dp.privacy.mechanisms import SanitizedUpdate, euclidean_laplace, sanitize_update
 from lightning_dp.privacy.noise import derive_generator, gaussian_noise, noisy_mean
 from lightning_dp.privacy.sampling import PoissonBatchSampler, poisson_dataloader
 from lightning_dp.privacy.validators import find_mixing_layers, replace_batchnorm
 
 __all__ = [
     "ACCOUNTANTS", "Accountant", "GradSampleEngine", "PerSampleGradientError", "PoissonBatchSampler",
+    "PrivacyLedger", "SanitizedUpdate", "euclidean_laplace", "sanitize_update",
     "calibrate_noise_multiplier", "clip_factors", "derive_generator", "find_mixing_layers", "gaussian_noise",
     "get_accountant", "noisy_mean", "poisson_dataloader", "replace_batchnorm",
 ]

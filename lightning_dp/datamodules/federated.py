@@ -1,0 +1,404 @@
+"""What every federated DataModule shares: per-client datasets, client splits, padding, loaders.
+
+In federated learning the unit of data is the *client*: a round samples clients from
+the training clients, and each sampled client trains locally on its own samples only;
+validation (and test) clients are held out *as whole clients*, never by sample. A
+:class:`FederatedDataModule` therefore yields lists of :class:`ClientDataset`:
+
+- ``train_clients``: the clients a federated round samples from;
+- ``val_clients``: held-out clients (disjoint from the training clients);
+- ``test_clients``: test data per client (may be empty; what it holds is documented
+  by each subclass, e.g. FEMNIST keeps each writer's LEAF test samples there).
+
+It is also an ordinary :class:`~lightning.pytorch.LightningDataModule`: its
+``train_dataloader``/``val_dataloader``/``test_dataloader`` iterate over the
+concatenation of a split's clients, which is what a centralized baseline trains on.
+For vectorized per-client training (one ``torch.func.vmap`` over clients of unequal
+sizes), :func:`padded` stacks clients into ``(C, Nmax, ...)`` tensors with a mask.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Optional, TypeVar, Union
+
+import torch
+from lightning.pytorch import LightningDataModule
+from torch import Tensor
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_dp.datamodules.base import _check_non_negative_int, _check_positive_int, make_dataloader
+
+__all__ = ["ClientDataset", "FederatedDataModule", "derived_seed", "padded", "split_clients"]
+
+T = TypeVar("T")
+Task = Literal["regression", "classification"]
+SPLITS = ("train", "val", "test")
+
+
+@dataclass(eq=False)
+class ClientDataset:
+    """The local data of one client: ``len(x) == len(y)`` samples.
+
+    Attributes:
+        client_id: A stable identifier (a provider id, a LEAF writer id, ``"train-007"``, ...).
+        x: Inputs of shape ``(n, *input_shape)``.
+        y: Targets of shape ``(n,)`` (class indices, int64, or regression targets, float32).
+
+    Raises:
+        ValueError: If ``x`` and ``y`` do not hold the same number of samples.
+
+    Example:
+        >>> client = ClientDataset("a", torch.zeros(3, 2), torch.zeros(3))
+        >>> len(client)
+        3
+    """
+
+    client_id: str
+    x: Tensor
+    y: Tensor
+
+    def __post_init__(self) -> None:
+        if self.x.ndim == 0 or self.y.ndim == 0 or self.x.shape[0] != self.y.shape[0]:
+            raise ValueError(
+                f"ClientDataset {self.client_id!r}: x and y must hold the same number of samples along "
+                f"dimension 0, got x {tuple(self.x.shape)} and y {tuple(self.y.shape)}"
+            )
+
+    def __len__(self) -> int:
+        return int(self.x.shape[0])
+
+    def to(self, device: Union[torch.device, str]) -> "ClientDataset":
+        """Return a copy with ``x`` and ``y`` on ``device``."""
+        return ClientDataset(self.client_id, self.x.to(device), self.y.to(device))
+
+    def as_dataset(self) -> TensorDataset:
+        """The client's samples as a :class:`~torch.utils.data.TensorDataset` of ``(x, y)`` pairs."""
+        return TensorDataset(self.x, self.y)
+
+
+def _block_sizes(total: int, fractions: Sequence[float]) -> list[int]:
+    """Largest-remainder rounding of ``fractions * total`` to integers summing to ``total``."""
+    raw = [fraction * total for fraction in fractions]
+    sizes = [math.floor(value) for value in raw]
+    by_remainder = sorted(range(len(raw)), key=lambda i: (-(raw[i] - sizes[i]), i))
+    for i in by_remainder[: total - sum(sizes)]:
+        sizes[i] += 1
+    return sizes
+
+
+def split_clients(clients: Sequence[T], fractions: Sequence[float], *, seed: int) -> list[list[T]]:
+    """Split a list of clients into disjoint groups of the given fractions (by client, never by sample).
+
+    The group sizes are ``fractions * len(clients)`` rounded by largest remainder (they
+    sum to ``len(clients)``; a group may be empty when there are few clients). Which
+    client goes where is drawn from a ``torch.Generator`` seeded with ``seed``; within
+    a group the clients keep their input order.
+
+    Args:
+        clients: Anything indexable: :class:`ClientDataset` objects, client ids, ...
+        fractions: Positive fractions summing to 1, e.g. ``(0.7, 0.3)``.
+        seed: Seed of the permutation.
+
+    Returns:
+        One list per fraction.
+
+    Raises:
+        ValueError: If a fraction is not positive or the fractions do not sum to 1.
+
+    Example:
+        >>> train, val = split_clients(["a", "b", "c", "d", "e"], [0.6, 0.4], seed=0)
+        >>> len(train), len(val), sorted(train + val)
+        (3, 2, ['a', 'b', 'c', 'd', 'e'])
+    """
+    fractions = [float(fraction) for fraction in fractions]
+    if not fractions or any(not fraction > 0.0 for fraction in fractions) or abs(sum(fractions) - 1.0) > 1e-6:
+        raise ValueError(
+            f"split_clients: fractions must be positive and sum to 1, got {fractions} "
+            f"(sum {sum(fractions):.6g}); e.g. (0.7, 0.3)"
+        )
+    count = len(clients)
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(int(seed))).tolist()
+    groups, start = [], 0
+    for size in _block_sizes(count, fractions):
+        groups.append([clients[i] for i in sorted(order[start:start + size])])
+        start += size
+    return groups
+
+
+def padded(clients: Sequence[ClientDataset], *, pad_value: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    """Stack clients of unequal sizes into padded tensors for vectorized per-client training.
+
+    Args:
+        clients: At least one client; all with the same sample shape and dtypes.
+        pad_value: Value written into the padding positions of ``x`` and ``y``.
+
+    Returns:
+        ``(x, y, mask)``: ``x`` of shape ``(C, Nmax, *input_shape)``, ``y`` of shape
+        ``(C, Nmax, *target_shape)``, and the boolean ``mask`` of shape ``(C, Nmax)``,
+        true exactly at the real samples (client ``c`` has ``mask[c].sum() == len(clients[c])``,
+        its samples first, in order). Padding must be excluded from losses with the mask,
+        e.g. ``(loss * mask).sum(1) / mask.sum(1).clamp_min(1)``.
+
+    Raises:
+        ValueError: If ``clients`` is empty or the clients' sample shapes or dtypes differ.
+
+    Example:
+        >>> a = ClientDataset("a", torch.ones(2, 3), torch.ones(2))
+        >>> b = ClientDataset("b", torch.ones(1, 3), torch.ones(1))
+        >>> x, y, mask = padded([a, b])
+        >>> tuple(x.shape), tuple(y.shape), mask.tolist()
+        ((2, 2, 3), (2, 2), [[True, True], [True, False]])
+    """
+    clients = list(clients)
+    if not clients:
+        raise ValueError("padded: needs at least one client, got an empty list")
+    first = clients[0]
+    for client in clients[1:]:
+        if (client.x.shape[1:], client.y.shape[1:], client.x.dtype, client.y.dtype) != (
+            first.x.shape[1:], first.y.shape[1:], first.x.dtype, first.y.dtype
+        ):
+            raise ValueError(
+                f"padded: client {client.client_id!r} has samples x {tuple(client.x.shape[1:])} {client.x.dtype}, "
+                f"y {tuple(client.y.shape[1:])} {client.y.dtype}, but client {first.client_id!r} has x "
+                f"{tuple(first.x.shape[1:])} {first.x.dtype}, y {tuple(first.y.shape[1:])} {first.y.dtype}"
+            )
+    longest = max(len(client) for client in clients)
+    x = first.x.new_full((len(clients), longest, *first.x.shape[1:]), pad_value)
+    y = first.y.new_full((len(clients), longest, *first.y.shape[1:]), pad_value)
+    mask = torch.zeros(len(clients), longest, dtype=torch.bool, device=first.x.device)
+    for index, client in enumerate(clients):
+        size = len(client)
+        x[index, :size] = client.x
+        y[index, :size] = client.y
+        mask[index, :size] = True
+    return x, y, mask
+
+
+def _size_summary(clients: Sequence[ClientDataset]) -> dict[str, Any]:
+    sizes = [len(client) for client in clients]
+    return {
+        "clients": len(sizes),
+        "samples": sum(sizes),
+        "samples_min": min(sizes) if sizes else None,
+        "samples_median": float(statistics.median(sizes)) if sizes else None,
+        "samples_max": max(sizes) if sizes else None,
+    }
+
+
+class FederatedDataModule(LightningDataModule):
+    """Base DataModule whose ``setup`` yields per-client data split *by client*.
+
+    Subclasses implement :meth:`_build_clients` (read or generate the data, return the
+    three client lists) and set :attr:`task`, :attr:`num_classes` and
+    :attr:`input_shape`. ``setup()`` builds everything once (the federated datasets of
+    the project are small), later calls do nothing.
+
+    After ``setup()``:
+
+    - :attr:`train_clients`, :attr:`val_clients`, :attr:`test_clients`: lists of
+      :class:`ClientDataset` (the test list may be empty); the client ids of the train
+      and val lists are disjoint.
+    - :meth:`summary`: client counts and sample counts (min/median/max) per split.
+    - The Lightning loaders iterate over the concatenation of a split's clients
+      (``batch_size``; the training loader is reshuffled every epoch by a seeded generator).
+
+    Args:
+        batch_size: Samples per batch of the centralized loaders, a positive integer.
+        num_workers: DataLoader worker processes (0: load in the main process).
+        seed: Seed of the client split, of the data generation where there is one, and
+            of the training-loader shuffling.
+
+    Raises:
+        ValueError: If an argument is outside its range.
+    """
+
+    #: ``"regression"`` or ``"classification"``.
+    task: Task = "regression"
+    #: Number of classes (classification), ``None`` for regression.
+    num_classes: Optional[int] = None
+    #: Shape of one input sample.
+    input_shape: tuple[int, ...] = ()
+
+    def __init__(self, *, batch_size: int = 64, num_workers: int = 0, seed: int = 0) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        _check_positive_int("batch_size", batch_size, owner)
+        _check_non_negative_int("num_workers", num_workers, owner)
+        _check_int("seed", seed, owner)
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.seed = seed
+        self.train_clients: Optional[list[ClientDataset]] = None
+        self.val_clients: Optional[list[ClientDataset]] = None
+        self.test_clients: Optional[list[ClientDataset]] = None
+
+    # ----------------------------------------------------------------- subclass API
+    def _build_clients(self) -> tuple[list[ClientDataset], list[ClientDataset], list[ClientDataset]]:
+        """Read or generate the data; return ``(train_clients, val_clients, test_clients)``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _build_clients()")
+
+    # ----------------------------------------------------------------- hooks
+    def setup(self, stage: Optional[str] = None) -> None:
+        """Build the three client lists (once; later calls, for any stage, do nothing).
+
+        Args:
+            stage: ``"fit"``, ``"validate"``, ``"test"``, ``"predict"`` or ``None``; the
+                federated datasets are small, so every stage builds all splits.
+
+        Raises:
+            ValueError: If the training or validation split is empty, or a client id
+                appears in both.
+        """
+        if self.train_clients is not None:
+            return
+        train, val, test = self._build_clients()
+        owner = type(self).__name__
+        if not train or not val:
+            raise ValueError(
+                f"{owner}: the client split left {len(train)} training and {len(val)} validation clients; "
+                "both must be non-empty: use more clients or change the split fraction"
+            )
+        shared = {client.client_id for client in train} & {client.client_id for client in val}
+        if shared:
+            raise ValueError(f"{owner}: clients {sorted(shared)[:5]} are both training and validation clients")
+        self.train_clients, self.val_clients, self.test_clients = list(train), list(val), list(test)
+
+    def clients(self, split: str) -> list[ClientDataset]:
+        """The client list of ``split`` (``"train"``, ``"val"`` or ``"test"``).
+
+        Raises:
+            ValueError: If ``split`` is not one of the three names.
+            RuntimeError: If ``setup()`` has not run yet.
+        """
+        if split not in SPLITS:
+            raise ValueError(f"{type(self).__name__}: split must be one of {SPLITS}, got {split!r}")
+        clients = getattr(self, f"{split}_clients")
+        if clients is None:
+            raise RuntimeError(f"{type(self).__name__}: the clients are not built; call setup() first")
+        return clients
+
+    def padded(
+        self, clients: Union[str, Sequence[ClientDataset]], *, pad_value: float = 0.0
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """:func:`padded` over a split name (``"train"``, ...) or an explicit list of clients."""
+        return padded(self.clients(clients) if isinstance(clients, str) else clients, pad_value=pad_value)
+
+    def summary(self) -> dict[str, Any]:
+        """Task, shapes and, per split, the number of clients and of samples (total, min/median/max per client).
+
+        Returns:
+            ``{"task", "num_classes", "input_shape", "train": {...}, "val": {...}, "test": {...}}``,
+            each split holding ``clients``, ``samples``, ``samples_min``, ``samples_median``
+            and ``samples_max`` (``None`` for an empty split). Subclasses add their own keys.
+        """
+        out: dict[str, Any] = {
+            "task": self.task,
+            "num_classes": self.num_classes,
+            "input_shape": tuple(self.input_shape),
+        }
+        for split in SPLITS:
+            out[split] = _size_summary(self.clients(split))
+        return out
+
+    # ----------------------------------------------------------------- centralized loaders
+    def concatenated(self, split: str) -> TensorDataset:
+        """All samples of a split's clients, in client order, as one :class:`~torch.utils.data.TensorDataset`.
+
+        Raises:
+            RuntimeError: If the split has no clients (the message names the split).
+        """
+        clients = self.clients(split)
+        if not clients:
+            raise RuntimeError(f"{type(self).__name__}: the {split} split has no clients, so it has no loader")
+        return TensorDataset(torch.cat([client.x for client in clients]), torch.cat([client.y for client in clients]))
+
+    def centralized(self) -> CentralizedView:
+        """A plain LightningDataModule over the pooled samples of each split (a centralized baseline)."""
+        return CentralizedView(self)
+
+    # Lightning takes the loaders from the DataModule. A federated module's step is one
+    # round that reads the clients itself (train_clients, padded(...)), so every loader
+    # yields one item: one round per training epoch, one evaluation per validation.
+    def _round(self) -> DataLoader:
+        return DataLoader([0], batch_size=1)
+
+    def train_dataloader(self) -> DataLoader:
+        """One item per epoch: the federated module runs one round per training step."""
+        return self._round()
+
+    def val_dataloader(self) -> DataLoader:
+        """One item: the federated module evaluates all validation clients at once."""
+        return self._round()
+
+    def test_dataloader(self) -> DataLoader:
+        """One item: the federated module evaluates all test clients at once."""
+        return self._round()
+
+
+class CentralizedView(LightningDataModule):
+    """Batches over all clients' samples of each split of a :class:`FederatedDataModule`.
+
+    The training split is reshuffled every epoch by a generator seeded with the federated
+    DataModule's seed; validation and test keep a fixed order.
+    """
+
+    def __init__(self, federated: FederatedDataModule) -> None:
+        super().__init__()
+        self.federated = federated
+
+    def prepare_data(self) -> None:
+        self.federated.prepare_data()
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        self.federated.setup(stage)
+
+    def _loader(self, split: str) -> DataLoader:
+        fed = self.federated
+        return make_dataloader(fed.concatenated(split), batch_size=fed.batch_size, shuffle=split == "train",
+                               num_workers=fed.num_workers, seed=fed.seed)
+
+    def train_dataloader(self) -> DataLoader:
+        """Batches over all training clients' samples, reshuffled every epoch (seeded)."""
+        return self._loader("train")
+
+    def val_dataloader(self) -> DataLoader:
+        """Batches over all validation clients' samples, in a fixed order."""
+        return self._loader("val")
+
+    def test_dataloader(self) -> DataLoader:
+        """Batches over all test clients' samples, in a fixed order."""
+        return self._loader("test")
+
+
+def derived_seed(seed: int, *keys: Any) -> int:
+    """A 63-bit seed derived from ``seed`` and ``keys`` (SHA-256 of their ``repr``), stable across runs and platforms.
+
+    Lets one seed drive independent streams (one per split, one per client) so that,
+    e.g., a client's draw does not change when other clients are added or removed.
+
+    Example:
+        >>> derived_seed(0, "train") == derived_seed(0, "train") != derived_seed(0, "val")
+        True
+    """
+    digest = hashlib.sha256(repr((int(seed), *keys)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _check_int(name: str, value: Any, owner: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{owner}: {name} must be an integer, got {value!r}")
+
+
+def _check_probability(name: str, value: Any, owner: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"{owner}: {name} must be a probability in [0, 1], got {value!r}")
+
+
+def _check_open_fraction(name: str, value: Any, owner: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < float(value) < 1.0:
+        raise ValueError(f"{owner}: {name} must be a number in the open interval (0, 1), got {value!r}")

@@ -1,0 +1,366 @@
+"""The federated round as a LightningModule: personalized FL with metric privacy.
+
+Galli et al., "Group privacy for personalized federated learning" (Algorithms 1 and 2) and
+thesis chapter 2. One training step is one round:
+
+1. sample U training clients without replacement (a client whose next participation would
+   exceed ``client_privacy_cap`` declines and is replaced, or skipped: ``cap_policy``);
+2. every sampled client evaluates the k hypotheses on its own data and takes the argmin of
+   the loss, then runs E epochs of SGD (rate s, batch size B_s) from it
+   (:mod:`lightning_dp.federated.local`, vectorized over clients);
+3. every client sanitizes its model: ``delta = theta_client - theta_j``,
+   ``epsilon = n / (nu ||delta||)``, ``released = theta_client + EuclideanLaplace(n, epsilon)``
+   (per layer with ``per_layer=True``), and the per-client ledger is charged n/nu
+   (:mod:`lightning_dp.privacy.mechanisms`, :mod:`lightning_dp.privacy.ledger`);
+4. the server sees only the releases; k-means initialized at the hypotheses, each
+   hypothesis becomes the mean of its cluster, an empty cluster keeps its hypothesis
+   (:mod:`lightning_dp.federated.aggregation`).
+
+Validation clients are held out from training; each picks its best hypothesis and
+``val/loss`` is the mean of those best losses (monitor it with Lightning's
+``EarlyStopping``; validation runs every ``check_val_every_n_epoch`` rounds). Each round is
+one optimizer step for Lightning (``global_step``, ``max_steps`` and ``ModelCheckpoint``
+count rounds). The clients
+come from a :class:`~lightning_dp.datamodules.federated.FederatedDataModule`, whose loaders
+yield one item per round (one training epoch = one round: ``max_epochs`` is the number of
+rounds).
+
+Every random draw (client sampling, local shuffles, noise) comes from a generator derived
+from ``(seed, stream, round, ...)``; with the round counter and the ledger in the
+checkpoint, a resumed run equals the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import secrets
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import Tensor, nn
+
+from lightning_dp.federated.aggregation import kmeans_aggregate
+from lightning_dp.federated.local import LOSSES, FlatParams, choose_hypotheses, client_losses, local_sgd, local_sgd_loop
+from lightning_dp.privacy.ledger import PrivacyLedger
+from lightning_dp.privacy.mechanisms import sanitize_update
+from lightning_dp.privacy.noise import derive_generator
+
+__all__ = ["PersonalizedFederatedModule"]
+
+# streams of derive_generator
+_CLIENTS, _LOCAL, _NOISE, _INIT, _VAL = 11, 12, 13, 14, 15
+#: models with more parameters than this train their clients one by one ("auto" engine):
+#: vmap over clients turns convolutions into grouped ones, slower than a loop on CPU
+#: (benchmarks/bench_federated_round.py: 30x faster for 11 parameters, 4x slower for 1.4 M).
+AUTO_VMAP_MAX_PARAMETERS = 100_000
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} is not allowed: pass a positive integer")
+    return value
+
+
+class _RoundOptimizer(torch.optim.Optimizer):
+    """Runs the closure it is given: the round's aggregation, counted by Lightning as a step."""
+
+    def __init__(self, params: list[Tensor]) -> None:
+        super().__init__(params, {})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        return closure() if closure is not None else None
+
+
+class PersonalizedFederatedModule(LightningModule):
+    """IFCA-style personalized federated learning with Euclidean d-privacy (see the module docstring).
+
+    Args:
+        model: the network template; k hypotheses of its shape are trained.
+        num_hypotheses: k.
+        clients_per_round: U, sampled without replacement among the training clients.
+        local_epochs: E.
+        local_lr: s.
+        local_batch_size: B_s.
+        noise_multiplier: nu; 0 releases the clients' models unsanitized (non-private baseline).
+        loss: ``"rmse"`` (regression) or ``"cross_entropy"`` (classification).
+        per_layer: sanitize each parameter tensor with its own epsilon (n_l, delta_l).
+        client_privacy_cap: a client whose spend would exceed this declines to participate.
+        cap_policy: ``"replace"`` (declined clients are replaced by eligible ones) or
+            ``"skip"`` (the round runs with fewer clients).
+        val_clients_per_check: evaluate a random sample of this many validation clients
+            per check (default: all).
+        client_engine: ``"vmap"`` (all clients at once), ``"loop"`` (one by one) or ``"auto"``.
+        min_delta_norm: the noise is calibrated to ``max(||delta||, min_delta_norm)``: a client
+            whose update is (numerically) zero still releases noise of mean norm
+            ``nu * min_delta_norm``, for the same cost n/nu over a neighbourhood at least as
+            large (see :func:`~lightning_dp.privacy.mechanisms.sanitize_update`).
+        seed: seed of every stream (client sampling, shuffles, noise, initialization);
+            default: a fresh secret seed, saved in checkpoints.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        num_hypotheses: int = 2,
+        clients_per_round: int = 10,
+        local_epochs: int = 1,
+        local_lr: float = 0.1,
+        local_batch_size: int = 10,
+        noise_multiplier: float = 0.0,
+        loss: Literal["rmse", "cross_entropy"] = "rmse",
+        per_layer: bool = False,
+        client_privacy_cap: float | None = None,
+        cap_policy: Literal["replace", "skip"] = "replace",
+        val_clients_per_check: int | None = None,
+        client_engine: Literal["auto", "vmap", "loop"] = "auto",
+        min_delta_norm: float = 1e-8,
+        seed: int | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self.k = _positive_int("num_hypotheses", num_hypotheses)
+        self.clients_per_round = _positive_int("clients_per_round", clients_per_round)
+        self.local_epochs = _positive_int("local_epochs", local_epochs)
+        self.local_batch_size = _positive_int("local_batch_size", local_batch_size)
+        if not (float(local_lr) > 0 and math.isfinite(float(local_lr))):
+            raise ValueError(f"local_lr={local_lr!r} is not allowed: pass a finite learning rate > 0")
+        self.local_lr = float(local_lr)
+        if not (float(noise_multiplier) >= 0 and math.isfinite(float(noise_multiplier))):
+            raise ValueError(f"noise_multiplier={noise_multiplier!r} is not allowed: nu must be >= 0 (0 = no "
+                             "sanitization); the seed's experiments use 0.1 to 5")
+        self.noise_multiplier = float(noise_multiplier)
+        if loss not in LOSSES:
+            raise ValueError(f"loss={loss!r} is not allowed; choose one of {LOSSES}")
+        self.loss_name = loss
+        self.per_layer = bool(per_layer)
+        if client_privacy_cap is not None and not float(client_privacy_cap) > 0:
+            raise ValueError(f"client_privacy_cap={client_privacy_cap!r} is not allowed: pass a number > 0 or None")
+        if client_privacy_cap is not None and self.noise_multiplier == 0:
+            raise ValueError("client_privacy_cap needs noise_multiplier > 0: without sanitization every "
+                             "participation has an infinite cost")
+        self.client_privacy_cap = None if client_privacy_cap is None else float(client_privacy_cap)
+        if cap_policy not in ("replace", "skip"):
+            raise ValueError(f"cap_policy={cap_policy!r} is not allowed; choose 'replace' or 'skip'")
+        self.cap_policy = cap_policy
+        self.val_clients_per_check = (None if val_clients_per_check is None
+                                      else _positive_int("val_clients_per_check", val_clients_per_check))
+        if client_engine not in ("auto", "vmap", "loop"):
+            raise ValueError(f"client_engine={client_engine!r} is not allowed; choose 'auto', 'vmap' or 'loop'")
+        if not (float(min_delta_norm) >= 0 and math.isfinite(float(min_delta_norm))):
+            raise ValueError(f"min_delta_norm={min_delta_norm!r} is not allowed: pass a finite number >= 0")
+        self.min_delta_norm = float(min_delta_norm)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise ValueError(f"seed={seed!r} is not allowed: pass a non-negative integer or None")
+        self.save_hyperparameters(ignore=["model"])
+        self.save_hyperparameters({"model_class": f"{type(model).__module__}.{type(model).__qualname__}"})
+
+        self.template = model
+        self.spec = FlatParams.of(model)
+        self.engine = client_engine if client_engine != "auto" else (
+            "vmap" if self.spec.numel <= AUTO_VMAP_MAX_PARAMETERS else "loop")
+        self.seed = int(seed) if seed is not None else secrets.randbits(63)
+        self.register_buffer("hypotheses", self._initial_hypotheses())
+        self.register_buffer("rounds", torch.zeros((), dtype=torch.long))
+        self.ledger = PrivacyLedger()
+        self.automatic_optimization = False
+        self._history: list[dict[str, Any]] = []
+
+    # ----------------------------------------------------------------- set-up
+    def _initial_hypotheses(self) -> Tensor:
+        """k independent initializations of the template (its own ``reset_parameters``)."""
+        rows = []
+        for j in range(self.k):
+            net = copy.deepcopy(self.template)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(int(derive_generator(self.seed, _INIT, j).initial_seed()) % 2**63)
+                for mod in net.modules():
+                    if hasattr(mod, "reset_parameters"):
+                        mod.reset_parameters()
+            rows.append(self.spec.flatten(net))
+        return torch.stack(rows)
+
+    def setup(self, stage: str) -> None:
+        from lightning_dp.datamodules.federated import FederatedDataModule
+
+        dm = self.trainer.datamodule if self._trainer is not None else None
+        if not isinstance(dm, FederatedDataModule):
+            raise MisconfigurationException(
+                "PersonalizedFederatedModule reads its clients from a FederatedDataModule (e.g. "
+                "lightning_dp.datamodules.SyntheticLinearMixture): pass it as trainer.fit(module, datamodule=...).")
+        if self.trainer.world_size > 1:
+            raise MisconfigurationException("PersonalizedFederatedModule does not run under DDP yet; use devices=1.")
+        self._clients = {"train": dm.train_clients, "val": dm.val_clients, "test": dm.test_clients}
+        if stage == "fit" and len(dm.train_clients) < self.clients_per_round:
+            raise MisconfigurationException(
+                f"clients_per_round={self.clients_per_round} exceeds the {len(dm.train_clients)} training clients; "
+                "lower clients_per_round.")
+        if self.per_layer and self.noise_multiplier == 0:
+            rank_zero_warn("per_layer=True has no effect with noise_multiplier=0 (no sanitization)")
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        # local SGD and aggregation are the optimization; this optimizer only makes each round an
+        # optimizer step for Lightning (global_step, ModelCheckpoint, max_steps count rounds)
+        return _RoundOptimizer([self.hypotheses])
+
+    # ------------------------------------------------------------------ round
+    def _padded(self, split: str, index: list[int]):
+        clients = [self._clients[split][i] for i in index]
+        return self.trainer.datamodule.padded(clients)
+
+    def participation_cost(self) -> float:
+        """The d-privacy cost n/nu of one participation (per-layer: sum of n_l/nu, the same total)."""
+        return math.inf if self.noise_multiplier == 0 else self.spec.numel / self.noise_multiplier
+
+    def _sample_clients(self, r: int) -> tuple[list[int], int]:
+        clients = self._clients["train"]
+        order = torch.randperm(len(clients), generator=derive_generator(self.seed, _CLIENTS, r)).tolist()
+        if self.client_privacy_cap is None:
+            return order[: self.clients_per_round], 0
+        cost = self.participation_cost()
+
+        def eligible(i: int) -> bool:
+            return not self.ledger.would_exceed(clients[i].client_id, cost, self.client_privacy_cap)
+
+        if self.cap_policy == "replace":  # walk the random order until U eligible clients said yes
+            chosen, declined = [], 0
+            for i in order:
+                if len(chosen) == self.clients_per_round:
+                    break
+                if eligible(i):
+                    chosen.append(i)
+                else:
+                    declined += 1
+            return chosen, declined
+        first = order[: self.clients_per_round]
+        chosen = [i for i in first if eligible(i)]
+        return chosen, len(first) - len(chosen)
+
+    def _train_clients(self, start: Tensor, x: Tensor, y: Tensor, mask: Tensor, r: int) -> Tensor:
+        fn = local_sgd if self.engine == "vmap" else local_sgd_loop
+        return fn(self.template, self.spec, start, x, y, mask, epochs=self.local_epochs, lr=self.local_lr,
+                  batch_size=self.local_batch_size, loss=self.loss_name,
+                  generator=derive_generator(self.seed, _LOCAL, r, device=x.device))
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        r = int(self.rounds)
+        index, declined = self._sample_clients(r)
+        hyps = self.hypotheses
+        metrics: dict[str, float] = {"round/participants": float(len(index)), "round/declined": float(declined)}
+        if index:
+            x, y, mask = self._padded("train", index)
+            with torch.no_grad():
+                losses = client_losses(self.template, self.spec, hyps, x, y, mask, self.loss_name)
+            choice = choose_hypotheses(losses)
+            start = hyps[choice]
+            trained = self._train_clients(start, x, y, mask, r)
+            released = []
+            ids = [self._clients["train"][i].client_id for i in index]
+            for c, cid in enumerate(ids):
+                out = sanitize_update(trained[c], start[c], noise_multiplier=self.noise_multiplier,
+                                      generator=derive_generator(self.seed, _NOISE, r, index[c], device=x.device),
+                                      per_layer_sizes=self.spec.sizes if self.per_layer else None,
+                                      min_delta_norm=self.min_delta_norm)
+                released.append(out.released)
+                if self.noise_multiplier > 0:  # nu = 0 is the non-private baseline: nothing to account
+                    self.ledger.charge(cid, out.cost)
+            releases = torch.stack(released)
+            new, assignment = kmeans_aggregate(releases, hyps)
+            self.optimizers().step(closure=lambda: self.hypotheses.copy_(new))
+            sizes = torch.bincount(assignment, minlength=self.k)
+            metrics["train/loss"] = float(losses.gather(1, choice[:, None]).mean())
+            for j in range(self.k):
+                metrics[f"round/cluster_size_{j}"] = float(sizes[j])
+            if self.spec.numel <= 2:
+                self._history.append({"round": r, "releases": releases.detach().cpu().clone(),
+                                      "hypotheses": new.detach().cpu().clone()})
+        else:
+            self.optimizers().step(closure=lambda: None)  # a round without participants is still a round
+        if len(self.ledger):
+            metrics["privacy/client_epsilon_median"] = self.ledger.median()
+            metrics["privacy/client_epsilon_max"] = self.ledger.max()
+        self.rounds += 1
+        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+
+    # -------------------------------------------------------------- evaluation
+    def _evaluate(self, split: str, stage: str) -> None:
+        clients = self._clients[split]
+        if not clients:
+            return
+        index = list(range(len(clients)))
+        if split == "val" and self.val_clients_per_check is not None and self.val_clients_per_check < len(clients):
+            g = derive_generator(self.seed, _VAL, int(self.rounds))
+            index = torch.randperm(len(clients), generator=g)[: self.val_clients_per_check].tolist()
+        x, y, mask = self._padded(split, index)
+        losses = client_losses(self.template, self.spec, self.hypotheses, x, y, mask, self.loss_name)
+        best = losses.min(dim=1).values
+        self.log(f"{stage}/loss", best.mean(), batch_size=1)
+        choice = losses.argmin(dim=1)
+        for j in range(self.k):
+            self.log(f"{stage}/chose_{j}", (choice == j).float().mean(), batch_size=1)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._evaluate("val", "val")
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self._evaluate("test" if self._clients["test"] else "val", "test")
+
+    # -------------------------------------------------------------- checkpoint
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["federated"] = {"ledger": self.ledger.state_dict(), "seed": self.seed, "version": 1}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("federated")
+        if state is not None:
+            self.ledger.load_state_dict(state["ledger"])
+            self.seed = int(state["seed"])
+
+    def on_train_end(self) -> None:
+        if self.trainer.is_global_zero and len(self.ledger):
+            self._log_ledger_artifacts()
+            if self._history:
+                self._log_parameter_plot()
+
+    # ------------------------------------------------------------------ plots
+    def _log_ledger_artifacts(self) -> None:
+        from matplotlib.figure import Figure
+
+        from lightning_dp import tracking
+
+        spend = self.ledger.as_dict()
+        values = list(spend.values())
+        fig = Figure(figsize=(6, 4))
+        ax = fig.subplots()
+        ax.hist(values, bins=min(30, max(5, len(set(values)))))
+        ax.set_xlabel("client epsilon spent (d-privacy, per ||delta||-neighbourhood)")
+        ax.set_ylabel("clients")
+        ax.set_title(f"privacy spend per client, nu={self.noise_multiplier:g}, n={self.spec.numel}")
+        tracking.log_figure(self.trainer, fig, "privacy/client_epsilon_hist.png")
+        table = (f"clients\t{len(values)}\nmedian\t{self.ledger.median():.6g}\nmax\t{self.ledger.max():.6g}\n"
+                 f"cost_per_participation\t{self.participation_cost():.6g}\n")
+        tracking.log_text(self.trainer, table, "privacy/client_epsilon.tsv")
+
+    def _log_parameter_plot(self) -> None:
+        from matplotlib.figure import Figure
+
+        from lightning_dp import tracking
+
+        fig = Figure(figsize=(6, 5))
+        ax = fig.subplots()
+        for h in self._history:
+            r = h["releases"]
+            ax.scatter(r[:, 0], r[:, 1], s=6, alpha=0.25, color="tab:gray")
+        path = torch.stack([h["hypotheses"] for h in self._history])  # (rounds, k, 2)
+        for j in range(self.k):
+            ax.plot(path[:, j, 0], path[:, j, 1], marker=".", label=f"hypothesis {j}")
+        ax.set_xlabel("theta[0]")
+        ax.set_ylabel("theta[1]")
+        ax.legend()
+        ax.set_title("released parameters (grey) and hypotheses per round")
+        tracking.log_figure(self.trainer, fig, "federated/parameters.png")

@@ -1,0 +1,138 @@
+"""The networks of the personalized federated learning experiments (Galli et al., thesis ch. 2).
+
+Plain ``torch.nn.Module`` s without BatchNorm (no layer mixes the examples of a
+batch). Their parameter counts matter: the d-privacy cost of a release is ``n / nu``
+(:func:`~lightning_dp.privacy.mechanisms.sanitize_update`), so ``n`` is stated for
+each network and asserted in the tests.
+
+- :class:`LinearRegression`: the synthetic task ``y = x^T theta``, n = 2.
+- :class:`HospitalMLP`: the hospital data (3 features), n = 11.
+- :class:`FEMNISTConvNet`: FEMNIST (1x28x28, 62 classes), n = 1,400,990.
+
+Example:
+    >>> import torch
+    >>> FEMNISTConvNet()(torch.zeros(2, 1, 28, 28)).shape
+    torch.Size([2, 62])
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_dp.models.networks import _check_positive_int
+
+__all__ = ["FEMNISTConvNet", "HospitalMLP", "LinearRegression"]
+
+
+class LinearRegression(nn.Module):
+    """The seed's synthetic model ``y = x^T theta``: ``nn.Linear(in_features, 1, bias=False)``.
+
+    ``in_features`` parameters (2 by default, the seed's two features), no bias.
+
+    Args:
+        in_features: Number of features.
+
+    Raises:
+        ValueError: If ``in_features`` is not a positive integer.
+
+    Example:
+        >>> import torch
+        >>> model = LinearRegression()
+        >>> sum(p.numel() for p in model.parameters()), model(torch.zeros(4, 2)).shape
+        (2, torch.Size([4]))
+    """
+
+    def __init__(self, in_features: int = 2) -> None:
+        super().__init__()
+        self.in_features = _check_positive_int("in_features", in_features)
+        self.linear = nn.Linear(self.in_features, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return predictions of shape ``(batch,)`` for ``x`` of shape ``(batch, in_features)``.
+
+        The trailing output dimension is squeezed so that ``mse_loss(model(x), y)`` with
+        targets ``y`` of shape ``(batch,)`` does not silently broadcast to
+        ``(batch, batch)``.
+        """
+        return self.linear(x).squeeze(-1)
+
+
+class HospitalMLP(nn.Module):
+    """The seed's small network for the hospital data: Linear(3, 2) -> ReLU -> Linear(2, 1).
+
+    ``6 + 2 + 2 + 1 = 11`` parameters with the defaults.
+
+    Args:
+        in_features: Number of input features (3 in the seed).
+        hidden: Width of the hidden layer (2 in the seed).
+
+    Raises:
+        ValueError: If ``in_features`` or ``hidden`` is not a positive integer.
+
+    Example:
+        >>> import torch
+        >>> model = HospitalMLP()
+        >>> sum(p.numel() for p in model.parameters()), model(torch.zeros(5, 3)).shape
+        (11, torch.Size([5]))
+    """
+
+    def __init__(self, in_features: int = 3, hidden: int = 2) -> None:
+        super().__init__()
+        self.in_features = _check_positive_int("in_features", in_features)
+        self.hidden = _check_positive_int("hidden", hidden)
+        self.net = nn.Sequential(nn.Linear(self.in_features, self.hidden), nn.ReLU(), nn.Linear(self.hidden, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return one output per example, shape ``(batch,)``, for ``x`` of shape ``(batch, in_features)``.
+
+        A regression output or a binary logit (``binary_cross_entropy_with_logits``),
+        squeezed like :class:`LinearRegression`'s.
+        """
+        return self.net(x).squeeze(-1)
+
+
+class FEMNISTConvNet(nn.Module):
+    """The seed's CNN for FEMNIST (LEAF, 1x28x28 handwritten characters, 62 classes).
+
+    Shapes for a 28x28 input::
+
+        Conv2d(1, 32, 2)   -> 32x27x27 -> ReLU
+        Conv2d(32, 64, 2)  -> 64x26x26 -> ReLU -> MaxPool2d(2) -> 64x13x13
+        Flatten -> Linear(10816, 128) -> ReLU -> Linear(128, num_classes)
+
+    Parameters: ``160 + 8,256 + 1,384,576 + 7,998 = 1,400,990`` for 62 classes
+    (``1,392,992 + 129 * num_classes`` in general).
+
+    Args:
+        num_classes: Number of output logits (62 for FEMNIST's digits and letters).
+
+    Raises:
+        ValueError: If ``num_classes`` is not a positive integer.
+
+    Example:
+        >>> import torch
+        >>> sum(p.numel() for p in FEMNISTConvNet().parameters())
+        1400990
+    """
+
+    def __init__(self, num_classes: int = 62) -> None:
+        super().__init__()
+        self.num_classes = _check_positive_int("num_classes", num_classes)
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 32, kernel_size=2),
+            nn.ReLU(),
+            nn.Conv2d(32, 64, kernel_size=2),
+            nn.ReLU(),
+            nn.MaxPool2d(kernel_size=2),
+        )
+        self.classifier = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(64 * 13 * 13, 128),
+            nn.ReLU(),
+            nn.Linear(128, self.num_classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return logits of shape ``(batch, num_classes)`` for ``x`` of shape ``(batch, 1, 28, 28)``."""
+        return self.classifier(self.features(x))

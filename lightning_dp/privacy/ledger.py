@@ -1,0 +1,173 @@
+"""Per-client d-privacy accounting for personalized federated learning.
+
+Each release of a client's model by :func:`~lightning_dp.privacy.mechanisms.sanitize_update`
+costs ``n / nu`` with respect to the client's ``||delta||``-neighbourhood (Galli et al.,
+"Group privacy for personalized federated learning"). By the composition theorem of
+d-privacy (Chatzikokolakis, Andres, Bordenabe & Palamidessi, "Broadening the scope of
+differential privacy using metrics", PETS 2013: releasing an ``epsilon_1 d``-private and
+an ``epsilon_2 d``-private mechanism with independent noise is
+``(epsilon_1 + epsilon_2) d``-private), the costs of a client's participations **add
+up**: the :class:`PrivacyLedger` keeps, per client, the sum of the costs charged and the
+number of charges. The sum is the seed's per-client spend; it is data-independent
+(``n / nu`` does not depend on the update), so it may be logged and published.
+
+Example:
+    >>> ledger = PrivacyLedger()
+    >>> ledger.charge("alice", 5.0)
+    >>> ledger.charge("alice", 5.0)
+    >>> ledger.charge(7, 5.0)
+    >>> ledger.spent("alice"), ledger.spent(7), ledger.spent("bob"), len(ledger)
+    (10.0, 5.0, 0.0, 2)
+    >>> ledger.would_exceed("alice", 5.0, cap=12.0)
+    True
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import statistics
+from typing import Any, Union
+
+__all__ = ["ClientId", "PrivacyLedger"]
+
+ClientId = Union[str, int]
+"""A client identifier: a string or an integer (kept as such through ``state_dict``)."""
+
+
+def _check_client_id(client_id: Any) -> ClientId:
+    if isinstance(client_id, bool) or not isinstance(client_id, (str, numbers.Integral)):
+        raise ValueError(
+            f"client_id={client_id!r} must be a str or an int (the identifier the federated partition gives a "
+            "client), so that the ledger can be saved as JSON; pass e.g. str(client_id)."
+        )
+    return client_id if isinstance(client_id, str) else int(client_id)
+
+
+def _check_cost(cost: Any) -> float:
+    if isinstance(cost, bool) or not isinstance(cost, numbers.Real) or math.isnan(cost) or cost < 0:
+        raise ValueError(
+            f"cost={cost!r} must be a number >= 0 (inf allowed: a release without noise): it is the d-privacy "
+            "cost of one participation, n / nu from sanitize_update(...).cost."
+        )
+    return float(cost)
+
+
+def _check_cap(cap: Any) -> float:
+    if isinstance(cap, bool) or not isinstance(cap, numbers.Real) or math.isnan(cap) or cap <= 0:
+        raise ValueError(
+            f"cap={cap!r} must be a number > 0 (inf for no cap): it is the largest total cost a client may "
+            "spend, e.g. 10 * n / nu for ten participations."
+        )
+    return float(cap)
+
+
+class PrivacyLedger:
+    """Sums the d-privacy costs charged to each client.
+
+    Clients that were never charged have spent ``0.0`` and are not counted by
+    :meth:`__len__`, :meth:`median` or :meth:`max`. Costs add by plain floating-point
+    summation in the order of the charges, so a resumed ledger (see
+    :meth:`state_dict`) continues with exactly the numbers of an uninterrupted run.
+    :meth:`would_exceed` compares strictly (``spent + cost > cap``); if the cap is meant
+    to admit exactly ``k`` participations of cost ``c``, give it a little headroom
+    (``k * c * (1 + 1e-9)``) since ``c + ... + c`` may round above ``k * c``.
+    """
+
+    def __init__(self) -> None:
+        self._spent: dict[ClientId, float] = {}
+        self._participations: dict[ClientId, int] = {}
+
+    def charge(self, client_id: ClientId, cost: float) -> None:
+        """Adds ``cost`` to the client's spend and counts one participation.
+
+        Args:
+            client_id: The client (str or int).
+            cost: The d-privacy cost ``>= 0`` of this release (``inf`` for no noise).
+
+        Raises:
+            ValueError: If ``client_id`` or ``cost`` is invalid.
+        """
+        client_id = _check_client_id(client_id)
+        cost = _check_cost(cost)
+        self._spent[client_id] = self._spent.get(client_id, 0.0) + cost
+        self._participations[client_id] = self._participations.get(client_id, 0) + 1
+
+    def spent(self, client_id: ClientId) -> float:
+        """The client's total cost so far (``0.0`` if it was never charged)."""
+        return self._spent.get(_check_client_id(client_id), 0.0)
+
+    def participations(self, client_id: ClientId) -> int:
+        """How many times the client was charged (``0`` if never)."""
+        return self._participations.get(_check_client_id(client_id), 0)
+
+    def would_exceed(self, client_id: ClientId, cost: float, cap: float) -> bool:
+        """Whether charging ``cost`` would take the client's spend above ``cap``.
+
+        Args:
+            client_id: The client.
+            cost: The cost ``>= 0`` of the planned participation.
+            cap: The per-client budget ``> 0`` (``inf`` for none).
+
+        Returns:
+            ``spent(client_id) + cost > cap``; records nothing.
+        """
+        return self.spent(client_id) + _check_cost(cost) > _check_cap(cap)
+
+    def as_dict(self) -> dict[ClientId, float]:
+        """``{client_id: spent}`` for every charged client (a copy, in first-charge order)."""
+        return dict(self._spent)
+
+    def median(self) -> float:
+        """The median spend over charged clients (``0.0`` if none was charged)."""
+        return float(statistics.median(self._spent.values())) if self._spent else 0.0
+
+    def max(self) -> float:
+        """The largest spend over charged clients (``0.0`` if none was charged)."""
+        return max(self._spent.values()) if self._spent else 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The ledger as plain, JSON-able Python types.
+
+        Client ids are stored inside lists, not as JSON object keys, so integer ids come
+        back as integers. A spend of ``inf`` is written by :mod:`json` as ``Infinity``
+        and read back by it.
+
+        Returns:
+            ``{"clients": [[client_id, spent, participations], ...]}``.
+        """
+        return {"clients": [[cid, spent, self._participations[cid]] for cid, spent in self._spent.items()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replaces the ledger's content with a state saved by :meth:`state_dict`.
+
+        Args:
+            state: ``{"clients": [[client_id, spent, participations], ...]}``.
+
+        Raises:
+            ValueError: If the state is malformed (the ledger is then left unchanged).
+        """
+        if not isinstance(state, dict) or not isinstance(state.get("clients", []), (list, tuple)):
+            raise ValueError(f"state must be a dict from PrivacyLedger.state_dict(), got {state!r:.200}.")
+        spent: dict[ClientId, float] = {}
+        participations: dict[ClientId, int] = {}
+        for entry in state.get("clients", []):
+            if not isinstance(entry, (list, tuple)) or len(entry) != 3:
+                raise ValueError(f"Each ledger entry must be [client_id, spent, participations], got {entry!r}.")
+            cid, total, count = _check_client_id(entry[0]), _check_cost(entry[1]), entry[2]
+            if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
+                raise ValueError(f"participations of client {cid!r} must be an integer >= 1, got {count!r}.")
+            if cid in spent:
+                raise ValueError(f"client {cid!r} appears twice in the saved ledger.")
+            spent[cid], participations[cid] = total, int(count)
+        self._spent, self._participations = spent, participations
+
+    def __len__(self) -> int:
+        """Number of clients charged at least once."""
+        return len(self._spent)
+
+    def __contains__(self, client_id: object) -> bool:
+        return client_id in self._spent
+
+    def __repr__(self) -> str:
+        return f"PrivacyLedger(clients={len(self)}, max={self.max()!r}, median={self.median()!r})"

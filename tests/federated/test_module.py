@@ -1,0 +1,108 @@
+"""The federated round module on the seed's synthetic mixture."""
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_dp.datamodules import SyntheticLinearMixture
+from lightning_dp.federated import PersonalizedFederatedModule
+from lightning_dp.models import LinearRegression
+from tests.helpers import BlobsData
+
+THETAS = torch.tensor([[5.0, 6.0], [4.0, -4.5]])
+
+
+def module(**kwargs):
+    defaults = dict(num_hypotheses=2, clients_per_round=7, local_epochs=1, local_lr=0.1, local_batch_size=10,
+                    noise_multiplier=5.0, loss="rmse", seed=0)
+    defaults.update(kwargs)
+    return PersonalizedFederatedModule(LinearRegression(), **defaults)
+
+
+def trainer(**kwargs):
+    defaults = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    accelerator="cpu", devices=1, max_epochs=10)
+    defaults.update(kwargs)
+    return L.Trainer(**defaults)
+
+
+def test_synthetic_hypotheses_converge_and_every_participation_costs_n_over_nu():
+    """The seed's setting (U=7, E=1, s=0.1, B_s=10, nu=5): both hypotheses end within 0.5 of theta*."""
+    m = module()
+    trainer(max_epochs=300).fit(m, SyntheticLinearMixture(seed=0))
+    dist = torch.cdist(m.hypotheses, THETAS)
+    assert dist.min(dim=0).values.max() < 0.5, m.hypotheses
+    assert set(dist.argmin(dim=0).tolist()) == {0, 1}  # one hypothesis per true cluster
+    assert m.participation_cost() == 0.4
+    assert len(m.ledger) > 0
+    for cid, spent in m.ledger.as_dict().items():
+        assert spent == pytest.approx(0.4 * m.ledger.participations(cid), rel=1e-12)
+    assert sum(m.ledger.participations(c) for c in m.ledger.as_dict()) == 7 * 300
+
+
+def test_resume_equals_uninterrupted_run(tmp_path):
+    full = module()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, save_top_k=-1, filename="{epoch}")
+    trainer(max_epochs=20, callbacks=[ckpt], enable_checkpointing=True).fit(full, SyntheticLinearMixture(seed=0))
+    resumed = module(seed=123)  # the checkpoint's seed wins
+    trainer(max_epochs=20).fit(resumed, SyntheticLinearMixture(seed=0), ckpt_path=str(tmp_path / "epoch=9.ckpt"))
+    assert int(resumed.rounds) == int(full.rounds) == 20
+    assert torch.equal(resumed.hypotheses, full.hypotheses)
+    assert resumed.ledger.state_dict() == full.ledger.state_dict()
+
+
+@pytest.mark.parametrize("policy", ["replace", "skip"])
+def test_privacy_cap_is_never_exceeded(policy):
+    m = module(client_privacy_cap=0.85, cap_policy=policy)  # 0.4 per participation: two participations
+    trainer(max_epochs=40).fit(m, SyntheticLinearMixture(num_clients=30, seed=1))
+    spend = m.ledger.as_dict()
+    assert max(spend.values()) <= 0.85
+    assert max(m.ledger.participations(c) for c in spend) == 2
+    if policy == "replace":  # 30 clients x 2 participations = 60 = 8 full rounds of 7, then fewer
+        assert len(spend) == 30
+
+
+def test_validation_and_early_stopping():
+    """Validation every 5 rounds, patience 6 checks: stops by itself once val/loss plateaus."""
+    m = module()
+    stop = EarlyStopping(monitor="val/loss", patience=6, mode="min")
+    t = trainer(max_epochs=1000, callbacks=[stop], check_val_every_n_epoch=5)
+    t.fit(m, SyntheticLinearMixture(seed=0))
+    assert 0 < stop.stopped_epoch < 999
+    assert float(stop.best_score) < 1.0
+    assert 0.0 <= float(t.callback_metrics["val/chose_0"]) <= 1.0
+
+
+def test_non_private_baseline_has_no_ledger():
+    m = module(noise_multiplier=0.0)
+    trainer(max_epochs=5).fit(m, SyntheticLinearMixture(seed=0))
+    assert len(m.ledger) == 0 and m.participation_cost() == float("inf")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(noise_multiplier=-1.0), "noise_multiplier=-1.0"),
+    (dict(loss="mse"), "loss='mse'"),
+    (dict(num_hypotheses=0), "num_hypotheses=0"),
+    (dict(client_privacy_cap=1.0, noise_multiplier=0.0), "needs noise_multiplier > 0"),
+    (dict(cap_policy="wait"), "cap_policy='wait'"),
+    (dict(client_engine="gpu"), "client_engine='gpu'"),
+])
+def test_constructor_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        module(**kwargs)
+
+
+def test_needs_a_federated_datamodule_and_enough_clients():
+    with pytest.raises(MisconfigurationException, match="FederatedDataModule"):
+        trainer(max_epochs=1).fit(module(), BlobsData())
+    with pytest.raises(MisconfigurationException, match="clients_per_round=7"):
+        trainer(max_epochs=1).fit(module(), SyntheticLinearMixture(num_clients=5, seed=0))
+
+
+def test_engines_agree():
+    a, b = module(client_engine="vmap"), module(client_engine="loop")
+    for m in (a, b):
+        trainer(max_epochs=5).fit(m, SyntheticLinearMixture(seed=0))
+    torch.testing.assert_close(a.hypotheses, b.hypotheses, rtol=1e-4, atol=1e-5)
