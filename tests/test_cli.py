@@ -261,3 +261,18 @@ def test_dpsgd_digits_example_records_privacy_in_mlflow(workdir: Path, store_tem
     (state,) = [v for k, v in ckpt["callbacks"].items() if k.startswith("DPSGD")]
     assert state["accountant"]["history"] == [[sigma, q, steps]]
     assert "mlflow ui --backend-store-uri" in capsys.readouterr().out
+
+
+def test_federated_synthetic_example_records_rounds_and_privacy(workdir: Path, store_template: Path) -> None:
+    """examples/fl_synthetic.yaml (the README's second main job), shortened to 10 rounds."""
+    _seed(store_template, workdir / "mlruns" / "mlflow.db")
+    cli.main(["fit", "--config", str(REPO_ROOT / "examples" / "fl_synthetic.yaml"), "--trainer.max_epochs=10"])
+    uri = f"sqlite:///{workdir}/mlruns/mlflow.db"
+    (run,) = _runs(uri, "fl-synthetic")
+    client = mlflow.MlflowClient(uri)
+    assert run.data.params["noise_multiplier"] == "5.0" and run.data.params["num_hypotheses"] == "2"
+    assert len(client.get_metric_history(run.info.run_id, "round/participants")) == 10
+    med = client.get_metric_history(run.info.run_id, "privacy/client_epsilon_max")
+    assert all(m.value == pytest.approx(0.4 * round(m.value / 0.4)) for m in med)  # multiples of n/nu
+    assert {"privacy/client_epsilon_hist.png", "privacy/client_epsilon.tsv", "federated/parameters.png",
+            "config.yaml", "checkpoints/final.ckpt"} <= _artifact_paths(client, run.info.run_id)
