@@ -206,21 +206,18 @@ class MLFlowLogger(_LightningMLFlowLogger):
                 artifact_location = (db_path.expanduser().resolve().parent / _ARTIFACTS_DIRNAME).as_uri()
         self._local_dir = None if save_dir is None else str(Path(save_dir).expanduser().resolve())
         with _store_lock(tracking_uri):
-            self._init_lightning_logger(
-            experiment_name=experiment_name,
-            run_name=run_name,
-            tracking_uri=tracking_uri,
-            tags=tags,
-            save_dir=save_dir,
-            log_model=log_model,
-            prefix=prefix,
-            artifact_location=artifact_location,
-            run_id=run_id,
-            synchronous=synchronous,
+            super().__init__(
+                experiment_name=experiment_name,
+                run_name=run_name,
+                tracking_uri=tracking_uri,
+                tags=tags,
+                save_dir=save_dir,
+                log_model=log_model,
+                prefix=prefix,
+                artifact_location=artifact_location,
+                run_id=run_id,
+                synchronous=synchronous,
             )
-
-    def _init_lightning_logger(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
 
     @property
     def tracking_uri(self) -> str:

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-__all__ = ["FlatParams", "LOSSES", "choose_hypotheses", "client_losses", "local_sgd", "local_sgd_loop", "masked_loss"]
+__all__ = ["FlatParams", "LOSSES", "check_loss", "choose_hypotheses", "client_losses", "local_sgd", "local_sgd_loop", "masked_loss"]
 
 #: Loss names accepted by the round; both are means over a client's (masked) batch.
 LOSSES = ("rmse", "cross_entropy")
@@ -63,7 +63,7 @@ class FlatParams:
         return {n: t.reshape(s) for n, t, s in zip(self.names, torch.split(flat, self.sizes, dim=-1), self.shapes)}
 
 
-def _check_loss(loss: str) -> None:
+def check_loss(loss: str) -> None:
     if loss not in LOSSES:
         raise ValueError(f"loss={loss!r} is not supported; choose one of {LOSSES} ('rmse' for regression, "
                          "'cross_entropy' for classification)")
@@ -95,7 +95,7 @@ def client_losses(template: nn.Module, spec: FlatParams, hypotheses: Tensor, x: 
         hypotheses: (k, P) flat parameter vectors.
         x, y, mask: padded client data (C, Nmax, ...), (C, Nmax, ...), (C, Nmax).
     """
-    _check_loss(loss)
+    check_loss(loss)
 
     def one(theta: Tensor, xc: Tensor, yc: Tensor, mc: Tensor) -> Tensor:
         return masked_loss(functional_call(template, spec.unflatten(theta), (xc,)), yc, mc, loss)
@@ -144,7 +144,7 @@ def local_sgd(template: nn.Module, spec: FlatParams, start: Tensor, x: Tensor, y
         >>> local_sgd(model, spec, torch.zeros(3, 2), x, y, mask, epochs=1, lr=0.1, batch_size=2, loss="rmse").shape
         torch.Size([3, 2])
     """
-    _check_loss(loss)
+    check_loss(loss)
     if epochs < 1 or batch_size < 1 or not lr > 0:
         raise ValueError(f"epochs={epochs}, batch_size={batch_size} must be >= 1 and lr={lr} > 0")
     c, nmax = mask.shape
@@ -179,7 +179,7 @@ def local_sgd_loop(template: nn.Module, spec: FlatParams, start: Tensor, x: Tens
     """
     import copy
 
-    _check_loss(loss)
+    check_loss(loss)
     c, nmax = mask.shape
     orders = []
     for _ in range(epochs):

@@ -44,7 +44,14 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 
 from lightning_dp.federated.aggregation import kmeans_aggregate
-from lightning_dp.federated.local import LOSSES, FlatParams, choose_hypotheses, client_losses, local_sgd, local_sgd_loop
+from lightning_dp.federated.local import (
+    FlatParams,
+    check_loss,
+    choose_hypotheses,
+    client_losses,
+    local_sgd,
+    local_sgd_loop,
+)
 from lightning_dp.privacy.ledger import PrivacyLedger
 from lightning_dp.privacy.mechanisms import sanitize_update
 from lightning_dp.privacy.noise import derive_generator
@@ -136,8 +143,7 @@ class PersonalizedFederatedModule(LightningModule):
             raise ValueError(f"noise_multiplier={noise_multiplier!r} is not allowed: nu must be >= 0 (0 = no "
                              "sanitization); the seed's experiments use 0.1 to 5")
         self.noise_multiplier = float(noise_multiplier)
-        if loss not in LOSSES:
-            raise ValueError(f"loss={loss!r} is not allowed; choose one of {LOSSES}")
+        check_loss(loss)
         self.loss_name = loss
         self.per_layer = bool(per_layer)
         if client_privacy_cap is not None and not float(client_privacy_cap) > 0:

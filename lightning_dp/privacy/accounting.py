@@ -71,6 +71,9 @@ from dp_accounting.pld import privacy_loss_distribution
 from dp_accounting.privacy_accountant import NeighboringRelation
 from dp_accounting.rdp import rdp_privacy_accountant
 
+from lightning_dp.privacy.noise import check_noise_multiplier
+from lightning_dp.privacy.sampling import check_sample_rate
+
 __all__ = [
     "ACCOUNTANTS",
     "Accountant",
@@ -97,27 +100,6 @@ def _is_real(value: Any) -> bool:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _check_noise_multiplier(noise_multiplier: Any) -> float:
-    if not _is_real(noise_multiplier) or not math.isfinite(noise_multiplier) or noise_multiplier <= 0:
-        raise ValueError(
-            f"noise_multiplier must be a finite number > 0, got {noise_multiplier!r}. It is sigma, the ratio of the "
-            "Gaussian noise standard deviation to the clipping norm; sigma = 0 releases the gradient without "
-            "privacy. Pass a positive value (DP-SGD typically uses 0.5 to 10) or calibrate one with "
-            "lightning_dp.privacy.calibration.calibrate_noise_multiplier."
-        )
-    return float(noise_multiplier)
-
-
-def _check_sample_rate(sample_rate: Any) -> float:
-    if not _is_real(sample_rate) or not 0 < sample_rate <= 1:
-        raise ValueError(
-            f"sample_rate must be a number in (0, 1], got {sample_rate!r}. It is the Poisson sampling probability "
-            "q = expected_batch_size / dataset_size (1.0 means full batch, i.e. the unsampled Gaussian "
-            "mechanism). Pass expected_batch_size / len(dataset)."
-        )
-    return float(sample_rate)
 
 
 def _check_num_steps(num_steps: Any, *, name: str = "num_steps", minimum: int = 1) -> int:
@@ -290,8 +272,8 @@ class Accountant(abc.ABC):
             ValueError: If an argument is outside its range.
         """
         entry = (
-            _check_noise_multiplier(noise_multiplier),
-            _check_sample_rate(sample_rate),
+            check_noise_multiplier(noise_multiplier),
+            check_sample_rate(sample_rate),
             _check_num_steps(num_steps),
         )
         self._history = _append(self._history, entry)
@@ -325,8 +307,8 @@ class Accountant(abc.ABC):
             :meth:`step` call.
         """
         entry = (
-            _check_noise_multiplier(noise_multiplier),
-            _check_sample_rate(sample_rate),
+            check_noise_multiplier(noise_multiplier),
+            check_sample_rate(sample_rate),
             _check_num_steps(num_steps),
         )
         return self._epsilon(_append(self._history, entry), _check_delta(delta))
@@ -355,7 +337,7 @@ class Accountant(abc.ABC):
         """
         target_epsilon = _check_target_epsilon(target_epsilon)
         delta = _check_delta(delta)
-        sigma, q = _check_noise_multiplier(noise_multiplier), _check_sample_rate(sample_rate)
+        sigma, q = check_noise_multiplier(noise_multiplier), check_sample_rate(sample_rate)
         limit = _check_num_steps(limit, name="limit", minimum=0)
 
         def fits(k: int) -> bool:
@@ -420,7 +402,7 @@ class Accountant(abc.ABC):
         for raw in raw_history:
             if not isinstance(raw, (list, tuple)) or len(raw) != 3:
                 raise ValueError(f"Each history entry must be [sigma, q, num_steps], got {raw!r}.")
-            entry = (_check_noise_multiplier(raw[0]), _check_sample_rate(raw[1]), _check_num_steps(raw[2]))
+            entry = (check_noise_multiplier(raw[0]), check_sample_rate(raw[1]), _check_num_steps(raw[2]))
             history = _append(history, entry)
         self._load_config(state)
         self._history = history

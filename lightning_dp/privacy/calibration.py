@@ -28,11 +28,11 @@ from typing import Any
 from lightning_dp.privacy.accounting import (
     _check_delta,
     _check_num_steps,
-    _check_sample_rate,
     _check_target_epsilon,
     _is_real,
     get_accountant,
 )
+from lightning_dp.privacy.sampling import check_sample_rate
 
 __all__ = ["MAX_NOISE_MULTIPLIER", "MIN_NOISE_MULTIPLIER", "calibrate_noise_multiplier", "steps_for_epochs"]
 
@@ -165,7 +165,7 @@ def calibrate_noise_multiplier(
     if math.isinf(target_epsilon):
         raise ValueError("target_epsilon must be finite, got inf: an infinite budget needs no noise to calibrate.")
     target_delta = _check_delta(target_delta, name="target_delta")
-    sample_rate = _check_sample_rate(sample_rate)
+    sample_rate = check_sample_rate(sample_rate)
     steps = _check_num_steps(steps, name="steps")
     if not _is_real(tolerance) or not 0 < tolerance < 1:
         raise ValueError(
@@ -236,7 +236,7 @@ def steps_for_epochs(*, epochs: int, sample_rate: float) -> int:
         705
     """
     epochs = _check_num_steps(epochs, name="epochs")
-    sample_rate = _check_sample_rate(sample_rate)
+    sample_rate = check_sample_rate(sample_rate)
     inverse = 1.0 / sample_rate
     nearest = round(inverse)
     per_epoch = nearest if abs(inverse - nearest) <= 1e-9 * inverse else math.ceil(inverse)

@@ -33,6 +33,7 @@ trainable parameter is used only inside the forward of the module that owns it.
 
 Example:
     >>> import torch
+    >>> from lightning_dp.privacy.clipping import clip_factors
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
     >>> engine = GradSampleEngine(model)
     >>> x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
@@ -55,9 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_dp.privacy.clipping import clip_factors
-
-__all__ = ["GradSampleEngine", "PerSampleGradientError", "choose_layer_strategy", "clip_factors"]
+__all__ = ["GradSampleEngine", "PerSampleGradientError", "choose_layer_strategy"]
 
 #: Instantiated per-sample gradients larger than this (bytes, per layer) force the ghost norm.
 DEFAULT_INSTANTIATE_LIMIT = 512 * 2**20
@@ -583,8 +582,3 @@ class GradSampleEngine:
     def _sum_functorch(self, layer: _Layer, records, factors: Tensor) -> dict[str, Tensor]:
         grads = layer.cache or self._functorch_grads(layer, records, factors.shape[0])
         return {n: torch.einsum("b,b...->...", factors.to(g.dtype), g) for n, g in grads.items()}
-
-
-def flat_norm(tensors: Sequence[Tensor]) -> float:
-    """L2 norm of the concatenation of ``tensors`` (a test/diagnostic helper)."""
-    return math.sqrt(sum(float(t.double().square().sum()) for t in tensors))

@@ -9,6 +9,7 @@ clipped sums, it is therefore present exactly once in the aggregate.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
 import numpy as np
@@ -22,17 +23,19 @@ SAMPLING, NOISE = 1, 2
 
 
 def check_noise_multiplier(noise_multiplier: float) -> float:
-    """Validates a noise multiplier sigma (noise std / sensitivity) and returns it as a float."""
-    try:
-        value = float(noise_multiplier)
-    except (TypeError, ValueError):
-        raise ValueError(f"noise_multiplier={noise_multiplier!r} is not a number; pass a positive float such as 1.0, "
-                         "or pass target_epsilon to calibrate it") from None
-    if not (value > 0 and math.isfinite(value)):
+    """Validates a noise multiplier sigma (noise std / sensitivity) and returns it as a float.
+
+    Used by every component that takes sigma (the DP-SGD callback, the accountants).
+    """
+    if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, numbers.Real) \
+            or not math.isfinite(noise_multiplier) or noise_multiplier <= 0:
         raise ValueError(
-            f"noise_multiplier={noise_multiplier!r} is not allowed: sigma must be a finite number > 0 (sigma = 0 "
-            "gives no privacy). Pass e.g. noise_multiplier=1.0, or target_epsilon=... to calibrate it.")
-    return value
+            f"noise_multiplier must be a finite number > 0, got {noise_multiplier!r} (noise_multiplier="
+            f"{noise_multiplier!r} is not allowed). It is sigma, the ratio of the Gaussian noise standard deviation "
+            "to the clipping norm; sigma = 0 releases the gradient without privacy. Pass a positive value (DP-SGD "
+            "typically uses 0.5 to 10), or calibrate one: target_epsilon=... in DPSGD, or "
+            "lightning_dp.privacy.calibration.calibrate_noise_multiplier.")
+    return float(noise_multiplier)
 
 
 def derive_generator(seed: int, *counters: int, device: torch.device | str = "cpu") -> torch.Generator:

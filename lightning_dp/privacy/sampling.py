@@ -16,6 +16,7 @@ uninterrupted run.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Iterator
 
 import torch
@@ -27,12 +28,13 @@ __all__ = ["EmptySafeCollate", "PoissonBatchSampler", "check_sample_rate", "pois
 
 
 def check_sample_rate(sample_rate: float) -> float:
-    value = float(sample_rate)
-    if not 0 < value <= 1:
+    """Validates a Poisson sampling rate q in (0, 1] and returns it as a float (used by the sampler and accountants)."""
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, numbers.Real) or not 0 < sample_rate <= 1:
         raise ValueError(
-            f"sample_rate={sample_rate!r} is not allowed: the Poisson sampling rate q = expected batch size / "
-            "dataset size must be in (0, 1]. Lower the batch size or use a larger training set.")
-    return value
+            f"sample_rate must be a number in (0, 1], got {sample_rate!r}. It is the Poisson sampling probability "
+            "q = expected_batch_size / dataset_size (1.0 means full batch, i.e. the unsampled Gaussian "
+            "mechanism). Pass expected_batch_size / len(dataset): lower the batch size or use a larger training set.")
+    return float(sample_rate)
 
 
 class PoissonBatchSampler(BatchSampler):
