@@ -19,7 +19,9 @@ sanitizer adds Euclidean noise and the server clusters releases.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Union
 
 import torch
 from torch import Tensor, nn
@@ -109,20 +111,32 @@ def choose_hypotheses(losses: Tensor) -> Tensor:
     return losses.argmin(dim=1)
 
 
-def _epoch_order(mask: Tensor, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+Generators = Union[torch.Generator, Sequence[torch.Generator], None]
+
+
+def _epoch_order(mask: Tensor, generator: Generators) -> tuple[Tensor, Tensor]:
     """Per-client random orders of the valid examples, and the valid counts.
 
     Returns ``order`` (C, Nmax) whose first ``counts[c]`` entries are a uniformly random
-    permutation of client c's valid positions.
+    permutation of client c's valid positions. With one generator per client, client c's
+    order depends only on its own generator and sample count, not on which other clients
+    share the batch nor on the padding (what lets a round be sharded across processes).
     """
-    keys = torch.rand(mask.shape, generator=generator, device=mask.device)
-    keys = torch.where(mask, keys, torch.full_like(keys, 2.0))
-    return keys.argsort(dim=1), mask.sum(1)
+    if isinstance(generator, Sequence):
+        if len(generator) != mask.shape[0]:
+            raise ValueError(f"got {len(generator)} generators for {mask.shape[0]} clients; pass one per client")
+        keys = torch.full(mask.shape, 2.0, device=mask.device)
+        for c, g in enumerate(generator):
+            keys[c, mask[c]] = torch.rand(int(mask[c].sum()), generator=g, device=mask.device)
+    else:
+        keys = torch.rand(mask.shape, generator=generator, device=mask.device)
+        keys = torch.where(mask, keys, torch.full_like(keys, 2.0))
+    return keys.argsort(dim=1, stable=True), mask.sum(1)
 
 
 def local_sgd(template: nn.Module, spec: FlatParams, start: Tensor, x: Tensor, y: Tensor, mask: Tensor, *,
               epochs: int, lr: float, batch_size: int, loss: str,
-              generator: torch.Generator | None = None) -> Tensor:
+              generator: Generators = None) -> Tensor:
     """E epochs of mini-batch SGD on every client at once.
 
     Args:
@@ -132,7 +146,9 @@ def local_sgd(template: nn.Module, spec: FlatParams, start: Tensor, x: Tensor, y
         x, y, mask: padded client data; ``mask[c, i]`` marks client c's real examples.
         epochs, lr, batch_size: E, s, B_s of Algorithm 1.
         loss: ``"rmse"`` or ``"cross_entropy"``.
-        generator: draws each epoch's per-client shuffles.
+        generator: draws each epoch's per-client shuffles: one generator for all clients,
+            or a sequence with one generator per client (a client's shuffles then do not
+            depend on the other clients of the call).
 
     Returns:
         (C, P) the clients' parameters after local training.
@@ -171,7 +187,7 @@ def local_sgd(template: nn.Module, spec: FlatParams, start: Tensor, x: Tensor, y
 
 def local_sgd_loop(template: nn.Module, spec: FlatParams, start: Tensor, x: Tensor, y: Tensor, mask: Tensor, *,
                    epochs: int, lr: float, batch_size: int, loss: str,
-                   generator: torch.Generator | None = None) -> Tensor:
+                   generator: Generators = None) -> Tensor:
     """Reference implementation of :func:`local_sgd`: one client at a time, ``torch.optim.SGD``.
 
     Draws the same shuffles from ``generator``, so both functions agree to rounding; used by

@@ -26,8 +26,14 @@ yield one item per round (one training epoch = one round: ``max_epochs`` is the 
 rounds).
 
 Every random draw (client sampling, local shuffles, noise) comes from a generator derived
-from ``(seed, stream, round, ...)``; with the round counter and the ledger in the
-checkpoint, a resumed run equals the uninterrupted one.
+from ``(seed, stream, round, ...)``, shuffles and noise from one stream per client; with the
+round counter and the ledger in the checkpoint, a resumed run equals the uninterrupted one.
+
+Under DDP (``strategy="ddp"``) every process samples the same clients, trains and sanitizes
+its share of them (positions rank, rank + W, ...), and the releases are all-gathered in the
+round's order; every process then runs the same k-means and charges the same ledger, so a
+run on W processes equals the run on one (tests/federated/test_module_ddp.py). Validation
+clients are sharded the same way.
 """
 
 from __future__ import annotations
@@ -200,8 +206,6 @@ class PersonalizedFederatedModule(LightningModule):
             raise MisconfigurationException(
                 "PersonalizedFederatedModule reads its clients from a FederatedDataModule (e.g. "
                 "lightning_dp.datamodules.SyntheticLinearMixture): pass it as trainer.fit(module, datamodule=...).")
-        if self.trainer.world_size > 1:
-            raise MisconfigurationException("PersonalizedFederatedModule does not run under DDP yet; use devices=1.")
         self._clients = {"train": dm.train_clients, "val": dm.val_clients, "test": dm.test_clients}
         if stage == "fit" and len(dm.train_clients) < self.clients_per_round:
             raise MisconfigurationException(
@@ -248,39 +252,76 @@ class PersonalizedFederatedModule(LightningModule):
         chosen = [i for i in first if eligible(i)]
         return chosen, len(first) - len(chosen)
 
-    def _train_clients(self, start: Tensor, x: Tensor, y: Tensor, mask: Tensor, r: int) -> Tensor:
+    def _train_clients(self, start: Tensor, x: Tensor, y: Tensor, mask: Tensor, r: int, index: list[int]) -> Tensor:
         fn = local_sgd if self.engine == "vmap" else local_sgd_loop
+        # one shuffle stream per (round, client): a client's local training does not depend on
+        # which other clients share its process (DDP shards) or its vmap call
+        generators = [derive_generator(self.seed, _LOCAL, r, i, device=x.device) for i in index]
         return fn(self.template, self.spec, start, x, y, mask, epochs=self.local_epochs, lr=self.local_lr,
-                  batch_size=self.local_batch_size, loss=self.loss_name,
-                  generator=derive_generator(self.seed, _LOCAL, r, device=x.device))
+                  batch_size=self.local_batch_size, loss=self.loss_name, generator=generators)
+
+    # ------------------------------------------------------------------- DDP
+    def _shard(self, index: list[int]) -> list[int]:
+        """This process's share of a list of clients: positions rank, rank + W, rank + 2W, ..."""
+        return index[self.trainer.global_rank::self.trainer.world_size]
+
+    def _gather_rows(self, rows: Tensor, total: int) -> Tensor:
+        """Every process's ``rows`` (one per client of its :meth:`_shard`) back in the list's order, on all ranks."""
+        world = self.trainer.world_size
+        if world == 1:
+            return rows
+        per_rank = -(-total // world)
+        padded = rows.new_zeros((per_rank, *rows.shape[1:]))
+        padded[: rows.shape[0]] = rows
+        parts = [torch.empty_like(padded) for _ in range(world)]
+        torch.distributed.all_gather(parts, padded.contiguous())
+        gathered = torch.stack(parts)  # (world, per_rank, ...)
+        return gathered.transpose(0, 1).reshape(per_rank * world, *rows.shape[1:])[:total]
+
+    def _client_round(self, index: list[int], r: int) -> tuple[Tensor, Tensor]:
+        """Choice, local training and sanitization of this process's share of the round's clients.
+
+        Returns ``(releases, stats)``: (m, P) released vectors and (m, 2) float64
+        ``[loss of the chosen hypothesis, privacy cost]`` for the m clients of the shard.
+        """
+        hyps = self.hypotheses
+        mine = self._shard(index)
+        if not mine:
+            return hyps.new_zeros((0, self.spec.numel)), torch.zeros((0, 2), dtype=torch.float64, device=hyps.device)
+        x, y, mask = self._padded("train", mine)
+        with torch.no_grad():
+            losses = client_losses(self.template, self.spec, hyps, x, y, mask, self.loss_name)
+        choice = choose_hypotheses(losses)
+        start = hyps[choice]
+        trained = self._train_clients(start, x, y, mask, r, mine)
+        released, costs = [], []
+        for c, i in enumerate(mine):
+            out = sanitize_update(trained[c], start[c], noise_multiplier=self.noise_multiplier,
+                                  generator=derive_generator(self.seed, _NOISE, r, i, device=x.device),
+                                  per_layer_sizes=self.spec.sizes if self.per_layer else None,
+                                  min_delta_norm=self.min_delta_norm)
+            released.append(out.released)
+            costs.append(out.cost)
+        chosen = losses.gather(1, choice[:, None]).squeeze(1).double()
+        return torch.stack(released), torch.stack([chosen, chosen.new_tensor(costs)], dim=1)
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         r = int(self.rounds)
-        index, declined = self._sample_clients(r)
+        index, declined = self._sample_clients(r)  # the same on every process (seeded by round)
         hyps = self.hypotheses
         metrics: dict[str, float] = {"round/participants": float(len(index)), "round/declined": float(declined)}
         if index:
-            x, y, mask = self._padded("train", index)
-            with torch.no_grad():
-                losses = client_losses(self.template, self.spec, hyps, x, y, mask, self.loss_name)
-            choice = choose_hypotheses(losses)
-            start = hyps[choice]
-            trained = self._train_clients(start, x, y, mask, r)
-            released = []
-            ids = [self._clients["train"][i].client_id for i in index]
-            for c, cid in enumerate(ids):
-                out = sanitize_update(trained[c], start[c], noise_multiplier=self.noise_multiplier,
-                                      generator=derive_generator(self.seed, _NOISE, r, index[c], device=x.device),
-                                      per_layer_sizes=self.spec.sizes if self.per_layer else None,
-                                      min_delta_norm=self.min_delta_norm)
-                released.append(out.released)
-                if self.noise_multiplier > 0:  # nu = 0 is the non-private baseline: nothing to account
-                    self.ledger.charge(cid, out.cost)
-            releases = torch.stack(released)
+            local_releases, local_stats = self._client_round(index, r)
+            # the server's view: every release, in the round's client order, on every process
+            releases = self._gather_rows(local_releases, len(index))
+            stats = self._gather_rows(local_stats, len(index))
+            if self.noise_multiplier > 0:  # nu = 0 is the non-private baseline: nothing to account
+                for i, cost in zip(index, stats[:, 1].tolist()):
+                    self.ledger.charge(self._clients["train"][i].client_id, cost)
             new, assignment = kmeans_aggregate(releases, hyps)
             self.optimizers().step(closure=lambda: self.hypotheses.copy_(new))
             sizes = torch.bincount(assignment, minlength=self.k)
-            metrics["train/loss"] = float(losses.gather(1, choice[:, None]).mean())
+            metrics["train/loss"] = float(stats[:, 0].mean())
             for j in range(self.k):
                 metrics[f"round/cluster_size_{j}"] = float(sizes[j])
             if self.spec.numel <= 2:
@@ -303,13 +344,20 @@ class PersonalizedFederatedModule(LightningModule):
         if split == "val" and self.val_clients_per_check is not None and self.val_clients_per_check < len(clients):
             g = derive_generator(self.seed, _VAL, int(self.rounds))
             index = torch.randperm(len(clients), generator=g)[: self.val_clients_per_check].tolist()
-        x, y, mask = self._padded(split, index)
-        losses = client_losses(self.template, self.spec, self.hypotheses, x, y, mask, self.loss_name)
-        best = losses.min(dim=1).values
-        self.log(f"{stage}/loss", best.mean(), batch_size=1)
-        choice = losses.argmin(dim=1)
+        mine = self._shard(index)
+        if mine:
+            x, y, mask = self._padded(split, mine)
+            losses = client_losses(self.template, self.spec, self.hypotheses, x, y, mask, self.loss_name)
+            local = torch.stack([losses.min(dim=1).values.double(), losses.argmin(dim=1).double()], dim=1)
+        else:
+            local = torch.zeros((0, 2), dtype=torch.float64, device=self.hypotheses.device)
+        rows = self._gather_rows(local, len(index))  # every evaluated client, on every process
+        best, choice = rows[:, 0], rows[:, 1].long()
+        # identical on every process (computed from the gathered rows): sync_dist averages equal values
+        sync = self.trainer.world_size > 1
+        self.log(f"{stage}/loss", best.mean(), batch_size=1, sync_dist=sync)
         for j in range(self.k):
-            self.log(f"{stage}/chose_{j}", (choice == j).float().mean(), batch_size=1)
+            self.log(f"{stage}/chose_{j}", (choice == j).double().mean(), batch_size=1, sync_dist=sync)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self._evaluate("val", "val")

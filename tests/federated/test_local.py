@@ -46,6 +46,30 @@ def test_vectorized_local_sgd_equals_per_client_loop(loss, epochs, batch_size):
     assert not torch.allclose(fast, start)
 
 
+
+def test_per_client_generators_make_a_client_independent_of_its_batch_companions():
+    """With one generator per client, training clients {0..4} together equals training {0, 1} and {2, 3, 4}
+    apart (other padding lengths): what lets the module shard a round's clients across processes."""
+    torch.manual_seed(0)
+    model = MODELS["rmse"]()
+    spec = FlatParams.of(model)
+    sizes = [6, 2, 13, 7, 3]
+    x, y, mask = padded_clients(sizes)
+    start = spec.flatten(model).unsqueeze(0).repeat(len(sizes), 1)
+
+    def gens(ids):
+        return [torch.Generator().manual_seed(100 + i) for i in ids]
+
+    kwargs = dict(epochs=2, lr=0.05, batch_size=3, loss="rmse")
+    together = local_sgd(model, spec, start, x, y, mask, generator=gens(range(5)), **kwargs)
+    a = local_sgd(model, spec, start[:2], x[:2, :6], y[:2, :6], mask[:2, :6], generator=gens([0, 1]), **kwargs)
+    b = local_sgd(model, spec, start[2:], x[2:], y[2:], mask[2:], generator=gens([2, 3, 4]), **kwargs)
+    torch.testing.assert_close(together, torch.cat([a, b]), rtol=1e-12, atol=1e-12)
+    loop = local_sgd_loop(model, spec, start, x, y, mask, generator=gens(range(5)), **kwargs)
+    torch.testing.assert_close(together, loop, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="one per client"):
+        local_sgd(model, spec, start, x, y, mask, generator=gens([0]), **kwargs)
+
 def test_client_losses_and_choice_match_loop():
     torch.manual_seed(1)
     model = MODELS["rmse"]()

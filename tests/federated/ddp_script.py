@@ -1,0 +1,50 @@
+"""Run by tests/federated/test_module_ddp.py: the federated round under Lightning DDP (2 CPU processes, gloo).
+
+Usage: python tests/federated/ddp_script.py OUT_DIR DEVICES
+Trains the synthetic personalized-FL setting for a few rounds with DEVICES processes and
+writes OUT_DIR/rank{r}.pt (hypotheses, ledger, validation loss) for the test to compare.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+
+from lightning_dp.datamodules import SyntheticLinearMixture  # noqa: E402
+from lightning_dp.federated import PersonalizedFederatedModule  # noqa: E402
+from lightning_dp.models import LinearRegression  # noqa: E402
+
+
+class Probe(L.Callback):
+    def __init__(self):
+        self.val, self.train = [], []
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            self.val.append(float(trainer.callback_metrics["val/loss"]))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.train.append(float(trainer.callback_metrics["train/loss"]))
+
+
+def main(out: Path, devices: int) -> None:
+    # U = 7 clients over 2 processes: shards of 4 and 3; 5 validation clients: 3 and 2
+    module = PersonalizedFederatedModule(LinearRegression(), num_hypotheses=2, clients_per_round=7, local_epochs=2,
+                                         local_lr=0.1, local_batch_size=3, noise_multiplier=5.0, seed=0)
+    data = SyntheticLinearMixture(num_clients=40, num_val_clients=5, seed=0)
+    probe = Probe()
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", max_epochs=6,
+                        check_val_every_n_epoch=3, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        callbacks=[probe])
+    trainer.fit(module, data)
+    torch.save({"hypotheses": module.hypotheses.clone(), "ledger": module.ledger.state_dict(),
+                "rounds": int(module.rounds), "val": probe.val, "train": probe.train},
+               out / f"rank{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), int(sys.argv[2]))

@@ -1,0 +1,44 @@
+"""The federated round sharded across 2 DDP processes (gloo) equals the same run in one process."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).with_name("ddp_script.py")
+
+
+def run(out: Path, devices: int) -> list[dict]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), str(devices)], cwd=out, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(devices)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run(tmp_path_factory.mktemp("ddp"), 2), run(tmp_path_factory.mktemp("single"), 1)[0]
+
+
+def test_two_processes_equal_one(runs):
+    """Clients sharded 4 + 3 per round, releases gathered: hypotheses, losses and ledger as in one process.
+
+    Every client's shuffles and noise come from its own (seed, round, client) streams, so the
+    shard a client lands in changes nothing; the tolerance only covers float summation order.
+    """
+    (r0, r1), single = runs
+    assert r0["rounds"] == r1["rounds"] == single["rounds"] == 6
+    torch.testing.assert_close(r0["hypotheses"], single["hypotheses"], rtol=1e-6, atol=1e-6)
+    assert r0["train"] == pytest.approx(single["train"], rel=1e-6)
+    assert r0["val"] == pytest.approx(single["val"], rel=1e-6) and len(r0["val"]) == 2
+    assert r0["ledger"] == single["ledger"]
+
+
+def test_all_processes_hold_the_same_state(runs):
+    (r0, r1), _ = runs
+    assert torch.equal(r0["hypotheses"], r1["hypotheses"])
+    assert r0["ledger"] == r1["ledger"] and r0["val"] == r1["val"] and r0["train"] == r1["train"]
