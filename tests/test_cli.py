@@ -264,15 +264,30 @@ def test_dpsgd_digits_example_records_privacy_in_mlflow(workdir: Path, store_tem
 
 
 def test_federated_synthetic_example_records_rounds_and_privacy(workdir: Path, store_template: Path) -> None:
-    """examples/fl_synthetic.yaml (the README's second main job), shortened to 10 rounds."""
+    """examples/fl_synthetic.yaml (the README's second main job), whole: the issue's acceptance test.
+
+    Both final hypotheses within 0.5 of theta1* = [5, 6] and theta2* = [4, -4.5], every
+    participation charged exactly n/nu = 2/5 = 0.4.
+    """
     _seed(store_template, workdir / "mlruns" / "mlflow.db")
-    cli.main(["fit", "--config", str(REPO_ROOT / "examples" / "fl_synthetic.yaml"), "--trainer.max_epochs=10"])
+    run_cli = cli.LightningDPCLI(args=["fit", "--config", str(REPO_ROOT / "examples" / "fl_synthetic.yaml")])
+    module = run_cli.model
+    dist = torch.cdist(module.hypotheses, torch.tensor([[5.0, 6.0], [4.0, -4.5]]))
+    assert dist.min(dim=0).values.max() < 0.5 and set(dist.argmin(dim=0).tolist()) == {0, 1}, module.hypotheses
+    rounds = int(module.rounds)
+    assert rounds < 1000  # stopped early
+    for cid, spent in module.ledger.as_dict().items():
+        assert spent == pytest.approx(0.4 * module.ledger.participations(cid), rel=1e-12)
+    assert sum(module.ledger.participations(c) for c in module.ledger.as_dict()) == 7 * rounds
     uri = f"sqlite:///{workdir}/mlruns/mlflow.db"
     (run,) = _runs(uri, "fl-synthetic")
     client = mlflow.MlflowClient(uri)
     assert run.data.params["noise_multiplier"] == "5.0" and run.data.params["num_hypotheses"] == "2"
-    assert len(client.get_metric_history(run.info.run_id, "round/participants")) == 10
+    assert run.data.params["best_checkpoint/monitor"] == "val/loss"
+    assert len(client.get_metric_history(run.info.run_id, "round/participants")) == rounds
     med = client.get_metric_history(run.info.run_id, "privacy/client_epsilon_max")
     assert all(m.value == pytest.approx(0.4 * round(m.value / 0.4)) for m in med)  # multiples of n/nu
+    paths = _artifact_paths(client, run.info.run_id)
+    assert any(p.startswith("checkpoints/best/") for p in paths)
     assert {"privacy/client_epsilon_hist.png", "privacy/client_epsilon.tsv", "federated/parameters.png",
             "config.yaml", "checkpoints/final.ckpt"} <= _artifact_paths(client, run.info.run_id)

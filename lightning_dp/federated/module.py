@@ -179,7 +179,9 @@ class PersonalizedFederatedModule(LightningModule):
             "vmap" if self.spec.numel <= AUTO_VMAP_MAX_PARAMETERS else "loop")
         self.seed = int(seed) if seed is not None else secrets.randbits(63)
         self.register_buffer("hypotheses", self._initial_hypotheses())
-        self.register_buffer("rounds", torch.zeros((), dtype=torch.long))
+        # training progress, not model state: saved in checkpoint["federated"], so that restoring the
+        # best weights (RestoreBestWeights, load_state_dict) does not rewind it
+        self.register_buffer("rounds", torch.zeros((), dtype=torch.long), persistent=False)
         self.ledger = PrivacyLedger()
         self.automatic_optimization = False
         self._history: list[dict[str, Any]] = []
@@ -367,13 +369,15 @@ class PersonalizedFederatedModule(LightningModule):
 
     # -------------------------------------------------------------- checkpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["federated"] = {"ledger": self.ledger.state_dict(), "seed": self.seed, "version": 1}
+        checkpoint["federated"] = {"ledger": self.ledger.state_dict(), "seed": self.seed, "rounds": int(self.rounds),
+                                   "version": 2}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("federated")
         if state is not None:
             self.ledger.load_state_dict(state["ledger"])
             self.seed = int(state["seed"])
+            self.rounds.fill_(int(state["rounds"]))
 
     def on_train_end(self) -> None:
         if self.trainer.is_global_zero and len(self.ledger):

@@ -106,3 +106,18 @@ def test_engines_agree():
     for m in (a, b):
         trainer(max_epochs=5).fit(m, SyntheticLinearMixture(seed=0))
     torch.testing.assert_close(a.hypotheses, b.hypotheses, rtol=1e-4, atol=1e-5)
+
+
+def test_restore_best_weights_keeps_the_ledger_and_round_counter(tmp_path):
+    """The best-validation hypotheses come back; the ledger keeps every round's spend (no under-reporting)."""
+    from lightning_dp.callbacks import RestoreBestWeights
+
+    m = module()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="val/loss", mode="min", save_top_k=1)
+    t = trainer(max_epochs=60, check_val_every_n_epoch=10, enable_checkpointing=True,
+                callbacks=[ckpt, RestoreBestWeights()])
+    t.fit(m, SyntheticLinearMixture(seed=0))
+    best = torch.load(ckpt.best_model_path, weights_only=False)
+    assert torch.equal(m.hypotheses, best["state_dict"]["hypotheses"])
+    assert int(m.rounds) == 60 and best["federated"]["rounds"] <= 60
+    assert sum(m.ledger.participations(c) for c in m.ledger.as_dict()) == 7 * 60
