@@ -21,9 +21,10 @@ any ``LightningModule`` and ``LightningDataModule`` can be used. Compared with p
 - after the command, rank zero prints the run id, the tracking URI and the
   ``mlflow ui`` command to browse the runs.
 
-Subcommands: ``fit``, ``validate``, ``test``. Further top-level commands (a planned
-``lightning-dp grid ...``) register in :data:`EXTRA_COMMANDS`; they are dispatched by
-:func:`main` before LightningCLI parses the arguments.
+Subcommands: ``fit``, ``validate``, ``test``, and ``grid`` (:mod:`lightning_dp.grid`: one
+config over a grid of overrides, nested MLflow runs, the grid's composed privacy cost).
+Top-level commands outside LightningCLI register in :data:`EXTRA_COMMANDS`; they are
+dispatched by :func:`main` before LightningCLI parses the arguments.
 """
 
 from __future__ import annotations
@@ -44,9 +45,15 @@ __all__ = ["EXTRA_COMMANDS", "LightningDPCLI", "MLflowSaveConfigCallback", "main
 
 DEFAULT_LOGGER = {"class_path": "lightning_dp.tracking.MLFlowLogger"}
 
+def _grid(argv: list[str]) -> Optional[int]:
+    from lightning_dp import grid
+
+    return grid.main(argv)
+
+
 #: Top-level commands handled outside LightningCLI: name -> function(argv) -> exit code.
-#: Reserved for ``grid`` (a sweep over configs); empty for now.
-EXTRA_COMMANDS: dict[str, Callable[[list[str]], Optional[int]]] = {}
+#: ``grid``: one config over a grid of overrides, with the grid's privacy cost (:mod:`lightning_dp.grid`).
+EXTRA_COMMANDS: dict[str, Callable[[list[str]], Optional[int]]] = {"grid": _grid}
 
 
 class MLflowSaveConfigCallback(SaveConfigCallback):

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Optional
 
 import torch
+from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 
@@ -111,7 +112,23 @@ def _check_fractions(owner: str, **fractions: float) -> None:
         )
 
 
-class SplitDataModule(LightningDataModule):
+class DataHparamsMixin:
+    """Log a DataModule's hyperparameters as ``data/<name>`` (MLflow params ``data/seed``, ``data/batch_size``, ...).
+
+    Lightning logs the module's and the DataModule's hyperparameters together and raises
+    ``RuntimeError: Error while merging hparams`` when both have a key of the same name with
+    different values, e.g. a federated module's ``seed=1`` next to the data split's
+    ``seed=0``. The prefix keeps both apart. Only logging is affected (``hparams_initial``);
+    ``self.hparams`` and checkpoints keep the plain names.
+    """
+
+    @property
+    def hparams_initial(self) -> AttributeDict:
+        plain = super().hparams_initial  # type: ignore[misc]
+        return AttributeDict({(k if k.startswith("_") else f"data/{k}"): v for k, v in plain.items()})
+
+
+class SplitDataModule(DataHparamsMixin, LightningDataModule):
     """A DataModule whose ``setup`` fills ``train_dataset``, ``val_dataset`` and ``test_dataset``.
 
     Subclasses set those three attributes (None until loaded) and ``batch_size``,

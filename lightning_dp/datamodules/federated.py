@@ -31,7 +31,12 @@ from lightning.pytorch import LightningDataModule
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_dp.datamodules.base import _check_non_negative_int, _check_positive_int, make_dataloader
+from lightning_dp.datamodules.base import (
+    DataHparamsMixin,
+    _check_non_negative_int,
+    _check_positive_int,
+    make_dataloader,
+)
 
 __all__ = ["ClientDataset", "FederatedDataModule", "derived_seed", "padded", "split_clients"]
 
@@ -190,7 +195,7 @@ def _size_summary(clients: Sequence[ClientDataset]) -> dict[str, Any]:
     }
 
 
-class FederatedDataModule(LightningDataModule):
+class FederatedDataModule(DataHparamsMixin, LightningDataModule):
     """Base DataModule whose ``setup`` yields per-client data split *by client*.
 
     Subclasses implement :meth:`_build_clients` (read or generate the data, return the

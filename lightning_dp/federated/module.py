@@ -343,7 +343,8 @@ class PersonalizedFederatedModule(LightningModule):
         if not clients:
             return
         index = list(range(len(clients)))
-        if split == "val" and self.val_clients_per_check is not None and self.val_clients_per_check < len(clients):
+        # only validation checks subsample; ``test`` (even on validation clients) evaluates every client
+        if stage == "val" and self.val_clients_per_check is not None and self.val_clients_per_check < len(clients):
             g = derive_generator(self.seed, _VAL, int(self.rounds))
             index = torch.randperm(len(clients), generator=g)[: self.val_clients_per_check].tolist()
         mine = self._shard(index)

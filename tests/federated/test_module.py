@@ -121,3 +121,33 @@ def test_restore_best_weights_keeps_the_ledger_and_round_counter(tmp_path):
     assert torch.equal(m.hypotheses, best["state_dict"]["hypotheses"])
     assert int(m.rounds) == 60 and best["federated"]["rounds"] <= 60
     assert sum(m.ledger.participations(c) for c in m.ledger.as_dict()) == 7 * 60
+
+
+def test_validation_checks_subsample_but_test_evaluates_every_client():
+    from lightning_dp.federated import client_losses
+
+    m = module(val_clients_per_check=3)
+    data = SyntheticLinearMixture(num_val_clients=20, seed=0)
+    t = trainer(max_epochs=5, check_val_every_n_epoch=5, num_sanity_val_steps=0)
+    t.fit(m, data)
+    x, y, mask = data.padded("val")
+    best = client_losses(m.template, m.spec, m.hypotheses, x, y, mask, "rmse").min(dim=1).values.double()
+    from lightning_dp.federated.module import _VAL
+    from lightning_dp.privacy.noise import derive_generator
+
+    g = derive_generator(m.seed, _VAL, 5)
+    picked = torch.randperm(20, generator=g)[:3]
+    assert float(t.callback_metrics["val/loss"]) == pytest.approx(float(best[picked].mean()), rel=1e-6)
+    (result,) = t.test(m, data, verbose=False)
+    assert result["test/loss"] == pytest.approx(float(best.mean()), rel=1e-6)
+
+
+def test_module_and_data_seeds_may_differ_in_logged_hyperparameters(tmp_path):
+    """Lightning refuses to merge module and DataModule hparams with equal names and different values;
+    our DataModules log theirs as data/<name>."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    t = trainer(max_epochs=1, logger=CSVLogger(tmp_path), num_sanity_val_steps=0, limit_val_batches=0)
+    t.fit(module(seed=1), SyntheticLinearMixture(seed=0))
+    hparams = t.logger.experiment.hparams
+    assert hparams["seed"] == 1 and hparams["data/seed"] == 0

@@ -1,0 +1,103 @@
+"""lightning-dp grid: the Cartesian product of overrides, nested MLflow runs, the grid's composed privacy cost."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import mlflow
+import pytest
+
+from lightning_dp import cli, grid
+from lightning_dp.privacy.accounting import get_accountant
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setattr(sys, "argv", ["lightning-dp"])
+    return tmp_path.resolve()
+
+
+@pytest.fixture(scope="module")
+def store_template(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("store-template").resolve()
+    mlflow.MlflowClient(f"sqlite:///{root}/mlflow.db").search_experiments()
+    return root / "mlflow.db"
+
+
+def _seed(template: Path, workdir: Path) -> str:
+    (workdir / "mlruns").mkdir()
+    shutil.copyfile(template, workdir / "mlruns" / "mlflow.db")
+    return f"sqlite:///{workdir}/mlruns/mlflow.db"
+
+
+def test_parse_set():
+    assert grid.parse_set("model.init_args.lr=0.1, 0.2") == ("model.init_args.lr", [0.1, 0.2])
+    assert grid.parse_set("--a.b=true,none_of_these,3") == ("a.b", [True, "none_of_these", 3])
+    for bad in ("model.lr", "=1,2", "a=", "a=1,,2"):
+        with pytest.raises(ValueError, match="--set"):
+            grid.parse_set(bad)
+
+
+def test_command_line_errors(workdir, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["grid", "--config", str(REPO_ROOT / "examples" / "fl_synthetic.yaml")])
+    assert info.value.code == 2 and "at least one axis" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["grid", "--config", "missing.yaml", "--set", "a=1"])
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_dpsgd_grid_composes_every_run(workdir, store_template):
+    """Two DP-SGD runs on the same data: the grid's epsilon is that of both histories composed."""
+    uri = _seed(store_template, workdir)
+    points, totals, grid_id = grid.run_grid(
+        [str(REPO_ROOT / "examples" / "dpsgd_digits.yaml")], [("model.init_args.lr", [0.1, 0.2])],
+        extra=["--trainer.max_epochs=1", "--trainer.enable_progress_bar=false"])
+    assert [p.values for p in points] == [{"model.init_args.lr": 0.1}, {"model.init_args.lr": 0.2}]
+    reference = get_accountant("pld")
+    for p in points:
+        for sigma, q, steps in p.privacy["accountant"].history:
+            reference.step(noise_multiplier=sigma, sample_rate=q, num_steps=steps)
+    assert totals["grid/epsilon"] == pytest.approx(reference.get_epsilon(1e-5), rel=1e-12)
+    assert totals["grid/epsilon"] > max(p.privacy["epsilon"] for p in points)
+    assert totals["grid/delta"] == 1e-5
+    client = mlflow.MlflowClient(uri)
+    exp = client.get_experiment_by_name("dpsgd-digits")
+    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`grid.id` = '{grid_id}'")
+    parent = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert len(parent) == 1 and len(children) == 2
+    assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parent[0].info.run_id}
+    assert {r.data.tags["mlflow.runName"] for r in children} == {"lr=0.1", "lr=0.2"}
+    assert {r.data.params["lr"] for r in children} == {"0.1", "0.2"}
+    assert parent[0].data.metrics["grid/epsilon"] == pytest.approx(totals["grid/epsilon"])
+    table = client.download_artifacts(parent[0].info.run_id, "grid.md", str(workdir))
+    text = Path(table).read_text()
+    assert "| lr |" in text and "grid/epsilon" in text and all(p.run_id in text for p in points)
+
+
+def test_federated_grid_adds_ledgers_per_client(workdir, store_template, capsys):
+    """nu = 5 and nu = 2 on the same clients: each client's grid spend is the sum of its two ledgers."""
+    _seed(store_template, workdir)
+    code = cli.main(["grid", "--config", str(REPO_ROOT / "examples" / "fl_synthetic.yaml"),
+                     "--set", "model.init_args.noise_multiplier=5,2", "--test", "--summary", "grid.md",
+                     "--", "--trainer.max_epochs=10"])
+    assert code == 0
+    text = (workdir / "grid.md").read_text()
+    assert "test/loss" in text and "client_epsilon_max" in text and "grid/client_epsilon_max" in text
+    assert text in capsys.readouterr().out
+
+
+def test_grid_privacy_totals():
+    ledger_a, ledger_b = {"a": 0.4, "b": 0.8}, {"a": 1.0, "c": 1.0}
+    points = [grid.GridPoint({}, privacy={"ledger": ledger_a}), grid.GridPoint({}, privacy={"ledger": ledger_b})]
+    totals = grid.grid_privacy(points)
+    assert totals["grid/client_epsilon_max"] == pytest.approx(1.4) and totals["grid/client_epsilon_median"] == 1.0
+    points.append(grid.GridPoint({}, privacy={"ledger": None}))  # a run without sanitization (nu = 0)
+    assert grid.grid_privacy(points)["grid/client_epsilon_max"] == float("inf")
