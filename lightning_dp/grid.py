@@ -173,6 +173,39 @@ def summary_table(points: Sequence[GridPoint], totals: dict[str, float]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def mean_table(points: Sequence[GridPoint], over: str) -> str:
+    """Mean ± sample std over the values of axis ``over`` (e.g. seeds), one row per combination of the others."""
+    import statistics
+
+    if not points or over not in points[0].values:
+        raise ValueError(f"--mean-over {over!r} is not a grid axis; axes: {list(points[0].values) if points else []}")
+    keys = [k for k in points[0].values if k != over]
+    groups: dict[tuple, list[GridPoint]] = {}
+    for p in points:
+        groups.setdefault(tuple(p.values[k] for k in keys), []).append(p)
+    columns = sorted({m for p in points for m in p.metrics})
+    columns += [n for n in ("epsilon", "client_epsilon_median", "client_epsilon_max")
+                if any(n in p.privacy for p in points)]
+
+    def cell(group: list[GridPoint], name: str) -> str:
+        vals = [p.metrics.get(name, p.privacy.get(name)) for p in group]
+        if any("ledger" in p.privacy and p.privacy["ledger"] is None for p in group) and name.startswith("client_"):
+            return "inf"
+        vals = [float(v) for v in vals if isinstance(v, (int, float))]
+        if not vals:
+            return ""
+        if len(vals) == 1:
+            return _fmt(vals[0])
+        return f"{statistics.mean(vals):.4g} ± {statistics.stdev(vals):.2g}"
+
+    header = [_short(k) for k in keys] + columns + [f"runs ({_short(over)})"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for combo, group in groups.items():
+        runs = ",".join(_fmt(p.values[over]) for p in group)
+        lines.append("| " + " | ".join([_fmt(v) for v in combo] + [cell(group, c) for c in columns] + [runs]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def _final_metrics(trainer: Any, module: Any) -> dict[str, float]:
     import torch
 
@@ -192,7 +225,8 @@ def _final_metrics(trainer: Any, module: Any) -> dict[str, float]:
 
 
 def run_grid(config: Sequence[str], sets: Sequence[tuple[str, list[Any]]], *, test: bool = False,
-             extra: Sequence[str] = (), grid_id: Optional[str] = None) -> tuple[list[GridPoint], dict[str, float], str]:
+             extra: Sequence[str] = (), grid_id: Optional[str] = None,
+             mean_over: Optional[str] = None) -> tuple[list[GridPoint], dict[str, float], str]:
     """Run every point of the grid; return the points, the grid's privacy totals and the grid id."""
     from lightning_dp import tracking
     from lightning_dp.cli import LightningDPCLI
@@ -237,9 +271,16 @@ def run_grid(config: Sequence[str], sets: Sequence[tuple[str, list[Any]]], *, te
         client.log_param(pid, "grid.config", " ".join(config))
         for key, values in sets:
             client.log_param(pid, f"grid.{_short(key)}", ",".join(map(str, values)))
-        client.log_text(pid, summary_table(points, totals), "grid.md")
+        client.log_text(pid, _report(points, totals, mean_over), "grid.md")
         client.set_terminated(pid)
     return points, totals, grid_id
+
+
+def _report(points: Sequence[GridPoint], totals: dict[str, float], mean_over: Optional[str]) -> str:
+    text = summary_table(points, totals)
+    if mean_over:
+        text += f"\nMean ± std over {_short(mean_over)}:\n\n" + mean_table(points, mean_over)
+    return text
 
 
 def main(argv: Sequence[str]) -> int:
@@ -255,6 +296,7 @@ def main(argv: Sequence[str]) -> int:
                         help="a grid axis: a dotted config key and its values (repeat for more axes)")
     parser.add_argument("--test", action="store_true", help="test every fitted module (test/* metrics in its run)")
     parser.add_argument("--summary", help="also write the Markdown table to this file")
+    parser.add_argument("--mean-over", metavar="KEY", help="add a table of mean ± std over this axis (e.g. a seed)")
     args = parser.parse_args(argv)
     try:
         sets = [parse_set(s) for s in args.set]
@@ -265,8 +307,11 @@ def main(argv: Sequence[str]) -> int:
     for config in args.config:
         if not os.path.isfile(config):
             parser.error(f"--config {config}: no such file")
-    points, totals, _ = run_grid(args.config, sets, test=args.test, extra=extra)
-    table = summary_table(points, totals)
+    if args.mean_over and args.mean_over.lstrip("-") not in [k for k, _ in sets]:
+        parser.error(f"--mean-over {args.mean_over}: not one of the --set keys {[k for k, _ in sets]}")
+    mean_over = args.mean_over.lstrip("-") if args.mean_over else None
+    points, totals, _ = run_grid(args.config, sets, test=args.test, extra=extra, mean_over=mean_over)
+    table = _report(points, totals, mean_over)
     print(table, flush=True)
     if args.summary:
         with open(args.summary, "w", encoding="utf-8") as handle:

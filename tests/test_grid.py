@@ -86,11 +86,13 @@ def test_federated_grid_adds_ledgers_per_client(workdir, store_template, capsys)
     """nu = 5 and nu = 2 on the same clients: each client's grid spend is the sum of its two ledgers."""
     _seed(store_template, workdir)
     code = cli.main(["grid", "--config", str(REPO_ROOT / "examples" / "fl_synthetic.yaml"),
-                     "--set", "model.init_args.noise_multiplier=5,2", "--test", "--summary", "grid.md",
+                     "--set", "model.init_args.noise_multiplier=5,2", "--set", "model.init_args.seed=0,1",
+                     "--test", "--summary", "grid.md", "--mean-over", "model.init_args.seed",
                      "--", "--trainer.max_epochs=10"])
     assert code == 0
     text = (workdir / "grid.md").read_text()
     assert "test/loss" in text and "client_epsilon_max" in text and "grid/client_epsilon_max" in text
+    assert "Mean ± std over seed" in text and "| 5 |" in text and "0,1 |" in text
     assert text in capsys.readouterr().out
 
 
@@ -101,3 +103,14 @@ def test_grid_privacy_totals():
     assert totals["grid/client_epsilon_max"] == pytest.approx(1.4) and totals["grid/client_epsilon_median"] == 1.0
     points.append(grid.GridPoint({}, privacy={"ledger": None}))  # a run without sanitization (nu = 0)
     assert grid.grid_privacy(points)["grid/client_epsilon_max"] == float("inf")
+
+
+def test_mean_table_over_an_axis():
+    pts = [grid.GridPoint({"k": 1, "seed": s}, metrics={"test/loss": 0.3 + 0.01 * s},
+                          privacy={"client_epsilon_max": 5.0 + s, "ledger": {}}) for s in range(3)]
+    pts += [grid.GridPoint({"k": 3, "seed": s}, metrics={"test/loss": 0.2}, privacy={"ledger": None}) for s in range(3)]
+    lines = grid.mean_table(pts, "seed").splitlines()
+    assert lines[2] == "| 1 | 0.31 ± 0.01 | 6 ± 1 | 0,1,2 |"
+    assert lines[3] == "| 3 | 0.2 ± 0 | inf | 0,1,2 |"
+    with pytest.raises(ValueError, match="not a grid axis"):
+        grid.mean_table(pts, "lr")
