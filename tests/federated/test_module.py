@@ -151,3 +151,28 @@ def test_module_and_data_seeds_may_differ_in_logged_hyperparameters(tmp_path):
     t.fit(module(seed=1), SyntheticLinearMixture(seed=0))
     hparams = t.logger.experiment.hparams
     assert hparams["seed"] == 1 and hparams["data/seed"] == 0
+
+
+def test_per_layer_sanitizes_each_tensor_with_its_own_size(monkeypatch):
+    """per_layer=True hands the sanitizer the tensor sizes n_l; the ledger still charges sum n_l / nu = n / nu."""
+    import lightning_dp.federated.module as mod
+    from lightning_dp.models import HospitalMLP
+
+    seen = []
+    real = mod.sanitize_update
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        seen.append((kwargs["per_layer_sizes"], out.layer_costs, out.cost))
+        return out
+
+    monkeypatch.setattr(mod, "sanitize_update", spy)
+    data = SyntheticLinearMixture(seed=0, thetas=[[5.0, 6.0, 1.0], [4.0, -4.5, 0.0]])
+    m = PersonalizedFederatedModule(HospitalMLP(), num_hypotheses=2, clients_per_round=5, noise_multiplier=2.0,
+                                    per_layer=True, seed=0)
+    trainer(max_epochs=2).fit(m, data)
+    assert len(seen) == 10
+    for sizes, layer_costs, cost in seen:
+        assert sizes == [6, 2, 2, 1]  # Linear(3, 2) weight and bias, Linear(2, 1) weight and bias
+        assert layer_costs == pytest.approx([3.0, 1.0, 1.0, 0.5]) and cost == pytest.approx(5.5)
+    assert set(m.ledger.as_dict().values()) <= {5.5, 11.0}
