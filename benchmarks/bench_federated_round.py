@@ -23,6 +23,14 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_dp.federated import FlatParams, local_sgd, local_sgd_loop  # noqa: E402
+from lightning_dp.privacy.noise import derive_generator  # noqa: E402
+
+
+def module_keys(clients: int, width: int):
+    """The shuffle keys as PersonalizedFederatedModule draws them: one (clients x width) table per epoch."""
+    def keys(epoch: int) -> torch.Tensor:
+        return torch.rand((clients, width), generator=derive_generator(0, 12, 0, epoch))
+    return keys
 
 
 def make_model(name: str) -> tuple[nn.Module, tuple[int, ...], str]:
@@ -60,11 +68,11 @@ def main(argv: list[str] | None = None) -> None:
     fns = {"vectorized": local_sgd, "per-client loop": local_sgd_loop}
     times: dict[str, list[float]] = {k: [] for k in fns}
     for k, fn in fns.items():  # warm-up
-        fn(model, spec, start, x, y, mask, generator=torch.Generator().manual_seed(1), **kwargs)
+        fn(model, spec, start, x, y, mask, generator=module_keys(args.clients, nmax), **kwargs)
     for _ in range(args.repeats):
         for k, fn in fns.items():
             t0 = time.perf_counter()
-            fn(model, spec, start, x, y, mask, generator=torch.Generator().manual_seed(1), **kwargs)
+            fn(model, spec, start, x, y, mask, generator=module_keys(args.clients, nmax), **kwargs)
             times[k].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"model {args.model} ({spec.numel} parameters), U={args.clients} clients, {lo}-{hi} examples each, "

@@ -19,7 +19,7 @@ sanitizer adds Euclidean noise and the server clusters releases.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Union
 
@@ -111,18 +111,27 @@ def choose_hypotheses(losses: Tensor) -> Tensor:
     return losses.argmin(dim=1)
 
 
-Generators = Union[torch.Generator, Sequence[torch.Generator], None]
+#: A function ``epoch -> keys`` giving (C, Nmax) uniform [0, 1) shuffle keys of the call's clients.
+KeyFunction = Callable[[int], Tensor]
+Generators = Union[torch.Generator, Sequence[torch.Generator], KeyFunction, None]
 
 
-def _epoch_order(mask: Tensor, generator: Generators) -> tuple[Tensor, Tensor]:
+def _epoch_order(mask: Tensor, generator: Generators, epoch: int = 0) -> tuple[Tensor, Tensor]:
     """Per-client random orders of the valid examples, and the valid counts.
 
     Returns ``order`` (C, Nmax) whose first ``counts[c]`` entries are a uniformly random
-    permutation of client c's valid positions. With one generator per client, client c's
-    order depends only on its own generator and sample count, not on which other clients
-    share the batch nor on the padding (what lets a round be sharded across processes).
+    permutation of client c's valid positions (sorting i.i.d. uniform keys). With one
+    generator per client, or a key function that depends on the client and not on its
+    companions, client c's order does not depend on which other clients share the call nor
+    on the padding (what lets a round be sharded across processes).
     """
-    if isinstance(generator, Sequence):
+    if callable(generator) and not isinstance(generator, torch.Generator):
+        keys = generator(epoch).to(mask.device)
+        if keys.shape != mask.shape:
+            raise ValueError(f"the key function returned shape {tuple(keys.shape)} for clients of shape "
+                             f"{tuple(mask.shape)}; return one key per (client, position)")
+        keys = torch.where(mask, keys, torch.full_like(keys, 2.0))
+    elif isinstance(generator, Sequence):
         if len(generator) != mask.shape[0]:
             raise ValueError(f"got {len(generator)} generators for {mask.shape[0]} clients; pass one per client")
         keys = torch.full(mask.shape, 2.0, device=mask.device)
@@ -147,8 +156,9 @@ def local_sgd(template: nn.Module, spec: FlatParams, start: Tensor, x: Tensor, y
         epochs, lr, batch_size: E, s, B_s of Algorithm 1.
         loss: ``"rmse"`` or ``"cross_entropy"``.
         generator: draws each epoch's per-client shuffles: one generator for all clients,
-            or a sequence with one generator per client (a client's shuffles then do not
-            depend on the other clients of the call).
+            a sequence with one generator per client, or a function ``epoch -> (C, Nmax)``
+            uniform keys (with either of the last two, a client's shuffles need not depend
+            on the other clients of the call).
 
     Returns:
         (C, P) the clients' parameters after local training.
@@ -171,8 +181,8 @@ def local_sgd(template: nn.Module, spec: FlatParams, start: Tensor, x: Tensor, y
     step_grad = vmap(grad(batch_loss))
     theta = start.clone()
     rows = torch.arange(c, device=mask.device).unsqueeze(1)
-    for _ in range(epochs):
-        order, counts = _epoch_order(mask, generator)
+    for epoch in range(epochs):
+        order, counts = _epoch_order(mask, generator, epoch)
         for first in range(0, nmax, batch_size):
             pos = torch.arange(first, min(first + batch_size, nmax), device=mask.device)
             idx = order[:, pos]  # (C, b)
@@ -198,8 +208,8 @@ def local_sgd_loop(template: nn.Module, spec: FlatParams, start: Tensor, x: Tens
     check_loss(loss)
     c, nmax = mask.shape
     orders = []
-    for _ in range(epochs):
-        orders.append(_epoch_order(mask, generator))
+    for epoch in range(epochs):
+        orders.append(_epoch_order(mask, generator, epoch))
     out = []
     model = copy.deepcopy(template)  # one working copy, reloaded for every client
     params = [model.get_parameter(n) for n in spec.names]

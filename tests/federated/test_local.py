@@ -69,6 +69,20 @@ def test_per_client_generators_make_a_client_independent_of_its_batch_companions
     torch.testing.assert_close(together, loop, rtol=1e-10, atol=1e-12)
     with pytest.raises(ValueError, match="one per client"):
         local_sgd(model, spec, start, x, y, mask, generator=gens([0]), **kwargs)
+    # the module's form: a key function reading rows of one table per epoch by client index
+    tables = [torch.rand(5, 13, generator=torch.Generator().manual_seed(e)) for e in range(2)]
+
+    def keys(ids, width):
+        return lambda epoch: tables[epoch][ids, :width]
+
+    together = local_sgd(model, spec, start, x, y, mask, generator=keys([0, 1, 2, 3, 4], 13), **kwargs)
+    a = local_sgd(model, spec, start[:2], x[:2, :6], y[:2, :6], mask[:2, :6], generator=keys([0, 1], 6), **kwargs)
+    b = local_sgd(model, spec, start[2:], x[2:], y[2:], mask[2:], generator=keys([2, 3, 4], 13), **kwargs)
+    torch.testing.assert_close(together, torch.cat([a, b]), rtol=1e-12, atol=1e-12)
+    loop = local_sgd_loop(model, spec, start, x, y, mask, generator=keys([0, 1, 2, 3, 4], 13), **kwargs)
+    torch.testing.assert_close(together, loop, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="one key per"):
+        local_sgd(model, spec, start, x, y, mask, generator=keys([0, 1], 13), **kwargs)
 
 def test_client_losses_and_choice_match_loop():
     torch.manual_seed(1)
