@@ -24,7 +24,8 @@ cost is the composition of all runs' costs, not the cost of the best run.
 
 - Runs with the :class:`~lightning_dp.callbacks.DPSGD` callback: every run's mechanism
   history is replayed into one accountant of the same kind (PLD or RDP over
-  dp-accounting): ``grid/epsilon`` at the largest ``target_delta`` of the runs.
+  dp-accounting): ``grid/epsilon`` at the largest ``target_delta`` of the runs; infinite
+  when some run of the grid trained without DPSGD.
 - Runs of :class:`~lightning_dp.federated.PersonalizedFederatedModule`: per-client
   ledgers add up over runs (composition of d-privacy); ``grid/client_epsilon_median``
   and ``grid/client_epsilon_max`` are over the per-client totals. A run with
@@ -129,7 +130,9 @@ def grid_privacy(points: Sequence[GridPoint]) -> dict[str, float]:
             for sigma, q, steps in acc.history:
                 composed.step(noise_multiplier=sigma, sample_rate=q, num_steps=steps)
         delta = max(p.privacy["delta"] for p in points if "accountant" in p.privacy)
-        total["grid/epsilon"] = composed.get_epsilon(delta)
+        # a run without DPSGD trained on the same data without privacy: the grid has no finite bound
+        private = all("accountant" in p.privacy for p in points)
+        total["grid/epsilon"] = composed.get_epsilon(delta) if private else math.inf
         total["grid/delta"] = delta
     ledgers = [p.privacy["ledger"] for p in points if "ledger" in p.privacy]
     if ledgers:

@@ -103,6 +103,11 @@ def test_grid_privacy_totals():
     assert totals["grid/client_epsilon_max"] == pytest.approx(1.4) and totals["grid/client_epsilon_median"] == 1.0
     points.append(grid.GridPoint({}, privacy={"ledger": None}))  # a run without sanitization (nu = 0)
     assert grid.grid_privacy(points)["grid/client_epsilon_max"] == float("inf")
+    acc = get_accountant("rdp")
+    acc.step(noise_multiplier=1.0, sample_rate=0.01, num_steps=10)
+    dp = grid.GridPoint({}, privacy={"accountant": acc, "delta": 1e-5, "epsilon": acc.get_epsilon(1e-5)})
+    assert grid.grid_privacy([dp, dp])["grid/epsilon"] > dp.privacy["epsilon"]
+    assert grid.grid_privacy([dp, grid.GridPoint({})])["grid/epsilon"] == float("inf")  # one non-private run
 
 
 def test_mean_table_over_an_axis():
