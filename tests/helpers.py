@@ -1,6 +1,9 @@
-"""Tiny, ordinary Lightning objects used by the callback tests (nothing DP-specific in them)."""
+"""Tiny, ordinary Lightning objects used by the callback tests (nothing DP-specific in them), and test utilities."""
 
 from __future__ import annotations
+
+import shutil
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -63,3 +66,9 @@ def trainer(**kwargs) -> L.Trainer:
                     enable_progress_bar=False, enable_model_summary=False, max_epochs=1)
     defaults.update(kwargs)
     return L.Trainer(**defaults)
+
+
+def seed_store(template: Path, database: Path) -> None:
+    """Put a ready (empty) MLflow database at ``database``: a copy of the ``store_template`` fixture's."""
+    database.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(template, database)

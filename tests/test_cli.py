@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_dp
 from lightning_dp import cli
 from lightning_dp.models import DigitsConvNet, ImageClassifier
+from tests.helpers import seed_store
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,29 +64,6 @@ CONFIG = {
 }
 
 
-@pytest.fixture
-def workdir(tmp_path, monkeypatch) -> Path:
-    """Empty working directory, no MLFLOW_TRACKING_URI, no pytest arguments in sys.argv."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.setattr(sys, "argv", ["lightning-dp"])
-    return tmp_path.resolve()
-
-
-@pytest.fixture(scope="module")
-def store_template(tmp_path_factory) -> Path:
-    """An MLflow database created once (creating the tables takes seconds); tests start from copies."""
-    root = tmp_path_factory.mktemp("store-template").resolve()
-    mlflow.MlflowClient(f"sqlite:///{root}/mlflow.db").search_experiments()
-    return root / "mlflow.db"
-
-
-def _seed(template: Path, database: Path) -> None:
-    """Put a ready (empty) MLflow database at ``database``."""
-    database.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(template, database)
-
-
 def _write_config(path: Path, **trainer_overrides) -> Path:
     config = yaml.safe_load(yaml.safe_dump(CONFIG))
     config["trainer"].update(trainer_overrides)
@@ -128,7 +106,7 @@ def _assert_recorded_fit(tracking_uri: str, run, workdir: Path, lr: float = 0.05
 
 
 def test_fit_records_params_metrics_config_and_checkpoint(workdir: Path, store_template: Path, capsys) -> None:
-    _seed(store_template, workdir / "mlruns" / "mlflow.db")
+    seed_store(store_template, workdir / "mlruns" / "mlflow.db")
     config = _write_config(workdir / "run.yaml")
     assert cli.main(["fit", "--config", str(config)]) is None
 
@@ -157,7 +135,7 @@ def test_fit_records_params_metrics_config_and_checkpoint(workdir: Path, store_t
 
 
 def test_config_chooses_logger_and_command_line_overrides(workdir: Path, store_template: Path) -> None:
-    _seed(store_template, workdir / "store" / "mlflow.db")
+    seed_store(store_template, workdir / "store" / "mlflow.db")
     config = _write_config(
         workdir / "run.yaml",
         logger={
@@ -180,7 +158,7 @@ def test_config_chooses_logger_and_command_line_overrides(workdir: Path, store_t
 def test_command_line_subprocess_uses_mlflow_tracking_uri(workdir: Path, store_template: Path) -> None:
     config = _write_config(workdir / "run.yaml")
     uri = f"sqlite:///{workdir}/server/tracking.db"
-    _seed(store_template, workdir / "server" / "tracking.db")
+    seed_store(store_template, workdir / "server" / "tracking.db")
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), *sys.path])}
     executable = shutil.which("lightning-dp")
     command = [executable] if executable else [sys.executable, "-m", "lightning_dp.cli"]
@@ -207,7 +185,7 @@ def test_subcommands_and_reserved_extra_commands(workdir: Path, monkeypatch, cap
 
 
 def test_example_digits_baseline_runs(workdir: Path, store_template: Path) -> None:
-    _seed(store_template, workdir / "mlruns" / "mlflow.db")
+    seed_store(store_template, workdir / "mlruns" / "mlflow.db")
     pytest.importorskip("sklearn")
     datamodules = pytest.importorskip("lightning_dp.datamodules")
     if not hasattr(datamodules, "DigitsDataModule"):
@@ -232,7 +210,7 @@ def test_example_digits_baseline_runs(workdir: Path, store_template: Path) -> No
 
 def test_dpsgd_digits_example_records_privacy_in_mlflow(workdir: Path, store_template: Path, capsys) -> None:
     """The README's main job (examples/dpsgd_digits.yaml), shortened to 2 epochs."""
-    _seed(store_template, workdir / "mlruns" / "mlflow.db")
+    seed_store(store_template, workdir / "mlruns" / "mlflow.db")
     cli.main(["fit", "--config", str(REPO_ROOT / "examples" / "dpsgd_digits.yaml"), "--trainer.max_epochs=2",
               "--trainer.callbacks.init_args.epochs=2", "--trainer.enable_progress_bar=false",
               "--trainer.log_every_n_steps=7"])
@@ -269,7 +247,7 @@ def test_federated_synthetic_example_records_rounds_and_privacy(workdir: Path, s
     Both final hypotheses within 0.5 of theta1* = [5, 6] and theta2* = [4, -4.5], every
     participation charged exactly n/nu = 2/5 = 0.4.
     """
-    _seed(store_template, workdir / "mlruns" / "mlflow.db")
+    seed_store(store_template, workdir / "mlruns" / "mlflow.db")
     run_cli = cli.LightningDPCLI(args=["fit", "--config", str(REPO_ROOT / "examples" / "fl_synthetic.yaml")])
     module = run_cli.model
     dist = torch.cdist(module.hypotheses, torch.tensor([[5.0, 6.0], [4.0, -4.5]]))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-import sys
 from pathlib import Path
 
 import mlflow
@@ -11,28 +9,13 @@ import pytest
 
 from lightning_dp import cli, grid
 from lightning_dp.privacy.accounting import get_accountant
+from tests.helpers import seed_store
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
-def workdir(tmp_path, monkeypatch) -> Path:
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.setattr(sys, "argv", ["lightning-dp"])
-    return tmp_path.resolve()
-
-
-@pytest.fixture(scope="module")
-def store_template(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("store-template").resolve()
-    mlflow.MlflowClient(f"sqlite:///{root}/mlflow.db").search_experiments()
-    return root / "mlflow.db"
-
-
 def _seed(template: Path, workdir: Path) -> str:
-    (workdir / "mlruns").mkdir()
-    shutil.copyfile(template, workdir / "mlruns" / "mlflow.db")
+    seed_store(template, workdir / "mlruns" / "mlflow.db")
     return f"sqlite:///{workdir}/mlruns/mlflow.db"
 
 
