@@ -26,8 +26,9 @@ yield one item per round (one training epoch = one round: ``max_epochs`` is the 
 rounds).
 
 Every random draw (client sampling, local shuffles, noise) comes from a generator derived
-from ``(seed, stream, round, ...)``, shuffles and noise from one stream per client; with the
-round counter and the ledger in the checkpoint, a resumed run equals the uninterrupted one.
+from ``(seed, stream, round, ...)``; a client's shuffles and noise depend on its index, not on
+the other clients of its process (:meth:`_shuffle_keys`); with the round counter and the
+ledger in the checkpoint, a resumed run equals the uninterrupted one.
 
 Under DDP (``strategy="ddp"``) every process samples the same clients, trains and sanitizes
 its share of them (positions rank, rank + W, ...), and the releases are all-gathered in the
