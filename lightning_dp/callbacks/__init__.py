@@ -1,7 +1,8 @@
 """Lightning callbacks: the privacy mechanisms for centralized training and run tracking."""
 
+from lightning_dp.callbacks.adaptive_clipping import OnlineSensitivity, QuantileClipping
 from lightning_dp.callbacks.dp_sgd import DPSGD
 from lightning_dp.callbacks.restore_best import RestoreBestWeights
 from lightning_dp.callbacks.run_artifacts import RunArtifacts
 
-__all__ = ["DPSGD", "RestoreBestWeights", "RunArtifacts"]
+__all__ = ["DPSGD", "OnlineSensitivity", "QuantileClipping", "RestoreBestWeights", "RunArtifacts"]

@@ -395,26 +395,66 @@ class DPSGD(Callback):
                 "such layer (a model that flattens (B, T, d) to (B*T, d) would clip tokens, not examples, and "
                 "under-state the sensitivity). Keep dimension 0 as the batch, e.g. apply nn.Linear to (B, T, d).")
         norms = engine.per_sample_norms()
-        sums = engine.clipped_sum(clip_factors(norms, self.max_grad_norm))
+        clip = self.max_grad_norm
+        releases = [engine.clipped_sum(clip_factors(norms, clip))]
+        releases += [engine.clipped_sum(w) for w in self._extra_weights(norms)]
         engine.clear()
         params = engine.parameters
-        stats = torch.stack([(norms > self.max_grad_norm).sum(), torch.tensor(norms.numel())]).to(sums[0])
+        stats = torch.stack([(norms > clip).sum(), torch.tensor(norms.numel())]).to(releases[0][0])
         if trainer.world_size > 1:
-            flat = trainer.strategy.reduce(torch.cat([s.reshape(-1) for s in sums] + [stats]), reduce_op="sum")
-            sizes = [s.numel() for s in sums]
-            sums = [t.view_as(s) for t, s in zip(torch.split(flat[:-2], sizes), sums)]
+            # one all-reduce for every weighted sum and the counts
+            flat = trainer.strategy.reduce(torch.cat([t.reshape(-1) for r in releases for t in r] + [stats]),
+                                           reduce_op="sum")
+            chunks = iter(torch.split(flat[:-2], [t.numel() for r in releases for t in r]))
+            releases = [[next(chunks).view_as(t) for t in r] for r in releases]
             stats = flat[-2:]
+        sums, extra_sums = releases[0], releases[1:]
+        noise_multiplier = self._gradient_noise_multiplier()
+        expected = self._data["expected_batch_size"]
         generator = derive_generator(self._seed, NOISE, self._released, device=sums[0].device)
-        grads = noisy_mean(sums, noise_multiplier=self._sigma, max_grad_norm=self.max_grad_norm,
-                           expected_batch_size=self._data["expected_batch_size"], generator=generator)
+        grads = noisy_mean(sums, noise_multiplier=noise_multiplier, max_grad_norm=clip,
+                           expected_batch_size=expected, generator=generator)
         for p, g in zip(params, grads):
             p.grad = g.to(p.dtype)
+        set_noise_std = getattr(optimizer, "set_noise_std", None)
+        if callable(set_noise_std):  # AdamWOSM: its fixed second moment is this step's noise std per coordinate
+            set_noise_std(noise_multiplier * clip / expected)
+        self._last_stats = stats.detach()
+        self._after_release(trainer, optimizer, grads, extra_sums)
         self._released += 1
         if self._step_adds_event:
             sigma_e, q_e = self._event()
             self._accountant.step(noise_multiplier=sigma_e, sample_rate=q_e)
             self._events_taken += 1
-        self._last_stats = stats.detach()
+
+    # ------------------------------------------- extension points of the adaptive-clipping callbacks
+    def _extra_weights(self, per_sample_norms: torch.Tensor) -> list[torch.Tensor]:
+        """Per-example weights of further weighted gradient sums released with the clipped sum.
+
+        DP-SGD releases only the clipped sum. A subclass that releases more (OSO's sum of
+        the ``q_i``) returns their weights; the sums are all-reduced with the clipped sum
+        and handed to :meth:`_after_release` un-noised: the subclass adds their noise.
+        """
+        return []
+
+    def _gradient_noise_multiplier(self) -> float:
+        """The multiplier of the clipped-sum noise: the accounted sigma, or its share of it.
+
+        An adaptive rule that releases a statistic of the same batch splits the accounted
+        multiplier between the two releases (:func:`~lightning_dp.privacy.adaptive.composed_noise_multiplier`).
+        """
+        assert self._sigma is not None
+        return self._sigma
+
+    def _after_release(self, trainer: Trainer, optimizer: Any, grads: list[torch.Tensor],
+                       extra_sums: list[list[torch.Tensor]]) -> None:
+        """Post-processing of the step's releases, before the optimizer step (nothing for DP-SGD).
+
+        ``grads`` is the released noisy gradient, ``extra_sums`` the summed (not yet
+        noised) weighted sums of :meth:`_extra_weights`, ``self._last_stats`` the clipped
+        and total counts of the batch over all ranks. Counter ``self._released`` is still
+        the number of this step (it keys this step's noise streams).
+        """
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

@@ -16,10 +16,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["check_noise_multiplier", "derive_generator", "gaussian_noise", "noisy_mean", "SAMPLING", "NOISE"]
+__all__ = ["check_noise_multiplier", "derive_generator", "gaussian_noise", "noisy_mean", "SAMPLING", "NOISE",
+           "CLIP_STATISTIC"]
 
-#: Stream identifiers for :func:`derive_generator`.
-SAMPLING, NOISE = 1, 2
+#: Stream identifiers for :func:`derive_generator`: Poisson sampling, the gradient noise, and the
+#: noise of the clipping statistic that adaptive-clipping rules release with the gradient.
+SAMPLING, NOISE, CLIP_STATISTIC = 1, 2, 3
 
 
 def check_noise_multiplier(noise_multiplier: float) -> float:
