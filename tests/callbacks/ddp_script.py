@@ -13,7 +13,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from lightning_dp.callbacks import DPSGD  # noqa: E402
+from lightning_dp.callbacks import DPSGD, OnlineSensitivity, QuantileClipping  # noqa: E402
 from lightning_dp.tracking import MLFlowLogger  # noqa: E402
 from tests.helpers import BlobsData, Classifier  # noqa: E402
 
@@ -55,7 +55,17 @@ def main(out: Path, tracking_uri: str) -> None:
     logger = MLFlowLogger(experiment_name="ddp-test", tracking_uri=tracking_uri, run_name="ddp")
     t2 = L.Trainer(max_epochs=2, logger=logger, log_every_n_steps=1, callbacks=[dp2, probe2], **common)
     t2.fit(model, BlobsData(n=200, batch_size=10))
+    # 3. adaptive clipping: the threshold (and OSO's learning rate) must stay identical on every rank
+    adaptive = {}
+    for name, cb in (("oso", OnlineSensitivity(noise_multiplier=1.0, clip_lr=0.2, lr_lr=0.1, seed=5)),
+                     ("quantile", QuantileClipping(noise_multiplier=1.0, count_noise_std=2.0, seed=6))):
+        torch.manual_seed(0)
+        m = Classifier()
+        L.Trainer(max_epochs=1, logger=False, callbacks=[cb], **common).fit(m, BlobsData(n=200, batch_size=10))
+        adaptive[name] = {"trace": list(cb._trace), "history": cb.accountant.history,
+                          "params": torch.cat([p.detach().reshape(-1) for p in m.parameters()])}
     torch.save({
+        "adaptive": adaptive,
         "rank": t2.global_rank, "noise": noise, "sample_rate": dp.sample_rate,
         "history": dp2.accountant.history, "epsilon": dp2.epsilon, "steps": t2.global_step,
         "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),

@@ -73,3 +73,18 @@ def test_one_mlflow_run_receives_each_metric_once(ddp_run):
     assert history[-1].value == pytest.approx(r0["epsilon"], rel=1e-12)
     params = runs[0].data.params
     assert params["privacy/noise_multiplier"] == "1.0" and params["privacy/sample_rate"] == "0.1"
+
+
+def test_adaptive_thresholds_agree_on_all_ranks(ddp_run):
+    """Each rank holds half of the batch; the threshold update must use the all-reduced statistics.
+
+    A rank that updated C from its own shard's q-sum or count would drift from the other one.
+    """
+    (r0, r1), _ = ddp_run
+    for name in ("oso", "quantile"):
+        a, b = r0["adaptive"][name], r1["adaptive"][name]
+        assert len(a["trace"]) == 10 and a["trace"] == b["trace"], name
+        assert len({c for _, c, _ in a["trace"]}) > 2, name  # the threshold moved
+        assert a["history"] == b["history"] == [(1.0, 0.1, 10)], name
+        assert torch.equal(a["params"], b["params"]), name
+    assert len({lr for _, _, lr in r0["adaptive"]["oso"]["trace"]}) > 2  # OSO's learning rate moved too
