@@ -11,9 +11,11 @@ from lightning.pytorch import LightningModule
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from lightning_dp.optim import OPTIMIZERS, build_optimizer, check_optimizer_choice
+
 __all__ = ["ImageClassifier"]
 
-_OPTIMIZERS = ("sgd", "adam")
+_OPTIMIZERS = OPTIMIZERS  # "sgd", "adam", "adamwosm": the names lightning_dp.optim.build_optimizer knows
 _NETWORK_CLASS = "network_class"
 
 
@@ -52,9 +54,14 @@ class ImageClassifier(LightningModule):
         network: Module mapping a batch of inputs to logits of shape
             ``(batch, num_classes)``. It must not mix examples (no BatchNorm).
         num_classes: Number of classes (>= 2), used by the accuracy metrics.
-        lr: Learning rate (> 0).
-        optimizer: ``"sgd"`` or ``"adam"``.
-        momentum: SGD momentum in ``[0, 1)``; must be 0 with ``"adam"``.
+        lr: Learning rate (> 0); Adam's ``alpha`` for ``"adam"`` and ``"adamwosm"``.
+        optimizer: ``"sgd"`` (``torch.optim.SGD``), ``"adam"`` (``torch.optim.Adam``) or
+            ``"adamwosm"`` (:class:`lightning_dp.optim.AdamWOSM`, DP-Adam without second
+            moment, Mohapatra et al. 2022: momentum steps of ``lr / (sigma C / B)``). The
+            Adam variants keep their default betas. ``"adamwosm"`` needs the
+            :class:`~lightning_dp.callbacks.DPSGD` callback, which gives it ``sigma C / B``
+            before every step; without it the first step raises.
+        momentum: SGD momentum in ``[0, 1)``; must be 0 with ``"adam"`` and ``"adamwosm"``.
 
     Raises:
         TypeError: If ``network`` is not a ``torch.nn.Module``.
@@ -136,10 +143,13 @@ class ImageClassifier(LightningModule):
         checkpoint.get(self.CHECKPOINT_HYPER_PARAMS_KEY, {}).pop(_NETWORK_CLASS, None)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        """SGD (with ``momentum``) or Adam at learning rate ``lr`` over all parameters."""
-        if self.hparams.optimizer == "adam":
-            return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
-        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)
+        """SGD (with ``momentum``), Adam or AdamWOSM at learning rate ``lr`` over all parameters.
+
+        Built by :func:`lightning_dp.optim.build_optimizer`.
+        """
+        return build_optimizer(
+            self.hparams.optimizer, self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum
+        )
 
 
 def _validate(*, network: Any, num_classes: Any, lr: Any, optimizer: Any, momentum: Any) -> None:
@@ -159,11 +169,4 @@ def _validate(*, network: Any, num_classes: Any, lr: Any, optimizer: Any, moment
         )
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
         raise ValueError(f"lr={lr!r} must be a finite number > 0; pass e.g. lr=0.1.")
-    if optimizer not in _OPTIMIZERS:
-        raise ValueError(f"optimizer={optimizer!r} is not supported; choose one of {list(_OPTIMIZERS)}.")
-    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
-        raise ValueError(f"momentum={momentum!r} must be in [0, 1); pass e.g. momentum=0.9, or 0.0 for plain SGD.")
-    if optimizer == "adam" and momentum != 0.0:
-        raise ValueError(
-            f"momentum={momentum!r} only applies to optimizer='sgd'; with optimizer='adam' leave momentum=0.0."
-        )
+    check_optimizer_choice(optimizer, momentum)  # a name of _OPTIMIZERS; momentum in [0, 1), 0 unless SGD

@@ -129,7 +129,7 @@ def test_hyperparameters_and_checkpoint_round_trip(tmp_path) -> None:
         ({"num_classes": 1}, ValueError, r"num_classes=1 must be an integer >= 2"),
         ({"num_classes": 3}, ValueError, r"num_classes=3 but the network DigitsConvNet outputs 10"),
         ({"lr": 0.0}, ValueError, r"lr=0.0 must be a finite number > 0"),
-        ({"optimizer": "rmsprop"}, ValueError, r"optimizer='rmsprop'.*\['sgd', 'adam'\]"),
+        ({"optimizer": "rmsprop"}, ValueError, r"optimizer='rmsprop'.*\['sgd', 'adam', 'adamwosm'\]"),
         ({"momentum": 1.0}, ValueError, r"momentum=1.0 must be in \[0, 1\)"),
         ({"optimizer": "adam", "momentum": 0.9}, ValueError, r"momentum=0.9 only applies to optimizer='sgd'"),
     ],
