@@ -50,7 +50,8 @@ from typing import Any, Optional
 
 import yaml
 
-__all__ = ["GridPoint", "main", "parse_set", "run_grid"]
+__all__ = ["BudgetPlan", "GridPoint", "GridResult", "main", "parse_set", "plan_budget", "plan_point", "report",
+           "run_grid", "select_best"]
 
 
 @dataclass
@@ -227,28 +228,215 @@ def _final_metrics(trainer: Any, module: Any) -> dict[str, float]:
     return out
 
 
+def _args(config: Sequence[str], values: dict[str, Any], extra: Sequence[str]) -> list[str]:
+    args = [a for c in config for a in ("--config", c)]
+    args += [f"--{k}={_cli_value(v)}" for k, v in values.items()]
+    return args + list(extra)
+
+
+def _dp_callback(trainer: Any, values: dict[str, Any]) -> Any:
+    from lightning_dp.callbacks import DPSGD
+
+    found = [cb for cb in trainer.callbacks if isinstance(cb, DPSGD)]
+    if len(found) != 1:
+        raise ValueError(
+            f"grid point {_run_name(values)!r} has {len(found)} DP-SGD callbacks (DPSGD, OnlineSensitivity, "
+            "QuantileClipping); a budgeted grid (--budget) needs exactly one in every run, so that its noise "
+            "multiplier can be chosen for the grid. Add one to trainer.callbacks of the config.")
+    return found[0]
+
+
+def plan_point(config: Sequence[str], values: dict[str, Any], extra: Sequence[str] = ()) -> dict[str, Any]:
+    """Instantiate a grid point (no training) and return its DP callback's planned mechanism and accountant.
+
+    Returns:
+        ``{"plan": PlannedMechanism, "accountant": name, "accountant_kwargs": dict, "delta": target_delta}``.
+    """
+    from lightning_dp.cli import LightningDPCLI
+
+    cli = LightningDPCLI(args=_args(config, values, extra), run=False)
+    callback = _dp_callback(cli.trainer, values)
+    if cli.datamodule is not None:
+        cli.datamodule.prepare_data()
+        cli.datamodule.setup("fit")
+        loader = cli.datamodule.train_dataloader()
+    else:
+        loader = cli.model.train_dataloader()
+    return {"plan": callback.plan(cli.trainer, loader), "accountant": callback.accountant_name,
+            "accountant_kwargs": dict(callback.accountant_kwargs), "delta": callback.target_delta}
+
+
+@dataclass
+class BudgetPlan:
+    """The noise multiplier of one budgeted (sub-)grid and what each of its runs may spend."""
+
+    epsilon: float
+    delta: float
+    noise_multiplier: float
+    accountant: str
+    accountant_kwargs: dict[str, Any]
+    plans: list[Any]
+    """:class:`~lightning_dp.callbacks.dp_sgd.PlannedMechanism` per run, in grid order."""
+
+    def run_epsilon(self, index: int) -> float:
+        """The spend of run ``index`` alone when it runs as planned (its own cap)."""
+        from lightning_dp.privacy.accounting import get_accountant
+
+        p = self.plans[index]
+        return get_accountant(self.accountant, **self.accountant_kwargs).epsilon_after(
+            self.delta, noise_multiplier=self.noise_multiplier * p.multiplier_scale, sample_rate=p.sample_rate,
+            num_steps=p.events)
+
+
+def plan_budget(planned: Sequence[dict[str, Any]], epsilon: float, delta: Optional[float] = None) -> BudgetPlan:
+    """One noise multiplier for all ``planned`` runs (:func:`plan_point`) so that they compose to ``(epsilon, delta)``.
+
+    Raises:
+        ValueError: If the runs use different accountants, or disagree on delta when none is given.
+    """
+    from lightning_dp.privacy.calibration import calibrate_composed_noise_multiplier
+
+    kinds = {(p["accountant"], tuple(sorted(p["accountant_kwargs"].items()))) for p in planned}
+    if len(kinds) != 1:
+        raise ValueError(f"the runs of a budgeted grid must share one accountant configuration, got {sorted(kinds)}; "
+                         "set the same accountant/accountant_kwargs in every point.")
+    if delta is None:
+        deltas = {p["delta"] for p in planned}
+        if len(deltas) != 1:
+            raise ValueError(f"the runs have different target_delta values {sorted(deltas)}; pass --budget-delta.")
+        delta = deltas.pop()
+    name, kwargs = planned[0]["accountant"], dict(planned[0]["accountant_kwargs"])
+    plans = [p["plan"] for p in planned]
+    sigma = calibrate_composed_noise_multiplier(
+        target_epsilon=epsilon, target_delta=delta, accountant=name, accountant_kwargs=kwargs,
+        runs=[(p.sample_rate, p.events, p.multiplier_scale) for p in plans])
+    return BudgetPlan(epsilon=float(epsilon), delta=float(delta), noise_multiplier=sigma, accountant=name,
+                      accountant_kwargs=kwargs, plans=plans)
+
+
+def _check_against_plan(point: GridPoint, budget: BudgetPlan, index: int) -> None:
+    """A run may stop early, never spend more than planned (else the grid's bound would not hold)."""
+    plan = budget.plans[index]
+    history = point.privacy.get("accountant").history if "accountant" in point.privacy else []
+    expected_sigma = budget.noise_multiplier * plan.multiplier_scale
+    for sigma, q, steps in history:
+        if sigma != expected_sigma or q != plan.sample_rate:
+            raise RuntimeError(f"grid run {_run_name(point.values)!r} was accounted with (sigma={sigma}, q={q}) but "
+                               f"planned with (sigma={expected_sigma}, q={plan.sample_rate}); please report this.")
+    if sum(steps for _, _, steps in history) > plan.events:
+        raise RuntimeError(f"grid run {_run_name(point.values)!r} took more steps than its plan of {plan.events}.")
+
+
+def _better(a: float, b: float, mode: str) -> bool:
+    return a > b if mode == "max" else a < b
+
+
+def select_best(points: Sequence[GridPoint], metric: str, mode: str) -> GridPoint:
+    """The point with the best ``metric`` (``mode`` ``"max"`` or ``"min"``); NaN and missing values never win."""
+    best: Optional[GridPoint] = None
+    for p in points:
+        value = p.metrics.get(metric)
+        if value is None or math.isnan(value):
+            continue
+        if best is None or _better(value, best.metrics[metric], mode):
+            best = p
+    if best is None:
+        names = sorted({m for p in points for m in p.metrics})
+        raise ValueError(f"--select {metric!r}: no run of the grid has this metric; available: {names}")
+    return best
+
+
+def default_mode(metric: str) -> str:
+    """``"min"`` for losses and errors (names containing loss, error, mse, rmse), else ``"max"``."""
+    return "min" if any(w in metric.lower() for w in ("loss", "error", "mse")) else "max"
+
+
+@dataclass
+class GridResult:
+    """Everything a grid produced: points, privacy totals, id and, for budgeted grids, plans and choices."""
+
+    points: list[GridPoint]
+    totals: dict[str, float]
+    grid_id: str
+    budgets: dict[Any, BudgetPlan] = field(default_factory=dict)
+    """Per repetition (the ``--mean-over`` value, or None): the grid's noise multiplier."""
+    best: dict[Any, GridPoint] = field(default_factory=dict)
+    """Per repetition: the point chosen by ``select``."""
+    select: Optional[str] = None
+    mode: str = "max"
+    mean_over: Optional[str] = None
+
+
 def run_grid(config: Sequence[str], sets: Sequence[tuple[str, list[Any]]], *, test: bool = False,
-             extra: Sequence[str] = (), grid_id: Optional[str] = None,
-             mean_over: Optional[str] = None) -> tuple[list[GridPoint], dict[str, float], str]:
-    """Run every point of the grid; return the points, the grid's privacy totals and the grid id."""
+             extra: Sequence[str] = (), grid_id: Optional[str] = None, mean_over: Optional[str] = None,
+             budget: Optional[float] = None, budget_delta: Optional[float] = None, select: Optional[str] = None,
+             mode: Optional[str] = None) -> GridResult:
+    """Run every point of the grid; return its points, privacy totals, id and (budgeted) choices.
+
+    Args:
+        config: Config files, as for ``lightning-dp fit``.
+        sets: The axes: ``(dotted key, values)``.
+        test: Test every fitted module after fitting.
+        extra: Further arguments of every run.
+        grid_id: Id of the grid (random by default).
+        mean_over: An axis whose values are repetitions (e.g. seeds): the tables report mean ±
+            std over it; with ``budget``, every repetition is one grid with its own budget.
+        budget: The epsilon of the whole grid (per repetition): one noise multiplier is
+            calibrated so that all runs compose to ``(budget, budget_delta)`` (module docstring).
+        budget_delta: Its delta (default: the runs' common ``target_delta``).
+        select: A metric to choose the best run by (per repetition), e.g. ``val/acc``.
+        mode: ``"max"`` or ``"min"`` for ``select`` (default: :func:`default_mode`).
+    """
     from lightning_dp import tracking
     from lightning_dp.cli import LightningDPCLI
 
     grid_id = grid_id or secrets.token_hex(4)
     keys = [k for k, _ in sets]
-    points: list[GridPoint] = []
+    combos = [dict(zip(keys, combo)) for combo in itertools.product(*(values for _, values in sets))]
+
+    def group_of(values: dict[str, Any]) -> Any:
+        return values[mean_over] if mean_over else None
+
+    result = GridResult(points=[], totals={}, grid_id=grid_id, select=select, mode=mode or default_mode(select or ""),
+                        mean_over=mean_over)
+    run_budget: dict[int, tuple[BudgetPlan, int]] = {}
+    if budget is not None:
+        groups: dict[Any, list[int]] = {}
+        for i, values in enumerate(combos):
+            groups.setdefault(group_of(values), []).append(i)
+        for group, indices in groups.items():
+            planned = []
+            for i in indices:
+                print(f"[grid {grid_id}] planning {i + 1}/{len(combos)}: {_run_name(combos[i])}", flush=True)
+                planned.append(plan_point(config, combos[i], extra))
+            plan = plan_budget(planned, budget, budget_delta)
+            result.budgets[group] = plan
+            for j, i in enumerate(indices):
+                run_budget[i] = (plan, j)
+            label = f"{_short(mean_over)}={group}: " if mean_over else ""
+            print(f"[grid {grid_id}] {label}{len(indices)} runs compose to epsilon={budget} at delta={plan.delta:g} "
+                  f"with noise_multiplier={plan.noise_multiplier:.4f}", flush=True)
+
     location: Optional[tuple[Any, str]] = None  # (MlflowClient, experiment id) of the first run
-    for combo in itertools.product(*(values for _, values in sets)):
-        values = dict(zip(keys, combo))
-        args = ["fit"] + [a for c in config for a in ("--config", c)]
-        args += [f"--{k}={_cli_value(v)}" for k, v in values.items()]
-        args += list(extra)
-        print(f"[grid {grid_id}] {len(points) + 1}: {_run_name(values)}", flush=True)
-        cli = LightningDPCLI(args=args)
+    for i, values in enumerate(combos):
+        print(f"[grid {grid_id}] {i + 1}/{len(combos)}: {_run_name(values)}", flush=True)
+        if i in run_budget:
+            plan, j = run_budget[i]
+
+            class _BudgetedCLI(LightningDPCLI):
+                def before_fit(self, plan: BudgetPlan = plan, j: int = j, values: dict = values) -> None:
+                    _dp_callback(self.trainer, values).fix_noise_multiplier(
+                        plan.noise_multiplier, target_epsilon=plan.run_epsilon(j), target_delta=plan.delta)
+
+            cli = _BudgetedCLI(args=["fit"] + _args(config, values, extra))
+        else:
+            cli = LightningDPCLI(args=["fit"] + _args(config, values, extra))
         if test:
             cli.trainer.test(cli.model, datamodule=cli.datamodule, verbose=False)
         point = GridPoint(values, metrics=_final_metrics(cli.trainer, cli.model),
                           privacy=_privacy_of(cli.trainer, cli.model))
+        if i in run_budget:
+            _check_against_plan(point, *run_budget[i])
         for logger in tracking.mlflow_loggers(cli.trainer):
             point.run_id = logger.run_id
             client = logger.experiment
@@ -257,8 +445,29 @@ def run_grid(config: Sequence[str], sets: Sequence[tuple[str, list[Any]]], *, te
             client.set_tag(logger.run_id, "grid.id", grid_id)
             for k, v in values.items():
                 client.set_tag(logger.run_id, f"grid.{_short(k)}", str(v))
-        points.append(point)
-    totals = grid_privacy(points)
+        result.points.append(point)
+
+    points = result.points
+    if budget is not None:
+        per_group = {}
+        for group in result.budgets:
+            members = [p for p, v in zip(points, combos) if group_of(v) == group]
+            per_group[group] = grid_privacy(members)
+            spent = per_group[group].get("grid/epsilon", math.inf)
+            if spent > budget:
+                raise RuntimeError(f"the grid spent epsilon={spent} > budget {budget}; please report this.")
+        result.totals = {"grid/epsilon": max(t["grid/epsilon"] for t in per_group.values()),
+                         "grid/delta": result.budgets[next(iter(result.budgets))].delta,
+                         "grid/budget_epsilon": float(budget)}
+        if mean_over:
+            result.totals["grid/epsilon_all_repetitions"] = grid_privacy(points)["grid/epsilon"]
+    else:
+        result.totals = grid_privacy(points)
+    if select:
+        for group in dict.fromkeys(group_of(v) for v in combos):
+            members = [p for p, v in zip(points, combos) if group_of(v) == group]
+            result.best[group] = select_best(members, select, result.mode)
+
     if location is not None:
         client, experiment_id = location
         parent = client.create_run(experiment_id, run_name=f"grid-{grid_id}", tags={"grid.id": grid_id})
@@ -266,7 +475,7 @@ def run_grid(config: Sequence[str], sets: Sequence[tuple[str, list[Any]]], *, te
         for p in points:
             if p.run_id:
                 client.set_tag(p.run_id, "mlflow.parentRunId", pid)
-        for name, value in totals.items():
+        for name, value in result.totals.items():
             if math.isfinite(value):
                 client.log_metric(pid, name, value)
             else:
@@ -274,15 +483,61 @@ def run_grid(config: Sequence[str], sets: Sequence[tuple[str, list[Any]]], *, te
         client.log_param(pid, "grid.config", " ".join(config))
         for key, values in sets:
             client.log_param(pid, f"grid.{_short(key)}", ",".join(map(str, values)))
-        client.log_text(pid, _report(points, totals, mean_over), "grid.md")
+        if budget is not None:
+            client.log_param(pid, "grid.budget_epsilon", budget)
+            client.log_param(pid, "grid.budget_delta", result.totals["grid/delta"])
+            sigmas = sorted({b.noise_multiplier for b in result.budgets.values()})
+            client.log_param(pid, "grid.noise_multiplier", ",".join(repr(s) for s in sigmas))
+        if select:
+            client.log_param(pid, "grid.select", f"{select} ({result.mode})")
+            client.set_tag(pid, "grid.best_runs", ",".join(p.run_id or "" for p in result.best.values()))
+            for p in result.best.values():
+                if p.run_id:
+                    client.set_tag(p.run_id, "grid.best", "true")
+        client.log_text(pid, report(result), "grid.md")
         client.set_terminated(pid)
-    return points, totals, grid_id
+    return result
 
 
-def _report(points: Sequence[GridPoint], totals: dict[str, float], mean_over: Optional[str]) -> str:
-    text = summary_table(points, totals)
-    if mean_over:
-        text += f"\nMean ± std over {_short(mean_over)}:\n\n" + mean_table(points, mean_over)
+def best_table(result: GridResult) -> str:
+    """The chosen run of each repetition, then mean ± std of its metrics over repetitions."""
+    import statistics
+
+    rows = list(result.best.items())
+    columns = sorted({m for _, p in rows for m in p.metrics})
+    keys = [k for k in (rows[0][1].values if rows else {}) if k != result.mean_over]
+    lead = [_short(result.mean_over)] if result.mean_over else []
+    extra = ["noise_multiplier"] if result.budgets else []
+    header = lead + [_short(k) for k in keys] + extra + columns + ["epsilon", "run"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for group, p in rows:
+        cells = ([_fmt(group)] if result.mean_over else []) + [_fmt(p.values[k]) for k in keys]
+        if result.budgets:
+            cells.append(_fmt(result.budgets[group].noise_multiplier))
+        cells += [_fmt(p.metrics.get(c, "")) for c in columns] + [_fmt(p.privacy.get("epsilon", "")), p.run_id or ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    text = "\n".join(lines) + "\n"
+    if len(rows) > 1:
+        means = []
+        for c in columns:
+            vals = [p.metrics[c] for _, p in rows if c in p.metrics]
+            if len(vals) > 1:
+                means.append(f"{c} = {statistics.mean(vals):.4g} ± {statistics.stdev(vals):.2g}")
+        text += f"\nChosen runs over {len(rows)} repetitions: " + "; ".join(means) + "\n"
+    return text
+
+
+def report(result: GridResult) -> str:
+    """The Markdown report of a grid: every run, the grid's privacy, the chosen runs, the means."""
+    text = ""
+    if result.budgets:
+        text += (f"Budget of each grid: epsilon = {_fmt(result.totals['grid/budget_epsilon'])} at delta = "
+                 f"{_fmt(result.totals['grid/delta'])}, composed over its runs by the accountant.\n\n")
+    text += summary_table(result.points, result.totals)
+    if result.select:
+        text += f"\nBest run by {result.select} ({result.mode}):\n\n" + best_table(result)
+    if result.mean_over and not result.budgets:
+        text += f"\nMean ± std over {_short(result.mean_over)}:\n\n" + mean_table(result.points, result.mean_over)
     return text
 
 
@@ -299,7 +554,17 @@ def main(argv: Sequence[str]) -> int:
                         help="a grid axis: a dotted config key and its values (repeat for more axes)")
     parser.add_argument("--test", action="store_true", help="test every fitted module (test/* metrics in its run)")
     parser.add_argument("--summary", help="also write the Markdown table to this file")
-    parser.add_argument("--mean-over", metavar="KEY", help="add a table of mean ± std over this axis (e.g. a seed)")
+    parser.add_argument("--mean-over", metavar="KEY",
+                        help="an axis of repetitions (e.g. a seed): mean ± std over it; with --budget every "
+                             "repetition is one grid with its own budget")
+    parser.add_argument("--budget", type=float, metavar="EPSILON",
+                        help="privacy budget of the whole grid: one noise multiplier is calibrated so that all runs "
+                             "compose to it (every run needs a DPSGD-family callback)")
+    parser.add_argument("--budget-delta", type=float, metavar="DELTA",
+                        help="delta of --budget (default: the runs' common target_delta)")
+    parser.add_argument("--select", metavar="METRIC", help="choose the best run by this metric, e.g. val/acc")
+    parser.add_argument("--mode", choices=("max", "min"),
+                        help="whether --select is maximized or minimized (default: min for loss/error/mse, else max)")
     args = parser.parse_args(argv)
     try:
         sets = [parse_set(s) for s in args.set]
@@ -313,8 +578,17 @@ def main(argv: Sequence[str]) -> int:
     if args.mean_over and args.mean_over.lstrip("-") not in [k for k, _ in sets]:
         parser.error(f"--mean-over {args.mean_over}: not one of the --set keys {[k for k, _ in sets]}")
     mean_over = args.mean_over.lstrip("-") if args.mean_over else None
-    points, totals, _ = run_grid(args.config, sets, test=args.test, extra=extra, mean_over=mean_over)
-    table = _report(points, totals, mean_over)
+    if args.budget is not None and not (args.budget > 0 and math.isfinite(args.budget)):
+        parser.error(f"--budget {args.budget}: pass a finite epsilon > 0 for the whole grid, e.g. --budget 3")
+    if args.budget_delta is not None and not 0 < args.budget_delta < 1:
+        parser.error(f"--budget-delta {args.budget_delta}: delta must be in (0, 1), e.g. 1e-5")
+    if args.budget_delta is not None and args.budget is None:
+        parser.error("--budget-delta needs --budget")
+    if args.mode and not args.select:
+        parser.error("--mode needs --select METRIC")
+    result = run_grid(args.config, sets, test=args.test, extra=extra, mean_over=mean_over, budget=args.budget,
+                      budget_delta=args.budget_delta, select=args.select, mode=args.mode)
+    table = report(result)
     print(table, flush=True)
     if args.summary:
         with open(args.summary, "w", encoding="utf-8") as handle:

@@ -39,9 +39,10 @@ def test_command_line_errors(workdir, capsys):
 def test_dpsgd_grid_composes_every_run(workdir, store_template):
     """Two DP-SGD runs on the same data: the grid's epsilon is that of both histories composed."""
     uri = _seed(store_template, workdir)
-    points, totals, grid_id = grid.run_grid(
+    result = grid.run_grid(
         [str(REPO_ROOT / "examples" / "dpsgd_digits.yaml")], [("model.init_args.lr", [0.1, 0.2])],
         extra=["--trainer.max_epochs=1", "--trainer.enable_progress_bar=false"])
+    points, totals, grid_id = result.points, result.totals, result.grid_id
     assert [p.values for p in points] == [{"model.init_args.lr": 0.1}, {"model.init_args.lr": 0.2}]
     reference = get_accountant("pld")
     for p in points:
@@ -102,3 +103,61 @@ def test_mean_table_over_an_axis():
     assert lines[3] == "| 3 | 0.2 ± 0 | inf | 0,1,2 |"
     with pytest.raises(ValueError, match="not a grid axis"):
         grid.mean_table(pts, "lr")
+
+
+def test_budgeted_grid_spends_the_budget_over_all_runs(workdir, store_template, capsys):
+    """--budget: one sigma for the grid, calibrated so that the runs (per seed) compose to the budget."""
+    uri = _seed(store_template, workdir)
+    code = cli.main(["grid", "--config", str(REPO_ROOT / "examples" / "dpsgd_digits.yaml"),
+                     "--set", "model.init_args.lr=0.1,0.3", "--set", "data.init_args.seed=0,1",
+                     "--budget", "3", "--select", "val/acc", "--mean-over", "data.init_args.seed",
+                     "--summary", "grid.md", "--", "--trainer.max_epochs=2", "--trainer.enable_progress_bar=false"])
+    assert code == 0
+    client = mlflow.MlflowClient(uri)
+    exp = client.get_experiment_by_name("dpsgd-digits")
+    runs = client.search_runs([exp.experiment_id])
+    parent = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert len(parent) == 1 and len(children) == 4  # planning created no run
+    params = parent[0].data.params
+    assert params["grid.budget_epsilon"] == "3.0" and params["grid.budget_delta"] == "1e-05"
+    sigma = float(params["grid.noise_multiplier"])  # both seeds plan the same runs: one sigma
+    # each seed's grid: 2 runs of 2 epochs (q = 64 / 1077 -> 17 steps per epoch) compose to epsilon 3
+    q = float(children[0].data.params["privacy/sample_rate"])
+    per_epoch = int(children[0].data.params["privacy/steps_per_epoch"])
+    assert {float(r.data.params["privacy/noise_multiplier"]) for r in children} == {sigma}
+    acc = get_accountant("pld")
+    spent = acc.epsilon_after(1e-5, noise_multiplier=sigma, sample_rate=q, num_steps=2 * 2 * per_epoch)
+    assert spent <= 3.0
+    assert acc.epsilon_after(1e-5, noise_multiplier=sigma / 1.01, sample_rate=q, num_steps=4 * per_epoch) > 3.0
+    assert parent[0].data.metrics["grid/epsilon"] == pytest.approx(spent, rel=1e-9)
+    assert parent[0].data.metrics["grid/epsilon_all_repetitions"] > 3.0  # both seeds together: more than one grid
+    # the run's own callback budget was replaced by its share of the grid's
+    assert {r.data.params["privacy/target_epsilon"] for r in children} != {"3.0"}
+    best = parent[0].data.tags["grid.best_runs"].split(",")
+    assert len(best) == 2 and all(client.get_run(b).data.tags["grid.best"] == "true" for b in best)
+    for seed in ("0", "1"):
+        same_seed = [r for r in children if r.data.tags["grid.seed"] == seed]
+        chosen = [r for r in same_seed if r.info.run_id in best]
+        assert len(chosen) == 1
+        assert chosen[0].data.metrics["val/acc"] == max(r.data.metrics["val/acc"] for r in same_seed)
+    text = (workdir / "grid.md").read_text()
+    assert "Budget of each grid: epsilon = 3" in text and "Best run by val/acc (max)" in text
+    assert "Chosen runs over 2 repetitions" in text
+
+
+def test_budgeted_grid_needs_a_dp_callback_in_every_run(workdir, store_template):
+    _seed(store_template, workdir)
+    with pytest.raises(ValueError, match="DP-SGD callbacks"):
+        grid.run_grid([str(REPO_ROOT / "examples" / "digits_nonprivate.yaml")], [("model.init_args.lr", [0.1])],
+                      budget=3.0, extra=["--trainer.max_epochs=1"])
+
+
+def test_select_best_and_modes():
+    pts = [grid.GridPoint({"lr": v}, metrics={"val/acc": a, "val/loss": l})
+           for v, a, l in ((1, 0.5, 0.9), (2, 0.7, 0.4), (3, float("nan"), 0.1))]
+    assert grid.select_best(pts, "val/acc", "max").values == {"lr": 2}
+    assert grid.select_best(pts, "val/loss", "min").values == {"lr": 3}
+    assert grid.default_mode("val/loss") == "min" and grid.default_mode("val/acc") == "max"
+    with pytest.raises(ValueError, match="available"):
+        grid.select_best(pts, "test/acc", "max")

@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import math
 import secrets
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
@@ -49,7 +49,16 @@ from lightning_dp.privacy.noise import NOISE, check_noise_multiplier, derive_gen
 from lightning_dp.privacy.sampling import poisson_dataloader
 from lightning_dp.privacy.validators import describe_mixing_layers, find_mixing_layers, replace_batchnorm
 
-__all__ = ["DPSGD"]
+__all__ = ["DPSGD", "PlannedMechanism"]
+
+
+class PlannedMechanism(NamedTuple):
+    """What a planned DP-SGD run is accounted as: ``events`` x Gaussian(``multiplier_scale * sigma``) at rate q."""
+
+    sample_rate: float
+    events: int
+    multiplier_scale: float
+    dataset_size: int
 
 _STATE_VERSION = 1
 
@@ -240,7 +249,8 @@ class DPSGD(Callback):
         owner.train_dataloader = train_dataloader  # instance attribute shadows the hook; removed in teardown
         self._wrapped = (owner, "train_dataloader")
 
-    def _privatize(self, loader: Any, trainer: Trainer) -> DataLoader:
+    def _data_facts(self, loader: Any, world: int) -> dict[str, Any]:
+        """Dataset size, sample rate, expected batch size and steps per epoch of a training loader."""
         if not isinstance(loader, DataLoader):
             raise MisconfigurationException(
                 f"train_dataloader returned {type(loader).__name__}; DPSGD needs one torch DataLoader over a "
@@ -255,19 +265,22 @@ class DPSGD(Callback):
             raise MisconfigurationException(
                 "the training DataLoader has batch_size=None (a custom batch_sampler?); DPSGD takes the expected "
                 "batch size from DataLoader(batch_size=...). Pass batch_size and no batch_sampler.")
-        world = trainer.world_size
         expected = loader.batch_size * world
         if expected > n:
             raise MisconfigurationException(
                 f"expected batch size {expected} (batch_size={loader.batch_size} x {world} processes) exceeds the "
                 f"training set size N={n}; lower batch_size.")
-        q = expected / n
+        return {"dataset_size": n, "sample_rate": expected / n, "expected_batch_size": expected,
+                "steps_per_epoch": math.ceil(n / expected) if self.poisson_sampling else len(loader)}
+
+    def _privatize(self, loader: Any, trainer: Trainer) -> DataLoader:
+        world = trainer.world_size
+        self._data = self._data_facts(loader, world)
+        q = self._data["sample_rate"]
         if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)) and self.poisson_sampling:
             rank_zero_warn(f"DPSGD replaces the training DataLoader's {type(loader.sampler).__name__} by Poisson "
                            "sampling (every example enters every batch with probability q); its own sampling is "
                            "not used.")
-        self._data = {"dataset_size": n, "sample_rate": q, "expected_batch_size": expected,
-                      "steps_per_epoch": math.ceil(n / expected) if self.poisson_sampling else len(loader)}
         if not self.poisson_sampling:
             return loader
         return poisson_dataloader(loader, sample_rate=q, seed=self._seed, rank=trainer.global_rank, world_size=world,
@@ -277,24 +290,87 @@ class DPSGD(Callback):
     def _event(self) -> tuple[float, float]:
         """(noise multiplier, sampling rate) of one accounted event."""
         assert self._sigma is not None
-        if self.poisson_sampling:
-            return self._sigma, self._data["sample_rate"]
-        return self._sigma / 2, 1.0
+        q, scale = self._event_shape(self._data)
+        return self._sigma * scale, q
 
-    def _planned_events(self, trainer: Trainer) -> int | None:
-        per_epoch = self._data["steps_per_epoch"] if self.poisson_sampling else 1
+    def _event_shape(self, data: dict[str, Any]) -> tuple[float, float]:
+        """(sampling rate, multiplier scale) of one accounted event: the event is Gaussian(scale * sigma) at rate q.
+
+        Poisson sampling: one subsampled Gaussian per step. Shuffled batches: one Gaussian per
+        epoch at half the multiplier (replacement adjacency moves a clipped sum by 2C).
+        """
+        return (data["sample_rate"], 1.0) if self.poisson_sampling else (1.0, 0.5)
+
+    def _planned_events(self, trainer: Trainer, data: dict[str, Any] | None = None) -> int | None:
+        """Events of the planned run: this callback's ``max_steps``/``epochs``, else the Trainer's limits."""
+        data = self._data if data is None else data
+        own = self._own_planned_events(data)
+        return own if own is not None else self._trainer_events(trainer, data)
+
+    def _own_planned_events(self, data: dict[str, Any]) -> int | None:
+        per_epoch = data["steps_per_epoch"] if self.poisson_sampling else 1
         if self.max_steps is not None:
-            return self.max_steps if self.poisson_sampling else math.ceil(self.max_steps / self._data["steps_per_epoch"])
+            return self.max_steps if self.poisson_sampling else math.ceil(self.max_steps / data["steps_per_epoch"])
         if self.epochs is not None:
             return self.epochs * per_epoch
-        if trainer.max_steps is not None and trainer.max_steps > 0:
-            steps = trainer.max_steps
-            if trainer.max_epochs is not None and trainer.max_epochs > 0:
-                steps = min(steps, trainer.max_epochs * self._data["steps_per_epoch"])
-            return steps if self.poisson_sampling else math.ceil(steps / self._data["steps_per_epoch"])
-        if trainer.max_epochs is not None and trainer.max_epochs > 0:
-            return trainer.max_epochs * per_epoch
         return None
+
+    @staticmethod
+    def _trainer_steps(trainer: Trainer, data: dict[str, Any]) -> int | None:
+        """The most optimizer steps the Trainer's limits allow (None: unlimited)."""
+        limits = []
+        if trainer.max_steps is not None and trainer.max_steps > 0:
+            limits.append(trainer.max_steps)
+        if trainer.max_epochs is not None and trainer.max_epochs > 0:
+            limits.append(trainer.max_epochs * data["steps_per_epoch"])
+        return min(limits) if limits else None
+
+    def _trainer_events(self, trainer: Trainer, data: dict[str, Any]) -> int | None:
+        steps = self._trainer_steps(trainer, data)
+        if steps is None or self.poisson_sampling:
+            return steps
+        return math.ceil(steps / data["steps_per_epoch"])
+
+    def plan(self, trainer: Trainer, train_dataloader: Any) -> PlannedMechanism:
+        """What a fit of ``trainer`` on ``train_dataloader`` would be accounted as, before it runs.
+
+        The budgeted grid search composes the plans of all its runs to choose one noise
+        multiplier (:func:`lightning_dp.privacy.calibration.calibrate_composed_noise_multiplier`).
+
+        Raises:
+            MisconfigurationException: If the loader cannot be privatized, or the run has no
+                planned length (no ``epochs``/``max_steps`` here nor ``max_epochs``/``max_steps``
+                in the Trainer).
+        """
+        data = self._data_facts(train_dataloader, trainer.world_size)
+        # the run stops at the Trainer's limits, or at this plan (the grid caps each run's budget to it)
+        bounds = [e for e in (self._own_planned_events(data), self._trainer_events(trainer, data)) if e is not None]
+        events = min(bounds) if bounds else None
+        if events is None:
+            raise MisconfigurationException(
+                "DPSGD cannot plan a run without a length: pass epochs=... or max_steps=... to DPSGD, or "
+                "max_epochs/max_steps to the Trainer.")
+        q, scale = self._event_shape(data)
+        return PlannedMechanism(sample_rate=q, events=events, multiplier_scale=scale, dataset_size=data["dataset_size"])
+
+    def fix_noise_multiplier(self, noise_multiplier: float, *, target_epsilon: float | None = None,
+                             target_delta: float | None = None) -> None:
+        """Replace the configured noise and budget before ``fit`` (the budgeted grid search does this).
+
+        Args:
+            noise_multiplier: the sigma of every step from now on (no calibration).
+            target_epsilon: the new budget of this callback (None: no budget of its own).
+            target_delta: the new delta (None: unchanged).
+        """
+        self._requested_sigma = check_noise_multiplier(noise_multiplier)
+        self._restored_sigma = None
+        if target_epsilon is not None and not (float(target_epsilon) > 0 and math.isfinite(float(target_epsilon))):
+            raise ValueError(f"target_epsilon={target_epsilon!r} is not allowed: pass a finite number > 0, or None")
+        self.target_epsilon = None if target_epsilon is None else float(target_epsilon)
+        if target_delta is not None:
+            if not 0 < float(target_delta) < 1:
+                raise ValueError(f"target_delta={target_delta!r} is not allowed: delta must be in (0, 1)")
+            self.target_delta = float(target_delta)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self._data:

@@ -149,3 +149,63 @@ def test_steps_for_epochs(epochs, sample_rate, expected):
 def test_steps_for_epochs_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
         steps_for_epochs(**{"epochs": 1, "sample_rate": 0.01, **kwargs})
+
+
+# ------------------------------------------------------------------ grid budgets (composition of K runs)
+
+
+def _composed_spend(runs, sigma, accountant="pld", delta=1e-5):
+    """Reference: dp-accounting's PLD accountant composing every run's events directly."""
+    import dp_accounting as dpa
+
+    if accountant == "pld":
+        acc = dpa.pld.PLDAccountant(value_discretization_interval=1e-4)
+    else:
+        acc = dpa.rdp.RdpAccountant()
+    for q, steps, *scale in runs:
+        s = sigma * (scale[0] if scale else 1.0)
+        acc.compose(dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(s)), steps))
+    return acc.get_epsilon(delta)
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+def test_grid_of_identical_runs_composes_to_the_budget_and_not_wastefully_below(accountant):
+    from lightning_dp.privacy.calibration import calibrate_composed_noise_multiplier
+
+    runs = [(0.02, 150)] * 6
+    sigma = calibrate_composed_noise_multiplier(target_epsilon=2.0, target_delta=1e-5, runs=runs,
+                                                accountant=accountant)
+    assert _composed_spend(runs, sigma, accountant) <= 2.0 * (1 + 1e-3)  # independent reference, its own grid
+    assert get_accountant(accountant).epsilon_after(1e-5, noise_multiplier=sigma, sample_rate=0.02,
+                                                    num_steps=900) <= 2.0
+    assert get_accountant(accountant).epsilon_after(1e-5, noise_multiplier=sigma / 1.01, sample_rate=0.02,
+                                                    num_steps=900) > 2.0  # not wastefully below
+    one_run = calibrate_noise_multiplier(target_epsilon=2.0, target_delta=1e-5, sample_rate=0.02, steps=900,
+                                         accountant=accountant)
+    assert sigma == pytest.approx(one_run, rel=0.011)
+    # dividing the budget (basic composition) would need much more noise for the same guarantee
+    divided = calibrate_noise_multiplier(target_epsilon=2.0 / 6, target_delta=1e-5 / 6, sample_rate=0.02, steps=150,
+                                         accountant=accountant)
+    assert divided > 1.3 * sigma
+
+
+def test_grid_of_different_runs_composes_every_event():
+    from lightning_dp.privacy.calibration import calibrate_composed_noise_multiplier
+
+    runs = [(0.01, 300), (0.05, 40), (1.0, 3, 0.5)]  # the last: 3 shuffled epochs, replacement adjacency
+    sigma = calibrate_composed_noise_multiplier(target_epsilon=4.0, target_delta=1e-5, runs=runs, accountant="rdp")
+    assert _composed_spend(runs, sigma, "rdp") <= 4.0 < _composed_spend(runs, sigma / 1.01, "rdp")
+
+
+@pytest.mark.parametrize("runs, match", [
+    ([], "one \\(sample_rate, steps"),
+    ([(0.1,)], "is not a \\(sample_rate"),
+    ([(0.1, 10, 2.0)], "multiplier_scale=2.0"),
+    ([(1.5, 10)], "sample_rate"),
+    ([(0.1, 0)], "steps"),
+])
+def test_grid_calibration_errors(runs, match):
+    from lightning_dp.privacy.calibration import calibrate_composed_noise_multiplier
+
+    with pytest.raises(ValueError, match=match):
+        calibrate_composed_noise_multiplier(target_epsilon=1.0, target_delta=1e-5, runs=runs)
