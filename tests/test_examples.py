@@ -26,3 +26,27 @@ def test_example_instantiates(config, tmp_path, monkeypatch):
 def test_there_are_examples():
     names = {p.name for p in EXAMPLES}
     assert {"dpsgd_digits.yaml", "fl_synthetic.yaml", "fl_hospital.yaml", "fl_femnist.yaml"} <= names
+
+
+OSO = Path(__file__).resolve().parents[1] / "examples" / "oso"
+OSO_DATA = ["mnist_t10k.yaml", "mnist.yaml", "fashion_mnist.yaml", "../oso_agnews.yaml", "../oso_mnist_autoencoder.yaml"]
+OSO_STRATEGIES = {"online.yaml": "OnlineSensitivity", "fixed_threshold.yaml": "DPSGD",
+                  "fixed_quantile.yaml": "QuantileClipping", "adamwosm.yaml": "DPSGD"}
+
+
+@pytest.mark.parametrize("strategy", sorted(OSO_STRATEGIES))
+@pytest.mark.parametrize("data", OSO_DATA)
+def test_thesis_strategy_configs_compose_with_every_dataset(data, strategy, tmp_path, monkeypatch):
+    """examples/oso: a dataset config + one strategy config = one of the thesis' runs; the strategy's
+    callback replaces the dataset config's (exactly one DP callback), AdamWOSM sets the optimizer."""
+    from lightning_dp.callbacks import DPSGD
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-dp"])
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    cli = LightningDPCLI(run=False, args=["--config", str(OSO / data), "--config", str(OSO / strategy),
+                                          "--trainer.logger=false"])
+    dp = [cb for cb in cli.trainer.callbacks if isinstance(cb, DPSGD)]
+    assert [type(cb).__name__ for cb in dp] == [OSO_STRATEGIES[strategy]]
+    assert cli.model.hparams.optimizer == ("adamwosm" if strategy == "adamwosm.yaml" else "sgd")
+    assert cli.model.configure_optimizers() is not None

@@ -5,6 +5,8 @@ Public API:
 - :class:`DigitsDataModule`: scikit-learn's bundled 8x8 digits, offline, the embedded default.
 - :class:`MNISTDataModule`, :class:`FashionMNISTDataModule` (base :class:`MNISTFamilyDataModule`):
   official IDX files (optionally downloaded, md5-verified) or Hugging Face datasets.
+- :class:`AGNewsDataModule`: AG News topics as mean GloVe vectors of the first 25 tokens
+  (official CSVs or Hugging Face ``fancyzhx/ag_news``, plus ``glove.6B.50d.txt``).
 - :func:`read_idx`, :func:`write_idx`, :class:`IDXFormatError`: the IDX file format.
 - :func:`stratified_split`: seeded, stratified split with exact sizes.
 - Federated (per-client data, :class:`FederatedDataModule`, :class:`ClientDataset`):
@@ -12,6 +14,7 @@ Public API:
   :class:`FEMNIST` (LEAF JSON or Hugging Face ``flwrlabs/femnist``).
 """
 
+from lightning_dp.datamodules.agnews import AGNewsDataModule
 from lightning_dp.datamodules.base import SplitDataModule, stratified_split
 from lightning_dp.datamodules.digits import DigitsDataModule
 from lightning_dp.datamodules.federated import ClientDataset, FederatedDataModule, padded, split_clients
@@ -22,6 +25,7 @@ from lightning_dp.datamodules.mnist import FashionMNISTDataModule, MNISTDataModu
 from lightning_dp.datamodules.synthetic import SyntheticLinearMixture
 
 __all__ = [
+    "AGNewsDataModule",
     "ClientDataset",
     "DigitsDataModule",
     "FEMNIST",

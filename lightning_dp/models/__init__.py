@@ -1,16 +1,20 @@
-"""The reference networks of the papers and a LightningModule to train them.
+"""The reference networks of the papers and the LightningModules that train them.
 
 Public API:
     MNISTConvNet: the standard DP-SGD CNN for 1x28x28 images (tanh or ReLU).
     DigitsConvNet: a small CNN for scikit-learn's 1x8x8 digits.
     MLP: a fully connected network on flattened inputs.
-    ImageClassifier: cross-entropy LightningModule around any of them.
+    BagOfWordsMLP: the MLP over averaged GloVe vectors of AG News (thesis ch. 3).
+    ConvAutoencoder: a convolutional autoencoder for 1x28x28 images (thesis ch. 3).
+    ImageClassifier: cross-entropy LightningModule around any classification network.
+    Autoencoder: mean-squared-error LightningModule around any reconstruction network.
     LinearRegression, HospitalMLP, FEMNISTConvNet: the federated models of the seed.
 """
 
+from lightning_dp.models.autoencoder import Autoencoder
 from lightning_dp.models.classifier import ImageClassifier
 from lightning_dp.models.federated import FEMNISTConvNet, HospitalMLP, LinearRegression
-from lightning_dp.models.networks import MLP, DigitsConvNet, MNISTConvNet
+from lightning_dp.models.networks import MLP, BagOfWordsMLP, ConvAutoencoder, DigitsConvNet, MNISTConvNet
 
-__all__ = ["MLP", "DigitsConvNet", "FEMNISTConvNet", "HospitalMLP", "ImageClassifier", "LinearRegression",
-           "MNISTConvNet"]
+__all__ = ["MLP", "Autoencoder", "BagOfWordsMLP", "ConvAutoencoder", "DigitsConvNet", "FEMNISTConvNet", "HospitalMLP",
+           "ImageClassifier", "LinearRegression", "MNISTConvNet"]

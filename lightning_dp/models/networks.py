@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-__all__ = ["DigitsConvNet", "MLP", "MNISTConvNet"]
+__all__ = ["BagOfWordsMLP", "ConvAutoencoder", "DigitsConvNet", "MLP", "MNISTConvNet"]
 
 _ACTIVATIONS: dict[str, type[nn.Module]] = {"tanh": nn.Tanh, "relu": nn.ReLU}
 
@@ -181,3 +181,117 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return logits of shape ``(batch, num_classes)``; ``x`` is flattened from dimension 1 on."""
         return self.net(x)
+
+
+class BagOfWordsMLP(nn.Module):
+    """A one-hidden-layer MLP over averaged word vectors (AG News, thesis Table 3.7).
+
+    The text classifier of thesis chapter 3 (Galli et al., "Online sensitivity
+    optimization in differentially private learning", AAAI 2024): the input is the
+    bag-of-words feature of :class:`~lightning_dp.datamodules.AGNewsDataModule`, the mean
+    of the 50-dimensional GloVe vectors of a text's first 25 tokens. Shapes::
+
+        Linear(in_features, hidden) -> act -> Linear(hidden, num_classes)
+
+    1,764 parameters with the defaults (50 -> 32 -> 4). The exact widths of the
+    thesis' Table 3.7 could not be checked here; 32 tanh units is a documented,
+    reasonable choice (the width of the hidden layer of :class:`MNISTConvNet`, and
+    tanh after Papernot et al. 2021), and both are constructor arguments.
+
+    Args:
+        in_features: Dimension of the input features (the GloVe dimension, 50).
+        hidden: Width of the hidden layer.
+        num_classes: Number of output logits (4 AG News topics).
+        activation: ``"tanh"`` or ``"relu"``.
+
+    Raises:
+        ValueError: If a width is not a positive integer or ``activation`` is unknown.
+
+    Example:
+        >>> import torch
+        >>> BagOfWordsMLP()(torch.zeros(3, 50)).shape
+        torch.Size([3, 4])
+    """
+
+    def __init__(self, in_features: int = 50, hidden: int = 32, num_classes: int = 4,
+                 activation: str = "tanh") -> None:
+        super().__init__()
+        self.in_features = _check_positive_int("in_features", in_features)
+        self.hidden = _check_positive_int("hidden", hidden)
+        self.num_classes = _check_positive_int("num_classes", num_classes)
+        self.activation = activation
+        self.net = nn.Sequential(
+            nn.Linear(in_features, hidden),
+            _activation(activation),
+            nn.Linear(hidden, num_classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return logits of shape ``(batch, num_classes)`` for features of shape ``(batch, in_features)``."""
+        return self.net(x)
+
+
+_OUTPUTS: dict[str, type[nn.Module]] = {"identity": nn.Identity, "sigmoid": nn.Sigmoid}
+
+
+class ConvAutoencoder(nn.Module):
+    """A convolutional autoencoder for 1x28x28 images (MNIST, Fashion-MNIST; thesis Table 3.6).
+
+    The reconstruction model of thesis chapter 3 (Galli et al., "Online sensitivity
+    optimization in differentially private learning", AAAI 2024), trained with the
+    mean squared error by :class:`~lightning_dp.models.Autoencoder`. The exact layers of
+    the thesis' Table 3.6 could not be checked here; this is a documented, reasonable
+    choice: two strided convolutions down to a 32x7x7 code and two transposed
+    convolutions back. Shapes for a 28x28 input::
+
+        Conv2d(1, 16, 3, stride=2, padding=1)                             -> 16x14x14 -> act
+        Conv2d(16, 32, 3, stride=2, padding=1)                            -> 32x7x7   -> act
+        ConvTranspose2d(32, 16, 3, stride=2, padding=1, output_padding=1) -> 16x14x14 -> act
+        ConvTranspose2d(16, 1, 3, stride=2, padding=1, output_padding=1)  -> 1x28x28  -> output
+
+    9,569 parameters. No layer mixes examples, so DP-SGD's per-sample clipping applies;
+    the per-sample gradient engine (:mod:`lightning_dp.privacy.grad_sample`) handles the
+    convolutions with its fast rule and the transposed convolutions with its exact
+    ``torch.func`` fallback.
+
+    Args:
+        activation: Hidden activation, ``"tanh"`` (default, Papernot et al. 2021) or ``"relu"``.
+        output: ``"identity"`` (default) for standardized inputs, such as those of
+            :class:`~lightning_dp.datamodules.MNISTDataModule` with ``normalize=True``
+            (pixels roughly in [-0.4, 2.8], outside a sigmoid's range); ``"sigmoid"``
+            for pixels in [0, 1] (``normalize=False``).
+
+    Raises:
+        ValueError: If ``activation`` or ``output`` is not one of the choices.
+
+    Example:
+        >>> import torch
+        >>> ConvAutoencoder()(torch.zeros(2, 1, 28, 28)).shape
+        torch.Size([2, 1, 28, 28])
+    """
+
+    def __init__(self, activation: str = "tanh", output: str = "identity") -> None:
+        super().__init__()
+        if output not in _OUTPUTS:
+            raise ValueError(
+                f"output={output!r} is not supported; choose one of {sorted(_OUTPUTS)} ('identity' for "
+                "standardized pixels, 'sigmoid' for pixels in [0, 1])."
+            )
+        self.activation = activation
+        self.output = output
+        self.encoder = nn.Sequential(
+            nn.Conv2d(1, 16, kernel_size=3, stride=2, padding=1),
+            _activation(activation),
+            nn.Conv2d(16, 32, kernel_size=3, stride=2, padding=1),
+            _activation(activation),
+        )
+        self.decoder = nn.Sequential(
+            nn.ConvTranspose2d(32, 16, kernel_size=3, stride=2, padding=1, output_padding=1),
+            _activation(activation),
+            nn.ConvTranspose2d(16, 1, kernel_size=3, stride=2, padding=1, output_padding=1),
+            _OUTPUTS[output](),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return the reconstruction of ``x`` (shape ``(batch, 1, 28, 28)``), of the same shape."""
+        return self.decoder(self.encoder(x))

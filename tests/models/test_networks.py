@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from lightning_dp.models import MLP, DigitsConvNet, MNISTConvNet
+from lightning_dp.models import MLP, BagOfWordsMLP, ConvAutoencoder, DigitsConvNet, MNISTConvNet
+from lightning_dp.privacy.clipping import clip_factors
+from lightning_dp.privacy.grad_sample import GradSampleEngine
 
 _NORMS_MIXING_EXAMPLES = (nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm)
 
@@ -60,8 +63,80 @@ def test_digits_convnet_and_mlp_shapes() -> None:
         (lambda: DigitsConvNet(num_classes=2.5), r"num_classes=2.5"),
         (lambda: MLP(0), r"in_features=0"),
         (lambda: MLP(4, hidden=(8, -1)), r"hidden\[1\]=-1"),
+        (lambda: BagOfWordsMLP(hidden=0), r"hidden=0"),
+        (lambda: BagOfWordsMLP(in_features=50.0), r"in_features=50.0"),
+        (lambda: BagOfWordsMLP(activation="sigmoid"), r"activation='sigmoid'"),
+        (lambda: ConvAutoencoder(activation="gelu"), r"activation='gelu'"),
+        (lambda: ConvAutoencoder(output="softmax"), r"output='softmax'.*\['identity', 'sigmoid'\]"),
     ],
 )
 def test_invalid_arguments_are_named(build, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         build()
+
+
+def test_bag_of_words_mlp_architecture() -> None:
+    net = BagOfWordsMLP()
+    assert net.num_classes == 4 and net.in_features == 50 and net.hidden == 32
+    assert net(torch.randn(6, 50)).shape == (6, 4)
+    assert net(torch.randn(0, 50)).shape == (0, 4)
+    linear_sizes = [(m.in_features, m.out_features) for m in net.modules() if isinstance(m, nn.Linear)]
+    assert linear_sizes == [(50, 32), (32, 4)]
+    assert sum(p.numel() for p in net.parameters()) == 50 * 32 + 32 + 32 * 4 + 4 == 1764
+    assert sum(isinstance(m, nn.Tanh) for m in net.modules()) == 1
+    wide = BagOfWordsMLP(in_features=100, hidden=8, num_classes=3, activation="relu")
+    assert wide(torch.randn(2, 100)).shape == (2, 3) and any(isinstance(m, nn.ReLU) for m in wide.modules())
+    _assert_no_batch_mixing(net)
+
+
+def test_conv_autoencoder_architecture() -> None:
+    net = ConvAutoencoder()
+    assert net(torch.randn(3, 1, 28, 28)).shape == (3, 1, 28, 28)
+    assert net(torch.randn(0, 1, 28, 28)).shape == (0, 1, 28, 28)
+    assert net.encoder(torch.zeros(1, 1, 28, 28)).shape == (1, 32, 7, 7)
+    # conv 16*9+16, conv 32*16*9+32, transposed 32*16*9+16, transposed 16*9+1
+    assert sum(p.numel() for p in net.parameters()) == 160 + 4640 + 4624 + 145 == 9569
+    assert isinstance(net.decoder[-1], nn.Identity)
+    with torch.no_grad():
+        squashed = ConvAutoencoder(output="sigmoid")(torch.randn(2, 1, 28, 28) * 10)
+    assert float(squashed.min()) >= 0.0 and float(squashed.max()) <= 1.0
+    _assert_no_batch_mixing(net)
+
+
+def _naive_per_sample(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """One backward per example: flat per-sample gradients of shape (B, P)."""
+    params = list(model.parameters())
+    rows = []
+    for i in range(x.shape[0]):
+        grads = torch.autograd.grad(loss_fn(model(x[i : i + 1]), y[i : i + 1]), params)
+        rows.append(torch.cat([g.reshape(-1) for g in grads]))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("case", ["bag_of_words_mlp", "conv_autoencoder", "conv_autoencoder_sigmoid_relu"])
+def test_per_sample_gradients_match_naive_loop(case: str) -> None:
+    """DP-SGD compatibility: the engine's per-sample norms and clipped sum equal a per-example loop (float32)."""
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    if case == "bag_of_words_mlp":
+        model, loss_fn = BagOfWordsMLP(), F.cross_entropy
+        x, y = torch.randn(9, 50, generator=g), torch.randint(0, 4, (9,), generator=g)
+    else:
+        kwargs = {"output": "sigmoid", "activation": "relu"} if case.endswith("sigmoid_relu") else {}
+        model, loss_fn = ConvAutoencoder(**kwargs), F.mse_loss
+        x = torch.randn(5, 1, 28, 28, generator=g)
+        y = x  # reconstruction target: the input itself
+    reference = _naive_per_sample(model, loss_fn, x, y)
+    model.zero_grad(set_to_none=True)
+    engine = GradSampleEngine(model)
+    with engine.record():
+        loss_fn(model(x), y).backward()
+    engine.check_parameter_gradients()
+    norms = engine.per_sample_norms()
+    factors = clip_factors(norms, 0.5 * float(norms.median()))
+    summed = engine.clipped_sum(factors)
+    engine.remove()
+    torch.testing.assert_close(norms, reference.norm(dim=1), rtol=1e-5, atol=0)
+    order = {id(p): i for i, p in enumerate(engine.parameters)}
+    flat = torch.cat([summed[order[id(p)]].reshape(-1) for p in model.parameters()])
+    torch.testing.assert_close(flat, (factors[:, None] * reference).sum(0), rtol=1e-4, atol=1e-6)
