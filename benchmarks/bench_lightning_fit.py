@@ -1,13 +1,16 @@
-"""Times whole Lightning epochs with and without the DPSGD callback, in one process.
+"""Times whole Lightning epochs without privacy and with each DP callback, in one process.
 
 Where ``bench_dp_step.py`` times the step alone, this includes everything a user pays for:
 the Poisson DataLoader, the hooks, the all-reduce-free single-process path, epsilon
 computed by the PLD accountant whenever Lightning writes logs, and the logging itself.
-Runs alternate (plain, DP, plain, DP, ...) and the median epoch time is reported.
+Runs alternate (plain, DPSGD, OnlineSensitivity, QuantileClipping, plain, ...) and the median
+epoch time per step is reported with its ratio to the plain run. OnlineSensitivity computes
+a second weighted sum of the per-sample gradients (the q sum) and two dot products per step;
+QuantileClipping only a count.
 
 Usage:
     python benchmarks/bench_lightning_fit.py                   # MNIST CNN, 12,800 random images, batch 256
-    python benchmarks/bench_lightning_fit.py --repeats 5 --log-every 10
+    python benchmarks/bench_lightning_fit.py --repeats 5 --log-every 10 --runs plain,DPSGD
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_dp.callbacks import DPSGD  # noqa: E402
+from lightning_dp.callbacks import DPSGD, OnlineSensitivity, QuantileClipping  # noqa: E402
 from lightning_dp.models import ImageClassifier, MNISTConvNet  # noqa: E402
 
 
@@ -40,10 +43,18 @@ class RandomImages(L.LightningDataModule):
         return DataLoader(self.data, batch_size=self.batch_size, shuffle=True)
 
 
-def one_fit(private: bool, args: argparse.Namespace) -> tuple[float, int]:
+RUNS = {
+    "plain": lambda: [],
+    "DPSGD": lambda: [DPSGD(noise_multiplier=1.0, max_grad_norm=1.0, seed=0)],
+    "OnlineSensitivity": lambda: [OnlineSensitivity(noise_multiplier=1.0, seed=0)],
+    "QuantileClipping": lambda: [QuantileClipping(noise_multiplier=1.0, seed=0)],
+}
+
+
+def one_fit(run: str, args: argparse.Namespace) -> tuple[float, int]:
     torch.manual_seed(0)
     model = ImageClassifier(MNISTConvNet(), lr=1.0)
-    callbacks = [DPSGD(noise_multiplier=1.0, max_grad_norm=1.0, seed=0)] if private else []
+    callbacks = RUNS[run]()
     trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=L.pytorch.loggers.CSVLogger("/tmp/bench"),
                         log_every_n_steps=args.log_every, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=callbacks)
@@ -58,24 +69,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--log-every", type=int, default=50, help="Trainer(log_every_n_steps=...)")
+    parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, from {list(RUNS)}")
     args = parser.parse_args(argv)
+    runs = args.runs.split(",")
+    if "plain" not in runs or any(r not in RUNS for r in runs):
+        parser.error(f"--runs {args.runs}: pick from {list(RUNS)}, including plain (the baseline)")
     warnings.filterwarnings("ignore")
-    one_fit(False, args)  # warm-up
-    one_fit(True, args)
-    times: dict[bool, list[float]] = {False: [], True: []}
+    for run in runs:  # warm-up
+        one_fit(run, args)
+    times: dict[str, list[float]] = {run: [] for run in runs}
     steps = {}
     for _ in range(args.repeats):
-        for private in (False, True):
-            t, s = one_fit(private, args)
-            times[private].append(t)
-            steps[private] = s
-    plain, dp = statistics.median(times[False]), statistics.median(times[True])
+        for run in runs:
+            t, s = one_fit(run, args)
+            times[run].append(t / s)
+            steps[run] = s
     print(f"Lightning fit, 1 epoch, N={args.n}, batch {args.batch_size}, MNIST CNN, log_every_n_steps={args.log_every}, "
           f"{args.repeats} alternating repeats, torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"{'run':<12} {'steps':>6} {'s/epoch':>9} {'ms/step':>9} {'ratio':>7}")
-    print(f"{'plain':<12} {steps[False]:>6} {plain:9.2f} {plain / steps[False] * 1e3:9.2f} {1.0:7.2f}")
-    print(f"{'DPSGD':<12} {steps[True]:>6} {dp:9.2f} {dp / steps[True] * 1e3:9.2f} "
-          f"{(dp / steps[True]) / (plain / steps[False]):7.2f}")
+    print(f"{'run':<18} {'steps':>6} {'ms/step':>9} {'ratio':>7}")
+    plain = statistics.median(times["plain"])
+    for run in runs:
+        per_step = statistics.median(times[run])
+        print(f"{run:<18} {steps[run]:>6} {per_step * 1e3:9.2f} {per_step / plain:7.2f}")
 
 
 if __name__ == "__main__":

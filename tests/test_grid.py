@@ -22,7 +22,12 @@ def _seed(template: Path, workdir: Path) -> str:
 def test_parse_set():
     assert grid.parse_set("model.init_args.lr=0.1, 0.2") == ("model.init_args.lr", [0.1, 0.2])
     assert grid.parse_set("--a.b=true,none_of_these,3") == ("a.b", [True, "none_of_these", 3])
-    for bad in ("model.lr", "=1,2", "a=", "a=1,,2"):
+    assert grid.parse_set("lr=logspace:-2.5:1.5:5") == ("lr", [0.00316228, 0.0316228, 0.316228, 3.16228, 31.6228])
+    assert grid.parse_set("c=logspace:-2:2:9")[1] == [0.01, 0.0316228, 0.1, 0.316228, 1.0, 3.16228, 10.0, 31.6228,
+                                                     100.0]
+    assert grid.parse_set("g=linspace:0.1:0.9:5") == ("g", [0.1, 0.3, 0.5, 0.7, 0.9])
+    for bad in ("model.lr", "=1,2", "a=", "a=1,,2", "a=logspace:1:2", "a=logspace(1,2,3)", "a=linspace:x:1:2",
+                "a=logspace:1:2:0"):
         with pytest.raises(ValueError, match="--set"):
             grid.parse_set(bad)
 
