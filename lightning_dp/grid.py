@@ -457,10 +457,11 @@ def run_grid(config: Sequence[str], sets: Sequence[tuple[str, list[Any]]], *, te
             cli = _BudgetedCLI(args=["fit"] + _args(config, values, extra))
         else:
             cli = LightningDPCLI(args=["fit"] + _args(config, values, extra))
+        metrics = _final_metrics(cli.trainer, cli.model)  # before test, which resets the val/* metrics
         if test:
             cli.trainer.test(cli.model, datamodule=cli.datamodule, verbose=False)
-        point = GridPoint(values, metrics=_final_metrics(cli.trainer, cli.model),
-                          privacy=_privacy_of(cli.trainer, cli.model))
+            metrics.update(_final_metrics(cli.trainer, cli.model))
+        point = GridPoint(values, metrics=metrics, privacy=_privacy_of(cli.trainer, cli.model))
         if i in run_budget:
             _check_against_plan(point, *run_budget[i])
         for logger in tracking.mlflow_loggers(cli.trainer):

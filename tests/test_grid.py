@@ -115,7 +115,7 @@ def test_budgeted_grid_spends_the_budget_over_all_runs(workdir, store_template, 
     uri = _seed(store_template, workdir)
     code = cli.main(["grid", "--config", str(REPO_ROOT / "examples" / "dpsgd_digits.yaml"),
                      "--set", "model.init_args.lr=0.1,0.3", "--set", "data.init_args.seed=0,1",
-                     "--budget", "3", "--select", "val/acc", "--mean-over", "data.init_args.seed",
+                     "--budget", "3", "--select", "val/acc", "--mean-over", "data.init_args.seed", "--test",
                      "--summary", "grid.md", "--", "--trainer.max_epochs=2", "--trainer.enable_progress_bar=false"])
     assert code == 0
     client = mlflow.MlflowClient(uri)
@@ -148,7 +148,7 @@ def test_budgeted_grid_spends_the_budget_over_all_runs(workdir, store_template, 
         assert chosen[0].data.metrics["val/acc"] == max(r.data.metrics["val/acc"] for r in same_seed)
     text = (workdir / "grid.md").read_text()
     assert "Budget of each grid: epsilon = 3" in text and "Best run by val/acc (max)" in text
-    assert "Chosen runs over 2 repetitions" in text
+    assert "Chosen runs over 2 repetitions" in text and "test/acc = " in text  # val/* kept through --test
 
 
 def test_budgeted_grid_needs_a_dp_callback_in_every_run(workdir, store_template):
