@@ -77,7 +77,7 @@ class Autoencoder(LightningModule):
         lr: Learning rate (> 0).
         optimizer: ``"sgd"``, ``"adam"`` or ``"adamwosm"`` (:class:`~lightning_dp.optim.AdamWOSM`,
             whose noise std the DPSGD callbacks set).
-        momentum: SGD momentum in ``[0, 1)``; must be 0 with ``"adam"``.
+        momentum: SGD momentum in ``[0, 1)``; must be 0 with ``"adam"`` and ``"adamwosm"``.
 
     Raises:
         TypeError: If ``network`` is not a ``torch.nn.Module``.
