@@ -61,6 +61,7 @@ def library_epsilon(sigma, q, steps, delta=1e-5):
 def test_oso_steps_equal_algorithm_3_replayed_by_hand():
     """Every released gradient, learning rate and threshold of 8 steps equals a naive replay of Algorithm 3."""
     nu, c0, rho_c, rho_r, lr0, seed, batch = 1.0, 0.05, 0.3, 0.2, 0.5, 4, 10
+    torch.manual_seed(0)
     model = Classifier(lr=lr0)
     init = copy.deepcopy(model)
     oso = OnlineSensitivity(noise_multiplier=nu, initial_clip=c0, clip_lr=rho_c, lr_lr=rho_r, seed=seed)
@@ -92,7 +93,7 @@ def test_oso_steps_equal_algorithm_3_replayed_by_hand():
     assert len(clips_used) == 8
     assert [c for _, c, _ in oso._trace] == pytest.approx(clips_used, rel=1e-12)
     assert oso.max_grad_norm == pytest.approx(clip, rel=1e-12) and oso.lr_scale == pytest.approx(scale, rel=1e-12)
-    assert len(set(clips_used)) > 2  # the threshold moved: the test exercised the update
+    assert len(set(clips_used)) >= 2 and scale != 1.0  # C and the lr moved: the test exercised both updates
     # the parameters follow SGD with the adapted learning rate
     for t in range(7):
         for before, after, g in zip(probe.params[t], probe.params[t + 1],
@@ -197,6 +198,7 @@ def test_oso_refuses_a_learning_rate_scheduler_unless_lr_lr_is_zero():
 
 def test_quantile_steps_equal_andrew_et_al_replayed_by_hand():
     z, c0, gamma, eta, sigma_b, seed, batch = 1.0, 0.05, 0.3, 0.2, 2.0, 9, 10
+    torch.manual_seed(0)
     model = Classifier(lr=0.5)
     init = copy.deepcopy(model)
     qc = QuantileClipping(noise_multiplier=z, initial_clip=c0, target_quantile=gamma, clip_lr=eta,
@@ -236,6 +238,7 @@ def test_quantile_threshold_converges_to_the_target_quantile_of_the_norms():
     """With little count noise, C settles where about gamma of the examples are unclipped."""
     qc = QuantileClipping(noise_multiplier=0.5, initial_clip=0.1, target_quantile=0.5, count_noise_std=0.5,
                           seed=2)
+    torch.manual_seed(0)
     model = Classifier(lr=1e-4)  # nearly frozen model: a stationary norm distribution
     init = copy.deepcopy(model)
     trainer(max_epochs=20, callbacks=[qc]).fit(model, BlobsData(n=200, batch_size=40))
