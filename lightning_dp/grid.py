@@ -129,7 +129,7 @@ def _privacy_of(trainer: Any, module: Any) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for cb in trainer.callbacks:
-        if isinstance(cb, DPSGD) and len(cb.accountant):
+        if isinstance(cb, DPSGD):  # a run that took no step is private too (epsilon 0), not unprotected
             out["accountant"] = copy.deepcopy(cb.accountant)
             out["delta"] = cb.target_delta
             out["epsilon"] = cb.epsilon

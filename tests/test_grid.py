@@ -166,3 +166,12 @@ def test_select_best_and_modes():
     assert grid.default_mode("val/loss") == "min" and grid.default_mode("val/acc") == "max"
     with pytest.raises(ValueError, match="available"):
         grid.select_best(pts, "test/acc", "max")
+
+
+def test_a_dpsgd_run_without_steps_counts_as_private():
+    """A run whose DP callback released nothing spent epsilon 0; it must not make the grid's cost infinite."""
+    acc = get_accountant("rdp")
+    acc.step(noise_multiplier=1.0, sample_rate=0.01, num_steps=10)
+    ran = grid.GridPoint({}, privacy={"accountant": acc, "delta": 1e-5, "epsilon": acc.get_epsilon(1e-5)})
+    idle = grid.GridPoint({}, privacy={"accountant": get_accountant("rdp"), "delta": 1e-5, "epsilon": 0.0})
+    assert grid.grid_privacy([ran, idle])["grid/epsilon"] == pytest.approx(ran.privacy["epsilon"])
