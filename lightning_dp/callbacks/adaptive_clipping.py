@@ -232,8 +232,7 @@ class OnlineSensitivity(_AdaptiveClipping):
         return [oso_statistics(per_sample_norms, self.max_grad_norm).q_weights]
 
     def _gradient_noise_multiplier(self) -> float:
-        assert self._sigma is not None
-        return oso_noise_split(self._sigma, q_noise_multiplier=self._requested_q)[0]
+        return self.gradient_noise_multiplier
 
     def _after_release(self, trainer: Trainer, optimizer: Any, grads: list[torch.Tensor],
                        extra_sums: list[list[torch.Tensor]]) -> None:
@@ -366,7 +365,7 @@ class QuantileClipping(_AdaptiveClipping):
             logger.log_hyperparams(params)
 
     def _gradient_noise_multiplier(self) -> float:
-        return quantile_noise_split(self._sigma, count_noise_std=self.count_noise_std)
+        return self.gradient_noise_multiplier
 
     def _after_release(self, trainer: Trainer, optimizer: Any, grads: list[torch.Tensor],
                        extra_sums: list[list[torch.Tensor]]) -> None:

@@ -58,7 +58,6 @@ class PlannedMechanism(NamedTuple):
     sample_rate: float
     events: int
     multiplier_scale: float
-    dataset_size: int
 
 _STATE_VERSION = 1
 
@@ -69,6 +68,19 @@ def _positive_int(name: str, value: int | None) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name}={value!r} is not allowed: pass a positive integer, or None")
     return value
+
+
+def _target_epsilon(value: float | None) -> float | None:
+    if value is not None and not (float(value) > 0 and math.isfinite(float(value))):
+        raise ValueError(f"target_epsilon={value!r} is not allowed: pass a finite number > 0, e.g. 3.0, or None")
+    return None if value is None else float(value)
+
+
+def _target_delta(value: float) -> float:
+    if not 0 < float(value) < 1:
+        raise ValueError(f"target_delta={value!r} is not allowed: delta must be in (0, 1), and well below "
+                         "1/N for N training examples (e.g. 1e-5 for N = 60,000)")
+    return float(value)
 
 
 def _ends_with_sum(loss: torch.Tensor) -> bool:
@@ -127,13 +139,8 @@ class DPSGD(Callback):
                 "DPSGD needs noise_multiplier=<sigma> or target_epsilon=<budget> (or both): with neither there is "
                 "no noise and no budget. Example: DPSGD(target_epsilon=3.0, target_delta=1e-5, epochs=10)")
         self._requested_sigma = None if noise_multiplier is None else check_noise_multiplier(noise_multiplier)
-        if target_epsilon is not None and not (float(target_epsilon) > 0 and math.isfinite(float(target_epsilon))):
-            raise ValueError(f"target_epsilon={target_epsilon!r} is not allowed: pass a finite number > 0, e.g. 3.0")
-        self.target_epsilon = None if target_epsilon is None else float(target_epsilon)
-        if not 0 < float(target_delta) < 1:
-            raise ValueError(f"target_delta={target_delta!r} is not allowed: delta must be in (0, 1), and well below "
-                             "1/N for N training examples (e.g. 1e-5 for N = 60,000)")
-        self.target_delta = float(target_delta)
+        self.target_epsilon = _target_epsilon(target_epsilon)
+        self.target_delta = _target_delta(target_delta)
         self.max_grad_norm = check_max_grad_norm(max_grad_norm)
         self.epochs = _positive_int("epochs", epochs)
         self.max_steps = _positive_int("max_steps", max_steps)
@@ -351,7 +358,7 @@ class DPSGD(Callback):
                 "DPSGD cannot plan a run without a length: pass epochs=... or max_steps=... to DPSGD, or "
                 "max_epochs/max_steps to the Trainer.")
         q, scale = self._event_shape(data)
-        return PlannedMechanism(sample_rate=q, events=events, multiplier_scale=scale, dataset_size=data["dataset_size"])
+        return PlannedMechanism(sample_rate=q, events=events, multiplier_scale=scale)
 
     def fix_noise_multiplier(self, noise_multiplier: float, *, target_epsilon: float | None = None,
                              target_delta: float | None = None) -> None:
@@ -364,13 +371,9 @@ class DPSGD(Callback):
         """
         self._requested_sigma = check_noise_multiplier(noise_multiplier)
         self._restored_sigma = None
-        if target_epsilon is not None and not (float(target_epsilon) > 0 and math.isfinite(float(target_epsilon))):
-            raise ValueError(f"target_epsilon={target_epsilon!r} is not allowed: pass a finite number > 0, or None")
-        self.target_epsilon = None if target_epsilon is None else float(target_epsilon)
+        self.target_epsilon = _target_epsilon(target_epsilon)
         if target_delta is not None:
-            if not 0 < float(target_delta) < 1:
-                raise ValueError(f"target_delta={target_delta!r} is not allowed: delta must be in (0, 1)")
-            self.target_delta = float(target_delta)
+            self.target_delta = _target_delta(target_delta)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self._data:

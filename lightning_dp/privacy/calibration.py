@@ -167,12 +167,22 @@ def calibrate_noise_multiplier(
         >>> spend <= 1.0
         True
     """
+    target_epsilon, target_delta, tolerance, kwargs = _check_search(target_epsilon, target_delta, tolerance,
+                                                                    accountant_kwargs)
+    sample_rate = check_sample_rate(sample_rate)
+    steps = _check_num_steps(steps, name="steps")
+    describe = f"{steps} steps at sample_rate={sample_rate:g}, target_delta={target_delta:g}"
+    return _calibrate([(sample_rate, steps, 1.0)], target_epsilon, target_delta, accountant, kwargs, tolerance,
+                      describe)
+
+
+def _check_search(target_epsilon: Any, target_delta: Any, tolerance: Any,
+                  accountant_kwargs: Any) -> tuple[float, float, float, dict[str, Any]]:
+    """The checks every calibration shares: a finite budget, a delta, the precision and the accountant's options."""
     target_epsilon = _check_target_epsilon(target_epsilon)
     if math.isinf(target_epsilon):
         raise ValueError("target_epsilon must be finite, got inf: an infinite budget needs no noise to calibrate.")
     target_delta = _check_delta(target_delta, name="target_delta")
-    sample_rate = check_sample_rate(sample_rate)
-    steps = _check_num_steps(steps, name="steps")
     if not _is_real(tolerance) or not 0 < tolerance < 1:
         raise ValueError(
             f"tolerance must be a number in (0, 1), got {tolerance!r}. It is the relative precision of the "
@@ -180,10 +190,7 @@ def calibrate_noise_multiplier(
         )
     if accountant_kwargs is not None and not isinstance(accountant_kwargs, dict):
         raise ValueError(f"accountant_kwargs must be a dict or None, got {accountant_kwargs!r}.")
-    kwargs = dict(accountant_kwargs or {})
-    describe = f"{steps} steps at sample_rate={sample_rate:g}, target_delta={target_delta:g}"
-    return _calibrate([(sample_rate, steps, 1.0)], target_epsilon, target_delta, accountant, kwargs,
-                      float(tolerance), describe)
+    return target_epsilon, target_delta, float(tolerance), dict(accountant_kwargs or {})
 
 
 def _spend(name: str, config: dict[str, Any], runs: Sequence[tuple[float, int, float]], delta: float,
@@ -276,12 +283,8 @@ def calibrate_composed_noise_multiplier(
         >>> abs(four / one - 1) < 0.02
         True
     """
-    target_epsilon = _check_target_epsilon(target_epsilon)
-    if math.isinf(target_epsilon):
-        raise ValueError("target_epsilon must be finite, got inf: an infinite budget needs no noise to calibrate.")
-    target_delta = _check_delta(target_delta, name="target_delta")
-    if not _is_real(tolerance) or not 0 < tolerance < 1:
-        raise ValueError(f"tolerance must be a number in (0, 1), got {tolerance!r}; 0.01 (1%) is the default.")
+    target_epsilon, target_delta, tolerance, kwargs = _check_search(target_epsilon, target_delta, tolerance,
+                                                                    accountant_kwargs)
     if isinstance(runs, (str, bytes)) or not runs:
         raise ValueError(f"runs={runs!r} is not allowed: pass one (sample_rate, steps[, multiplier_scale]) tuple per "
                          "run of the grid, e.g. [(0.01, 1000)] * 9 for nine runs of 1000 steps at q = 0.01.")
@@ -294,12 +297,9 @@ def calibrate_composed_noise_multiplier(
         if not _is_real(scale) or not 0 < scale <= 1:
             raise ValueError(f"runs: multiplier_scale={scale!r} in {run!r} must be in (0, 1]")
         checked.append((check_sample_rate(q), _check_num_steps(steps, name="steps"), float(scale)))
-    if accountant_kwargs is not None and not isinstance(accountant_kwargs, dict):
-        raise ValueError(f"accountant_kwargs must be a dict or None, got {accountant_kwargs!r}.")
     describe = (f"a grid of {len(checked)} runs ({sum(s for _, s, _ in checked)} steps in all), "
                 f"target_delta={target_delta:g}")
-    return _calibrate(checked, target_epsilon, target_delta, accountant, dict(accountant_kwargs or {}),
-                      float(tolerance), describe)
+    return _calibrate(checked, target_epsilon, target_delta, accountant, kwargs, tolerance, describe)
 
 
 def steps_for_epochs(*, epochs: int, sample_rate: float) -> int:
