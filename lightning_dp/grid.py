@@ -51,7 +51,7 @@ from typing import Any, Optional
 
 import yaml
 
-__all__ = ["BudgetPlan", "GridPoint", "GridResult", "main", "parse_set", "plan_budget", "plan_point", "report",
+__all__ = ["BudgetPlan", "GridPoint", "GridResult", "bar_plot", "main", "parse_set", "plan_budget", "plan_point", "report",
            "run_grid", "select_best"]
 
 
@@ -236,12 +236,72 @@ def mean_table(points: Sequence[GridPoint], over: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def bar_plot(points: Sequence[GridPoint], metrics: Sequence[str], x: str, hue: str,
+             over: Optional[str] = None) -> Any:
+    """Grouped bar plots: one panel per metric, groups along axis ``x``, one bar per value of axis ``hue``.
+
+    Bars are means over the axis ``over`` (repetitions, e.g. seeds) with sample-std error
+    bars (none with one repetition). Every other grid axis must have a single value, so
+    that a bar is one set of repetitions. Runs missing a metric are left out of its bar.
+
+    Returns:
+        A :class:`matplotlib.figure.Figure`.
+
+    Raises:
+        ValueError: If an axis is not a grid axis, another axis has several values, or a
+            metric is in no run.
+    """
+    import statistics
+
+    from matplotlib.figure import Figure
+
+    axes = list(points[0].values) if points else []
+    for name, key in (("--plot-x", x), ("--plot-hue", hue)):
+        if key not in axes:
+            raise ValueError(f"{name} {key!r} is not a grid axis; axes: {axes}")
+    if x == hue:
+        raise ValueError(f"--plot-x and --plot-hue are both {x!r}; pass two different grid axes")
+    others = [k for k in axes if k not in (x, hue, over)]
+    for k in others:
+        if len({repr(p.values[k]) for p in points}) > 1:
+            raise ValueError(f"grid axis {k!r} has several values, so a bar would mix them: plot grids whose axes "
+                             f"are --plot-x {x!r}, --plot-hue {hue!r} and --mean-over, or split the grid")
+    missing = [m for m in metrics if not any(m in p.metrics for p in points)]
+    if missing:
+        names = sorted({m for p in points for m in p.metrics})
+        raise ValueError(f"--plot {missing}: no run has these metrics; metrics of the runs: {names}")
+    xs = list(dict.fromkeys(p.values[x] for p in points))
+    hues = list(dict.fromkeys(p.values[hue] for p in points))
+    fig = Figure(figsize=(4.5 * len(metrics), 3.8), layout="constrained")
+    panels = fig.subplots(1, len(metrics), squeeze=False)[0]
+    width = 0.8 / len(hues)
+    for ax, metric in zip(panels, metrics):
+        for j, h in enumerate(hues):
+            means, errs = [], []
+            for xv in xs:
+                vals = [p.metrics[metric] for p in points
+                        if p.values[x] == xv and p.values[hue] == h and metric in p.metrics]
+                means.append(statistics.mean(vals) if vals else math.nan)
+                errs.append(statistics.stdev(vals) if len(vals) > 1 else 0.0)
+            ax.bar([i + (j - (len(hues) - 1) / 2) * width for i in range(len(xs))], means, width, yerr=errs,
+                   capsize=3, label=f"{_short(hue)}={_fmt(h)}")
+        ax.set_xticks(range(len(xs)), [_fmt(v) for v in xs])
+        ax.set_xlabel(_short(x))
+        ax.set_title(metric, fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    panels[0].legend(fontsize=8)
+    if over:
+        fig.suptitle(f"mean ± std over {_short(over)}", fontsize=9)
+    return fig
+
+
 def _final_metrics(trainer: Any, module: Any) -> dict[str, float]:
     import torch
 
     out = {}
     for name, value in trainer.callback_metrics.items():
-        if (name.startswith(("test/", "val/")) and "/chose_" not in name  # per-hypothesis shares stay in MLflow
+        # per-hypothesis shares and per-group rates stay in MLflow (the tables keep one column per summary)
+        if (name.startswith(("test/", "val/")) and "/chose_" not in name and "/group_" not in name
                 and isinstance(value, torch.Tensor) and value.numel() == 1):
             out[name] = float(value)
     if hasattr(module, "rounds"):
@@ -391,12 +451,15 @@ class GridResult:
     select: Optional[str] = None
     mode: str = "max"
     mean_over: Optional[str] = None
+    figure: Any = None
+    """The grouped bar plot of ``plot`` (a matplotlib Figure), or None."""
 
 
 def run_grid(config: Sequence[str], sets: Sequence[tuple[str, list[Any]]], *, test: bool = False,
              extra: Sequence[str] = (), grid_id: Optional[str] = None, mean_over: Optional[str] = None,
              budget: Optional[float] = None, budget_delta: Optional[float] = None, select: Optional[str] = None,
-             mode: Optional[str] = None) -> GridResult:
+             mode: Optional[str] = None, plot: Sequence[str] = (), plot_x: Optional[str] = None,
+             plot_hue: Optional[str] = None) -> GridResult:
     """Run every point of the grid; return its points, privacy totals, id and (budgeted) choices.
 
     Args:
@@ -412,6 +475,9 @@ def run_grid(config: Sequence[str], sets: Sequence[tuple[str, list[Any]]], *, te
         budget_delta: Its delta (default: the runs' common ``target_delta``).
         select: A metric to choose the best run by (per repetition), e.g. ``val/acc``.
         mode: ``"max"`` or ``"min"`` for ``select`` (default: :func:`default_mode`).
+        plot: Metrics to draw as grouped bars (:func:`bar_plot`, artifact ``grid_bars.png``
+            of the parent run; the figure is also kept in ``GridResult.figure``).
+        plot_x, plot_hue: The axes of the bar groups and of the bars (required with ``plot``).
     """
     from lightning_dp import tracking
     from lightning_dp.cli import LightningDPCLI
@@ -495,6 +561,11 @@ def run_grid(config: Sequence[str], sets: Sequence[tuple[str, list[Any]]], *, te
             members = [p for p, v in zip(points, combos) if group_of(v) == group]
             result.best[group] = select_best(members, select, result.mode)
 
+    if plot:
+        if plot_x is None or plot_hue is None:
+            raise ValueError("plot needs plot_x and plot_hue: the axes of the bar groups and of the bars")
+        result.figure = bar_plot(points, plot, plot_x, plot_hue, mean_over)
+
     if location is not None:
         client, experiment_id = location
         parent = client.create_run(experiment_id, run_name=f"grid-{grid_id}", tags={"grid.id": grid_id})
@@ -522,6 +593,8 @@ def run_grid(config: Sequence[str], sets: Sequence[tuple[str, list[Any]]], *, te
                 if p.run_id:
                     client.set_tag(p.run_id, "grid.best", "true")
         client.log_text(pid, report(result), "grid.md")
+        if result.figure is not None:
+            client.log_figure(pid, result.figure, "grid_bars.png")
         client.set_terminated(pid)
     return result
 
@@ -590,6 +663,12 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--budget-delta", type=float, metavar="DELTA",
                         help="delta of --budget (default: the runs' common target_delta)")
     parser.add_argument("--select", metavar="METRIC", help="choose the best run by this metric, e.g. val/acc")
+    parser.add_argument("--plot", action="append", default=[], metavar="METRIC",
+                        help="draw this metric as grouped bars, mean ± std over --mean-over (repeat for more panels; "
+                             "artifact grid_bars.png of the parent run)")
+    parser.add_argument("--plot-x", metavar="KEY", help="with --plot: the grid axis along which bars are grouped")
+    parser.add_argument("--plot-hue", metavar="KEY", help="with --plot: the grid axis of the bars within a group")
+    parser.add_argument("--plot-file", metavar="PATH", help="with --plot: also save the figure to this file")
     parser.add_argument("--mode", choices=("max", "min"),
                         help="whether --select is maximized or minimized (default: min for loss/error/mse, else max)")
     args = parser.parse_args(argv)
@@ -613,11 +692,29 @@ def main(argv: Sequence[str]) -> int:
         parser.error("--budget-delta needs --budget")
     if args.mode and not args.select:
         parser.error("--mode needs --select METRIC")
+    keys = [k for k, _ in sets]
+    plot_x = args.plot_x.lstrip("-") if args.plot_x else None
+    plot_hue = args.plot_hue.lstrip("-") if args.plot_hue else None
+    if args.plot or plot_x or plot_hue or args.plot_file:
+        if not (args.plot and plot_x and plot_hue):
+            parser.error("a bar plot needs --plot METRIC, --plot-x KEY and --plot-hue KEY")
+        for name, key in (("--plot-x", plot_x), ("--plot-hue", plot_hue)):
+            if key not in keys:
+                parser.error(f"{name} {key}: not one of the --set keys {keys}")
+        if plot_x == plot_hue:
+            parser.error("--plot-x and --plot-hue must be two different axes")
+        others = [k for k, values in sets if k not in (plot_x, plot_hue, mean_over) and len(values) > 1]
+        if others:
+            parser.error(f"--plot: the axes {others} have several values, so a bar would mix them; bars need every "
+                         "axis other than --plot-x, --plot-hue and --mean-over to have one value")
     result = run_grid(args.config, sets, test=args.test, extra=extra, mean_over=mean_over, budget=args.budget,
-                      budget_delta=args.budget_delta, select=args.select, mode=args.mode)
+                      budget_delta=args.budget_delta, select=args.select, mode=args.mode, plot=args.plot,
+                      plot_x=plot_x, plot_hue=plot_hue)
     table = report(result)
     print(table, flush=True)
     if args.summary:
         with open(args.summary, "w", encoding="utf-8") as handle:
             handle.write(table)
+    if args.plot_file and result.figure is not None:
+        result.figure.savefig(args.plot_file, dpi=120)
     return 0

@@ -9,10 +9,12 @@ import pytest
 
 from lightning_dp.cli import LightningDPCLI
 
-EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yaml"))
+ROOT = Path(__file__).resolve().parents[1] / "examples"
+# whole configs (examples/oso holds dataset configs and strategy overlays, tested together below)
+EXAMPLES = sorted(ROOT.glob("*.yaml")) + sorted((ROOT / "fairness").glob("*.yaml"))
 
 
-@pytest.mark.parametrize("config", EXAMPLES, ids=[p.name for p in EXAMPLES])
+@pytest.mark.parametrize("config", EXAMPLES, ids=[str(p.relative_to(ROOT)) for p in EXAMPLES])
 def test_example_instantiates(config, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["lightning-dp"])

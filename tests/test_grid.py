@@ -77,8 +77,15 @@ def test_federated_grid_adds_ledgers_per_client(workdir, store_template, capsys)
     code = cli.main(["grid", "--config", str(REPO_ROOT / "examples" / "fl_synthetic.yaml"),
                      "--set", "model.init_args.noise_multiplier=5,2", "--set", "model.init_args.seed=0,1",
                      "--test", "--summary", "grid.md", "--mean-over", "model.init_args.seed",
+                     "--plot", "test/loss", "--plot-x", "model.init_args.noise_multiplier",
+                     "--plot-hue", "model.init_args.seed", "--plot-file", "bars.png",
                      "--", "--trainer.max_epochs=10"])
     assert code == 0
+    assert (workdir / "bars.png").stat().st_size > 0
+    client = mlflow.MlflowClient()
+    parent = [r for r in client.search_runs([client.get_experiment_by_name("fl-synthetic").experiment_id])
+              if r.info.run_name.startswith("grid-")]
+    assert [a.path for a in client.list_artifacts(parent[0].info.run_id)] == ["grid.md", "grid_bars.png"]
     text = (workdir / "grid.md").read_text()
     assert "test/loss" in text and "client_epsilon_max" in text and "grid/client_epsilon_max" in text
     assert "Mean ± std over seed" in text and "| 5 |" in text and "0,1 |" in text
@@ -175,3 +182,33 @@ def test_a_dpsgd_run_without_steps_counts_as_private():
     ran = grid.GridPoint({}, privacy={"accountant": acc, "delta": 1e-5, "epsilon": acc.get_epsilon(1e-5)})
     idle = grid.GridPoint({}, privacy={"accountant": get_accountant("rdp"), "delta": 1e-5, "epsilon": 0.0})
     assert grid.grid_privacy([ran, idle])["grid/epsilon"] == pytest.approx(ran.privacy["epsilon"])
+
+
+def test_bar_plot_draws_means_and_stds_over_repetitions():
+    pts = [grid.GridPoint({"nu": nu, "k": k, "seed": s}, metrics={"gap": 0.1 * k + nu + 0.01 * s})
+           for nu in (0.1, 1) for k in (1, 2) for s in range(3)]
+    fig = grid.bar_plot(pts, ["gap"], "nu", "k", "seed")
+    ax = fig.axes[0]
+    heights = [round(bar.get_height(), 9) for bar in ax.patches]
+    assert heights == [0.21, 1.11, 0.31, 1.21]  # hue k=1 at nu 0.1, 1; then k=2; means over 3 seeds
+    assert ax.get_title() == "gap" and [t.get_text() for t in ax.get_xticklabels()] == ["0.1", "1"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["k=1", "k=2"]
+    with pytest.raises(ValueError, match="not a grid axis"):
+        grid.bar_plot(pts, ["gap"], "lr", "k", "seed")
+    with pytest.raises(ValueError, match="several values"):
+        grid.bar_plot(pts, ["gap"], "nu", "k")
+    with pytest.raises(ValueError, match="no run has these metrics"):
+        grid.bar_plot(pts, ["acc"], "nu", "k", "seed")
+    with pytest.raises(ValueError, match="two different"):
+        grid.bar_plot(pts, ["gap"], "nu", "nu", "seed")
+
+
+def test_plot_command_line_errors(workdir, capsys):
+    config = str(REPO_ROOT / "examples" / "fl_synthetic.yaml")
+    for args, message in ((["--plot", "test/loss"], "needs --plot METRIC, --plot-x KEY and --plot-hue KEY"),
+                          (["--plot", "m", "--plot-x", "a", "--plot-hue", "lr"], "not one of the --set keys"),
+                          (["--plot", "m", "--plot-x", "a", "--plot-hue", "b"], "several values"),
+                          (["--plot", "m", "--plot-x", "a", "--plot-hue", "a"], "two different")):
+        with pytest.raises(SystemExit):
+            cli.main(["grid", "--config", config, "--set", "a=1,2", "--set", "b=1", "--set", "c=1,2", *args])
+        assert message in capsys.readouterr().err

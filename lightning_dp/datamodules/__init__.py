@@ -12,12 +12,14 @@ Public API:
 - Federated (per-client data, :class:`FederatedDataModule`, :class:`ClientDataset`):
   :class:`SyntheticLinearMixture`, :class:`HospitalCharges` (CMS inpatient charges),
   :class:`FEMNIST` (LEAF JSON or Hugging Face ``flwrlabs/femnist``).
+- Federated with a sensitive group (fairness): :class:`SyntheticFairness`, :class:`FEMNISTFairness`.
 """
 
 from lightning_dp.datamodules.agnews import AGNewsDataModule
 from lightning_dp.datamodules.base import SplitDataModule, stratified_split
 from lightning_dp.datamodules.digits import DigitsDataModule
 from lightning_dp.datamodules.federated import ClientDataset, FederatedDataModule, padded, split_clients
+from lightning_dp.datamodules.fairness import FEMNISTFairness, SyntheticFairness
 from lightning_dp.datamodules.femnist import FEMNIST
 from lightning_dp.datamodules.hospital import HospitalCharges
 from lightning_dp.datamodules.idx import IDXFormatError, read_idx, write_idx
@@ -29,8 +31,10 @@ __all__ = [
     "ClientDataset",
     "DigitsDataModule",
     "FEMNIST",
+    "FEMNISTFairness",
     "FederatedDataModule",
     "HospitalCharges",
+    "SyntheticFairness",
     "SyntheticLinearMixture",
     "padded",
     "split_clients",

@@ -38,7 +38,7 @@ from lightning_dp.datamodules.base import (
     make_dataloader,
 )
 
-__all__ = ["ClientDataset", "FederatedDataModule", "derived_seed", "padded", "split_clients"]
+__all__ = ["ClientDataset", "FederatedDataModule", "derived_seed", "padded", "padded_sensitive", "split_clients"]
 
 T = TypeVar("T")
 Task = Literal["regression", "classification"]
@@ -53,9 +53,13 @@ class ClientDataset:
         client_id: A stable identifier (a provider id, a LEAF writer id, ``"train-007"``, ...).
         x: Inputs of shape ``(n, *input_shape)``.
         y: Targets of shape ``(n,)`` (class indices, int64, or regression targets, float32).
+        sensitive: Optional sensitive-group id of every sample, int64 of shape ``(n,)``
+            (what group-fairness metrics compare, e.g. :class:`~lightning_dp.metrics.GroupFairness`;
+            never an input of the model); ``None`` when the data has no sensitive attribute.
 
     Raises:
-        ValueError: If ``x`` and ``y`` do not hold the same number of samples.
+        ValueError: If ``x``, ``y`` (and ``sensitive``) do not hold the same number of
+            samples, or ``sensitive`` is not an integer tensor.
 
     Example:
         >>> client = ClientDataset("a", torch.zeros(3, 2), torch.zeros(3))
@@ -66,6 +70,7 @@ class ClientDataset:
     client_id: str
     x: Tensor
     y: Tensor
+    sensitive: Optional[Tensor] = None
 
     def __post_init__(self) -> None:
         if self.x.ndim == 0 or self.y.ndim == 0 or self.x.shape[0] != self.y.shape[0]:
@@ -73,13 +78,20 @@ class ClientDataset:
                 f"ClientDataset {self.client_id!r}: x and y must hold the same number of samples along "
                 f"dimension 0, got x {tuple(self.x.shape)} and y {tuple(self.y.shape)}"
             )
+        s = self.sensitive
+        if s is not None and (s.shape != (self.x.shape[0],) or s.dtype.is_floating_point or s.dtype == torch.bool):
+            raise ValueError(
+                f"ClientDataset {self.client_id!r}: sensitive must be an integer tensor of shape "
+                f"({self.x.shape[0]},) (one group id per sample), got {s.dtype} of shape {tuple(s.shape)}"
+            )
 
     def __len__(self) -> int:
         return int(self.x.shape[0])
 
     def to(self, device: Union[torch.device, str]) -> "ClientDataset":
         """Return a copy with ``x`` and ``y`` on ``device``."""
-        return ClientDataset(self.client_id, self.x.to(device), self.y.to(device))
+        sensitive = None if self.sensitive is None else self.sensitive.to(device)
+        return ClientDataset(self.client_id, self.x.to(device), self.y.to(device), sensitive)
 
     def as_dataset(self) -> TensorDataset:
         """The client's samples as a :class:`~torch.utils.data.TensorDataset` of ``(x, y)`` pairs."""
@@ -184,6 +196,27 @@ def padded(clients: Sequence[ClientDataset], *, pad_value: float = 0.0) -> tuple
     return x, y, mask
 
 
+def padded_sensitive(clients: Sequence[ClientDataset]) -> Optional[Tensor]:
+    """The clients' ``sensitive`` ids laid out like :func:`padded`'s mask: int64 ``(C, Nmax)``, ``-1`` at padding.
+
+    Returns ``None`` when any client has no ``sensitive`` ids.
+
+    Example:
+        >>> a = ClientDataset("a", torch.ones(2, 3), torch.ones(2), torch.tensor([0, 1]))
+        >>> b = ClientDataset("b", torch.ones(1, 3), torch.ones(1), torch.tensor([1]))
+        >>> padded_sensitive([a, b]).tolist()
+        [[0, 1], [1, -1]]
+    """
+    clients = list(clients)
+    if not clients or any(client.sensitive is None for client in clients):
+        return None
+    longest = max(len(client) for client in clients)
+    out = torch.full((len(clients), longest), -1, dtype=torch.long, device=clients[0].x.device)
+    for index, client in enumerate(clients):
+        out[index, : len(client)] = client.sensitive
+    return out
+
+
 def _size_summary(clients: Sequence[ClientDataset]) -> dict[str, Any]:
     sizes = [len(client) for client in clients]
     return {
@@ -228,6 +261,8 @@ class FederatedDataModule(DataHparamsMixin, LightningDataModule):
     num_classes: Optional[int] = None
     #: Shape of one input sample.
     input_shape: tuple[int, ...] = ()
+    #: Number of sensitive groups when the clients carry ``sensitive`` ids (0..num_groups-1), else ``None``.
+    num_groups: Optional[int] = None
 
     def __init__(self, *, batch_size: int = 64, num_workers: int = 0, seed: int = 0) -> None:
         super().__init__()

@@ -274,6 +274,10 @@ class FEMNIST(FederatedDataModule):
         generator = torch.Generator().manual_seed(derived_seed(self.seed, "femnist-rotation", client_id))
         return bool(torch.rand((), generator=generator, dtype=torch.float64) < self.rotate_probability)
 
+    def _rotations(self, writers: Sequence[str]) -> dict[str, bool]:
+        """Which of the loaded writers are rotated (:meth:`is_rotated` of each, independently)."""
+        return {writer: self.is_rotated(writer) for writer in writers}
+
     def prepare_data(self) -> None:
         """Download only: fills the Hugging Face cache (``source="huggingface"``); LEAF files are made by LEAF."""
         if self.source == "huggingface":
@@ -349,7 +353,7 @@ class FEMNIST(FederatedDataModule):
     def _build_clients(self) -> tuple[list[ClientDataset], list[ClientDataset], list[ClientDataset]]:
         train, test = self._load_leaf() if self.source == "leaf" else self._load_huggingface()
         writers = list(train)
-        self.rotated = {writer: self.is_rotated(writer) for writer in writers}
+        self.rotated = self._rotations(writers)
         train_writers, val_writers = split_clients(writers, [1.0 - self.val_fraction, self.val_fraction],
                                                    seed=self.seed)
         return (

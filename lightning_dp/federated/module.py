@@ -56,9 +56,12 @@ from lightning_dp.federated.local import (
     check_loss,
     choose_hypotheses,
     client_losses,
+    client_outputs,
     local_sgd,
     local_sgd_loop,
+    predictions,
 )
+from lightning_dp.datamodules.federated import padded_sensitive
 from lightning_dp.privacy.ledger import PrivacyLedger
 from lightning_dp.privacy.mechanisms import sanitize_update
 from lightning_dp.privacy.noise import derive_generator
@@ -101,7 +104,9 @@ class PersonalizedFederatedModule(LightningModule):
         local_lr: s.
         local_batch_size: B_s.
         noise_multiplier: nu; 0 releases the clients' models unsanitized (non-private baseline).
-        loss: ``"rmse"`` (regression) or ``"cross_entropy"`` (classification).
+        loss: ``"rmse"`` (regression; on class scores, the root Brier score),
+            ``"cross_entropy"`` (logits of C classes) or ``"binary_cross_entropy"`` (one
+            logit per example, labels in {0, 1}); see :func:`~lightning_dp.federated.local.masked_loss`.
         per_layer: sanitize each parameter tensor with its own epsilon (n_l, delta_l).
         client_privacy_cap: a client whose spend would exceed this declines to participate.
         cap_policy: ``"replace"`` (declined clients are replaced by eligible ones) or
@@ -127,7 +132,7 @@ class PersonalizedFederatedModule(LightningModule):
         local_lr: float = 0.1,
         local_batch_size: int = 10,
         noise_multiplier: float = 0.0,
-        loss: Literal["rmse", "cross_entropy"] = "rmse",
+        loss: Literal["rmse", "cross_entropy", "binary_cross_entropy"] = "rmse",
         per_layer: bool = False,
         client_privacy_cap: float | None = None,
         cap_policy: Literal["replace", "skip"] = "replace",
@@ -210,6 +215,12 @@ class PersonalizedFederatedModule(LightningModule):
                 "PersonalizedFederatedModule reads its clients from a FederatedDataModule (e.g. "
                 "lightning_dp.datamodules.SyntheticLinearMixture): pass it as trainer.fit(module, datamodule=...).")
         self._clients = {"train": dm.train_clients, "val": dm.val_clients, "test": dm.test_clients}
+        self._classification = dm.task == "classification"
+        if self._classification and self.loss_name == "rmse" and dm.num_classes is not None and dm.num_classes < 2:
+            raise MisconfigurationException(f"{type(dm).__name__} is a classification task with num_classes="
+                                            f"{dm.num_classes}; the rmse loss needs class scores of >= 2 classes")
+        # group fairness of the held-out clients' predictions: binary labels with sensitive groups
+        self._num_groups = dm.num_groups if self._classification and dm.num_classes == 2 else None
         self._key_width = max((len(c) for c in dm.train_clients), default=1)
         if stage == "fit" and len(dm.train_clients) < self.clients_per_round:
             raise MisconfigurationException(
@@ -360,6 +371,16 @@ class PersonalizedFederatedModule(LightningModule):
 
     # -------------------------------------------------------------- evaluation
     def _evaluate(self, split: str, stage: str) -> None:
+        """Each evaluated client picks its best hypothesis; log the loss, choices, accuracy and group fairness.
+
+        ``{stage}/loss`` is the mean over clients of the chosen hypothesis' loss. For a
+        classification DataModule, ``{stage}/acc`` is the accuracy over all evaluated
+        samples of their client's chosen hypothesis (the personalized model; with k = 1
+        the global model). When the labels are binary and the clients carry sensitive
+        groups (:attr:`FederatedDataModule.num_groups`), every output of
+        :class:`~lightning_dp.metrics.GroupFairness` on those predictions is logged as
+        ``{stage}/fairness/<name>`` (e.g. ``test/fairness/equalized_odds_difference``).
+        """
         clients = self._clients[split]
         if not clients:
             return
@@ -369,12 +390,31 @@ class PersonalizedFederatedModule(LightningModule):
             g = derive_generator(self.seed, _VAL, int(self.rounds))
             index = torch.randperm(len(clients), generator=g)[: self.val_clients_per_check].tolist()
         mine = self._shard(index)
+        fairness = None
+        if self._num_groups is not None:
+            from lightning_dp.metrics import GroupFairness
+
+            fairness = GroupFairness(self._num_groups).to(self.hypotheses.device)
         if mine:
             x, y, mask = self._padded(split, mine)
             losses = client_losses(self.template, self.spec, self.hypotheses, x, y, mask, self.loss_name)
-            local = torch.stack([losses.min(dim=1).values.double(), losses.argmin(dim=1).double()], dim=1)
+            choice = losses.argmin(dim=1)
+            columns = [losses.min(dim=1).values.double(), choice.double()]
+            if self._classification:
+                outputs = client_outputs(self.template, self.spec, self.hypotheses[choice], x)
+                preds = predictions(outputs.flatten(0, 1), self.loss_name).view(mask.shape)
+                columns += [((preds == y.long()) & mask).sum(1).double(), mask.sum(1).double()]
+                if fairness is not None:
+                    groups = padded_sensitive([self._clients[split][i] for i in mine])
+                    if groups is None:
+                        raise MisconfigurationException(
+                            f"the DataModule declares num_groups={self._num_groups} but some {split} clients have "
+                            "no sensitive ids (ClientDataset.sensitive)")
+                    fairness.update(preds[mask], y[mask].long(), groups.to(mask.device)[mask])
+            local = torch.stack(columns, dim=1)
         else:
-            local = torch.zeros((0, 2), dtype=torch.float64, device=self.hypotheses.device)
+            local = torch.zeros((0, 4 if self._classification else 2), dtype=torch.float64,
+                                device=self.hypotheses.device)
         rows = self._gather_rows(local, len(index))  # every evaluated client, on every process
         best, choice = rows[:, 0], rows[:, 1].long()
         # identical on every process (computed from the gathered rows): sync_dist averages equal values
@@ -382,6 +422,13 @@ class PersonalizedFederatedModule(LightningModule):
         self.log(f"{stage}/loss", best.mean(), batch_size=1, sync_dist=sync)
         for j in range(self.k):
             self.log(f"{stage}/chose_{j}", (choice == j).double().mean(), batch_size=1, sync_dist=sync)
+        if self._classification:
+            self.log(f"{stage}/acc", rows[:, 2].sum() / rows[:, 3].sum().clamp_min(1), batch_size=1, sync_dist=sync)
+        if fairness is not None:  # compute() sums the per-group counts over processes
+            values = fairness.compute()
+            # its overall accuracy is {stage}/acc (same predictions); NaN rates (absent groups) are not logged
+            self.log_dict({f"{stage}/fairness/{name}": value.double() for name, value in values.items()
+                           if name != "accuracy" and torch.isfinite(value)}, batch_size=1, sync_dist=sync)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self._evaluate("val", "val")

@@ -26,15 +26,18 @@ __all__ = ["FEMNISTConvNet", "HospitalMLP", "LinearRegression"]
 
 
 class LinearRegression(nn.Module):
-    """The seed's synthetic model ``y = x^T theta``: ``nn.Linear(in_features, 1, bias=False)``.
+    """The seed's synthetic model ``y = x^T theta``: ``nn.Linear(in_features, 1, bias=bias)``.
 
-    ``in_features`` parameters (2 by default, the seed's two features), no bias.
+    ``in_features`` parameters (2 by default, the seed's two features), plus one with
+    ``bias=True``. Its output is also a logit: with ``loss="binary_cross_entropy"`` it is
+    logistic regression (the fairness settings use ``bias=True``, n = 3).
 
     Args:
         in_features: Number of features.
+        bias: Add an intercept (default ``False``, the seed's regression model).
 
     Raises:
-        ValueError: If ``in_features`` is not a positive integer.
+        ValueError: If ``in_features`` is not a positive integer or ``bias`` not a bool.
 
     Example:
         >>> import torch
@@ -43,10 +46,12 @@ class LinearRegression(nn.Module):
         (2, torch.Size([4]))
     """
 
-    def __init__(self, in_features: int = 2) -> None:
+    def __init__(self, in_features: int = 2, bias: bool = False) -> None:
         super().__init__()
         self.in_features = _check_positive_int("in_features", in_features)
-        self.linear = nn.Linear(self.in_features, 1, bias=False)
+        if not isinstance(bias, bool):
+            raise ValueError(f"bias={bias!r} is not allowed: pass True (with an intercept) or False")
+        self.linear = nn.Linear(self.in_features, 1, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return predictions of shape ``(batch,)`` for ``x`` of shape ``(batch, in_features)``.

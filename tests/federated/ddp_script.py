@@ -1,8 +1,10 @@
 """Run by tests/federated/test_module_ddp.py: the federated round under Lightning DDP (2 CPU processes, gloo).
 
-Usage: python tests/federated/ddp_script.py OUT_DIR DEVICES
+Usage: python tests/federated/ddp_script.py OUT_DIR DEVICES [fairness]
 Trains the synthetic personalized-FL setting for a few rounds with DEVICES processes and
 writes OUT_DIR/rank{r}.pt (hypotheses, ledger, validation loss) for the test to compare.
+With ``fairness``: the SyntheticFairness setting (binary labels, sensitive groups), then
+``trainer.test``; the test metrics (accuracy, group fairness) are saved too.
 """
 
 import sys
@@ -13,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-from lightning_dp.datamodules import SyntheticLinearMixture  # noqa: E402
+from lightning_dp.datamodules import SyntheticFairness, SyntheticLinearMixture  # noqa: E402
 from lightning_dp.federated import PersonalizedFederatedModule  # noqa: E402
 from lightning_dp.models import LinearRegression  # noqa: E402
 
@@ -30,21 +32,32 @@ class Probe(L.Callback):
         self.train.append(float(trainer.callback_metrics["train/loss"]))
 
 
-def main(out: Path, devices: int) -> None:
+def main(out: Path, devices: int, fairness: bool = False) -> None:
     # U = 7 clients over 2 processes: shards of 4 and 3; 5 validation clients: 3 and 2
-    module = PersonalizedFederatedModule(LinearRegression(), num_hypotheses=2, clients_per_round=7, local_epochs=2,
-                                         local_lr=0.1, local_batch_size=3, noise_multiplier=5.0, seed=0)
-    data = SyntheticLinearMixture(num_clients=40, num_val_clients=5, seed=0)
+    if fairness:  # 7 test clients: shards of 4 and 3, both groups present
+        module = PersonalizedFederatedModule(LinearRegression(bias=True), num_hypotheses=2, clients_per_round=7,
+                                             local_epochs=2, local_lr=0.5, local_batch_size=3, noise_multiplier=1.0,
+                                             loss="binary_cross_entropy", seed=0)
+        data = SyntheticFairness(num_clients=40, num_val_clients=5, num_test_clients=7, seed=0)
+    else:
+        module = PersonalizedFederatedModule(LinearRegression(), num_hypotheses=2, clients_per_round=7,
+                                             local_epochs=2, local_lr=0.1, local_batch_size=3, noise_multiplier=5.0,
+                                             seed=0)
+        data = SyntheticLinearMixture(num_clients=40, num_val_clients=5, seed=0)
     probe = Probe()
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", max_epochs=6,
                         check_val_every_n_epoch=3, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         callbacks=[probe])
     trainer.fit(module, data)
+    tested = {}
+    if fairness:
+        (result,) = trainer.test(module, data, verbose=False)
+        tested = {name: float(value) for name, value in result.items()}
     torch.save({"hypotheses": module.hypotheses.clone(), "ledger": module.ledger.state_dict(),
-                "rounds": int(module.rounds), "val": probe.val, "train": probe.train},
+                "rounds": int(module.rounds), "val": probe.val, "train": probe.train, "test": tested},
                out / f"rank{trainer.global_rank}.pt")
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]))
+    main(Path(sys.argv[1]), int(sys.argv[2]), len(sys.argv) > 3 and sys.argv[3] == "fairness")

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from lightning_dp.federated import FlatParams, choose_hypotheses, client_losses, local_sgd, local_sgd_loop
-from lightning_dp.federated.local import masked_loss
+from lightning_dp.federated.local import client_outputs, masked_loss, predictions
 
 
 def padded_clients(sizes, d=3, classes=None, seed=0):
@@ -23,10 +23,12 @@ def padded_clients(sizes, d=3, classes=None, seed=0):
 MODELS = {
     "rmse": lambda: nn.Sequential(nn.Linear(3, 2), nn.ReLU(), nn.Linear(2, 1)).double(),
     "cross_entropy": lambda: nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 4)).double(),
+    "binary_cross_entropy": lambda: nn.Sequential(nn.Linear(3, 1), nn.Flatten(0)).double(),
 }
+CLASSES = {"rmse": None, "cross_entropy": 4, "binary_cross_entropy": 2}
 
 
-@pytest.mark.parametrize("loss", ["rmse", "cross_entropy"])
+@pytest.mark.parametrize("loss", ["rmse", "cross_entropy", "binary_cross_entropy"])
 @pytest.mark.parametrize("epochs,batch_size", [(1, 4), (3, 2), (2, 50)])
 def test_vectorized_local_sgd_equals_per_client_loop(loss, epochs, batch_size):
     """Unequal client sizes (1 to 13 examples): a client with fewer batches must stop, not train on padding."""
@@ -34,7 +36,7 @@ def test_vectorized_local_sgd_equals_per_client_loop(loss, epochs, batch_size):
     model = MODELS[loss]()
     spec = FlatParams.of(model)
     sizes = [1, 5, 13, 7, 2]
-    x, y, mask = padded_clients(sizes, classes=4 if loss == "cross_entropy" else None)
+    x, y, mask = padded_clients(sizes, classes=CLASSES[loss])
     # padding is garbage on purpose: it must never influence the result
     x = torch.where(mask.unsqueeze(-1), x, torch.full_like(x, 1e6))
     start = spec.flatten(model).unsqueeze(0).repeat(len(sizes), 1) + 0.01 * torch.randn(len(sizes), spec.numel,
@@ -126,3 +128,40 @@ def test_bad_arguments():
         local_sgd(model, spec, spec.flatten(model)[None], x, y, mask, epochs=1, lr=0.1, batch_size=1, loss="mse")
     with pytest.raises(ValueError, match="no trainable parameters"):
         FlatParams.of(nn.Linear(2, 2).requires_grad_(False))
+
+
+def test_losses_against_naive_formulas():
+    """Each loss equals its formula computed by hand on the masked-in examples."""
+    g = torch.Generator().manual_seed(0)
+    mask = torch.tensor([True, True, False, True, True])
+    logits = torch.randn(5, 4, generator=g, dtype=torch.float64)
+    labels = torch.tensor([0, 3, 1, 2, 3])
+    kept = mask.nonzero().squeeze(1).tolist()
+    brier = sum(sum((torch.softmax(logits[i], 0)[c].item() - (c == labels[i].item())) ** 2 for c in range(4))
+                for i in kept) / len(kept)
+    assert masked_loss(logits, labels, mask, "rmse").item() == pytest.approx(brier ** 0.5, rel=1e-12)
+    ce = sum(-torch.log_softmax(logits[i], 0)[labels[i]].item() for i in kept) / len(kept)
+    assert masked_loss(logits, labels, mask, "cross_entropy").item() == pytest.approx(ce, rel=1e-12)
+    z = logits[:, 0]
+    bits = torch.tensor([1, 0, 1, 1, 0])
+    bce = sum(-(b * torch.log(torch.sigmoid(z[i])) + (1 - b) * torch.log(1 - torch.sigmoid(z[i]))).item()
+              for i, b in ((i, bits[i].item()) for i in kept)) / len(kept)
+    assert masked_loss(z, bits, mask, "binary_cross_entropy").item() == pytest.approx(bce, rel=1e-10)
+    assert masked_loss(z[:, None], bits, mask, "binary_cross_entropy").item() == pytest.approx(bce, rel=1e-10)
+
+
+def test_predictions_and_client_outputs():
+    assert predictions(torch.tensor([-0.5, 0.0, 2.0]), "binary_cross_entropy").tolist() == [0, 1, 1]
+    scores = torch.tensor([[0.1, 0.9], [2.0, -1.0]])
+    assert predictions(scores, "cross_entropy").tolist() == [1, 0]
+    assert predictions(scores, "rmse").tolist() == [1, 0]
+    with pytest.raises(ValueError, match="regression"):
+        predictions(torch.zeros(3), "rmse")
+    torch.manual_seed(0)
+    model = MODELS["cross_entropy"]()
+    spec = FlatParams.of(model)
+    x, _, _ = padded_clients([3, 2])
+    thetas = torch.randn(2, spec.numel, dtype=torch.float64)
+    out = client_outputs(model, spec, thetas, x)
+    for c in range(2):
+        torch.testing.assert_close(out[c], torch.func.functional_call(model, spec.unflatten(thetas[c]), (x[c],)))

@@ -176,3 +176,48 @@ def test_per_layer_sanitizes_each_tensor_with_its_own_size(monkeypatch):
         assert sizes == [6, 2, 2, 1]  # Linear(3, 2) weight and bias, Linear(2, 1) weight and bias
         assert layer_costs == pytest.approx([3.0, 1.0, 1.0, 0.5]) and cost == pytest.approx(5.5)
     assert set(m.ledger.as_dict().values()) <= {5.5, 11.0}
+
+
+def test_accuracy_and_group_fairness_of_the_chosen_hypotheses_match_fairlearn():
+    """Every test client picks its best hypothesis; test/acc and test/fairness/* are fairlearn's values on the
+    pooled predictions of those choices (the personalized model), against the sensitive groups."""
+    from fairlearn.metrics import demographic_parity_difference, equal_opportunity_difference, \
+        equalized_odds_difference
+
+    from lightning_dp.datamodules import SyntheticFairness
+    from lightning_dp.federated import client_losses
+
+    m = PersonalizedFederatedModule(LinearRegression(bias=True), num_hypotheses=2, clients_per_round=20,
+                                    local_lr=0.5, noise_multiplier=1.0, loss="binary_cross_entropy", seed=0)
+    data = SyntheticFairness(num_clients=100, num_val_clients=10, num_test_clients=30, seed=0)
+    t = trainer(max_epochs=30, num_sanity_val_steps=0, check_val_every_n_epoch=10)
+    t.fit(m, data)
+    assert "val/fairness/demographic_parity_difference" in t.callback_metrics and "val/acc" in t.callback_metrics
+    (result,) = t.test(m, data, verbose=False)
+    x, y, mask = data.padded("test")
+    choice = client_losses(m.template, m.spec, m.hypotheses, x, y, mask, m.loss_name).argmin(dim=1)
+    preds, labels, groups = [], [], []
+    for c, client in enumerate(data.test_clients):
+        model = LinearRegression(bias=True)
+        torch.nn.utils.vector_to_parameters(m.hypotheses[choice[c]], model.parameters())
+        preds += (model(client.x) >= 0).long().tolist()
+        labels += client.y.tolist()
+        groups += client.sensitive.tolist()
+    preds_t, labels_t = torch.tensor(preds), torch.tensor(labels)
+    assert result["test/acc"] == pytest.approx(float((preds_t == labels_t).double().mean()), abs=1e-9)
+    for name, fn in (("demographic_parity_difference", demographic_parity_difference),
+                     ("equalized_odds_difference", equalized_odds_difference),
+                     ("equal_opportunity_difference", equal_opportunity_difference)):
+        expected = fn(labels, preds, sensitive_features=groups)
+        assert result[f"test/fairness/{name}"] == pytest.approx(expected, abs=1e-6), name
+    for g in (0, 1):
+        rate = float(preds_t[torch.tensor(groups) == g].double().mean())
+        assert result[f"test/fairness/selection_rate/group_{g}"] == pytest.approx(rate, abs=1e-9)
+
+
+def test_regression_data_logs_no_accuracy_and_no_fairness():
+    m = module()
+    t = trainer(max_epochs=2, num_sanity_val_steps=0, check_val_every_n_epoch=1)
+    t.fit(m, SyntheticLinearMixture(num_clients=20, seed=0))
+    assert "val/loss" in t.callback_metrics
+    assert not any(k.startswith(("val/acc", "val/fairness")) for k in t.callback_metrics)

@@ -11,9 +11,9 @@ import torch
 SCRIPT = Path(__file__).with_name("ddp_script.py")
 
 
-def run(out: Path, devices: int) -> list[dict]:
+def run(out: Path, devices: int, *mode: str) -> list[dict]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), str(devices)], cwd=out, env=env,
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), str(devices), *mode], cwd=out, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(devices)]
@@ -42,3 +42,17 @@ def test_all_processes_hold_the_same_state(runs):
     (r0, r1), _ = runs
     assert torch.equal(r0["hypotheses"], r1["hypotheses"])
     assert r0["ledger"] == r1["ledger"] and r0["val"] == r1["val"] and r0["train"] == r1["train"]
+
+
+def test_fairness_metrics_of_two_processes_equal_one(tmp_path_factory):
+    """Test clients sharded 4 + 3: accuracy and every group-fairness output (per-group counts summed by
+    GroupFairness's DDP sync) equal the single-process run's, on both ranks."""
+    r0, r1 = run(tmp_path_factory.mktemp("ddp_fair"), 2, "fairness")
+    single = run(tmp_path_factory.mktemp("single_fair"), 1, "fairness")[0]
+    names = single["test"]
+    assert "test/acc" in names and "test/fairness/equalized_odds_difference" in names
+    assert "test/fairness/count/group_1" in names
+    for r in (r0, r1):
+        assert r["test"].keys() == names.keys()
+        for name, value in names.items():
+            assert r["test"][name] == pytest.approx(value, rel=1e-6, abs=1e-9), name
