@@ -94,7 +94,9 @@ def masked_loss(output: Tensor, target: Tensor, mask: Tensor, loss: str) -> Tens
     if loss == "rmse":
         if output.dim() == target.dim() + 1 and output.shape[-1] > 1:
             probs = torch.softmax(output, dim=-1)
-            onehot = torch.nn.functional.one_hot(target.long(), output.shape[-1]).to(probs.dtype)
+            # a comparison, not F.one_hot, which reads the largest label (data-dependent, refused under vmap)
+            onehot = (target.long().unsqueeze(-1) == torch.arange(output.shape[-1], device=output.device)).to(
+                probs.dtype)
             err = (probs - onehot).square().sum(-1)
         else:
             err = (output.reshape(target.shape) - target).square()

@@ -24,11 +24,12 @@ MODELS = {
     "rmse": lambda: nn.Sequential(nn.Linear(3, 2), nn.ReLU(), nn.Linear(2, 1)).double(),
     "cross_entropy": lambda: nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 4)).double(),
     "binary_cross_entropy": lambda: nn.Sequential(nn.Linear(3, 1), nn.Flatten(0)).double(),
+    "rmse_classes": lambda: nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 4)).double(),
 }
-CLASSES = {"rmse": None, "cross_entropy": 4, "binary_cross_entropy": 2}
+CLASSES = {"rmse": None, "cross_entropy": 4, "binary_cross_entropy": 2, "rmse_classes": 4}
 
 
-@pytest.mark.parametrize("loss", ["rmse", "cross_entropy", "binary_cross_entropy"])
+@pytest.mark.parametrize("loss", ["rmse", "cross_entropy", "binary_cross_entropy", "rmse_classes"])
 @pytest.mark.parametrize("epochs,batch_size", [(1, 4), (3, 2), (2, 50)])
 def test_vectorized_local_sgd_equals_per_client_loop(loss, epochs, batch_size):
     """Unequal client sizes (1 to 13 examples): a client with fewer batches must stop, not train on padding."""
@@ -41,7 +42,7 @@ def test_vectorized_local_sgd_equals_per_client_loop(loss, epochs, batch_size):
     x = torch.where(mask.unsqueeze(-1), x, torch.full_like(x, 1e6))
     start = spec.flatten(model).unsqueeze(0).repeat(len(sizes), 1) + 0.01 * torch.randn(len(sizes), spec.numel,
                                                                                        dtype=torch.float64)
-    kwargs = dict(epochs=epochs, lr=0.05, batch_size=batch_size, loss=loss)
+    kwargs = dict(epochs=epochs, lr=0.05, batch_size=batch_size, loss=loss.removesuffix("_classes"))
     fast = local_sgd(model, spec, start, x, y, mask, generator=torch.Generator().manual_seed(3), **kwargs)
     slow = local_sgd_loop(model, spec, start, x, y, mask, generator=torch.Generator().manual_seed(3), **kwargs)
     torch.testing.assert_close(fast, slow, rtol=1e-10, atol=1e-12)

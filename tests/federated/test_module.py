@@ -221,3 +221,26 @@ def test_regression_data_logs_no_accuracy_and_no_fairness():
     t.fit(m, SyntheticLinearMixture(num_clients=20, seed=0))
     assert "val/loss" in t.callback_metrics
     assert not any(k.startswith(("val/acc", "val/fairness")) for k in t.callback_metrics)
+
+
+@pytest.mark.parametrize("loss", ["rmse", "cross_entropy"])
+def test_class_score_models_log_argmax_accuracy_and_fairness(loss):
+    """Two class scores trained with cross-entropy or the RMSE (root Brier) loss: predictions are the argmax."""
+    from lightning_dp.datamodules import SyntheticFairness
+    from lightning_dp.federated import client_losses
+
+    m = PersonalizedFederatedModule(torch.nn.Linear(2, 2), num_hypotheses=2, clients_per_round=20, local_lr=0.5,
+                                    noise_multiplier=1.0, loss=loss, seed=0)
+    data = SyntheticFairness(num_clients=100, num_val_clients=10, num_test_clients=20, seed=0)
+    t = trainer(max_epochs=30, num_sanity_val_steps=0, check_val_every_n_epoch=30)
+    t.fit(m, data)
+    (result,) = t.test(m, data, verbose=False)
+    x, y, mask = data.padded("test")
+    choice = client_losses(m.template, m.spec, m.hypotheses, x, y, mask, loss).argmin(dim=1)
+    correct = total = 0
+    for c, client in enumerate(data.test_clients):
+        weight, bias = m.spec.unflatten(m.hypotheses[choice[c]]).values()
+        correct += int(((client.x @ weight.T + bias).argmax(1) == client.y).sum())
+        total += len(client)
+    assert result["test/acc"] == pytest.approx(correct / total, abs=1e-9)
+    assert result["test/acc"] > 0.75 and "test/fairness/equalized_odds_difference" in result
