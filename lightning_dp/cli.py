@@ -21,7 +21,8 @@ any ``LightningModule`` and ``LightningDataModule`` can be used. Compared with p
 - after the command, rank zero prints the run id, the tracking URI and the
   ``mlflow ui`` command to browse the runs.
 
-Subcommands: ``fit``, ``validate``, ``test``, and ``grid`` (:mod:`lightning_dp.grid`: one
+Subcommands: ``fit``, ``validate``, ``test``, ``audit`` (:mod:`lightning_dp.audit.command`: DLG against
+sanitized client releases) and ``grid`` (:mod:`lightning_dp.grid`: one
 config over a grid of overrides, nested MLflow runs, the grid's composed privacy cost).
 Top-level commands outside LightningCLI register in :data:`EXTRA_COMMANDS`; they are
 dispatched by :func:`main` before LightningCLI parses the arguments.
@@ -51,9 +52,16 @@ def _grid(argv: list[str]) -> Optional[int]:
     return grid.main(argv)
 
 
+def _audit(argv: list[str]) -> Optional[int]:
+    from lightning_dp.audit import command
+
+    return command.main(argv)
+
+
 #: Top-level commands handled outside LightningCLI: name -> function(argv) -> exit code.
 #: ``grid``: one config over a grid of overrides, with the grid's privacy cost (:mod:`lightning_dp.grid`).
-EXTRA_COMMANDS: dict[str, Callable[[list[str]], Optional[int]]] = {"grid": _grid}
+#: ``audit``: Deep Leakage from Gradients against sanitized client releases (:mod:`lightning_dp.audit.command`).
+EXTRA_COMMANDS: dict[str, Callable[[list[str]], Optional[int]]] = {"grid": _grid, "audit": _audit}
 
 
 class MLflowSaveConfigCallback(SaveConfigCallback):

@@ -6,6 +6,7 @@ Public API:
     MLP: a fully connected network on flattened inputs.
     BagOfWordsMLP: the MLP over averaged GloVe vectors of AG News (thesis ch. 3).
     ConvAutoencoder: a convolutional autoencoder for 1x28x28 images (thesis ch. 3).
+    SigmoidLeNet: the twice-differentiable LeNet of Deep Leakage from Gradients (audits).
     ImageClassifier: cross-entropy LightningModule around any classification network.
     Autoencoder: mean-squared-error LightningModule around any reconstruction network.
     LinearRegression, HospitalMLP, FEMNISTConvNet: the federated models of the seed.
@@ -14,7 +15,7 @@ Public API:
 from lightning_dp.models.autoencoder import Autoencoder
 from lightning_dp.models.classifier import ImageClassifier
 from lightning_dp.models.federated import FEMNISTConvNet, HospitalMLP, LinearRegression
-from lightning_dp.models.networks import MLP, BagOfWordsMLP, ConvAutoencoder, DigitsConvNet, MNISTConvNet
+from lightning_dp.models.networks import MLP, BagOfWordsMLP, ConvAutoencoder, DigitsConvNet, MNISTConvNet, SigmoidLeNet
 
 __all__ = ["MLP", "Autoencoder", "BagOfWordsMLP", "ConvAutoencoder", "DigitsConvNet", "FEMNISTConvNet", "HospitalMLP",
-           "ImageClassifier", "LinearRegression", "MNISTConvNet"]
+           "ImageClassifier", "LinearRegression", "MNISTConvNet", "SigmoidLeNet"]

@@ -14,12 +14,13 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["BagOfWordsMLP", "ConvAutoencoder", "DigitsConvNet", "MLP", "MNISTConvNet"]
+__all__ = ["BagOfWordsMLP", "ConvAutoencoder", "DigitsConvNet", "MLP", "MNISTConvNet", "SigmoidLeNet"]
 
 _ACTIVATIONS: dict[str, type[nn.Module]] = {"tanh": nn.Tanh, "relu": nn.ReLU}
 
@@ -295,3 +296,89 @@ class ConvAutoencoder(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return the reconstruction of ``x`` (shape ``(batch, 1, 28, 28)``), of the same shape."""
         return self.decoder(self.encoder(x))
+
+
+class SigmoidLeNet(nn.Module):
+    """The twice-differentiable LeNet of Deep Leakage from Gradients (DLG).
+
+    The network of Zhu, Liu & Han, "Deep leakage from gradients", NeurIPS 2019 (and of
+    their code, github.com/mit-han-lab/dlg, ``models/vision.py``): three 5x5
+    convolutions of 12 channels with sigmoid activations and no pooling, then one
+    linear layer. Sigmoid (unlike ReLU) has a non-zero second derivative everywhere,
+    which the gradient-matching attack needs: it differentiates the model's gradient
+    with respect to the input. :mod:`lightning_dp.audit.dlg` audits with it. Shapes for
+    an ``S x S`` input with ``c`` channels::
+
+        Conv2d(c, 12, 5, stride=2, padding=2)  -> 12 x ceil(S/2) x ceil(S/2)  -> Sigmoid
+        Conv2d(12, 12, 5, stride=2, padding=2) -> 12 x s x s, s = ceil(ceil(S/2)/2) -> Sigmoid
+        Conv2d(12, 12, 5, stride=1, padding=2) -> 12 x s x s  -> Sigmoid
+        Flatten -> Linear(12 s^2, num_classes)
+
+    Parameters: ``(300 c + 12) + 2 * 3612 + (12 s^2 + 1) * num_classes``, e.g. 44,054
+    for FEMNIST (c = 1, S = 28, s = 7, 62 classes), 8,026 for the 8x8 digits (s = 2,
+    10 classes) and 85,036 for the paper's CIFAR-100 setting (c = 3, S = 32, 100 classes).
+
+    Initialization: with ``init_range=0.5`` (default) every weight and bias is drawn
+    from ``U(-0.5, 0.5)``, the ``weights_init`` of the DLG code (its gradients are
+    larger than with PyTorch's default fan-in scaling, which makes the attack easier:
+    the audit then measures the stronger attacker). ``init_range=None`` keeps
+    PyTorch's default initialization. Draws use the global RNG, like every
+    ``nn.Module``; seed it (or wrap in ``torch.random.fork_rng``) for reproducibility.
+
+    Args:
+        in_channels: Channels of the input images (1 for grayscale, 3 for RGB).
+        image_size: Height and width ``S`` of the (square) input images.
+        num_classes: Number of output logits.
+        init_range: Half-width of the uniform initialization, a number > 0, or ``None``.
+
+    Raises:
+        ValueError: If an argument is outside its range, or (in ``forward``) if the
+            input is not of shape ``(batch, in_channels, image_size, image_size)``.
+
+    Example:
+        >>> import torch
+        >>> net = SigmoidLeNet(image_size=8, num_classes=10)
+        >>> net(torch.zeros(2, 1, 8, 8)).shape, sum(p.numel() for p in net.parameters())
+        (torch.Size([2, 10]), 8026)
+    """
+
+    def __init__(self, in_channels: int = 1, image_size: int = 28, num_classes: int = 62,
+                 init_range: float | None = 0.5) -> None:
+        super().__init__()
+        self.in_channels = _check_positive_int("in_channels", in_channels)
+        self.image_size = _check_positive_int("image_size", image_size)
+        self.num_classes = _check_positive_int("num_classes", num_classes)
+        if init_range is not None and (isinstance(init_range, bool) or not isinstance(init_range, (int, float))
+                                       or not 0 < init_range < float("inf")):
+            raise ValueError(
+                f"init_range={init_range!r} is not allowed: it must be a finite number > 0 (weights and biases "
+                "drawn from U(-init_range, init_range); the DLG code uses 0.5) or None for PyTorch's default "
+                "initialization."
+            )
+        self.init_range = None if init_range is None else float(init_range)
+        side = math.ceil(math.ceil(image_size / 2) / 2)  # after the two stride-2 convolutions
+        self.body = nn.Sequential(
+            nn.Conv2d(in_channels, 12, kernel_size=5, stride=2, padding=2),
+            nn.Sigmoid(),
+            nn.Conv2d(12, 12, kernel_size=5, stride=2, padding=2),
+            nn.Sigmoid(),
+            nn.Conv2d(12, 12, kernel_size=5, stride=1, padding=2),
+            nn.Sigmoid(),
+        )
+        self.fc = nn.Linear(12 * side * side, num_classes)
+        if self.init_range is not None:
+            with torch.no_grad():
+                for parameter in self.parameters():
+                    parameter.uniform_(-self.init_range, self.init_range)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return logits of shape ``(batch, num_classes)`` for ``x`` of shape ``(batch, in_channels, S, S)``."""
+        expected = (self.in_channels, self.image_size, self.image_size)
+        if x.dim() != 4 or tuple(x.shape[1:]) != expected:
+            raise ValueError(
+                f"SigmoidLeNet(in_channels={self.in_channels}, image_size={self.image_size}) expects inputs of shape "
+                f"(batch, {', '.join(map(str, expected))}), got {tuple(x.shape)}; build it with the data's shape, "
+                f"e.g. SigmoidLeNet(in_channels={x.shape[1] if x.dim() == 4 else 1}, "
+                f"image_size={x.shape[-1] if x.dim() >= 2 else 28})."
+            )
+        return self.fc(self.body(x).flatten(1))
