@@ -25,13 +25,18 @@ import torch
 from lightning_dp.datamodules.base import _check_positive_int
 from lightning_dp.datamodules.federated import (
     ClientDataset,
-    FederatedDataModule,
     _block_sizes,
     _check_open_fraction,
     derived_seed,
 )
 from lightning_dp.datamodules.femnist import FEMNIST, PathLike, Source, WriterData
-from lightning_dp.datamodules.synthetic import DEFAULT_THETAS, XDistribution, _validated_thetas
+from lightning_dp.datamodules.synthetic import (
+    DEFAULT_THETAS,
+    GeneratedClients,
+    XDistribution,
+    _validated_thetas,
+    draw_inputs,
+)
 
 __all__ = ["FEMNISTFairness", "SyntheticFairness"]
 
@@ -41,7 +46,7 @@ def _minority_count(total: int, minority_fraction: float) -> int:
     return _block_sizes(total, [1.0 - minority_fraction, minority_fraction])[1]
 
 
-class SyntheticFairness(FederatedDataModule):
+class SyntheticFairness(GeneratedClients):
     """The journal paper's synthetic fairness setting: a privileged group and a minority with opposite rules.
 
     Every split's clients are split into g1 (``1 - minority_fraction`` of them, exact
@@ -149,10 +154,7 @@ class SyntheticFairness(FederatedDataModule):
         groups = torch.cat([torch.zeros(count - minority, dtype=torch.long), torch.ones(minority, dtype=torch.long)])
         groups = groups[torch.randperm(count, generator=generator)]
         shape = (count, self.samples_per_client, self.input_shape[0])
-        if self.x_distribution == "normal":
-            x = torch.randn(shape, generator=generator, dtype=torch.float64)
-        else:
-            x = torch.rand(shape, generator=generator, dtype=torch.float64)
+        x = draw_inputs(shape, self.x_distribution, generator)
         u = torch.rand(shape[:2], generator=generator, dtype=torch.float64)
         offsets = groups.to(torch.float64) * self.minority_offset  # 0 for g1, the offset for g2
         scores = torch.einsum("cnd,cd->cn", x, self.true_thetas[groups]) + offsets[:, None] + u
@@ -170,13 +172,6 @@ class SyntheticFairness(FederatedDataModule):
             clients.append(ClientDataset(client_id, x[index].to(torch.float32), labels[index],
                                          torch.full((self.samples_per_client,), group, dtype=torch.long)))
         return clients
-
-    def _build_clients(self) -> tuple[list[ClientDataset], list[ClientDataset], list[ClientDataset]]:
-        return (
-            self._generate("train", self.num_clients),
-            self._generate("val", self.num_val_clients),
-            self._generate("test", self.num_test_clients),
-        )
 
     def summary(self) -> dict[str, Any]:
         """:meth:`FederatedDataModule.summary` plus, per split, ``clients_per_group`` and ``positive_rate_per_group``."""
