@@ -34,6 +34,7 @@ from lightning_dp.datamodules.synthetic import (
     DEFAULT_THETAS,
     GeneratedClients,
     XDistribution,
+    _check_x_distribution,
     _validated_thetas,
     draw_inputs,
 )
@@ -131,9 +132,7 @@ class SyntheticFairness(GeneratedClients):
                 or not math.isfinite(float(minority_offset)):
             raise ValueError(f"{owner}: minority_offset must be a finite number (15 in the paper), "
                              f"got {minority_offset!r}")
-        if x_distribution not in ("normal", "uniform"):
-            raise ValueError(f"{owner}: x_distribution must be 'normal' (x ~ N(0, I)) or 'uniform' "
-                             f"(x ~ U[0, 1)^d), got {x_distribution!r}")
+        _check_x_distribution(x_distribution, owner)
         self.save_hyperparameters()
         self.num_clients = num_clients
         self.samples_per_client = samples_per_client

@@ -33,6 +33,12 @@ DEFAULT_THETAS: tuple[tuple[float, ...], ...] = ((5.0, 6.0), (4.0, -4.5))
 XDistribution = Literal["normal", "uniform"]
 
 
+def _check_x_distribution(value: Any, owner: str) -> None:
+    if value not in ("normal", "uniform"):
+        raise ValueError(f"{owner}: x_distribution must be 'normal' (x ~ N(0, I)) or 'uniform' (x ~ U[0, 1)^d), "
+                         f"got {value!r}")
+
+
 def draw_inputs(shape: tuple[int, ...], distribution: XDistribution, generator: torch.Generator) -> torch.Tensor:
     """Float64 inputs of ``shape``: ``N(0, 1)`` (``"normal"``) or ``U[0, 1)`` (``"uniform"``) entries."""
     if distribution == "normal":
@@ -139,11 +145,7 @@ class SyntheticLinearMixture(GeneratedClients):
         self.true_thetas = _validated_thetas(thetas, owner)
         k = self.true_thetas.shape[0]
         self.proportions = _validated_proportions(proportions, k, owner)
-        if x_distribution not in ("normal", "uniform"):
-            raise ValueError(
-                f"{owner}: x_distribution must be 'normal' (x ~ N(0, I)) or 'uniform' (x ~ U[0, 1)^d), "
-                f"got {x_distribution!r}"
-            )
+        _check_x_distribution(x_distribution, owner)
         try:
             low, high = (float(value) for value in noise_range)
         except (TypeError, ValueError):
