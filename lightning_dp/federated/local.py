@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-__all__ = ["FlatParams", "LOSSES", "check_loss", "choose_hypotheses", "client_losses", "client_outputs", "local_sgd",
+__all__ = ["FlatParams", "LOSSES", "check_loss", "choose_hypotheses", "client_losses", "client_outputs_and_losses", "local_sgd",
            "local_sgd_loop", "masked_loss", "predictions"]
 
 #: Loss names accepted by the round; all are means over a client's (masked) batch.
@@ -127,21 +127,29 @@ def predictions(output: Tensor, loss: str) -> Tensor:
                      "cross_entropy/rmse on class scores)")
 
 
-def client_outputs(template: nn.Module, spec: FlatParams, thetas: Tensor, x: Tensor) -> Tensor:
-    """Every client's model output on its own (padded) inputs: client c uses ``thetas[c]``.
+def client_outputs_and_losses(template: nn.Module, spec: FlatParams, hypotheses: Tensor, x: Tensor, y: Tensor,
+                              mask: Tensor, loss: str) -> tuple[Tensor, Tensor]:
+    """Output and loss of every hypothesis on every client's whole (padded) data set.
+
+    One forward pass per (hypothesis, client) serves both the choice of a hypothesis
+    (the losses) and its predictions (the outputs, e.g. for accuracy and fairness).
 
     Args:
-        thetas: (C, P) one flat parameter vector per client (e.g. its chosen hypothesis).
-        x: padded inputs (C, Nmax, ...).
+        hypotheses: (k, P) flat parameter vectors.
+        x, y, mask: padded client data (C, Nmax, ...), (C, Nmax, ...), (C, Nmax).
 
     Returns:
-        (C, Nmax, ...) outputs (padding positions hold the output on the padding value).
+        ``outputs`` of shape (C, k, Nmax, ...) (padding positions hold the output on the
+        padding value) and ``losses`` of shape (C, k) (:func:`masked_loss`).
     """
+    check_loss(loss)
 
-    def one(theta: Tensor, xc: Tensor) -> Tensor:
-        return functional_call(template, spec.unflatten(theta), (xc,))
+    def one(theta: Tensor, xc: Tensor, yc: Tensor, mc: Tensor) -> tuple[Tensor, Tensor]:
+        output = functional_call(template, spec.unflatten(theta), (xc,))
+        return output, masked_loss(output, yc, mc, loss)
 
-    return vmap(one)(thetas, x)
+    over_clients = vmap(one, in_dims=(None, 0, 0, 0))
+    return vmap(over_clients, in_dims=(0, None, None, None), out_dims=1)(hypotheses, x, y, mask)
 
 
 def client_losses(template: nn.Module, spec: FlatParams, hypotheses: Tensor, x: Tensor, y: Tensor, mask: Tensor,
@@ -152,13 +160,7 @@ def client_losses(template: nn.Module, spec: FlatParams, hypotheses: Tensor, x: 
         hypotheses: (k, P) flat parameter vectors.
         x, y, mask: padded client data (C, Nmax, ...), (C, Nmax, ...), (C, Nmax).
     """
-    check_loss(loss)
-
-    def one(theta: Tensor, xc: Tensor, yc: Tensor, mc: Tensor) -> Tensor:
-        return masked_loss(functional_call(template, spec.unflatten(theta), (xc,)), yc, mc, loss)
-
-    over_clients = vmap(one, in_dims=(None, 0, 0, 0))
-    return vmap(over_clients, in_dims=(0, None, None, None), out_dims=1)(hypotheses, x, y, mask)
+    return client_outputs_and_losses(template, spec, hypotheses, x, y, mask, loss)[1]
 
 
 def choose_hypotheses(losses: Tensor) -> Tensor:

@@ -56,7 +56,7 @@ from lightning_dp.federated.local import (
     check_loss,
     choose_hypotheses,
     client_losses,
-    client_outputs,
+    client_outputs_and_losses,
     local_sgd,
     local_sgd_loop,
     predictions,
@@ -397,12 +397,13 @@ class PersonalizedFederatedModule(LightningModule):
             fairness = GroupFairness(self._num_groups).to(self.hypotheses.device)
         if mine:
             x, y, mask = self._padded(split, mine)
-            losses = client_losses(self.template, self.spec, self.hypotheses, x, y, mask, self.loss_name)
+            outputs, losses = client_outputs_and_losses(self.template, self.spec, self.hypotheses, x, y, mask,
+                                                        self.loss_name)
             choice = losses.argmin(dim=1)
             columns = [losses.min(dim=1).values.double(), choice.double()]
             if self._classification:
-                outputs = client_outputs(self.template, self.spec, self.hypotheses[choice], x)
-                preds = predictions(outputs.flatten(0, 1), self.loss_name).view(mask.shape)
+                chosen = outputs[torch.arange(len(mine), device=choice.device), choice]  # (C, Nmax, ...)
+                preds = predictions(chosen.flatten(0, 1), self.loss_name).view(mask.shape)
                 columns += [((preds == y.long()) & mask).sum(1).double(), mask.sum(1).double()]
                 if fairness is not None:
                     groups = padded_sensitive([self._clients[split][i] for i in mine])

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from lightning_dp.federated import FlatParams, choose_hypotheses, client_losses, local_sgd, local_sgd_loop
-from lightning_dp.federated.local import client_outputs, masked_loss, predictions
+from lightning_dp.federated.local import client_outputs_and_losses, masked_loss, predictions
 
 
 def padded_clients(sizes, d=3, classes=None, seed=0):
@@ -151,7 +151,7 @@ def test_losses_against_naive_formulas():
     assert masked_loss(z[:, None], bits, mask, "binary_cross_entropy").item() == pytest.approx(bce, rel=1e-10)
 
 
-def test_predictions_and_client_outputs():
+def test_predictions_and_client_outputs_and_losses():
     assert predictions(torch.tensor([-0.5, 0.0, 2.0]), "binary_cross_entropy").tolist() == [0, 1, 1]
     scores = torch.tensor([[0.1, 0.9], [2.0, -1.0]])
     assert predictions(scores, "cross_entropy").tolist() == [1, 0]
@@ -161,8 +161,13 @@ def test_predictions_and_client_outputs():
     torch.manual_seed(0)
     model = MODELS["cross_entropy"]()
     spec = FlatParams.of(model)
-    x, _, _ = padded_clients([3, 2])
-    thetas = torch.randn(2, spec.numel, dtype=torch.float64)
-    out = client_outputs(model, spec, thetas, x)
+    x, y, mask = padded_clients([3, 2], classes=4)
+    hyps = torch.randn(3, spec.numel, dtype=torch.float64)
+    out, losses = client_outputs_and_losses(model, spec, hyps, x, y, mask, "cross_entropy")
+    assert out.shape == (2, 3, 3, 4) and losses.shape == (2, 3)
+    torch.testing.assert_close(losses, client_losses(model, spec, hyps, x, y, mask, "cross_entropy"))
     for c in range(2):
-        torch.testing.assert_close(out[c], torch.func.functional_call(model, spec.unflatten(thetas[c]), (x[c],)))
+        for j in range(3):
+            ref = torch.func.functional_call(model, spec.unflatten(hyps[j]), (x[c],))
+            torch.testing.assert_close(out[c, j], ref)
+            torch.testing.assert_close(losses[c, j], masked_loss(ref, y[c], mask[c], "cross_entropy"))
