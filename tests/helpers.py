@@ -72,3 +72,8 @@ def seed_store(template: Path, database: Path) -> None:
     """Put a ready (empty) MLflow database at ``database``: a copy of the ``store_template`` fixture's."""
     database.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(template, database)
+
+
+def probe(engine, forward, *batch: torch.Tensor) -> None:
+    """Establish the engine's batch dimensions by running ``forward`` on rows of ``batch`` (examples in dim 0)."""
+    engine.probe(lambda n: forward(*(t[torch.arange(n) % t.shape[0]] for t in batch)))

@@ -26,10 +26,21 @@ Every other module that owns trainable parameters directly (LayerNorm, GroupNorm
 PReLU, custom modules, ...) falls back to ``torch.func`` (``vmap`` over ``vjp`` of the
 module alone), which is exact but slower.
 
-Contract (checked, with clear errors): the batch dimension is dimension 0 of every
-hooked layer's input and output; the loss is the batch MEAN of per-example losses, so
-the per-example gradient is ``batch_size`` times the recorded contribution; every
-trainable parameter is used only inside the forward of the module that owns it.
+Where each layer holds the batch is established, not assumed: :meth:`GradSampleEngine.probe`
+runs the forward pass on probe batches of several sizes and finds, for every tensor a
+hooked layer receives or returns, the dimension that follows the number of examples
+(:mod:`lightning_dp.privacy.batch_dims`). Sequence-first layers (``(T, B, d)``) are
+handled by moving that dimension first; a layer whose input has no batch dimension
+(a positional embedding of ``torch.arange(T)`` shared by every example) is refused,
+since its gradient cannot be split by example. Every training step is checked against
+the probe: the same structure, and the step's batch size at every established dimension.
+
+Contract (checked, with clear errors): the loss is the batch MEAN of per-example losses,
+so the per-example gradient is ``batch_size`` times the recorded contribution; every
+trainable parameter is used only inside the forward of the module that owns it; the set
+of trainable parameters is the one the engine was built for (:meth:`GradSampleEngine.trainable_changed`).
+Only trainable parameters count in the per-sample norm (a frozen weight beside a
+trainable bias adds nothing).
 
 Example:
     >>> import torch
@@ -37,6 +48,7 @@ Example:
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
     >>> engine = GradSampleEngine(model)
     >>> x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    >>> engine.probe(lambda n: model(x[:n]))  # where the batch is: dimension 0 here
     >>> with engine.record():
     ...     torch.nn.functional.cross_entropy(model(x), y).backward()
     >>> norms = engine.per_sample_norms()
@@ -48,7 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,7 +68,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["GradSampleEngine", "PerSampleGradientError", "choose_layer_strategy"]
+from lightning_dp.privacy.batch_dims import PROBE_SIZES, AmbiguousBatchDimError, batch_dim
+
+__all__ = ["GradSampleEngine", "PerSampleGradientError", "choose_layer_strategy", "trainable_parameters"]
 
 #: Instantiated per-sample gradients larger than this (bytes, per layer) force the ghost norm.
 DEFAULT_INSTANTIATE_LIMIT = 512 * 2**20
@@ -114,6 +128,29 @@ class _Call:
     grad_output: Tensor | None = None
 
 
+def _shape(value: Any) -> tuple[int, ...] | None:
+    return tuple(value.shape) if isinstance(value, Tensor) else None
+
+
+@dataclass(frozen=True)
+class _CallShapes:
+    """The tensor shapes of one call during a probe run (None for non-tensors)."""
+
+    args: tuple[tuple[int, ...] | None, ...]
+    kwargs: tuple[tuple[str, tuple[int, ...] | None], ...]
+    output: tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
+class _BatchDims:
+    """Where one layer's calls hold the batch: per positional argument, keyword argument and output."""
+
+    args: tuple[int | None, ...]
+    kwargs: dict[str, int | None]
+    output: int | None
+    ranks: tuple[int | None, ...]  # ranks of the positional tensor arguments, to recognise a changed structure
+
+
 @dataclass
 class _Layer:
     """A module that owns trainable parameters directly, with its records for one step."""
@@ -125,6 +162,13 @@ class _Layer:
     calls: list[_Call] = field(default_factory=list)
     # per-sample gradients kept between the norm pass and the sum pass (instantiate strategy)
     cache: dict[str, Tensor] = field(default_factory=dict)
+    # established by GradSampleEngine.probe
+    dims: _BatchDims | None = None
+    probe_calls: list[list[_CallShapes]] = field(default_factory=list)
+
+    @property
+    def trainable(self) -> set[str]:
+        return {n for n, _ in self.params}
 
 
 def _rule_for(module: nn.Module) -> str:
@@ -138,12 +182,18 @@ def _rule_for(module: nn.Module) -> str:
     return "functorch"
 
 
+def trainable_parameters(module: nn.Module) -> tuple[int, ...]:
+    """Identities of the parameters of ``module`` that require grad: the engine's trainable set."""
+    return tuple(id(p) for p in module.parameters() if p.requires_grad)
+
+
 class GradSampleEngine:
     """Book-keeping per-sample gradient engine (see the module docstring).
 
     Args:
         module: the model; hooks are attached to every submodule that owns trainable
-            parameters directly.
+            parameters directly. The set of trainable parameters is fixed when the engine
+            is built: build a new engine when it changes (:meth:`trainable_changed`).
         instantiate_limit: bytes above which a layer never instantiates per-sample
             gradients (see :func:`choose_layer_strategy`).
     """
@@ -152,6 +202,7 @@ class GradSampleEngine:
         self.module = module
         self.instantiate_limit = int(instantiate_limit)
         self.layers: list[_Layer] = []
+        self._trainable = trainable_parameters(module)
         owners: dict[int, str] = {}
         for mod_name, mod in module.named_modules():
             params = [(n, p) for n, p in mod.named_parameters(recurse=False) if p.requires_grad]
@@ -170,6 +221,8 @@ class GradSampleEngine:
                 f"{type(module).__name__} has no trainable parameters (none with requires_grad=True); "
                 "there is nothing to train privately. Unfreeze at least one parameter.")
         self._recording = False
+        self._probing = False
+        self._probed = False
         self._anchor = torch.zeros((), requires_grad=True)
         self._buffers: dict[tuple[int, str], Tensor] = {}
         self._handles: list[Any] = []
@@ -183,8 +236,24 @@ class GradSampleEngine:
         """The trainable parameters, in the order of :meth:`clipped_sum`'s output."""
         return [p for layer in self.layers for _, p in layer.params]
 
+    @property
+    def probed(self) -> bool:
+        """Whether :meth:`probe` has established the batch dimensions."""
+        return self._probed
+
+    def trainable_changed(self) -> bool:
+        """Whether the module's trainable parameters differ from those this engine was built for.
+
+        A parameter unfrozen later (Lightning's ``BackboneFinetuning``, a hook that sets
+        ``requires_grad``) would otherwise receive an ordinary, unclipped gradient; a
+        parameter frozen later would be unfrozen again by the hooks.
+        """
+        return trainable_parameters(self.module) != self._trainable
+
     def _make_pre_hook(self, layer: _Layer):
         def pre_hook(mod: nn.Module, args: tuple[Any, ...]) -> None:
+            if self._probing:
+                return
             if not (self._recording and torch.is_grad_enabled()):
                 return
             # Freeze the weights while this layer runs: autograd then computes only the
@@ -197,6 +266,11 @@ class GradSampleEngine:
 
     def _make_hook(self, layer: _Layer):
         def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            if self._probing:
+                layer.probe_calls[-1].append(_CallShapes(
+                    args=tuple(_shape(a) for a in args), kwargs=tuple((k, _shape(v)) for k, v in kwargs.items()),
+                    output=_shape(output)))
+                return
             if not (self._recording and torch.is_grad_enabled()):
                 return
             call = layer.calls[-1]
@@ -219,6 +293,99 @@ class GradSampleEngine:
             output.register_hook(save_grad)
             return output
         return hook
+
+    # ------------------------------------------------------------ batch dims
+    def probe(self, run: Callable[[int], Any], sizes: Sequence[int] = PROBE_SIZES) -> None:
+        """Establishes where every hooked layer's inputs and outputs hold the batch.
+
+        Calls ``run(n)`` for every ``n`` in ``sizes``; each call must run the forward pass
+        of a batch of ``n`` examples exactly as training does (autograd enabled; its result
+        is discarded, no backward pass is needed). The shapes seen by every layer then say
+        which dimension follows the number of examples (:func:`~lightning_dp.privacy.batch_dims.batch_dim`);
+        per-sample gradients are computed along it and every training step is checked
+        against it. Must be called before :meth:`per_sample_norms`, and again after the
+        model's structure changes.
+
+        Raises:
+            PerSampleGradientError: If a layer's input or output has no batch dimension (its
+                parameters act on something shared by all examples, such as a positional
+                embedding of ``torch.arange(T)``), several dimensions follow the batch, or a
+                layer's calls disagree on where the batch is.
+
+        Example:
+            >>> model = torch.nn.Linear(4, 2)
+            >>> engine = GradSampleEngine(model)
+            >>> x = torch.randn(10, 4)
+            >>> engine.probe(lambda n: model(x[:n]))
+            >>> engine.remove()
+        """
+        sizes = tuple(int(n) for n in sizes)
+        if len(set(sizes)) != len(sizes) or len(sizes) < 2 or min(sizes) < 2:
+            raise ValueError(f"sizes={sizes} must hold at least two distinct numbers of examples >= 2")
+        if self._recording:
+            raise PerSampleGradientError("probe() cannot run while a step is being recorded")
+        for layer in self.layers:
+            layer.probe_calls = []
+        self._probing = True
+        try:
+            for n in sizes:
+                for layer in self.layers:
+                    layer.probe_calls.append([])
+                with torch.enable_grad():
+                    run(n)
+        finally:
+            self._probing = False
+        for layer in self.layers:
+            layer.dims = self._establish(layer, sizes)
+            layer.probe_calls = []
+        self._probed = True
+
+    def _establish(self, layer: _Layer, sizes: tuple[int, ...]) -> _BatchDims | None:
+        runs = layer.probe_calls
+        if any(not calls for calls in runs):
+            return None  # not called in some probe (conditional computation): refused if called in training
+        where = f"layer {layer.name} ({type(layer.module).__name__})"
+        found: list[_BatchDims] = []
+        for j in range(min(len(calls) for calls in runs)):
+            shapes = [calls[j] for calls in runs]
+            try:
+                args = tuple(None if shapes[0].args[i] is None else batch_dim([s.args[i] for s in shapes], sizes)
+                             for i in range(len(shapes[0].args)))
+                kwargs = {}
+                for k, _ in shapes[0].kwargs:
+                    seen = [dict(s.kwargs).get(k) for s in shapes]
+                    kwargs[k] = None if any(v is None for v in seen) else batch_dim(seen, sizes)
+                output = None if shapes[0].output is None else batch_dim([s.output for s in shapes], sizes)
+            except AmbiguousBatchDimError as err:
+                raise PerSampleGradientError(f"{where}: {err}. Per-sample gradients need each example's "
+                                             "data in its own slice of one batch dimension.") from None
+            found.append(_BatchDims(args, kwargs, output, tuple(None if s is None else len(s)
+                                                                 for s in shapes[0].args)))
+        if any(f != found[0] for f in found[1:]):
+            raise PerSampleGradientError(
+                f"{where} is called several times per step with the batch at different dimensions "
+                f"({[f.args for f in found]}); use one layer per layout, or keep the batch first.")
+        dims = found[0]
+        batched_input = dims.args[0] if dims.args else None
+        if layer.rule == "functorch":
+            batched_input = next((d for d in (*dims.args, *dims.kwargs.values()) if d is not None), None)
+        if batched_input is None or dims.output is None:
+            seen = {n: next((s for s in calls[0].args if s is not None), None) for n, calls in zip(sizes, runs)}
+            raise PerSampleGradientError(
+                f"{where} receives an input without a batch dimension (input shapes {seen} for batches of "
+                f"{list(sizes)} examples: no dimension follows the number of examples). Either its parameters act on "
+                "something shared by all examples, such as a positional embedding of torch.arange(T) added to every "
+                "sequence, whose gradient cannot be split by example: index it with a per-example tensor (e.g. "
+                "pos = torch.arange(T).expand(B, T)) or freeze it (requires_grad=False). Or the batch is folded into "
+                "another dimension, as (B, T, d) -> (B*T, d) does, which would clip tokens instead of examples: "
+                "keep the batch dimension, e.g. apply nn.Linear to (B, T, d).")
+        if layer.rule == "conv" and dims.args[0] != 0:
+            raise PerSampleGradientError(f"{where} sees the batch at dimension {dims.args[0]}; a convolution needs "
+                                         "its input as (batch, channels, ...)")
+        if layer.rule in ("linear", "embedding") and dims.output != dims.args[0]:
+            raise PerSampleGradientError(f"{where}: output batch dimension {dims.output} differs from the input's "
+                                         f"{dims.args[0]}")
+        return dims
 
     @contextlib.contextmanager
     def record(self) -> Iterator[None]:
@@ -261,24 +428,51 @@ class GradSampleEngine:
 
     # ------------------------------------------------------------ computation
     def batch_size(self) -> int:
-        """The batch size seen by the recorded forward (dimension 0 of the layer inputs)."""
-        sizes = {self._call_batch(layer, c) for layer in self.layers for c in layer.calls}
+        """The number of examples of the recorded step, read at the established batch dimensions.
+
+        Raises:
+            PerSampleGradientError: If batch dimensions were not established (:meth:`probe`),
+                no layer ran, a called layer was never seen while probing, a tensor's rank
+                differs from the probe's, or the layers disagree on the batch size.
+        """
+        if not self._probed:
+            raise PerSampleGradientError(
+                "the batch dimensions are not established: call engine.probe(run) with a function that runs the "
+                "forward pass on n examples (DPSGD does this when training starts).")
+        sizes: dict[int, str] = {}
+        for layer in self.layers:
+            if layer.calls and layer.dims is None:
+                raise PerSampleGradientError(
+                    f"layer {layer.name} ({type(layer.module).__name__}) ran in this step but not in every probe "
+                    "run, so where its input holds the batch is not established (conditional computation?). Probe "
+                    "again with batches that exercise it, or freeze its parameters.")
+            for call in layer.calls:
+                for size in self._call_sizes(layer, call):
+                    sizes.setdefault(size, layer.name)
         if not sizes:
             raise PerSampleGradientError(
                 "no trainable layer was called during the recorded forward pass; did training_step run the "
                 "model with gradients enabled?")
         if len(sizes) > 1:
             raise PerSampleGradientError(
-                f"hooked layers saw different batch sizes {sorted(sizes)}; the engine needs the batch "
-                "dimension first in every layer with trainable parameters (batch_first=True).")
-        return sizes.pop()
+                f"the layers saw different batch sizes at their established batch dimensions ({sizes}); the step's "
+                "structure differs from the probe's. Keep one batch dimension per layer.")
+        return sizes.popitem()[0]
 
     @staticmethod
-    def _call_batch(layer: _Layer, call: _Call) -> int:
-        for a in call.args:
-            if isinstance(a, Tensor):
-                return a.shape[0]
-        raise PerSampleGradientError(f"module {layer.name} was called without a tensor argument")
+    def _call_sizes(layer: _Layer, call: _Call) -> list[int]:
+        """The sizes of a call's tensors at their batch dimensions, after checking the structure."""
+        dims = layer.dims
+        assert dims is not None
+        ranks = tuple(a.dim() if isinstance(a, Tensor) else None for a in call.args)
+        if ranks != dims.ranks or set(call.kwargs) != set(dims.kwargs):
+            raise PerSampleGradientError(
+                f"layer {layer.name} ({type(layer.module).__name__}) was called with tensors of ranks {ranks} and "
+                f"keywords {sorted(call.kwargs)}, but with ranks {dims.ranks} and keywords {sorted(dims.kwargs)} when "
+                "probed; its batch dimension is not established for this call.")
+        sizes = [a.shape[d] for a, d in zip(call.args, dims.args) if d is not None]
+        sizes += [call.kwargs[k].shape[d] for k, d in dims.kwargs.items() if d is not None]
+        return sizes
 
     def check_parameter_gradients(self) -> None:
         """Raises if autograd gave a gradient to a parameter outside its module's forward.
@@ -296,15 +490,27 @@ class GradSampleEngine:
                 "forward (no F.linear(x, module.weight) in training_step; nn.MultiheadAttention is not "
                 "supported), or freeze it with requires_grad=False.")
 
-    def _records(self, layer: _Layer, scale: float) -> list[tuple[_Call, Tensor]]:
+    def _records(self, layer: _Layer, scale: float) -> list[tuple[Any, Tensor]]:
+        """The step's calls with their output gradients times ``scale``.
+
+        For the fast rules, ``(input, grad_output)`` with the batch moved to dimension 0;
+        for the ``torch.func`` rule, ``(call, grad_output)`` as recorded (it batches along
+        the established dimensions itself).
+        """
+        dims = layer.dims
         out = []
         for c in layer.calls:
-            if c.grad_output is not None:
+            if c.grad_output is None:
+                continue
+            if layer.rule == "functorch":
                 out.append((c, c.grad_output * scale))
+            else:
+                assert dims is not None and dims.args[0] is not None and dims.output is not None
+                out.append((c.args[0].movedim(dims.args[0], 0), c.grad_output.movedim(dims.output, 0) * scale))
         return out
 
     def per_sample_norms(self, *, loss_scale: float | None = None) -> Tensor:
-        """Per-sample L2 norms of the full (flat) gradient, shape ``(batch,)``.
+        """Per-sample L2 norms of the full (flat) gradient of the trainable parameters, shape ``(batch,)``.
 
         Args:
             loss_scale: factor turning a recorded contribution into a per-example
@@ -321,7 +527,8 @@ class GradSampleEngine:
             if not records or b == 0:
                 continue
             sq += getattr(self, f"_norms_{layer.rule}")(layer, records, b)
-        return sq.sqrt()
+        # Gram-matrix (ghost) norms are sums of products that can round below zero in float32
+        return sq.clamp_min_(0).sqrt()
 
     def clipped_sum(self, factors: Tensor) -> list[Tensor]:
         """Sum over the batch of per-sample gradients times ``factors``.
@@ -344,10 +551,9 @@ class GradSampleEngine:
 
     # ------------------------------------------------------------- rule: linear
     @staticmethod
-    def _linear_mats(records: Sequence[tuple[_Call, Tensor]], b: int) -> tuple[Tensor, Tensor]:
+    def _linear_mats(records: Sequence[tuple[Tensor, Tensor]], b: int) -> tuple[Tensor, Tensor]:
         xs, gs = [], []
-        for call, go in records:
-            x = call.args[0]
+        for x, go in records:
             xs.append(x.reshape(b, -1, x.shape[-1]))
             gs.append(go.reshape(b, -1, go.shape[-1]))
         # several calls of one layer = one call over the concatenated positions
@@ -377,17 +583,18 @@ class GradSampleEngine:
 
     def _norms_linear(self, layer: _Layer, records, b: int) -> Tensor:
         x, go = self._linear_mats(records, b)
-        sq = self._weight_sq_norms(layer, x, go)
-        if layer.module.bias is not None and layer.module.bias.requires_grad:
+        # only trainable parameters count: a frozen weight beside a trainable bias (BitFit) adds nothing
+        sq = self._weight_sq_norms(layer, x, go) if "weight" in layer.trainable else x.new_zeros(b)
+        if "bias" in layer.trainable:
             sq = sq + go.sum(1).square().sum(1)
         return sq
 
     def _sum_linear(self, layer: _Layer, records, factors: Tensor) -> dict[str, Tensor]:
         x, go = self._linear_mats(records, factors.shape[0])
         out = {}
-        if layer.module.weight.requires_grad:
+        if "weight" in layer.trainable:
             out["weight"] = self._weighted_weight_sum(layer, x, go, factors)
-        if layer.module.bias is not None and layer.module.bias.requires_grad:
+        if "bias" in layer.trainable:
             out["bias"] = factors.to(go.dtype) @ go.sum(1)
         return out
 
@@ -431,8 +638,8 @@ class GradSampleEngine:
         p = c_out // g
         key = id(layer)
         total = None
-        for call, go in records:
-            x = self._conv_input(m, call.args[0])
+        for x, go in records:
+            x = self._conv_input(m, x)
             if x.dim() != nd + 2:
                 raise PerSampleGradientError(f"layer {layer.name} got an input of shape {tuple(x.shape)}; "
                                              "per-sample gradients need a batched input (batch first)")
@@ -466,8 +673,8 @@ class GradSampleEngine:
                 f"{self.instantiate_limit} bytes) and the ghost norm supports Conv1d/Conv2d with groups=1 only; "
                 "raise instantiate_limit or lower the batch size.")
         xs, gs = [], []
-        for call, go in records:
-            x = self._conv_input(m, call.args[0])
+        for x, go in records:
+            x = self._conv_input(m, x)
             if isinstance(m, nn.Conv1d):
                 x = x.unsqueeze(2)
                 kernel, dilation, stride = (1, *m.kernel_size), (1, *m.dilation), (1, *m.stride)
@@ -483,16 +690,17 @@ class GradSampleEngine:
         return b * w.numel() * w.element_size() <= self.instantiate_limit
 
     def _norms_conv(self, layer: _Layer, records, b: int) -> Tensor:
-        m = layer.module
-        if self._conv_instantiates(layer, b):
-            gs = self._conv_grad_sample(layer, records, b)
-            layer.cache["weight"] = gs
-            sq = torch.linalg.vector_norm(gs.view(b, -1), dim=1).square()
-        else:
-            x, go = self._conv_mats(layer, records, b)
-            layer.cache["mats"] = (x, go)
-            sq = self._weight_sq_norms(layer, x, go)
-        if m.bias is not None and m.bias.requires_grad:
+        sq = records[0][1].new_zeros(b)
+        if "weight" in layer.trainable:  # a frozen weight (BitFit) adds nothing to the norm
+            if self._conv_instantiates(layer, b):
+                gs = self._conv_grad_sample(layer, records, b)
+                layer.cache["weight"] = gs
+                sq = torch.linalg.vector_norm(gs.view(b, -1), dim=1).square()
+            else:
+                x, go = self._conv_mats(layer, records, b)
+                layer.cache["mats"] = (x, go)
+                sq = self._weight_sq_norms(layer, x, go)
+        if "bias" in layer.trainable:
             bias = sum(go.reshape(b, go.shape[1], -1).sum(2) for _, go in records)
             layer.cache["bias"] = bias
             sq = sq + bias.square().sum(1)
@@ -501,11 +709,11 @@ class GradSampleEngine:
     def _sum_conv(self, layer: _Layer, records, factors: Tensor) -> dict[str, Tensor]:
         m = layer.module
         b = factors.shape[0]
-        if "weight" not in layer.cache and "mats" not in layer.cache:
+        if "weight" not in layer.cache and "mats" not in layer.cache and "bias" not in layer.cache:
             self._norms_conv(layer, records, b)
         f = factors.to(m.weight.dtype)
         out = {}
-        if m.weight.requires_grad:
+        if "weight" in layer.trainable:
             if "weight" in layer.cache:
                 gs = layer.cache["weight"]
                 summed = (f @ gs.view(b, -1)).view(gs.shape[1:])
@@ -513,7 +721,7 @@ class GradSampleEngine:
             else:
                 x, go = layer.cache["mats"]
                 out["weight"] = self._weighted_weight_sum(layer, x, go, factors).reshape(m.weight.shape)
-        if m.bias is not None and m.bias.requires_grad:
+        if "bias" in layer.trainable:
             out["bias"] = f @ layer.cache["bias"]
         return out
 
@@ -522,8 +730,8 @@ class GradSampleEngine:
     def _embedding_mats(layer: _Layer, records, b: int) -> tuple[Tensor, Tensor]:
         ids, gs = [], []
         pad = layer.module.padding_idx
-        for call, go in records:
-            idx = call.args[0].reshape(b, -1)
+        for idx, go in records:
+            idx = idx.reshape(b, -1)
             g = go.reshape(b, -1, go.shape[-1])
             if pad is not None:
                 g = g * (idx != pad).unsqueeze(-1).to(g.dtype)
@@ -553,16 +761,20 @@ class GradSampleEngine:
         was_recording, self._recording = self._recording, False  # the replay must not be recorded
         try:
             for call, go in records:
-                dims = tuple(0 if isinstance(a, Tensor) and a.dim() > 0 and a.shape[0] == b else None
-                             for a in call.args)
+                dims = layer.dims
+                assert dims is not None
+                kw_dims = {k: dims.kwargs.get(k) for k in call.kwargs}
 
-                def one(go_i: Tensor, *args_i: Any, _call: _Call = call, _dims=dims) -> dict[str, Tensor]:
-                    args = tuple(a.unsqueeze(0) if d == 0 else a for a, d in zip(args_i, _dims))
-                    _, pullback = vjp(lambda p: functional_call(layer.module, p, args, _call.kwargs), params)
-                    return pullback(go_i.unsqueeze(0))[0]
+                def one(go_i: Tensor, args_i: tuple[Any, ...], kwargs_i: dict[str, Any], _dims=dims,
+                        _kw_dims=kw_dims) -> dict[str, Tensor]:
+                    # one example, with a batch of one at the dimensions where the layer holds the batch
+                    args = tuple(a if d is None else a.unsqueeze(d) for a, d in zip(args_i, _dims.args))
+                    kwargs = {k: v if _kw_dims[k] is None else v.unsqueeze(_kw_dims[k]) for k, v in kwargs_i.items()}
+                    _, pullback = vjp(lambda p: functional_call(layer.module, p, args, kwargs), params)
+                    return pullback(go_i.unsqueeze(_dims.output))[0]
 
                 try:
-                    grads = vmap(one, in_dims=(0, *dims))(go, *call.args)
+                    grads = vmap(one, in_dims=(dims.output, dims.args, kw_dims))(go, call.args, call.kwargs)
                 except Exception as err:  # torch.func raises many types; say what failed and why
                     raise PerSampleGradientError(
                         f"torch.func could not compute per-sample gradients of {layer.name} "

@@ -10,6 +10,7 @@ from torch import nn
 from lightning_dp.models import MLP, BagOfWordsMLP, ConvAutoencoder, DigitsConvNet, MNISTConvNet
 from lightning_dp.privacy.clipping import clip_factors
 from lightning_dp.privacy.grad_sample import GradSampleEngine
+from tests.helpers import probe
 
 _NORMS_MIXING_EXAMPLES = (nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm)
 
@@ -129,6 +130,7 @@ def test_per_sample_gradients_match_naive_loop(case: str) -> None:
     reference = _naive_per_sample(model, loss_fn, x, y)
     model.zero_grad(set_to_none=True)
     engine = GradSampleEngine(model)
+    probe(engine, model, x)
     with engine.record():
         loss_fn(model(x), y).backward()
     engine.check_parameter_gradients()

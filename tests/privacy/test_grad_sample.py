@@ -7,6 +7,7 @@ from torch import nn
 
 from lightning_dp.privacy.clipping import clip_factors
 from lightning_dp.privacy.grad_sample import GradSampleEngine, PerSampleGradientError, choose_layer_strategy
+from tests.helpers import probe
 
 
 def naive_per_sample(model, loss_fn, x, y):
@@ -22,6 +23,7 @@ def naive_per_sample(model, loss_fn, x, y):
 
 def engine_result(model, loss_fn, x, y, c, **engine_kwargs):
     engine = GradSampleEngine(model, **engine_kwargs)
+    probe(engine, model, x)
     with engine.record():
         loss_fn(model(x), y).backward()
     engine.check_parameter_gradients()
@@ -146,6 +148,7 @@ def test_ghost_and_instantiate_agree_for_sequences():
     results = []
     for limit in (0, 2**40):  # limit 0 forces the ghost norm
         engine = GradSampleEngine(model, instantiate_limit=limit)
+        probe(engine, model, x)
         with engine.record():
             model(x).square().mean(dim=(1, 2)).mean().backward()
         n = engine.per_sample_norms()
@@ -159,6 +162,7 @@ def test_ghost_and_instantiate_agree_for_sequences():
 def test_empty_batch_gives_zero_sums():
     model = nn.Sequential(nn.Linear(3, 2))
     engine = GradSampleEngine(model)
+    probe(engine, model, torch.zeros(1, 3))
     with engine.record():
         F.cross_entropy(model(torch.zeros(0, 3)), torch.zeros(0, dtype=torch.long)).backward()
     norms = engine.per_sample_norms()
@@ -193,6 +197,7 @@ def test_parameter_used_outside_its_module_is_detected():
 
     model = Leaky()
     engine = GradSampleEngine(model)
+    probe(engine, model, torch.randn(4, 3))
     with engine.record():
         model(torch.randn(4, 3)).sum().backward()
     with pytest.raises(PerSampleGradientError, match="outside the forward"):
@@ -207,3 +212,159 @@ def test_hooks_are_inert_when_not_recording():
     assert not engine.layers[0].calls
     engine.remove()
     assert not model[0]._forward_hooks and not model[0]._forward_pre_hooks
+
+
+# ------------------------------------------------------------------ established batch dimensions
+class SequenceFirst(nn.Module):
+    """Applies its layers to (T, B, d), as sequence-first code does; here T == B == 5."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(9, 4)
+        self.lin = nn.Linear(4, 4)
+        self.ln = nn.LayerNorm(4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, ids):  # ids: (B, T)
+        h = self.emb(ids.t())  # (T, B, 4)
+        h = self.ln(torch.tanh(self.lin(h)))
+        return self.out(h.mean(0))
+
+
+class MaskedMix(nn.Module):
+    """A layer with a parameter that takes a shared (T, T) mask and a per-example keyword tensor."""
+
+    def __init__(self, d=3):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d, d) / d)
+
+    def forward(self, x, mask, *, scale):
+        return (mask @ x) @ self.weight * scale[:, None, None]
+
+
+class MaskedNet(nn.Module):
+    def __init__(self, t=5):
+        super().__init__()
+        self.register_buffer("mask", torch.tril(torch.ones(t, t)))
+        self.mix = MaskedMix()
+        self.out = nn.Linear(3, 2)
+
+    def forward(self, x):  # x: (B, T, 3)
+        return self.out(self.mix(x, self.mask, scale=x[:, 0, 0].sigmoid()).mean(1))
+
+
+class PositionalEmbedding(nn.Module):
+    """nanoGPT's wpe(arange(T)): one embedding shared by every example of the batch."""
+
+    def __init__(self, t=5):
+        super().__init__()
+        self.tok = nn.Embedding(9, 4)
+        self.pos = nn.Embedding(t, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, ids):
+        h = self.tok(ids) + self.pos(torch.arange(ids.shape[1]))
+        return self.out(h.mean(1))
+
+
+@pytest.mark.parametrize("make,make_x", [
+    (SequenceFirst, lambda g: torch.randint(0, 9, (5, 5), generator=g)),
+    (MaskedNet, lambda g: torch.randn(5, 5, 3, generator=g, dtype=torch.float64)),
+], ids=["sequence_first_T_equals_B", "shared_mask_T_equals_B_and_keyword_tensor"])
+def test_batch_dimension_is_established_when_other_dimensions_equal_the_batch(make, make_x):
+    """T == B: reading dimension 0 as the batch would mix examples; the probe finds the real one."""
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = make().double()
+    x, y = make_x(g), torch.randint(0, 2, (5,), generator=g)
+    ref = naive_per_sample(model, F.cross_entropy, x, y)
+    model.zero_grad(set_to_none=True)
+    norms, flat = engine_result(model, F.cross_entropy, x, y, 0.5)
+    torch.testing.assert_close(norms, ref.norm(dim=1), rtol=1e-9, atol=1e-12)
+    factors = clip_factors(ref.norm(dim=1), 0.5)
+    torch.testing.assert_close(flat, (factors[:, None] * ref).sum(0), rtol=1e-9, atol=1e-12)
+
+
+def test_input_without_batch_dimension_is_refused():
+    """wpe(arange(T)) with T == B looked per-example by its shape; its gradient is shared by all examples."""
+    model = PositionalEmbedding()
+    engine = GradSampleEngine(model)
+    with pytest.raises(PerSampleGradientError, match=r"pos \(Embedding\) receives an input without a batch "
+                                                     r"dimension.*arange\(T\).expand\(B, T\)"):
+        probe(engine, model, torch.randint(0, 9, (5, 5)))
+
+
+def test_folded_batch_and_batch_by_batch_inputs_are_refused():
+    flat = nn.Linear(3, 3)
+    engine = GradSampleEngine(flat)
+    with pytest.raises(PerSampleGradientError, match="without a batch dimension"):
+        probe(engine, lambda x: flat(x.reshape(-1, 3)), torch.randn(4, 2, 3))  # (B*T, d)
+    pair = nn.Linear(1, 1)
+    engine = GradSampleEngine(pair)
+    with pytest.raises(PerSampleGradientError, match=r"dimensions \[0, 1\] all follow the number of examples"):
+        probe(engine, lambda x: pair((x @ x.t()).unsqueeze(-1)), torch.randn(4, 3))  # (B, B, 1)
+
+
+def test_steps_are_checked_against_the_probe():
+    model = nn.Linear(3, 2)
+    engine = GradSampleEngine(model)
+    with engine.record():
+        model(torch.randn(4, 3)).sum().backward()
+    with pytest.raises(PerSampleGradientError, match=r"not established: call engine.probe"):
+        engine.per_sample_norms()
+    probe(engine, model, torch.randn(4, 3))
+    with engine.record():
+        model(torch.randn(4, 2, 3)).sum().backward()  # a rank the probe did not see
+    with pytest.raises(PerSampleGradientError, match="ranks"):
+        engine.per_sample_norms()
+
+
+@pytest.mark.parametrize("layer,x", [
+    (nn.Linear(4, 3), torch.randn(6, 4)),
+    (nn.Linear(4, 3), torch.randn(6, 5, 4)),
+    (nn.Conv2d(2, 3, 3), torch.randn(6, 2, 5, 5)),
+], ids=["linear", "linear_sequence", "conv2d"])
+def test_frozen_weight_with_trainable_bias_counts_only_the_bias(layer, x):
+    """BitFit: only trainable parameters enter the per-sample norm (the frozen weight used to be counted)."""
+    model = nn.Sequential(layer, nn.Flatten(), nn.LazyLinear(2)).double()
+    x = x.double()
+    model(x)  # materialize the lazy layer
+    model[0].weight.requires_grad_(False)
+    model[2].requires_grad_(False)
+    y = torch.randint(0, 2, (x.shape[0],))
+    ref = naive_per_sample(model, F.cross_entropy, x, y)
+    assert ref.shape[1] == 3  # the bias alone
+    model.zero_grad(set_to_none=True)
+    norms, flat = engine_result(model, F.cross_entropy, x, y, 1e6)
+    torch.testing.assert_close(norms, ref.norm(dim=1), rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(flat, ref.sum(0), rtol=1e-9, atol=1e-12)
+
+
+def test_ghost_norm_rounding_below_zero_gives_zero_not_nan():
+    """Per-sample gradients that nearly cancel: the float32 Gram sum of large terms rounds below zero."""
+    torch.manual_seed(0)
+    b, d, p = 64, 300, 300
+    u, v = torch.randn(b, 1, d), torch.randn(b, 1, p)
+    x = torch.cat([u, u + 1e-4 * torch.randn(b, 1, d)], 1)  # both positions see almost the same input ...
+    go = torch.cat([v, -v], 1)  # ... with opposite output gradients: per-sample gradients of norm ~ 1e-4 * 300
+    raw = (torch.bmm(x, x.transpose(1, 2)) * torch.bmm(go, go.transpose(1, 2))).sum((1, 2))
+    assert (raw < 0).any()  # the unclamped ghost norm goes negative: sqrt would give NaN
+
+    model = nn.Linear(d, p, bias=False)
+    engine = GradSampleEngine(model, instantiate_limit=0)  # force the ghost norm
+    engine.probe(lambda n: model(x[:n]))
+    with engine.record():
+        out = model(x)
+        out.backward(go / b)  # recorded contribution x batch size = go
+    norms = engine.per_sample_norms()
+    assert torch.isfinite(norms).all() and (norms >= 0).all()
+    assert norms.max() < 0.2
+
+
+def test_trainable_set_changes_are_seen():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    model[0].requires_grad_(False)
+    engine = GradSampleEngine(model)
+    assert [p for p in engine.parameters] == list(model[1].parameters()) and not engine.trainable_changed()
+    model[0].weight.requires_grad_(True)
+    assert engine.trainable_changed()

@@ -1,0 +1,94 @@
+"""Which dimension of a tensor indexes the examples of a batch: established, never assumed.
+
+Per-sample clipping is only as right as its idea of "one example". Reading dimension 0
+as the batch is wrong, silently, whenever another dimension has the batch's size by
+coincidence: sequence-first layers with ``T == B``, a positional embedding of
+``torch.arange(T)`` (nanoGPT's ``wpe``) with ``T == B``, a shared ``(T, T)`` mask, data
+collated as ``(T, B)``. Shapes of one batch cannot tell these apart.
+
+What can: run the same code on batches of several sizes and see which dimension follows
+the batch. :func:`batch_dim` does this for one tensor seen at :data:`PROBE_SIZES` (the
+per-sample gradient engine records every layer's inputs and outputs during such probe
+runs); a dimension is the batch dimension when its size equals the number of examples in
+EVERY probe. Static dimensions (channels, features, a fixed sequence length) never change
+between probes and so never match all of them; only a dimension that follows the number
+of examples does. Three sizes make a coincidence with data-dependent dimensions (a
+sequence padded to the longest in the batch) negligible, and a coincidence at a training
+step is caught by the engine, which checks every recorded tensor against the step's real
+batch size.
+
+Why not autograd provenance: integer inputs (token ids) carry no autograd history, and a
+``torch.func.vmap`` trace would require every user model to be vmappable. Running the
+model on small probe batches costs a few forward passes when training starts (and when
+the set of trainable parameters changes) and works for any model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["PROBE_SIZES", "AmbiguousBatchDimError", "batch_dim", "tensor_leaves"]
+
+#: Numbers of examples of the probe batches. Distinct and not 1 (a dimension of size 1 is
+#: a broadcast dimension as often as a batch of one).
+PROBE_SIZES: tuple[int, ...] = (3, 5, 7)
+
+
+class AmbiguousBatchDimError(ValueError):
+    """Several dimensions of one tensor follow the number of examples (e.g. a (B, B) matrix)."""
+
+
+def batch_dim(shapes: Sequence[Sequence[int]], sizes: Sequence[int] = PROBE_SIZES) -> int | None:
+    """The dimension that follows the number of examples across probe runs, or None.
+
+    Args:
+        shapes: the shape of the same tensor (same layer, call and argument) in each probe
+            run, in the order of ``sizes``.
+        sizes: the number of examples of each probe run.
+
+    Returns:
+        The dimension whose size equals the number of examples in every probe, or None when
+        no dimension does (the tensor does not depend on the batch, such as
+        ``torch.arange(T)``, or it folds the batch into another dimension, as
+        ``(B * T, d)`` does) or the rank changed between probes.
+
+    Raises:
+        AmbiguousBatchDimError: If two or more dimensions follow the number of examples.
+
+    Example:
+        >>> batch_dim([(10, 3, 4), (10, 5, 4), (10, 7, 4)], (3, 5, 7))  # sequence-first (T, B, d)
+        1
+        >>> batch_dim([(10,), (10,), (10,)], (3, 5, 7)) is None  # torch.arange(T)
+        True
+    """
+    if len(shapes) != len(sizes) or len(sizes) < 2:
+        raise ValueError(f"need one shape per probe size and at least two probes, got {len(shapes)} shapes "
+                         f"for sizes {tuple(sizes)}")
+    ranks = {len(s) for s in shapes}
+    if len(ranks) != 1:
+        return None
+    dims = [d for d in range(ranks.pop()) if all(s[d] == n for s, n in zip(shapes, sizes))]
+    if len(dims) > 1:
+        raise AmbiguousBatchDimError(
+            f"dimensions {dims} all follow the number of examples (shapes {[tuple(s) for s in shapes]} for "
+            f"{tuple(sizes)} examples): a tensor indexed twice by examples relates examples to each other")
+    return dims[0] if dims else None
+
+
+def tensor_leaves(obj: Any) -> list[torch.Tensor]:
+    """The tensors of a (nested) batch, in a fixed order: lists, tuples, named tuples and dicts.
+
+    Example:
+        >>> [t.shape for t in tensor_leaves({"x": torch.zeros(2, 3), "y": [torch.zeros(2)], "id": "a"})]
+        [torch.Size([2, 3]), torch.Size([2])]
+    """
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in tensor_leaves(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in tensor_leaves(v)]
+    return []
