@@ -32,6 +32,16 @@ cost is the composition of all runs' costs, not the cost of the best run.
   ``noise_multiplier=0`` releases unsanitized models: the grid's client cost is then
   infinite, and reported so.
 
+Noise: every run of a grid draws its own noise. Runs that shared a noise seed would
+release the same noise twice, which cancels in the difference of two released models, and
+the grid's composed epsilon assumes independent noise. So before each fit the grid gives
+every component with a secret seed (``DPSGD`` and its subclasses, the federated module's
+``noise_seed``) a new one, replacing any seed the config fixes: fresh from the operating
+system by default, or, with ``--seed S``, derived from ``(S, run index, component index)``
+(:func:`lightning_dp.privacy.seeds.derive_seed`), so that a grid can be reproduced exactly.
+A grid seed is as public as the command line that holds it: use it for experiments, not for
+models you release.
+
 Why hand-written: LightningCLI runs one config, MLflow and Optuna sweeps know nothing of
 privacy budgets; a grid is a loop over LightningDPCLI plus the accounting above.
 """
@@ -52,7 +62,7 @@ from typing import Any, Optional
 import yaml
 
 __all__ = ["BudgetPlan", "GridPoint", "GridResult", "bar_plot", "main", "parse_set", "plan_budget", "plan_point", "report",
-           "run_grid", "select_best"]
+           "reseed", "run_grid", "secret_seeded", "select_best"]
 
 
 @dataclass
@@ -455,11 +465,30 @@ class GridResult:
     """The grouped bar plot of ``plot`` (a matplotlib Figure), or None."""
 
 
+def secret_seeded(trainer: Any, module: Any) -> list[Any]:
+    """The run's components that draw privacy noise from a secret seed (they have ``set_secret_seed``)."""
+    return [obj for obj in [*trainer.callbacks, module] if callable(getattr(obj, "set_secret_seed", None))]
+
+
+def reseed(trainer: Any, module: Any, run_index: int, grid_seed: Optional[int]) -> int:
+    """Give every secret-seeded component of run ``run_index`` its own noise seed (module docstring).
+
+    Returns:
+        The number of components reseeded.
+    """
+    from lightning_dp.privacy.seeds import derive_seed, fresh_seed
+
+    components = secret_seeded(trainer, module)
+    for j, obj in enumerate(components):
+        obj.set_secret_seed(fresh_seed() if grid_seed is None else derive_seed(grid_seed, run_index, j))
+    return len(components)
+
+
 def run_grid(config: Sequence[str], sets: Sequence[tuple[str, list[Any]]], *, test: bool = False,
              extra: Sequence[str] = (), grid_id: Optional[str] = None, mean_over: Optional[str] = None,
              budget: Optional[float] = None, budget_delta: Optional[float] = None, select: Optional[str] = None,
              mode: Optional[str] = None, plot: Sequence[str] = (), plot_x: Optional[str] = None,
-             plot_hue: Optional[str] = None) -> GridResult:
+             plot_hue: Optional[str] = None, seed: Optional[int] = None) -> GridResult:
     """Run every point of the grid; return its points, privacy totals, id and (budgeted) choices.
 
     Args:
@@ -478,6 +507,8 @@ def run_grid(config: Sequence[str], sets: Sequence[tuple[str, list[Any]]], *, te
         plot: Metrics to draw as grouped bars (:func:`bar_plot`, artifact ``grid_bars.png``
             of the parent run; the figure is also kept in ``GridResult.figure``).
         plot_x, plot_hue: The axes of the bar groups and of the bars (required with ``plot``).
+        seed: The grid seed: run i's noise seeds are derived from ``(seed, i)``; None (default)
+            draws a fresh secret seed for every run (module docstring, "Noise").
     """
     from lightning_dp import tracking
     from lightning_dp.cli import LightningDPCLI
@@ -509,20 +540,21 @@ def run_grid(config: Sequence[str], sets: Sequence[tuple[str, list[Any]]], *, te
             print(f"[grid {grid_id}] {label}{len(indices)} runs compose to epsilon={budget} at delta={plan.delta:g} "
                   f"with noise_multiplier={plan.noise_multiplier:.4f}", flush=True)
 
+    print(f"[grid {grid_id}] every run draws its own noise: "
+          + (f"seeds derived from --seed {seed}" if seed is not None else "a fresh secret seed per run"), flush=True)
     location: Optional[tuple[Any, str]] = None  # (MlflowClient, experiment id) of the first run
     for i, values in enumerate(combos):
         print(f"[grid {grid_id}] {i + 1}/{len(combos)}: {_run_name(values)}", flush=True)
-        if i in run_budget:
-            plan, j = run_budget[i]
 
-            class _BudgetedCLI(LightningDPCLI):
-                def before_fit(self, plan: BudgetPlan = plan, j: int = j, values: dict = values) -> None:
+        class _GridCLI(LightningDPCLI):
+            def before_fit(self, i: int = i, values: dict = values) -> None:
+                reseed(self.trainer, self.model, i, seed)  # no two runs share noise
+                if i in run_budget:
+                    plan, j = run_budget[i]
                     _dp_callback(self.trainer, values).fix_noise_multiplier(
                         plan.noise_multiplier, target_epsilon=plan.run_epsilon(j), target_delta=plan.delta)
 
-            cli = _BudgetedCLI(args=["fit"] + _args(config, values, extra))
-        else:
-            cli = LightningDPCLI(args=["fit"] + _args(config, values, extra))
+        cli = _GridCLI(args=["fit"] + _args(config, values, extra))
         metrics = _final_metrics(cli.trainer, cli.model)  # before test, which resets the val/* metrics
         if test:
             cli.trainer.test(cli.model, datamodule=cli.datamodule, verbose=False)
@@ -669,6 +701,9 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--plot-x", metavar="KEY", help="with --plot: the grid axis along which bars are grouped")
     parser.add_argument("--plot-hue", metavar="KEY", help="with --plot: the grid axis of the bars within a group")
     parser.add_argument("--plot-file", metavar="PATH", help="with --plot: also save the figure to this file")
+    parser.add_argument("--seed", type=int, metavar="S",
+                        help="grid seed: derive every run's secret noise seed from (S, run index) for an exactly "
+                             "reproducible grid (default: a fresh secret seed per run); public, like this command")
     parser.add_argument("--mode", choices=("max", "min"),
                         help="whether --select is maximized or minimized (default: min for loss/error/mse, else max)")
     args = parser.parse_args(argv)
@@ -690,6 +725,8 @@ def main(argv: Sequence[str]) -> int:
         parser.error(f"--budget-delta {args.budget_delta}: delta must be in (0, 1), e.g. 1e-5")
     if args.budget_delta is not None and args.budget is None:
         parser.error("--budget-delta needs --budget")
+    if args.seed is not None and args.seed < 0:
+        parser.error(f"--seed {args.seed}: pass a non-negative integer, or leave it out for fresh secret seeds")
     if args.mode and not args.select:
         parser.error("--mode needs --select METRIC")
     keys = [k for k, _ in sets]
@@ -709,7 +746,7 @@ def main(argv: Sequence[str]) -> int:
                          "axis other than --plot-x, --plot-hue and --mean-over to have one value")
     result = run_grid(args.config, sets, test=args.test, extra=extra, mean_over=mean_over, budget=args.budget,
                       budget_delta=args.budget_delta, select=args.select, mode=args.mode, plot=args.plot,
-                      plot_x=plot_x, plot_hue=plot_hue)
+                      plot_x=plot_x, plot_hue=plot_hue, seed=args.seed)
     table = report(result)
     print(table, flush=True)
     if args.summary:

@@ -47,9 +47,12 @@ __all__ = [
     "log_artifact",
     "log_figure",
     "log_params",
+    "log_public_checkpoint",
     "log_text",
     "mlflow_loggers",
     "plot_series",
+    "public_checkpoint",
+    "refuse_checkpoint_uploads",
     "tracking_uri_of",
     "ui_command",
 ]
@@ -148,11 +151,15 @@ class MLFlowLogger(_LightningMLFlowLogger):
       embedded store, ``<folder of the database>/artifacts`` for any other
       ``sqlite:///`` URI, and the server's choice otherwise. It only applies when the
       experiment is created.
-    - ``save_dir`` is the folder of the embedded store and the local folder Lightning
-      writes files into (``ModelCheckpoint`` saves under
-      ``<save_dir>/<experiment_id>/<run_id>/checkpoints``). Lightning's logger reports
-      no ``save_dir`` for a database URI, which puts checkpoints in the working
-      directory and breaks ``LightningCLI``'s ``SaveConfigCallback``.
+    - ``save_dir`` is the folder of the embedded store (the record: database and
+      artifacts, safe to share); ``local_dir`` (default ``./checkpoints``) is the local
+      folder Lightning writes files into, reported as the logger's ``save_dir``
+      (``ModelCheckpoint`` saves resume checkpoints under
+      ``<local_dir>/<experiment_id>/<run_id>/checkpoints``). Resume checkpoints hold secret
+      noise seeds, so they live outside the record and are never uploaded (see
+      :func:`refuse_checkpoint_uploads`). Lightning's logger reports no ``save_dir`` for a
+      database URI, which puts checkpoints in the working directory and breaks
+      ``LightningCLI``'s ``SaveConfigCallback``.
     - ``experiment_name`` defaults to ``"lightning-dp"``.
 
     In a ``lightning-dp`` config::
@@ -167,9 +174,10 @@ class MLFlowLogger(_LightningMLFlowLogger):
         run_name: Name of the new run (MLflow picks one if None).
         tracking_uri: Tracking URI; None for :func:`default_tracking_uri`.
         tags: Tags of the new run.
-        save_dir: Folder of the embedded store and of local files (see above). None
+        save_dir: Folder of the embedded store (None: ``./mlruns``).
+        local_dir: Folder of local files, resume checkpoints above all (see above). None
             for no local folder (``ModelCheckpoint`` then falls back to the trainer's
-            ``default_root_dir``; the embedded store stays in ``./mlruns``).
+            ``default_root_dir``).
         log_model: Log ``ModelCheckpoint`` checkpoints as artifacts (Lightning's semantics).
         prefix: Prefix of every metric name.
         artifact_location: Artifact location of a newly created experiment.
@@ -187,6 +195,7 @@ class MLFlowLogger(_LightningMLFlowLogger):
         tracking_uri: Optional[str] = None,
         tags: Optional[dict[str, Any]] = None,
         save_dir: Optional[str] = "mlruns",
+        local_dir: Optional[str] = "checkpoints",
         log_model: Literal[True, False, "all"] = False,
         prefix: str = "",
         artifact_location: Optional[str] = None,
@@ -204,7 +213,7 @@ class MLFlowLogger(_LightningMLFlowLogger):
             db_path = _sqlite_path(tracking_uri)
             if db_path is not None:
                 artifact_location = (db_path.expanduser().resolve().parent / _ARTIFACTS_DIRNAME).as_uri()
-        self._local_dir = None if save_dir is None else str(Path(save_dir).expanduser().resolve())
+        self._local_dir = None if local_dir is None else str(Path(local_dir).expanduser().resolve())
         with _store_lock(tracking_uri):
             super().__init__(
                 experiment_name=experiment_name,
@@ -226,7 +235,7 @@ class MLFlowLogger(_LightningMLFlowLogger):
 
     @property
     def save_dir(self) -> Optional[str]:
-        """Absolute local folder for files written next to the run (checkpoints, profiles)."""
+        """Absolute local folder for files written next to the run (resume checkpoints, profiles): ``local_dir``."""
         if self._tracking_uri.startswith("file:"):
             return super().save_dir
         return self._local_dir
@@ -286,6 +295,66 @@ def log_artifact(
             logger.experiment.log_artifacts(logger.run_id, local_path, artifact_path)
         else:
             logger.experiment.log_artifact(logger.run_id, local_path, artifact_path)
+
+
+#: Parts of a Lightning checkpoint that only serve to resume training: left out of uploaded checkpoints.
+RESUME_ONLY_KEYS = ("callbacks", "optimizer_states", "lr_schedulers")
+
+
+def public_checkpoint(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+    """What of a Lightning checkpoint may leave the machine: no resume state, no secret.
+
+    Drops :data:`RESUME_ONLY_KEYS` (callback states such as DPSGD's, optimizer and
+    scheduler states) and every entry under :data:`lightning_dp.privacy.seeds.SECRET_KEY`
+    (e.g. the federated module's noise seed). The result loads with
+    ``Module.load_from_checkpoint`` and serves ``lightning-dp test --ckpt_path``; it does
+    not resume training.
+    """
+    from lightning_dp.privacy.seeds import strip_secrets
+
+    return strip_secrets({k: v for k, v in checkpoint.items() if k not in RESUME_ONLY_KEYS})
+
+
+def log_public_checkpoint(trainer: Trainer, source: str | os.PathLike[str] | Mapping[str, Any],
+                          artifact_path: str, filename: str) -> None:
+    """Log :func:`public_checkpoint` of a checkpoint (a file or a dict) as ``artifact_path/filename``.
+
+    Acts on global rank zero only, like the other helpers; the only way lightning-dp uploads
+    checkpoints.
+    """
+    active = _active(trainer)
+    if not active:
+        return
+    import tempfile
+
+    import torch
+
+    # our own or ModelCheckpoint's file, written by this run: trusted, and hyperparameters need full unpickling
+    checkpoint = torch.load(source, map_location="cpu", weights_only=False) if isinstance(source, (str, os.PathLike)) \
+        else source
+    with tempfile.TemporaryDirectory(prefix="lightning-dp-ckpt-") as tmp_dir:
+        path = os.path.join(tmp_dir, filename)
+        torch.save(public_checkpoint(checkpoint), path)
+        for logger in active:
+            logger.experiment.log_artifact(logger.run_id, path, artifact_path)
+
+
+def refuse_checkpoint_uploads(trainer: Trainer, component: str) -> None:
+    """Raises if a logger of ``trainer`` would upload ``ModelCheckpoint`` files (``log_model``).
+
+    Those files are resume checkpoints: they hold the secret noise seeds of ``component``.
+    Loggers signal the upload by their ``log_model`` setting (MLflow, Weights & Biases,
+    LitLogger keep it as ``_log_model``).
+    """
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    for logger in trainer.loggers:
+        if getattr(logger, "_log_model", False):
+            raise MisconfigurationException(
+                f"{type(logger).__name__}(log_model={getattr(logger, '_log_model')!r}) uploads every ModelCheckpoint "
+                f"file, and those resume checkpoints hold {component}'s secret noise seed: anyone with the upload "
+                "could regenerate the noise and remove it. Set log_model=False; lightning-dp's RunArtifacts uploads "
+                "the final model stripped of its secrets (artifact model/final.ckpt), and RestoreBestWeights the best.")
 
 
 def log_params(trainer: Trainer, params: Mapping[str, Any]) -> None:

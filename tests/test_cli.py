@@ -94,9 +94,9 @@ def _assert_recorded_fit(tracking_uri: str, run, workdir: Path, lr: float = 0.05
     assert params["batch_size"] == "16"  # the datamodule's hyperparameters
     assert params["versions/torch"] == torch.__version__
     assert params["versions/lightning"] == L.__version__
-    history = client.get_metric_history(run.info.run_id, "train/loss")
+    history = client.get_metric_history(run.info.run_id, "nonprivate/train_loss")
     assert [m.step for m in history] == [0, 1]
-    assert _artifact_paths(client, run.info.run_id) >= {"config.yaml", "checkpoints/final.ckpt"}
+    assert _artifact_paths(client, run.info.run_id) >= {"config.yaml", "model/final.ckpt"}
     text = Path(client.download_artifacts(run.info.run_id, "config.yaml", str(workdir))).read_text()
     assert f"# lightning-dp=={lightning_dp.__version__}" in text.splitlines()[:3]
     config = yaml.safe_load(text)
@@ -121,7 +121,7 @@ def test_fit_records_params_metrics_config_and_checkpoint(workdir: Path, store_t
 
     # The final checkpoint is complete: it loads back and `test --ckpt_path` re-creates the model from it.
     client = mlflow.MlflowClient(uri)
-    checkpoint = client.download_artifacts(run.info.run_id, "checkpoints/final.ckpt", str(workdir))
+    checkpoint = client.download_artifacts(run.info.run_id, "model/final.ckpt", str(workdir))
     model = ImageClassifier.load_from_checkpoint(checkpoint, network=DigitsConvNet())
     assert model.hparams.lr == 0.05
     assert torch.load(checkpoint, weights_only=False)["global_step"] == 2
@@ -205,7 +205,7 @@ def test_example_digits_baseline_runs(workdir: Path, store_template: Path) -> No
     )
     (run,) = _runs(f"sqlite:///{workdir}/mlruns/mlflow.db", experiment="digits-baselines")
     assert run.info.run_name == "digits-nonprivate"
-    assert {"train/loss", "val/acc"} <= set(run.data.metrics)
+    assert {"nonprivate/train_loss", "val/acc"} <= set(run.data.metrics)
 
 
 def test_dpsgd_digits_example_records_privacy_in_mlflow(workdir: Path, store_template: Path, capsys) -> None:
@@ -213,7 +213,7 @@ def test_dpsgd_digits_example_records_privacy_in_mlflow(workdir: Path, store_tem
     seed_store(store_template, workdir / "mlruns" / "mlflow.db")
     cli.main(["fit", "--config", str(REPO_ROOT / "examples" / "dpsgd_digits.yaml"), "--trainer.max_epochs=2",
               "--trainer.callbacks.init_args.epochs=2", "--trainer.enable_progress_bar=false",
-              "--trainer.log_every_n_steps=7"])
+              "--trainer.log_every_n_steps=7", "--trainer.callbacks.init_args.seed=7"])
     uri = f"sqlite:///{workdir}/mlruns/mlflow.db"
     (run,) = _runs(uri, "dpsgd-digits")
     client = mlflow.MlflowClient(uri)
@@ -233,11 +233,22 @@ def test_dpsgd_digits_example_records_privacy_in_mlflow(workdir: Path, store_tem
     for name in ("privacy/delta", "privacy/noise_multiplier", "privacy/max_grad_norm", "val/acc"):
         assert client.get_metric_history(run.info.run_id, name), name
     artifacts = _artifact_paths(client, run.info.run_id)
-    assert {"config.yaml", "checkpoints/final.ckpt", "privacy/epsilon.png"} <= artifacts
-    ckpt = torch.load(client.download_artifacts(run.info.run_id, "checkpoints/final.ckpt", str(workdir)),
-                      weights_only=False)
-    (state,) = [v for k, v in ckpt["callbacks"].items() if k.startswith("DPSGD")]
-    assert state["accountant"]["history"] == [[sigma, q, steps]]
+    assert {"config.yaml", "model/final.ckpt", "privacy/epsilon.png"} <= artifacts
+    # Secrets stay on the machine: the uploaded model has no callback state (seed, accountant), the
+    # logged config and params no seed; the local resume checkpoint (outside ./mlruns) keeps them.
+    public = client.download_artifacts(run.info.run_id, "model/final.ckpt", str(workdir))
+    ckpt = torch.load(public, weights_only=False)
+    assert "callbacks" not in ckpt and "optimizer_states" not in ckpt and "state_dict" in ckpt
+    assert b"secret" not in Path(public).read_bytes()
+    config = yaml.safe_load(Path(client.download_artifacts(run.info.run_id, "config.yaml", str(workdir))).read_text())
+    (dp_config,) = [c for c in config["trainer"]["callbacks"] if c["class_path"].endswith("DPSGD")]
+    assert dp_config["init_args"]["seed"] is None
+    assert not any("seed" in name and value == "7" for name, value in params.items())
+    (local,) = (workdir / "checkpoints").rglob("*.ckpt")
+    assert str(local).startswith(str(workdir / "checkpoints" / run.info.experiment_id / run.info.run_id))
+    assert not list((workdir / "mlruns").rglob("*.ckpt"))[1:]  # one checkpoint in the record: the public model
+    (state,) = [v for k, v in torch.load(local, weights_only=False)["callbacks"].items() if k.startswith("DPSGD")]
+    assert state["accountant"]["history"] == [[sigma, q, steps]] and state["secret"]["seed"] == 7
     assert "mlflow ui --backend-store-uri" in capsys.readouterr().out
 
 
@@ -266,6 +277,6 @@ def test_federated_synthetic_example_records_rounds_and_privacy(workdir: Path, s
     med = client.get_metric_history(run.info.run_id, "privacy/client_epsilon_max")
     assert all(m.value == pytest.approx(0.4 * round(m.value / 0.4)) for m in med)  # multiples of n/nu
     paths = _artifact_paths(client, run.info.run_id)
-    assert any(p.startswith("checkpoints/best/") for p in paths)
+    assert "model/best.ckpt" in paths
     assert {"privacy/client_epsilon_hist.png", "privacy/client_epsilon.tsv", "federated/parameters.png",
-            "config.yaml", "checkpoints/final.ckpt"} <= _artifact_paths(client, run.info.run_id)
+            "config.yaml", "model/final.ckpt"} <= _artifact_paths(client, run.info.run_id)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import mlflow
 import pytest
+import torch
 
 from lightning_dp import cli, grid
 from lightning_dp.privacy.accounting import get_accountant
@@ -212,3 +213,58 @@ def test_plot_command_line_errors(workdir, capsys):
         with pytest.raises(SystemExit):
             cli.main(["grid", "--config", config, "--set", "a=1,2", "--set", "b=1", "--set", "c=1,2", *args])
         assert message in capsys.readouterr().err
+
+
+def _record_noise_seeds(monkeypatch):
+    """(component, secret seed, final parameters) of every fit, as the grid ran it."""
+    from lightning_dp.callbacks import DPSGD
+    from lightning_dp.federated import PersonalizedFederatedModule
+
+    seen = []
+    dp_end, fl_end = DPSGD.on_train_end, PersonalizedFederatedModule.on_train_end
+
+    def dp_record(self, trainer, module):
+        seen.append(("dpsgd", self._seed, [p.detach().clone() for p in module.parameters()]))
+        dp_end(self, trainer, module)
+
+    def fl_record(self):
+        seen.append(("federated", self._noise_seed, [self.hypotheses.detach().clone()]))
+        fl_end(self)
+
+    monkeypatch.setattr(DPSGD, "on_train_end", dp_record)
+    monkeypatch.setattr(PersonalizedFederatedModule, "on_train_end", fl_record)
+    return seen
+
+
+def test_every_run_of_a_grid_draws_its_own_noise(workdir, store_template, monkeypatch):
+    """Two identical points of a config that fixes nothing else: before, both drew the config's seed-0 noise;
+    the grid's composed epsilon assumes independent noise."""
+    _seed(store_template, workdir)
+    seen = _record_noise_seeds(monkeypatch)
+    extra = ["--trainer.max_epochs=1", "--trainer.enable_progress_bar=false", "--trainer.callbacks.init_args.seed=0"]
+    grid.run_grid([str(REPO_ROOT / "examples" / "dpsgd_digits.yaml")], [("model.init_args.lr", [0.1, 0.1])],
+                  extra=extra)
+    (_, s1, p1), (_, s2, p2) = seen
+    assert s1 != s2 and s1 != 0  # the config's fixed seed is replaced, per run
+    assert not all(torch.equal(a, b) for a, b in zip(p1, p2))  # same init and data, different noise
+    grid.run_grid([str(REPO_ROOT / "examples" / "fl_synthetic.yaml")],
+                  [("model.init_args.noise_multiplier", [5, 5])], extra=["--trainer.max_epochs=2"])
+    (_, f1, h1), (_, f2, h2) = seen[2:]
+    assert f1 != f2 and not torch.equal(h1[0], h2[0])
+
+
+def test_a_grid_seed_reproduces_the_grid_exactly(workdir, store_template, monkeypatch):
+    _seed(store_template, workdir)
+    seen = _record_noise_seeds(monkeypatch)
+    for _ in range(2):
+        code = cli.main(["grid", "--config", str(REPO_ROOT / "examples" / "dpsgd_digits.yaml"), "--seed", "5",
+                         "--set", "model.init_args.lr=0.1,0.1", "--", "--trainer.max_epochs=1",
+                         "--trainer.enable_progress_bar=false"])
+        assert code == 0
+    first, second = seen[:2], seen[2:]
+    assert first[0][1] != first[1][1]  # independent within a grid ...
+    from lightning_dp.privacy.seeds import derive_seed
+
+    assert [s for _, s, _ in first] == [s for _, s, _ in second] == [derive_seed(5, 0, 0), derive_seed(5, 1, 0)]
+    for (_, _, a), (_, _, b) in zip(first, second):  # ... and the same grid twice
+        assert all(torch.equal(x, y) for x, y in zip(a, b))

@@ -90,7 +90,7 @@ def test_logger_records_metric_param_and_artifact(in_tmp: Path, store_template: 
     _seed(store_template, in_tmp / "mlruns")
     logger = MLFlowLogger(run_name="smoke")
     assert logger.tracking_uri == f"sqlite:///{in_tmp}/mlruns/mlflow.db"
-    assert logger.save_dir == str(in_tmp / "mlruns")
+    assert logger.save_dir == str(in_tmp / "checkpoints")  # local files (resume checkpoints) stay out of the record
     logger.log_hyperparams({"lr": 0.1, "network": {"activation": "tanh"}})
     logger.log_metrics({"train/loss": 1.5}, step=3)
     local = in_tmp / "note.txt"

@@ -278,7 +278,8 @@ def main(argv: Sequence[str]) -> int:
           f"{tuple(x.shape[1:])}, sanitizer {cfg.sanitizer}, nu in {list(cfg.noise_multipliers)}, "
           f"{cfg.iterations} L-BFGS steps x {cfg.restarts} restart(s); pixels = x * {std:g} + {mean:g}", flush=True)
 
-    logger = tracking.MLFlowLogger(experiment_name=cfg.experiment_name, run_name=cfg.run_name, save_dir=None)
+    logger = tracking.MLFlowLogger(experiment_name=cfg.experiment_name, run_name=cfg.run_name, save_dir=None,
+                                   local_dir=None)
     params = {
         "audit/model": type(model).__name__, "audit/data": type(datamodule).__name__,
         "audit/parameters": parameters, "audit/num_images": cfg.num_images,

@@ -13,11 +13,28 @@ Privacy semantics (see ``docs/privacy.md``):
   ``2C``: each epoch is accounted as a Gaussian mechanism with multiplier ``sigma / 2``.
   Not supported under DDP (DistributedSampler repeats examples to pad shards).
 
-The callback never reaches into private Trainer attributes: it rebuilds the training
-DataLoader by wrapping the public ``train_dataloader`` hook of your DataModule or
-LightningModule, records per-sample gradients with forward/tensor hooks
-(:class:`~lightning_dp.privacy.grad_sample.GradSampleEngine`), and replaces the
-gradients in ``on_before_optimizer_step``.
+Where the training data comes from: the callback rebuilds the training DataLoader with
+Poisson sampling whichever way it was given: ``trainer.fit(model, train_dataloaders=dl)``
+(Lightning's documented call), ``datamodule=...``, or the module's own
+``train_dataloader``. For the first it replaces the loader in the fit loop's data source
+(Lightning keeps it in the private ``fit_loop._data_source``; this is the only private
+attribute the callback touches, checked and refused with a clear error should Lightning
+move it); for the other two it wraps the public ``train_dataloader`` hook.
+
+Per-sample gradients are recorded with forward/tensor hooks
+(:class:`~lightning_dp.privacy.grad_sample.GradSampleEngine`). When training starts (and
+whenever the set of trainable parameters changes) the callback runs ``training_step`` on
+three small probe batches (3, 5 and 7 examples of the training set; nothing is logged,
+metric states and the RNG are restored, nothing is released) to establish where every
+layer holds the batch (:mod:`lightning_dp.privacy.batch_dims`). The gradients are
+replaced in ``on_before_optimizer_step``, and a last line of defence, an optimizer
+step pre-hook, refuses any step in which a parameter carries a gradient that did not go
+through clipping and noise.
+
+Secrets: the seed of the sampling and noise streams is kept in the callback's
+checkpoint state under ``"secret"`` (:mod:`lightning_dp.privacy.seeds`), never logged;
+checkpoints uploaded by :class:`~lightning_dp.callbacks.run_artifacts.RunArtifacts` are
+stripped of it.
 
 Example:
     >>> from lightning_dp.callbacks import DPSGD
@@ -32,24 +49,38 @@ import math
 import secrets
 from typing import Any, NamedTuple
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
 from lightning_dp.privacy.accounting import get_accountant
+from lightning_dp.privacy.batch_dims import PROBE_SIZES, AmbiguousBatchDimError, batch_dim, tensor_leaves
 from lightning_dp.privacy.calibration import calibrate_noise_multiplier
 from lightning_dp.privacy.clipping import check_max_grad_norm, clip_factors
-from lightning_dp.privacy.grad_sample import GradSampleEngine
+from lightning_dp.privacy.grad_sample import GradSampleEngine, PerSampleGradientError
 from lightning_dp.privacy.noise import NOISE, check_noise_multiplier, derive_generator, noisy_mean
-from lightning_dp.privacy.sampling import poisson_dataloader
+from lightning_dp.privacy.sampling import (
+    PassMarkingBatchSampler,
+    check_partition_sampler,
+    poisson_dataloader,
+    rebuild_dataloader,
+)
+from lightning_dp.privacy.seeds import SECRET_KEY, fresh_seed
 from lightning_dp.privacy.validators import describe_mixing_layers, find_mixing_layers, replace_batchnorm
 
-__all__ = ["DPSGD", "PlannedMechanism"]
+__all__ = ["DPSGD", "PlannedMechanism", "UnprivatizedGradientError"]
+
+
+class UnprivatizedGradientError(RuntimeError):
+    """An optimizer step was about to use a gradient that did not go through clipping and noise."""
 
 
 class PlannedMechanism(NamedTuple):
@@ -59,7 +90,7 @@ class PlannedMechanism(NamedTuple):
     events: int
     multiplier_scale: float
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2
 
 
 def _positive_int(name: str, value: int | None) -> int | None:
@@ -81,6 +112,45 @@ def _target_delta(value: float) -> float:
         raise ValueError(f"target_delta={value!r} is not allowed: delta must be in (0, 1), and well below "
                          "1/N for N training examples (e.g. 1e-5 for N = 60,000)")
     return float(value)
+
+
+@contextlib.contextmanager
+def _side_effect_free(pl_module: LightningModule) -> Iterator[None]:
+    """Runs ``training_step`` for the batch-dimension probe without leaving a trace.
+
+    ``self.log``/``log_dict`` do nothing, torchmetrics states are restored afterwards (a
+    ``self.train_acc(preds, y)`` in ``training_step`` would otherwise count the probe
+    batches), and the global RNG (dropout masks) is forked, so the run continues exactly
+    as without the probe.
+    """
+    from torchmetrics import Metric
+
+    metrics = [m for m in pl_module.modules() if isinstance(m, Metric)]
+    saved = [({name: _copied(getattr(m, name)) for name in m._defaults},
+              getattr(m, "_update_count", None), getattr(m, "_computed", None)) for m in metrics]
+    devices = [pl_module.device] if pl_module.device.type == "cuda" else []
+    pl_module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    pl_module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        pl_module.__dict__.pop("log", None)
+        pl_module.__dict__.pop("log_dict", None)
+        for m, (states, count, computed) in zip(metrics, saved):
+            for name, value in states.items():
+                setattr(m, name, value)
+            if count is not None:
+                m._update_count = count
+            m._computed = computed
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, list):
+        return [_copied(v) for v in value]
+    return value
 
 
 def _ends_with_sum(loss: torch.Tensor) -> bool:
@@ -115,9 +185,20 @@ class DPSGD(Callback):
         poisson_sampling: sample batches by Poisson sampling (required for the
             add/remove guarantee and for DDP).
         seed: seed of the sampling and noise streams. Default: a fresh secret seed from
-            the OS (saved in checkpoints so that a resumed run continues the streams).
+            the OS, saved in (local) checkpoints so that a resumed run continues the streams
+            and stripped from everything uploaded. A fixed seed makes the noise as public as
+            the config that holds it: use it for reproducible experiments, never for two
+            runs whose models are both released (``lightning-dp grid`` gives every run its
+            own seed).
         replace_batchnorm: replace BatchNorm layers by GroupNorm instead of refusing them.
+        log_nonprivate_metrics: also log ``nonprivate/clipped_fraction``, the exact
+            fraction of clipped examples of the last step. It is a statistic of the
+            private batch that epsilon does NOT cover (hence its namespace); set False to
+            keep it off the record.
     """
+
+    #: Constructor arguments that are secrets: redacted from configs logged by ``lightning-dp``.
+    SECRET_ARGUMENTS: tuple[str, ...] = ("seed",)
 
     def __init__(
         self,
@@ -133,6 +214,7 @@ class DPSGD(Callback):
         poisson_sampling: bool = True,
         seed: int | None = None,
         replace_batchnorm: bool = False,
+        log_nonprivate_metrics: bool = True,
     ) -> None:
         if noise_multiplier is None and target_epsilon is None:
             raise ValueError(
@@ -154,15 +236,23 @@ class DPSGD(Callback):
             raise ValueError(f"seed={seed!r} is not allowed: pass a non-negative integer, or None for a secret seed")
         self._requested_seed = seed
         self.replace_batchnorm = bool(replace_batchnorm)
+        self.log_nonprivate_metrics = bool(log_nonprivate_metrics)
 
         self._seed: int | None = None
         self._sigma: float | None = None
         self._restored_sigma: float | None = None
         self._engine: GradSampleEngine | None = None
-        self._wrapped: tuple[Any, str] | None = None
+        self._restore: list[Any] = []  # undo actions for teardown: wrapped hooks, replaced data sources
         self._data: dict[str, Any] = {}
+        self._probe_data: tuple[Any, Any] | None = None  # (dataset, collate_fn) of the probe batches
+        self._batch_dims: list[int | None] = []  # where the batch's tensors hold the examples
         self._allowed_events: int | None = None
         self._events_taken = 0
+        self._budget_event: tuple[float, float] | None = None  # the event _allowed_events was computed for
+        self._passes = 0  # passes started over a shuffled loader; each is one accounted event
+        self._charged_pass = 0
+        self._released_grads: dict[int, torch.Tensor] = {}
+        self._step_hooks: list[Any] = []
         self._last_stats: torch.Tensor | None = None
         self._curve: list[tuple[int, float]] = []
         self._logged_step = -1
@@ -229,32 +319,52 @@ class DPSGD(Callback):
         if mixing:
             raise MisconfigurationException(describe_mixing_layers(mixing))
 
+        from lightning_dp.tracking import refuse_checkpoint_uploads
+
+        refuse_checkpoint_uploads(trainer, type(self).__name__)
         if self._seed is None:
-            seed = self._requested_seed if self._requested_seed is not None else secrets.randbits(63)
+            seed = self._requested_seed if self._requested_seed is not None else fresh_seed()
             self._seed = int(trainer.strategy.broadcast(seed, src=0))
         self._engine = GradSampleEngine(pl_module)
-        self._wrap_train_dataloader(trainer, pl_module)
+        self._attach_to_training_data(trainer)
 
-    def _wrap_train_dataloader(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        dm = trainer.datamodule
-        if isinstance(dm, LightningDataModule) and is_overridden("train_dataloader", dm):
-            owner = dm
-        elif is_overridden("train_dataloader", pl_module):
-            owner = pl_module
-        else:
+    def set_secret_seed(self, seed: int) -> None:
+        """Replace the seed of the sampling and noise streams before ``fit`` (``lightning-dp grid`` does this,
+        so that no two runs of a grid draw the same noise)."""
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed={seed!r} is not allowed: pass a non-negative integer")
+        self._requested_seed = int(seed)
+        self._seed = None
+
+    def _attach_to_training_data(self, trainer: Trainer) -> None:
+        """Make the fit's training data Poisson-sampled, wherever Lightning takes it from."""
+        source = getattr(trainer.fit_loop, "_data_source", None)
+        instance = getattr(source, "instance", None)
+        if source is None or not hasattr(source, "instance"):
             raise MisconfigurationException(
-                "DPSGD must rebuild the training DataLoader (Poisson sampling) and can only do so through a "
-                "`train_dataloader` hook: pass a LightningDataModule (e.g. LightningDataModule.from_datasets("
-                "train_dataset=..., batch_size=...)) or define `train_dataloader` in your LightningModule instead "
-                "of passing `train_dataloaders=` to `trainer.fit`.")
-        original = owner.train_dataloader
+                "DPSGD could not find where this Lightning version keeps the training data (fit_loop._data_source); "
+                "it refuses to train rather than miss the Poisson sampling. Please report your Lightning version.")
+        if isinstance(instance, (LightningDataModule, LightningModule)):
+            if not is_overridden("train_dataloader", instance):
+                raise MisconfigurationException(
+                    f"{type(instance).__name__} defines no train_dataloader; DPSGD needs a training DataLoader: pass "
+                    "trainer.fit(model, train_dataloaders=DataLoader(dataset, batch_size=...)) or a DataModule.")
+            original = instance.train_dataloader
 
-        @functools.wraps(original)
-        def train_dataloader() -> DataLoader:
-            return self._privatize(original(), trainer)
+            @functools.wraps(original)
+            def train_dataloader() -> DataLoader:
+                return self._privatize(original(), trainer)
 
-        owner.train_dataloader = train_dataloader  # instance attribute shadows the hook; removed in teardown
-        self._wrapped = (owner, "train_dataloader")
+            instance.train_dataloader = train_dataloader  # instance attribute shadows the hook; removed in teardown
+            self._restore.append(lambda: instance.__dict__.pop("train_dataloader", None))
+        else:  # trainer.fit(model, train_dataloaders=...): a loader (or a collection of them)
+            if not isinstance(instance, DataLoader):
+                raise MisconfigurationException(
+                    f"train_dataloaders={type(instance).__name__}: DPSGD needs one torch DataLoader over a map-style "
+                    "dataset (it rebuilds it with Poisson sampling); a collection of loaders (CombinedLoader, dict, "
+                    "list) has no single sampling rate. Pass one DataLoader.")
+            source.instance = self._privatize(instance, trainer)
+            self._restore.append(lambda: setattr(source, "instance", instance))
 
     def _data_facts(self, loader: Any, world: int) -> dict[str, Any]:
         """Dataset size, sample rate, expected batch size and steps per epoch of a training loader."""
@@ -282,16 +392,28 @@ class DPSGD(Callback):
 
     def _privatize(self, loader: Any, trainer: Trainer) -> DataLoader:
         world = trainer.world_size
-        self._data = self._data_facts(loader, world)
-        q = self._data["sample_rate"]
-        if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)) and self.poisson_sampling:
+        data = self._data_facts(loader, world)
+        self._probe_data = (loader.dataset, loader.collate_fn)
+        if not self.poisson_sampling:
+            try:
+                check_partition_sampler(loader)
+            except ValueError as err:
+                raise MisconfigurationException(str(err)) from None
+            self._data = data
+            self._update_budget(trainer)
+            return rebuild_dataloader(loader, batch_sampler=PassMarkingBatchSampler(loader.batch_sampler,
+                                                                                    self._start_pass))
+        if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
             rank_zero_warn(f"DPSGD replaces the training DataLoader's {type(loader.sampler).__name__} by Poisson "
                            "sampling (every example enters every batch with probability q); its own sampling is "
                            "not used.")
-        if not self.poisson_sampling:
-            return loader
-        return poisson_dataloader(loader, sample_rate=q, seed=self._seed, rank=trainer.global_rank, world_size=world,
-                                  start_step=lambda: self._released)
+        self._data = data
+        self._update_budget(trainer)  # a reloaded loader may bring a new sampling rate
+        return poisson_dataloader(loader, sample_rate=data["sample_rate"], seed=self._seed, rank=trainer.global_rank,
+                                  world_size=world, start_step=lambda: self._released)
+
+    def _start_pass(self) -> None:
+        self._passes += 1
 
     # --------------------------------------------------------- calibration
     def _event(self) -> tuple[float, float]:
@@ -402,17 +524,39 @@ class DPSGD(Callback):
             self._sigma = sigma if self.poisson_sampling else 2 * sigma
             rank_zero_info(f"DPSGD: calibrated noise_multiplier={self._sigma:.4f} for target_epsilon="
                            f"{self.target_epsilon}, delta={self.target_delta}, {planned} planned steps, q={q:.4g}")
-        if self.target_epsilon is not None:
-            sigma_e, q_e = self._event()
-            limit = planned if planned is not None else 10**7
-            self._allowed_events = self._accountant.max_steps(
-                self.target_epsilon, self.target_delta, noise_multiplier=sigma_e, sample_rate=q_e, limit=limit)
-            self._events_taken = 0
-            if self._allowed_events == 0 and (planned is None or planned > 0):
-                rank_zero_warn(f"DPSGD: no step fits in the remaining budget (epsilon spent {self.epsilon:.4g} of "
-                               f"target_epsilon={self.target_epsilon}); stopping before the first step.")
-                trainer.should_stop = True
+        self._budget_event = None
+        self._update_budget(trainer)
         self._log_hyperparams(trainer, planned)
+        # the last line of defence, right before the optimizer updates (after every callback and clipping)
+        self._step_hooks = [opt.register_step_pre_hook(self._checked_closure) for opt in trainer.optimizers]
+
+    def _update_budget(self, trainer: Trainer) -> None:
+        """How many further events the budget allows, for the event each step is accounted as NOW.
+
+        Computed when training starts and again whenever the event changes (a reloaded
+        DataLoader with another dataset or batch size changes q): the stop must follow the
+        real cost of the next step, not the cost the run started with.
+        """
+        if self.target_epsilon is None or self._sigma is None or not self._data:
+            return
+        event = self._event()
+        if event == self._budget_event:
+            return
+        sigma_e, q_e = event
+        planned = self._planned_events(trainer)
+        limit = planned if planned is not None else 10**7
+        self._allowed_events = self._accountant.max_steps(
+            self.target_epsilon, self.target_delta, noise_multiplier=sigma_e, sample_rate=q_e, limit=limit)
+        self._events_taken = 0
+        if self._budget_event is not None:
+            rank_zero_info(f"DPSGD: the sampling rate is now q={q_e:.4g} (dataset size {self._data['dataset_size']}, "
+                           f"expected batch {self._data['expected_batch_size']}); {self._allowed_events} more steps "
+                           f"fit in target_epsilon={self.target_epsilon}.")
+        self._budget_event = event
+        if self._allowed_events == 0 and (planned is None or planned > 0):
+            rank_zero_warn(f"DPSGD: no further step fits in the remaining budget (epsilon spent {self.epsilon:.4g} of "
+                           f"target_epsilon={self.target_epsilon}); stopping before the next step.")
+            trainer.should_stop = True
 
     def _log_hyperparams(self, trainer: Trainer, planned: int | None) -> None:
         params = {
@@ -428,28 +572,76 @@ class DPSGD(Callback):
             logger.log_hyperparams(params)
 
     # -------------------------------------------------------------- steps
-    def _adds_event(self, batch_idx: int) -> bool:
-        return self.poisson_sampling or batch_idx == 0
+    def _adds_event(self) -> bool:
+        """Whether this step starts an accounted event: every Poisson step; the first step of every shuffled pass."""
+        if self.poisson_sampling:
+            return True
+        if self._passes != self._charged_pass:
+            self._charged_pass = self._passes
+            return True
+        return False
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         model = trainer.strategy.model
         if isinstance(model, DistributedDataParallel):
             # gradients are reduced by DPSGD (clipped sums, once per step), not by DDP's reducer
             model.require_backward_grad_sync = False
-        self._step_adds_event = self._adds_event(batch_idx)
+        self._released_grads = {}
+        self._step_adds_event = self._adds_event()
         if self._step_adds_event and self._allowed_events is not None and self._events_taken >= self._allowed_events:
             raise RuntimeError(
                 f"DPSGD: the privacy budget target_epsilon={self.target_epsilon} is spent (epsilon="
                 f"{self.epsilon:.4g}) but training continued; refusing to release another step.")
         assert self._engine is not None
-        try:
-            self._batch_size = extract_batch_size(batch)
-        except MisconfigurationException:  # no tensor in the batch: the dimension-0 check is skipped
-            self._batch_size = None
+        if self._engine.trainable_changed():
+            # a layer was unfrozen (BackboneFinetuning, a hook setting requires_grad) or frozen: follow it
+            rank_zero_info("DPSGD: the set of trainable parameters changed; rebuilding the per-sample gradient engine.")
+            self._engine.remove()
+            self._engine = GradSampleEngine(pl_module)
+        if not self._engine.probed:
+            self._probe(trainer, pl_module)
+        self._batch_size = self._examples_in(batch)
         self._engine.start()
 
+    def _probe(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Runs ``training_step`` on probe batches (see the module docstring) to establish the batch dimensions."""
+        assert self._engine is not None and self._probe_data is not None
+        dataset, collate = self._probe_data
+        size = len(dataset)
+        with_idx = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
+        shapes: list[list[tuple[int, ...]]] = []
+
+        def run(n: int) -> None:
+            batch = collate([dataset[i % size] for i in range(n)])
+            shapes.append([tuple(t.shape) for t in tensor_leaves(batch)])
+            batch = trainer.strategy.batch_to_device(batch)
+            with _side_effect_free(pl_module):
+                pl_module.training_step(batch, 0) if with_idx else pl_module.training_step(batch)
+
+        try:
+            self._engine.probe(run, PROBE_SIZES)
+        except PerSampleGradientError as err:
+            raise MisconfigurationException(f"DPSGD cannot clip per example: {err}") from None
+        dims: list[int | None] = []
+        if shapes and all(len(s) == len(shapes[0]) for s in shapes):
+            for leaf in zip(*shapes):
+                try:
+                    dims.append(batch_dim(leaf, PROBE_SIZES))
+                except AmbiguousBatchDimError:
+                    dims.append(None)
+        self._batch_dims = dims or [None]
+
+    def _examples_in(self, batch: Any) -> int | None:
+        """The number of examples in a training batch, read where the probe found the batch dimension."""
+        leaves = tensor_leaves(batch)
+        if len(leaves) == len(self._batch_dims):
+            for t, d in zip(leaves, self._batch_dims):
+                if d is not None and t.dim() > d:
+                    return int(t.shape[d])
+        return None
+
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
-        if self._loss_checked or self._engine is None or self._engine.batch_size() == 0:
+        if self._loss_checked or self._engine is None or self._batch_size == 0:
             return  # an empty Poisson batch says nothing about the reduction
         if loss.dim() != 0:
             raise MisconfigurationException(
@@ -462,17 +654,29 @@ class DPSGD(Callback):
                 "Use .mean() or reduction='mean'.")
         self._loss_checked = True
 
+    def _step_batch_size(self, trainer: Trainer, pl_module: LightningModule) -> int:
+        """The step's batch size at the layers' established batch dimensions (probing again once if the
+        step's structure differs from the probe's, e.g. a layer that only some batches use)."""
+        engine = self._engine
+        assert engine is not None
+        try:
+            return engine.batch_size()
+        except PerSampleGradientError:
+            self._probe(trainer, pl_module)
+            return engine.batch_size()
+
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         engine = self._engine
         assert engine is not None and self._sigma is not None
         engine.stop()
         engine.check_parameter_gradients()
-        if self._batch_size is not None and engine.batch_size() != self._batch_size:
+        seen = self._step_batch_size(trainer, pl_module)
+        if self._batch_size is not None and seen != self._batch_size:
             raise MisconfigurationException(
-                f"the layers with trainable parameters saw {engine.batch_size()} rows in dimension 0 but the batch "
-                f"holds {self._batch_size} examples. Per-sample clipping needs the batch dimension first in every "
-                "such layer (a model that flattens (B, T, d) to (B*T, d) would clip tokens, not examples, and "
-                "under-state the sensitivity). Keep dimension 0 as the batch, e.g. apply nn.Linear to (B, T, d).")
+                f"the layers with trainable parameters saw {seen} examples at their batch dimensions but the batch "
+                f"holds {self._batch_size} examples. Per-sample clipping needs each layer to keep the examples in one "
+                "dimension (a model that flattens (B, T, d) to (B*T, d) would clip tokens, not examples, and "
+                "under-state the sensitivity). Keep a batch dimension, e.g. apply nn.Linear to (B, T, d).")
         norms = engine.per_sample_norms()
         clip = self.max_grad_norm
         releases = [engine.clipped_sum(clip_factors(norms, clip))]
@@ -495,6 +699,7 @@ class DPSGD(Callback):
                            expected_batch_size=expected, generator=generator)
         for p, g in zip(params, grads):
             p.grad = g.to(p.dtype)
+            self._released_grads[id(p)] = p.grad
         set_noise_std = getattr(optimizer, "set_noise_std", None)
         if callable(set_noise_std):  # AdamWOSM: its fixed second moment is this step's noise std per coordinate
             set_noise_std(noise_multiplier * clip / expected)
@@ -556,8 +761,9 @@ class DPSGD(Callback):
             self._curve.append((step, eps))
         metrics = {"privacy/epsilon": eps, "privacy/delta": self.target_delta,
                    "privacy/noise_multiplier": float(self._sigma), "privacy/max_grad_norm": self.max_grad_norm}
-        if self._last_stats is not None and self._last_stats[1] > 0:
-            metrics["privacy/clipped_fraction"] = float(self._last_stats[0] / self._last_stats[1])
+        if self.log_nonprivate_metrics and self._last_stats is not None and self._last_stats[1] > 0:
+            # exact, not covered by epsilon: see docs/privacy.md ("What epsilon covers")
+            metrics["nonprivate/clipped_fraction"] = float(self._last_stats[0] / self._last_stats[1])
         return metrics
 
     def _log_privacy(self, pl_module: LightningModule, step: int) -> None:
@@ -585,20 +791,66 @@ class DPSGD(Callback):
                                        title=f"privacy spend, sigma={self._sigma:.3g}, C={self.max_grad_norm:g}")
             tracking.log_figure(trainer, fig, "privacy/epsilon.png")
 
+    def _checked_closure(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Optimizer step pre-hook: makes the step check its gradients right before it updates.
+
+        Lightning's automatic optimization runs the forward, the backward and every
+        ``on_before_optimizer_step`` hook INSIDE ``optimizer.step(closure)``, so a pre-hook
+        alone would look at the gradients before they exist. It replaces the closure by
+        one that runs it and then :meth:`_check_released` (torch lets a step pre-hook
+        return new arguments).
+        """
+        closure = kwargs.get("closure", args[0] if args else None)
+        if closure is None:
+            self._check_released(optimizer)
+            return None
+
+        def checked() -> Any:
+            result = closure()
+            self._check_released(optimizer)
+            return result
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": checked}
+        return (checked, *args[1:]), kwargs
+
+    def _check_released(self, optimizer: Any) -> None:
+        """Every gradient the optimizer is about to use is one this callback released.
+
+        The last line of defence against every path that bypasses clipping and noise (a
+        parameter unfrozen inside ``training_step``, a parameter added to the optimizer but
+        not owned by the module, a callback that writes raw gradients after DPSGD): the
+        step is refused before the optimizer reads them. The gradient must be the very
+        tensor DPSGD set; in-place post-processing of it (gradient clipping) is allowed.
+        """
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and self._released_grads.get(id(p)) is not p.grad:
+                    shape = tuple(p.shape)
+                    raise UnprivatizedGradientError(
+                        f"DPSGD: an optimizer step was about to use the gradient of a parameter of shape {shape} that "
+                        "did not go through per-sample clipping and noise (a parameter that became trainable inside "
+                        "training_step, a parameter outside the LightningModule, or a gradient written after DPSGD). "
+                        "The step is refused so that nothing unprivatized is released. Change requires_grad in a hook "
+                        "that runs before the batch (e.g. on_train_epoch_start, as BackboneFinetuning does), or "
+                        "freeze the parameter.")
+
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         if self._engine is not None:
             self._engine.remove()
             self._engine = None
-        if self._wrapped is not None:
-            owner, name = self._wrapped
-            owner.__dict__.pop(name, None)
-            self._wrapped = None
+        for handle in self._step_hooks:
+            handle.remove()
+        self._step_hooks = []
+        while self._restore:
+            self._restore.pop()()
 
     # ---------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
-        return {"version": _STATE_VERSION, "accountant": self._accountant.state_dict(), "seed": self._seed,
+        # the seed regenerates every noise draw: kept under SECRET_KEY, stripped from whatever is uploaded
+        return {"version": _STATE_VERSION, "accountant": self._accountant.state_dict(), SECRET_KEY: {"seed": self._seed},
                 "noise_multiplier": self._sigma, "max_grad_norm": self.max_grad_norm,
                 "poisson_sampling": self.poisson_sampling, "released_steps": self._released,
                 "curve": list(self._curve)}
@@ -612,8 +864,12 @@ class DPSGD(Callback):
                 f"the checkpoint's privacy history was recorded by the {saved.get('name')!r} accountant but this "
                 f"DPSGD uses accountant={self.accountant_name!r}; resume with accountant={saved.get('name')!r}.")
         self._accountant.load_state_dict(saved)
-        seed = state_dict.get("seed")
-        if seed is not None:
+        seed = state_dict.get(SECRET_KEY, {}).get("seed", state_dict.get("seed"))  # "seed": checkpoints before 0.2
+        if seed is None:
+            rank_zero_info("DPSGD: the checkpoint holds no noise seed (a public checkpoint, stripped of its secrets); "
+                           "the resumed run samples and draws noise from a fresh secret seed. Its accounting continues "
+                           "from the checkpoint's history.")
+        else:
             if self._requested_seed is not None and self._requested_seed != seed:
                 rank_zero_warn(f"DPSGD: resuming with the checkpoint's seed, not seed={self._requested_seed}")
             self._seed = int(seed)

@@ -33,7 +33,9 @@ class RestoreBestWeights(Callback):
 
     The best checkpoint is the one of the trainer's ``ModelCheckpoint`` that monitors
     ``monitor`` (or of its only monitoring ``ModelCheckpoint`` when ``monitor`` is None).
-    At the end of training the checkpoint file is logged to MLflow under ``checkpoints/best/``
+    At the end of training the checkpoint is logged to MLflow as ``model/best.ckpt``, public
+    (:func:`lightning_dp.tracking.public_checkpoint`: weights and hyperparameters, no resume
+    state, no secret seed; the file itself stays local),
     with the parameters ``best_checkpoint/monitor``, ``best_checkpoint/score`` and
     ``best_checkpoint/path``; when ``fit`` has ended, the weights are loaded, so the module
     handed back to the caller (and to a following ``trainer.test(model)``) is the best one.
@@ -90,8 +92,8 @@ class RestoreBestWeights(Callback):
         tracking.log_params(trainer, {"best_checkpoint/monitor": ckpt.monitor,
                                       "best_checkpoint/score": None if score is None else float(score),
                                       "best_checkpoint/path": ckpt.best_model_path})
-        if self.log_checkpoint:
-            tracking.log_artifact(trainer, ckpt.best_model_path, "checkpoints/best")
+        if self.log_checkpoint:  # public: ModelCheckpoint's file holds resume state and secret seeds
+            tracking.log_public_checkpoint(trainer, ckpt.best_model_path, "model", "best.ckpt")
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

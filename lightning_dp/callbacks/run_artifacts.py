@@ -1,4 +1,4 @@
-"""Record what a run needs to be reproduced: library versions and the final checkpoint."""
+"""Record what a run needs to be reproduced: library versions and the final (public) model."""
 
 from __future__ import annotations
 
@@ -15,23 +15,26 @@ __all__ = ["RunArtifacts"]
 
 
 class RunArtifacts(Callback):
-    """Log library versions and the final checkpoint to every MLflow run of the trainer.
+    """Log library versions and the final model to every MLflow run of the trainer.
 
     - At fit start: the versions of :func:`lightning_dp.tracking.library_versions` as
       parameters ``versions/<distribution>`` (through every logger's ``log_hyperparams``).
-    - At the end of training: ``trainer.save_checkpoint`` into a temporary folder, logged
-      as the artifact ``checkpoints/final.ckpt``: a full checkpoint (optimizer, loops and
-      callback states such as a privacy accountant's spend), so a run can be resumed
-      from it with ``ckpt_path``. This runs in ``on_train_end``, the last
-      hook before Lightning tears the strategy down and finalizes the loggers, because
-      ``save_checkpoint`` is a collective call (a barrier under DDP): every rank calls it,
-      global rank zero writes the file and logs it.
+    - At the end of training: the artifact ``model/final.ckpt``, a PUBLIC checkpoint: the
+      weights, hyperparameters and module state (``trainer.save_checkpoint(weights_only=True)``:
+      no optimizer, no callback states) with every secret removed
+      (:func:`lightning_dp.tracking.public_checkpoint`; the federated module keeps its noise
+      seed there). It loads with ``Module.load_from_checkpoint`` and serves
+      ``lightning-dp test --ckpt_path``. It does not resume training: resume from the local
+      checkpoints of ``ModelCheckpoint``, which hold the secret noise seeds and never leave the
+      machine (see ``docs/privacy.md``, "Secrets"). This runs in ``on_train_end``, the last hook
+      before Lightning tears the strategy down, because ``save_checkpoint`` is a collective
+      call (a barrier under DDP): every rank calls it, global rank zero writes and logs it.
 
-    Without an MLflow logger (or under ``fast_dev_run``) no checkpoint is written.
+    Without an MLflow logger (or under ``fast_dev_run``) nothing is written.
     The ``lightning-dp`` CLI adds this callback to every run.
 
     Args:
-        log_checkpoint: Set False to skip the final checkpoint (e.g. for large models).
+        log_checkpoint: Set False to skip the final model (e.g. for large models).
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -39,7 +42,7 @@ class RunArtifacts(Callback):
         >>> trainer = Trainer(logger=MLFlowLogger(), callbacks=[RunArtifacts()])  # doctest: +SKIP
     """
 
-    ARTIFACT_PATH = "checkpoints"
+    ARTIFACT_PATH = "model"
     FILENAME = "final.ckpt"
 
     def __init__(self, log_checkpoint: bool = True) -> None:
@@ -57,12 +60,10 @@ class RunArtifacts(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self.log_checkpoint or not tracking.mlflow_loggers(trainer):
             return
-        self._log_final_checkpoint(trainer)
+        self._log_final_model(trainer)
 
-    def _log_final_checkpoint(self, trainer: Trainer) -> None:
-        with tempfile.TemporaryDirectory(prefix="lightning-dp-ckpt-") as tmp_dir:
+    def _log_final_model(self, trainer: Trainer) -> None:
+        with tempfile.TemporaryDirectory(prefix="lightning-dp-model-") as tmp_dir:
             path = os.path.join(tmp_dir, self.FILENAME)
-            # Full checkpoint (callback states included, e.g. a privacy accountant's spend), so
-            # that a run can resume from it. Collective: every rank calls it, rank zero writes.
-            trainer.save_checkpoint(path, weights_only=False)
-            tracking.log_artifact(trainer, path, self.ARTIFACT_PATH)  # global rank zero only
+            trainer.save_checkpoint(path, weights_only=True)  # collective: every rank calls it, rank zero writes
+            tracking.log_public_checkpoint(trainer, path, self.ARTIFACT_PATH, self.FILENAME)

@@ -25,10 +25,14 @@ come from a :class:`~lightning_dp.datamodules.federated.FederatedDataModule`, wh
 yield one item per round (one training epoch = one round: ``max_epochs`` is the number of
 rounds).
 
-Every random draw (client sampling, local shuffles, noise) comes from a generator derived
-from ``(seed, stream, round, ...)``; a client's shuffles and noise depend on its index, not on
-the other clients of its process (:meth:`_shuffle_keys`); with the round counter and the
-ledger in the checkpoint, a resumed run equals the uninterrupted one.
+Every random draw comes from a generator derived from ``(seed, stream, round, ...)``; a
+client's shuffles and noise depend on its index, not on the other clients of its process
+(:meth:`_shuffle_keys`); with the round counter and the ledger in the checkpoint, a resumed
+run equals the uninterrupted one. Two seeds: ``seed`` drives what is public (initialization,
+client sampling, which the ledger does not count as amplification, local shuffles, the
+validation subsample) and is logged; ``noise_seed`` drives the sanitizers' noise and is a
+secret (:mod:`lightning_dp.privacy.seeds`): fresh from the OS by default, kept in local
+checkpoints under ``"secret"``, never logged nor uploaded.
 
 Under DDP (``strategy="ddp"``) every process samples the same clients, trains and sanitizes
 its share of them (positions rank, rank + W, ...), and the releases are all-gathered in the
@@ -41,7 +45,6 @@ from __future__ import annotations
 
 import copy
 import math
-import secrets
 from typing import Any, Literal
 
 import torch
@@ -65,6 +68,7 @@ from lightning_dp.datamodules.federated import padded_sensitive
 from lightning_dp.privacy.ledger import PrivacyLedger
 from lightning_dp.privacy.mechanisms import sanitize_update
 from lightning_dp.privacy.noise import derive_generator
+from lightning_dp.privacy.seeds import SECRET_KEY, fresh_seed
 
 __all__ = ["PersonalizedFederatedModule"]
 
@@ -118,9 +122,20 @@ class PersonalizedFederatedModule(LightningModule):
             whose update is (numerically) zero still releases noise of mean norm
             ``nu * min_delta_norm``, for the same cost n/nu over a neighbourhood at least as
             large (see :func:`~lightning_dp.privacy.mechanisms.sanitize_update`).
-        seed: seed of every stream (client sampling, shuffles, noise, initialization);
-            default: a fresh secret seed, saved in checkpoints.
+        seed: seed of the public streams (initialization, client sampling, local
+            shuffles, validation subsample); default: a fresh random seed. Logged.
+        noise_seed: seed of the sanitizers' noise, a secret: whoever knows it can subtract
+            the noise from every release. Default: a fresh seed from the OS, kept in local
+            checkpoints (resume) and never logged or uploaded; fix it only for reproducible
+            experiments whose releases stay private (``lightning-dp grid`` gives every run its own).
+        log_nonprivate_metrics: log ``nonprivate/train_loss``, the mean over the round's
+            clients of their chosen hypothesis' loss on their private data. The server never
+            sees these losses in the protocol and the ledger does not cover them; set False
+            to keep them off the record.
     """
+
+    #: Constructor arguments that are secrets: redacted from configs logged by ``lightning-dp``.
+    SECRET_ARGUMENTS: tuple[str, ...] = ("noise_seed",)
 
     def __init__(
         self,
@@ -140,6 +155,8 @@ class PersonalizedFederatedModule(LightningModule):
         client_engine: Literal["auto", "vmap", "loop"] = "auto",
         min_delta_norm: float = 1e-8,
         seed: int | None = None,
+        noise_seed: int | None = None,
+        log_nonprivate_metrics: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
@@ -174,16 +191,19 @@ class PersonalizedFederatedModule(LightningModule):
         if not (float(min_delta_norm) >= 0 and math.isfinite(float(min_delta_norm))):
             raise ValueError(f"min_delta_norm={min_delta_norm!r} is not allowed: pass a finite number >= 0")
         self.min_delta_norm = float(min_delta_norm)
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-            raise ValueError(f"seed={seed!r} is not allowed: pass a non-negative integer or None")
-        self.save_hyperparameters(ignore=["model"])
+        for name, value in (("seed", seed), ("noise_seed", noise_seed)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name}={value!r} is not allowed: pass a non-negative integer or None")
+        self.log_nonprivate_metrics = bool(log_nonprivate_metrics)
+        self.save_hyperparameters(ignore=["model", "noise_seed"])  # the noise seed is a secret
         self.save_hyperparameters({"model_class": f"{type(model).__module__}.{type(model).__qualname__}"})
 
         self.template = model
         self.spec = FlatParams.of(model)
         self.engine = client_engine if client_engine != "auto" else (
             "vmap" if self.spec.numel <= AUTO_VMAP_MAX_PARAMETERS else "loop")
-        self.seed = int(seed) if seed is not None else secrets.randbits(63)
+        self.seed = int(seed) if seed is not None else fresh_seed()
+        self._noise_seed = int(noise_seed) if noise_seed is not None else fresh_seed()
         self.register_buffer("hypotheses", self._initial_hypotheses())
         # training progress, not model state: saved in checkpoint["federated"], so that restoring the
         # best weights (RestoreBestWeights, load_state_dict) does not rewind it
@@ -228,6 +248,20 @@ class PersonalizedFederatedModule(LightningModule):
                 "lower clients_per_round.")
         if self.per_layer and self.noise_multiplier == 0:
             rank_zero_warn("per_layer=True has no effect with noise_multiplier=0 (no sanitization)")
+        if self.noise_multiplier > 0:
+            from lightning_dp.tracking import refuse_checkpoint_uploads
+
+            refuse_checkpoint_uploads(self.trainer, type(self).__name__)
+        if self.trainer.world_size > 1:  # default seeds are drawn per process: every process must use rank 0's
+            self.seed, self._noise_seed = (int(v) for v in self.trainer.strategy.broadcast((self.seed,
+                                                                                           self._noise_seed)))
+
+    def set_secret_seed(self, seed: int) -> None:
+        """Replace the noise seed before ``fit`` (``lightning-dp grid`` does this, so that no two runs of a
+        grid draw the same noise)."""
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed={seed!r} is not allowed: pass a non-negative integer")
+        self._noise_seed = int(seed)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         # local SGD and aggregation are the optimization; this optimizer only makes each round an
@@ -331,7 +365,7 @@ class PersonalizedFederatedModule(LightningModule):
         released, costs = [], []
         for c, i in enumerate(mine):
             out = sanitize_update(trained[c], start[c], noise_multiplier=self.noise_multiplier,
-                                  generator=derive_generator(self.seed, _NOISE, r, i, device=x.device),
+                                  generator=derive_generator(self._noise_seed, _NOISE, r, i, device=x.device),
                                   per_layer_sizes=self.spec.sizes if self.per_layer else None,
                                   min_delta_norm=self.min_delta_norm)
             released.append(out.released)
@@ -355,7 +389,8 @@ class PersonalizedFederatedModule(LightningModule):
             new, assignment = kmeans_aggregate(releases, hyps)
             self.optimizers().step(closure=lambda: self.hypotheses.copy_(new))
             sizes = torch.bincount(assignment, minlength=self.k)
-            metrics["train/loss"] = float(stats[:, 0].mean())
+            if self.log_nonprivate_metrics:  # the clients' private losses: not covered by the ledger
+                metrics["nonprivate/train_loss"] = float(stats[:, 0].mean())
             for j in range(self.k):
                 metrics[f"round/cluster_size_{j}"] = float(sizes[j])
             if self.spec.numel <= 2:
@@ -440,7 +475,7 @@ class PersonalizedFederatedModule(LightningModule):
     # -------------------------------------------------------------- checkpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["federated"] = {"ledger": self.ledger.state_dict(), "seed": self.seed, "rounds": int(self.rounds),
-                                   "version": 2}
+                                   SECRET_KEY: {"noise_seed": self._noise_seed}, "version": 3}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("federated")
@@ -448,6 +483,13 @@ class PersonalizedFederatedModule(LightningModule):
             self.ledger.load_state_dict(state["ledger"])
             self.seed = int(state["seed"])
             self.rounds.fill_(int(state["rounds"]))
+            if SECRET_KEY in state:
+                self._noise_seed = int(state[SECRET_KEY]["noise_seed"])
+            elif state.get("version", 2) <= 2:  # before version 3 one seed drove the noise too
+                self._noise_seed = int(state["seed"])
+            else:
+                rank_zero_warn("the checkpoint holds no noise seed (a public checkpoint, stripped of its secrets); "
+                               "the resumed run draws its noise from a fresh secret seed.")
 
     def on_train_end(self) -> None:
         if self.trainer.is_global_zero and len(self.ledger):

@@ -63,8 +63,10 @@ class Autoencoder(LightningModule):
     loss that is still connected to the parameters (every gradient is exactly zero, the
     sum over no examples) and logs nothing.
 
-    Logged metrics: ``train/loss`` (every logged step), ``val/loss`` and ``test/loss``
-    (per epoch, weighted by batch size, averaged over ranks under DDP).
+    Logged metrics: ``nonprivate/train_loss`` (every logged step), the exact training loss,
+    which a DP-SGD epsilon does NOT cover (``log_train_metrics=False`` turns it off);
+    ``val/loss`` and ``test/loss`` (per epoch, weighted by batch size, averaged over ranks
+    under DDP).
 
     The hyperparameters are saved except ``network`` (its weights are in the state dict);
     its class is logged as the hyperparameter ``network_class`` and kept out of
@@ -78,6 +80,7 @@ class Autoencoder(LightningModule):
         optimizer: ``"sgd"``, ``"adam"`` or ``"adamwosm"`` (:class:`~lightning_dp.optim.AdamWOSM`,
             whose noise std the DPSGD callbacks set).
         momentum: SGD momentum in ``[0, 1)``; must be 0 with ``"adam"`` and ``"adamwosm"``.
+        log_train_metrics: log the exact training loss as ``nonprivate/train_loss``.
 
     Raises:
         TypeError: If ``network`` is not a ``torch.nn.Module``.
@@ -98,6 +101,7 @@ class Autoencoder(LightningModule):
         lr: float = 0.1,
         optimizer: str = "sgd",
         momentum: float = 0.0,
+        log_train_metrics: bool = True,
     ) -> None:
         super().__init__()
         _validate(network=network, lr=lr, optimizer=optimizer, momentum=momentum)
@@ -115,14 +119,15 @@ class Autoencoder(LightningModule):
         return batch[0] if isinstance(batch, (tuple, list)) else batch
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        """Return the batch mean of the per-example MSE; log ``train/loss``."""
+        """Return the batch mean of the per-example MSE; log ``nonprivate/train_loss``."""
         x = self._inputs(batch)
         reconstruction = self(x)
         if x.shape[0] == 0:
             # Mean over no example is nan; the sum over no example (0) keeps gradients finite.
             return reconstruction.sum() * 0.0
         loss = per_example_mse(reconstruction, x).mean()
-        self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True, batch_size=x.shape[0])
+        if self.hparams.log_train_metrics:  # an exact statistic of the private batch: not covered by epsilon
+            self.log("nonprivate/train_loss", loss, on_step=True, on_epoch=False, prog_bar=True, batch_size=x.shape[0])
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:

@@ -20,11 +20,12 @@ import numbers
 from collections.abc import Callable, Iterator
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
 
 from lightning_dp.privacy.noise import SAMPLING, derive_generator
 
-__all__ = ["EmptySafeCollate", "PoissonBatchSampler", "check_sample_rate", "poisson_dataloader"]
+__all__ = ["EmptySafeCollate", "PassMarkingBatchSampler", "PoissonBatchSampler", "check_partition_sampler",
+           "check_sample_rate", "poisson_dataloader", "rebuild_dataloader"]
 
 
 def check_sample_rate(sample_rate: float) -> float:
@@ -124,16 +125,69 @@ class EmptySafeCollate:
         return _empty_like(self.collate_fn([self.dataset[0]]))  # type: ignore[index]
 
 
+def rebuild_dataloader(loader: DataLoader, *, batch_sampler: object, collate_fn: Callable | None = None) -> DataLoader:
+    """A copy of ``loader`` (same dataset, collate and worker settings) drawing batches from ``batch_sampler``."""
+    workers = loader.num_workers
+    return DataLoader(
+        loader.dataset, batch_sampler=batch_sampler, collate_fn=collate_fn or loader.collate_fn,
+        num_workers=workers, pin_memory=loader.pin_memory, timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn, multiprocessing_context=loader.multiprocessing_context,
+        prefetch_factor=loader.prefetch_factor if workers > 0 else None,
+        persistent_workers=loader.persistent_workers if workers > 0 else False, pin_memory_device=loader.pin_memory_device)
+
+
 def poisson_dataloader(loader: DataLoader, *, sample_rate: float, seed: int, rank: int = 0, world_size: int = 1,
                        start_step: Callable[[], int] | None = None) -> DataLoader:
     """A copy of ``loader`` (same dataset, collate and worker settings) with Poisson batches."""
     batch_sampler = PoissonBatchSampler(None, loader.batch_size or 1, False, num_samples=len(loader.dataset),
                                         sample_rate=sample_rate, seed=seed, rank=rank, world_size=world_size,
                                         start_step=start_step)
-    workers = loader.num_workers
-    return DataLoader(
-        loader.dataset, batch_sampler=batch_sampler, collate_fn=EmptySafeCollate(loader.collate_fn, loader.dataset),
-        num_workers=workers, pin_memory=loader.pin_memory, timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn, multiprocessing_context=loader.multiprocessing_context,
-        prefetch_factor=loader.prefetch_factor if workers > 0 else None,
-        persistent_workers=loader.persistent_workers if workers > 0 else False, pin_memory_device=loader.pin_memory_device)
+    return rebuild_dataloader(loader, batch_sampler=batch_sampler,
+                              collate_fn=EmptySafeCollate(loader.collate_fn, loader.dataset))
+
+
+class PassMarkingBatchSampler:
+    """Forwards a batch sampler and calls ``on_pass()`` whenever a new pass over it begins.
+
+    For shuffled (non-Poisson) DP-SGD one pass over a permutation of the data is one
+    Gaussian mechanism by parallel composition. What is charged must therefore follow
+    the passes actually started, not Lightning's epoch counter: a run resumed in the
+    middle of an epoch starts a NEW permutation, whose examples may already have been
+    used in the interrupted part of the epoch.
+    """
+
+    def __init__(self, batch_sampler: object, on_pass: Callable[[], None]) -> None:
+        self.batch_sampler = batch_sampler
+        self.on_pass = on_pass
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self.on_pass()
+        yield from self.batch_sampler  # type: ignore[misc]
+
+
+def check_partition_sampler(loader: DataLoader) -> None:
+    """Raises unless every pass of ``loader`` uses each example at most once (shuffled DP-SGD's premise).
+
+    Accepted: ``RandomSampler`` without replacement over exactly the dataset, and
+    ``SequentialSampler``, inside the ordinary ``BatchSampler``. Refused: sampling with
+    replacement, ``WeightedRandomSampler``, ``num_samples`` other than ``len(dataset)``,
+    custom samplers and batch samplers, whose passes may repeat an example.
+    """
+    sampler = loader.sampler
+    n = len(loader.dataset)  # type: ignore[arg-type]
+    ok = type(loader.batch_sampler) is BatchSampler and (
+        type(sampler) is SequentialSampler
+        or (type(sampler) is RandomSampler and not sampler.replacement and sampler.num_samples == n))
+    if not ok:
+        detail = type(sampler).__name__
+        if isinstance(sampler, RandomSampler):
+            detail += f"(replacement={sampler.replacement}, num_samples={sampler.num_samples}) over N={n}"
+        raise ValueError(
+            f"the training DataLoader samples with {detail} (batch sampler {type(loader.batch_sampler).__name__}). "
+            "Shuffled DP-SGD (poisson_sampling=False) accounts one pass over the data as one Gaussian mechanism, "
+            "which holds only if a pass uses every example at most once; this sampler can repeat examples, and the "
+            "reported epsilon would be too small. Use DataLoader(shuffle=True) or shuffle=False, or "
+            "poisson_sampling=True (which replaces the sampler by Poisson sampling).")

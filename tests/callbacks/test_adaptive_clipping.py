@@ -128,7 +128,7 @@ def test_oso_logs_threshold_learning_rate_and_clipped_fraction():
 
     class Capture(L.Callback):
         def on_train_batch_end(self, trainer, *args):
-            for k in ("privacy/max_grad_norm", "train/lr", "privacy/clipped_fraction", "privacy/epsilon"):
+            for k in ("privacy/max_grad_norm", "train/lr", "nonprivate/clipped_fraction", "privacy/epsilon"):
                 logged.setdefault(k, []).append(float(trainer.callback_metrics[k]))
 
     oso = OnlineSensitivity(noise_multiplier=1.0, initial_clip=0.1, clip_lr=0.1, lr_lr=0.1, seed=1)
@@ -137,7 +137,7 @@ def test_oso_logs_threshold_learning_rate_and_clipped_fraction():
     assert logged["privacy/max_grad_norm"] == pytest.approx([c for _, c, _ in oso._trace], rel=1e-6)
     assert logged["train/lr"] == pytest.approx([lr for _, _, lr in oso._trace], rel=1e-6)
     assert logged["train/lr"][0] == pytest.approx(0.2)
-    assert all(0 <= f <= 1 for f in logged["privacy/clipped_fraction"])
+    assert all(0 <= f <= 1 for f in logged["nonprivate/clipped_fraction"])
 
 
 def _oso_fit(tmp_path, epochs, ckpt=None, name="run"):

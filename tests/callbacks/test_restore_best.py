@@ -43,8 +43,13 @@ def test_best_checkpoint_is_logged_to_mlflow(tmp_path):
     run = client.get_run(logger.run_id)
     assert run.data.params["best_checkpoint/monitor"] == "val/score"
     assert float(run.data.params["best_checkpoint/score"]) == 0.5
-    names = [a.path for a in client.list_artifacts(logger.run_id, "checkpoints/best")]
-    assert names == ["checkpoints/best/" + ckpt.best_model_path.split("/")[-1]]
+    names = [a.path for a in client.list_artifacts(logger.run_id, "model")]
+    assert names == ["model/best.ckpt"]
+    logged = torch.load(client.download_artifacts(logger.run_id, "model/best.ckpt", str(tmp_path)), weights_only=False)
+    local = torch.load(ckpt.best_model_path, weights_only=False)
+    # public: the weights of the best checkpoint, without its resume state
+    assert "callbacks" in local and not {"callbacks", "optimizer_states", "lr_schedulers"} & set(logged)
+    assert all(torch.equal(v, logged["state_dict"][k]) for k, v in local["state_dict"].items())
 
 
 def test_errors_name_the_fix(tmp_path):

@@ -1,10 +1,11 @@
 """Run by tests/federated/test_module_ddp.py: the federated round under Lightning DDP (2 CPU processes, gloo).
 
-Usage: python tests/federated/ddp_script.py OUT_DIR DEVICES [fairness]
+Usage: python tests/federated/ddp_script.py OUT_DIR DEVICES [fairness|secret]
 Trains the synthetic personalized-FL setting for a few rounds with DEVICES processes and
 writes OUT_DIR/rank{r}.pt (hypotheses, ledger, validation loss) for the test to compare.
 With ``fairness``: the SyntheticFairness setting (binary labels, sensitive groups), then
-``trainer.test``; the test metrics (accuracy, group fairness) are saved too.
+``trainer.test``; the test metrics (accuracy, group fairness) are saved too. With ``secret``:
+the synthetic setting with default seeds (drawn per process, so every process must adopt rank 0's).
 """
 
 import sys
@@ -29,20 +30,22 @@ class Probe(L.Callback):
             self.val.append(float(trainer.callback_metrics["val/loss"]))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.train.append(float(trainer.callback_metrics["train/loss"]))
+        self.train.append(float(trainer.callback_metrics["nonprivate/train_loss"]))
 
 
-def main(out: Path, devices: int, fairness: bool = False) -> None:
+def main(out: Path, devices: int, mode: str = "") -> None:
+    fairness = mode == "fairness"
+    seeds = {} if mode == "secret" else {"seed": 0, "noise_seed": 0}
     # U = 7 clients over 2 processes: shards of 4 and 3; 5 validation clients: 3 and 2
     if fairness:  # 7 test clients: shards of 4 and 3, both groups present
         module = PersonalizedFederatedModule(LinearRegression(bias=True), num_hypotheses=2, clients_per_round=7,
                                              local_epochs=2, local_lr=0.5, local_batch_size=3, noise_multiplier=1.0,
-                                             loss="binary_cross_entropy", seed=0)
+                                             loss="binary_cross_entropy", **seeds)
         data = SyntheticFairness(num_clients=40, num_val_clients=5, num_test_clients=7, seed=0)
     else:
         module = PersonalizedFederatedModule(LinearRegression(), num_hypotheses=2, clients_per_round=7,
                                              local_epochs=2, local_lr=0.1, local_batch_size=3, noise_multiplier=5.0,
-                                             seed=0)
+                                             **seeds)
         data = SyntheticLinearMixture(num_clients=40, num_val_clients=5, seed=0)
     probe = Probe()
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", max_epochs=6,
@@ -60,4 +63,4 @@ def main(out: Path, devices: int, fairness: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]), len(sys.argv) > 3 and sys.argv[3] == "fairness")
+    main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else "")

@@ -16,7 +16,7 @@ THETAS = torch.tensor([[5.0, 6.0], [4.0, -4.5]])
 
 def module(**kwargs):
     defaults = dict(num_hypotheses=2, clients_per_round=7, local_epochs=1, local_lr=0.1, local_batch_size=10,
-                    noise_multiplier=5.0, loss="rmse", seed=0)
+                    noise_multiplier=5.0, loss="rmse", seed=0, noise_seed=0)
     defaults.update(kwargs)
     return PersonalizedFederatedModule(LinearRegression(), **defaults)
 
@@ -244,3 +244,28 @@ def test_class_score_models_log_argmax_accuracy_and_fairness(loss):
         total += len(client)
     assert result["test/acc"] == pytest.approx(correct / total, abs=1e-9)
     assert result["test/acc"] > 0.75 and "test/fairness/equalized_odds_difference" in result
+
+
+def test_noise_seed_is_a_secret_kept_apart_from_the_public_seed(tmp_path):
+    """seed (initialization, client sampling) is logged; noise_seed regenerates every release's noise: it is
+    kept out of hyperparameters, under "secret" in local checkpoints, out of public ones and logged configs."""
+    from lightning_dp.cli import redact_secrets
+    from lightning_dp.tracking import public_checkpoint
+
+    m = module(noise_seed=123)
+    assert "noise_seed" not in m.hparams and m.hparams["seed"] == 0
+    t = trainer(max_epochs=2)
+    t.fit(m, SyntheticLinearMixture(seed=0))
+    t.save_checkpoint(tmp_path / "local.ckpt")
+    local = torch.load(tmp_path / "local.ckpt", weights_only=False)
+    assert local["federated"]["secret"] == {"noise_seed": 123} and local["federated"]["seed"] == 0
+    assert "secret" not in public_checkpoint(local)["federated"]
+    text = ("model:\n  class_path: lightning_dp.federated.PersonalizedFederatedModule\n  init_args:\n"
+            "    seed: 0\n    noise_seed: 123\n")
+    redacted = redact_secrets(text)
+    assert "noise_seed: null" in redacted and "seed: 0" in redacted and "123" not in redacted
+
+    other = module(noise_seed=9)
+    resumed = trainer(max_epochs=3)
+    resumed.fit(other, SyntheticLinearMixture(seed=0), ckpt_path=str(tmp_path / "local.ckpt"))
+    assert other._noise_seed == 123  # a local resume continues the same noise streams

@@ -56,3 +56,10 @@ def test_fairness_metrics_of_two_processes_equal_one(tmp_path_factory):
         assert r["test"].keys() == names.keys()
         for name, value in names.items():
             assert r["test"][name] == pytest.approx(value, rel=1e-6, abs=1e-9), name
+
+
+def test_default_secret_seeds_are_shared_by_all_processes(tmp_path_factory):
+    """seed and noise_seed left to their defaults are drawn in each process: rank 0's must win everywhere,
+    or the processes would sample different clients and disagree on the hypotheses."""
+    r0, r1 = run(tmp_path_factory.mktemp("ddp_secret"), 2, "secret")
+    assert torch.equal(r0["hypotheses"], r1["hypotheses"]) and r0["ledger"] == r1["ledger"]

@@ -75,8 +75,8 @@ def test_trains_with_dp_sgd_and_logs_namespaced_losses(tmp_path) -> None:
     assert t.global_step == 3  # ceil(48 / 16) Poisson batches
     assert dp.epsilon > 0 and dp.noise_multiplier == 1.0
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    assert {"train/loss", "val/loss"} <= set(t.callback_metrics)
-    assert all(torch.isfinite(t.callback_metrics[key]) for key in ("train/loss", "val/loss"))
+    assert {"nonprivate/train_loss", "val/loss"} <= set(t.callback_metrics)
+    assert all(torch.isfinite(t.callback_metrics[key]) for key in ("nonprivate/train_loss", "val/loss"))
     results = t.test(model, datamodule, verbose=False)
     assert set(results[0]) == {"test/loss"} and results[0]["test/loss"] > 0
 
@@ -95,6 +95,7 @@ def test_hyperparameters_and_checkpoint_round_trip(tmp_path) -> None:
     model = Autoencoder(ConvAutoencoder(), lr=0.01, optimizer="adam")
     assert dict(model.hparams) == {
         "lr": 0.01,
+        "log_train_metrics": True,
         "optimizer": "adam",
         "momentum": 0.0,
         "network_class": "lightning_dp.models.networks.ConvAutoencoder",

@@ -40,8 +40,8 @@ def test_trains_and_logs_namespaced_metrics(tmp_path) -> None:
     assert trainer.global_step == 3
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     metrics = trainer.callback_metrics
-    assert {"train/loss", "train/acc", "val/loss", "val/acc"} <= set(metrics)
-    assert torch.isfinite(metrics["train/loss"])
+    assert {"nonprivate/train_loss", "nonprivate/train_acc", "val/loss", "val/acc"} <= set(metrics)
+    assert torch.isfinite(metrics["nonprivate/train_loss"])
     assert 0.0 <= metrics["val/acc"] <= 1.0
     results = trainer.test(model, _loader(seed=2), verbose=False)
     assert set(results[0]) == {"test/loss", "test/acc"}
@@ -96,7 +96,7 @@ def test_empty_batches_inside_fit_do_not_crash(tmp_path) -> None:
     trainer = _trainer(tmp_path, max_epochs=1)
     trainer.fit(model, loader(), loader())
     assert trainer.global_step == 3
-    assert torch.isfinite(trainer.callback_metrics["train/loss"])
+    assert torch.isfinite(trainer.callback_metrics["nonprivate/train_loss"])
     trainer.test(model, loader(), verbose=False)
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
@@ -106,6 +106,7 @@ def test_hyperparameters_and_checkpoint_round_trip(tmp_path) -> None:
     assert dict(model.hparams) == {
         "num_classes": 10,
         "lr": 0.01,
+        "log_train_metrics": True,
         "optimizer": "adam",
         "momentum": 0.0,
         "network_class": "lightning_dp.models.networks.DigitsConvNet",

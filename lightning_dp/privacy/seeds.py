@@ -1,0 +1,73 @@
+"""Secret seeds: where privacy noise comes from, and what must never leave the machine.
+
+Every random draw that protects privacy (DP-SGD's Poisson sampling and Gaussian noise,
+a client's Euclidean Laplace noise) is derived from a *secret seed*
+(:func:`~lightning_dp.privacy.noise.derive_generator`). Whoever knows that seed can
+regenerate the noise and subtract it from a released model or gradient, so:
+
+- a component draws a fresh seed from the operating system (:func:`fresh_seed`) unless
+  the user fixes one for a reproducible experiment; a fixed seed is as public as the
+  config that holds it;
+- two runs must never share a seed (the same noise twice cancels in their difference):
+  ``lightning-dp grid`` gives every run its own seed, fresh or derived from a grid seed
+  (:func:`derive_seed`);
+- the seed is kept in the component's checkpoint state under :data:`SECRET_KEY`, so a
+  local resume continues the same streams; everything that is uploaded or logged passes
+  through :func:`strip_secrets` (checkpoints) or has the component's
+  ``SECRET_ARGUMENTS`` redacted (configs), and components leave their seeds out of the
+  logged hyperparameters.
+
+Example:
+    >>> state = {"accountant": {"history": []}, SECRET_KEY: {"seed": 1234}}
+    >>> strip_secrets(state)
+    {'accountant': {'history': []}}
+    >>> derive_seed(7, 0) == derive_seed(7, 0) != derive_seed(7, 1)
+    True
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import numpy as np
+
+__all__ = ["SECRET_KEY", "derive_seed", "fresh_seed", "strip_secrets"]
+
+#: The key under which a component's state keeps what must stay on the machine.
+SECRET_KEY = "secret"
+
+
+def fresh_seed() -> int:
+    """A new secret seed from the operating system's CSPRNG (63 bits)."""
+    return secrets.randbits(63)
+
+
+def derive_seed(seed: int, *counters: int) -> int:
+    """A 63-bit seed derived from ``(seed, *counters)`` by NumPy's SeedSequence hashing.
+
+    Distinct counters give statistically independent seeds (e.g. one per grid run), and
+    the same ``(seed, counters)`` gives the same seed, which makes a grid reproducible
+    from one grid seed.
+    """
+    state = np.random.SeedSequence([int(seed) % 2**128, *(int(c) for c in counters)]).generate_state(2, np.uint64)
+    return int(state[0]) >> 1
+
+
+def strip_secrets(obj: Any) -> Any:
+    """A copy of a (nested) checkpoint or state without any :data:`SECRET_KEY` entry.
+
+    Dicts, lists and tuples are rebuilt; everything else (tensors included) is shared,
+    not copied.
+    """
+    if isinstance(obj, dict):
+        pairs = [(k, strip_secrets(v)) for k, v in obj.items() if k != SECRET_KEY]
+        try:
+            return type(obj)(pairs)  # keeps OrderedDict (a model's state_dict) an OrderedDict
+        except TypeError:
+            return dict(pairs)
+    if isinstance(obj, list):
+        return [strip_secrets(v) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(strip_secrets(v) for v in obj)
+    return obj
