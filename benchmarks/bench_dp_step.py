@@ -60,6 +60,7 @@ def build(method: str, batch_size: int, device: str):
     if method == "lightning_dp":
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         engine = GradSampleEngine(model)
+        engine.probe(lambda n: model(x[:n]))  # where the batch is (DPSGD probes once, when training starts)
         params = engine.parameters
         counter = iter(range(10**9))
 
