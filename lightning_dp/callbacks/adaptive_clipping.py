@@ -141,7 +141,7 @@ class OnlineSensitivity(_AdaptiveClipping):
     ``lr_lr=0``.
 
     Logged every ``log_every_n_steps``: ``privacy/epsilon``, ``privacy/max_grad_norm``
-    (``C_t``), ``privacy/clipped_fraction``, ``train/lr`` (``rho_t``); at the end the
+    (``C_t``), ``nonprivate/clipped_fraction``, ``train/lr`` (``rho_t``); at the end the
     artifact ``privacy/max_grad_norm.png``. ``C_t``, ``rho_t``, ``q~_{t-1}``,
     ``g~_{t-1}`` and the accountant are saved in checkpoints: a resumed run continues
     exactly.
