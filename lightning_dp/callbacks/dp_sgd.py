@@ -16,10 +16,12 @@ Privacy semantics (see ``docs/privacy.md``):
 Where the training data comes from: the callback rebuilds the training DataLoader with
 Poisson sampling whichever way it was given: ``trainer.fit(model, train_dataloaders=dl)``
 (Lightning's documented call), ``datamodule=...``, or the module's own
-``train_dataloader``. For the first it replaces the loader in the fit loop's data source
-(Lightning keeps it in the private ``fit_loop._data_source``; this is the only private
-attribute the callback touches, checked and refused with a clear error should Lightning
-move it); for the other two it wraps the public ``train_dataloader`` hook.
+``train_dataloader``. For the first it wraps the ``dataloader()`` of the fit loop's data
+source (Lightning keeps it in the private ``fit_loop._data_source``; the only private
+attribute the callback touches, checked, with a clear refusal should Lightning move it), as
+it wraps the public ``train_dataloader`` hook of a DataModule or LightningModule in the
+other two cases: the loader is privatized when Lightning asks for it, after a checkpoint has
+restored the seed.
 
 Per-sample gradients are recorded with forward/tensor hooks
 (:class:`~lightning_dp.privacy.grad_sample.GradSampleEngine`). When training starts (and
@@ -363,8 +365,9 @@ class DPSGD(Callback):
                     f"train_dataloaders={type(instance).__name__}: DPSGD needs one torch DataLoader over a map-style "
                     "dataset (it rebuilds it with Poisson sampling); a collection of loaders (CombinedLoader, dict, "
                     "list) has no single sampling rate. Pass one DataLoader.")
-            source.instance = self._privatize(instance, trainer)
-            self._restore.append(lambda: setattr(source, "instance", instance))
+            # privatized when Lightning asks for it (after a checkpoint restored the seed), like the hooks above
+            source.dataloader = lambda: self._privatize(instance, trainer)
+            self._restore.append(lambda: source.__dict__.pop("dataloader", None))
 
     def _data_facts(self, loader: Any, world: int) -> dict[str, Any]:
         """Dataset size, sample rate, expected batch size and steps per epoch of a training loader."""

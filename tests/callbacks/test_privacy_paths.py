@@ -348,7 +348,25 @@ def test_every_way_of_giving_training_data_is_poisson_sampled_and_accounted(how)
 def test_train_dataloaders_is_restored_after_fit():
     loader = DataLoader(blobs(200), batch_size=20)
     t, _, _ = _poisson_fit(model=Classifier(), train_dataloaders=loader)
-    assert t.fit_loop._data_source.instance is loader
+    assert t.fit_loop._data_source.instance is loader and t.fit_loop._data_source.dataloader() is loader
+
+
+def test_train_dataloaders_resume_exactly(tmp_path):
+    """The loader is privatized after the checkpoint restored the seed: same batches, noise and epsilon."""
+    def fit(epochs, ckpt=None):
+        torch.manual_seed(0)
+        model, dp = Classifier(), DPSGD(noise_multiplier=1.0, max_grad_norm=0.5, seed=None if ckpt else 11)
+        t = trainer(max_epochs=epochs, callbacks=[dp])
+        t.fit(model, train_dataloaders=DataLoader(blobs(150), batch_size=10, shuffle=True), ckpt_path=ckpt)
+        return t, model, dp
+
+    _, full, full_dp = fit(3)
+    part, _, _ = fit(2)
+    part.save_checkpoint(tmp_path / "mid.ckpt")
+    _, resumed, resumed_dp = fit(3, str(tmp_path / "mid.ckpt"))
+    assert resumed_dp.accountant.history == full_dp.accountant.history
+    for a, b in zip(full.parameters(), resumed.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_a_collection_of_training_loaders_is_refused():
