@@ -176,12 +176,20 @@ def test_no_trainable_parameters_is_an_error():
         GradSampleEngine(model)
 
 
-def test_tied_weights_are_refused():
-    a = nn.Linear(3, 3)
-    b = nn.Linear(3, 3)
+@pytest.mark.parametrize("limit", [0, 2**40], ids=["ghost", "instantiated"])
+def test_tied_linear_weights_include_the_cross_term(limit):
+    """One weight used by two Linear layers: ||g_a + g_b||^2 needs 2 <g_a, g_b>, from the factors alone."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(3, 3), nn.Linear(3, 3)
     b.weight = a.weight
-    with pytest.raises(PerSampleGradientError, match="tied"):
-        GradSampleEngine(nn.Sequential(a, b))
+    model = nn.Sequential(a, nn.Tanh(), b, nn.Flatten(), nn.Linear(12, 2)).double()
+    x, y = torch.randn(6, 4, 3, dtype=torch.float64), torch.randint(0, 2, (6,))
+    ref = naive_per_sample(model, F.cross_entropy, x, y)
+    model.zero_grad(set_to_none=True)
+    norms, flat = engine_result(model, F.cross_entropy, x, y, 0.5, instantiate_limit=limit)
+    torch.testing.assert_close(norms, ref.norm(dim=1), rtol=1e-9, atol=1e-12)
+    factors = clip_factors(ref.norm(dim=1), 0.5)
+    torch.testing.assert_close(flat, (factors[:, None] * ref).sum(0), rtol=1e-9, atol=1e-12)
 
 
 def test_parameter_used_outside_its_module_is_detected():
@@ -285,13 +293,22 @@ def test_batch_dimension_is_established_when_other_dimensions_equal_the_batch(ma
     torch.testing.assert_close(flat, (factors[:, None] * ref).sum(0), rtol=1e-9, atol=1e-12)
 
 
-def test_input_without_batch_dimension_is_refused():
-    """wpe(arange(T)) with T == B looked per-example by its shape; its gradient is shared by all examples."""
-    model = PositionalEmbedding()
+def test_input_without_batch_dimension_is_broadcast_to_the_batch():
+    """wpe(arange(T)) with T == B looked per-example by its shape; its output is expanded to the batch instead,
+    so each example's gradient flows through its own slice (the probe checks that the result is unchanged)."""
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = PositionalEmbedding().double()
+    x, y = torch.randint(0, 9, (5, 5), generator=g), torch.randint(0, 2, (5,), generator=g)
+    ref = naive_per_sample(model, F.cross_entropy, x, y)
+    model.zero_grad(set_to_none=True)
     engine = GradSampleEngine(model)
-    with pytest.raises(PerSampleGradientError, match=r"pos \(Embedding\) receives an input without a batch "
-                                                     r"dimension.*arange\(T\).expand\(B, T\)"):
-        probe(engine, model, torch.randint(0, 9, (5, 5)))
+    probe(engine, model, x)
+    assert engine.layers[1].broadcast and not engine.layers[0].broadcast
+    with engine.record(batch_size=5):
+        F.cross_entropy(model(x), y).backward()
+    norms = engine.per_sample_norms()
+    torch.testing.assert_close(norms, ref.norm(dim=1), rtol=1e-9, atol=1e-12)
 
 
 def test_folded_batch_and_batch_by_batch_inputs_are_refused():
@@ -368,3 +385,24 @@ def test_trainable_set_changes_are_seen():
     assert [p for p in engine.parameters] == list(model[1].parameters()) and not engine.trainable_changed()
     model[0].weight.requires_grad_(True)
     assert engine.trainable_changed()
+
+
+def test_layers_called_with_keyword_inputs():
+    """fc(input=x) used to be refused as an input without a batch dimension."""
+    torch.manual_seed(0)
+
+    class Keywords(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.emb, self.out = nn.Linear(4, 4), nn.Embedding(7, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.out(input=torch.tanh(self.fc(input=x[:, :4])) + self.emb(input=x[:, 4].long()))
+
+    model = Keywords().double()
+    x = torch.cat([torch.randn(6, 4), torch.randint(0, 7, (6, 1)).float()], 1).double()
+    y = torch.randint(0, 2, (6,))
+    ref = naive_per_sample(model, F.cross_entropy, x, y)
+    model.zero_grad(set_to_none=True)
+    norms, flat = engine_result(model, F.cross_entropy, x, y, 0.5)
+    torch.testing.assert_close(norms, ref.norm(dim=1), rtol=1e-9, atol=1e-12)

@@ -1,0 +1,218 @@
+"""Per-sample gradients of one parameter from one layer, in the form that is cheapest to use.
+
+A layer rule does not hand back per-sample gradients as a ``(B, *shape)`` tensor when a
+cheaper form exists. Most weight gradients are sums of outer products over positions
+(tokens, pixels, time steps):
+
+    G_b = sum_t  left[b, t] (x) right[b, t]        (Linear: left = grad_output, right = input)
+
+from which the squared norms follow without ever forming ``G_b`` ("ghost" norms, Gram
+matrices of ``left`` and ``right``: Li et al. 2022, Bu et al. 2023) and the clipped sum is
+one matrix product. An embedding's gradient is the same with ``left`` one-hot rows
+(:class:`OneHotFactored`). Biases and normalization layers give small :class:`Dense`
+gradients. A parameter used by several modules (tied weights: GPT-2's token embedding and
+output layer) receives one contribution per use; its per-sample norm needs the cross
+terms ``2 <G_b, G'_b>``, which :meth:`Contribution.dot` computes from the factors as well.
+
+Example:
+    >>> import torch
+    >>> left, right = torch.randn(4, 3, 5), torch.randn(4, 3, 2)  # (B, T, p), (B, T, d)
+    >>> c = Factored(left, right, shape=(5, 2))
+    >>> dense = torch.einsum("btp,btd->bpd", left, right)
+    >>> torch.allclose(c.sq_norms(), dense.flatten(1).square().sum(1))
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["Contribution", "Dense", "Factored", "OneHotFactored", "choose_layer_strategy",
+           "DEFAULT_INSTANTIATE_LIMIT"]
+
+#: Instantiated per-sample gradients larger than this (bytes, per contribution) force the ghost norm.
+DEFAULT_INSTANTIATE_LIMIT = 512 * 2**20
+
+
+def choose_layer_strategy(batch: int, positions: int, d_in: int, d_out: int, *, bytes_per_element: int = 4,
+                          instantiate_limit: int = DEFAULT_INSTANTIATE_LIMIT) -> str:
+    """Chooses between the ghost norm and instantiated per-sample gradients for one factored weight.
+
+    Costs in multiply-adds for a weight of shape ``(d_out, d_in)`` seen at ``positions``
+    positions per example (sequence length, or output pixels of a convolution):
+
+    * ghost: Gram matrices ``B T^2 (d_in + d_out)`` plus the clipped sum ``B T d_in d_out``;
+    * instantiate: ``B T d_in d_out`` for the per-sample gradients plus ``3 B d_in d_out``
+      for their norms and weighted sum, and ``B d_in d_out`` elements of memory.
+
+    Returns:
+        ``"ghost"`` or ``"instantiate"``.
+    """
+    ghost = batch * positions * positions * (d_in + d_out) + batch * positions * d_in * d_out
+    inst = batch * positions * d_in * d_out + 3 * batch * d_in * d_out
+    if batch * d_in * d_out * bytes_per_element > instantiate_limit:
+        return "ghost"
+    return "ghost" if ghost < inst else "instantiate"
+
+
+class Contribution:
+    """The per-sample gradients ``G_b`` (b = 1..B) of one parameter from one layer.
+
+    Attributes:
+        shape: the parameter's shape.
+    """
+
+    shape: torch.Size
+
+    def sq_norms(self) -> Tensor:
+        """``||G_b||^2``, shape ``(B,)``."""
+        raise NotImplementedError
+
+    def weighted_sum(self, factors: Tensor) -> Tensor:
+        """``sum_b factors[b] G_b``, in the parameter's shape."""
+        raise NotImplementedError
+
+    def dense(self) -> Tensor:
+        """``G`` as a ``(B, *shape)`` tensor (may be large)."""
+        raise NotImplementedError
+
+    def dot(self, other: Contribution) -> Tensor:
+        """``<G_b, G'_b>`` per example, shape ``(B,)`` (the cross term of tied parameters)."""
+        return (self.dense().flatten(1) * other.dense().flatten(1)).sum(1)
+
+
+class Dense(Contribution):
+    """Per-sample gradients held as one ``(B, ...)`` tensor.
+
+    Args:
+        grads: ``(B, *shape)``, or ``(B, *layout)`` with ``to_param``.
+        shape: the parameter's shape (default: ``grads.shape[1:]``).
+        to_param: maps the stored layout of one example (or of a batch, with a leading
+            dimension) to the parameter's shape, when the rule computes the gradients in
+            another layout (a grouped convolution's ``(groups, d, p)``): norms and the
+            weighted sum are taken in the stored layout and only the sum is transformed.
+    """
+
+    def __init__(self, grads: Tensor, shape: Sequence[int] | None = None,
+                 to_param: Callable[[Tensor], Tensor] | None = None) -> None:
+        self.shape = torch.Size(grads.shape[1:] if shape is None else shape)
+        self.to_param = to_param
+        self.grads = grads if to_param is not None else grads.reshape(grads.shape[0], *self.shape)
+
+    def sq_norms(self) -> Tensor:
+        return torch.linalg.vector_norm(self.grads.flatten(1), dim=1).square()
+
+    def weighted_sum(self, factors: Tensor) -> Tensor:
+        summed = (factors.to(self.grads.dtype) @ self.grads.flatten(1)).view(self.grads.shape[1:])
+        return (summed if self.to_param is None else self.to_param(summed)).reshape(self.shape)
+
+    def dense(self) -> Tensor:
+        return self.grads if self.to_param is None else self.to_param(self.grads).reshape(-1, *self.shape)
+
+    def dot(self, other: Contribution) -> Tensor:
+        if isinstance(other, Factored):
+            return other.dot(self)
+        return super().dot(other)
+
+
+class Factored(Contribution):
+    """``G_b = sum_t left[b, t] (x) right[b, t]`` reshaped to ``shape``; left ``(B, T, p)``, right ``(B, T, d)``.
+
+    The norms use Gram matrices ("ghost") or instantiated gradients, whichever
+    :func:`choose_layer_strategy` says is cheaper; instantiated gradients are kept for
+    :meth:`weighted_sum` of the same step.
+    """
+
+    def __init__(self, left: Tensor, right: Tensor, shape: Sequence[int], *,
+                 instantiate_limit: int = DEFAULT_INSTANTIATE_LIMIT) -> None:
+        if left.dim() == 2:
+            left, right = left.unsqueeze(1), right.unsqueeze(1)
+        self.left, self.right = left, right
+        self.shape = torch.Size(shape)
+        self.instantiate_limit = instantiate_limit
+        self._dense: Tensor | None = None
+
+    @property
+    def _b_t_p_d(self) -> tuple[int, int, int, int]:
+        b, t, p = self.left.shape
+        return b, t, p, self.right.shape[-1]
+
+    def _strategy(self) -> str:
+        b, t, p, d = self._b_t_p_d
+        return choose_layer_strategy(b, t, d, p, bytes_per_element=self.left.element_size(),
+                                     instantiate_limit=self.instantiate_limit)
+
+    def sq_norms(self) -> Tensor:
+        b, t, p, d = self._b_t_p_d
+        if t == 1:
+            return self.left.square().sum((1, 2)) * self.right.square().sum((1, 2))
+        if self._strategy() == "ghost":
+            return (torch.bmm(self.left, self.left.transpose(1, 2))
+                    * torch.bmm(self.right, self.right.transpose(1, 2))).sum((1, 2))
+        return self.dense().flatten(1).square().sum(1)
+
+    def dense(self) -> Tensor:
+        if self._dense is None:
+            self._dense = torch.bmm(self.left.transpose(1, 2), self.right)  # (B, p, d)
+        return self._dense.view(self._dense.shape[0], *self.shape)
+
+    def weighted_sum(self, factors: Tensor) -> Tensor:
+        f = factors.to(self.left.dtype)
+        if self._dense is not None:
+            return (f @ self._dense.flatten(1)).view(self.shape)
+        b, t, p, d = self._b_t_p_d
+        return ((self.left * f[:, None, None]).reshape(-1, p).T @ self.right.reshape(-1, d)).view(self.shape)
+
+    def dot(self, other: Contribution) -> Tensor:
+        if isinstance(other, OneHotFactored):
+            return other.dot(self)
+        if isinstance(other, Factored):
+            return (torch.bmm(self.left, other.left.transpose(1, 2))
+                    * torch.bmm(self.right, other.right.transpose(1, 2))).sum((1, 2))
+        # Dense: <sum_t l_t r_t^T, D> = sum_t l_t^T D r_t
+        d = other.dense().reshape(self.left.shape[0], self.left.shape[-1], self.right.shape[-1])
+        return torch.einsum("btp,bpd,btd->b", self.left, d, self.right)
+
+
+class OneHotFactored(Contribution):
+    """An embedding's ``G_b = sum_t e_{index[b, t]} (x) right[b, t]``: rows of a ``(V, d)`` table.
+
+    Positions whose ``right`` is zero (padding) contribute nothing. Norms use the
+    token-equality Gram matrix, never a ``(B, V, d)`` tensor.
+    """
+
+    def __init__(self, index: Tensor, right: Tensor, shape: Sequence[int]) -> None:
+        if index.dim() == 1:
+            index, right = index.unsqueeze(1), right.unsqueeze(1)
+        self.index, self.right = index, right
+        self.shape = torch.Size(shape)
+
+    def sq_norms(self) -> Tensor:
+        same = (self.index.unsqueeze(2) == self.index.unsqueeze(1)).to(self.right.dtype)  # (B, T, T)
+        return (same * torch.bmm(self.right, self.right.transpose(1, 2))).sum((1, 2))
+
+    def weighted_sum(self, factors: Tensor) -> Tensor:
+        weighted = (self.right * factors.to(self.right.dtype)[:, None, None]).reshape(-1, self.right.shape[-1])
+        out = torch.zeros(self.shape[0], math.prod(self.shape[1:]), dtype=self.right.dtype, device=self.right.device)
+        return out.index_add_(0, self.index.reshape(-1), weighted).view(self.shape)
+
+    def dense(self) -> Tensor:
+        b, t, d = self.right.shape
+        out = torch.zeros(b, self.shape[0], d, dtype=self.right.dtype, device=self.right.device)
+        out.scatter_add_(1, self.index.unsqueeze(-1).expand(b, t, d), self.right)
+        return out.view(b, *self.shape)
+
+    def dot(self, other: Contribution) -> Tensor:
+        if isinstance(other, OneHotFactored):
+            same = (self.index.unsqueeze(2) == other.index.unsqueeze(1)).to(self.right.dtype)
+            return (same * torch.bmm(self.right, other.right.transpose(1, 2))).sum((1, 2))
+        if isinstance(other, Factored) and other.left.shape[-1] == self.shape[0]:
+            # <e_i (x) r_t, l_s (x) r'_s> = l_s[i] (r_t . r'_s): gather the rows of `left` at our indices
+            b, t = self.index.shape
+            picked = other.left.gather(2, self.index.unsqueeze(1).expand(b, other.left.shape[1], t))  # (B, S, T)
+            return (picked.transpose(1, 2) * torch.bmm(self.right, other.right.transpose(1, 2))).sum((1, 2))
+        return super().dot(other)

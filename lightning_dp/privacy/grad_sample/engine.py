@@ -1,0 +1,668 @@
+"""The book-keeping engine: hooks, records, established batch dimensions, per-sample norms and clipped sums.
+
+See the package docstring for the method; this module holds the mechanics every layer
+rule shares, so that a rule only turns a layer's records into per-sample gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor, nn
+
+from lightning_dp.privacy.batch_dims import PROBE_SIZES, AmbiguousBatchDimError, batch_dim, tensor_leaves
+from lightning_dp.privacy.grad_sample.contributions import DEFAULT_INSTANTIATE_LIMIT, Contribution
+from lightning_dp.privacy.grad_sample.registry import LayerRule, Record, rule_for
+
+__all__ = ["GradSampleEngine", "PerSampleGradientError", "trainable_parameters"]
+
+
+class PerSampleGradientError(RuntimeError):
+    """Raised when per-sample gradients cannot be computed for the model as used."""
+
+
+def trainable_parameters(module: nn.Module) -> tuple[int, ...]:
+    """Identities of the parameters of ``module`` that require grad: the engine's trainable set."""
+    return tuple(id(p) for p in module.parameters() if p.requires_grad)
+
+
+class _JoinGraph(torch.autograd.Function):
+    """Makes a tensor computed without grad part of the graph, without copying it.
+
+    The output is marked dirty (as an in-place op would be), so it keeps its storage and
+    may itself be modified in place later (``nn.ReLU(inplace=True)``). ``anchor`` is a
+    0-dim leaf that requires grad; it only gives the node a reason to exist.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, output: Tensor, anchor: Tensor) -> Tensor:
+        ctx.mark_dirty(output)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+def _shape(value: Any) -> tuple[int, ...] | None:
+    return tuple(value.shape) if isinstance(value, Tensor) else None
+
+
+@dataclass
+class _Call:
+    """What one forward call of a hooked module left behind."""
+
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    outputs: list[Tensor | None] = field(default_factory=list)  # output leaves, as returned by the hook
+    grad_outputs: list[Tensor | None] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+    context: Any = None
+    frozen: list[nn.Parameter] = field(default_factory=list)  # the parameters the pre-hook froze, to unfreeze
+
+
+@dataclass(frozen=True)
+class _Dims:
+    """Where one layer's calls hold the batch: per input leaf (args then kwargs) and per output leaf."""
+
+    inputs: tuple[int | None, ...]
+    outputs: tuple[int | None, ...]
+    input_ranks: tuple[int | None, ...]
+
+
+class _Layer:
+    """A module whose trainable parameters one rule covers, with its records for one step."""
+
+    def __init__(self, name: str, module: nn.Module, rule: LayerRule, trainable: dict[str, nn.Parameter]) -> None:
+        self.name, self.module, self.rule, self.trainable = name, module, rule, trainable
+        self.calls: list[_Call] = []
+        self.dims: _Dims | None = None
+        self.broadcast = False
+        self.probe_calls: list[list[tuple[list, list]]] = []
+        self.cache: dict[str, Any] = {}
+
+    @property
+    def params(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self.trainable.items())
+
+    @property
+    def label(self) -> str:
+        return f"layer {self.name} ({type(self.module).__name__})"
+
+
+def _ancestor(a: str, b: str) -> bool:
+    """Whether module name ``a`` is a strict ancestor of ``b`` ("" is the root)."""
+    return a != b and (a == "" or b.startswith(a + "."))
+
+
+def _input_leaves(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
+    return pytree.tree_flatten((args, kwargs))
+
+
+class GradSampleEngine:
+    """Book-keeping per-sample gradient engine (see the package docstring).
+
+    Args:
+        module: the model; every submodule that owns trainable parameters is handled by
+            the rule registered for its type (:mod:`lightning_dp.privacy.grad_sample.registry`).
+            The set of trainable parameters is fixed when the engine is built: build a new
+            engine when it changes (:meth:`trainable_changed`).
+        instantiate_limit: bytes above which a contribution never instantiates per-sample
+            gradients (see :func:`~lightning_dp.privacy.grad_sample.contributions.choose_layer_strategy`).
+        keep_buffers: keep the rules' work buffers (the convolution windows) from one step
+            to the next instead of freeing them at :meth:`clear`. Faster on CPU, where a
+            large fresh allocation faults in new pages every step; the memory stays taken
+            between steps. Default: False.
+    """
+
+    def __init__(self, module: nn.Module, *, instantiate_limit: int = DEFAULT_INSTANTIATE_LIMIT,
+                 keep_buffers: bool = False) -> None:
+        from lightning_dp.privacy.grad_sample.rules.functorch import FunctorchRule
+
+        self.module = module
+        self.instantiate_limit = int(instantiate_limit)
+        self.keep_buffers = bool(keep_buffers)
+        self._trainable = trainable_parameters(module)
+        self.layers: list[_Layer] = []
+        # A parameter registered in a module and in one of its descendants (an alias, such as
+        # Opacus' RenameParamsMixin) belongs to the deepest one, which computes with it.
+        registrations: dict[int, list[str]] = {}
+        for mod_name, mod in module.named_modules(remove_duplicate=False):
+            for n, p in mod.named_parameters(recurse=False):
+                if p.requires_grad:
+                    registrations.setdefault(id(p), []).append(mod_name)
+        owner_of = {pid: {n for n in names if not any(_ancestor(n, o) for o in names)}
+                    for pid, names in registrations.items()}
+        claimed: list[str] = []
+        seen_modules: set[int] = set()
+        for mod_name, mod in module.named_modules():
+            if id(mod) in seen_modules or any(_ancestor(c, mod_name) for c in claimed):
+                continue
+            seen_modules.add(id(mod))
+            rule = rule_for(mod) or FunctorchRule()
+            if rule.claims_subtree:
+                trainable = {n: p for n, p in mod.named_parameters() if p.requires_grad}
+            else:
+                trainable = {n: p for n, p in mod.named_parameters(recurse=False)
+                             if p.requires_grad and mod_name in owner_of[id(p)]}
+            if not trainable:
+                continue
+            if rule.claims_subtree:
+                claimed.append(mod_name)
+            rule.check(mod, trainable)
+            self.layers.append(_Layer(mod_name or type(mod).__name__, mod, rule, trainable))
+        if not self.layers:
+            raise PerSampleGradientError(
+                f"{type(module).__name__} has no trainable parameters (none with requires_grad=True); "
+                "there is nothing to train privately. Unfreeze at least one parameter.")
+        self._params: list[nn.Parameter] = []
+        seen: set[int] = set()
+        for layer in self.layers:
+            for p in layer.trainable.values():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    self._params.append(p)
+        self._recording = False
+        self._probing = False
+        self._probed = False
+        self._broadcasting: set[int] = set()  # layers whose outputs the probe expands (id of _Layer)
+        self._batch: int | None = None
+        self._anchor = torch.zeros((), requires_grad=True)
+        self._buffers: dict[tuple[int, str], Tensor] = {}
+        self._handles: list[Any] = []
+        for layer in self.layers:
+            self._handles.append(layer.module.register_forward_pre_hook(self._make_pre_hook(layer), with_kwargs=True))
+            self._handles.append(layer.module.register_forward_hook(self._make_hook(layer), with_kwargs=True,
+                                                                    always_call=True))
+
+    # ------------------------------------------------------------------ state
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        """The trainable parameters, each once (tied ones too), in the order of :meth:`clipped_sum`'s output."""
+        return list(self._params)
+
+    @property
+    def probed(self) -> bool:
+        """Whether :meth:`probe` has established the batch dimensions."""
+        return self._probed
+
+    def trainable_changed(self) -> bool:
+        """Whether the module's trainable parameters differ from those this engine was built for.
+
+        A parameter unfrozen later (Lightning's ``BackboneFinetuning``, a hook that sets
+        ``requires_grad``) would otherwise receive an ordinary, unclipped gradient; a
+        parameter frozen later would be unfrozen again by the hooks.
+        """
+        return trainable_parameters(self.module) != self._trainable
+
+    def workspace(self, layer: Any, key: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
+        """A work buffer of ``shape`` for a rule (grown to the largest size seen in the step, or across
+        steps with ``keep_buffers``): Poisson batches change size every step."""
+        n = math.prod(shape)
+        k = (id(layer), key)
+        buf = self._buffers.get(k)
+        if buf is None or buf.numel() < n or buf.dtype != like.dtype or buf.device != like.device:
+            buf = torch.empty(n, dtype=like.dtype, device=like.device)
+            self._buffers[k] = buf
+        return buf[:n].view(shape)
+
+    # ------------------------------------------------------------------ hooks
+    def _make_pre_hook(self, layer: _Layer):
+        def pre_hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if self._probing:
+                check_call = getattr(layer.rule, "check_call", None)
+                if check_call is not None:
+                    check_call(mod, args, kwargs)
+                return None
+            if not (self._recording and torch.is_grad_enabled()):
+                return None
+            check_call = getattr(layer.rule, "check_call", None)
+            if check_call is not None:
+                check_call(mod, args, kwargs)
+            # Freeze the weights while this layer runs: autograd then computes only the
+            # input gradients the chain rule needs, not the batch weight gradient that the
+            # engine would throw away. Only what requires grad now is frozen and unfrozen after:
+            # a parameter the user froze meanwhile stays frozen.
+            call = _Call(frozen=[p for p in layer.trainable.values() if p.requires_grad])
+            for p in call.frozen:
+                p.requires_grad_(False)
+            call.context = layer.rule.forward_context(mod, call.extra)
+            call.context.__enter__()
+            layer.calls.append(call)
+            return None
+        return pre_hook
+
+    def _make_hook(self, layer: _Layer):
+        def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+            if self._probing:
+                out = self._expand(output, self._batch) if id(layer) in self._broadcasting else output
+                inputs, _ = _input_leaves(args, kwargs)
+                outputs = pytree.tree_leaves(out)
+                layer.probe_calls[-1].append(([_shape(a) for a in inputs], [_shape(o) for o in outputs]))
+                return out
+            if not (self._recording and torch.is_grad_enabled()) or not layer.calls \
+                    or layer.calls[-1].context is None:
+                return None
+            call = layer.calls[-1]
+            call.context.__exit__(None, None, None)
+            call.context = None
+            for p in call.frozen:
+                p.requires_grad_(True)
+            if output is None:  # the forward raised (always_call): the exception propagates
+                return None
+            call.args = tuple(pytree.tree_map(lambda a: a.detach() if isinstance(a, Tensor) else a, args))
+            call.kwargs = pytree.tree_map(lambda a: a.detach() if isinstance(a, Tensor) else a, dict(kwargs))
+            if layer.broadcast:
+                if self._batch is None:
+                    raise PerSampleGradientError(
+                        f"{layer.label} computes on inputs shared by all examples, which needs the batch size when "
+                        "recording starts: call engine.start(batch_size=B) or engine.record(batch_size=B).")
+                output = self._expand(output, self._batch)
+            leaves, spec = pytree.tree_flatten(output)
+            changed = False
+            for i, leaf in enumerate(leaves):
+                if not isinstance(leaf, Tensor) or not leaf.is_floating_point():
+                    call.outputs.append(None)
+                    call.grad_outputs.append(None)
+                    continue
+                if not leaf.requires_grad:
+                    # no input carried the graph (typically the first layer): join the output to it
+                    leaf = _JoinGraph.apply(leaf, self._anchor)
+                    leaves[i] = leaf
+                    changed = True
+                call.outputs.append(leaf)
+                call.grad_outputs.append(None)
+
+                def save_grad(grad: Tensor, call: _Call = call, i: int = i) -> None:
+                    have = call.grad_outputs[i]
+                    call.grad_outputs[i] = grad if have is None else have + grad
+
+                leaf.register_hook(save_grad)
+            if changed or layer.broadcast:
+                return pytree.tree_unflatten(leaves, spec)
+            return None
+        return hook
+
+    @staticmethod
+    def _expand(output: Any, batch: int) -> Any:
+        """A shared output as a batch of identical views: (1, ...) -> (B, ...), else (...) -> (B, ...)."""
+        def expand(t: Any) -> Any:
+            if not isinstance(t, Tensor):
+                return t
+            if t.dim() > 0 and t.shape[0] == 1:
+                return t.expand(batch, *t.shape[1:])
+            return t.unsqueeze(0).expand(batch, *t.shape)
+        return pytree.tree_map(expand, output)
+
+    # ------------------------------------------------------------ batch dims
+    def probe(self, run: Callable[[int], Any], sizes: Sequence[int] = PROBE_SIZES) -> None:
+        """Establishes where every hooked layer's inputs and outputs hold the batch.
+
+        Calls ``run(n)`` for every ``n`` in ``sizes``, possibly twice; each call must run the
+        forward pass of a batch of ``n`` examples exactly as training does (autograd enabled;
+        no backward pass is needed), return its result (the loss, the model's output), and be
+        deterministic: the same examples and random draws for the same ``n``. The shapes
+        seen by every layer then say which dimension follows the number of examples
+        (:func:`~lightning_dp.privacy.batch_dims.batch_dim`); per-sample gradients are
+        computed along it and every training step is checked against it.
+
+        A layer whose inputs have no batch dimension at all (a positional embedding of
+        ``torch.arange(T)``, shared by every example) is then tried as a *broadcast* layer:
+        its output is expanded to a batch of identical views during the forward, so that
+        each example's gradient flows through its own slice. This is accepted only if
+        ``run`` returns exactly the same result with and without the expansion (the
+        shared output was broadcast against the batch, not reduced over it); otherwise the
+        layer is refused.
+
+        Must be called before :meth:`per_sample_norms`, and again after the model's
+        structure changes.
+
+        Raises:
+            PerSampleGradientError: If a layer's input has no batch dimension and cannot be
+                broadcast, the batch is folded into another dimension (``(B*T, d)``), several
+                dimensions follow the batch, or a layer's calls disagree on where the batch is.
+
+        Example:
+            >>> model = torch.nn.Linear(4, 2)
+            >>> engine = GradSampleEngine(model)
+            >>> x = torch.randn(10, 4)
+            >>> engine.probe(lambda n: model(x[:n]))
+            >>> engine.remove()
+        """
+        sizes = tuple(int(n) for n in sizes)
+        if len(set(sizes)) != len(sizes) or len(sizes) < 2 or min(sizes) < 2:
+            raise ValueError(f"sizes={sizes} must hold at least two distinct numbers of examples >= 2")
+        if self._recording:
+            raise PerSampleGradientError("probe() cannot run while a step is being recorded")
+        for layer in self.layers:
+            layer.broadcast = False
+        plain = self._probe_round(run, sizes, set())
+        candidates: list[_Layer] = []
+        for layer in self.layers:
+            layer.dims = self._establish(layer, sizes)
+            if layer.dims is not None and all(d is None for d in (*layer.dims.inputs, *layer.dims.outputs)):
+                candidates.append(layer)
+        if candidates:
+            try:
+                expanded = self._probe_round(run, sizes, {id(layer) for layer in candidates})
+            except Exception:  # noqa: BLE001  (the expanded output does not fit the model: not a broadcast)
+                expanded = None
+            same = plain is not None and expanded is not None and all(
+                len(a) == len(b) and all(x.shape == y.shape and torch.allclose(x, y, rtol=1e-5, atol=1e-7)
+                                         for x, y in zip(a, b)) for a, b in zip(plain, expanded))
+            for layer in candidates:
+                if same:
+                    layer.broadcast = True
+                    layer.dims = self._establish(layer, sizes)  # the expanded outputs now follow the batch
+                else:
+                    self._refuse_unbatched(layer, sizes, "the model's result changes when its output is "
+                                                         "broadcast to the batch" if plain is not None else
+                                                         "the probe function returned nothing to compare")
+        for layer in self.layers:
+            self._validate_dims(layer, sizes)
+            layer.probe_calls = []
+        self._probed = True
+
+    def _probe_round(self, run: Callable[[int], Any], sizes: tuple[int, ...],
+                     broadcast: set[int]) -> list[list[Tensor]] | None:
+        for layer in self.layers:
+            layer.probe_calls = []
+        results: list[list[Tensor]] | None = []
+        self._probing, self._broadcasting = True, broadcast
+        try:
+            for n in sizes:
+                for layer in self.layers:
+                    layer.probe_calls.append([])
+                self._batch = n
+                with torch.enable_grad():
+                    out = run(n)
+                leaves = [t.detach() for t in tensor_leaves(out)]
+                if not leaves or results is None:
+                    results = None
+                else:
+                    results.append(leaves)
+        finally:
+            self._probing, self._broadcasting, self._batch = False, set(), None
+        return results
+
+    def _establish(self, layer: _Layer, sizes: tuple[int, ...]) -> _Dims | None:
+        runs = layer.probe_calls
+        if any(not calls for calls in runs):
+            return None  # not called in some probe (conditional computation): refused if called in training
+        found: list[tuple[tuple, tuple, tuple]] = []
+        for j in range(min(len(calls) for calls in runs)):
+            ins = [calls[j][0] for calls in runs]
+            outs = [calls[j][1] for calls in runs]
+            if len({len(i) for i in ins}) != 1 or len({len(o) for o in outs}) != 1:
+                raise PerSampleGradientError(f"{layer.label} is called with a different structure for different "
+                                             "batch sizes; its batch dimension cannot be established.")
+            try:
+                in_dims = tuple(None if any(s is None for s in leaf) else batch_dim(leaf, sizes) for leaf in zip(*ins))
+                out_dims = tuple(None if any(s is None for s in leaf) else batch_dim(leaf, sizes)
+                                 for leaf in zip(*outs))
+            except AmbiguousBatchDimError as err:
+                raise PerSampleGradientError(f"{layer.label}: {err}. Per-sample gradients need each example's "
+                                             "data in its own slice of one batch dimension.") from None
+            found.append((in_dims, out_dims, tuple(None if s is None else len(s) for s in ins[0])))
+        if any(f != found[0] for f in found[1:]):
+            raise PerSampleGradientError(
+                f"{layer.label} is called several times per step with the batch at different dimensions "
+                f"({[f[0] for f in found]}); use one layer per layout, or keep the batch first.")
+        return _Dims(*found[0])
+
+    def _refuse_unbatched(self, layer: _Layer, sizes: tuple[int, ...], why: str) -> None:
+        seen = {n: next((s for s in calls[0][0] if s is not None), None) for n, calls in zip(sizes, layer.probe_calls)} \
+            if layer.probe_calls and all(layer.probe_calls) else {}
+        raise PerSampleGradientError(
+            f"{layer.label} receives an input without a batch dimension (input shapes {seen} for batches of "
+            f"{list(sizes)} examples: no dimension follows the number of examples). Either its parameters act on "
+            f"something shared by all examples, such as a positional embedding of torch.arange(T) added to every "
+            f"sequence, and {why}: index it with a per-example tensor (e.g. pos = torch.arange(T).expand(B, T)) or "
+            "freeze it (requires_grad=False). Or the batch is folded into another dimension, as (B, T, d) -> "
+            "(B*T, d) does, which would clip tokens instead of examples: keep the batch dimension, e.g. apply "
+            "nn.Linear to (B, T, d).")
+
+    def _validate_dims(self, layer: _Layer, sizes: tuple[int, ...]) -> None:
+        dims = layer.dims
+        if dims is None:
+            return
+        unbatched_inputs = all(d is None for d in dims.inputs) and not layer.rule.batch_from_output
+        if not layer.broadcast and (unbatched_inputs or all(d is None for d in dims.outputs)):
+            self._refuse_unbatched(layer, sizes, "its result is reduced over the batch, not broadcast")
+        check = getattr(layer.rule, "check_dims", None)
+        if check is not None:
+            try:
+                check(layer.module, dims.inputs, dims.outputs, layer.broadcast)
+            except PerSampleGradientError as err:
+                raise PerSampleGradientError(f"{layer.label}: {err}") from None
+
+    # ------------------------------------------------------------ recording
+    @contextlib.contextmanager
+    def record(self, *, batch_size: int | None = None) -> Iterator[None]:
+        """Records layer inputs and output gradients of the forward/backward run inside."""
+        self.start(batch_size=batch_size)
+        try:
+            yield
+        finally:
+            self.stop()
+
+    def start(self, *, batch_size: int | None = None) -> None:
+        """Clears the previous records and the parameters' ``.grad``, and starts recording.
+
+        ``batch_size`` (the number of examples of the step) is needed by broadcast layers
+        (see :meth:`probe`), which expand their output to it during the forward.
+
+        While recording, autograd computes no gradient for the hooked parameters; a
+        ``.grad`` found after the backward pass therefore reveals a parameter used outside
+        its module (:meth:`check_parameter_gradients`).
+        """
+        self.clear()
+        for p in self._params:
+            p.grad = None
+        self._batch = batch_size
+        self._recording = True
+
+    def stop(self) -> None:
+        """Stops recording (the records stay until :meth:`clear`)."""
+        self._recording = False
+
+    def clear(self) -> None:
+        """Drops the step's records, cached per-sample gradients and (unless ``keep_buffers``) work buffers."""
+        for layer in self.layers:
+            layer.calls.clear()
+            layer.cache.clear()
+        self._contributions = None
+        if not self.keep_buffers:
+            self._buffers.clear()
+
+    def remove(self) -> None:
+        """Removes every hook from the model and frees the work buffers."""
+        self.stop()
+        self.clear()
+        self._buffers.clear()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # ------------------------------------------------------------ computation
+    def batch_size(self) -> int:
+        """The number of examples of the recorded step, read at the established batch dimensions.
+
+        Raises:
+            PerSampleGradientError: If batch dimensions were not established (:meth:`probe`),
+                no layer ran, a called layer was never seen while probing, a tensor's rank
+                differs from the probe's, or the layers disagree on the batch size.
+        """
+        if not self._probed:
+            raise PerSampleGradientError(
+                "the batch dimensions are not established: call engine.probe(run) with a function that runs the "
+                "forward pass on n examples (DPSGD does this when training starts).")
+        sizes: dict[int, str] = {}
+        for layer in self.layers:
+            if layer.calls and layer.dims is None:
+                raise PerSampleGradientError(
+                    f"{layer.label} ran in this step but not in every probe run, so where its input holds the batch "
+                    "is not established (conditional computation?). Probe again with batches that exercise it, or "
+                    "freeze its parameters.")
+            for call in layer.calls:
+                for size in self._call_sizes(layer, call):
+                    sizes.setdefault(size, layer.name)
+        if not sizes:
+            raise PerSampleGradientError(
+                "no trainable layer was called during the recorded forward pass; did training_step run the "
+                "model with gradients enabled?")
+        if len(sizes) > 1:
+            raise PerSampleGradientError(
+                f"the layers saw different batch sizes at their established batch dimensions ({sizes}); the step's "
+                "structure differs from the probe's. Keep one batch dimension per layer.")
+        return sizes.popitem()[0]
+
+    @staticmethod
+    def _call_sizes(layer: _Layer, call: _Call) -> list[int]:
+        """The sizes of a call's tensors at their batch dimensions, after checking the structure."""
+        dims = layer.dims
+        assert dims is not None
+        inputs, _ = _input_leaves(call.args, call.kwargs)
+        ranks = tuple(a.dim() if isinstance(a, Tensor) else None for a in inputs)
+        if ranks != dims.input_ranks or len(call.outputs) != len(dims.outputs):
+            raise PerSampleGradientError(
+                f"{layer.label} was called with tensors of ranks {ranks}, but with ranks {dims.input_ranks} when "
+                "probed; its batch dimension is not established for this call.")
+        sizes = [a.shape[d] for a, d in zip(inputs, dims.inputs) if d is not None]
+        sizes += [o.shape[d] for o, d in zip(call.outputs, dims.outputs) if d is not None and o is not None]
+        return sizes
+
+    def check_parameter_gradients(self) -> None:
+        """Raises if autograd gave a gradient to a parameter outside its module's forward.
+
+        Parameters are frozen while their module runs, so they cannot receive an autograd
+        gradient there; if one did, the parameter was also used elsewhere (e.g.
+        ``F.linear(x, self.fc.weight)`` in ``training_step``) and its per-sample gradient
+        would be wrong.
+        """
+        bad = [f"{layer.name}.{name}" for layer in self.layers for name, p in layer.trainable.items()
+               if p.grad is not None]
+        if bad:
+            raise PerSampleGradientError(
+                f"parameters {sorted(set(bad))} received gradients outside the forward of the module that owns them, "
+                "so their per-sample gradients cannot be recorded. Use each parameter only through its module's "
+                "forward (no F.linear(x, module.weight) in training_step), or freeze it with requires_grad=False.")
+
+    def _records(self, layer: _Layer, scale: float, batch: int) -> list[Record]:
+        """The layer's calls of the step, batch first, output gradients times ``scale``."""
+        dims = layer.dims
+        assert dims is not None
+        out = []
+        for call in layer.calls:
+            if all(g is None for g in call.grad_outputs):
+                continue
+            inputs, spec = _input_leaves(call.args, call.kwargs)
+            if layer.broadcast:
+                normalized = [self._expand(a, batch) if isinstance(a, Tensor) else a for a in inputs]
+                input_dims: list[Any] = [None] * len(inputs)
+            else:
+                normalized = [a.movedim(d, 0) if d is not None and isinstance(a, Tensor) else a
+                              for a, d in zip(inputs, dims.inputs)]
+                input_dims = list(dims.inputs)
+            grads = []
+            for o, g, d in zip(call.outputs, call.grad_outputs, dims.outputs):
+                if o is None:
+                    grads.append(None)
+                    continue
+                if d is None:
+                    if g is not None and g.abs().sum() > 0:
+                        raise PerSampleGradientError(
+                            f"{layer.label} returns an output without a batch dimension (shape {tuple(o.shape)}) that "
+                            "the loss depends on; its gradient cannot be split by example.")
+                    grads.append(None)
+                    continue
+                g = torch.zeros_like(o) if g is None else g
+                grads.append(g.movedim(d, 0) * scale)
+            args, kwargs = pytree.tree_unflatten(normalized, spec)
+            arg_dims, kwarg_dims = pytree.tree_unflatten(input_dims, spec)
+            out.append(Record(args=tuple(args), kwargs=dict(kwargs), grad_outputs=grads, arg_dims=tuple(arg_dims),
+                              kwarg_dims=dict(kwarg_dims), output_dims=list(dims.outputs), broadcast=layer.broadcast,
+                              extra=call.extra, call_args=call.args, call_kwargs=call.kwargs, scale=scale))
+        return out
+
+    def _contributions_of_step(self, scale: float, batch: int) -> dict[int, list[Contribution]]:
+        found: dict[int, list[Contribution]] = {}
+        for layer in self.layers:
+            records = self._records(layer, scale, batch)
+            if not records or batch == 0:
+                continue
+            for name, contribution in layer.rule.contributions(_LayerView(self, layer), records, batch).items():
+                found.setdefault(id(layer.trainable[name]), []).append(contribution)
+        return found
+
+    def per_sample_norms(self, *, loss_scale: float | None = None) -> Tensor:
+        """Per-sample L2 norms of the full (flat) gradient of the trainable parameters, shape ``(batch,)``.
+
+        A parameter used by several modules (tied weights) has one contribution per use; its
+        per-sample norm includes their cross terms.
+
+        Args:
+            loss_scale: factor turning a recorded contribution into a per-example
+                gradient; defaults to the batch size (the loss is a batch mean).
+        """
+        b = self.batch_size()
+        scale = float(b) if loss_scale is None else float(loss_scale)
+        self._contributions = self._contributions_of_step(scale, b)
+        p0 = self._params[0]
+        sq = torch.zeros(b, dtype=p0.dtype, device=p0.device)
+        for contributions in self._contributions.values():
+            for i, c in enumerate(contributions):
+                sq = sq + c.sq_norms().to(sq.dtype)
+                for other in contributions[i + 1:]:
+                    sq = sq + 2 * c.dot(other).to(sq.dtype)
+        # Gram-matrix (ghost) norms are sums of products that can round below zero in float32
+        return sq.clamp_min_(0).sqrt()
+
+    def clipped_sum(self, factors: Tensor) -> list[Tensor]:
+        """Sum over the batch of per-sample gradients times ``factors``.
+
+        Must follow :meth:`per_sample_norms` on the same records. Returns one tensor per
+        parameter, in the order of :attr:`parameters` (zeros for unused parameters).
+        """
+        contributions = getattr(self, "_contributions", None)
+        if contributions is None:
+            raise PerSampleGradientError("call per_sample_norms() before clipped_sum()")
+        out = []
+        for p in self._params:
+            parts = contributions.get(id(p), [])
+            if not parts or factors.numel() == 0:
+                out.append(torch.zeros_like(p))
+                continue
+            total = parts[0].weighted_sum(factors)
+            for c in parts[1:]:
+                total = total + c.weighted_sum(factors)
+            out.append(total.to(p.dtype).view_as(p))
+        return out
+
+
+class _LayerView:
+    """What a rule sees of a layer: its module, trainable parameters, name, engine settings and buffers."""
+
+    def __init__(self, engine: GradSampleEngine, layer: _Layer) -> None:
+        self._engine, self._layer = engine, layer
+        self.module, self.trainable, self.name, self.cache = layer.module, layer.trainable, layer.name, layer.cache
+        self.instantiate_limit = engine.instantiate_limit
+
+    def workspace(self, key: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
+        return self._engine.workspace(self._layer, key, shape, like)
+
+    @contextlib.contextmanager
+    def replaying(self) -> Iterator[None]:
+        """Calls of the module inside are not recorded (rules that run the module again)."""
+        engine = self._engine
+        was, engine._recording = engine._recording, False
+        try:
+            yield
+        finally:
+            engine._recording = was

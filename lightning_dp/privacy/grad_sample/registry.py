@@ -1,0 +1,156 @@
+"""Layer rules: how the per-sample gradients of one layer type are computed, registered by type.
+
+Every module that owns trainable parameters is handled by the rule registered for its type
+(the most specific registered base class wins, so ``nn.Linear`` also covers its
+subclasses); modules without a registered rule fall back to :class:`~lightning_dp.privacy.grad_sample.rules.functorch.FunctorchRule`
+(``torch.func``: exact, slower). A user adds a rule for their own layer with
+:func:`register_rule`; see ``docs/per_sample_gradients.md`` for a worked example.
+
+A rule sees, for each forward call of its layer during the recorded step, a :class:`Record`
+with the call's inputs and the gradients of its outputs, every batched tensor moved so that
+the examples are in dimension 0 (the engine established where each tensor holds the batch by
+probing, :mod:`lightning_dp.privacy.batch_dims`), and returns one
+:class:`~lightning_dp.privacy.grad_sample.contributions.Contribution` per trainable
+parameter.
+
+Example: a rule for a layer ``y = x * scale`` with a per-feature parameter ``scale``::
+
+    from lightning_dp.privacy.grad_sample import Dense, LayerRule, register_rule
+
+    @register_rule(Scale)
+    class ScaleRule(LayerRule):
+        def contributions(self, layer, records, batch_size):
+            grads = sum((r.args[0] * r.grad_outputs[0]).reshape(batch_size, -1, r.args[0].shape[-1]).sum(1)
+                        for r in records)
+            return {"scale": Dense(grads)}
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor, nn
+
+__all__ = ["LayerRule", "Record", "register_rule", "rule_for", "registered_rules"]
+
+
+@dataclass
+class Record:
+    """One forward call of a layer in the recorded step, batch first.
+
+    Attributes:
+        args, kwargs: the call's arguments; every tensor that holds the batch has it moved
+            to dimension 0 (tensors without a batch dimension are as called, or expanded to
+            the batch for a layer whose inputs are shared by all examples, see
+            ``broadcast``); tensors are detached.
+        grad_outputs: the gradient of each tensor leaf of the output (in
+            ``torch.utils._pytree`` order), batch first, times the loss scale (the batch
+            size: the loss is a batch mean); zeros for an output the loss does not use.
+        arg_dims, kwarg_dims, output_dims: where each tensor leaf held the batch in the
+            call itself (None: no batch dimension), for rules that call the module again.
+        broadcast: the layer's inputs are shared by all examples (a positional embedding
+            of ``torch.arange(T)``); its output was expanded to the batch during the
+            forward, so that every example's gradient flows through its own slice.
+        extra: what the rule itself recorded during the forward (see :meth:`LayerRule.forward_context`).
+        call_args, call_kwargs: the arguments exactly as called (detached), for rules that
+            run the module again.
+        scale: the factor already applied to ``grad_outputs``; gradients a rule records
+            itself (``extra``) must be multiplied by it.
+    """
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    grad_outputs: list[Tensor]
+    arg_dims: tuple[Any, ...]
+    kwarg_dims: dict[str, Any]
+    output_dims: list[int | None]
+    broadcast: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+    call_args: tuple[Any, ...] = ()
+    call_kwargs: dict[str, Any] = field(default_factory=dict)
+    scale: float = 1.0
+
+    def input(self, index: int = 0, name: str = "input") -> Any:
+        """Positional argument ``index``, or keyword ``name`` when it was passed by keyword (batch first)."""
+        return self.args[index] if len(self.args) > index else self.kwargs[name]
+
+
+class LayerRule:
+    """Base class of the rules; subclass it and register with :func:`register_rule`.
+
+    Attributes:
+        claims_subtree: the rule also computes the per-sample gradients of the module's
+            descendants' parameters (``nn.MultiheadAttention`` uses ``out_proj``'s weight
+            functionally, never calling ``out_proj``); those descendants are not hooked.
+        batch_from_output: accept a layer whose inputs have no batch dimension when its
+            output has one.
+
+    A rule may also define ``check_dims(module, input_dims, output_dims, broadcast)``,
+    called after probing with the batch dimension of every input and output leaf, to
+    refuse layouts it cannot handle, and ``check_call(module, args, kwargs)``, called
+    before every probed or recorded forward of the module, to refuse call-time
+    configurations (a ``PackedSequence``).
+    """
+
+    claims_subtree: bool = False
+    #: the batch size may be read from the output alone (an ``EmbeddingBag``'s offsets can hold B + 1 entries)
+    batch_from_output: bool = False
+
+    def check(self, module: nn.Module, trainable: dict[str, nn.Parameter]) -> None:
+        """Raise :class:`~lightning_dp.privacy.grad_sample.PerSampleGradientError` for configurations the rule
+        cannot handle exactly (before any data is touched). ``trainable`` maps parameter names
+        (relative to ``module``) to the trainable parameters the rule must cover."""
+
+    @contextlib.contextmanager
+    def forward_context(self, module: nn.Module, extra: dict[str, Any]) -> Iterator[None]:
+        """Active while the module's forward runs in a recorded step; may record into ``extra``."""
+        yield
+
+    def contributions(self, layer: Any, records: list[Record], batch_size: int) -> dict[str, Any]:
+        """Per-sample gradients of ``layer``'s trainable parameters over ``records``.
+
+        Args:
+            layer: the engine's view of the layer: ``layer.module``, ``layer.trainable``
+                (name -> parameter), ``layer.name``.
+            records: the layer's calls in the step (at least one).
+            batch_size: B.
+
+        Returns:
+            ``{parameter name: Contribution}`` for every trainable parameter of the layer.
+        """
+        raise NotImplementedError
+
+
+_RULES: dict[type | str, LayerRule] = {}
+
+
+def register_rule(*module_types: type | str) -> Callable[[type[LayerRule]], type[LayerRule]]:
+    """Class decorator: use this rule for modules of ``module_types`` (and their subclasses).
+
+    A type may be given by its qualified name (``"transformers.pytorch_utils.Conv1D"``), so
+    that a rule for a third-party layer does not import that library. A later registration
+    for the same type replaces the earlier one, so a user can override a built-in rule.
+    """
+    def decorate(cls: type[LayerRule]) -> type[LayerRule]:
+        rule = cls()
+        for t in module_types:
+            _RULES[t] = rule
+        return cls
+    return decorate
+
+
+def rule_for(module: nn.Module) -> LayerRule | None:
+    """The rule of the most specific registered type in ``type(module)``'s MRO, or None."""
+    for t in type(module).__mro__:
+        rule = _RULES.get(t) or _RULES.get(f"{t.__module__}.{t.__qualname__}")
+        if rule is not None:
+            return rule
+    return None
+
+
+def registered_rules() -> dict[type | str, LayerRule]:
+    """A copy of the registry (module type or qualified name -> rule)."""
+    return dict(_RULES)

@@ -1,0 +1,174 @@
+"""``nn.MultiheadAttention`` (batch first or not, self- or cross-attention, ``kdim``/``vdim``, masks, dropout).
+
+``nn.MultiheadAttention`` computes its projections functionally
+(``F.multi_head_attention_forward`` calls ``F.linear`` with ``in_proj_weight``, slices of
+it, and ``out_proj.weight``: ``out_proj``'s own forward never runs). The rule therefore
+claims the whole module, and while its forward runs it watches the ``F.linear`` calls
+(:class:`_LinearTap`): for each call whose weight is one of the module's parameters
+(or a slice of ``in_proj_weight``) it records the input and the gradient of the output.
+Each projection is then a linear layer seen at the sequence positions: per example
+``dW = sum_t go_t (x) x_t`` over the rows of the parameter that call used, and
+``db = sum_t go_t``. The forward itself is PyTorch's, untouched: masks, ``is_causal``,
+attention dropout and ``need_weights`` behave exactly as without privacy.
+
+Inside ``F.multi_head_attention_forward`` the projections see ``(L, N, E)`` inputs, and the
+output projection a flattened ``(L * N, E)`` with the batch index fastest; both layouts are
+read back to one row block per example (tested against per-example autograd).
+``add_bias_kv=True`` (parameters concatenated to the keys, not used through ``F.linear``)
+is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_dp.privacy.grad_sample.contributions import Dense, Factored
+from lightning_dp.privacy.grad_sample.registry import LayerRule, register_rule
+
+__all__ = ["MultiheadAttentionRule"]
+
+def _error(text: str):
+    from lightning_dp.privacy.grad_sample.engine import PerSampleGradientError
+
+    return PerSampleGradientError(text)
+
+
+def _locate(t: Tensor | None, params: dict[str, nn.Parameter]) -> tuple[str, int] | None:
+    """(parameter name, first row) when ``t`` is one of ``params`` or a row block of one, else None."""
+    if t is None:
+        return None
+    for name, p in params.items():
+        if t is p:
+            return name, 0
+        if t._base is p and t.dim() == p.dim() and t.stride() == p.stride():
+            offset = t.storage_offset() - p.storage_offset()
+            if offset % p.stride(0) == 0:
+                return name, offset // p.stride(0)
+    return None
+
+
+class _LinearTap:
+    """Wraps ``F.linear`` while one ``nn.MultiheadAttention`` forward runs; records the calls on watched weights.
+
+    Why a patch of ``torch.nn.functional.linear`` and not a ``TorchFunctionMode``: a mode
+    sees ``F.multi_head_attention_forward`` as one call and is switched off while handling
+    it, so the ``F.linear`` calls inside stay invisible. The functional looks ``linear`` up
+    in its module's globals at call time, so replacing that name for the duration of the
+    forward (and restoring it, even on error) intercepts exactly those calls.
+    """
+
+    def __init__(self, params: dict[str, nn.Parameter], calls: list[dict[str, Any]], anchor: Tensor) -> None:
+        self.params, self.calls, self.anchor = params, calls, anchor
+        self.original = None
+
+    def __enter__(self) -> _LinearTap:
+        self.original = F.linear
+        original = self.original
+
+        def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+            out = original(x, weight, bias)
+            where = _locate(weight, self.params)
+            if where is None:
+                return out
+            from lightning_dp.privacy.grad_sample.engine import _JoinGraph
+
+            if not out.requires_grad:
+                out = _JoinGraph.apply(out, self.anchor)
+            call = {"input": x.detach(), "weight": where, "bias": _locate(bias, self.params), "grad": None}
+
+            def save(grad: Tensor, call: dict = call) -> None:
+                call["grad"] = grad if call["grad"] is None else call["grad"] + grad
+
+            out.register_hook(save)
+            self.calls.append(call)
+            return out
+
+        F.linear = linear
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        F.linear = self.original
+
+
+@register_rule(nn.MultiheadAttention)
+class MultiheadAttentionRule(LayerRule):
+    """Projections of ``nn.MultiheadAttention`` recorded at their ``F.linear`` calls."""
+
+    claims_subtree = True
+
+    def check(self, module, trainable):
+        if any(n in trainable for n in ("bias_k", "bias_v")):
+            raise _error("nn.MultiheadAttention(add_bias_kv=True) appends trainable key/value biases outside any "
+                         "projection; their per-sample gradients are not supported: use add_bias_kv=False or freeze "
+                         "bias_k and bias_v (requires_grad=False)")
+
+    def check_dims(self, module, inputs, outputs, broadcast):
+        expected = 0 if module.batch_first else 1
+        if not broadcast and inputs[0] != expected:
+            raise _error(f"nn.MultiheadAttention(batch_first={module.batch_first}) sees the batch at dimension "
+                         f"{inputs[0]} of its query, not {expected}")
+
+    @contextlib.contextmanager
+    def forward_context(self, module: nn.Module, extra: dict[str, Any]) -> Iterator[None]:
+        params = {n: p for n, p in module.named_parameters()}
+        extra["linear_calls"] = []
+        anchor = torch.zeros((), requires_grad=True)
+        with _LinearTap(params, extra["linear_calls"], anchor):
+            yield
+
+    def contributions(self, layer, records, batch_size):
+        m = layer.module
+        blocks: dict[str, list[tuple[int, Tensor, Tensor]]] = {}  # weight name -> (first row, go, x) per call
+        biases: dict[str, list[tuple[int, Tensor]]] = {}
+        for r in records:
+            for call in r.extra["linear_calls"]:
+                if call["grad"] is None:
+                    continue
+                x, go = self._per_example(call["input"], batch_size), self._per_example(call["grad"], batch_size)
+                go = go * r.scale
+                name, row = call["weight"]
+                blocks.setdefault(name, []).append((row, go, x))
+                if call["bias"] is not None:
+                    bname, brow = call["bias"]
+                    biases.setdefault(bname, []).append((brow, go.sum(1)))
+        out = {}
+        for name, p in layer.trainable.items():
+            if p.dim() == 2:
+                parts = blocks.get(name)
+                if not parts:
+                    continue
+                lefts = []
+                for row, go, _ in parts:  # each call's gradient occupies its rows of the parameter
+                    if row == 0 and go.shape[-1] == p.shape[0]:
+                        lefts.append(go)
+                        continue
+                    left = go.new_zeros(*go.shape[:2], p.shape[0])
+                    left[..., row:row + go.shape[-1]] = go
+                    lefts.append(left)
+                left = torch.cat(lefts, 1) if len(lefts) > 1 else lefts[0]
+                right = torch.cat([x for _, _, x in parts], 1) if len(parts) > 1 else parts[0][2]
+                out[name] = Factored(left, right, p.shape, instantiate_limit=layer.instantiate_limit)
+            else:
+                parts = biases.get(name)
+                if not parts:
+                    continue
+                total = parts[0][1].new_zeros(batch_size, p.shape[0])
+                for row, g in parts:
+                    total[:, row:row + g.shape[-1]] += g
+                out[name] = Dense(total)
+        return out
+
+    @staticmethod
+    def _per_example(t: Tensor, batch_size: int) -> Tensor:
+        """``(L, N, F)`` or ``(L * N, F)`` inside ``F.multi_head_attention_forward`` -> ``(N, L, F)``."""
+        if t.dim() == 3:
+            return t.transpose(0, 1)
+        if t.dim() == 2:
+            return t.reshape(-1, batch_size, t.shape[-1]).transpose(0, 1)
+        raise _error(f"unexpected projection input of shape {tuple(t.shape)} inside nn.MultiheadAttention")

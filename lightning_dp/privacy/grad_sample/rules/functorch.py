@@ -1,0 +1,85 @@
+"""The fallback rule: exact per-sample gradients of any module with ``torch.func`` (vmap over vjp).
+
+Used for every module that owns trainable parameters and has no registered rule (custom
+layers, ``nn.PReLU``, ...). Each example's call is replayed alone (its inputs sliced at the
+batch dimensions the engine established, keyword tensors included, with a batch of one
+put back where the module expects it) and pulled back through the recorded output
+gradients. Exact, and slower than a dedicated rule: register one for a layer that matters
+(:func:`~lightning_dp.privacy.grad_sample.registry.register_rule`). Layers with their own
+randomness (dropout inside the forward) are refused: a replay cannot draw the forward's
+masks again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from lightning_dp.privacy.grad_sample.contributions import Dense
+from lightning_dp.privacy.grad_sample.registry import LayerRule
+
+__all__ = ["FunctorchRule", "per_example_grads"]
+
+
+def _unsqueeze(tree: Any, dims: Any) -> Any:
+    return pytree.tree_map(lambda a, d: a.unsqueeze(d) if isinstance(a, Tensor) and isinstance(d, int) else a,
+                           tree, dims)
+
+
+def per_example_grads(layer, records, batch_size: int) -> dict[str, Tensor]:
+    """``{name: (B, *shape)}`` per-sample gradients of ``layer``'s trainable parameters, summed over its calls."""
+    from torch.func import functional_call, vjp, vmap
+
+    from lightning_dp.privacy.grad_sample.engine import PerSampleGradientError
+
+    module = layer.module
+    params = {n: p.detach() for n, p in layer.trainable.items()}
+    total: dict[str, Tensor] = {}
+    with layer.replaying():
+        for r in records:
+            if r.broadcast:  # shared inputs: every example calls the module on the same arguments
+                args, kwargs = r.call_args, r.call_kwargs
+                arg_dims = pytree.tree_map(lambda _: None, (args, kwargs))
+            else:
+                args, kwargs = r.args, r.kwargs
+                arg_dims = (r.arg_dims, r.kwarg_dims)
+            vmap_dims = pytree.tree_map(lambda d: None if d is None else 0, arg_dims)
+            grad_dims = [None if g is None else 0 for g in r.grad_outputs]
+
+            def one(grads_i: list, args_i: tuple, kwargs_i: dict, _r=r, _dims=arg_dims) -> dict[str, Tensor]:
+                call_args, call_kwargs = (args_i, kwargs_i) if _r.broadcast else _unsqueeze((args_i, kwargs_i), _dims)
+                out, pullback = vjp(lambda p: functional_call(module, p, tuple(call_args), dict(call_kwargs)), params)
+                leaves, spec = pytree.tree_flatten(out)
+                cot = []
+                for leaf, g, d in zip(leaves, grads_i, _r.output_dims):
+                    if g is None or not isinstance(leaf, Tensor):
+                        cot.append(torch.zeros_like(leaf) if isinstance(leaf, Tensor) else leaf)
+                    elif _r.broadcast:
+                        cot.append(g.reshape(leaf.shape))
+                    else:
+                        cot.append(g.unsqueeze(d))
+                return pullback(pytree.tree_unflatten(cot, spec))[0]
+
+            try:
+                grads = vmap(one, in_dims=(grad_dims, *vmap_dims))(r.grad_outputs, args, kwargs)
+            except Exception as err:  # torch.func raises many types; say what failed and why
+                hint = ("it draws random numbers in its forward (dropout?), which a replay cannot reproduce: move the "
+                        "dropout out of this module or set its probability to 0"
+                        if "random" in str(err).lower() else f"{type(err).__name__}: {err}")
+                raise PerSampleGradientError(
+                    f"torch.func could not compute per-sample gradients of {layer.name} ({type(module).__name__}): "
+                    f"{hint}. Freeze this module, replace it with supported layers, or register a rule for it "
+                    "(lightning_dp.privacy.grad_sample.register_rule).") from err
+            for n, g in grads.items():
+                total[n] = g if n not in total else total[n] + g
+    return total
+
+
+class FunctorchRule(LayerRule):
+    """Any module: ``vmap`` over the per-example ``vjp`` of the module alone."""
+
+    def contributions(self, layer, records, batch_size):
+        return {n: Dense(g) for n, g in per_example_grads(layer, records, batch_size).items()}

@@ -1,0 +1,57 @@
+"""``nn.Linear`` (and its subclasses) and Hugging Face ``transformers``' ``Conv1D`` (a linear layer with the weight
+transposed, GPT-2's projections).
+
+Per example, ``dW = sum_t go_t (x) x_t`` over the positions t of the example (tokens of a
+``(B, T, d)`` input; any number of middle dimensions): a :class:`~lightning_dp.privacy.grad_sample.contributions.Factored`
+contribution, whose norm is a ghost norm or an instantiated gradient as the cost model
+says; ``db = sum_t go_t``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from lightning_dp.privacy.grad_sample.contributions import Dense, Factored
+from lightning_dp.privacy.grad_sample.registry import LayerRule, Record, register_rule
+
+__all__ = ["LinearRule", "TransposedLinearRule", "positions"]
+
+
+def positions(records: list[Record], batch_size: int) -> tuple[Tensor, Tensor]:
+    """Inputs ``(B, T, d)`` and output gradients ``(B, T, p)`` of all calls, positions concatenated
+    (several calls of one layer are one call over all their positions)."""
+    xs, gs = [], []
+    for r in records:
+        x, go = r.input(0), r.grad_outputs[0]
+        xs.append(x.reshape(batch_size, -1, x.shape[-1]))
+        gs.append(go.reshape(batch_size, -1, go.shape[-1]))
+    return (xs[0], gs[0]) if len(xs) == 1 else (torch.cat(xs, 1), torch.cat(gs, 1))
+
+
+@register_rule(nn.Linear)
+class LinearRule(LayerRule):
+    """``y = x W^T + b``."""
+
+    def contributions(self, layer, records, batch_size):
+        x, go = positions(records, batch_size)
+        out = {}
+        if "weight" in layer.trainable:
+            out["weight"] = Factored(go, x, layer.module.weight.shape, instantiate_limit=layer.instantiate_limit)
+        if "bias" in layer.trainable:
+            out["bias"] = Dense(go.sum(1))
+        return out
+
+
+@register_rule("transformers.pytorch_utils.Conv1D")  # by name: transformers is not imported for this
+class TransposedLinearRule(LayerRule):
+    """``y = x W + b`` with ``W`` of shape ``(d_in, d_out)`` (``transformers.pytorch_utils.Conv1D``)."""
+
+    def contributions(self, layer, records, batch_size):
+        x, go = positions(records, batch_size)
+        out = {}
+        if "weight" in layer.trainable:
+            out["weight"] = Factored(x, go, layer.module.weight.shape, instantiate_limit=layer.instantiate_limit)
+        if "bias" in layer.trainable:
+            out["bias"] = Dense(go.sum(1))
+        return out

@@ -1,0 +1,153 @@
+"""``nn.RNN``, ``nn.LSTM`` and ``nn.GRU``: any number of layers, bidirectional, batch first or not.
+
+PyTorch runs a recurrent layer as one fused operation, so the gate pre-activations whose
+gradients make up the weight gradients are never seen. The rule replays the recurrence
+after the backward pass, step by step in plain tensor operations from the recorded input
+and initial state, and pulls the recorded output gradients (of the sequence output and of
+the final states) back through the replay to the pre-activations of every layer, direction
+and step. Then per example, as for a linear layer seen at T positions:
+
+    dW_ih = sum_t dgi_t (x) x_t,   dW_hh = sum_t dgh_t (x) h_{t-1},   db_ih = sum_t dgi_t,   db_hh = sum_t dgh_t
+
+(``gi = W_ih x + b_ih`` and ``gh = W_hh h + b_hh``; the GRU keeps them apart because its
+candidate gate multiplies ``gh`` by the reset gate). The replay costs about one more
+forward and backward of the recurrent layer. Refused, with an alternative: packed
+sequences (pad them and mask the loss), dropout between layers in training (a replay
+cannot draw the same masks: stack one-layer modules with ``nn.Dropout`` between them) and
+``proj_size > 0``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
+
+from lightning_dp.privacy.grad_sample.contributions import Dense, Factored
+from lightning_dp.privacy.grad_sample.registry import LayerRule, register_rule
+
+__all__ = ["RecurrentRule"]
+
+
+def _error(text: str):
+    from lightning_dp.privacy.grad_sample.engine import PerSampleGradientError
+
+    return PerSampleGradientError(text)
+
+
+def _cell(mode: str, gi: Tensor, gh: Tensor, h: Tensor, c: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """One step of the recurrence from the two pre-activations (PyTorch's gate order)."""
+    if mode == "LSTM":
+        i, f, g, o = (gi + gh).chunk(4, -1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        return torch.sigmoid(o) * torch.tanh(c), c
+    if mode == "GRU":
+        ir, iz, in_ = gi.chunk(3, -1)
+        hr, hz, hn = gh.chunk(3, -1)
+        r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
+        n = torch.tanh(in_ + r * hn)
+        return (1 - z) * n + z * h, None
+    pre = gi + gh
+    return (torch.tanh(pre) if mode == "RNN_TANH" else torch.relu(pre)), None
+
+
+@register_rule(nn.RNN, nn.LSTM, nn.GRU)
+class RecurrentRule(LayerRule):
+    """Replay of the recurrence (see the module docstring)."""
+
+    def check(self, module, trainable):
+        if getattr(module, "proj_size", 0):
+            raise _error("nn.LSTM(proj_size > 0) is not supported; use proj_size=0 and an nn.Linear after the LSTM")
+        if module.dropout > 0:
+            raise _error(f"{type(module).__name__}(dropout={module.dropout}) draws dropout masks between its layers "
+                         "inside the fused kernel, which the per-sample replay cannot reproduce; stack one-layer "
+                         f"{type(module).__name__}s with nn.Dropout between them, or set dropout=0")
+
+    def check_call(self, module, args, kwargs):
+        first = args[0] if args else kwargs.get("input")
+        if isinstance(first, PackedSequence):
+            raise _error(f"{type(module).__name__} called with a PackedSequence: per-sample gradients of packed "
+                         "sequences are not supported; pass the padded batch and mask the padded positions in the loss")
+
+    def contributions(self, layer, records, batch_size):
+        m = layer.module
+        totals: dict[str, list] = {}
+        for r in records:
+            for name, (left, right) in self._replay(m, r, batch_size).items():
+                totals.setdefault(name, []).append((left, right))
+        out = {}
+        for name, p in layer.trainable.items():
+            parts = totals.get(name)
+            if not parts:
+                continue
+            if name.startswith("weight"):
+                left = torch.cat([a for a, _ in parts], 1) if len(parts) > 1 else parts[0][0]
+                right = torch.cat([b for _, b in parts], 1) if len(parts) > 1 else parts[0][1]
+                out[name] = Factored(left, right, p.shape, instantiate_limit=layer.instantiate_limit)
+            else:
+                out[name] = Dense(sum(a.sum(1) for a, _ in parts))
+        return out
+
+    @staticmethod
+    def _replay(m, r, batch_size: int) -> dict[str, tuple[Tensor, Tensor]]:
+        """``{parameter name: (pre-activation gradients (B, T, G*H), inputs (B, T, ·))}`` of one call."""
+        x = r.input(0)
+        hx = r.args[1] if len(r.args) > 1 else r.kwargs.get("hx")
+        lstm = m.mode == "LSTM"
+        dirs = 2 if m.bidirectional else 1
+        layers, hidden = m.num_layers, m.hidden_size
+        x = x.detach()  # (B, T, I), batch first after the engine's normalization
+        if hx is None:
+            h0 = x.new_zeros(batch_size, layers * dirs, hidden)
+            c0 = h0 if lstm else None
+        elif lstm:
+            h0, c0 = hx  # each (B, layers * dirs, H)
+        else:
+            h0, c0 = hx, None
+        steps = x.shape[1]
+
+        def tracked(t: Tensor) -> Tensor:  # a pre-activation whose gradient we ask for must be in the graph
+            return t if t.requires_grad else t.detach().requires_grad_()
+
+        pre: list[Tensor] = []  # every pre-activation whose gradient we need, flat
+        # (weight, bias, the input it multiplies, where its pre-activations start in `pre`, and their count: one
+        # (B, T, G*H) tensor (count 0), or one (B, G*H) per step)
+        plan: list[tuple[str, str, Tensor, int, int]] = []  # ..., start and count of its entries in `pre`
+        finals_h, finals_c = [], []
+        inp = x
+        with torch.enable_grad():
+            for layer_index in range(layers):
+                outs = []
+                for d in range(dirs):
+                    sfx = f"_l{layer_index}" + ("_reverse" if d else "")
+                    w_ih, w_hh = getattr(m, "weight_ih" + sfx).detach(), getattr(m, "weight_hh" + sfx).detach()
+                    b_ih = getattr(m, "bias_ih" + sfx).detach() if m.bias else None
+                    b_hh = getattr(m, "bias_hh" + sfx).detach() if m.bias else None
+                    gi = tracked(torch.nn.functional.linear(inp, w_ih, b_ih))  # (B, T, G*H)
+                    h = h0[:, layer_index * dirs + d]
+                    c = c0[:, layer_index * dirs + d] if lstm else None
+                    order = range(steps - 1, -1, -1) if d else range(steps)
+                    hs, ghs, prevs = [None] * steps, [None] * steps, [None] * steps
+                    for t in order:
+                        prevs[t] = h.detach()
+                        ghs[t] = tracked(torch.nn.functional.linear(h, w_hh, b_hh))
+                        h, c = _cell(m.mode, gi[:, t], ghs[t], h, c)
+                        hs[t] = h
+                    outs.append(torch.stack(hs, 1))
+                    finals_h.append(h)
+                    finals_c.append(c)
+                    plan.append(("weight_ih" + sfx, "bias_ih" + sfx, inp.detach(), len(pre), 0))
+                    pre.append(gi)
+                    plan.append(("weight_hh" + sfx, "bias_hh" + sfx, torch.stack(prevs, 1), len(pre), steps))
+                    pre.extend(ghs)
+                inp = torch.cat(outs, -1) if dirs > 1 else outs[0]
+            outputs = [inp, torch.stack(finals_h, 1)] + ([torch.stack(finals_c, 1)] if lstm else [])
+            cotangents = [g if g is not None else torch.zeros_like(o) for o, g in zip(outputs, r.grad_outputs)]
+            grads = torch.autograd.grad(outputs, pre, cotangents, allow_unused=True)
+        grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, pre)]
+        found: dict[str, tuple[Tensor, Tensor]] = {}
+        for wname, bname, right, start, per_step in plan:
+            g = torch.stack(grads[start:start + per_step], 1) if per_step else grads[start]
+            found[wname] = (g, right)
+            found[bname] = (g, right)
+        return found

@@ -1,0 +1,426 @@
+"""The layer matrix: per-sample gradients of every supported layer against per-example autograd.
+
+Each case builds a small float64 model, a batch of B examples and the per-example losses of
+a batched forward. The reference gradient of example i is ``autograd.grad(losses[i])`` on
+that same batched graph: exact for any model that keeps examples apart, and it sees the
+forward's own dropout masks. The engine records the same forward (same RNG state) with the
+batch-mean loss and must give the same per-sample norms and clipped sum (relative
+tolerance 1e-6; float64). Every refusal is tested too: it must name the module, the reason
+and a working alternative. docs/per_sample_gradients.md lists the layers from this file.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_dp.privacy.clipping import clip_factors
+from lightning_dp.privacy.grad_sample import GradSampleEngine, PerSampleGradientError
+
+B = 5  # also the sequence length of several cases: T == B must not confuse the engine
+
+
+@dataclass
+class Case:
+    make_model: Callable[[], nn.Module]
+    make_batch: Callable[[int, torch.Generator], tuple]
+    losses: Callable[[nn.Module, tuple], torch.Tensor]  # per-example losses (n,) of a batched forward
+
+
+def _ce(logits, y):
+    return F.cross_entropy(logits, y, reduction="none")
+
+
+def _labels(n, g, k=3):
+    return torch.randint(0, k, (n,), generator=g)
+
+
+# ----------------------------------------------------------------------------------------- models
+class SeqFirstLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x):  # x: (T, B, 4)
+        return self.b(torch.tanh(self.a(x))).mean(0)
+
+
+class Pool(nn.Module):
+    def __init__(self, body: nn.Module, features: int, classes: int = 3, dims=(2, 3)):
+        super().__init__()
+        self.body, self.head, self.dims = body, nn.Linear(features, classes), dims
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x)).mean(self.dims))
+
+
+class Bag(nn.Module):
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.bag, self.head = nn.EmbeddingBag(11, 4, **kwargs), nn.Linear(4, 3)
+
+    def forward(self, *args, **kwargs):
+        return self.head(self.bag(*args, **kwargs))
+
+
+class Attention(nn.Module):
+    def __init__(self, batch_first, cross=False, dropout=0.0, **kwargs):
+        super().__init__()
+        self.batch_first, self.cross = batch_first, cross
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=batch_first, dropout=dropout, **kwargs)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x, memory=None, key_padding_mask=None, attn_mask=None):
+        kv = memory if self.cross else x
+        out, _ = self.attn(x, kv, kv, key_padding_mask=key_padding_mask, attn_mask=attn_mask)
+        return self.head(out.mean(1 if self.batch_first else 0))
+
+
+class Recurrent(nn.Module):
+    def __init__(self, cell, batch_first, **kwargs):
+        super().__init__()
+        self.batch_first = batch_first
+        self.rnn = cell(4, 5, batch_first=batch_first, **kwargs)
+        dirs = 2 if kwargs.get("bidirectional") else 1
+        self.head = nn.Linear(5 * dirs, 3)
+
+    def forward(self, x, hx=None):
+        out, _ = self.rnn(x, hx)
+        return self.head(out[:, -1] if self.batch_first else out[-1])
+
+
+class Tied(nn.Module):
+    """An embedding whose table is also the output layer (language models tie them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(13, 6)
+        self.mix = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 13, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.out(torch.tanh(self.mix(self.emb(ids))))
+
+
+class KeywordScale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4) / 2)
+
+    def forward(self, x, *, scale):
+        return (x @ self.w) * scale[:, None]
+
+
+class KeywordNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer, self.head = KeywordScale(), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(self.layer(x, scale=x[:, 0].sigmoid()))
+
+
+class NanoLayerNorm(nn.Module):
+    """nanoGPT's LayerNorm: parameters used through F.layer_norm in a custom module (torch.func rule)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.ones(d)), nn.Parameter(torch.zeros(d))
+
+    def forward(self, x):
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+class NanoBlock(nn.Module):
+    def __init__(self, d=8, heads=2, dropout=0.1):
+        super().__init__()
+        self.ln_1, self.ln_2 = NanoLayerNorm(d), NanoLayerNorm(d)
+        self.c_attn, self.c_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.heads, self.drop = heads, nn.Dropout(dropout)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.drop(self.c_proj(y))
+        return x + self.drop(self.proj(F.gelu(self.fc(self.ln_2(x)))))
+
+
+class NanoGPT(nn.Module):
+    def __init__(self, vocab=17, t=B, d=8):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(t, d)
+        self.block, self.ln_f = NanoBlock(d), NanoLayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight  # nanoGPT ties them
+
+    def forward(self, ids):
+        pos = torch.arange(ids.shape[1], device=ids.device)  # shared by every example: (T,)
+        return self.lm_head(self.ln_f(self.block(self.wte(ids) + self.wpe(pos))))
+
+
+def _lm_losses(logits, ids):
+    """Per-example next-token loss: mean over positions."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                           reduction="none").view(ids.shape[0], -1).mean(1)
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=23, n_positions=16, n_embd=8, n_layer=2, n_head=2, resid_pdrop=0.1,
+                        embd_pdrop=0.1, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config)
+
+
+def _opacus_dplstm():
+    from opacus.layers import DPLSTM
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm, self.head = DPLSTM(4, 5, batch_first=True, num_layers=2), nn.Linear(5, 3)
+
+        def forward(self, x):
+            return self.head(self.lstm(x)[0][:, -1])
+    return Net()
+
+
+def _bags_with_offsets(n, g):
+    lengths = torch.randint(1, 5, (n,), generator=g)
+    ids = torch.randint(0, 11, (int(lengths.sum()),), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]])
+    return ids, offsets
+
+
+def _causal(t):
+    return torch.triu(torch.full((t, t), float("-inf"), dtype=torch.float64), diagonal=1)
+
+
+# ----------------------------------------------------------------------------------------- cases
+def _x(*shape):
+    return lambda n, g: (torch.randn(n, *shape, generator=g, dtype=torch.float64), _labels(n, g))
+
+
+def _simple(model, *shape):
+    return Case(model, _x(*shape), lambda m, b: _ce(m(b[0]), b[1]))
+
+
+CASES: dict[str, Case] = {
+    "linear_2d": _simple(lambda: nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)), 4),
+    "linear_3d_batch_first": _simple(lambda: nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Flatten(),
+                                                           nn.Linear(6 * B, 3)), B, 4),
+    "linear_sequence_first_T_eq_B": Case(SeqFirstLinear,
+                                         lambda n, g: (torch.randn(B, n, 4, generator=g, dtype=torch.float64),
+                                                       _labels(n, g)),
+                                         lambda m, b: _ce(m(b[0]), b[1])),
+    "conv1d_stride_padding_dilation_groups": _simple(
+        lambda: Pool(nn.Conv1d(4, 6, 3, stride=2, padding=2, dilation=2, groups=2), 6, dims=(2,)), 4, 11),
+    "conv2d_groups_reflect": _simple(
+        lambda: Pool(nn.Conv2d(4, 6, 3, padding=1, padding_mode="reflect", groups=2), 6), 4, 7, 7),
+    "conv3d_stride": _simple(lambda: Pool(nn.Conv3d(2, 3, 2, stride=2, padding=1), 3, dims=(2, 3, 4)), 2, 4, 4, 4),
+    "conv_transpose2d_stride_output_padding_groups": _simple(
+        lambda: Pool(nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1, groups=2), 6), 4, 5, 5),
+    "conv_transpose1d_dilation": _simple(
+        lambda: Pool(nn.ConvTranspose1d(3, 4, 3, stride=1, dilation=2, padding=1), 4, dims=(2,)), 3, 6),
+    "embedding_padding_idx": Case(
+        lambda: nn.Sequential(nn.Embedding(11, 4, padding_idx=0), nn.Flatten(), nn.Linear(4 * B, 3)),
+        lambda n, g: (torch.randint(0, 11, (n, B), generator=g), _labels(n, g)),
+        lambda m, b: _ce(m(b[0]), b[1])),
+    "embedding_bag_sum_offsets": Case(
+        lambda: Bag(mode="sum"), lambda n, g: (*_bags_with_offsets(n, g), _labels(n, g)),
+        lambda m, b: _ce(m(b[0], b[1]), b[2])),
+    "embedding_bag_mean_2d_padding_idx": Case(
+        lambda: Bag(mode="mean", padding_idx=0), lambda n, g: (torch.randint(0, 11, (n, 4), generator=g),
+                                                               _labels(n, g)),
+        lambda m, b: _ce(m(b[0]), b[1])),
+    "embedding_bag_per_sample_weights_last_offset": Case(
+        lambda: Bag(mode="sum", include_last_offset=True),
+        lambda n, g: (*(lambda ids, off: (ids, torch.cat([off, torch.tensor([ids.numel()])]),
+                                          torch.rand(ids.numel(), generator=g, dtype=torch.float64)))(
+            *_bags_with_offsets(n, g)), _labels(n, g)),
+        lambda m, b: _ce(m(b[0], b[1], per_sample_weights=b[2]), b[3])),
+    "layer_norm": _simple(lambda: nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 3)), 4),
+    "layer_norm_2d_shape_no_bias": _simple(lambda: nn.Sequential(nn.LayerNorm((3, 4), bias=False), nn.Flatten(),
+                                                                  nn.Linear(12, 3)), 3, 4),
+    "group_norm": _simple(lambda: Pool(nn.Sequential(nn.Conv2d(2, 6, 3), nn.GroupNorm(3, 6)), 6), 2, 6, 6),
+    "instance_norm2d_affine": _simple(lambda: Pool(nn.Sequential(nn.Conv2d(2, 4, 3),
+                                                                 nn.InstanceNorm2d(4, affine=True)), 4), 2, 6, 6),
+    "rms_norm": _simple(lambda: nn.Sequential(nn.Linear(4, 6), nn.RMSNorm(6), nn.Linear(6, 3)), 4),
+    "prelu_functorch": _simple(lambda: nn.Sequential(nn.Linear(4, 6), nn.PReLU(6), nn.Linear(6, 3)), 4),
+    "mha_batch_first_key_padding_mask": Case(
+        lambda: Attention(batch_first=True),
+        lambda n, g: (torch.randn(n, B, 8, generator=g, dtype=torch.float64), torch.rand(n, B, generator=g) < 0.3,
+                      _labels(n, g)),
+        lambda m, b: _ce(m(b[0], key_padding_mask=b[1] & (torch.arange(B) > 0)), b[2])),
+    "mha_sequence_first_causal_T_eq_B": Case(
+        lambda: Attention(batch_first=False),
+        lambda n, g: (torch.randn(B, n, 8, generator=g, dtype=torch.float64), _labels(n, g)),
+        lambda m, b: _ce(m(b[0], attn_mask=_causal(B)), b[1])),
+    "mha_cross_attention_kdim_vdim": Case(
+        lambda: Attention(batch_first=True, cross=True, kdim=6, vdim=6),
+        lambda n, g: (torch.randn(n, B, 8, generator=g, dtype=torch.float64),
+                      torch.randn(n, 3, 6, generator=g, dtype=torch.float64), _labels(n, g)),
+        lambda m, b: _ce(m(b[0], memory=b[1]), b[2])),
+    "mha_attention_dropout": Case(
+        lambda: Attention(batch_first=True, dropout=0.3),
+        lambda n, g: (torch.randn(n, B, 8, generator=g, dtype=torch.float64), _labels(n, g)),
+        lambda m, b: _ce(m(b[0]), b[1])),
+    "transformer_encoder_layer_norm_first": Case(
+        lambda: nn.Sequential(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.1, batch_first=True, norm_first=True),
+                              nn.Flatten(), nn.Linear(8 * B, 3)),
+        lambda n, g: (torch.randn(n, B, 8, generator=g, dtype=torch.float64), _labels(n, g)),
+        lambda m, b: _ce(m(b[0]), b[1])),
+    "transformer_decoder_layer_sequence_first": Case(
+        lambda: nn.ModuleDict({"dec": nn.TransformerDecoderLayer(8, 2, 16, dropout=0.1), "head": nn.Linear(8, 3)}),
+        lambda n, g: (torch.randn(B, n, 8, generator=g, dtype=torch.float64),
+                      torch.randn(3, n, 8, generator=g, dtype=torch.float64), _labels(n, g)),
+        lambda m, b: _ce(m["head"](m["dec"](b[0], b[1], tgt_mask=_causal(B)).mean(0)), b[2])),
+    "lstm_two_layers_bidirectional_batch_first": Case(
+        lambda: Recurrent(nn.LSTM, True, num_layers=2, bidirectional=True),
+        lambda n, g: (torch.randn(n, B, 4, generator=g, dtype=torch.float64), _labels(n, g)),
+        lambda m, b: _ce(m(b[0]), b[1])),
+    "lstm_sequence_first_initial_state": Case(
+        lambda: Recurrent(nn.LSTM, False),
+        lambda n, g: (torch.randn(B, n, 4, generator=g, dtype=torch.float64),
+                      torch.randn(1, n, 5, generator=g, dtype=torch.float64),
+                      torch.randn(1, n, 5, generator=g, dtype=torch.float64), _labels(n, g)),
+        lambda m, b: _ce(m(b[0], (b[1], b[2])), b[3])),
+    "gru_bidirectional_sequence_first": Case(
+        lambda: Recurrent(nn.GRU, False, bidirectional=True, num_layers=2),
+        lambda n, g: (torch.randn(B, n, 4, generator=g, dtype=torch.float64), _labels(n, g)),
+        lambda m, b: _ce(m(b[0]), b[1])),
+    "rnn_relu_no_bias": Case(
+        lambda: Recurrent(nn.RNN, True, nonlinearity="relu", bias=False),
+        lambda n, g: (torch.randn(n, B, 4, generator=g, dtype=torch.float64), _labels(n, g)),
+        lambda m, b: _ce(m(b[0]), b[1])),
+    "tied_embedding_and_output": Case(
+        Tied, lambda n, g: (torch.randint(0, 13, (n, B), generator=g),),
+        lambda m, b: _lm_losses(m(b[0]), b[0])),
+    "keyword_tensor_arguments": _simple(KeywordNet, 4),
+    "nanogpt_block_wpe_tied_dropout": Case(
+        NanoGPT, lambda n, g: (torch.randint(0, 17, (n, B), generator=g),), lambda m, b: _lm_losses(m(b[0]), b[0])),
+}
+if importlib.util.find_spec("transformers") is not None:
+    CASES["hf_gpt2_tied_wpe_dropout"] = Case(
+        _gpt2, lambda n, g: (torch.randint(0, 23, (n, 7), generator=g),),
+        lambda m, b: _lm_losses(m(b[0]).logits, b[0]))
+if importlib.util.find_spec("opacus") is not None:
+    CASES["opacus_dplstm"] = Case(
+        _opacus_dplstm, lambda n, g: (torch.randn(n, B, 4, generator=g, dtype=torch.float64), _labels(n, g)),
+        lambda m, b: _ce(m(b[0]), b[1]))
+
+
+def _reference(model, losses):
+    params = [p for p in model.parameters() if p.requires_grad]
+    unique = list({id(p): p for p in params}.values())
+    rows = []
+    for i in range(losses.shape[0]):
+        grads = torch.autograd.grad(losses[i], unique, retain_graph=True, allow_unused=True)
+        rows.append(torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1)
+                               for g, p in zip(grads, unique)]))
+    return unique, torch.stack(rows)
+
+
+def run_case(name: str, c: float = 0.5, seed: int = 0):
+    case = CASES[name]
+    torch.manual_seed(seed)
+    model = case.make_model().double().train()
+    g = torch.Generator().manual_seed(seed)
+    batch = case.make_batch(B, g)
+    torch.manual_seed(1)
+    params, ref = _reference(model, case.losses(model, batch))
+    engine = GradSampleEngine(model)
+    probe_g = torch.Generator().manual_seed(seed + 1)
+    probes = {n: case.make_batch(n, probe_g) for n in (3, 5, 7)}
+
+    def run(n):  # deterministic, as the engine requires: the same batch and random draws for the same n
+        with torch.random.fork_rng():
+            return case.losses(model, probes[n]).mean()
+
+    engine.probe(run)
+    torch.manual_seed(1)
+    with engine.record(batch_size=B):
+        case.losses(model, batch).mean().backward()
+    engine.check_parameter_gradients()
+    norms = engine.per_sample_norms()
+    summed = engine.clipped_sum(clip_factors(norms, c))
+    engine.remove()
+    order = {id(p): i for i, p in enumerate(engine.parameters)}
+    flat = torch.cat([summed[order[id(p)]].reshape(-1) for p in params])
+    return norms, flat, ref
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_layer_matrix(name):
+    norms, flat, ref = run_case(name)
+    scale = ref.norm(dim=1)
+    torch.testing.assert_close(norms, scale, rtol=1e-6, atol=1e-9 * float(scale.max()))
+    factors = clip_factors(scale, 0.5)
+    expected = (factors[:, None] * ref).sum(0)
+    torch.testing.assert_close(flat, expected, rtol=1e-6, atol=1e-9 * float(expected.abs().max()))
+
+
+# -------------------------------------------------------------------------------------- refusals
+REFUSALS = {
+    "lstm_packed_sequence": (lambda: nn.LSTM(4, 5, batch_first=True),
+                             lambda m, x: m(nn.utils.rnn.pack_padded_sequence(x, [x.shape[1]] * x.shape[0],
+                                                                              batch_first=True))[0].data.sum(),
+                             r"LSTM called with a PackedSequence.*pass the padded batch and mask"),
+    "lstm_dropout_between_layers": (lambda: nn.LSTM(4, 5, num_layers=2, dropout=0.2, batch_first=True),
+                                    lambda m, x: m(x)[0].sum(),
+                                    r"LSTM\(dropout=0.2\).*stack one-layer LSTMs with nn.Dropout"),
+    "lstm_proj_size": (lambda: nn.LSTM(4, 5, proj_size=2, batch_first=True), lambda m, x: m(x)[0].sum(),
+                       r"proj_size.*nn.Linear after the LSTM"),
+    "embedding_bag_max": (lambda: nn.EmbeddingBag(11, 4, mode="max"), lambda m, x: m(x.long().abs() % 11).sum(),
+                          r"mode='max'.*use mode='sum' or 'mean'"),
+    "embedding_max_norm": (lambda: nn.Embedding(11, 4, max_norm=1.0), lambda m, x: m(x.long().abs() % 11).sum(),
+                           r"max_norm.*use max_norm=None"),
+    "embedding_scale_grad_by_freq": (lambda: nn.Embedding(11, 4, scale_grad_by_freq=True),
+                                     lambda m, x: m(x.long().abs() % 11).sum(),
+                                     r"scale_grad_by_freq.*depends on the others"),
+    "mha_add_bias_kv": (lambda: nn.MultiheadAttention(4, 2, add_bias_kv=True, batch_first=True),
+                        lambda m, x: m(x, x, x)[0].sum(), r"add_bias_kv=True.*use add_bias_kv=False"),
+    "shared_output_reduced_over_the_batch": (
+        lambda: nn.Embedding(5, 4), None, r"pos \(Embedding\) receives an input without a batch dimension"),
+}
+
+
+class _Reduced(nn.Module):
+    """A shared embedding whose output is reduced over the batch: expanding it would change the result."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos, self.head = nn.Embedding(5, 4), nn.Linear(4, 1)
+
+    def forward(self, x):
+        p = self.pos(torch.arange(x.shape[1]))
+        return self.head(x * p.sum(0).sum())
+
+
+@pytest.mark.parametrize("name", sorted(REFUSALS))
+def test_refusals_name_the_module_the_reason_and_an_alternative(name):
+    make, forward, match = REFUSALS[name]
+    x = torch.randn(6, B, 4)
+    with pytest.raises(PerSampleGradientError, match=match):
+        if forward is None:
+            model = _Reduced()
+            engine = GradSampleEngine(model)
+            engine.probe(lambda n: model(x[:n]))
+            return
+        model = make()
+        engine = GradSampleEngine(model)
+        engine.probe(lambda n: forward(model, x[:n]))
+        with engine.record(batch_size=6):
+            forward(model, x).backward()
+        engine.per_sample_norms()
