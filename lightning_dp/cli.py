@@ -30,6 +30,7 @@ dispatched by :func:`main` before LightningCLI parses the arguments.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
@@ -72,7 +73,8 @@ class MLflowSaveConfigCallback(SaveConfigCallback):
     falls back to LightningCLI's behaviour: a file in ``trainer.log_dir``, overwritten if
     it exists (``overwrite=True`` by default, since several runs share a log dir), and
     skipped when the logger has no local folder (LightningCLI would fail an
-    ``assert log_dir is not None`` there).
+    ``assert log_dir is not None`` there). Both copies have secret seeds redacted
+    (:func:`redact_secrets`).
 
     Args:
         parser: The parser of the subcommand.
@@ -105,6 +107,17 @@ class MLflowSaveConfigCallback(SaveConfigCallback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.save_to_log_dir and (tracking.mlflow_loggers(trainer) or trainer.log_dir is None):
             self.save_to_log_dir = False
+        if self.save_to_log_dir and not self.already_saved:
+            # LightningCLI would write the parser's dump, secret seeds included: write the redacted text instead
+            path = os.path.join(trainer.log_dir, self.config_filename)
+            if trainer.is_global_zero:
+                if not self.overwrite and os.path.isfile(path):
+                    raise RuntimeError(f"{type(self).__name__} expected {path} to NOT exist; delete it or pass "
+                                       "save_config_kwargs={'overwrite': True}")
+                os.makedirs(trainer.log_dir, exist_ok=True)
+                with open(path, "w", encoding="utf-8") as handle:
+                    handle.write(redact_secrets(self.parser.dump(self.config, skip_none=False)))
+            self.save_to_log_dir = False  # written: the base class must not write the unredacted dump
         super().setup(trainer, pl_module, stage)
 
     @override

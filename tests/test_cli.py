@@ -259,7 +259,9 @@ def test_federated_synthetic_example_records_rounds_and_privacy(workdir: Path, s
     participation charged exactly n/nu = 2/5 = 0.4.
     """
     seed_store(store_template, workdir / "mlruns" / "mlflow.db")
-    run_cli = cli.LightningDPCLI(args=["fit", "--config", str(REPO_ROOT / "examples" / "fl_synthetic.yaml")])
+    # a fixed noise seed makes the test deterministic; the example itself draws a fresh secret one per run
+    run_cli = cli.LightningDPCLI(args=["fit", "--config", str(REPO_ROOT / "examples" / "fl_synthetic.yaml"),
+                                       "--model.init_args.noise_seed=0"])
     module = run_cli.model
     dist = torch.cdist(module.hypotheses, torch.tensor([[5.0, 6.0], [4.0, -4.5]]))
     assert dist.min(dim=0).values.max() < 0.5 and set(dist.argmin(dim=0).tolist()) == {0, 1}, module.hypotheses
@@ -280,3 +282,18 @@ def test_federated_synthetic_example_records_rounds_and_privacy(workdir: Path, s
     assert "model/best.ckpt" in paths
     assert {"privacy/client_epsilon_hist.png", "privacy/client_epsilon.tsv", "federated/parameters.png",
             "config.yaml", "model/final.ckpt"} <= _artifact_paths(client, run.info.run_id)
+
+
+def test_config_written_for_another_logger_has_secret_seeds_redacted(workdir: Path) -> None:
+    """Without an MLflow logger LightningCLI writes config.yaml into the log dir: without the noise seed too."""
+    config = yaml.safe_load(yaml.safe_dump(CONFIG))
+    config["trainer"]["logger"] = {"class_path": "lightning.pytorch.loggers.CSVLogger",
+                                   "init_args": {"save_dir": str(workdir / "logs")}}
+    config["trainer"]["callbacks"] = [{"class_path": "lightning_dp.callbacks.DPSGD",
+                                       "init_args": {"noise_multiplier": 1.0, "seed": 777777777777}}]
+    (workdir / "run.yaml").write_text(yaml.safe_dump(config))
+    cli.main(["fit", "--config", str(workdir / "run.yaml")])
+    (written,) = (workdir / "logs").rglob("config.yaml")
+    text = written.read_text()
+    assert "777777777777" not in text and "trainer.callbacks.0.init_args.seed" in text
+    assert yaml.safe_load(text)["trainer"]["callbacks"][0]["init_args"]["seed"] is None

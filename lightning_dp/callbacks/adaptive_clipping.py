@@ -231,6 +231,11 @@ class OnlineSensitivity(_AdaptiveClipping):
     def _extra_weights(self, per_sample_norms: torch.Tensor) -> list[torch.Tensor]:
         return [oso_statistics(per_sample_norms, self.max_grad_norm).q_weights]
 
+    def _on_engine_rebuilt(self) -> None:
+        # the released vectors of the previous steps span the old trainable set: restart the sign statistics
+        # (the next step updates nothing, as the first step of a run does)
+        self._g_prev, self._q_prev = None, None
+
     def _gradient_noise_multiplier(self) -> float:
         return self.gradient_noise_multiplier
 

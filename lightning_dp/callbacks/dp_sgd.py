@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import functools
 import math
-import secrets
 from typing import Any, NamedTuple
 
 import contextlib
@@ -64,7 +63,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
 from lightning_dp.privacy.accounting import get_accountant
-from lightning_dp.privacy.batch_dims import PROBE_SIZES, AmbiguousBatchDimError, batch_dim, tensor_leaves
+from lightning_dp.privacy.batch_dims import PROBE_SIZES, AmbiguousBatchDimError, batch_dim, batch_leaves, leaf_shape
 from lightning_dp.privacy.calibration import calibrate_noise_multiplier
 from lightning_dp.privacy.clipping import check_max_grad_norm, clip_factors
 from lightning_dp.privacy.grad_sample import GradSampleEngine, PerSampleGradientError
@@ -122,21 +121,30 @@ def _side_effect_free(pl_module: LightningModule) -> Iterator[None]:
 
     ``self.log``/``log_dict`` do nothing, torchmetrics states are restored afterwards (a
     ``self.train_acc(preds, y)`` in ``training_step`` would otherwise count the probe
-    batches), and the global RNG (dropout masks) is forked, so the run continues exactly
-    as without the probe.
+    batches), and the global torch, Python and NumPy RNGs (dropout masks, random dataset
+    transforms) are restored, so training continues as without the probe. Other side
+    effects of ``training_step`` (appending to a list of outputs, a call counter) do happen
+    for the probe batches: keep them out of ``training_step`` or tolerate three extra calls.
     """
+
+    import random
+
+    import numpy as np
     from torchmetrics import Metric
 
     metrics = [m for m in pl_module.modules() if isinstance(m, Metric)]
     saved = [({name: _copied(getattr(m, name)) for name in m._defaults},
               getattr(m, "_update_count", None), getattr(m, "_computed", None)) for m in metrics]
     devices = [pl_module.device] if pl_module.device.type == "cuda" else []
+    python_rng, numpy_rng = random.getstate(), np.random.get_state()
     pl_module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
     pl_module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
     try:
         with torch.random.fork_rng(devices=devices):
             yield
     finally:
+        random.setstate(python_rng)
+        np.random.set_state(numpy_rng)
         pl_module.__dict__.pop("log", None)
         pl_module.__dict__.pop("log_dict", None)
         for m, (states, count, computed) in zip(metrics, saved):
@@ -187,11 +195,13 @@ class DPSGD(Callback):
         poisson_sampling: sample batches by Poisson sampling (required for the
             add/remove guarantee and for DDP).
         seed: seed of the sampling and noise streams. Default: a fresh secret seed from
-            the OS, saved in (local) checkpoints so that a resumed run continues the streams
-            and stripped from everything uploaded. A fixed seed makes the noise as public as
-            the config that holds it: use it for reproducible experiments, never for two
-            runs whose models are both released (``lightning-dp grid`` gives every run its
-            own seed).
+            the OS, saved in (local) checkpoints so that a run resumed without ``seed``
+            continues the streams, and stripped from everything uploaded. A given seed wins
+            over a checkpoint's (the run then draws new noise): branch several runs from one
+            checkpoint with different seeds, or they would continue the same noise. A fixed
+            seed makes the noise as public as the config that holds it: use it for
+            reproducible experiments, never for two runs whose models are both released
+            (``lightning-dp grid`` gives every run its own seed).
         replace_batchnorm: replace BatchNorm layers by GroupNorm instead of refusing them.
         log_nonprivate_metrics: also log ``nonprivate/clipped_fraction``, the exact
             fraction of clipped examples of the last step. It is a statistic of the
@@ -261,6 +271,7 @@ class DPSGD(Callback):
         self._loss_checked = False
         self._batch_size: int | None = None
         self._step_adds_event = False
+        self._backward_seen = False
         # Steps released by this callback over all its fits (restored from checkpoints). It keys the
         # noise and sampling streams: Trainer.global_step restarts at 0 in a second fit, and the same
         # noise on two releases would cancel in their difference.
@@ -357,8 +368,7 @@ class DPSGD(Callback):
             def train_dataloader() -> DataLoader:
                 return self._privatize(original(), trainer)
 
-            instance.train_dataloader = train_dataloader  # instance attribute shadows the hook; removed in teardown
-            self._restore.append(lambda: instance.__dict__.pop("train_dataloader", None))
+            self._shadow(instance, "train_dataloader", train_dataloader)
         else:  # trainer.fit(model, train_dataloaders=...): a loader (or a collection of them)
             if not isinstance(instance, DataLoader):
                 raise MisconfigurationException(
@@ -366,8 +376,22 @@ class DPSGD(Callback):
                     "dataset (it rebuilds it with Poisson sampling); a collection of loaders (CombinedLoader, dict, "
                     "list) has no single sampling rate. Pass one DataLoader.")
             # privatized when Lightning asks for it (after a checkpoint restored the seed), like the hooks above
-            source.dataloader = lambda: self._privatize(instance, trainer)
-            self._restore.append(lambda: source.__dict__.pop("dataloader", None))
+            self._shadow(source, "dataloader", lambda: self._privatize(instance, trainer))
+
+    def _shadow(self, owner: Any, name: str, value: Any) -> None:
+        """Set an instance attribute until teardown, then put back what was there (``LightningDataModule.from_datasets``
+        keeps its ``train_dataloader`` as an instance attribute itself)."""
+        missing = object()
+        before = owner.__dict__.get(name, missing)
+        setattr(owner, name, value)
+
+        def restore() -> None:
+            if before is missing:
+                owner.__dict__.pop(name, None)
+            else:
+                setattr(owner, name, before)
+
+        self._restore.append(restore)
 
     def _data_facts(self, loader: Any, world: int) -> dict[str, Any]:
         """Dataset size, sample rate, expected batch size and steps per epoch of a training loader."""
@@ -601,10 +625,18 @@ class DPSGD(Callback):
             rank_zero_info("DPSGD: the set of trainable parameters changed; rebuilding the per-sample gradient engine.")
             self._engine.remove()
             self._engine = GradSampleEngine(pl_module)
+            self._on_engine_rebuilt()
         if not self._engine.probed:
             self._probe(trainer, pl_module)
         self._batch_size = self._examples_in(batch)
-        self._engine.start()
+        if self._batch_size is None:
+            raise MisconfigurationException(
+                "DPSGD cannot tell how many examples this training batch holds: none of its tensors (or lists) has "
+                "the dimension that followed the number of examples in the probe batches, or the batch's structure "
+                "differs from theirs. Without it, a training_step that splits or merges examples would go "
+                "unnoticed. Return batches with a tensor (or a list) holding one entry per example.")
+        self._backward_seen = False
+        self._engine.start(batch_size=self._batch_size)
 
     def _probe(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Runs ``training_step`` on probe batches (see the module docstring) to establish the batch dimensions."""
@@ -612,38 +644,48 @@ class DPSGD(Callback):
         dataset, collate = self._probe_data
         size = len(dataset)
         with_idx = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
-        shapes: list[list[tuple[int, ...]]] = []
+        precision = trainer.precision_plugin
+        shapes: dict[int, list[tuple[int, ...]]] = {}
 
-        def run(n: int) -> None:
-            batch = collate([dataset[i % size] for i in range(n)])
-            shapes.append([tuple(t.shape) for t in tensor_leaves(batch)])
-            batch = trainer.strategy.batch_to_device(batch)
+        def run(n: int) -> Any:  # the first n examples, through Lightning's own batch path (precision, transfer)
             with _side_effect_free(pl_module):
-                pl_module.training_step(batch, 0) if with_idx else pl_module.training_step(batch)
+                batch = collate([dataset[i % size] for i in range(n)])
+                shapes[n] = [leaf_shape(leaf) for leaf in batch_leaves(batch)]
+                batch = precision.convert_input(batch)
+                batch = pl_module._on_before_batch_transfer(batch, dataloader_idx=0)
+                batch = trainer.strategy.batch_to_device(batch, dataloader_idx=0)
+                with precision.train_step_context():
+                    return pl_module.training_step(batch, 0) if with_idx else pl_module.training_step(batch)
 
         try:
             self._engine.probe(run, PROBE_SIZES)
         except PerSampleGradientError as err:
             raise MisconfigurationException(f"DPSGD cannot clip per example: {err}") from None
         dims: list[int | None] = []
-        if shapes and all(len(s) == len(shapes[0]) for s in shapes):
-            for leaf in zip(*shapes):
+        if len({len(s) for s in shapes.values()}) == 1:
+            for leaf in zip(*(shapes[n] for n in PROBE_SIZES)):
                 try:
                     dims.append(batch_dim(leaf, PROBE_SIZES))
                 except AmbiguousBatchDimError:
                     dims.append(None)
-        self._batch_dims = dims or [None]
+        self._batch_dims = dims
 
     def _examples_in(self, batch: Any) -> int | None:
         """The number of examples in a training batch, read where the probe found the batch dimension."""
-        leaves = tensor_leaves(batch)
+        leaves = batch_leaves(batch)
         if len(leaves) == len(self._batch_dims):
-            for t, d in zip(leaves, self._batch_dims):
-                if d is not None and t.dim() > d:
-                    return int(t.shape[d])
+            for leaf, d in zip(leaves, self._batch_dims):
+                shape = leaf_shape(leaf)
+                if d is not None and len(shape) > d:
+                    return int(shape[d])
         return None
 
+    def _on_engine_rebuilt(self) -> None:
+        """Called after the engine was rebuilt for a new set of trainable parameters (subclasses reset what
+        depends on that set)."""
+
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        self._backward_seen = True
         if self._loss_checked or self._engine is None or self._batch_size == 0:
             return  # an empty Poisson batch says nothing about the reduction
         if loss.dim() != 0:
@@ -672,6 +714,11 @@ class DPSGD(Callback):
         engine = self._engine
         assert engine is not None and self._sigma is not None
         engine.stop()
+        if not self._backward_seen:
+            raise MisconfigurationException(
+                "training_step returned None (the step was skipped) while DPSGD trains: every step must be released, "
+                "an empty Poisson batch included (noise only), since skipping one would reveal that it was empty. "
+                "Return a loss connected to the parameters, e.g. model(x).sum() * 0.0 for an empty batch.")
         engine.check_parameter_gradients()
         seen = self._step_batch_size(trainer, pl_module)
         if self._batch_size is not None and seen != self._batch_size:
@@ -701,6 +748,8 @@ class DPSGD(Callback):
         grads = noisy_mean(sums, noise_multiplier=noise_multiplier, max_grad_norm=clip,
                            expected_batch_size=expected, generator=generator)
         for p, g in zip(params, grads):
+            if not p.requires_grad:  # frozen since the batch started (a module hook, training_step): not trained
+                continue
             p.grad = g.to(p.dtype)
             self._released_grads[id(p)] = p.grad
         set_noise_std = getattr(optimizer, "set_noise_std", None)
@@ -868,13 +917,17 @@ class DPSGD(Callback):
                 f"DPSGD uses accountant={self.accountant_name!r}; resume with accountant={saved.get('name')!r}.")
         self._accountant.load_state_dict(saved)
         seed = state_dict.get(SECRET_KEY, {}).get("seed", state_dict.get("seed"))  # "seed": checkpoints before 0.2
-        if seed is None:
+        if self._requested_seed is not None:
+            # an explicit seed (the constructor's, or one lightning-dp grid gives every run) wins: several runs
+            # branched from one checkpoint must not continue the same noise streams
+            if seed is not None and int(seed) != self._requested_seed:
+                rank_zero_info("DPSGD: resuming with the seed given to this callback, not the checkpoint's: the run "
+                               "draws new noise (its accounting continues from the checkpoint's history).")
+        elif seed is None:
             rank_zero_info("DPSGD: the checkpoint holds no noise seed (a public checkpoint, stripped of its secrets); "
                            "the resumed run samples and draws noise from a fresh secret seed. Its accounting continues "
                            "from the checkpoint's history.")
         else:
-            if self._requested_seed is not None and self._requested_seed != seed:
-                rank_zero_warn(f"DPSGD: resuming with the checkpoint's seed, not seed={self._requested_seed}")
             self._seed = int(seed)
         self._restored_sigma = state_dict.get("noise_multiplier")
         self._released = int(state_dict.get("released_steps", 0))

@@ -126,7 +126,9 @@ class PersonalizedFederatedModule(LightningModule):
             shuffles, validation subsample); default: a fresh random seed. Logged.
         noise_seed: seed of the sanitizers' noise, a secret: whoever knows it can subtract
             the noise from every release. Default: a fresh seed from the OS, kept in local
-            checkpoints (resume) and never logged or uploaded; fix it only for reproducible
+            checkpoints (a run resumed without ``noise_seed`` continues its streams) and never
+            logged or uploaded. A given seed wins over a checkpoint's, so that runs branched
+            from one checkpoint draw different noise. Fix it only for reproducible
             experiments whose releases stay private (``lightning-dp grid`` gives every run its own).
         log_nonprivate_metrics: log ``nonprivate/train_loss``, the mean over the round's
             clients of their chosen hypothesis' loss on their private data. The server never
@@ -204,6 +206,7 @@ class PersonalizedFederatedModule(LightningModule):
             "vmap" if self.spec.numel <= AUTO_VMAP_MAX_PARAMETERS else "loop")
         self.seed = int(seed) if seed is not None else fresh_seed()
         self._noise_seed = int(noise_seed) if noise_seed is not None else fresh_seed()
+        self._noise_seed_given = noise_seed is not None  # a given seed wins over a checkpoint's
         self.register_buffer("hypotheses", self._initial_hypotheses())
         # training progress, not model state: saved in checkpoint["federated"], so that restoring the
         # best weights (RestoreBestWeights, load_state_dict) does not rewind it
@@ -262,6 +265,7 @@ class PersonalizedFederatedModule(LightningModule):
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed={seed!r} is not allowed: pass a non-negative integer")
         self._noise_seed = int(seed)
+        self._noise_seed_given = True
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         # local SGD and aggregation are the optimization; this optimizer only makes each round an
@@ -483,13 +487,16 @@ class PersonalizedFederatedModule(LightningModule):
             self.ledger.load_state_dict(state["ledger"])
             self.seed = int(state["seed"])
             self.rounds.fill_(int(state["rounds"]))
-            if SECRET_KEY in state:
+            if self._noise_seed_given:
+                pass  # runs branched from one checkpoint (a grid) must not continue the same noise
+            elif SECRET_KEY in state:
                 self._noise_seed = int(state[SECRET_KEY]["noise_seed"])
-            elif state.get("version", 2) <= 2:  # before version 3 one seed drove the noise too
-                self._noise_seed = int(state["seed"])
             else:
-                rank_zero_warn("the checkpoint holds no noise seed (a public checkpoint, stripped of its secrets); "
-                               "the resumed run draws its noise from a fresh secret seed.")
+                # a public checkpoint, or one from before version 3, whose noise came from the logged (public) seed:
+                # the resumed rounds draw from the fresh secret seed of __init__
+                rank_zero_warn("the checkpoint holds no secret noise seed (a public checkpoint, or one written before "
+                               "lightning-dp kept the noise seed apart from the logged seed); the resumed run draws its "
+                               "noise from a fresh secret seed.")
 
     def on_train_end(self) -> None:
         if self.trainer.is_global_zero and len(self.ledger):

@@ -64,7 +64,7 @@ class Autoencoder(LightningModule):
     sum over no examples) and logs nothing.
 
     Logged metrics: ``nonprivate/train_loss`` (every logged step), the exact training loss,
-    which a DP-SGD epsilon does NOT cover (``log_train_metrics=False`` turns it off);
+    which a DP-SGD epsilon does NOT cover (``log_nonprivate_metrics=False`` turns it off);
     ``val/loss`` and ``test/loss`` (per epoch, weighted by batch size, averaged over ranks
     under DDP).
 
@@ -80,7 +80,7 @@ class Autoencoder(LightningModule):
         optimizer: ``"sgd"``, ``"adam"`` or ``"adamwosm"`` (:class:`~lightning_dp.optim.AdamWOSM`,
             whose noise std the DPSGD callbacks set).
         momentum: SGD momentum in ``[0, 1)``; must be 0 with ``"adam"`` and ``"adamwosm"``.
-        log_train_metrics: log the exact training loss as ``nonprivate/train_loss``.
+        log_nonprivate_metrics: log the exact training loss as ``nonprivate/train_loss``.
 
     Raises:
         TypeError: If ``network`` is not a ``torch.nn.Module``.
@@ -101,7 +101,7 @@ class Autoencoder(LightningModule):
         lr: float = 0.1,
         optimizer: str = "sgd",
         momentum: float = 0.0,
-        log_train_metrics: bool = True,
+        log_nonprivate_metrics: bool = True,
     ) -> None:
         super().__init__()
         _validate(network=network, lr=lr, optimizer=optimizer, momentum=momentum)
@@ -126,7 +126,7 @@ class Autoencoder(LightningModule):
             # Mean over no example is nan; the sum over no example (0) keeps gradients finite.
             return reconstruction.sum() * 0.0
         loss = per_example_mse(reconstruction, x).mean()
-        if self.hparams.log_train_metrics:  # an exact statistic of the private batch: not covered by epsilon
+        if self.hparams.log_nonprivate_metrics:  # an exact statistic of the private batch: not covered by epsilon
             self.log("nonprivate/train_loss", loss, on_step=True, on_epoch=False, prog_bar=True, batch_size=x.shape[0])
         return loss
 

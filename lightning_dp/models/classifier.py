@@ -41,7 +41,7 @@ class ImageClassifier(LightningModule):
 
     Logged metrics: ``nonprivate/train_loss`` (every logged step) and
     ``nonprivate/train_acc`` (per epoch), exact statistics of the training batches that a
-    DP-SGD epsilon does NOT cover (``log_train_metrics=False`` turns them off);
+    DP-SGD epsilon does NOT cover (``log_nonprivate_metrics=False`` turns them off);
     ``val/loss``, ``val/acc``, ``test/loss``, ``test/acc`` (per epoch, weighted by batch
     size; averaged over ranks under DDP). Accuracies are plain (micro-averaged)
     accuracies, computed over all ranks by torchmetrics.
@@ -64,7 +64,7 @@ class ImageClassifier(LightningModule):
             :class:`~lightning_dp.callbacks.DPSGD` callback, which gives it ``sigma C / B``
             before every step; without it the first step raises.
         momentum: SGD momentum in ``[0, 1)``; must be 0 with ``"adam"`` and ``"adamwosm"``.
-        log_train_metrics: log the exact training loss and accuracy under ``nonprivate/``.
+        log_nonprivate_metrics: log the exact training loss and accuracy under ``nonprivate/``.
 
     Raises:
         TypeError: If ``network`` is not a ``torch.nn.Module``.
@@ -86,7 +86,7 @@ class ImageClassifier(LightningModule):
         lr: float = 0.1,
         optimizer: str = "sgd",
         momentum: float = 0.0,
-        log_train_metrics: bool = True,
+        log_nonprivate_metrics: bool = True,
     ) -> None:
         super().__init__()
         _validate(network=network, num_classes=num_classes, lr=lr, optimizer=optimizer, momentum=momentum)
@@ -111,7 +111,7 @@ class ImageClassifier(LightningModule):
             return logits.sum() * 0.0
         loss = F.cross_entropy(logits, y)
         batch_size = y.shape[0]
-        if self.hparams.log_train_metrics:  # exact statistics of the private batch: not covered by epsilon
+        if self.hparams.log_nonprivate_metrics:  # exact statistics of the private batch: not covered by epsilon
             self.train_acc.update(logits.detach(), y)
             self.log("nonprivate/train_loss", loss, on_step=True, on_epoch=False, prog_bar=True, batch_size=batch_size)
             self.log("nonprivate/train_acc", self.train_acc, on_step=False, on_epoch=True, batch_size=batch_size)

@@ -25,12 +25,13 @@ the set of trainable parameters changes) and works for any model.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["PROBE_SIZES", "AmbiguousBatchDimError", "batch_dim", "tensor_leaves"]
+__all__ = ["PROBE_SIZES", "AmbiguousBatchDimError", "batch_dim", "batch_leaves", "leaf_shape", "tensor_leaves"]
 
 #: Numbers of examples of the probe batches. Distinct and not 1 (a dimension of size 1 is
 #: a broadcast dimension as often as a batch of one).
@@ -79,16 +80,37 @@ def batch_dim(shapes: Sequence[Sequence[int]], sizes: Sequence[int] = PROBE_SIZE
 
 
 def tensor_leaves(obj: Any) -> list[torch.Tensor]:
-    """The tensors of a (nested) batch, in a fixed order: lists, tuples, named tuples and dicts.
+    """The tensors of a (nested) batch, in a fixed order: mappings (dicts, Hugging Face ``BatchEncoding``),
+    sequences, named tuples and dataclasses.
 
     Example:
         >>> [t.shape for t in tensor_leaves({"x": torch.zeros(2, 3), "y": [torch.zeros(2)], "id": "a"})]
         [torch.Size([2, 3]), torch.Size([2])]
     """
+    return [leaf for leaf in batch_leaves(obj) if isinstance(leaf, torch.Tensor)]
+
+
+def batch_leaves(obj: Any) -> list[Any]:
+    """What of a batch can hold the examples: its tensors, and its lists of non-tensors (e.g. strings).
+
+    A list or tuple whose items are not containers (one string per example) is one leaf, seen
+    through its length by :func:`leaf_shape`, so that a batch of raw texts still says how many
+    examples it holds.
+    """
     if isinstance(obj, torch.Tensor):
         return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in tensor_leaves(v)]
+    if isinstance(obj, Mapping):
+        return [leaf for v in obj.values() for leaf in batch_leaves(v)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [leaf for f in dataclasses.fields(obj) for leaf in batch_leaves(getattr(obj, f.name))]
     if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in tensor_leaves(v)]
+        if obj and not any(isinstance(v, (torch.Tensor, Mapping, list, tuple)) or dataclasses.is_dataclass(v)
+                           for v in obj):
+            return [obj]
+        return [leaf for v in obj for leaf in batch_leaves(v)]
     return []
+
+
+def leaf_shape(leaf: Any) -> tuple[int, ...]:
+    """A tensor's shape, or ``(len,)`` of a list of non-tensors (see :func:`batch_leaves`)."""
+    return tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else (len(leaf),)

@@ -8,6 +8,7 @@ mid-epoch, and ``trainer.fit(model, train_dataloaders=...)``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import dp_accounting as dpa
@@ -193,15 +194,20 @@ class NanoGPTPositions(Classifier):
         return self.net(h.mean(1))
 
 
-def test_shared_positional_embedding_is_refused_before_the_first_step():
+def test_shared_positional_embedding_is_clipped_per_example():
+    """wpe(arange(T)) as in nanoGPT, T == 20 == the batch size: before, its gradient was split by position as if
+    by example (silently wrong); now its output is expanded to the batch and each example clipped with its share."""
+    c = 0.05
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randint(0, 7, (100, 20), generator=g), torch.randint(0, 3, (100,), generator=g))
-    model = NanoGPTPositions()
-    before = copy.deepcopy(model.state_dict())
-    with pytest.raises(MisconfigurationException, match=r"wpe \(Embedding\) receives an input without a batch dim"):
-        trainer(max_steps=2, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)]).fit(
-            model, train_dataloaders=DataLoader(data, batch_size=20))
-    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    probe = StepProbe()
+    dp = DPSGD(noise_multiplier=1e-4, max_grad_norm=c, seed=4, accountant="rdp")
+    trainer(max_steps=2, callbacks=[dp, probe]).fit(NanoGPTPositions(), train_dataloaders=DataLoader(data,
+                                                                                                   batch_size=20))
+    for step in range(2):
+        expected = naive_clipped_mean(probe.models[step], classifier_loss, xy_examples(probe.batches[step]), c, 20.0)
+        for name, grad in expected.items():
+            torch.testing.assert_close(probe.grads[step][name], grad, rtol=0, atol=1e-5)
 
 
 def test_probe_batches_leave_metrics_logs_and_rng_untouched(tmp_path):
@@ -405,3 +411,138 @@ def test_loggers_that_upload_resume_checkpoints_are_refused(tmp_path):
                           artifact_location=str(tmp_path / "art"), local_dir=str(tmp_path / "ckpt"))
     with pytest.raises(MisconfigurationException, match=r"log_model=True\) uploads every ModelCheckpoint file"):
         trainer(max_steps=1, logger=logger, callbacks=[DPSGD(noise_multiplier=1.0)]).fit(Classifier(), BlobsData())
+
+
+# ------------------------------------------------------ second review: the paths beside these paths
+def test_a_given_seed_wins_over_the_checkpoints_so_branches_draw_new_noise(tmp_path):
+    """Runs branched from one checkpoint (a grid resuming every point from it) must not share noise."""
+    t = trainer(max_epochs=1, callbacks=[DPSGD(noise_multiplier=1.0, seed=11)])
+    t.fit(Classifier(), BlobsData())
+    t.save_checkpoint(tmp_path / "start.ckpt")
+    branch = DPSGD(noise_multiplier=1.0)
+    branch.set_secret_seed(5)  # what lightning-dp grid does before every fit
+    trainer(max_epochs=2, callbacks=[branch]).fit(Classifier(), BlobsData(), ckpt_path=str(tmp_path / "start.ckpt"))
+    assert branch._seed == 5 and branch.accountant.history == [(1.0, 0.1, 20)]
+    plain = DPSGD(noise_multiplier=1.0)  # no seed given: the checkpoint's streams continue
+    trainer(max_epochs=2, callbacks=[plain]).fit(Classifier(), BlobsData(), ckpt_path=str(tmp_path / "start.ckpt"))
+    assert plain._seed == 11
+
+
+@dataclasses.dataclass
+class Pairs:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+class ChunkedData(BlobsData):
+    def train_dataloader(self):
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True,
+                          collate_fn=lambda s: Pairs(torch.stack([a for a, _ in s]), torch.stack([b for _, b in s])))
+
+
+class Chunked(Classifier):
+    """Averages the batch pairwise above 8 examples (never in the probe's 3, 5 and 7): pairs of examples mix."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch.x, batch.y
+        if x.shape[0] > 8:
+            half = x.shape[0] // 2
+            x = (x[:half] + x[half:2 * half]) / 2
+            y = y[:half]
+        return F.cross_entropy(self(x), y)
+
+
+def test_dataclass_batches_are_counted_and_mixing_examples_is_refused():
+    with pytest.raises(MisconfigurationException, match=r"saw \d+ examples .* but the batch holds \d+ examples"):
+        trainer(max_steps=2, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)]).fit(Chunked(), ChunkedData())
+
+
+def test_a_batch_whose_size_cannot_be_read_is_refused():
+    class Packed(Classifier):
+        def training_step(self, batch, batch_idx):  # one flat tensor: the number of examples is in no dimension
+            rows = batch.view(-1, 7)
+            return F.cross_entropy(self(rows[:, :6]), rows[:, 6].long())
+
+    data = [torch.cat([torch.randn(6), torch.tensor([float(i % 3)])]) for i in range(40)]
+    loader = DataLoader(data, batch_size=10, collate_fn=lambda items: torch.cat(items))
+    with pytest.raises(MisconfigurationException, match="cannot tell how many examples this training batch holds"):
+        trainer(max_steps=1, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)]).fit(Packed(), train_dataloaders=loader)
+
+
+def test_double_precision_runs_the_probe_through_lightnings_batch_path():
+    model = Classifier().double()
+    t = trainer(max_steps=2, precision="64-true", callbacks=[DPSGD(noise_multiplier=1.0, seed=0)])
+    t.fit(model, BlobsData())
+    assert t.global_step == 2
+
+
+def test_a_layer_frozen_in_the_modules_own_batch_hook_stays_frozen():
+    class FreezeLate(Classifier):
+        def on_train_batch_start(self, batch, batch_idx):  # runs after the callbacks' on_train_batch_start
+            if self.global_step == 1:
+                self.net[0].requires_grad_(False)
+
+    model = FreezeLate()
+    probe = StepProbe()
+    trainer(max_steps=4, callbacks=[DPSGD(noise_multiplier=1.0, seed=0), probe]).fit(model, BlobsData())
+    frozen = probe.models[2].net[0].weight
+    assert not model.net[0].weight.requires_grad
+    torch.testing.assert_close(model.net[0].weight, frozen, rtol=0, atol=0)
+    assert "net.0.weight" not in probe.grads[1] and "net.2.weight" in probe.grads[1]
+
+
+def test_online_sensitivity_follows_an_unfrozen_layer():
+    """Its previous released vectors span the old trainable set: they are dropped when the engine is rebuilt
+    (before, the sizes clashed: 'g_noisy and q_prev have different sizes')."""
+    from lightning_dp.callbacks import OnlineSensitivity
+
+    oso = OnlineSensitivity(noise_multiplier=1.0, seed=0)
+    finetune = BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=1.0)
+    t = trainer(max_epochs=2, callbacks=[finetune, oso])
+    t.fit(Finetuned(), BlobsData(n=100, batch_size=20))
+    assert t.global_step == 10 and len(oso._trace) == 10
+
+
+def test_a_second_fit_with_a_from_datasets_datamodule():
+    dm = L.LightningDataModule.from_datasets(train_dataset=blobs(), batch_size=10)
+    dp = DPSGD(noise_multiplier=1.0, seed=0)
+    for _ in range(2):
+        trainer(max_steps=2, callbacks=[dp]).fit(Classifier(), datamodule=dm)
+    assert dp.accountant.history == [(1.0, 0.05, 4)]
+
+
+def test_probe_leaves_python_numpy_and_transform_randomness_alone():
+    import random
+
+    import numpy as np
+
+    class Noisy(torch.utils.data.Dataset):
+        def __len__(self):
+            return 50
+
+        def __getitem__(self, i):  # a random augmentation through every RNG a transform may use
+            return torch.randn(6) + random.random() + float(np.random.rand()), torch.tensor(i % 3)
+
+    states = {}
+
+    class Before(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            states.setdefault("before", (torch.random.get_rng_state(), random.getstate(), np.random.get_state()[1]))
+
+    class After(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            states.setdefault("after", (torch.random.get_rng_state(), random.getstate(), np.random.get_state()[1]))
+
+    trainer(max_steps=1, callbacks=[Before(), DPSGD(noise_multiplier=1.0, seed=0), After()]).fit(
+        Classifier(), train_dataloaders=DataLoader(Noisy(), batch_size=10))
+    (t0, p0, n0), (t1, p1, n1) = states["before"], states["after"]
+    assert torch.equal(t0, t1) and p0 == p1 and (n0 == n1).all()
+
+
+def test_training_step_returning_none_is_refused_with_the_fix():
+    class Skips(Classifier):
+        def training_step(self, batch, batch_idx):
+            return None
+
+    with pytest.raises(MisconfigurationException, match="returned None.*empty Poisson batch"):
+        trainer(max_steps=1, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)]).fit(Skips(), BlobsData())

@@ -265,7 +265,26 @@ def test_noise_seed_is_a_secret_kept_apart_from_the_public_seed(tmp_path):
     redacted = redact_secrets(text)
     assert "noise_seed: null" in redacted and "seed: 0" in redacted and "123" not in redacted
 
-    other = module(noise_seed=9)
+    other = module(noise_seed=None)
     resumed = trainer(max_epochs=3)
     resumed.fit(other, SyntheticLinearMixture(seed=0), ckpt_path=str(tmp_path / "local.ckpt"))
-    assert other._noise_seed == 123  # a local resume continues the same noise streams
+    assert other._noise_seed == 123  # a local resume without a given noise seed continues the same noise streams
+
+
+def test_checkpoints_without_a_secret_noise_seed_resume_with_a_fresh_one(tmp_path):
+    """A public checkpoint, or one of version 2 whose noise came from the logged seed: the resumed rounds must not
+    draw noise derivable from the record."""
+    t = trainer(max_epochs=1)
+    t.fit(module(noise_seed=123), SyntheticLinearMixture(seed=0))
+    t.save_checkpoint(tmp_path / "c.ckpt")
+    ckpt = torch.load(tmp_path / "c.ckpt", weights_only=False)
+    del ckpt["federated"]["secret"]
+    ckpt["federated"]["version"] = 2
+    torch.save(ckpt, tmp_path / "old.ckpt")
+    resumed = module(noise_seed=None)
+    with pytest.warns(UserWarning, match="no secret noise seed"):
+        trainer(max_epochs=2).fit(resumed, SyntheticLinearMixture(seed=0), ckpt_path=str(tmp_path / "old.ckpt"))
+    assert resumed._noise_seed not in (0, 123) and int(resumed.rounds) == 2
+    branched = module(noise_seed=9)  # a given noise seed wins over the checkpoint's (grid branches)
+    trainer(max_epochs=2).fit(branched, SyntheticLinearMixture(seed=0), ckpt_path=str(tmp_path / "c.ckpt"))
+    assert branched._noise_seed == 9

@@ -95,7 +95,7 @@ def test_hyperparameters_and_checkpoint_round_trip(tmp_path) -> None:
     model = Autoencoder(ConvAutoencoder(), lr=0.01, optimizer="adam")
     assert dict(model.hparams) == {
         "lr": 0.01,
-        "log_train_metrics": True,
+        "log_nonprivate_metrics": True,
         "optimizer": "adam",
         "momentum": 0.0,
         "network_class": "lightning_dp.models.networks.ConvAutoencoder",

@@ -106,7 +106,7 @@ def test_hyperparameters_and_checkpoint_round_trip(tmp_path) -> None:
     assert dict(model.hparams) == {
         "num_classes": 10,
         "lr": 0.01,
-        "log_train_metrics": True,
+        "log_nonprivate_metrics": True,
         "optimizer": "adam",
         "momentum": 0.0,
         "network_class": "lightning_dp.models.networks.DigitsConvNet",
