@@ -276,7 +276,9 @@ class GradSampleEngine:
                     leaf = _JoinGraph.apply(leaf, self._anchor)
                     leaves[i] = leaf
                     changed = True
-                call.outputs.append(leaf)
+                # detached: the hook below holds `call`, and a tensor kept here would hold the hook's graph node in
+                # a cycle through autograd's C++ graph that Python's collector cannot see (a leak per step)
+                call.outputs.append(leaf.detach())
                 call.grad_outputs.append(None)
 
                 def save_grad(grad: Tensor, call: _Call = call, i: int = i) -> None:
