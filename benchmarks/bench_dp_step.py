@@ -1,4 +1,4 @@
-"""Times one training step: non-private, lightning-dp's DP step, Opacus (hooks, ghost), torch.func.
+"""Times one training step: non-private, lightning-dp's DP step, Opacus (hooks, ghost), torch.func; six models.
 
 All methods run in ONE process on the same model shape and the same batch, interleaved
 round by round so that machine noise hits every method alike; the report gives the
@@ -8,9 +8,24 @@ set size over 5 steps above the resident size after set-up (CPU, Linux ``VmHWM``
 through ``/proc/self/clear_refs``), or ``max_memory_allocated`` above the allocation after
 set-up (CUDA).
 
+Models (``--model``):
+
+* ``mnist_cnn``: the thesis' MNIST CNN (Table 3.5 shape), batch 256 of 1x28x28;
+* ``stride1_cnn``: conv 16x8x8 stride 1, max-pool 2/1, conv 32x4x4, max-pool 2/1, linear 9248->32->10, batch 256;
+* ``resnet8_gn``: a ResNet-8 with GroupNorm for 3x32x32 inputs (3 stages of one basic block, 16/32/64 channels), batch 64;
+* ``transformer``: token embedding (1,000 words), 2-layer ``nn.TransformerEncoder`` (d 128, 4 heads, ff 256,
+  dropout 0.1, batch first), mean-pooled classifier; 32 sequences of 64 tokens;
+* ``lstm``: token embedding (1,000 words, d 64), ``nn.LSTM`` (128 units), classifier of the last state; 64
+  sequences of 64 tokens;
+* ``gpt2``: a Hugging Face GPT-2 from a config (vocabulary 1,000, d 128, 2 layers, 4 heads, tied embeddings), next-token
+  loss; 16 sequences of 64 tokens.
+
+Opacus runs the same models with its own layers where it needs them (``DPMultiheadAttention`` in the transformer,
+``DPLSTM`` for the LSTM); a method that cannot run a model is reported as failed, with the reason.
+
 Usage:
-    python benchmarks/bench_dp_step.py                      # MNIST CNN (thesis Table 3.5), batch 256
-    python benchmarks/bench_dp_step.py --batch-size 64 --rounds 10 --methods nonprivate,lightning_dp
+    python benchmarks/bench_dp_step.py                                  # MNIST CNN, every method
+    python benchmarks/bench_dp_step.py --model transformer --rounds 5 --methods nonprivate,lightning_dp,opacus_ghost
 """
 
 from __future__ import annotations
@@ -26,6 +41,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -34,40 +50,160 @@ from lightning_dp.privacy import GradSampleEngine, clip_factors, derive_generato
 
 SIGMA, C = 1.0, 1.0
 METHODS = ["nonprivate", "lightning_dp", "opacus_hooks", "opacus_ghost", "torch_func"]
+VOCAB = 1000
 
 
-def make_batch(batch_size: int, device: str):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(batch_size, 1, 28, 28, generator=g).to(device)
-    y = torch.randint(0, 10, (batch_size,), generator=g).to(device)
-    return x, y
+# ------------------------------------------------------------------------------------------ models
+class Stride1CNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(1, 16, 8, stride=1), nn.Tanh(), nn.MaxPool2d(2, 1),
+                                 nn.Conv2d(16, 32, 4), nn.Tanh(), nn.MaxPool2d(2, 1), nn.Flatten(),
+                                 nn.Linear(9248, 32), nn.Tanh(), nn.Linear(32, 10))
+
+    def forward(self, x):
+        return self.net(x)
 
 
-def build(method: str, batch_size: int, device: str):
-    """Returns a zero-argument function running one full training step of ``method``."""
+class Block(nn.Module):
+    def __init__(self, c_in, c_out, stride):
+        super().__init__()
+        self.c1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.n1 = nn.GroupNorm(min(16, c_out), c_out)
+        self.c2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.n2 = nn.GroupNorm(min(16, c_out), c_out)
+        self.skip = nn.Sequential() if stride == 1 and c_in == c_out else nn.Sequential(
+            nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.GroupNorm(min(16, c_out), c_out))
+
+    def forward(self, x):
+        return torch.relu(self.n2(self.c2(torch.relu(self.n1(self.c1(x))))) + self.skip(x))
+
+
+class ResNet8(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, 1, 1, bias=False), nn.GroupNorm(16, 16), nn.ReLU())
+        self.stages = nn.Sequential(Block(16, 16, 1), Block(16, 32, 2), Block(32, 64, 2))
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.fc(self.stages(self.stem(x)).mean((2, 3)))
+
+
+class TextTransformer(nn.Module):
+    def __init__(self, opacus: bool = False):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 128)
+        layer = nn.TransformerEncoderLayer(128, 4, 256, dropout=0.1, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        if opacus:
+            from opacus.layers import DPMultiheadAttention
+
+            for lay in self.encoder.layers:
+                lay.self_attn = DPMultiheadAttention(128, 4, dropout=0.1, batch_first=True)
+        self.fc = nn.Linear(128, 2)
+
+    def forward(self, ids):
+        return self.fc(self.encoder(self.emb(ids)).mean(1))
+
+
+class TextLSTM(nn.Module):
+    def __init__(self, opacus: bool = False):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 64)
+        if opacus:
+            from opacus.layers import DPLSTM
+
+            self.lstm = DPLSTM(64, 128, batch_first=True)
+        else:
+            self.lstm = nn.LSTM(64, 128, batch_first=True)
+        self.fc = nn.Linear(128, 2)
+
+    def forward(self, ids):
+        return self.fc(self.lstm(self.emb(ids))[0][:, -1])
+
+
+class GPT2LM(nn.Module):
+    def __init__(self, opacus: bool = False):
+        super().__init__()
+        from lightning_dp.models import GPT2
+
+        self.gpt = GPT2(vocab_size=VOCAB, max_positions=64, embed_dim=128, num_layers=2, num_heads=4, dropout=0.1)
+
+    def forward(self, ids):
+        return self.gpt(ids)
+
+
+def _images(shape, classes=10):
+    def make(b, g):
+        return torch.randn(b, *shape, generator=g), torch.randint(0, classes, (b,), generator=g)
+    return make
+
+
+def _tokens(t, classes=2):
+    def make(b, g):
+        return torch.randint(0, VOCAB, (b, t), generator=g), torch.randint(0, classes, (b,), generator=g)
+    return make
+
+
+def _lm_loss(logits, batch):
+    ids = batch[0]
+    b, t, v = logits.shape
+    return F.cross_entropy(logits[:, :-1].reshape(-1, v), ids[:, 1:].reshape(-1), reduction="none").view(b, -1).mean(1)
+
+
+def _ce(logits, batch):
+    return F.cross_entropy(logits, batch[1], reduction="none")
+
+
+#: name -> (model factory taking opacus: bool, batch maker, default batch size, per-example loss)
+MODELS = {
+    "mnist_cnn": (lambda opacus=False: MNISTConvNet(), _images((1, 28, 28)), 256, _ce),
+    "stride1_cnn": (lambda opacus=False: Stride1CNN(), _images((1, 28, 28)), 256, _ce),
+    "resnet8_gn": (lambda opacus=False: ResNet8(), _images((3, 32, 32)), 64, _ce),
+    "transformer": (TextTransformer, _tokens(64), 32, _ce),
+    "lstm": (TextLSTM, _tokens(64), 64, _ce),
+    "gpt2": (GPT2LM, _tokens(64), 16, _lm_loss),
+}
+
+
+# ------------------------------------------------------------------------------------------ methods
+def build(method: str, model_name: str, batch_size: int, device: str):
+    """Returns a zero-argument function running one full training step of ``method`` on ``model_name``."""
+    make_model, make_batch, _, per_example = MODELS[model_name]
     torch.manual_seed(0)
-    model = MNISTConvNet().to(device)
-    x, y = make_batch(batch_size, device)
+    model = make_model(opacus=method.startswith("opacus")).to(device).train()
+    batch = tuple(t.to(device) for t in make_batch(batch_size, torch.Generator().manual_seed(0)))
+
+    def loss_of(m, b):
+        return per_example(m(b[0]), b).mean()
+
     if method == "nonprivate":
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
         def step():
             opt.zero_grad(set_to_none=True)
-            F.cross_entropy(model(x), y).backward()
+            loss_of(model, batch).backward()
             opt.step()
         return step
 
     if method == "lightning_dp":
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         engine = GradSampleEngine(model)
-        engine.probe(lambda n: model(x[:n]))  # where the batch is (DPSGD probes once, when training starts)
+        probes = {n: tuple(t.to(device) for t in make_batch(n, torch.Generator().manual_seed(n))) for n in (3, 5, 7)}
+
+        def run(n):
+            with torch.random.fork_rng(devices=[device] if device == "cuda" else []):
+                return loss_of(model, probes[n])
+
+        engine.probe(run)  # where the batch is (DPSGD probes once, when training starts)
         params = engine.parameters
         counter = iter(range(10**9))
 
         def step():
             opt.zero_grad(set_to_none=True)
-            with engine.record():
-                F.cross_entropy(model(x), y).backward()
+            with engine.record(batch_size=batch_size):
+                loss_of(model, batch).backward()
             norms = engine.per_sample_norms()
             sums = engine.clipped_sum(clip_factors(norms, C))
             engine.clear()
@@ -86,17 +222,22 @@ def build(method: str, batch_size: int, device: str):
 
         warnings.filterwarnings("ignore")
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        loader = DataLoader(TensorDataset(x.cpu(), y.cpu()), batch_size=batch_size)
+        loader = DataLoader(TensorDataset(*(t.cpu() for t in batch)), batch_size=batch_size)
         engine = PrivacyEngine()
-        mode = "ghost" if method == "opacus_ghost" else "hooks"
-        if mode == "ghost":
+        if method == "opacus_ghost":
+            class Loss(nn.Module):  # Opacus' ghost clipping takes a criterion with reduction="mean"
+                reduction = "mean"
+
+                def forward(self, out, target):
+                    return per_example(out, (batch[0], target)).mean()
+
             model, opt, criterion, _ = engine.make_private(
-                module=model, optimizer=opt, data_loader=loader, criterion=torch.nn.CrossEntropyLoss(),
-                noise_multiplier=SIGMA, max_grad_norm=C, poisson_sampling=False, grad_sample_mode="ghost")
+                module=model, optimizer=opt, data_loader=loader, criterion=Loss(), noise_multiplier=SIGMA,
+                max_grad_norm=C, poisson_sampling=False, grad_sample_mode="ghost")
 
             def step():
                 opt.zero_grad(set_to_none=True)
-                criterion(model(x), y).backward()
+                criterion(model(batch[0]), batch[1]).backward()
                 opt.step()
         else:
             model, opt, _ = engine.make_private(module=model, optimizer=opt, data_loader=loader,
@@ -104,7 +245,7 @@ def build(method: str, batch_size: int, device: str):
 
             def step():
                 opt.zero_grad(set_to_none=True)
-                F.cross_entropy(model(x), y).backward()
+                loss_of(model, batch).backward()
                 opt.step()
         return step
 
@@ -115,14 +256,15 @@ def build(method: str, batch_size: int, device: str):
         names = [n for n, _ in model.named_parameters()]
         gen = torch.Generator(device=device).manual_seed(0)
 
-        def loss_one(params, xi, yi):
-            return F.cross_entropy(functional_call(model, params, (xi[None],)), yi[None])
+        def loss_one(params, *example):
+            one = tuple(t[None] for t in example)
+            return per_example(functional_call(model, params, (one[0],)), one).mean()
 
-        per_sample = vmap(grad(loss_one), in_dims=(None, 0, 0))
+        per_sample = vmap(grad(loss_one), in_dims=(None, *([0] * len(batch))), randomness="different")
 
         def step():
             params = {n: p.detach() for n, p in model.named_parameters()}
-            gs = per_sample(params, x, y)
+            gs = per_sample(params, *batch)
             norms = torch.stack([gs[n].reshape(batch_size, -1).norm(dim=1) for n in names]).norm(dim=0)
             f = clip_factors(norms, C)
             for n, p in model.named_parameters():
@@ -133,12 +275,23 @@ def build(method: str, batch_size: int, device: str):
     raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
 
 
-def time_all(methods: list[str], batch_size: int, rounds: int, steps: int, device: str) -> dict[str, float]:
-    fns = {m: build(m, batch_size, device) for m in methods}
+def _try_build(method, model_name, batch_size, device):
+    try:
+        fn = build(method, model_name, batch_size, device)
+        fn()  # a first step: some methods only fail when they run
+        return fn, None
+    except Exception as err:  # noqa: BLE001  (report any failure of a method as a result)
+        return None, f"{type(err).__name__}: {str(err).splitlines()[0][:150]}"
+
+
+def time_all(methods, model_name, batch_size, rounds, steps, device):
+    built = {m: _try_build(m, model_name, batch_size, device) for m in methods}
+    fns = {m: fn for m, (fn, _) in built.items() if fn is not None}
+    errors = {m: err for m, (_, err) in built.items() if err is not None}
     for fn in fns.values():  # warm-up
-        for _ in range(3):
+        for _ in range(2):
             fn()
-    times: dict[str, list[float]] = {m: [] for m in methods}
+    times: dict[str, list[float]] = {m: [] for m in fns}
     for _ in range(rounds):
         for m, fn in fns.items():
             if device == "cuda":
@@ -149,7 +302,7 @@ def time_all(methods: list[str], batch_size: int, rounds: int, steps: int, devic
             if device == "cuda":
                 torch.cuda.synchronize()
             times[m].append((time.perf_counter() - t0) / steps)
-    return {m: statistics.median(v) for m, v in times.items()}
+    return {m: statistics.median(v) for m, v in times.items()}, errors
 
 
 def _rss_peak_mib() -> float:
@@ -173,9 +326,10 @@ def _reset_rss_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def measure_memory(method: str, batch_size: int, device: str) -> float:
-    """MiB of peak memory above the state after set-up, over 5 steps (run in a fresh process)."""
-    fn = build(method, batch_size, device)
+def measure_memory(method: str, model_name: str, batch_size: int, device: str) -> float:
+    """MiB of peak memory above the state after set-up and one step, over 5 steps (run in a fresh process)."""
+    fn = build(method, model_name, batch_size, device)
+    fn()
     if device == "cuda":
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
@@ -191,16 +345,19 @@ def measure_memory(method: str, batch_size: int, device: str) -> float:
     return _rss_peak_mib() - base
 
 
-def peak_memory(method: str, batch_size: int, device: str) -> float:
+def peak_memory(method: str, model_name: str, batch_size: int, device: str) -> float | None:
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); import bench_dp_step as b; "
-            f"print(b.measure_memory({method!r}, {batch_size}, {device!r}))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+            f"print(b.measure_memory({method!r}, {model_name!r}, {batch_size}, {device!r}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if out.returncode != 0:
+        return None
     return float(out.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--model", default="mnist_cnn", choices=sorted(MODELS))
+    parser.add_argument("--batch-size", type=int, help="default: the model's (see the module docstring)")
     parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds (median is reported)")
     parser.add_argument("--steps", type=int, default=3, help="steps per method per round")
     parser.add_argument("--methods", default=",".join(METHODS))
@@ -208,21 +365,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
+    batch_size = args.batch_size or MODELS[args.model][2]
     methods = args.methods.split(",")
     if "nonprivate" not in methods:
         methods.insert(0, "nonprivate")
-    times = time_all(methods, args.batch_size, args.rounds, args.steps, args.device)
-    memory = {} if args.no_memory else {m: peak_memory(m, args.batch_size, args.device) for m in methods}
+    times, errors = time_all(methods, args.model, batch_size, args.rounds, args.steps, args.device)
+    memory = {} if args.no_memory else {m: peak_memory(m, args.model, batch_size, args.device) for m in times}
     base = times["nonprivate"]
-    print(f"MNIST CNN (Table 3.5 shape), batch {args.batch_size}, device {args.device}, "
-          f"torch {torch.__version__}, threads {torch.get_num_threads()}, {args.rounds} rounds x {args.steps} steps")
+    print(f"{args.model}, batch {batch_size}, device {args.device}, torch {torch.__version__}, threads "
+          f"{torch.get_num_threads()}, {args.rounds} rounds x {args.steps} steps")
     print(f"{'method':<14} {'ms/step':>9} {'x non-private':>14} {'peak MiB':>9}")
     for m in methods:
-        mem = f"{memory[m]:9.1f}" if m in memory else f"{'-':>9}"
+        if m in errors:
+            print(f"{m:<14} failed: {errors[m]}")
+            continue
+        mem = f"{memory[m]:9.1f}" if memory.get(m) is not None else f"{'-':>9}"
         print(f"{m:<14} {times[m] * 1e3:9.2f} {times[m] / base:14.2f} {mem}")
     if args.json:
-        args.json.write_text(json.dumps({"times_s": times, "ratio": {m: t / base for m, t in times.items()},
-                                         "peak_mib": memory, "batch_size": args.batch_size}, indent=2))
+        args.json.write_text(json.dumps({"model": args.model, "times_s": times, "errors": errors,
+                                         "ratio": {m: t / base for m, t in times.items()},
+                                         "peak_mib": memory, "batch_size": batch_size}, indent=2))
 
 
 if __name__ == "__main__":

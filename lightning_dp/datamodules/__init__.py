@@ -13,6 +13,7 @@ Public API:
   :class:`SyntheticLinearMixture`, :class:`HospitalCharges` (CMS inpatient charges),
   :class:`FEMNIST` (LEAF JSON or Hugging Face ``flwrlabs/femnist``).
 - Federated with a sensitive group (fairness): :class:`SyntheticFairness`, :class:`FEMNISTFairness`.
+- Language: :class:`WikiText2DataModule` (official token files or Hugging Face, word level, fixed-length samples).
 """
 
 from lightning_dp.datamodules.agnews import AGNewsDataModule
@@ -25,6 +26,7 @@ from lightning_dp.datamodules.hospital import HospitalCharges
 from lightning_dp.datamodules.idx import IDXFormatError, read_idx, write_idx
 from lightning_dp.datamodules.mnist import FashionMNISTDataModule, MNISTDataModule, MNISTFamilyDataModule
 from lightning_dp.datamodules.synthetic import SyntheticLinearMixture
+from lightning_dp.datamodules.wikitext import WikiText2DataModule
 
 __all__ = [
     "AGNewsDataModule",
@@ -36,6 +38,7 @@ __all__ = [
     "HospitalCharges",
     "SyntheticFairness",
     "SyntheticLinearMixture",
+    "WikiText2DataModule",
     "padded",
     "split_clients",
     "FashionMNISTDataModule",

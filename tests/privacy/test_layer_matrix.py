@@ -424,3 +424,40 @@ def test_refusals_name_the_module_the_reason_and_an_alternative(name):
         with engine.record(batch_size=6):
             forward(model, x).backward()
         engine.per_sample_norms()
+
+
+def test_the_documented_custom_rule():
+    """docs/per_sample_gradients.md's example: a rule registered for a user's layer, checked like the matrix."""
+    from lightning_dp.privacy.grad_sample import Dense, Factored, LayerRule, register_rule
+
+    class ScaledLinear(nn.Module):
+        def __init__(self, d_in, d_out):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(d_out, d_in) / d_in**0.5)
+            self.scale = nn.Parameter(torch.ones(d_out) + 0.1 * torch.randn(d_out))
+
+        def forward(self, x):
+            return (x @ self.weight.T) * self.scale
+
+    @register_rule(ScaledLinear)
+    class ScaledLinearRule(LayerRule):
+        def contributions(self, layer, records, batch_size):
+            xs = torch.cat([r.input(0).reshape(batch_size, -1, r.input(0).shape[-1]) for r in records], 1)
+            gs = torch.cat([r.grad_outputs[0].reshape(batch_size, -1, r.grad_outputs[0].shape[-1])
+                            for r in records], 1)
+            s = layer.module.scale.detach()
+            out = {}
+            if "weight" in layer.trainable:
+                out["weight"] = Factored(gs * s, xs, layer.module.weight.shape)
+            if "scale" in layer.trainable:
+                out["scale"] = Dense((gs * (xs @ layer.module.weight.detach().T)).sum(1))
+            return out
+
+    CASES["custom_rule"] = _simple(lambda: nn.Sequential(ScaledLinear(4, 6), nn.Tanh(), nn.Linear(6, 3)), 4)
+    try:
+        engine = GradSampleEngine(CASES["custom_rule"].make_model())
+        assert type(engine.layers[0].rule) is ScaledLinearRule
+        engine.remove()
+        test_layer_matrix("custom_rule")
+    finally:
+        del CASES["custom_rule"]

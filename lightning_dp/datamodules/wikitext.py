@@ -1,0 +1,232 @@
+"""WikiText-2 for causal language modelling, word level, cut into fixed-length samples.
+
+WikiText-2 (Merity et al. 2016) comes tokenized: words separated by spaces, rare words
+already replaced by ``<unk>``, one paragraph per line, article titles as ``= Title =``. The
+official files are ``wiki.train.tokens``, ``wiki.valid.tokens`` and ``wiki.test.tokens``
+(in ``wikitext-2/`` of the official zip). Each line becomes its words followed by ``<eos>``;
+the vocabulary is the ``vocab_size - 2`` most frequent words of the TRAINING file (ties
+broken alphabetically) plus ``<unk>`` and ``<eos>``, so nothing of the evaluation files
+leaks into it; the token stream of each file is cut into non-overlapping samples of
+``block_size`` tokens (the remainder is dropped). A sample is one example: DP-SGD clips and
+accounts per sample, and a membership audit asks about samples.
+
+Offline machines: only the validation and test files may be at hand (as in this
+project's ``../shared/data/wikitext2``). ``train_file="valid"`` then trains on the
+validation file, ``val_fraction`` carves a held-out validation split from it (whole
+samples, seeded), and the test file stays the test split. Nothing is downloaded unless
+``download=True`` (the official zip) or ``source="huggingface"``
+(``Salesforce/wikitext``, ``wikitext-2-v1``, needs ``pip install lightning-dp[hf]``).
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import shutil
+import tempfile
+import urllib.request
+import zipfile
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+from torch.utils.data import Dataset
+
+from lightning_dp.datamodules.base import SplitDataModule, _check_non_negative_int, _check_positive_int
+
+__all__ = ["WikiText2DataModule", "TokenBlocks", "build_vocabulary", "tokenize_lines"]
+
+URL = "https://s3.amazonaws.com/research.metamind.io/wikitext/wikitext-2-v1.zip"
+SPLITS = ("train", "valid", "test")
+UNK, EOS = "<unk>", "<eos>"
+
+
+def tokenize_lines(lines: list[str]) -> list[str]:
+    """Words of every non-empty line, each line followed by ``<eos>``."""
+    words: list[str] = []
+    for line in lines:
+        parts = line.split()
+        if parts:
+            words.extend(parts)
+            words.append(EOS)
+    return words
+
+
+def build_vocabulary(words: list[str], size: int) -> list[str]:
+    """``<unk>``, ``<eos>``, then the ``size - 2`` most frequent other words (ties alphabetical)."""
+    counts = collections.Counter(w for w in words if w not in (UNK, EOS))
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    return [UNK, EOS] + [w for w, _ in ranked[: max(size - 2, 0)]]
+
+
+class TokenBlocks(Dataset):
+    """Non-overlapping samples of ``block_size`` token ids: item ``i`` is a ``(block_size,)`` int64 tensor."""
+
+    def __init__(self, ids: torch.Tensor, block_size: int) -> None:
+        count = ids.numel() // block_size
+        self.blocks = ids[: count * block_size].view(count, block_size)
+
+    def __len__(self) -> int:
+        return self.blocks.shape[0]
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.blocks[index]
+
+
+class WikiText2DataModule(SplitDataModule):
+    """WikiText-2, word level, in samples of ``block_size`` tokens (see the module docstring).
+
+    Batches are ``(B, block_size)`` int64 token ids.
+
+    Args:
+        data_dir: folder holding ``wiki.{train,valid,test}.tokens`` (directly or in ``wikitext-2/``).
+        block_size: tokens per sample (the thesis' membership-inference samples: 126).
+        vocab_size: words in the vocabulary, ``<unk>`` and ``<eos>`` included.
+        train_file: official file of the training split: ``"train"``, or ``"valid"`` when only
+            the validation and test files are available.
+        val_file: official file of the validation split, or None to take ``val_fraction`` of
+            the training samples (seeded) instead.
+        val_fraction: fraction of training samples held out for validation when ``val_file``
+            is None.
+        test_file: official file of the test split.
+        source: ``"files"`` (``data_dir``) or ``"huggingface"``.
+        download: with ``source="files"``, fetch the official zip into ``data_dir`` when files
+            are missing.
+        batch_size, num_workers, seed: loaders (the training split is reshuffled, seeded), and
+            the validation carve-out.
+
+    Raises:
+        ValueError: If an argument is outside its range.
+        FileNotFoundError: At ``prepare_data``/``setup``, if a needed file is missing (the
+            message lists the files expected and where to get them).
+
+    Example:
+        >>> dm = WikiText2DataModule("../shared/data/wikitext2", train_file="valid", val_file=None)  # doctest: +SKIP
+        >>> dm.setup("fit")  # doctest: +SKIP
+        >>> next(iter(dm.train_dataloader())).shape  # doctest: +SKIP
+        torch.Size([8, 126])
+    """
+
+    name = "wikitext2"
+
+    def __init__(
+        self,
+        data_dir: str = "data/wikitext2",
+        block_size: int = 126,
+        vocab_size: int = 10_000,
+        train_file: Literal["train", "valid", "test"] = "train",
+        val_file: Optional[Literal["train", "valid", "test"]] = "valid",
+        val_fraction: float = 0.1,
+        test_file: Literal["train", "valid", "test"] = "test",
+        source: Literal["files", "huggingface"] = "files",
+        download: bool = False,
+        batch_size: int = 8,
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        _check_positive_int("block_size", block_size, owner)
+        _check_positive_int("batch_size", batch_size, owner)
+        _check_non_negative_int("num_workers", num_workers, owner)
+        _check_non_negative_int("seed", seed, owner)
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 3:
+            raise ValueError(f"{owner}: vocab_size={vocab_size!r} must be an integer >= 3 (<unk>, <eos> and words)")
+        for name, value in (("train_file", train_file), ("val_file", val_file), ("test_file", test_file)):
+            if value not in SPLITS and not (name == "val_file" and value is None):
+                raise ValueError(f"{owner}: {name}={value!r} is not one of {SPLITS}" +
+                                 (" or None" if name == "val_file" else ""))
+        if val_file is None and not (isinstance(val_fraction, float) and 0 < val_fraction < 1):
+            raise ValueError(f"{owner}: val_fraction={val_fraction!r} must be in (0, 1) when val_file is None")
+        if train_file in (val_file, test_file):
+            raise ValueError(f"{owner}: train_file={train_file!r} is also used for validation or testing; evaluate "
+                             "on other files, or set val_file=None to hold out part of the training samples")
+        if source not in ("files", "huggingface"):
+            raise ValueError(f"{owner}: source={source!r} must be 'files' or 'huggingface'")
+        self.save_hyperparameters()
+        self.data_dir = Path(data_dir)
+        self.block_size, self.vocab_size = block_size, vocab_size
+        self.batch_size, self.num_workers, self.seed = batch_size, num_workers, seed
+        self.vocabulary: list[str] = []
+
+    # ------------------------------------------------------------------ files
+    def _folder(self) -> Path:
+        nested = self.data_dir / "wikitext-2"
+        return nested if (nested / "wiki.test.tokens").exists() and not (self.data_dir / "wiki.test.tokens").exists() \
+            else self.data_dir
+
+    def _needed(self) -> list[str]:
+        files = [self.hparams.train_file, self.hparams.test_file]
+        if self.hparams.val_file is not None:
+            files.append(self.hparams.val_file)
+        return sorted(set(files), key=SPLITS.index)
+
+    def _missing(self) -> list[Path]:
+        folder = self._folder()
+        return [folder / f"wiki.{s}.tokens" for s in self._needed() if not (folder / f"wiki.{s}.tokens").exists()]
+
+    def prepare_data(self) -> None:
+        """Download the official zip when asked and files are missing (once, on rank zero)."""
+        if self.hparams.source != "files" or not self._missing():
+            return
+        if not self.hparams.download:
+            raise FileNotFoundError(self._missing_message())
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=self.data_dir) as tmp:  # nothing half-made is left on failure
+            with urllib.request.urlopen(URL, timeout=60) as response:  # noqa: S310  (a fixed https URL)
+                archive = zipfile.ZipFile(io.BytesIO(response.read()))
+            archive.extractall(tmp)
+            for split in SPLITS:
+                src = Path(tmp) / "wikitext-2" / f"wiki.{split}.tokens"
+                if src.exists():
+                    shutil.move(str(src), self.data_dir / src.name)
+
+    def _missing_message(self) -> str:
+        names = ", ".join(str(p) for p in self._missing())
+        return (f"{type(self).__name__}: missing {names}. Put the official WikiText-2 files wiki.train.tokens, "
+                f"wiki.valid.tokens and wiki.test.tokens (the 'wikitext-2' folder of {URL}) in data_dir="
+                f"{str(self.data_dir)!r}, pass download=True (needs network), or source='huggingface'. With only the "
+                "validation and test files at hand, set train_file='valid' and val_file=None.")
+
+    def _lines(self, split: str) -> list[str]:
+        if self.hparams.source == "huggingface":
+            from datasets import load_dataset  # optional: pip install lightning-dp[hf]
+
+            name = {"train": "train", "valid": "validation", "test": "test"}[split]
+            return list(load_dataset("Salesforce/wikitext", "wikitext-2-v1", split=name)["text"])
+        path = self._folder() / f"wiki.{split}.tokens"
+        if not path.exists():
+            raise FileNotFoundError(self._missing_message())
+        return path.read_text(encoding="utf-8").splitlines()
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, stage: str) -> None:
+        """Reads the files, builds the vocabulary from the training file and cuts the samples."""
+        if self.train_dataset is not None:
+            return
+        train_words = tokenize_lines(self._lines(self.hparams.train_file))
+        self.vocabulary = build_vocabulary(train_words, self.vocab_size)
+        index = {w: i for i, w in enumerate(self.vocabulary)}
+
+        def encode(words: list[str]) -> torch.Tensor:
+            return torch.tensor([index.get(w, 0) for w in words], dtype=torch.long)
+
+        train = TokenBlocks(encode(train_words), self.block_size)
+        if self.hparams.val_file is None:
+            g = torch.Generator().manual_seed(self.seed)
+            order = torch.randperm(len(train), generator=g)
+            n_val = max(1, round(self.hparams.val_fraction * len(train)))
+            self.val_dataset = TokenBlocks(train.blocks[order[:n_val]].reshape(-1), self.block_size)
+            train = TokenBlocks(train.blocks[order[n_val:].sort().values].reshape(-1), self.block_size)
+        else:
+            self.val_dataset = TokenBlocks(encode(tokenize_lines(self._lines(self.hparams.val_file))),
+                                           self.block_size)
+        self.train_dataset = train
+        self.test_dataset = TokenBlocks(encode(tokenize_lines(self._lines(self.hparams.test_file))), self.block_size)
+        if len(self.train_dataset) == 0:
+            raise ValueError(f"{type(self).__name__}: the training file holds fewer than block_size="
+                             f"{self.block_size} tokens; lower block_size")
+
+    def decode(self, ids: torch.Tensor) -> str:
+        """The words of token ids (for looking at samples)."""
+        return " ".join(self.vocabulary[int(i)] for i in ids.reshape(-1))
