@@ -46,12 +46,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from typing import Any, NamedTuple
-
-import contextlib
 from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import torch
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer

@@ -19,8 +19,8 @@ Public API:
 from lightning_dp.datamodules.agnews import AGNewsDataModule
 from lightning_dp.datamodules.base import SplitDataModule, stratified_split
 from lightning_dp.datamodules.digits import DigitsDataModule
-from lightning_dp.datamodules.federated import ClientDataset, FederatedDataModule, padded, split_clients
 from lightning_dp.datamodules.fairness import FEMNISTFairness, SyntheticFairness
+from lightning_dp.datamodules.federated import ClientDataset, FederatedDataModule, padded, split_clients
 from lightning_dp.datamodules.femnist import FEMNIST
 from lightning_dp.datamodules.hospital import HospitalCharges
 from lightning_dp.datamodules.idx import IDXFormatError, read_idx, write_idx

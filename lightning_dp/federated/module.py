@@ -53,6 +53,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 
+from lightning_dp.datamodules.federated import padded_sensitive
 from lightning_dp.federated.aggregation import kmeans_aggregate
 from lightning_dp.federated.local import (
     FlatParams,
@@ -64,7 +65,6 @@ from lightning_dp.federated.local import (
     local_sgd_loop,
     predictions,
 )
-from lightning_dp.datamodules.federated import padded_sensitive
 from lightning_dp.privacy.ledger import PrivacyLedger
 from lightning_dp.privacy.mechanisms import sanitize_update
 from lightning_dp.privacy.noise import derive_generator

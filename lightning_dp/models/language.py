@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
-
 from torchmetrics import MeanMetric
 
 from lightning_dp.optim import build_optimizer, check_optimizer_choice

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 
 import dp_accounting as dpa
 import lightning as L

@@ -12,7 +12,6 @@ and a working alternative. docs/per_sample_gradients.md lists the layers from th
 from __future__ import annotations
 
 import importlib.util
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 

@@ -123,7 +123,6 @@ class MultiheadAttentionRule(LayerRule):
             yield
 
     def contributions(self, layer, records, batch_size):
-        m = layer.module
         blocks: dict[str, list[tuple[int, Tensor, Tensor]]] = {}  # weight name -> (first row, go, x) per call
         biases: dict[str, list[tuple[int, Tensor]]] = {}
         for r in records:

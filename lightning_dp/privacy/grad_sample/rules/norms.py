@@ -14,7 +14,6 @@ BatchNorm is not here: it mixes the examples of a batch and is refused by
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
