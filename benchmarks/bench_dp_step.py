@@ -11,7 +11,7 @@ set-up (CUDA).
 Models (``--model``):
 
 * ``mnist_cnn``: the thesis' MNIST CNN (Table 3.5 shape), batch 256 of 1x28x28;
-* ``stride1_cnn``: conv 16x8x8 stride 1, max-pool 2/1, conv 32x4x4, max-pool 2/1, linear 9248->32->10, batch 256;
+* ``stride1_cnn``: conv 16x8x8 stride 1, max-pool 2/1, conv 32x4x4, linear 9248->32->10, batch 256;
 * ``resnet8_gn``: a ResNet-8 with GroupNorm for 3x32x32 inputs (3 stages of one basic block, 16/32/64 channels), batch 64;
 * ``transformer``: token embedding (1,000 words), 2-layer ``nn.TransformerEncoder`` (d 128, 4 heads, ff 256,
   dropout 0.1, batch first), mean-pooled classifier; 32 sequences of 64 tokens;
@@ -58,7 +58,7 @@ class Stride1CNN(nn.Module):
     def __init__(self):
         super().__init__()
         self.net = nn.Sequential(nn.Conv2d(1, 16, 8, stride=1), nn.Tanh(), nn.MaxPool2d(2, 1),
-                                 nn.Conv2d(16, 32, 4), nn.Tanh(), nn.MaxPool2d(2, 1), nn.Flatten(),
+                                 nn.Conv2d(16, 32, 4), nn.Tanh(), nn.Flatten(),
                                  nn.Linear(9248, 32), nn.Tanh(), nn.Linear(32, 10))
 
     def forward(self, x):

@@ -123,8 +123,11 @@ class Factored(Contribution):
     """``G_b = sum_t left[b, t] (x) right[b, t]`` reshaped to ``shape``; left ``(B, T, p)``, right ``(B, T, d)``.
 
     The norms use Gram matrices ("ghost") or instantiated gradients, whichever
-    :func:`choose_layer_strategy` says is cheaper; instantiated gradients are kept for
-    :meth:`weighted_sum` of the same step.
+    :func:`choose_layer_strategy` says is cheaper. Instantiated gradients are kept for
+    :meth:`weighted_sum` of the same step only when they are no larger than the factors the
+    contribution holds anyway; otherwise they are dropped after the norms and the weighted
+    sum is one matrix product of the factors (the cost of a batch weight gradient), so that
+    the engine's memory stays within twice its records (docs/benchmarks.md).
     """
 
     def __init__(self, left: Tensor, right: Tensor, shape: Sequence[int], *,
@@ -153,12 +156,14 @@ class Factored(Contribution):
         if self._strategy() == "ghost":
             return (torch.bmm(self.left, self.left.transpose(1, 2))
                     * torch.bmm(self.right, self.right.transpose(1, 2))).sum((1, 2))
-        return self.dense().flatten(1).square().sum(1)
+        grads = torch.bmm(self.left.transpose(1, 2), self.right)  # (B, p, d)
+        if p * d <= t * (p + d):  # no larger than the factors: keep for the weighted sum
+            self._dense = grads
+        return torch.linalg.vector_norm(grads.flatten(1), dim=1).square()
 
     def dense(self) -> Tensor:
-        if self._dense is None:
-            self._dense = torch.bmm(self.left.transpose(1, 2), self.right)  # (B, p, d)
-        return self._dense.view(self._dense.shape[0], *self.shape)
+        grads = self._dense if self._dense is not None else torch.bmm(self.left.transpose(1, 2), self.right)
+        return grads.view(grads.shape[0], *self.shape)
 
     def weighted_sum(self, factors: Tensor) -> Tensor:
         f = factors.to(self.left.dtype)

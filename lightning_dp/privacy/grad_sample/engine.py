@@ -201,11 +201,12 @@ class GradSampleEngine:
         """
         return trainable_parameters(self.module) != self._trainable
 
-    def workspace(self, layer: Any, key: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
+    def workspace(self, layer: Any, key: str, shape: tuple[int, ...], like: Tensor, *, shared: bool = False) -> Tensor:
         """A work buffer of ``shape`` for a rule (grown to the largest size seen in the step, or across
-        steps with ``keep_buffers``): Poisson batches change size every step."""
+        steps with ``keep_buffers``): Poisson batches change size every step. ``shared`` buffers are one
+        per ``key`` for all layers (scratch space that no contribution keeps)."""
         n = math.prod(shape)
-        k = (id(layer), key)
+        k = (None if shared else id(layer), key)
         buf = self._buffers.get(k)
         if buf is None or buf.numel() < n or buf.dtype != like.dtype or buf.device != like.device:
             buf = torch.empty(n, dtype=like.dtype, device=like.device)
@@ -601,13 +602,19 @@ class GradSampleEngine:
                 continue
             for name, contribution in layer.rule.contributions(_LayerView(self, layer), records, batch).items():
                 found.setdefault(id(layer.trainable[name]), []).append(contribution)
+            # the contributions hold what they need (the factors of a linear layer ARE its records): drop the rest
+            # now, not at the end of the step, so that a convolution's inputs and output gradients free early
+            del records
+            layer.calls.clear()
         return found
 
     def per_sample_norms(self, *, loss_scale: float | None = None) -> Tensor:
         """Per-sample L2 norms of the full (flat) gradient of the trainable parameters, shape ``(batch,)``.
 
         A parameter used by several modules (tied weights) has one contribution per use; its
-        per-sample norm includes their cross terms.
+        per-sample norm includes their cross terms. Call it once per recorded step: it turns
+        the records into contributions and frees each layer's records as it goes (what
+        :meth:`clipped_sum` needs is kept in the contributions).
 
         Args:
             loss_scale: factor turning a recorded contribution into a per-example
@@ -656,8 +663,8 @@ class _LayerView:
         self.module, self.trainable, self.name, self.cache = layer.module, layer.trainable, layer.name, layer.cache
         self.instantiate_limit = engine.instantiate_limit
 
-    def workspace(self, key: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
-        return self._engine.workspace(self._layer, key, shape, like)
+    def workspace(self, key: str, shape: tuple[int, ...], like: Tensor, *, shared: bool = False) -> Tensor:
+        return self._engine.workspace(self._layer, key, shape, like, shared=shared)
 
     @contextlib.contextmanager
     def replaying(self) -> Iterator[None]:

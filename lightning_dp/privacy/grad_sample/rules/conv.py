@@ -46,18 +46,33 @@ def _windows(x: Tensor, kernel, stride, dilation, count: list[int] | None = None
 
 
 def _grouped_grads(layer, x_windows: Tensor, go: Tensor, groups: int, key: str) -> Tensor:
-    """Per-example ``(B, groups, d, p)`` gradients from windows ``(B, C, *K, *T)`` and ``go`` ``(B, P, *T)``."""
+    """Per-example ``(B, groups, d, p)`` gradients from windows ``(B, C, *K, *T)`` and ``go`` ``(B, P, *T)``.
+
+    The windows are laid out ``(B*groups, d, T)`` (a copy: ``prod(k)`` times the input) a chunk of
+    examples at a time, in one scratch buffer shared by all layers and no larger than the input
+    itself, so that the copy never holds much more memory than the activations do.
+    """
     b, c = x_windows.shape[:2]
     d = c // groups * math.prod(x_windows.shape[2:2 + (x_windows.dim() - 2) // 2])
     p = go.shape[1] // groups
     t = math.prod(go.shape[2:])
-    patches = layer.workspace(f"{key}:patches", (b, groups, d, t), x_windows)
-    patches.view(b, groups, c // groups, *x_windows.shape[2:]).copy_(
-        x_windows.reshape(b, groups, c // groups, *x_windows.shape[2:]))
     out = layer.workspace(f"{key}:grads", (b, groups, d, p), x_windows)
-    torch.bmm(patches.view(b * groups, d, t), go.reshape(b * groups, p, t).transpose(1, 2),
-              out=out.view(b * groups, d, p))
+    per_example = groups * d * t
+    chunk = min(b, _chunk(b, per_example, c * t))
+    for start in range(0, b, chunk):
+        n = min(chunk, b - start)
+        patches = layer.workspace("conv:patches", (n, groups, d, t), x_windows, shared=True)
+        patches.view(n, groups, c // groups, *x_windows.shape[2:]).copy_(
+            x_windows[start:start + n].reshape(n, groups, c // groups, *x_windows.shape[2:]))
+        torch.bmm(patches.view(n * groups, d, t), go[start:start + n].reshape(n * groups, p, t).transpose(1, 2),
+                  out=out[start:start + n].view(n * groups, d, p))
     return out
+
+
+def _chunk(batch: int, patch_elements: int, input_elements: int) -> int:
+    """Examples per chunk so that the windows' copy of a chunk holds about as many elements as the whole batch's
+    input (``input_elements`` per example: channels x output positions), at least one example."""
+    return max(1, batch * input_elements // max(patch_elements, 1))
 
 
 def _to_weight(weight_shape):
