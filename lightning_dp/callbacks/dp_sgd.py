@@ -73,7 +73,7 @@ from lightning_dp.privacy.sampling import (
     poisson_dataloader,
     rebuild_dataloader,
 )
-from lightning_dp.privacy.seeds import SECRET_KEY, fresh_seed
+from lightning_dp.privacy.seeds import SECRET_KEY, check_seed, fresh_seed
 from lightning_dp.privacy.validators import describe_mixing_layers, find_mixing_layers, replace_batchnorm
 
 __all__ = ["DPSGD", "PlannedMechanism", "UnprivatizedGradientError"]
@@ -243,9 +243,7 @@ class DPSGD(Callback):
         self.accountant_kwargs = dict(accountant_kwargs or {})
         self._accountant = get_accountant(accountant, **self.accountant_kwargs)  # validates the name
         self.poisson_sampling = bool(poisson_sampling)
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-            raise ValueError(f"seed={seed!r} is not allowed: pass a non-negative integer, or None for a secret seed")
-        self._requested_seed = seed
+        self._requested_seed = check_seed(seed)
         self.replace_batchnorm = bool(replace_batchnorm)
         self.log_nonprivate_metrics = bool(log_nonprivate_metrics)
 
@@ -343,9 +341,7 @@ class DPSGD(Callback):
     def set_secret_seed(self, seed: int) -> None:
         """Replace the seed of the sampling and noise streams before ``fit`` (``lightning-dp grid`` does this,
         so that no two runs of a grid draw the same noise)."""
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed={seed!r} is not allowed: pass a non-negative integer")
-        self._requested_seed = int(seed)
+        self._requested_seed = check_seed(seed, optional=False)
         self._seed = None
 
     def _attach_to_training_data(self, trainer: Trainer) -> None:

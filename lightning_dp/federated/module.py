@@ -68,7 +68,7 @@ from lightning_dp.federated.local import (
 from lightning_dp.privacy.ledger import PrivacyLedger
 from lightning_dp.privacy.mechanisms import sanitize_update
 from lightning_dp.privacy.noise import derive_generator
-from lightning_dp.privacy.seeds import SECRET_KEY, fresh_seed
+from lightning_dp.privacy.seeds import SECRET_KEY, check_seed, fresh_seed
 
 __all__ = ["PersonalizedFederatedModule"]
 
@@ -193,9 +193,8 @@ class PersonalizedFederatedModule(LightningModule):
         if not (float(min_delta_norm) >= 0 and math.isfinite(float(min_delta_norm))):
             raise ValueError(f"min_delta_norm={min_delta_norm!r} is not allowed: pass a finite number >= 0")
         self.min_delta_norm = float(min_delta_norm)
-        for name, value in (("seed", seed), ("noise_seed", noise_seed)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ValueError(f"{name}={value!r} is not allowed: pass a non-negative integer or None")
+        check_seed(seed)
+        check_seed(noise_seed, "noise_seed")
         self.log_nonprivate_metrics = bool(log_nonprivate_metrics)
         self.save_hyperparameters(ignore=["model", "noise_seed"])  # the noise seed is a secret
         self.save_hyperparameters({"model_class": f"{type(model).__module__}.{type(model).__qualname__}"})
@@ -262,9 +261,7 @@ class PersonalizedFederatedModule(LightningModule):
     def set_secret_seed(self, seed: int) -> None:
         """Replace the noise seed before ``fit`` (``lightning-dp grid`` does this, so that no two runs of a
         grid draw the same noise)."""
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed={seed!r} is not allowed: pass a non-negative integer")
-        self._noise_seed = int(seed)
+        self._noise_seed = check_seed(seed, optional=False)
         self._noise_seed_given = True
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

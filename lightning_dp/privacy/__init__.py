@@ -1,6 +1,8 @@
 """The functional privacy core: no Lightning import, every formula in one place.
 
-- :mod:`~lightning_dp.privacy.grad_sample`: per-sample gradient norms and clipped sums.
+- :mod:`~lightning_dp.privacy.grad_sample`: per-sample gradient norms and clipped sums (one rule per layer type).
+- :mod:`~lightning_dp.privacy.batch_dims`: which dimension of a tensor holds the batch, established by probing.
+- :mod:`~lightning_dp.privacy.seeds`: secret seeds, and stripping them from what leaves the machine.
 - :mod:`~lightning_dp.privacy.clipping`: flat L2 clipping factors.
 - :mod:`~lightning_dp.privacy.noise`: the Gaussian mechanism and generator derivation.
 - :mod:`~lightning_dp.privacy.mechanisms`: the Euclidean Laplace mechanism (d-privacy) and

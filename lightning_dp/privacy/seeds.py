@@ -32,10 +32,20 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["SECRET_KEY", "derive_seed", "fresh_seed", "strip_secrets"]
+__all__ = ["SECRET_KEY", "check_seed", "derive_seed", "fresh_seed", "strip_secrets"]
 
 #: The key under which a component's state keeps what must stay on the machine.
 SECRET_KEY = "secret"
+
+
+def check_seed(value: Any, name: str = "seed", *, optional: bool = True) -> int | None:
+    """Validates a seed: a non-negative integer (or None when ``optional``: a fresh secret seed)."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name}={value!r} is not allowed: pass a non-negative integer"
+                         + (", or None for a fresh secret seed" if optional else ""))
+    return int(value)
 
 
 def fresh_seed() -> int:

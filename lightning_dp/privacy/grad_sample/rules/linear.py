@@ -33,25 +33,22 @@ def positions(records: list[Record], batch_size: int) -> tuple[Tensor, Tensor]:
 class LinearRule(LayerRule):
     """``y = x W^T + b``."""
 
+    #: the weight is ``(d_in, d_out)``, as in ``transformers``' ``Conv1D``
+    transposed = False
+
     def contributions(self, layer, records, batch_size):
         x, go = positions(records, batch_size)
         out = {}
         if "weight" in layer.trainable:
-            out["weight"] = Factored(go, x, layer.module.weight.shape, instantiate_limit=layer.instantiate_limit)
+            left, right = (x, go) if self.transposed else (go, x)
+            out["weight"] = Factored(left, right, layer.module.weight.shape, instantiate_limit=layer.instantiate_limit)
         if "bias" in layer.trainable:
             out["bias"] = Dense(go.sum(1))
         return out
 
 
 @register_rule("transformers.pytorch_utils.Conv1D")  # by name: transformers is not imported for this
-class TransposedLinearRule(LayerRule):
+class TransposedLinearRule(LinearRule):
     """``y = x W + b`` with ``W`` of shape ``(d_in, d_out)`` (``transformers.pytorch_utils.Conv1D``)."""
 
-    def contributions(self, layer, records, batch_size):
-        x, go = positions(records, batch_size)
-        out = {}
-        if "weight" in layer.trainable:
-            out["weight"] = Factored(x, go, layer.module.weight.shape, instantiate_limit=layer.instantiate_limit)
-        if "bias" in layer.trainable:
-            out["bias"] = Dense(go.sum(1))
-        return out
+    transposed = True
