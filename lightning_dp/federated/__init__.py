@@ -2,11 +2,14 @@
 
 - :mod:`~lightning_dp.federated.local`: hypothesis choice and local SGD, vectorized over clients.
 - :mod:`~lightning_dp.federated.aggregation`: clustered averaging of the released models.
-- :class:`PersonalizedFederatedModule`: the round as a LightningModule.
+- :mod:`~lightning_dp.federated.parts`: the parts a round is assembled from, registered by name.
+- :class:`FederatedRound`: the round as a LightningModule, from parts.
+- :class:`PersonalizedFederatedModule`: the personalized algorithm of Galli et al. (a preset).
 """
 
 from lightning_dp.federated.aggregation import kmeans_aggregate
 from lightning_dp.federated.local import FlatParams, choose_hypotheses, client_losses, local_sgd, local_sgd_loop
 from lightning_dp.federated.module import PersonalizedFederatedModule
+from lightning_dp.federated.round import FederatedRound
 
-__all__ = ["FlatParams", "PersonalizedFederatedModule", "choose_hypotheses", "client_losses", "kmeans_aggregate", "local_sgd", "local_sgd_loop"]
+__all__ = ["FederatedRound", "FlatParams", "PersonalizedFederatedModule", "choose_hypotheses", "client_losses", "kmeans_aggregate", "local_sgd", "local_sgd_loop"]

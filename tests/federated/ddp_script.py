@@ -1,11 +1,12 @@
 """Run by tests/federated/test_module_ddp.py: the federated round under Lightning DDP (2 CPU processes, gloo).
 
-Usage: python tests/federated/ddp_script.py OUT_DIR DEVICES [fairness|secret]
+Usage: python tests/federated/ddp_script.py OUT_DIR DEVICES [fairness|secret|fedavg]
 Trains the synthetic personalized-FL setting for a few rounds with DEVICES processes and
 writes OUT_DIR/rank{r}.pt (hypotheses, ledger, validation loss) for the test to compare.
 With ``fairness``: the SyntheticFairness setting (binary labels, sensitive groups), then
 ``trainer.test``; the test metrics (accuracy, group fairness) are saved too. With ``secret``:
-the synthetic setting with default seeds (drawn per process, so every process must adopt rank 0's).
+the synthetic setting with default seeds (drawn per process, so every process must adopt rank 0's). With
+``fedavg``: client-level DP-FedAvg (Poisson selection, adaptive clipping, central noise drawn once).
 """
 
 import sys
@@ -37,7 +38,16 @@ def main(out: Path, devices: int, mode: str = "") -> None:
     fairness = mode == "fairness"
     seeds = {} if mode == "secret" else {"seed": 0, "noise_seed": 0}
     # U = 7 clients over 2 processes: shards of 4 and 3; 5 validation clients: 3 and 2
-    if fairness:  # 7 test clients: shards of 4 and 3, both groups present
+    if mode == "fedavg":
+        from lightning_dp.federated import FederatedRound
+        from lightning_dp.federated.parts import CentralGaussian, FedAvg, LocalSGD, PoissonSelection
+
+        module = FederatedRound(LinearRegression(), selection=PoissonSelection(0.3),
+                                update=LocalSGD(epochs=2, lr=0.1, batch_size=3), aggregator=FedAvg(),
+                                server_privacy=CentralGaussian(noise_multiplier=1.0, clip=0.5, adaptive=True),
+                                **seeds)
+        data = SyntheticLinearMixture(num_clients=40, num_val_clients=5, seed=0)
+    elif fairness:  # 7 test clients: shards of 4 and 3, both groups present
         module = PersonalizedFederatedModule(LinearRegression(bias=True), num_hypotheses=2, clients_per_round=7,
                                              local_epochs=2, local_lr=0.5, local_batch_size=3, noise_multiplier=1.0,
                                              loss="binary_cross_entropy", **seeds)
@@ -57,7 +67,9 @@ def main(out: Path, devices: int, mode: str = "") -> None:
     if fairness:
         (result,) = trainer.test(module, data, verbose=False)
         tested = {name: float(value) for name, value in result.items()}
+    privacy = getattr(module, "server_privacy", None)
     torch.save({"hypotheses": module.hypotheses.clone(), "ledger": module.ledger.state_dict(),
+                "server": None if privacy is None else privacy.state_dict(),
                 "rounds": int(module.rounds), "val": probe.val, "train": probe.train, "test": tested},
                out / f"rank{trainer.global_rank}.pt")
 

@@ -63,3 +63,14 @@ def test_default_secret_seeds_are_shared_by_all_processes(tmp_path_factory):
     or the processes would sample different clients and disagree on the hypotheses."""
     r0, r1 = run(tmp_path_factory.mktemp("ddp_secret"), 2, "secret")
     assert torch.equal(r0["hypotheses"], r1["hypotheses"]) and r0["ledger"] == r1["ledger"]
+
+
+def test_dp_fedavg_on_two_processes_equals_one(tmp_path_factory):
+    """Poisson-selected clients sharded over 2 processes, clipped and noised once after the gather (the noise from
+    the secret seed, the same on both ranks): the global model, the threshold and the accountant of one process."""
+    r0, r1 = run(tmp_path_factory.mktemp("ddp_fedavg"), 2, "fedavg")
+    single = run(tmp_path_factory.mktemp("single_fedavg"), 1, "fedavg")[0]
+    torch.testing.assert_close(r0["hypotheses"], single["hypotheses"], rtol=1e-6, atol=1e-7)
+    assert torch.equal(r0["hypotheses"], r1["hypotheses"])
+    assert r0["server"]["accountant"] == single["server"]["accountant"] == r1["server"]["accountant"]
+    assert r0["server"]["clip"] == pytest.approx(single["server"]["clip"], rel=1e-9)

@@ -1,0 +1,87 @@
+"""Parts of a federated round, registered by kind and name so that a YAML config can name them.
+
+A round (:class:`~lightning_dp.federated.round.FederatedRound`) is assembled from one part of
+each kind: ``selection`` (which clients take part), ``update`` (what a client computes from
+its starting model), ``sanitizer`` (what a client releases, and what that costs it),
+``aggregator`` (how the server combines the releases) and ``server_privacy`` (central noise
+on the aggregate, with its accountant). A part is a small object with one job; it may keep
+state (``state_dict``/``load_state_dict``, saved in the round's checkpoint) and parameters
+to log (``hparams``).
+
+Adding one is one class: subclass the kind's base class and register it::
+
+    from lightning_dp.federated.parts import Aggregator, register_part
+
+    @register_part("aggregator", "median")
+    class CoordinateMedian(Aggregator):
+        def aggregate(self, releases, hypotheses, weights=None):
+            return releases.median(dim=0).values[None], releases.new_zeros(len(releases), dtype=torch.long)
+
+after which ``aggregator: median`` (or ``class_path: my_module.CoordinateMedian``) selects it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["KINDS", "Part", "register_part", "registered_parts", "resolve_part"]
+
+KINDS = ("selection", "update", "sanitizer", "aggregator", "server_privacy")
+_PARTS: dict[str, dict[str, type]] = {kind: {} for kind in KINDS}
+
+
+class Part:
+    """What every part shares: a name, optional state, and parameters to log."""
+
+    name = "part"
+
+    def hparams(self) -> dict[str, Any]:
+        """Parameters logged with the run (never secrets)."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
+
+
+def register_part(kind: str, name: str):
+    """Class decorator: make the part available as ``name`` for its ``kind``."""
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r} is not one of {KINDS}")
+
+    def decorate(cls: type) -> type:
+        _PARTS[kind][name] = cls
+        cls.name = name
+        return cls
+    return decorate
+
+
+def registered_parts(kind: str) -> dict[str, type]:
+    """``{name: class}`` of the parts of one kind."""
+    return dict(_PARTS[kind])
+
+
+def resolve_part(kind: str, value: Any) -> Any:
+    """A part instance from an instance, or from a registered name (built with its defaults).
+
+    Raises:
+        ValueError: If the name is not registered (the message lists the names that are).
+    """
+    if isinstance(value, str):
+        found = _PARTS[kind].get(value)
+        if found is None:
+            import difflib
+
+            names = sorted(_PARTS[kind])
+            close = difflib.get_close_matches(value, names, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"{kind}={value!r} is not a registered {kind} part; choose one of {names}.{hint}")
+        return found()
+    base = {"selection": "ClientSelection", "update": "ClientUpdate", "sanitizer": "ClientSanitizer",
+            "aggregator": "Aggregator", "server_privacy": "ServerPrivacy"}[kind]
+    if not any(t.__name__ == base for t in type(value).__mro__):
+        raise ValueError(f"{kind}={value!r} is not a {base} (lightning_dp.federated.parts); pass a registered name "
+                         f"({sorted(_PARTS[kind])}) or an instance of a {base} subclass")
+    return value

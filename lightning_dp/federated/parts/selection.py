@@ -1,0 +1,114 @@
+"""Client selection: which training clients take part in a round.
+
+The draw uses the round's public generator (client sampling is public randomness in the
+personalized algorithm, which claims no amplification by it; the client-level accountant
+of :class:`~lightning_dp.federated.parts.server_privacy.CentralGaussian` does claim it, so
+it needs :class:`PoissonSelection`, whose rate it accounts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+
+from lightning_dp.federated.parts.registry import Part, register_part
+from lightning_dp.privacy.sampling import check_sample_rate
+
+__all__ = ["ClientSelection", "PoissonSelection", "UniformSelection"]
+
+
+class ClientSelection(Part):
+    """Chooses the clients of a round."""
+
+    #: Poisson inclusion rate of every client (for amplification by sampling), or None
+    poisson_rate: float | None = None
+
+    def select(self, num_clients: int, generator: torch.Generator,
+               eligible: Callable[[int], bool] | None = None) -> tuple[list[int], int]:
+        """``(chosen client positions, number declined)``; ``eligible(i)`` False means client i declines
+        (its privacy cap would be exceeded)."""
+        raise NotImplementedError
+
+    def expected_count(self, num_clients: int) -> float:
+        """The expected number of participants (the divisor of a noisy average)."""
+        raise NotImplementedError
+
+    def check(self, num_clients: int) -> None:
+        """Raise ValueError if the selection cannot run over ``num_clients`` training clients."""
+
+
+@register_part("selection", "uniform")
+class UniformSelection(ClientSelection):
+    """``clients_per_round`` clients drawn uniformly without replacement (a random permutation's head).
+
+    Args:
+        clients_per_round: U.
+        cap_policy: when a drawn client declines (privacy cap), ``"replace"`` walks on along
+            the permutation until U clients said yes; ``"skip"`` runs the round with fewer.
+    """
+
+    def __init__(self, clients_per_round: int = 10, cap_policy: Literal["replace", "skip"] = "replace") -> None:
+        if isinstance(clients_per_round, bool) or not isinstance(clients_per_round, int) or clients_per_round < 1:
+            raise ValueError(f"clients_per_round={clients_per_round!r} is not allowed: pass a positive integer")
+        if cap_policy not in ("replace", "skip"):
+            raise ValueError(f"cap_policy={cap_policy!r} is not allowed; choose 'replace' or 'skip'")
+        self.clients_per_round, self.cap_policy = clients_per_round, cap_policy
+
+    def hparams(self) -> dict[str, Any]:
+        return {"clients_per_round": self.clients_per_round, "cap_policy": self.cap_policy}
+
+    def check(self, num_clients: int) -> None:
+        if num_clients < self.clients_per_round:
+            raise ValueError(f"clients_per_round={self.clients_per_round} exceeds the {num_clients} training clients; "
+                             "lower clients_per_round.")
+
+    def expected_count(self, num_clients: int) -> float:
+        return float(self.clients_per_round)
+
+    def select(self, num_clients, generator, eligible=None):
+        order = torch.randperm(num_clients, generator=generator).tolist()
+        if eligible is None:
+            return order[: self.clients_per_round], 0
+        if self.cap_policy == "replace":  # walk the random order until U eligible clients said yes
+            chosen, declined = [], 0
+            for i in order:
+                if len(chosen) == self.clients_per_round:
+                    break
+                if eligible(i):
+                    chosen.append(i)
+                else:
+                    declined += 1
+            return chosen, declined
+        first = order[: self.clients_per_round]
+        chosen = [i for i in first if eligible(i)]
+        return chosen, len(first) - len(chosen)
+
+
+@register_part("selection", "poisson")
+class PoissonSelection(ClientSelection):
+    """Every client takes part with probability ``sample_rate``, independently (client-level Poisson sampling).
+
+    The number of participants is random, as DP-FedAvg's accounting with amplification by
+    sampling requires (McMahan et al. 2018); a client that declines (privacy cap) is dropped.
+
+    Args:
+        sample_rate: q, in (0, 1].
+    """
+
+    def __init__(self, sample_rate: float = 0.1) -> None:
+        self.poisson_rate = check_sample_rate(sample_rate)
+
+    def hparams(self) -> dict[str, Any]:
+        return {"client_sample_rate": self.poisson_rate}
+
+    def expected_count(self, num_clients: int) -> float:
+        return self.poisson_rate * num_clients
+
+    def select(self, num_clients, generator, eligible=None):
+        drawn = (torch.rand(num_clients, generator=generator) < self.poisson_rate).nonzero().flatten().tolist()
+        if eligible is None:
+            return drawn, 0
+        chosen = [i for i in drawn if eligible(i)]
+        return chosen, len(drawn) - len(chosen)

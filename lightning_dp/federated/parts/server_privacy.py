@@ -1,0 +1,219 @@
+"""Server privacy: central noise on the aggregate, and its client-level accountant.
+
+:class:`CentralGaussian` is client-level DP-FedAvg (McMahan, Ramage, Talwar & Zhang, "Learning
+differentially private recurrent language models", ICLR 2018): the server clips each client's
+update ``Delta_i = release_i - global`` at ``C``, sums, adds ``N(0, (z C)^2 I)`` once, and divides by
+the EXPECTED number of participants ``q N`` (data-independent), so adding or removing one client
+moves the sum by at most ``C``: one round is one Poisson-subsampled Gaussian mechanism with
+multiplier ``z`` and rate ``q``, accounted by the project's accountants (dp-accounting PLD or
+RDP) over rounds, with calibration to a target epsilon and a budget stop, as for DP-SGD.
+
+With ``adaptive=True`` the threshold follows Andrew, Thakkar, McMahan & Ramaswamy ("Differentially
+private learning with adaptive clipping", NeurIPS 2021): each round also releases the noisy count
+of unclipped updates (noise ``sigma_b``, default ``q N / 20``), ``C`` moves geometrically towards
+the ``target_quantile`` of the update norms, and the update noise uses
+``z_Delta = (z^-2 - (2 sigma_b)^-2)^(-1/2)`` so that the two releases of a round compose to ONE
+Gaussian mechanism with multiplier ``z``: the accountant records ``z``
+(:mod:`lightning_dp.privacy.adaptive`, the same functions as :class:`~lightning_dp.callbacks.QuantileClipping`
+with clients in place of examples).
+
+**Flower.** ``DifferentialPrivacyServerSideFixedClipping`` adds noise of std ``z C / m`` to the
+average of the ``m`` sampled clients' clipped updates: the same std as ours for the same ``z``,
+``C`` and ``m`` (tested against the installed Flower code), but Flower computes no epsilon, samples
+a fixed number of clients (no accounted amplification) and averages with the wrapped strategy's
+weights (``FedAvg`` weights by example counts, which changes the sensitivity). Its
+``...AdaptiveClipping`` uses the same ``z_Delta`` formula, but (Flower 1.41, both API versions)
+(a) counts CLIPPED updates and steps ``C <- C exp(-eta (clipped_fraction - target))``, which moves
+``C`` away from the target (more clipping than wanted shrinks ``C`` further), and (b) adds the noise
+after updating ``C``, calibrated to the new threshold while the updates were clipped at the old one
+(too little noise whenever ``C`` shrinks). We count unclipped updates as the paper does and noise
+with the threshold that clipped (docs/federated.md).
+
+The noise and the count noise are drawn from the round's SECRET noise seed, once for the whole
+aggregate (every DDP process draws the same), after the releases are gathered.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_dp.federated.parts.registry import Part, register_part
+from lightning_dp.privacy.accounting import get_accountant
+from lightning_dp.privacy.adaptive import default_count_noise_std, quantile_clip_update, quantile_noise_split
+from lightning_dp.privacy.calibration import calibrate_noise_multiplier
+from lightning_dp.privacy.clipping import check_max_grad_norm, clip_factors
+from lightning_dp.privacy.noise import check_noise_multiplier, gaussian_noise
+
+__all__ = ["CentralGaussian", "NoServerPrivacy", "ServerPrivacy"]
+
+
+class ServerPrivacy(Part):
+    """Wraps the aggregation of a round (Flower's view of DP as a wrapper: clip, aggregate, noise)."""
+
+    #: True when the part accounts a client-level epsilon
+    accounted = False
+
+    def aggregate(self, releases: Tensor, hypotheses: Tensor, aggregator: Any, *, weights: Tensor | None,
+                  expected_count: float, noise_generator: torch.Generator,
+                  count_generator: torch.Generator) -> tuple[Tensor, Tensor, dict[str, float]]:
+        """``(new hypotheses, assignment, metrics)`` of the round."""
+        raise NotImplementedError
+
+
+@register_part("server_privacy", "none")
+class NoServerPrivacy(ServerPrivacy):
+    """The aggregator's result as it is."""
+
+    def aggregate(self, releases, hypotheses, aggregator, *, weights, expected_count, noise_generator,
+                  count_generator):
+        new, assignment = aggregator.aggregate(releases, hypotheses, weights)
+        return new, assignment, {}
+
+
+@register_part("server_privacy", "gaussian")
+class CentralGaussian(ServerPrivacy):
+    """Client-level DP-FedAvg with fixed or adaptive clipping (module docstring).
+
+    Args:
+        noise_multiplier: z. If omitted, calibrated so that the planned rounds spend at most
+            ``target_epsilon`` (the planned length: ``rounds``, else the Trainer's ``max_epochs``).
+        target_epsilon: the budget; the run stops before a round that would exceed it.
+        target_delta: the delta at which epsilon is reported and enforced.
+        clip: C, the clipping threshold of the update norms (the initial one when adaptive).
+        adaptive: move C to the ``target_quantile`` of the update norms (Andrew et al. 2021).
+        target_quantile: gamma, the fraction of updates to leave unclipped.
+        clip_lr: eta_C, the step of log C per round.
+        count_noise_std: sigma_b; default ``q N / 20``. Must exceed ``z / 2``.
+        accountant: ``"pld"`` or ``"rdp"``.
+        rounds: planned rounds, for calibration.
+    """
+
+    accounted = True
+
+    def __init__(self, noise_multiplier: float | None = None, target_epsilon: float | None = None,
+                 target_delta: float = 1e-5, clip: float = 1.0, adaptive: bool = False, target_quantile: float = 0.5,
+                 clip_lr: float = 0.2, count_noise_std: float | None = None, accountant: str = "pld",
+                 rounds: int | None = None) -> None:
+        if noise_multiplier is None and target_epsilon is None:
+            raise ValueError("CentralGaussian needs noise_multiplier=<z> or target_epsilon=<budget> (or both)")
+        self.requested_z = None if noise_multiplier is None else check_noise_multiplier(noise_multiplier)
+        if target_epsilon is not None and not (float(target_epsilon) > 0 and math.isfinite(float(target_epsilon))):
+            raise ValueError(f"target_epsilon={target_epsilon!r} is not allowed: pass a finite number > 0")
+        self.target_epsilon = None if target_epsilon is None else float(target_epsilon)
+        if not 0 < float(target_delta) < 1:
+            raise ValueError(f"target_delta={target_delta!r} is not allowed: delta must be in (0, 1), well below "
+                             "1 / (number of clients)")
+        self.target_delta = float(target_delta)
+        self.clip = check_max_grad_norm(clip)
+        self.initial_clip = self.clip
+        self.adaptive = bool(adaptive)
+        if not 0 <= float(target_quantile) <= 1:
+            raise ValueError(f"target_quantile={target_quantile!r} must be in [0, 1]")
+        self.target_quantile, self.clip_lr = float(target_quantile), float(clip_lr)
+        if count_noise_std is not None and not float(count_noise_std) > 0:
+            raise ValueError(f"count_noise_std={count_noise_std!r} must be > 0")
+        self.requested_count_std = None if count_noise_std is None else float(count_noise_std)
+        self.accountant_name = accountant
+        self.accountant = get_accountant(accountant)  # validates the name
+        if rounds is not None and (isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1):
+            raise ValueError(f"rounds={rounds!r} must be a positive integer or None")
+        self.rounds = rounds
+        self.z: float | None = self.requested_z
+        self.q: float | None = None
+        self.count_std: float | None = None
+        self.allowed_rounds: int | None = None
+        self.last_estimate: float | None = None
+
+    def hparams(self) -> dict[str, Any]:
+        return {"privacy/noise_multiplier": self.z, "privacy/target_epsilon": self.target_epsilon,
+                "privacy/target_delta": self.target_delta, "privacy/initial_clip": self.initial_clip,
+                "privacy/adaptive_clipping": self.adaptive, "privacy/accountant": self.accountant_name,
+                "privacy/client_sample_rate": self.q, "privacy/count_noise_std": self.count_std,
+                "privacy/level": "client"}
+
+    # ----------------------------------------------------------------- set-up
+    def plan(self, *, sample_rate: float | None, num_clients: int, expected_count: float,
+             planned_rounds: int | None) -> None:
+        """Calibrate z (if needed), split it for adaptive clipping, and compute the rounds the budget allows."""
+        if sample_rate is None:
+            raise ValueError("CentralGaussian accounts amplification by client sampling and needs Poisson client "
+                             "selection: selection: {class_path: lightning_dp.federated.parts.PoissonSelection, "
+                             "init_args: {sample_rate: q}}. A fixed number of clients per round is not accounted.")
+        self.q = sample_rate
+        if self.z is None:
+            rounds = self.rounds or planned_rounds
+            if rounds is None:
+                raise ValueError("CentralGaussian(target_epsilon=...) without noise_multiplier needs the planned "
+                                 "number of rounds: pass rounds=... or the Trainer's max_epochs")
+            self.z = calibrate_noise_multiplier(target_epsilon=self.target_epsilon, target_delta=self.target_delta,
+                                                sample_rate=self.q, steps=max(rounds - len(self.accountant), 1),
+                                                accountant=self.accountant_name)
+        if self.adaptive:
+            self.count_std = self.requested_count_std or default_count_noise_std(expected_count)
+            quantile_noise_split(self.z, count_noise_std=self.count_std)  # z < 2 sigma_b, or a clear error
+        if self.target_epsilon is not None:
+            limit = self.rounds or planned_rounds or 10**7
+            self.allowed_rounds = self.accountant.max_steps(self.target_epsilon, self.target_delta,
+                                                            noise_multiplier=self.z, sample_rate=self.q, limit=limit)
+
+    @property
+    def update_noise_multiplier(self) -> float:
+        """The multiplier of the update noise: z, or z_Delta with adaptive clipping."""
+        assert self.z is not None
+        return quantile_noise_split(self.z, count_noise_std=self.count_std) if self.adaptive else self.z
+
+    @property
+    def epsilon(self) -> float:
+        return self.accountant.get_epsilon(self.target_delta)
+
+    def budget_left(self) -> bool:
+        """Whether one more round fits in the budget."""
+        return self.allowed_rounds is None or self.allowed_rounds > 0
+
+    # ----------------------------------------------------------------- round
+    def aggregate(self, releases, hypotheses, aggregator, *, weights, expected_count, noise_generator,
+                  count_generator):
+        if hypotheses.shape[0] != 1:
+            raise ValueError("CentralGaussian averages one model (num_hypotheses=1)")
+        if not self.budget_left():
+            raise RuntimeError(f"CentralGaussian: the budget target_epsilon={self.target_epsilon} is spent (epsilon="
+                               f"{self.epsilon:.4g}); refusing to release another round.")
+        glob = hypotheses[0]
+        deltas = releases - glob
+        norms = deltas.double().norm(dim=1)
+        clip = self.clip
+        total = (clip_factors(norms, clip).to(deltas.dtype)[:, None] * deltas).sum(0) if len(deltas) else \
+            torch.zeros_like(glob)
+        z_update = self.update_noise_multiplier
+        (noise,) = gaussian_noise([glob.shape], z_update * clip, noise_generator, dtype=glob.dtype, device=glob.device)
+        new = glob + (total + noise) / expected_count
+        metrics = {"privacy/max_grad_norm": clip}
+        if len(norms):  # exact, not covered by epsilon (docs/privacy.md): logged under nonprivate/ if asked
+            metrics["nonprivate/clipped_fraction"] = float((norms > clip).double().mean())
+        if self.adaptive:
+            unclipped = int((norms <= clip).sum())
+            self.clip, self.last_estimate = quantile_clip_update(
+                clip, unclipped, len(norms), expected_count, target_quantile=self.target_quantile,
+                clip_lr=self.clip_lr, count_noise_std=self.count_std, generator=count_generator)
+            metrics["privacy/unclipped_fraction_estimate"] = self.last_estimate
+        self.accountant.step(noise_multiplier=self.z, sample_rate=self.q)
+        if self.allowed_rounds is not None:
+            self.allowed_rounds -= 1
+        metrics["privacy/epsilon"] = self.epsilon
+        assignment = torch.zeros(len(releases), dtype=torch.long, device=releases.device)
+        return new[None], assignment, metrics
+
+    # ----------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        return {"accountant": self.accountant.state_dict(), "clip": self.clip, "noise_multiplier": self.z}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("accountant") is not None:
+            self.accountant.load_state_dict(state["accountant"])
+        self.clip = float(state.get("clip", self.clip))
+        if self.requested_z is None and state.get("noise_multiplier") is not None:
+            self.z = float(state["noise_multiplier"])  # the calibrated z of the run, not a new calibration

@@ -1,0 +1,557 @@
+"""The federated round as a LightningModule, assembled from parts (:mod:`lightning_dp.federated.parts`).
+
+One training step is one round:
+
+1. the ``selection`` part draws the round's clients (a client whose next participation would
+   exceed ``client_privacy_cap`` declines);
+2. every selected client evaluates the k hypotheses on its own data and starts from the one
+   with the lowest loss (IFCA; with k = 1 the global model), then the ``update`` part trains
+   it (local SGD, vectorized over clients or looped, :mod:`lightning_dp.federated.local`);
+3. the ``sanitizer`` part turns each trained model into the client's release and says what
+   it costs (Euclidean Laplace d-privacy charges ``n / nu`` to the client's
+   :class:`~lightning_dp.privacy.ledger.PrivacyLedger`);
+4. the server sees only the releases: the ``server_privacy`` part wraps the ``aggregator``
+   (k-means per cluster, or FedAvg); :class:`~lightning_dp.federated.parts.CentralGaussian`
+   clips the updates, adds central Gaussian noise and accounts a client-level epsilon
+   (DP-FedAvg).
+
+The personalized algorithm of Galli et al. is a preset of these parts
+(:class:`~lightning_dp.federated.PersonalizedFederatedModule`); DP-FedAvg is
+``FederatedRound(model, selection=PoissonSelection(q), aggregator="fedavg",
+server_privacy=CentralGaussian(...))``. Each round is one optimizer step for Lightning
+(``global_step``, ``max_steps`` and ``ModelCheckpoint`` count rounds); one training epoch is
+one round (``max_epochs`` is the number of rounds). Validation clients are held out; each
+picks its best hypothesis and ``val/loss`` is the mean of those best losses.
+
+Every random draw comes from a generator derived from ``(seed, stream, round, ...)``; a
+client's shuffles and noise depend on its index, not on the other clients of its process;
+with the round counter, the ledger and the parts' state in the checkpoint, a resumed run
+equals the uninterrupted one. Two seeds: ``seed`` drives what is public (initialization,
+client selection, local shuffles, the validation subsample) and is logged; ``noise_seed``
+drives every privacy noise (the sanitizers', the server's) and is a secret
+(:mod:`lightning_dp.privacy.seeds`): fresh from the OS by default, kept in local checkpoints
+under ``"secret"``, never logged nor uploaded.
+
+Under DDP (``strategy="ddp"``) every process selects the same clients, trains and sanitizes
+its share of them (positions rank, rank + W, ...), and the releases are all-gathered in the
+round's order; every process then aggregates the same releases with the same server noise
+and charges the same ledger, so a run on W processes equals the run on one. Validation
+clients are sharded the same way.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import Tensor, nn
+
+from lightning_dp.datamodules.federated import padded_sensitive
+from lightning_dp.federated.local import (
+    FlatParams,
+    check_loss,
+    choose_hypotheses,
+    client_losses,
+    client_outputs_and_losses,
+    predictions,
+)
+from lightning_dp.federated.parts import resolve_part
+from lightning_dp.privacy.ledger import PrivacyLedger
+from lightning_dp.privacy.noise import derive_generator
+from lightning_dp.privacy.seeds import SECRET_KEY, check_seed, fresh_seed
+
+__all__ = ["FederatedRound"]
+
+# streams of derive_generator (public: seed; secret: noise_seed)
+_CLIENTS, _LOCAL, _NOISE, _INIT, _VAL = 11, 12, 13, 14, 15
+_SERVER_NOISE, _SERVER_COUNT = 16, 17
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} is not allowed: pass a positive integer")
+    return value
+
+
+class _RoundOptimizer(torch.optim.Optimizer):
+    """Runs the closure it is given: the round's aggregation, counted by Lightning as a step."""
+
+    def __init__(self, params: list[Tensor]) -> None:
+        super().__init__(params, {})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        return closure() if closure is not None else None
+
+
+class FederatedRound(LightningModule):
+    """A federated round from parts (see the module docstring).
+
+    Args:
+        model: the network template; ``num_hypotheses`` parameter vectors of its shape are trained.
+        num_hypotheses: k (1: one global model).
+        selection: a :class:`~lightning_dp.federated.parts.ClientSelection` or its registered name.
+        update: a :class:`~lightning_dp.federated.parts.ClientUpdate` or its name.
+        sanitizer: a :class:`~lightning_dp.federated.parts.ClientSanitizer` or its name.
+        aggregator: an :class:`~lightning_dp.federated.parts.Aggregator` or its name.
+        server_privacy: a :class:`~lightning_dp.federated.parts.ServerPrivacy` or its name.
+        loss: ``"rmse"`` (regression; on class scores, the root Brier score),
+            ``"cross_entropy"`` (logits of C classes) or ``"binary_cross_entropy"`` (one
+            logit per example, labels in {0, 1}); see :func:`~lightning_dp.federated.local.masked_loss`.
+        client_privacy_cap: a client whose sanitizer spend would exceed this declines to participate.
+        val_clients_per_check: evaluate a random sample of this many validation clients per check
+            (default: all).
+        seed: seed of the public streams (initialization, client selection, local shuffles,
+            validation subsample); default: a fresh random seed. Logged.
+        noise_seed: seed of every privacy noise of the run, a secret: whoever knows it can subtract
+            the noise from every release. Default: a fresh seed from the OS, kept in local
+            checkpoints (a run resumed without ``noise_seed`` continues its streams) and never
+            logged or uploaded. A given seed wins over a checkpoint's, so that runs branched
+            from one checkpoint draw different noise. Fix it only for reproducible
+            experiments whose releases stay private (``lightning-dp grid`` gives every run its own).
+        log_nonprivate_metrics: log exact statistics of the clients' private data under
+            ``nonprivate/`` (their losses; the fraction of updates central DP clipped). The
+            server never sees them in the protocol and no accountant covers them; set False to
+            keep them off the record.
+    """
+
+    #: Constructor arguments that are secrets: redacted from configs logged by ``lightning-dp``.
+    SECRET_ARGUMENTS: tuple[str, ...] = ("noise_seed",)
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        num_hypotheses: int = 1,
+        selection: Any = "uniform",
+        update: Any = "local_sgd",
+        sanitizer: Any = "none",
+        aggregator: Any = "fedavg",
+        server_privacy: Any = "none",
+        loss: Literal["rmse", "cross_entropy", "binary_cross_entropy"] = "rmse",
+        client_privacy_cap: float | None = None,
+        val_clients_per_check: int | None = None,
+        seed: int | None = None,
+        noise_seed: int | None = None,
+        log_nonprivate_metrics: bool = True,
+    ) -> None:
+        super().__init__()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self.k = _positive_int("num_hypotheses", num_hypotheses)
+        self.selection = resolve_part("selection", selection)
+        self.update = resolve_part("update", update)
+        self.sanitizer = resolve_part("sanitizer", sanitizer)
+        self.aggregator = resolve_part("aggregator", aggregator)
+        self.server_privacy = resolve_part("server_privacy", server_privacy)
+        check_loss(loss)
+        self.loss_name = loss
+        if client_privacy_cap is not None and not float(client_privacy_cap) > 0:
+            raise ValueError(f"client_privacy_cap={client_privacy_cap!r} is not allowed: pass a number > 0 or None")
+        if client_privacy_cap is not None and not self.sanitizer.accountable:
+            raise ValueError("client_privacy_cap needs a sanitizer that charges the clients (e.g. euclidean_laplace "
+                             "with noise_multiplier > 0): without sanitization every participation has an infinite "
+                             "cost")
+        self.client_privacy_cap = None if client_privacy_cap is None else float(client_privacy_cap)
+        self.val_clients_per_check = (None if val_clients_per_check is None
+                                      else _positive_int("val_clients_per_check", val_clients_per_check))
+        check_seed(seed)
+        check_seed(noise_seed, "noise_seed")
+        self.log_nonprivate_metrics = bool(log_nonprivate_metrics)
+        if type(self) is FederatedRound:  # a preset saves its own (flat) arguments
+            self.save_hyperparameters(ignore=["model", "noise_seed", "selection", "update", "sanitizer", "aggregator",
+                                              "server_privacy"])
+            self.save_hyperparameters(self.part_hparams())
+        self.save_hyperparameters({"model_class": f"{type(model).__module__}.{type(model).__qualname__}"})
+
+        self.template = model
+        self.spec = FlatParams.of(model)
+        self.seed = int(seed) if seed is not None else fresh_seed()
+        self._noise_seed = int(noise_seed) if noise_seed is not None else fresh_seed()
+        self._noise_seed_given = noise_seed is not None  # a given seed wins over a checkpoint's
+        self.register_buffer("hypotheses", self._initial_hypotheses())
+        # training progress, not model state: saved in checkpoint["federated"], so that restoring the
+        # best weights (RestoreBestWeights, load_state_dict) does not rewind it
+        self.register_buffer("rounds", torch.zeros((), dtype=torch.long), persistent=False)
+        self.ledger = PrivacyLedger()
+        self.automatic_optimization = False
+        self._history: list[dict[str, Any]] = []
+
+    def parts(self) -> dict[str, Any]:
+        """``{kind: part}`` of the round."""
+        return {"selection": self.selection, "update": self.update, "sanitizer": self.sanitizer,
+                "aggregator": self.aggregator, "server_privacy": self.server_privacy}
+
+    def part_hparams(self) -> dict[str, Any]:
+        """What the parts are, and their parameters, for the logged hyperparameters."""
+        out: dict[str, Any] = {}
+        for kind, part in self.parts().items():
+            out[kind] = part.name
+            out.update(part.hparams())
+        return out
+
+    # ----------------------------------------------------------------- set-up
+    def _initial_hypotheses(self) -> Tensor:
+        """k independent initializations of the template (its own ``reset_parameters``)."""
+        rows = []
+        for j in range(self.k):
+            net = copy.deepcopy(self.template)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(int(derive_generator(self.seed, _INIT, j).initial_seed()) % 2**63)
+                for mod in net.modules():
+                    if hasattr(mod, "reset_parameters"):
+                        mod.reset_parameters()
+            rows.append(self.spec.flatten(net))
+        return torch.stack(rows)
+
+    def setup(self, stage: str) -> None:
+        from lightning_dp.datamodules.federated import FederatedDataModule
+
+        dm = self.trainer.datamodule if self._trainer is not None else None
+        if not isinstance(dm, FederatedDataModule):
+            raise MisconfigurationException(
+                "PersonalizedFederatedModule reads its clients from a FederatedDataModule (e.g. "
+                "lightning_dp.datamodules.SyntheticLinearMixture): pass it as trainer.fit(module, datamodule=...).")
+        self._clients = {"train": dm.train_clients, "val": dm.val_clients, "test": dm.test_clients}
+        self._classification = dm.task == "classification"
+        if self._classification and self.loss_name == "rmse" and dm.num_classes is not None and dm.num_classes < 2:
+            raise MisconfigurationException(f"{type(dm).__name__} is a classification task with num_classes="
+                                            f"{dm.num_classes}; the rmse loss needs class scores of >= 2 classes")
+        # group fairness of the held-out clients' predictions: binary labels with sensitive groups
+        self._num_groups = dm.num_groups if self._classification and dm.num_classes == 2 else None
+        self._key_width = max((len(c) for c in dm.train_clients), default=1)
+        if stage == "fit":
+            try:
+                self.selection.check(len(dm.train_clients))
+            except ValueError as err:
+                raise MisconfigurationException(str(err)) from None
+            self._check_parts()
+        if self.sanitizer.accountable or self.server_privacy.accounted:
+            from lightning_dp.tracking import refuse_checkpoint_uploads
+
+            refuse_checkpoint_uploads(self.trainer, type(self).__name__)
+        if self.trainer.world_size > 1:  # default seeds are drawn per process: every process must use rank 0's
+            self.seed, self._noise_seed = (int(v) for v in self.trainer.strategy.broadcast((self.seed,
+                                                                                           self._noise_seed)))
+
+    def _check_parts(self) -> None:
+        """Refuse combinations of parts whose privacy claims would not hold, before any client trains."""
+        if self.server_privacy.accounted:
+            from lightning_dp.federated.parts import FedAvg
+
+            problems = []
+            if self.k != 1:
+                problems.append(f"num_hypotheses={self.k} (central DP averages one global model: use 1)")
+            if not isinstance(self.aggregator, FedAvg) or self.aggregator.weighted:
+                problems.append("the aggregator must be fedavg with weighted=False (weights by example counts depend "
+                                "on private data and change the sensitivity)")
+            if self.selection.poisson_rate is None:
+                problems.append("client selection must be poisson (the accountant claims amplification by Poisson "
+                                "sampling; a fixed number of clients per round is not accounted)")
+            if problems:
+                raise MisconfigurationException(f"{type(self.server_privacy).__name__}: " + "; ".join(problems))
+
+    def on_train_start(self) -> None:
+        privacy = self.server_privacy
+        if not privacy.accounted:
+            return
+        num_clients = len(self._clients["train"])
+        try:
+            privacy.plan(sample_rate=self.selection.poisson_rate, num_clients=num_clients,
+                         expected_count=self.selection.expected_count(num_clients),
+                         planned_rounds=self.trainer.max_epochs if self.trainer.max_epochs and
+                         self.trainer.max_epochs > 0 else None)
+        except ValueError as err:
+            raise MisconfigurationException(f"{type(privacy).__name__}: {err}") from None
+        for logger in self.trainer.loggers:
+            logger.log_hyperparams({k: v for k, v in privacy.hparams().items() if v is not None})
+        if not privacy.budget_left():
+            rank_zero_warn(f"{type(privacy).__name__}: no round fits in the remaining budget; stopping before the "
+                           "first round.")
+            self.trainer.should_stop = True
+
+    def set_secret_seed(self, seed: int) -> None:
+        """Replace the noise seed before ``fit`` (``lightning-dp grid`` does this, so that no two runs of a
+        grid draw the same noise)."""
+        self._noise_seed = check_seed(seed, optional=False)
+        self._noise_seed_given = True
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        # local SGD and aggregation are the optimization; this optimizer only makes each round an
+        # optimizer step for Lightning (global_step, ModelCheckpoint, max_steps count rounds)
+        return _RoundOptimizer([self.hypotheses])
+
+    # ------------------------------------------------------------------ round
+    def _padded(self, split: str, index: list[int]):
+        clients = [self._clients[split][i] for i in index]
+        return self.trainer.datamodule.padded(clients)
+
+    def participation_cost(self) -> float:
+        """The sanitizer's cost of one participation (d-privacy: n/nu; per-layer: sum of n_l/nu, the same total)."""
+        return self.sanitizer.participation_cost(self.spec.numel)
+
+    def _sample_clients(self, r: int) -> tuple[list[int], int]:
+        clients = self._clients["train"]
+        eligible = None
+        if self.client_privacy_cap is not None:
+            cost = self.participation_cost()
+
+            def eligible(i: int) -> bool:
+                return not self.ledger.would_exceed(clients[i].client_id, cost, self.client_privacy_cap)
+
+        return self.selection.select(len(clients), derive_generator(self.seed, _CLIENTS, r), eligible)
+
+    def _shuffle_keys(self, r: int, index: list[int], mask: Tensor) -> Any:
+        """Local shuffles of round r as a pure function of (seed, round, epoch, client index).
+
+        A client's training then does not depend on which other clients share its process
+        (DDP shards) or its vmap call. One (clients x largest client) table of uniform keys
+        per epoch, rows taken by client index: one generator call instead of one generator per
+        client (derive_generator costs ~10 us, as much as a whole vectorized round of 100
+        hospital clients). Above 16 M keys, one generator per client instead.
+        """
+        clients = self._clients["train"]
+        width = self._key_width
+        if len(clients) * width > 2**24:
+            return [derive_generator(self.seed, _LOCAL, r, i, device=mask.device) for i in index]
+        rows = torch.tensor(index, device=mask.device)
+
+        def keys(epoch: int) -> Tensor:
+            table = torch.rand((len(clients), width), device=mask.device,
+                               generator=derive_generator(self.seed, _LOCAL, r, epoch, device=mask.device))
+            return table[rows, : mask.shape[1]]
+
+        return keys
+
+    # ------------------------------------------------------------------- DDP
+    def _shard(self, index: list[int]) -> list[int]:
+        """This process's share of a list of clients: positions rank, rank + W, rank + 2W, ..."""
+        return index[self.trainer.global_rank::self.trainer.world_size]
+
+    def _gather_rows(self, rows: Tensor, total: int) -> Tensor:
+        """Every process's ``rows`` (one per client of its :meth:`_shard`) back in the list's order, on all ranks."""
+        world = self.trainer.world_size
+        if world == 1:
+            return rows
+        per_rank = -(-total // world)
+        padded = rows.new_zeros((per_rank, *rows.shape[1:]))
+        padded[: rows.shape[0]] = rows
+        parts = [torch.empty_like(padded) for _ in range(world)]
+        torch.distributed.all_gather(parts, padded.contiguous())
+        gathered = torch.stack(parts)  # (world, per_rank, ...)
+        return gathered.transpose(0, 1).reshape(per_rank * world, *rows.shape[1:])[:total]
+
+    def _client_round(self, index: list[int], r: int) -> tuple[Tensor, Tensor]:
+        """Choice, local training and sanitization of this process's share of the round's clients.
+
+        Returns ``(releases, stats)``: (m, P) released vectors and (m, 3) float64
+        ``[loss of the chosen hypothesis, privacy cost, number of examples]`` for the m clients of the shard.
+        """
+        hyps = self.hypotheses
+        mine = self._shard(index)
+        if not mine:
+            return hyps.new_zeros((0, self.spec.numel)), torch.zeros((0, 3), dtype=torch.float64, device=hyps.device)
+        x, y, mask = self._padded("train", mine)
+        with torch.no_grad():
+            losses = client_losses(self.template, self.spec, hyps, x, y, mask, self.loss_name)
+        choice = choose_hypotheses(losses)
+        start = hyps[choice]
+        trained = self.update.train(self.template, self.spec, start, x, y, mask, loss=self.loss_name,
+                                    shuffles=self._shuffle_keys(r, mine, mask))
+        released, costs = [], []
+        for c, i in enumerate(mine):
+            out = self.sanitizer.sanitize(trained[c], start[c], layer_sizes=self.spec.sizes,
+                                          generator=derive_generator(self._noise_seed, _NOISE, r, i, device=x.device))
+            released.append(out.released)
+            costs.append(out.cost)
+        chosen = losses.gather(1, choice[:, None]).squeeze(1).double()
+        return torch.stack(released), torch.stack([chosen, chosen.new_tensor(costs), mask.sum(1).double()], dim=1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        r = int(self.rounds)
+        index, declined = self._sample_clients(r)  # the same on every process (seeded by round)
+        hyps = self.hypotheses
+        metrics: dict[str, float] = {"round/participants": float(len(index)), "round/declined": float(declined)}
+        privacy = self.server_privacy
+        if index or privacy.accounted:  # an accounted round without participants still releases its noise
+            if index:
+                local_releases, local_stats = self._client_round(index, r)
+            else:
+                local_releases = hyps.new_zeros((0, self.spec.numel))
+                local_stats = torch.zeros((0, 3), dtype=torch.float64, device=hyps.device)
+            # the server's view: every release, in the round's client order, on every process
+            releases = self._gather_rows(local_releases, len(index))
+            stats = self._gather_rows(local_stats, len(index))
+            if self.sanitizer.accountable:  # e.g. nu = 0, the non-private baseline: nothing to account
+                for i, cost in zip(index, stats[:, 1].tolist()):
+                    self.ledger.charge(self._clients["train"][i].client_id, cost)
+            new, assignment, privacy_metrics = privacy.aggregate(
+                releases, hyps, self.aggregator, weights=stats[:, 2],
+                expected_count=self.selection.expected_count(len(self._clients["train"])),
+                noise_generator=derive_generator(self._noise_seed, _SERVER_NOISE, r, device=hyps.device),
+                count_generator=derive_generator(self._noise_seed, _SERVER_COUNT, r))
+            self.optimizers().step(closure=lambda: self.hypotheses.copy_(new))
+            metrics.update({k: v for k, v in privacy_metrics.items()
+                            if self.log_nonprivate_metrics or not k.startswith("nonprivate/")})
+            sizes = torch.bincount(assignment, minlength=self.k)
+            if self.log_nonprivate_metrics and len(index):  # the clients' private losses: covered by no accountant
+                metrics["nonprivate/train_loss"] = float(stats[:, 0].mean())
+            for j in range(self.k):
+                metrics[f"round/cluster_size_{j}"] = float(sizes[j])
+            if self.spec.numel <= 2:
+                self._history.append({"round": r, "releases": releases.detach().cpu().clone(),
+                                      "hypotheses": new.detach().cpu().clone()})
+        else:
+            self.optimizers().step(closure=lambda: None)  # a round without participants is still a round
+        if len(self.ledger):
+            metrics["privacy/client_epsilon_median"] = self.ledger.median()
+            metrics["privacy/client_epsilon_max"] = self.ledger.max()
+        self.rounds += 1
+        # float64: Lightning would store a Python float as float32 and round the spend
+        self.log_dict({k: torch.tensor(v, dtype=torch.float64) for k, v in metrics.items()}, on_step=True,
+                      on_epoch=False, batch_size=1)
+        if privacy.accounted and not privacy.budget_left() and not self.trainer.should_stop:
+            rank_zero_info(f"{type(privacy).__name__}: stopping after round {r + 1}: the next round would exceed "
+                           f"target_epsilon={privacy.target_epsilon} (spent {privacy.epsilon:.4f}).")
+            self.trainer.should_stop = True
+
+    # -------------------------------------------------------------- evaluation
+    def _evaluate(self, split: str, stage: str) -> None:
+        """Each evaluated client picks its best hypothesis; log the loss, choices, accuracy and group fairness.
+
+        ``{stage}/loss`` is the mean over clients of the chosen hypothesis' loss. For a
+        classification DataModule, ``{stage}/acc`` is the accuracy over all evaluated
+        samples of their client's chosen hypothesis (the personalized model; with k = 1
+        the global model). When the labels are binary and the clients carry sensitive
+        groups (:attr:`FederatedDataModule.num_groups`), every output of
+        :class:`~lightning_dp.metrics.GroupFairness` on those predictions is logged as
+        ``{stage}/fairness/<name>`` (e.g. ``test/fairness/equalized_odds_difference``).
+        """
+        clients = self._clients[split]
+        if not clients:
+            return
+        index = list(range(len(clients)))
+        # only validation checks subsample; ``test`` (even on validation clients) evaluates every client
+        if stage == "val" and self.val_clients_per_check is not None and self.val_clients_per_check < len(clients):
+            g = derive_generator(self.seed, _VAL, int(self.rounds))
+            index = torch.randperm(len(clients), generator=g)[: self.val_clients_per_check].tolist()
+        mine = self._shard(index)
+        fairness = None
+        if self._num_groups is not None:
+            from lightning_dp.metrics import GroupFairness
+
+            fairness = GroupFairness(self._num_groups).to(self.hypotheses.device)
+        if mine:
+            x, y, mask = self._padded(split, mine)
+            outputs, losses = client_outputs_and_losses(self.template, self.spec, self.hypotheses, x, y, mask,
+                                                        self.loss_name)
+            choice = losses.argmin(dim=1)
+            columns = [losses.min(dim=1).values.double(), choice.double()]
+            if self._classification:
+                chosen = outputs[torch.arange(len(mine), device=choice.device), choice]  # (C, Nmax, ...)
+                preds = predictions(chosen.flatten(0, 1), self.loss_name).view(mask.shape)
+                columns += [((preds == y.long()) & mask).sum(1).double(), mask.sum(1).double()]
+                if fairness is not None:
+                    groups = padded_sensitive([self._clients[split][i] for i in mine])
+                    if groups is None:
+                        raise MisconfigurationException(
+                            f"the DataModule declares num_groups={self._num_groups} but some {split} clients have "
+                            "no sensitive ids (ClientDataset.sensitive)")
+                    fairness.update(preds[mask], y[mask].long(), groups.to(mask.device)[mask])
+            local = torch.stack(columns, dim=1)
+        else:
+            local = torch.zeros((0, 4 if self._classification else 2), dtype=torch.float64,
+                                device=self.hypotheses.device)
+        rows = self._gather_rows(local, len(index))  # every evaluated client, on every process
+        best, choice = rows[:, 0], rows[:, 1].long()
+        # identical on every process (computed from the gathered rows): sync_dist averages equal values
+        sync = self.trainer.world_size > 1
+        self.log(f"{stage}/loss", best.mean(), batch_size=1, sync_dist=sync)
+        for j in range(self.k):
+            self.log(f"{stage}/chose_{j}", (choice == j).double().mean(), batch_size=1, sync_dist=sync)
+        if self._classification:
+            self.log(f"{stage}/acc", rows[:, 2].sum() / rows[:, 3].sum().clamp_min(1), batch_size=1, sync_dist=sync)
+        if fairness is not None:  # compute() sums the per-group counts over processes
+            values = fairness.compute()
+            # its overall accuracy is {stage}/acc (same predictions); NaN rates (absent groups) are not logged
+            self.log_dict({f"{stage}/fairness/{name}": value.double() for name, value in values.items()
+                           if name != "accuracy" and torch.isfinite(value)}, batch_size=1, sync_dist=sync)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._evaluate("val", "val")
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self._evaluate("test" if self._clients["test"] else "val", "test")
+
+    # -------------------------------------------------------------- checkpoint
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["federated"] = {"ledger": self.ledger.state_dict(), "seed": self.seed, "rounds": int(self.rounds),
+                                   "parts": {kind: part.state_dict() for kind, part in self.parts().items()},
+                                   SECRET_KEY: {"noise_seed": self._noise_seed}, "version": 3}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("federated")
+        if state is not None:
+            self.ledger.load_state_dict(state["ledger"])
+            self.seed = int(state["seed"])
+            self.rounds.fill_(int(state["rounds"]))
+            for kind, part in self.parts().items():
+                part.load_state_dict(state.get("parts", {}).get(kind, {}))
+            if self._noise_seed_given:
+                pass  # runs branched from one checkpoint (a grid) must not continue the same noise
+            elif SECRET_KEY in state:
+                self._noise_seed = int(state[SECRET_KEY]["noise_seed"])
+            else:
+                # a public checkpoint, or one from before version 3, whose noise came from the logged (public) seed:
+                # the resumed rounds draw from the fresh secret seed of __init__
+                rank_zero_warn("the checkpoint holds no secret noise seed (a public checkpoint, or one written before "
+                               "lightning-dp kept the noise seed apart from the logged seed); the resumed run draws its "
+                               "noise from a fresh secret seed.")
+
+    def on_train_end(self) -> None:
+        if self.trainer.is_global_zero and len(self.ledger):
+            self._log_ledger_artifacts()
+            if self._history:
+                self._log_parameter_plot()
+
+    # ------------------------------------------------------------------ plots
+    def _log_ledger_artifacts(self) -> None:
+        from matplotlib.figure import Figure
+
+        from lightning_dp import tracking
+
+        spend = self.ledger.as_dict()
+        values = list(spend.values())
+        fig = Figure(figsize=(6, 4))
+        ax = fig.subplots()
+        ax.hist(values, bins=min(30, max(5, len(set(values)))))
+        ax.set_xlabel("client epsilon spent (d-privacy, per ||delta||-neighbourhood)")
+        ax.set_ylabel("clients")
+        ax.set_title(f"privacy spend per client, {self.sanitizer.name}, n={self.spec.numel}")
+        tracking.log_figure(self.trainer, fig, "privacy/client_epsilon_hist.png")
+        table = (f"clients\t{len(values)}\nmedian\t{self.ledger.median():.6g}\nmax\t{self.ledger.max():.6g}\n"
+                 f"cost_per_participation\t{self.participation_cost():.6g}\n")
+        tracking.log_text(self.trainer, table, "privacy/client_epsilon.tsv")
+
+    def _log_parameter_plot(self) -> None:
+        from matplotlib.figure import Figure
+
+        from lightning_dp import tracking
+
+        fig = Figure(figsize=(6, 5))
+        ax = fig.subplots()
+        for h in self._history:
+            r = h["releases"]
+            ax.scatter(r[:, 0], r[:, 1], s=6, alpha=0.25, color="tab:gray")
+        path = torch.stack([h["hypotheses"] for h in self._history])  # (rounds, k, 2)
+        for j in range(self.k):
+            ax.plot(path[:, j, 0], path[:, j, 1], marker=".", label=f"hypothesis {j}")
+        ax.set_xlabel("theta[0]")
+        ax.set_ylabel("theta[1]")
+        ax.legend()
+        ax.set_title("released parameters (grey) and hypotheses per round")
+        tracking.log_figure(self.trainer, fig, "federated/parameters.png")

@@ -1,0 +1,152 @@
+"""Client-level DP-FedAvg: FederatedRound with PoissonSelection, FedAvg and CentralGaussian (fixed or adaptive clipping)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import dp_accounting as dpa
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_dp.datamodules import SyntheticLinearMixture
+from lightning_dp.federated import FederatedRound
+from lightning_dp.federated.parts import CentralGaussian, FedAvg, LocalSGD, PoissonSelection, UniformSelection
+from lightning_dp.models import LinearRegression
+
+
+def fedavg(server_privacy, *, q=0.25, k=1, aggregator=None, selection=None, **kwargs):
+    return FederatedRound(LinearRegression(), num_hypotheses=k, selection=selection or PoissonSelection(q),
+                          update=LocalSGD(epochs=1, lr=0.1, batch_size=10), aggregator=aggregator or FedAvg(),
+                          server_privacy=server_privacy, seed=0, noise_seed=1, **kwargs)
+
+
+def trainer(**kwargs):
+    defaults = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    accelerator="cpu", devices=1, max_epochs=5, num_sanity_val_steps=0, limit_val_batches=0)
+    defaults.update(kwargs)
+    return L.Trainer(**defaults)
+
+
+def library_epsilon(z, q, rounds, delta=1e-5):
+    acc = dpa.pld.PLDAccountant()
+    acc.compose(dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(z)), rounds))
+    return acc.get_epsilon(delta)
+
+
+def test_epsilon_per_round_equals_the_library_value():
+    privacy = CentralGaussian(noise_multiplier=1.3, clip=0.5)
+    epsilons = []
+
+    class Capture(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            epsilons.append(float(trainer.callback_metrics["privacy/epsilon"]))
+
+    m = fedavg(privacy, q=0.2)
+    trainer(max_epochs=6, callbacks=[Capture()], log_every_n_steps=1).fit(m, SyntheticLinearMixture(seed=0))
+    assert privacy.accountant.history == [(1.3, 0.2, 6)]
+    assert epsilons == pytest.approx([library_epsilon(1.3, 0.2, r) for r in range(1, 7)], rel=1e-9)
+
+
+def test_calibrated_noise_meets_the_target_and_the_budget_stops_the_run():
+    calibrated = CentralGaussian(target_epsilon=2.0, clip=1.0)
+    t = trainer(max_epochs=8)
+    t.fit(fedavg(calibrated, q=0.3), SyntheticLinearMixture(seed=0))
+    assert t.global_step == 8 and 1.9 < calibrated.epsilon <= 2.0  # calibrated, not wastefully below
+    assert calibrated.epsilon == pytest.approx(library_epsilon(calibrated.z, 0.3, 8), rel=1e-9)
+
+    budget = CentralGaussian(noise_multiplier=2.0, target_epsilon=2.0, clip=1.0)  # about 6 rounds fit
+    t = trainer(max_epochs=200)
+    t.fit(fedavg(budget, q=0.3), SyntheticLinearMixture(seed=0))
+    rounds = t.global_step
+    assert 0 < rounds < 200 and budget.epsilon <= 2.0
+    assert library_epsilon(2.0, 0.3, rounds) <= 2.0 < library_epsilon(2.0, 0.3, rounds + 1)
+
+
+def test_the_update_is_the_clipped_sum_over_the_expected_number_of_clients():
+    """With negligible noise: new = global + sum_i clip_C(release_i - global) / (q N)."""
+    torch.manual_seed(0)
+    privacy = CentralGaussian(noise_multiplier=1e-4, clip=0.05, accountant="rdp")  # noise std 2.5e-7
+    m = fedavg(privacy, q=0.5)
+    releases = torch.randn(6, 2)
+    glob = torch.zeros(1, 2)
+    g = torch.Generator().manual_seed(0)
+    privacy.plan(sample_rate=0.5, num_clients=40, expected_count=20.0, planned_rounds=1)
+    new, assignment, metrics = privacy.aggregate(releases, glob, m.aggregator, weights=None, expected_count=20.0,
+                                                 noise_generator=g, count_generator=g)
+    factors = (0.05 / (releases.double().norm(dim=1) + 1e-6)).clamp(max=1).float()
+    expected = (factors[:, None] * releases).sum(0) / 20.0
+    torch.testing.assert_close(new[0], expected, rtol=0, atol=1e-6)
+    assert metrics["nonprivate/clipped_fraction"] == 1.0 and assignment.tolist() == [0] * 6
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_noise_std_is_flowers_for_the_same_settings(adaptive):
+    """All clients send the global model back: the update is pure noise of std z C / m (m = expected clients);
+    Flower's DifferentialPrivacyServerSide{Fixed,Adaptive}Clipping compute the same std for m sampled clients."""
+    z, clip, m_clients = 0.9, 0.7, 20.0
+    privacy = CentralGaussian(noise_multiplier=z, clip=clip, adaptive=adaptive)
+    privacy.plan(sample_rate=0.5, num_clients=40, expected_count=m_clients, planned_rounds=1)
+    glob = torch.zeros(1, 20_000, dtype=torch.float64)
+    g = torch.Generator().manual_seed(3)
+    new, _, _ = privacy.aggregate(glob.repeat(20, 1), glob, FedAvg(), weights=None, expected_count=m_clients,
+                                  noise_generator=g, count_generator=torch.Generator().manual_seed(4))
+    z_used = privacy.update_noise_multiplier
+    expected_std = z_used * clip / m_clients
+    # 20,000 coordinates: the sample std is within 3% of the true std with probability > 1 - 1e-5
+    assert float(new.std()) == pytest.approx(expected_std, rel=0.03)
+    if importlib.util.find_spec("flwr") is None:
+        pytest.skip("Flower is not installed: the comparison with its formula is skipped")
+    from flwr.supercore.differential_privacy import compute_adaptive_noise_params, compute_stdv
+
+    z_flower = compute_adaptive_noise_params(z, m_clients, None)[1] if adaptive else z
+    assert z_used == pytest.approx(z_flower, rel=1e-12)
+    assert expected_std == pytest.approx(compute_stdv(z_flower, clip, int(m_clients)), rel=1e-12)
+
+
+def test_adaptive_clipping_tracks_the_target_quantile_of_update_norms():
+    privacy = CentralGaussian(noise_multiplier=0.5, clip=0.01, adaptive=True, target_quantile=0.5, clip_lr=0.3)
+    m = fedavg(privacy, q=0.8)
+    trainer(max_epochs=40).fit(m, SyntheticLinearMixture(num_clients=60, seed=0))
+    assert privacy.clip > 0.1  # started far below the update norms (0.01), moved up by ~exp(0.15) a round
+    assert privacy.accountant.history == [(0.5, 0.8, 40)]  # accounted with z; the update noise used z_Delta
+
+
+def test_resume_equals_the_uninterrupted_run(tmp_path):
+    def fit(epochs, ckpt=None, callbacks=()):
+        privacy = CentralGaussian(noise_multiplier=1.0, clip=0.5, adaptive=True)
+        m = fedavg(privacy, q=0.3)
+        trainer(max_epochs=epochs, callbacks=list(callbacks), enable_checkpointing=bool(callbacks)).fit(
+            m, SyntheticLinearMixture(seed=0), ckpt_path=ckpt)
+        return m, privacy
+
+    full, full_privacy = fit(6, callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, save_top_k=-1,
+                                                           filename="{epoch}")])
+    resumed, privacy = fit(6, ckpt=str(tmp_path / "epoch=2.ckpt"))
+    assert torch.equal(resumed.hypotheses, full.hypotheses)
+    assert privacy.accountant.history == full_privacy.accountant.history == [(1.0, 0.3, 6)]
+    assert privacy.clip == full_privacy.clip
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(k=2, aggregator=None), "num_hypotheses=2"),
+    (dict(aggregator=FedAvg(weighted=True)), "weighted=False"),
+    (dict(selection=UniformSelection(5)), "client selection must be poisson"),
+])
+def test_combinations_whose_claims_would_not_hold_are_refused(kwargs, match):
+    m = fedavg(CentralGaussian(noise_multiplier=1.0), **kwargs)
+    with pytest.raises(MisconfigurationException, match=match):
+        trainer(max_epochs=1).fit(m, SyntheticLinearMixture(seed=0))
+
+
+def test_parts_by_name_and_unknown_names():
+    m = FederatedRound(LinearRegression(), selection="poisson", aggregator="fedavg", server_privacy="none")
+    assert type(m.selection).__name__ == "PoissonSelection" and m.hparams["aggregator"] == "fedavg"
+    with pytest.raises(ValueError, match="Did you mean 'kmeans'"):
+        FederatedRound(LinearRegression(), aggregator="kmean")
+    with pytest.raises(ValueError, match="needs noise_multiplier=<z> or target_epsilon"):
+        CentralGaussian()
+    assert math.isinf(FederatedRound(LinearRegression()).participation_cost())
