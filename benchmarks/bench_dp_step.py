@@ -190,7 +190,8 @@ def build(method: str, model_name: str, batch_size: int, device: str):
     if method == "lightning_dp":
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         engine = GradSampleEngine(model)
-        probes = {n: tuple(t.to(device) for t in make_batch(n, torch.Generator().manual_seed(n))) for n in (3, 5, 7)}
+        big = tuple(t.to(device) for t in make_batch(7, torch.Generator().manual_seed(7)))
+        probes = {n: tuple(t[:n] for t in big) for n in (3, 5, 7)}  # nested, as the engine requires
 
         def run(n):
             with torch.random.fork_rng(devices=[device] if device == "cuda" else []):

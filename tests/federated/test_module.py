@@ -181,8 +181,7 @@ def test_per_layer_sanitizes_each_tensor_with_its_own_size(monkeypatch):
 def test_accuracy_and_group_fairness_of_the_chosen_hypotheses_match_fairlearn():
     """Every test client picks its best hypothesis; test/acc and test/fairness/* are fairlearn's values on the
     pooled predictions of those choices (the personalized model), against the sensitive groups."""
-    from fairlearn.metrics import demographic_parity_difference, equal_opportunity_difference, \
-        equalized_odds_difference
+    from fairlearn.metrics import demographic_parity_difference, equal_opportunity_difference, equalized_odds_difference
 
     from lightning_dp.datamodules import SyntheticFairness
     from lightning_dp.federated import client_losses

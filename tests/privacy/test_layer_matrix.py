@@ -31,6 +31,20 @@ class Case:
     make_model: Callable[[], nn.Module]
     make_batch: Callable[[int, torch.Generator], tuple]
     losses: Callable[[nn.Module, tuple], torch.Tensor]  # per-example losses (n,) of a batched forward
+    # probe with the first n examples of one batch (what DPSGD does; needed by broadcast layers). False for
+    # batches that cannot be sliced by example (flat EmbeddingBag ids with offsets): independent probe batches
+    nested: bool = True
+
+
+def _first(batch: tuple, n: int, big: int = 7) -> tuple:
+    """The first ``n`` examples of a batch of ``big``: every tensor sliced along dimension 0 if it has ``big``
+    entries there, else along its one dimension of size ``big`` (the sequence-first cases)."""
+    out = []
+    for t in batch:
+        dims = [0] if t.shape[0] == big else [d for d, s in enumerate(t.shape) if s == big]
+        assert len(dims) == 1, f"cannot tell the batch dimension of a tensor of shape {tuple(t.shape)}"
+        out.append(t.narrow(dims[0], 0, n))
+    return tuple(out)
 
 
 def _ce(logits, y):
@@ -238,7 +252,7 @@ CASES: dict[str, Case] = {
         lambda m, b: _ce(m(b[0]), b[1])),
     "embedding_bag_sum_offsets": Case(
         lambda: Bag(mode="sum"), lambda n, g: (*_bags_with_offsets(n, g), _labels(n, g)),
-        lambda m, b: _ce(m(b[0], b[1]), b[2])),
+        lambda m, b: _ce(m(b[0], b[1]), b[2]), nested=False),
     "embedding_bag_mean_2d_padding_idx": Case(
         lambda: Bag(mode="mean", padding_idx=0), lambda n, g: (torch.randint(0, 11, (n, 4), generator=g),
                                                                _labels(n, g)),
@@ -248,7 +262,7 @@ CASES: dict[str, Case] = {
         lambda n, g: (*(lambda ids, off: (ids, torch.cat([off, torch.tensor([ids.numel()])]),
                                           torch.rand(ids.numel(), generator=g, dtype=torch.float64)))(
             *_bags_with_offsets(n, g)), _labels(n, g)),
-        lambda m, b: _ce(m(b[0], b[1], per_sample_weights=b[2]), b[3])),
+        lambda m, b: _ce(m(b[0], b[1], per_sample_weights=b[2]), b[3]), nested=False),
     "layer_norm": _simple(lambda: nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 3)), 4),
     "layer_norm_2d_shape_no_bias": _simple(lambda: nn.Sequential(nn.LayerNorm((3, 4), bias=False), nn.Flatten(),
                                                                   nn.Linear(12, 3)), 3, 4),
@@ -341,7 +355,11 @@ def run_case(name: str, c: float = 0.5, seed: int = 0):
     params, ref = _reference(model, case.losses(model, batch))
     engine = GradSampleEngine(model)
     probe_g = torch.Generator().manual_seed(seed + 1)
-    probes = {n: case.make_batch(n, probe_g) for n in (3, 5, 7)}
+    if case.nested:  # the first n examples of one batch, as DPSGD probes
+        big = case.make_batch(7, probe_g)
+        probes = {n: _first(big, n) for n in (3, 5, 7)}
+    else:
+        probes = {n: case.make_batch(n, probe_g) for n in (3, 5, 7)}
 
     def run(n):  # deterministic, as the engine requires: the same batch and random draws for the same n
         with torch.random.fork_rng():

@@ -65,6 +65,7 @@ class _Call:
     extra: dict[str, Any] = field(default_factory=dict)
     context: Any = None
     frozen: list[nn.Parameter] = field(default_factory=list)  # the parameters the pre-hook froze, to unfreeze
+    versions: list[int | None] = field(default_factory=list)  # the input leaves' version counters after the forward
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,16 @@ def _ancestor(a: str, b: str) -> bool:
 
 def _input_leaves(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
     return pytree.tree_flatten((args, kwargs))
+
+
+def _differentiable_target(result: Any) -> Tensor | None:
+    """What the broadcast check differentiates: the first 0-dim floating tensor of ``result`` that requires grad
+    (the loss), else the sum of the first such tensor (per-example losses, logits); None when there is none."""
+    leaves = [t for t in tensor_leaves(result) if t.is_floating_point() and t.requires_grad]
+    scalar = next((t for t in leaves if t.dim() == 0), None)
+    if scalar is not None:
+        return scalar
+    return leaves[0].sum() if leaves else None
 
 
 class GradSampleEngine:
@@ -172,6 +183,7 @@ class GradSampleEngine:
         self._probing = False
         self._probed = False
         self._broadcasting: set[int] = set()  # layers whose outputs the probe expands (id of _Layer)
+        self._captured: dict[int, list[list[Tensor]]] = {}  # their expanded outputs, per call (checking round)
         self._batch: int | None = None
         self._anchor = torch.zeros((), requires_grad=True)
         self._buffers: dict[tuple[int, str], Tensor] = {}
@@ -245,6 +257,9 @@ class GradSampleEngine:
                 out = self._expand(output, self._batch) if id(layer) in self._broadcasting else output
                 inputs, _ = _input_leaves(args, kwargs)
                 outputs = pytree.tree_leaves(out)
+                if id(layer) in self._captured:
+                    self._captured[id(layer)].append([o for o in outputs if isinstance(o, Tensor) and o.requires_grad
+                                                      and o.is_floating_point()])
                 layer.probe_calls[-1].append(([_shape(a) for a in inputs], [_shape(o) for o in outputs]))
                 return out
             if not (self._recording and torch.is_grad_enabled()) or not layer.calls \
@@ -255,10 +270,17 @@ class GradSampleEngine:
             call.context = None
             for p in call.frozen:
                 p.requires_grad_(True)
-            if output is None:  # the forward raised (always_call): the exception propagates
+            if output is None:
+                # The forward raised (always_call) and the exception propagates; or it was cut short on purpose,
+                # as torch.utils.checkpoint(use_reentrant=False) does when it recomputes a segment during the
+                # backward pass: either way the call left nothing to record.
+                layer.calls.pop()
                 return None
             call.args = tuple(pytree.tree_map(lambda a: a.detach() if isinstance(a, Tensor) else a, args))
             call.kwargs = pytree.tree_map(lambda a: a.detach() if isinstance(a, Tensor) else a, dict(kwargs))
+            # detach() shares the version counter: an in-place change of an input after this call (which plain
+            # autograd refuses when it saved the input for the weight's gradient) is caught in _records
+            call.versions = [a._version if isinstance(a, Tensor) else None for a in _input_leaves(args, kwargs)[0]]
             if layer.broadcast:
                 if self._batch is None:
                     raise PerSampleGradientError(
@@ -315,13 +337,21 @@ class GradSampleEngine:
         (:func:`~lightning_dp.privacy.batch_dims.batch_dim`); per-sample gradients are
         computed along it and every training step is checked against it.
 
+        ``run(n)`` must use the first ``n`` examples of one fixed sequence (nested batches:
+        the batch of 3 is the start of the batch of 5); the check of broadcast layers below
+        compares what the common examples receive.
+
         A layer whose inputs have no batch dimension at all (a positional embedding of
         ``torch.arange(T)``, shared by every example) is then tried as a *broadcast* layer:
         its output is expanded to a batch of identical views during the forward, so that
         each example's gradient flows through its own slice. This is accepted only if
-        ``run`` returns exactly the same result with and without the expansion (the
-        shared output was broadcast against the batch, not reduced over it); otherwise the
-        layer is refused.
+        (1) ``run`` returns the same result with and without the expansion, and (2) in a
+        further run with the module in eval mode (no dropout), the gradient of the result
+        that reaches slice ``b`` of the expanded output belongs to example ``b``: for the
+        examples common to all probe batches it is the same in every batch up to one factor
+        per batch (the loss's mean), and the examples only the largest batch holds receive
+        some of it. An output that is indexed (``pos[0]``), reduced (``pos.mean(0)``) or
+        computed once per example in a Python loop fails this and the layer is refused.
 
         Must be called before :meth:`per_sample_norms`, and again after the model's
         structure changes.
@@ -352,21 +382,25 @@ class GradSampleEngine:
             if layer.dims is not None and all(d is None for d in (*layer.dims.inputs, *layer.dims.outputs)):
                 candidates.append(layer)
         if candidates:
+            ids = {id(layer) for layer in candidates}
+            failure = ""
             try:
-                expanded = self._probe_round(run, sizes, {id(layer) for layer in candidates})
-            except Exception:  # noqa: BLE001  (the expanded output does not fit the model: not a broadcast)
-                expanded = None
+                expanded = self._probe_round(run, sizes, ids)
+            except Exception as err:  # noqa: BLE001  (the expanded output does not fit the model: not a broadcast)
+                expanded, failure = None, f" ({type(err).__name__}: {err})"
             same = plain is not None and expanded is not None and all(
                 len(a) == len(b) and all(x.shape == y.shape and torch.allclose(x, y, rtol=1e-5, atol=1e-7)
                                          for x, y in zip(a, b)) for a, b in zip(plain, expanded))
+            if not same:
+                self._refuse_unbatched(candidates[0], sizes, (
+                    "the model's result changes when its output is broadcast to the batch" + failure)
+                    if plain is not None else "the probe function returned nothing to compare")
             for layer in candidates:
-                if same:
-                    layer.broadcast = True
-                    layer.dims = self._establish(layer, sizes)  # the expanded outputs now follow the batch
-                else:
-                    self._refuse_unbatched(layer, sizes, "the model's result changes when its output is "
-                                                         "broadcast to the batch" if plain is not None else
-                                                         "the probe function returned nothing to compare")
+                layer.broadcast = True
+                layer.dims = self._establish(layer, sizes)  # the expanded outputs now follow the batch
+            grads = self._gradient_round(run, sizes, ids)
+            for layer in candidates:
+                self._verify_broadcast(layer, sizes, grads.get(id(layer), []))
         for layer in self.layers:
             self._validate_dims(layer, sizes)
             layer.probe_calls = []
@@ -394,6 +428,91 @@ class GradSampleEngine:
             self._probing, self._broadcasting, self._batch = False, set(), None
         return results
 
+    def _gradient_round(self, run: Callable[[int], Any], sizes: tuple[int, ...],
+                        broadcast: set[int]) -> dict[int, list[list[list[Tensor]] | None]]:
+        """Runs the probes once more in eval mode (no dropout) with the ``broadcast`` layers expanded.
+
+        Returns, per layer id, per probe size, per call, the gradient of the probe's result
+        (:func:`_differentiable_target`) with respect to each expanded output leaf; None for a
+        size whose result cannot be differentiated.
+        """
+        modes = [(m, m.training) for m in self.module.modules()]
+        found: dict[int, list[list[list[Tensor]] | None]] = {i: [] for i in broadcast}
+        self.module.eval()
+        try:
+            for n in sizes:
+                self._captured = {i: [] for i in broadcast}
+                self._probing, self._broadcasting, self._batch = True, broadcast, n
+                try:
+                    with torch.enable_grad():
+                        target = _differentiable_target(run(n))
+                finally:
+                    self._probing, self._broadcasting, self._batch = False, set(), None
+                captured = [(i, j, k, t) for i, calls in self._captured.items() for j, leaves in enumerate(calls)
+                            for k, t in enumerate(leaves)]
+                if target is None:
+                    for i in broadcast:
+                        found[i].append(None)
+                    continue
+                grads = torch.autograd.grad(target, [t for *_, t in captured], allow_unused=True) \
+                    if captured else ()
+                for i in broadcast:
+                    found[i].append([[torch.zeros_like(t) for t in leaves] for leaves in self._captured[i]])
+                for (i, j, k, _), g in zip(captured, grads):
+                    if g is not None:
+                        found[i][-1][j][k] = g.detach()  # type: ignore[index]
+        finally:
+            self._captured = {}
+            for m, mode in modes:
+                m.training = mode
+        return found
+
+    def _verify_broadcast(self, layer: _Layer, sizes: tuple[int, ...],
+                          grads: list[list[list[Tensor]] | None]) -> None:
+        """Refuses a broadcast layer unless slice ``b`` of its expanded output carries example ``b``'s gradient.
+
+        With nested probe batches, example ``b``'s gradient does not depend on the other
+        examples (eval mode), so for the examples common to all sizes the gradients must
+        agree between sizes up to one factor per size (a batch mean), and the examples
+        only the largest batch holds must receive some gradient. Indexing (``pos[0]``),
+        reducing (``pos.mean(0)``) or a per-example loop breaks one of the two.
+        """
+        def refuse(why: str) -> None:
+            raise PerSampleGradientError(
+                f"{layer.label} computes on inputs shared by all examples (no input dimension follows the number of "
+                f"examples), and {why}. Its output is used as if it were per-batch, not broadcast to every example "
+                "alike: it is indexed (out[0]), reduced over its first dimension (out.mean(0)), or the layer runs "
+                "once per example in a Python loop (fc(x[i:i+1])). Per-sample gradients need each example's data in "
+                "its own slice of one batch dimension: call the layer on the whole batch, index a shared table with a "
+                "per-example tensor (pos = torch.arange(T).expand(B, T)), or freeze the layer (requires_grad=False).")
+
+        if any(g is None for g in grads) or len(grads) != len(sizes):
+            refuse("the probe's result (the first scalar tensor that requires grad, or the sum of the first "
+                   "tensor that does) cannot be differentiated to check that its output is broadcast")
+        counts = [len(calls) for calls in grads]  # type: ignore[arg-type]
+        if len(set(counts)) != 1:
+            refuse(f"it is called {counts} times for batches of {list(sizes)} examples")
+        common = min(sizes)
+        rows: list[Tensor] = []
+        extra: Tensor | None = None
+        for n, calls in zip(sizes, grads):
+            leaves = [g for call in calls for g in call]  # type: ignore[union-attr]
+            rows.append(torch.cat([g[:common].reshape(-1).double() for g in leaves]) if leaves else torch.zeros(0))
+            if n == max(sizes):
+                extra = torch.cat([g[common:].reshape(-1) for g in leaves]) if leaves else torch.zeros(0)
+        ref = rows[0]
+        low = any(g.dtype not in (torch.float32, torch.float64) for call in grads[0] for g in call)  # type: ignore
+        tol = 3e-2 if low else 1e-3
+        if ref.numel() == 0 or not bool(ref.any()) or extra is None or not bool(extra.any()):
+            refuse("the probe's result does not depend on the slices of its broadcast output that belong to the "
+                   "examples beyond the first" if ref.numel() and bool(ref.any()) else
+                   "the probe's result does not depend on its output, so that it is broadcast cannot be checked")
+        for n, row in zip(sizes[1:], rows[1:]):
+            scale = torch.dot(row, ref) / torch.dot(ref, ref)
+            if float((row - scale * ref).norm()) > tol * float(row.norm()):
+                refuse(f"the gradient its output slices receive for the first {common} examples changes when the "
+                       f"batch grows from {sizes[0]} to {n} examples")
+
     def _establish(self, layer: _Layer, sizes: tuple[int, ...]) -> _Dims | None:
         runs = layer.probe_calls
         if any(not calls for calls in runs):
@@ -413,10 +532,15 @@ class GradSampleEngine:
                 raise PerSampleGradientError(f"{layer.label}: {err}. Per-sample gradients need each example's "
                                              "data in its own slice of one batch dimension.") from None
             found.append((in_dims, out_dims, tuple(None if s is None else len(s) for s in ins[0])))
-        if any(f != found[0] for f in found[1:]):
+        if any(f[:2] != found[0][:2] for f in found[1:]):
             raise PerSampleGradientError(
                 f"{layer.label} is called several times per step with the batch at different dimensions "
-                f"({[f[0] for f in found]}); use one layer per layout, or keep the batch first.")
+                f"(inputs {[f[0] for f in found]}, outputs {[f[1] for f in found]}); use one layer per layout, or "
+                "keep the batch first.")
+        if any(f != found[0] for f in found[1:]):
+            raise PerSampleGradientError(
+                f"{layer.label} is called several times per step with inputs of different ranks "
+                f"({[f[2] for f in found]}); the engine keeps one layout per layer: use one layer per input rank.")
         return _Dims(*found[0])
 
     def _refuse_unbatched(self, layer: _Layer, sizes: tuple[int, ...], why: str) -> None:
@@ -566,6 +690,14 @@ class GradSampleEngine:
             if all(g is None for g in call.grad_outputs):
                 continue
             inputs, spec = _input_leaves(call.args, call.kwargs)
+            changed = [i for i, (a, v) in enumerate(zip(inputs, call.versions))
+                       if isinstance(a, Tensor) and a._version != v]
+            if changed:
+                raise PerSampleGradientError(
+                    f"input {changed[0]} of {layer.label} was modified in place after the layer used it (for example "
+                    "x += f(x), ids.masked_fill_(...) or an in-place activation on it), so what the layer computed with "
+                    "is lost and its per-sample gradients cannot be computed. Plain autograd refuses this too when "
+                    "the layer's weight is trainable. Use the out-of-place form (x = x + f(x)) or clone() the input.")
             if layer.broadcast:
                 normalized = [self._expand(a, batch) if isinstance(a, Tensor) else a for a in inputs]
                 input_dims: list[Any] = [None] * len(inputs)
@@ -597,10 +729,18 @@ class GradSampleEngine:
     def _contributions_of_step(self, scale: float, batch: int) -> dict[int, list[Contribution]]:
         found: dict[int, list[Contribution]] = {}
         for layer in self.layers:
+            if not layer.calls:  # not called in this step (a branch not taken, a module defined but unused)
+                continue
             records = self._records(layer, scale, batch)
             if not records or batch == 0:
                 continue
-            for name, contribution in layer.rule.contributions(_LayerView(self, layer), records, batch).items():
+            contributions = layer.rule.contributions(_LayerView(self, layer), records, batch)
+            if not contributions:
+                raise PerSampleGradientError(
+                    f"{layer.label}: the loss depends on the layer's output, but its rule ({type(layer.rule).__name__}) "
+                    "returned no per-sample gradient for it; its parameters would receive no gradient at all. "
+                    "This is a bug of the rule (or of a computation path it does not see); please report it.")
+            for name, contribution in contributions.items():
                 found.setdefault(id(layer.trainable[name]), []).append(contribution)
             # the contributions hold what they need (the factors of a linear layer ARE its records): drop the rest
             # now, not at the end of the step, so that a convolution's inputs and output gradients free early

@@ -109,8 +109,12 @@ class MultiheadAttentionRule(LayerRule):
                          "bias_k and bias_v (requires_grad=False)")
 
     def check_dims(self, module, inputs, outputs, broadcast):
+        if broadcast:
+            raise _error("nn.MultiheadAttention on inputs shared by all examples (learned latents or queries without "
+                         "a batch dimension) is not supported: expand them to the batch before the call "
+                         "(lat.expand(B, -1, -1)) or freeze the layer")
         expected = 0 if module.batch_first else 1
-        if not broadcast and inputs[0] != expected:
+        if inputs[0] != expected:
             raise _error(f"nn.MultiheadAttention(batch_first={module.batch_first}) sees the batch at dimension "
                          f"{inputs[0]} of its query, not {expected}")
 
@@ -119,13 +123,23 @@ class MultiheadAttentionRule(LayerRule):
         params = {n: p for n, p in module.named_parameters()}
         extra["linear_calls"] = []
         anchor = torch.zeros((), requires_grad=True)
-        with _LinearTap(params, extra["linear_calls"], anchor):
-            yield
+        # The engine freezes the weights while the module runs; in eval mode PyTorch would then take the fused
+        # fast path (torch._native_multi_head_attention), which calls no F.linear: switch it off meanwhile.
+        fastpath = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(False)
+        try:
+            with _LinearTap(params, extra["linear_calls"], anchor):
+                yield
+        finally:
+            torch.backends.mha.set_fastpath_enabled(fastpath)
 
     def contributions(self, layer, records, batch_size):
         blocks: dict[str, list[tuple[int, Tensor, Tensor]]] = {}  # weight name -> (first row, go, x) per call
         biases: dict[str, list[tuple[int, Tensor]]] = {}
         for r in records:
+            if not r.extra["linear_calls"]:
+                raise _error("nn.MultiheadAttention ran without its F.linear projections (a fused path this rule "
+                             "does not see); its per-sample gradients are unknown")
             for call in r.extra["linear_calls"]:
                 if call["grad"] is None:
                     continue

@@ -70,6 +70,9 @@ class EmbeddingBagRule(LayerRule):
     batch_from_output = True
 
     def check_dims(self, module, inputs, outputs, broadcast):
+        if broadcast:
+            raise _error("an EmbeddingBag on inputs shared by all examples (bags that are the same for every example) "
+                         "is not supported: give it one bag per example, or freeze it")
         if outputs[0] != 0:
             raise _error("an EmbeddingBag's output must hold one bag per example in dimension 0")
 

@@ -1,0 +1,264 @@
+"""Paths around the per-sample gradient engine that a layer-by-layer matrix does not reach: shared
+(broadcast) outputs used the wrong way, per-example loops, eval mode, in-place changes of inputs,
+activation checkpointing, modules that never run, and rules that return nothing.
+
+Every accepted case is compared with per-example autograd; every refused one must name the layer
+and the reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint as cp
+from torch import nn
+
+from lightning_dp.privacy.clipping import clip_factors
+from lightning_dp.privacy.grad_sample import GradSampleEngine, LayerRule, PerSampleGradientError, register_rule
+
+T, B = 4, 5
+
+
+def _reference(model, losses):
+    unique = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
+    rows = []
+    for i in range(losses.shape[0]):
+        grads = torch.autograd.grad(losses[i], unique, retain_graph=True, allow_unused=True)
+        rows.append(torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1)
+                               for g, p in zip(grads, unique)]))
+    return unique, torch.stack(rows)
+
+
+def _check(model, x, y, *, train=True, c=0.5, reference=None):
+    """Norms and clipped sum of the engine against per-example autograd (of ``reference``, default ``model``,
+    sharing its parameters); nested probe batches from one batch."""
+    model = model.double().train(train)
+    x = x.double()
+    params, ref = _reference(model, F.cross_entropy((reference or model)(x[:B]), y[:B], reduction="none"))
+    engine = GradSampleEngine(model)
+    engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
+    with engine.record(batch_size=B):
+        F.cross_entropy(model(x[:B]), y[:B]).backward()
+    engine.check_parameter_gradients()
+    norms = engine.per_sample_norms()
+    factors = clip_factors(ref.norm(dim=1), c)
+    summed = engine.clipped_sum(factors)
+    order = {id(p): i for i, p in enumerate(engine.parameters)}
+    engine.remove()
+    torch.testing.assert_close(norms, ref.norm(dim=1), rtol=1e-6, atol=1e-9)
+    flat = torch.cat([summed[order[id(p)]].reshape(-1) for p in params])
+    torch.testing.assert_close(flat, (factors[:, None] * ref).sum(0), rtol=1e-6, atol=1e-9)
+
+
+def _data(*shape, n=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, *shape, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+class _Shared(nn.Module):
+    """A positional table looked up with arange(T)[None] (shape (1, T, d), shared by every example); ``use``
+    says how the model combines it with the batch."""
+
+    def __init__(self, use):
+        super().__init__()
+        self.use = use
+        self.wpe, self.inp, self.head = nn.Embedding(T, 6), nn.Linear(3, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        pos = self.wpe(torch.arange(x.shape[1])[None])
+        return self.head(torch.tanh(self.inp(x) + self.use(pos)).mean(1))
+
+
+@pytest.mark.parametrize("use", [lambda p: p, lambda p: p.squeeze(0), lambda p: p[:, :T]],
+                         ids=["broadcast", "squeeze", "slice_positions"])
+def test_a_shared_output_broadcast_to_the_batch_is_exact(use):
+    _check(_Shared(use), *_data(T, 3))
+
+
+@pytest.mark.parametrize("use,why", [
+    (lambda p: p[0], "examples beyond the first"),
+    (lambda p: p.select(0, 0), "examples beyond the first"),
+    (lambda p: p.mean(0), "changes when the batch grows from 3 to 5"),
+    (lambda p: p.sum(0, keepdim=True) / p.shape[0], "changes when the batch grows from 3 to 5"),
+], ids=["index", "select", "mean", "mean_keepdim"])
+def test_a_shared_output_indexed_or_reduced_over_the_batch_is_refused(use, why):
+    """The expanded output gives the same result, but slice b would not carry example b's gradient: an
+    engine that accepted it would attribute every example's gradient to example 0 (or to all alike)."""
+    with pytest.raises(PerSampleGradientError, match=rf"layer wpe \(Embedding\).*{why}.*index a shared table"):
+        _check(_Shared(use), *_data(T, 3))
+
+
+class _Loop(nn.Module):
+    """Processes examples one at a time (variable-length inputs): each call sees a batch of one."""
+
+    def __init__(self, gru=False):
+        super().__init__()
+        self.gru = gru
+        self.fc = nn.GRU(4, 6, batch_first=True) if gru else nn.Linear(4, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        if self.gru:
+            h = torch.stack([self.fc(x[i:i + 1, None])[1][0, 0] for i in range(x.shape[0])])
+        else:
+            h = torch.stack([torch.tanh(self.fc(x[i:i + 1]))[0] for i in range(x.shape[0])])
+        return self.head(h)
+
+
+@pytest.mark.parametrize("gru", [False, True], ids=["linear", "gru"])
+def test_a_per_example_loop_is_refused(gru):
+    with pytest.raises(PerSampleGradientError, match=r"layer fc .*called \[3, 5, 7\] times for batches of \[3, 5, 7\]"):
+        _check(_Loop(gru), *_data(4))
+
+
+def test_the_broadcast_check_runs_in_eval_mode_and_restores_the_modes():
+    """Dropout would change example 0's gradient between probe sizes: the check runs without it, and every
+    module's training flag is as before the probe."""
+    model = nn.Sequential(_Shared(lambda p: p), nn.Dropout(0.5)).double()
+    model[0].head.train(False)  # a mixed state must come back as it was
+    x, y = _data(T, 3)
+    engine = GradSampleEngine(model)
+
+    def run(n):  # deterministic, as probe() requires: the same dropout draws for the same n
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            return F.cross_entropy(model(x[:n].double()), y[:n])
+
+    engine.probe(run)
+    assert [layer.name for layer in engine.layers if layer.broadcast] == ["0.wpe"]
+    assert model.training and model[1].training and not model[0].head.training
+    engine.remove()
+
+
+def test_shared_inputs_of_embedding_bag_and_attention_are_refused():
+    class Bag(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bag, self.head = nn.EmbeddingBag(11, 3), nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.head(torch.tanh(x + self.bag(torch.arange(10)[None] % 11)))
+
+    class Latents(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lat = nn.Parameter(torch.randn(1, 3, 8), requires_grad=False)
+            self.attn, self.head = nn.MultiheadAttention(8, 2, batch_first=True), nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.head(torch.tanh(x + self.attn(self.lat, self.lat, self.lat)[0]).mean(1))
+
+    with pytest.raises(PerSampleGradientError, match=r"layer bag \(EmbeddingBag\).*one bag per example"):
+        _check(Bag(), *_data(3))
+    with pytest.raises(PerSampleGradientError, match=r"layer attn \(MultiheadAttention\).*expand them to the batch"):
+        _check(Latents(), *_data(3, 8))
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_attention_in_eval_mode_does_not_take_the_fused_path(train):
+    """With its weights frozen by the engine, an eval-mode nn.MultiheadAttention would run PyTorch's fused
+    kernel, which calls no F.linear: the rule switches the fast path off while the module runs."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.head = nn.MultiheadAttention(8, 2, batch_first=True), nn.Linear(8, 3)
+            self.head.requires_grad_(False)
+
+        def forward(self, x):
+            return self.head(self.attn(x, x, x, need_weights=False)[0].mean(1))
+
+    before = torch.backends.mha.get_fastpath_enabled()
+    _check(M(), *_data(T, 8), train=train)
+    assert torch.backends.mha.get_fastpath_enabled() == before
+
+
+def test_an_input_changed_in_place_after_the_layer_is_refused():
+    model = nn.Sequential(nn.Embedding(9, 4), nn.Tanh(), nn.Flatten(), nn.Linear(16, 9))
+    ids = torch.randint(0, 9, (7, 4), generator=torch.Generator().manual_seed(0))
+    engine = GradSampleEngine(model)
+    engine.probe(lambda n: model(ids[:n].clone()).sum())
+    with engine.record(batch_size=5):
+        batch = ids[:5].clone()
+        out = model(batch)
+        batch.zero_()  # e.g. masking the ids in place once the forward is done
+        out.sum().backward()
+    with pytest.raises(PerSampleGradientError, match=r"input 0 of layer 0 \(Embedding\) was modified in place.*"
+                                                     r"out-of-place form"):
+        engine.per_sample_norms()
+
+
+def test_a_trainable_module_that_never_runs_gets_zero_gradients():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.unused = nn.Linear(4, 3), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    _check(M(), *_data(4))
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, last, reentrant):
+        super().__init__()
+        self.last, self.reentrant = last, reentrant
+        self.pre, self.a, self.head = nn.Linear(4, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+        self.attn, self.ln = nn.MultiheadAttention(6, 2, batch_first=True), nn.LayerNorm(6)
+
+    def segment(self, z):
+        z = torch.tanh(self.a(z))
+        if self.last == "linear":
+            return z
+        z = self.ln(z)
+        return z if self.last == "ln" else self.attn(z, z, z)[0]
+
+    def forward(self, x):
+        z = torch.tanh(self.pre(x))
+        h = self.segment(z) if self.reentrant is None else cp.checkpoint(self.segment, z, use_reentrant=self.reentrant)
+        return self.head(h.mean(1))
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+@pytest.mark.parametrize("last", ["linear", "ln", "mha"])
+def test_activation_checkpointing(last, reentrant):
+    """Non-reentrant checkpointing recomputes the segment during the backward pass and stops it early: the cut
+    call must leave no record. Reentrant checkpointing records only in that recomputation."""
+    model = _Checkpointed(last, reentrant)
+
+    def plain(x):  # the reference runs without checkpointing: reentrant checkpointing forbids autograd.grad
+        model.reentrant = None
+        try:
+            return model(x)
+        finally:
+            model.reentrant = reentrant
+
+    _check(model, *_data(3, 4), reference=plain)
+
+
+def test_a_rule_that_returns_nothing_is_an_error_not_a_zero_gradient():
+    class Odd(nn.Linear):
+        pass
+
+    @register_rule(Odd)
+    class Silent(LayerRule):
+        def contributions(self, layer, records, batch_size):
+            return {}
+
+    with pytest.raises(PerSampleGradientError, match=r"layer 0 \(Odd\).*returned no per-sample gradient"):
+        _check(nn.Sequential(Odd(4, 3)), *_data(4))
+
+
+def test_a_layer_called_with_two_input_ranks_is_refused_by_name():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.fc(x) + self.fc(x[:, None, :]).squeeze(1)
+
+    with pytest.raises(PerSampleGradientError, match=r"layer fc \(Linear\).*inputs of different ranks \(\[\(2,\), \(3,\)\]\)"):
+        _check(M(), *_data(4))
