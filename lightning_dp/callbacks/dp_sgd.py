@@ -6,6 +6,9 @@ Privacy semantics (see ``docs/privacy.md``):
   every batch independently with probability ``q = batch_size * world_size / N``; each
   step releases ``(sum_i clip_C(g_i) + N(0, (sigma C)^2 I)) / (q N)`` and is accounted as
   one Poisson-subsampled Gaussian mechanism (noise multiplier sigma, rate q).
+* With ``adjacency="replace"`` (and Poisson sampling): bounded DP, one example replaced by
+  another; the same release, accounted with the library's replace-one analysis of the
+  Poisson-subsampled Gaussian (twice the sensitivity of the clipped sum; ``pld`` only).
 * With ``poisson_sampling=False``: the DataLoader's own (shuffled) batches are kept.
   Batches of one epoch partition the data, so by parallel composition each epoch is one
   Gaussian mechanism; no amplification by sampling is claimed. The bound is stated for
@@ -206,6 +209,10 @@ class DPSGD(Callback):
             fraction of clipped examples of the last step. It is a statistic of the
             private batch that epsilon does NOT cover (hence its namespace); set False to
             keep it off the record.
+        adjacency: the neighbouring datasets epsilon is stated for: ``"add_remove"`` (one
+            example added or removed; the default with Poisson sampling) or ``"replace"``
+            (one example replaced by another: bounded DP, a larger epsilon for the same
+            noise, the default and only choice of ``poisson_sampling=False``).
     """
 
     #: Constructor arguments that are secrets: redacted from configs logged by ``lightning-dp``.
@@ -226,6 +233,7 @@ class DPSGD(Callback):
         seed: int | None = None,
         replace_batchnorm: bool = False,
         log_nonprivate_metrics: bool = True,
+        adjacency: str | None = None,
     ) -> None:
         if noise_multiplier is None and target_epsilon is None:
             raise ValueError(
@@ -241,8 +249,11 @@ class DPSGD(Callback):
             raise ValueError(f"pass epochs={epochs} or max_steps={max_steps} for calibration, not both")
         self.accountant_name = accountant
         self.accountant_kwargs = dict(accountant_kwargs or {})
-        self._accountant = get_accountant(accountant, **self.accountant_kwargs)  # validates the name
         self.poisson_sampling = bool(poisson_sampling)
+        self.adjacency = self._resolve_adjacency(adjacency, accountant)
+        if self.poisson_sampling and self.adjacency == "replace":
+            self.accountant_kwargs["adjacency"] = "replace"
+        self._accountant = get_accountant(accountant, **self.accountant_kwargs)  # validates the name
         self._requested_seed = check_seed(seed)
         self.replace_batchnorm = bool(replace_batchnorm)
         self.log_nonprivate_metrics = bool(log_nonprivate_metrics)
@@ -273,6 +284,28 @@ class DPSGD(Callback):
         # noise and sampling streams: Trainer.global_step restarts at 0 in a second fit, and the same
         # noise on two releases would cancel in their difference.
         self._released = 0
+
+    def _resolve_adjacency(self, adjacency: str | None, accountant: str) -> str:
+        from lightning_dp.privacy.accounting import check_adjacency
+
+        given = self.accountant_kwargs.pop("adjacency", None)
+        if given is not None and adjacency is not None and given != adjacency:
+            raise ValueError(f"adjacency={adjacency!r} and accountant_kwargs['adjacency']={given!r} disagree; "
+                             "pass adjacency only")
+        adjacency = adjacency if adjacency is not None else given
+        if adjacency is None:
+            return "add_remove" if self.poisson_sampling else "replace"
+        adjacency = check_adjacency(adjacency)
+        if not self.poisson_sampling and adjacency == "add_remove":
+            raise ValueError(
+                "poisson_sampling=False with adjacency='add_remove' is not allowed: shuffled batches partition the "
+                "data, and adding an example shifts the partition of every later one; the bound is stated for "
+                "adjacency='replace' only. Use poisson_sampling=True for add/remove.")
+        if self.poisson_sampling and adjacency == "replace" and str(accountant).lower() == "rdp":
+            raise ValueError(
+                "adjacency='replace' with Poisson sampling needs accountant='pld': dp_accounting has no RDP bound for "
+                "the Poisson-subsampled Gaussian under replacement.")
+        return adjacency
 
     # ----------------------------------------------------------- properties
     @property
@@ -588,7 +621,7 @@ class DPSGD(Callback):
             "privacy/sample_rate": self._data["sample_rate"], "privacy/dataset_size": self._data["dataset_size"],
             "privacy/expected_batch_size": self._data["expected_batch_size"],
             "privacy/steps_per_epoch": self._data["steps_per_epoch"], "privacy/planned_events": planned,
-            "privacy/adjacency": "add/remove" if self.poisson_sampling else "replacement",
+            "privacy/adjacency": "add/remove" if self.adjacency == "add_remove" else "replacement",
         }
         for logger in trainer.loggers:
             logger.log_hyperparams(params)

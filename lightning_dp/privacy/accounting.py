@@ -3,8 +3,15 @@
 Semantics (see ``DESIGN.md``):
 
 * Adjacency is **add/remove one example** (unbounded DP, the Abadi et al. / Opacus
-  convention). For a Poisson-subsampled mechanism the privacy loss distributions of
-  the "add" and the "remove" direction differ; both accountants bound the worse one.
+  convention) by default. For a Poisson-subsampled mechanism the privacy loss
+  distributions of the "add" and the "remove" direction differ; both accountants bound
+  the worse one. ``adjacency="replace"`` (bounded DP: one example replaced by another)
+  is the library's ``NeighboringRelation.REPLACE_ONE``: the replaced example's clipped
+  gradient moves from ``g`` to ``g'`` with ``||g - g'|| <= 2C``, twice the add/remove
+  sensitivity; with Poisson sampling the library's pair is ``q N(-C) + (1-q) N(0)`` against
+  ``q N(C) + (1-q) N(0)``. PLD supports it at every rate; RDP only without sampling
+  (``q == 1``: the Gaussian mechanism with sensitivity 2, i.e. multiplier ``sigma / 2``;
+  dp_accounting's RDP has no Poisson-sampled replacement analysis, so it is refused).
 * One DP-SGD step is the **Poisson-subsampled Gaussian mechanism**: every example is
   in the batch independently with probability ``q = sample_rate``; the clipped sum
   (L2 sensitivity 1 after dividing by the clipping norm) receives
@@ -76,10 +83,12 @@ from lightning_dp.privacy.sampling import check_sample_rate
 
 __all__ = [
     "ACCOUNTANTS",
+    "ADJACENCIES",
     "Accountant",
     "HistoryEntry",
     "PLDAccountant",
     "RDPAccountant",
+    "check_adjacency",
     "clear_caches",
     "get_accountant",
     "history_to_dp_event",
@@ -88,7 +97,19 @@ __all__ = [
 HistoryEntry = tuple[float, float, int]
 """One run of identical DP-SGD steps: ``(noise_multiplier, sample_rate, num_steps)``."""
 
-_ADD_OR_REMOVE = NeighboringRelation.ADD_OR_REMOVE_ONE
+ADJACENCIES = {"add_remove": NeighboringRelation.ADD_OR_REMOVE_ONE, "replace": NeighboringRelation.REPLACE_ONE}
+"""Neighbouring relations by name: ``add_remove`` (the default) and ``replace``."""
+
+
+def check_adjacency(adjacency: Any) -> str:
+    """Validates an adjacency name (``"add_remove"`` or ``"replace"``)."""
+    if adjacency not in ADJACENCIES:
+        raise ValueError(
+            f"adjacency={adjacency!r} is not allowed; choose 'add_remove' (datasets differ by one example added or "
+            "removed: the usual DP-SGD guarantee) or 'replace' (one example replaced by another: twice the "
+            "sensitivity of a clipped sum, a larger epsilon for the same noise)."
+        )
+    return str(adjacency)
 
 
 # --------------------------------------------------------------------------- validation
@@ -222,8 +243,23 @@ class Accountant(abc.ABC):
 
     name: ClassVar[str]
 
-    def __init__(self) -> None:
+    def __init__(self, adjacency: str = "add_remove") -> None:
         self._history: tuple[HistoryEntry, ...] = ()
+        self.adjacency = check_adjacency(adjacency)
+
+    @property
+    def neighboring_relation(self) -> NeighboringRelation:
+        """The ``dp_accounting`` neighbouring relation of :attr:`adjacency`."""
+        return ADJACENCIES[self.adjacency]
+
+    def check_supported(self, sample_rate: float) -> None:
+        """Raises ValueError for a sampling rate the accountant cannot analyse under its adjacency (call it
+        before training: :meth:`step` raises the same error, too late to be harmless)."""
+
+    def _entry(self, noise_multiplier: Any, sample_rate: Any, num_steps: Any) -> HistoryEntry:
+        entry = (check_noise_multiplier(noise_multiplier), check_sample_rate(sample_rate), _check_num_steps(num_steps))
+        self.check_supported(entry[1])
+        return entry
 
     # ------------------------------------------------------------------ subclass hooks
 
@@ -248,7 +284,8 @@ class Accountant(abc.ABC):
         return None
 
     def _config_key(self) -> Hashable:
-        return tuple((key, tuple(value) if isinstance(value, list) else value) for key, value in self._config().items())
+        return (self.adjacency,) + tuple((key, tuple(value) if isinstance(value, list) else value)
+                                        for key, value in self._config().items())
 
     # ------------------------------------------------------------------ public API
 
@@ -271,12 +308,7 @@ class Accountant(abc.ABC):
         Raises:
             ValueError: If an argument is outside its range.
         """
-        entry = (
-            check_noise_multiplier(noise_multiplier),
-            check_sample_rate(sample_rate),
-            _check_num_steps(num_steps),
-        )
-        self._history = _append(self._history, entry)
+        self._history = _append(self._history, self._entry(noise_multiplier, sample_rate, num_steps))
 
     def get_epsilon(self, delta: float) -> float:
         """Epsilon spent by the whole history at the given delta.
@@ -306,12 +338,8 @@ class Accountant(abc.ABC):
             Exactly the value :meth:`get_epsilon` would return after the corresponding
             :meth:`step` call.
         """
-        entry = (
-            check_noise_multiplier(noise_multiplier),
-            check_sample_rate(sample_rate),
-            _check_num_steps(num_steps),
-        )
-        return self._epsilon(_append(self._history, entry), _check_delta(delta))
+        return self._epsilon(_append(self._history, self._entry(noise_multiplier, sample_rate, num_steps)),
+                             _check_delta(delta))
 
     def max_steps(
         self, target_epsilon: float, delta: float, *, noise_multiplier: float, sample_rate: float, limit: int
@@ -337,7 +365,7 @@ class Accountant(abc.ABC):
         """
         target_epsilon = _check_target_epsilon(target_epsilon)
         delta = _check_delta(delta)
-        sigma, q = check_noise_multiplier(noise_multiplier), check_sample_rate(sample_rate)
+        sigma, q, _ = self._entry(noise_multiplier, sample_rate, 1)
         limit = _check_num_steps(limit, name="limit", minimum=0)
 
         def fits(k: int) -> bool:
@@ -374,6 +402,7 @@ class Accountant(abc.ABC):
         return {
             "name": self.name,
             "history": [[sigma, q, n] for sigma, q, n in self._history],
+            "adjacency": self.adjacency,
             **self._config(),
         }
 
@@ -395,6 +424,13 @@ class Accountant(abc.ABC):
                 "the spend is only reproducible with the accountant that computed it. Create the matching one "
                 f"with get_accountant({saved_name!r}) (allowed names: {sorted(ACCOUNTANTS)})."
             )
+        saved_adjacency = state.get("adjacency", "add_remove")  # states written before the setting: add/remove
+        if saved_adjacency != self.adjacency:
+            raise ValueError(
+                f"Cannot load a privacy history accounted under adjacency={saved_adjacency!r} into an accountant "
+                f"with adjacency={self.adjacency!r}: the guarantee would change meaning mid-run. Resume with "
+                f"adjacency={saved_adjacency!r}."
+            )
         raw_history = state.get("history", [])
         if not isinstance(raw_history, (list, tuple)):
             raise ValueError(f"state['history'] must be a list of [sigma, q, num_steps], got {raw_history!r}.")
@@ -402,8 +438,7 @@ class Accountant(abc.ABC):
         for raw in raw_history:
             if not isinstance(raw, (list, tuple)) or len(raw) != 3:
                 raise ValueError(f"Each history entry must be [sigma, q, num_steps], got {raw!r}.")
-            entry = (check_noise_multiplier(raw[0]), check_sample_rate(raw[1]), _check_num_steps(raw[2]))
-            history = _append(history, entry)
+            history = _append(history, self._entry(raw[0], raw[1], raw[2]))
         self._load_config(state)
         self._history = history
 
@@ -412,7 +447,8 @@ class Accountant(abc.ABC):
         return sum(n for _, _, n in self._history)
 
     def __repr__(self) -> str:
-        config = ", ".join(f"{key}={value!r}" for key, value in self._config().items() if key != "orders")
+        items = {**({"adjacency": self.adjacency} if self.adjacency != "add_remove" else {}), **self._config()}
+        config = ", ".join(f"{key}={value!r}" for key, value in items.items() if key != "orders")
         return f"{type(self).__name__}({config}{', ' if config else ''}steps={len(self)})"
 
     # ------------------------------------------------------------------ internals
@@ -453,8 +489,8 @@ class PLDAccountant(Accountant):
 
     name = "pld"
 
-    def __init__(self, value_discretization_interval: float = 1e-4) -> None:
-        super().__init__()
+    def __init__(self, value_discretization_interval: float = 1e-4, adjacency: str = "add_remove") -> None:
+        super().__init__(adjacency)
         self.value_discretization_interval = self._check_interval(value_discretization_interval)
 
     @staticmethod
@@ -481,7 +517,7 @@ class PLDAccountant(Accountant):
 
     def _single_step_pld(self, sigma: float, q: float) -> privacy_loss_distribution.PrivacyLossDistribution:
         # Mirrors PLDAccountant._maybe_compose for PoissonSampledDpEvent(q, GaussianDpEvent(sigma)).
-        key = (sigma, q, self.value_discretization_interval)
+        key = (sigma, q, self.value_discretization_interval, self.adjacency)
         pld = _PLD_SINGLE_STEP_CACHE.get(key)
         if pld is None:
             pld = privacy_loss_distribution.from_gaussian_mechanism(
@@ -489,7 +525,7 @@ class PLDAccountant(Accountant):
                 pessimistic_estimate=True,
                 value_discretization_interval=self.value_discretization_interval,
                 sampling_prob=q,
-                neighboring_relation=_ADD_OR_REMOVE,
+                neighboring_relation=self.neighboring_relation,
             )
             _PLD_SINGLE_STEP_CACHE.put(key, pld)
         return pld
@@ -503,7 +539,7 @@ class PLDAccountant(Accountant):
                 standard_deviation=sigma / math.sqrt(n),
                 pessimistic_estimate=True,
                 value_discretization_interval=self.value_discretization_interval,
-                neighboring_relation=_ADD_OR_REMOVE,
+                neighboring_relation=self.neighboring_relation,
             )
         return self._single_step_pld(sigma, q).self_compose(n)
 
@@ -513,7 +549,7 @@ class PLDAccountant(Accountant):
         interval = self.value_discretization_interval
         start, pld = 0, None
         for length in range(len(history), 0, -1):
-            pld = _PLD_COMPOSED_CACHE.get((interval, history[:length]))
+            pld = _PLD_COMPOSED_CACHE.get((interval, self.adjacency, history[:length]))
             if pld is not None:
                 start = length
                 break
@@ -524,7 +560,7 @@ class PLDAccountant(Accountant):
         for length in range(start + 1, len(history) + 1):
             pld = pld.compose(self._entry_pld(history[length - 1]))
             if length >= len(history) - 1:  # keep the history and its prefix without the last run
-                _PLD_COMPOSED_CACHE.put((interval, history[:length]), pld)
+                _PLD_COMPOSED_CACHE.put((interval, self.adjacency, history[:length]), pld)
         return pld
 
     def _compute_epsilon(self, history: tuple[HistoryEntry, ...], delta: float) -> float:
@@ -553,9 +589,16 @@ class RDPAccountant(Accountant):
 
     name = "rdp"
 
-    def __init__(self, orders: Sequence[float] | None = None) -> None:
-        super().__init__()
+    def __init__(self, orders: Sequence[float] | None = None, adjacency: str = "add_remove") -> None:
+        super().__init__(adjacency)
         self.orders = self._check_orders(orders)
+
+    def check_supported(self, sample_rate: float) -> None:
+        if self.adjacency == "replace" and sample_rate != 1.0:
+            raise ValueError(
+                f"the RDP accountant cannot analyse Poisson sampling (sample_rate={sample_rate:g}) under "
+                "adjacency='replace': dp_accounting has no RDP bound for it. Use accountant='pld', which does."
+            )
 
     @staticmethod
     def _check_orders(orders: Sequence[float] | None) -> list[float]:
@@ -594,7 +637,8 @@ class RDPAccountant(Accountant):
         orders = np.array(self.orders)
         rdp = np.zeros_like(orders, dtype=np.float64)
         for sigma, q, n in history:
-            rdp += n * self._single_step_rdp(sigma, q, orders)
+            # replace at q == 1 (the only rate check_supported admits): the Gaussian mechanism with sensitivity 2
+            rdp += n * self._single_step_rdp(sigma / 2 if self.adjacency == "replace" else sigma, q, orders)
         epsilon, _ = rdp_privacy_accountant.compute_epsilon(orders, rdp, delta)
         return float(epsilon)
 

@@ -179,6 +179,9 @@ def test_empty_poisson_batches_release_noise_only():
     (dict(noise_multiplier=1.0, target_delta=1.0), "target_delta=1.0"),
     (dict(noise_multiplier=1.0, accountant="nope"), "nope"),
     (dict(target_epsilon=1.0, epochs=2, max_steps=3), "not both"),
+    (dict(noise_multiplier=1.0, adjacency="swap"), "adjacency='swap' is not allowed"),
+    (dict(noise_multiplier=1.0, adjacency="replace", accountant="rdp"), "adjacency='replace'.*needs accountant='pld'"),
+    (dict(noise_multiplier=1.0, poisson_sampling=False, adjacency="add_remove"), "adjacency='replace' only"),
 ])
 def test_constructor_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -325,3 +328,15 @@ def test_second_fit_with_the_same_callback_draws_fresh_noise_and_keeps_accountin
     first, second = (torch.cat([g.reshape(-1) for g in grads]) for grads in probe.grads)
     assert not torch.allclose(first, second)
     assert dp.accountant.history == [(1.0, 0.1, 2)]
+
+
+def test_replacement_adjacency_is_accounted_with_the_library_replace_one_analysis():
+    """The same release (Poisson batches, clipped sum, noise); epsilon is the library's for REPLACE_ONE."""
+    dp = DPSGD(noise_multiplier=1.1, max_grad_norm=1.0, seed=0, adjacency="replace")
+    t = trainer(max_epochs=1, callbacks=[dp])
+    t.fit(Classifier(), BlobsData(n=200, batch_size=20))
+    acc = dpa.pld.PLDAccountant(dpa.NeighboringRelation.REPLACE_ONE)
+    acc.compose(dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(0.1, dpa.GaussianDpEvent(1.1)), 10))
+    assert dp.accountant.history == [(1.1, 0.1, 10)] and dp.accountant.adjacency == "replace"
+    assert dp.epsilon == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)
+    assert dp.epsilon > library_epsilon(1.1, 0.1, 10)

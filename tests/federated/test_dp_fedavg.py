@@ -150,3 +150,27 @@ def test_parts_by_name_and_unknown_names():
     with pytest.raises(ValueError, match="needs noise_multiplier=<z> or target_epsilon"):
         CentralGaussian()
     assert math.isinf(FederatedRound(LinearRegression()).participation_cost())
+
+
+def test_replacement_adjacency_is_accounted_with_the_library_replace_one_analysis():
+    privacy = CentralGaussian(noise_multiplier=1.3, clip=0.5, adjacency="replace")
+    trainer(max_epochs=4).fit(fedavg(privacy, q=0.2), SyntheticLinearMixture(seed=0))
+    acc = dpa.pld.PLDAccountant(dpa.NeighboringRelation.REPLACE_ONE)
+    acc.compose(dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(0.2, dpa.GaussianDpEvent(1.3)), 4))
+    assert privacy.epsilon == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)
+    assert privacy.epsilon > library_epsilon(1.3, 0.2, 4)
+    assert privacy.hparams()["privacy/adjacency"] == "replacement"
+
+    calibrated = CentralGaussian(target_epsilon=2.0, clip=1.0, adjacency="replace")
+    add_remove = CentralGaussian(target_epsilon=2.0, clip=1.0)
+    for part in (calibrated, add_remove):
+        trainer(max_epochs=5).fit(fedavg(part, q=0.3), SyntheticLinearMixture(seed=0))
+    assert 1.9 < calibrated.epsilon <= 2.0 and calibrated.z > add_remove.z
+
+
+def test_rdp_under_replacement_with_client_sampling_is_refused_before_any_client_trains():
+    privacy = CentralGaussian(noise_multiplier=1.0, accountant="rdp", adjacency="replace")
+    t = trainer(max_epochs=2)
+    with pytest.raises(MisconfigurationException, match=r"RDP accountant cannot analyse Poisson sampling.*'pld'"):
+        t.fit(fedavg(privacy, q=0.2), SyntheticLinearMixture(seed=0))
+    assert t.global_step == 0 and len(privacy.accountant) == 0

@@ -309,3 +309,69 @@ def test_max_steps_edge_cases():
     assert accountant.max_steps(100.0, DELTA, limit=1, **kwargs) == 1
     next_step = accountant.epsilon_after(DELTA, num_steps=1, **kwargs)
     assert accountant.max_steps(next_step, DELTA, limit=50, **kwargs) >= 1  # the boundary itself fits
+
+
+# --------------------------------------------------------------------------- replacement adjacency
+
+
+@pytest.mark.parametrize("history_id", list(HISTORIES))
+def test_replace_adjacency_equals_the_library_replace_one_accountant(history_id):
+    """PLD under replacement is the library's PLD accountant with NeighboringRelation.REPLACE_ONE."""
+    from dp_accounting.privacy_accountant import NeighboringRelation
+
+    history = HISTORIES[history_id]
+    clear_caches()
+    ours = _filled("pld", {**FAST_PLD, "adjacency": "replace"}, history).get_epsilon(DELTA)
+    library = LibraryPLDAccountant(NeighboringRelation.REPLACE_ONE, **FAST_PLD).compose(
+        history_to_dp_event(history)).get_epsilon(DELTA)
+    assert ours == pytest.approx(library, rel=1e-12, abs=0.0)
+    assert ours > _filled("pld", FAST_PLD, history).get_epsilon(DELTA)  # twice the sensitivity costs more
+
+
+@pytest.mark.parametrize("name,config", [("pld", FAST_PLD), ("rdp", {})])
+def test_replace_without_sampling_is_the_gaussian_mechanism_with_twice_the_sensitivity(name, config):
+    """At q = 1, replacing one example moves the clipped sum by up to 2C: multiplier sigma under replacement is
+    multiplier sigma / 2 under add/remove (closed form of the Gaussian mechanism, Balle & Wang 2018, checked
+    through the add/remove accountant; PLD up to its discretization)."""
+    replace = _filled(name, {**config, "adjacency": "replace"}, [(3.0, 1.0, 7)]).get_epsilon(DELTA)
+    halved = _filled(name, config, [(1.5, 1.0, 7)]).get_epsilon(DELTA)
+    assert replace == pytest.approx(halved, rel=1e-12 if name == "rdp" else 2e-2)
+
+
+def test_rdp_refuses_poisson_sampling_under_replacement_before_recording():
+    accountant = get_accountant("rdp", adjacency="replace")
+    with pytest.raises(ValueError, match=r"RDP accountant cannot analyse Poisson sampling.*accountant='pld'"):
+        accountant.step(noise_multiplier=1.0, sample_rate=0.01)
+    with pytest.raises(ValueError, match="accountant='pld'"):
+        accountant.max_steps(1.0, DELTA, noise_multiplier=1.0, sample_rate=0.01, limit=10)
+    assert len(accountant) == 0
+    with pytest.raises(ValueError, match=r"adjacency='swap' is not allowed; choose 'add_remove'.*'replace'"):
+        get_accountant("pld", adjacency="swap")
+
+
+def test_a_history_cannot_change_adjacency_on_load():
+    replace = _filled("pld", {**FAST_PLD, "adjacency": "replace"}, [(1.0, 0.01, 3)])
+    state = replace.state_dict()
+    assert state["adjacency"] == "replace"
+    with pytest.raises(ValueError, match=r"accounted under adjacency='replace'.*Resume with adjacency='replace'"):
+        get_accountant("pld", **FAST_PLD).load_state_dict(state)
+    legacy = _filled("pld", FAST_PLD, [(1.0, 0.01, 3)]).state_dict()
+    del legacy["adjacency"]  # written before the setting existed: add/remove
+    with pytest.raises(ValueError, match="adjacency='add_remove'"):
+        get_accountant("pld", adjacency="replace", **FAST_PLD).load_state_dict(legacy)
+    fresh = get_accountant("pld", adjacency="replace", **FAST_PLD)
+    fresh.load_state_dict(state)
+    assert fresh.get_epsilon(DELTA) == replace.get_epsilon(DELTA)
+
+
+def test_calibration_under_replacement_never_lands_above_the_target():
+    from lightning_dp.privacy.calibration import calibrate_noise_multiplier
+
+    kwargs = {**FAST_PLD, "adjacency": "replace"}
+    sigma = calibrate_noise_multiplier(target_epsilon=2.0, target_delta=DELTA, sample_rate=0.02, steps=200,
+                                       accountant="pld", accountant_kwargs=kwargs)
+    spend = get_accountant("pld", **kwargs).epsilon_after(DELTA, noise_multiplier=sigma, sample_rate=0.02,
+                                                          num_steps=200)
+    add_remove = calibrate_noise_multiplier(target_epsilon=2.0, target_delta=DELTA, sample_rate=0.02, steps=200,
+                                            accountant="pld", accountant_kwargs=FAST_PLD)
+    assert spend <= 2.0 and sigma > add_remove  # more noise, but less than twice: the pair overlaps at N(0)

@@ -17,6 +17,15 @@ Gaussian mechanism with multiplier ``z``: the accountant records ``z``
 (:mod:`lightning_dp.privacy.adaptive`, the same functions as :class:`~lightning_dp.callbacks.QuantileClipping`
 with clients in place of examples).
 
+**Replacement.** With ``adjacency="replace"`` one client's data is replaced by another's: its
+clipped update moves from ``u`` to ``u'`` with ``||u - u'|| <= 2C``, and the round is accounted
+with dp_accounting's replace-one analysis of the Poisson-subsampled Gaussian (the pair
+``q N(-C) + (1-q) N(0)`` against ``q N(C) + (1-q) N(0)``). With adaptive clipping the count
+release is centred (``b_i - 1/2``, in ``{-1/2, 1/2}``), so in noise units a client's joint
+contribution (clipped update, centred count) lies within ``1 / z`` of 0, the contribution of
+an absent client, which is what the replace-one pair assumes: the split into ``z_Delta`` and
+``sigma_b`` still composes to one Gaussian with multiplier ``z`` under replacement.
+
 **Flower.** ``DifferentialPrivacyServerSideFixedClipping`` adds noise of std ``z C / m`` to the
 average of the ``m`` sampled clients' clipped updates: the same std as ours for the same ``z``,
 ``C`` and ``m`` (tested against the installed Flower code), but Flower computes no epsilon, samples
@@ -42,7 +51,7 @@ import torch
 from torch import Tensor
 
 from lightning_dp.federated.parts.registry import Part, register_part
-from lightning_dp.privacy.accounting import get_accountant
+from lightning_dp.privacy.accounting import check_adjacency, get_accountant
 from lightning_dp.privacy.adaptive import default_count_noise_std, quantile_clip_update, quantile_noise_split
 from lightning_dp.privacy.calibration import calibrate_noise_multiplier
 from lightning_dp.privacy.clipping import check_max_grad_norm, clip_factors
@@ -90,6 +99,10 @@ class CentralGaussian(ServerPrivacy):
         count_noise_std: sigma_b; default ``q N / 20``. Must exceed ``z / 2``.
         accountant: ``"pld"`` or ``"rdp"``.
         rounds: planned rounds, for calibration.
+        adjacency: ``"add_remove"`` (one client added or removed, McMahan et al.'s
+            guarantee) or ``"replace"`` (one client's data replaced by another's: the clipped
+            sum moves by up to 2C; accounted with the library's replace-one analysis of the
+            Poisson-subsampled Gaussian, ``pld`` only unless every client takes part).
     """
 
     accounted = True
@@ -97,7 +110,7 @@ class CentralGaussian(ServerPrivacy):
     def __init__(self, noise_multiplier: float | None = None, target_epsilon: float | None = None,
                  target_delta: float = 1e-5, clip: float = 1.0, adaptive: bool = False, target_quantile: float = 0.5,
                  clip_lr: float = 0.2, count_noise_std: float | None = None, accountant: str = "pld",
-                 rounds: int | None = None) -> None:
+                 rounds: int | None = None, adjacency: str = "add_remove") -> None:
         if noise_multiplier is None and target_epsilon is None:
             raise ValueError("CentralGaussian needs noise_multiplier=<z> or target_epsilon=<budget> (or both)")
         self.requested_z = None if noise_multiplier is None else check_noise_multiplier(noise_multiplier)
@@ -118,7 +131,8 @@ class CentralGaussian(ServerPrivacy):
             raise ValueError(f"count_noise_std={count_noise_std!r} must be > 0")
         self.requested_count_std = None if count_noise_std is None else float(count_noise_std)
         self.accountant_name = accountant
-        self.accountant = get_accountant(accountant)  # validates the name
+        self.adjacency = check_adjacency(adjacency)
+        self.accountant = get_accountant(accountant, adjacency=self.adjacency)  # validates the name
         if rounds is not None and (isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1):
             raise ValueError(f"rounds={rounds!r} must be a positive integer or None")
         self.rounds = rounds
@@ -133,7 +147,8 @@ class CentralGaussian(ServerPrivacy):
                 "privacy/target_delta": self.target_delta, "privacy/initial_clip": self.initial_clip,
                 "privacy/adaptive_clipping": self.adaptive, "privacy/accountant": self.accountant_name,
                 "privacy/client_sample_rate": self.q, "privacy/count_noise_std": self.count_std,
-                "privacy/level": "client"}
+                "privacy/level": "client",
+                "privacy/adjacency": "add/remove" if self.adjacency == "add_remove" else "replacement"}
 
     # ----------------------------------------------------------------- set-up
     def plan(self, *, sample_rate: float | None, num_clients: int, expected_count: float,
@@ -144,6 +159,7 @@ class CentralGaussian(ServerPrivacy):
                              "selection: selection: {class_path: lightning_dp.federated.parts.PoissonSelection, "
                              "init_args: {sample_rate: q}}. A fixed number of clients per round is not accounted.")
         self.q = sample_rate
+        self.accountant.check_supported(sample_rate)
         if self.z is None:
             rounds = self.rounds or planned_rounds
             if rounds is None:
@@ -151,7 +167,8 @@ class CentralGaussian(ServerPrivacy):
                                  "number of rounds: pass rounds=... or the Trainer's max_epochs")
             self.z = calibrate_noise_multiplier(target_epsilon=self.target_epsilon, target_delta=self.target_delta,
                                                 sample_rate=self.q, steps=max(rounds - len(self.accountant), 1),
-                                                accountant=self.accountant_name)
+                                                accountant=self.accountant_name,
+                                                accountant_kwargs={"adjacency": self.adjacency})
         if self.adaptive:
             self.count_std = self.requested_count_std or default_count_noise_std(expected_count)
             quantile_noise_split(self.z, count_noise_std=self.count_std)  # z < 2 sigma_b, or a clear error
