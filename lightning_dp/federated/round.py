@@ -177,7 +177,10 @@ class FederatedRound(LightningModule):
         # training progress, not model state: saved in checkpoint["federated"], so that restoring the
         # best weights (RestoreBestWeights, load_state_dict) does not rewind it
         self.register_buffer("rounds", torch.zeros((), dtype=torch.long), persistent=False)
-        self.ledger = PrivacyLedger()
+        # the released change of every hypothesis in the previous round (zeros before the first): public, the
+        # reference direction of direction-aware sanitizers; saved in checkpoint["federated"] like the rounds
+        self.register_buffer("previous_step", torch.zeros_like(self.hypotheses), persistent=False)
+        self.ledger: PrivacyLedger = self.sanitizer.make_ledger()
         self.automatic_optimization = False
         self._history: list[dict[str, Any]] = []
 
@@ -363,9 +366,12 @@ class FederatedRound(LightningModule):
         trained = self.update.train(self.template, self.spec, start, x, y, mask, loss=self.loss_name,
                                     shuffles=self._shuffle_keys(r, mine, mask))
         released, costs = [], []
+        previous = self.previous_step[choice]
+        has_reference = previous.norm(dim=1) > 0
         for c, i in enumerate(mine):
             out = self.sanitizer.sanitize(trained[c], start[c], layer_sizes=self.spec.sizes,
-                                          generator=derive_generator(self._noise_seed, _NOISE, r, i, device=x.device))
+                                          generator=derive_generator(self._noise_seed, _NOISE, r, i, device=x.device),
+                                          reference=previous[c] if bool(has_reference[c]) else None)
             released.append(out.released)
             costs.append(out.cost)
         chosen = losses.gather(1, choice[:, None]).squeeze(1).double()
@@ -394,6 +400,7 @@ class FederatedRound(LightningModule):
                 expected_count=self.selection.expected_count(len(self._clients["train"])),
                 noise_generator=derive_generator(self._noise_seed, _SERVER_NOISE, r, device=hyps.device),
                 count_generator=derive_generator(self._noise_seed, _SERVER_COUNT, r))
+            self.previous_step.copy_(new - hyps)
             self.optimizers().step(closure=lambda: self.hypotheses.copy_(new))
             metrics.update({k: v for k, v in privacy_metrics.items()
                             if self.log_nonprivate_metrics or not k.startswith("nonprivate/")})
@@ -490,6 +497,7 @@ class FederatedRound(LightningModule):
     # -------------------------------------------------------------- checkpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["federated"] = {"ledger": self.ledger.state_dict(), "seed": self.seed, "rounds": int(self.rounds),
+                                   "previous_step": self.previous_step.detach().cpu().clone(),
                                    "parts": {kind: part.state_dict() for kind, part in self.parts().items()},
                                    SECRET_KEY: {"noise_seed": self._noise_seed}, "version": 3}
 
@@ -499,6 +507,8 @@ class FederatedRound(LightningModule):
             self.ledger.load_state_dict(state["ledger"])
             self.seed = int(state["seed"])
             self.rounds.fill_(int(state["rounds"]))
+            if state.get("previous_step") is not None:
+                self.previous_step.copy_(state["previous_step"])
             for kind, part in self.parts().items():
                 part.load_state_dict(state.get("parts", {}).get(kind, {}))
             if self._noise_seed_given:
@@ -529,7 +539,7 @@ class FederatedRound(LightningModule):
         fig = Figure(figsize=(6, 4))
         ax = fig.subplots()
         ax.hist(values, bins=min(30, max(5, len(set(values)))))
-        ax.set_xlabel("client epsilon spent (d-privacy, per ||delta||-neighbourhood)")
+        ax.set_xlabel(self.sanitizer.ledger_label)
         ax.set_ylabel("clients")
         ax.set_title(f"privacy spend per client, {self.sanitizer.name}, n={self.spec.numel}")
         tracking.log_figure(self.trainer, fig, "privacy/client_epsilon_hist.png")

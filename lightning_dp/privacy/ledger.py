@@ -29,7 +29,7 @@ import numbers
 import statistics
 from typing import Any, Union
 
-__all__ = ["ClientId", "PrivacyLedger"]
+__all__ = ["ClientId", "GaussianLedger", "PrivacyLedger"]
 
 ClientId = Union[str, int]
 """A client identifier: a string or an integer (kept as such through ``state_dict``)."""
@@ -73,6 +73,8 @@ class PrivacyLedger:
     to admit exactly ``k`` participations of cost ``c``, give it a little headroom
     (``k * c * (1 + 1e-9)``) since ``c + ... + c`` may round above ``k * c``.
     """
+
+    _kind: str | None = None  # None: additive costs (d-privacy, pure epsilon); saved states carry no "kind"
 
     def __init__(self) -> None:
         self._spent: dict[ClientId, float] = {}
@@ -149,6 +151,10 @@ class PrivacyLedger:
         """
         if not isinstance(state, dict) or not isinstance(state.get("clients", []), (list, tuple)):
             raise ValueError(f"state must be a dict from PrivacyLedger.state_dict(), got {state!r:.200}.")
+        if state.get("kind") != self._kind:
+            raise ValueError(f"the saved ledger is of kind {state.get('kind') or 'additive'!r} but this one is "
+                             f"{self._kind or 'additive'!r}: its numbers mean something else. Resume with the "
+                             "sanitizer of the run that wrote it.")
         spent: dict[ClientId, float] = {}
         participations: dict[ClientId, int] = {}
         for entry in state.get("clients", []):
@@ -171,3 +177,89 @@ class PrivacyLedger:
 
     def __repr__(self) -> str:
         return f"PrivacyLedger(clients={len(self)}, max={self.max()!r}, median={self.median()!r})"
+
+
+class GaussianLedger(PrivacyLedger):
+    """Per-client ledger of local Gaussian releases: epsilon of the exact composition, at one delta.
+
+    A participation released with Gaussian noise of multiplier ``m`` (noise std over the
+    L2 sensitivity of the release) is charged ``m^-2``. A client's releases compose exactly
+    into ONE Gaussian mechanism with multiplier ``(sum m^-2)^(-1/2)`` (privacy losses of
+    Gaussian mechanisms are Gaussian and add; :mod:`lightning_dp.privacy.local_dp`), so the
+    ledger keeps the sum and reports the epsilon of that mechanism at ``delta`` through the
+    project's accountant (dp-accounting). :meth:`spent`, :meth:`as_dict`, :meth:`median`,
+    :meth:`max` and :meth:`would_exceed` speak epsilon; :meth:`charge` takes ``m^-2``.
+
+    Args:
+        delta: the delta at which every client's epsilon is stated.
+        accountant: ``"pld"`` or ``"rdp"``.
+
+    Example:
+        >>> ledger = GaussianLedger(delta=1e-5)
+        >>> ledger.charge("alice", 1 / 4.0**2)
+        >>> ledger.charge("alice", 1 / 4.0**2)  # two releases at m = 4: one Gaussian at m = 4 / sqrt(2)
+        >>> from lightning_dp.privacy.local_dp import gaussian_epsilon
+        >>> abs(ledger.spent("alice") - gaussian_epsilon(4.0 / 2**0.5, 1e-5)) < 1e-9
+        True
+    """
+
+    def __init__(self, delta: float = 1e-5, accountant: str = "pld") -> None:
+        super().__init__()
+        if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 < delta < 1:
+            raise ValueError(f"delta={delta!r} is not allowed: pass a number in (0, 1), well below 1 / (records of "
+                             "a client)")
+        from lightning_dp.privacy.accounting import get_accountant
+
+        get_accountant(accountant)  # validates the name
+        self.delta, self.accountant = float(delta), accountant
+        self._cache: dict[float, float] = {}
+
+    def epsilon_of(self, precision: float) -> float:
+        """Epsilon at :attr:`delta` of the Gaussian mechanism with multiplier ``precision^(-1/2)``."""
+        if precision == 0:
+            return 0.0
+        if math.isinf(precision):
+            return math.inf
+        eps = self._cache.get(precision)
+        if eps is None:
+            from lightning_dp.privacy.local_dp import gaussian_epsilon
+
+            eps = self._cache[precision] = gaussian_epsilon(precision**-0.5, self.delta, self.accountant)
+        return eps
+
+    def precision(self, client_id: ClientId) -> float:
+        """The client's ``sum m^-2`` (0.0 if never charged)."""
+        return super().spent(client_id)
+
+    def spent(self, client_id: ClientId) -> float:
+        return self.epsilon_of(self.precision(client_id))
+
+    def would_exceed(self, client_id: ClientId, cost: float, cap: float) -> bool:
+        return self.epsilon_of(self.precision(client_id) + _check_cost(cost)) > _check_cap(cap)
+
+    def as_dict(self) -> dict[ClientId, float]:
+        return {cid: self.epsilon_of(p) for cid, p in self._spent.items()}
+
+    def median(self) -> float:
+        return float(statistics.median(self.as_dict().values())) if self._spent else 0.0
+
+    def max(self) -> float:
+        # epsilon grows with the precision: the client with the largest sum
+        return self.epsilon_of(max(self._spent.values())) if self._spent else 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "kind": "gaussian", "delta": self.delta, "accountant": self.accountant}
+
+    _kind = "gaussian"
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or state.get("kind") != "gaussian" or state.get("delta") != self.delta \
+                or state.get("accountant") != self.accountant:
+            raise ValueError(
+                f"this ledger states Gaussian compositions at delta={self.delta} with the {self.accountant!r} "
+                f"accountant; the saved ledger is {({k: state.get(k) for k in ('kind', 'delta', 'accountant')} if isinstance(state, dict) else state)!r}. "
+                "Resume with the sanitizer settings of the run that wrote it.")
+        super().load_state_dict(state)
+
+    def __repr__(self) -> str:
+        return f"GaussianLedger(clients={len(self)}, delta={self.delta}, max={self.max()!r})"

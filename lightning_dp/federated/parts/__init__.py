@@ -2,7 +2,9 @@
 
 - selection: :class:`UniformSelection` (``"uniform"``), :class:`PoissonSelection` (``"poisson"``);
 - update: :class:`LocalSGD` (``"local_sgd"``, vectorized over clients or looped);
-- sanitizer: :class:`NoSanitizer` (``"none"``), :class:`EuclideanLaplace` (``"euclidean_laplace"``, d-privacy);
+- sanitizer: :class:`NoSanitizer` (``"none"``), :class:`EuclideanLaplace` (``"euclidean_laplace"``, d-privacy),
+  :class:`ClipSanitizer` (``"clip"``), :class:`GaussianLocalDP` (``"gaussian_ldp"``), :class:`LaplaceLocalDP`
+  (``"laplace_ldp"``), :class:`SectorSanitizer` (``"sector"``: upper, lower and angular clipping);
 - aggregator: :class:`KMeans` (``"kmeans"``, clustered), :class:`FedAvg` (``"fedavg"``);
 - server_privacy: :class:`NoServerPrivacy` (``"none"``), :class:`CentralGaussian` (``"gaussian"``,
   client-level DP-FedAvg with fixed or adaptive clipping, accounted).
@@ -10,13 +12,22 @@
 
 from lightning_dp.federated.parts.aggregators import Aggregator, FedAvg, KMeans
 from lightning_dp.federated.parts.registry import KINDS, Part, register_part, registered_parts, resolve_part
-from lightning_dp.federated.parts.sanitizers import ClientSanitizer, EuclideanLaplace, NoSanitizer
+from lightning_dp.federated.parts.sanitizers import (
+    ClientSanitizer,
+    ClipSanitizer,
+    EuclideanLaplace,
+    GaussianLocalDP,
+    LaplaceLocalDP,
+    NoSanitizer,
+    SectorSanitizer,
+)
 from lightning_dp.federated.parts.selection import ClientSelection, PoissonSelection, UniformSelection
 from lightning_dp.federated.parts.server_privacy import CentralGaussian, NoServerPrivacy, ServerPrivacy
 from lightning_dp.federated.parts.update import AUTO_VMAP_MAX_PARAMETERS, ClientUpdate, LocalSGD
 
 __all__ = [
     "AUTO_VMAP_MAX_PARAMETERS", "Aggregator", "CentralGaussian", "ClientSanitizer", "ClientSelection", "ClientUpdate",
-    "EuclideanLaplace", "FedAvg", "KINDS", "KMeans", "LocalSGD", "NoSanitizer", "NoServerPrivacy", "Part",
-    "PoissonSelection", "ServerPrivacy", "UniformSelection", "register_part", "registered_parts", "resolve_part",
+    "ClipSanitizer", "EuclideanLaplace", "FedAvg", "GaussianLocalDP", "KINDS", "KMeans", "LaplaceLocalDP", "LocalSGD",
+    "NoSanitizer", "NoServerPrivacy", "Part", "PoissonSelection", "SectorSanitizer", "ServerPrivacy",
+    "UniformSelection", "register_part", "registered_parts", "resolve_part",
 ]

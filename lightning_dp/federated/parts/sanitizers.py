@@ -1,4 +1,20 @@
-"""Client sanitizers: what a client releases of its trained model, and what one release costs it."""
+"""Client sanitizers: what a client releases of its trained model, and what one release costs it.
+
+- ``none``: the trained model as it is;
+- ``euclidean_laplace``: metric privacy (d-privacy) of Galli et al., additive per-client costs;
+- ``clip``: the update clipped to L2 norm C, no noise (bounded updates for central DP or secure
+  aggregation; no guarantee by itself);
+- ``gaussian_ldp``: local DP, update clipped at C plus ``N(0, (z C)^2 I)``; per-client Gaussian ledger;
+- ``laplace_ldp``: local DP, update clipped to L1 norm C plus Laplace noise of scale ``lambda C``;
+  pure epsilon ``2 / lambda`` per release, added up per client;
+- ``sector``: clipped from above (C), below (c) and in direction (within angle a of the previous
+  round's released change of the model), optionally with local Gaussian noise calibrated to
+  the sector's diameter (Galli, thesis ch. 5; :mod:`lightning_dp.privacy.local_dp`).
+
+Local DP protects a client's whole dataset against everyone, the server included; its
+neighbouring inputs are any two datasets of the client, so the sensitivity of a clipped
+update is the diameter of the set clipping maps it into (2C for a ball).
+"""
 
 from __future__ import annotations
 
@@ -9,9 +25,21 @@ import torch
 from torch import Tensor
 
 from lightning_dp.federated.parts.registry import Part, register_part
+from lightning_dp.privacy.ledger import GaussianLedger, PrivacyLedger
+from lightning_dp.privacy.local_dp import (
+    check_sector,
+    clip_l1,
+    clip_l2,
+    gaussian_epsilon,
+    laplace_noise,
+    project_to_sector,
+    sector_diameter,
+)
 from lightning_dp.privacy.mechanisms import SanitizedUpdate, sanitize_update
+from lightning_dp.privacy.noise import gaussian_noise
 
-__all__ = ["ClientSanitizer", "EuclideanLaplace", "NoSanitizer"]
+__all__ = ["ClientSanitizer", "ClipSanitizer", "EuclideanLaplace", "GaussianLocalDP", "LaplaceLocalDP", "NoSanitizer",
+           "SectorSanitizer"]
 
 
 class ClientSanitizer(Part):
@@ -24,21 +52,53 @@ class ClientSanitizer(Part):
 
     #: whether releases cost privacy that the round must charge to the clients' ledgers
     accountable = False
+    #: what the ledger's numbers are, for plots and tables
+    ledger_label = "client epsilon spent (d-privacy, per ||delta||-neighbourhood)"
+
+    def make_ledger(self) -> PrivacyLedger:
+        """The per-client ledger the round charges :attr:`SanitizedUpdate.cost` to (additive by default)."""
+        return PrivacyLedger()
 
     def participation_cost(self, numel: int) -> float:
-        """The cost of one participation for a model of ``numel`` parameters (inf: unprotected)."""
+        """The largest cost of one participation for a model of ``numel`` parameters (inf: unprotected),
+        in the ledger's unit; used to decline clients before a round (``client_privacy_cap``)."""
         return math.inf
 
-    def sanitize(self, trained: Tensor, start: Tensor, *, generator: torch.Generator,
-                 layer_sizes: list[int]) -> SanitizedUpdate:
+    def sanitize(self, trained: Tensor, start: Tensor, *, generator: torch.Generator, layer_sizes: list[int],
+                 reference: Tensor | None = None) -> SanitizedUpdate:
+        """The release of a client that trained ``start`` into ``trained``.
+
+        ``reference`` is public: the previous round's released change of the model the client
+        started from (None in the first round); only direction-aware sanitizers use it.
+        """
         raise NotImplementedError
+
+
+def _check_clip(clip: Any) -> float:
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not (math.isfinite(clip) and clip > 0):
+        raise ValueError(f"clip={clip!r} is not allowed: pass a finite clipping norm C > 0")
+    return float(clip)
+
+
+def _check_multiplier(noise_multiplier: Any, *, allow_zero: bool = False) -> float:
+    if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, (int, float)) \
+            or not math.isfinite(noise_multiplier) or noise_multiplier < 0 or (noise_multiplier == 0 and not allow_zero):
+        raise ValueError(f"noise_multiplier={noise_multiplier!r} is not allowed: pass a finite number > 0"
+                         + (" (0: no local noise)" if allow_zero else ""))
+    return float(noise_multiplier)
+
+
+def _check_delta(delta: Any) -> float:
+    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 < delta < 1:
+        raise ValueError(f"target_delta={delta!r} is not allowed: pass a number in (0, 1)")
+    return float(delta)
 
 
 @register_part("sanitizer", "none")
 class NoSanitizer(ClientSanitizer):
     """Releases the trained model as it is: no privacy from the client (e.g. under central DP, or a baseline)."""
 
-    def sanitize(self, trained, start, *, generator, layer_sizes):
+    def sanitize(self, trained, start, *, generator, layer_sizes, reference=None):
         return SanitizedUpdate(released=trained, epsilon=math.inf, cost=math.inf)
 
 
@@ -74,7 +134,163 @@ class EuclideanLaplace(ClientSanitizer):
     def participation_cost(self, numel: int) -> float:
         return math.inf if self.noise_multiplier == 0 else numel / self.noise_multiplier
 
-    def sanitize(self, trained, start, *, generator, layer_sizes):
+    def sanitize(self, trained, start, *, generator, layer_sizes, reference=None):
         return sanitize_update(trained, start, noise_multiplier=self.noise_multiplier, generator=generator,
                                per_layer_sizes=layer_sizes if self.per_layer else None,
                                min_delta_norm=self.min_delta_norm)
+
+
+@register_part("sanitizer", "clip")
+class ClipSanitizer(ClientSanitizer):
+    """Releases ``start + clip_C(trained - start)`` (L2): bounded updates, no noise, no guarantee by itself.
+
+    For central DP the server clips anyway (:class:`~lightning_dp.federated.parts.CentralGaussian`);
+    clipping on the client bounds what a client can contribute to an aggregate it does not
+    see (secure aggregation, a robustness baseline).
+    """
+
+    def __init__(self, clip: float = 1.0) -> None:
+        self.clip = _check_clip(clip)
+
+    def hparams(self) -> dict[str, Any]:
+        return {"sanitizer_clip": self.clip}
+
+    def sanitize(self, trained, start, *, generator, layer_sizes, reference=None):
+        return SanitizedUpdate(released=start + clip_l2(trained - start, self.clip), epsilon=math.inf, cost=math.inf)
+
+
+@register_part("sanitizer", "gaussian_ldp")
+class GaussianLocalDP(ClientSanitizer):
+    """Local DP with Gaussian noise: ``start + clip_C(Delta) + N(0, (z C)^2 I)``.
+
+    Any two datasets of the client are neighbours, so one release is the Gaussian mechanism
+    with L2 sensitivity ``2C`` (the ball's diameter), i.e. multiplier ``z / 2``; a client's
+    releases compose exactly into one Gaussian mechanism (:class:`~lightning_dp.privacy.ledger.GaussianLedger`),
+    whose epsilon at ``target_delta`` the round logs per client.
+
+    Args:
+        noise_multiplier: z, the noise std over C.
+        clip: C.
+        target_delta: the delta of every client's epsilon.
+        accountant: ``"pld"`` or ``"rdp"``.
+    """
+
+    accountable = True
+    ledger_label = "client epsilon (local DP, Gaussian, at target_delta)"
+
+    def __init__(self, noise_multiplier: float = 1.0, clip: float = 1.0, target_delta: float = 1e-5,
+                 accountant: str = "pld") -> None:
+        self.noise_multiplier, self.clip = _check_multiplier(noise_multiplier), _check_clip(clip)
+        self.target_delta, self.accountant = _check_delta(target_delta), accountant
+        self.make_ledger()  # validates the accountant
+
+    def hparams(self) -> dict[str, Any]:
+        return {"sanitizer_noise_multiplier": self.noise_multiplier, "sanitizer_clip": self.clip,
+                "sanitizer_target_delta": self.target_delta, "sanitizer_accountant": self.accountant,
+                "sanitizer_sensitivity": self.diameter()}
+
+    def make_ledger(self) -> GaussianLedger:
+        return GaussianLedger(self.target_delta, self.accountant)
+
+    def diameter(self, reference_given: bool = True) -> float:
+        """The L2 sensitivity of one release: the diameter of the set clipping maps updates into."""
+        return 2 * self.clip
+
+    def participation_cost(self, numel: int) -> float:
+        return max(self.diameter(False), self.diameter(True)) ** 2 / (self.noise_multiplier * self.clip) ** 2
+
+    def _release(self, bounded: Tensor, start: Tensor, generator: torch.Generator, diameter: float) -> SanitizedUpdate:
+        (noise,) = gaussian_noise([bounded.shape], self.noise_multiplier * self.clip, generator, dtype=bounded.dtype,
+                                  device=bounded.device)
+        multiplier = self.noise_multiplier * self.clip / diameter
+        return SanitizedUpdate(released=start + bounded + noise, cost=multiplier**-2,
+                               epsilon=gaussian_epsilon(multiplier, self.target_delta, self.accountant))
+
+    def sanitize(self, trained, start, *, generator, layer_sizes, reference=None):
+        return self._release(clip_l2(trained - start, self.clip), start, generator, self.diameter())
+
+
+@register_part("sanitizer", "laplace_ldp")
+class LaplaceLocalDP(ClientSanitizer):
+    """Local DP with Laplace noise: ``start + clip^{L1}_C(Delta) + Laplace(lambda C)`` per coordinate.
+
+    The L1 ball of radius C has L1 diameter 2C, so one release is ``epsilon = 2 / lambda``
+    pure DP (delta = 0); a client's releases add up (basic composition, tight for pure DP
+    at delta = 0), in an additive ledger.
+
+    Args:
+        noise_multiplier: lambda, the Laplace scale over C.
+        clip: C, the L1 clipping norm.
+    """
+
+    accountable = True
+    ledger_label = "client epsilon (local DP, Laplace, pure: delta = 0)"
+
+    def __init__(self, noise_multiplier: float = 1.0, clip: float = 1.0) -> None:
+        self.noise_multiplier, self.clip = _check_multiplier(noise_multiplier), _check_clip(clip)
+
+    def hparams(self) -> dict[str, Any]:
+        return {"sanitizer_noise_multiplier": self.noise_multiplier, "sanitizer_clip": self.clip,
+                "sanitizer_epsilon_per_release": self.participation_cost(0)}
+
+    def participation_cost(self, numel: int) -> float:
+        return 2.0 / self.noise_multiplier
+
+    def sanitize(self, trained, start, *, generator, layer_sizes, reference=None):
+        bounded = clip_l1(trained - start, self.clip)
+        noise = laplace_noise(bounded.numel(), self.noise_multiplier * self.clip, generator, dtype=bounded.dtype,
+                              device=bounded.device).view_as(bounded)
+        cost = self.participation_cost(bounded.numel())
+        return SanitizedUpdate(released=start + bounded + noise, epsilon=cost, cost=cost)
+
+
+@register_part("sanitizer", "sector")
+class SectorSanitizer(GaussianLocalDP):
+    """Upper, lower and angular clipping of the update (Galli, thesis ch. 5), with optional local Gaussian noise.
+
+    The update is mapped into ``S(C, c, a) = {v : c <= ||v|| <= C, angle(v, r) <= a}`` around
+    ``r``, the previous round's released change of the model the client started from (public:
+    post-processing of an earlier release; none in the first round, where only the norms are
+    clipped). With ``noise_multiplier = z > 0`` the release is local DP: ``N(0, (z C)^2 I)`` on
+    an update of sensitivity ``D = diameter(S)`` (:func:`~lightning_dp.privacy.local_dp.sector_diameter`;
+    ``2C`` without the angular constraint), i.e. multiplier ``z C / D`` per release, in a
+    Gaussian ledger. With ``z = 0`` nothing is added and nothing is accounted here (server-side
+    noise accounts for itself).
+
+    Args:
+        clip: C.
+        lower_clip: c (0: no lower clipping).
+        angle: a, in radians (pi: no angular clipping).
+        noise_multiplier: z (0: no local noise).
+        target_delta, accountant: as for :class:`GaussianLocalDP`.
+    """
+
+    def __init__(self, clip: float = 1.0, lower_clip: float = 0.0, angle: float = math.pi,
+                 noise_multiplier: float = 0.0, target_delta: float = 1e-5, accountant: str = "pld") -> None:
+        self.clip, self.lower_clip, self.angle = check_sector(clip, lower_clip, angle)
+        self.noise_multiplier = _check_multiplier(noise_multiplier, allow_zero=True)
+        self.target_delta, self.accountant = _check_delta(target_delta), accountant
+        self.accountable = self.noise_multiplier > 0
+        self.make_ledger()
+
+    def hparams(self) -> dict[str, Any]:
+        return {"sanitizer_clip": self.clip, "sanitizer_lower_clip": self.lower_clip, "sanitizer_angle": self.angle,
+                "sanitizer_noise_multiplier": self.noise_multiplier, "sanitizer_target_delta": self.target_delta,
+                "sanitizer_accountant": self.accountant, "sanitizer_sensitivity": self.diameter()}
+
+    def make_ledger(self) -> PrivacyLedger:
+        return GaussianLedger(self.target_delta, self.accountant) if self.noise_multiplier > 0 else PrivacyLedger()
+
+    def diameter(self, reference_given: bool = True) -> float:
+        return sector_diameter(self.clip, self.lower_clip, self.angle if reference_given else math.pi)
+
+    def participation_cost(self, numel: int) -> float:
+        return super().participation_cost(numel) if self.noise_multiplier > 0 else math.inf
+
+    def sanitize(self, trained, start, *, generator, layer_sizes, reference=None):
+        if reference is not None and not bool(torch.isfinite(reference).all() and reference.norm() > 0):
+            reference = None  # no direction: norms only, and the sensitivity without the angular constraint
+        bounded = project_to_sector(trained - start, reference, self.clip, self.lower_clip, self.angle)
+        if self.noise_multiplier == 0:
+            return SanitizedUpdate(released=start + bounded, epsilon=math.inf, cost=math.inf)
+        return self._release(bounded, start, generator, self.diameter(reference is not None))

@@ -1,0 +1,173 @@
+"""Local DP in the federated round: clip, Gaussian and Laplace local DP, and the sector sanitizer
+(upper, lower and angular clipping) with per-client ledgers."""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_dp.datamodules import SyntheticLinearMixture
+from lightning_dp.federated import FederatedRound
+from lightning_dp.federated.parts import (
+    ClipSanitizer,
+    GaussianLocalDP,
+    LaplaceLocalDP,
+    LocalSGD,
+    SectorSanitizer,
+    UniformSelection,
+)
+from lightning_dp.models import LinearRegression
+from lightning_dp.privacy.ledger import GaussianLedger, PrivacyLedger
+from lightning_dp.privacy.local_dp import gaussian_epsilon, sector_diameter
+
+CLIENTS = 100  # SyntheticLinearMixture's training clients
+
+
+def round_with(sanitizer, *, clients_per_round=CLIENTS, **kwargs):
+    return FederatedRound(LinearRegression(), selection=UniformSelection(clients_per_round),
+                          update=LocalSGD(epochs=1, lr=0.1, batch_size=10), sanitizer=sanitizer, aggregator="fedavg",
+                          seed=0, noise_seed=1, **kwargs)
+
+
+def trainer(**kwargs):
+    defaults = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    accelerator="cpu", devices=1, max_epochs=3, num_sanity_val_steps=0, limit_val_batches=0)
+    defaults.update(kwargs)
+    return L.Trainer(**defaults)
+
+
+def _large_update(dim=40_000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randn(dim, generator=g)
+    return start, start + torch.randn(dim, generator=g) * 0.1
+
+
+def test_gaussian_local_dp_adds_noise_of_std_z_c_to_the_clipped_update():
+    """std of (release - start - clipped update) over 40 000 coordinates: within 2% of z C (the sample std's
+    relative error is about 0.35% here, so 2% is over five standard errors)."""
+    sanitizer = GaussianLocalDP(noise_multiplier=1.5, clip=0.2)
+    start, trained = _large_update()
+    out = sanitizer.sanitize(trained, start, generator=torch.Generator().manual_seed(1), layer_sizes=[start.numel()])
+    delta = trained - start
+    clipped = delta * min(1.0, 0.2 / float(delta.norm()))
+    noise = out.released - start - clipped
+    assert float(noise.std()) == pytest.approx(1.5 * 0.2, rel=0.02)
+    assert abs(float(noise.mean())) < 5 * 0.3 / math.sqrt(start.numel())
+    assert out.cost == pytest.approx(4 / 1.5**2)  # multiplier z C / (2C) = z / 2
+    assert out.epsilon == pytest.approx(gaussian_epsilon(0.75, 1e-5))
+
+
+def test_laplace_local_dp_adds_laplace_noise_to_the_l1_clipped_update():
+    sanitizer = LaplaceLocalDP(noise_multiplier=4.0, clip=0.5)
+    start, trained = _large_update()
+    out = sanitizer.sanitize(trained, start, generator=torch.Generator().manual_seed(1), layer_sizes=[start.numel()])
+    delta = trained - start
+    clipped = delta * min(1.0, 0.5 * (1 - 1e-6) / float(delta.abs().sum()))
+    noise = out.released - start - clipped
+    assert float(noise.abs().mean()) == pytest.approx(4.0 * 0.5, rel=0.02)  # E|Laplace(b)| = b
+    assert out.cost == out.epsilon == 0.5  # 2 / lambda, pure
+
+
+def test_every_participation_is_charged_and_the_ledger_is_the_exact_gaussian_composition():
+    sanitizer = GaussianLocalDP(noise_multiplier=2.0, clip=0.5)
+    m = round_with(sanitizer)
+    t = trainer(max_epochs=3, log_every_n_steps=1)
+    t.fit(m, SyntheticLinearMixture(seed=0))
+    assert isinstance(m.ledger, GaussianLedger) and len(m.ledger) == CLIENTS
+    expected = gaussian_epsilon((2.0 / 2) / math.sqrt(3), 1e-5)  # three releases at multiplier z / 2
+    assert all(eps == pytest.approx(expected, rel=1e-12) for eps in m.ledger.as_dict().values())
+    assert float(t.callback_metrics["privacy/client_epsilon_max"]) == pytest.approx(expected, rel=1e-9)
+
+
+def test_laplace_participations_add_up():
+    m = round_with(LaplaceLocalDP(noise_multiplier=4.0, clip=0.5), clients_per_round=30)
+    trainer(max_epochs=4).fit(m, SyntheticLinearMixture(seed=0))
+    assert isinstance(m.ledger, PrivacyLedger) and not isinstance(m.ledger, GaussianLedger)
+    for cid, spent in m.ledger.as_dict().items():
+        assert spent == pytest.approx(0.5 * m.ledger.participations(cid))
+
+
+def test_the_sector_is_accounted_with_its_diameter_once_a_reference_exists():
+    """Round 1 has no released change yet: no angular clipping, sensitivity 2C. Later rounds use the previous
+    round's released change of the model as the reference and the sector's diameter."""
+    clip, lower, angle, z = 0.5, 0.2, 0.3, 2.0
+    sanitizer = SectorSanitizer(clip=clip, lower_clip=lower, angle=angle, noise_multiplier=z)
+    m = round_with(sanitizer)
+    trainer(max_epochs=3).fit(m, SyntheticLinearMixture(seed=0))
+    d = sector_diameter(clip, lower, angle)
+    assert d < 2 * clip
+    precision = (2 * clip / (z * clip)) ** 2 + 2 * (d / (z * clip)) ** 2
+    for cid in m.ledger.as_dict():
+        assert m.ledger.precision(cid) == pytest.approx(precision, rel=1e-12)
+    assert float(m.previous_step.norm()) > 0
+
+
+def test_sector_releases_lie_in_the_sector_around_the_previous_released_change():
+    m = round_with(SectorSanitizer(clip=0.5, lower_clip=0.2, angle=0.3), clients_per_round=20)
+    captured = []
+    original = m.sanitizer.sanitize
+
+    def spy(trained, start, **kwargs):
+        out = original(trained, start, **kwargs)
+        captured.append((out.released - start, kwargs["reference"]))
+        return out
+
+    m.sanitizer.sanitize = spy
+    trainer(max_epochs=3).fit(m, SyntheticLinearMixture(seed=0))
+    assert captured[0][1] is None and all(ref is not None for _, ref in captured[20:])
+    for delta, ref in captured:
+        assert 0.2 <= float(delta.norm()) <= 0.5
+        if ref is not None:
+            cos = float(delta @ ref / (delta.norm() * ref.norm()))
+            assert math.acos(min(1.0, cos)) <= 0.3 + 1e-5
+    assert isinstance(m.ledger, PrivacyLedger) and len(m.ledger) == 0  # no local noise: nothing charged
+
+
+def test_a_client_privacy_cap_on_the_gaussian_ledger_is_never_exceeded():
+    sanitizer = GaussianLocalDP(noise_multiplier=2.0, clip=0.5)
+    cap = gaussian_epsilon(1.0 / math.sqrt(2), 1e-5) * (1 + 1e-9)  # exactly two participations fit
+    m = round_with(sanitizer, clients_per_round=40, client_privacy_cap=cap)
+    t = trainer(max_epochs=8, log_every_n_steps=1)
+    t.fit(m, SyntheticLinearMixture(seed=0))
+    assert m.ledger.max() <= cap
+    assert max(m.ledger.participations(cid) for cid in m.ledger.as_dict()) == 2
+
+
+def test_clip_sanitizer_bounds_updates_and_charges_nothing():
+    start, trained = _large_update()
+    out = ClipSanitizer(0.3).sanitize(trained, start, generator=torch.Generator(), layer_sizes=[start.numel()])
+    assert float((out.released - start).norm()) <= 0.3 * (1 + 1e-6)  # float32 rounding of start + clipped
+    m = round_with(ClipSanitizer(0.3), clients_per_round=10)
+    trainer(max_epochs=2).fit(m, SyntheticLinearMixture(seed=0))
+    assert len(m.ledger) == 0
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(noise_multiplier=0.0), r"noise_multiplier=0.0 is not allowed"),
+    (dict(clip=-1.0), r"clip=-1.0 is not allowed"),
+    (dict(target_delta=1.0), r"target_delta=1.0 is not allowed"),
+    (dict(accountant="nope"), r"nope"),
+])
+def test_gaussian_local_dp_refuses_bad_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GaussianLocalDP(**kwargs)
+
+
+def test_sector_resume_equals_the_uninterrupted_run(tmp_path):
+    """The previous round's released change (the reference direction) and the Gaussian ledger are restored."""
+    def fit(epochs, ckpt=None, callbacks=()):
+        m = round_with(SectorSanitizer(clip=0.5, lower_clip=0.1, angle=0.5, noise_multiplier=3.0),
+                       clients_per_round=30)
+        trainer(max_epochs=epochs, callbacks=list(callbacks), enable_checkpointing=bool(callbacks)).fit(
+            m, SyntheticLinearMixture(seed=0), ckpt_path=ckpt)
+        return m
+
+    full = fit(5, callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, save_top_k=-1, filename="{epoch}")])
+    resumed = fit(5, ckpt=str(tmp_path / "epoch=1.ckpt"))
+    assert torch.equal(resumed.hypotheses, full.hypotheses)
+    assert torch.equal(resumed.previous_step, full.previous_step)
+    assert resumed.ledger.state_dict() == full.ledger.state_dict()
