@@ -59,7 +59,14 @@ from lightning_dp.federated.local import (
     client_outputs_and_losses,
     predictions,
 )
-from lightning_dp.federated.parts import resolve_part
+from lightning_dp.federated.parts import (
+    Aggregator,
+    ClientSanitizer,
+    ClientSelection,
+    ClientUpdate,
+    ServerPrivacy,
+    resolve_part,
+)
 from lightning_dp.privacy.ledger import PrivacyLedger
 from lightning_dp.privacy.noise import derive_generator
 from lightning_dp.privacy.seeds import SECRET_KEY, check_seed, fresh_seed
@@ -127,11 +134,12 @@ class FederatedRound(LightningModule):
         model: nn.Module,
         *,
         num_hypotheses: int = 1,
-        selection: Any = "uniform",
-        update: Any = "local_sgd",
-        sanitizer: Any = "none",
-        aggregator: Any = "fedavg",
-        server_privacy: Any = "none",
+        # typed so that a config (or --model.init_args.sanitizer.init_args.clip=...) can build and override them
+        selection: ClientSelection | str = "uniform",
+        update: ClientUpdate | str = "local_sgd",
+        sanitizer: ClientSanitizer | str = "none",
+        aggregator: Aggregator | str = "fedavg",
+        server_privacy: ServerPrivacy | str = "none",
         loss: Literal["rmse", "cross_entropy", "binary_cross_entropy"] = "rmse",
         client_privacy_cap: float | None = None,
         val_clients_per_check: int | None = None,
@@ -243,9 +251,14 @@ class FederatedRound(LightningModule):
 
     def _check_parts(self) -> None:
         """Refuse combinations of parts whose privacy claims would not hold, before any client trains."""
-        if self.server_privacy.accounted:
-            from lightning_dp.federated.parts import FedAvg
+        from lightning_dp.federated.parts import FedAvg
 
+        if self.sanitizer.accountable and isinstance(self.aggregator, FedAvg) and self.aggregator.weighted:
+            raise MisconfigurationException(
+                f"sanitizer {self.sanitizer.name!r} with fedavg weighted=True: the weights are the clients' example "
+                "counts, released to the server unsanitized and not covered by the clients' ledgers; use "
+                "weighted=False")
+        if self.server_privacy.accounted:
             problems = []
             if self.k != 1:
                 problems.append(f"num_hypotheses={self.k} (central DP averages one global model: use 1)")
@@ -272,7 +285,7 @@ class FederatedRound(LightningModule):
             raise MisconfigurationException(f"{type(privacy).__name__}: {err}") from None
         for logger in self.trainer.loggers:
             logger.log_hyperparams({k: v for k, v in privacy.hparams().items() if v is not None})
-        if not privacy.budget_left():
+        if not privacy.budget_left(self._update_set()):
             rank_zero_warn(f"{type(privacy).__name__}: no round fits in the remaining budget; stopping before the "
                            "first round.")
             self.trainer.should_stop = True
@@ -294,8 +307,20 @@ class FederatedRound(LightningModule):
         return self.trainer.datamodule.padded(clients)
 
     def participation_cost(self) -> float:
-        """The sanitizer's cost of one participation (d-privacy: n/nu; per-layer: sum of n_l/nu, the same total)."""
-        return self.sanitizer.participation_cost(self.spec.numel)
+        """The sanitizer's cost of one participation from the current hypotheses (d-privacy: n/nu; local DP:
+        the choice among k > 1 hypotheses included, so it changes as they move apart)."""
+        return self.sanitizer.participation_cost(self.spec.numel, self._choices())
+
+    def _update_set(self) -> tuple[float, float] | None:
+        """The public set the next round's released updates lie in (one hypothesis; the reference is the
+        previous round's released change), for the server's accounting under replacement."""
+        if self.k != 1:
+            return None
+        return self.sanitizer.update_set(reference_given=bool(self.previous_step[0].norm() > 0))
+
+    def _choices(self) -> Tensor | None:
+        """The public hypotheses a client chooses its start among on its data (None for one hypothesis)."""
+        return self.hypotheses.detach() if self.k > 1 else None
 
     def _sample_clients(self, r: int) -> tuple[list[int], int]:
         clients = self._clients["train"]
@@ -366,12 +391,14 @@ class FederatedRound(LightningModule):
         trained = self.update.train(self.template, self.spec, start, x, y, mask, loss=self.loss_name,
                                     shuffles=self._shuffle_keys(r, mine, mask))
         released, costs = [], []
+        choices = self._choices()
         previous = self.previous_step[choice]
         has_reference = previous.norm(dim=1) > 0
         for c, i in enumerate(mine):
             out = self.sanitizer.sanitize(trained[c], start[c], layer_sizes=self.spec.sizes,
                                           generator=derive_generator(self._noise_seed, _NOISE, r, i, device=x.device),
-                                          reference=previous[c] if bool(has_reference[c]) else None)
+                                          reference=previous[c] if bool(has_reference[c]) else None,
+                                          hypotheses=choices)
             released.append(out.released)
             costs.append(out.cost)
         chosen = losses.gather(1, choice[:, None]).squeeze(1).double()
@@ -399,7 +426,7 @@ class FederatedRound(LightningModule):
                 releases, hyps, self.aggregator, weights=stats[:, 2],
                 expected_count=self.selection.expected_count(len(self._clients["train"])),
                 noise_generator=derive_generator(self._noise_seed, _SERVER_NOISE, r, device=hyps.device),
-                count_generator=derive_generator(self._noise_seed, _SERVER_COUNT, r))
+                count_generator=derive_generator(self._noise_seed, _SERVER_COUNT, r), update_set=self._update_set())
             self.previous_step.copy_(new - hyps)
             self.optimizers().step(closure=lambda: self.hypotheses.copy_(new))
             metrics.update({k: v for k, v in privacy_metrics.items()
@@ -414,6 +441,8 @@ class FederatedRound(LightningModule):
                                       "hypotheses": new.detach().cpu().clone()})
         else:
             self.optimizers().step(closure=lambda: None)  # a round without participants is still a round
+        if self.sanitizer.accountable and self.k > 1:  # the choice's share of the cost grows as hypotheses separate
+            metrics["privacy/cost_per_participation"] = self.participation_cost()
         if len(self.ledger):
             metrics["privacy/client_epsilon_median"] = self.ledger.median()
             metrics["privacy/client_epsilon_max"] = self.ledger.max()
@@ -421,7 +450,7 @@ class FederatedRound(LightningModule):
         # float64: Lightning would store a Python float as float32 and round the spend
         self.log_dict({k: torch.tensor(v, dtype=torch.float64) for k, v in metrics.items()}, on_step=True,
                       on_epoch=False, batch_size=1)
-        if privacy.accounted and not privacy.budget_left() and not self.trainer.should_stop:
+        if privacy.accounted and not privacy.budget_left(self._update_set()) and not self.trainer.should_stop:
             rank_zero_info(f"{type(privacy).__name__}: stopping after round {r + 1}: the next round would exceed "
                            f"target_epsilon={privacy.target_epsilon} (spent {privacy.epsilon:.4f}).")
             self.trainer.should_stop = True

@@ -84,6 +84,7 @@ from lightning_dp.privacy.sampling import check_sample_rate
 __all__ = [
     "ACCOUNTANTS",
     "ADJACENCIES",
+    "DisjointPairPLDAccountant",
     "Accountant",
     "HistoryEntry",
     "PLDAccountant",
@@ -517,7 +518,7 @@ class PLDAccountant(Accountant):
 
     def _single_step_pld(self, sigma: float, q: float) -> privacy_loss_distribution.PrivacyLossDistribution:
         # Mirrors PLDAccountant._maybe_compose for PoissonSampledDpEvent(q, GaussianDpEvent(sigma)).
-        key = (sigma, q, self.value_discretization_interval, self.adjacency)
+        key = (self.name, sigma, q, self.value_discretization_interval, self.adjacency)
         pld = _PLD_SINGLE_STEP_CACHE.get(key)
         if pld is None:
             pld = privacy_loss_distribution.from_gaussian_mechanism(
@@ -549,7 +550,7 @@ class PLDAccountant(Accountant):
         interval = self.value_discretization_interval
         start, pld = 0, None
         for length in range(len(history), 0, -1):
-            pld = _PLD_COMPOSED_CACHE.get((interval, self.adjacency, history[:length]))
+            pld = _PLD_COMPOSED_CACHE.get((self.name, interval, self.adjacency, history[:length]))
             if pld is not None:
                 start = length
                 break
@@ -560,11 +561,68 @@ class PLDAccountant(Accountant):
         for length in range(start + 1, len(history) + 1):
             pld = pld.compose(self._entry_pld(history[length - 1]))
             if length >= len(history) - 1:  # keep the history and its prefix without the last run
-                _PLD_COMPOSED_CACHE.put((interval, self.adjacency, history[:length]), pld)
+                _PLD_COMPOSED_CACHE.put((self.name, interval, self.adjacency, history[:length]), pld)
         return pld
 
     def _compute_epsilon(self, history: tuple[HistoryEntry, ...], delta: float) -> float:
         return float(self._composed_pld(history).get_epsilon_for_delta(delta))
+
+
+class DisjointPairPLDAccountant(PLDAccountant):
+    """Replacement of one record whose contribution stays in a set of diameter ``D`` (but may be far from 0).
+
+    Poisson sampling under replacement compares ``P = (1-q) A + q B`` with ``Q = (1-q) A + q B'``:
+    ``A`` the output without the record's slot (its contribution 0), ``B``, ``B'`` the outputs with
+    the record and with its replacement, Gaussians whose means differ by at most ``D``. The
+    library's replace-one pair places ``A`` halfway between ``B`` and ``B'``, which holds when every
+    contribution lies within ``D / 2`` of 0 (a ball of radius C: ``D = 2C``). A set far from 0 (a
+    hollow sector, :mod:`lightning_dp.privacy.local_dp`) breaks that; for ANY position of ``A``
+
+        H_a(P || Q) = sup_E (1-q)(1-a) A(E) + q (B(E) - a B'(E))
+                    <= (1-q) max(0, 1-a) + q H_a(B || B'),
+
+    which is the hockey-stick divergence of the pair with ``A`` disjoint from ``B``, ``B'``: its
+    privacy loss is 0 with probability ``1 - q`` and the Gaussian mechanism's (sensitivity ``D``)
+    with probability ``q``. That pair therefore dominates ``(P, Q)`` for every ``a >= 0``, and
+    dominating pairs compose (Zhu, Dong & Wang, AISTATS 2022). Its PLD is the library's Gaussian
+    PLD mixed with the identity PLD (``PrivacyLossDistribution.compute_mixture``), pessimistic.
+
+    History entries are ``(sigma / D, q, n)``. Note that epsilon is not amplified by sampling here
+    (only delta scales with q): it is a valid bound, and the smaller of it and the library's
+    replace-one bound with the set's radius is reported by :class:`~lightning_dp.federated.parts.CentralGaussian`.
+    Internal: not in :data:`ACCOUNTANTS`.
+    """
+
+    name = "pld_disjoint_pair"
+
+    def __init__(self, value_discretization_interval: float = 1e-4) -> None:
+        super().__init__(value_discretization_interval, adjacency="replace")
+
+    def _single_step_pld(self, sigma: float, q: float) -> privacy_loss_distribution.PrivacyLossDistribution:
+        key = (self.name, sigma, q, self.value_discretization_interval, self.adjacency)
+        pld = _PLD_SINGLE_STEP_CACHE.get(key)
+        if pld is None:
+            gaussian = privacy_loss_distribution.from_gaussian_mechanism(
+                standard_deviation=sigma, pessimistic_estimate=True,
+                value_discretization_interval=self.value_discretization_interval,
+                neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE)  # unsampled: sensitivity 1 = D
+            identity = privacy_loss_distribution.identity(
+                value_discretization_interval=self.value_discretization_interval, pessimistic_estimate=True)
+            pld = gaussian.compute_mixture(identity, q)
+            _PLD_SINGLE_STEP_CACHE.put(key, pld)
+        return pld
+
+    def _entry_pld(self, entry: HistoryEntry) -> privacy_loss_distribution.PrivacyLossDistribution:
+        sigma, q, n = entry
+        if q == 1.0:  # the Gaussian mechanism with sensitivity D, composed exactly
+            return privacy_loss_distribution.from_gaussian_mechanism(
+                standard_deviation=sigma / math.sqrt(n), pessimistic_estimate=True,
+                value_discretization_interval=self.value_discretization_interval,
+                neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE)
+        return self._single_step_pld(sigma, q).self_compose(n)
+
+    def _coarse_kwargs(self) -> dict[str, Any] | None:
+        return None
 
 
 # --------------------------------------------------------------------------- RDP

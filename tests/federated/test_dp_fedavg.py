@@ -174,3 +174,56 @@ def test_rdp_under_replacement_with_client_sampling_is_refused_before_any_client
     with pytest.raises(MisconfigurationException, match=r"RDP accountant cannot analyse Poisson sampling.*'pld'"):
         t.fit(fedavg(privacy, q=0.2), SyntheticLinearMixture(seed=0))
     assert t.global_step == 0 and len(privacy.accountant) == 0
+
+
+def test_sector_bounded_updates_under_replacement_report_the_smaller_of_two_valid_bounds():
+    """Sector sanitizer without local noise + central Gaussian noise, replacement adjacency: round 1 has no
+    reference direction (diameter 2C), later rounds the sector's diameter D; epsilon is min(replace-one bound
+    with radius C, disjoint-pair bound with the diameters)."""
+    from lightning_dp.federated.parts import SectorSanitizer
+    from lightning_dp.privacy.accounting import DisjointPairPLDAccountant, get_accountant
+    from lightning_dp.privacy.local_dp import sector_diameter
+
+    clip, z, q, rounds = 0.5, 1.0, 0.5, 4
+    privacy = CentralGaussian(noise_multiplier=z, clip=clip, adjacency="replace")
+    m = fedavg(privacy, q=q, sanitizer=SectorSanitizer(clip=clip, lower_clip=0.45, angle=0.05))
+    trainer(max_epochs=rounds).fit(m, SyntheticLinearMixture(seed=0))
+    pad = 1 + 1e-4
+    d = sector_diameter(clip, 0.45, 0.05) * pad
+    ball = get_accountant("pld", adjacency="replace")
+    ball.step(noise_multiplier=z, sample_rate=q, num_steps=rounds)  # radius min(C, C * pad) = C
+    disjoint = DisjointPairPLDAccountant()
+    disjoint.step(noise_multiplier=z * clip / (2 * clip), sample_rate=q)
+    disjoint.step(noise_multiplier=z * clip / d, sample_rate=q, num_steps=rounds - 1)
+    assert privacy.accountant.history == ball.history
+    assert privacy.set_accountant.history == pytest.approx(disjoint.history)
+    expected = min(ball.get_epsilon(1e-5), disjoint.get_epsilon(1e-5))
+    assert privacy.epsilon == pytest.approx(expected, rel=1e-9)
+
+    plain = CentralGaussian(noise_multiplier=z, clip=clip)  # add/remove: the set does not enter
+    trainer(max_epochs=2).fit(fedavg(plain, q=q, sanitizer=SectorSanitizer(clip=clip, lower_clip=0.45, angle=0.05)),
+                              SyntheticLinearMixture(seed=0))
+    assert plain.accountant.history == [(z, q, 2)] and plain.set_accountant is None
+
+
+def test_the_budget_stop_under_replacement_follows_the_smaller_bound():
+    """q = 1, z = 3, sector with D = C: the replace-one bound passes target 10 after 9 rounds, the disjoint-pair
+    bound allows more. The run goes on while the smaller bound fits, stops before it would not, and never
+    reports more than the target."""
+    from lightning_dp.federated.parts import SectorSanitizer
+    from lightning_dp.privacy.accounting import DisjointPairPLDAccountant
+
+    clip, z, target = 1.0, 3.0, 10.0
+    privacy = CentralGaussian(noise_multiplier=z, clip=clip, adjacency="replace", target_epsilon=target)
+    m = fedavg(privacy, q=1.0, sanitizer=SectorSanitizer(clip=clip, angle=0.5))
+    trainer(max_epochs=40).fit(m, SyntheticLinearMixture(seed=0))
+    rounds = int(m.rounds)
+    assert 9 < rounds < 40
+    assert privacy.accountant.get_epsilon(1e-5) > target >= privacy.epsilon
+    assert privacy.epsilon == privacy.set_accountant.get_epsilon(1e-5)
+    d = 1.0 * (1 + 1e-4)  # the sector's diameter (C for a <= pi/6, c = 0), padded
+    one_more = DisjointPairPLDAccountant()
+    for entry in privacy.set_accountant.history:
+        one_more.step(noise_multiplier=entry[0], sample_rate=entry[1], num_steps=entry[2])
+    one_more.step(noise_multiplier=z * clip / d, sample_rate=1.0)
+    assert one_more.get_epsilon(1e-5) > target  # the stop was needed

@@ -171,3 +171,92 @@ def test_sector_resume_equals_the_uninterrupted_run(tmp_path):
     assert torch.equal(resumed.hypotheses, full.hypotheses)
     assert torch.equal(resumed.previous_step, full.previous_step)
     assert resumed.ledger.state_dict() == full.ledger.state_dict()
+
+
+# ----------------------------------------------------------- the choice among k > 1 hypotheses
+def test_choice_spread_is_the_largest_pairwise_distance():
+    from lightning_dp.federated.parts import choice_spread
+
+    h = torch.randn(5, 7, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    brute2 = max(float((h[i] - h[j]).norm()) for i in range(5) for j in range(5))
+    brute1 = max(float((h[i] - h[j]).abs().sum()) for i in range(5) for j in range(5))
+    assert choice_spread(h) == pytest.approx(brute2, rel=1e-12)
+    assert choice_spread(h, p=1.0) == pytest.approx(brute1, rel=1e-12)
+    assert choice_spread(h[:1]) == choice_spread(None) == 0.0
+
+
+def test_a_release_from_a_chosen_hypothesis_moves_by_more_than_2c_between_neighbouring_datasets():
+    """Why the choice is accounted: two datasets of a client that pick different hypotheses release means
+    ||h_0 - h_1|| + 2C apart at most, and this pair reaches it; the sensitivity the sanitizer charges covers it."""
+    C = 0.5
+    h = torch.tensor([[0.0, 0.0], [3.0, 4.0]])
+    s = GaussianLocalDP(noise_multiplier=1.0, clip=C)
+    away = -h[1] / h[1].norm()  # each dataset's update points away from the other hypothesis
+    mean_a = h[0] + clip_like(away * 10, C)
+    mean_b = h[1] + clip_like(-away * 10, C)
+    assert float((mean_a - mean_b).norm()) == pytest.approx(5.0 + 2 * C)
+    assert s.sensitivity(True, h) == pytest.approx(5.0 + 2 * C)
+    assert s.sensitivity(True, None) == 2 * C
+    assert s.participation_cost(2, h) == pytest.approx(((5.0 + 2 * C) / C) ** 2)
+    out = s.sanitize(h[0] + away, h[0], generator=torch.Generator().manual_seed(0), layer_sizes=[2], hypotheses=h)
+    assert out.cost == pytest.approx(((5.0 + 2 * C) / C) ** 2)
+    laplace = LaplaceLocalDP(noise_multiplier=2.0, clip=C)
+    assert laplace.participation_cost(2, h) == pytest.approx((7.0 + 2 * C) / (2.0 * C))  # L1 spread 3 + 4
+
+
+def clip_like(v, c):
+    return v * min(1.0, c / float(v.norm()))
+
+
+@pytest.mark.parametrize("sanitizer", [GaussianLocalDP(noise_multiplier=2.0, clip=0.5),
+                                       SectorSanitizer(clip=0.5, lower_clip=0.2, angle=0.3, noise_multiplier=2.0),
+                                       LaplaceLocalDP(noise_multiplier=4.0, clip=0.5)], ids=["gaussian", "sector", "laplace"])
+def test_with_two_hypotheses_every_release_is_charged_for_the_choice(sanitizer):
+    """k = 2, clustered: each release costs what the sanitizer charges for the spread of the hypotheses the
+    clients chose from in that round (recomputed here from the hypotheses before each round)."""
+    m = FederatedRound(LinearRegression(), num_hypotheses=2, selection=UniformSelection(30),
+                       update=LocalSGD(epochs=1, lr=0.1, batch_size=10), sanitizer=sanitizer, aggregator="kmeans",
+                       seed=0, noise_seed=1)
+    expected, charged = [], []
+    original = m.sanitizer.sanitize
+    seen_round = []
+
+    def spy(trained, start, **kwargs):
+        h = kwargs["hypotheses"]
+        assert h is not None and h.shape[0] == 2
+        if not seen_round or not torch.equal(seen_round[-1], h):
+            seen_round.append(h.clone())
+        out = original(trained, start, **kwargs)
+        expected.append(sanitizer.participation_cost(2, h) if not isinstance(sanitizer, SectorSanitizer)
+                        else (max(sanitizer.diameter(True), choice_spread_of(h) + 2 * 0.5) / (2.0 * 0.5)) ** 2)
+        charged.append(out.cost)
+        return out
+
+    m.sanitizer.sanitize = spy
+    t = trainer(max_epochs=3, log_every_n_steps=1)
+    t.fit(m, SyntheticLinearMixture(seed=0))
+    assert len(seen_round) == 3 and choice_spread_of(seen_round[-1]) > 0
+    assert charged == pytest.approx(expected, rel=1e-12)
+    if isinstance(sanitizer, LaplaceLocalDP):
+        spread = [choice_spread_of(h, 1.0) for h in seen_round]
+        assert all(c >= 2 * 0.5 / (4.0 * 0.5) + s / (4.0 * 0.5) - 1e-12 for c, s in zip(charged[::30], spread))
+    else:
+        assert min(charged) > (2 * 0.5 / (2.0 * 0.5)) ** 2  # more than a fixed start's 2C: the choice is charged
+    assert "privacy/cost_per_participation" in t.callback_metrics
+
+
+def choice_spread_of(h, p=2.0):
+    from lightning_dp.federated.parts import choice_spread
+
+    return choice_spread(h, p)
+
+
+def test_weighted_fedavg_is_refused_with_a_local_dp_sanitizer():
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from lightning_dp.federated.parts import FedAvg
+
+    m = FederatedRound(LinearRegression(), selection=UniformSelection(10),
+                       sanitizer=GaussianLocalDP(noise_multiplier=2.0, clip=0.5), aggregator=FedAvg(weighted=True))
+    with pytest.raises(MisconfigurationException, match="example counts"):
+        trainer(max_epochs=1).fit(m, SyntheticLinearMixture(seed=0))

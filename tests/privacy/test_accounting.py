@@ -375,3 +375,47 @@ def test_calibration_under_replacement_never_lands_above_the_target():
     add_remove = calibrate_noise_multiplier(target_epsilon=2.0, target_delta=DELTA, sample_rate=0.02, steps=200,
                                             accountant="pld", accountant_kwargs=FAST_PLD)
     assert spend <= 2.0 and sigma > add_remove  # more noise, but less than twice: the pair overlaps at N(0)
+
+
+def test_the_disjoint_pair_bound_holds_where_the_midpoint_pair_would_under_report():
+    """Replacement under Poisson sampling when contributions lie in a hollow sector (radius 0.9 to 1, within
+    0.2 rad of a direction; diameter D = 0.397): numerical integration of the true 2-D mixtures
+    (1-q) N(0) + q N(u) vs (1-q) N(0) + q N(u'), u, u' the sector's farthest pair, at sigma = 0.5, q = 0.1.
+    The disjoint-pair bound is above the true epsilon; the library's replace-one pair with sensitivity D / 2
+    (0 halfway between u and u') is far below it, which is why it must not be used for such sets."""
+    import numpy as np
+    from scipy import optimize
+
+    from lightning_dp.privacy.accounting import DisjointPairPLDAccountant
+
+    sigma, q, angle = 0.5, 0.1, 0.2
+    u, w = np.array([math.cos(angle), math.sin(angle)]), np.array([math.cos(angle), -math.sin(angle)])
+    d = float(np.linalg.norm(u - w))
+    h = 0.005
+    x, y = np.meshgrid(np.arange(-4, 5, h), np.arange(-4, 4, h), indexing="ij")
+
+    def normal(m):
+        return np.exp(-((x - m[0]) ** 2 + (y - m[1]) ** 2) / (2 * sigma**2)) / (2 * math.pi * sigma**2)
+
+    base = (1 - q) * normal(np.zeros(2))
+    p, r = base + q * normal(u), base + q * normal(w)
+    assert p.sum() * h * h == pytest.approx(1.0, abs=1e-9)
+    delta = 1e-3
+    true_eps = optimize.brentq(lambda e: np.maximum(p - math.exp(e) * r, 0).sum() * h * h - delta, 0, 20)
+    bound = DisjointPairPLDAccountant()
+    bound.step(noise_multiplier=sigma / d, sample_rate=q)
+    midpoint = get_accountant("pld", adjacency="replace")
+    midpoint.step(noise_multiplier=sigma / (d / 2), sample_rate=q)
+    ball = get_accountant("pld", adjacency="replace")
+    ball.step(noise_multiplier=sigma / 1.0, sample_rate=q)
+    assert midpoint.get_epsilon(delta) < 0.5 * true_eps  # an under-report: a security bug if used
+    assert true_eps <= bound.get_epsilon(delta) < ball.get_epsilon(delta)
+
+
+def test_the_disjoint_pair_without_sampling_is_the_gaussian_mechanism():
+    from lightning_dp.privacy.accounting import DisjointPairPLDAccountant
+
+    bound = DisjointPairPLDAccountant(**FAST_PLD)
+    bound.step(noise_multiplier=2.0, sample_rate=1.0, num_steps=5)
+    plain = _filled("pld", FAST_PLD, [(2.0, 1.0, 5)])
+    assert bound.get_epsilon(DELTA) == plain.get_epsilon(DELTA)

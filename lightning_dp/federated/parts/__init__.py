@@ -20,6 +20,7 @@ from lightning_dp.federated.parts.sanitizers import (
     LaplaceLocalDP,
     NoSanitizer,
     SectorSanitizer,
+    choice_spread,
 )
 from lightning_dp.federated.parts.selection import ClientSelection, PoissonSelection, UniformSelection
 from lightning_dp.federated.parts.server_privacy import CentralGaussian, NoServerPrivacy, ServerPrivacy
@@ -29,5 +30,5 @@ __all__ = [
     "AUTO_VMAP_MAX_PARAMETERS", "Aggregator", "CentralGaussian", "ClientSanitizer", "ClientSelection", "ClientUpdate",
     "ClipSanitizer", "EuclideanLaplace", "FedAvg", "GaussianLocalDP", "KINDS", "KMeans", "LaplaceLocalDP", "LocalSGD",
     "NoSanitizer", "NoServerPrivacy", "Part", "PoissonSelection", "SectorSanitizer", "ServerPrivacy",
-    "UniformSelection", "register_part", "registered_parts", "resolve_part",
+    "UniformSelection", "choice_spread", "register_part", "registered_parts", "resolve_part",
 ]

@@ -14,6 +14,12 @@
 Local DP protects a client's whole dataset against everyone, the server included; its
 neighbouring inputs are any two datasets of the client, so the sensitivity of a clipped
 update is the diameter of the set clipping maps it into (2C for a ball).
+
+With k > 1 hypotheses the client's choice of its starting model is itself a function of its
+data, and the release ``start + bounded update + noise`` shows it: the sensitivity is then the
+diameter of the union of the k sets ``h_j + S_j``, at most ``max_ij ||h_i - h_j|| + 2C``
+(computed from the public hypotheses before the client sees its data, :func:`choice_spread`).
+Hypotheses that have separated make local DP releases expensive: that is what they reveal.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from lightning_dp.privacy.local_dp import (
 from lightning_dp.privacy.mechanisms import SanitizedUpdate, sanitize_update
 from lightning_dp.privacy.noise import gaussian_noise
 
-__all__ = ["ClientSanitizer", "ClipSanitizer", "EuclideanLaplace", "GaussianLocalDP", "LaplaceLocalDP", "NoSanitizer",
+__all__ = ["ClientSanitizer", "choice_spread", "ClipSanitizer", "EuclideanLaplace", "GaussianLocalDP", "LaplaceLocalDP", "NoSanitizer",
            "SectorSanitizer"]
 
 
@@ -59,19 +65,44 @@ class ClientSanitizer(Part):
         """The per-client ledger the round charges :attr:`SanitizedUpdate.cost` to (additive by default)."""
         return PrivacyLedger()
 
-    def participation_cost(self, numel: int) -> float:
+    def participation_cost(self, numel: int, hypotheses: Tensor | None = None) -> float:
         """The largest cost of one participation for a model of ``numel`` parameters (inf: unprotected),
-        in the ledger's unit; used to decline clients before a round (``client_privacy_cap``)."""
+        in the ledger's unit, when the client starts from one of ``hypotheses`` (k, P) (public; None: a
+        fixed start); used to decline clients before a round (``client_privacy_cap``)."""
         return math.inf
 
+    def update_set(self, reference_given: bool) -> tuple[float, float] | None:
+        """``(radius, diameter)`` of a set that every released update (release minus start) lies in, whatever
+        the client's data, or None: server-side accounting under replacement may use it (public)."""
+        return None
+
     def sanitize(self, trained: Tensor, start: Tensor, *, generator: torch.Generator, layer_sizes: list[int],
-                 reference: Tensor | None = None) -> SanitizedUpdate:
+                 reference: Tensor | None = None, hypotheses: Tensor | None = None) -> SanitizedUpdate:
         """The release of a client that trained ``start`` into ``trained``.
 
         ``reference`` is public: the previous round's released change of the model the client
         started from (None in the first round); only direction-aware sanitizers use it.
+        ``hypotheses`` (k, P), public, are the models the client chose ``start`` from on its data
+        (None: ``start`` did not depend on the data); local DP sanitizers account for the choice.
         """
         raise NotImplementedError
+
+
+def choice_spread(hypotheses: Tensor | None, p: float = 2.0) -> float:
+    """``max_ij ||h_i - h_j||_p``: how far apart the starting models a client chooses among are (0 for k <= 1).
+
+    A release ``h_c + u`` with u in a set of radius R around 0 and c chosen on private data has
+    sensitivity at most ``choice_spread + 2R`` (triangle inequality); the hypotheses are public.
+    """
+    if hypotheses is None or hypotheses.shape[0] <= 1:
+        return 0.0
+    h = hypotheses.detach().double().flatten(1)
+    # exact differences, never the |a|^2 + |b|^2 - 2ab shortcut (it can round a distance down)
+    return float(torch.cdist(h[None], h[None], p=p, compute_mode="donot_use_mm_for_euclid_dist").max())
+
+
+#: the server recomputes an update as release - start in floating point: the set it lies in is padded by this factor
+_ROUNDING = 1 + 1e-4
 
 
 def _check_clip(clip: Any) -> float:
@@ -98,7 +129,7 @@ def _check_delta(delta: Any) -> float:
 class NoSanitizer(ClientSanitizer):
     """Releases the trained model as it is: no privacy from the client (e.g. under central DP, or a baseline)."""
 
-    def sanitize(self, trained, start, *, generator, layer_sizes, reference=None):
+    def sanitize(self, trained, start, *, generator, layer_sizes, reference=None, hypotheses=None):
         return SanitizedUpdate(released=trained, epsilon=math.inf, cost=math.inf)
 
 
@@ -131,10 +162,10 @@ class EuclideanLaplace(ClientSanitizer):
     def hparams(self) -> dict[str, Any]:
         return {"noise_multiplier": self.noise_multiplier, "per_layer": self.per_layer}
 
-    def participation_cost(self, numel: int) -> float:
+    def participation_cost(self, numel: int, hypotheses: Tensor | None = None) -> float:
         return math.inf if self.noise_multiplier == 0 else numel / self.noise_multiplier
 
-    def sanitize(self, trained, start, *, generator, layer_sizes, reference=None):
+    def sanitize(self, trained, start, *, generator, layer_sizes, reference=None, hypotheses=None):
         return sanitize_update(trained, start, noise_multiplier=self.noise_multiplier, generator=generator,
                                per_layer_sizes=layer_sizes if self.per_layer else None,
                                min_delta_norm=self.min_delta_norm)
@@ -155,7 +186,10 @@ class ClipSanitizer(ClientSanitizer):
     def hparams(self) -> dict[str, Any]:
         return {"sanitizer_clip": self.clip}
 
-    def sanitize(self, trained, start, *, generator, layer_sizes, reference=None):
+    def update_set(self, reference_given):
+        return self.clip * _ROUNDING, 2 * self.clip * _ROUNDING
+
+    def sanitize(self, trained, start, *, generator, layer_sizes, reference=None, hypotheses=None):
         return SanitizedUpdate(released=start + clip_l2(trained - start, self.clip), epsilon=math.inf, cost=math.inf)
 
 
@@ -193,11 +227,20 @@ class GaussianLocalDP(ClientSanitizer):
         return GaussianLedger(self.target_delta, self.accountant)
 
     def diameter(self, reference_given: bool = True) -> float:
-        """The L2 sensitivity of one release: the diameter of the set clipping maps updates into."""
+        """The L2 diameter of the set clipping maps updates into (the sensitivity of a release from a fixed start)."""
         return 2 * self.clip
 
-    def participation_cost(self, numel: int) -> float:
-        return max(self.diameter(False), self.diameter(True)) ** 2 / (self.noise_multiplier * self.clip) ** 2
+    def sensitivity(self, reference_given: bool, hypotheses: Tensor | None = None) -> float:
+        """The L2 sensitivity of one release: :meth:`diameter` from a fixed start; with a choice among
+        k > 1 ``hypotheses``, ``choice_spread + 2C`` (the sets of two hypotheses lie in balls of radius C
+        around them; conservative even where they overlap)."""
+        if hypotheses is None or hypotheses.shape[0] <= 1:
+            return self.diameter(reference_given)
+        return max(self.diameter(reference_given), choice_spread(hypotheses) + 2 * self.clip)
+
+    def participation_cost(self, numel: int, hypotheses: Tensor | None = None) -> float:
+        largest = max(self.sensitivity(False, hypotheses), self.sensitivity(True, hypotheses))
+        return largest**2 / (self.noise_multiplier * self.clip) ** 2
 
     def _release(self, bounded: Tensor, start: Tensor, generator: torch.Generator, diameter: float) -> SanitizedUpdate:
         (noise,) = gaussian_noise([bounded.shape], self.noise_multiplier * self.clip, generator, dtype=bounded.dtype,
@@ -206,8 +249,9 @@ class GaussianLocalDP(ClientSanitizer):
         return SanitizedUpdate(released=start + bounded + noise, cost=multiplier**-2,
                                epsilon=gaussian_epsilon(multiplier, self.target_delta, self.accountant))
 
-    def sanitize(self, trained, start, *, generator, layer_sizes, reference=None):
-        return self._release(clip_l2(trained - start, self.clip), start, generator, self.diameter())
+    def sanitize(self, trained, start, *, generator, layer_sizes, reference=None, hypotheses=None):
+        return self._release(clip_l2(trained - start, self.clip), start, generator,
+                             self.sensitivity(True, hypotheses))
 
 
 @register_part("sanitizer", "laplace_ldp")
@@ -233,14 +277,18 @@ class LaplaceLocalDP(ClientSanitizer):
         return {"sanitizer_noise_multiplier": self.noise_multiplier, "sanitizer_clip": self.clip,
                 "sanitizer_epsilon_per_release": self.participation_cost(0)}
 
-    def participation_cost(self, numel: int) -> float:
-        return 2.0 / self.noise_multiplier
+    def sensitivity(self, reference_given: bool, hypotheses: Tensor | None = None) -> float:
+        """The L1 sensitivity of one release: ``2C``, plus the L1 :func:`choice_spread` of k > 1 hypotheses."""
+        return 2.0 * self.clip + choice_spread(hypotheses, p=1.0)
 
-    def sanitize(self, trained, start, *, generator, layer_sizes, reference=None):
+    def participation_cost(self, numel: int, hypotheses: Tensor | None = None) -> float:
+        return self.sensitivity(True, hypotheses) / (self.noise_multiplier * self.clip)
+
+    def sanitize(self, trained, start, *, generator, layer_sizes, reference=None, hypotheses=None):
         bounded = clip_l1(trained - start, self.clip)
         noise = laplace_noise(bounded.numel(), self.noise_multiplier * self.clip, generator, dtype=bounded.dtype,
                               device=bounded.device).view_as(bounded)
-        cost = self.participation_cost(bounded.numel())
+        cost = self.participation_cost(bounded.numel(), hypotheses)
         return SanitizedUpdate(released=start + bounded + noise, epsilon=cost, cost=cost)
 
 
@@ -284,13 +332,20 @@ class SectorSanitizer(GaussianLocalDP):
     def diameter(self, reference_given: bool = True) -> float:
         return sector_diameter(self.clip, self.lower_clip, self.angle if reference_given else math.pi)
 
-    def participation_cost(self, numel: int) -> float:
-        return super().participation_cost(numel) if self.noise_multiplier > 0 else math.inf
+    def participation_cost(self, numel: int, hypotheses: Tensor | None = None) -> float:
+        return super().participation_cost(numel, hypotheses) if self.noise_multiplier > 0 else math.inf
 
-    def sanitize(self, trained, start, *, generator, layer_sizes, reference=None):
+    def update_set(self, reference_given):
+        if self.noise_multiplier > 0:
+            return None  # local noise: the releases are not bounded
+        return self.clip * _ROUNDING, self.diameter(reference_given) * _ROUNDING
+
+    def sanitize(self, trained, start, *, generator, layer_sizes, reference=None, hypotheses=None):
         if reference is not None and not bool(torch.isfinite(reference).all() and reference.norm() > 0):
             reference = None  # no direction: norms only, and the sensitivity without the angular constraint
         bounded = project_to_sector(trained - start, reference, self.clip, self.lower_clip, self.angle)
         if self.noise_multiplier == 0:
             return SanitizedUpdate(released=start + bounded, epsilon=math.inf, cost=math.inf)
-        return self._release(bounded, start, generator, self.diameter(reference is not None))
+        # with k > 1 the reference (the chosen hypothesis' previous change) is chosen too; the bound
+        # choice_spread + 2C holds whichever sector the client's choice selects
+        return self._release(bounded, start, generator, self.sensitivity(reference is not None, hypotheses))

@@ -67,9 +67,13 @@ class ServerPrivacy(Part):
     accounted = False
 
     def aggregate(self, releases: Tensor, hypotheses: Tensor, aggregator: Any, *, weights: Tensor | None,
-                  expected_count: float, noise_generator: torch.Generator,
-                  count_generator: torch.Generator) -> tuple[Tensor, Tensor, dict[str, float]]:
-        """``(new hypotheses, assignment, metrics)`` of the round."""
+                  expected_count: float, noise_generator: torch.Generator, count_generator: torch.Generator,
+                  update_set: tuple[float, float] | None = None) -> tuple[Tensor, Tensor, dict[str, float]]:
+        """``(new hypotheses, assignment, metrics)`` of the round.
+
+        ``update_set``: ``(radius, diameter)`` of a set every release's update is known to lie in
+        (public, from the sanitizer: :meth:`~lightning_dp.federated.parts.ClientSanitizer.update_set`), or None.
+        """
         raise NotImplementedError
 
 
@@ -78,7 +82,7 @@ class NoServerPrivacy(ServerPrivacy):
     """The aggregator's result as it is."""
 
     def aggregate(self, releases, hypotheses, aggregator, *, weights, expected_count, noise_generator,
-                  count_generator):
+                  count_generator, update_set=None):
         new, assignment = aggregator.aggregate(releases, hypotheses, weights)
         return new, assignment, {}
 
@@ -141,6 +145,7 @@ class CentralGaussian(ServerPrivacy):
         self.count_std: float | None = None
         self.allowed_rounds: int | None = None
         self.last_estimate: float | None = None
+        self.set_accountant: Any = None  # DisjointPairPLDAccountant, once a round's updates lie in a known set
 
     def hparams(self) -> dict[str, Any]:
         return {"privacy/noise_multiplier": self.z, "privacy/target_epsilon": self.target_epsilon,
@@ -185,18 +190,71 @@ class CentralGaussian(ServerPrivacy):
 
     @property
     def epsilon(self) -> float:
-        return self.accountant.get_epsilon(self.target_delta)
+        """The spend: under replacement with a bounded update set, the smaller of the two valid bounds."""
+        spent = self.accountant.get_epsilon(self.target_delta)
+        if self.set_accountant is not None and len(self.set_accountant):
+            spent = min(spent, self.set_accountant.get_epsilon(self.target_delta))
+        return spent
 
-    def budget_left(self) -> bool:
-        """Whether one more round fits in the budget."""
-        return self.allowed_rounds is None or self.allowed_rounds > 0
+    def _account(self, update_set: tuple[float, float] | None, metrics: dict[str, float]) -> None:
+        """Records the round. Add/remove, or no known set: one subsampled Gaussian with multiplier z. Replacement
+        with the releases' updates known to lie in a set of radius ``s <= C`` and diameter ``D`` (a sector):
+        the replace-one bound with ``z C / s`` AND the disjoint-pair bound with ``z C / D``
+        (:class:`~lightning_dp.privacy.accounting.DisjointPairPLDAccountant`); both are valid for the whole run,
+        the smaller is reported."""
+        assert self.z is not None and self.q is not None
+        if update_set is None or self.adjacency != "replace":
+            if self.set_accountant is not None and len(self.set_accountant):
+                # a round without a known set after rounds with one: its diameter is the ball's, 2C
+                self.set_accountant.step(noise_multiplier=self.z / 2, sample_rate=self.q)
+            self.accountant.step(noise_multiplier=self.z, sample_rate=self.q)
+            return
+        if self.adaptive:
+            raise RuntimeError("CentralGaussian(adaptive=True) does not account sector-bounded updates; use fixed "
+                               "clipping")
+        s, d = self._set_scales(update_set)
+        if self.set_accountant is None:
+            from lightning_dp.privacy.accounting import DisjointPairPLDAccountant
+
+            self.set_accountant = DisjointPairPLDAccountant()
+            if len(self.accountant):  # earlier rounds without a known set: diameter 2C
+                for z, q, n in self.accountant.history:
+                    self.set_accountant.step(noise_multiplier=z / 2, sample_rate=q, num_steps=n)
+        sigma = self.z * self.clip
+        self.accountant.step(noise_multiplier=sigma / s, sample_rate=self.q)
+        self.set_accountant.step(noise_multiplier=sigma / d, sample_rate=self.q)
+        metrics["privacy/epsilon_replace_one"] = self.accountant.get_epsilon(self.target_delta)
+        metrics["privacy/epsilon_disjoint_pair"] = self.set_accountant.get_epsilon(self.target_delta)
+        metrics["privacy/update_set_diameter"] = d
+
+    def budget_left(self, update_set: tuple[float, float] | None = None) -> bool:
+        """Whether one more round fits in the budget; ``update_set``: the next round's (see :meth:`aggregate`).
+
+        Under replacement with a known set, a round that no longer fits the replace-one bound may still
+        fit the disjoint-pair bound (both bound the whole run; the spend is the smaller).
+        """
+        if self.allowed_rounds is None or self.allowed_rounds > 0:
+            return True
+        if update_set is None or self.adjacency != "replace" or self.set_accountant is None or self.adaptive:
+            return False
+        assert self.z is not None and self.q is not None and self.target_epsilon is not None
+        _, d = self._set_scales(update_set)
+        return self.set_accountant.max_steps(self.target_epsilon, self.target_delta,
+                                             noise_multiplier=self.z * self.clip / d, sample_rate=self.q,
+                                             limit=1) >= 1
+
+    def _set_scales(self, update_set: tuple[float, float]) -> tuple[float, float]:
+        """``(s, d)``: the radius and diameter the round is accounted with (never above the ball's C and 2s)."""
+        radius, diameter = (float(v) for v in update_set)
+        s = min(self.clip, radius)
+        return s, min(diameter, 2 * s)
 
     # ----------------------------------------------------------------- round
     def aggregate(self, releases, hypotheses, aggregator, *, weights, expected_count, noise_generator,
-                  count_generator):
+                  count_generator, update_set=None):
         if hypotheses.shape[0] != 1:
             raise ValueError("CentralGaussian averages one model (num_hypotheses=1)")
-        if not self.budget_left():
+        if not self.budget_left(update_set):
             raise RuntimeError(f"CentralGaussian: the budget target_epsilon={self.target_epsilon} is spent (epsilon="
                                f"{self.epsilon:.4g}); refusing to release another round.")
         glob = hypotheses[0]
@@ -217,7 +275,7 @@ class CentralGaussian(ServerPrivacy):
                 clip, unclipped, len(norms), expected_count, target_quantile=self.target_quantile,
                 clip_lr=self.clip_lr, count_noise_std=self.count_std, generator=count_generator)
             metrics["privacy/unclipped_fraction_estimate"] = self.last_estimate
-        self.accountant.step(noise_multiplier=self.z, sample_rate=self.q)
+        self._account(update_set, metrics)
         if self.allowed_rounds is not None:
             self.allowed_rounds -= 1
         metrics["privacy/epsilon"] = self.epsilon
@@ -226,11 +284,17 @@ class CentralGaussian(ServerPrivacy):
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        return {"accountant": self.accountant.state_dict(), "clip": self.clip, "noise_multiplier": self.z}
+        return {"accountant": self.accountant.state_dict(), "clip": self.clip, "noise_multiplier": self.z,
+                "set_accountant": None if self.set_accountant is None else self.set_accountant.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("accountant") is not None:
             self.accountant.load_state_dict(state["accountant"])
+        if state.get("set_accountant") is not None:
+            from lightning_dp.privacy.accounting import DisjointPairPLDAccountant
+
+            self.set_accountant = DisjointPairPLDAccountant()
+            self.set_accountant.load_state_dict(state["set_accountant"])
         self.clip = float(state.get("clip", self.clip))
         if self.requested_z is None and state.get("noise_multiplier") is not None:
             self.z = float(state["noise_multiplier"])  # the calibrated z of the run, not a new calibration
