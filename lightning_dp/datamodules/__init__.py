@@ -12,6 +12,8 @@ Public API:
 - Federated (per-client data, :class:`FederatedDataModule`, :class:`ClientDataset`):
   :class:`SyntheticLinearMixture`, :class:`HospitalCharges` (CMS inpatient charges),
   :class:`FEMNIST` (LEAF JSON or Hugging Face ``flwrlabs/femnist``).
+- Federated images partitioned by flwr-datasets (IID, pathological NIID(k), shards, Dirichlet):
+  :class:`FederatedVision` over MNIST, Fashion-MNIST (IDX) and CIFAR-10 (official python batches).
 - Federated with a sensitive group (fairness): :class:`SyntheticFairness`, :class:`FEMNISTFairness`.
 - Language: :class:`WikiText2DataModule` (official token files or Hugging Face, word level, fixed-length samples).
 """
@@ -21,6 +23,7 @@ from lightning_dp.datamodules.base import SplitDataModule, stratified_split
 from lightning_dp.datamodules.digits import DigitsDataModule
 from lightning_dp.datamodules.fairness import FEMNISTFairness, SyntheticFairness
 from lightning_dp.datamodules.federated import ClientDataset, FederatedDataModule, padded, split_clients
+from lightning_dp.datamodules.federated_vision import FederatedVision
 from lightning_dp.datamodules.femnist import FEMNIST
 from lightning_dp.datamodules.hospital import HospitalCharges
 from lightning_dp.datamodules.idx import IDXFormatError, read_idx, write_idx
@@ -35,6 +38,7 @@ __all__ = [
     "FEMNIST",
     "FEMNISTFairness",
     "FederatedDataModule",
+    "FederatedVision",
     "HospitalCharges",
     "SyntheticFairness",
     "SyntheticLinearMixture",

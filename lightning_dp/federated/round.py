@@ -75,7 +75,7 @@ __all__ = ["FederatedRound"]
 
 # streams of derive_generator (public: seed; secret: noise_seed)
 _CLIENTS, _LOCAL, _NOISE, _INIT, _VAL = 11, 12, 13, 14, 15
-_SERVER_NOISE, _SERVER_COUNT = 16, 17
+_SERVER_NOISE, _SERVER_COUNT, _DIAGNOSTICS = 16, 17, 18
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -124,6 +124,11 @@ class FederatedRound(LightningModule):
             ``nonprivate/`` (their losses; the fraction of updates central DP clipped). The
             server never sees them in the protocol and no accountant covers them; set False to
             keep them off the record.
+        diagnostics: per round, log ``nonprivate/update_cosine``, the mean pairwise cosine similarity of
+            the participants' (unsanitized) updates, and ``nonprivate/gradient_cosine``, the same for
+            per-sample gradients of one random example of each participant at its starting model
+            (the centralized counterpart, a batch of U examples; thesis Fig. 5.4), with the plot
+            ``federated/cosine.png`` at the end. Needs ``log_nonprivate_metrics``.
     """
 
     #: Constructor arguments that are secrets: redacted from configs logged by ``lightning-dp``.
@@ -146,6 +151,7 @@ class FederatedRound(LightningModule):
         seed: int | None = None,
         noise_seed: int | None = None,
         log_nonprivate_metrics: bool = True,
+        diagnostics: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
@@ -170,6 +176,10 @@ class FederatedRound(LightningModule):
         check_seed(seed)
         check_seed(noise_seed, "noise_seed")
         self.log_nonprivate_metrics = bool(log_nonprivate_metrics)
+        if diagnostics and not self.log_nonprivate_metrics:
+            raise ValueError("diagnostics=True logs statistics of unsanitized updates and gradients (nonprivate/*): "
+                             "it needs log_nonprivate_metrics=True")
+        self.diagnostics = bool(diagnostics)
         if type(self) is FederatedRound:  # a preset saves its own (flat) arguments
             self.save_hyperparameters(ignore=["model", "noise_seed", "selection", "update", "sanitizer", "aggregator",
                                               "server_privacy"])
@@ -191,6 +201,8 @@ class FederatedRound(LightningModule):
         self.ledger: PrivacyLedger = self.sanitizer.make_ledger()
         self.automatic_optimization = False
         self._history: list[dict[str, Any]] = []
+        self._cosines: list[tuple[int, float, float]] = []  # (round, update cosine, gradient cosine), diagnostics
+        self._epsilon_written = -1  # the last round whose metrics carried privacy/epsilon
 
     def parts(self) -> dict[str, Any]:
         """``{kind: part}`` of the round."""
@@ -202,7 +214,9 @@ class FederatedRound(LightningModule):
         out: dict[str, Any] = {}
         for kind, part in self.parts().items():
             out[kind] = part.name
-            out.update(part.hparams())
+            # a value decided later (a calibrated z, the sample rate) is logged once known: MLflow refuses a
+            # parameter that changes, so None is not recorded first
+            out.update({k: v for k, v in part.hparams().items() if v is not None})
         return out
 
     # ----------------------------------------------------------------- set-up
@@ -373,16 +387,18 @@ class FederatedRound(LightningModule):
         gathered = torch.stack(parts)  # (world, per_rank, ...)
         return gathered.transpose(0, 1).reshape(per_rank * world, *rows.shape[1:])[:total]
 
-    def _client_round(self, index: list[int], r: int) -> tuple[Tensor, Tensor]:
+    def _client_round(self, index: list[int], r: int) -> tuple[Tensor, Tensor, Tensor | None]:
         """Choice, local training and sanitization of this process's share of the round's clients.
 
         Returns ``(releases, stats)``: (m, P) released vectors and (m, 3) float64
-        ``[loss of the chosen hypothesis, privacy cost, number of examples]`` for the m clients of the shard.
+        ``[loss of the chosen hypothesis, privacy cost, number of examples]`` for the m clients of the shard;
+        with ``diagnostics``, also (m, 2P) rows ``[update, per-sample gradient of one random example]``.
         """
         hyps = self.hypotheses
         mine = self._shard(index)
         if not mine:
-            return hyps.new_zeros((0, self.spec.numel)), torch.zeros((0, 3), dtype=torch.float64, device=hyps.device)
+            return (hyps.new_zeros((0, self.spec.numel)), torch.zeros((0, 3), dtype=torch.float64, device=hyps.device),
+                    hyps.new_zeros((0, 2 * self.spec.numel)) if self.diagnostics else None)
         x, y, mask = self._padded("train", mine)
         with torch.no_grad():
             losses = client_losses(self.template, self.spec, hyps, x, y, mask, self.loss_name)
@@ -402,7 +418,22 @@ class FederatedRound(LightningModule):
             released.append(out.released)
             costs.append(out.cost)
         chosen = losses.gather(1, choice[:, None]).squeeze(1).double()
-        return torch.stack(released), torch.stack([chosen, chosen.new_tensor(costs), mask.sum(1).double()], dim=1)
+        stats = torch.stack([chosen, chosen.new_tensor(costs), mask.sum(1).double()], dim=1)
+        return torch.stack(released), stats, self._diagnostic_rows(mine, r, start, trained, x, y, mask)
+
+    def _diagnostic_rows(self, mine: list[int], r: int, start: Tensor, trained: Tensor, x: Tensor, y: Tensor,
+                         mask: Tensor) -> Tensor | None:
+        """(m, 2P) ``[update, per-sample gradient]`` of the shard's clients (None without diagnostics)."""
+        if not self.diagnostics:
+            return None
+        from lightning_dp.federated.diagnostics import per_sample_gradients
+
+        counts = mask.sum(1)
+        pick = torch.stack([torch.randint(int(n), (), generator=derive_generator(self.seed, _DIAGNOSTICS, r, i))
+                            for i, n in zip(mine, counts.tolist())]).to(x.device)
+        rows = torch.arange(len(mine), device=x.device)
+        grads = per_sample_gradients(self.template, self.spec, start, x[rows, pick], y[rows, pick], self.loss_name)
+        return torch.cat([trained - start, grads.to(start.dtype)], dim=1).detach()
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         r = int(self.rounds)
@@ -410,12 +441,21 @@ class FederatedRound(LightningModule):
         hyps = self.hypotheses
         metrics: dict[str, float] = {"round/participants": float(len(index)), "round/declined": float(declined)}
         privacy = self.server_privacy
+        planned = self.trainer.max_epochs
+        last = planned is not None and planned > 0 and self.trainer.current_epoch + 1 >= planned  # ends anyway
+        # epsilon (a PLD composition) only when Lightning writes this round's metrics, or the run ends
+        written = bool(getattr(self.trainer, "_logger_connector", None) is None
+                       or self.trainer._logger_connector.should_update_logs)
+        report = last or written
         if index or privacy.accounted:  # an accounted round without participants still releases its noise
             if index:
-                local_releases, local_stats = self._client_round(index, r)
+                local_releases, local_stats, local_diagnostics = self._client_round(index, r)
             else:
                 local_releases = hyps.new_zeros((0, self.spec.numel))
                 local_stats = torch.zeros((0, 3), dtype=torch.float64, device=hyps.device)
+                local_diagnostics = hyps.new_zeros((0, 2 * self.spec.numel)) if self.diagnostics else None
+            if local_diagnostics is not None:
+                self._log_cosines(r, self._gather_rows(local_diagnostics, len(index)), metrics)
             # the server's view: every release, in the round's client order, on every process
             releases = self._gather_rows(local_releases, len(index))
             stats = self._gather_rows(local_stats, len(index))
@@ -426,7 +466,8 @@ class FederatedRound(LightningModule):
                 releases, hyps, self.aggregator, weights=stats[:, 2],
                 expected_count=self.selection.expected_count(len(self._clients["train"])),
                 noise_generator=derive_generator(self._noise_seed, _SERVER_NOISE, r, device=hyps.device),
-                count_generator=derive_generator(self._noise_seed, _SERVER_COUNT, r), update_set=self._update_set())
+                count_generator=derive_generator(self._noise_seed, _SERVER_COUNT, r), update_set=self._update_set(),
+                report_epsilon=report)
             self.previous_step.copy_(new - hyps)
             self.optimizers().step(closure=lambda: self.hypotheses.copy_(new))
             metrics.update({k: v for k, v in privacy_metrics.items()
@@ -448,12 +489,23 @@ class FederatedRound(LightningModule):
             metrics["privacy/client_epsilon_max"] = self.ledger.max()
         self.rounds += 1
         # float64: Lightning would store a Python float as float32 and round the spend
-        self.log_dict({k: torch.tensor(v, dtype=torch.float64) for k, v in metrics.items()}, on_step=True,
-                      on_epoch=False, batch_size=1)
-        if privacy.accounted and not privacy.budget_left(self._update_set()) and not self.trainer.should_stop:
+        if privacy.accounted and not last and not privacy.budget_left(self._update_set()) and not self.trainer.should_stop:
             rank_zero_info(f"{type(privacy).__name__}: stopping after round {r + 1}: the next round would exceed "
                            f"target_epsilon={privacy.target_epsilon} (spent {privacy.epsilon:.4f}).")
             self.trainer.should_stop = True
+            metrics.update(privacy.epsilon_metrics())  # the final spend is always recorded
+        if "privacy/epsilon" in metrics and written:
+            self._epsilon_written = r
+        self.log_dict({k: torch.tensor(v, dtype=torch.float64) for k, v in metrics.items()}, on_step=True,
+                      on_epoch=False, batch_size=1)
+
+    def _log_cosines(self, r: int, rows: Tensor, metrics: dict[str, float]) -> None:
+        from lightning_dp.federated.diagnostics import mean_pairwise_cosine
+
+        p = self.spec.numel
+        updates, gradients = mean_pairwise_cosine(rows[:, :p]), mean_pairwise_cosine(rows[:, p:])
+        metrics["nonprivate/update_cosine"], metrics["nonprivate/gradient_cosine"] = updates, gradients
+        self._cosines.append((r, updates, gradients))
 
     # -------------------------------------------------------------- evaluation
     def _evaluate(self, split: str, stage: str) -> None:
@@ -552,10 +604,20 @@ class FederatedRound(LightningModule):
                                "noise from a fresh secret seed.")
 
     def on_train_end(self) -> None:
+        step = int(self.trainer.global_step)
+        if self.server_privacy.accounted and step > 0 and self._epsilon_written != int(self.rounds) - 1:
+            # a run ended between log writes (max_steps, max_time, an interrupt): write the final spend, at the
+            # step numbering of the round's own metrics (those of optimizer step n are written at n - 1)
+            final = self.server_privacy.epsilon_metrics()
+            if self.trainer.is_global_zero:
+                for logger in self.trainer.loggers:
+                    logger.log_metrics(final, step=step - 1)
         if self.trainer.is_global_zero and len(self.ledger):
             self._log_ledger_artifacts()
             if self._history:
                 self._log_parameter_plot()
+        if self.trainer.is_global_zero and self._cosines:
+            self._log_cosine_plot()
 
     # ------------------------------------------------------------------ plots
     def _log_ledger_artifacts(self) -> None:
@@ -575,6 +637,26 @@ class FederatedRound(LightningModule):
         table = (f"clients\t{len(values)}\nmedian\t{self.ledger.median():.6g}\nmax\t{self.ledger.max():.6g}\n"
                  f"cost_per_participation\t{self.participation_cost():.6g}\n")
         tracking.log_text(self.trainer, table, "privacy/client_epsilon.tsv")
+
+    def _log_cosine_plot(self) -> None:
+        from matplotlib.figure import Figure
+
+        from lightning_dp import tracking
+
+        rounds, updates, gradients = zip(*self._cosines)
+        fig = Figure(figsize=(6, 4))
+        ax = fig.subplots()
+        ax.plot(rounds, updates, marker=".", label="client updates")
+        ax.plot(rounds, gradients, marker=".", label="per-sample gradients (one example per client)")
+        ax.axhline(0.0, color="grey", linewidth=0.5)
+        ax.set_xlabel("round")
+        ax.set_ylabel("mean pairwise cosine similarity")
+        ax.legend()
+        ax.set_title(f"alignment of the participants' updates ({self.update.name})")
+        tracking.log_figure(self.trainer, fig, "federated/cosine.png")
+        table = "round\tupdate_cosine\tgradient_cosine\n" + "".join(f"{r}\t{u:.6g}\t{g:.6g}\n"
+                                                                    for r, u, g in self._cosines)
+        tracking.log_text(self.trainer, table, "federated/cosine.tsv")
 
     def _log_parameter_plot(self) -> None:
         from matplotlib.figure import Figure

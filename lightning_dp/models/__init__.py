@@ -10,14 +10,22 @@ Public API:
     ImageClassifier: cross-entropy LightningModule around any classification network.
     Autoencoder: mean-squared-error LightningModule around any reconstruction network.
     LinearRegression, HospitalMLP, FEMNISTConvNet: the federated models of the seed.
+    LogisticRegression, CIFARConvNet: the DP-FedAvg models (MNIST, CIFAR-10).
     GPT2: a small GPT-2 from a transformers config (no download); CausalLanguageModel trains it.
 """
 
 from lightning_dp.models.autoencoder import Autoencoder
 from lightning_dp.models.classifier import ImageClassifier
-from lightning_dp.models.federated import FEMNISTConvNet, HospitalMLP, LinearRegression
+from lightning_dp.models.federated import (
+           CIFARConvNet,
+           FEMNISTConvNet,
+           HospitalMLP,
+           LinearRegression,
+           LogisticRegression,
+)
 from lightning_dp.models.language import GPT2, CausalLanguageModel
 from lightning_dp.models.networks import MLP, BagOfWordsMLP, ConvAutoencoder, DigitsConvNet, MNISTConvNet, SigmoidLeNet
 
-__all__ = ["GPT2", "MLP", "Autoencoder", "BagOfWordsMLP", "CausalLanguageModel", "ConvAutoencoder", "DigitsConvNet",
-           "FEMNISTConvNet", "HospitalMLP", "ImageClassifier", "LinearRegression", "MNISTConvNet", "SigmoidLeNet"]
+__all__ = ["GPT2", "MLP", "Autoencoder", "BagOfWordsMLP", "CIFARConvNet", "CausalLanguageModel", "ConvAutoencoder",
+           "DigitsConvNet", "FEMNISTConvNet", "HospitalMLP", "ImageClassifier", "LinearRegression", "LogisticRegression",
+           "MNISTConvNet", "SigmoidLeNet"]

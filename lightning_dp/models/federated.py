@@ -8,6 +8,8 @@ each network and asserted in the tests.
 - :class:`LinearRegression`: the synthetic task ``y = x^T theta``, n = 2.
 - :class:`HospitalMLP`: the hospital data (3 features), n = 11.
 - :class:`FEMNISTConvNet`: FEMNIST (1x28x28, 62 classes), n = 1,400,990.
+- :class:`LogisticRegression`: MNIST-sized images, 10 classes, n = 7,850 (DP-FedAvg baseline).
+- :class:`CIFARConvNet`: McMahan et al.'s CIFAR-10 CNN, n = 1,756,426.
 
 Example:
     >>> import torch
@@ -22,7 +24,7 @@ from torch import nn
 
 from lightning_dp.models.networks import _check_positive_int
 
-__all__ = ["FEMNISTConvNet", "HospitalMLP", "LinearRegression"]
+__all__ = ["CIFARConvNet", "FEMNISTConvNet", "HospitalMLP", "LinearRegression", "LogisticRegression"]
 
 
 class LinearRegression(nn.Module):
@@ -140,4 +142,67 @@ class FEMNISTConvNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return logits of shape ``(batch, num_classes)`` for ``x`` of shape ``(batch, 1, 28, 28)``."""
+        return self.classifier(self.features(x))
+
+
+class LogisticRegression(nn.Module):
+    """Multinomial logistic regression on flattened images: ``Flatten -> Linear(in_features, num_classes)``.
+
+    The DP-FedAvg baseline model for MNIST (McMahan et al. 2018 use it beside a CNN):
+    ``784 * 10 + 10 = 7,850`` parameters with the defaults. Outputs logits
+    (``loss="cross_entropy"``).
+
+    Example:
+        >>> import torch
+        >>> model = LogisticRegression()
+        >>> sum(p.numel() for p in model.parameters()), model(torch.zeros(3, 1, 28, 28)).shape
+        (7850, torch.Size([3, 10]))
+    """
+
+    def __init__(self, in_features: int = 784, num_classes: int = 10) -> None:
+        super().__init__()
+        self.in_features = _check_positive_int("in_features", in_features)
+        self.num_classes = _check_positive_int("num_classes", num_classes)
+        self.linear = nn.Linear(self.in_features, self.num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits ``(batch, num_classes)`` for inputs of any shape ``(batch, ...)`` with ``in_features`` values."""
+        return self.linear(x.flatten(1))
+
+
+class CIFARConvNet(nn.Module):
+    """The CNN of McMahan et al. (2017) for CIFAR-10, after the TensorFlow CIFAR-10 tutorial.
+
+    Shapes for a 3x32x32 input (the tutorial crops to 24x24; here the full image, so the
+    first dense layer is larger)::
+
+        Conv2d(3, 64, 5, padding=2)  -> ReLU -> MaxPool2d(3, 2, padding=1) -> 64x16x16
+        Conv2d(64, 64, 5, padding=2) -> ReLU -> MaxPool2d(3, 2, padding=1) -> 64x8x8
+        Flatten -> Linear(4096, 384) -> ReLU -> Linear(384, 192) -> ReLU -> Linear(192, num_classes)
+
+    The tutorial's local response normalization is left out (it mixes channels of one
+    example only, but adds nothing the ReLU network needs here and no per-sample rule
+    is kept for it). Parameters: ``4,864 + 102,464 + 1,573,248 + 73,920 + 1,930 = 1,756,426``.
+
+    Example:
+        >>> import torch
+        >>> model = CIFARConvNet()
+        >>> sum(p.numel() for p in model.parameters()), model(torch.zeros(2, 3, 32, 32)).shape
+        (1756426, torch.Size([2, 10]))
+    """
+
+    def __init__(self, num_classes: int = 10) -> None:
+        super().__init__()
+        self.num_classes = _check_positive_int("num_classes", num_classes)
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 64, kernel_size=5, padding=2), nn.ReLU(), nn.MaxPool2d(3, stride=2, padding=1),
+            nn.Conv2d(64, 64, kernel_size=5, padding=2), nn.ReLU(), nn.MaxPool2d(3, stride=2, padding=1),
+        )
+        self.classifier = nn.Sequential(
+            nn.Flatten(), nn.Linear(64 * 8 * 8, 384), nn.ReLU(), nn.Linear(384, 192), nn.ReLU(),
+            nn.Linear(192, self.num_classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits ``(batch, num_classes)`` for images ``(batch, 3, 32, 32)``."""
         return self.classifier(self.features(x))

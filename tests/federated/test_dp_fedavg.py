@@ -227,3 +227,49 @@ def test_the_budget_stop_under_replacement_follows_the_smaller_bound():
         one_more.step(noise_multiplier=entry[0], sample_rate=entry[1], num_steps=entry[2])
     one_more.step(noise_multiplier=z * clip / d, sample_rate=1.0)
     assert one_more.get_epsilon(1e-5) > target  # the stop was needed
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_a_calibrated_run_logs_its_noise_multiplier_to_mlflow_once(tmp_path, adaptive):
+    """z and q are decided when training starts: the logged parameters hold them (MLflow refuses a parameter
+    logged first as None and then changed)."""
+    import mlflow
+
+    from lightning_dp.tracking import MLFlowLogger
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    logger = MLFlowLogger(experiment_name="calibrated", tracking_uri=uri, artifact_location=str(tmp_path / "art"))
+    privacy = CentralGaussian(target_epsilon=4.0, clip=0.5, adaptive=adaptive, count_noise_std=3.0)
+    trainer(max_epochs=2, logger=logger).fit(fedavg(privacy, q=0.5), SyntheticLinearMixture(seed=0))
+    params = mlflow.MlflowClient(tracking_uri=uri).get_run(logger.run_id).data.params
+    assert float(params["privacy/noise_multiplier"]) == pytest.approx(privacy.z)
+    assert float(params["privacy/client_sample_rate"]) == 0.5
+
+
+class _Recorder(L.pytorch.loggers.Logger):
+    name, version = "recorder", "0"
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def log_metrics(self, metrics, step=None):
+        self.calls.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
+@pytest.mark.parametrize("every,rounds", [(3, 7), (1, 4), (50, 5)])
+def test_epsilon_is_in_every_metrics_write_and_the_final_spend_is_written(every, rounds):
+    """epsilon is computed only for the rounds whose metrics Lightning writes (a PLD composition can cost more
+    than a round), and the last round's spend is always written."""
+    privacy = CentralGaussian(noise_multiplier=1.0, clip=0.5)
+    recorder = _Recorder()
+    trainer(max_epochs=rounds, logger=recorder, log_every_n_steps=every).fit(fedavg(privacy),
+                                                                            SyntheticLinearMixture(seed=0))
+    writes = [m for _, m in recorder.calls if "round/participants" in m]
+    assert len(writes) == rounds // every and all("privacy/epsilon" in m for m in writes)
+    finals = [m["privacy/epsilon"] for _, m in recorder.calls if "privacy/epsilon" in m]
+    assert finals[-1] == pytest.approx(privacy.epsilon, rel=1e-12)
+    assert privacy.epsilon == pytest.approx(library_epsilon(1.0, 0.25, rounds), rel=1e-9)

@@ -68,13 +68,20 @@ class ServerPrivacy(Part):
 
     def aggregate(self, releases: Tensor, hypotheses: Tensor, aggregator: Any, *, weights: Tensor | None,
                   expected_count: float, noise_generator: torch.Generator, count_generator: torch.Generator,
-                  update_set: tuple[float, float] | None = None) -> tuple[Tensor, Tensor, dict[str, float]]:
+                  update_set: tuple[float, float] | None = None,
+                  report_epsilon: bool = True) -> tuple[Tensor, Tensor, dict[str, float]]:
         """``(new hypotheses, assignment, metrics)`` of the round.
 
         ``update_set``: ``(radius, diameter)`` of a set every release's update is known to lie in
         (public, from the sanitizer: :meth:`~lightning_dp.federated.parts.ClientSanitizer.update_set`), or None.
+        ``report_epsilon``: include :meth:`epsilon_metrics` (the round passes False between log writes:
+        a PLD composition per round can cost more than the round).
         """
         raise NotImplementedError
+
+    def epsilon_metrics(self) -> dict[str, float]:
+        """The spend so far, as metrics (``privacy/epsilon``, ...); empty when nothing is accounted."""
+        return {}
 
 
 @register_part("server_privacy", "none")
@@ -82,7 +89,7 @@ class NoServerPrivacy(ServerPrivacy):
     """The aggregator's result as it is."""
 
     def aggregate(self, releases, hypotheses, aggregator, *, weights, expected_count, noise_generator,
-                  count_generator, update_set=None):
+                  count_generator, update_set=None, report_epsilon=True):
         new, assignment = aggregator.aggregate(releases, hypotheses, weights)
         return new, assignment, {}
 
@@ -223,9 +230,14 @@ class CentralGaussian(ServerPrivacy):
         sigma = self.z * self.clip
         self.accountant.step(noise_multiplier=sigma / s, sample_rate=self.q)
         self.set_accountant.step(noise_multiplier=sigma / d, sample_rate=self.q)
-        metrics["privacy/epsilon_replace_one"] = self.accountant.get_epsilon(self.target_delta)
-        metrics["privacy/epsilon_disjoint_pair"] = self.set_accountant.get_epsilon(self.target_delta)
         metrics["privacy/update_set_diameter"] = d
+
+    def epsilon_metrics(self) -> dict[str, float]:
+        out = {"privacy/epsilon": self.epsilon}
+        if self.set_accountant is not None and len(self.set_accountant):
+            out["privacy/epsilon_replace_one"] = self.accountant.get_epsilon(self.target_delta)
+            out["privacy/epsilon_disjoint_pair"] = self.set_accountant.get_epsilon(self.target_delta)
+        return out
 
     def budget_left(self, update_set: tuple[float, float] | None = None) -> bool:
         """Whether one more round fits in the budget; ``update_set``: the next round's (see :meth:`aggregate`).
@@ -251,7 +263,7 @@ class CentralGaussian(ServerPrivacy):
 
     # ----------------------------------------------------------------- round
     def aggregate(self, releases, hypotheses, aggregator, *, weights, expected_count, noise_generator,
-                  count_generator, update_set=None):
+                  count_generator, update_set=None, report_epsilon=True):
         if hypotheses.shape[0] != 1:
             raise ValueError("CentralGaussian averages one model (num_hypotheses=1)")
         if not self.budget_left(update_set):
@@ -278,7 +290,8 @@ class CentralGaussian(ServerPrivacy):
         self._account(update_set, metrics)
         if self.allowed_rounds is not None:
             self.allowed_rounds -= 1
-        metrics["privacy/epsilon"] = self.epsilon
+        if report_epsilon:
+            metrics.update(self.epsilon_metrics())
         assignment = torch.zeros(len(releases), dtype=torch.long, device=releases.device)
         return new[None], assignment, metrics
 

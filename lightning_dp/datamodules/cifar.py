@@ -1,0 +1,178 @@
+"""CIFAR-10 from its official "python version" archive, read without trusting pickle.
+
+The official archive ``cifar-10-python.tar.gz`` (Krizhevsky, 2009) holds
+``cifar-10-batches-py/data_batch_1`` .. ``data_batch_5`` (50,000 training images) and
+``test_batch`` (10,000), each a Python pickle of a dict with ``b"data"`` (uint8,
+``(10000, 3072)``: the red, green and blue 32x32 planes of each image, row-major) and
+``b"labels"`` (a list of ints in 0..9).
+
+Unpickling runs whatever the file names, so a downloaded or shared batch file is read
+with an unpickler that only builds numpy arrays, lists, dicts, bytes and numbers
+(:func:`read_cifar_batch`); anything else is refused. ``download_cifar10`` fetches the
+archive (md5-verified, through :func:`~lightning_dp.datamodules.mnist.download_resource`)
+and extracts only the batch files, into a temporary directory renamed when complete,
+so an interrupted download never leaves a half-made data directory.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import shutil
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Any, Union
+
+import numpy as np
+import torch
+
+from lightning_dp.datamodules.mnist import download_resource
+
+__all__ = ["CIFAR10_FILES", "CIFAR10_MEAN", "CIFAR10_STD", "CIFARFormatError", "HF_DATASET", "cifar10_dir",
+           "download_cifar10", "load_cifar10", "load_cifar10_hf", "read_cifar_batch", "transform_cifar"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+ARCHIVE = "cifar-10-python.tar.gz"
+ARCHIVE_MD5 = "c58f30108f718f92721af3b95e74349a"
+MIRRORS = ("https://www.cs.toronto.edu/~kriz/",)
+FOLDER = "cifar-10-batches-py"
+#: the official batch files of each split
+CIFAR10_FILES: dict[str, tuple[str, ...]] = {
+    "train": tuple(f"data_batch_{i}" for i in range(1, 6)),
+    "test": ("test_batch",),
+}
+#: per-channel pixel mean and std of the training split, in [0, 1] scale
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+#: the Hugging Face Hub copy (columns ``img``: PIL 32x32 RGB, ``label``), for ``source="huggingface"``
+HF_DATASET = "uoft-cs/cifar10"
+CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+
+# what a CIFAR batch pickle may construct: numpy arrays (numpy 1 and 2 module paths) and their dtypes
+_ALLOWED = {
+    ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode"),
+}
+
+
+class CIFARFormatError(ValueError):
+    """A file is not an official CIFAR-10 batch (or it asks the unpickler for anything but arrays)."""
+
+
+class _ArraysOnly(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        raise CIFARFormatError(f"refusing to build {module}.{name}: a CIFAR batch holds only arrays, lists and bytes")
+
+
+def read_cifar_batch(path: PathLike) -> tuple[torch.Tensor, torch.Tensor]:
+    """One official batch file as ``(images uint8 (N, 3, 32, 32), labels int64 (N,))``.
+
+    Raises:
+        CIFARFormatError: If the file is not a batch dict with ``data`` (N, 3072) uint8 and N
+            ``labels`` in 0..9, or its pickle asks for anything else than arrays.
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb") as handle:
+            batch = _ArraysOnly(io.BufferedReader(handle), encoding="bytes").load()
+    except CIFARFormatError as err:
+        raise CIFARFormatError(f"{path}: {err}") from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError) as err:
+        raise CIFARFormatError(f"{path}: not a CIFAR-10 batch pickle ({err})") from None
+    if not isinstance(batch, dict):
+        raise CIFARFormatError(f"{path}: expected a dict with b'data' and b'labels', got {type(batch).__name__}")
+    data = batch.get(b"data", batch.get("data"))
+    labels = batch.get(b"labels", batch.get("labels"))
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072:
+        raise CIFARFormatError(f"{path}: b'data' must be a uint8 array of shape (N, 3072), got "
+                               f"{getattr(data, 'dtype', type(data).__name__)} {getattr(data, 'shape', '')}")
+    labels = np.asarray(labels, dtype=np.int64)
+    if labels.shape != (data.shape[0],) or (labels.size and (labels.min() < 0 or labels.max() > 9)):
+        raise CIFARFormatError(f"{path}: b'labels' must hold {data.shape[0]} class indices in 0..9")
+    images = torch.from_numpy(data.reshape(-1, 3, 32, 32).copy())
+    return images, torch.from_numpy(labels)
+
+
+def cifar10_dir(data_dir: PathLike) -> Path:
+    """The folder holding the batch files: ``data_dir/cifar-10-batches-py`` or ``data_dir`` itself."""
+    root = Path(data_dir).expanduser()
+    return root / FOLDER if (root / FOLDER).is_dir() else root
+
+
+def missing_cifar10_files(data_dir: PathLike, splits: tuple[str, ...] = ("train", "test")) -> list[str]:
+    folder = cifar10_dir(data_dir)
+    return [name for split in splits for name in CIFAR10_FILES[split] if not (folder / name).is_file()]
+
+
+def download_cifar10(data_dir: PathLike, **kwargs: Any) -> Path:
+    """Fetch and extract the official archive into ``data_dir/cifar-10-batches-py`` (if files are missing).
+
+    ``kwargs`` go to :func:`~lightning_dp.datamodules.mnist.download_resource` (``urlopen``, ``timeout``).
+    Only the seven batch and meta files are extracted (no path from the archive is trusted);
+    the folder appears only once all of them are there.
+    """
+    root = Path(data_dir).expanduser()
+    target = root / FOLDER
+    if not missing_cifar10_files(root):
+        return cifar10_dir(root)
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root, prefix=".cifar-download-") as tmp:
+        archive = download_resource(ARCHIVE, directory=tmp, mirrors=MIRRORS, md5=ARCHIVE_MD5, **kwargs)
+        staged = Path(tmp) / FOLDER
+        staged.mkdir()
+        wanted = {f"{FOLDER}/{name}" for names in CIFAR10_FILES.values() for name in names} | {f"{FOLDER}/batches.meta"}
+        with tarfile.open(archive, "r:gz") as tar:
+            for member in tar.getmembers():
+                if member.name in wanted and member.isfile():
+                    source = tar.extractfile(member)
+                    assert source is not None
+                    with source, open(staged / Path(member.name).name, "wb") as out:
+                        shutil.copyfileobj(source, out)
+        missing = missing_cifar10_files(Path(tmp))
+        if missing:
+            raise CIFARFormatError(f"{ARCHIVE} lacks {missing}: not the official CIFAR-10 python archive")
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staged, target)
+    return target
+
+
+def load_cifar10(data_dir: PathLike, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The official ``"train"`` (50,000) or ``"test"`` (10,000) split from ``data_dir``.
+
+    Raises:
+        FileNotFoundError: If a batch file is missing (the message lists them and how to get them).
+    """
+    missing = missing_cifar10_files(data_dir, (split,))
+    if missing:
+        raise FileNotFoundError(
+            f"CIFAR-10 {split} split: {', '.join(missing)} not found in {cifar10_dir(data_dir)}. Extract the official "
+            f"{MIRRORS[0]}{ARCHIVE} (md5 {ARCHIVE_MD5}) into {Path(data_dir).expanduser()}, or pass download=True.")
+    parts = [read_cifar_batch(cifar10_dir(data_dir) / name) for name in CIFAR10_FILES[split]]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def load_cifar10_hf(cache_dir: PathLike, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``"train"`` or ``"test"`` split of :data:`HF_DATASET` through ``datasets.load_dataset`` (cached in
+    ``cache_dir``; ``HF_DATASETS_OFFLINE=1`` forbids downloads), as the same tensors as :func:`load_cifar10`."""
+    from lightning_dp.datamodules.mnist import _import_datasets
+
+    table = _import_datasets().load_dataset(HF_DATASET, cache_dir=str(cache_dir))[split]
+    images = np.stack([np.asarray(image, dtype=np.uint8) for image in table["img"]])  # (N, 32, 32, 3)
+    if images.ndim != 4 or images.shape[1:] != (32, 32, 3):
+        raise CIFARFormatError(f"{HF_DATASET}[{split}]: expected 32x32 RGB images, got shape {images.shape[1:]}")
+    labels = torch.as_tensor(np.asarray(list(table["label"]), dtype=np.int64))
+    return torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(), labels
+
+
+def transform_cifar(images: torch.Tensor, *, normalize: bool = True) -> torch.Tensor:
+    """uint8 ``(N, 3, 32, 32)`` to float32 in [0, 1], standardized per channel when ``normalize``."""
+    x = images.to(torch.float32).div_(255.0)
+    if normalize:
+        x.sub_(torch.tensor(CIFAR10_MEAN)[:, None, None]).div_(torch.tensor(CIFAR10_STD)[:, None, None])
+    return x
