@@ -128,7 +128,7 @@ def predictions(output: Tensor, loss: str) -> Tensor:
 
 
 def client_outputs_and_losses(template: nn.Module, spec: FlatParams, hypotheses: Tensor, x: Tensor, y: Tensor,
-                              mask: Tensor, loss: str) -> tuple[Tensor, Tensor]:
+                              mask: Tensor, loss: str, engine: str = "vmap") -> tuple[Tensor, Tensor]:
     """Output and loss of every hypothesis on every client's whole (padded) data set.
 
     One forward pass per (hypothesis, client) serves both the choice of a hypothesis
@@ -141,8 +141,17 @@ def client_outputs_and_losses(template: nn.Module, spec: FlatParams, hypotheses:
     Returns:
         ``outputs`` of shape (C, k, Nmax, ...) (padding positions hold the output on the
         padding value) and ``losses`` of shape (C, k) (:func:`masked_loss`).
+
+    ``engine="loop"`` runs one (client, hypothesis) pair at a time: the same values to rounding,
+    faster on CPU for convolutional models, where ``vmap`` over clients turns every convolution
+    into a grouped one (see ``AUTO_VMAP_MAX_PARAMETERS``).
     """
     check_loss(loss)
+    if engine == "loop":
+        pairs = [[_one_forward(template, spec, theta, x[c], y[c], mask[c], loss) for theta in hypotheses]
+                 for c in range(x.shape[0])]
+        outputs = torch.stack([torch.stack([o for o, _ in row]) for row in pairs])
+        return outputs, torch.stack([torch.stack([v for _, v in row]) for row in pairs])
 
     def one(theta: Tensor, xc: Tensor, yc: Tensor, mc: Tensor) -> tuple[Tensor, Tensor]:
         output = functional_call(template, spec.unflatten(theta), (xc,))
@@ -152,15 +161,21 @@ def client_outputs_and_losses(template: nn.Module, spec: FlatParams, hypotheses:
     return vmap(over_clients, in_dims=(0, None, None, None), out_dims=1)(hypotheses, x, y, mask)
 
 
+def _one_forward(template: nn.Module, spec: FlatParams, theta: Tensor, x: Tensor, y: Tensor, mask: Tensor,
+                 loss: str) -> tuple[Tensor, Tensor]:
+    output = functional_call(template, spec.unflatten(theta), (x,))
+    return output, masked_loss(output, y, mask, loss)
+
+
 def client_losses(template: nn.Module, spec: FlatParams, hypotheses: Tensor, x: Tensor, y: Tensor, mask: Tensor,
-                  loss: str) -> Tensor:
+                  loss: str, engine: str = "vmap") -> Tensor:
     """Loss of every hypothesis on every client's whole data set, shape (clients, k).
 
     Args:
         hypotheses: (k, P) flat parameter vectors.
         x, y, mask: padded client data (C, Nmax, ...), (C, Nmax, ...), (C, Nmax).
     """
-    return client_outputs_and_losses(template, spec, hypotheses, x, y, mask, loss)[1]
+    return client_outputs_and_losses(template, spec, hypotheses, x, y, mask, loss, engine)[1]
 
 
 def choose_hypotheses(losses: Tensor) -> Tensor:

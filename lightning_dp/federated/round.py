@@ -325,6 +325,13 @@ class FederatedRound(LightningModule):
         the choice among k > 1 hypotheses included, so it changes as they move apart)."""
         return self.sanitizer.participation_cost(self.spec.numel, self._choices())
 
+    def _forward_engine(self) -> str:
+        """How the hypotheses' losses on the clients are computed: ``vmap`` over clients for small models,
+        a loop above ``AUTO_VMAP_MAX_PARAMETERS`` (grouped convolutions are slower on CPU)."""
+        from lightning_dp.federated.parts import AUTO_VMAP_MAX_PARAMETERS
+
+        return "vmap" if self.spec.numel <= AUTO_VMAP_MAX_PARAMETERS else "loop"
+
     def _update_set(self) -> tuple[float, float] | None:
         """The public set the next round's released updates lie in (one hypothesis; the reference is the
         previous round's released change), for the server's accounting under replacement."""
@@ -400,20 +407,25 @@ class FederatedRound(LightningModule):
             return (hyps.new_zeros((0, self.spec.numel)), torch.zeros((0, 3), dtype=torch.float64, device=hyps.device),
                     hyps.new_zeros((0, 2 * self.spec.numel)) if self.diagnostics else None)
         x, y, mask = self._padded("train", mine)
-        with torch.no_grad():
-            losses = client_losses(self.template, self.spec, hyps, x, y, mask, self.loss_name)
+        if self.k == 1 and not self.log_nonprivate_metrics:  # nothing to choose, no loss to log: no forward pass
+            losses = torch.full((len(mine), 1), float("nan"), device=hyps.device)
+        else:
+            with torch.no_grad():
+                losses = client_losses(self.template, self.spec, hyps, x, y, mask, self.loss_name,
+                                       self._forward_engine())
         choice = choose_hypotheses(losses)
-        start = hyps[choice]
+        # one hypothesis: a view, not m copies of the model (m x P floats are the round's memory traffic)
+        start = hyps[choice] if self.k > 1 else hyps[0].expand(len(mine), -1)
         trained = self.update.train(self.template, self.spec, start, x, y, mask, loss=self.loss_name,
                                     shuffles=self._shuffle_keys(r, mine, mask))
         released, costs = [], []
         choices = self._choices()
-        previous = self.previous_step[choice]
-        has_reference = previous.norm(dim=1) > 0
+        has_reference = (self.previous_step.norm(dim=1) > 0).tolist()  # per hypothesis
         for c, i in enumerate(mine):
+            j = int(choice[c])
             out = self.sanitizer.sanitize(trained[c], start[c], layer_sizes=self.spec.sizes,
                                           generator=derive_generator(self._noise_seed, _NOISE, r, i, device=x.device),
-                                          reference=previous[c] if bool(has_reference[c]) else None,
+                                          reference=self.previous_step[j] if has_reference[j] else None,
                                           hypotheses=choices)
             released.append(out.released)
             costs.append(out.cost)
@@ -536,7 +548,7 @@ class FederatedRound(LightningModule):
         if mine:
             x, y, mask = self._padded(split, mine)
             outputs, losses = client_outputs_and_losses(self.template, self.spec, self.hypotheses, x, y, mask,
-                                                        self.loss_name)
+                                                        self.loss_name, self._forward_engine())
             choice = losses.argmin(dim=1)
             columns = [losses.min(dim=1).values.double(), choice.double()]
             if self._classification:

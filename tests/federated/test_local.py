@@ -171,3 +171,18 @@ def test_predictions_and_client_outputs_and_losses():
             ref = torch.func.functional_call(model, spec.unflatten(hyps[j]), (x[c],))
             torch.testing.assert_close(out[c, j], ref)
             torch.testing.assert_close(losses[c, j], masked_loss(ref, y[c], mask[c], "cross_entropy"))
+
+
+def test_the_loop_forward_equals_the_vmap_forward():
+    from lightning_dp.federated.local import FlatParams, client_outputs_and_losses
+
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 3, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 4, 4))
+    spec = FlatParams.of(net)
+    g = torch.Generator().manual_seed(0)
+    hyps = torch.randn(2, spec.numel, generator=g) * 0.1
+    x, y = torch.randn(3, 5, 1, 6, 6, generator=g), torch.randint(0, 4, (3, 5), generator=g)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    out_v, loss_v = client_outputs_and_losses(net, spec, hyps, x, y, mask, "cross_entropy")
+    out_l, loss_l = client_outputs_and_losses(net, spec, hyps, x, y, mask, "cross_entropy", engine="loop")
+    assert out_l.shape == out_v.shape == (3, 2, 5, 4)
+    assert torch.allclose(out_l, out_v, atol=1e-6) and torch.allclose(loss_l, loss_v, atol=1e-6)

@@ -271,10 +271,12 @@ class CentralGaussian(ServerPrivacy):
                                f"{self.epsilon:.4g}); refusing to release another round.")
         glob = hypotheses[0]
         deltas = releases - glob
-        norms = deltas.double().norm(dim=1)
+        if deltas.numel() <= 2**22 or not len(deltas):
+            norms = deltas.double().norm(dim=1)
+        else:  # float64 norms row by row: one row's copy at a time, not the whole (m, P) matrix in float64
+            norms = torch.stack([d.double().norm() for d in deltas])
         clip = self.clip
-        total = (clip_factors(norms, clip).to(deltas.dtype)[:, None] * deltas).sum(0) if len(deltas) else \
-            torch.zeros_like(glob)
+        total = clip_factors(norms, clip).to(deltas.dtype) @ deltas if len(deltas) else torch.zeros_like(glob)
         z_update = self.update_noise_multiplier
         (noise,) = gaussian_noise([glob.shape], z_update * clip, noise_generator, dtype=glob.dtype, device=glob.device)
         new = glob + (total + noise) / expected_count
