@@ -120,7 +120,17 @@ def download_cifar10(data_dir: PathLike, **kwargs: Any) -> Path:
     target = root / FOLDER
     if not missing_cifar10_files(root):
         return cifar10_dir(root)
+    created = not root.exists()
     root.mkdir(parents=True, exist_ok=True)
+    try:
+        return _download_into(root, target, kwargs)
+    except BaseException:
+        if created and not any(root.iterdir()):
+            root.rmdir()  # a failed download leaves no empty data directory behind
+        raise
+
+
+def _download_into(root: Path, target: Path, kwargs: dict[str, Any]) -> Path:
     with tempfile.TemporaryDirectory(dir=root, prefix=".cifar-download-") as tmp:
         archive = download_resource(ARCHIVE, directory=tmp, mirrors=MIRRORS, md5=ARCHIVE_MD5, **kwargs)
         staged = Path(tmp) / FOLDER

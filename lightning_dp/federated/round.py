@@ -420,13 +420,12 @@ class FederatedRound(LightningModule):
                                     shuffles=self._shuffle_keys(r, mine, mask))
         released, costs = [], []
         choices = self._choices()
-        has_reference = (self.previous_step.norm(dim=1) > 0).tolist()  # per hypothesis
+        # one copy per hypothesis (not per client, not a view of the buffer the round overwrites afterwards)
+        references = [step.clone() if bool(step.norm() > 0) else None for step in self.previous_step]
         for c, i in enumerate(mine):
-            j = int(choice[c])
             out = self.sanitizer.sanitize(trained[c], start[c], layer_sizes=self.spec.sizes,
                                           generator=derive_generator(self._noise_seed, _NOISE, r, i, device=x.device),
-                                          reference=self.previous_step[j] if has_reference[j] else None,
-                                          hypotheses=choices)
+                                          reference=references[int(choice[c])], hypotheses=choices)
             released.append(out.released)
             costs.append(out.cost)
         chosen = losses.gather(1, choice[:, None]).squeeze(1).double()

@@ -210,3 +210,13 @@ def test_cifar_from_the_hugging_face_copy(tmp_path, monkeypatch):
     assert client.x.shape[1:] == (3, 32, 32)
     first = torch.round(client.x[0] * 255).to(torch.uint8).permute(1, 2, 0).numpy()
     assert any(np.array_equal(first, p) for p in pixels)  # channel-first, unnormalized, exact
+
+
+def test_a_failed_download_leaves_no_data_directory(tmp_path, monkeypatch):
+    import lightning_dp.datamodules.cifar as cifar
+
+    monkeypatch.setattr(cifar, "MIRRORS", ((tmp_path / "nowhere").as_uri() + "/",))
+    target = tmp_path / "data" / "cifar"
+    with pytest.raises(RuntimeError):
+        download_cifar10(target)
+    assert not target.exists()
