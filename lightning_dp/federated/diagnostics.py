@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, grad, vmap
+from torch.func import grad, vmap
 
-from lightning_dp.federated.local import FlatParams, check_loss, masked_loss
+from lightning_dp.federated.local import FlatParams, check_loss, forward_and_loss
 
 __all__ = ["mean_pairwise_cosine", "per_sample_gradients"]
 
@@ -45,8 +45,8 @@ def per_sample_gradients(template: nn.Module, spec: FlatParams, theta: Tensor, x
     check_loss(loss)
 
     def one(t: Tensor, xi: Tensor, yi: Tensor) -> Tensor:
-        output = functional_call(template, spec.unflatten(t), (xi[None],))
-        return masked_loss(output, yi[None], torch.ones(1, dtype=torch.bool, device=xi.device), loss)
+        return forward_and_loss(template, spec, t, xi[None], yi[None], torch.ones(1, dtype=torch.bool, device=xi.device),
+                            loss)[1]
 
     per_example = theta.dim() == 2
     return vmap(grad(one), in_dims=(0 if per_example else None, 0, 0))(theta, x, y)

@@ -27,8 +27,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-__all__ = ["FlatParams", "LOSSES", "check_loss", "choose_hypotheses", "client_losses", "client_outputs_and_losses", "local_sgd",
-           "local_sgd_loop", "masked_loss", "predictions"]
+__all__ = ["FlatParams", "LOSSES", "check_loss", "choose_hypotheses", "client_losses", "client_outputs_and_losses",
+           "forward_and_loss", "local_sgd", "local_sgd_loop", "masked_loss", "predictions"]
 
 #: Loss names accepted by the round; all are means over a client's (masked) batch.
 LOSSES = ("rmse", "cross_entropy", "binary_cross_entropy")
@@ -148,21 +148,21 @@ def client_outputs_and_losses(template: nn.Module, spec: FlatParams, hypotheses:
     """
     check_loss(loss)
     if engine == "loop":
-        pairs = [[_one_forward(template, spec, theta, x[c], y[c], mask[c], loss) for theta in hypotheses]
+        pairs = [[forward_and_loss(template, spec, theta, x[c], y[c], mask[c], loss) for theta in hypotheses]
                  for c in range(x.shape[0])]
         outputs = torch.stack([torch.stack([o for o, _ in row]) for row in pairs])
         return outputs, torch.stack([torch.stack([v for _, v in row]) for row in pairs])
 
     def one(theta: Tensor, xc: Tensor, yc: Tensor, mc: Tensor) -> tuple[Tensor, Tensor]:
-        output = functional_call(template, spec.unflatten(theta), (xc,))
-        return output, masked_loss(output, yc, mc, loss)
+        return forward_and_loss(template, spec, theta, xc, yc, mc, loss)
 
     over_clients = vmap(one, in_dims=(None, 0, 0, 0))
     return vmap(over_clients, in_dims=(0, None, None, None), out_dims=1)(hypotheses, x, y, mask)
 
 
-def _one_forward(template: nn.Module, spec: FlatParams, theta: Tensor, x: Tensor, y: Tensor, mask: Tensor,
+def forward_and_loss(template: nn.Module, spec: FlatParams, theta: Tensor, x: Tensor, y: Tensor, mask: Tensor,
                  loss: str) -> tuple[Tensor, Tensor]:
+    """Output of the model with flat parameters ``theta`` on ``x``, and its :func:`masked_loss`."""
     output = functional_call(template, spec.unflatten(theta), (x,))
     return output, masked_loss(output, y, mask, loss)
 
@@ -248,7 +248,7 @@ def local_sgd(template: nn.Module, spec: FlatParams, start: Tensor, x: Tensor, y
     c, nmax = mask.shape
 
     def batch_loss(theta: Tensor, xb: Tensor, yb: Tensor, mb: Tensor) -> Tensor:
-        return masked_loss(functional_call(template, spec.unflatten(theta), (xb,)), yb, mb, loss)
+        return forward_and_loss(template, spec, theta, xb, yb, mb, loss)[1]
 
     step_grad = vmap(grad(batch_loss))
     theta = start.clone()

@@ -328,9 +328,9 @@ class FederatedRound(LightningModule):
     def _forward_engine(self) -> str:
         """How the hypotheses' losses on the clients are computed: ``vmap`` over clients for small models,
         a loop above ``AUTO_VMAP_MAX_PARAMETERS`` (grouped convolutions are slower on CPU)."""
-        from lightning_dp.federated.parts import AUTO_VMAP_MAX_PARAMETERS
+        from lightning_dp.federated.parts.update import auto_engine
 
-        return "vmap" if self.spec.numel <= AUTO_VMAP_MAX_PARAMETERS else "loop"
+        return auto_engine(self.spec.numel)
 
     def _update_set(self) -> tuple[float, float] | None:
         """The public set the next round's released updates lie in (one hypothesis; the reference is the
@@ -501,10 +501,10 @@ class FederatedRound(LightningModule):
         self.rounds += 1
         # float64: Lightning would store a Python float as float32 and round the spend
         if privacy.accounted and not last and not privacy.budget_left(self._update_set()) and not self.trainer.should_stop:
-            rank_zero_info(f"{type(privacy).__name__}: stopping after round {r + 1}: the next round would exceed "
-                           f"target_epsilon={privacy.target_epsilon} (spent {privacy.epsilon:.4f}).")
-            self.trainer.should_stop = True
             metrics.update(privacy.epsilon_metrics())  # the final spend is always recorded
+            rank_zero_info(f"{type(privacy).__name__}: stopping after round {r + 1}: the next round would exceed "
+                           f"target_epsilon={privacy.target_epsilon} (spent {metrics['privacy/epsilon']:.4f}).")
+            self.trainer.should_stop = True
         if "privacy/epsilon" in metrics and written:
             self._epsilon_written = r
         self.log_dict({k: torch.tensor(v, dtype=torch.float64) for k, v in metrics.items()}, on_step=True,

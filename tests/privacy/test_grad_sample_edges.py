@@ -16,18 +16,9 @@ from torch import nn
 
 from lightning_dp.privacy.clipping import clip_factors
 from lightning_dp.privacy.grad_sample import GradSampleEngine, LayerRule, PerSampleGradientError, register_rule
+from tests.privacy.reference import per_example_gradients
 
 T, B = 4, 5
-
-
-def _reference(model, losses):
-    unique = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
-    rows = []
-    for i in range(losses.shape[0]):
-        grads = torch.autograd.grad(losses[i], unique, retain_graph=True, allow_unused=True)
-        rows.append(torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1)
-                               for g, p in zip(grads, unique)]))
-    return unique, torch.stack(rows)
 
 
 def _check(model, x, y, *, train=True, c=0.5, reference=None):
@@ -35,7 +26,7 @@ def _check(model, x, y, *, train=True, c=0.5, reference=None):
     sharing its parameters); nested probe batches from one batch."""
     model = model.double().train(train)
     x = x.double()
-    params, ref = _reference(model, F.cross_entropy((reference or model)(x[:B]), y[:B], reduction="none"))
+    params, ref = per_example_gradients(model, F.cross_entropy((reference or model)(x[:B]), y[:B], reduction="none"))
     engine = GradSampleEngine(model)
     engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
     with engine.record(batch_size=B):

@@ -22,6 +22,7 @@ from torch import nn
 
 from lightning_dp.privacy.clipping import clip_factors
 from lightning_dp.privacy.grad_sample import GradSampleEngine, PerSampleGradientError
+from tests.privacy.reference import per_example_gradients
 
 B = 5  # also the sequence length of several cases: T == B must not confuse the engine
 
@@ -334,17 +335,6 @@ if importlib.util.find_spec("opacus") is not None:
         lambda m, b: _ce(m(b[0]), b[1]))
 
 
-def _reference(model, losses):
-    params = [p for p in model.parameters() if p.requires_grad]
-    unique = list({id(p): p for p in params}.values())
-    rows = []
-    for i in range(losses.shape[0]):
-        grads = torch.autograd.grad(losses[i], unique, retain_graph=True, allow_unused=True)
-        rows.append(torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1)
-                               for g, p in zip(grads, unique)]))
-    return unique, torch.stack(rows)
-
-
 def run_case(name: str, c: float = 0.5, seed: int = 0):
     case = CASES[name]
     torch.manual_seed(seed)
@@ -352,7 +342,7 @@ def run_case(name: str, c: float = 0.5, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     batch = case.make_batch(B, g)
     torch.manual_seed(1)
-    params, ref = _reference(model, case.losses(model, batch))
+    params, ref = per_example_gradients(model, case.losses(model, batch))
     engine = GradSampleEngine(model)
     probe_g = torch.Generator().manual_seed(seed + 1)
     if case.nested:  # the first n examples of one batch, as DPSGD probes

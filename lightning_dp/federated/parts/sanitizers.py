@@ -44,8 +44,8 @@ from lightning_dp.privacy.local_dp import (
 from lightning_dp.privacy.mechanisms import SanitizedUpdate, sanitize_update
 from lightning_dp.privacy.noise import gaussian_noise
 
-__all__ = ["ClientSanitizer", "choice_spread", "ClipSanitizer", "EuclideanLaplace", "GaussianLocalDP", "LaplaceLocalDP", "NoSanitizer",
-           "SectorSanitizer"]
+__all__ = ["ClientSanitizer", "ClipSanitizer", "EuclideanLaplace", "GaussianLocalDP", "LaplaceLocalDP", "NoSanitizer",
+           "SectorSanitizer", "choice_spread"]
 
 
 class ClientSanitizer(Part):

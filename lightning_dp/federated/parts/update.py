@@ -10,12 +10,17 @@ from torch import Tensor
 from lightning_dp.federated.local import local_sgd, local_sgd_loop
 from lightning_dp.federated.parts.registry import Part, register_part
 
-__all__ = ["AUTO_VMAP_MAX_PARAMETERS", "ClientUpdate", "LocalSGD"]
+__all__ = ["AUTO_VMAP_MAX_PARAMETERS", "ClientUpdate", "LocalSGD", "auto_engine"]
 
 #: models with more parameters than this train their clients one by one ("auto" engine):
 #: vmap over clients turns convolutions into grouped ones, slower than a loop on CPU
 #: (benchmarks/bench_federated_round.py: 30x faster for 11 parameters, 4x slower for 1.4 M).
 AUTO_VMAP_MAX_PARAMETERS = 100_000
+
+
+def auto_engine(numel: int) -> str:
+    """``"vmap"`` over clients for a model of at most :data:`AUTO_VMAP_MAX_PARAMETERS` parameters, else ``"loop"``."""
+    return "vmap" if numel <= AUTO_VMAP_MAX_PARAMETERS else "loop"
 
 
 class ClientUpdate(Part):
@@ -54,9 +59,7 @@ class LocalSGD(ClientUpdate):
                 "client_engine": self.engine}
 
     def resolved_engine(self, numel: int) -> str:
-        if self.engine != "auto":
-            return self.engine
-        return "vmap" if numel <= AUTO_VMAP_MAX_PARAMETERS else "loop"
+        return auto_engine(numel) if self.engine == "auto" else self.engine
 
     def train(self, template, spec, start, x, y, mask, *, loss, shuffles):
         fn = local_sgd if self.resolved_engine(spec.numel) == "vmap" else local_sgd_loop
