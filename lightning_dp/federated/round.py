@@ -75,7 +75,7 @@ __all__ = ["FederatedRound"]
 
 # streams of derive_generator (public: seed; secret: noise_seed)
 _CLIENTS, _LOCAL, _NOISE, _INIT, _VAL = 11, 12, 13, 14, 15
-_SERVER_NOISE, _SERVER_COUNT, _DIAGNOSTICS = 16, 17, 18
+_SERVER_NOISE, _SERVER_COUNT, _DIAGNOSTICS, _LOCAL_NOISE = 16, 17, 18, 19
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -255,7 +255,7 @@ class FederatedRound(LightningModule):
             except ValueError as err:
                 raise MisconfigurationException(str(err)) from None
             self._check_parts()
-        if self.sanitizer.accountable or self.server_privacy.accounted:
+        if self.sanitizer.accountable or self.server_privacy.accounted or self.update.accountable:
             from lightning_dp.tracking import refuse_checkpoint_uploads
 
             refuse_checkpoint_uploads(self.trainer, type(self).__name__)
@@ -272,6 +272,16 @@ class FederatedRound(LightningModule):
                 f"sanitizer {self.sanitizer.name!r} with fedavg weighted=True: the weights are the clients' example "
                 "counts, released to the server unsanitized and not covered by the clients' ledgers; use "
                 "weighted=False")
+        if self.update.accountable:
+            if self.k != 1:
+                raise MisconfigurationException(
+                    f"update {self.update.name!r} with num_hypotheses={self.k}: each client would choose its starting "
+                    "model by the loss of every hypothesis on all of its records, a data-dependent choice that its "
+                    "release shows and no record-level accountant covers; use num_hypotheses=1")
+            if isinstance(self.aggregator, FedAvg) and self.aggregator.weighted:
+                raise MisconfigurationException(
+                    f"update {self.update.name!r} with fedavg weighted=True: the weights are the clients' exact "
+                    "record counts, which add/remove of one record changes; use weighted=False")
         if self.server_privacy.accounted:
             problems = []
             if self.k != 1:
@@ -286,6 +296,9 @@ class FederatedRound(LightningModule):
                 raise MisconfigurationException(f"{type(self.server_privacy).__name__}: " + "; ".join(problems))
 
     def on_train_start(self) -> None:
+        planned_rounds = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else None
+        if self.update.accountable:
+            self._plan_update(planned_rounds)
         privacy = self.server_privacy
         if not privacy.accounted:
             return
@@ -293,8 +306,8 @@ class FederatedRound(LightningModule):
         try:
             privacy.plan(sample_rate=self.selection.poisson_rate, num_clients=num_clients,
                          expected_count=self.selection.expected_count(num_clients),
-                         planned_rounds=self.trainer.max_epochs if self.trainer.max_epochs and
-                         self.trainer.max_epochs > 0 else None)
+                         planned_rounds=planned_rounds,
+                         update_sets=(self.sanitizer.update_set(False), self.sanitizer.update_set(True)))
         except ValueError as err:
             raise MisconfigurationException(f"{type(privacy).__name__}: {err}") from None
         for logger in self.trainer.loggers:
@@ -303,6 +316,21 @@ class FederatedRound(LightningModule):
             rank_zero_warn(f"{type(privacy).__name__}: no round fits in the remaining budget; stopping before the "
                            "first round.")
             self.trainer.should_stop = True
+
+    def _plan_update(self, planned_rounds: int | None) -> None:
+        """Fix the record-level private update's per-client noise (calibrated to its budget) and log it."""
+        clients = self._clients["train"]
+        num_clients = len(clients)
+        try:
+            self.update.plan([c.client_id for c in clients], [len(c) for c in clients], planned_rounds=planned_rounds,
+                             inclusion_rate=self.selection.expected_count(num_clients) / num_clients)
+        except ValueError as err:
+            raise MisconfigurationException(f"{type(self.update).__name__}: {err}") from None
+        sigmas = sorted(self.update.noise_multipliers())
+        params = {"local_noise_multiplier_min": sigmas[0], "local_noise_multiplier_max": sigmas[-1],
+                  "local_participations_planned": getattr(self.update, "participations_planned", None)}
+        for logger in self.trainer.loggers:
+            logger.log_hyperparams({k: v for k, v in params.items() if v is not None})
 
     def set_secret_seed(self, seed: int) -> None:
         """Replace the noise seed before ``fit`` (``lightning-dp grid`` does this, so that no two runs of a
@@ -350,7 +378,10 @@ class FederatedRound(LightningModule):
             cost = self.participation_cost()
 
             def eligible(i: int) -> bool:
-                return not self.ledger.would_exceed(clients[i].client_id, cost, self.client_privacy_cap)
+                return (not self.ledger.would_exceed(clients[i].client_id, cost, self.client_privacy_cap)
+                        and self.update.eligible(i))
+        elif self.update.accountable:
+            eligible = self.update.eligible
 
         return self.selection.select(len(clients), derive_generator(self.seed, _CLIENTS, r), eligible)
 
@@ -416,8 +447,9 @@ class FederatedRound(LightningModule):
         choice = choose_hypotheses(losses)
         # one hypothesis: a view, not m copies of the model (m x P floats are the round's memory traffic)
         start = hyps[choice] if self.k > 1 else hyps[0].expand(len(mine), -1)
-        trained = self.update.train(self.template, self.spec, start, x, y, mask, loss=self.loss_name,
-                                    shuffles=self._shuffle_keys(r, mine, mask))
+        trained = self.update.train(
+            self.template, self.spec, start, x, y, mask, loss=self.loss_name, shuffles=self._shuffle_keys(r, mine, mask),
+            clients=mine, noise=lambda i: derive_generator(self._noise_seed, _LOCAL_NOISE, r, i, device=x.device))
         released, costs = [], []
         choices = self._choices()
         # one copy per hypothesis (not per client, not a view of the buffer the round overwrites afterwards)
@@ -473,6 +505,7 @@ class FederatedRound(LightningModule):
             if self.sanitizer.accountable:  # e.g. nu = 0, the non-private baseline: nothing to account
                 for i, cost in zip(index, stats[:, 1].tolist()):
                     self.ledger.charge(self._clients["train"][i].client_id, cost)
+            self.update.charge(index)  # record-level ledger (local DP-SGD)
             new, assignment, privacy_metrics = privacy.aggregate(
                 releases, hyps, self.aggregator, weights=stats[:, 2],
                 expected_count=self.selection.expected_count(len(self._clients["train"])),
@@ -498,6 +531,8 @@ class FederatedRound(LightningModule):
         if len(self.ledger):
             metrics["privacy/client_epsilon_median"] = self.ledger.median()
             metrics["privacy/client_epsilon_max"] = self.ledger.max()
+        if report and self.update.accountable:  # per-client compositions: only when written
+            metrics.update(self.update.privacy_metrics())
         self.rounds += 1
         # float64: Lightning would store a Python float as float32 and round the spend
         if privacy.accounted and not last and not privacy.budget_left(self._update_set()) and not self.trainer.should_stop:
@@ -505,7 +540,7 @@ class FederatedRound(LightningModule):
             rank_zero_info(f"{type(privacy).__name__}: stopping after round {r + 1}: the next round would exceed "
                            f"target_epsilon={privacy.target_epsilon} (spent {metrics['privacy/epsilon']:.4f}).")
             self.trainer.should_stop = True
-        if "privacy/epsilon" in metrics and written:
+        if ("privacy/epsilon" in metrics or "privacy/record_epsilon_max" in metrics) and written:
             self._epsilon_written = r
         self.log_dict({k: torch.tensor(v, dtype=torch.float64) for k, v in metrics.items()}, on_step=True,
                       on_epoch=False, batch_size=1)
@@ -616,17 +651,20 @@ class FederatedRound(LightningModule):
 
     def on_train_end(self) -> None:
         step = int(self.trainer.global_step)
-        if self.server_privacy.accounted and step > 0 and self._epsilon_written != int(self.rounds) - 1:
+        if step > 0 and self._epsilon_written != int(self.rounds) - 1:
             # a run ended between log writes (max_steps, max_time, an interrupt): write the final spend, at the
             # step numbering of the round's own metrics (those of optimizer step n are written at n - 1)
-            final = self.server_privacy.epsilon_metrics()
-            if self.trainer.is_global_zero:
+            final = self.server_privacy.epsilon_metrics() if self.server_privacy.accounted else {}
+            final.update(self.update.privacy_metrics())
+            if final and self.trainer.is_global_zero:
                 for logger in self.trainer.loggers:
                     logger.log_metrics(final, step=step - 1)
         if self.trainer.is_global_zero and len(self.ledger):
             self._log_ledger_artifacts()
             if self._history:
                 self._log_parameter_plot()
+        if self.trainer.is_global_zero and self.update.accountable and len(self.update.ledger):
+            self._log_record_ledger()
         if self.trainer.is_global_zero and self._cosines:
             self._log_cosine_plot()
 
@@ -648,6 +686,29 @@ class FederatedRound(LightningModule):
         table = (f"clients\t{len(values)}\nmedian\t{self.ledger.median():.6g}\nmax\t{self.ledger.max():.6g}\n"
                  f"cost_per_participation\t{self.participation_cost():.6g}\n")
         tracking.log_text(self.trainer, table, "privacy/client_epsilon.tsv")
+
+    def _log_record_ledger(self) -> None:
+        """``privacy/record_epsilon.tsv`` (every client's record-level epsilon, noise and participations) and its
+        histogram ``privacy/record_epsilon_hist.png``."""
+        from matplotlib.figure import Figure
+
+        from lightning_dp import tracking
+
+        ledger, update = self.update.ledger, self.update
+        rows = ["client\tepsilon\tnoise_multiplier\tsample_rate\tsteps_per_participation\tparticipations"]
+        spend = ledger.as_dict()
+        for client, plan in zip(self._clients["train"], update.client_plans()):
+            rows.append(f"{client.client_id}\t{spend.get(client.client_id, 0.0):.6g}\t{plan.noise_multiplier:.6g}\t"
+                        f"{plan.sample_rate:.6g}\t{plan.steps}\t{ledger.participations(client.client_id)}")
+        tracking.log_text(self.trainer, "\n".join(rows) + "\n", "privacy/record_epsilon.tsv")
+        values = list(spend.values())
+        fig = Figure(figsize=(6, 4))
+        ax = fig.subplots()
+        ax.hist(values, bins=min(30, max(5, len(set(values)))))
+        ax.set_xlabel(f"record-level epsilon at delta={ledger.delta:g} ({ledger.accountant}, {ledger.adjacency})")
+        ax.set_ylabel("clients")
+        ax.set_title(f"local DP-SGD spend per client ({update.sampling} batches)")
+        tracking.log_figure(self.trainer, fig, "privacy/record_epsilon_hist.png")
 
     def _log_cosine_plot(self) -> None:
         from matplotlib.figure import Figure

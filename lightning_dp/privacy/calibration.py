@@ -39,6 +39,7 @@ __all__ = [
     "MIN_NOISE_MULTIPLIER",
     "calibrate_composed_noise_multiplier",
     "calibrate_noise_multiplier",
+    "calibrate_spend",
     "steps_for_epochs",
 ]
 
@@ -174,6 +175,33 @@ def calibrate_noise_multiplier(
     describe = f"{steps} steps at sample_rate={sample_rate:g}, target_delta={target_delta:g}"
     return _calibrate([(sample_rate, steps, 1.0)], target_epsilon, target_delta, accountant, kwargs, tolerance,
                       describe)
+
+
+def calibrate_spend(spend: Callable[[float], float], *, target_epsilon: float, describe: str,
+                    tolerance: float = 0.01, guess: float = _FIRST_GUESS, first_ratio: float = _FIRST_RATIO) -> float:
+    """The smallest noise multiplier z (to ``1 + tolerance``) with ``spend(z) <= target_epsilon``.
+
+    For spends that are not one accountant's history, e.g. the smaller of two valid bounds
+    (:class:`~lightning_dp.federated.parts.CentralGaussian` under replacement with sector-bounded
+    updates). ``spend`` must be non-increasing in z and evaluate what will be accounted; the
+    returned z was evaluated to fit, ``z / (1 + tolerance)`` to exceed. ``guess`` and ``first_ratio``
+    start the bracket walk (a good guess and a small ratio save evaluations).
+
+    Example:
+        >>> from lightning_dp.privacy.accounting import get_accountant
+        >>> def spend(z):
+        ...     return get_accountant("rdp").epsilon_after(1e-5, noise_multiplier=z, sample_rate=0.01, num_steps=100)
+        >>> z = calibrate_spend(spend, target_epsilon=1.0, describe="100 steps")
+        >>> spend(z) <= 1.0 < spend(z / 1.01)
+        True
+    """
+    target_epsilon = _check_target_epsilon(target_epsilon)
+    if not _is_real(tolerance) or not 0 < tolerance < 1:
+        raise ValueError(f"tolerance must be a number in (0, 1), got {tolerance!r}")
+    z = _bracket_and_bisect(spend, target_epsilon, guess, float(tolerance), describe, first_ratio=first_ratio)
+    if spend(z) > target_epsilon:  # _bracket_and_bisect returns an evaluated fit; a guard, never expected
+        raise RuntimeError(f"calibration could not verify a noise multiplier for {describe}; please report this")
+    return z
 
 
 def _check_search(target_epsilon: Any, target_delta: Any, tolerance: Any,

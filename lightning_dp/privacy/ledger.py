@@ -29,7 +29,7 @@ import numbers
 import statistics
 from typing import Any, Union
 
-__all__ = ["ClientId", "GaussianLedger", "PrivacyLedger"]
+__all__ = ["ClientId", "GaussianLedger", "PrivacyLedger", "RecordLedger"]
 
 ClientId = Union[str, int]
 """A client identifier: a string or an integer (kept as such through ``state_dict``)."""
@@ -263,3 +263,133 @@ class GaussianLedger(PrivacyLedger):
 
     def __repr__(self) -> str:
         return f"GaussianLedger(clients={len(self)}, delta={self.delta}, max={self.max()!r})"
+
+
+class RecordLedger:
+    """Per-client record-level DP-SGD accounting (local DP-SGD inside federated clients).
+
+    Each client has its own accountant (:func:`~lightning_dp.privacy.accounting.get_accountant`,
+    dp-accounting underneath) whose history holds the client's DP-SGD steps over all its
+    participations, ``(noise_multiplier, sample_rate, steps)`` run-length encoded; the client's
+    epsilon at :attr:`delta` is the accountant's composition of that history, with respect to
+    one record of the client (add/remove or replacement, as the accountant's adjacency). Client
+    selection is public, so a participation is charged whole (no amplification by the client
+    being sampled). The numbers depend only on public settings, so they may be logged.
+
+    Args:
+        delta: the delta every client's epsilon is stated at.
+        accountant: ``"pld"`` or ``"rdp"``.
+        adjacency: ``"add_remove"`` or ``"replace"`` (of one record).
+
+    Example:
+        >>> ledger = RecordLedger(delta=1e-5, accountant="rdp")
+        >>> ledger.charge("alice", noise_multiplier=1.0, sample_rate=0.1, num_steps=10)
+        >>> ledger.charge("alice", noise_multiplier=1.0, sample_rate=0.1, num_steps=10)
+        >>> ledger.history("alice"), ledger.participations("alice")
+        ([(1.0, 0.1, 20)], 2)
+        >>> 0 < ledger.spent("alice") == ledger.max(), ledger.spent("bob")
+        (True, 0.0)
+    """
+
+    def __init__(self, delta: float = 1e-5, accountant: str = "pld", adjacency: str = "add_remove") -> None:
+        from lightning_dp.privacy.accounting import _check_delta, check_adjacency, get_accountant
+
+        self.delta = _check_delta(delta)
+        self.adjacency = check_adjacency(adjacency)
+        self.accountant = get_accountant(accountant, adjacency=self.adjacency).name
+        self._accountants: dict[ClientId, Any] = {}
+        self._participations: dict[ClientId, int] = {}
+
+    def _fresh(self) -> Any:
+        from lightning_dp.privacy.accounting import get_accountant
+
+        return get_accountant(self.accountant, adjacency=self.adjacency)
+
+    def _of(self, client_id: ClientId) -> Any:
+        return self._accountants.get(_check_client_id(client_id)) or self._fresh()
+
+    def charge(self, client_id: ClientId, *, noise_multiplier: float, sample_rate: float, num_steps: int) -> None:
+        """Records one participation of ``num_steps`` DP-SGD steps of the client."""
+        client_id = _check_client_id(client_id)
+        accountant = self._accountants.get(client_id) or self._fresh()
+        accountant.step(noise_multiplier=noise_multiplier, sample_rate=sample_rate, num_steps=num_steps)
+        self._accountants[client_id] = accountant
+        self._participations[client_id] = self._participations.get(client_id, 0) + 1
+
+    def history(self, client_id: ClientId) -> list[tuple[float, float, int]]:
+        """The client's run-length encoded ``(noise_multiplier, sample_rate, steps)`` history."""
+        return self._of(client_id).history
+
+    def participations(self, client_id: ClientId) -> int:
+        return self._participations.get(_check_client_id(client_id), 0)
+
+    def spent(self, client_id: ClientId) -> float:
+        """The client's epsilon at :attr:`delta` (0.0 if never charged)."""
+        return self._of(client_id).get_epsilon(self.delta)
+
+    def epsilon_after(self, client_id: ClientId, *, noise_multiplier: float, sample_rate: float,
+                      num_steps: int) -> float:
+        """The client's epsilon after one more such participation; records nothing."""
+        return self._of(client_id).epsilon_after(self.delta, noise_multiplier=noise_multiplier,
+                                                 sample_rate=sample_rate, num_steps=num_steps)
+
+    def participations_left(self, client_id: ClientId, target_epsilon: float, *, noise_multiplier: float,
+                            sample_rate: float, num_steps: int, limit: int) -> int:
+        """How many more participations of ``num_steps`` such steps fit within ``target_epsilon`` (at most
+        ``limit``): the accountant's ``max_steps`` over whole participations (every returned count was evaluated
+        to fit)."""
+        if limit <= 0:
+            return 0
+        steps = self._of(client_id).max_steps(target_epsilon, self.delta, noise_multiplier=noise_multiplier,
+                                              sample_rate=sample_rate, limit=limit * num_steps)
+        return steps // num_steps
+
+    def as_dict(self) -> dict[ClientId, float]:
+        """``{client_id: epsilon}`` for every charged client."""
+        return {cid: a.get_epsilon(self.delta) for cid, a in self._accountants.items()}
+
+    def median(self) -> float:
+        return float(statistics.median(self.as_dict().values())) if self._accountants else 0.0
+
+    def max(self) -> float:
+        return max(self.as_dict().values()) if self._accountants else 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain Python types: ``{"kind": "record", delta, accountant, adjacency, "clients": [[id, history,
+        participations], ...]}``."""
+        return {"kind": "record", "delta": self.delta, "accountant": self.accountant, "adjacency": self.adjacency,
+                "clients": [[cid, [list(e) for e in a.history], self._participations[cid]]
+                            for cid, a in self._accountants.items()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        settings = {k: state.get(k) for k in ("kind", "delta", "accountant", "adjacency")} \
+            if isinstance(state, dict) else state
+        if settings != {"kind": "record", "delta": self.delta, "accountant": self.accountant,
+                        "adjacency": self.adjacency}:
+            raise ValueError(f"this ledger accounts records at delta={self.delta} with the {self.accountant!r} "
+                             f"accountant under {self.adjacency!r} adjacency; the saved ledger is {settings!r}. "
+                             "Resume with the settings of the run that wrote it.")
+        accountants: dict[ClientId, Any] = {}
+        participations: dict[ClientId, int] = {}
+        for entry in state.get("clients", []):
+            if not isinstance(entry, (list, tuple)) or len(entry) != 3:
+                raise ValueError(f"each ledger entry must be [client_id, history, participations], got {entry!r}")
+            cid, history, count = _check_client_id(entry[0]), entry[1], entry[2]
+            if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
+                raise ValueError(f"participations of client {cid!r} must be an integer >= 1, got {count!r}")
+            if cid in accountants:
+                raise ValueError(f"client {cid!r} appears twice in the saved ledger")
+            accountant = self._fresh()
+            accountant.load_state_dict({**accountant.state_dict(), "history": history})
+            accountants[cid], participations[cid] = accountant, int(count)
+        self._accountants, self._participations = accountants, participations
+
+    def __len__(self) -> int:
+        return len(self._accountants)
+
+    def __contains__(self, client_id: object) -> bool:
+        return client_id in self._accountants
+
+    def __repr__(self) -> str:
+        return (f"RecordLedger(clients={len(self)}, delta={self.delta}, accountant={self.accountant!r}, "
+                f"adjacency={self.adjacency!r})")

@@ -229,6 +229,28 @@ def test_the_budget_stop_under_replacement_follows_the_smaller_bound():
     assert one_more.get_epsilon(1e-5) > target  # the stop was needed
 
 
+def test_calibration_under_replacement_with_a_sector_meets_the_budget_with_the_smaller_bound():
+    """q = 1, sector with D = C from round 2: the calibrated z is the smallest whose reported spend (the smaller
+    bound) meets the target over the planned rounds, about half the replace-one z; the run takes every planned
+    round and ends within 1.5% of the target."""
+    from lightning_dp.federated.parts import SectorSanitizer
+
+    rounds, target = 12, 10.0
+    sector = SectorSanitizer(clip=1.0, angle=0.5)
+    privacy = CentralGaussian(target_epsilon=target, clip=1.0, adjacency="replace")
+    m = fedavg(privacy, q=1.0, sanitizer=sector)
+    trainer(max_epochs=rounds).fit(m, SyntheticLinearMixture(seed=0))
+    ball_only = CentralGaussian(target_epsilon=target, clip=1.0, adjacency="replace")
+    ball_only.plan(sample_rate=1.0, num_clients=100, expected_count=100.0, planned_rounds=rounds)
+    sets = (sector.update_set(False), sector.update_set(True))
+    assert privacy.z < 0.75 * ball_only.z
+    assert privacy.planned_epsilon(privacy.z, rounds, *sets) <= target < privacy.planned_epsilon(
+        privacy.z / 1.01, rounds, *sets)
+    assert int(m.rounds) == rounds
+    assert target / 1.015 <= privacy.epsilon <= target
+    assert privacy.epsilon == pytest.approx(privacy.planned_epsilon(privacy.z, rounds, *sets), rel=1e-12)
+
+
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_a_calibrated_run_logs_its_noise_multiplier_to_mlflow_once(tmp_path, adaptive):
     """z and q are decided when training starts: the logged parameters hold them (MLflow refuses a parameter

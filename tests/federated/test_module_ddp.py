@@ -74,3 +74,13 @@ def test_dp_fedavg_on_two_processes_equals_one(tmp_path_factory):
     assert torch.equal(r0["hypotheses"], r1["hypotheses"])
     assert r0["server"]["accountant"] == single["server"]["accountant"] == r1["server"]["accountant"]
     assert r0["server"]["clip"] == pytest.approx(single["server"]["clip"], rel=1e-9)
+
+
+def test_local_dp_sgd_on_two_processes_equals_one(tmp_path_factory):
+    """Record-level DP-SGD: every client draws its batches and noise from its own secret generator, so sharding the
+    clients over 2 processes changes nothing; both processes charge the same per-client ledger."""
+    r0, r1 = run(tmp_path_factory.mktemp("ddp_local_dp"), 2, "local_dp_sgd")
+    single = run(tmp_path_factory.mktemp("single_local_dp"), 1, "local_dp_sgd")[0]
+    torch.testing.assert_close(r0["hypotheses"], single["hypotheses"], rtol=1e-6, atol=1e-7)
+    assert torch.equal(r0["hypotheses"], r1["hypotheses"])
+    assert r0["update"] == r1["update"] == single["update"]

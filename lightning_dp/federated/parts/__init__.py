@@ -1,7 +1,8 @@
 """The parts a federated round is assembled from, each registered by kind and name (:mod:`.registry`).
 
 - selection: :class:`UniformSelection` (``"uniform"``), :class:`PoissonSelection` (``"poisson"``);
-- update: :class:`LocalSGD` (``"local_sgd"``, vectorized over clients or looped);
+- update: :class:`LocalSGD` (``"local_sgd"``, vectorized over clients or looped), :class:`LocalDPSGD`
+  (``"local_dp_sgd"``, record-level DP-SGD inside every client with a per-client accountant);
 - sanitizer: :class:`NoSanitizer` (``"none"``), :class:`EuclideanLaplace` (``"euclidean_laplace"``, d-privacy),
   :class:`ClipSanitizer` (``"clip"``), :class:`GaussianLocalDP` (``"gaussian_ldp"``), :class:`LaplaceLocalDP`
   (``"laplace_ldp"``), :class:`SectorSanitizer` (``"sector"``: upper, lower and angular clipping);
@@ -24,11 +25,11 @@ from lightning_dp.federated.parts.sanitizers import (
 )
 from lightning_dp.federated.parts.selection import ClientSelection, PoissonSelection, UniformSelection
 from lightning_dp.federated.parts.server_privacy import CentralGaussian, NoServerPrivacy, ServerPrivacy
-from lightning_dp.federated.parts.update import AUTO_VMAP_MAX_PARAMETERS, ClientUpdate, LocalSGD
+from lightning_dp.federated.parts.update import AUTO_VMAP_MAX_PARAMETERS, ClientUpdate, LocalDPSGD, LocalSGD
 
 __all__ = [
     "AUTO_VMAP_MAX_PARAMETERS", "Aggregator", "CentralGaussian", "ClientSanitizer", "ClientSelection", "ClientUpdate",
-    "ClipSanitizer", "EuclideanLaplace", "FedAvg", "GaussianLocalDP", "KINDS", "KMeans", "LaplaceLocalDP", "LocalSGD",
+    "ClipSanitizer", "EuclideanLaplace", "FedAvg", "GaussianLocalDP", "KINDS", "KMeans", "LaplaceLocalDP", "LocalDPSGD", "LocalSGD",
     "NoSanitizer", "NoServerPrivacy", "Part", "PoissonSelection", "SectorSanitizer", "ServerPrivacy",
     "UniformSelection", "choice_spread", "register_part", "registered_parts", "resolve_part",
 ]

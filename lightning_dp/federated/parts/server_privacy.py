@@ -164,8 +164,15 @@ class CentralGaussian(ServerPrivacy):
 
     # ----------------------------------------------------------------- set-up
     def plan(self, *, sample_rate: float | None, num_clients: int, expected_count: float,
-             planned_rounds: int | None) -> None:
-        """Calibrate z (if needed), split it for adaptive clipping, and compute the rounds the budget allows."""
+             planned_rounds: int | None,
+             update_sets: tuple[tuple[float, float] | None, tuple[float, float] | None] | None = None) -> None:
+        """Calibrate z (if needed), split it for adaptive clipping, and compute the rounds the budget allows.
+
+        ``update_sets``: the public sets the releases' updates lie in, in the first round and in later ones
+        (:meth:`~lightning_dp.federated.parts.ClientSanitizer.update_set` without and with a reference), or
+        None. Under replacement, z is then calibrated to the spend the run will report: the smaller of the
+        replace-one and the disjoint-pair bound over the planned rounds (:meth:`planned_epsilon`).
+        """
         if sample_rate is None:
             raise ValueError("CentralGaussian accounts amplification by client sampling and needs Poisson client "
                              "selection: selection: {class_path: lightning_dp.federated.parts.PoissonSelection, "
@@ -181,6 +188,9 @@ class CentralGaussian(ServerPrivacy):
                                                 sample_rate=self.q, steps=max(rounds - len(self.accountant), 1),
                                                 accountant=self.accountant_name,
                                                 accountant_kwargs={"adjacency": self.adjacency})
+            if self.adjacency == "replace" and update_sets is not None and any(update_sets) \
+                    and not len(self.accountant):
+                self.z = self._calibrate_bounded(rounds, update_sets)
         if self.adaptive:
             self.count_std = self.requested_count_std or default_count_noise_std(expected_count)
             quantile_noise_split(self.z, count_noise_std=self.count_std)  # z < 2 sigma_b, or a clear error
@@ -203,6 +213,55 @@ class CentralGaussian(ServerPrivacy):
             spent = min(spent, self.set_accountant.get_epsilon(self.target_delta))
         return spent
 
+    def _calibrate_bounded(self, rounds: int, update_sets: tuple[Any, Any]) -> float:
+        """The smallest z whose :meth:`planned_epsilon` meets the budget, starting from the replace-one z.
+
+        The replace-one calibration already fits (the reported spend is the smaller bound); when z / 1.01
+        exceeds the budget it is the answer. Otherwise a search at a coarse PLD discretization (1e-2,
+        5%) finds the neighbourhood and one at the accountants' own discretization decides.
+        """
+        from lightning_dp.privacy.calibration import calibrate_spend
+
+        assert self.z is not None and self.target_epsilon is not None
+        if self.planned_epsilon(self.z / 1.01, rounds, *update_sets) > self.target_epsilon:
+            return self.z
+        describe = f"{rounds} rounds at client rate {self.q:g} with bounded updates"
+        coarse = calibrate_spend(lambda z: self.planned_epsilon(z, rounds, *update_sets, interval=1e-2),
+                                 target_epsilon=self.target_epsilon, describe=describe, tolerance=0.05, guess=self.z)
+        return min(self.z, calibrate_spend(lambda z: self.planned_epsilon(z, rounds, *update_sets),
+                                           target_epsilon=self.target_epsilon, describe=describe, guess=coarse,
+                                           first_ratio=1.01))
+
+    def planned_epsilon(self, z: float, rounds: int, first_set: tuple[float, float] | None,
+                        later_set: tuple[float, float] | None, *, interval: float | None = None) -> float:
+        """The spend :meth:`epsilon` would report after ``rounds`` rounds at multiplier z, the first with
+        ``first_set`` and the others with ``later_set`` (fresh accountants, fixed clipping). ``interval``: a PLD
+        discretization for a coarse search (None: the accountants' own)."""
+        from lightning_dp.privacy.accounting import DisjointPairPLDAccountant
+
+        assert self.q is not None
+        coarse = {} if interval is None else {"value_discretization_interval": interval}
+        replace_one = get_accountant(self.accountant_name, adjacency=self.adjacency,
+                                     **(coarse if self.accountant_name == "pld" else {}))
+        disjoint = DisjointPairPLDAccountant(**coarse)
+        for count, update_set in ((1, first_set), (rounds - 1, later_set)):
+            if count > 0:
+                one, pair = self._multipliers(z, update_set)
+                replace_one.step(noise_multiplier=one, sample_rate=self.q, num_steps=count)
+                disjoint.step(noise_multiplier=pair, sample_rate=self.q, num_steps=count)
+        spent = replace_one.get_epsilon(self.target_delta)
+        if first_set is not None or later_set is not None:
+            spent = min(spent, disjoint.get_epsilon(self.target_delta))
+        return spent
+
+    def _multipliers(self, z: float, update_set: tuple[float, float] | None) -> tuple[float, float]:
+        """``(replace-one, disjoint-pair)`` multipliers of a round at z: the noise ``z C`` over the radius and over
+        the diameter of the set the updates lie in (the ball of radius C, diameter 2C, when none is known)."""
+        if update_set is None:
+            return z, z / 2
+        s, d = self._set_scales(update_set)
+        return z * self.clip / s, z * self.clip / d
+
     def _account(self, update_set: tuple[float, float] | None, metrics: dict[str, float]) -> None:
         """Records the round. Add/remove, or no known set: one subsampled Gaussian with multiplier z. Replacement
         with the releases' updates known to lie in a set of radius ``s <= C`` and diameter ``D`` (a sector):
@@ -211,15 +270,16 @@ class CentralGaussian(ServerPrivacy):
         the smaller is reported."""
         assert self.z is not None and self.q is not None
         if update_set is None or self.adjacency != "replace":
+            one, pair = self._multipliers(self.z, None)
             if self.set_accountant is not None and len(self.set_accountant):
                 # a round without a known set after rounds with one: its diameter is the ball's, 2C
-                self.set_accountant.step(noise_multiplier=self.z / 2, sample_rate=self.q)
-            self.accountant.step(noise_multiplier=self.z, sample_rate=self.q)
+                self.set_accountant.step(noise_multiplier=pair, sample_rate=self.q)
+            self.accountant.step(noise_multiplier=one, sample_rate=self.q)
             return
         if self.adaptive:
             raise RuntimeError("CentralGaussian(adaptive=True) does not account sector-bounded updates; use fixed "
                                "clipping")
-        s, d = self._set_scales(update_set)
+        _, d = self._set_scales(update_set)
         if self.set_accountant is None:
             from lightning_dp.privacy.accounting import DisjointPairPLDAccountant
 
@@ -227,9 +287,9 @@ class CentralGaussian(ServerPrivacy):
             if len(self.accountant):  # earlier rounds without a known set: diameter 2C
                 for z, q, n in self.accountant.history:
                     self.set_accountant.step(noise_multiplier=z / 2, sample_rate=q, num_steps=n)
-        sigma = self.z * self.clip
-        self.accountant.step(noise_multiplier=sigma / s, sample_rate=self.q)
-        self.set_accountant.step(noise_multiplier=sigma / d, sample_rate=self.q)
+        one, pair = self._multipliers(self.z, update_set)
+        self.accountant.step(noise_multiplier=one, sample_rate=self.q)
+        self.set_accountant.step(noise_multiplier=pair, sample_rate=self.q)
         metrics["privacy/update_set_diameter"] = d
 
     def epsilon_metrics(self) -> dict[str, float]:
@@ -250,10 +310,9 @@ class CentralGaussian(ServerPrivacy):
         if update_set is None or self.adjacency != "replace" or self.set_accountant is None or self.adaptive:
             return False
         assert self.z is not None and self.q is not None and self.target_epsilon is not None
-        _, d = self._set_scales(update_set)
         return self.set_accountant.max_steps(self.target_epsilon, self.target_delta,
-                                             noise_multiplier=self.z * self.clip / d, sample_rate=self.q,
-                                             limit=1) >= 1
+                                             noise_multiplier=self._multipliers(self.z, update_set)[1],
+                                             sample_rate=self.q, limit=1) >= 1
 
     def _set_scales(self, update_set: tuple[float, float]) -> tuple[float, float]:
         """``(s, d)``: the radius and diameter the round is accounted with (never above the ball's C and 2s)."""

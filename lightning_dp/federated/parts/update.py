@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+import torch
 from torch import Tensor
 
 from lightning_dp.federated.local import local_sgd, local_sgd_loop
 from lightning_dp.federated.parts.registry import Part, register_part
 
-__all__ = ["AUTO_VMAP_MAX_PARAMETERS", "ClientUpdate", "LocalSGD", "auto_engine"]
+__all__ = ["AUTO_VMAP_MAX_PARAMETERS", "ClientUpdate", "LocalDPSGD", "LocalSGD", "auto_engine"]
 
 #: models with more parameters than this train their clients one by one ("auto" engine):
 #: vmap over clients turns convolutions into grouped ones, slower than a loop on CPU
@@ -24,12 +26,42 @@ def auto_engine(numel: int) -> str:
 
 
 class ClientUpdate(Part):
-    """Trains the round's clients from their starting models."""
+    """Trains the round's clients from their starting models.
+
+    An update that protects the clients' records (:attr:`accountable`, e.g. :class:`LocalDPSGD`)
+    also plans its noise before training (:meth:`plan`), lets a client whose record-level budget
+    is spent decline (:meth:`eligible`), charges its per-client ledger after each round
+    (:meth:`charge`) and reports it (:meth:`privacy_metrics`).
+    """
+
+    #: whether the update is record-level private and keeps a per-client ledger
+    accountable = False
 
     def train(self, template, spec, start: Tensor, x: Tensor, y: Tensor, mask: Tensor, *, loss: str,
-              shuffles: Any) -> Tensor:
-        """``(m, P)`` trained parameter vectors of the m clients (padded data ``x``, ``y``, ``mask``)."""
+              shuffles: Any, clients: Sequence[int] | None = None,
+              noise: Callable[[int], torch.Generator] | None = None) -> Tensor:
+        """``(m, P)`` trained parameter vectors of the m clients (padded data ``x``, ``y``, ``mask``).
+
+        ``shuffles`` draws public local shuffles; ``clients`` are the clients' positions among the
+        training clients and ``noise(i)`` the secret generator of client i in this round (for
+        record-level private updates).
+        """
         raise NotImplementedError
+
+    def plan(self, client_ids: Sequence[Any], sizes: Sequence[int], *, planned_rounds: int | None,
+             inclusion_rate: float) -> None:
+        """Fix the per-client settings before training (``sizes``: records per training client, public)."""
+
+    def eligible(self, i: int) -> bool:
+        """Whether training client i may take part in the next round (its record-level budget allows it)."""
+        return True
+
+    def charge(self, index: Sequence[int]) -> None:
+        """Record one participation of each training client in ``index``."""
+
+    def privacy_metrics(self) -> dict[str, float]:
+        """Record-level privacy metrics of the ledger (computed when written)."""
+        return {}
 
 
 @register_part("update", "local_sgd")
@@ -61,7 +93,218 @@ class LocalSGD(ClientUpdate):
     def resolved_engine(self, numel: int) -> str:
         return auto_engine(numel) if self.engine == "auto" else self.engine
 
-    def train(self, template, spec, start, x, y, mask, *, loss, shuffles):
+    def train(self, template, spec, start, x, y, mask, *, loss, shuffles, clients=None, noise=None):
         fn = local_sgd if self.resolved_engine(spec.numel) == "vmap" else local_sgd_loop
         return fn(template, spec, start, x, y, mask, epochs=self.epochs, lr=self.lr, batch_size=self.batch_size,
                   loss=loss, generator=shuffles)
+
+
+@register_part("update", "local_dp_sgd")
+class LocalDPSGD(ClientUpdate):
+    """Record-level DP-SGD inside every client, with a per-client accountant (local DP-SGD).
+
+    Client c (``n_c`` records) runs ``steps_c = epochs * max(1, floor(n_c / B))`` DP-SGD steps per
+    participation (:func:`~lightning_dp.federated.local_dp_sgd.local_dp_sgd`): Poisson batches at
+    rate ``q_c = min(1, B / n_c)`` (or shuffled batches of B), per-example clipping at C, Gaussian noise
+    ``sigma_c C``, division by B. Its epsilon with respect to one of its records is the composition
+    of all its participations (:class:`~lightning_dp.privacy.ledger.RecordLedger`, dp-accounting):
+    Poisson steps as subsampled Gaussians at ``q_c``; a shuffled epoch as one Gaussian under
+    replacement (every record is in exactly one batch of the epoch). Selection of the client is
+    public: no amplification by it is claimed. As Opacus and TF Privacy do, the number of records
+    ``n_c`` (hence ``q_c`` and ``steps_c``) is treated as public.
+
+    The noise is either given (``noise_multiplier``) or calibrated per client (``target_epsilon``)
+    for ``participations`` participations (default: the expected number,
+    ``ceil(rounds x inclusion rate)``, from the Trainer's ``max_epochs`` and the selection). With a
+    ``target_epsilon``, a client whose next participation would exceed it declines (the budget is
+    enforced, whatever the number of rounds).
+
+    Args:
+        epochs: local epochs per participation.
+        lr: local learning rate.
+        batch_size: B, the expected (Poisson) or exact (shuffled) batch size.
+        max_grad_norm: C, the per-example clipping norm.
+        noise_multiplier: sigma for every client (None: calibrate to ``target_epsilon``).
+        target_epsilon: each client's record-level budget at ``delta`` (None: unlimited; needs
+            ``noise_multiplier``).
+        delta: the delta of every client's epsilon (well below 1 / n_c).
+        sampling: ``"poisson"`` or ``"shuffle"``.
+        adjacency: ``"add_remove"`` (Poisson only) or ``"replace"`` (of one record); default:
+            add/remove for Poisson, replace for shuffled batches.
+        accountant: ``"pld"`` (tight) or ``"rdp"`` (faster to calibrate; refused with Poisson under replace).
+        participations: participations the calibration plans for.
+        engine: ``"vmap"``, ``"loop"`` or ``"auto"`` (as :class:`LocalSGD`).
+    """
+
+    accountable = True
+
+    def __init__(self, epochs: int = 1, lr: float = 0.1, batch_size: int = 64, max_grad_norm: float = 1.0,
+                 noise_multiplier: float | None = None, target_epsilon: float | None = None, delta: float = 1e-5,
+                 sampling: Literal["poisson", "shuffle"] = "poisson",
+                 adjacency: Literal["add_remove", "replace"] | None = None, accountant: Literal["pld", "rdp"] = "pld",
+                 participations: int | None = None, engine: Literal["auto", "vmap", "loop"] = "auto") -> None:
+        from lightning_dp.privacy.accounting import _check_delta, check_adjacency, get_accountant
+        from lightning_dp.privacy.clipping import check_max_grad_norm
+        from lightning_dp.privacy.noise import check_noise_multiplier
+
+        self._sgd = LocalSGD(epochs, lr, batch_size, engine)  # the same checks and engine choice
+        self.epochs, self.lr, self.batch_size, self.engine = epochs, float(lr), batch_size, engine
+        self.max_grad_norm = check_max_grad_norm(max_grad_norm)
+        if noise_multiplier is None and target_epsilon is None:
+            raise ValueError("local_dp_sgd needs noise_multiplier (sigma) or target_epsilon (sigma calibrated per "
+                             "client); pass one of them")
+        self.noise_multiplier = None if noise_multiplier is None else check_noise_multiplier(noise_multiplier)
+        if target_epsilon is not None and (isinstance(target_epsilon, bool) or not float(target_epsilon) > 0
+                                           or not math.isfinite(float(target_epsilon))):
+            raise ValueError(f"target_epsilon={target_epsilon!r} is not allowed: pass a finite number > 0 or None")
+        self.target_epsilon = None if target_epsilon is None else float(target_epsilon)
+        self.delta = _check_delta(delta)
+        if sampling not in ("poisson", "shuffle"):
+            raise ValueError(f"sampling={sampling!r} is not allowed; choose 'poisson' or 'shuffle'")
+        self.sampling = sampling
+        adjacency = ("add_remove" if sampling == "poisson" else "replace") if adjacency is None \
+            else check_adjacency(adjacency)
+        if sampling == "shuffle" and adjacency == "add_remove":
+            raise ValueError("sampling='shuffle' with adjacency='add_remove' is not allowed: shuffled batches "
+                             "partition the records, and adding one shifts every later batch; the bound holds for "
+                             "adjacency='replace'. Use sampling='poisson' for add/remove.")
+        if sampling == "poisson" and adjacency == "replace" and accountant == "rdp":
+            raise ValueError("adjacency='replace' with Poisson sampling needs accountant='pld': dp_accounting has no "
+                             "RDP bound for the Poisson-subsampled Gaussian under replacement.")
+        self.adjacency = adjacency
+        self.accountant = get_accountant(accountant).name
+        if participations is not None and (isinstance(participations, bool) or not isinstance(participations, int)
+                                           or participations < 1):
+            raise ValueError(f"participations={participations!r} is not allowed: pass a positive integer or None")
+        self.participations = participations
+        self.ledger = self._make_ledger()
+        self._ids: list[Any] = []
+        self._plans: list[Any] = []  # one ClientPlan per training client, from plan()
+        self._sigmas: dict[str, float] | None = None  # saved per-client sigmas of a resumed run
+        self._fits: dict[int, int] = {}  # training client -> participations known to fit the budget
+        self._fresh_fits: dict[tuple[float, float, int], int] = {}  # the same for a client without history
+        self._planned_rounds: int | None = None
+        self.participations_planned: int | None = None
+
+    def _make_ledger(self):
+        from lightning_dp.privacy.ledger import RecordLedger
+
+        return RecordLedger(self.delta, self.accountant, self.adjacency)
+
+    def hparams(self) -> dict[str, Any]:
+        return {"local_epochs": self.epochs, "local_lr": self.lr, "local_batch_size": self.batch_size,
+                "client_engine": self.engine, "local_max_grad_norm": self.max_grad_norm,
+                "local_noise_multiplier": self.noise_multiplier, "local_target_epsilon": self.target_epsilon,
+                "local_delta": self.delta, "local_sampling": self.sampling, "local_adjacency": self.adjacency,
+                "local_accountant": self.accountant, "local_participations": self.participations}
+
+    # ---------------------------------------------------------------- planning
+    def _event(self, plan) -> tuple[float, float, int]:
+        """``(noise multiplier, sampling rate, events)`` of one participation for the accountant."""
+        if self.sampling == "poisson":
+            return plan.noise_multiplier, plan.sample_rate, plan.steps
+        return plan.noise_multiplier, 1.0, self.epochs  # one Gaussian per shuffled epoch (replacement)
+
+    def plan(self, client_ids, sizes, *, planned_rounds, inclusion_rate):
+        from lightning_dp.federated.local_dp_sgd import ClientPlan, steps_per_participation
+        from lightning_dp.privacy.calibration import calibrate_noise_multiplier
+
+        self._ids, self._planned_rounds, self._fits, self._fresh_fits = list(client_ids), planned_rounds, {}, {}
+        shapes = [(steps_per_participation(int(n), self.batch_size, self.epochs), min(1.0, self.batch_size / int(n)))
+                  for n in sizes]
+        if self._sigmas is not None:  # a resumed run keeps the noise it was calibrated with
+            missing = [cid for cid in self._ids if str(cid) not in self._sigmas]
+            if missing:
+                raise ValueError(f"the checkpoint's local_dp_sgd holds no noise multiplier for clients {missing[:5]}: "
+                                 "resume with the clients of the run that wrote it")
+            self._plans = [ClientPlan(s, q, self._sigmas[str(cid)]) for cid, (s, q) in zip(self._ids, shapes)]
+            return
+        if self.noise_multiplier is not None:
+            self._plans = [ClientPlan(s, q, self.noise_multiplier) for s, q in shapes]
+            return
+        count = self.participations
+        if count is None:
+            if planned_rounds is None:
+                raise ValueError("local_dp_sgd with target_epsilon calibrates the noise for a planned number of "
+                                 "participations: set the Trainer's max_epochs (rounds) or local_dp_sgd's "
+                                 "participations, or pass noise_multiplier")
+            count = max(1, math.ceil(planned_rounds * inclusion_rate - 1e-9))
+        self.participations_planned = count
+        cache: dict[tuple[float, float, int], float] = {}
+        plans = []
+        for s, q in shapes:
+            _, rate, events = self._event(ClientPlan(s, q, 1.0))
+            key = (rate, events, count)
+            if key not in cache:
+                cache[key] = calibrate_noise_multiplier(
+                    target_epsilon=self.target_epsilon, target_delta=self.delta, sample_rate=rate,
+                    steps=events * count, accountant=self.accountant, accountant_kwargs={"adjacency": self.adjacency})
+            plans.append(ClientPlan(s, q, cache[key]))
+            if not self.ledger.participations(self._ids[len(plans) - 1]):
+                self._fits[len(plans) - 1] = count  # verified by the calibration
+        self._plans = plans
+
+    def client_plans(self) -> list[Any]:
+        """The :class:`~lightning_dp.federated.local_dp_sgd.ClientPlan` of every training client (after :meth:`plan`)."""
+        return list(self._plans)
+
+    def noise_multipliers(self) -> list[float]:
+        """The planned sigma of every training client."""
+        return [p.noise_multiplier for p in self._plans]
+
+    def eligible(self, i):
+        if self.target_epsilon is None:
+            return True
+        cid = self._ids[i]
+        taken = self.ledger.participations(cid)
+        if i not in self._fits:
+            event = self._event(self._plans[i])
+            limit = max(1, (self._planned_rounds or 1) + 1)  # one past the planned rounds: enough to decide
+            if taken == 0 and event in self._fresh_fits:  # clients of equal size share the search
+                self._fits[i] = self._fresh_fits[event]
+            else:
+                self._fits[i] = taken + self.ledger.participations_left(
+                    cid, self.target_epsilon, noise_multiplier=event[0], sample_rate=event[1], num_steps=event[2],
+                    limit=limit)
+                if taken == 0:
+                    self._fresh_fits[event] = self._fits[i]
+        return taken < self._fits[i]
+
+    def charge(self, index):
+        for i in index:
+            sigma, rate, events = self._event(self._plans[i])
+            self.ledger.charge(self._ids[i], noise_multiplier=sigma, sample_rate=rate, num_steps=events)
+            if i in self._fits and self.ledger.participations(self._ids[i]) > self._fits[i]:
+                raise RuntimeError(f"local_dp_sgd: client {self._ids[i]!r} took part beyond its record-level budget "
+                                   f"target_epsilon={self.target_epsilon}; please report this")
+
+    def privacy_metrics(self):
+        if not len(self.ledger):
+            return {}
+        return {"privacy/record_epsilon_median": self.ledger.median(), "privacy/record_epsilon_max": self.ledger.max()}
+
+    # ---------------------------------------------------------------- training
+    def train(self, template, spec, start, x, y, mask, *, loss, shuffles, clients=None, noise=None):
+        from lightning_dp.federated.local_dp_sgd import local_dp_sgd
+
+        if clients is None or noise is None:
+            raise ValueError("local_dp_sgd trains with each client's secret noise generator: pass clients and noise")
+        if not self._plans:
+            raise RuntimeError("local_dp_sgd: plan() was not called before train(); FederatedRound calls it when "
+                               "training starts")
+        return local_dp_sgd(template, spec, start, x, y, mask, plans=[self._plans[i] for i in clients],
+                            generators=[noise(i) for i in clients], batch_size=self.batch_size,
+                            max_grad_norm=self.max_grad_norm, lr=self.lr, loss=loss, sampling=self.sampling,
+                            engine=self._sgd.resolved_engine(spec.numel))
+
+    # -------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"ledger": self.ledger.state_dict()}
+        if self._plans:
+            state["noise_multipliers"] = {str(cid): p.noise_multiplier for cid, p in zip(self._ids, self._plans)}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "ledger" in state:
+            self.ledger.load_state_dict(state["ledger"])
+        self._sigmas = dict(state["noise_multipliers"]) if "noise_multipliers" in state else None

@@ -1,0 +1,159 @@
+"""Record-level DP-SGD inside clients (local DP-SGD), vectorized over the round's clients.
+
+Each client runs DP-SGD (Abadi et al. 2016) on its own records from its starting model:
+per step, a batch drawn by Poisson sampling at rate ``q_c = B / n_c`` (or the next ``B``
+records of a secret random permutation, ``sampling="shuffle"``), per-example gradients
+clipped to L2 norm ``C`` (:func:`~lightning_dp.privacy.clipping.clip_factors`), their sum
+plus ``N(0, (sigma_c C)^2 I)`` divided by the expected batch size ``B``
+(:func:`~lightning_dp.privacy.noise.noisy_mean`, the privacy core's formula), and a plain
+SGD step. The released model is post-processing of the noisy gradients, so it is
+``(epsilon_c, delta)``-DP for the client's records; the per-client accountant of
+:class:`~lightning_dp.federated.parts.LocalDPSGD` composes the participations.
+
+Every random draw of a client (its batches and its noise) comes from its own secret
+generator, in a fixed order (per step: the batch, then the noise), so a client's training
+does not depend on the other clients of its call and the ``"vmap"`` and ``"loop"`` engines
+draw the same numbers. Why hand-written: Opacus and the ``DPSGD`` callback privatize one
+model's optimizer; here a whole round of clients trains at once with ``torch.func``
+(``vmap`` over clients of ``vmap`` over examples of ``grad``), the batch of each client padded
+to the round's largest and masked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal, NamedTuple
+
+import torch
+from torch import Tensor, nn
+from torch.func import grad, vmap
+
+from lightning_dp.federated.local import FlatParams, check_loss, forward_and_loss
+from lightning_dp.privacy.clipping import clip_factors
+from lightning_dp.privacy.noise import noisy_mean
+
+__all__ = ["ClientPlan", "local_dp_sgd", "steps_per_participation"]
+
+
+class ClientPlan(NamedTuple):
+    """One client's DP-SGD settings for one participation.
+
+    ``sample_rate`` is the Poisson rate ``q_c``; in shuffled mode it is not used (batches are
+    consecutive slices of a permutation).
+    """
+
+    steps: int
+    sample_rate: float
+    noise_multiplier: float
+
+
+def steps_per_participation(num_examples: int, batch_size: int, epochs: int) -> int:
+    """``epochs * max(1, floor(n / B))``: the local steps of a client of ``n`` records (tau of PFA)."""
+    return epochs * max(1, num_examples // batch_size)
+
+
+def _per_example_loss(template: nn.Module, spec: FlatParams, loss: str):
+    def one(theta: Tensor, x1: Tensor, y1: Tensor) -> Tensor:
+        ones = torch.ones(1, dtype=torch.bool, device=x1.device)
+        return forward_and_loss(template, spec, theta, x1.unsqueeze(0), y1.unsqueeze(0), ones, loss)[1]
+
+    return one
+
+
+def _draw_batch(n: int, plan: ClientPlan, batch_size: int, step: int, order: Tensor | None,
+                generator: torch.Generator, device: torch.device) -> Tensor:
+    """Positions of the client's records in this step's batch (drawn from its secret generator)."""
+    if order is None:  # Poisson: every record independently with probability q
+        return (torch.rand(n, generator=generator, device=device) < plan.sample_rate).nonzero().flatten()
+    per_epoch = max(1, n // batch_size)
+    first = (step % per_epoch) * batch_size
+    return order[first:first + batch_size]
+
+
+def local_dp_sgd(template: nn.Module, spec: FlatParams, start: Tensor, x: Tensor, y: Tensor, mask: Tensor, *,
+                 plans: Sequence[ClientPlan], generators: Sequence[torch.Generator], batch_size: int,
+                 max_grad_norm: float, lr: float, loss: str, sampling: Literal["poisson", "shuffle"] = "poisson",
+                 engine: Literal["vmap", "loop"] = "vmap") -> Tensor:
+    """DP-SGD of every client from its start (see the module docstring).
+
+    Args:
+        template: the model (its forward only).
+        spec: the flat-parameter layout of ``template``.
+        start: (C, P) starting parameters.
+        x, y, mask: padded client data (C, Nmax, ...), records first (``mask[c, :n_c]`` true).
+        plans: one :class:`ClientPlan` per client.
+        generators: one secret generator per client (batches and noise).
+        batch_size: B, the expected batch size the noisy sum is divided by (and the shuffled batch).
+        max_grad_norm: C.
+        lr: the SGD learning rate.
+        loss: one of :data:`~lightning_dp.federated.local.LOSSES`; the per-example loss is the loss of a
+            batch of that one example (for ``rmse``, the example's absolute error).
+        sampling: ``"poisson"`` or ``"shuffle"`` (a fresh secret permutation per epoch, ``floor(n_c / B)``
+            batches of B; the remainder is left out of that epoch).
+        engine: ``"vmap"`` (all clients at once; memory C x B x P) or ``"loop"`` (one client at a time).
+
+    Returns:
+        (C, P) the clients' parameters after their steps.
+    """
+    check_loss(loss)
+    c = start.shape[0]
+    if not (len(plans) == len(generators) == c == mask.shape[0]):
+        raise ValueError(f"got {len(plans)} plans and {len(generators)} generators for {c} clients; pass one each")
+    if sampling not in ("poisson", "shuffle"):
+        raise ValueError(f"sampling={sampling!r} is not allowed; choose 'poisson' or 'shuffle'")
+    counts = mask.sum(1).tolist()
+    one = _per_example_loss(template, spec, loss)
+    per_example = vmap(grad(one), in_dims=(None, 0, 0))
+    theta = start.clone()
+    device = mask.device
+    total = max((p.steps for p in plans), default=0)
+    orders: list[Tensor | None] = [None] * c
+
+    def order_for(ci: int, step: int) -> Tensor | None:
+        if sampling == "poisson":
+            return None
+        if step % max(1, counts[ci] // batch_size) == 0:  # a new epoch: a new secret permutation
+            orders[ci] = torch.randperm(counts[ci], generator=generators[ci], device=device)
+        return orders[ci]
+
+    def noisy(ci: int, clipped_sum: Tensor) -> Tensor:
+        return noisy_mean([clipped_sum], noise_multiplier=plans[ci].noise_multiplier, max_grad_norm=max_grad_norm,
+                          expected_batch_size=batch_size, generator=generators[ci])[0]
+
+    def clipped_sum(g: Tensor, valid: Tensor) -> Tensor:
+        """Sum over the last-but-one axis of per-example gradients clipped to C (invalid rows weigh 0)."""
+        norms = g.double().norm(dim=-1)  # float64: a rounded-down norm would let a gradient exceed C
+        factors = clip_factors(norms, max_grad_norm).to(g.dtype) * valid.to(g.dtype)
+        return (factors.unsqueeze(-1) * g).sum(-2)
+
+    if engine == "loop":
+        for ci in range(c):
+            for step in range(plans[ci].steps):
+                idx = _draw_batch(counts[ci], plans[ci], batch_size, step, order_for(ci, step), generators[ci], device)
+                if idx.numel():
+                    g = per_example(theta[ci], x[ci, idx], y[ci, idx])
+                    summed = clipped_sum(g, torch.ones(idx.numel(), dtype=torch.bool, device=device))
+                else:
+                    summed = torch.zeros_like(theta[ci])
+                theta[ci] = theta[ci] - lr * noisy(ci, summed)
+        return theta
+    if engine != "vmap":
+        raise ValueError(f"engine={engine!r} is not allowed; choose 'vmap' or 'loop'")
+    over_clients = vmap(per_example, in_dims=(0, 0, 0))
+    for step in range(total):
+        active = [ci for ci in range(c) if step < plans[ci].steps]
+        batches = [_draw_batch(counts[ci], plans[ci], batch_size, step, order_for(ci, step), generators[ci], device)
+                   for ci in active]
+        width = max(b.numel() for b in batches)
+        rows = torch.tensor(active, device=device)
+        if width:
+            idx = torch.zeros((len(active), width), dtype=torch.long, device=device)
+            valid = torch.zeros((len(active), width), dtype=torch.bool, device=device)
+            for j, b in enumerate(batches):
+                idx[j, : b.numel()], valid[j, : b.numel()] = b, True
+            g = over_clients(theta[rows], x[rows[:, None], idx], y[rows[:, None], idx])  # (A, width, P)
+            sums = clipped_sum(g, valid)
+        else:
+            sums = theta.new_zeros((len(active), theta.shape[1]))
+        theta[rows] = theta[rows] - lr * torch.stack([noisy(ci, sums[j]) for j, ci in enumerate(active)])
+    return theta
