@@ -3,10 +3,11 @@
 One training step is one round:
 
 1. the ``selection`` part draws the round's clients (a client whose next participation would
-   exceed ``client_privacy_cap`` declines);
+   exceed ``client_privacy_cap``, or the record-level budget of a private ``update``, declines);
 2. every selected client evaluates the k hypotheses on its own data and starts from the one
    with the lowest loss (IFCA; with k = 1 the global model), then the ``update`` part trains
-   it (local SGD, vectorized over clients or looped, :mod:`lightning_dp.federated.local`);
+   it (local SGD, vectorized over clients or looped, :mod:`lightning_dp.federated.local`; or
+   record-level DP-SGD with a per-client accountant, :mod:`lightning_dp.federated.local_dp_sgd`);
 3. the ``sanitizer`` part turns each trained model into the client's release and says what
    it costs (Euclidean Laplace d-privacy charges ``n / nu`` to the client's
    :class:`~lightning_dp.privacy.ledger.PrivacyLedger`);
@@ -42,6 +43,7 @@ clients are sharded the same way.
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any, Literal
 
 import torch
@@ -295,8 +297,15 @@ class FederatedRound(LightningModule):
             if problems:
                 raise MisconfigurationException(f"{type(self.server_privacy).__name__}: " + "; ".join(problems))
 
+    def _sanitizer_follows_clip(self) -> bool:
+        """Whether the clients clip at the server's adaptive threshold (clip and sector sanitizers without local
+        noise under ``CentralGaussian(adaptive=True)``): they report whether their raw update was within it."""
+        return bool(getattr(self.server_privacy, "adaptive", False) and self.sanitizer.follows_clip)
+
     def on_train_start(self) -> None:
         planned_rounds = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else None
+        if self._sanitizer_follows_clip():  # the sets the releases lie in are the server's threshold's
+            self.sanitizer.follow_clip(self.server_privacy.clip)
         if self.update.accountable:
             self._plan_update(planned_rounds)
         privacy = self.server_privacy
@@ -428,14 +437,15 @@ class FederatedRound(LightningModule):
     def _client_round(self, index: list[int], r: int) -> tuple[Tensor, Tensor, Tensor | None]:
         """Choice, local training and sanitization of this process's share of the round's clients.
 
-        Returns ``(releases, stats)``: (m, P) released vectors and (m, 3) float64
-        ``[loss of the chosen hypothesis, privacy cost, number of examples]`` for the m clients of the shard;
+        Returns ``(releases, stats)``: (m, P) released vectors and (m, 4) float64
+        ``[loss of the chosen hypothesis, privacy cost, number of examples, unclipped bit (NaN: not reported)]``
+        for the m clients of the shard;
         with ``diagnostics``, also (m, 2P) rows ``[update, per-sample gradient of one random example]``.
         """
         hyps = self.hypotheses
         mine = self._shard(index)
         if not mine:
-            return (hyps.new_zeros((0, self.spec.numel)), torch.zeros((0, 3), dtype=torch.float64, device=hyps.device),
+            return (hyps.new_zeros((0, self.spec.numel)), torch.zeros((0, 4), dtype=torch.float64, device=hyps.device),
                     hyps.new_zeros((0, 2 * self.spec.numel)) if self.diagnostics else None)
         x, y, mask = self._padded("train", mine)
         if self.k == 1 and not self.log_nonprivate_metrics:  # nothing to choose, no loss to log: no forward pass
@@ -450,7 +460,7 @@ class FederatedRound(LightningModule):
         trained = self.update.train(
             self.template, self.spec, start, x, y, mask, loss=self.loss_name, shuffles=self._shuffle_keys(r, mine, mask),
             clients=mine, noise=lambda i: derive_generator(self._noise_seed, _LOCAL_NOISE, r, i, device=x.device))
-        released, costs = [], []
+        released, costs, bits = [], [], []
         choices = self._choices()
         # one copy per hypothesis (not per client, not a view of the buffer the round overwrites afterwards)
         references = [step.clone() if bool(step.norm() > 0) else None for step in self.previous_step]
@@ -460,8 +470,9 @@ class FederatedRound(LightningModule):
                                           reference=references[int(choice[c])], hypotheses=choices)
             released.append(out.released)
             costs.append(out.cost)
+            bits.append(math.nan if out.unclipped is None else float(out.unclipped))
         chosen = losses.gather(1, choice[:, None]).squeeze(1).double()
-        stats = torch.stack([chosen, chosen.new_tensor(costs), mask.sum(1).double()], dim=1)
+        stats = torch.stack([chosen, chosen.new_tensor(costs), mask.sum(1).double(), chosen.new_tensor(bits)], dim=1)
         return torch.stack(released), stats, self._diagnostic_rows(mine, r, start, trained, x, y, mask)
 
     def _diagnostic_rows(self, mine: list[int], r: int, start: Tensor, trained: Tensor, x: Tensor, y: Tensor,
@@ -495,7 +506,7 @@ class FederatedRound(LightningModule):
                 local_releases, local_stats, local_diagnostics = self._client_round(index, r)
             else:
                 local_releases = hyps.new_zeros((0, self.spec.numel))
-                local_stats = torch.zeros((0, 3), dtype=torch.float64, device=hyps.device)
+                local_stats = torch.zeros((0, 4), dtype=torch.float64, device=hyps.device)
                 local_diagnostics = hyps.new_zeros((0, 2 * self.spec.numel)) if self.diagnostics else None
             if local_diagnostics is not None:
                 self._log_cosines(r, self._gather_rows(local_diagnostics, len(index)), metrics)
@@ -506,12 +517,15 @@ class FederatedRound(LightningModule):
                 for i, cost in zip(index, stats[:, 1].tolist()):
                     self.ledger.charge(self._clients["train"][i].client_id, cost)
             self.update.charge(index)  # record-level ledger (local DP-SGD)
+            following = self._sanitizer_follows_clip()
             new, assignment, privacy_metrics = privacy.aggregate(
                 releases, hyps, self.aggregator, weights=stats[:, 2],
                 expected_count=self.selection.expected_count(len(self._clients["train"])),
                 noise_generator=derive_generator(self._noise_seed, _SERVER_NOISE, r, device=hyps.device),
                 count_generator=derive_generator(self._noise_seed, _SERVER_COUNT, r), update_set=self._update_set(),
-                report_epsilon=report)
+                report_epsilon=report, unclipped=stats[:, 3] if following else None)
+            if following:  # the next round's clients clip at the server's new (public) threshold
+                self.sanitizer.follow_clip(privacy.clip)
             self.previous_step.copy_(new - hyps)
             self.optimizers().step(closure=lambda: self.hypotheses.copy_(new))
             metrics.update({k: v for k, v in privacy_metrics.items()

@@ -326,12 +326,16 @@ class SanitizedUpdate:
             the same number); ``inf`` for ``nu = 0``. Data-independent: charge it to the
             client's :class:`~lightning_dp.privacy.ledger.PrivacyLedger` entry.
         layer_costs: ``[n_l / nu, ...]`` for layer-wise sanitization, else ``None``.
+        unclipped: for sanitizers that clip at a threshold the server adapts (federated
+            adaptive clipping): whether the client's raw update was within it, the bit the
+            server's noisy count sums (never released by itself); else ``None``.
     """
 
     released: Tensor
     epsilon: float | list[float]
     cost: float
     layer_costs: list[float] | None = field(default=None)
+    unclipped: bool | None = field(default=None)
 
 
 def _check_layer_sizes(per_layer_sizes: Any, n: int) -> list[int]:

@@ -131,6 +131,28 @@ def test_resume_equals_the_uninterrupted_run(tmp_path):
     assert privacy.clip == full_privacy.clip
 
 
+def test_resume_with_an_adaptive_sector_equals_the_uninterrupted_run(tmp_path):
+    """The sector's followed thresholds and both accountants come back from the checkpoint."""
+    from lightning_dp.federated.parts import SectorSanitizer
+
+    def fit(epochs, ckpt=None, callbacks=()):
+        privacy = CentralGaussian(noise_multiplier=1.0, clip=0.5, adaptive=True, adjacency="replace",
+                                  count_noise_std=5.0)
+        sector = SectorSanitizer(clip=0.5, lower_clip=0.1, angle=0.6)
+        m = fedavg(privacy, q=0.3, sanitizer=sector)
+        trainer(max_epochs=epochs, callbacks=list(callbacks), enable_checkpointing=bool(callbacks)).fit(
+            m, SyntheticLinearMixture(seed=0), ckpt_path=ckpt)
+        return m, privacy, sector
+
+    full, full_privacy, full_sector = fit(5, callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1,
+                                                                         save_top_k=-1, filename="{epoch}")])
+    resumed, privacy, sector = fit(5, ckpt=str(tmp_path / "epoch=1.ckpt"))
+    assert torch.equal(resumed.hypotheses, full.hypotheses)
+    assert privacy.state_dict() == full_privacy.state_dict()
+    assert (sector.clip, sector.lower_clip) == (full_sector.clip, full_sector.lower_clip) == (privacy.clip,
+                                                                                              privacy.clip / 5)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(k=2, aggregator=None), "num_hypotheses=2"),
     (dict(aggregator=FedAvg(weighted=True)), "weighted=False"),
@@ -196,7 +218,10 @@ def test_sector_bounded_updates_under_replacement_report_the_smaller_of_two_vali
     disjoint.step(noise_multiplier=z * clip / (2 * clip), sample_rate=q)
     disjoint.step(noise_multiplier=z * clip / d, sample_rate=q, num_steps=rounds - 1)
     assert privacy.accountant.history == ball.history
-    assert privacy.set_accountant.history == pytest.approx(disjoint.history)
+    got = privacy.set_accountant.history  # multipliers from the diameter in units of C, rounded up at 2^-40
+    assert [n for *_, n in got] == [n for *_, n in disjoint.history]
+    assert [v for e in got for v in e[:2]] == pytest.approx([v for e in disjoint.history for v in e[:2]], rel=1e-11)
+    assert all(a[0] <= b[0] for a, b in zip(got, disjoint.history))  # never a larger multiplier (smaller set)
     expected = min(ball.get_epsilon(1e-5), disjoint.get_epsilon(1e-5))
     assert privacy.epsilon == pytest.approx(expected, rel=1e-9)
 
@@ -249,6 +274,72 @@ def test_calibration_under_replacement_with_a_sector_meets_the_budget_with_the_s
     assert int(m.rounds) == rounds
     assert target / 1.015 <= privacy.epsilon <= target
     assert privacy.epsilon == pytest.approx(privacy.planned_epsilon(privacy.z, rounds, *sets), rel=1e-12)
+
+
+def test_adaptive_multipliers_bound_the_joint_release_of_sector_updates_and_bits():
+    """Adaptive clipping under replacement releases (clipped sum + N(0, (z_Delta C)^2), count + N(0, sigma_b^2)):
+    one Gaussian mechanism on (u / (z_Delta C), b / sigma_b). Brute force over sampled sector updates and bits:
+    the largest distance of a client's vector from an absent one (centred bit) is 1 / replace-one multiplier,
+    the largest distance between two clients' vectors is 1 / disjoint-pair multiplier (both reached to 1%)."""
+    from lightning_dp.privacy.adaptive import quantile_noise_split
+    from lightning_dp.privacy.local_dp import project_to_sector, sector_diameter
+
+    clip, lower, angle, z, sigma_b = 0.5, 0.3, 0.4, 1.2, 2.0
+    privacy = CentralGaussian(noise_multiplier=z, clip=clip, adaptive=True, adjacency="replace",
+                              count_noise_std=sigma_b)
+    privacy.count_std = sigma_b
+    update_set = (clip, sector_diameter(clip, lower, angle))
+    one, pair = privacy._multipliers(z, update_set, clip)
+    z_u = quantile_noise_split(z, count_noise_std=sigma_b)
+    g = torch.Generator().manual_seed(0)
+    reference = torch.randn(6, generator=g)
+    sector = torch.stack([project_to_sector(torch.randn(6, generator=g) * 3, reference, clip, lower, angle)
+                          for _ in range(3000)]).double()
+    bits = torch.randint(2, (3000,), generator=g).double()
+    vectors = torch.cat([sector / (z_u * clip), (bits - 0.5)[:, None] / sigma_b], dim=1)
+    radius = float(vectors.norm(dim=1).max())
+    assert radius <= 1 / one * (1 + 1e-9) and radius >= 1 / one * 0.99
+    assert one == pytest.approx(z, rel=1e-12)  # s = C: Andrew et al.'s split composes to z
+    # two clients: the farthest sector pair (the diameter) with opposite bits
+    far = torch.cdist(sector, sector).max()
+    diameter = math.hypot(float(far) / (z_u * clip), 1 / sigma_b)
+    assert diameter <= 1 / pair * (1 + 1e-9) and diameter >= 1 / pair * 0.99
+
+
+def test_a_sector_under_adaptive_clipping_follows_the_servers_threshold_and_reports_raw_bits():
+    """Sector sanitizer (c / C = 0.5, a = 0.4) under CentralGaussian(adaptive=True), replacement: every round the
+    clients clip at the server's threshold and report whether their RAW update was within it. Starting far below
+    the update norms (C = 0.01) the threshold grows (with the server reading the norms of already clipped
+    releases it would see every update within and shrink); every round is accounted with the joint multipliers."""
+    from lightning_dp.federated.parts import SectorSanitizer
+    from lightning_dp.privacy.local_dp import sector_diameter
+
+    sector = SectorSanitizer(clip=1.0, lower_clip=0.5, angle=0.4)
+    privacy = CentralGaussian(noise_multiplier=0.5, clip=0.01, adaptive=True, target_quantile=0.5, clip_lr=0.3,
+                              adjacency="replace", count_noise_std=5.0)
+    m = fedavg(privacy, q=0.8, sanitizer=sector)
+    trainer(max_epochs=20).fit(m, SyntheticLinearMixture(num_clients=60, seed=0))
+    assert privacy.clip > 0.1
+    assert sector.clip == privacy.clip and sector.lower_clip == pytest.approx(0.5 * privacy.clip, rel=1e-12)
+    pad = 1 + 1e-4
+    ball = CentralGaussian(noise_multiplier=0.5, clip=1.0, adaptive=True, adjacency="replace", count_noise_std=5.0)
+    ball.count_std = 5.0
+    first = ball._multipliers(0.5, (pad, 2 * pad), 1.0)
+    later = ball._multipliers(0.5, (pad, sector_diameter(1.0, 0.5, 0.4) * pad), 1.0)  # scale-free in C
+    assert first[0] == later[0]  # the radius is C in both: one replace-one entry for the run
+    assert privacy.accountant.history == [(first[0], 0.8, 20)]
+    assert privacy.set_accountant.history == [(first[1], 0.8, 1), (later[1], 0.8, 19)]
+
+
+def test_calibration_with_adaptive_sector_clipping_meets_the_budget():
+    from lightning_dp.federated.parts import SectorSanitizer
+
+    sector = SectorSanitizer(clip=1.0, angle=0.5)
+    privacy = CentralGaussian(target_epsilon=10.0, clip=1.0, adaptive=True, adjacency="replace", count_noise_std=20.0)
+    m = fedavg(privacy, q=1.0, sanitizer=sector)
+    trainer(max_epochs=8).fit(m, SyntheticLinearMixture(seed=0))
+    assert int(m.rounds) == 8
+    assert 10.0 / 1.02 <= privacy.epsilon <= 10.0
 
 
 @pytest.mark.parametrize("adaptive", [False, True])

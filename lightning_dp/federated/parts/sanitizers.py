@@ -60,6 +60,13 @@ class ClientSanitizer(Part):
     accountable = False
     #: what the ledger's numbers are, for plots and tables
     ledger_label = "client epsilon spent (d-privacy, per ||delta||-neighbourhood)"
+    #: whether the client clips at a threshold the server may adapt (:meth:`follow_clip`); such a sanitizer
+    #: reports :attr:`SanitizedUpdate.unclipped` for the server's noisy quantile estimate
+    follows_clip = False
+
+    def follow_clip(self, clip: float) -> None:
+        """Clip at the server's threshold ``clip`` from now on (public: the server's adaptive estimate)."""
+        raise NotImplementedError(f"sanitizer {self.name!r} does not clip at an adaptive threshold")
 
     def make_ledger(self) -> PrivacyLedger:
         """The per-client ledger the round charges :attr:`SanitizedUpdate.cost` to (additive by default)."""
@@ -180,17 +187,31 @@ class ClipSanitizer(ClientSanitizer):
     see (secure aggregation, a robustness baseline).
     """
 
+    follows_clip = True
+
     def __init__(self, clip: float = 1.0) -> None:
         self.clip = _check_clip(clip)
+        self.initial_clip = self.clip
 
     def hparams(self) -> dict[str, Any]:
-        return {"sanitizer_clip": self.clip}
+        return {"sanitizer_clip": self.initial_clip}
+
+    def follow_clip(self, clip: float) -> None:
+        self.clip = _check_clip(clip)
 
     def update_set(self, reference_given):
         return self.clip * _ROUNDING, 2 * self.clip * _ROUNDING
 
     def sanitize(self, trained, start, *, generator, layer_sizes, reference=None, hypotheses=None):
-        return SanitizedUpdate(released=start + clip_l2(trained - start, self.clip), epsilon=math.inf, cost=math.inf)
+        delta = trained - start
+        return SanitizedUpdate(released=start + clip_l2(delta, self.clip), epsilon=math.inf, cost=math.inf,
+                               unclipped=bool(delta.double().norm() <= self.clip))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"clip": self.clip}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.clip = float(state.get("clip", self.clip))
 
 
 @register_part("sanitizer", "gaussian_ldp")
@@ -316,15 +337,36 @@ class SectorSanitizer(GaussianLocalDP):
     def __init__(self, clip: float = 1.0, lower_clip: float = 0.0, angle: float = math.pi,
                  noise_multiplier: float = 0.0, target_delta: float = 1e-5, accountant: str = "pld") -> None:
         self.clip, self.lower_clip, self.angle = check_sector(clip, lower_clip, angle)
+        self.initial = (self.clip, self.lower_clip)
         self.noise_multiplier = _check_multiplier(noise_multiplier, allow_zero=True)
         self.target_delta, self.accountant = _check_delta(target_delta), accountant
         self.accountable = self.noise_multiplier > 0
+        # without local noise the server may adapt the thresholds (central DP: the clients' bits are noised there);
+        # with local noise the bits would reach the server raw
+        self.follows_clip = self.noise_multiplier == 0
         self.make_ledger()
 
     def hparams(self) -> dict[str, Any]:
-        return {"sanitizer_clip": self.clip, "sanitizer_lower_clip": self.lower_clip, "sanitizer_angle": self.angle,
+        clip, lower = self.initial
+        return {"sanitizer_clip": clip, "sanitizer_lower_clip": lower, "sanitizer_angle": self.angle,
                 "sanitizer_noise_multiplier": self.noise_multiplier, "sanitizer_target_delta": self.target_delta,
-                "sanitizer_accountant": self.accountant, "sanitizer_sensitivity": self.diameter()}
+                "sanitizer_accountant": self.accountant,
+                "sanitizer_sensitivity": sector_diameter(clip, lower, self.angle)}
+
+    def follow_clip(self, clip: float) -> None:
+        """Upper threshold ``clip``, lower threshold scaled with it (``c / C`` as configured); the angle stays."""
+        if not self.follows_clip:
+            super().follow_clip(clip)
+        initial_clip, initial_lower = self.initial
+        self.clip = _check_clip(clip)
+        self.lower_clip = initial_lower * self.clip / initial_clip
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"clip": self.clip, "lower_clip": self.lower_clip}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.clip = float(state.get("clip", self.clip))
+        self.lower_clip = float(state.get("lower_clip", self.lower_clip))
 
     def make_ledger(self) -> PrivacyLedger:
         return GaussianLedger(self.target_delta, self.accountant) if self.noise_multiplier > 0 else PrivacyLedger()
@@ -343,9 +385,11 @@ class SectorSanitizer(GaussianLocalDP):
     def sanitize(self, trained, start, *, generator, layer_sizes, reference=None, hypotheses=None):
         if reference is not None and not bool(torch.isfinite(reference).all() and reference.norm() > 0):
             reference = None  # no direction: norms only, and the sensitivity without the angular constraint
-        bounded = project_to_sector(trained - start, reference, self.clip, self.lower_clip, self.angle)
+        delta = trained - start
+        bounded = project_to_sector(delta, reference, self.clip, self.lower_clip, self.angle)
         if self.noise_multiplier == 0:
-            return SanitizedUpdate(released=start + bounded, epsilon=math.inf, cost=math.inf)
+            return SanitizedUpdate(released=start + bounded, epsilon=math.inf, cost=math.inf,
+                                   unclipped=bool(delta.double().norm() <= self.clip))
         # with k > 1 the reference (the chosen hypothesis' previous change) is chosen too; the bound
         # choice_spread + 2C holds whichever sector the client's choice selects
         return self._release(bounded, start, generator, self.sensitivity(reference is not None, hypotheses))

@@ -68,14 +68,17 @@ class ServerPrivacy(Part):
 
     def aggregate(self, releases: Tensor, hypotheses: Tensor, aggregator: Any, *, weights: Tensor | None,
                   expected_count: float, noise_generator: torch.Generator, count_generator: torch.Generator,
-                  update_set: tuple[float, float] | None = None,
-                  report_epsilon: bool = True) -> tuple[Tensor, Tensor, dict[str, float]]:
+                  update_set: tuple[float, float] | None = None, report_epsilon: bool = True,
+                  unclipped: Tensor | None = None) -> tuple[Tensor, Tensor, dict[str, float]]:
         """``(new hypotheses, assignment, metrics)`` of the round.
 
         ``update_set``: ``(radius, diameter)`` of a set every release's update is known to lie in
         (public, from the sanitizer: :meth:`~lightning_dp.federated.parts.ClientSanitizer.update_set`), or None.
         ``report_epsilon``: include :meth:`epsilon_metrics` (the round passes False between log writes:
         a PLD composition per round can cost more than the round).
+        ``unclipped``: one 0/1 per release, whether the client's raw update was within the threshold it
+        clipped at (sanitizers that follow the server's adaptive threshold clip before the server sees
+        the update); None: the server reads the norms of the releases.
         """
         raise NotImplementedError
 
@@ -89,7 +92,7 @@ class NoServerPrivacy(ServerPrivacy):
     """The aggregator's result as it is."""
 
     def aggregate(self, releases, hypotheses, aggregator, *, weights, expected_count, noise_generator,
-                  count_generator, update_set=None, report_epsilon=True):
+                  count_generator, update_set=None, report_epsilon=True, unclipped=None):
         new, assignment = aggregator.aggregate(releases, hypotheses, weights)
         return new, assignment, {}
 
@@ -179,6 +182,8 @@ class CentralGaussian(ServerPrivacy):
                              "init_args: {sample_rate: q}}. A fixed number of clients per round is not accounted.")
         self.q = sample_rate
         self.accountant.check_supported(sample_rate)
+        if self.adaptive:
+            self.count_std = self.requested_count_std or default_count_noise_std(expected_count)
         if self.z is None:
             rounds = self.rounds or planned_rounds
             if rounds is None:
@@ -188,11 +193,12 @@ class CentralGaussian(ServerPrivacy):
                                                 sample_rate=self.q, steps=max(rounds - len(self.accountant), 1),
                                                 accountant=self.accountant_name,
                                                 accountant_kwargs={"adjacency": self.adjacency})
+            if self.adaptive:
+                quantile_noise_split(self.z, count_noise_std=self.count_std)  # z < 2 sigma_b, or a clear error
             if self.adjacency == "replace" and update_sets is not None and any(update_sets) \
                     and not len(self.accountant):
                 self.z = self._calibrate_bounded(rounds, update_sets)
         if self.adaptive:
-            self.count_std = self.requested_count_std or default_count_noise_std(expected_count)
             quantile_noise_split(self.z, count_noise_std=self.count_std)  # z < 2 sigma_b, or a clear error
         if self.target_epsilon is not None:
             limit = self.rounds or planned_rounds or 10**7
@@ -223,14 +229,18 @@ class CentralGaussian(ServerPrivacy):
         from lightning_dp.privacy.calibration import calibrate_spend
 
         assert self.z is not None and self.target_epsilon is not None
-        if self.planned_epsilon(self.z / 1.01, rounds, *update_sets) > self.target_epsilon:
-            return self.z
+        ceiling = self.z  # fits; larger z fit too (and may not split for adaptive clipping): never evaluated
+
+        def spend(z: float, interval: float | None = None) -> float:
+            return self.planned_epsilon(min(z, ceiling), rounds, *update_sets, interval=interval)
+
+        if spend(ceiling / 1.01) > self.target_epsilon:
+            return ceiling
         describe = f"{rounds} rounds at client rate {self.q:g} with bounded updates"
-        coarse = calibrate_spend(lambda z: self.planned_epsilon(z, rounds, *update_sets, interval=1e-2),
-                                 target_epsilon=self.target_epsilon, describe=describe, tolerance=0.05, guess=self.z)
-        return min(self.z, calibrate_spend(lambda z: self.planned_epsilon(z, rounds, *update_sets),
-                                           target_epsilon=self.target_epsilon, describe=describe, guess=coarse,
-                                           first_ratio=1.01))
+        coarse = calibrate_spend(lambda z: spend(z, 1e-2), target_epsilon=self.target_epsilon, describe=describe,
+                                 tolerance=0.05, guess=ceiling)
+        return min(ceiling, calibrate_spend(spend, target_epsilon=self.target_epsilon, describe=describe,
+                                            guess=min(coarse, ceiling), first_ratio=1.01))
 
     def planned_epsilon(self, z: float, rounds: int, first_set: tuple[float, float] | None,
                         later_set: tuple[float, float] | None, *, interval: float | None = None) -> float:
@@ -246,7 +256,7 @@ class CentralGaussian(ServerPrivacy):
         disjoint = DisjointPairPLDAccountant(**coarse)
         for count, update_set in ((1, first_set), (rounds - 1, later_set)):
             if count > 0:
-                one, pair = self._multipliers(z, update_set)
+                one, pair = self._multipliers(z, update_set, self.clip)
                 replace_one.step(noise_multiplier=one, sample_rate=self.q, num_steps=count)
                 disjoint.step(noise_multiplier=pair, sample_rate=self.q, num_steps=count)
         spent = replace_one.get_epsilon(self.target_delta)
@@ -254,15 +264,32 @@ class CentralGaussian(ServerPrivacy):
             spent = min(spent, disjoint.get_epsilon(self.target_delta))
         return spent
 
-    def _multipliers(self, z: float, update_set: tuple[float, float] | None) -> tuple[float, float]:
-        """``(replace-one, disjoint-pair)`` multipliers of a round at z: the noise ``z C`` over the radius and over
-        the diameter of the set the updates lie in (the ball of radius C, diameter 2C, when none is known)."""
-        if update_set is None:
-            return z, z / 2
-        s, d = self._set_scales(update_set)
-        return z * self.clip / s, z * self.clip / d
+    def _multipliers(self, z: float, update_set: tuple[float, float] | None, clip: float) -> tuple[float, float]:
+        """``(replace-one, disjoint-pair)`` multipliers of a round at z that clipped at ``clip`` (C).
 
-    def _account(self, update_set: tuple[float, float] | None, metrics: dict[str, float]) -> None:
+        Fixed clipping: the noise ``z C`` over the radius ``s`` and over the diameter ``D`` of the set the
+        updates lie in (the ball: ``s = C``, ``D = 2C``, when none is known). Adaptive clipping releases, per
+        round, the clipped sum with noise ``z_Delta C`` and the count of unclipped updates with noise
+        ``sigma_b``: together one Gaussian mechanism on the vector (update / (z_Delta C), bit / sigma_b).
+        A client's vector lies within ``sqrt((s / (z_Delta C))^2 + (1 / (2 sigma_b))^2)`` of an absent
+        client's (the centred bit is +-1/2), and two clients' vectors within
+        ``sqrt((D / (z_Delta C))^2 + (1 / sigma_b)^2)`` of each other (their bits differ by at most 1): the
+        multipliers are the inverses. For the ball the first is z (Andrew et al.'s split) and the second z / 2.
+        """
+        if update_set is None:  # the ball, exactly (for adaptive clipping this is the identity of the split)
+            return z, z / 2
+        s, d = self._set_scales(update_set, clip)
+        # radius and diameter in units of C, rounded UP to a 2^-40 grid: a threshold that moves every round
+        # gives the same multipliers (one history entry, not one per round) and never a smaller set
+        s, d = (math.ceil(v / clip * 2**40) / 2**40 for v in (s, d))
+        if not self.adaptive:
+            return z / s, z / d
+        assert self.count_std is not None
+        z_update = quantile_noise_split(z, count_noise_std=self.count_std)
+        return (1 / math.hypot(s / z_update, 1 / (2 * self.count_std)),
+                1 / math.hypot(d / z_update, 1 / self.count_std))
+
+    def _account(self, update_set: tuple[float, float] | None, metrics: dict[str, float], clip: float) -> None:
         """Records the round. Add/remove, or no known set: one subsampled Gaussian with multiplier z. Replacement
         with the releases' updates known to lie in a set of radius ``s <= C`` and diameter ``D`` (a sector):
         the replace-one bound with ``z C / s`` AND the disjoint-pair bound with ``z C / D``
@@ -270,16 +297,13 @@ class CentralGaussian(ServerPrivacy):
         the smaller is reported."""
         assert self.z is not None and self.q is not None
         if update_set is None or self.adjacency != "replace":
-            one, pair = self._multipliers(self.z, None)
+            one, pair = self._multipliers(self.z, None, clip)
             if self.set_accountant is not None and len(self.set_accountant):
                 # a round without a known set after rounds with one: its diameter is the ball's, 2C
                 self.set_accountant.step(noise_multiplier=pair, sample_rate=self.q)
             self.accountant.step(noise_multiplier=one, sample_rate=self.q)
             return
-        if self.adaptive:
-            raise RuntimeError("CentralGaussian(adaptive=True) does not account sector-bounded updates; use fixed "
-                               "clipping")
-        _, d = self._set_scales(update_set)
+        _, d = self._set_scales(update_set, clip)
         if self.set_accountant is None:
             from lightning_dp.privacy.accounting import DisjointPairPLDAccountant
 
@@ -287,7 +311,7 @@ class CentralGaussian(ServerPrivacy):
             if len(self.accountant):  # earlier rounds without a known set: diameter 2C
                 for z, q, n in self.accountant.history:
                     self.set_accountant.step(noise_multiplier=z / 2, sample_rate=q, num_steps=n)
-        one, pair = self._multipliers(self.z, update_set)
+        one, pair = self._multipliers(self.z, update_set, clip)
         self.accountant.step(noise_multiplier=one, sample_rate=self.q)
         self.set_accountant.step(noise_multiplier=pair, sample_rate=self.q)
         metrics["privacy/update_set_diameter"] = d
@@ -307,22 +331,24 @@ class CentralGaussian(ServerPrivacy):
         """
         if self.allowed_rounds is None or self.allowed_rounds > 0:
             return True
-        if update_set is None or self.adjacency != "replace" or self.set_accountant is None or self.adaptive:
+        if update_set is None or self.adjacency != "replace" or self.set_accountant is None:
             return False
         assert self.z is not None and self.q is not None and self.target_epsilon is not None
         return self.set_accountant.max_steps(self.target_epsilon, self.target_delta,
-                                             noise_multiplier=self._multipliers(self.z, update_set)[1],
+                                             noise_multiplier=self._multipliers(self.z, update_set, self.clip)[1],
                                              sample_rate=self.q, limit=1) >= 1
 
-    def _set_scales(self, update_set: tuple[float, float]) -> tuple[float, float]:
-        """``(s, d)``: the radius and diameter the round is accounted with (never above the ball's C and 2s)."""
+    @staticmethod
+    def _set_scales(update_set: tuple[float, float], clip: float) -> tuple[float, float]:
+        """``(s, d)``: the radius and diameter a round that clipped at ``clip`` is accounted with (never above the
+        ball's C and 2s)."""
         radius, diameter = (float(v) for v in update_set)
-        s = min(self.clip, radius)
+        s = min(clip, radius)
         return s, min(diameter, 2 * s)
 
     # ----------------------------------------------------------------- round
     def aggregate(self, releases, hypotheses, aggregator, *, weights, expected_count, noise_generator,
-                  count_generator, update_set=None, report_epsilon=True):
+                  count_generator, update_set=None, report_epsilon=True, unclipped=None):
         if hypotheses.shape[0] != 1:
             raise ValueError("CentralGaussian averages one model (num_hypotheses=1)")
         if not self.budget_left(update_set):
@@ -340,15 +366,16 @@ class CentralGaussian(ServerPrivacy):
         (noise,) = gaussian_noise([glob.shape], z_update * clip, noise_generator, dtype=glob.dtype, device=glob.device)
         new = glob + (total + noise) / expected_count
         metrics = {"privacy/max_grad_norm": clip}
+        # the clients' own bits when they clipped at this threshold before releasing, else the releases' norms
+        within = unclipped.bool() if unclipped is not None else norms <= clip
         if len(norms):  # exact, not covered by epsilon (docs/privacy.md): logged under nonprivate/ if asked
-            metrics["nonprivate/clipped_fraction"] = float((norms > clip).double().mean())
+            metrics["nonprivate/clipped_fraction"] = float((~within).double().mean())
         if self.adaptive:
-            unclipped = int((norms <= clip).sum())
             self.clip, self.last_estimate = quantile_clip_update(
-                clip, unclipped, len(norms), expected_count, target_quantile=self.target_quantile,
+                clip, int(within.sum()), len(norms), expected_count, target_quantile=self.target_quantile,
                 clip_lr=self.clip_lr, count_noise_std=self.count_std, generator=count_generator)
             metrics["privacy/unclipped_fraction_estimate"] = self.last_estimate
-        self._account(update_set, metrics)
+        self._account(update_set, metrics, clip)
         if self.allowed_rounds is not None:
             self.allowed_rounds -= 1
         if report_epsilon:
