@@ -205,6 +205,7 @@ class FederatedRound(LightningModule):
         self._history: list[dict[str, Any]] = []
         self._cosines: list[tuple[int, float, float]] = []  # (round, update cosine, gradient cosine), diagnostics
         self._epsilon_written = -1  # the last round whose metrics carried privacy/epsilon
+        self._split_scored = False  # pdpfl/split_accuracy is logged once, when the split is made
 
     def parts(self) -> dict[str, Any]:
         """``{kind: part}`` of the round."""
@@ -517,6 +518,14 @@ class FederatedRound(LightningModule):
                 for i, cost in zip(index, stats[:, 1].tolist()):
                     self.ledger.charge(self._clients["train"][i].client_id, cost)
             self.update.charge(index)  # record-level ledger (local DP-SGD)
+            if self.k == 1 and len(index):  # the released updates' norms: public (the server sees the releases)
+                norms = (releases - hyps[0]).double().norm(dim=1)
+                metrics["round/update_norm_mean"] = float(norms.mean())
+                metrics["round/update_norm_std"] = float(norms.std()) if len(index) > 1 else 0.0
+            self.aggregator.observe(client_ids=[self._clients["train"][i].client_id for i in index],
+                                    layer_sizes=self.spec.sizes, round_index=r,
+                                    budgets=self.update.revealed_budgets(index) if self.aggregator.needs_budgets
+                                    else None)
             following = self._sanitizer_follows_clip()
             new, assignment, privacy_metrics = privacy.aggregate(
                 releases, hyps, self.aggregator, weights=stats[:, 2],
@@ -526,6 +535,7 @@ class FederatedRound(LightningModule):
                 report_epsilon=report, unclipped=stats[:, 3] if following else None)
             if following:  # the next round's clients clip at the server's new (public) threshold
                 self.sanitizer.follow_clip(privacy.clip)
+            self._split_metrics(index, metrics)
             self.previous_step.copy_(new - hyps)
             self.optimizers().step(closure=lambda: self.hypotheses.copy_(new))
             metrics.update({k: v for k, v in privacy_metrics.items()
@@ -558,6 +568,19 @@ class FederatedRound(LightningModule):
             self._epsilon_written = r
         self.log_dict({k: torch.tensor(v, dtype=torch.float64) for k, v in metrics.items()}, on_step=True,
                       on_epoch=False, batch_size=1)
+
+    def _split_metrics(self, index: list[int], metrics: dict[str, float]) -> None:
+        """A public/private split of the aggregator (PFA): its size per round, and once, when the split is made from
+        released updates (the warm start), its accuracy against the clients' true budget groups (a simulation
+        diagnostic: the server never sees the truth)."""
+        public = getattr(self.aggregator, "last_public", None)
+        if not public or len(public) != len(index):
+            return
+        metrics["pdpfl/public_clients"] = float(sum(public))
+        truth = getattr(self.update, "true_public", lambda index: None)(index)
+        if truth is not None and not self._split_scored and getattr(self.aggregator, "warm_started", False):
+            metrics["pdpfl/split_accuracy"] = sum(p == t for p, t in zip(public, truth)) / len(index)
+            self._split_scored = True
 
     def _log_cosines(self, r: int, rows: Tensor, metrics: dict[str, float]) -> None:
         from lightning_dp.federated.diagnostics import mean_pairwise_cosine
@@ -640,6 +663,7 @@ class FederatedRound(LightningModule):
         checkpoint["federated"] = {"ledger": self.ledger.state_dict(), "seed": self.seed, "rounds": int(self.rounds),
                                    "previous_step": self.previous_step.detach().cpu().clone(),
                                    "parts": {kind: part.state_dict() for kind, part in self.parts().items()},
+                                   "split_scored": self._split_scored,
                                    SECRET_KEY: {"noise_seed": self._noise_seed}, "version": 3}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -648,6 +672,7 @@ class FederatedRound(LightningModule):
             self.ledger.load_state_dict(state["ledger"])
             self.seed = int(state["seed"])
             self.rounds.fill_(int(state["rounds"]))
+            self._split_scored = bool(state.get("split_scored", False))
             if state.get("previous_step") is not None:
                 self.previous_step.copy_(state["previous_step"])
             for kind, part in self.parts().items():
@@ -709,10 +734,11 @@ class FederatedRound(LightningModule):
         from lightning_dp import tracking
 
         ledger, update = self.update.ledger, self.update
-        rows = ["client\tepsilon\tnoise_multiplier\tsample_rate\tsteps_per_participation\tparticipations"]
+        rows = ["client\tepsilon\tbudget\tnoise_multiplier\tsample_rate\tsteps_per_participation\tparticipations"]
         spend = ledger.as_dict()
-        for client, plan in zip(self._clients["train"], update.client_plans()):
-            rows.append(f"{client.client_id}\t{spend.get(client.client_id, 0.0):.6g}\t{plan.noise_multiplier:.6g}\t"
+        for client, plan, budget in zip(self._clients["train"], update.client_plans(), update.client_budgets()):
+            rows.append(f"{client.client_id}\t{spend.get(client.client_id, 0.0):.6g}\t"
+                        f"{'inf' if budget is None else f'{budget:.6g}'}\t{plan.noise_multiplier:.6g}\t"
                         f"{plan.sample_rate:.6g}\t{plan.steps}\t{ledger.participations(client.client_id)}")
         tracking.log_text(self.trainer, "\n".join(rows) + "\n", "privacy/record_epsilon.tsv")
         values = list(spend.values())

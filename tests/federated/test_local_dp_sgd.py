@@ -262,7 +262,7 @@ def test_choices_and_weights_that_leak_records_are_refused(bad):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(), "noise_multiplier .* or target_epsilon"),
+    (dict(), "noise_multiplier .*, target_epsilon or budgets"),
     (dict(noise_multiplier=1.0, sampling="shuffle", adjacency="add_remove"), "adjacency='replace'"),
     (dict(noise_multiplier=1.0, adjacency="replace", accountant="rdp"), "needs accountant='pld'"),
     (dict(noise_multiplier=1.0, target_epsilon=-1.0), "target_epsilon=-1.0"),

@@ -6,12 +6,13 @@
 - sanitizer: :class:`NoSanitizer` (``"none"``), :class:`EuclideanLaplace` (``"euclidean_laplace"``, d-privacy),
   :class:`ClipSanitizer` (``"clip"``), :class:`GaussianLocalDP` (``"gaussian_ldp"``), :class:`LaplaceLocalDP`
   (``"laplace_ldp"``), :class:`SectorSanitizer` (``"sector"``: upper, lower and angular clipping);
-- aggregator: :class:`KMeans` (``"kmeans"``, clustered), :class:`FedAvg` (``"fedavg"``);
+- aggregator: :class:`KMeans` (``"kmeans"``, clustered), :class:`FedAvg` (``"fedavg"``), :class:`PFA`
+  (``"pfa"``, projected federated averaging with a direct or budget-agnostic public/private split);
 - server_privacy: :class:`NoServerPrivacy` (``"none"``), :class:`CentralGaussian` (``"gaussian"``,
   client-level DP-FedAvg with fixed or adaptive clipping, accounted).
 """
 
-from lightning_dp.federated.parts.aggregators import Aggregator, FedAvg, KMeans
+from lightning_dp.federated.parts.aggregators import PFA, Aggregator, FedAvg, KMeans
 from lightning_dp.federated.parts.registry import KINDS, Part, register_part, registered_parts, resolve_part
 from lightning_dp.federated.parts.sanitizers import (
     ClientSanitizer,
@@ -30,6 +31,6 @@ from lightning_dp.federated.parts.update import AUTO_VMAP_MAX_PARAMETERS, Client
 __all__ = [
     "AUTO_VMAP_MAX_PARAMETERS", "Aggregator", "CentralGaussian", "ClientSanitizer", "ClientSelection", "ClientUpdate",
     "ClipSanitizer", "EuclideanLaplace", "FedAvg", "GaussianLocalDP", "KINDS", "KMeans", "LaplaceLocalDP", "LocalDPSGD", "LocalSGD",
-    "NoSanitizer", "NoServerPrivacy", "Part", "PoissonSelection", "SectorSanitizer", "ServerPrivacy",
+    "NoSanitizer", "NoServerPrivacy", "PFA", "Part", "PoissonSelection", "SectorSanitizer", "ServerPrivacy",
     "UniformSelection", "choice_spread", "register_part", "registered_parts", "resolve_part",
 ]

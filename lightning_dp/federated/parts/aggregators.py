@@ -10,11 +10,24 @@ from torch import Tensor
 from lightning_dp.federated.aggregation import kmeans_aggregate
 from lightning_dp.federated.parts.registry import Part, register_part
 
-__all__ = ["Aggregator", "FedAvg", "KMeans"]
+__all__ = ["Aggregator", "FedAvg", "KMeans", "PFA"]
 
 
 class Aggregator(Part):
-    """Combines the releases ``(U, P)`` of a round with the current hypotheses ``(k, P)``."""
+    """Combines the releases ``(U, P)`` of a round with the current hypotheses ``(k, P)``.
+
+    Before each aggregation the round tells the aggregator what the server knows about the
+    releases (:meth:`observe`): whose they are, the model's layer sizes, and, only for an
+    aggregator that declares :attr:`needs_budgets` (clients reveal their privacy budgets), each
+    client's epsilon.
+    """
+
+    #: whether the clients reveal their privacy budgets to this aggregator (PFA's direct split)
+    needs_budgets = False
+
+    def observe(self, *, client_ids: list[Any], layer_sizes: list[int], round_index: int,
+                budgets: list[float] | None = None) -> None:
+        """What the server knows about the coming :meth:`aggregate`'s releases (in their order)."""
 
     def aggregate(self, releases: Tensor, hypotheses: Tensor, weights: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """``(new hypotheses (k, P), cluster of each release (U,))``."""
@@ -62,3 +75,105 @@ class FedAvg(Aggregator):
             w = weights.to(releases.dtype)
             return ((releases * w[:, None]).sum(0) / w.sum())[None], assignment
         return releases.mean(0, keepdim=True), assignment
+
+
+@register_part("aggregator", "pfa")
+class PFA(Aggregator):
+    """Projected federated averaging (:mod:`lightning_dp.federated.pfa`) over one global model.
+
+    Args:
+        partition: ``"direct"``: the clients reveal their budgets (:attr:`needs_budgets`) and the
+            split is recomputed every round from them (``rule``); ``"indirect"`` (budget-agnostic):
+            the first round is a warm start, averaged as FedAvg, after which a 2-component Gaussian
+            mixture on the L2 norms of that round's released updates fixes the split (the
+            larger-norm component is private); the server never sees a budget. A client first
+            seen after the warm start counts as private (its update is projected).
+        rule: the direct split: ``"top_fraction"`` (the ``public_fraction`` largest epsilons, as PFA's
+            code) or ``"gmm"`` (a Gaussian mixture on epsilon).
+        public_fraction: for ``rule="top_fraction"``.
+        components: k, eigenvectors per layer.
+        weighted: WeiPFA: every client weighted by its epsilon (direct only).
+        plus: PFA+: private updates projected on the previous round's basis (the first PFA round on its own).
+        seed: random state of the Gaussian mixtures.
+    """
+
+    def __init__(self, partition: str = "indirect", rule: str = "top_fraction", public_fraction: float = 0.1,
+                 components: int = 1, weighted: bool = False, plus: bool = False, seed: int = 0) -> None:
+        if partition not in ("direct", "indirect"):
+            raise ValueError(f"partition={partition!r} is not allowed; choose 'direct' (budgets revealed) or "
+                             "'indirect' (budget-agnostic, a mixture on the update norms)")
+        if rule not in ("top_fraction", "gmm"):
+            raise ValueError(f"rule={rule!r} is not allowed; choose 'top_fraction' or 'gmm'")
+        if not 0 < float(public_fraction) <= 1:
+            raise ValueError(f"public_fraction={public_fraction!r} must be in (0, 1]")
+        if isinstance(components, bool) or not isinstance(components, int) or components < 1:
+            raise ValueError(f"components={components!r} is not allowed: pass a positive integer (k eigenvectors)")
+        if weighted and partition != "direct":
+            raise ValueError("weighted=True (WeiPFA) weights clients by their budgets, which only the direct "
+                             "partition reveals; use partition='direct'")
+        self.partition, self.rule, self.public_fraction = partition, rule, float(public_fraction)
+        self.components, self.weighted, self.plus, self.seed = components, bool(weighted), bool(plus), int(seed)
+        self.needs_budgets = partition == "direct"
+        self._round: dict[str, Any] = {}
+        self._split: dict[Any, bool] = {}  # indirect: client id -> public, fixed after the warm start
+        self._bases: list[Tensor] | None = None
+        self.last_public: list[bool] = []
+
+    def hparams(self) -> dict[str, Any]:
+        return {"pfa_partition": self.partition, "pfa_rule": self.rule if self.partition == "direct" else None,
+                "pfa_public_fraction": self.public_fraction if self.rule == "top_fraction" else None,
+                "pfa_components": self.components, "pfa_weighted": self.weighted, "pfa_plus": self.plus}
+
+    def observe(self, *, client_ids, layer_sizes, round_index, budgets=None):
+        if self.needs_budgets and budgets is None:
+            raise ValueError("PFA(partition='direct') needs the clients' budgets: use update local_dp_sgd with "
+                             "target_epsilon or budgets")
+        self._round = {"ids": list(client_ids), "sizes": list(layer_sizes), "budgets": budgets}
+
+    def split(self) -> dict[Any, bool]:
+        """The indirect split (client id -> public), empty before the warm start."""
+        return dict(self._split)
+
+    @property
+    def warm_started(self) -> bool:
+        return self.partition == "direct" or bool(self._split)
+
+    def aggregate(self, releases, hypotheses, weights=None):
+        from lightning_dp.federated.pfa import pfa_combine, split_by_budgets, split_by_norms
+
+        if hypotheses.shape[0] != 1:
+            raise ValueError(f"PFA trains one model; the round has {hypotheses.shape[0]} hypotheses")
+        ids = self._round.get("ids")
+        if ids is None or len(ids) != releases.shape[0]:
+            raise RuntimeError("PFA.aggregate: observe() was not told about this round's releases (FederatedRound "
+                               "does it)")
+        assignment = torch.zeros(releases.shape[0], dtype=torch.long, device=releases.device)
+        if releases.shape[0] == 0:
+            return hypotheses.clone(), assignment
+        updates = releases - hypotheses[0]
+        budgets = self._round["budgets"]
+        if self.partition == "direct":
+            public = split_by_budgets(budgets, rule=self.rule, public_fraction=self.public_fraction, seed=self.seed)
+        elif not self._split:  # the warm start: FedAvg over everyone, then the split from the released norms
+            public = split_by_norms(updates.double().norm(dim=1).cpu().numpy(), seed=self.seed)
+            self._split = {cid: bool(p) for cid, p in zip(ids, public)}
+            self.last_public = [bool(p) for p in public]
+            return releases.mean(0, keepdim=True), assignment
+        else:
+            public = [self._split.get(cid, False) for cid in ids]
+        self.last_public = [bool(p) for p in public]
+        mask = torch.tensor(self.last_public, dtype=torch.bool, device=releases.device)
+        w = torch.tensor(budgets, dtype=torch.float64) if self.weighted else None
+        combined, bases = pfa_combine(updates, mask, layer_sizes=self._round["sizes"], k=self.components, weights=w,
+                                      bases=self._bases if self.plus else None)
+        if bases is not None:
+            self._bases = [b.detach().cpu() for b in bases]
+        return (hypotheses[0] + combined)[None], assignment
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"split": [[cid, p] for cid, p in self._split.items()],
+                "bases": None if self._bases is None else [b.clone() for b in self._bases]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._split = {cid: bool(p) for cid, p in state.get("split", [])}
+        self._bases = state.get("bases")

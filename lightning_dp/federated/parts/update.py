@@ -63,6 +63,11 @@ class ClientUpdate(Part):
         """Record-level privacy metrics of the ledger (computed when written)."""
         return {}
 
+    def revealed_budgets(self, index: Sequence[int]) -> list[float]:
+        """The record-level budgets the clients in ``index`` reveal (for aggregators that ask for them)."""
+        raise ValueError(f"update {self.name!r} has no per-client privacy budgets to reveal; use local_dp_sgd "
+                         "with target_epsilon or budgets")
+
 
 @register_part("update", "local_sgd")
 class LocalSGD(ClientUpdate):
@@ -134,6 +139,11 @@ class LocalDPSGD(ClientUpdate):
         accountant: ``"pld"`` (tight) or ``"rdp"`` (faster to calibrate; refused with Poisson under replace).
         participations: participations the calibration plans for.
         engine: ``"vmap"``, ``"loop"`` or ``"auto"`` (as :class:`LocalSGD`).
+        budgets: per-client budgets instead of one ``target_epsilon``
+            (:mod:`lightning_dp.federated.budgets`: a fixed list, or drawn from the PFA experiments'
+            distributions); each client's sigma is calibrated to its own epsilon_m and enforced.
+        train_at: ``"own"`` (each client at its budget) or ``"minimum"`` (every client at the smallest
+            budget of the federation: PFA's "Minimum" baseline).
     """
 
     accountable = True
@@ -142,7 +152,9 @@ class LocalDPSGD(ClientUpdate):
                  noise_multiplier: float | None = None, target_epsilon: float | None = None, delta: float = 1e-5,
                  sampling: Literal["poisson", "shuffle"] = "poisson",
                  adjacency: Literal["add_remove", "replace"] | None = None, accountant: Literal["pld", "rdp"] = "pld",
-                 participations: int | None = None, engine: Literal["auto", "vmap", "loop"] = "auto") -> None:
+                 participations: int | None = None, engine: Literal["auto", "vmap", "loop"] = "auto",
+                 budgets: Any = None, train_at: Literal["own", "minimum"] = "own") -> None:
+        from lightning_dp.federated.budgets import ClientBudgets
         from lightning_dp.privacy.accounting import _check_delta, check_adjacency, get_accountant
         from lightning_dp.privacy.clipping import check_max_grad_norm
         from lightning_dp.privacy.noise import check_noise_multiplier
@@ -150,9 +162,17 @@ class LocalDPSGD(ClientUpdate):
         self._sgd = LocalSGD(epochs, lr, batch_size, engine)  # the same checks and engine choice
         self.epochs, self.lr, self.batch_size, self.engine = epochs, float(lr), batch_size, engine
         self.max_grad_norm = check_max_grad_norm(max_grad_norm)
-        if noise_multiplier is None and target_epsilon is None:
-            raise ValueError("local_dp_sgd needs noise_multiplier (sigma) or target_epsilon (sigma calibrated per "
-                             "client); pass one of them")
+        if budgets is not None and not isinstance(budgets, ClientBudgets):
+            raise ValueError(f"budgets={budgets!r} is not allowed: pass a lightning_dp.federated.budgets.ClientBudgets "
+                             "(FixedBudgets, DistributionBudgets) or None")
+        if budgets is not None and target_epsilon is not None:
+            raise ValueError("pass target_epsilon (one budget for every client) or budgets (one per client), not both")
+        if train_at not in ("own", "minimum"):
+            raise ValueError(f"train_at={train_at!r} is not allowed; choose 'own' or 'minimum'")
+        self.budgets, self.train_at = budgets, train_at
+        if noise_multiplier is None and target_epsilon is None and budgets is None:
+            raise ValueError("local_dp_sgd needs noise_multiplier (sigma), target_epsilon or budgets (sigma "
+                             "calibrated per client); pass one of them")
         self.noise_multiplier = None if noise_multiplier is None else check_noise_multiplier(noise_multiplier)
         if target_epsilon is not None and (isinstance(target_epsilon, bool) or not float(target_epsilon) > 0
                                            or not math.isfinite(float(target_epsilon))):
@@ -182,9 +202,12 @@ class LocalDPSGD(ClientUpdate):
         self._plans: list[Any] = []  # one ClientPlan per training client, from plan()
         self._sigmas: dict[str, float] | None = None  # saved per-client sigmas of a resumed run
         self._fits: dict[int, int] = {}  # training client -> participations known to fit the budget
-        self._fresh_fits: dict[tuple[float, float, int], int] = {}  # the same for a client without history
+        self._fresh_fits: dict[Any, int] = {}  # the same for a client without history, by (event, budget)
         self._planned_rounds: int | None = None
         self.participations_planned: int | None = None
+        self._targets: list[float | None] = []  # each training client's budget (the one it trains at)
+        self._own: list[float | None] = []  # each training client's own budget (what it would reveal)
+        self._groups: list[bool] | None = None  # whether each client is in the relaxed ("public") group, in truth
 
     def _make_ledger(self):
         from lightning_dp.privacy.ledger import RecordLedger
@@ -196,7 +219,8 @@ class LocalDPSGD(ClientUpdate):
                 "client_engine": self.engine, "local_max_grad_norm": self.max_grad_norm,
                 "local_noise_multiplier": self.noise_multiplier, "local_target_epsilon": self.target_epsilon,
                 "local_delta": self.delta, "local_sampling": self.sampling, "local_adjacency": self.adjacency,
-                "local_accountant": self.accountant, "local_participations": self.participations}
+                "local_accountant": self.accountant, "local_participations": self.participations,
+                "local_train_at": self.train_at, **({} if self.budgets is None else self.budgets.hparams())}
 
     # ---------------------------------------------------------------- planning
     def _event(self, plan) -> tuple[float, float, int]:
@@ -210,6 +234,12 @@ class LocalDPSGD(ClientUpdate):
         from lightning_dp.privacy.calibration import calibrate_noise_multiplier
 
         self._ids, self._planned_rounds, self._fits, self._fresh_fits = list(client_ids), planned_rounds, {}, {}
+        if self.budgets is not None:
+            self._own, self._groups = self.budgets.assign_with_groups(self._ids)
+        else:
+            self._own, self._groups = [self.target_epsilon] * len(self._ids), None
+        floor = min((t for t in self._own if t is not None), default=None)
+        self._targets = [floor] * len(self._ids) if self.train_at == "minimum" else list(self._own)
         shapes = [(steps_per_participation(int(n), self.batch_size, self.epochs), min(1.0, self.batch_size / int(n)))
                   for n in sizes]
         if self._sigmas is not None:  # a resumed run keeps the noise it was calibrated with
@@ -225,19 +255,19 @@ class LocalDPSGD(ClientUpdate):
         count = self.participations
         if count is None:
             if planned_rounds is None:
-                raise ValueError("local_dp_sgd with target_epsilon calibrates the noise for a planned number of "
+                raise ValueError("local_dp_sgd with budgets calibrates the noise for a planned number of "
                                  "participations: set the Trainer's max_epochs (rounds) or local_dp_sgd's "
                                  "participations, or pass noise_multiplier")
             count = max(1, math.ceil(planned_rounds * inclusion_rate - 1e-9))
         self.participations_planned = count
-        cache: dict[tuple[float, float, int], float] = {}
+        cache: dict[tuple[float, float, int, float], float] = {}
         plans = []
-        for s, q in shapes:
+        for (s, q), target in zip(shapes, self._targets):
             _, rate, events = self._event(ClientPlan(s, q, 1.0))
-            key = (rate, events, count)
+            key = (rate, events, count, target)
             if key not in cache:
                 cache[key] = calibrate_noise_multiplier(
-                    target_epsilon=self.target_epsilon, target_delta=self.delta, sample_rate=rate,
+                    target_epsilon=target, target_delta=self.delta, sample_rate=rate,
                     steps=events * count, accountant=self.accountant, accountant_kwargs={"adjacency": self.adjacency})
             plans.append(ClientPlan(s, q, cache[key]))
             if not self.ledger.participations(self._ids[len(plans) - 1]):
@@ -252,22 +282,36 @@ class LocalDPSGD(ClientUpdate):
         """The planned sigma of every training client."""
         return [p.noise_multiplier for p in self._plans]
 
+    def client_budgets(self) -> list[float | None]:
+        """The budget every training client trains at (None: unlimited), after :meth:`plan`."""
+        return list(self._targets)
+
+    def true_public(self, index: Sequence[int]) -> list[bool] | None:
+        """Whether each client in ``index`` is in truth in the relaxed budget group (None without budgets): the
+        simulation's ground truth for scoring a public/private split, never given to the server."""
+        return None if self._groups is None else [self._groups[i] for i in index]
+
+    def revealed_budgets(self, index):
+        if self._own and all(self._own[i] is not None for i in index):
+            return [float(self._own[i]) for i in index]
+        return super().revealed_budgets(index)
+
     def eligible(self, i):
-        if self.target_epsilon is None:
+        target = self._targets[i] if self._targets else None
+        if target is None:
             return True
         cid = self._ids[i]
         taken = self.ledger.participations(cid)
         if i not in self._fits:
             event = self._event(self._plans[i])
             limit = max(1, (self._planned_rounds or 1) + 1)  # one past the planned rounds: enough to decide
-            if taken == 0 and event in self._fresh_fits:  # clients of equal size share the search
-                self._fits[i] = self._fresh_fits[event]
+            if taken == 0 and (event, target) in self._fresh_fits:  # clients alike share the search
+                self._fits[i] = self._fresh_fits[(event, target)]
             else:
                 self._fits[i] = taken + self.ledger.participations_left(
-                    cid, self.target_epsilon, noise_multiplier=event[0], sample_rate=event[1], num_steps=event[2],
-                    limit=limit)
+                    cid, target, noise_multiplier=event[0], sample_rate=event[1], num_steps=event[2], limit=limit)
                 if taken == 0:
-                    self._fresh_fits[event] = self._fits[i]
+                    self._fresh_fits[(event, target)] = self._fits[i]
         return taken < self._fits[i]
 
     def charge(self, index):
@@ -276,7 +320,7 @@ class LocalDPSGD(ClientUpdate):
             self.ledger.charge(self._ids[i], noise_multiplier=sigma, sample_rate=rate, num_steps=events)
             if i in self._fits and self.ledger.participations(self._ids[i]) > self._fits[i]:
                 raise RuntimeError(f"local_dp_sgd: client {self._ids[i]!r} took part beyond its record-level budget "
-                                   f"target_epsilon={self.target_epsilon}; please report this")
+                                   f"{self._targets[i]}; please report this")
 
     def privacy_metrics(self):
         if not len(self.ledger):

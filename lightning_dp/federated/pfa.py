@@ -1,0 +1,141 @@
+"""Projected federated averaging (PFA; Liu, Lou, Xiong, Liu & Meng, VLDB 2022) and the public/private split.
+
+Clients with relaxed budgets ("public") train with little noise; their updates span a
+low-dimensional subspace in which the useful signal of every client lies. The noisy updates
+of the strict ("private") clients are projected onto that subspace, which removes the part of
+their noise orthogonal to it (most of it: ``d - k`` of ``d`` dimensions). Per layer ``l``:
+
+* the basis ``V_l`` (``d_l x k``): the top-k eigenvectors of the public updates' second-moment
+  matrix ``U_l^T U_l`` (rows of ``U_l`` are the public clients' updates of that layer), i.e. the
+  top-k right singular vectors of ``U_l``: ``torch.linalg.svd`` in float64 (a maintained routine,
+  not a power loop; the public clients are few, so the thin SVD of an ``n_pub x d_l`` matrix is
+  cheap);
+* the private mean ``m_l`` projected: ``V_l V_l^T m_l`` (projection is linear: the mean of the
+  projected updates);
+* the aggregate: ``(w_pub * mean_pub + w_priv * V V^T m_priv) / (w_pub + w_priv)`` with the group
+  sizes as weights, or, WeiPFA, each client weighted by its epsilon within and across groups.
+
+PFA+ projects the private updates on the PREVIOUS round's basis (public: derived from earlier
+public releases), so a private client can send its ``k`` coordinates instead of ``d_l`` numbers.
+
+The split (:func:`split_by_budgets`, :func:`split_by_norms`): with revealed budgets, the
+clients with the largest epsilons (a top fraction, as PFA's code, or the upper component of a
+2-component Gaussian mixture on epsilon); without (budget-agnostic), a 2-component Gaussian
+mixture (scikit-learn) on the L2 norms of the clients' noisy updates after a warm-start round:
+the noise term ``d sigma^2 C^2 / B^2`` dominates a noisy update's squared norm in high
+dimension, so the component with the larger mean norm is the private one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["pfa_combine", "split_by_budgets", "split_by_norms", "top_subspace"]
+
+
+def top_subspace(rows: Tensor, k: int) -> Tensor:
+    """``(d, k')`` orthonormal basis of the top-k eigenvectors of ``rows^T rows``, ``k' = min(k, n, d)``.
+
+    Example:
+        >>> u = torch.tensor([[3.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+        >>> top_subspace(u, 1).abs().flatten().tolist()
+        [1.0, 0.0, 0.0]
+    """
+    if rows.dim() != 2:
+        raise ValueError(f"rows must be (n, d), got shape {tuple(rows.shape)}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k={k!r} is not allowed: pass the number of eigenvectors, a positive integer")
+    _, _, vh = torch.linalg.svd(rows.double(), full_matrices=False)
+    return vh[: min(k, vh.shape[0])].T
+
+
+def pfa_combine(updates: Tensor, public: Tensor, *, layer_sizes: Sequence[int], k: int = 1,
+                weights: Tensor | None = None, bases: Sequence[Tensor] | None = None
+                ) -> tuple[Tensor, list[Tensor] | None]:
+    """The PFA aggregate of one round's updates, and the per-layer bases of this round's public updates.
+
+    Args:
+        updates: ``(m, P)`` released updates (release minus the global model).
+        public: ``(m,)`` bool, the public clients.
+        layer_sizes: the sizes of the parameter tensors, in the flat order (the projection is per layer).
+        k: eigenvectors per layer.
+        weights: ``(m,)`` client weights (WeiPFA: the epsilons); None: every client 1, so the groups weigh
+            by their sizes.
+        bases: project the private updates on these per-layer bases (PFA+: the previous round's) instead of
+            this round's.
+
+    Returns:
+        ``(P,)`` the aggregated update and this round's per-layer bases (None without public clients). Without
+        public clients the private updates are averaged as they are (nothing to project on); without private
+        ones, the public average.
+    """
+    if updates.dim() != 2 or public.shape != updates.shape[:1]:
+        raise ValueError(f"updates {tuple(updates.shape)} and public {tuple(public.shape)} must be (m, P) and (m,)")
+    if sum(layer_sizes) != updates.shape[1]:
+        raise ValueError(f"layer_sizes sum to {sum(layer_sizes)}, the updates have {updates.shape[1]} parameters")
+    w = (torch.ones(updates.shape[0], dtype=torch.float64, device=updates.device) if weights is None
+         else weights.double().to(updates.device))
+    if bool((w < 0).any()) or not bool(w.sum() > 0):
+        raise ValueError("weights must be >= 0 with a positive sum")
+    x = updates.double()
+    pub, priv = public.bool(), ~public.bool()
+    w_pub, w_priv = w[pub].sum(), w[priv].sum()
+    mean_pub = (w[pub, None] * x[pub]).sum(0) / w_pub if bool(pub.any()) else None
+    mean_priv = (w[priv, None] * x[priv]).sum(0) / w_priv if bool(priv.any()) else None
+    if mean_pub is None:
+        return mean_priv.to(updates.dtype), None
+    new_bases = [top_subspace(chunk, k) for chunk in torch.split(x[pub], list(layer_sizes), dim=1)]
+    if mean_priv is None:
+        return mean_pub.to(updates.dtype), new_bases
+    use = new_bases if bases is None else [b.to(x.device, torch.float64) for b in bases]
+    projected = torch.cat([v @ (v.T @ chunk) for v, chunk in zip(use, torch.split(mean_priv, list(layer_sizes)))])
+    combined = (w_pub * mean_pub + w_priv * projected) / (w_pub + w_priv)
+    return combined.to(updates.dtype), new_bases
+
+
+def split_by_budgets(epsilons: Sequence[float], *, rule: str = "top_fraction", public_fraction: float = 0.1,
+                     seed: int = 0) -> np.ndarray:
+    """Public (True) / private split from revealed budgets.
+
+    ``top_fraction``: the ``ceil(public_fraction * m)`` largest epsilons are public (ties by position);
+    ``gmm``: a 2-component Gaussian mixture on epsilon, the component with the larger mean is public
+    (every client public or private when the budgets are all equal).
+    """
+    eps = np.asarray(epsilons, dtype=np.float64)
+    if eps.ndim != 1 or len(eps) == 0 or not np.isfinite(eps).all():
+        raise ValueError(f"epsilons must be a non-empty list of finite numbers, got {epsilons!r}")
+    if rule == "top_fraction":
+        if not 0 < public_fraction <= 1:
+            raise ValueError(f"public_fraction={public_fraction!r} must be in (0, 1]")
+        count = int(np.ceil(public_fraction * len(eps) - 1e-9))
+        order = np.argsort(-eps, kind="stable")
+        public = np.zeros(len(eps), dtype=bool)
+        public[order[:count]] = True
+        return public
+    if rule == "gmm":
+        return _upper_component(eps, seed)
+    raise ValueError(f"rule={rule!r} is not allowed; choose 'top_fraction' or 'gmm'")
+
+
+def split_by_norms(norms: Sequence[float], *, seed: int = 0) -> np.ndarray:
+    """Public (True) / private split of the budget-agnostic method: a 2-component Gaussian mixture on the
+    clients' noisy update norms; the component with the LARGER mean norm (more noise) is private."""
+    values = np.asarray(norms, dtype=np.float64)
+    if values.ndim != 1 or len(values) == 0 or not np.isfinite(values).all():
+        raise ValueError(f"norms must be a non-empty list of finite numbers, got {norms!r}")
+    return ~_upper_component(values, seed)
+
+
+def _upper_component(values: np.ndarray, seed: int) -> np.ndarray:
+    """Membership of the 2-component GaussianMixture's component with the larger mean (scikit-learn)."""
+    from sklearn.mixture import GaussianMixture
+
+    if len(values) < 2 or np.ptp(values) == 0:
+        return np.zeros(len(values), dtype=bool)  # one group: nothing to separate
+    gmm = GaussianMixture(n_components=2, random_state=seed, n_init=5).fit(values.reshape(-1, 1))
+    labels = gmm.predict(values.reshape(-1, 1))
+    return labels == int(np.argmax(gmm.means_.ravel()))
