@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1] / "examples"
 # whole LightningCLI configs (examples/oso holds dataset configs and strategy overlays, tested together below;
 # dlg_*.yaml are `lightning-dp audit` configs, tested in tests/audit/test_dlg.py)
 EXAMPLES = sorted(p for p in ROOT.glob("*.yaml") if not p.name.startswith("dlg_")) + sorted(
-    (ROOT / "fairness").glob("*.yaml"))
+    (ROOT / "fairness").glob("*.yaml")) + sorted((ROOT / "pdpfl").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("config", EXAMPLES, ids=[str(p.relative_to(ROOT)) for p in EXAMPLES])

@@ -8,18 +8,19 @@ scoring a split (``pdpfl/split_accuracy``); the server never reads either in the
 
 - :class:`FixedBudgets`: a list, in the training clients' order (or by client id).
 - :class:`DistributionBudgets`: drawn, with a public seed, from the distributions of the PFA
-  experiments (Liu et al., VLDB 2022, Section 6.1 and their code; :data:`DISTRIBUTIONS`).
+  experiments (Liu et al., VLDB 2022; the parameters of their code's ``epsfiles``, :data:`DISTRIBUTIONS`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-__all__ = ["DISTRIBUTIONS", "ClientBudgets", "DistributionBudgets", "FixedBudgets"]
+__all__ = ["DISTRIBUTIONS", "ClientBudgets", "Distribution", "DistributionBudgets", "FixedBudgets"]
 
 
 class ClientBudgets:
@@ -86,13 +87,40 @@ class FixedBudgets(ClientBudgets):
         return eps, [e == top for e in eps]
 
 
-#: The budget distributions of the PFA experiments: each a mixture of (weight, low, high, mean, std, public)
-#: components, an epsilon drawn from N(mean, std^2) clipped to [low, high] (std 0: uniform on [low, high]).
-DISTRIBUTIONS: dict[str, list[tuple[float, float, float, float, float, bool]]] = {}
+@dataclass(frozen=True)
+class Distribution:
+    """A budget distribution of PFA's code (``epsfiles/<name>.txt``): a mixture of Gaussians ``(weight, mean,
+    std)`` or a uniform ``(low, high)``; clients with epsilon above ``threshold`` are public."""
+
+    threshold: float
+    components: tuple[tuple[float, float, float], ...] = ()
+    uniform: tuple[float, float] | None = None
+
+
+#: The distributions of PFA's experiments (Liu et al., VLDB 2022, Table 1), under the paper's names, with the
+#: thresholds of the official code's budget files (github.com/Emory-AIMS/PFA, ``epsfiles/``). The paper's
+#: names and the files' differ: paper MixGauss1 is the file mixgauss3, paper MixGauss2 the file mixgauss1;
+#: paper MixGauss3 (std 0.1 on the relaxed component) is closest to the file mixgauss2 (std 1.0 there);
+#: MixGauss4 has no file (its threshold, 5, separates its relaxed component as the others do).
+DISTRIBUTIONS: dict[str, Distribution] = {
+    "MixGauss1": Distribution(1.0, ((0.9, 0.1, 0.01), (0.1, 10.0, 0.1))),
+    "MixGauss2": Distribution(1.0, ((0.9, 0.5, 0.01), (0.1, 10.0, 0.1))),
+    "MixGauss3": Distribution(2.0, ((0.9, 1.0, 0.1), (0.1, 10.0, 0.1))),
+    "MixGauss4": Distribution(5.0, ((0.5, 0.5, 0.01), (0.4, 1.0, 0.1), (0.1, 10.0, 1.0))),
+    "Gauss": Distribution(4.0, ((1.0, 3.0, 1.0),)),
+    "Uniform": Distribution(9.0, uniform=(1.0, 10.0)),
+}
 
 
 class DistributionBudgets(ClientBudgets):
-    """Budgets drawn from a named distribution of the PFA experiments (:data:`DISTRIBUTIONS`).
+    """Budgets drawn from a distribution of the PFA experiments (:data:`DISTRIBUTIONS`).
+
+    As PFA's code (``set_epsilons``): every client's epsilon is drawn independently (a mixture
+    component with its probability, then the Gaussian; or the uniform), and the whole draw is
+    repeated until at least one client is public (epsilon above the distribution's threshold; PFA's
+    code repeats for mixtures and the uniform, not for Gauss). Unlike PFA's code, a non-positive
+    draw (possible for Gauss, probability 0.13 %) is drawn again: epsilon must be positive. The
+    truly public clients are those above the threshold.
 
     Args:
         distribution: its name.
@@ -108,14 +136,23 @@ class DistributionBudgets(ClientBudgets):
         return {"budgets": self.distribution, "budgets_seed": self.seed}
 
     def assign_with_groups(self, client_ids):
-        components = DISTRIBUTIONS[self.distribution]
+        spec = DISTRIBUTIONS[self.distribution]
         rng = np.random.default_rng(self.seed)
-        weights = np.array([c[0] for c in components], dtype=np.float64)
-        picks = rng.choice(len(components), size=len(client_ids), p=weights / weights.sum())
-        eps, public = [], []
-        for j in picks:
-            _, low, high, mean, std, is_public = components[j]
-            value = rng.uniform(low, high) if std == 0 else float(np.clip(rng.normal(mean, std), low, high))
-            eps.append(float(value))
-            public.append(bool(is_public))
-        return eps, public
+        m = len(client_ids)
+        for _ in range(10_000):
+            eps = np.array([self._draw(spec, rng) for _ in range(m)])
+            if (eps > spec.threshold).any():
+                return [float(e) for e in eps], [bool(e > spec.threshold) for e in eps]
+        raise ValueError(f"{self.distribution}: no draw of {m} clients had a public client in 10000 tries")
+
+    @staticmethod
+    def _draw(spec: Distribution, rng: np.random.Generator) -> float:
+        while True:
+            if spec.uniform is not None:
+                value = rng.uniform(*spec.uniform)
+            else:
+                weights = np.array([c[0] for c in spec.components])
+                _, mean, std = spec.components[rng.choice(len(spec.components), p=weights / weights.sum())]
+                value = rng.normal(mean, std)
+            if value > 0:
+                return float(value)

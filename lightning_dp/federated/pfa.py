@@ -29,12 +29,21 @@ dimension, so the component with the larger mean norm is the private one.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["pfa_combine", "split_by_budgets", "split_by_norms", "top_subspace"]
+__all__ = ["Subspace", "pfa_combine", "split_by_budgets", "split_by_norms", "top_subspace"]
+
+
+class Subspace(NamedTuple):
+    """A round's projection target: per-layer orthonormal ``bases`` (d_l, k) and the ``origin`` (P,) the affine
+    subspace passes through (zeros unless centred)."""
+
+    bases: list[Tensor]
+    origin: Tensor
 
 
 def top_subspace(rows: Tensor, k: int) -> Tensor:
@@ -54,9 +63,9 @@ def top_subspace(rows: Tensor, k: int) -> Tensor:
 
 
 def pfa_combine(updates: Tensor, public: Tensor, *, layer_sizes: Sequence[int], k: int = 1,
-                weights: Tensor | None = None, bases: Sequence[Tensor] | None = None
-                ) -> tuple[Tensor, list[Tensor] | None]:
-    """The PFA aggregate of one round's updates, and the per-layer bases of this round's public updates.
+                weights: Tensor | None = None, previous: Subspace | None = None, centered: bool = False
+                ) -> tuple[Tensor, Subspace | None]:
+    """The PFA aggregate of one round's updates, and the subspace of this round's public updates.
 
     Args:
         updates: ``(m, P)`` released updates (release minus the global model).
@@ -65,11 +74,15 @@ def pfa_combine(updates: Tensor, public: Tensor, *, layer_sizes: Sequence[int], 
         k: eigenvectors per layer.
         weights: ``(m,)`` client weights (WeiPFA: the epsilons); None: every client 1, so the groups weigh
             by their sizes.
-        bases: project the private updates on these per-layer bases (PFA+: the previous round's) instead of
-            this round's.
+        previous: project the private updates on this subspace (PFA+: the previous round's, bases and origin)
+            instead of this round's.
+        centered: PFA's code (``Pfizer`` in ``modules/server.py``): the eigenvectors of the public updates'
+            covariance (centred at their mean) and an affine projection through that mean,
+            ``mean_pub + V V^T (m_priv - mean_pub)``; default: the second-moment matrix and a projection
+            through 0 (the seed's Algorithm 1).
 
     Returns:
-        ``(P,)`` the aggregated update and this round's per-layer bases (None without public clients). Without
+        ``(P,)`` the aggregated update and this round's :class:`Subspace` (None without public clients). Without
         public clients the private updates are averaged as they are (nothing to project on); without private
         ones, the public average.
     """
@@ -88,20 +101,26 @@ def pfa_combine(updates: Tensor, public: Tensor, *, layer_sizes: Sequence[int], 
     mean_priv = (w[priv, None] * x[priv]).sum(0) / w_priv if bool(priv.any()) else None
     if mean_pub is None:
         return mean_priv.to(updates.dtype), None
-    new_bases = [top_subspace(chunk, k) for chunk in torch.split(x[pub], list(layer_sizes), dim=1)]
+    origin = x[pub].mean(0) if centered else torch.zeros_like(mean_pub)  # unweighted, as PFA's code
+    current = Subspace([top_subspace(chunk, k) for chunk in torch.split(x[pub] - origin, list(layer_sizes), dim=1)],
+                       origin)
     if mean_priv is None:
-        return mean_pub.to(updates.dtype), new_bases
-    use = new_bases if bases is None else [b.to(x.device, torch.float64) for b in bases]
-    projected = torch.cat([v @ (v.T @ chunk) for v, chunk in zip(use, torch.split(mean_priv, list(layer_sizes)))])
+        return mean_pub.to(updates.dtype), current
+    use = current if previous is None else Subspace([b.to(x.device, torch.float64) for b in previous.bases],
+                                                    previous.origin.to(x.device, torch.float64))
+    offset = mean_priv - use.origin
+    projected = use.origin + torch.cat([v @ (v.T @ chunk)
+                                        for v, chunk in zip(use.bases, torch.split(offset, list(layer_sizes)))])
     combined = (w_pub * mean_pub + w_priv * projected) / (w_pub + w_priv)
-    return combined.to(updates.dtype), new_bases
+    return combined.to(updates.dtype), current
 
 
 def split_by_budgets(epsilons: Sequence[float], *, rule: str = "top_fraction", public_fraction: float = 0.1,
                      seed: int = 0) -> np.ndarray:
     """Public (True) / private split from revealed budgets.
 
-    ``top_fraction``: the ``ceil(public_fraction * m)`` largest epsilons are public (ties by position);
+    ``top_fraction``: the ``max(1, int(public_fraction * m))`` largest epsilons are public, ties included (PFA's
+    code);
     ``gmm``: a 2-component Gaussian mixture on epsilon, the component with the larger mean is public
     (every client public or private when the budgets are all equal).
     """
@@ -111,11 +130,10 @@ def split_by_budgets(epsilons: Sequence[float], *, rule: str = "top_fraction", p
     if rule == "top_fraction":
         if not 0 < public_fraction <= 1:
             raise ValueError(f"public_fraction={public_fraction!r} must be in (0, 1]")
-        count = int(np.ceil(public_fraction * len(eps) - 1e-9))
-        order = np.argsort(-eps, kind="stable")
-        public = np.zeros(len(eps), dtype=bool)
-        public[order[:count]] = True
-        return public
+        # PFA's code (Server.set_public_clients): the threshold is the int(fraction * m)-th largest epsilon, ties
+        # included; at least one client
+        count = max(1, int(public_fraction * len(eps) + 1e-9))
+        return eps >= np.sort(eps)[-count]
     if rule == "gmm":
         return _upper_component(eps, seed)
     raise ValueError(f"rule={rule!r} is not allowed; choose 'top_fraction' or 'gmm'")

@@ -62,6 +62,22 @@ def _check_cap(cap: Any) -> float:
     return float(cap)
 
 
+def _saved_entries(state: dict[str, Any], what: str) -> list[tuple[ClientId, Any, int]]:
+    """The ``[client_id, <what>, participations]`` entries of a saved ledger, checked (ids once, counts >= 1)."""
+    entries, seen = [], set()
+    for entry in state.get("clients", []):
+        if not isinstance(entry, (list, tuple)) or len(entry) != 3:
+            raise ValueError(f"Each ledger entry must be [client_id, {what}, participations], got {entry!r}.")
+        cid, value, count = _check_client_id(entry[0]), entry[1], entry[2]
+        if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
+            raise ValueError(f"participations of client {cid!r} must be an integer >= 1, got {count!r}.")
+        if cid in seen:
+            raise ValueError(f"client {cid!r} appears twice in the saved ledger.")
+        seen.add(cid)
+        entries.append((cid, value, int(count)))
+    return entries
+
+
 class PrivacyLedger:
     """Sums the d-privacy costs charged to each client.
 
@@ -157,15 +173,8 @@ class PrivacyLedger:
                              "sanitizer of the run that wrote it.")
         spent: dict[ClientId, float] = {}
         participations: dict[ClientId, int] = {}
-        for entry in state.get("clients", []):
-            if not isinstance(entry, (list, tuple)) or len(entry) != 3:
-                raise ValueError(f"Each ledger entry must be [client_id, spent, participations], got {entry!r}.")
-            cid, total, count = _check_client_id(entry[0]), _check_cost(entry[1]), entry[2]
-            if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
-                raise ValueError(f"participations of client {cid!r} must be an integer >= 1, got {count!r}.")
-            if cid in spent:
-                raise ValueError(f"client {cid!r} appears twice in the saved ledger.")
-            spent[cid], participations[cid] = total, int(count)
+        for cid, total, count in _saved_entries(state, "spent"):
+            spent[cid], participations[cid] = _check_cost(total), count
         self._spent, self._participations = spent, participations
 
     def __len__(self) -> int:
@@ -371,17 +380,10 @@ class RecordLedger:
                              "Resume with the settings of the run that wrote it.")
         accountants: dict[ClientId, Any] = {}
         participations: dict[ClientId, int] = {}
-        for entry in state.get("clients", []):
-            if not isinstance(entry, (list, tuple)) or len(entry) != 3:
-                raise ValueError(f"each ledger entry must be [client_id, history, participations], got {entry!r}")
-            cid, history, count = _check_client_id(entry[0]), entry[1], entry[2]
-            if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
-                raise ValueError(f"participations of client {cid!r} must be an integer >= 1, got {count!r}")
-            if cid in accountants:
-                raise ValueError(f"client {cid!r} appears twice in the saved ledger")
+        for cid, history, count in _saved_entries(state, "history"):
             accountant = self._fresh()
             accountant.load_state_dict({**accountant.state_dict(), "history": history})
-            accountants[cid], participations[cid] = accountant, int(count)
+            accountants[cid], participations[cid] = accountant, count
         self._accountants, self._participations = accountants, participations
 
     def __len__(self) -> int:

@@ -1,13 +1,14 @@
 """Run by tests/federated/test_module_ddp.py: the federated round under Lightning DDP (2 CPU processes, gloo).
 
-Usage: python tests/federated/ddp_script.py OUT_DIR DEVICES [fairness|secret|fedavg|local_dp_sgd]
+Usage: python tests/federated/ddp_script.py OUT_DIR DEVICES [fairness|secret|fedavg|local_dp_sgd|pfa]
 Trains the synthetic personalized-FL setting for a few rounds with DEVICES processes and
 writes OUT_DIR/rank{r}.pt (hypotheses, ledger, validation loss) for the test to compare.
 With ``fairness``: the SyntheticFairness setting (binary labels, sensitive groups), then
 ``trainer.test``; the test metrics (accuracy, group fairness) are saved too. With ``secret``:
 the synthetic setting with default seeds (drawn per process, so every process must adopt rank 0's). With
 ``fedavg``: client-level DP-FedAvg (Poisson selection, adaptive clipping, central noise drawn once). With
-``local_dp_sgd``: record-level DP-SGD inside the clients, calibrated per client, with a per-client ledger.
+``local_dp_sgd``: record-level DP-SGD inside the clients, calibrated per client, with a per-client ledger. With
+``pfa``: per-client budgets and PFA+ with the budget-agnostic split.
 """
 
 import sys
@@ -39,14 +40,19 @@ def main(out: Path, devices: int, mode: str = "") -> None:
     fairness = mode == "fairness"
     seeds = {} if mode == "secret" else {"seed": 0, "noise_seed": 0}
     # U = 7 clients over 2 processes: shards of 4 and 3; 5 validation clients: 3 and 2
-    if mode == "local_dp_sgd":
+    if mode in ("local_dp_sgd", "pfa"):
         from lightning_dp.federated import FederatedRound
-        from lightning_dp.federated.parts import LocalDPSGD, UniformSelection
+        from lightning_dp.federated.budgets import DistributionBudgets
+        from lightning_dp.federated.parts import PFA, LocalDPSGD, UniformSelection
 
-        module = FederatedRound(LinearRegression(), selection=UniformSelection(7),
-                                update=LocalDPSGD(epochs=2, lr=0.1, batch_size=3, target_epsilon=4.0, delta=1e-3,
-                                                  accountant="rdp"), **seeds)
-        data = SyntheticLinearMixture(num_clients=40, num_val_clients=5, seed=0)
+        budget = (dict(budgets=DistributionBudgets("MixGauss2", seed=1)) if mode == "pfa"
+                  else dict(target_epsilon=4.0))
+        module = FederatedRound(LinearRegression(), selection=UniformSelection(7 if mode == "local_dp_sgd" else 9),
+                                update=LocalDPSGD(epochs=2, lr=0.1, batch_size=3, delta=1e-3, accountant="rdp",
+                                                  **budget),
+                                aggregator=PFA(partition="indirect", plus=True, centered=True) if mode == "pfa"
+                                else "fedavg", **seeds)
+        data = SyntheticLinearMixture(num_clients=40 if mode == "local_dp_sgd" else 9, num_val_clients=5, seed=0)
     elif mode == "fedavg":
         from lightning_dp.federated import FederatedRound
         from lightning_dp.federated.parts import CentralGaussian, FedAvg, LocalSGD, PoissonSelection
@@ -80,6 +86,7 @@ def main(out: Path, devices: int, mode: str = "") -> None:
     torch.save({"hypotheses": module.hypotheses.clone(), "ledger": module.ledger.state_dict(),
                 "server": None if privacy is None else privacy.state_dict(),
                 "update": module.update.state_dict() if hasattr(module, "update") else None,
+                "aggregator": module.aggregator.state_dict() if hasattr(module, "aggregator") else None,
                 "rounds": int(module.rounds), "val": probe.val, "train": probe.train, "test": tested},
                out / f"rank{trainer.global_rank}.pt")
 

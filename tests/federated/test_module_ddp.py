@@ -84,3 +84,14 @@ def test_local_dp_sgd_on_two_processes_equals_one(tmp_path_factory):
     torch.testing.assert_close(r0["hypotheses"], single["hypotheses"], rtol=1e-6, atol=1e-7)
     assert torch.equal(r0["hypotheses"], r1["hypotheses"])
     assert r0["update"] == r1["update"] == single["update"]
+
+
+def test_pfa_with_per_client_budgets_on_two_processes_equals_one(tmp_path_factory):
+    """Personal budgets, local DP-SGD and PFA+ (centred, indirect split): the split, the subspace and the model of two
+    processes equal one process's."""
+    r0, r1 = run(tmp_path_factory.mktemp("ddp_pfa"), 2, "pfa")
+    single = run(tmp_path_factory.mktemp("single_pfa"), 1, "pfa")[0]
+    torch.testing.assert_close(r0["hypotheses"], single["hypotheses"], rtol=1e-6, atol=1e-7)
+    assert torch.equal(r0["hypotheses"], r1["hypotheses"])
+    assert r0["update"] == r1["update"] == single["update"]
+    assert r0["aggregator"]["split"] == single["aggregator"]["split"]

@@ -46,8 +46,8 @@ def test_pfa_combine_equals_a_direct_numpy_computation_per_layer(weighted):
     public = np.array([True, False, True, False, False, True, False])
     eps = rng.uniform(0.5, 10, size=7)
     w = eps if weighted else np.ones(7)
-    got, bases = pfa_combine(torch.tensor(updates), torch.tensor(public), layer_sizes=sizes, k=2,
-                             weights=torch.tensor(eps) if weighted else None)
+    got, subspace = pfa_combine(torch.tensor(updates), torch.tensor(public), layer_sizes=sizes, k=2,
+                                weights=torch.tensor(eps) if weighted else None)
     pieces = []
     for lo, hi in ((0, 12), (12, 17)):
         pub, priv = updates[public, lo:hi], updates[~public, lo:hi]
@@ -57,22 +57,52 @@ def test_pfa_combine_equals_a_direct_numpy_computation_per_layer(weighted):
         mean_priv = (w[~public, None] * priv).sum(0) / w[~public].sum()
         pieces.append((w[public].sum() * mean_pub + w[~public].sum() * (v @ v.T @ mean_priv)) / w.sum())
     np.testing.assert_allclose(got.numpy(), np.concatenate(pieces), atol=1e-10)
-    assert [tuple(b.shape) for b in bases] == [(12, 2), (5, 2)]
+    assert [tuple(b.shape) for b in subspace.bases] == [(12, 2), (5, 2)]
+
+
+def test_the_centered_projection_is_pfas_codes_affine_projection_through_the_public_mean():
+    rng = np.random.default_rng(4)
+    updates = rng.normal(size=(6, 9)) + 2.0
+    public = np.array([True, True, True, False, False, False])
+    got, _ = pfa_combine(torch.tensor(updates), torch.tensor(public), layer_sizes=[9], k=1, centered=True)
+    pub = updates[public]
+    mean = pub.mean(0)
+    values, vectors = np.linalg.eigh((pub - mean).T @ (pub - mean))
+    v = vectors[:, [np.argmax(values)]]
+    projected = mean + v @ v.T @ (updates[~public].mean(0) - mean)
+    np.testing.assert_allclose(got.numpy(), (3 * pub.mean(0) + 3 * projected) / 6, atol=1e-10)
+
+
+def test_budgets_drawn_from_pfas_distributions():
+    from lightning_dp.federated.budgets import DISTRIBUTIONS, DistributionBudgets
+
+    for name in DISTRIBUTIONS:
+        eps, public = DistributionBudgets(name, seed=3).assign_with_groups(list(range(10)))
+        assert eps == DistributionBudgets(name, seed=3).assign(list(range(10)))  # the seed fixes the draw
+        assert all(e > 0 for e in eps) and any(public)
+        assert public == [e > DISTRIBUTIONS[name].threshold for e in eps]
+    eps, public = DistributionBudgets("MixGauss1", seed=0).assign_with_groups(list(range(1000)))
+    assert abs(np.mean(public) - 0.1) < 5 * np.sqrt(0.09 / 1000)  # the mixture weight 0.1 of N(10, 0.1^2)
+    assert all(abs(e - 0.1) < 0.06 or abs(e - 10) < 0.6 for e in eps)  # N(0.1, 0.01^2) and N(10, 0.1^2)
+    with pytest.raises(ValueError, match="MixGauss9"):
+        DistributionBudgets("MixGauss9")
 
 
 def test_pfa_plus_projects_on_the_given_bases_and_the_groups_degenerate_to_averages():
     rng = np.random.default_rng(2)
     updates = torch.tensor(rng.normal(size=(4, 6)))
     public = torch.tensor([True, True, False, False])
-    previous = [top_subspace(torch.tensor(rng.normal(size=(3, 6))), 1)]
-    got, _ = pfa_combine(updates, public, layer_sizes=[6], k=1, bases=previous)
-    v = previous[0].numpy()
+    from lightning_dp.federated.pfa import Subspace
+
+    previous = Subspace([top_subspace(torch.tensor(rng.normal(size=(3, 6))), 1)], torch.zeros(6, dtype=torch.float64))
+    got, _ = pfa_combine(updates, public, layer_sizes=[6], k=1, previous=previous)
+    v = previous.bases[0].numpy()
     u = updates.numpy()
     want = (2 * u[:2].mean(0) + 2 * (v @ v.T @ u[2:].mean(0))) / 4
     np.testing.assert_allclose(got.numpy(), want, atol=1e-12)
-    only_private, bases = pfa_combine(updates, torch.zeros(4, dtype=torch.bool), layer_sizes=[6])
+    only_private, subspace = pfa_combine(updates, torch.zeros(4, dtype=torch.bool), layer_sizes=[6])
     np.testing.assert_allclose(only_private.numpy(), u.mean(0), atol=1e-12)
-    assert bases is None
+    assert subspace is None
     only_public, _ = pfa_combine(updates, torch.ones(4, dtype=torch.bool), layer_sizes=[6])
     np.testing.assert_allclose(only_public.numpy(), u.mean(0), atol=1e-12)
 

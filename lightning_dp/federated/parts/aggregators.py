@@ -93,12 +93,18 @@ class PFA(Aggregator):
         public_fraction: for ``rule="top_fraction"``.
         components: k, eigenvectors per layer.
         weighted: WeiPFA: every client weighted by its epsilon (direct only).
-        plus: PFA+: private updates projected on the previous round's basis (the first PFA round on its own).
+        plus: PFA+: private updates projected on the previous round's subspace (public: from the previous round's
+            public releases), so a private client could send k numbers per layer; the first PFA round projects on
+            its own.
+        centered: project as PFA's code does (covariance of the public updates, affine projection through
+            their mean; :func:`~lightning_dp.federated.pfa.pfa_combine`); default: the second-moment matrix,
+            through 0.
         seed: random state of the Gaussian mixtures.
     """
 
     def __init__(self, partition: str = "indirect", rule: str = "top_fraction", public_fraction: float = 0.1,
-                 components: int = 1, weighted: bool = False, plus: bool = False, seed: int = 0) -> None:
+                 components: int = 1, weighted: bool = False, plus: bool = False, centered: bool = False,
+                 seed: int = 0) -> None:
         if partition not in ("direct", "indirect"):
             raise ValueError(f"partition={partition!r} is not allowed; choose 'direct' (budgets revealed) or "
                              "'indirect' (budget-agnostic, a mixture on the update norms)")
@@ -113,16 +119,18 @@ class PFA(Aggregator):
                              "partition reveals; use partition='direct'")
         self.partition, self.rule, self.public_fraction = partition, rule, float(public_fraction)
         self.components, self.weighted, self.plus, self.seed = components, bool(weighted), bool(plus), int(seed)
+        self.centered = bool(centered)
         self.needs_budgets = partition == "direct"
         self._round: dict[str, Any] = {}
         self._split: dict[Any, bool] = {}  # indirect: client id -> public, fixed after the warm start
-        self._bases: list[Tensor] | None = None
+        self._subspace: Any = None  # the last round's public subspace (PFA+ projects on it)
         self.last_public: list[bool] = []
 
     def hparams(self) -> dict[str, Any]:
         return {"pfa_partition": self.partition, "pfa_rule": self.rule if self.partition == "direct" else None,
                 "pfa_public_fraction": self.public_fraction if self.rule == "top_fraction" else None,
-                "pfa_components": self.components, "pfa_weighted": self.weighted, "pfa_plus": self.plus}
+                "pfa_components": self.components, "pfa_weighted": self.weighted, "pfa_plus": self.plus,
+                "pfa_centered": self.centered}
 
     def observe(self, *, client_ids, layer_sizes, round_index, budgets=None):
         if self.needs_budgets and budgets is None:
@@ -139,7 +147,7 @@ class PFA(Aggregator):
         return self.partition == "direct" or bool(self._split)
 
     def aggregate(self, releases, hypotheses, weights=None):
-        from lightning_dp.federated.pfa import pfa_combine, split_by_budgets, split_by_norms
+        from lightning_dp.federated.pfa import Subspace, pfa_combine, split_by_budgets, split_by_norms
 
         if hypotheses.shape[0] != 1:
             raise ValueError(f"PFA trains one model; the round has {hypotheses.shape[0]} hypotheses")
@@ -164,16 +172,22 @@ class PFA(Aggregator):
         self.last_public = [bool(p) for p in public]
         mask = torch.tensor(self.last_public, dtype=torch.bool, device=releases.device)
         w = torch.tensor(budgets, dtype=torch.float64) if self.weighted else None
-        combined, bases = pfa_combine(updates, mask, layer_sizes=self._round["sizes"], k=self.components, weights=w,
-                                      bases=self._bases if self.plus else None)
-        if bases is not None:
-            self._bases = [b.detach().cpu() for b in bases]
+        combined, subspace = pfa_combine(updates, mask, layer_sizes=self._round["sizes"], k=self.components,
+                                         weights=w, previous=self._subspace if self.plus else None,
+                                         centered=self.centered)
+        if subspace is not None:
+            self._subspace = Subspace([b.detach().cpu() for b in subspace.bases], subspace.origin.detach().cpu())
         return (hypotheses[0] + combined)[None], assignment
 
     def state_dict(self) -> dict[str, Any]:
+        sub = self._subspace
         return {"split": [[cid, p] for cid, p in self._split.items()],
-                "bases": None if self._bases is None else [b.clone() for b in self._bases]}
+                "subspace": None if sub is None else {"bases": [b.clone() for b in sub.bases],
+                                                      "origin": sub.origin.clone()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        from lightning_dp.federated.pfa import Subspace
+
         self._split = {cid: bool(p) for cid, p in state.get("split", [])}
-        self._bases = state.get("bases")
+        sub = state.get("subspace")
+        self._subspace = None if sub is None else Subspace(list(sub["bases"]), sub["origin"])

@@ -9,6 +9,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from lightning_dp.federated.budgets import ClientBudgets
 from lightning_dp.federated.local import local_sgd, local_sgd_loop
 from lightning_dp.federated.parts.registry import Part, register_part
 
@@ -153,8 +154,7 @@ class LocalDPSGD(ClientUpdate):
                  sampling: Literal["poisson", "shuffle"] = "poisson",
                  adjacency: Literal["add_remove", "replace"] | None = None, accountant: Literal["pld", "rdp"] = "pld",
                  participations: int | None = None, engine: Literal["auto", "vmap", "loop"] = "auto",
-                 budgets: Any = None, train_at: Literal["own", "minimum"] = "own") -> None:
-        from lightning_dp.federated.budgets import ClientBudgets
+                 budgets: ClientBudgets | None = None, train_at: Literal["own", "minimum"] = "own") -> None:
         from lightning_dp.privacy.accounting import _check_delta, check_adjacency, get_accountant
         from lightning_dp.privacy.clipping import check_max_grad_norm
         from lightning_dp.privacy.noise import check_noise_multiplier
