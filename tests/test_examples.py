@@ -54,3 +54,24 @@ def test_thesis_strategy_configs_compose_with_every_dataset(data, strategy, tmp_
     assert [type(cb).__name__ for cb in dp] == [OSO_STRATEGIES[strategy]]
     assert cli.model.hparams.optimizer == ("adamwosm" if strategy == "adamwosm.yaml" else "sgd")
     assert cli.model.configure_optimizers() is not None
+
+
+def test_pdpfl_figures_redraw_from_their_tables(tmp_path):
+    """examples/pdpfl/figures.py: every figure draws from a table of its own format (--replot), no runs."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pdpfl_figures", ROOT / "pdpfl" / "figures.py")
+    figures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(figures)
+    fig2 = [{"partition": p, "level": lvl, "round": str(r), "norm_mean": "1.5", "norm_std": "0.1"}
+            for p in figures.PARTITIONS for lvl, _, _ in figures.LEVELS for r in (1, 2)]
+    fig3 = [{"partition": p, "distribution": d, "budget_seed": str(s), "split_accuracy": "1", "public_clients": "2"}
+            for p in figures.PARTITIONS for d in figures.DISTRIBUTIONS for s in (0, 1)]
+    fig4 = [{"method": m, "seed": str(s), "round": str(r), "val_acc": "0.5"}
+            for m, _ in figures.METHODS for s in (0, 1) for r in (1, 2, 3)]
+    for name, table in (("fig2", fig2), ("fig3", fig3), ("fig4", fig4)):
+        header = list(table[0])
+        (tmp_path / f"pdpfl_{name}.tsv").write_text(
+            "\t".join(header) + "\n" + "".join("\t".join(row[k] for k in header) + "\n" for row in table))
+        figures.main([name, "--replot", "--out", str(tmp_path)])
+        assert (tmp_path / f"pdpfl_{name}.png").stat().st_size > 10_000

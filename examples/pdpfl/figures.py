@@ -2,19 +2,22 @@
 
     python examples/pdpfl/figures.py fig2   # update-norm mean and std per round: noise level x partition
     python examples/pdpfl/figures.py fig3   # accuracy of the indirect split after the warm start
-    python examples/pdpfl/figures.py fig4   # test accuracy per round: PFA (direct, indirect), FedAvg, Minimum, NP
+    python examples/pdpfl/figures.py fig4   # held-out accuracy per round: PFA (direct, indirect), FedAvg, Minimum, NP
+    python examples/pdpfl/figures.py fig3 --replot   # redraw from docs/figures/pdpfl_fig3.tsv, no runs
 
 Every run is the config of this folder with overrides, through ``lightning-dp fit`` (``LightningDPCLI``),
 logged to MLflow (``MLFLOW_TRACKING_URI``, default ``sqlite:///mlruns/mlflow.db``) in the experiment
 ``pdpfl-<figure>``; the figure is drawn from the runs' metric histories and written to ``--out``
 (default ``docs/figures``) and logged as an artifact of a summary run, with a TSV of the numbers.
-``--data-dir`` points to the MNIST files (default ``../shared/data/mnist``; CIFAR-10: the same
-configs with ``--data.init_args.dataset=cifar10`` and the CNN, when a user has the files).
+``--data-dir`` points to the MNIST files (default ``../shared/data/mnist``). ``--dataset cifar10`` runs
+the same configs on CIFAR-10 with McMahan et al.'s CNN (``--data-dir`` holding the official python
+batches; not run here: the files are not available offline).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import logging
 import os
 import sys
@@ -30,13 +33,14 @@ PARTITIONS = {"IID": ["--data.init_args.partition=iid"],
 
 
 _RUN_IDS: list[str] = []  # the figure's runs, children of its summary run
+_DATASET_ARGS: list[str] = []  # overrides that switch the dataset and model (--dataset)
 
 
 def _run(config: str, overrides: list[str], *, data_dir: str, experiment: str, run_name: str) -> str:
     """One ``lightning-dp fit`` run in a scratch directory; returns its MLflow run id."""
     from lightning_dp.cli import LightningDPCLI
 
-    args = ["fit", "--config", str(HERE / config), f"--data.init_args.data_dir={data_dir}",
+    args = ["fit", "--config", str(HERE / config), f"--data.init_args.data_dir={data_dir}", *_DATASET_ARGS,
             f"--trainer.logger.init_args.experiment_name={experiment}",
             f"--trainer.logger.init_args.run_name={run_name}", "--trainer.enable_checkpointing=false",
             "--trainer.check_val_every_n_epoch=1000", *overrides]
@@ -58,46 +62,53 @@ def _history(run_id: str, key: str) -> list[float]:
     return [m.value for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
 
 
-def fig2(args) -> tuple[object, str]:
-    """Mean and std over clients of the released update norms per round, for epsilon in {0.4, 3, 20} and
-    non-private local SGD, per partition."""
-    from matplotlib.figure import Figure
+LEVELS = [("eps 0.4", "norms_mnist.yaml", ["--model.init_args.update.init_args.target_epsilon=0.4"]),
+          ("eps 3", "norms_mnist.yaml", ["--model.init_args.update.init_args.target_epsilon=3.0"]),
+          ("eps 20", "norms_mnist.yaml", ["--model.init_args.update.init_args.target_epsilon=20.0"]),
+          ("non-private", "nonprivate_mnist.yaml", [])]
+DISTRIBUTIONS = ["MixGauss1", "MixGauss2", "MixGauss3", "MixGauss4", "Gauss", "Uniform"]
+METHODS = [("PFA (indirect)", "indirect_mnist.yaml"), ("PFA (direct)", "direct_mnist.yaml"),
+           ("FedAvg", "fedavg_mnist.yaml"), ("Minimum", "minimum_mnist.yaml"), ("NP-FedAvg", "nonprivate_mnist.yaml")]
 
-    levels = [("eps 0.4", "norms_mnist.yaml", ["--model.init_args.update.init_args.target_epsilon=0.4"]),
-              ("eps 3", "norms_mnist.yaml", ["--model.init_args.update.init_args.target_epsilon=3.0"]),
-              ("eps 20", "norms_mnist.yaml", ["--model.init_args.update.init_args.target_epsilon=20.0"]),
-              ("non-private", "nonprivate_mnist.yaml", [])]
-    fig = Figure(figsize=(12, 3.6))
-    axes = fig.subplots(1, len(PARTITIONS), sharey=True)
-    rows = ["partition\tlevel\tround\tnorm_mean\tnorm_std"]
-    for ax, (partition, data_args) in zip(axes, PARTITIONS.items()):
-        for label, config, update_args in levels:
+
+def measure_fig2(args) -> list[list]:
+    """Mean and std over clients of the released update norms per round, for epsilon in {0.4, 3, 20} and
+    non-private local SGD (every client at that budget), per partition."""
+    rows = [["partition", "level", "round", "norm_mean", "norm_std"]]
+    for partition, data_args in PARTITIONS.items():
+        for label, config, update_args in LEVELS:
             run_id = _run(config, data_args + update_args + [f"--trainer.max_epochs={args.rounds}"],
                           data_dir=args.data_dir, experiment="pdpfl-fig2", run_name=f"{partition} {label}")
             mean, std = _history(run_id, "round/update_norm_mean"), _history(run_id, "round/update_norm_std")
-            rounds = list(range(1, len(mean) + 1))
-            ax.errorbar(rounds, mean, yerr=std, label=label, marker=".", capsize=2)
-            rows += [f"{partition}\t{label}\t{r}\t{m:.6g}\t{s:.6g}" for r, m, s in zip(rounds, mean, std)]
+            rows += [[partition, label, r, m, sd] for r, (m, sd) in enumerate(zip(mean, std), start=1)]
+    return rows
+
+
+def draw_fig2(table: list[dict]):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 3.8))
+    axes = fig.subplots(1, len(PARTITIONS), sharey=True)
+    for ax, partition in zip(axes, PARTITIONS):
+        for label, _, _ in LEVELS:
+            points = [r for r in table if r["partition"] == partition and r["level"] == label]
+            ax.errorbar([int(r["round"]) for r in points], [float(r["norm_mean"]) for r in points],
+                        yerr=[float(r["norm_std"]) for r in points], label=label, marker=".", capsize=2)
         ax.set_title(partition)
         ax.set_xlabel("round")
         ax.set_yscale("log")
-    axes[0].set_ylabel("L2 norm of released updates (mean ± std)")
-    axes[-1].legend()
-    fig.suptitle("MNIST logistic regression, 10 clients, local DP-SGD (B = 64, C = 1, lr 0.01)")
-    return fig, "\n".join(rows) + "\n"
+    axes[0].set_ylabel("update L2 norm (mean ± std)")
+    axes[-1].legend(fontsize="small")
+    fig.suptitle("Released update norms per round: logistic regression, 10 clients, local DP-SGD (B 64, C 1, lr 0.01)")
+    return fig
 
 
-def fig3(args) -> tuple[object, str]:
+def measure_fig3(args) -> list[list]:
     """Accuracy of the budget-agnostic split after the warm-start round, per partition and budget distribution
     (each client's noise calibrated for the full run of ``--rounds`` rounds), over budget seeds."""
-    import numpy as np
-    from matplotlib.figure import Figure
-
-    distributions = ["MixGauss1", "MixGauss2", "MixGauss3", "MixGauss4", "Gauss", "Uniform"]
-    rows = ["partition\tdistribution\tbudget_seed\tsplit_accuracy\tpublic_clients"]
-    results: dict[tuple[str, str], list[float]] = {}
+    rows = [["partition", "distribution", "budget_seed", "split_accuracy", "public_clients"]]
     for partition, data_args in PARTITIONS.items():
-        for dist in distributions:
+        for dist in DISTRIBUTIONS:
             for seed in args.seeds:
                 overrides = data_args + [
                     f"--model.init_args.update.init_args.budgets.init_args.distribution={dist}",
@@ -105,75 +116,104 @@ def fig3(args) -> tuple[object, str]:
                     f"--model.init_args.update.init_args.participations={args.rounds}",
                     "--trainer.max_epochs=1"]
                 run_id = _run("indirect_mnist.yaml", overrides, data_dir=args.data_dir, experiment="pdpfl-fig3",
-                                 run_name=f"{partition} {dist} budgets {seed}")
-                accuracy = _history(run_id, "pdpfl/split_accuracy")[0]
-                public = _history(run_id, "pdpfl/public_clients")[0]
-                results.setdefault((partition, dist), []).append(accuracy)
-                rows.append(f"{partition}\t{dist}\t{seed}\t{accuracy:.4g}\t{public:g}")
-    fig = Figure(figsize=(9, 3.8))
-    ax = fig.subplots()
-    width = 0.8 / len(distributions)
-    for j, dist in enumerate(distributions):
-        means = [np.mean(results[(p, dist)]) for p in PARTITIONS]
-        stds = [np.std(results[(p, dist)]) for p in PARTITIONS]
-        ax.bar(np.arange(len(PARTITIONS)) + j * width, means, width, yerr=stds, capsize=2, label=dist)
-    ax.set_xticks(np.arange(len(PARTITIONS)) + width * (len(distributions) - 1) / 2, list(PARTITIONS))
-    ax.set_ylabel(f"split accuracy after the warm start (mean ± std, {len(args.seeds)} budget draws)")
-    ax.set_ylim(0, 1.05)
-    ax.legend(fontsize="small", ncol=3)
-    ax.set_title("Budget-agnostic split: 2-component mixture on the update norms, MNIST, 10 clients")
-    return fig, "\n".join(rows) + "\n"
+                              run_name=f"{partition} {dist} budgets {seed}")
+                rows.append([partition, dist, seed, _history(run_id, "pdpfl/split_accuracy")[0],
+                             _history(run_id, "pdpfl/public_clients")[0]])
+    return rows
 
 
-def fig4(args) -> tuple[object, str]:
-    """Test accuracy per round of PFA (direct, indirect), FedAvg, Minimum and NP-FedAvg, over seeds."""
+def draw_fig3(table: list[dict]):
     import numpy as np
     from matplotlib.figure import Figure
 
-    methods = [("PFA (indirect)", "indirect_mnist.yaml"), ("PFA (direct)", "direct_mnist.yaml"),
-               ("FedAvg", "fedavg_mnist.yaml"), ("Minimum", "minimum_mnist.yaml"),
-               ("NP-FedAvg", "nonprivate_mnist.yaml")]
-    rows = ["method\tseed\tround\ttest_acc"]
-    fig = Figure(figsize=(7, 4.2))
+    fig = Figure(figsize=(9, 4))
     ax = fig.subplots()
-    for label, config in methods:
-        curves = []
+    width = 0.8 / len(DISTRIBUTIONS)
+    seeds = len({r["budget_seed"] for r in table})
+    for j, dist in enumerate(DISTRIBUTIONS):
+        values = [[float(r["split_accuracy"]) for r in table if r["partition"] == p and r["distribution"] == dist]
+                  for p in PARTITIONS]
+        ax.bar(np.arange(len(PARTITIONS)) + j * width, [np.mean(v) for v in values], width,
+               yerr=[np.std(v) for v in values], capsize=2, label=dist)
+    ax.set_xticks(np.arange(len(PARTITIONS)) + width * (len(DISTRIBUTIONS) - 1) / 2, list(PARTITIONS))
+    ax.set_ylabel(f"split accuracy (mean ± std, {seeds} draws)")
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize="small", ncol=3, loc="lower left")
+    ax.set_title("Budget-agnostic split after the warm start (mixture on update norms), MNIST, 10 clients")
+    return fig
+
+
+def measure_fig4(args) -> list[list]:
+    """Held-out accuracy per round of PFA (direct, indirect), FedAvg, Minimum and NP-FedAvg, over seeds."""
+    rows = [["method", "seed", "round", "val_acc"]]
+    for label, config in METHODS:
         for seed in args.seeds:
             run_id = _run(config, [f"--model.init_args.seed={seed}", f"--trainer.max_epochs={args.rounds}",
-                                      "--trainer.check_val_every_n_epoch=1", f"--data.init_args.seed={seed}"],
-                             data_dir=args.data_dir, experiment="pdpfl-fig4", run_name=f"{label} seed {seed}")
-            curve = _history(run_id, "val/acc")
-            curves.append(curve)
-            rows += [f"{label}\t{seed}\t{r}\t{a:.4g}" for r, a in enumerate(curve, start=1)]
+                                   "--trainer.check_val_every_n_epoch=1", f"--data.init_args.seed={seed}"],
+                          data_dir=args.data_dir, experiment="pdpfl-fig4", run_name=f"{label} seed {seed}")
+            rows += [[label, seed, r, a] for r, a in enumerate(_history(run_id, "val/acc"), start=1)]
+    return rows
+
+
+def draw_fig4(table: list[dict]):
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.2))
+    ax = fig.subplots()
+    seeds = sorted({r["seed"] for r in table})
+    for label, _ in METHODS:
+        curves = [[float(r["val_acc"]) for r in table if r["method"] == label and r["seed"] == s] for s in seeds]
         length = min(len(c) for c in curves)
         values = np.array([c[:length] for c in curves])
         rounds = np.arange(1, length + 1)
         ax.plot(rounds, values.mean(0), marker=".", label=label)
         ax.fill_between(rounds, values.mean(0) - values.std(0), values.mean(0) + values.std(0), alpha=0.2)
     ax.set_xlabel("round")
-    ax.set_ylabel(f"held-out accuracy (mean ± std over {len(args.seeds)} seeds)")
-    ax.legend()
+    ax.set_ylabel(f"held-out accuracy (mean ± std, {len(seeds)} seeds)")
+    ax.legend(fontsize="small")
     ax.set_title("MNIST, 10 clients, MixGauss1 budgets, local DP-SGD")
-    return fig, "\n".join(rows) + "\n"
+    return fig
+
+
+FIGURES = {"fig2": (measure_fig2, draw_fig2), "fig3": (measure_fig3, draw_fig3), "fig4": (measure_fig4, draw_fig4)}
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("figure", choices=["fig2", "fig3", "fig4"])
-    parser.add_argument("--data-dir", default=str((ROOT / "../shared/data/mnist").resolve()))
+    parser.add_argument("--data-dir", default=None, help="default: ../shared/data/mnist, or ./data/cifar10")
+    parser.add_argument("--dataset", choices=["mnist", "cifar10"], default="mnist")
     parser.add_argument("--out", default=str(ROOT / "docs" / "figures"))
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--seeds", type=lambda s: [int(v) for v in s.split(",")], default=[0, 1, 2])
+    parser.add_argument("--replot", action="store_true", help="redraw the figure from its TSV in --out, no runs")
     args = parser.parse_args(argv)
-    logging.getLogger("absl").setLevel(logging.ERROR)
-    os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{(Path.cwd() / 'mlruns' / 'mlflow.db').resolve()}")
-    (Path.cwd() / "mlruns").mkdir(exist_ok=True)
-    fig, table = {"fig2": fig2, "fig3": fig3, "fig4": fig4}[args.figure](args)
+    if args.dataset == "cifar10":
+        _DATASET_ARGS[:] = ["--data.init_args.dataset=cifar10", "--data.init_args.subset=full",
+                            "--model.init_args.model=lightning_dp.models.CIFARConvNet"]
+    if args.data_dir is None:
+        args.data_dir = str((ROOT / "../shared/data/mnist").resolve() if args.dataset == "mnist"
+                            else Path("data/cifar10").resolve())
+    measure, draw = FIGURES[args.figure]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    tsv = out / f"pdpfl_{args.figure}.tsv"
+    if not args.replot:
+        logging.getLogger("absl").setLevel(logging.ERROR)
+        os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{(Path.cwd() / 'mlruns' / 'mlflow.db').resolve()}")
+        (Path.cwd() / "mlruns").mkdir(exist_ok=True)
+        rows = measure(args)
+        tsv.write_text("".join("\t".join(f"{v:.6g}" if isinstance(v, float) else str(v) for v in row) + "\n"
+                               for row in rows))
+    with tsv.open() as handle:
+        table = list(csv.DictReader(handle, delimiter="\t"))
+    fig = draw(table)
     fig.tight_layout()
     fig.savefig(out / f"pdpfl_{args.figure}.png", dpi=120)
-    (out / f"pdpfl_{args.figure}.tsv").write_text(table)
+    if args.replot:
+        print(f"redrew {out / f'pdpfl_{args.figure}.png'} from {tsv}")
+        return
     import mlflow
 
     mlflow.set_experiment(f"pdpfl-{args.figure}")

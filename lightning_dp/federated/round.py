@@ -275,6 +275,14 @@ class FederatedRound(LightningModule):
                 f"sanitizer {self.sanitizer.name!r} with fedavg weighted=True: the weights are the clients' example "
                 "counts, released to the server unsanitized and not covered by the clients' ledgers; use "
                 "weighted=False")
+        if self.aggregator.needs_budgets and not self.update.accountable:
+            raise MisconfigurationException(
+                f"aggregator {self.aggregator.name!r} splits the clients by their revealed privacy budgets, but update "
+                f"{self.update.name!r} has none: use update local_dp_sgd with target_epsilon or budgets (or the "
+                "budget-agnostic partition='indirect')")
+        if getattr(self.aggregator, "name", None) == "pfa" and self.k != 1:
+            raise MisconfigurationException(f"aggregator 'pfa' averages one global model; num_hypotheses={self.k} "
+                                            "is not allowed: use 1")
         if self.update.accountable:
             if self.k != 1:
                 raise MisconfigurationException(

@@ -233,3 +233,18 @@ def test_resume_with_pfa_equals_the_uninterrupted_run(tmp_path):
     assert torch.equal(full.hypotheses, resumed.hypotheses)
     assert full_update.ledger.state_dict() == resumed_update.ledger.state_dict()
     assert full.aggregator.split() == resumed.aggregator.split()
+
+
+def test_a_direct_split_without_budgets_and_several_hypotheses_are_refused_before_training():
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from lightning_dp.federated.parts import LocalSGD
+
+    m = FederatedRound(LinearRegression(), selection=UniformSelection(10), update=LocalSGD(),
+                       aggregator=PFA(partition="direct"), seed=0, noise_seed=1)
+    with pytest.raises(MisconfigurationException, match="revealed privacy budgets"):
+        _trainer().fit(m, _data())
+    m = FederatedRound(LinearRegression(), num_hypotheses=2, selection=UniformSelection(10), update=LocalSGD(),
+                       aggregator=PFA(partition="indirect"), seed=0, noise_seed=1)
+    with pytest.raises(MisconfigurationException, match="num_hypotheses=2"):
+        _trainer().fit(m, _data())
