@@ -1,0 +1,106 @@
+"""What the audits share: argument checks, flat parameter vectors, the sanitizer type and the random streams.
+
+Torch only (no Lightning), like the rest of :mod:`lightning_dp.audit`'s DLG audit.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["DUMMY_STREAM", "LOSSES", "NOISE_STREAM", "Sanitizer", "SanitizerFactory", "flatten_parameters",
+           "parameter_sizes"]
+
+
+#: ``(start, trained, generator) -> released``: flat vectors of the model's trainable parameters.
+Sanitizer = Callable[[Tensor, Tensor, Optional[torch.Generator]], Tensor]
+#: ``noise_multiplier -> Sanitizer``: how :func:`run_dlg_audit` builds the sanitizer of each noise level.
+SanitizerFactory = Callable[[float], Sanitizer]
+
+#: Streams of :func:`~lightning_dp.privacy.noise.derive_generator`: the sanitizer's noise
+#: (per image and noise level, the level named by its float64 bits) and the attacker's dummy initialization (per image).
+NOISE_STREAM, DUMMY_STREAM = 21, 22
+#: Losses the client can train with (a mean over its batch, as in :mod:`lightning_dp.federated.local`).
+LOSSES = ("cross_entropy",)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_positive_real(name: str, value: Any, hint: str) -> float:
+    if not _is_real(value) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}={value!r} is not allowed: it must be a finite number > 0. {hint}")
+    return float(value)
+
+
+def _check_positive_int(name: str, value: Any, hint: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name}={value!r} is not allowed: it must be an integer >= 1. {hint}")
+    return int(value)
+
+
+def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError(f"{type(model).__name__} has no trainable parameters: a client that trains nothing "
+                         "releases nothing to audit. Pass a model with parameters that require grad.")
+    return named
+
+
+def _check_generator(generator: Any, name: str = "generator") -> Optional[torch.Generator]:
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"{name}={generator!r} must be a torch.Generator (or None for a fresh, non-reproducible "
+                         "one); pass e.g. lightning_dp.privacy.noise.derive_generator(seed, stream).")
+    return generator
+
+
+def _fresh_generator(device: torch.device) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    generator.seed()  # OS entropy, never the global RNG
+    return generator
+
+
+# --------------------------------------------------------------------------- flat parameters
+
+
+def parameter_sizes(model: nn.Module) -> list[int]:
+    """Number of elements of each trainable parameter, in ``named_parameters`` order.
+
+    The same layout as :class:`lightning_dp.federated.FlatParams` (``FlatParams.of(model).sizes``),
+    computed here without importing the federated package (which imports Lightning).
+
+    Example:
+        >>> parameter_sizes(nn.Linear(3, 2))
+        [6, 2]
+    """
+    return [p.numel() for _, p in _trainable(model)]
+
+
+def flatten_parameters(model: nn.Module) -> Tensor:
+    """The trainable parameters as one detached flat vector (``FlatParams.of(model).flatten(model)``).
+
+    Example:
+        >>> flatten_parameters(nn.Linear(3, 2)).shape
+        torch.Size([8])
+    """
+    return torch.cat([p.detach().reshape(-1) for _, p in _trainable(model)])
+
+
+def _unflatten(model: nn.Module, flat: Tensor) -> list[Tensor]:
+    named = _trainable(model)
+    sizes = [p.numel() for _, p in named]
+    if flat.dim() != 1 or flat.numel() != sum(sizes):
+        raise ValueError(f"the flat vector has shape {tuple(flat.shape)} but {type(model).__name__} has "
+                         f"{sum(sizes)} trainable parameters; flatten it with flatten_parameters(model).")
+    return [chunk.reshape(p.shape) for chunk, (_, p) in zip(torch.split(flat, sizes), named)]
