@@ -7,8 +7,9 @@ Public API (:mod:`lightning_dp.audit.dlg`, torch only):
         (any callable ``(start, trained, generator) -> released`` works); make_sanitizer_factory, SANITIZERS.
     mse, psnr, image_grid: the comparison of reconstructions with the private images.
 
-Membership-inference statistics (:mod:`lightning_dp.audit.statistics`): ROC, AUC, TPR at low FPR and
-empirical epsilon lower bounds with Clopper-Pearson confidence.
+Membership inference: scores (:mod:`lightning_dp.audit.scores`, the loss attack on any module with a
+per-example loss) and statistics (:mod:`lightning_dp.audit.statistics`: ROC, AUC, TPR at low FPR and
+empirical epsilon lower bounds with Clopper-Pearson confidence).
 
 The command ``lightning-dp audit`` (:mod:`lightning_dp.audit.command`) runs an audit from a
 YAML config and records it in MLflow; see docs/audit.md.
