@@ -10,11 +10,10 @@ analysis, never as a release.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 from torch.func import grad, vmap
 
-from lightning_dp.federated.local import FlatParams, check_loss, forward_and_loss
+from lightning_dp.federated.local import FlatParams, example_loss
 
 __all__ = ["mean_pairwise_cosine", "per_sample_gradients"]
 
@@ -42,11 +41,5 @@ def per_sample_gradients(template: nn.Module, spec: FlatParams, theta: Tensor, x
     ``theta`` is one vector ``(P,)`` or one per example ``(n, P)`` (each example's own model,
     e.g. the hypothesis its client started from). One ``vmap`` of ``grad`` over examples.
     """
-    check_loss(loss)
-
-    def one(t: Tensor, xi: Tensor, yi: Tensor) -> Tensor:
-        return forward_and_loss(template, spec, t, xi[None], yi[None], torch.ones(1, dtype=torch.bool, device=xi.device),
-                            loss)[1]
-
     per_example = theta.dim() == 2
-    return vmap(grad(one), in_dims=(0 if per_example else None, 0, 0))(theta, x, y)
+    return vmap(grad(example_loss(template, spec, loss)), in_dims=(0 if per_example else None, 0, 0))(theta, x, y)

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 __all__ = ["FlatParams", "LOSSES", "check_loss", "choose_hypotheses", "client_losses", "client_outputs_and_losses",
-           "forward_and_loss", "local_sgd", "local_sgd_loop", "masked_loss", "predictions"]
+           "example_loss", "forward_and_loss", "local_sgd", "local_sgd_loop", "masked_loss", "predictions"]
 
 #: Loss names accepted by the round; all are means over a client's (masked) batch.
 LOSSES = ("rmse", "cross_entropy", "binary_cross_entropy")
@@ -165,6 +165,18 @@ def forward_and_loss(template: nn.Module, spec: FlatParams, theta: Tensor, x: Te
     """Output of the model with flat parameters ``theta`` on ``x``, and its :func:`masked_loss`."""
     output = functional_call(template, spec.unflatten(theta), (x,))
     return output, masked_loss(output, y, mask, loss)
+
+
+def example_loss(template: nn.Module, spec: FlatParams, loss: str) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """``(theta, x_i, y_i) -> loss`` of ONE example (a batch of one, :func:`masked_loss`): the function whose
+    ``grad`` per-example gradients are (``vmap`` over examples; for ``rmse`` the example's absolute error)."""
+    check_loss(loss)
+
+    def one(theta: Tensor, xi: Tensor, yi: Tensor) -> Tensor:
+        ones = torch.ones(1, dtype=torch.bool, device=xi.device)
+        return forward_and_loss(template, spec, theta, xi.unsqueeze(0), yi.unsqueeze(0), ones, loss)[1]
+
+    return one
 
 
 def client_losses(template: nn.Module, spec: FlatParams, hypotheses: Tensor, x: Tensor, y: Tensor, mask: Tensor,

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import grad, vmap
 
-from lightning_dp.federated.local import FlatParams, check_loss, forward_and_loss
+from lightning_dp.federated.local import FlatParams, check_loss, example_loss
 from lightning_dp.privacy.clipping import clip_factors
 from lightning_dp.privacy.noise import noisy_mean
 
@@ -50,14 +50,6 @@ class ClientPlan(NamedTuple):
 def steps_per_participation(num_examples: int, batch_size: int, epochs: int) -> int:
     """``epochs * max(1, floor(n / B))``: the local steps of a client of ``n`` records (tau of PFA)."""
     return epochs * max(1, num_examples // batch_size)
-
-
-def _per_example_loss(template: nn.Module, spec: FlatParams, loss: str):
-    def one(theta: Tensor, x1: Tensor, y1: Tensor) -> Tensor:
-        ones = torch.ones(1, dtype=torch.bool, device=x1.device)
-        return forward_and_loss(template, spec, theta, x1.unsqueeze(0), y1.unsqueeze(0), ones, loss)[1]
-
-    return one
 
 
 def _draw_batch(n: int, plan: ClientPlan, batch_size: int, step: int, order: Tensor | None,
@@ -102,8 +94,7 @@ def local_dp_sgd(template: nn.Module, spec: FlatParams, start: Tensor, x: Tensor
     if sampling not in ("poisson", "shuffle"):
         raise ValueError(f"sampling={sampling!r} is not allowed; choose 'poisson' or 'shuffle'")
     counts = mask.sum(1).tolist()
-    one = _per_example_loss(template, spec, loss)
-    per_example = vmap(grad(one), in_dims=(None, 0, 0))
+    per_example = vmap(grad(example_loss(template, spec, loss)), in_dims=(None, 0, 0))
     theta = start.clone()
     device = mask.device
     total = max((p.steps for p in plans), default=0)
