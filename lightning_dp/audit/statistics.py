@@ -88,18 +88,47 @@ def clopper_pearson(successes: int, trials: int, alpha: float) -> tuple[float, f
         >>> round(low, 6) == round(0.05 ** (1 / 10), 6), high
         (True, 1.0)
     """
-    from scipy.stats import beta
-
     if isinstance(trials, bool) or int(trials) != trials or trials < 1:
         raise ValueError(f"trials={trials!r} must be a positive integer")
     if int(successes) != successes or not 0 <= successes <= trials:
         raise ValueError(f"successes={successes!r} must be an integer in [0, trials={trials}]")
     if not 0 < alpha < 1:
         raise ValueError(f"alpha={alpha!r} must be in (0, 1)")
-    k, n = int(successes), int(trials)
-    low = 0.0 if k == 0 else float(beta.ppf(alpha, k, n - k + 1))
-    high = 1.0 if k == n else float(beta.ppf(1 - alpha, k + 1, n - k))
-    return low, high
+    k = np.asarray(int(successes))
+    return float(_lower_bound(k, int(trials), alpha)), float(_upper_bound(k, int(trials), alpha))
+
+
+def _lower_bound(k: np.ndarray, n: int, alpha: float) -> np.ndarray:
+    """The lower end of :func:`clopper_pearson` for every count in ``k`` (unchecked)."""
+    from scipy.stats import beta
+
+    return np.where(k == 0, 0.0, beta.ppf(alpha, np.maximum(k, 1), n - k + 1))
+
+
+def _upper_bound(k: np.ndarray, n: int, alpha: float) -> np.ndarray:
+    """The upper end of :func:`clopper_pearson` for every count in ``k`` (unchecked)."""
+    from scipy.stats import beta
+
+    return np.where(k == n, 1.0, beta.ppf(1 - alpha, k + 1, np.maximum(n - k, 1)))
+
+
+def _check_audit(delta: float, confidence: float) -> None:
+    if not 0 <= delta < 1:
+        raise ValueError(f"delta={delta!r} must be in [0, 1)")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence={confidence!r} must be in (0, 1)")
+
+
+def _epsilon_bounds(tp: np.ndarray, members: int, fp: np.ndarray, nonmembers: int, delta: float,
+                    confidence: float) -> np.ndarray:
+    """:func:`epsilon_lower_bound` of every threshold's counts ``(tp, fp)`` (unchecked)."""
+    alpha = (1 - confidence) / 2
+    tpr_low, fpr_high = _lower_bound(tp, members, alpha), _upper_bound(fp, nonmembers, alpha)
+    with np.errstate(divide="ignore", invalid="ignore"):  # FPR_high = 0 or TPR_low = 1: an infinite bound
+        first = np.where(tpr_low - delta > 0, np.log(np.maximum(tpr_low - delta, 1e-300) / fpr_high), 0.0)
+        second = np.where(1 - fpr_high - delta > 0,
+                          np.log(np.maximum(1 - fpr_high - delta, 1e-300) / (1 - tpr_low)), 0.0)
+    return np.maximum(np.maximum(first, second), 0.0)
 
 
 def epsilon_lower_bound(true_positives: int, members: int, false_positives: int, nonmembers: int, *,
@@ -112,19 +141,12 @@ def epsilon_lower_bound(true_positives: int, members: int, false_positives: int,
         delta: the delta of the guarantee being audited.
         confidence: the probability with which the returned bound holds.
     """
-    if not 0 <= delta < 1:
-        raise ValueError(f"delta={delta!r} must be in [0, 1)")
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence={confidence!r} must be in (0, 1)")
-    alpha = (1 - confidence) / 2
-    tpr_low, _ = clopper_pearson(true_positives, members, alpha)
-    _, fpr_high = clopper_pearson(false_positives, nonmembers, alpha)
-    bounds = [0.0]
-    if tpr_low - delta > 0:
-        bounds.append(math.inf if fpr_high == 0 else math.log((tpr_low - delta) / fpr_high))
-    if 1 - fpr_high - delta > 0:
-        bounds.append(math.inf if tpr_low == 1 else math.log((1 - fpr_high - delta) / (1 - tpr_low)))
-    return max(bounds)
+    _check_audit(delta, confidence)
+    for k, n, name in ((true_positives, members, "true_positives"), (false_positives, nonmembers, "false_positives")):
+        if isinstance(n, bool) or int(n) != n or n < 1 or int(k) != k or not 0 <= k <= n:
+            raise ValueError(f"{name}={k!r} must be an integer in [0, {n!r}] out of a positive count")
+    return float(_epsilon_bounds(np.asarray(int(true_positives)), int(members), np.asarray(int(false_positives)),
+                                 int(nonmembers), delta, confidence))
 
 
 @dataclass(frozen=True)
@@ -150,22 +172,12 @@ def empirical_epsilon(members, nonmembers, *, delta: float = 0.0, confidence: fl
         tp, fp = int((pos >= threshold).sum()), int((neg >= threshold).sum())
         eps = epsilon_lower_bound(tp, pos.size, fp, neg.size, delta=delta, confidence=confidence)
         return EmpiricalEpsilon(eps, float(threshold), tp / pos.size, fp / neg.size)
-    if not 0 <= delta < 1 or not 0 < confidence < 1:
-        raise ValueError(f"delta={delta!r} must be in [0, 1) and confidence={confidence!r} in (0, 1)")
-    from scipy.stats import beta
-
+    _check_audit(delta, confidence)
     # every distinct score as a threshold, vectorized: counts at or above each by binary search
     candidates = np.unique(np.concatenate([pos, neg]))
     tp = pos.size - np.searchsorted(np.sort(pos), candidates, side="left")
     fp = neg.size - np.searchsorted(np.sort(neg), candidates, side="left")
-    alpha = (1 - confidence) / 2
-    with np.errstate(divide="ignore", invalid="ignore"):
-        tpr_low = np.where(tp == 0, 0.0, beta.ppf(alpha, tp, pos.size - tp + 1))
-        fpr_high = np.where(fp == neg.size, 1.0, beta.ppf(1 - alpha, fp + 1, neg.size - fp))
-        first = np.where(tpr_low - delta > 0, np.log(np.maximum(tpr_low - delta, 1e-300) / fpr_high), 0.0)
-        second = np.where(1 - fpr_high - delta > 0,
-                          np.log(np.maximum(1 - fpr_high - delta, 1e-300) / (1 - tpr_low)), 0.0)
-    eps = np.maximum(np.maximum(first, second), 0.0)
+    eps = _epsilon_bounds(tp, pos.size, fp, neg.size, delta, confidence)
     i = int(np.argmax(eps))
     return EmpiricalEpsilon(float(eps[i]), float(candidates[i]), float(tp[i] / pos.size), float(fp[i] / neg.size))
 
