@@ -275,14 +275,14 @@ class FederatedRound(LightningModule):
                 f"sanitizer {self.sanitizer.name!r} with fedavg weighted=True: the weights are the clients' example "
                 "counts, released to the server unsanitized and not covered by the clients' ledgers; use "
                 "weighted=False")
-        if self.aggregator.needs_budgets and not self.update.accountable:
+        if self.aggregator.needs_budgets and not self.update.reveals_budgets:
             raise MisconfigurationException(
                 f"aggregator {self.aggregator.name!r} splits the clients by their revealed privacy budgets, but update "
                 f"{self.update.name!r} has none: use update local_dp_sgd with target_epsilon or budgets (or the "
                 "budget-agnostic partition='indirect')")
-        if getattr(self.aggregator, "name", None) == "pfa" and self.k != 1:
-            raise MisconfigurationException(f"aggregator 'pfa' averages one global model; num_hypotheses={self.k} "
-                                            "is not allowed: use 1")
+        if self.aggregator.one_model and self.k != 1:
+            raise MisconfigurationException(f"aggregator {self.aggregator.name!r} averages one global model; "
+                                            f"num_hypotheses={self.k} is not allowed: use 1")
         if self.update.accountable:
             if self.k != 1:
                 raise MisconfigurationException(
@@ -581,12 +581,12 @@ class FederatedRound(LightningModule):
         """A public/private split of the aggregator (PFA): its size per round, and once, when the split is made from
         released updates (the warm start), its accuracy against the clients' true budget groups (a simulation
         diagnostic: the server never sees the truth)."""
-        public = getattr(self.aggregator, "last_public", None)
+        public = self.aggregator.last_public
         if not public or len(public) != len(index):
             return
         metrics["pdpfl/public_clients"] = float(sum(public))
-        truth = getattr(self.update, "true_public", lambda index: None)(index)
-        if truth is not None and not self._split_scored and getattr(self.aggregator, "warm_started", False):
+        truth = self.update.true_public(index)
+        if truth is not None and not self._split_scored and self.aggregator.warm_started:
             metrics["pdpfl/split_accuracy"] = sum(p == t for p, t in zip(public, truth)) / len(index)
             self._split_scored = True
 

@@ -244,6 +244,14 @@ def test_a_direct_split_without_budgets_and_several_hypotheses_are_refused_befor
                        aggregator=PFA(partition="direct"), seed=0, noise_seed=1)
     with pytest.raises(MisconfigurationException, match="revealed privacy budgets"):
         _trainer().fit(m, _data())
+    # local DP-SGD with a given noise multiplier and no budget: nothing to reveal either
+    m = FederatedRound(LinearRegression(), selection=UniformSelection(10),
+                       update=LocalDPSGD(batch_size=5, noise_multiplier=1.0), aggregator=PFA(partition="direct"),
+                       seed=0, noise_seed=1)
+    t = _trainer()
+    with pytest.raises(MisconfigurationException, match="revealed privacy budgets"):
+        t.fit(m, _data())
+    assert t.global_step == 0
     m = FederatedRound(LinearRegression(), num_hypotheses=2, selection=UniformSelection(10), update=LocalSGD(),
                        aggregator=PFA(partition="indirect"), seed=0, noise_seed=1)
     with pytest.raises(MisconfigurationException, match="num_hypotheses=2"):

@@ -24,6 +24,12 @@ class Aggregator(Part):
 
     #: whether the clients reveal their privacy budgets to this aggregator (PFA's direct split)
     needs_budgets = False
+    #: whether it averages one global model only (the round refuses num_hypotheses > 1 before training)
+    one_model = False
+    #: the public (True) / private split of the last aggregated releases, for aggregators that split the clients
+    last_public: list[bool] | None = None
+    #: whether that split is final (made from revealed budgets, or after a warm start): then it is scored once
+    warm_started = True
 
     def observe(self, *, client_ids: list[Any], layer_sizes: list[int], round_index: int,
                 budgets: list[float] | None = None) -> None:
@@ -101,6 +107,8 @@ class PFA(Aggregator):
             through 0.
         seed: random state of the Gaussian mixtures.
     """
+
+    one_model = True
 
     def __init__(self, partition: str = "indirect", rule: str = "top_fraction", public_fraction: float = 0.1,
                  components: int = 1, weighted: bool = False, plus: bool = False, centered: bool = False,

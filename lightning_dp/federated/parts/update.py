@@ -64,6 +64,14 @@ class ClientUpdate(Part):
         """Record-level privacy metrics of the ledger (computed when written)."""
         return {}
 
+    #: whether every client has a record-level budget it can reveal (:meth:`revealed_budgets`)
+    reveals_budgets = False
+
+    def true_public(self, index: Sequence[int]) -> list[bool] | None:
+        """Whether each client in ``index`` is in truth in the relaxed budget group (None: no budget groups): the
+        simulation's ground truth for scoring a public/private split, never given to the server."""
+        return None
+
     def revealed_budgets(self, index: Sequence[int]) -> list[float]:
         """The record-level budgets the clients in ``index`` reveal (for aggregators that ask for them)."""
         raise ValueError(f"update {self.name!r} has no per-client privacy budgets to reveal; use local_dp_sgd "
@@ -286,9 +294,11 @@ class LocalDPSGD(ClientUpdate):
         """The budget every training client trains at (None: unlimited), after :meth:`plan`."""
         return list(self._targets)
 
-    def true_public(self, index: Sequence[int]) -> list[bool] | None:
-        """Whether each client in ``index`` is in truth in the relaxed budget group (None without budgets): the
-        simulation's ground truth for scoring a public/private split, never given to the server."""
+    @property
+    def reveals_budgets(self) -> bool:
+        return self.target_epsilon is not None or self.budgets is not None
+
+    def true_public(self, index):
         return None if self._groups is None else [self._groups[i] for i in index]
 
     def revealed_budgets(self, index):
