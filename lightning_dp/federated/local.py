@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 __all__ = ["FlatParams", "LOSSES", "check_loss", "choose_hypotheses", "client_losses", "client_outputs_and_losses",
-           "example_loss", "forward_and_loss", "local_sgd", "local_sgd_loop", "masked_loss", "predictions"]
+           "example_loss", "forward_and_loss", "row_norms", "local_sgd", "local_sgd_loop", "masked_loss", "predictions"]
 
 #: Loss names accepted by the round; all are means over a client's (masked) batch.
 LOSSES = ("rmse", "cross_entropy", "binary_cross_entropy")
@@ -165,6 +165,14 @@ def forward_and_loss(template: nn.Module, spec: FlatParams, theta: Tensor, x: Te
     """Output of the model with flat parameters ``theta`` on ``x``, and its :func:`masked_loss`."""
     output = functional_call(template, spec.unflatten(theta), (x,))
     return output, masked_loss(output, y, mask, loss)
+
+
+def row_norms(rows: Tensor) -> Tensor:
+    """The float64 L2 norm of every row of ``rows`` (m, P); above 2^22 entries one row at a time, so that a large
+    model's updates are never copied whole into float64 (a rounded-down norm could let an update exceed a clip)."""
+    if rows.numel() <= 2**22 or not len(rows):
+        return rows.double().norm(dim=1)
+    return torch.stack([row.double().norm() for row in rows])
 
 
 def example_loss(template: nn.Module, spec: FlatParams, loss: str) -> Callable[[Tensor, Tensor, Tensor], Tensor]:

@@ -60,6 +60,7 @@ from lightning_dp.federated.local import (
     client_losses,
     client_outputs_and_losses,
     predictions,
+    row_norms,
 )
 from lightning_dp.federated.parts import (
     Aggregator,
@@ -527,7 +528,7 @@ class FederatedRound(LightningModule):
                     self.ledger.charge(self._clients["train"][i].client_id, cost)
             self.update.charge(index)  # record-level ledger (local DP-SGD)
             if self.k == 1 and len(index):  # the released updates' norms: public (the server sees the releases)
-                norms = (releases - hyps[0]).double().norm(dim=1)
+                norms = row_norms(releases - hyps[0])
                 metrics["round/update_norm_mean"] = float(norms.mean())
                 metrics["round/update_norm_std"] = float(norms.std()) if len(index) > 1 else 0.0
             self.aggregator.observe(client_ids=[self._clients["train"][i].client_id for i in index],

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from lightning_dp.federated.aggregation import kmeans_aggregate
+from lightning_dp.federated.local import row_norms
 from lightning_dp.federated.parts.registry import Part, register_part
 
 __all__ = ["Aggregator", "FedAvg", "KMeans", "PFA"]
@@ -171,7 +172,7 @@ class PFA(Aggregator):
         if self.partition == "direct":
             public = split_by_budgets(budgets, rule=self.rule, public_fraction=self.public_fraction, seed=self.seed)
         elif not self._split:  # the warm start: FedAvg over everyone, then the split from the released norms
-            public = split_by_norms(updates.double().norm(dim=1).cpu().numpy(), seed=self.seed)
+            public = split_by_norms(row_norms(updates).cpu().numpy(), seed=self.seed)
             self._split = {cid: bool(p) for cid, p in zip(ids, public)}
             self.last_public = [bool(p) for p in public]
             return releases.mean(0, keepdim=True), assignment

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_dp.federated.local import row_norms
 from lightning_dp.federated.parts.registry import Part, register_part
 from lightning_dp.privacy.accounting import check_adjacency, get_accountant
 from lightning_dp.privacy.adaptive import default_count_noise_std, quantile_clip_update, quantile_noise_split
@@ -356,10 +357,7 @@ class CentralGaussian(ServerPrivacy):
                                f"{self.epsilon:.4g}); refusing to release another round.")
         glob = hypotheses[0]
         deltas = releases - glob
-        if deltas.numel() <= 2**22 or not len(deltas):
-            norms = deltas.double().norm(dim=1)
-        else:  # float64 norms row by row: one row's copy at a time, not the whole (m, P) matrix in float64
-            norms = torch.stack([d.double().norm() for d in deltas])
+        norms = row_norms(deltas)
         clip = self.clip
         total = clip_factors(norms, clip).to(deltas.dtype) @ deltas if len(deltas) else torch.zeros_like(glob)
         z_update = self.update_noise_multiplier
