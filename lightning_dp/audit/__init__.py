@@ -8,8 +8,13 @@ Public API (:mod:`lightning_dp.audit.dlg`, torch only):
     mse, psnr, image_grid: the comparison of reconstructions with the private images.
 
 Membership inference: scores (:mod:`lightning_dp.audit.scores`, the loss attack on any module with a
-per-example loss) and statistics (:mod:`lightning_dp.audit.statistics`: ROC, AUC, TPR at low FPR and
-empirical epsilon lower bounds with Clopper-Pearson confidence).
+per-example loss), shadow models (:mod:`lightning_dp.audit.lira`, LiRA), noisy neighbours
+(:mod:`lightning_dp.audit.neighbours`) and statistics (:mod:`lightning_dp.audit.statistics`: ROC, AUC, TPR at
+low FPR and empirical epsilon lower bounds with Clopper-Pearson confidence).
+
+One-run audits of DP-SGD: canaries (:mod:`lightning_dp.audit.canaries`), the bounds of Steinke et al. and the
+f-DP analysis (:mod:`lightning_dp.audit.one_run`), in a run via :class:`lightning_dp.callbacks.OneRunAudit`;
+:mod:`lightning_dp.audit.faults` holds a deliberately broken DPSGD that audits must catch.
 
 The command ``lightning-dp audit`` (:mod:`lightning_dp.audit.command`) runs an audit from a
 YAML config and records it in MLflow; see docs/audit.md.
@@ -37,6 +42,11 @@ from lightning_dp.audit.dlg import (
     psnr,
     run_dlg_audit,
 )
+from lightning_dp.audit.lira import inclusion_masks, lira_from_losses, lira_scores, train_shadow_models
+from lightning_dp.audit.neighbours import find_embedding, neighbour_losses, noisy_neighbour_scores, search_sigma
+from lightning_dp.audit.one_run import one_run_audit, steinke_epsilon
+from lightning_dp.audit.scores import loss_scores, per_example_losses
+from lightning_dp.audit.statistics import empirical_epsilon, roc, tpr_at_fpr, two_stage_epsilon
 
 __all__ = [
     "SANITIZERS",
@@ -50,6 +60,22 @@ __all__ = [
     "Sanitizer",
     "client_release",
     "dlg_attack",
+    "empirical_epsilon",
+    "find_embedding",
+    "inclusion_masks",
+    "lira_from_losses",
+    "lira_scores",
+    "loss_scores",
+    "neighbour_losses",
+    "noisy_neighbour_scores",
+    "one_run_audit",
+    "per_example_losses",
+    "roc",
+    "search_sigma",
+    "steinke_epsilon",
+    "tpr_at_fpr",
+    "train_shadow_models",
+    "two_stage_epsilon",
     "flatten_parameters",
     "gradient_matching_loss",
     "image_grid",

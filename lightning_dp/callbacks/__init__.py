@@ -2,7 +2,8 @@
 
 from lightning_dp.callbacks.adaptive_clipping import OnlineSensitivity, QuantileClipping
 from lightning_dp.callbacks.dp_sgd import DPSGD
+from lightning_dp.callbacks.one_run_audit import OneRunAudit
 from lightning_dp.callbacks.restore_best import RestoreBestWeights
 from lightning_dp.callbacks.run_artifacts import RunArtifacts
 
-__all__ = ["DPSGD", "OnlineSensitivity", "QuantileClipping", "RestoreBestWeights", "RunArtifacts"]
+__all__ = ["DPSGD", "OneRunAudit", "OnlineSensitivity", "QuantileClipping", "RestoreBestWeights", "RunArtifacts"]

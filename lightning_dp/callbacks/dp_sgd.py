@@ -284,6 +284,7 @@ class DPSGD(Callback):
         # noise and sampling streams: Trainer.global_step restarts at 0 in a second fit, and the same
         # noise on two releases would cancel in their difference.
         self._released = 0
+        self._audits: list[Any] = []  # one-run audits (lightning_dp.callbacks.OneRunAudit) attached to this run
 
     def _resolve_adjacency(self, adjacency: str | None, accountant: str) -> str:
         from lightning_dp.privacy.accounting import check_adjacency
@@ -377,6 +378,23 @@ class DPSGD(Callback):
         self._requested_seed = check_seed(seed, optional=False)
         self._seed = None
 
+    def attach_audit(self, audit: Any) -> None:
+        """Lets a one-run audit (:class:`~lightning_dp.callbacks.OneRunAudit`) into the run before training starts.
+
+        The audit may replace the training loader before it is privatized (``transform_loader(loader)``: the
+        canary slots are then part of the data that N, q and the accounting see), and may add gradient
+        canaries to each step's clipped sum before the noise (``add_to_sums``) and read the released gradient
+        (``observe``). An audit changes what is trained on, never how it is privatized.
+        """
+        if not self.poisson_sampling or self.adjacency != "add_remove":
+            raise MisconfigurationException(
+                f"a one-run audit needs DPSGD(poisson_sampling=True, adjacency='add_remove'); this run has "
+                f"poisson_sampling={self.poisson_sampling}, adjacency={self.adjacency!r}. The audit's game includes "
+                "or excludes each canary, which is the add/remove relation; shuffled batches and replacement "
+                "adjacency state epsilon for another relation.")
+        if audit not in self._audits:
+            self._audits.append(audit)
+
     def _attach_to_training_data(self, trainer: Trainer) -> None:
         """Make the fit's training data Poisson-sampled, wherever Lightning takes it from."""
         source = getattr(trainer.fit_loop, "_data_source", None)
@@ -447,6 +465,8 @@ class DPSGD(Callback):
 
     def _privatize(self, loader: Any, trainer: Trainer) -> DataLoader:
         world = trainer.world_size
+        for audit in self._audits:
+            loader = audit.transform_loader(loader)
         data = self._data_facts(loader, world)
         self._probe_data = (loader.dataset, loader.collate_fn)
         if not self.poisson_sampling:
@@ -770,6 +790,8 @@ class DPSGD(Callback):
             releases = [[next(chunks).view_as(t) for t in r] for r in releases]
             stats = flat[-2:]
         sums, extra_sums = releases[0], releases[1:]
+        for audit in self._audits:  # gradient canaries enter the clipped sum (after the all-reduce: once in aggregate)
+            audit.add_to_sums(sums, step=self._released, sample_rate=self._data["sample_rate"], max_grad_norm=clip)
         noise_multiplier = self._gradient_noise_multiplier()
         expected = self._data["expected_batch_size"]
         generator = derive_generator(self._seed, NOISE, self._released, device=sums[0].device)
@@ -780,6 +802,8 @@ class DPSGD(Callback):
                 continue
             p.grad = g.to(p.dtype)
             self._released_grads[id(p)] = p.grad
+        for audit in self._audits:
+            audit.observe(grads)
         set_noise_std = getattr(optimizer, "set_noise_std", None)
         if callable(set_noise_std):  # AdamWOSM: its fixed second moment is this step's noise std per coordinate
             set_noise_std(noise_multiplier * clip / expected)
@@ -924,6 +948,7 @@ class DPSGD(Callback):
         for handle in self._step_hooks:
             handle.remove()
         self._step_hooks = []
+        self._audits = []  # attached again by the audit's own setup in a next fit
         while self._restore:
             self._restore.pop()()
 

@@ -567,6 +567,15 @@ class PLDAccountant(Accountant):
     def _compute_epsilon(self, history: tuple[HistoryEntry, ...], delta: float) -> float:
         return float(self._composed_pld(history).get_epsilon_for_delta(delta))
 
+    def privacy_profile(self, epsilons: Sequence[float]) -> np.ndarray:
+        """``delta(eps)`` of the whole history at every epsilon of ``epsilons`` (the PLD's hockey-stick
+        divergence, pessimistic; both directions of add/remove, the larger). The one-run f-DP audit turns it
+        into a trade-off function (:func:`lightning_dp.audit.one_run.tradeoff_from_profile`)."""
+        if not self._history:
+            return np.zeros(len(epsilons))
+        return np.asarray(self._composed_pld(self._history).get_delta_for_epsilon(list(map(float, epsilons))),
+                          dtype=np.float64)
+
 
 class DisjointPairPLDAccountant(PLDAccountant):
     """Replacement of one record whose contribution stays in a set of diameter ``D`` (but may be far from 0).

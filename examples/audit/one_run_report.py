@@ -1,0 +1,60 @@
+"""Table of one-run audits: mean +- std over the runs of each (canary, mechanism, target epsilon) group.
+
+Reads the MLflow runs written by ``lightning-dp fit --config examples/audit/one_run_mnist*.yaml`` (or a grid
+of them) and prints a markdown table (docs/results_mia.md):
+
+    python examples/audit/one_run_report.py --experiment one-run-audit-mnist [--tracking-uri URI]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections import defaultdict
+
+import numpy as np
+
+COLUMNS = [("privacy/epsilon", "accounted eps"), ("audit/epsilon_lower_bound", "Steinke bound"),
+           ("audit/epsilon_lower_bound_fdp", "f-DP bound (accounted family)"),
+           ("audit/epsilon_lower_bound_gdp", "f-DP bound (GDP)"), ("audit/canary_auc", "canary AUC"),
+           ("val/acc", "val acc")]
+
+
+def _cell(values: list[float]) -> str:
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    return f"{np.mean(values):.3f} ± {np.std(values, ddof=1):.3f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--experiment", default="one-run-audit-mnist")
+    parser.add_argument("--tracking-uri", default=None, help="default: the project's store (./mlruns)")
+    args = parser.parse_args()
+    import mlflow
+
+    from lightning_dp import tracking
+
+    client = mlflow.MlflowClient(args.tracking_uri or tracking.default_tracking_uri())
+    experiment = client.get_experiment_by_name(args.experiment)
+    if experiment is None:
+        raise SystemExit(f"no experiment {args.experiment!r} in {client.tracking_uri}")
+    groups: dict[tuple, list] = defaultdict(list)
+    for run in client.search_runs([experiment.experiment_id], max_results=10_000):
+        p, m = run.data.params, run.data.metrics
+        if "audit/epsilon_lower_bound" not in m:
+            continue
+        key = (p.get("audit/canary"), p.get("audit/mechanism"), float(p.get("privacy/target_epsilon") or "nan"))
+        groups[key].append(m)
+    print("| canary | mechanism | target eps | runs | " + " | ".join(name for _, name in COLUMNS) + " |")
+    print("|---|---|---|---|" + "---|" * len(COLUMNS))
+    for (canary, mechanism, target), runs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
+        cells = [_cell([r.get(metric) for r in runs]) for metric, _ in COLUMNS]
+        print(f"| {canary} | {mechanism} | {target:g} | {len(runs)} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,263 @@
+"""OneRunAudit: an empirical epsilon lower bound measured in the same run that DPSGD accounts.
+
+Thin Lightning shell around :mod:`lightning_dp.audit.canaries` (the canaries) and
+:mod:`lightning_dp.audit.one_run` (the bounds); see docs/audit.md.
+
+    >>> from lightning_dp.callbacks import DPSGD, OneRunAudit
+    >>> callbacks = [DPSGD(target_epsilon=8.0, epochs=10), OneRunAudit(num_canaries=1000, num_classes=10)]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.utils.data import DataLoader
+
+from lightning_dp.audit.canaries import (
+    CANARY_KINDS,
+    CanaryDataset,
+    DiracCanaries,
+    DropAbsent,
+    draw_inclusions,
+    make_input_canaries,
+)
+from lightning_dp.audit.one_run import METHODS, AccountedFamily, OneRunResult, one_run_audit
+from lightning_dp.callbacks.dp_sgd import DPSGD
+from lightning_dp.privacy.seeds import check_seed, fresh_seed
+
+__all__ = ["OneRunAudit"]
+
+
+class OneRunAudit(Callback):
+    """Audits a :class:`~lightning_dp.callbacks.DPSGD` run from the inside (Steinke, Nasr & Jagielski 2023).
+
+    Before training, ``num_canaries`` canaries are drawn and each is included with probability 1/2 (input
+    canaries as extra slots of the training set, gradient canaries in the clipped sums; see
+    :mod:`lightning_dp.audit.canaries`). At the end of training every canary is scored (black-box: ``-loss``
+    of the final model; white-box: the released gradients at its coordinate), the top and bottom scores are
+    guessed included and excluded, and the correct guesses give epsilon lower bounds at ``confidence``. They
+    are logged beside ``privacy/epsilon`` in the same run:
+
+    * ``audit/epsilon_lower_bound``: Steinke et al.'s (epsilon, delta) bound at DPSGD's ``target_delta``;
+    * ``audit/epsilon_lower_bound_fdp``: the f-DP bound of Mahloujifar, Melis & Chaudhuri 2024 against the
+      run's own accounted mechanism (its noise scaled down until the guesses reject it);
+    * ``audit/epsilon_lower_bound_gdp``: the f-DP bound against mu-GDP;
+    * ``audit/epsilon_accounted`` (DPSGD's epsilon), ``audit/canaries``, ``audit/included``,
+      ``audit/guesses`` and ``audit/correct_guesses`` of the best candidate, ``audit/canary_auc``;
+
+    with the artifacts ``audit/one_run.tsv`` (every canary's inclusion bit and score), ``audit/one_run.md``
+    (every guess candidate's bounds) and ``audit/canary_roc.png``. A bound above the accounted epsilon means
+    the run did not deliver its guarantee (a warning says so); a bound far below it is expected, above all
+    for black-box audits.
+
+    The canaries are trained on: an audited run is a run for auditing, not the model to ship. The inclusion
+    bits are the audit's own secret, drawn from ``seed`` (not DPSGD's): anyone who knows them can read the
+    canaries' membership off the model, which is the point of the audit and reveals nothing about real data.
+
+    Args:
+        num_canaries: m, the number of canaries (about half are included).
+        canary: ``"mislabeled"`` (training inputs with a wrong label), ``"random_inputs"`` (Gaussian inputs
+            or random token ids with random labels) or ``"gradient"`` (white-box Dirac gradient canaries).
+        num_classes: the number of classes (vocabulary size for token sequences) for input canaries; default
+            the module's ``hparams.num_classes``.
+        confidence: the probability with which each reported bound holds.
+        candidates: ``(k+, k-)`` guess counts (default: 1-50 % of m, see
+            :func:`~lightning_dp.audit.one_run.default_guess_candidates`), Bonferroni-corrected.
+        methods: which bounds to compute (``steinke``, ``fdp_accounted``, ``fdp_gaussian``).
+        seed: the audit's seed (canaries, inclusion bits, gradient-canary sampling). Default: a fresh one,
+            saved in checkpoints so that a resumed run keeps its canaries.
+        batch_size: batch size for scoring the canaries.
+    """
+
+    def __init__(self, *, num_canaries: int = 1000, canary: str = "mislabeled", num_classes: int | None = None,
+                 confidence: float = 0.95, candidates: Sequence[Sequence[int]] | None = None,
+                 methods: Sequence[str] = METHODS, seed: int | None = None, batch_size: int = 256) -> None:
+        if isinstance(num_canaries, bool) or not isinstance(num_canaries, int) or num_canaries < 2:
+            raise ValueError(f"num_canaries={num_canaries!r} must be an integer >= 2 (the paper uses 1000 or more)")
+        if canary not in CANARY_KINDS:
+            raise ValueError(f"canary={canary!r}: choose one of {list(CANARY_KINDS)}")
+        if not 0 < confidence < 1:
+            raise ValueError(f"confidence={confidence!r} must be in (0, 1), e.g. 0.95")
+        unknown = [m for m in methods if m not in METHODS]
+        if unknown or not methods:
+            raise ValueError(f"methods={list(methods)!r}: choose from {list(METHODS)}")
+        self.candidates = None
+        if candidates is not None:
+            pairs = [tuple(int(k) for k in c) for c in candidates]
+            if not pairs or any(len(p) != 2 or min(p) < 0 or sum(p) == 0 or sum(p) > num_canaries for p in pairs):
+                raise ValueError(f"candidates={candidates!r} must be (positives, negatives) pairs of non-negative "
+                                 f"counts with 0 < positives + negatives <= num_canaries={num_canaries}")
+            self.candidates = pairs
+        if not (isinstance(batch_size, int) and batch_size >= 1):
+            raise ValueError(f"batch_size={batch_size!r} must be a positive integer")
+        self.num_canaries, self.canary, self.num_classes = num_canaries, canary, num_classes
+        self.confidence, self.methods, self.batch_size = float(confidence), tuple(methods), batch_size
+        self._requested_seed = check_seed(seed)
+        self._seed: int | None = None
+        self._included: np.ndarray | None = None
+        self._canaries: list[Any] | None = None
+        self._collate: Any = None
+        self._gradient: DiracCanaries | None = None
+        self._dpsgd: DPSGD | None = None
+        self.result: OneRunResult | None = None
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(canary=self.canary, num_canaries=self.num_canaries)
+
+    # ------------------------------------------------------------------ set-up
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        found = [cb for cb in trainer.callbacks if isinstance(cb, DPSGD)]
+        if len(found) != 1:
+            raise MisconfigurationException(
+                f"OneRunAudit audits a DPSGD run; this Trainer has {len(found)} DPSGD callbacks. Add exactly one "
+                "lightning_dp.callbacks.DPSGD (or a subclass) beside it.")
+        self._dpsgd = found[0]
+        if self.canary != "gradient" and self.num_classes is None:
+            self.num_classes = getattr(pl_module, "hparams", {}).get("num_classes")
+            if self.num_classes is None:
+                raise MisconfigurationException(
+                    f"OneRunAudit(canary={self.canary!r}) needs num_classes (the vocabulary size for token "
+                    f"sequences) and {type(pl_module).__name__} has no hparams.num_classes: pass num_classes=...")
+        if self._seed is None:
+            seed = self._requested_seed if self._requested_seed is not None else fresh_seed()
+            self._seed = int(trainer.strategy.broadcast(seed, src=0))
+        if self._included is None:
+            self._included = draw_inclusions(self.num_canaries, seed=self._seed)
+        if self.canary == "gradient" and self._gradient is None:
+            self._gradient = DiracCanaries(self._included, seed=self._seed)
+        self._dpsgd.attach_audit(self)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        params = {"audit/canary": self.canary, "audit/num_canaries": self.num_canaries,
+                  "audit/confidence": self.confidence, "audit/methods": ",".join(self.methods),
+                  "audit/mechanism": type(self._dpsgd).__name__}
+        for logger in trainer.loggers:
+            logger.log_hyperparams(params)
+
+    # ------------------------------------------------------- hooks called by DPSGD
+    def transform_loader(self, loader: Any) -> Any:
+        """The training loader with the canary slots appended (input canaries); unchanged for gradient canaries."""
+        if self.canary == "gradient":
+            return loader
+        if not isinstance(loader, DataLoader):
+            raise MisconfigurationException(f"OneRunAudit needs a torch DataLoader for training, got "
+                                            f"{type(loader).__name__}")
+        base = loader.dataset
+        if isinstance(base, CanaryDataset):
+            return loader
+        if self._canaries is None:
+            try:
+                self._canaries = make_input_canaries(base, self.num_canaries, kind=self.canary,
+                                                     num_classes=self.num_classes, seed=self._seed)
+            except ValueError as err:
+                raise MisconfigurationException(f"OneRunAudit: {err}") from None
+        self._collate = loader.collate_fn
+        dataset = CanaryDataset(base, self._canaries, self._included)
+        # DPSGD replaces the sampler by Poisson sampling over all N + m slots; the batch size sets q
+        return DataLoader(dataset, batch_size=loader.batch_size, shuffle=True, collate_fn=DropAbsent(loader.collate_fn,
+                          dataset), num_workers=loader.num_workers, pin_memory=loader.pin_memory)
+
+    def add_to_sums(self, sums: list[torch.Tensor], *, step: int, sample_rate: float, max_grad_norm: float) -> None:
+        if self._gradient is not None:
+            self._gradient.add_to_sums(sums, step=step, sample_rate=sample_rate, max_grad_norm=max_grad_norm)
+
+    def observe(self, grads: list[torch.Tensor]) -> None:
+        if self._gradient is not None:
+            self._gradient.observe(grads)
+
+    # ------------------------------------------------------------------ the audit
+    def scores(self, pl_module: LightningModule) -> np.ndarray:
+        """Every canary's membership score under the current model (higher = guessed included)."""
+        if self._gradient is not None:
+            return self._gradient.scores.copy()
+        if self._canaries is None:
+            raise RuntimeError("no canaries were made: the audit did not see the training data")
+        from lightning_dp.audit.scores import loss_scores
+
+        loader = DataLoader(self._canaries, batch_size=self.batch_size, shuffle=False, collate_fn=self._collate)
+        return loss_scores(pl_module, loader)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        dpsgd = self._dpsgd
+        if dpsgd is None or self._included is None or not dpsgd.accountant.history:
+            return
+        scores = self.scores(pl_module)
+        family = None
+        if "fdp_accounted" in self.methods:
+            family = AccountedFamily(dpsgd.accountant.history)
+        self.result = result = one_run_audit(scores, self._included, delta=dpsgd.target_delta,
+                                             confidence=self.confidence, candidates=self.candidates,
+                                             methods=self.methods, accounted=family)
+        accounted = dpsgd.epsilon
+        self._report(trainer, scores, result, accounted)
+
+    def _report(self, trainer: Trainer, scores: np.ndarray, result: OneRunResult, accounted: float) -> None:
+        from lightning_dp import tracking
+        from lightning_dp.audit.statistics import roc
+
+        inc = self._included
+        assert inc is not None
+        names = {"steinke": "audit/epsilon_lower_bound", "fdp_accounted": "audit/epsilon_lower_bound_fdp",
+                 "fdp_gaussian": "audit/epsilon_lower_bound_gdp"}
+        metrics = {names[m]: float(result.epsilon[m]) for m in result.epsilon}
+        first = result.best[self.methods[0]]
+        metrics.update({"audit/epsilon_accounted": float(accounted), "audit/canaries": float(result.canaries),
+                        "audit/included": float(result.included), "audit/guesses": float(first.guesses),
+                        "audit/correct_guesses": float(first.correct), "audit/confidence": self.confidence})
+        curve = None
+        if 0 < inc.sum() < inc.size:
+            curve = roc(scores[inc], scores[~inc])
+            metrics["audit/canary_auc"] = curve.auc
+        summary = ", ".join(f"{m} {result.epsilon[m]:.3f}" for m in result.epsilon)
+        rank_zero_info(f"OneRunAudit ({self.canary} canaries, {result.included}/{result.canaries} included): epsilon "
+                       f"lower bounds at {self.confidence:.0%} confidence: {summary}; accounted epsilon "
+                       f"{accounted:.3f}")
+        worst = max(result.epsilon.values())
+        if math.isfinite(accounted) and worst > accounted:
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            rank_zero_warn(
+                f"OneRunAudit: the empirical lower bound {worst:.3f} EXCEEDS the accounted epsilon {accounted:.3f}: "
+                "this run did not deliver its privacy guarantee (noise missing or too small, gradients that bypass "
+                "clipping, or an accounting error), or a 1 - confidence chance event happened. Investigate before "
+                "trusting the reported epsilon.")
+        if not trainer.is_global_zero:
+            return
+        step = max(trainer.global_step - 1, 0)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+        rows = ["canary\tincluded\tscore"] + [f"{i}\t{int(b)}\t{s:.9g}" for i, (b, s) in enumerate(zip(inc, scores))]
+        tracking.log_text(trainer, "\n".join(rows) + "\n", "audit/one_run.tsv")
+        header = (f"# One-run audit\n\n{self.canary} canaries: {result.canaries} ({result.included} included); "
+                  f"delta {result.delta:g}; confidence {result.confidence}; accounted epsilon {accounted:.4f}\n\n")
+        tracking.log_text(trainer, header + result.table() + "\n", "audit/one_run.md")
+        if curve is not None and tracking.mlflow_loggers(trainer):
+            from lightning_dp.audit.plots import roc_figure
+
+            tracking.log_figure(trainer, roc_figure({"canaries": curve}, title=f"one-run audit, AUC {curve.auc:.3f}"),
+                                "audit/canary_roc.png")
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self._seed, "included": None if self._included is None else self._included.tolist(),
+                "gradient": None if self._gradient is None else self._gradient.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("seed") is not None:
+            self._seed = int(state_dict["seed"])
+        if state_dict.get("included") is not None:
+            self._included = np.asarray(state_dict["included"], dtype=bool)
+        if state_dict.get("gradient") is not None and self._included is not None:
+            self._gradient = DiracCanaries(self._included, seed=self._seed)
+            self._gradient.load_state_dict(state_dict["gradient"])
+
