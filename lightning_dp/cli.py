@@ -22,7 +22,7 @@ any ``LightningModule`` and ``LightningDataModule`` can be used. Compared with p
   ``mlflow ui`` command to browse the runs.
 
 Subcommands: ``fit``, ``validate``, ``test``, ``audit`` (:mod:`lightning_dp.audit.command`: DLG against
-sanitized client releases) and ``grid`` (:mod:`lightning_dp.grid`: one
+sanitized client releases; ``audit mia``, :mod:`lightning_dp.audit.mia_command`: membership inference) and ``grid`` (:mod:`lightning_dp.grid`: one
 config over a grid of overrides, nested MLflow runs, the grid's composed privacy cost).
 Top-level commands outside LightningCLI register in :data:`EXTRA_COMMANDS`; they are
 dispatched by :func:`main` before LightningCLI parses the arguments.
@@ -54,14 +54,19 @@ def _grid(argv: list[str]) -> Optional[int]:
 
 
 def _audit(argv: list[str]) -> Optional[int]:
-    from lightning_dp.audit import command
+    if argv and argv[0] == "mia":  # lightning-dp audit mia --config ...: membership inference
+        from lightning_dp.audit import mia_command
 
-    return command.main(argv)
+        return mia_command.main(argv[1:])
+    from lightning_dp.audit import command  # lightning-dp audit [dlg] --config ...: gradient inversion
+
+    return command.main(argv[1:] if argv and argv[0] == "dlg" else argv)
 
 
 #: Top-level commands handled outside LightningCLI: name -> function(argv) -> exit code.
 #: ``grid``: one config over a grid of overrides, with the grid's privacy cost (:mod:`lightning_dp.grid`).
-#: ``audit``: Deep Leakage from Gradients against sanitized client releases (:mod:`lightning_dp.audit.command`).
+#: ``audit``: Deep Leakage from Gradients against sanitized client releases (:mod:`lightning_dp.audit.command`);
+#: ``audit mia``: membership inference, loss / shadow / noisy neighbours (:mod:`lightning_dp.audit.mia_command`).
 EXTRA_COMMANDS: dict[str, Callable[[list[str]], Optional[int]]] = {"grid": _grid, "audit": _audit}
 
 
