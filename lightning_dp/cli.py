@@ -42,6 +42,7 @@ from typing_extensions import override
 
 from lightning_dp import __version__, tracking
 from lightning_dp.callbacks.run_artifacts import RunArtifacts
+from lightning_dp.tracking import redact_secrets  # noqa: F401  (part of this module's API since 0.2)
 
 __all__ = ["EXTRA_COMMANDS", "LightningDPCLI", "MLflowSaveConfigCallback", "main", "redact_secrets"]
 
@@ -129,67 +130,6 @@ class MLflowSaveConfigCallback(SaveConfigCallback):
     def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         text = redact_secrets(self.parser.dump(self.config, skip_none=False))
         tracking.log_text(trainer, text, self.config_filename)
-
-
-def _secret_arguments(class_path: Any) -> tuple[str, ...]:
-    """``SECRET_ARGUMENTS`` of the class a config names (none if it cannot be imported)."""
-    if not isinstance(class_path, str) or "." not in class_path:
-        return ()
-    module_name, _, name = class_path.rpartition(".")
-    try:
-        import importlib
-
-        cls = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError):
-        return ()
-    return tuple(getattr(cls, "SECRET_ARGUMENTS", ()))
-
-
-def redact_secrets(config_text: str) -> str:
-    r"""A YAML config with every secret constructor argument set to null, for logging.
-
-    A component lists its secret arguments in ``SECRET_ARGUMENTS`` (DPSGD's ``seed``, the
-    federated module's ``noise_seed``: whoever knows them regenerates the privacy noise).
-    The logged config then reproduces the run except its noise, which a null seed draws
-    afresh; a comment at the top says what was redacted. Header comments are kept.
-
-    Example:
-        >>> print(redact_secrets("trainer:\n  callbacks:\n  - class_path: lightning_dp.callbacks.DPSGD\n"
-        ...                      "    init_args:\n      seed: 7\n"))
-        # redacted (secret noise seeds, set to null): trainer.callbacks.0.init_args.seed
-        trainer:
-          callbacks:
-          - class_path: lightning_dp.callbacks.DPSGD
-            init_args:
-              seed: null
-        <BLANKLINE>
-    """
-    import yaml
-
-    config = yaml.safe_load(config_text)
-    redacted: list[str] = []
-
-    def walk(node: Any, path: str) -> None:
-        if isinstance(node, dict):
-            args = node.get("init_args")
-            if isinstance(args, dict):
-                for name in _secret_arguments(node.get("class_path")):
-                    if args.get(name) is not None:
-                        args[name] = None
-                        redacted.append(f"{path}init_args.{name}")
-            for key, value in node.items():
-                walk(value, f"{path}{key}.")
-        elif isinstance(node, list):
-            for i, value in enumerate(node):
-                walk(value, f"{path}{i}.")
-
-    walk(config, "")
-    if not redacted:
-        return config_text
-    header = [line for line in config_text.splitlines() if line.startswith("#")]
-    note = f"# redacted (secret noise seeds, set to null): {', '.join(redacted)}"
-    body = yaml.safe_dump(config, sort_keys=False, default_flow_style=False)
-    return "\n".join([*header, note, body])
 
 
 class LightningDPCLI(LightningCLI):

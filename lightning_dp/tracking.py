@@ -44,6 +44,7 @@ __all__ = [
     "default_artifact_location",
     "default_tracking_uri",
     "library_versions",
+    "redact_secrets",
     "log_artifact",
     "log_figure",
     "log_params",
@@ -409,6 +410,67 @@ def plot_series(
     axes.set_title(title)
     axes.grid(True, alpha=0.3)
     return figure
+
+
+def _secret_arguments(class_path: Any) -> tuple[str, ...]:
+    """``SECRET_ARGUMENTS`` of the class a config names (none if it cannot be imported)."""
+    if not isinstance(class_path, str) or "." not in class_path:
+        return ()
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        import importlib
+
+        cls = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError):
+        return ()
+    return tuple(getattr(cls, "SECRET_ARGUMENTS", ()))
+
+
+def redact_secrets(config_text: str) -> str:
+    r"""A YAML config with every secret constructor argument set to null, for logging.
+
+    A component lists its secret arguments in ``SECRET_ARGUMENTS`` (DPSGD's ``seed``, the
+    federated module's ``noise_seed``: whoever knows them regenerates the privacy noise).
+    The logged config then reproduces the run except its noise, which a null seed draws
+    afresh; a comment at the top says what was redacted. Header comments are kept.
+
+    Example:
+        >>> print(redact_secrets("trainer:\n  callbacks:\n  - class_path: lightning_dp.callbacks.DPSGD\n"
+        ...                      "    init_args:\n      seed: 7\n"))
+        # redacted (secret noise seeds, set to null): trainer.callbacks.0.init_args.seed
+        trainer:
+          callbacks:
+          - class_path: lightning_dp.callbacks.DPSGD
+            init_args:
+              seed: null
+        <BLANKLINE>
+    """
+    import yaml
+
+    config = yaml.safe_load(config_text)
+    redacted: list[str] = []
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, dict):
+            args = node.get("init_args")
+            if isinstance(args, dict):
+                for name in _secret_arguments(node.get("class_path")):
+                    if args.get(name) is not None:
+                        args[name] = None
+                        redacted.append(f"{path}init_args.{name}")
+            for key, value in node.items():
+                walk(value, f"{path}{key}.")
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                walk(value, f"{path}{i}.")
+
+    walk(config, "")
+    if not redacted:
+        return config_text
+    header = [line for line in config_text.splitlines() if line.startswith("#")]
+    note = f"# redacted (secret noise seeds, set to null): {', '.join(redacted)}"
+    body = yaml.safe_dump(config, sort_keys=False, default_flow_style=False)
+    return "\n".join([*header, note, body])
 
 
 def library_versions() -> dict[str, str]:

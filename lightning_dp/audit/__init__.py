@@ -14,7 +14,7 @@ low FPR and empirical epsilon lower bounds with Clopper-Pearson confidence).
 
 One-run audits of DP-SGD: canaries (:mod:`lightning_dp.audit.canaries`), the bounds of Steinke et al. and the
 f-DP analysis (:mod:`lightning_dp.audit.one_run`), in a run via :class:`lightning_dp.callbacks.OneRunAudit`;
-:mod:`lightning_dp.audit.faults` holds a deliberately broken DPSGD that audits must catch.
+:mod:`lightning_dp.callbacks.faults` holds a deliberately broken DPSGD that audits must catch.
 
 The command ``lightning-dp audit`` (:mod:`lightning_dp.audit.command`) runs an audit from a
 YAML config and records it in MLflow; see docs/audit.md.

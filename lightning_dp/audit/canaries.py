@@ -89,15 +89,13 @@ class DropAbsent:
     with the structure of a real one (as :class:`~lightning_dp.privacy.sampling.EmptySafeCollate` does)."""
 
     def __init__(self, collate_fn: Callable[[list[Any]], Any], dataset: CanaryDataset) -> None:
+        from lightning_dp.privacy.sampling import EmptySafeCollate
+
         self.collate_fn, self.dataset = collate_fn, dataset
+        self._empty_safe = EmptySafeCollate(collate_fn, dataset.base)
 
     def __call__(self, samples: list[Any]) -> Any:
-        from lightning_dp.privacy.sampling import _empty_like
-
-        kept = [s for s in samples if s is not ABSENT]
-        if kept or not samples:
-            return self.collate_fn(kept)
-        return _empty_like(self.collate_fn([self.dataset.base[0]]))
+        return self._empty_safe([s for s in samples if s is not ABSENT])
 
 
 def _like(value: Any, label: int) -> Any:
@@ -149,6 +147,11 @@ def make_input_canaries(dataset: Any, num_canaries: int, *, kind: str, num_class
 
 class DiracCanaries:
     """White-box gradient canaries (module docstring): where they are, when they enter, and their scores.
+
+    The per-step sampling coins of the canaries come from the audit's seed, which the auditor knows: a score
+    must not use them (the sum over ALL steps does not). A score that looked only at the steps where a canary
+    was sampled would see through the subsampling that epsilon's amplification relies on, and could exceed
+    epsilon without any bug.
 
     Args:
         included: the inclusion bits.

@@ -258,7 +258,9 @@ def main(argv: Sequence[str]) -> int:
     problems = _settings_problems(cfg)
     if problems:
         parser.error("invalid settings:\n  " + "\n  ".join(problems))
-    config_text = parser.dump(cfg, skip_none=False)
+    from lightning_dp.tracking import redact_secrets
+
+    config_text = redact_secrets(parser.dump(cfg, skip_none=False))  # e.g. a DPSGD seed in callbacks
     # The model's initialization uses the global RNG (every nn.Module does): seed it from the audit's
     # seed inside fork_rng, so the audit is reproducible and the caller's RNG state is left untouched.
     with torch.random.fork_rng(devices=[]):

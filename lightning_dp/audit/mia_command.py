@@ -46,7 +46,7 @@ __all__ = ["ATTACKS", "build_parser", "main"]
 
 ATTACKS = ("loss", "shadow", "noisy")
 #: Streams of :func:`~lightning_dp.privacy.noise.derive_generator` under the experiment's seed.
-INIT_STREAM, DATA_STREAM, NOISE_STREAM, SUBSET_STREAM = 51, 52, 53, 54
+INIT_STREAM, DATA_STREAM, NOISE_STREAM, SUBSET_STREAM, SHUFFLE_STREAM = 51, 52, 53, 54, 55
 
 
 def build_parser() -> ArgumentParser:
@@ -145,7 +145,9 @@ def main(argv: Sequence[str]) -> int:
     problems = _problems(cfg)
     if problems:
         parser.error("invalid settings:\n  " + "\n  ".join(problems))
-    config_text = parser.dump(cfg, skip_none=False)
+    from lightning_dp.tracking import redact_secrets
+
+    config_text = redact_secrets(parser.dump(cfg, skip_none=False))  # e.g. a DPSGD seed in callbacks
 
     def seeded(stream: int, k: int = 0) -> int:
         return int(derive_generator(cfg.seed, stream, k).initial_seed()) % 2**63
@@ -204,7 +206,7 @@ def main(argv: Sequence[str]) -> int:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seeded(INIT_STREAM, 2))
             loader = DataLoader(Subset(pool, split.training.tolist()), batch_size=cfg.batch_size, shuffle=True,
-                                generator=derive_generator(cfg.seed, DATA_STREAM, 0))
+                                generator=derive_generator(cfg.seed, SHUFFLE_STREAM))
             Trainer(**trainer_kwargs(first.callbacks, target_logger)).fit(target, train_dataloaders=loader)
         target_logger.finalize("success")
         print(f"[mia] target trained in {time.perf_counter() - start:.0f} s", flush=True)

@@ -439,14 +439,15 @@ class DPSGD(Callback):
 
         self._restore.append(restore)
 
-    def _data_facts(self, loader: Any, world: int) -> dict[str, Any]:
-        """Dataset size, sample rate, expected batch size and steps per epoch of a training loader."""
+    def _data_facts(self, loader: Any, world: int, extra_slots: int = 0) -> dict[str, Any]:
+        """Dataset size, sample rate, expected batch size and steps per epoch of a training loader (with
+        ``extra_slots`` examples that an audit will append)."""
         if not isinstance(loader, DataLoader):
             raise MisconfigurationException(
                 f"train_dataloader returned {type(loader).__name__}; DPSGD needs one torch DataLoader over a "
                 "map-style dataset (it rebuilds the loader with Poisson sampling).")
         try:
-            n = len(loader.dataset)  # type: ignore[arg-type]
+            n = len(loader.dataset) + extra_slots  # type: ignore[arg-type]
         except TypeError:
             raise MisconfigurationException(
                 "the training dataset has no length (an IterableDataset?); Poisson sampling needs random access "
@@ -546,7 +547,9 @@ class DPSGD(Callback):
                 planned length (no ``epochs``/``max_steps`` here nor ``max_epochs``/``max_steps``
                 in the Trainer).
         """
-        data = self._data_facts(train_dataloader, trainer.world_size)
+        # an audit that appends canary slots to the training set (OneRunAudit) changes N, q and the steps per epoch
+        extra = sum(int(getattr(cb, "extra_training_slots", 0)) for cb in trainer.callbacks)
+        data = self._data_facts(train_dataloader, trainer.world_size, extra_slots=extra)
         # the run stops at the Trainer's limits, or at this plan (the grid caps each run's budget to it)
         bounds = [e for e in (self._own_planned_events(data), self._trainer_events(trainer, data)) if e is not None]
         events = min(bounds) if bounds else None

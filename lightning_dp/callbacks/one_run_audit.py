@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
 from lightning_dp.audit.canaries import (
     CANARY_KINDS,
@@ -30,6 +30,7 @@ from lightning_dp.audit.canaries import (
 )
 from lightning_dp.audit.one_run import METHODS, AccountedFamily, OneRunResult, one_run_audit
 from lightning_dp.callbacks.dp_sgd import DPSGD
+from lightning_dp.privacy.sampling import with_dataset
 from lightning_dp.privacy.seeds import check_seed, fresh_seed
 
 __all__ = ["OneRunAudit"]
@@ -128,6 +129,18 @@ class OneRunAudit(Callback):
                 raise MisconfigurationException(
                     f"OneRunAudit(canary={self.canary!r}) needs num_classes (the vocabulary size for token "
                     f"sequences) and {type(pl_module).__name__} has no hparams.num_classes: pass num_classes=...")
+        dp_seed = getattr(self._dpsgd, "_requested_seed", None)
+        if self._requested_seed is not None and self._requested_seed == dp_seed:
+            raise MisconfigurationException(
+                f"OneRunAudit(seed={self._requested_seed}) equals DPSGD's seed: the audit's seed is stored in plain in "
+                "checkpoints and logs, and DPSGD's is the secret that regenerates its noise. Give the audit another "
+                "seed, or none (a fresh one).")
+        if self.canary == "gradient":
+            trainable = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
+            if self.num_canaries > trainable:
+                raise MisconfigurationException(
+                    f"OneRunAudit(canary='gradient', num_canaries={self.num_canaries}) needs a coordinate per canary but "
+                    f"{type(pl_module).__name__} has {trainable} trainable parameters; lower num_canaries.")
         if self._seed is None:
             seed = self._requested_seed if self._requested_seed is not None else fresh_seed()
             self._seed = int(trainer.strategy.broadcast(seed, src=0))
@@ -162,10 +175,13 @@ class OneRunAudit(Callback):
             except ValueError as err:
                 raise MisconfigurationException(f"OneRunAudit: {err}") from None
         self._collate = loader.collate_fn
+        if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
+            rank_zero_warn(f"DPSGD replaces the training DataLoader's {type(loader.sampler).__name__} by Poisson "
+                           "sampling (every example and canary slot enters every batch with probability q); its own "
+                           "sampling is not used.")
         dataset = CanaryDataset(base, self._canaries, self._included)
         # DPSGD replaces the sampler by Poisson sampling over all N + m slots; the batch size sets q
-        return DataLoader(dataset, batch_size=loader.batch_size, shuffle=True, collate_fn=DropAbsent(loader.collate_fn,
-                          dataset), num_workers=loader.num_workers, pin_memory=loader.pin_memory)
+        return with_dataset(loader, dataset, collate_fn=DropAbsent(loader.collate_fn, dataset))
 
     def add_to_sums(self, sums: list[torch.Tensor], *, step: int, sample_rate: float, max_grad_norm: float) -> None:
         if self._gradient is not None:
@@ -187,10 +203,15 @@ class OneRunAudit(Callback):
         loader = DataLoader(self._canaries, batch_size=self.batch_size, shuffle=False, collate_fn=self._collate)
         return loss_scores(pl_module, loader)
 
+    @property
+    def extra_training_slots(self) -> int:
+        """Slots this audit appends to the training set (DPSGD plans q = B / (N + slots) with them)."""
+        return 0 if self.canary == "gradient" else self.num_canaries
+
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         dpsgd = self._dpsgd
-        if dpsgd is None or self._included is None or not dpsgd.accountant.history:
-            return
+        if dpsgd is None or self._included is None or not dpsgd.accountant.history or not trainer.is_global_zero:
+            return  # the scores and bounds are the same on every rank: computed and logged on rank zero
         scores = self.scores(pl_module)
         family = None
         if "fdp_accounted" in self.methods:
@@ -222,15 +243,14 @@ class OneRunAudit(Callback):
         rank_zero_info(f"OneRunAudit ({self.canary} canaries, {result.included}/{result.canaries} included): epsilon "
                        f"lower bounds at {self.confidence:.0%} confidence: {summary}; accounted epsilon "
                        f"{accounted:.3f}")
-        worst = max(result.epsilon.values())
-        if math.isfinite(accounted) and worst > accounted:
-            from lightning.pytorch.utilities import rank_zero_warn
-
+        refuted = self._refutations(result, accounted)
+        metrics["audit/claim_refuted"] = float(bool(refuted))
+        if refuted:
             rank_zero_warn(
-                f"OneRunAudit: the empirical lower bound {worst:.3f} EXCEEDS the accounted epsilon {accounted:.3f}: "
-                "this run did not deliver its privacy guarantee (noise missing or too small, gradients that bypass "
-                "clipping, or an accounting error), or a 1 - confidence chance event happened. Investigate before "
-                "trusting the reported epsilon.")
+                "OneRunAudit: " + "; ".join(refuted) + ". This run did not deliver its privacy guarantee (noise "
+                "missing or too small, gradients that bypass clipping, or an accounting error), unless a chance event "
+                f"of probability at most {len(refuted)} x (1 - confidence) = {len(refuted) * (1 - self.confidence):.3g} "
+                "happened. Investigate before trusting the reported epsilon.")
         if not trainer.is_global_zero:
             return
         step = max(trainer.global_step - 1, 0)
@@ -246,6 +266,21 @@ class OneRunAudit(Callback):
 
             tracking.log_figure(trainer, roc_figure({"canaries": curve}, title=f"one-run audit, AUC {curve.auc:.3f}"),
                                 "audit/canary_roc.png")
+
+    @staticmethod
+    def _refutations(result: OneRunResult, accounted: float) -> list[str]:
+        """The tests that refute the run's claim: Steinke et al.'s strict (eps, delta) bound above the accounted
+        epsilon, or the f-DP test rejecting the accounted curve itself (scale 1 or above). The mu-GDP bound is
+        not a strict (eps, delta) statement and refutes nothing on its own."""
+        out = []
+        if "steinke" in result.epsilon and math.isfinite(accounted) and result.epsilon["steinke"] > accounted:
+            out.append(f"the (eps, delta) lower bound {result.epsilon['steinke']:.3f} exceeds the accounted epsilon "
+                       f"{accounted:.3f}")
+        scales = [v for k, v in result.params.items() if k.startswith("fdp_accounted/") and v is not None]
+        if scales and min(scales) <= 1.0:
+            out.append(f"the f-DP test rejects the accounted mechanism itself (every curve down to noise x "
+                       f"{min(scales):.3g} of the claimed)")
+        return out
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:

@@ -490,9 +490,13 @@ class PLDAccountant(Accountant):
 
     name = "pld"
 
-    def __init__(self, value_discretization_interval: float = 1e-4, adjacency: str = "add_remove") -> None:
+    def __init__(self, value_discretization_interval: float = 1e-4, adjacency: str = "add_remove",
+                 pessimistic_estimate: bool = True) -> None:
         super().__init__(adjacency)
         self.value_discretization_interval = self._check_interval(value_discretization_interval)
+        # False gives dp-accounting's optimistic estimate, a LOWER bound of the true epsilon: never for reporting a
+        # spend, only where a lower bound is what is wanted (the epsilon of a curve an audit refuted)
+        self.pessimistic_estimate = bool(pessimistic_estimate)
 
     @staticmethod
     def _check_interval(value: Any) -> float:
@@ -505,25 +509,32 @@ class PLDAccountant(Accountant):
         return float(value)
 
     def _config(self) -> dict[str, Any]:
-        return {"value_discretization_interval": self.value_discretization_interval}
+        config: dict[str, Any] = {"value_discretization_interval": self.value_discretization_interval}
+        if not self.pessimistic_estimate:
+            config["pessimistic_estimate"] = False
+        return config
 
     def _coarse_kwargs(self) -> dict[str, Any] | None:
         coarse = 1e-3
-        return {"value_discretization_interval": coarse} if self.value_discretization_interval < coarse else None
+        if self.value_discretization_interval >= coarse or not self.pessimistic_estimate:
+            return None
+        return {"value_discretization_interval": coarse}
 
     def _load_config(self, state: dict[str, Any]) -> None:
         self.value_discretization_interval = self._check_interval(
             state.get("value_discretization_interval", self.value_discretization_interval)
         )
+        self.pessimistic_estimate = bool(state.get("pessimistic_estimate", True))
 
     def _single_step_pld(self, sigma: float, q: float) -> privacy_loss_distribution.PrivacyLossDistribution:
         # Mirrors PLDAccountant._maybe_compose for PoissonSampledDpEvent(q, GaussianDpEvent(sigma)).
-        key = (self.name, sigma, q, self.value_discretization_interval, self.adjacency)
+        key = (self.name, sigma, q, self.value_discretization_interval, self.adjacency, self.pessimistic_estimate)
         pld = _PLD_SINGLE_STEP_CACHE.get(key)
         if pld is None:
             pld = privacy_loss_distribution.from_gaussian_mechanism(
                 standard_deviation=sigma,
-                pessimistic_estimate=True,
+                pessimistic_estimate=self.pessimistic_estimate,
+                use_connect_dots=self.pessimistic_estimate,  # the library's optimistic path needs privacy buckets
                 value_discretization_interval=self.value_discretization_interval,
                 sampling_prob=q,
                 neighboring_relation=self.neighboring_relation,
@@ -538,7 +549,8 @@ class PLDAccountant(Accountant):
             # compose exactly into one with std sigma / sqrt(n).
             return privacy_loss_distribution.from_gaussian_mechanism(
                 standard_deviation=sigma / math.sqrt(n),
-                pessimistic_estimate=True,
+                pessimistic_estimate=self.pessimistic_estimate,
+                use_connect_dots=self.pessimistic_estimate,
                 value_discretization_interval=self.value_discretization_interval,
                 neighboring_relation=self.neighboring_relation,
             )
@@ -548,20 +560,21 @@ class PLDAccountant(Accountant):
         # The library folds identity.compose(e1).compose(e2)...; a cached prefix of that
         # fold followed by the remaining composes is the same sequence of operations.
         interval = self.value_discretization_interval
+        flavour = (self.name, interval, self.adjacency, self.pessimistic_estimate)
         start, pld = 0, None
         for length in range(len(history), 0, -1):
-            pld = _PLD_COMPOSED_CACHE.get((self.name, interval, self.adjacency, history[:length]))
+            pld = _PLD_COMPOSED_CACHE.get((*flavour, history[:length]))
             if pld is not None:
                 start = length
                 break
         if pld is None:
             pld = privacy_loss_distribution.identity(
-                value_discretization_interval=interval, pessimistic_estimate=True
+                value_discretization_interval=interval, pessimistic_estimate=self.pessimistic_estimate
             )
         for length in range(start + 1, len(history) + 1):
             pld = pld.compose(self._entry_pld(history[length - 1]))
             if length >= len(history) - 1:  # keep the history and its prefix without the last run
-                _PLD_COMPOSED_CACHE.put((self.name, interval, self.adjacency, history[:length]), pld)
+                _PLD_COMPOSED_CACHE.put((*flavour, history[:length]), pld)
         return pld
 
     def _compute_epsilon(self, history: tuple[HistoryEntry, ...], delta: float) -> float:

@@ -136,6 +136,19 @@ def rebuild_dataloader(loader: DataLoader, *, batch_sampler: object, collate_fn:
         persistent_workers=loader.persistent_workers if workers > 0 else False, pin_memory_device=loader.pin_memory_device)
 
 
+def with_dataset(loader: DataLoader, dataset: object, *, collate_fn: Callable | None = None) -> DataLoader:
+    """A copy of ``loader`` (batch size, worker settings, ...) over another ``dataset``, shuffled or sequential as
+    ``loader`` was (a custom sampler of the old dataset cannot cover the new one: it becomes a shuffle)."""
+    workers = loader.num_workers
+    return DataLoader(
+        dataset, batch_size=loader.batch_size, shuffle=not isinstance(loader.sampler, SequentialSampler),
+        drop_last=loader.drop_last, collate_fn=collate_fn or loader.collate_fn, num_workers=workers,
+        pin_memory=loader.pin_memory, timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
+        prefetch_factor=loader.prefetch_factor if workers > 0 else None,
+        persistent_workers=loader.persistent_workers if workers > 0 else False, pin_memory_device=loader.pin_memory_device)
+
+
 def poisson_dataloader(loader: DataLoader, *, sample_rate: float, seed: int, rank: int = 0, world_size: int = 1,
                        start_step: Callable[[], int] | None = None) -> DataLoader:
     """A copy of ``loader`` (same dataset, collate and worker settings) with Poisson batches."""

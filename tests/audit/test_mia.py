@@ -81,7 +81,9 @@ def test_the_command_logs_every_attack_beside_a_linked_target_run(tmp_path, monk
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.chdir(tmp_path)
-    assert cli.main(_args(tmp_path)) in (0, None)
+    # the target and shadows train with DP-SGD: its seed, a secret, must not reach the logged config
+    dpsgd = "--callbacks=[{class_path: lightning_dp.callbacks.DPSGD, init_args: {noise_multiplier: 0.5, seed: 123}}]"
+    assert cli.main(_args(tmp_path, dpsgd)) in (0, None)
     client = mlflow.MlflowClient(uri)
     experiment = client.get_experiment_by_name("mia-test")
     runs = {r.info.run_name: r for r in client.search_runs([experiment.experiment_id])}
@@ -95,6 +97,10 @@ def test_the_command_logs_every_attack_beside_a_linked_target_run(tmp_path, monk
     assert target.data.tags["audit/audit_run_id"] == audit.info.run_id
     history = client.get_metric_history(audit.info.run_id, "audit/noisy/auc_vs_sigma")
     assert len(history) == 4  # 3 grid sigmas + 1 golden-section step
+    config = client.download_artifacts(audit.info.run_id, "config.yaml", str(tmp_path))
+    text = open(config).read()
+    assert "seed: 123" not in text and "redacted" in text
+    assert "privacy/epsilon" in target.data.metrics
     files = {f.path for f in client.list_artifacts(audit.info.run_id, "audit")}
     assert {"audit/roc.png", "audit/roc_loglog.png", "audit/auc_vs_sigma.png", "audit/epsilon_vs_fpr.png",
             "audit/mia.md", "audit/scores.tsv"} <= files

@@ -5,6 +5,7 @@ train, the bound stays below the accounted epsilon of a correct run and far abov
 from __future__ import annotations
 
 import csv
+import math
 
 import lightning as L
 import numpy as np
@@ -15,8 +16,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp.audit.canaries import ABSENT, CanaryDataset, DropAbsent, draw_inclusions, make_input_canaries
-from lightning_dp.audit.faults import NoiselessDPSGD
 from lightning_dp.callbacks import DPSGD, OneRunAudit
+from lightning_dp.callbacks.faults import NoiselessDPSGD
 from lightning_dp.models import ImageClassifier
 
 N = 512
@@ -148,6 +149,44 @@ def test_metrics_beside_privacy_epsilon_and_state_round_trip(tmp_path):
     assert other.state_key == audit.state_key
 
 
+def test_a_budgeted_plan_counts_the_canary_slots():
+    x, y = _dense_data()
+    loader = DataLoader(TensorDataset(x, y), batch_size=64)
+    dp = DPSGD(noise_multiplier=1.0, epochs=2)
+    trainer = L.Trainer(max_epochs=2, callbacks=[dp, OneRunAudit(num_canaries=200)], logger=False,
+                        enable_checkpointing=False)
+    plan = dp.plan(trainer, loader)
+    assert plan.sample_rate == 64 / (N + 200) and plan.events == 2 * math.ceil((N + 200) / 64)
+    white = L.Trainer(max_epochs=2, callbacks=[dp, OneRunAudit(num_canaries=200, canary="gradient")], logger=False,
+                      enable_checkpointing=False)
+    assert dp.plan(white, loader).sample_rate == 64 / N  # gradient canaries add no slot
+
+
+def test_resumed_audit_equals_the_uninterrupted_one(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(epochs, ckpt=None, save=False):
+        torch.manual_seed(0)
+        (x, y), net = _sparse_data(), torch.nn.Linear(200, 2)
+        model = ImageClassifier(net, num_classes=2, lr=0.5, optimizer="sgd")
+        audit = OneRunAudit(num_canaries=64, canary="gradient", seed=2, methods=("steinke",))
+        callbacks = [DPSGD(noise_multiplier=1.0, seed=1), audit]
+        if save:
+            callbacks.append(ModelCheckpoint(dirpath=tmp_path, save_last=True))
+        trainer = L.Trainer(max_epochs=epochs, callbacks=callbacks, logger=False, enable_checkpointing=save,
+                            enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+        trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=64), ckpt_path=ckpt)
+        return audit
+
+    whole = run(4)
+    run(2, save=True)
+    resumed = run(4, ckpt=str(tmp_path / "last.ckpt"))
+    assert (resumed._included == whole._included).all()
+    assert resumed._gradient.steps == whole._gradient.steps
+    np.testing.assert_allclose(resumed._gradient.scores, whole._gradient.scores, rtol=1e-5, atol=1e-7)
+    assert resumed.result.epsilon == whole.result.epsilon
+
+
 def test_refusals():
     x, y = _dense_data()
     model = ImageClassifier(torch.nn.Linear(20, 2), num_classes=2)
@@ -158,6 +197,12 @@ def test_refusals():
         L.Trainer(callbacks=[OneRunAudit(num_canaries=10)], **kwargs).fit(model, loader)
     with pytest.raises(MisconfigurationException, match="add_remove"):
         L.Trainer(callbacks=[DPSGD(noise_multiplier=1.0, poisson_sampling=False), OneRunAudit(num_canaries=10)],
+                  **kwargs).fit(model, loader)
+    with pytest.raises(MisconfigurationException, match="equals DPSGD's seed"):
+        L.Trainer(callbacks=[DPSGD(noise_multiplier=1.0, seed=5), OneRunAudit(num_canaries=10, seed=5)],
+                  **kwargs).fit(model, loader)
+    with pytest.raises(MisconfigurationException, match="42 trainable parameters"):
+        L.Trainer(callbacks=[DPSGD(noise_multiplier=1.0), OneRunAudit(num_canaries=100, canary="gradient")],
                   **kwargs).fit(model, loader)
     for bad, match in (({"num_canaries": 1}, "num_canaries"), ({"canary": "poison"}, "canary"),
                        ({"confidence": 1.0}, "confidence"), ({"methods": ("x",)}, "methods"),
