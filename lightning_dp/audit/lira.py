@@ -268,11 +268,14 @@ class ShadowResult:
         seconds: wall time of training and scoring all shadows.
         forward_passes: example forward passes spent on scoring (K N: a batch of B examples counts B), comparable
             with :attr:`lightning_dp.audit.neighbours.NeighbourLosses.forward_passes`; training is not counted.
+        training_passes: example forward passes of the shadows' training (epochs run x training set size, summed;
+            each also costs a backward pass).
     """
 
     losses: np.ndarray
     seconds: float
     forward_passes: int
+    training_passes: int = 0
 
 
 def _default_trainer_kwargs() -> dict[str, Any]:
@@ -342,6 +345,7 @@ def train_shadow_models(make_model: Callable[[], Any], dataset, masks, *,
     scored = dataset if score_dataset is None else score_dataset
     start = time.perf_counter()
     rows: list[np.ndarray] = []
+    trained = 0
     for k, row in enumerate(keep):
         with torch.random.fork_rng():
             torch.manual_seed(derive_generator(int(seed), _INIT_STREAM, k).initial_seed())
@@ -353,8 +357,11 @@ def train_shadow_models(make_model: Callable[[], Any], dataset, masks, *,
             if not isinstance(chosen, Mapping):
                 raise ValueError(f"trainer_kwargs({k}) returned {chosen!r}; it must return a mapping of "
                                  "lightning.Trainer arguments")
-            Trainer(**{**_default_trainer_kwargs(), **chosen}).fit(model, train_dataloaders=loader)
+            trainer = Trainer(**{**_default_trainer_kwargs(), **chosen})
+            trainer.fit(model, train_dataloaders=loader)
+            trained += trainer.current_epoch * int(row.sum())
             rows.append(per_example_losses(model, DataLoader(scored, batch_size=int(batch_size), shuffle=False,
                                                              collate_fn=collate_fn), loss=loss))
     losses = np.stack(rows)
-    return ShadowResult(losses=losses, seconds=time.perf_counter() - start, forward_passes=int(losses.size))
+    return ShadowResult(losses=losses, seconds=time.perf_counter() - start, forward_passes=int(losses.size),
+                        training_passes=trained)

@@ -237,6 +237,7 @@ def main(argv: Sequence[str]) -> int:
                                                score_dataset=evaluation)
             scores = lira.lira_from_losses(target_losses, shadows.losses, masks[:, split.evaluation],
                                            statistic=statistic, online=cfg.shadow_online, fixed_variance=True)
+            training_passes = shadows.training_passes
             results.append(attack_result("shadow", scores[:n_in], scores[n_in:],
                                          forward_passes=shadows.forward_passes + len(evaluation),
                                          seconds=shadows.seconds + loss_seconds, confidence=cfg.confidence,
@@ -266,6 +267,12 @@ def main(argv: Sequence[str]) -> int:
                   f"{results[-1].curve.auc:.4f}", flush=True)
 
         _log(audit_logger, results, search, split, pool, target_logger.run_id)
+        if "shadow" in cfg.attacks:
+            client.log_metric(audit_logger.run_id, "audit/cost/training_forward_passes/shadow", float(training_passes))
+            by_name = {r.name: r for r in results}
+            if "noisy" in by_name:
+                client.log_metric(audit_logger.run_id, "audit/cost/ratio_forward_passes_with_training",
+                                  (by_name["shadow"].forward_passes + training_passes) / by_name["noisy"].forward_passes)
         status = "success"
     finally:
         audit_logger.finalize(status)

@@ -93,6 +93,7 @@ def test_the_command_logs_every_attack_beside_a_linked_target_run(tmp_path, monk
         assert 0 <= metrics[f"audit/auc/{attack}"] <= 1
         assert f"audit/tpr_at_fpr_0.01/{attack}" in metrics and f"audit/cost/forward_passes/{attack}" in metrics
     assert metrics["audit/noisy/sigma"] > 0 and "audit/cost/ratio_forward_passes" in metrics
+    assert metrics["audit/cost/training_forward_passes/shadow"] > 0  # 2 shadows x 2 epochs x their halves
     assert audit.data.tags["audit/target_run_id"] == target.info.run_id
     assert target.data.tags["audit/audit_run_id"] == audit.info.run_id
     history = client.get_metric_history(audit.info.run_id, "audit/noisy/auc_vs_sigma")
