@@ -117,7 +117,7 @@ def test_the_accounted_family_is_the_runs_mechanism_at_scale_one_and_monotone():
     family = AccountedFamily(history)
     accountant = PLDAccountant()
     accountant.step(noise_multiplier=1.2, sample_rate=0.05, num_steps=200)
-    # the reported epsilon of a member is dp-accounting's optimistic estimate at 1e-3: a lower bound, within 5 %
+    # the reported epsilon of a member is dp-accounting's optimistic estimate at 3e-5: a lower bound, within 5 %
     assert accountant.get_epsilon(1e-5) * 0.95 <= family.epsilon(1.0, 1e-5) <= accountant.get_epsilon(1e-5)
     assert family.epsilon(0.5, 1e-5) > family.epsilon(1.0, 1e-5) > family.epsilon(2.0, 1e-5)
     strong, weak = family.inverse_blow_up(2.0), family.inverse_blow_up(0.5)
