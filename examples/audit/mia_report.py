@@ -1,0 +1,70 @@
+"""Table of membership-inference audits: mean +- std over the seeds of each (target training) group.
+
+Reads the audit runs written by ``lightning-dp audit mia --config examples/audit/mia_lm*.yaml`` (several
+``--seed``) and prints a markdown table per attack (docs/results_mia.md):
+
+    python examples/audit/mia_report.py --experiment mia-lm [--tracking-uri URI]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections import defaultdict
+
+import numpy as np
+
+ATTACKS = ("loss", "shadow", "noisy")
+COLUMNS = [("audit/auc/{a}", "AUC"), ("audit/tpr_at_fpr_0.01/{a}", "TPR @ 1 % FPR"),
+           ("audit/tpr_at_fpr_0.1/{a}", "TPR @ 10 % FPR"), ("audit/epsilon/{a}", "empirical eps (95 %)"),
+           ("audit/cost/seconds/{a}", "seconds"), ("audit/cost/forward_passes/{a}", "scoring forward passes")]
+
+
+def _cell(values: list[float]) -> str:
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    return f"{np.mean(values):.3f} ± {np.std(values, ddof=1):.3f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--experiment", default="mia-lm")
+    parser.add_argument("--tracking-uri", default=None, help="default: the project's store (./mlruns)")
+    args = parser.parse_args()
+    import mlflow
+
+    from lightning_dp import tracking
+
+    client = mlflow.MlflowClient(args.tracking_uri or tracking.default_tracking_uri())
+    experiment = client.get_experiment_by_name(args.experiment)
+    if experiment is None:
+        raise SystemExit(f"no experiment {args.experiment!r} in {client.tracking_uri}")
+    groups: dict[str, list] = defaultdict(list)
+    for run in client.search_runs([experiment.experiment_id], max_results=10_000):
+        if run.info.status != "FINISHED" or "audit/target_run_id" not in run.data.tags:
+            continue
+        target = client.get_run(run.data.tags["audit/target_run_id"])
+        eps = target.data.metrics.get("privacy/epsilon")
+        group = "non-private" if eps is None else f"DP-SGD, eps {eps:.2f}"
+        groups[group].append(run.data.metrics)
+    print("| target | attack | runs | " + " | ".join(name for _, name in COLUMNS) + " |")
+    print("|---|---|---|" + "---|" * len(COLUMNS))
+    for group, runs in sorted(groups.items()):
+        for attack in ATTACKS:
+            present = [r for r in runs if f"audit/auc/{attack}" in r]
+            if present:
+                cells = [_cell([r.get(c.format(a=attack)) for r in present]) for c, _ in COLUMNS]
+                print(f"| {group} | {attack} | {len(present)} | " + " | ".join(cells) + " |")
+    for group, runs in sorted(groups.items()):
+        both = [r for r in runs if "audit/auc/noisy_over_shadow" in r]
+        if both:
+            print(f"\n{group}: noisy / shadow AUC {_cell([r['audit/auc/noisy_over_shadow'] for r in both])}; shadow / "
+                  f"noisy wall time {_cell([r['audit/cost/ratio_seconds'] for r in both])}; noisy sigma "
+                  f"{_cell([r['audit/noisy/sigma'] for r in both])} ({len(both)} runs)")
+
+
+if __name__ == "__main__":
+    main()
