@@ -13,7 +13,8 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from lightning_dp.callbacks import DPSGD, OnlineSensitivity, QuantileClipping  # noqa: E402
+from lightning_dp.callbacks import DPSGD, OneRunAudit, OnlineSensitivity, QuantileClipping  # noqa: E402
+from lightning_dp.callbacks.faults import NoiselessDPSGD  # noqa: E402
 from lightning_dp.tracking import MLFlowLogger  # noqa: E402
 from tests.helpers import BlobsData, Classifier  # noqa: E402
 
@@ -64,7 +65,17 @@ def main(out: Path, tracking_uri: str) -> None:
         L.Trainer(max_epochs=1, logger=False, callbacks=[cb], **common).fit(m, BlobsData(n=200, batch_size=10))
         adaptive[name] = {"trace": list(cb._trace), "history": cb.accountant.history,
                           "params": torch.cat([p.detach().reshape(-1) for p in m.parameters()])}
+    # 4. white-box canaries enter the aggregate once: no noise, zero gradients, so the released gradient is
+    # C / (q N) = 3 / 20 at each sampled included canary's coordinate and 0 elsewhere
+    probe4 = Probe()
+    audit = OneRunAudit(num_canaries=50, canary="gradient", seed=11, methods=("steinke",))
+    t4 = L.Trainer(max_steps=1, logger=False, callbacks=[NoiselessDPSGD(noise_multiplier=2.0, max_grad_norm=3.0,
+                                                                        seed=7), audit, probe4], **common)
+    t4.fit(ZeroGrad(d=100, classes=100, net=nn.Sequential(nn.Linear(100, 100))),
+           BlobsData(n=200, batch_size=10, d=100, classes=100))
     torch.save({
+        "canary_grad": probe4.grads[0], "canary_scores": audit._gradient.scores.copy(),
+        "audit_result": audit.result is not None,
         "adaptive": adaptive,
         "rank": t2.global_rank, "noise": noise, "sample_rate": dp.sample_rate,
         "history": dp2.accountant.history, "epsilon": dp2.epsilon, "steps": t2.global_step,

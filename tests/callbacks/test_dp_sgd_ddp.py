@@ -39,6 +39,17 @@ def test_noise_is_added_once_in_aggregate(ddp_run):
     assert r0["noise"].std().item() == pytest.approx(2.0 * 3.0 / 20.0, rel=0.05)
 
 
+def test_gradient_canaries_enter_the_aggregate_once_and_the_audit_runs_on_rank_zero(ddp_run):
+    (r0, r1), _ = ddp_run
+    grad = r0["canary_grad"]
+    assert torch.equal(grad, r1["canary_grad"])
+    values = grad[grad != 0]
+    assert values.numel() > 0
+    assert torch.allclose(values, torch.full_like(values, 3.0 / 20.0))  # added once; twice would be 0.3
+    assert (r0["canary_scores"] == r1["canary_scores"]).all()
+    assert r0["audit_result"] and not r1["audit_result"]
+
+
 def test_accountant_and_parameters_identical_on_all_ranks(ddp_run):
     (r0, r1), _ = ddp_run
     assert r0["steps"] == r1["steps"] == 20  # 2 epochs x ceil(200 / 20)
