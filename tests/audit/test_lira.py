@@ -21,14 +21,7 @@ from lightning_dp.audit.lira import (
 )
 from lightning_dp.audit.statistics import roc
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models train faster on one thread (and do not fight other processes for the cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_logit_confidence_is_the_logit_of_the_true_label_probability_and_stays_finite():

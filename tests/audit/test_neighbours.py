@@ -22,14 +22,7 @@ from lightning_dp.audit.neighbours import (
 from lightning_dp.audit.statistics import roc
 from lightning_dp.models.language import per_example_token_loss
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run faster on one thread (and do not fight other processes for the cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _tiny_lm(seed=0, dropout=0.1):
