@@ -75,3 +75,36 @@ def test_pdpfl_figures_redraw_from_their_tables(tmp_path):
             "\t".join(header) + "\n" + "".join("\t".join(row[k] for k in header) + "\n" for row in table))
         figures.main([name, "--replot", "--out", str(tmp_path)])
         assert (tmp_path / f"pdpfl_{name}.png").stat().st_size > 10_000
+
+
+AUDIT = ROOT / "audit"
+
+
+@pytest.mark.parametrize("name", ["one_run_mnist.yaml", "one_run_mnist_whitebox.yaml"])
+def test_one_run_audit_configs_put_dpsgd_last(name, tmp_path, monkeypatch):
+    """`--trainer.callbacks.init_args.X` overrides the LAST callback: DPSGD must be it (the configs' commands rely
+    on it), beside exactly one OneRunAudit."""
+    from lightning_dp.callbacks import DPSGD, OneRunAudit
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-dp"])
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    cli = LightningDPCLI(run=False, args=["--config", str(AUDIT / name), "--trainer.logger=false",
+                                          "--trainer.callbacks.init_args.target_epsilon=1"])
+    ours = [cb for cb in cli.trainer.callbacks if isinstance(cb, (DPSGD, OneRunAudit))]
+    assert [type(cb).__name__ for cb in ours] == ["OneRunAudit", "DPSGD"]
+    assert ours[1].target_epsilon == 1.0
+    assert AUDIT.joinpath(name).read_text().startswith("#")
+
+
+@pytest.mark.parametrize("name", ["mia_lm.yaml", "mia_lm_dpsgd.yaml"])
+def test_mia_configs_instantiate(name):
+    from lightning_dp.audit.mia_command import _problems, build_parser
+
+    parser = build_parser()
+    cfg = parser.parse_args(["--config", str(AUDIT / name)])
+    assert _problems(cfg) == []
+    init = parser.instantiate_classes(cfg)
+    assert init.model is not None and init.data is not None
+    assert (init.callbacks is None) == (name == "mia_lm.yaml")
+    assert AUDIT.joinpath(name).read_text().startswith("#")
