@@ -22,7 +22,8 @@ any ``LightningModule`` and ``LightningDataModule`` can be used. Compared with p
   ``mlflow ui`` command to browse the runs.
 
 Subcommands: ``fit``, ``validate``, ``test``, ``audit`` (:mod:`lightning_dp.audit.command`: DLG against
-sanitized client releases; ``audit mia``, :mod:`lightning_dp.audit.mia_command`: membership inference) and ``grid`` (:mod:`lightning_dp.grid`: one
+sanitized client releases; ``audit mia``, :mod:`lightning_dp.audit.mia_command`: membership inference),
+``epsilon`` (:mod:`lightning_dp.calculator`: epsilon of a DP-SGD run, or sigma for a target) and ``grid`` (:mod:`lightning_dp.grid`: one
 config over a grid of overrides, nested MLflow runs, the grid's composed privacy cost).
 Top-level commands outside LightningCLI register in :data:`EXTRA_COMMANDS`; they are
 dispatched by :func:`main` before LightningCLI parses the arguments.
@@ -64,11 +65,19 @@ def _audit(argv: list[str]) -> Optional[int]:
     return command.main(argv[1:] if argv and argv[0] == "dlg" else argv)
 
 
+def _epsilon(argv: list[str]) -> Optional[int]:
+    from lightning_dp import calculator
+
+    return calculator.main(argv)
+
+
 #: Top-level commands handled outside LightningCLI: name -> function(argv) -> exit code.
 #: ``grid``: one config over a grid of overrides, with the grid's privacy cost (:mod:`lightning_dp.grid`).
 #: ``audit``: Deep Leakage from Gradients against sanitized client releases (:mod:`lightning_dp.audit.command`);
 #: ``audit mia``: membership inference, loss / shadow / noisy neighbours (:mod:`lightning_dp.audit.mia_command`).
-EXTRA_COMMANDS: dict[str, Callable[[list[str]], Optional[int]]] = {"grid": _grid, "audit": _audit}
+#: ``epsilon``: the epsilon of a DP-SGD run, or sigma for a target epsilon (:mod:`lightning_dp.calculator`).
+EXTRA_COMMANDS: dict[str, Callable[[list[str]], Optional[int]]] = {"grid": _grid, "audit": _audit,
+                                                                   "epsilon": _epsilon}
 
 
 class MLflowSaveConfigCallback(SaveConfigCallback):
