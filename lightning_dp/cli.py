@@ -241,6 +241,9 @@ def main(args: Optional[Sequence[str]] = None) -> Optional[int]:
         of an :data:`EXTRA_COMMANDS` handler.
     """
     argv = list(sys.argv[1:] if args is None else args)
+    if argv in (["--version"], ["-V"]):
+        print(f"lightning-dp {__version__}")
+        return 0
     if argv and argv[0] in EXTRA_COMMANDS:
         return EXTRA_COMMANDS[argv[0]](argv[1:])
     LightningDPCLI(args=None if args is None else argv)

@@ -1,5 +1,6 @@
 """lightning-dp epsilon: the printed epsilon equals dp-accounting's own accountants on the same DP-SGD event,
-a calibrated sigma fits its target tightly, and bad input lists every problem and exits with 2."""
+a calibrated sigma fits its target tightly, and bad input lists every problem and exits with 2; and the entry
+points (``lightning-dp --version``, ``python -m lightning_dp``)."""
 
 from __future__ import annotations
 
@@ -62,3 +63,17 @@ def test_bad_input_lists_every_problem_and_exits_2(capsys):
     for text in ("--sample-rate Q, or --dataset-size N", "exactly one of --epochs", "--noise-multiplier=-1.0",
                  "--delta=2.0", "needs --accountant pld"):
         assert text in err
+
+
+def test_version_and_python_dash_m():
+    import subprocess
+    import sys
+
+    import lightning_dp
+
+    out = subprocess.run([sys.executable, "-m", "lightning_dp", "--version"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == f"lightning-dp {lightning_dp.__version__}"
+    out = subprocess.run([sys.executable, "-m", "lightning_dp", "epsilon", "--sample-rate", "0.5", "--steps", "2",
+                          "--noise-multiplier", "5"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "epsilon = " in out.stdout
