@@ -18,7 +18,6 @@ is treated as public, as Opacus and DPSGD do; q = batch size / dataset size.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections.abc import Sequence
 
@@ -114,10 +113,11 @@ def main(argv: Sequence[str]) -> int:
     if problems:
         parser.error("\n  " + "\n  ".join(problems))
     q = args.sample_rate if args.sample_rate is not None else args.batch_size / args.dataset_size
-    steps = args.steps if args.steps is not None else steps_for_epochs(epochs=args.epochs, sample_rate=q)
+    per_epoch = steps_for_epochs(epochs=1, sample_rate=q)  # the training's ceil(1 / q), float-safe
+    steps = args.steps if args.steps is not None else args.epochs * per_epoch
     kwargs = {"adjacency": args.adjacency} if args.adjacency != "add_remove" else {}
     where = (f"q = {q:.6g}" + (f" (B = {args.batch_size}, N = {args.dataset_size})" if args.sample_rate is None else "")
-             + f", {steps} steps" + (f" ({args.epochs} epochs of {math.ceil(steps / args.epochs)})"
+             + f", {steps} steps" + (f" ({args.epochs} epochs of {per_epoch})"
                                      if args.epochs else "")
              + f", delta = {args.delta:g}, {args.accountant.upper()} accountant, {args.adjacency} adjacency")
     if args.target_epsilon is not None:
@@ -131,7 +131,6 @@ def main(argv: Sequence[str]) -> int:
                          accountant=args.accountant, adjacency=args.adjacency)
     if args.target_epsilon is None:
         print(f"epsilon = {rows[-1][1]:.4f} for noise_multiplier = {sigma:g}; {where}")
-    per_epoch = math.ceil(1 / q - 1e-9)
     print("\n| steps | epochs | epsilon |\n|---|---|---|")
     for k, eps in rows:
         print(f"| {k} | {k / per_epoch:.3g} | {eps:.4f} |")

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ShadowResult", "inclusion_masks", "lira_from_losses", "lira_scores", "logit_confidence",
+__all__ = ["ShadowResult", "default_trainer_kwargs", "inclusion_masks", "lira_from_losses", "lira_scores", "logit_confidence",
            "train_shadow_models"]
 
 #: The smallest std of a fitted Gaussian: with few shadows (or identical statistics) the sample std can be 0.
@@ -278,7 +278,9 @@ class ShadowResult:
     training_passes: int = 0
 
 
-def _default_trainer_kwargs() -> dict[str, Any]:
+def default_trainer_kwargs() -> dict[str, Any]:
+    """The ``lightning.Trainer`` arguments of an attack's own trainings (shadows, an audit's target): no logger,
+    checkpoints, progress bar or summary, one CPU device; callers override any of them."""
     return {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
             "enable_model_summary": False, "accelerator": "cpu", "devices": 1}
 
@@ -357,7 +359,7 @@ def train_shadow_models(make_model: Callable[[], Any], dataset, masks, *,
             if not isinstance(chosen, Mapping):
                 raise ValueError(f"trainer_kwargs({k}) returned {chosen!r}; it must return a mapping of "
                                  "lightning.Trainer arguments")
-            trainer = Trainer(**{**_default_trainer_kwargs(), **chosen})
+            trainer = Trainer(**{**default_trainer_kwargs(), **chosen})
             trainer.fit(model, train_dataloaders=loader)
             trained += trainer.current_epoch * int(row.sum())
             rows.append(per_example_losses(model, DataLoader(scored, batch_size=int(batch_size), shuffle=False,

@@ -177,9 +177,8 @@ def main(argv: Sequence[str]) -> int:
           f"evaluated); attacks {cfg.attacks}", flush=True)
 
     def trainer_kwargs(callbacks: Any, logger: Any = False) -> dict[str, Any]:
-        defaults = {"enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False,
-                    "accelerator": "cpu", "devices": 1}
-        return {**defaults, **dict(cfg.trainer), "logger": logger, "callbacks": list(callbacks or [])}
+        return {**lira.default_trainer_kwargs(), **dict(cfg.trainer), "logger": logger,
+                "callbacks": list(callbacks or [])}
 
     # ---- the target, logged as its own run
     audit_logger = tracking.MLFlowLogger(experiment_name=cfg.experiment_name, run_name=cfg.run_name, save_dir=None,

@@ -52,8 +52,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["AccountedFamily", "GaussianFamily", "GuessCandidate", "OneRunResult", "TradeoffFamily",
-           "count_correct_guesses", "default_guess_candidates", "fdp_consistent", "fdp_epsilon",
+__all__ = ["METHODS", "AccountedFamily", "GaussianFamily", "GuessCandidate", "OneRunResult", "TradeoffFamily",
+           "check_methods", "count_correct_guesses", "default_guess_candidates", "fdp_consistent", "fdp_epsilon",
            "gdp_epsilon", "one_run_audit", "steinke_epsilon", "steinke_p_value", "tradeoff_from_profile"]
 
 InverseBlowUp = Callable[[float], float]
@@ -416,6 +416,13 @@ class OneRunResult:
 METHODS = ("steinke", "fdp_gaussian", "fdp_accounted")
 
 
+def check_methods(methods: Sequence[str]) -> tuple[str, ...]:
+    """``methods`` as a tuple, or ValueError unless it is a non-empty selection of :data:`METHODS`."""
+    if not methods or any(name not in METHODS for name in methods):
+        raise ValueError(f"methods={list(methods)!r}: choose from {list(METHODS)}")
+    return tuple(methods)
+
+
 def one_run_audit(scores, included, *, delta: float, confidence: float = 0.95,
                   candidates: Sequence[tuple[int, int]] | None = None, methods: Sequence[str] = ("steinke",),
                   accounted: AccountedFamily | None = None) -> OneRunResult:
@@ -435,9 +442,7 @@ def one_run_audit(scores, included, *, delta: float, confidence: float = 0.95,
     m = inc.size
     if not 0 < confidence < 1:
         raise ValueError(f"confidence={confidence!r} must be in (0, 1), e.g. 0.95")
-    unknown = [name for name in methods if name not in METHODS]
-    if unknown or not methods:
-        raise ValueError(f"methods={list(methods)!r}: choose from {list(METHODS)}")
+    check_methods(methods)
     if "fdp_accounted" in methods and accounted is None:
         raise ValueError("method 'fdp_accounted' needs accounted=AccountedFamily(<the accountant's history>)")
     pairs = list(candidates) if candidates is not None else default_guess_candidates(m)

@@ -28,7 +28,7 @@ from lightning_dp.audit.canaries import (
     draw_inclusions,
     make_input_canaries,
 )
-from lightning_dp.audit.one_run import METHODS, AccountedFamily, OneRunResult, one_run_audit
+from lightning_dp.audit.one_run import METHODS, AccountedFamily, OneRunResult, check_methods, one_run_audit
 from lightning_dp.callbacks.dp_sgd import DPSGD
 from lightning_dp.privacy.sampling import with_dataset
 from lightning_dp.privacy.seeds import check_seed, fresh_seed
@@ -86,9 +86,6 @@ class OneRunAudit(Callback):
             raise ValueError(f"canary={canary!r}: choose one of {list(CANARY_KINDS)}")
         if not 0 < confidence < 1:
             raise ValueError(f"confidence={confidence!r} must be in (0, 1), e.g. 0.95")
-        unknown = [m for m in methods if m not in METHODS]
-        if unknown or not methods:
-            raise ValueError(f"methods={list(methods)!r}: choose from {list(METHODS)}")
         self.candidates = None
         if candidates is not None:
             pairs = [tuple(int(k) for k in c) for c in candidates]
@@ -99,7 +96,7 @@ class OneRunAudit(Callback):
         if not (isinstance(batch_size, int) and batch_size >= 1):
             raise ValueError(f"batch_size={batch_size!r} must be a positive integer")
         self.num_canaries, self.canary, self.num_classes = num_canaries, canary, num_classes
-        self.confidence, self.methods, self.batch_size = float(confidence), tuple(methods), batch_size
+        self.confidence, self.methods, self.batch_size = float(confidence), check_methods(methods), batch_size
         self._requested_seed = check_seed(seed)
         self._seed: int | None = None
         self._included: np.ndarray | None = None
