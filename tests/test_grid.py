@@ -64,7 +64,11 @@ def test_dpsgd_grid_composes_every_run(workdir, store_template):
     children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
     assert len(parent) == 1 and len(children) == 2
     assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parent[0].info.run_id}
-    assert {r.data.tags["mlflow.runName"] for r in children} == {"lr=0.1", "lr=0.2"}
+    assert {r.data.tags["mlflow.runName"] for r in children} == {"dpsgd-digits-eps3 lr=0.1", "dpsgd-digits-eps3 lr=0.2"}
+    assert parent[0].data.tags["mlflow.runName"] == f"grid-{grid_id} dpsgd-digits-eps3"
+    # the parent exists from the first run's start, so the UI nests the grid while it runs
+    assert parent[0].info.start_time <= min(r.info.start_time for r in children)
+    assert parent[0].info.status == "FINISHED"
     assert {r.data.params["lr"] for r in children} == {"0.1", "0.2"}
     assert parent[0].data.metrics["grid/epsilon"] == pytest.approx(totals["grid/epsilon"])
     table = client.download_artifacts(parent[0].info.run_id, "grid.md", str(workdir))
@@ -268,3 +272,19 @@ def test_a_grid_seed_reproduces_the_grid_exactly(workdir, store_template, monkey
     assert [s for _, s, _ in first] == [s for _, s, _ in second] == [derive_seed(5, 0, 0), derive_seed(5, 1, 0)]
     for (_, _, a), (_, _, b) in zip(first, second):  # ... and the same grid twice
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_failed_grid_marks_its_parent_failed(workdir, store_template):
+    """The second run fails (lr=-1 is refused): the first run stays nested under a parent that ends FAILED."""
+    uri = _seed(store_template, workdir)
+    with pytest.raises(Exception, match="lr=-1"):
+        grid.run_grid([str(REPO_ROOT / "examples" / "dpsgd_digits.yaml"),
+                       str(REPO_ROOT / "examples" / "digits_nonprivate.yaml")], [("model.init_args.lr", [0.1, -1])],
+                      grid_id="failing", extra=["--trainer.max_epochs=1", "--trainer.enable_progress_bar=false"])
+    client = mlflow.MlflowClient(uri)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                              filter_string="tags.`grid.id` = 'failing'")
+    (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    (child,) = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert parent.info.status == "FAILED" and child.data.tags["mlflow.parentRunId"] == parent.info.run_id
+    assert child.data.tags["mlflow.runName"] == "digits-nonprivate lr=0.1"  # the last config's logger names the runs

@@ -1,0 +1,183 @@
+"""The privacy of a grid: what each run spent, the grid's composed cost, budgeted grids and fresh noise seeds.
+
+See :mod:`lightning_dp.grid` for why a grid's cost is the composition of all its runs' costs.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from lightning_dp.grid.axes import run_args, run_name
+from lightning_dp.grid.points import GridPoint
+
+__all__ = ["BudgetPlan", "check_against_plan", "dp_callback", "grid_privacy", "plan_budget", "plan_point", "privacy_of",
+           "reseed", "secret_seeded"]
+
+def privacy_of(trainer: Any, module: Any) -> dict[str, Any]:
+    """What a finished run spent: a DPSGD accountant and/or a federated ledger (copies)."""
+    from lightning_dp.callbacks import DPSGD
+    from lightning_dp.privacy.ledger import PrivacyLedger
+
+    out: dict[str, Any] = {}
+    for cb in trainer.callbacks:
+        if isinstance(cb, DPSGD):  # a run that took no step is private too (epsilon 0), not unprotected
+            out["accountant"] = copy.deepcopy(cb.accountant)
+            out["delta"] = cb.target_delta
+            out["epsilon"] = cb.epsilon
+    ledger = getattr(module, "ledger", None)
+    if isinstance(ledger, PrivacyLedger):
+        sanitized = float(getattr(module, "noise_multiplier", 1.0)) > 0
+        out["ledger"] = ledger.as_dict() if sanitized else None  # None: unsanitized releases, infinite cost
+        if sanitized and len(ledger):
+            out["client_epsilon_median"] = ledger.median()
+            out["client_epsilon_max"] = ledger.max()
+    return out
+
+
+def grid_privacy(points: Sequence[GridPoint]) -> dict[str, float]:
+    """The composed privacy cost of all runs of the grid (see the module docstring)."""
+    import statistics
+
+    total: dict[str, float] = {}
+    accountants = [p.privacy["accountant"] for p in points if "accountant" in p.privacy]
+    if accountants:
+        composed = copy.deepcopy(accountants[0])
+        for acc in accountants[1:]:
+            if type(acc) is not type(composed):
+                raise ValueError("the grid mixes accountant kinds; compose runs with the same accountant")
+            for sigma, q, steps in acc.history:
+                composed.step(noise_multiplier=sigma, sample_rate=q, num_steps=steps)
+        delta = max(p.privacy["delta"] for p in points if "accountant" in p.privacy)
+        # a run without DPSGD trained on the same data without privacy: the grid has no finite bound
+        private = all("accountant" in p.privacy for p in points)
+        total["grid/epsilon"] = composed.get_epsilon(delta) if private else math.inf
+        total["grid/delta"] = delta
+    ledgers = [p.privacy["ledger"] for p in points if "ledger" in p.privacy]
+    if ledgers:
+        if any(ledger is None for ledger in ledgers):
+            total["grid/client_epsilon_median"] = total["grid/client_epsilon_max"] = math.inf
+        else:
+            per_client: dict[str, float] = {}
+            for ledger in ledgers:
+                for cid, spent in ledger.items():
+                    per_client[cid] = per_client.get(cid, 0.0) + spent
+            if per_client:
+                total["grid/client_epsilon_median"] = float(statistics.median(per_client.values()))
+                total["grid/client_epsilon_max"] = max(per_client.values())
+    return total
+
+
+def dp_callback(trainer: Any, values: dict[str, Any]) -> Any:
+    from lightning_dp.callbacks import DPSGD
+
+    found = [cb for cb in trainer.callbacks if isinstance(cb, DPSGD)]
+    if len(found) != 1:
+        raise ValueError(
+            f"grid point {run_name(values)!r} has {len(found)} DP-SGD callbacks (DPSGD, OnlineSensitivity, "
+            "QuantileClipping); a budgeted grid (--budget) needs exactly one in every run, so that its noise "
+            "multiplier can be chosen for the grid. Add one to trainer.callbacks of the config.")
+    return found[0]
+
+
+def plan_point(config: Sequence[str], values: dict[str, Any], extra: Sequence[str] = ()) -> dict[str, Any]:
+    """Instantiate a grid point (no training) and return its DP callback's planned mechanism and accountant.
+
+    Returns:
+        ``{"plan": PlannedMechanism, "accountant": name, "accountant_kwargs": dict, "delta": target_delta}``.
+    """
+    from lightning_dp.lightning_cli import LightningDPCLI
+
+    cli = LightningDPCLI(args=run_args(config, values, extra), run=False)
+    callback = dp_callback(cli.trainer, values)
+    if cli.datamodule is not None:
+        cli.datamodule.prepare_data()
+        cli.datamodule.setup("fit")
+        loader = cli.datamodule.train_dataloader()
+    else:
+        loader = cli.model.train_dataloader()
+    return {"plan": callback.plan(cli.trainer, loader), "accountant": callback.accountant_name,
+            "accountant_kwargs": dict(callback.accountant_kwargs), "delta": callback.target_delta}
+
+
+@dataclass
+class BudgetPlan:
+    """The noise multiplier of one budgeted (sub-)grid and what each of its runs may spend."""
+
+    epsilon: float
+    delta: float
+    noise_multiplier: float
+    accountant: str
+    accountant_kwargs: dict[str, Any]
+    plans: list[Any]
+    """:class:`~lightning_dp.callbacks.dp_sgd.PlannedMechanism` per run, in grid order."""
+
+    def run_epsilon(self, index: int) -> float:
+        """The spend of run ``index`` alone when it runs as planned (its own cap)."""
+        from lightning_dp.privacy.accounting import get_accountant
+
+        p = self.plans[index]
+        return get_accountant(self.accountant, **self.accountant_kwargs).epsilon_after(
+            self.delta, noise_multiplier=self.noise_multiplier * p.multiplier_scale, sample_rate=p.sample_rate,
+            num_steps=p.events)
+
+
+def plan_budget(planned: Sequence[dict[str, Any]], epsilon: float, delta: Optional[float] = None) -> BudgetPlan:
+    """One noise multiplier for all ``planned`` runs (:func:`plan_point`) so that they compose to ``(epsilon, delta)``.
+
+    Raises:
+        ValueError: If the runs use different accountants, or disagree on delta when none is given.
+    """
+    from lightning_dp.privacy.calibration import calibrate_composed_noise_multiplier
+
+    kinds = {(p["accountant"], tuple(sorted(p["accountant_kwargs"].items()))) for p in planned}
+    if len(kinds) != 1:
+        raise ValueError(f"the runs of a budgeted grid must share one accountant configuration, got {sorted(kinds)}; "
+                         "set the same accountant/accountant_kwargs in every point.")
+    if delta is None:
+        deltas = {p["delta"] for p in planned}
+        if len(deltas) != 1:
+            raise ValueError(f"the runs have different target_delta values {sorted(deltas)}; pass --budget-delta.")
+        delta = deltas.pop()
+    name, kwargs = planned[0]["accountant"], dict(planned[0]["accountant_kwargs"])
+    plans = [p["plan"] for p in planned]
+    sigma = calibrate_composed_noise_multiplier(
+        target_epsilon=epsilon, target_delta=delta, accountant=name, accountant_kwargs=kwargs,
+        runs=[(p.sample_rate, p.events, p.multiplier_scale) for p in plans])
+    return BudgetPlan(epsilon=float(epsilon), delta=float(delta), noise_multiplier=sigma, accountant=name,
+                      accountant_kwargs=kwargs, plans=plans)
+
+
+def check_against_plan(point: GridPoint, budget: BudgetPlan, index: int) -> None:
+    """A run may stop early, never spend more than planned (else the grid's bound would not hold)."""
+    plan = budget.plans[index]
+    history = point.privacy.get("accountant").history if "accountant" in point.privacy else []
+    expected_sigma = budget.noise_multiplier * plan.multiplier_scale
+    for sigma, q, steps in history:
+        if sigma != expected_sigma or q != plan.sample_rate:
+            raise RuntimeError(f"grid run {run_name(point.values)!r} was accounted with (sigma={sigma}, q={q}) but "
+                               f"planned with (sigma={expected_sigma}, q={plan.sample_rate}); please report this.")
+    if sum(steps for _, _, steps in history) > plan.events:
+        raise RuntimeError(f"grid run {run_name(point.values)!r} took more steps than its plan of {plan.events}.")
+
+
+def secret_seeded(trainer: Any, module: Any) -> list[Any]:
+    """The run's components that draw privacy noise from a secret seed (they have ``set_secret_seed``)."""
+    return [obj for obj in [*trainer.callbacks, module] if callable(getattr(obj, "set_secret_seed", None))]
+
+
+def reseed(trainer: Any, module: Any, run_index: int, grid_seed: Optional[int]) -> int:
+    """Give every secret-seeded component of run ``run_index`` its own noise seed (module docstring).
+
+    Returns:
+        The number of components reseeded.
+    """
+    from lightning_dp.privacy.seeds import derive_seed, fresh_seed
+
+    components = secret_seeded(trainer, module)
+    for j, obj in enumerate(components):
+        obj.set_secret_seed(fresh_seed() if grid_seed is None else derive_seed(grid_seed, run_index, j))
+    return len(components)

@@ -1,0 +1,185 @@
+"""LightningCLI of ``lightning-dp``: one ``fit``/``validate``/``test`` run from a config, tracked in MLflow.
+
+Compared with plain ``LightningCLI``:
+
+- the trainer logs to :class:`lightning_dp.tracking.MLFlowLogger` (embedded SQLite
+  store under ``./mlruns`` unless ``MLFLOW_TRACKING_URI`` is set) unless the config sets
+  ``trainer.logger``;
+- :class:`~lightning_dp.callbacks.run_artifacts.RunArtifacts` is always added (library
+  versions as params, the public ``model/final.ckpt`` as artifact);
+- the resolved config is logged as the run's ``config.yaml`` artifact, secret seeds redacted;
+- ``seed_everything`` defaults to 0;
+- after the command, rank zero prints the run id, the tracking URI and the
+  ``mlflow ui`` command to browse the runs.
+
+The ``lightning-dp`` command itself (subcommands, help, error messages) is :mod:`lightning_dp.cli`;
+commands that run several trainings (:mod:`lightning_dp.grid`, the audits) build on this class.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from typing_extensions import override
+
+from lightning_dp import __version__, tracking
+from lightning_dp.callbacks.run_artifacts import RunArtifacts
+from lightning_dp.tracking import redact_secrets
+
+__all__ = ["DEFAULT_LOGGER", "LightningDPCLI", "MLflowSaveConfigCallback"]
+
+DEFAULT_LOGGER = {"class_path": "lightning_dp.tracking.MLFlowLogger"}
+
+
+class MLflowSaveConfigCallback(SaveConfigCallback):
+    """Log the resolved config as the artifact ``config.yaml`` of every MLflow run.
+
+    When the trainer has an MLflow logger the config is only logged to MLflow (no
+    ``config.yaml`` is written into the shared ``./mlruns`` folder). Without one it
+    falls back to LightningCLI's behaviour: a file in ``trainer.log_dir``, overwritten if
+    it exists (``overwrite=True`` by default, since several runs share a log dir), and
+    skipped when the logger has no local folder (LightningCLI would fail an
+    ``assert log_dir is not None`` there). Both copies have secret seeds redacted
+    (:func:`redact_secrets`).
+
+    Args:
+        parser: The parser of the subcommand.
+        config: The parsed config of the subcommand.
+        config_filename: Name of the file and of the artifact.
+        overwrite: Overwrite an existing file in the log dir.
+        multifile: Keep the structure of several config files (local copy only).
+        save_to_log_dir: Write the local copy when there is no MLflow logger.
+    """
+
+    def __init__(
+        self,
+        parser: LightningArgumentParser,
+        config: Any,
+        config_filename: str = "config.yaml",
+        overwrite: bool = True,
+        multifile: bool = False,
+        save_to_log_dir: bool = True,
+    ) -> None:
+        super().__init__(
+            parser,
+            config,
+            config_filename=config_filename,
+            overwrite=overwrite,
+            multifile=multifile,
+            save_to_log_dir=save_to_log_dir,
+        )
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.save_to_log_dir and (tracking.mlflow_loggers(trainer) or trainer.log_dir is None):
+            self.save_to_log_dir = False
+        if self.save_to_log_dir and not self.already_saved:
+            # LightningCLI would write the parser's dump, secret seeds included: write the redacted text instead
+            path = os.path.join(trainer.log_dir, self.config_filename)
+            if trainer.is_global_zero:
+                if not self.overwrite and os.path.isfile(path):
+                    raise RuntimeError(f"{type(self).__name__} expected {path} to NOT exist; delete it or pass "
+                                       "save_config_kwargs={'overwrite': True}")
+                os.makedirs(trainer.log_dir, exist_ok=True)
+                with open(path, "w", encoding="utf-8") as handle:
+                    handle.write(redact_secrets(self.parser.dump(self.config, skip_none=False)))
+            self.save_to_log_dir = False  # written: the base class must not write the unredacted dump
+        super().setup(trainer, pl_module, stage)
+
+    @override
+    def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        text = redact_secrets(self.parser.dump(self.config, skip_none=False))
+        tracking.log_text(trainer, text, self.config_filename)
+
+
+class LightningDPCLI(LightningCLI):
+    """LightningCLI of ``lightning-dp``; see the module docstring for what it adds.
+
+    The arguments are LightningCLI's; these defaults differ: ``model_class=None`` and
+    ``datamodule_class=None`` with subclass mode (configs name their classes),
+    ``save_config_callback=MLflowSaveConfigCallback`` with ``overwrite=True``,
+    ``seed_everything_default=0``, and ``trainer_defaults`` that set the logger to
+    :class:`lightning_dp.tracking.MLFlowLogger` and add
+    :class:`~lightning_dp.callbacks.run_artifacts.RunArtifacts` (given
+    ``trainer_defaults`` are merged over these; given callbacks are added to RunArtifacts).
+
+    Example:
+        >>> LightningDPCLI(args=["fit", "--config", "examples/digits_nonprivate.yaml"])  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model_class: Any = None,
+        datamodule_class: Any = None,
+        save_config_callback: Optional[type[SaveConfigCallback]] = MLflowSaveConfigCallback,
+        save_config_kwargs: Optional[dict[str, Any]] = None,
+        trainer_defaults: Optional[dict[str, Any]] = None,
+        seed_everything_default: bool | int = 0,
+        subclass_mode_model: bool = True,
+        subclass_mode_data: bool = True,
+        args: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        defaults: dict[str, Any] = {"logger": dict(DEFAULT_LOGGER), "callbacks": [RunArtifacts()]}
+        for key, value in (trainer_defaults or {}).items():
+            if key == "callbacks":
+                defaults["callbacks"] += list(value) if isinstance(value, (list, tuple)) else [value]
+            else:
+                defaults[key] = value
+        super().__init__(
+            model_class=model_class,
+            datamodule_class=datamodule_class,
+            save_config_callback=save_config_callback,
+            save_config_kwargs={"overwrite": True, **(save_config_kwargs or {})},
+            trainer_defaults=defaults,
+            seed_everything_default=seed_everything_default,
+            subclass_mode_model=subclass_mode_model,
+            subclass_mode_data=subclass_mode_data,
+            args=args,
+            **kwargs,
+        )
+
+    @override
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        """LightningCLI's parser; dumped configs start with the Lightning and lightning-dp versions."""
+        kwargs.setdefault("dump_header", [f"lightning.pytorch=={pl.__version__}", f"lightning-dp=={__version__}"])
+        return super().init_parser(**kwargs)
+
+    @staticmethod
+    @override
+    def subcommands() -> dict[str, set[str]]:
+        """``fit``, ``validate`` and ``test`` (LightningCLI's, without ``predict``)."""
+        return {
+            name: skip for name, skip in LightningCLI.subcommands().items() if name in ("fit", "validate", "test")
+        }
+
+    def after_fit(self) -> None:
+        """Print where the run is recorded."""
+        self.print_run_locations()
+
+    def after_validate(self) -> None:
+        """Print where the run is recorded."""
+        self.print_run_locations()
+
+    def after_test(self) -> None:
+        """Print where the run is recorded."""
+        self.print_run_locations()
+
+    def print_run_locations(self) -> None:
+        """On global rank zero, print run id, tracking URI and ``mlflow ui`` command of each MLflow logger."""
+        if not self.trainer.is_global_zero:
+            return
+        for logger in tracking.mlflow_loggers(self.trainer):
+            if logger.run_id is None:
+                continue
+            uri = tracking.tracking_uri_of(logger)
+            print(
+                f"MLflow run {logger.run_id} (experiment id {logger.experiment_id})\n"
+                f"  tracking URI: {uri}\n"
+                f"  browse runs:  {tracking.ui_command(uri)}",
+                flush=True,
+            )
