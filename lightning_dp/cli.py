@@ -1,32 +1,25 @@
-"""The ``lightning-dp`` command: LightningCLI with MLflow tracking by default.
+"""The ``lightning-dp`` command: subcommands, focused help, short errors.
 
 Usage::
 
-    lightning-dp fit --config examples/digits_nonprivate.yaml
+    lightning-dp --help                  # every subcommand, one line each
+    lightning-dp fit --config examples/dpsgd_digits.yaml
     lightning-dp fit --config run.yaml --trainer.max_epochs=3 --model.init_args.lr=0.05
     lightning-dp test --config run.yaml --ckpt_path=path/to/final.ckpt
-    lightning-dp fit --help
+    lightning-dp fit --help              # our options and this config's classes; --help-all: Lightning's 500 lines
+    lightning-dp fit --config run.yaml --print_config
 
-A config names its classes (``model: {class_path: ...}``, ``data: {class_path: ...}``);
-any ``LightningModule`` and ``LightningDataModule`` can be used. Compared with plain
-``LightningCLI``:
+``fit``, ``validate`` and ``test`` run :class:`~lightning_dp.lightning_cli.LightningDPCLI`
+(LightningCLI with MLflow tracking by default; see :mod:`lightning_dp.lightning_cli`). The other
+subcommands register in :data:`EXTRA_COMMANDS` and are dispatched before LightningCLI parses
+anything: ``grid`` (:mod:`lightning_dp.grid`), ``audit`` (:mod:`lightning_dp.audit.command`,
+``audit mia``: :mod:`lightning_dp.audit.mia_command`) and ``epsilon`` (:mod:`lightning_dp.calculator`).
 
-- the trainer logs to :class:`lightning_dp.tracking.MLFlowLogger` (embedded SQLite
-  store under ``./mlruns`` unless ``MLFLOW_TRACKING_URI`` is set) unless the config sets
-  ``trainer.logger``;
-- :class:`~lightning_dp.callbacks.run_artifacts.RunArtifacts` is always added (library
-  versions as params, the public ``model/final.ckpt`` as artifact);
-- the resolved config is logged as the run's ``config.yaml`` artifact;
-- ``seed_everything`` defaults to 0;
-- after the command, rank zero prints the run id, the tracking URI and the
-  ``mlflow ui`` command to browse the runs.
-
-Subcommands: ``fit``, ``validate``, ``test``, ``audit`` (:mod:`lightning_dp.audit.command`: DLG against
-sanitized client releases; ``audit mia``, :mod:`lightning_dp.audit.mia_command`: membership inference),
-``epsilon`` (:mod:`lightning_dp.calculator`: epsilon of a DP-SGD run, or sigma for a target) and ``grid`` (:mod:`lightning_dp.grid`: one
-config over a grid of overrides, nested MLflow runs, the grid's composed privacy cost).
-Top-level commands outside LightningCLI register in :data:`EXTRA_COMMANDS`; they are
-dispatched by :func:`main` before LightningCLI parses the arguments.
+Errors: a refused value, an unknown option, subcommand or class path prints one message with a
+"did you mean" (:mod:`lightning_dp.cli_errors`) and exits with status 2; so does a missing
+dataset (:class:`~lightning_dp.datamodules.DatasetUnavailableError`) and a Lightning
+``MisconfigurationException`` (our callbacks' refusals before training). ``LIGHTNING_DP_TRACEBACK=1``
+shows the full traceback instead.
 """
 
 from __future__ import annotations
@@ -35,12 +28,25 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Optional
 
+import yaml
+
 from lightning_dp import __version__
+from lightning_dp.cli_errors import ConfigurationError, short_error, show_tracebacks, suggest
 from lightning_dp.lightning_cli import LightningDPCLI, MLflowSaveConfigCallback
 from lightning_dp.tracking import redact_secrets  # noqa: F401  (part of this module's API since 0.2)
 
-__all__ = ["EXTRA_COMMANDS", "LightningDPCLI", "MLflowSaveConfigCallback", "main", "redact_secrets"]
+__all__ = ["COMMANDS", "EXTRA_COMMANDS", "LightningDPCLI", "MLflowSaveConfigCallback", "help_text", "main",
+           "redact_secrets", "run_help"]
 
+#: Every subcommand of ``lightning-dp`` and its one line in ``lightning-dp --help``.
+COMMANDS: dict[str, str] = {
+    "fit": "train the model of a config (DP-SGD, federated, ...), recorded in MLflow",
+    "validate": "evaluate a config's model on its validation data (--ckpt_path for trained weights)",
+    "test": "evaluate a config's model on its test data (--ckpt_path for trained weights)",
+    "grid": "run one config over a grid of overrides, nested in MLflow, with the grid's privacy cost",
+    "audit": "attack a model to audit its privacy: gradient inversion (audit dlg) or membership (audit mia)",
+    "epsilon": "the epsilon of a DP-SGD or DP-FedAvg run for its size, batch, epochs and sigma (or sigma)",
+}
 
 def _grid(argv: list[str]) -> Optional[int]:
     from lightning_dp import grid
@@ -73,6 +79,85 @@ EXTRA_COMMANDS: dict[str, Callable[[list[str]], Optional[int]]] = {"grid": _grid
                                                                    "epsilon": _epsilon}
 
 
+def help_text() -> str:
+    """``lightning-dp --help``: every subcommand with its line, and where to start."""
+    width = max(map(len, COMMANDS))
+    lines = [f"usage: lightning-dp <command> [options]      (lightning-dp {__version__})", "",
+             "Differentially private and personalized federated learning for PyTorch Lightning, tracked in MLflow.",
+             "", "commands:"]
+    lines += [f"  {name:<{width}}  {line}" for name, line in COMMANDS.items()]
+    lines += ["", "options:", "  -h, --help     show this message", "  -V, --version  print the version", "",
+              "Start with:  lightning-dp fit --config examples/dpsgd_digits.yaml",
+              "Each command's options:  lightning-dp <command> --help"]
+    return "\n".join(lines) + "\n"
+
+
+def _config_classes(argv: Sequence[str]) -> list[tuple[str, str]]:
+    """``(key, class_path)`` of the model, data and callbacks named by the ``--config`` files in ``argv``."""
+    paths = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("-c", "--config")]
+    paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    found: dict[str, str] = {}
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                config = yaml.safe_load(handle) or {}
+        except (OSError, yaml.YAMLError):
+            continue
+        for key in ("model", "data"):
+            node = config.get(key)
+            if isinstance(node, dict) and node.get("class_path"):
+                found[key] = node["class_path"]
+        trainer = config.get("trainer") or {}
+        callbacks = trainer.get("callbacks") if isinstance(trainer, dict) else None
+        for node in callbacks if isinstance(callbacks, list) else [callbacks] if callbacks else []:
+            if isinstance(node, dict) and node.get("class_path"):
+                found[f"callback {node['class_path'].rsplit('.', 1)[-1]}"] = node["class_path"]
+    return list(found.items())
+
+
+def run_help(subcommand: str, argv: Sequence[str]) -> str:
+    """``lightning-dp fit --help``: our options first, the config's classes, then how to see Lightning's."""
+    prog = f"lightning-dp {subcommand}"
+    lines = [f"usage: {prog} --config CONFIG [--config MORE] [--KEY=VALUE ...]", "",
+             COMMANDS[subcommand][0].upper() + COMMANDS[subcommand][1:] + ".", "",
+             "options:",
+             "  -c, --config CONFIG        a YAML config (examples/*.yaml); repeat to compose configs",
+             "  --KEY=VALUE                override any value of the config by its dotted key, e.g.",
+             "                             --trainer.max_epochs=3 --model.init_args.lr=0.05",
+             "  --print_config             print the resolved config (secrets included: keep it private) and exit",
+             "  --seed_everything SEED     global seed of the run (default 0)",
+             "  --ckpt_path PATH           checkpoint to resume from (fit) or to evaluate (validate, test)",
+             "  --model.help CLASS         the options of a model class, e.g. lightning_dp.models.ImageClassifier",
+             "  --data.help CLASS          the options of a data class, e.g. lightning_dp.datamodules.DigitsDataModule",
+             "  --trainer.callbacks.help CLASS",
+             "                             the options of a callback, e.g. lightning_dp.callbacks.DPSGD",
+             "  -h, --help                 this message;  --help-all: every Lightning Trainer option (~500 lines)"]
+    classes = _config_classes(argv)
+    if classes:
+        lines += ["", "this config's classes (their options: the --*.help commands):"]
+        for key, path in classes:
+            flag = "--trainer.callbacks.help" if key.startswith("callback") else f"--{key}.help"
+            lines.append(f"  {key:<24} {path}\n  {'':<24} {prog} {flag} {path}")
+    lines += ["", "Common Trainer options: --trainer.max_epochs, --trainer.max_steps, --trainer.accelerator,",
+              "--trainer.devices, --trainer.strategy, --trainer.logger, --trainer.enable_progress_bar.",
+              "Runs are recorded in ./mlruns (SQLite) unless MLFLOW_TRACKING_URI is set; see README.md."]
+    return "\n".join(lines) + "\n"
+
+
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean "the run was set up wrong", printed as one message (not bugs: those keep tracebacks)."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    types: list[type[BaseException]] = [ConfigurationError, MisconfigurationException]
+    try:
+        from lightning_dp.datamodules import DatasetUnavailableError
+    except ImportError:  # pragma: no cover - older datamodules
+        pass
+    else:
+        types.append(DatasetUnavailableError)
+    return tuple(types)
+
+
 def main(args: Optional[Sequence[str]] = None) -> Optional[int]:
     """Entry point of the ``lightning-dp`` console script.
 
@@ -80,16 +165,39 @@ def main(args: Optional[Sequence[str]] = None) -> Optional[int]:
         args: Command-line arguments without the program name; None reads ``sys.argv``.
 
     Returns:
-        None on success (the console script then exits with status 0), or the exit code
-        of an :data:`EXTRA_COMMANDS` handler.
+        None on success (the console script then exits with status 0), or an exit code:
+        0 after help or the version, 2 for a refused command, or that of an
+        :data:`EXTRA_COMMANDS` handler.
     """
     argv = list(sys.argv[1:] if args is None else args)
     if argv in (["--version"], ["-V"]):
         print(f"lightning-dp {__version__}")
         return 0
-    if argv and argv[0] in EXTRA_COMMANDS:
-        return EXTRA_COMMANDS[argv[0]](argv[1:])
-    LightningDPCLI(args=None if args is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        (sys.stdout if argv else sys.stderr).write(help_text())
+        return 0 if argv else 2
+    command = argv[0]
+    if command in EXTRA_COMMANDS:
+        return EXTRA_COMMANDS[command](argv[1:])
+    if command not in LightningDPCLI.subcommands():
+        if not command.startswith("-"):
+            hint = suggest(f"invalid choice: '{command}' (choose from {', '.join(map(repr, COMMANDS))})")
+            sys.stderr.write(short_error("lightning-dp", f"unknown command {command!r}", hint or
+                                         "commands: " + ", ".join(COMMANDS)))
+            return 2
+    elif any(a in ("-h", "--help") for a in argv[1:]):
+        sys.stdout.write(run_help(command, argv[1:]))
+        return 0
+    elif "--help-all" in argv[1:]:
+        argv = [a if a != "--help-all" else "--help" for a in argv]
+    try:
+        LightningDPCLI(args=None if args is None and argv == sys.argv[1:] else argv)
+    except _user_error_types() as err:
+        if show_tracebacks():
+            raise
+        message = str(err).strip() or type(err).__name__
+        sys.stderr.write(short_error(f"lightning-dp {command}", message, suggest(message)))
+        return 2
     return None
 
 

@@ -18,7 +18,9 @@ commands that run several trainings (:mod:`lightning_dp.grid`, the audits) build
 
 from __future__ import annotations
 
+import logging
 import os
+import warnings
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -28,11 +30,42 @@ from typing_extensions import override
 
 from lightning_dp import __version__, tracking
 from lightning_dp.callbacks.run_artifacts import RunArtifacts
+from lightning_dp.cli_errors import ConfigurationError, ShortErrorParser, root_message, show_tracebacks
 from lightning_dp.tracking import redact_secrets
 
-__all__ = ["DEFAULT_LOGGER", "LightningDPCLI", "MLflowSaveConfigCallback"]
+__all__ = ["DEFAULT_LOGGER", "LightningDPCLI", "MLflowSaveConfigCallback", "quiet_third_party"]
 
 DEFAULT_LOGGER = {"class_path": "lightning_dp.tracking.MLFlowLogger"}
+
+
+class _DropTips(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("\N{ELECTRIC LIGHT BULB} Tip:")
+
+
+def quiet_third_party() -> None:
+    """Silence messages a user of the command cannot act on (issue 17: quiet by default).
+
+    - Lightning's "💡 Tip: try installing litlogger / litmodels" advertisements;
+    - torch's ``FutureWarning`` that Lightning itself still uses ``LeafSpec`` (Lightning's code,
+      not the user's, and fixed upstream);
+    - LightningCLI's warning that ``args`` and ``sys.argv`` are both given (``lightning-dp grid``
+      runs every point with its own ``args``);
+    - MLflow's and alembic's INFO lines while the embedded SQLite store creates or upgrades its tables.
+
+    Warnings that a user can act on (Lightning's, ours) are left alone. Idempotent; used by
+    :class:`LightningDPCLI`, not on import (a library must not change its host's logging).
+    """
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            category=FutureWarning)
+    # the grid and the audits build LightningDPCLI(args=...) inside a command that has its own sys.argv
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within Python")
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropTips) for f in logger.filters):
+            logger.addFilter(_DropTips())
+    for name in ("mlflow.store.db.utils", "alembic.runtime.migration"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 class MLflowSaveConfigCallback(SaveConfigCallback):
@@ -102,10 +135,14 @@ class LightningDPCLI(LightningCLI):
     The arguments are LightningCLI's; these defaults differ: ``model_class=None`` and
     ``datamodule_class=None`` with subclass mode (configs name their classes),
     ``save_config_callback=MLflowSaveConfigCallback`` with ``overwrite=True``,
-    ``seed_everything_default=0``, and ``trainer_defaults`` that set the logger to
+    ``seed_everything_default=0``, ``parser_class=ShortErrorParser`` (a refused value is
+    printed in a few lines, :mod:`lightning_dp.cli_errors`), and ``trainer_defaults`` that set the logger to
     :class:`lightning_dp.tracking.MLFlowLogger` and add
     :class:`~lightning_dp.callbacks.run_artifacts.RunArtifacts` (given
     ``trainer_defaults`` are merged over these; given callbacks are added to RunArtifacts).
+    An exception raised while the config's classes are built (a constructor refusing a value)
+    is re-raised as :class:`~lightning_dp.cli_errors.ConfigurationError` with the
+    constructor's own message, the original as its cause.
 
     Example:
         >>> LightningDPCLI(args=["fit", "--config", "examples/digits_nonprivate.yaml"])  # doctest: +SKIP
@@ -122,8 +159,10 @@ class LightningDPCLI(LightningCLI):
         subclass_mode_model: bool = True,
         subclass_mode_data: bool = True,
         args: Any = None,
+        parser_class: type[LightningArgumentParser] = ShortErrorParser,
         **kwargs: Any,
     ) -> None:
+        quiet_third_party()
         defaults: dict[str, Any] = {"logger": dict(DEFAULT_LOGGER), "callbacks": [RunArtifacts()]}
         for key, value in (trainer_defaults or {}).items():
             if key == "callbacks":
@@ -140,8 +179,19 @@ class LightningDPCLI(LightningCLI):
             subclass_mode_model=subclass_mode_model,
             subclass_mode_data=subclass_mode_data,
             args=args,
+            parser_class=parser_class,
             **kwargs,
         )
+
+    @override
+    def instantiate_classes(self) -> None:
+        """LightningCLI's; a class that refuses its arguments raises :class:`ConfigurationError` with its message."""
+        try:
+            super().instantiate_classes()
+        except Exception as err:
+            if show_tracebacks():
+                raise
+            raise ConfigurationError(root_message(err)) from err
 
     @override
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:

@@ -6,8 +6,9 @@ import argparse
 import math
 import os
 from collections.abc import Sequence
+from typing import Any
 
-from lightning_dp.grid.axes import parse_set
+from lightning_dp.grid.axes import parse_set, run_args, run_name
 from lightning_dp.grid.report import report
 from lightning_dp.grid.run import run_grid
 
@@ -49,6 +50,8 @@ def main(argv: Sequence[str]) -> int:
                              "reproducible grid (default: a fresh secret seed per run); public, like this command")
     parser.add_argument("--mode", choices=("max", "min"),
                         help="whether --select is maximized or minimized (default: min for loss/error/mse, else max)")
+    parser.add_argument("--print_config", action="store_true",
+                        help="print the resolved config of every grid point (no training) and exit")
     args = parser.parse_args(argv)
     try:
         sets = [parse_set(s) for s in args.set]
@@ -87,6 +90,9 @@ def main(argv: Sequence[str]) -> int:
         if others:
             parser.error(f"--plot: the axes {others} have several values, so a bar would mix them; bars need every "
                          "axis other than --plot-x, --plot-hue and --mean-over to have one value")
+    if args.print_config:
+        print_configs(args.config, sets, extra)
+        return 0
     result = run_grid(args.config, sets, test=args.test, extra=extra, mean_over=mean_over, budget=args.budget,
                       budget_delta=args.budget_delta, select=args.select, mode=args.mode, plot=args.plot,
                       plot_x=plot_x, plot_hue=plot_hue, seed=args.seed)
@@ -98,3 +104,22 @@ def main(argv: Sequence[str]) -> int:
     if args.plot_file and result.figure is not None:
         result.figure.savefig(args.plot_file, dpi=120)
     return 0
+
+
+def print_configs(config: Sequence[str], sets: Sequence[tuple[str, list[Any]]], extra: Sequence[str] = ()) -> None:
+    """Print every grid point's resolved config (``lightning-dp fit --print_config``), headed by its values.
+
+    The secret noise seeds the grid gives each run at its start (:func:`~lightning_dp.grid.privacy.reseed`)
+    are not in these configs.
+    """
+    import contextlib
+    import itertools
+
+    from lightning_dp.lightning_cli import LightningDPCLI
+
+    keys = [k for k, _ in sets]
+    combos = [dict(zip(keys, combo)) for combo in itertools.product(*(values for _, values in sets))]
+    for i, values in enumerate(combos):
+        print(f"# grid point {i + 1}/{len(combos)}: {run_name(values)}", flush=True)
+        with contextlib.suppress(SystemExit):  # LightningCLI exits after printing
+            LightningDPCLI(args=["fit", *run_args(config, values, extra), "--print_config"], run=True)

@@ -66,10 +66,12 @@ Example:
 from __future__ import annotations
 
 import abc
+import contextlib
+import logging
 import math
 import numbers
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -706,9 +708,12 @@ class RDPAccountant(Accountant):
         rdp = _RDP_SINGLE_STEP_CACHE.get(key)
         if rdp is None:
             # The function both of the library's Gaussian branches call (GaussianDpEvent with q = 1).
-            rdp = rdp_privacy_accountant._compute_rdp_poisson_subsampled_gaussian(  # noqa: SLF001
-                q=q, noise_multiplier=sigma, orders=orders
-            )
+            # An order whose series does not converge gets RDP = inf there (excluded: epsilon stays an
+            # upper bound); the library's absl warning for it, one per order and call, is not shown.
+            with _absl_filtered("failed to converge"):
+                rdp = rdp_privacy_accountant._compute_rdp_poisson_subsampled_gaussian(  # noqa: SLF001
+                    q=q, noise_multiplier=sigma, orders=orders
+                )
             _RDP_SINGLE_STEP_CACHE.put(key, rdp)
         return rdp
 
@@ -721,6 +726,26 @@ class RDPAccountant(Accountant):
             rdp += n * self._single_step_rdp(sigma / 2 if self.adjacency == "replace" else sigma, q, orders)
         epsilon, _ = rdp_privacy_accountant.compute_epsilon(orders, rdp, delta)
         return float(epsilon)
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _absl_filtered(text: str) -> Iterator[None]:
+    """Drop absl log records (dp-accounting logs through absl) that contain ``text`` while the block runs."""
+    logger, drop = logging.getLogger("absl"), _DropMessages(text)
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 
 # --------------------------------------------------------------------------- registry

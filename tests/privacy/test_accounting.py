@@ -419,3 +419,31 @@ def test_the_disjoint_pair_without_sampling_is_the_gaussian_mechanism():
     bound.step(noise_multiplier=2.0, sample_rate=1.0, num_steps=5)
     plain = _filled("pld", FAST_PLD, [(2.0, 1.0, 5)])
     assert bound.get_epsilon(DELTA) == plain.get_epsilon(DELTA)
+
+
+def test_rdp_calibration_is_quiet_where_the_library_warns(caplog):
+    """dp-accounting logs 'failed to converge' through absl for some (q, sigma, order); our accountant drops it.
+
+    The order is excluded either way (RDP = inf there), so epsilon is the library's.
+    """
+    import logging
+
+    import numpy as np
+    from dp_accounting.rdp import rdp_privacy_accountant
+
+    from lightning_dp.privacy.accounting import _RDP_SINGLE_STEP_CACHE, RDPAccountant
+    from lightning_dp.privacy.calibration import calibrate_noise_multiplier
+
+    orders = np.array(rdp_privacy_accountant.DEFAULT_RDP_ORDERS)
+    with caplog.at_level(logging.WARNING, logger="absl"):
+        reference = rdp_privacy_accountant._compute_rdp_poisson_subsampled_gaussian(q=0.2, noise_multiplier=0.9,
+                                                                                    orders=orders)
+    assert any("failed to converge" in r.getMessage() for r in caplog.records)  # the library does warn here
+    caplog.clear()
+    _RDP_SINGLE_STEP_CACHE.clear()
+    with caplog.at_level(logging.WARNING, logger="absl"):
+        ours = RDPAccountant()._single_step_rdp(0.9, 0.2, orders)
+        calibrate_noise_multiplier(target_epsilon=4, target_delta=1e-3, sample_rate=0.2, steps=100, accountant="rdp")
+    assert not [r for r in caplog.records if "failed to converge" in r.getMessage()]
+    np.testing.assert_array_equal(ours, reference)
+    assert logging.getLogger("absl").filters == []  # the filter is only there during the call

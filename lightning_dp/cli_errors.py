@@ -1,0 +1,197 @@
+"""Short command-line errors for ``lightning-dp``: our message in a few lines, with "did you mean".
+
+jsonargparse reports a bad value as a nested tree (every Union member it tried, the value's
+Python type and repr) and LightningCLI lets an exception raised while the config's classes
+are built escape with a traceback through jsonargparse; either way the line the user acts on
+(``lr=-1.0 must be a finite number > 0``) is buried under 40 to 80 lines. This module keeps
+that line: :func:`condense` drops jsonargparse's scaffolding, :func:`root_message` finds the
+exception a constructor raised, and :func:`suggest` adds the nearest option, subcommand or
+class path (:mod:`difflib`, as argparse does for subcommands since Python 3.12 with
+``suggest_on_error``; jsonargparse has no such option). Nothing here changes what is
+accepted: the parsers decide, this only rewords their refusal.
+
+Set ``LIGHTNING_DP_TRACEBACK=1`` to get the full error and traceback instead.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import os
+import re
+import sys
+from collections.abc import Iterable, Sequence
+from typing import NoReturn, Optional
+
+from lightning.pytorch.cli import LightningArgumentParser
+from typing_extensions import override
+
+__all__ = ["ConfigurationError", "ShortErrorParser", "closest", "condense", "root_message", "show_tracebacks",
+           "suggest"]
+
+TRACEBACK_ENV = "LIGHTNING_DP_TRACEBACK"
+
+
+def show_tracebacks() -> bool:
+    """Whether the user asked for full errors (``LIGHTNING_DP_TRACEBACK=1``) or jsonargparse's debug mode is on."""
+    return os.environ.get(TRACEBACK_ENV, "") not in ("", "0") or bool(os.environ.get("JSONARGPARSE_DEBUG"))
+
+
+class ConfigurationError(ValueError):
+    """A value of the config or command line that a class refused while the run was being built.
+
+    ``str()`` is the whole message for the user; the original exception is ``__cause__``.
+    """
+
+
+_NOISE = [re.compile(p) for p in (
+    r"^Parser key \"[^\"]+\":?\s*$",
+    r"^-?\s*Expected a <class 'NoneType'>",
+    r"^Given value type:",
+    r"^Given value:",
+    r"^Subtypes:",
+    r"^-?\s*Does not validate against any of the Union subtypes",
+    r"^Errors:\s*$",
+    r"^-?\s*Expected a path but .* either not accessible or invalid",
+    r"^-?\s*Not a valid path",
+)]
+
+
+def condense(message: str) -> str:
+    """The lines of a jsonargparse error that say what is wrong, prefixed by the config key.
+
+    >>> text = ('Parser key "model":\\n  - Does not validate against any of the Union subtypes\\n  Errors:\\n'
+    ...         "    - Problem with given class_path 'a.B':\\n        Option 'lrr' is not accepted\\n"
+    ...         "    - Expected a <class 'NoneType'>\\n  Given value type: <class 'str'>")
+    >>> condense(text)
+    "model: class_path 'a.B': Option 'lrr' is not accepted"
+    """
+    key = re.match(r'\s*Parser key "([^"]+)"', message)
+    kept: list[str] = []
+    for line in message.splitlines():
+        text = line.strip()
+        if not text or any(p.search(text) for p in _NOISE):
+            continue
+        text = re.sub(r"^-\s*", "", text)
+        text = re.sub(r"^Problem with given class_path ('[^']+'):$", r"class_path \1:", text)
+        if kept and kept[-1].endswith(":"):
+            kept[-1] = f"{kept[-1]} {text}"
+        else:
+            kept.append(text)
+    body = "\n  ".join(dict.fromkeys(kept)) or message.strip()
+    return f"{key[1]}: {body}" if key and not body.startswith(key[1]) else body
+
+
+def root_message(err: BaseException) -> str:
+    """The message of the exception a constructor raised under jsonargparse's wrappers (its deepest cause)."""
+    root = err
+    seen = {id(root)}
+    while root.__cause__ is not None and id(root.__cause__) not in seen:
+        root = root.__cause__
+        seen.add(id(root))
+    text = str(root).strip() or type(root).__name__
+    return condense(text) if root is err else text
+
+
+def closest(word: str, candidates: Iterable[str], n: int = 3) -> list[str]:
+    """Close matches of ``word`` among ``candidates`` (difflib, cutoff 0.6), best first."""
+    return difflib.get_close_matches(word, sorted(set(candidates)), n=n, cutoff=0.6)
+
+
+def _did_you_mean(options: Sequence[str]) -> str:
+    return "" if not options else "did you mean " + " or ".join(options) + "?"
+
+
+def _class_parameters(class_path: str) -> list[str]:
+    """The keyword parameters of a class's ``__init__`` (and of its bases when it takes ``**kwargs``)."""
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return []
+    names: list[str] = []
+    for klass in inspect.getmro(cls):
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        try:
+            params = inspect.signature(init).parameters.values()
+        except (TypeError, ValueError):
+            break
+        names += [p.name for p in params if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return names
+
+
+def _path_suggestions(path: str) -> list[str]:
+    """Close class paths for a dotted path that does not import: fix the first part that fails."""
+    parts = path.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        module = ".".join(parts[:i])
+        try:
+            found = importlib.import_module(module)
+        except ImportError:
+            continue
+        names = [n for n in dir(found) if not n.startswith("_")]
+        if i == len(parts) - 1:
+            return [f"{module}.{m}" for m in closest(parts[i], names)]
+        return [f"{module}.{m}" + "".join("." + p for p in parts[i + 1:]) for m in closest(parts[i], names)]
+    return []
+
+
+def suggest(message: str, option_strings: Iterable[str] = ()) -> str:
+    """A "did you mean ..." for an unknown option, init argument or class path named in ``message`` ('' if none).
+
+    Args:
+        message: The parser's error message.
+        option_strings: The options the parser accepts (``--trainer.max_epochs``, ...).
+    """
+    unknown = re.search(r"[Uu]nrecognized arguments: (.+)", message)
+    if unknown:
+        hints = []
+        for arg in unknown[1].split():
+            if arg.startswith("-"):
+                hints += closest(arg.split("=")[0], option_strings, n=2)
+        return _did_you_mean([f"{h}" for h in dict.fromkeys(hints)])
+    option = re.search(r"class_path '([^']+)':? Option '([^']+)' is not accepted", message)
+    if option:
+        key = re.match(r'\s*([\w.]+): ', message)
+        prefix = f"--{key[1]}.init_args." if key else ""
+        return _did_you_mean([prefix + m for m in closest(option[2], _class_parameters(option[1]))])
+    missing = re.search(r"class_path '([^']+)'", message)
+    if missing and re.search(r"has no attribute|No module named|not accessible|Import", message):
+        return _did_you_mean(_path_suggestions(missing[1]))
+    choice = re.search(r"invalid choice: '([^']+)' \(choose from (.+)\)", message)
+    if choice:
+        return _did_you_mean(closest(choice[1], re.findall(r"'([^']+)'", choice[2])))
+    return ""
+
+
+def short_error(prog: str, message: str, hint: str = "") -> str:
+    """The text printed for a refused command: ``<prog>: error: <message>``, a suggestion, and where to look."""
+    lines = [f"{prog}: error: {message}"]
+    if hint:
+        lines.append(f"  {hint}")
+    lines.append(f"Options: {prog} --help   (full error: {TRACEBACK_ENV}=1 {prog} ...)")
+    return "\n".join(lines) + "\n"
+
+
+class ShortErrorParser(LightningArgumentParser):
+    """LightningCLI's parser, whose errors print our message in a few lines and exit with status 2.
+
+    With ``exit_on_error=False`` or ``LIGHTNING_DP_TRACEBACK=1`` it behaves exactly like
+    :class:`~lightning.pytorch.cli.LightningArgumentParser`.
+    """
+
+    @override
+    def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
+        if not self.exit_on_error or show_tracebacks():
+            super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        prog = parser.prog.replace(" [options]", "")
+        text = condense(message)
+        options = list(getattr(parser, "_option_string_actions", {}))
+        sys.stderr.write(short_error(prog, text, suggest(text, options)))
+        sys.exit(2)

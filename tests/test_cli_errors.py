@@ -1,0 +1,111 @@
+"""The first minutes with `lightning-dp`: help that fits a screen, short errors with "did you mean", --print_config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lightning_dp import cli
+from lightning_dp.cli_errors import condense, root_message, suggest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DIGITS = str(REPO_ROOT / "examples" / "dpsgd_digits.yaml")
+
+
+def test_help_lists_every_subcommand_on_one_line(capsys):
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name, line in cli.COMMANDS.items():
+        assert f"  {name}" in out and line in out
+        assert len([row for row in out.splitlines() if row.strip().startswith(name + " ")]) == 1
+    assert set(cli.COMMANDS) == {"fit", "validate", "test", *cli.EXTRA_COMMANDS}
+    assert max(map(len, out.splitlines())) <= 110  # no wrapped or truncated line on a normal terminal
+    assert cli.main([]) == 2 and "commands:" in capsys.readouterr().err
+
+
+def test_fit_help_is_focused_and_names_the_configs_classes(capsys):
+    assert cli.main(["fit", "--config", DIGITS, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert len(out.splitlines()) < 40  # LightningCLI's is 536 lines: behind --help-all
+    assert "--help-all" in out and "--print_config" in out
+    assert "lightning-dp fit --model.help lightning_dp.models.ImageClassifier" in out
+    assert "lightning-dp fit --trainer.callbacks.help lightning_dp.callbacks.DPSGD" in out
+    with pytest.raises(SystemExit) as info:
+        cli.main(["fit", "--help-all"])
+    assert info.value.code == 0 and "--trainer.gradient_clip_val" in capsys.readouterr().out
+
+
+def _short(capsys, args: list[str]) -> str:
+    try:
+        code = cli.main(args)
+    except SystemExit as exit_info:
+        code = exit_info.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) <= 4, err
+    return err
+
+
+def test_a_refused_value_prints_the_classes_message_in_a_few_lines(capsys, workdir):
+    err = _short(capsys, ["fit", "--config", DIGITS, "--model.init_args.lr=-1"])
+    assert "lightning-dp fit: error: lr=-1.0 must be a finite number > 0; pass e.g. lr=0.1." in err
+    err = _short(capsys, ["fit", "--config", DIGITS, "--trainer.callbacks.init_args.max_grad_norm=-1"])
+    assert "max_grad_norm=-1.0 is not allowed" in err
+
+
+def test_did_you_mean_for_options_init_args_class_paths_and_subcommands(capsys, workdir):
+    err = _short(capsys, ["fit", "--config", DIGITS, "--trainer.max_epoks=1"])
+    assert "unrecognized arguments: --trainer.max_epoks=1" in err and "did you mean --trainer.max_epochs" in err
+    err = _short(capsys, ["fit", "--config", DIGITS, "--model.init_args.lrr=1"])
+    assert "Option 'lrr' is not accepted" in err and "did you mean --model.init_args.lr?" in err
+    err = _short(capsys, ["fit", "--config", DIGITS, "--model=lightning_dp.models.ImageClassifer"])
+    assert "did you mean lightning_dp.models.ImageClassifier" in err
+    err = _short(capsys, ["fitt", "--config", DIGITS])
+    assert "unknown command 'fitt'" in err and "did you mean fit?" in err
+
+
+def test_full_traceback_on_request(capsys, workdir, monkeypatch):
+    monkeypatch.setenv("LIGHTNING_DP_TRACEBACK", "1")
+    with pytest.raises(Exception, match="lr=-1.0 must be a finite number"):
+        cli.main(["fit", "--config", DIGITS, "--model.init_args.lr=-1"])
+
+
+def test_condense_keeps_what_the_user_acts_on():
+    nested = ('Parser key "model":\n  - Expected a path but a.B either not accessible or invalid\n'
+              "  - Does not validate against any of the Union subtypes\n  Subtypes: [<class 'X'>, <class 'NoneType'>]\n"
+              "  Errors:\n    - Problem with given class_path 'a.B':\n        module 'a' has no attribute 'B'\n"
+              "    - Expected a <class 'NoneType'>\n  Given value type: <class 'str'>\n  Given value: a.B")
+    assert condense(nested) == "model: class_path 'a.B': module 'a' has no attribute 'B'"
+    assert condense("plain message") == "plain message"
+    try:
+        try:
+            raise ValueError("lr=-1 must be > 0")
+        except ValueError as inner:
+            raise RuntimeError("Errors:\n - wrapped\n Given value: x") from inner
+    except RuntimeError as outer:
+        assert root_message(outer) == "lr=-1 must be > 0"
+    assert suggest("unrecognized arguments: --trainer.max_epoks=1", ["--trainer.max_epochs", "--seed"]) == \
+        "did you mean --trainer.max_epochs?"
+    assert suggest("something else entirely") == ""
+
+
+def test_print_config_works_for_every_subcommand(capsys, workdir):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["fit", "--config", DIGITS, "--print_config"])
+    assert info.value.code == 0
+    assert yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]["lr"] == 0.2
+    assert cli.main(["grid", "--config", DIGITS, "--set", "model.init_args.lr=0.1,0.3", "--print_config"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("# grid point") == 2 and "lr: 0.1" in out and "lr: 0.3" in out
+    assert not list(workdir.rglob("*.ckpt"))  # nothing was trained
+    with pytest.raises(SystemExit) as info:
+        cli.main(["audit", "--config", str(REPO_ROOT / "examples" / "dlg_digits.yaml"), "--print_config"])
+    assert info.value.code == 0 and "class_path: lightning_dp.models.SigmoidLeNet" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as info:
+        cli.main(["audit", "mia", "--config", str(REPO_ROOT / "examples" / "audit" / "mia_lm.yaml"), "--print_config"])
+    assert info.value.code == 0 and "CausalLanguageModel" in capsys.readouterr().out
+    assert cli.main(["epsilon", "--dataset-size", "100", "--batch-size", "10", "--epochs", "2",
+                     "--noise-multiplier", "1", "--print_config"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["noise_multiplier"] == 1.0
