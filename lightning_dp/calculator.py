@@ -1,4 +1,4 @@
-"""``lightning-dp epsilon``: the epsilon of a DP-SGD run, or the noise multiplier for a target epsilon.
+"""``lightning-dp epsilon``: the epsilon of a DP-SGD or DP-FedAvg run, or the noise multiplier for a target epsilon.
 
 The first question of every DP user, answered with the SAME functions the training uses
 (:func:`lightning_dp.privacy.accounting.get_accountant`,
@@ -9,19 +9,48 @@ The first question of every DP user, answered with the SAME functions the traini
     lightning-dp epsilon --dataset-size 60000 --batch-size 256 --epochs 15 --noise-multiplier 1.1
     lightning-dp epsilon --dataset-size 60000 --batch-size 256 --epochs 15 --target-epsilon 3
     lightning-dp epsilon --sample-rate 0.01 --steps 1000 --noise-multiplier 1.0 --accountant rdp
-    lightning-dp epsilon ... --adjacency replace          # bounded DP (PLD only)
+    lightning-dp epsilon ... --adjacency replace          # bounded DP (PLD only when q < 1)
 
 It prints epsilon (or sigma) and a table of epsilon after a few fractions of the run. The dataset size
 is treated as public, as Opacus and DPSGD do; q = batch size / dataset size.
+
+Client-level DP-FedAvg (McMahan, Ramage, Talwar & Zhang, ICLR 2018) as
+:class:`~lightning_dp.federated.FederatedRound` runs it with
+:class:`~lightning_dp.federated.parts.PoissonSelection` and
+:class:`~lightning_dp.federated.parts.CentralGaussian` (``examples/fedavg_dp_mnist.yaml``), through that
+part's own calibration (:meth:`~lightning_dp.federated.parts.CentralGaussian.plan`) and ledger
+(:meth:`~lightning_dp.federated.parts.CentralGaussian.planned_epsilon`)::
+
+    lightning-dp epsilon --clients 1000 --clients-per-round 50 --rounds 100 --noise-multiplier 1.0
+    lightning-dp epsilon --clients 100 --clients-per-round 20 --rounds 100 --target-epsilon 4 --delta 1e-3
+    lightning-dp epsilon --client-sample-rate 0.2 --rounds 100 --noise-multiplier 1.83 --adjacency replace
+
+What the training does and this assumes: every training client (validation and test clients are held
+out) takes part in a round independently with probability q = clients per round / clients (Poisson,
+``PoissonSelection(sample_rate=q)``: the number of participants is random, qN on average). The server
+clips each participant's update at C, sums, adds N(0, (z C)^2 I) once and divides by qN; z, the noise
+multiplier, is relative to the sensitivity C of that sum. One round is one Poisson-subsampled Gaussian
+mechanism (z, q) and rounds compose. Adjacency: one client's whole data added or removed (default), or
+replaced by another's (``--adjacency replace``: the sum moves by up to 2C; dp-accounting's replace-one
+analysis, PLD only when q < 1). Exactly U clients per round (``UniformSelection``, sampling without
+replacement) is NOT accounted: CentralGaussian refuses it. Adaptive clipping is accounted with the
+same z (the count and update releases compose to one Gaussian with multiplier z). Under replacement a
+sanitizer that bounds the updates more tightly than the ball of radius C (the sector) can make the
+training report less: the calculator gives the ball's bound.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-__all__ = ["build_parser", "epsilon_table", "main"]
+if TYPE_CHECKING:
+    from lightning_dp.federated.parts.server_privacy import CentralGaussian
+
+__all__ = ["build_parser", "client_epsilon_table", "client_level_privacy", "epsilon_table", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="lightning-dp epsilon", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n" + "\n".join(line.strip() for line in __doc__.splitlines() if "lightning-dp epsilon " in
-                                         line))
+                                         line)
+        + "\n\nDP-FedAvg. " + next(p for p in __doc__.split("\n\n") if p.startswith("What the training does")))
     size = parser.add_argument_group("sampling (give --sample-rate, or --dataset-size with --batch-size)")
     size.add_argument("--dataset-size", type=int, help="N, the number of training examples")
     size.add_argument("--batch-size", type=int, help="the expected batch size B (Poisson: q = B / N)")
@@ -37,17 +67,94 @@ def build_parser() -> argparse.ArgumentParser:
     length = parser.add_argument_group("length (give --epochs or --steps)")
     length.add_argument("--epochs", type=int, help="epochs (an epoch is ceil(1 / q) steps)")
     length.add_argument("--steps", type=int, help="optimizer steps")
+    fed = parser.add_argument_group(
+        "DP-FedAvg, client-level (instead of the two groups above: --rounds with --clients and --clients-per-round, "
+        "or with --client-sample-rate)")
+    fed.add_argument("--clients", type=int, help="N, the number of training clients (held-out ones excluded)")
+    fed.add_argument("--clients-per-round", type=float,
+                     help="U, the EXPECTED number of clients per round (Poisson: q = U / N; not a fixed-size draw)")
+    fed.add_argument("--client-sample-rate", type=float, help="q, the client-level Poisson sampling rate in (0, 1]")
+    fed.add_argument("--rounds", type=int, help="rounds (the Trainer's max_epochs)")
     noise = parser.add_argument_group("noise (give --noise-multiplier, or --target-epsilon to calibrate it)")
-    noise.add_argument("--noise-multiplier", type=float, help="sigma, the noise std over the clipping norm")
+    noise.add_argument("--noise-multiplier", type=float, help="sigma (DP-FedAvg: z), the noise std over the clipping norm")
     noise.add_argument("--target-epsilon", type=float, help="the budget: prints the smallest sigma that fits it")
     parser.add_argument("--delta", type=float, default=1e-5, help="delta (default 1e-5)")
+    parser.add_argument("--print_config", action="store_true",
+                        help="print the settings (given and default) as YAML and exit")
     parser.add_argument("--accountant", choices=["pld", "rdp"], default="pld", help="default pld")
     parser.add_argument("--adjacency", choices=["add_remove", "replace"], default="add_remove",
-                        help="neighbouring datasets: one example added/removed (default) or replaced (PLD only)")
+                        help="neighbouring datasets: one example (DP-FedAvg: one client) added/removed (default) or "
+                        "replaced (PLD only when q < 1)")
     return parser
 
 
+_DPSGD_OPTIONS = ("dataset_size", "batch_size", "sample_rate", "epochs", "steps")
+_FEDAVG_OPTIONS = ("clients", "clients_per_round", "client_sample_rate", "rounds")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _is_fedavg(args: argparse.Namespace) -> bool:
+    """DP-FedAvg mode: any of its options is given."""
+    return any(getattr(args, name) is not None for name in _FEDAVG_OPTIONS)
+
+
+def _sample_rate(args: argparse.Namespace) -> float | None:
+    """q of either mode (given, or the ratio of its two counts), or None when the input does not define one."""
+    if _is_fedavg(args):
+        rate, part, whole = args.client_sample_rate, args.clients_per_round, args.clients
+    else:
+        rate, part, whole = args.sample_rate, args.batch_size, args.dataset_size
+    if rate is not None:
+        return rate
+    return part / whole if part is not None and whole and whole > 0 else None
+
+
+def _fedavg_problems(args: argparse.Namespace) -> list[str]:
+    out = []
+    mixed = [_flag(name) for name in _DPSGD_OPTIONS if getattr(args, name) is not None]
+    if mixed:
+        out.append(f"{', '.join(mixed)}: DP-SGD options do not mix with the DP-FedAvg options (--clients, "
+                   "--clients-per-round, --client-sample-rate, --rounds); give one kind")
+    if args.client_sample_rate is None and (args.clients is None or args.clients_per_round is None):
+        out.append("give --client-sample-rate Q, or --clients N with --clients-per-round U (then q = U / N)")
+    if args.client_sample_rate is not None and args.clients_per_round is not None:
+        out.append("give --client-sample-rate OR --clients-per-round, not both")
+    if args.clients is not None and args.clients < 1:
+        out.append(f"--clients={args.clients}: must be >= 1 (the training clients, held-out clients excluded)")
+    if args.clients_per_round is not None and not args.clients_per_round > 0:
+        out.append(f"--clients-per-round={args.clients_per_round:g}: must be > 0")
+    if args.clients_per_round and args.clients and args.clients_per_round > args.clients >= 1:
+        out.append(f"--clients-per-round={args.clients_per_round:g} exceeds --clients={args.clients}; lower it")
+    if args.client_sample_rate is not None and not 0 < args.client_sample_rate <= 1:
+        out.append(f"--client-sample-rate={args.client_sample_rate}: must be in (0, 1], e.g. 0.05")
+    if args.rounds is None:
+        out.append("give --rounds R, the number of rounds (the Trainer's max_epochs)")
+    elif args.rounds < 1:
+        out.append(f"--rounds={args.rounds}: must be >= 1")
+    return out
+
+
 def _problems(args: argparse.Namespace) -> list[str]:
+    out = _fedavg_problems(args) if _is_fedavg(args) else _dpsgd_problems(args)
+    if (args.noise_multiplier is None) == (args.target_epsilon is None):
+        out.append("give exactly one of --noise-multiplier SIGMA (prints epsilon) and --target-epsilon EPS (prints "
+                   "the noise multiplier)")
+    if args.noise_multiplier is not None and not args.noise_multiplier > 0:
+        out.append(f"--noise-multiplier={args.noise_multiplier}: must be > 0")
+    if args.target_epsilon is not None and not args.target_epsilon > 0:
+        out.append(f"--target-epsilon={args.target_epsilon}: must be > 0")
+    if not 0 < args.delta < 1:
+        out.append(f"--delta={args.delta}: must be in (0, 1), e.g. 1e-5 (below 1/N)")
+    if args.adjacency == "replace" and args.accountant == "rdp" and _sample_rate(args) != 1:
+        out.append("--adjacency replace needs --accountant pld when q < 1 (dp-accounting has no RDP bound for the "
+                   "Poisson-subsampled Gaussian under replacement)")
+    return out
+
+
+def _dpsgd_problems(args: argparse.Namespace) -> list[str]:
     out = []
     if args.sample_rate is None and (args.dataset_size is None or args.batch_size is None):
         out.append("give --sample-rate Q, or --dataset-size N with --batch-size B (then q = B / N)")
@@ -67,18 +174,6 @@ def _problems(args: argparse.Namespace) -> list[str]:
         value = getattr(args, name)
         if value is not None and value < 1:
             out.append(f"--{name}={value}: must be >= 1")
-    if (args.noise_multiplier is None) == (args.target_epsilon is None):
-        out.append("give exactly one of --noise-multiplier SIGMA (prints epsilon) and --target-epsilon EPS (prints "
-                   "the noise multiplier)")
-    if args.noise_multiplier is not None and not args.noise_multiplier > 0:
-        out.append(f"--noise-multiplier={args.noise_multiplier}: must be > 0")
-    if args.target_epsilon is not None and not args.target_epsilon > 0:
-        out.append(f"--target-epsilon={args.target_epsilon}: must be > 0")
-    if not 0 < args.delta < 1:
-        out.append(f"--delta={args.delta}: must be in (0, 1), e.g. 1e-5 (below 1/N)")
-    if args.adjacency == "replace" and args.accountant == "rdp":
-        out.append("--adjacency replace needs --accountant pld (dp-accounting has no RDP bound for the "
-                   "Poisson-subsampled Gaussian under replacement)")
     return out
 
 
@@ -95,12 +190,60 @@ def epsilon_table(*, noise_multiplier: float, sample_rate: float, steps: int, de
     from lightning_dp.privacy.accounting import get_accountant
 
     rows = []
-    for fraction in fractions:
-        k = max(1, int(round(fraction * steps)))
+    for k in _points(steps, fractions):
         acc = get_accountant(accountant, **({"adjacency": adjacency} if adjacency != "add_remove" else {}))
         rows.append((k, float(acc.epsilon_after(delta, noise_multiplier=noise_multiplier, sample_rate=sample_rate,
                                                 num_steps=k))))
     return rows
+
+
+def _points(total: int, fractions: Sequence[float]) -> list[int]:
+    """The step (or round) counts of the table: each fraction of ``total``, at least 1."""
+    return [max(1, int(round(fraction * total))) for fraction in fractions]
+
+
+def client_level_privacy(*, client_sample_rate: float, rounds: int, delta: float, noise_multiplier: float | None = None,
+                         target_epsilon: float | None = None, accountant: str = "pld", adjacency: str = "add_remove",
+                         num_clients: int | None = None) -> CentralGaussian:
+    """The DP-FedAvg server part the training would build, planned as the training plans it.
+
+    :class:`~lightning_dp.federated.parts.CentralGaussian` with these settings, after the
+    :meth:`~lightning_dp.federated.parts.CentralGaussian.plan` that
+    :class:`~lightning_dp.federated.FederatedRound` calls before the first round (Poisson client sampling
+    with rate ``client_sample_rate``, ``rounds`` planned rounds): its ``z`` is the training's noise
+    multiplier, calibrated when ``target_epsilon`` is given (exactly the value the run would use). Raises
+    ValueError with the part's message for settings it refuses.
+
+    Example:
+        >>> privacy = client_level_privacy(client_sample_rate=0.05, rounds=100, delta=1e-5, target_epsilon=2.0)
+        >>> privacy.planned_epsilon(privacy.z, 100, None, None) <= 2.0
+        True
+    """
+    from lightning_dp.federated.parts.server_privacy import CentralGaussian
+
+    privacy = CentralGaussian(noise_multiplier=noise_multiplier, target_epsilon=target_epsilon, target_delta=delta,
+                              accountant=accountant, rounds=rounds, adjacency=adjacency)
+    n = num_clients or 0  # only adaptive clipping (not modelled here) reads the expected count q N
+    privacy.plan(sample_rate=client_sample_rate, num_clients=n, expected_count=client_sample_rate * n,
+                 planned_rounds=rounds)
+    return privacy
+
+
+def client_epsilon_table(privacy: CentralGaussian, *, rounds: int, fractions: Sequence[float] = (0.25, 0.5, 0.75, 1.0)
+                         ) -> list[tuple[int, float]]:
+    """``(rounds, client-level epsilon)`` after each fraction of the run, as the training's ledger reports it.
+
+    ``privacy`` is a planned :class:`~lightning_dp.federated.parts.CentralGaussian`
+    (:func:`client_level_privacy`); each row is its
+    :meth:`~lightning_dp.federated.parts.CentralGaussian.planned_epsilon` with no known update set (the ball
+    of radius C), which is the ``privacy/epsilon`` the run logs after that many rounds.
+
+    Example:
+        >>> privacy = client_level_privacy(client_sample_rate=0.05, rounds=100, delta=1e-5, noise_multiplier=1.0)
+        >>> [r for r, _ in client_epsilon_table(privacy, rounds=100)]
+        [25, 50, 75, 100]
+    """
+    return [(k, float(privacy.planned_epsilon(privacy.z, k, None, None))) for k in _points(rounds, fractions)]
 
 
 def main(argv: Sequence[str]) -> int:
@@ -109,9 +252,17 @@ def main(argv: Sequence[str]) -> int:
 
     parser = build_parser()
     args = parser.parse_args(list(argv))
+    if args.print_config:  # the settings as the command read them, like --print_config of the other commands
+        import yaml
+
+        settings = {k: v for k, v in vars(args).items() if k != "print_config"}
+        print(yaml.safe_dump(settings, sort_keys=False), end="")
+        return 0
     problems = _problems(args)
     if problems:
         parser.error("\n  " + "\n  ".join(problems))
+    if _is_fedavg(args):
+        return _main_fedavg(parser, args)
     q = args.sample_rate if args.sample_rate is not None else args.batch_size / args.dataset_size
     per_epoch = steps_for_epochs(epochs=1, sample_rate=q)  # the training's ceil(1 / q), float-safe
     steps = args.steps if args.steps is not None else args.epochs * per_epoch
@@ -121,10 +272,13 @@ def main(argv: Sequence[str]) -> int:
                                      if args.epochs else "")
              + f", delta = {args.delta:g}, {args.accountant.upper()} accountant, {args.adjacency} adjacency")
     if args.target_epsilon is not None:
-        sigma = calibrate_noise_multiplier(target_epsilon=args.target_epsilon, target_delta=args.delta,
-                                           sample_rate=q, steps=steps, accountant=args.accountant,
-                                           accountant_kwargs=kwargs)
-        print(f"noise_multiplier = {sigma:.4f} for epsilon <= {args.target_epsilon:g}; {where}")
+        try:
+            sigma = calibrate_noise_multiplier(target_epsilon=args.target_epsilon, target_delta=args.delta,
+                                               sample_rate=q, steps=steps, accountant=args.accountant,
+                                               accountant_kwargs=kwargs)
+        except ValueError as err:  # a target the search range cannot reach
+            parser.error(f"\n  {err}")
+        print(f"noise_multiplier = {_shown(sigma)} for epsilon <= {args.target_epsilon:g}; {where}")
     else:
         sigma = args.noise_multiplier
     rows = epsilon_table(noise_multiplier=sigma, sample_rate=q, steps=steps, delta=args.delta,
@@ -134,6 +288,55 @@ def main(argv: Sequence[str]) -> int:
     print("\n| steps | epochs | epsilon |\n|---|---|---|")
     for k, eps in rows:
         print(f"| {k} | {k / per_epoch:.3g} | {eps:.4f} |")
+    return 0
+
+
+def _shown(sigma: float) -> str:
+    """A calibrated noise multiplier as printed: 4 decimals, rounded UP, so that a run given the printed value
+    spends no more than the table says."""
+    return f"{math.ceil(sigma * 1e4) / 1e4:.4f}"
+
+
+def _main_fedavg(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``lightning-dp epsilon`` for client-level DP-FedAvg (module docstring): CentralGaussian's own plan and ledger."""
+    q = _sample_rate(args)
+    assert q is not None  # _problems made sure
+    try:
+        privacy = client_level_privacy(client_sample_rate=q, rounds=args.rounds, delta=args.delta,
+                                       noise_multiplier=args.noise_multiplier, target_epsilon=args.target_epsilon,
+                                       accountant=args.accountant, adjacency=args.adjacency, num_clients=args.clients)
+    except ValueError as err:  # what CentralGaussian refuses, e.g. a target the calibration cannot reach
+        parser.error(f"\n  {err}")
+    rows = client_epsilon_table(privacy, rounds=args.rounds)
+    per_round = (f" (U = {args.clients_per_round:g} expected of N = {args.clients} clients)"
+                 if args.client_sample_rate is None else "")
+    neighbours = ("one client's data added or removed" if args.adjacency == "add_remove" else
+                  "one client's data replaced by another's, the clipped sum moves by up to 2C")
+    where = (f"q = {q:.6g}{per_round}, {args.rounds} rounds, delta = {args.delta:g}, {args.accountant.upper()} "
+             f"accountant, {args.adjacency} adjacency ({neighbours})")
+    if args.target_epsilon is not None:
+        print(f"noise_multiplier = {_shown(privacy.z)} for client-level epsilon <= {args.target_epsilon:g}; {where}")
+    else:
+        print(f"client-level epsilon = {rows[-1][1]:.4f} for noise_multiplier = {privacy.z:g}; {where}")
+    expected = f"{q * args.clients:.4g}" if args.clients else "q N"
+    noise = (f"noise_multiplier: {args.noise_multiplier!r}" if args.target_epsilon is None
+             else f"target_epsilon: {args.target_epsilon!r}")
+    print(f"""
+Assumed, as FederatedRound with PoissonSelection and CentralGaussian trains it: every training client takes
+part in a round independently with probability q (Poisson: {expected} clients a round on average, a random
+number); the server clips each update at C, sums, adds N(0, (z C)^2 I) once and divides by q N. One round is
+one Poisson-subsampled Gaussian mechanism (z, q). Exactly U clients a round (UniformSelection) is not accounted.
+The training's config:
+  model.init_args.selection: {{class_path: lightning_dp.federated.parts.PoissonSelection, init_args: {{sample_rate: {q!r}}}}}
+  model.init_args.server_privacy.init_args: {{{noise}, target_delta: {args.delta!r}, accountant: {args.accountant}, \
+adjacency: {args.adjacency}}}
+  trainer.max_epochs: {args.rounds}""")
+    if args.clients and args.delta >= 1 / args.clients:
+        print(f"note: delta = {args.delta:g} is not below 1/N = {1 / args.clients:.3g}: a mechanism that releases one "
+              "random client's data whole meets it; choose a smaller --delta")
+    print("\n| rounds | participations per client (expected) | client-level epsilon |\n|---|---|---|")
+    for k, eps in rows:
+        print(f"| {k} | {q * k:.3g} | {eps:.4f} |")
     return 0
 
 

@@ -4,6 +4,7 @@ points (``lightning-dp --version``, ``python -m lightning_dp``)."""
 
 from __future__ import annotations
 
+import math
 import re
 
 import dp_accounting
@@ -77,3 +78,145 @@ def test_version_and_python_dash_m():
     out = subprocess.run([sys.executable, "-m", "lightning_dp", "epsilon", "--sample-rate", "0.5", "--steps", "2",
                           "--noise-multiplier", "5"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "epsilon = " in out.stdout
+
+
+# --------------------------------------------------------------------------- DP-FedAvg (client-level)
+
+
+def _fedavg_printed(out):
+    return [float(x) for x in re.findall(r"^\| \d+ \| [\d.]+ \| ([\d.]+) \|$", out, flags=re.MULTILINE)]
+
+
+def _train_dp_fedavg(server_privacy, *, q, rounds, num_clients):
+    """A tiny DP-FedAvg run (tests/federated/test_dp_fedavg.py's set-up): the privacy/epsilon it logs each round."""
+    import lightning as L
+
+    from lightning_dp.datamodules import SyntheticLinearMixture
+    from lightning_dp.federated import FederatedRound
+    from lightning_dp.federated.parts import FedAvg, LocalSGD, PoissonSelection
+    from lightning_dp.models import LinearRegression
+
+    logged = []
+
+    class Capture(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            logged.append(float(trainer.callback_metrics["privacy/epsilon"]))
+
+    module = FederatedRound(LinearRegression(), selection=PoissonSelection(q), update=LocalSGD(epochs=1, lr=0.1,
+                            batch_size=10), aggregator=FedAvg(), server_privacy=server_privacy, seed=0, noise_seed=1)
+    trainer = L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        accelerator="cpu", devices=1, max_epochs=rounds, num_sanity_val_steps=0, limit_val_batches=0,
+                        log_every_n_steps=1, callbacks=[Capture()])
+    trainer.fit(module, SyntheticLinearMixture(num_clients=num_clients, num_val_clients=2, seed=0))
+    assert trainer.global_step == rounds
+    return logged
+
+
+def test_dp_fedavg_epsilon_equals_what_the_training_logs(capsys):
+    """40 training clients, 10 a round (q = 0.25), z = 1.3, 4 rounds: the table's rows (rounds 1..4) are the
+    privacy/epsilon the run logs after each round, exactly (and to the 4 printed decimals)."""
+    from lightning_dp.calculator import client_epsilon_table, client_level_privacy
+    from lightning_dp.federated.parts import CentralGaussian
+
+    assert cli.main(["epsilon", "--clients", "40", "--clients-per-round", "10", "--rounds", "4",
+                     "--noise-multiplier", "1.3"]) == 0
+    out = capsys.readouterr().out
+    printed = _fedavg_printed(out)
+    assert "client-level epsilon = " in out and "q = 0.25 (U = 10 expected of N = 40 clients)" in out
+    assert "PoissonSelection, init_args: {sample_rate: 0.25}" in out and "add_remove adjacency" in out
+
+    privacy = CentralGaussian(noise_multiplier=1.3, clip=0.5)
+    logged = _train_dp_fedavg(privacy, q=0.25, rounds=4, num_clients=40)
+    assert privacy.accountant.history == [(1.3, 0.25, 4)]  # the event the calculator accounts
+    assert printed == [round(e, 4) for e in logged] and len(logged) == 4
+    ours = client_epsilon_table(client_level_privacy(client_sample_rate=10 / 40, rounds=4, delta=1e-5,
+                                                     noise_multiplier=1.3), rounds=4)
+    assert [e for _, e in ours] == logged and privacy.epsilon == logged[-1]  # bit-identical
+
+
+def test_dp_fedavg_calibrated_z_is_the_trainings_under_replacement(capsys):
+    """--target-epsilon: the calculator's z is the one the training calibrates itself (same CentralGaussian.plan),
+    here under replacement, and the run's final epsilon is the table's last row."""
+    from lightning_dp.calculator import client_epsilon_table, client_level_privacy
+    from lightning_dp.federated.parts import CentralGaussian
+
+    assert cli.main(["epsilon", "--client-sample-rate", "0.3", "--rounds", "6", "--target-epsilon", "2",
+                     "--adjacency", "replace"]) == 0
+    out = capsys.readouterr().out
+    printed_z = float(re.search(r"noise_multiplier = ([\d.]+) for client-level epsilon <= 2;", out).group(1))
+    printed = _fedavg_printed(out)
+    assert "replace adjacency (one client's data replaced by another's" in out
+
+    privacy = CentralGaussian(target_epsilon=2.0, clip=1.0, adjacency="replace")
+    logged = _train_dp_fedavg(privacy, q=0.3, rounds=6, num_clients=30)
+    ours = client_level_privacy(client_sample_rate=0.3, rounds=6, delta=1e-5, target_epsilon=2.0, adjacency="replace")
+    assert ours.z == privacy.z and privacy.accountant.history == [(privacy.z, 0.3, 6)]
+    assert printed_z == math.ceil(privacy.z * 1e4) / 1e4  # printed rounded up
+    table = client_epsilon_table(ours, rounds=6, fractions=(1 / 6, 2 / 6, 3 / 6, 4 / 6, 5 / 6, 1))
+    assert [e for _, e in table] == logged and printed[-1] == round(logged[-1], 4) and logged[-1] <= 2.0
+
+
+def _library_event_epsilon(accountant, z, q, rounds, delta):
+    return accountant.compose(dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), rounds)).get_epsilon(delta)
+
+
+@pytest.mark.parametrize("accountant,adjacency", [("pld", "add_remove"), ("rdp", "add_remove"), ("pld", "replace")])
+def test_dp_fedavg_epsilon_equals_dp_accountings_own_accountant(capsys, accountant, adjacency):
+    """The same event composed by hand in dp-accounting: R rounds of the Poisson-subsampled Gaussian (z, q)."""
+    from dp_accounting import NeighboringRelation
+
+    argv = ["epsilon", "--clients", "1000", "--clients-per-round", "50", "--rounds", "100", "--noise-multiplier",
+            "1.0", "--accountant", accountant, "--adjacency", adjacency]
+    assert cli.main(argv) == 0
+    printed = _fedavg_printed(capsys.readouterr().out)
+    relation = NeighboringRelation.ADD_OR_REMOVE_ONE if adjacency == "add_remove" else NeighboringRelation.REPLACE_ONE
+
+    def library():  # a fresh one per row: compose() accumulates
+        return (dp_accounting.pld.PLDAccountant(relation) if accountant == "pld"
+                else dp_accounting.rdp.RdpAccountant(neighboring_relation=relation))
+
+    assert [round(_library_event_epsilon(library(), 1.0, 0.05, r, 1e-5), 4) for r in (25, 50, 75, 100)] == printed
+    # the same number as the DP-SGD mode for the same (sigma, q, steps): one round is one DP-SGD step's event
+    assert printed[-1] == round(epsilon_table(noise_multiplier=1.0, sample_rate=0.05, steps=100, delta=1e-5,
+                                              accountant=accountant, adjacency=adjacency, fractions=(1,))[0][1], 4)
+
+
+def test_dp_fedavg_calibrated_z_fits_its_target_and_z_over_1_01_does_not(capsys):
+    from lightning_dp.calculator import client_level_privacy
+
+    assert cli.main(["epsilon", "--clients", "100", "--clients-per-round", "20", "--rounds", "100",
+                     "--target-epsilon", "4", "--delta", "1e-3"]) == 0
+    out = capsys.readouterr().out
+    z = float(re.search(r"noise_multiplier = ([\d.]+)", out).group(1))
+    assert _fedavg_printed(out)[-1] <= 4.0
+
+    def spend(multiplier):
+        privacy = client_level_privacy(client_sample_rate=0.2, rounds=100, delta=1e-3, noise_multiplier=multiplier)
+        return privacy.planned_epsilon(multiplier, 100, None, None)
+
+    assert spend(z) <= 4.0 < spend(z / 1.01)  # the printed (rounded-up) z fits; 1 % less noise does not
+
+
+def test_dp_fedavg_bad_input_lists_every_problem_and_exits_2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["epsilon", "--clients", "10", "--clients-per-round", "20", "--client-sample-rate", "1.5",
+                  "--batch-size", "8", "--noise-multiplier", "1", "--target-epsilon", "0", "--accountant", "rdp",
+                  "--adjacency", "replace"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    for text in ("--batch-size: DP-SGD options do not mix with the DP-FedAvg options",
+                 "--client-sample-rate OR --clients-per-round, not both", "--clients-per-round=20 exceeds --clients=10",
+                 "--client-sample-rate=1.5: must be in (0, 1]", "give --rounds R", "exactly one of --noise-multiplier",
+                 "--target-epsilon=0.0: must be > 0", "needs --accountant pld when q < 1"):
+        assert text in err
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["epsilon", "--rounds", "0", "--clients", "0", "--noise-multiplier", "1"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    for text in ("give --client-sample-rate Q, or --clients N with --clients-per-round U", "--clients=0: must be >= 1",
+                 "--rounds=0: must be >= 1"):
+        assert text in err
+    # RDP under replacement is refused only with sampling: every client in every round (q = 1) is accounted
+    assert cli.main(["epsilon", "--client-sample-rate", "1", "--rounds", "10", "--noise-multiplier", "5",
+                     "--accountant", "rdp", "--adjacency", "replace"]) == 0
