@@ -16,6 +16,9 @@ Public API:
   :class:`FederatedVision` over MNIST, Fashion-MNIST (IDX) and CIFAR-10 (official python batches).
 - Federated with a sensitive group (fairness): :class:`SyntheticFairness`, :class:`FEMNISTFairness`.
 - Language: :class:`WikiText2DataModule` (official token files or Hugging Face, word level, fixed-length samples).
+- :class:`DatasetUnavailableError` (a :class:`FileNotFoundError`): what every DataModule raises when its
+  data is missing and cannot be downloaded; ``str(error)`` is the whole message (the files expected in
+  ``data_dir`` and where to get them). A failed download leaves ``data_dir`` as it was.
 """
 
 from lightning_dp.datamodules.agnews import AGNewsDataModule
@@ -28,12 +31,14 @@ from lightning_dp.datamodules.femnist import FEMNIST
 from lightning_dp.datamodules.hospital import HospitalCharges
 from lightning_dp.datamodules.idx import IDXFormatError, read_idx, write_idx
 from lightning_dp.datamodules.mnist import FashionMNISTDataModule, MNISTDataModule, MNISTFamilyDataModule
+from lightning_dp.datamodules.offline import DatasetUnavailableError
 from lightning_dp.datamodules.synthetic import SyntheticLinearMixture
 from lightning_dp.datamodules.wikitext import WikiText2DataModule
 
 __all__ = [
     "AGNewsDataModule",
     "ClientDataset",
+    "DatasetUnavailableError",
     "DigitsDataModule",
     "FEMNIST",
     "FEMNISTFairness",

@@ -55,6 +55,7 @@ from lightning_dp.datamodules.base import (
     _check_positive_int,
     stratified_split,
 )
+from lightning_dp.datamodules.offline import DatasetUnavailableError, dataset_unavailable, load_hf_dataset
 
 __all__ = [
     "AGNewsDataModule",
@@ -399,26 +400,46 @@ class AGNewsDataModule(SplitDataModule):
         needed.append(self.glove_path)
         return [path for path in needed if not path.is_file()]
 
-    def _check_files(self) -> None:
+    def _relative(self, path: Path) -> str:
+        try:
+            return str(path.resolve().relative_to(self.data_dir.resolve()))
+        except ValueError:  # outside data_dir (glove_path elsewhere)
+            return str(path.resolve())
+
+    def unavailable(self, error: Optional[str] = None) -> DatasetUnavailableError:
+        """The error of missing data: the CSVs (or the Hugging Face cache) and the GloVe file, where to
+        get those that are missing, and ``error`` (the download's, one line) when a download failed."""
+        owner = type(self).__name__
         missing = self.missing_files()
-        if not missing:
-            return
-        fixes = []
-        csvs = [path.name for path in missing if path != self.glove_path]
-        if csvs:
-            fixes.append(
-                f"missing official AG News file(s) {', '.join(csvs)} in {self.data_dir.resolve()}. Fix: copy "
-                f"train.csv and test.csv (no header; class index 1-4, title, description) from {CSV_URL} into "
-                f"that directory, or pass source='huggingface' to load {self.hf_dataset} with the `datasets` "
-                "package."
-            )
+        glove = self._relative(self.glove_path)
+        glove_fix = (f"unzip {GLOVE_FILE} of {GLOVE_URL} to {self.glove_path.resolve()} or pass "
+                     f"glove_path=<path of {GLOVE_FILE}> (the thesis' 50-d GloVe 6B vectors; no other is substituted)")
+        glove_source = f"{GLOVE_URL} (822 MB, holds {GLOVE_FILE})"
+        if self.source == "huggingface":
+            fixes = [f"offline, use source='csv' with the official train.csv and test.csv in data_dir (from {CSV_URL})"]
+            if self.glove_path in missing:
+                fixes.append(glove_fix)
+            return dataset_unavailable(
+                owner, "AG News", data_dir=self.data_dir, expected=[f"the Hugging Face cache of {self.hf_dataset}",
+                                                                    glove],
+                sources=[f"https://huggingface.co/datasets/{self.hf_dataset}", glove_source], error=error,
+                fix="; ".join(fixes) + ".")
+        sources, fixes = [], []
+        if any(path != self.glove_path for path in missing):
+            sources.append(f"{CSV_URL} (train.csv, test.csv; or Hugging Face dataset {self.hf_dataset})")
+            fixes.append("copy train.csv and test.csv into data_dir, or pass source='huggingface'")
         if self.glove_path in missing:
-            fixes.append(
-                f"missing GloVe vectors {self.glove_path.resolve()}. Fix: download {GLOVE_URL} (822 MB), unzip "
-                f"{GLOVE_FILE} into {self.data_dir.resolve()}, or pass glove_path=<path of {GLOVE_FILE}>. The "
-                "features are the 50-d GloVe 6B vectors of the thesis; no other embedding is substituted."
-            )
-        raise FileNotFoundError(f"{type(self).__name__}: " + "\n".join(fixes))
+            sources.append(glove_source)
+            fixes.append(glove_fix)
+        return dataset_unavailable(
+            owner, "AG News", data_dir=self.data_dir, expected=[*CSV_FILES.values(), glove],
+            missing=[self._relative(path) for path in missing],
+            layout="the official CSVs without header: class index 1-4, title, description; the GloVe text file",
+            sources=sources, error=error, fix="; ".join(fixes) + ".")
+
+    def _check_files(self) -> None:
+        if self.missing_files():
+            raise self.unavailable()
 
     # ----------------------------------------------------------------- hooks
     def prepare_data(self) -> None:
@@ -428,7 +449,8 @@ class AGNewsDataModule(SplitDataModule):
         error of ``setup`` says where to get them.
         """
         if self.source == "huggingface":
-            _import_datasets().load_dataset(self.hf_dataset, cache_dir=str(self.data_dir))
+            load_hf_dataset(_import_datasets(), self.hf_dataset, cache_dir=self.data_dir,
+                            unavailable=self.unavailable)
 
     def setup(self, stage: Optional[str] = None) -> None:
         """Compute the features of the splits needed by ``stage`` and build the datasets.
@@ -438,8 +460,8 @@ class AGNewsDataModule(SplitDataModule):
                 Splits already built are kept.
 
         Raises:
-            FileNotFoundError: If the CSVs or the GloVe file are missing (the message
-                says where to get them and which argument to set).
+            DatasetUnavailableError: (a :class:`FileNotFoundError`) If the CSVs or the GloVe
+                file are missing (the message says where to get them and which argument to set).
             ValueError: If a file's content is invalid, or a subset or the validation
                 split does not fit the data.
         """
@@ -521,7 +543,8 @@ class AGNewsDataModule(SplitDataModule):
     def _read_texts(self, splits: Sequence[str]) -> dict[str, tuple[list[str], torch.Tensor]]:
         if self.source == "csv":
             return {split: read_ag_news_csv(self.data_dir / CSV_FILES[split]) for split in splits}
-        dataset_dict = _import_datasets().load_dataset(self.hf_dataset, cache_dir=str(self.data_dir))
+        dataset_dict = load_hf_dataset(_import_datasets(), self.hf_dataset, cache_dir=self.data_dir,
+                                       unavailable=self.unavailable)
         result = {}
         for split in splits:
             texts = [str(text) for text in dataset_dict[split]["text"]]

@@ -21,17 +21,25 @@ import os
 import pickle
 import shutil
 import tarfile
-import tempfile
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
 
 from lightning_dp.datamodules.mnist import download_resource
+from lightning_dp.datamodules.offline import (
+    DatasetUnavailableError,
+    dataset_unavailable,
+    load_hf_dataset,
+    publish,
+    removing_on_failure,
+    staging_area,
+)
 
 __all__ = ["CIFAR10_FILES", "CIFAR10_MEAN", "CIFAR10_STD", "CIFARFormatError", "HF_DATASET", "cifar10_dir",
-           "download_cifar10", "load_cifar10", "load_cifar10_hf", "read_cifar_batch", "transform_cifar"]
+           "cifar10_unavailable", "download_cifar10", "load_cifar10", "load_cifar10_hf", "read_cifar_batch",
+           "transform_cifar"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -109,31 +117,55 @@ def missing_cifar10_files(data_dir: PathLike, splits: tuple[str, ...] = ("train"
     return [name for split in splits for name in CIFAR10_FILES[split] if not (folder / name).is_file()]
 
 
+def cifar10_unavailable(data_dir: PathLike, splits: tuple[str, ...] = ("train", "test"), *,
+                        error: Optional[str] = None, owner: str = "CIFAR-10", source: str = "files",
+                        download: bool = False) -> DatasetUnavailableError:
+    """The error of missing CIFAR-10 data: the batch files of ``splits``, where to get them, and the
+    download's ``error`` (one line) when one failed (``source="huggingface"``: the Hub copy)."""
+    expected = [f"{FOLDER}/{name}" for split in splits for name in CIFAR10_FILES[split]]
+    archive = f"{MIRRORS[0]}{ARCHIVE} (md5 {ARCHIVE_MD5})"
+    hub = f"Hugging Face dataset {HF_DATASET} (source='huggingface')"
+    if source == "huggingface":
+        return dataset_unavailable(
+            owner, "CIFAR-10", data_dir=data_dir, expected=[f"the Hugging Face cache of {HF_DATASET}"],
+            sources=[f"https://huggingface.co/datasets/{HF_DATASET}"], error=error,
+            fix=f"offline, use the official files ({', '.join(expected)}, extracted from {ARCHIVE}) in data_dir, "
+                "or copy a filled Hugging Face cache into data_dir and set HF_DATASETS_OFFLINE=1.")
+    folder = cifar10_dir(data_dir)
+    missing = [f"{FOLDER}/{name}" for split in splits for name in CIFAR10_FILES[split]
+               if not (folder / name).is_file()]
+    fix = (f"extract {ARCHIVE} into data_dir (the batch files may also lie in data_dir itself)"
+           + ("." if error is not None or download else ", or pass download=True."))
+    return dataset_unavailable(owner, "CIFAR-10", data_dir=data_dir, expected=expected, missing=missing,
+                               layout="the official python-version batches", sources=[archive, hub], error=error,
+                               fix=fix)
+
+
 def download_cifar10(data_dir: PathLike, **kwargs: Any) -> Path:
     """Fetch and extract the official archive into ``data_dir/cifar-10-batches-py`` (if files are missing).
 
     ``kwargs`` go to :func:`~lightning_dp.datamodules.mnist.download_resource` (``urlopen``, ``timeout``).
-    Only the seven batch and meta files are extracted (no path from the archive is trusted);
-    the folder appears only once all of them are there.
+    Only the seven batch and meta files are extracted (no path from the archive is trusted), into
+    a temporary folder inside ``data_dir``; the folder is renamed into place only once all of them
+    are there (an existing ``cifar-10-batches-py`` only gets the files it lacks). A failed attempt
+    leaves ``data_dir`` as it was (a directory created for it is removed again).
+
+    Raises:
+        RuntimeError: (:class:`~lightning_dp.datamodules.offline.DownloadError`) If no mirror served
+            the archive; :class:`CIFARFormatError` if it is not the official one.
     """
     root = Path(data_dir).expanduser()
     target = root / FOLDER
     if not missing_cifar10_files(root):
         return cifar10_dir(root)
-    created = not root.exists()
-    root.mkdir(parents=True, exist_ok=True)
-    try:
+    with removing_on_failure(root):
         return _download_into(root, target, kwargs)
-    except BaseException:
-        if created and not any(root.iterdir()):
-            root.rmdir()  # a failed download leaves no empty data directory behind
-        raise
 
 
 def _download_into(root: Path, target: Path, kwargs: dict[str, Any]) -> Path:
-    with tempfile.TemporaryDirectory(dir=root, prefix=".cifar-download-") as tmp:
+    with staging_area(root) as tmp:
         archive = download_resource(ARCHIVE, directory=tmp, mirrors=MIRRORS, md5=ARCHIVE_MD5, **kwargs)
-        staged = Path(tmp) / FOLDER
+        staged = tmp / FOLDER
         staged.mkdir()
         wanted = {f"{FOLDER}/{name}" for names in CIFAR10_FILES.values() for name in names} | {f"{FOLDER}/batches.meta"}
         with tarfile.open(archive, "r:gz") as tar:
@@ -143,36 +175,39 @@ def _download_into(root: Path, target: Path, kwargs: dict[str, Any]) -> Path:
                     assert source is not None
                     with source, open(staged / Path(member.name).name, "wb") as out:
                         shutil.copyfileobj(source, out)
-        missing = missing_cifar10_files(Path(tmp))
+        missing = missing_cifar10_files(tmp)
         if missing:
             raise CIFARFormatError(f"{ARCHIVE} lacks {missing}: not the official CIFAR-10 python archive")
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staged, target)
+        if not publish(staged, target):  # the user's folder stays; it only gets the files it lacks
+            for path in sorted(staged.iterdir()):
+                publish(path, target / path.name)
     return target
 
 
-def load_cifar10(data_dir: PathLike, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+def load_cifar10(data_dir: PathLike, split: str, *, owner: str = "CIFAR-10") -> tuple[torch.Tensor, torch.Tensor]:
     """The official ``"train"`` (50,000) or ``"test"`` (10,000) split from ``data_dir``.
 
     Raises:
-        FileNotFoundError: If a batch file is missing (the message lists them and how to get them).
+        DatasetUnavailableError: (a :class:`FileNotFoundError`) If a batch file is missing (the
+            message lists them and how to get them); ``owner`` names the caller in it.
     """
-    missing = missing_cifar10_files(data_dir, (split,))
-    if missing:
-        raise FileNotFoundError(
-            f"CIFAR-10 {split} split: {', '.join(missing)} not found in {cifar10_dir(data_dir)}. Extract the official "
-            f"{MIRRORS[0]}{ARCHIVE} (md5 {ARCHIVE_MD5}) into {Path(data_dir).expanduser()}, or pass download=True.")
+    if missing_cifar10_files(data_dir, (split,)):
+        raise cifar10_unavailable(data_dir, (split,), owner=owner)
     parts = [read_cifar_batch(cifar10_dir(data_dir) / name) for name in CIFAR10_FILES[split]]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
-def load_cifar10_hf(cache_dir: PathLike, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+def load_cifar10_hf(cache_dir: PathLike, split: str, *, owner: str = "CIFAR-10") -> tuple[torch.Tensor, torch.Tensor]:
     """The ``"train"`` or ``"test"`` split of :data:`HF_DATASET` through ``datasets.load_dataset`` (cached in
-    ``cache_dir``; ``HF_DATASETS_OFFLINE=1`` forbids downloads), as the same tensors as :func:`load_cifar10`."""
+    ``cache_dir``; ``HF_DATASETS_OFFLINE=1`` forbids downloads), as the same tensors as :func:`load_cifar10`.
+
+    Raises:
+        DatasetUnavailableError: If the dataset is neither cached nor downloadable.
+    """
     from lightning_dp.datamodules.mnist import _import_datasets
 
-    table = _import_datasets().load_dataset(HF_DATASET, cache_dir=str(cache_dir))[split]
+    table = load_hf_dataset(_import_datasets(), HF_DATASET, cache_dir=cache_dir, unavailable=lambda error:
+                            cifar10_unavailable(cache_dir, owner=owner, source="huggingface", error=error))[split]
     images = np.stack([np.asarray(image, dtype=np.uint8) for image in table["img"]])  # (N, 32, 32, 3)
     if images.ndim != 4 or images.shape[1:] != (32, 32, 3):
         raise CIFARFormatError(f"{HF_DATASET}[{split}]: expected 32x32 RGB images, got shape {images.shape[1:]}")

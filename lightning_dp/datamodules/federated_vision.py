@@ -40,6 +40,7 @@ from lightning_dp.datamodules.federated import (
     _check_open_fraction,
     derived_seed,
 )
+from lightning_dp.datamodules.offline import DatasetUnavailableError, download_guard, load_hf_dataset
 
 __all__ = ["DATASETS", "PARTITIONS", "FederatedVision", "partition_labels"]
 
@@ -180,13 +181,24 @@ class FederatedVision(FederatedDataModule):
     def _splits(self) -> tuple[str, ...]:
         return ("test",) if self.subset == "test" else ("train", "test")
 
+    def _cifar10_unavailable(self, error: Optional[str] = None) -> DatasetUnavailableError:
+        from lightning_dp.datamodules.cifar import cifar10_unavailable
+
+        return cifar10_unavailable(self.data_dir, self._splits(), error=error, owner=type(self).__name__,
+                                   source=self.source, download=self.download)
+
     def prepare_data(self) -> None:
-        """Download the official files when ``download=True``; fill the Hugging Face cache with that source."""
+        """Download the official files when ``download=True``; fill the Hugging Face cache with that source.
+
+        Raises:
+            DatasetUnavailableError: If the download failed (nothing is left behind in ``data_dir``).
+        """
         if self.dataset == "cifar10" and self.source == "huggingface":
             from lightning_dp.datamodules.cifar import HF_DATASET
             from lightning_dp.datamodules.mnist import _import_datasets
 
-            _import_datasets().load_dataset(HF_DATASET, cache_dir=str(self.data_dir))
+            load_hf_dataset(_import_datasets(), HF_DATASET, cache_dir=self.data_dir,
+                            unavailable=self._cifar10_unavailable)
             return
         if self.source == "huggingface":
             self._official().prepare_data()
@@ -194,21 +206,30 @@ class FederatedVision(FederatedDataModule):
         if not self.download:
             return
         if self.dataset == "cifar10":
-            from lightning_dp.datamodules.cifar import download_cifar10
+            from lightning_dp.datamodules.cifar import download_cifar10, missing_cifar10_files
 
-            download_cifar10(self.data_dir)
+            if missing_cifar10_files(self.data_dir):
+                with download_guard(self.data_dir, self._cifar10_unavailable):
+                    download_cifar10(self.data_dir)
         else:
             self._official().prepare_data()
 
     def _read(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """``{split: (float32 inputs, int64 labels)}`` of the official splits the subset needs."""
         if self.dataset == "cifar10":
-            from lightning_dp.datamodules.cifar import load_cifar10, load_cifar10_hf, transform_cifar
+            from lightning_dp.datamodules.cifar import (
+                load_cifar10,
+                load_cifar10_hf,
+                missing_cifar10_files,
+                transform_cifar,
+            )
 
+            if self.source == "files" and missing_cifar10_files(self.data_dir, self._splits()):
+                raise self._cifar10_unavailable()  # names every file the subset needs, so one fix is enough
             load = load_cifar10_hf if self.source == "huggingface" else load_cifar10
             out = {}
             for split in self._splits():
-                images, labels = load(self.data_dir, split)
+                images, labels = load(self.data_dir, split, owner=type(self).__name__)
                 out[split] = (transform_cifar(images, normalize=self.normalize), labels)
             return out
         from lightning_dp.datamodules.mnist import transform_images

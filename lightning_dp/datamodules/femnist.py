@@ -42,12 +42,16 @@ from lightning_dp.datamodules.federated import (
     derived_seed,
     split_clients,
 )
+from lightning_dp.datamodules.offline import DatasetUnavailableError, dataset_unavailable, load_hf_dataset
 
 __all__ = ["FEMNIST", "LEAFFormatError", "read_leaf_dir", "rotate_images"]
 
 Source = Literal["leaf", "huggingface"]
 NUM_PIXELS = 28 * 28
 NUM_CLASSES = 62
+#: Where LEAF's FEMNIST files come from, and the command of the thesis' sample.
+LEAF_URL = "https://github.com/TalwalkarLab/leaf/tree/master/data/femnist"
+LEAF_COMMAND = "./preprocess.sh -s niid --sf 0.05 -k 0 -t sample"
 PathLike = Union[str, "os.PathLike[str]"]
 WriterData = tuple[np.ndarray, np.ndarray]
 
@@ -278,10 +282,34 @@ class FEMNIST(FederatedDataModule):
         """Which of the loaded writers are rotated (:meth:`is_rotated` of each, independently)."""
         return {writer: self.is_rotated(writer) for writer in writers}
 
-    def prepare_data(self) -> None:
-        """Download only: fills the Hugging Face cache (``source="huggingface"``); LEAF files are made by LEAF."""
+    def unavailable(self, error: Optional[str] = None) -> DatasetUnavailableError:
+        """The error of missing data: LEAF's files (or the Hugging Face cache), where to get them, and
+        ``error`` (the download's, one line) when a download failed."""
+        owner = type(self).__name__
+        leaf = ["train/*.json", "test/*.json"]
         if self.source == "huggingface":
-            _import_datasets().load_dataset(self.hf_dataset, cache_dir=str(self.data_dir))
+            return dataset_unavailable(
+                owner, "FEMNIST", data_dir=self.data_dir, expected=[f"the Hugging Face cache of {self.hf_dataset}"],
+                sources=[f"https://huggingface.co/datasets/{self.hf_dataset}"], error=error,
+                fix=f"offline, use source='leaf' with LEAF's {' and '.join(leaf)} in data_dir, or copy a filled "
+                    "Hugging Face cache into data_dir and set HF_DATASETS_OFFLINE=1.")
+        return dataset_unavailable(
+            owner, "FEMNIST", data_dir=self.data_dir, expected=leaf,
+            layout="LEAF's JSON files with keys users, num_samples, user_data; test/ is optional",
+            sources=[f"{LEAF_URL} (run `{LEAF_COMMAND}`)", f"Hugging Face dataset {self.hf_dataset} "
+                     "(source='huggingface')"],
+            error=error, fix="point data_dir at the LEAF FEMNIST directory holding train/ and test/ "
+                             "(LEAF's data/femnist/data), or use source='huggingface'.")
+
+    def prepare_data(self) -> None:
+        """Download only: fills the Hugging Face cache (``source="huggingface"``); LEAF files are made by LEAF.
+
+        Raises:
+            DatasetUnavailableError: If the Hugging Face dataset is neither cached nor downloadable.
+        """
+        if self.source == "huggingface":
+            load_hf_dataset(_import_datasets(), self.hf_dataset, cache_dir=self.data_dir,
+                            unavailable=self.unavailable)
 
     # ----------------------------------------------------------------- setup
     def _select_writers(self, writers: Iterable[str]) -> list[str]:
@@ -297,11 +325,7 @@ class FEMNIST(FederatedDataModule):
         owner = type(self).__name__
         train_dir, test_dir = self.data_dir / "train", self.data_dir / "test"
         if not _leaf_files(train_dir):
-            raise FileNotFoundError(
-                f"{owner}: no LEAF JSON files in {train_dir.resolve()}. Fix: point data_dir at a LEAF FEMNIST "
-                "directory holding train/*.json and test/*.json (made by LEAF's preprocess.sh, e.g. "
-                "`./preprocess.sh -s niid --sf 0.05 -k 0 -t sample`), or use source='huggingface'."
-            )
+            raise self.unavailable()
         if self.max_clients is None:
             train = read_leaf_dir(train_dir)
             selected = self._select_writers(train)
@@ -316,7 +340,8 @@ class FEMNIST(FederatedDataModule):
         return {w: train[w] for w in selected}, test
 
     def _load_huggingface(self) -> tuple[dict[str, WriterData], dict[str, WriterData]]:
-        dataset = _import_datasets().load_dataset(self.hf_dataset, cache_dir=str(self.data_dir))
+        dataset = load_hf_dataset(_import_datasets(), self.hf_dataset, cache_dir=self.data_dir,
+                                  unavailable=self.unavailable)
         split = dataset["train"]
         rows_of: dict[str, list[int]] = {}
         for index, writer in enumerate(split["writer_id"]):

@@ -40,6 +40,13 @@ from lightning_dp.datamodules.federated import (
     _check_open_fraction,
     split_clients,
 )
+from lightning_dp.datamodules.offline import (
+    DatasetUnavailableError,
+    DownloadError,
+    dataset_unavailable,
+    download_guard,
+    removing_on_failure,
+)
 
 __all__ = [
     "CMS_COLUMNS",
@@ -284,7 +291,8 @@ def download_cms_file(
 
     The file is written to a ``.part`` file, checked to have the official columns (CMS
     publishes no checksum for it), and only then renamed, so a failed or wrong
-    download never leaves a file that looks complete.
+    download never leaves a file that looks complete; a failed one leaves nothing
+    (a directory created for it is removed again).
 
     Args:
         directory: Destination directory, created if missing.
@@ -296,33 +304,35 @@ def download_cms_file(
         The path of the downloaded file.
 
     Raises:
-        RuntimeError: If no address served a file in the official layout; the message
-            lists each address and why it failed.
+        DownloadError: (a :class:`RuntimeError`) If no address served a file in the official
+            layout; the message lists each address and why it failed.
     """
     target_dir = Path(directory).expanduser()
-    target_dir.mkdir(parents=True, exist_ok=True)
     destination = target_dir / OFFICIAL_FILENAME
     partial = destination.with_name(destination.name + ".part")
     failures = []
-    for url in urls:
-        request = urllib.request.Request(url, headers={"User-Agent": "lightning-dp"})
-        try:
-            with urlopen(request, timeout=timeout) as response, open(partial, "wb") as handle:
-                for chunk in iter(lambda: response.read(1 << 20), b""):
-                    handle.write(chunk)
-            read_cms_rows(partial)  # raises ValueError unless the layout is the official one
-            os.replace(partial, destination)
-            return destination
-        except (urllib.error.URLError, OSError, ValueError, UnicodeDecodeError) as err:
-            failures.append(f"  {url}: {err}")
-        finally:
-            if partial.exists():
-                partial.unlink()
-    raise RuntimeError(
-        f"could not download {OFFICIAL_FILENAME} into {target_dir.resolve()}:\n" + "\n".join(failures)
-        + "\nDownload the FY2011 'Inpatient Prospective Payment System Provider Summary for the Top 100 DRGs' "
-        "CSV by hand and pass path=... (or put it in data_dir)."
-    )
+    with removing_on_failure(target_dir):
+        for url in urls:
+            request = urllib.request.Request(url, headers={"User-Agent": "lightning-dp"})
+            try:
+                with urlopen(request, timeout=timeout) as response, open(partial, "wb") as handle:
+                    for chunk in iter(lambda: response.read(1 << 20), b""):
+                        handle.write(chunk)
+                read_cms_rows(partial)  # raises ValueError unless the layout is the official one
+                os.replace(partial, destination)
+                return destination
+            except (urllib.error.URLError, OSError, ValueError, UnicodeDecodeError) as err:
+                failures.append((url, str(err)))
+            finally:
+                if partial.exists():
+                    partial.unlink()
+        raise DownloadError(
+            f"could not download {OFFICIAL_FILENAME} into {target_dir.resolve()}:\n"
+            + "\n".join(f"  {url}: {reason}" for url, reason in failures)
+            + "\nDownload the FY2011 'Inpatient Prospective Payment System Provider Summary for the Top 100 DRGs' "
+            "CSV by hand and pass path=... (or put it in data_dir).",
+            failures,
+        )
 
 
 # ----------------------------------------------------------------------------- DataModule
@@ -460,21 +470,39 @@ class HospitalCharges(FederatedDataModule):
         counts = Counter(drg_code(row["DRG Definition"]) for row in read_cms_rows(path))
         return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
 
+    def unavailable(self, error: Optional[str] = None) -> DatasetUnavailableError:
+        """The error of a missing CSV: its name and layout, where to get it, and ``error`` (the
+        download's, one line) when a download failed."""
+        folder, name = (self.path.parent, self.path.name) if self.path is not None else (self.data_dir,
+                                                                                          OFFICIAL_FILENAME)
+        if error is not None:
+            fix = "download the CSV where there is internet, then put it in data_dir or pass path=<the CSV>."
+        else:
+            fix = "pass download=True to download it, or put the CSV in data_dir or pass path=<the CSV>."
+        return dataset_unavailable(
+            type(self).__name__, "the CMS FY2011 inpatient charges CSV", data_dir=folder, expected=[name],
+            layout=f"the official CMS CSV with columns {', '.join(REQUIRED_COLUMNS)}, ...; a subset named "
+                   f"{OFFICIAL_FILENAME[:-len('.csv')]}*.csv works too",
+            sources=[f"{url} (data.cms.gov dataset 97k6-zzx3, the IPPS Provider Summary for the Top 100 DRGs, "
+                     "FY2011)" for url in self.urls],
+            error=error, fix=fix)
+
     def prepare_data(self) -> None:
-        """Download only (``download=True`` and the file is missing); assigns no state."""
+        """Download only (``download=True`` and the file is missing); assigns no state.
+
+        Raises:
+            DatasetUnavailableError: If the download failed (``data_dir`` is left as it was).
+        """
         if self.download and self.find_file() is None:
-            download_cms_file(self.data_dir, urls=self.urls)
+            with download_guard(self.data_dir, self.unavailable):
+                download_cms_file(self.data_dir, urls=self.urls)
 
     # ----------------------------------------------------------------- setup
     def _build_clients(self) -> tuple[list[ClientDataset], list[ClientDataset], list[ClientDataset]]:
         owner = type(self).__name__
         source = self.find_file()
         if source is None:
-            where = self.path if self.path is not None else self.data_dir / OFFICIAL_FILENAME
-            raise FileNotFoundError(
-                f"{owner}: no CMS inpatient file at {Path(where).resolve()}. Fix: pass download=True to download "
-                f"{OFFICIAL_FILENAME} from data.cms.gov, or pass path= to a copy of the official CSV."
-            )
+            raise self.unavailable()
         rows = read_cms_rows(source)
         self.rows_read = len(rows)
         codes_of_rows = []

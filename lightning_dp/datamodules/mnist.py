@@ -43,6 +43,16 @@ from lightning_dp.datamodules.base import (
     stratified_split,
 )
 from lightning_dp.datamodules.idx import read_idx
+from lightning_dp.datamodules.offline import (
+    DatasetUnavailableError,
+    DownloadError,
+    dataset_unavailable,
+    download_guard,
+    load_hf_dataset,
+    publish,
+    removing_on_failure,
+    staging_area,
+)
 
 __all__ = [
     "ChecksumError",
@@ -117,7 +127,8 @@ def download_resource(
 
     The file is written to ``<directory>/<filename>.part`` and renamed only after its
     md5 sum matched, so an interrupted or corrupted download never leaves a file that
-    looks complete.
+    looks complete; when no mirror served it, nothing is left behind (not even the
+    directory, when it was created here).
 
     Args:
         filename: Name of the file on the mirrors, e.g. ``"t10k-images-idx3-ubyte.gz"``.
@@ -132,23 +143,25 @@ def download_resource(
         The path of the downloaded file.
 
     Raises:
-        RuntimeError: If no mirror served the file with the right md5 sum; the message
-            lists each URL tried and why it failed.
+        DownloadError: (a :class:`RuntimeError`) If no mirror served the file with the right
+            md5 sum; the message lists each URL tried and why it failed.
     """
     target_dir = Path(directory).expanduser()
-    target_dir.mkdir(parents=True, exist_ok=True)
     destination = target_dir / filename
     failures = []
-    for mirror in mirrors:
-        url = mirror.rstrip("/") + "/" + filename
-        try:
-            _fetch(url, destination, md5=md5, urlopen=urlopen, timeout=timeout)
-            return destination
-        except (urllib.error.URLError, OSError, ChecksumError, ValueError) as err:
-            failures.append(f"  {url}: {err}")
-    raise RuntimeError(
-        f"could not download {filename} into {target_dir.resolve()} from any mirror:\n" + "\n".join(failures)
-    )
+    with removing_on_failure(target_dir):
+        for mirror in mirrors:
+            url = mirror.rstrip("/") + "/" + filename
+            try:
+                _fetch(url, destination, md5=md5, urlopen=urlopen, timeout=timeout)
+                return destination
+            except (urllib.error.URLError, OSError, ChecksumError, ValueError) as err:
+                failures.append((url, str(err)))
+        raise DownloadError(
+            f"could not download {filename} into {target_dir.resolve()} from any mirror:\n"
+            + "\n".join(f"  {url}: {reason}" for url, reason in failures),
+            failures,
+        )
 
 
 def transform_images(
@@ -244,6 +257,8 @@ class MNISTFamilyDataModule(SplitDataModule):
 
     #: Dataset name (also Lightning's ``LightningDataModule.name``).
     name: ClassVar[str] = ""
+    #: The dataset's name in messages.
+    title: ClassVar[str] = ""
     #: Hugging Face Hub identifier for ``source="huggingface"``.
     hf_dataset: ClassVar[str] = ""
     #: Base URLs of the official files, tried in order.
@@ -349,28 +364,55 @@ class MNISTFamilyDataModule(SplitDataModule):
         splits = self.required_splits(None) if splits is None else splits
         return [name for split in splits for name in OFFICIAL_FILES[split] if self._find_file(name) is None]
 
-    def _missing_files_error(self, missing: Sequence[str]) -> FileNotFoundError:
-        listed = ", ".join(missing)
-        return FileNotFoundError(
-            f"{type(self).__name__}: missing official {self.name} file(s) in {self.data_dir.resolve()}: "
-            f"{listed} (each may be plain or .gz). Fix: pass download=True to download them from "
-            f"{self.mirrors[0]} (md5-verified), or copy the official files into {self.data_dir.resolve()}."
-        )
+    def unavailable(self, error: Optional[str] = None) -> DatasetUnavailableError:
+        """The error of missing data: the official files this subset needs, where to get them, and
+        ``error`` (the download's, one line) when a download failed."""
+        official = [f"{name}.gz" for split in self.required_splits(None) for name in OFFICIAL_FILES[split]]
+        missing = [f"{name}.gz" for name in self.missing_files(None)]
+        hub = f"Hugging Face dataset {self.hf_dataset} (source='huggingface')"
+        if self.source == "huggingface":
+            return dataset_unavailable(
+                type(self).__name__, self.title or self.name, data_dir=self.data_dir,
+                expected=[f"the Hugging Face cache of {self.hf_dataset}"],
+                sources=[f"https://huggingface.co/datasets/{self.hf_dataset}"], error=error,
+                fix=f"offline, use source='idx' with the official IDX files {', '.join(official)} in data_dir "
+                    f"(from {' or '.join(self.mirrors)}), or copy a cache filled by datasets.load_dataset("
+                    f"{self.hf_dataset!r}, cache_dir=...) into data_dir and set HF_DATASETS_OFFLINE=1.")
+        if error is not None:
+            fix = "copy the official files into data_dir (fetched with internet), or use source='huggingface'."
+        elif self.download:
+            fix = "call prepare_data() first (the Trainer does) to download them, or copy the files into data_dir."
+        else:
+            fix = "pass download=True to download them (md5-verified), or copy the official files into data_dir."
+        return dataset_unavailable(
+            type(self).__name__, self.title or self.name, data_dir=self.data_dir, expected=official,
+            missing=missing, layout="official IDX files; uncompressed copies without .gz work too",
+            sources=[*self.mirrors, hub], error=error, fix=fix)
 
     # ----------------------------------------------------------------- hooks
     def prepare_data(self) -> None:
         """Download only: missing official files (``download=True``) or the Hugging Face cache.
 
-        Lightning calls this once per node before ``setup``; it assigns no state.
+        Lightning calls this once per node before ``setup``; it assigns no state. The files
+        are downloaded into a temporary folder inside ``data_dir`` and moved into place once
+        all of them arrived; a failed attempt leaves ``data_dir`` as it was.
+
+        Raises:
+            DatasetUnavailableError: If the download failed (the message names the files and
+                where to get them).
         """
         if self.source == "huggingface":
-            _import_datasets().load_dataset(self.hf_dataset, cache_dir=str(self.data_dir))
+            load_hf_dataset(_import_datasets(), self.hf_dataset, cache_dir=self.data_dir,
+                            unavailable=self.unavailable)
             return
-        if not self.download:
+        missing = [f"{name}.gz" for name in self.missing_files(self.required_splits(None))]
+        if not self.download or not missing:
             return
-        for name in self.missing_files(self.required_splits(None)):
-            filename = f"{name}.gz"
-            download_resource(filename, directory=self.data_dir, mirrors=self.mirrors, md5=self.md5s[filename])
+        with download_guard(self.data_dir, self.unavailable), staging_area(self.data_dir) as staging:
+            for filename in missing:
+                download_resource(filename, directory=staging, mirrors=self.mirrors, md5=self.md5s[filename])
+            for filename in missing:
+                publish(staging / filename, self.data_dir / filename)
 
     def setup(self, stage: Optional[str] = None) -> None:
         """Read the official splits needed by ``stage`` and build the datasets.
@@ -380,7 +422,8 @@ class MNISTFamilyDataModule(SplitDataModule):
                 Splits already built are kept.
 
         Raises:
-            FileNotFoundError: If official files are missing (the message gives the fixes).
+            DatasetUnavailableError: (a :class:`FileNotFoundError`) If official files are missing
+                (the message names them, where to get them and the fixes).
             ValueError: If a file's content is not a valid split, or a size does not fit.
         """
         needs_fit = stage in (None, "fit", "validate") and self.train_dataset is None
@@ -431,13 +474,14 @@ class MNISTFamilyDataModule(SplitDataModule):
     # ----------------------------------------------------------------- loading
     def _load_splits(self, splits: Sequence[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         if self.source == "huggingface":
-            dataset_dict = _import_datasets().load_dataset(self.hf_dataset, cache_dir=str(self.data_dir))
+            dataset_dict = load_hf_dataset(_import_datasets(), self.hf_dataset, cache_dir=self.data_dir,
+                                           unavailable=self.unavailable)
             raw = {split: _hf_split_to_tensors(dataset_dict[split]) for split in splits}
             sources = {split: f"{self.hf_dataset}[{split}]" for split in splits}
         else:
             if self.missing_files(splits):
                 # Name every file the subset needs, not only this stage's, so one fix is enough.
-                raise self._missing_files_error(self.missing_files(None))
+                raise self.unavailable()
             raw, sources = {}, {}
             for split in splits:
                 image_path, label_path = (self._find_file(name) for name in OFFICIAL_FILES[split])
@@ -485,6 +529,7 @@ class MNISTDataModule(MNISTFamilyDataModule):
     """
 
     name = "mnist"
+    title = "MNIST"
     hf_dataset = "ylecun/mnist"
     mirrors = ("https://ossci-datasets.s3.amazonaws.com/mnist/", "http://yann.lecun.com/exdb/mnist/")
     md5s = {
@@ -518,6 +563,7 @@ class FashionMNISTDataModule(MNISTFamilyDataModule):
     """
 
     name = "fashion_mnist"
+    title = "Fashion-MNIST"
     hf_dataset = "zalando-datasets/fashion_mnist"
     mirrors = ("http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",)
     md5s = {

@@ -22,21 +22,28 @@ from __future__ import annotations
 
 import collections
 import io
-import shutil
-import tempfile
 import urllib.request
 import zipfile
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 import torch
 from torch.utils.data import Dataset
 
 from lightning_dp.datamodules.base import SplitDataModule, _check_non_negative_int, _check_positive_int
+from lightning_dp.datamodules.offline import (
+    DatasetUnavailableError,
+    dataset_unavailable,
+    download_guard,
+    load_hf_dataset,
+    publish,
+    staging_area,
+)
 
 __all__ = ["WikiText2DataModule", "TokenBlocks", "build_vocabulary", "tokenize_lines"]
 
 URL = "https://s3.amazonaws.com/research.metamind.io/wikitext/wikitext-2-v1.zip"
+HF_DATASET, HF_CONFIG = "Salesforce/wikitext", "wikitext-2-v1"
 SPLITS = ("train", "valid", "test")
 UNK, EOS = "<unk>", "<eos>"
 
@@ -57,6 +64,18 @@ def build_vocabulary(words: list[str], size: int) -> list[str]:
     counts = collections.Counter(w for w in words if w not in (UNK, EOS))
     ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
     return [UNK, EOS] + [w for w, _ in ranked[: max(size - 2, 0)]]
+
+
+def _import_datasets() -> Any:
+    try:
+        import datasets
+    except ImportError as err:
+        raise ImportError(
+            "source='huggingface' needs the Hugging Face `datasets` package, which is not installed. Install the "
+            "optional dependency with `pip install 'lightning-dp[hf]'`, or use source='files' with the official "
+            "token files."
+        ) from err
+    return datasets
 
 
 class TokenBlocks(Dataset):
@@ -97,8 +116,8 @@ class WikiText2DataModule(SplitDataModule):
 
     Raises:
         ValueError: If an argument is outside its range.
-        FileNotFoundError: At ``prepare_data``/``setup``, if a needed file is missing (the
-            message lists the files expected and where to get them).
+        DatasetUnavailableError: (a :class:`FileNotFoundError`) At ``prepare_data``/``setup``, if a
+            needed file is missing (the message lists the files expected and where to get them).
 
     Example:
         >>> dm = WikiText2DataModule("../shared/data/wikitext2", train_file="valid", val_file=None)  # doctest: +SKIP
@@ -166,37 +185,60 @@ class WikiText2DataModule(SplitDataModule):
         return [folder / f"wiki.{s}.tokens" for s in self._needed() if not (folder / f"wiki.{s}.tokens").exists()]
 
     def prepare_data(self) -> None:
-        """Download the official zip when asked and files are missing (once, on rank zero)."""
+        """Download the official zip when asked and files are missing (once, on rank zero).
+
+        The zip is extracted into a temporary folder inside ``data_dir``; only the token
+        files that ``data_dir`` lacks are then moved into place, and a failed attempt leaves
+        ``data_dir`` as it was.
+
+        Raises:
+            DatasetUnavailableError: (a :class:`FileNotFoundError`) If files are missing and
+                ``download=False``, or the download failed.
+        """
         if self.hparams.source != "files" or not self._missing():
             return
         if not self.hparams.download:
-            raise FileNotFoundError(self._missing_message())
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=self.data_dir) as tmp:  # nothing half-made is left on failure
+            raise self.unavailable()
+        with download_guard(self.data_dir, self.unavailable), staging_area(self.data_dir) as staging:
             with urllib.request.urlopen(URL, timeout=60) as response:  # noqa: S310  (a fixed https URL)
                 archive = zipfile.ZipFile(io.BytesIO(response.read()))
-            archive.extractall(tmp)
+            archive.extractall(staging)
             for split in SPLITS:
-                src = Path(tmp) / "wikitext-2" / f"wiki.{split}.tokens"
+                src = staging / "wikitext-2" / f"wiki.{split}.tokens"
                 if src.exists():
-                    shutil.move(str(src), self.data_dir / src.name)
+                    publish(src, self.data_dir / src.name)
 
-    def _missing_message(self) -> str:
-        names = ", ".join(str(p) for p in self._missing())
-        return (f"{type(self).__name__}: missing {names}. Put the official WikiText-2 files wiki.train.tokens, "
-                f"wiki.valid.tokens and wiki.test.tokens (the 'wikitext-2' folder of {URL}) in data_dir="
-                f"{str(self.data_dir)!r}, pass download=True (needs network), or source='huggingface'. With only the "
-                "validation and test files at hand, set train_file='valid' and val_file=None.")
+    def unavailable(self, error: Optional[str] = None) -> DatasetUnavailableError:
+        """The error of missing files: the token files this configuration reads, where to get them, and
+        ``error`` (the download's, one line) when a download failed."""
+        owner = type(self).__name__
+        needed = [f"wiki.{split}.tokens" for split in self._needed()]
+        only_two = "with only the validation and test files at hand, set train_file='valid' and val_file=None"
+        if self.hparams.source == "huggingface":
+            return dataset_unavailable(
+                owner, "WikiText-2", data_dir=self.data_dir,
+                expected=[f"the Hugging Face cache of {HF_DATASET} ({HF_CONFIG}), in the library's default cache"],
+                sources=[f"https://huggingface.co/datasets/{HF_DATASET}"], error=error,
+                fix=f"offline, use source='files' with {', '.join(needed)} in data_dir (from {URL}); {only_two}.")
+        get = ("copy the files into data_dir" if error is not None or self.hparams.download
+               else "pass download=True (needs internet), or copy the files into data_dir")
+        return dataset_unavailable(
+            owner, "WikiText-2", data_dir=self.data_dir, expected=needed,
+            missing=[path.name for path in self._missing()],
+            layout="the official word-level token files, in data_dir or its wikitext-2/ folder",
+            sources=[f"{URL} (its wikitext-2/ folder)", f"Hugging Face dataset {HF_DATASET}, {HF_CONFIG} "
+                     "(source='huggingface')"],
+            error=error, fix=f"{get}; {only_two}.")
 
     def _lines(self, split: str) -> list[str]:
         if self.hparams.source == "huggingface":
-            from datasets import load_dataset  # optional: pip install lightning-dp[hf]
-
             name = {"train": "train", "valid": "validation", "test": "test"}[split]
-            return list(load_dataset("Salesforce/wikitext", "wikitext-2-v1", split=name)["text"])
+            table = load_hf_dataset(_import_datasets(), HF_DATASET, HF_CONFIG, split=name, cache_dir=None,
+                                    unavailable=self.unavailable)
+            return list(table["text"])
         path = self._folder() / f"wiki.{split}.tokens"
         if not path.exists():
-            raise FileNotFoundError(self._missing_message())
+            raise self.unavailable()
         return path.read_text(encoding="utf-8").splitlines()
 
     # ------------------------------------------------------------------ setup

@@ -248,7 +248,8 @@ def test_missing_glove_is_an_error_naming_path_source_and_argument(tmp_path):
         AGNewsDataModule(data_dir=tmp_path).setup("fit")
     message = str(info.value)
     assert str((tmp_path / GLOVE_FILE).resolve()) in message
-    assert GLOVE_URL in message and "glove_path=" in message and "train.csv" not in message
+    assert GLOVE_URL in message and "glove_path=" in message and CSV_URL not in message
+    assert "missing: glove.6B.50d.txt" in message  # the CSVs are there
     other = tmp_path / "vectors.txt"
     with pytest.raises(FileNotFoundError, match="vectors.txt"):
         AGNewsDataModule(data_dir=tmp_path, glove_path=other).setup("test")

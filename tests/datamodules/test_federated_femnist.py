@@ -164,7 +164,7 @@ def test_max_clients_and_determinism(leaf_dir):
 
 
 def test_missing_files_and_format_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no LEAF JSON files.*source='huggingface'"):
+    with pytest.raises(FileNotFoundError, match=r"(?s)train/\*\.json, test/\*\.json.*source='huggingface'"):
         FEMNIST(data_dir=tmp_path / "none").setup()
     bad = tmp_path / "bad" / "train"
     bad.mkdir(parents=True)

@@ -311,7 +311,7 @@ def test_download_uses_the_official_url_and_rejects_a_wrong_layout(tmp_path):
 
     with pytest.raises(RuntimeError, match="missing column"):
         download_cms_file(tmp_path / "e", urlopen=html_urlopen)
-    assert list((tmp_path / "e").iterdir()) == []
+    assert not (tmp_path / "e").exists()  # a failed download leaves nothing, not even the directory it made
 
 
 # ---------------------------------------------------------------- arguments

@@ -66,7 +66,7 @@ def test_validation_carved_from_the_training_file_when_only_valid_and_test_exist
 
 def test_missing_files_say_what_is_expected_and_leave_nothing(tmp_path):
     dm = WikiText2DataModule(str(tmp_path / "wt"), block_size=8)
-    with pytest.raises(FileNotFoundError, match=r"wiki.train.tokens.*download=True.*train_file='valid'"):
+    with pytest.raises(FileNotFoundError, match=r"(?s)wiki.train.tokens.*download=True.*train_file='valid'"):
         dm.prepare_data()
     assert not (tmp_path / "wt").exists()
 
