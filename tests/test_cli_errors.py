@@ -109,3 +109,13 @@ def test_print_config_works_for_every_subcommand(capsys, workdir):
     assert cli.main(["epsilon", "--dataset-size", "100", "--batch-size", "10", "--epochs", "2",
                      "--noise-multiplier", "1", "--print_config"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["noise_multiplier"] == 1.0
+
+
+def test_a_missing_dataset_is_one_message_and_leaves_nothing_behind(capsys, workdir):
+    data_dir = workdir / "no_mnist"
+    code = cli.main(["fit", "--config", str(REPO_ROOT / "examples" / "dpsgd_mnist.yaml"),
+                     f"--data.init_args.data_dir={data_dir}", "--data.init_args.download=false"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) <= 7, err
+    assert f"MNIST is not in data_dir={data_dir}" in err and "t10k-labels-idx1-ubyte.gz" in err
+    assert not data_dir.exists()
