@@ -243,7 +243,11 @@ def client_epsilon_table(privacy: CentralGaussian, *, rounds: int, fractions: Se
         >>> [r for r, _ in client_epsilon_table(privacy, rounds=100)]
         [25, 50, 75, 100]
     """
-    return [(k, float(privacy.planned_epsilon(privacy.z, k, None, None))) for k in _points(rounds, fractions)]
+    z = privacy.z
+    if z is None:
+        raise ValueError("client_epsilon_table needs a planned CentralGaussian (its noise multiplier z is None): "
+                         "build it with client_level_privacy(...), or call its plan(...) first")
+    return [(k, float(privacy.planned_epsilon(z, k, None, None))) for k in _points(rounds, fractions)]
 
 
 def main(argv: Sequence[str]) -> int:
@@ -308,6 +312,9 @@ def _main_fedavg(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     except ValueError as err:  # what CentralGaussian refuses, e.g. a target the calibration cannot reach
         parser.error(f"\n  {err}")
     rows = client_epsilon_table(privacy, rounds=args.rounds)
+    z = privacy.z
+    if z is None:  # client_level_privacy planned it (client_epsilon_table would have raised)
+        raise RuntimeError("CentralGaussian has no noise multiplier after plan() (internal)")
     per_round = (f" (U = {args.clients_per_round:g} expected of N = {args.clients} clients)"
                  if args.client_sample_rate is None else "")
     neighbours = ("one client's data added or removed" if args.adjacency == "add_remove" else
@@ -315,9 +322,9 @@ def _main_fedavg(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     where = (f"q = {q:.6g}{per_round}, {args.rounds} rounds, delta = {args.delta:g}, {args.accountant.upper()} "
              f"accountant, {args.adjacency} adjacency ({neighbours})")
     if args.target_epsilon is not None:
-        print(f"noise_multiplier = {_shown(privacy.z)} for client-level epsilon <= {args.target_epsilon:g}; {where}")
+        print(f"noise_multiplier = {_shown(z)} for client-level epsilon <= {args.target_epsilon:g}; {where}")
     else:
-        print(f"client-level epsilon = {rows[-1][1]:.4f} for noise_multiplier = {privacy.z:g}; {where}")
+        print(f"client-level epsilon = {rows[-1][1]:.4f} for noise_multiplier = {z:g}; {where}")
     expected = f"{q * args.clients:.4g}" if args.clients else "q N"
     noise = (f"noise_multiplier: {args.noise_multiplier!r}" if args.target_epsilon is None
              else f"target_epsilon: {args.target_epsilon!r}")

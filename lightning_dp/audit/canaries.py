@@ -65,7 +65,7 @@ def draw_inclusions(num_canaries: int, *, seed: int) -> np.ndarray:
 class CanaryDataset(Dataset):
     """``base`` followed by ``len(canaries)`` slots; slot ``i`` holds ``canaries[i]`` if ``included[i]``."""
 
-    def __init__(self, base: Any, canaries: Sequence[Any], included: Sequence[bool]) -> None:
+    def __init__(self, base: Any, canaries: Sequence[Any], included: Sequence[bool] | np.ndarray) -> None:
         if len(canaries) != len(included):
             raise ValueError(f"{len(canaries)} canaries but {len(included)} inclusion bits")
         self.base, self.canaries = base, list(canaries)
@@ -158,7 +158,7 @@ class DiracCanaries:
         seed: the audit's seed (coordinates and per-step sampling).
     """
 
-    def __init__(self, included: Sequence[bool], *, seed: int) -> None:
+    def __init__(self, included: Sequence[bool] | np.ndarray, *, seed: int) -> None:
         self.included = np.asarray(included, dtype=bool)
         self.seed = int(seed)
         self.coordinates: list[tuple[int, int]] | None = None  # (parameter index, flat index)

@@ -299,7 +299,10 @@ def main(argv: Sequence[str]) -> int:
     status = "failed"
     try:
         logger.log_hyperparams(params)
-        logger.experiment.log_text(logger.run_id, config_text, "config.yaml")
+        run_id = logger.run_id
+        if run_id is None:  # only a logger off rank zero has none; this command runs in one process
+            raise RuntimeError("lightning-dp audit: the MLflow logger has no run id (internal)")
+        logger.experiment.log_text(run_id, config_text, "config.yaml")
 
         def progress(row: AuditRow) -> None:
             print(f"[audit] image {row.image + 1}/{len(y)} nu={row.noise_multiplier:g}: mse={row.mse:.4g} "

@@ -69,7 +69,7 @@ import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -138,7 +138,7 @@ def gradient_matching_loss(model: nn.Module, target_gradients: Sequence[Tensor],
     logits = functional_call(model, {name: leaf for (name, _), leaf in zip(named, leaves)}, (dummy_x,))
     labels = F.softmax(dummy_label, dim=-1) if soft_label else dummy_label
     grads = torch.autograd.grad(_soft_cross_entropy(logits, labels), leaves, create_graph=create_graph)
-    return sum(((g - t) ** 2).sum() for g, t in zip(grads, target_gradients))
+    return cast(Tensor, sum(((g - t) ** 2).sum() for g, t in zip(grads, target_gradients)))
 
 
 @dataclass(frozen=True)
@@ -243,7 +243,7 @@ def dlg_attack(model: nn.Module, target_gradients: Sequence[Tensor], *, input_sh
         raise ValueError(f"known_label={known_label!r} must be None or a class index in 0..{num_classes - 1}.")
     reference = target[0]
     generator = _check_generator(generator) or _fresh_generator(reference.device)
-    options = {"dtype": reference.dtype, "device": reference.device}
+    options: dict[str, Any] = {"dtype": reference.dtype, "device": reference.device}
     inits_x = torch.randn((restarts, 1, *input_shape), generator=generator, **options)
     inits_y = torch.randn((restarts, 1, num_classes), generator=generator, **options)
     fixed = None if known_label is None else F.one_hot(torch.tensor([int(known_label)]), num_classes).to(**options)

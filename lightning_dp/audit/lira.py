@@ -37,9 +37,13 @@ import numbers
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numpy.typing import ArrayLike
+
+if TYPE_CHECKING:
+    from torch.utils.data import Dataset
 
 __all__ = ["ShadowResult", "default_trainer_kwargs", "inclusion_masks", "lira_from_losses", "lira_scores", "logit_confidence",
            "train_shadow_models"]
@@ -170,7 +174,7 @@ def _missing(count: np.ndarray, side: str, fix: str) -> ValueError:
                       f"{side} shadow model, so their {side} Gaussian cannot be fitted; {fix}")
 
 
-def lira_scores(target_stats, shadow_stats, masks, *, online: bool = True, fixed_variance: bool = False,
+def lira_scores(target_stats: ArrayLike, shadow_stats: ArrayLike, masks: ArrayLike, *, online: bool = True, fixed_variance: bool = False,
                 min_std: float = DEFAULT_MIN_STD) -> np.ndarray:
     """LiRA membership scores of the target model's statistics (higher = member).
 
@@ -226,7 +230,7 @@ def lira_scores(target_stats, shadow_stats, masks, *, online: bool = True, fixed
     return _log_normal_pdf(target, mu_in, s_in) - _log_normal_pdf(target, mu_out, s_out)
 
 
-def lira_from_losses(target_losses, shadow_losses, masks, *, statistic: str = "logit", online: bool = True,
+def lira_from_losses(target_losses: ArrayLike, shadow_losses: ArrayLike, masks: ArrayLike, *, statistic: str = "logit", online: bool = True,
                      fixed_variance: bool = False, min_std: float = DEFAULT_MIN_STD) -> np.ndarray:
     """LiRA scores from per-example losses (:func:`lira_scores` of their statistics; higher = member).
 
@@ -237,7 +241,9 @@ def lira_from_losses(target_losses, shadow_losses, masks, *, statistic: str = "l
         statistic: ``"logit"``: :func:`logit_confidence` of a classification cross-entropy (Carlini et al.);
             ``"loss"``: ``-loss``, for a language model's mean token loss, whose per-token confidences
             ``exp(-loss_t)`` are already averaged in log space, so the mean log confidence is the statistic.
-        online, fixed_variance, min_std: as :func:`lira_scores`.
+        online: as :func:`lira_scores`.
+        fixed_variance: as :func:`lira_scores`.
+        min_std: as :func:`lira_scores`.
 
     Example:
         >>> masks = inclusion_masks(3, 2, seed=0)
@@ -285,9 +291,10 @@ def default_trainer_kwargs() -> dict[str, Any]:
             "enable_model_summary": False, "accelerator": "cpu", "devices": 1}
 
 
-def train_shadow_models(make_model: Callable[[], Any], dataset, masks, *,
+def train_shadow_models(make_model: Callable[[], Any], dataset: Dataset, masks: ArrayLike, *,
                         trainer_kwargs: Mapping[str, Any] | Callable[[int], Mapping[str, Any]],
-                        batch_size: int, seed: int, collate_fn: Callable | None = None, score_dataset=None,
+                        batch_size: int, seed: int, collate_fn: Callable | None = None,
+                        score_dataset: Dataset | None = None,
                         loss: Callable | None = None) -> ShadowResult:
     """Train one fresh model per row of ``masks`` on that row's examples, then score every example under each.
 

@@ -195,10 +195,13 @@ def main(argv: Sequence[str]) -> int:
             "audit/attacks": ",".join(cfg.attacks), "audit/num_shadows": cfg.num_shadows,
             "audit/num_neighbours": cfg.num_neighbours, "audit/shadow_statistic": statistic, "audit/seed": cfg.seed,
             **{f"versions/{k}": v for k, v in tracking.library_versions().items()}})
-        audit_logger.experiment.log_text(audit_logger.run_id, config_text, "config.yaml")
+        audit_run, target_run = audit_logger.run_id, target_logger.run_id
+        if audit_run is None or target_run is None:  # only loggers off rank zero have none; this runs in one process
+            raise RuntimeError("lightning-dp mia: an MLflow logger has no run id (internal)")
+        audit_logger.experiment.log_text(audit_run, config_text, "config.yaml")
         client = audit_logger.experiment
-        client.set_tag(audit_logger.run_id, "audit/target_run_id", target_logger.run_id)
-        client.set_tag(target_logger.run_id, "audit/audit_run_id", audit_logger.run_id)
+        client.set_tag(audit_run, "audit/target_run_id", target_run)
+        client.set_tag(target_run, "audit/audit_run_id", audit_run)
 
         start = time.perf_counter()
         target = first.model
@@ -267,10 +270,10 @@ def main(argv: Sequence[str]) -> int:
 
         _log(audit_logger, results, search, split, pool, target_logger.run_id)
         if "shadow" in cfg.attacks:
-            client.log_metric(audit_logger.run_id, "audit/cost/training_forward_passes/shadow", float(training_passes))
+            client.log_metric(audit_run, "audit/cost/training_forward_passes/shadow", float(training_passes))
             by_name = {r.name: r for r in results}
             if "noisy" in by_name:
-                client.log_metric(audit_logger.run_id, "audit/cost/ratio_forward_passes_with_training",
+                client.log_metric(audit_run, "audit/cost/ratio_forward_passes_with_training",
                                   (by_name["shadow"].forward_passes + training_passes) / by_name["noisy"].forward_passes)
         status = "success"
     finally:
@@ -282,7 +285,7 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
-def _log(logger: Any, results: list, search: Any, split: Any, pool: Any, target_run_id: str) -> None:
+def _log(logger: Any, results: list, search: Any, split: Any, pool: Any, target_run_id: str | None) -> None:
     from lightning_dp.audit.mia import epsilon_vs_fpr_figure, table
     from lightning_dp.audit.plots import auc_curve_figure, roc_figure
 

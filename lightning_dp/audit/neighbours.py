@@ -138,7 +138,7 @@ class NeighbourLosses:
 
 
 def _check_sigma(sigma: Any) -> float:
-    if isinstance(sigma, bool) or not isinstance(sigma, numbers.Real) or not (0 <= sigma < math.inf):
+    if isinstance(sigma, bool) or not isinstance(sigma, numbers.Real) or not (0 <= float(sigma) < math.inf):
         raise ValueError(f"sigma={sigma!r} must be a finite number >= 0 (the std of the noise added to the embedding "
                          "output); find one with search_sigma")
     return float(sigma)
@@ -165,7 +165,8 @@ class _NoiseHook:
     """A forward hook adding ``sigma *`` the pending draws to the embedding output (pass-through when none)."""
 
     def __init__(self, sigma: float) -> None:
-        self.sigma, self.pending, self.calls = sigma, None, 0
+        self.sigma, self.calls = sigma, 0
+        self.pending: tuple[int, int, torch.Generator | None] | None = None
 
     def __call__(self, module: nn.Module, inputs: Any, output: Tensor) -> Tensor | None:
         self.calls += 1
@@ -177,6 +178,7 @@ class _NoiseHook:
                              f"repeated batch ({draws[0]} neighbours x {draws[1]} examples) along dim 0; pass "
                              "embedding= the layer whose output holds one row per example")
         copies, rows, generator = draws
+        assert generator is not None  # None only with num_neighbours=0, which draws nothing
         shape = (rows, *output.shape[1:])
         noise = torch.cat([torch.randn(shape, generator=generator, device=generator.device, dtype=torch.float32)
                            for _ in range(copies)])
@@ -204,7 +206,7 @@ def _losses(model: nn.Module, batches: Iterable[Any], *, sigma: float, num_neigh
     handle = embedding.register_forward_hook(hook)
     was_training = model.training
     model.eval()
-    own_out: list[np.ndarray] = []
+    own_out: list[Tensor] = []
     neighbours_out: list[np.ndarray] = []
     passes = 0
     try:
@@ -215,7 +217,7 @@ def _losses(model: nn.Module, batches: Iterable[Any], *, sigma: float, num_neigh
                 if own:
                     own_out.append(_checked(loss(model, batch), rows))
                     passes += rows
-                columns = []
+                columns: list[Tensor] = []
                 for start in range(0, num_neighbours, chunk):  # neighbours start .. start + copies - 1 of the batch
                     copies = min(chunk, num_neighbours - start)
                     hook.pending, hook.calls = (copies, rows, generator), 0
@@ -292,6 +294,7 @@ def neighbour_losses(model: nn.Module, batches: Iterable[Any], *, sigma: float, 
                                       generator=_check_generator(generator),
                                       embedding=_resolve_embedding(model, embedding),
                                       loss=loss or default_per_example_loss, chunk=min(chunk, m), own=True)
+    assert own is not None  # own=True
     return NeighbourLosses(own=own, neighbours=neighbours, forward_passes=passes)
 
 
@@ -354,15 +357,19 @@ def search_sigma(model: nn.Module, member_batches: Iterable[Any], nonmember_batc
 
     Args:
         model: the target model.
-        member_batches, nonmember_batches: the labelled calibration split (re-iterable; a one-shot iterator is
+        member_batches: the members of the labelled calibration split (re-iterable; a one-shot iterator is
             stored as a list).
+        nonmember_batches: its non-members, likewise.
         num_neighbours: m >= 1 neighbours per example.
         generator_seed: integer >= 0; seeds the noise (:func:`lightning_dp.privacy.noise.derive_generator`).
-        low, high: the range of sigma, ``0 < low < high``.
+        low: the lower end of the range of sigma, ``0 < low < high``.
+        high: its upper end.
         grid: number of grid sigmas (>= 3).
         iterations: sigmas evaluated by the golden-section stage (>= 0): its two first interior points, then one
             per step, each step shrinking the bracket by the golden ratio 0.618.
-        embedding, loss, chunk: as :func:`neighbour_losses`.
+        embedding: as :func:`neighbour_losses`.
+        loss: as :func:`neighbour_losses`.
+        chunk: as :func:`neighbour_losses`.
 
     Returns:
         :class:`SigmaSearch`; ``len(evaluated)`` is at most ``grid + iterations`` (a repeated sigma is not evaluated

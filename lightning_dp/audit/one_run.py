@@ -51,6 +51,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 __all__ = ["METHODS", "AccountedFamily", "GaussianFamily", "GuessCandidate", "OneRunResult", "TradeoffFamily",
            "check_methods", "count_correct_guesses", "default_guess_candidates", "fdp_consistent", "fdp_epsilon",
@@ -423,7 +424,7 @@ def check_methods(methods: Sequence[str]) -> tuple[str, ...]:
     return tuple(methods)
 
 
-def one_run_audit(scores, included, *, delta: float, confidence: float = 0.95,
+def one_run_audit(scores: ArrayLike, included: ArrayLike, *, delta: float, confidence: float = 0.95,
                   candidates: Sequence[tuple[int, int]] | None = None, methods: Sequence[str] = ("steinke",),
                   accounted: AccountedFamily | None = None) -> OneRunResult:
     """Epsilon lower bounds of a one-run audit from the canaries' scores (higher = more likely included).

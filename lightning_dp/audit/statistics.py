@@ -175,11 +175,12 @@ def empirical_epsilon(members, nonmembers, *, delta: float = 0.0, confidence: fl
     _check_audit(delta, confidence)
     # every distinct score as a threshold, vectorized: counts at or above each by binary search
     candidates = np.unique(np.concatenate([pos, neg]))
-    tp = pos.size - np.searchsorted(np.sort(pos), candidates, side="left")
-    fp = neg.size - np.searchsorted(np.sort(neg), candidates, side="left")
-    eps = _epsilon_bounds(tp, pos.size, fp, neg.size, delta, confidence)
-    i = int(np.argmax(eps))
-    return EmpiricalEpsilon(float(eps[i]), float(candidates[i]), float(tp[i] / pos.size), float(fp[i] / neg.size))
+    tps = pos.size - np.searchsorted(np.sort(pos), candidates, side="left")
+    fps = neg.size - np.searchsorted(np.sort(neg), candidates, side="left")
+    bounds = _epsilon_bounds(tps, pos.size, fps, neg.size, delta, confidence)
+    i = int(np.argmax(bounds))
+    return EmpiricalEpsilon(float(bounds[i]), float(candidates[i]), float(tps[i] / pos.size),
+                            float(fps[i] / neg.size))
 
 
 def two_stage_epsilon(members, nonmembers, *, delta: float = 0.0, confidence: float = 0.95, fraction: float = 0.5,

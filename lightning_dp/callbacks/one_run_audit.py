@@ -86,9 +86,9 @@ class OneRunAudit(Callback):
             raise ValueError(f"canary={canary!r}: choose one of {list(CANARY_KINDS)}")
         if not 0 < confidence < 1:
             raise ValueError(f"confidence={confidence!r} must be in (0, 1), e.g. 0.95")
-        self.candidates = None
+        self.candidates: list[tuple[int, int]] | None = None
         if candidates is not None:
-            pairs = [tuple(int(k) for k in c) for c in candidates]
+            pairs: list[Any] = [tuple(int(k) for k in c) for c in candidates]  # checked to be pairs below
             if not pairs or any(len(p) != 2 or min(p) < 0 or sum(p) == 0 or sum(p) > num_canaries for p in pairs):
                 raise ValueError(f"candidates={candidates!r} must be (positives, negatives) pairs of non-negative "
                                  f"counts with 0 < positives + negatives <= num_canaries={num_canaries}")
@@ -114,7 +114,7 @@ class OneRunAudit(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        found = [cb for cb in trainer.callbacks if isinstance(cb, DPSGD)]
+        found = [cb for cb in trainer.callbacks if isinstance(cb, DPSGD)]  # type: ignore[attr-defined]  # undeclared
         if len(found) != 1:
             raise MisconfigurationException(
                 f"OneRunAudit audits a DPSGD run; this Trainer has {len(found)} DPSGD callbacks. Add exactly one "
@@ -165,6 +165,7 @@ class OneRunAudit(Callback):
         base = loader.dataset
         if isinstance(base, CanaryDataset):
             return loader
+        assert self._seed is not None and self._included is not None  # drawn in setup()
         if self._canaries is None:
             try:
                 self._canaries = make_input_canaries(base, self.num_canaries, kind=self.canary,
@@ -197,7 +198,9 @@ class OneRunAudit(Callback):
             raise RuntimeError("no canaries were made: the audit did not see the training data")
         from lightning_dp.audit.scores import loss_scores
 
-        loader = DataLoader(self._canaries, batch_size=self.batch_size, shuffle=False, collate_fn=self._collate)
+        # a list of items is a map-style dataset to DataLoader, though torch annotates Dataset
+        loader: DataLoader = DataLoader(self._canaries, batch_size=self.batch_size, shuffle=False,  # type: ignore[arg-type]
+                                        collate_fn=self._collate)
         return loss_scores(pl_module, loader)
 
     @property
@@ -289,7 +292,7 @@ class OneRunAudit(Callback):
             self._seed = int(state_dict["seed"])
         if state_dict.get("included") is not None:
             self._included = np.asarray(state_dict["included"], dtype=bool)
-        if state_dict.get("gradient") is not None and self._included is not None:
+        if state_dict.get("gradient") is not None and self._included is not None and self._seed is not None:
             self._gradient = DiracCanaries(self._included, seed=self._seed)
             self._gradient.load_state_dict(state_dict["gradient"])
 

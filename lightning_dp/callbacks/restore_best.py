@@ -65,11 +65,12 @@ class RestoreBestWeights(Callback):
         self.log_checkpoint = log_checkpoint
 
     def _checkpoint_callback(self, trainer: Trainer) -> ModelCheckpoint:
-        found = [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint) and cb.monitor is not None
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning, undeclared on Trainer
+        found = [cb for cb in callbacks if isinstance(cb, ModelCheckpoint) and cb.monitor is not None
                  and (self.monitor is None or cb.monitor == self.monitor)]
         if len(found) == 1:
             return found[0]
-        monitored = sorted({cb.monitor for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint) and cb.monitor})
+        monitored = sorted({cb.monitor for cb in callbacks if isinstance(cb, ModelCheckpoint) and cb.monitor})
         if not found:
             want = f"monitor={self.monitor!r}" if self.monitor else "a monitor"
             raise MisconfigurationException(

@@ -139,6 +139,9 @@ class SplitDataModule(DataHparamsMixin, LightningDataModule):
     train_dataset: Optional[Dataset] = None
     val_dataset: Optional[Dataset] = None
     test_dataset: Optional[Dataset] = None
+    batch_size: int  # set by each subclass's __init__
+    num_workers: int
+    seed: int
     _STAGE_OF_SPLIT = {"train": "fit", "val": "fit", "test": "test"}
 
     def _require(self, dataset: Optional[Dataset], split: str) -> Dataset:

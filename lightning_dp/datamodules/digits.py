@@ -107,11 +107,11 @@ class DigitsDataModule(SplitDataModule):
             labels, [total - n_val - n_test, n_val, n_test], seed=self.seed
         )
         train_images = images[train_idx]
-        self.mean = float(train_images.mean())
-        self.std = float(train_images.std())
+        mean, std = float(train_images.mean()), float(train_images.std())
+        self.mean, self.std = mean, std
 
         def standardized(index: torch.Tensor) -> TensorDataset:
-            return TensorDataset((images[index] - self.mean) / self.std, labels[index])
+            return TensorDataset((images[index] - mean) / std, labels[index])
 
         self.train_dataset = standardized(train_idx)
         self.val_dataset = standardized(val_idx)

@@ -184,7 +184,11 @@ class SyntheticFairness(GeneratedClients):
 def _group_summary(clients: Sequence[ClientDataset]) -> dict[str, list[Any]]:
     counts, positives, samples = [0, 0], [0, 0], [0, 0]
     for client in clients:
-        group = int(client.sensitive[0]) if len(client) else 0
+        group = 0
+        if len(client):
+            if client.sensitive is None:  # every client of these DataModules carries its group
+                raise RuntimeError(f"client {client.client_id!r} has no sensitive group (internal)")
+            group = int(client.sensitive[0])
         counts[group] += 1
         positives[group] += int(client.y.sum())
         samples[group] += len(client)
@@ -212,8 +216,15 @@ class FEMNISTFairness(FEMNIST):
 
     Args:
         minority_fraction: Share of the writers rotated into g2, in (0, 1).
-        data_dir, source, val_fraction, max_clients, invert, hf_test_fraction, batch_size,
-        num_workers, seed: As in :class:`FEMNIST`.
+        data_dir: As in :class:`FEMNIST`.
+        source: As in :class:`FEMNIST`.
+        val_fraction: As in :class:`FEMNIST`.
+        max_clients: As in :class:`FEMNIST`.
+        invert: As in :class:`FEMNIST`.
+        hf_test_fraction: As in :class:`FEMNIST`.
+        batch_size: As in :class:`FEMNIST`.
+        num_workers: As in :class:`FEMNIST`.
+        seed: As in :class:`FEMNIST`; also the seed of the permutation that picks the rotated writers.
     """
 
     num_classes = 2

@@ -208,12 +208,13 @@ def padded_sensitive(clients: Sequence[ClientDataset]) -> Optional[Tensor]:
         [[0, 1], [1, -1]]
     """
     clients = list(clients)
-    if not clients or any(client.sensitive is None for client in clients):
+    sensitive = [client.sensitive for client in clients if client.sensitive is not None]
+    if not clients or len(sensitive) < len(clients):
         return None
     longest = max(len(client) for client in clients)
     out = torch.full((len(clients), longest), -1, dtype=torch.long, device=clients[0].x.device)
-    for index, client in enumerate(clients):
-        out[index, : len(client)] = client.sensitive
+    for index, (client, values) in enumerate(zip(clients, sensitive)):
+        out[index, : len(client)] = values
     return out
 
 
@@ -365,7 +366,7 @@ class FederatedDataModule(DataHparamsMixin, LightningDataModule):
     # round that reads the clients itself (train_clients, padded(...)), so every loader
     # yields one item: one round per training epoch, one evaluation per validation.
     def _round(self) -> DataLoader:
-        return DataLoader([0], batch_size=1)
+        return DataLoader([0], batch_size=1)  # type: ignore[arg-type]  # any sequence works; torch types it Dataset
 
     def train_dataloader(self) -> DataLoader:
         """One item per epoch: the federated module runs one round per training step."""

@@ -114,7 +114,9 @@ class FederatedVision(FederatedDataModule):
         shard_size: shards: images per shard (default: pool size / (clients x shards per client)).
         train_fraction: ``subset="test"``: share of the test split partitioned into clients.
         normalize: standardize with the dataset's pixel statistics.
-        batch_size, num_workers, seed: as :class:`~lightning_dp.datamodules.FederatedDataModule`.
+        batch_size: as :class:`~lightning_dp.datamodules.FederatedDataModule`.
+        num_workers: as :class:`~lightning_dp.datamodules.FederatedDataModule`.
+        seed: as :class:`~lightning_dp.datamodules.FederatedDataModule`.
     """
 
     task = "classification"
@@ -269,7 +271,8 @@ class FederatedVision(FederatedDataModule):
                              f"(partition={self.partition!r}); use fewer clients or more data")
         order = torch.randperm(total, generator=torch.Generator().manual_seed(derived_seed(self.seed, "val")))
         val_ids = set(order[: self.num_val_clients].tolist())
-        train, val = [], []
+        train: list[ClientDataset] = []
+        val: list[ClientDataset] = []
         for i, idx in enumerate(parts):
             index = torch.from_numpy(np.sort(idx))
             client = ClientDataset(f"{'val' if i in val_ids else 'train'}-{i:04d}", pool[0][index], pool[1][index])

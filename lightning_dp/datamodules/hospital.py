@@ -557,15 +557,16 @@ class HospitalCharges(FederatedDataModule):
         if not train:
             raise ValueError(f"{owner}: {source}: no provider has a row of DRGs {selected} with a known ZIP code")
         if self.scale:
-            self.feature_scales = power_of_ten_scales(torch.cat([x for _, x, _ in train]))
-            self.target_scale = float(power_of_ten_scales(torch.cat([y for _, _, y in train])))
+            feature_scales = power_of_ten_scales(torch.cat([x for _, x, _ in train]))
+            target_scale = float(power_of_ten_scales(torch.cat([y for _, _, y in train])))
         else:
-            self.feature_scales = torch.ones(3, dtype=torch.float64)
-            self.target_scale = 1.0
+            feature_scales = torch.ones(3, dtype=torch.float64)
+            target_scale = 1.0
+        self.feature_scales, self.target_scale = feature_scales, target_scale
 
         def to_client(provider: str, x: torch.Tensor, y: torch.Tensor) -> ClientDataset:
             return ClientDataset(
-                provider, (x / self.feature_scales).to(torch.float32), (y / self.target_scale).to(torch.float32)
+                provider, (x / feature_scales).to(torch.float32), (y / target_scale).to(torch.float32)
             )
 
         return [to_client(*item) for item in train], [to_client(*item) for item in val], []

@@ -256,7 +256,7 @@ class MNISTFamilyDataModule(SplitDataModule):
     """
 
     #: Dataset name (also Lightning's ``LightningDataModule.name``).
-    name: ClassVar[str] = ""
+    name: str = ""  # an instance attribute on LightningDataModule, so no ClassVar here
     #: The dataset's name in messages.
     title: ClassVar[str] = ""
     #: Hugging Face Hub identifier for ``source="huggingface"``.
@@ -485,6 +485,8 @@ class MNISTFamilyDataModule(SplitDataModule):
             raw, sources = {}, {}
             for split in splits:
                 image_path, label_path = (self._find_file(name) for name in OFFICIAL_FILES[split])
+                if image_path is None or label_path is None:  # removed since missing_files() looked
+                    raise self.unavailable()
                 raw[split] = (read_idx(image_path), read_idx(label_path).to(torch.int64))
                 sources[split] = f"{image_path} / {label_path}"
         for split, (images, labels) in raw.items():

@@ -143,7 +143,8 @@ def dataset_unavailable(
     """
     where = Path(data_dir).expanduser().resolve()
     failed = one_line(error) if error is not None else None
-    partial = missing is not None and 0 < len(missing) < len(expected)
+    missing = list(missing) if missing is not None else []
+    partial = 0 < len(missing) < len(expected)
     prefix = "" if owner == dataset else f"{owner}: "
     headline = f"{prefix}{dataset} is {'incomplete' if partial else 'not'} in data_dir={where}"
     lines = [headline + (" and could not be downloaded." if failed else ".")]

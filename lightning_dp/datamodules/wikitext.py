@@ -111,8 +111,10 @@ class WikiText2DataModule(SplitDataModule):
         source: ``"files"`` (``data_dir``) or ``"huggingface"``.
         download: with ``source="files"``, fetch the official zip into ``data_dir`` when files
             are missing.
-        batch_size, num_workers, seed: loaders (the training split is reshuffled, seeded), and
-            the validation carve-out.
+        batch_size: samples per batch of every loader.
+        num_workers: worker processes of the loaders; 0 loads in the main process.
+        seed: seed of the training split's reshuffling and of the validation carve-out
+            (``val_file=None``).
 
     Raises:
         ValueError: If an argument is outside its range.
@@ -175,9 +177,9 @@ class WikiText2DataModule(SplitDataModule):
             else self.data_dir
 
     def _needed(self) -> list[str]:
-        files = [self.hparams.train_file, self.hparams.test_file]
-        if self.hparams.val_file is not None:
-            files.append(self.hparams.val_file)
+        files = [self.hparams["train_file"], self.hparams["test_file"]]
+        if self.hparams["val_file"] is not None:
+            files.append(self.hparams["val_file"])
         return sorted(set(files), key=SPLITS.index)
 
     def _missing(self) -> list[Path]:
@@ -195,9 +197,9 @@ class WikiText2DataModule(SplitDataModule):
             DatasetUnavailableError: (a :class:`FileNotFoundError`) If files are missing and
                 ``download=False``, or the download failed.
         """
-        if self.hparams.source != "files" or not self._missing():
+        if self.hparams["source"] != "files" or not self._missing():
             return
-        if not self.hparams.download:
+        if not self.hparams["download"]:
             raise self.unavailable()
         with download_guard(self.data_dir, self.unavailable), staging_area(self.data_dir) as staging:
             with urllib.request.urlopen(URL, timeout=60) as response:  # noqa: S310  (a fixed https URL)
@@ -214,13 +216,13 @@ class WikiText2DataModule(SplitDataModule):
         owner = type(self).__name__
         needed = [f"wiki.{split}.tokens" for split in self._needed()]
         only_two = "with only the validation and test files at hand, set train_file='valid' and val_file=None"
-        if self.hparams.source == "huggingface":
+        if self.hparams["source"] == "huggingface":
             return dataset_unavailable(
                 owner, "WikiText-2", data_dir=self.data_dir,
                 expected=[f"the Hugging Face cache of {HF_DATASET} ({HF_CONFIG}), in the library's default cache"],
                 sources=[f"https://huggingface.co/datasets/{HF_DATASET}"], error=error,
                 fix=f"offline, use source='files' with {', '.join(needed)} in data_dir (from {URL}); {only_two}.")
-        get = ("copy the files into data_dir" if error is not None or self.hparams.download
+        get = ("copy the files into data_dir" if error is not None or self.hparams["download"]
                else "pass download=True (needs internet), or copy the files into data_dir")
         return dataset_unavailable(
             owner, "WikiText-2", data_dir=self.data_dir, expected=needed,
@@ -231,7 +233,7 @@ class WikiText2DataModule(SplitDataModule):
             error=error, fix=f"{get}; {only_two}.")
 
     def _lines(self, split: str) -> list[str]:
-        if self.hparams.source == "huggingface":
+        if self.hparams["source"] == "huggingface":
             name = {"train": "train", "valid": "validation", "test": "test"}[split]
             table = load_hf_dataset(_import_datasets(), HF_DATASET, HF_CONFIG, split=name, cache_dir=None,
                                     unavailable=self.unavailable)
@@ -246,7 +248,7 @@ class WikiText2DataModule(SplitDataModule):
         """Reads the files, builds the vocabulary from the training file and cuts the samples."""
         if self.train_dataset is not None:
             return
-        train_words = tokenize_lines(self._lines(self.hparams.train_file))
+        train_words = tokenize_lines(self._lines(self.hparams["train_file"]))
         self.vocabulary = build_vocabulary(train_words, self.vocab_size)
         index = {w: i for i, w in enumerate(self.vocabulary)}
 
@@ -254,17 +256,17 @@ class WikiText2DataModule(SplitDataModule):
             return torch.tensor([index.get(w, 0) for w in words], dtype=torch.long)
 
         train = TokenBlocks(encode(train_words), self.block_size)
-        if self.hparams.val_file is None:
+        if self.hparams["val_file"] is None:
             g = torch.Generator().manual_seed(self.seed)
             order = torch.randperm(len(train), generator=g)
-            n_val = max(1, round(self.hparams.val_fraction * len(train)))
+            n_val = max(1, round(self.hparams["val_fraction"] * len(train)))
             self.val_dataset = TokenBlocks(train.blocks[order[:n_val]].reshape(-1), self.block_size)
             train = TokenBlocks(train.blocks[order[n_val:].sort().values].reshape(-1), self.block_size)
         else:
-            self.val_dataset = TokenBlocks(encode(tokenize_lines(self._lines(self.hparams.val_file))),
+            self.val_dataset = TokenBlocks(encode(tokenize_lines(self._lines(self.hparams["val_file"]))),
                                            self.block_size)
         self.train_dataset = train
-        self.test_dataset = TokenBlocks(encode(tokenize_lines(self._lines(self.hparams.test_file))), self.block_size)
+        self.test_dataset = TokenBlocks(encode(tokenize_lines(self._lines(self.hparams["test_file"]))), self.block_size)
         if len(self.train_dataset) == 0:
             raise ValueError(f"{type(self).__name__}: the training file holds fewer than block_size="
                              f"{self.block_size} tokens; lower block_size")

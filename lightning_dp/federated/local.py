@@ -136,7 +136,9 @@ def client_outputs_and_losses(template: nn.Module, spec: FlatParams, hypotheses:
 
     Args:
         hypotheses: (k, P) flat parameter vectors.
-        x, y, mask: padded client data (C, Nmax, ...), (C, Nmax, ...), (C, Nmax).
+        x: padded client inputs (C, Nmax, ...).
+        y: padded client targets (C, Nmax, ...).
+        mask: (C, Nmax), ``mask[c, i]`` marks client c's real examples.
 
     Returns:
         ``outputs`` of shape (C, k, Nmax, ...) (padding positions hold the output on the
@@ -193,7 +195,9 @@ def client_losses(template: nn.Module, spec: FlatParams, hypotheses: Tensor, x: 
 
     Args:
         hypotheses: (k, P) flat parameter vectors.
-        x, y, mask: padded client data (C, Nmax, ...), (C, Nmax, ...), (C, Nmax).
+        x: padded client inputs (C, Nmax, ...).
+        y: padded client targets (C, Nmax, ...).
+        mask: (C, Nmax), ``mask[c, i]`` marks client c's real examples.
     """
     return client_outputs_and_losses(template, spec, hypotheses, x, y, mask, loss, engine)[1]
 
@@ -244,8 +248,12 @@ def local_sgd(template: nn.Module, spec: FlatParams, start: Tensor, x: Tensor, y
         template: the model (its parameters are not used, only its forward).
         spec: the flat-parameter layout of ``template``.
         start: (C, P) each client's starting parameters (its chosen hypothesis).
-        x, y, mask: padded client data; ``mask[c, i]`` marks client c's real examples.
-        epochs, lr, batch_size: E, s, B_s of Algorithm 1.
+        x: padded client inputs (C, Nmax, ...).
+        y: padded client targets (C, Nmax, ...).
+        mask: (C, Nmax), ``mask[c, i]`` marks client c's real examples.
+        epochs: E of Algorithm 1.
+        lr: s of Algorithm 1.
+        batch_size: B_s of Algorithm 1.
         loss: one of :data:`LOSSES`.
         generator: draws each epoch's per-client shuffles: one generator for all clients,
             a sequence with one generator per client, or a function ``epoch -> (C, Nmax)``

@@ -100,6 +100,7 @@ def pfa_combine(updates: Tensor, public: Tensor, *, layer_sizes: Sequence[int], 
     mean_pub = (w[pub, None] * x[pub]).sum(0) / w_pub if bool(pub.any()) else None
     mean_priv = (w[priv, None] * x[priv]).sum(0) / w_priv if bool(priv.any()) else None
     if mean_pub is None:
+        assert mean_priv is not None  # the weights have a positive sum: some client is public or private
         return mean_priv.to(updates.dtype), None
     origin = x[pub].mean(0) if centered else torch.zeros_like(mean_pub)  # unweighted, as PFA's code
     current = Subspace([top_subspace(chunk, k) for chunk in torch.split(x[pub] - origin, list(layer_sizes), dim=1)],

@@ -154,7 +154,7 @@ def plan_budget(planned: Sequence[dict[str, Any]], epsilon: float, delta: Option
 def check_against_plan(point: GridPoint, budget: BudgetPlan, index: int) -> None:
     """A run may stop early, never spend more than planned (else the grid's bound would not hold)."""
     plan = budget.plans[index]
-    history = point.privacy.get("accountant").history if "accountant" in point.privacy else []
+    history = point.privacy["accountant"].history if "accountant" in point.privacy else []
     expected_sigma = budget.noise_multiplier * plan.multiplier_scale
     for sigma, q, steps in history:
         if sigma != expected_sigma or q != plan.sample_rate:

@@ -56,12 +56,12 @@ def mean_table(points: Sequence[GridPoint], over: str) -> str:
         vals = [p.metrics.get(name, p.privacy.get(name)) for p in group]
         if any("ledger" in p.privacy and p.privacy["ledger"] is None for p in group) and name.startswith("client_"):
             return "inf"
-        vals = [float(v) for v in vals if isinstance(v, (int, float))]
-        if not vals:
+        numbers = [float(v) for v in vals if isinstance(v, (int, float))]
+        if not numbers:
             return ""
-        if len(vals) == 1:
-            return fmt(vals[0])
-        return f"{statistics.mean(vals):.4g} ± {statistics.stdev(vals):.2g}"
+        if len(numbers) == 1:
+            return fmt(numbers[0])
+        return f"{statistics.mean(numbers):.4g} ± {statistics.stdev(numbers):.2g}"
 
     header = [short_name(k) for k in keys] + columns + [f"runs ({short_name(over)})"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

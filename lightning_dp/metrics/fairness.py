@@ -185,7 +185,10 @@ def group_rates(tp: Tensor, fp: Tensor, tn: Tensor, fn: Tensor) -> dict[str, Ten
     A group with ``n_g = 0`` does not exist for fairlearn: all its rates are NaN (its count is 0).
 
     Args:
-        tp, fp, tn, fn: per-group confusion counts, each of shape ``(G,)``.
+        tp: per-group true positives, shape ``(G,)``.
+        fp: per-group false positives, shape ``(G,)``.
+        tn: per-group true negatives, shape ``(G,)``.
+        fn: per-group false negatives, shape ``(G,)``.
 
     Returns:
         A dict from each name of :data:`GROUP_RATES` to a float64 tensor of shape ``(G,)``.
@@ -227,7 +230,10 @@ def group_fairness_from_counts(tp: Tensor, fp: Tensor, tn: Tensor, fn: Tensor) -
     group is present; everything but the counts is NaN when no example has been seen.
 
     Args:
-        tp, fp, tn, fn: per-group confusion counts, each of shape ``(G,)``.
+        tp: per-group true positives, shape ``(G,)``.
+        fp: per-group false positives, shape ``(G,)``.
+        tn: per-group true negatives, shape ``(G,)``.
+        fn: per-group false negatives, shape ``(G,)``.
 
     Returns:
         A flat dict of float64 scalars: the three differences and ``accuracy``, then

@@ -126,7 +126,7 @@ class Autoencoder(LightningModule):
             # Mean over no example is nan; the sum over no example (0) keeps gradients finite.
             return reconstruction.sum() * 0.0
         loss = per_example_mse(reconstruction, x).mean()
-        if self.hparams.log_nonprivate_metrics:  # an exact statistic of the private batch: not covered by epsilon
+        if self.hparams["log_nonprivate_metrics"]:  # an exact statistic of the private batch: not covered by epsilon
             self.log("nonprivate/train_loss", loss, on_step=True, on_epoch=False, prog_bar=True, batch_size=x.shape[0])
         return loss
 
@@ -157,8 +157,8 @@ class Autoencoder(LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         """SGD (with ``momentum``), Adam or AdamWOSM at learning rate ``lr`` over all parameters."""
-        return build_optimizer(self.hparams.optimizer, self.parameters(), lr=self.hparams.lr,
-                               momentum=self.hparams.momentum)
+        return build_optimizer(self.hparams["optimizer"], self.parameters(), lr=self.hparams["lr"],
+                               momentum=self.hparams["momentum"])
 
 
 def _validate(*, network: Any, lr: Any, optimizer: Any, momentum: Any) -> None:

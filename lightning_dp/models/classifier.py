@@ -111,7 +111,7 @@ class ImageClassifier(LightningModule):
             return logits.sum() * 0.0
         loss = F.cross_entropy(logits, y)
         batch_size = y.shape[0]
-        if self.hparams.log_nonprivate_metrics:  # exact statistics of the private batch: not covered by epsilon
+        if self.hparams["log_nonprivate_metrics"]:  # exact statistics of the private batch: not covered by epsilon
             self.train_acc.update(logits.detach(), y)
             self.log("nonprivate/train_loss", loss, on_step=True, on_epoch=False, prog_bar=True, batch_size=batch_size)
             self.log("nonprivate/train_acc", self.train_acc, on_step=False, on_epoch=True, batch_size=batch_size)
@@ -153,7 +153,7 @@ class ImageClassifier(LightningModule):
         Built by :func:`lightning_dp.optim.build_optimizer`.
         """
         return build_optimizer(
-            self.hparams.optimizer, self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum
+            self.hparams["optimizer"], self.parameters(), lr=self.hparams["lr"], momentum=self.hparams["momentum"]
         )
 
 

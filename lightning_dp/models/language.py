@@ -31,7 +31,9 @@ class GPT2(nn.Module):
     Args:
         vocab_size: V, the DataModule's vocabulary size.
         max_positions: the longest sequence (``n_positions``).
-        embed_dim, num_layers, num_heads: ``n_embd``, ``n_layer``, ``n_head``.
+        embed_dim: ``n_embd``.
+        num_layers: ``n_layer``.
+        num_heads: ``n_head``.
         dropout: residual, embedding and attention dropout (``resid_pdrop``, ``embd_pdrop``,
             ``attn_pdrop``).
     """
@@ -79,8 +81,9 @@ class CausalLanguageModel(LightningModule):
 
     Args:
         network: ``ids -> logits`` (e.g. :class:`GPT2`).
-        lr, optimizer, momentum: as :class:`~lightning_dp.models.ImageClassifier`
-            (``"sgd"``, ``"adam"`` or ``"adamwosm"``).
+        lr: as :class:`~lightning_dp.models.ImageClassifier`.
+        optimizer: as :class:`~lightning_dp.models.ImageClassifier` (``"sgd"``, ``"adam"`` or ``"adamwosm"``).
+        momentum: as :class:`~lightning_dp.models.ImageClassifier`.
         log_nonprivate_metrics: log the exact training loss under ``nonprivate/``.
     """
 
@@ -105,7 +108,7 @@ class CausalLanguageModel(LightningModule):
         if batch.shape[0] == 0:  # an empty Poisson batch: a zero loss still connected to the parameters
             return logits.sum() * 0.0
         loss = per_example_token_loss(logits, batch).mean()
-        if self.hparams.log_nonprivate_metrics:  # exact statistic of the private batch: not covered by epsilon
+        if self.hparams["log_nonprivate_metrics"]:  # exact statistic of the private batch: not covered by epsilon
             self.log("nonprivate/train_loss", loss, on_step=True, on_epoch=False, prog_bar=True,
                      batch_size=batch.shape[0])
         return loss
@@ -133,5 +136,5 @@ class CausalLanguageModel(LightningModule):
         self._log_split("test", self.test_loss)
 
     def configure_optimizers(self) -> Any:
-        return build_optimizer(self.hparams.optimizer, self.parameters(), lr=self.hparams.lr,
-                               momentum=self.hparams.momentum)
+        return build_optimizer(self.hparams["optimizer"], self.parameters(), lr=self.hparams["lr"],
+                               momentum=self.hparams["momentum"])

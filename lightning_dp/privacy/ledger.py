@@ -220,7 +220,8 @@ class GaussianLedger(PrivacyLedger):
         from lightning_dp.privacy.accounting import get_accountant
 
         get_accountant(accountant)  # validates the name
-        self.delta, self.accountant = float(delta), accountant
+        self.delta: float = float(delta)
+        self.accountant: str = accountant
         self._cache: dict[float, float] = {}
 
     def epsilon_of(self, precision: float) -> float:

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler, SequentialSampler
 
 from lightning_dp.privacy.noise import SAMPLING, derive_generator
 
@@ -49,7 +50,8 @@ class PoissonBatchSampler(BatchSampler):
         num_samples: the size N of the whole training set.
         sample_rate: q, the inclusion probability of every example in every batch.
         seed: the run's sampling seed.
-        rank, world_size: this process' shard.
+        rank: this process' rank (which shard it samples).
+        world_size: the number of processes (shards).
         start_step: a callable giving the number of batches already released when an
             epoch starts; batch k of that epoch uses counter ``start_step() + k``.
         steps_per_epoch: batches per epoch; default ``ceil(1 / q)``.
@@ -99,7 +101,8 @@ def _empty_like(batch: object) -> object:
     if isinstance(batch, torch.Tensor):
         return batch[:0]
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(_empty_like(b) for b in batch))
+        namedtuple_class: Any = type(batch)
+        return namedtuple_class(*(_empty_like(b) for b in batch))
     if isinstance(batch, (list, tuple)):
         return type(batch)(_empty_like(b) for b in batch)
     if isinstance(batch, dict):
@@ -125,7 +128,8 @@ class EmptySafeCollate:
         return _empty_like(self.collate_fn([self.dataset[0]]))  # type: ignore[index]
 
 
-def rebuild_dataloader(loader: DataLoader, *, batch_sampler: object, collate_fn: Callable | None = None) -> DataLoader:
+def rebuild_dataloader(loader: DataLoader, *, batch_sampler: Sampler[list[int]] | Iterable[list[int]],
+                       collate_fn: Callable | None = None) -> DataLoader:
     """A copy of ``loader`` (same dataset, collate and worker settings) drawing batches from ``batch_sampler``."""
     workers = loader.num_workers
     return DataLoader(
@@ -136,7 +140,7 @@ def rebuild_dataloader(loader: DataLoader, *, batch_sampler: object, collate_fn:
         persistent_workers=loader.persistent_workers if workers > 0 else False, pin_memory_device=loader.pin_memory_device)
 
 
-def with_dataset(loader: DataLoader, dataset: object, *, collate_fn: Callable | None = None) -> DataLoader:
+def with_dataset(loader: DataLoader, dataset: Dataset, *, collate_fn: Callable | None = None) -> DataLoader:
     """A copy of ``loader`` (batch size, worker settings, ...) over another ``dataset``, shuffled or sequential as
     ``loader`` was (a custom sampler of the old dataset cannot cover the new one: it becomes a shuffle)."""
     workers = loader.num_workers
@@ -152,7 +156,8 @@ def with_dataset(loader: DataLoader, dataset: object, *, collate_fn: Callable | 
 def poisson_dataloader(loader: DataLoader, *, sample_rate: float, seed: int, rank: int = 0, world_size: int = 1,
                        start_step: Callable[[], int] | None = None) -> DataLoader:
     """A copy of ``loader`` (same dataset, collate and worker settings) with Poisson batches."""
-    batch_sampler = PoissonBatchSampler(None, loader.batch_size or 1, False, num_samples=len(loader.dataset),
+    # a map-style dataset has __len__, which torch's Dataset does not declare
+    batch_sampler = PoissonBatchSampler(None, loader.batch_size or 1, False, num_samples=len(loader.dataset),  # type: ignore[arg-type]
                                         sample_rate=sample_rate, seed=seed, rank=rank, world_size=world_size,
                                         start_step=start_step)
     return rebuild_dataloader(loader, batch_sampler=batch_sampler,

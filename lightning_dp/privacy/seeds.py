@@ -28,7 +28,7 @@ Example:
 from __future__ import annotations
 
 import secrets
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 
@@ -38,6 +38,10 @@ __all__ = ["SECRET_KEY", "check_seed", "derive_seed", "fresh_seed", "strip_secre
 SECRET_KEY = "secret"
 
 
+@overload
+def check_seed(value: Any, name: str = ..., *, optional: Literal[False]) -> int: ...
+@overload
+def check_seed(value: Any, name: str = ..., *, optional: bool = ...) -> int | None: ...
 def check_seed(value: Any, name: str = "seed", *, optional: bool = True) -> int | None:
     """Validates a seed: a non-negative integer (or None when ``optional``: a fresh secret seed)."""
     if value is None and optional:

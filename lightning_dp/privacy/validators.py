@@ -15,7 +15,7 @@ from torch import nn
 __all__ = ["MIXING_LAYERS", "find_mixing_layers", "replace_batchnorm", "describe_mixing_layers"]
 
 #: Module types whose output for one example depends on the other examples of the batch.
-MIXING_LAYERS: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm)
+MIXING_LAYERS: tuple[type[nn.modules.batchnorm._BatchNorm], ...] = (nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm)
 
 
 def find_mixing_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -24,7 +24,7 @@ def find_mixing_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     InstanceNorm with ``track_running_stats=True`` is included: its running statistics
     are an aggregate over examples that is updated without noise.
     """
-    found = []
+    found: list[tuple[str, nn.Module]] = []
     for name, mod in model.named_modules():
         if isinstance(mod, MIXING_LAYERS):
             found.append((name or type(mod).__name__, mod))

@@ -29,8 +29,10 @@ class Aggregator(Part):
     one_model = False
     #: the public (True) / private split of the last aggregated releases, for aggregators that split the clients
     last_public: list[bool] | None = None
-    #: whether that split is final (made from revealed budgets, or after a warm start): then it is scored once
-    warm_started = True
+    @property
+    def warm_started(self) -> bool:
+        """Whether that split is final (made from revealed budgets, or after a warm start): then it is scored once."""
+        return True
 
     def observe(self, *, client_ids: list[Any], layer_sizes: list[int], round_index: int,
                 budgets: list[float] | None = None) -> None:

@@ -53,7 +53,7 @@ def register_part(kind: str, name: str):
 
     def decorate(cls: type) -> type:
         _PARTS[kind][name] = cls
-        cls.name = name
+        cls.name = name  # type: ignore[attr-defined]  # parts are Part subclasses, which declare it
         return cls
     return decorate
 

@@ -244,7 +244,7 @@ class GaussianLocalDP(ClientSanitizer):
                 "sanitizer_target_delta": self.target_delta, "sanitizer_accountant": self.accountant,
                 "sanitizer_sensitivity": self.diameter()}
 
-    def make_ledger(self) -> GaussianLedger:
+    def make_ledger(self) -> PrivacyLedger:
         return GaussianLedger(self.target_delta, self.accountant)
 
     def diameter(self, reference_given: bool = True) -> float:
@@ -331,7 +331,8 @@ class SectorSanitizer(GaussianLocalDP):
         lower_clip: c (0: no lower clipping).
         angle: a, in radians (pi: no angular clipping).
         noise_multiplier: z (0: no local noise).
-        target_delta, accountant: as for :class:`GaussianLocalDP`.
+        target_delta: as for :class:`GaussianLocalDP`.
+        accountant: as for :class:`GaussianLocalDP`.
     """
 
     def __init__(self, clip: float = 1.0, lower_clip: float = 0.0, angle: float = math.pi,

@@ -97,6 +97,8 @@ class PoissonSelection(ClientSelection):
         sample_rate: q, in (0, 1].
     """
 
+    poisson_rate: float  # set in __init__: never None here
+
     def __init__(self, sample_rate: float = 0.1) -> None:
         self.poisson_rate = check_sample_rate(sample_rate)
 

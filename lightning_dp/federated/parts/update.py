@@ -64,8 +64,10 @@ class ClientUpdate(Part):
         """Record-level privacy metrics of the ledger (computed when written)."""
         return {}
 
-    #: whether every client has a record-level budget it can reveal (:meth:`revealed_budgets`)
-    reveals_budgets = False
+    @property
+    def reveals_budgets(self) -> bool:
+        """Whether every client has a record-level budget it can reveal (:meth:`revealed_budgets`)."""
+        return False
 
     def true_public(self, index: Sequence[int]) -> list[bool] | None:
         """Whether each client in ``index`` is in truth in the relaxed budget group (None: no budget groups): the
@@ -190,8 +192,10 @@ class LocalDPSGD(ClientUpdate):
         if sampling not in ("poisson", "shuffle"):
             raise ValueError(f"sampling={sampling!r} is not allowed; choose 'poisson' or 'shuffle'")
         self.sampling = sampling
-        adjacency = ("add_remove" if sampling == "poisson" else "replace") if adjacency is None \
-            else check_adjacency(adjacency)
+        if adjacency is None:
+            adjacency = "add_remove" if sampling == "poisson" else "replace"
+        else:
+            check_adjacency(adjacency)
         if sampling == "shuffle" and adjacency == "add_remove":
             raise ValueError("sampling='shuffle' with adjacency='add_remove' is not allowed: shuffled batches "
                              "partition the records, and adding one shifts every later batch; the bound holds for "

@@ -186,7 +186,7 @@ class GradSampleEngine:
         self._captured: dict[int, list[list[Tensor]]] = {}  # their expanded outputs, per call (checking round)
         self._batch: int | None = None
         self._anchor = torch.zeros((), requires_grad=True)
-        self._buffers: dict[tuple[int, str], Tensor] = {}
+        self._buffers: dict[tuple[int | None, str], Tensor] = {}
         self._handles: list[Any] = []
         for layer in self.layers:
             self._handles.append(layer.module.register_forward_pre_hook(self._make_pre_hook(layer), with_kwargs=True))
@@ -254,7 +254,8 @@ class GradSampleEngine:
     def _make_hook(self, layer: _Layer):
         def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
             if self._probing:
-                out = self._expand(output, self._batch) if id(layer) in self._broadcasting else output
+                batch = self._batch
+                out = self._expand(output, batch) if id(layer) in self._broadcasting and batch is not None else output
                 inputs, _ = _input_leaves(args, kwargs)
                 outputs = pytree.tree_leaves(out)
                 if id(layer) in self._captured:
@@ -604,7 +605,7 @@ class GradSampleEngine:
         for layer in self.layers:
             layer.calls.clear()
             layer.cache.clear()
-        self._contributions = None
+        self._contributions: dict[int, list[Contribution]] | None = None
         if not self.keep_buffers:
             self._buffers.clear()
 
@@ -705,7 +706,7 @@ class GradSampleEngine:
                 normalized = [a.movedim(d, 0) if d is not None and isinstance(a, Tensor) else a
                               for a, d in zip(inputs, dims.inputs)]
                 input_dims = list(dims.inputs)
-            grads = []
+            grads: list[Tensor | None] = []
             for o, g, d in zip(call.outputs, call.grad_outputs, dims.outputs):
                 if o is None:
                     grads.append(None)

@@ -48,7 +48,8 @@ class Record:
             ``broadcast``); tensors are detached.
         grad_outputs: the gradient of each tensor leaf of the output (in
             ``torch.utils._pytree`` order), batch first, times the loss scale (the batch
-            size: the loss is a batch mean); zeros for an output the loss does not use.
+            size: the loss is a batch mean); zeros for an output the loss does not use; None for
+            a leaf that is not a tensor or has no batch dimension.
         arg_dims, kwarg_dims, output_dims: where each tensor leaf held the batch in the
             call itself (None: no batch dimension), for rules that call the module again.
         broadcast: the layer's inputs are shared by all examples (a positional embedding
@@ -63,7 +64,7 @@ class Record:
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    grad_outputs: list[Tensor]
+    grad_outputs: list[Tensor | None]
     arg_dims: tuple[Any, ...]
     kwarg_dims: dict[str, Any]
     output_dims: list[int | None]

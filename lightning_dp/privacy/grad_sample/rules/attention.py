@@ -21,7 +21,7 @@ is refused.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -65,11 +65,10 @@ class _LinearTap:
 
     def __init__(self, params: dict[str, nn.Parameter], calls: list[dict[str, Any]], anchor: Tensor) -> None:
         self.params, self.calls, self.anchor = params, calls, anchor
-        self.original = None
+        self.original: Callable[..., Tensor] | None = None
 
     def __enter__(self) -> _LinearTap:
-        self.original = F.linear
-        original = self.original
+        original = self.original = F.linear
 
         def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
             out = original(x, weight, bias)
@@ -89,11 +88,12 @@ class _LinearTap:
             self.calls.append(call)
             return out
 
-        F.linear = linear
+        F.linear = linear  # type: ignore[assignment]  # same signature as torch's, other parameter names
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        F.linear = self.original
+        if self.original is not None:
+            F.linear = self.original
 
 
 @register_rule(nn.MultiheadAttention)

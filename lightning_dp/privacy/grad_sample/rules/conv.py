@@ -104,7 +104,7 @@ class ConvRule(_ConvBase):
     """``nn.Conv1d/2d/3d``: windows of the input, contracted with the output gradient."""
 
     @staticmethod
-    def _padded(m: nn.Module, x: Tensor) -> Tensor:
+    def _padded(m: nn.modules.conv._ConvNd, x: Tensor) -> Tensor:
         pad = m._reversed_padding_repeated_twice
         if any(pad):
             x = F.pad(x, pad, mode="constant" if m.padding_mode == "zeros" else m.padding_mode)

@@ -51,7 +51,9 @@ def per_example_grads(layer, records, batch_size: int) -> dict[str, Tensor]:
 
             def one(grads_i: list, args_i: tuple, kwargs_i: dict, _r=r, _dims=arg_dims) -> dict[str, Tensor]:
                 call_args, call_kwargs = (args_i, kwargs_i) if _r.broadcast else _unsqueeze((args_i, kwargs_i), _dims)
-                out, pullback = vjp(lambda p: functional_call(module, p, tuple(call_args), dict(call_kwargs)), params)
+                # torch.func.vjp is annotated for has_aux=True as well: a 2- or 3-tuple
+                out, pullback = vjp(lambda p: functional_call(module, p, tuple(call_args), dict(call_kwargs)),  # type: ignore[misc]
+                                    params)
                 leaves, spec = pytree.tree_flatten(out)
                 cot = []
                 for leaf, g, d in zip(leaves, grads_i, _r.output_dims):

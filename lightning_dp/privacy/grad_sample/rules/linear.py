@@ -24,6 +24,7 @@ def positions(records: list[Record], batch_size: int) -> tuple[Tensor, Tensor]:
     xs, gs = [], []
     for r in records:
         x, go = r.input(0), r.grad_outputs[0]
+        assert go is not None  # the output of a Linear holds the batch (probed by the engine)
         xs.append(x.reshape(batch_size, -1, x.shape[-1]))
         gs.append(go.reshape(batch_size, -1, go.shape[-1]))
     return (xs[0], gs[0]) if len(xs) == 1 else (torch.cat(xs, 1), torch.cat(gs, 1))

@@ -96,4 +96,4 @@ if hasattr(nn, "RMSNorm"):  # torch >= 2.4
 
             return _affine(layer, records, batch_size, normalize, channel_dim=None)
 else:  # pragma: no cover
-    RMSNormRule = None
+    RMSNormRule = None  # type: ignore[assignment, misc]  # torch < 2.4 has no nn.RMSNorm

@@ -19,6 +19,8 @@ cannot draw the same masks: stack one-layer modules with ``nn.Dropout`` between 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
@@ -38,6 +40,7 @@ def _error(text: str):
 def _cell(mode: str, gi: Tensor, gh: Tensor, h: Tensor, c: Tensor | None) -> tuple[Tensor, Tensor | None]:
     """One step of the recurrence from the two pre-activations (PyTorch's gate order)."""
     if mode == "LSTM":
+        assert c is not None  # an LSTM step always carries its cell state
         i, f, g, o = (gi + gh).chunk(4, -1)
         c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
         return torch.sigmoid(o) * torch.tanh(c), c
@@ -113,7 +116,8 @@ class RecurrentRule(LayerRule):
         # (weight, bias, the input it multiplies, where its pre-activations start in `pre`, and their count: one
         # (B, T, G*H) tensor (count 0), or one (B, G*H) per step)
         plan: list[tuple[str, str, Tensor, int, int]] = []  # ..., start and count of its entries in `pre`
-        finals_h, finals_c = [], []
+        finals_h: list[Tensor] = []
+        finals_c: list[Any] = []  # cell states: LSTM only
         inp = x
         with torch.enable_grad():
             for layer_index in range(layers):
@@ -125,9 +129,12 @@ class RecurrentRule(LayerRule):
                     b_hh = getattr(m, "bias_hh" + sfx).detach() if m.bias else None
                     gi = tracked(torch.nn.functional.linear(inp, w_ih, b_ih))  # (B, T, G*H)
                     h = h0[:, layer_index * dirs + d]
-                    c = c0[:, layer_index * dirs + d] if lstm else None
+                    c = c0[:, layer_index * dirs + d] if c0 is not None else None  # c0: LSTM only
                     order = range(steps - 1, -1, -1) if d else range(steps)
-                    hs, ghs, prevs = [None] * steps, [None] * steps, [None] * steps
+                    # filled in time order (reversed for the backward direction)
+                    hs: list[Any] = [None] * steps
+                    ghs: list[Any] = [None] * steps
+                    prevs: list[Any] = [None] * steps
                     for t in order:
                         prevs[t] = h.detach()
                         ghs[t] = tracked(torch.nn.functional.linear(h, w_hh, b_hh))
@@ -143,8 +150,8 @@ class RecurrentRule(LayerRule):
                 inp = torch.cat(outs, -1) if dirs > 1 else outs[0]
             outputs = [inp, torch.stack(finals_h, 1)] + ([torch.stack(finals_c, 1)] if lstm else [])
             cotangents = [g if g is not None else torch.zeros_like(o) for o, g in zip(outputs, r.grad_outputs)]
-            grads = torch.autograd.grad(outputs, pre, cotangents, allow_unused=True)
-        grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, pre)]
+            raw_grads = torch.autograd.grad(outputs, pre, cotangents, allow_unused=True)
+        grads = [torch.zeros_like(t) if g is None else g for g, t in zip(raw_grads, pre)]
         found: dict[str, tuple[Tensor, Tensor]] = {}
         for wname, bname, right, start, per_step in plan:
             g = torch.stack(grads[start:start + per_step], 1) if per_step else grads[start]
