@@ -112,12 +112,15 @@ class MLflowSaveConfigCallback(SaveConfigCallback):
             self.save_to_log_dir = False
         if self.save_to_log_dir and not self.already_saved:
             # LightningCLI would write the parser's dump, secret seeds included: write the redacted text instead
-            path = os.path.join(trainer.log_dir, self.config_filename)
+            log_dir = trainer.log_dir  # read once: the property broadcasts, and every rank must call it as often
+            if log_dir is None:  # excluded just above
+                raise RuntimeError(f"{type(self).__name__}: the Trainer has no log_dir (internal)")
+            path = os.path.join(log_dir, self.config_filename)
             if trainer.is_global_zero:
                 if not self.overwrite and os.path.isfile(path):
                     raise RuntimeError(f"{type(self).__name__} expected {path} to NOT exist; delete it or pass "
                                        "save_config_kwargs={'overwrite': True}")
-                os.makedirs(trainer.log_dir, exist_ok=True)
+                os.makedirs(log_dir, exist_ok=True)
                 with open(path, "w", encoding="utf-8") as handle:
                     handle.write(redact_secrets(self.parser.dump(self.config, skip_none=False)))
             self.save_to_log_dir = False  # written: the base class must not write the unredacted dump
@@ -230,6 +233,8 @@ class LightningDPCLI(LightningCLI):
             print(
                 f"MLflow run {logger.run_id} (experiment id {logger.experiment_id})\n"
                 f"  tracking URI: {uri}\n"
-                f"  browse runs:  {tracking.ui_command(uri)}",
+                f"  browse runs:  {tracking.ui_command(uri)}\n"
+                f"  then open:    http://127.0.0.1:5000/#/experiments/{logger.experiment_id}/runs"
+                "?workflowType=machine_learning  (MLflow 3's training view)",
                 flush=True,
             )

@@ -27,16 +27,19 @@ import contextlib
 import importlib.metadata
 import os
 import shlex
+from argparse import Namespace
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 from urllib.parse import unquote, urlparse
 
 from lightning.pytorch.loggers import MLFlowLogger as _LightningMLFlowLogger
+from typing_extensions import override
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
     from matplotlib.figure import Figure
+    from mlflow import MlflowClient
 
 __all__ = [
     "DEFAULT_EXPERIMENT_NAME",
@@ -54,11 +57,16 @@ __all__ = [
     "plot_series",
     "public_checkpoint",
     "refuse_checkpoint_uploads",
+    "set_tags",
     "tracking_uri_of",
     "ui_command",
 ]
 
 DEFAULT_EXPERIMENT_NAME = "lightning-dp"
+# Experiment tag read by the MLflow 3 UI to choose its view (the JS bundle's `useExperimentKind`);
+# "custom_model_development" is its classic training view ("Machine learning": runs, charts, compare).
+_EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+_TRAINING_EXPERIMENT_KIND = "custom_model_development"
 _DB_FILENAME = "mlflow.db"
 _ARTIFACTS_DIRNAME = "artifacts"
 # Distributions reported by `library_versions`, in this order; missing ones are skipped.
@@ -139,6 +147,21 @@ def _store_lock(tracking_uri: str) -> Iterator[None]:
         yield
 
 
+def _tag_training_experiment(client: MlflowClient, experiment_id: str) -> None:
+    """Set ``mlflow.experimentKind`` to the training view on an experiment that has no such tag.
+
+    A user's explicit value is kept. A store that refuses the tag (e.g. a tracking server where
+    this user may log runs but not edit the experiment) leaves the experiment as it is.
+    """
+    from mlflow.exceptions import MlflowException
+
+    try:
+        if _EXPERIMENT_KIND_TAG not in client.get_experiment(experiment_id).tags:
+            client.set_experiment_tag(experiment_id, _EXPERIMENT_KIND_TAG, _TRAINING_EXPERIMENT_KIND)
+    except MlflowException:
+        pass  # cosmetic (the UI's default view): never worth failing or warning a training run over
+
+
 class MLFlowLogger(_LightningMLFlowLogger):
     """Lightning's ``MLFlowLogger`` with the embedded SQLite store as default.
 
@@ -162,6 +185,12 @@ class MLFlowLogger(_LightningMLFlowLogger):
       database URI, which puts checkpoints in the working directory and breaks
       ``LightningCLI``'s ``SaveConfigCallback``.
     - ``experiment_name`` defaults to ``"lightning-dp"``.
+    - The experiment it logs into (created, or existing without the tag) gets the tag
+      ``mlflow.experimentKind = "custom_model_development"``, so the MLflow 3 UI shows it in
+      its classic training view (runs, metric charts, compare) instead of the GenAI view,
+      where training runs hide under "Evaluations"; a value already set is kept. Newer UIs
+      (3.17) let the sidebar switch "GenAI / Model training" decide instead: choose "Model
+      training", or open ``/#/experiments/<id>/runs?workflowType=machine_learning``.
 
     In a ``lightning-dp`` config::
 
@@ -235,11 +264,27 @@ class MLFlowLogger(_LightningMLFlowLogger):
         return self._tracking_uri
 
     @property
+    def experiment(self) -> MlflowClient:
+        """Lightning's ``MlflowClient`` (see above); on first use the experiment is tagged for the training view."""
+        first_use = not self._initialized
+        client = super().experiment
+        if first_use and self._initialized and self._experiment_id is not None:  # rank zero, once
+            _tag_training_experiment(client, self._experiment_id)
+        return client
+
+    @property
     def save_dir(self) -> Optional[str]:
         """Absolute local folder for files written next to the run (resume checkpoints, profiles): ``local_dir``."""
         if self._tracking_uri.startswith("file:"):
             return super().save_dir
         return self._local_dir
+
+    @override
+    def log_hyperparams(self, params: Union[dict[str, Any], Namespace]) -> None:
+        """Lightning's, without ``_instantiator`` (LightningCLI's loader hook kept in the hparams, not a parameter)."""
+        params = dict(vars(params) if isinstance(params, Namespace) else params)
+        params.pop("_instantiator", None)
+        super().log_hyperparams(params)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -277,6 +322,13 @@ def log_text(trainer: Trainer, text: str, artifact_file: str) -> None:
     """Log ``text`` as the artifact file ``artifact_file`` (e.g. ``"config.yaml"``) of every MLflow run."""
     for logger in _active(trainer):
         logger.experiment.log_text(logger.run_id, text, artifact_file)
+
+
+def set_tags(trainer: Trainer, tags: Mapping[str, Any]) -> None:
+    """Set the tags ``tags`` (values as text) on every MLflow run of the trainer (global rank zero only)."""
+    for logger in _active(trainer):
+        for key, value in tags.items():
+            logger.experiment.set_tag(logger.run_id, key, str(value))
 
 
 def log_artifact(

@@ -97,6 +97,11 @@ def _assert_recorded_fit(tracking_uri: str, run, workdir: Path, lr: float = 0.05
     history = client.get_metric_history(run.info.run_id, "nonprivate/train_loss")
     assert [m.step for m in history] == [0, 1]
     assert _artifact_paths(client, run.info.run_id) >= {"config.yaml", "model/final.ckpt"}
+    from lightning_dp.callbacks.run_artifacts import SUMMARY_METRICS
+
+    for name, tag in SUMMARY_METRICS.items():
+        assert (tag in run.data.tags) == (name in run.data.metrics), tag
+    assert "summary.epsilon" not in run.data.tags  # a non-private run claims no epsilon
     text = Path(client.download_artifacts(run.info.run_id, "config.yaml", str(workdir))).read_text()
     assert f"# lightning-dp=={lightning_dp.__version__}" in text.splitlines()[:3]
     config = yaml.safe_load(text)
@@ -117,6 +122,7 @@ def test_fit_records_params_metrics_config_and_checkpoint(workdir: Path, store_t
     assert f"MLflow run {run.info.run_id}" in printed
     assert f"tracking URI: {uri}" in printed
     assert f"mlflow ui --backend-store-uri {uri}" in printed
+    assert f"/#/experiments/{run.info.experiment_id}/runs?workflowType=machine_learning" in printed
     assert not (workdir / "mlruns" / "config.yaml").exists()  # the config goes to MLflow only
 
     # The final checkpoint is complete: it loads back and `test --ckpt_path` re-creates the model from it.
@@ -206,8 +212,8 @@ def test_example_digits_baseline_runs(workdir: Path, store_template: Path) -> No
             "--trainer.enable_progress_bar=false",
         ]
     )
-    (run,) = _runs(f"sqlite:///{workdir}/mlruns/mlflow.db", experiment="digits-baselines")
-    assert run.info.run_name == "digits-nonprivate"
+    (run,) = _runs(f"sqlite:///{workdir}/mlruns/mlflow.db", experiment="dpsgd-digits")
+    assert run.info.run_name == "digits-nonprivate-baseline"  # beside the DP-SGD runs, distinct name
     assert {"nonprivate/train_loss", "val/acc"} <= set(run.data.metrics)
 
 
@@ -233,10 +239,15 @@ def test_dpsgd_digits_example_records_privacy_in_mlflow(workdir: Path, store_tem
     acc = get_accountant("pld")
     acc.step(noise_multiplier=sigma, sample_rate=q, num_steps=steps)
     assert eps[-1].value == pytest.approx(acc.get_epsilon(1e-5), rel=1e-12) and eps[-1].value <= 3.0
-    for name in ("privacy/delta", "privacy/noise_multiplier", "privacy/max_grad_norm", "val/acc"):
-        assert client.get_metric_history(run.info.run_id, name), name
+    assert client.get_metric_history(run.info.run_id, "val/acc")
+    for name in ("privacy/delta", "privacy/noise_multiplier", "privacy/max_grad_norm"):  # fixed: params, not charts
+        assert not client.get_metric_history(run.info.run_id, name), name
     artifacts = _artifact_paths(client, run.info.run_id)
     assert {"config.yaml", "model/final.ckpt", "privacy/epsilon.png"} <= artifacts
+    tags = run.data.tags  # the summary, as columns of the runs table
+    assert tags["summary.epsilon"] == f"{eps[-1].value:.4g}"
+    assert tags["summary.budget_used"] == f"{100 * eps[-1].value / 3.0:.1f}%"
+    assert tags["summary.val_acc"] == f"{run.data.metrics['val/acc']:.4g}"
     # Secrets stay on the machine: the uploaded model has no callback state (seed, accountant), the
     # logged config and params no seed; the local resume checkpoint (outside ./mlruns) keeps them.
     public = client.download_artifacts(run.info.run_id, "model/final.ckpt", str(workdir))
@@ -300,3 +311,11 @@ def test_config_written_for_another_logger_has_secret_seeds_redacted(workdir: Pa
     text = written.read_text()
     assert "777777777777" not in text and "trainer.callbacks.0.init_args.seed" in text
     assert yaml.safe_load(text)["trainer"]["callbacks"][0]["init_args"]["seed"] is None
+
+
+def test_params_hold_no_instantiator_hook(workdir: Path, store_template: Path) -> None:
+    """LightningCLI keeps its loader hook (``_instantiator``) in the hparams; it is no parameter of the run."""
+    seed_store(store_template, workdir / "mlruns" / "mlflow.db")
+    cli.main(["fit", "--config", str(_write_config(workdir / "run.yaml"))])
+    (run,) = _runs(f"sqlite:///{workdir}/mlruns/mlflow.db")
+    assert "_instantiator" not in run.data.params and run.data.params["lr"] == "0.05"

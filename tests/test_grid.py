@@ -287,4 +287,4 @@ def test_a_failed_grid_marks_its_parent_failed(workdir, store_template):
     (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     (child,) = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
     assert parent.info.status == "FAILED" and child.data.tags["mlflow.parentRunId"] == parent.info.run_id
-    assert child.data.tags["mlflow.runName"] == "digits-nonprivate lr=0.1"  # the last config's logger names the runs
+    assert child.data.tags["mlflow.runName"] == "digits-nonprivate-baseline lr=0.1"  # named by the last config

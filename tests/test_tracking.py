@@ -174,3 +174,24 @@ def test_plot_series_and_library_versions() -> None:
 def test_logger_rejects_bad_log_model(in_tmp: Path) -> None:
     with pytest.raises(ValueError, match="log_model='some'"):
         MLFlowLogger(log_model="some")
+
+
+def test_experiments_open_in_the_training_view_of_the_mlflow_ui(in_tmp: Path, store_template: Path) -> None:
+    """MLflow 3's UI picks its view from the tag mlflow.experimentKind: training, unless the user chose."""
+    _seed(store_template, in_tmp / "mlruns")
+    client = mlflow.MlflowClient(f"sqlite:///{in_tmp}/mlruns/mlflow.db")
+    untagged_id = client.create_experiment("untagged")  # e.g. made by an older lightning-dp
+    client.create_experiment("chosen", tags={"mlflow.experimentKind": "genai_development"})
+    resumed_id = client.create_experiment("resumed")
+    resumed_run = client.create_run(resumed_id).info.run_id
+
+    loggers = [MLFlowLogger(experiment_name=name) for name in ("new", "untagged", "chosen")]
+    loggers.append(MLFlowLogger(experiment_name="ignored-when-resuming", run_id=resumed_run))
+    for logger in loggers:
+        logger.log_metrics({"privacy/epsilon": 0.5}, step=1)  # first use of the experiment
+    assert loggers[1].experiment_id == untagged_id and loggers[3].experiment_id == resumed_id
+
+    kinds = {e.name: e.tags.get("mlflow.experimentKind") for e in client.search_experiments()}
+    assert kinds.pop("Default", None) is None  # MLflow's own experiment is not ours to tag
+    assert kinds == {"new": "custom_model_development", "untagged": "custom_model_development",
+                     "chosen": "genai_development", "resumed": "custom_model_development"}

@@ -71,6 +71,7 @@ class _AdaptiveClipping(DPSGD):
     """What both rules share: a threshold that changes, its trace, its plot and its checkpoint."""
 
     _title = "adaptive clipping"
+    _fixed_clip = False  # C moves: privacy/max_grad_norm is a metric, the param is privacy/initial_clip
 
     def __init__(self, *, initial_clip: float, **kwargs: Any) -> None:
         initial_clip = _finite_positive("initial_clip", initial_clip,
@@ -84,11 +85,25 @@ class _AdaptiveClipping(DPSGD):
         lr = float(optimizer.param_groups[0]["lr"]) if optimizer.param_groups else math.nan
         self._trace.append((self._released + 1, self.max_grad_norm, lr))
 
+    def _planned_sigma(self) -> float:
+        """The noise multiplier, fixed by ``DPSGD.on_train_start`` before any hook that reads it."""
+        assert self._sigma is not None
+        return self._sigma
+
+    def _planned_seed(self) -> int:
+        """The noise seed, drawn by ``DPSGD.setup`` before any hook that reads it."""
+        assert self._seed is not None
+        return self._seed
+
     def _privacy_metrics(self, step: int) -> dict[str, float]:
         metrics = super()._privacy_metrics(step)
         if self._trace:
             metrics["privacy/max_grad_norm"] = self._trace[-1][1]  # C_t of the last released step, not C_{t+1}
         return metrics
+
+    def _summary_rows(self) -> list[tuple[str, str]]:
+        return [(label, f"{self.max_grad_norm:.4g} at the end (adaptive, initial {self.initial_clip:g})")
+                if label == "clipping norm C" else (label, value) for label, value in super()._summary_rows()]
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_end(trainer, pl_module)
@@ -157,7 +172,7 @@ class OnlineSensitivity(_AdaptiveClipping):
         q_noise_multiplier: ``nu_q`` (> ``nu``); default ``7.124 nu`` (the thesis'
             heuristic, ``nu_g = 1.01 nu``).
         **kwargs: the other arguments of :class:`DPSGD` (``target_delta``, ``epochs``,
-            ``max_steps``, ``accountant``, ``accountant_kwargs``, ``poisson_sampling``,
+            ``max_steps``, ``calibrate_for``, ``accountant``, ``accountant_kwargs``, ``poisson_sampling``,
             ``seed``, ``replace_batchnorm``), not ``max_grad_norm`` (use ``initial_clip``).
     """
 
@@ -214,7 +229,7 @@ class OnlineSensitivity(_AdaptiveClipping):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         try:
-            nu_g, nu_q = oso_noise_split(self._sigma, q_noise_multiplier=self._requested_q)
+            nu_g, nu_q = oso_noise_split(self._planned_sigma(), q_noise_multiplier=self._requested_q)
         except ValueError as err:
             raise MisconfigurationException(f"OnlineSensitivity: {err}") from err
         if self.lr_lr > 0 and trainer.lr_scheduler_configs:
@@ -237,7 +252,9 @@ class OnlineSensitivity(_AdaptiveClipping):
         self._g_prev, self._q_prev = None, None
 
     def _gradient_noise_multiplier(self) -> float:
-        return self.gradient_noise_multiplier
+        nu_g = self.gradient_noise_multiplier
+        assert nu_g is not None  # known once DPSGD.on_train_start has planned the noise
+        return nu_g
 
     def _after_release(self, trainer: Trainer, optimizer: Any, grads: list[torch.Tensor],
                        extra_sums: list[list[torch.Tensor]]) -> None:
@@ -250,8 +267,10 @@ class OnlineSensitivity(_AdaptiveClipping):
         for group, base in zip(optimizer.param_groups, self._base_lrs):
             group["lr"] = base * self._lr_scale  # rho_t for this step
         self._trace_step(trainer, optimizer)
-        generator = derive_generator(self._seed, CLIP_STATISTIC, self._released, device=grads[0].device)
-        q_noisy = oso_noisy_q_sum(extra_sums[0], q_noise_multiplier=self.q_noise_multiplier, generator=generator)
+        generator = derive_generator(self._planned_seed(), CLIP_STATISTIC, self._released, device=grads[0].device)
+        q_noise_multiplier = self.q_noise_multiplier
+        assert q_noise_multiplier is not None  # known once DPSGD.on_train_start has planned the noise
+        q_noisy = oso_noisy_q_sum(extra_sums[0], q_noise_multiplier=q_noise_multiplier, generator=generator)
         clip, scale = oso_update(self.max_grad_norm, self._lr_scale, grads, self._g_prev, self._q_prev,
                                  clip_lr=self.clip_lr, lr_lr=self.lr_lr)
         self.max_grad_norm, self._lr_scale = clip, scale
@@ -342,6 +361,12 @@ class QuantileClipping(_AdaptiveClipping):
             quantile_noise_split(noise_multiplier, count_noise_std=count_noise_std)  # z < 2 sigma_b, now
         self._last_estimate: float | None = None
 
+    def _planned_count_std(self) -> float:
+        """``sigma_b`` once the expected batch size is known (from ``on_train_start`` on)."""
+        sigma_b = self.count_noise_std
+        assert sigma_b is not None
+        return sigma_b
+
     @property
     def count_noise_std(self) -> float | None:
         """``sigma_b`` (None until the expected batch size is known, when it is the default)."""
@@ -359,7 +384,7 @@ class QuantileClipping(_AdaptiveClipping):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         try:
-            z_delta = quantile_noise_split(self._sigma, count_noise_std=self.count_noise_std)
+            z_delta = quantile_noise_split(self._planned_sigma(), count_noise_std=self._planned_count_std())
         except ValueError as err:
             raise MisconfigurationException(
                 f"QuantileClipping (expected batch size m = {self._data['expected_batch_size']:g}): {err}") from err
@@ -370,16 +395,19 @@ class QuantileClipping(_AdaptiveClipping):
             logger.log_hyperparams(params)
 
     def _gradient_noise_multiplier(self) -> float:
-        return self.gradient_noise_multiplier
+        nu_g = self.gradient_noise_multiplier
+        assert nu_g is not None  # known once DPSGD.on_train_start has planned the noise
+        return nu_g
 
     def _after_release(self, trainer: Trainer, optimizer: Any, grads: list[torch.Tensor],
                        extra_sums: list[list[torch.Tensor]]) -> None:
         self._trace_step(trainer, optimizer)
+        assert self._last_stats is not None  # set by this step's _extra_weights
         clipped, size = (float(v) for v in self._last_stats)
-        generator = derive_generator(self._seed, CLIP_STATISTIC, self._released)
+        generator = derive_generator(self._planned_seed(), CLIP_STATISTIC, self._released)
         self.max_grad_norm, self._last_estimate = quantile_clip_update(
             self.max_grad_norm, size - clipped, int(size), self._data["expected_batch_size"],
-            target_quantile=self.target_quantile, clip_lr=self.clip_lr, count_noise_std=self.count_noise_std,
+            target_quantile=self.target_quantile, clip_lr=self.clip_lr, count_noise_std=self._planned_count_std(),
             generator=generator)
 
     def _privacy_metrics(self, step: int) -> dict[str, float]:

@@ -53,7 +53,7 @@ import contextlib
 import functools
 import math
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
@@ -94,6 +94,9 @@ class PlannedMechanism(NamedTuple):
     multiplier_scale: float
 
 _STATE_VERSION = 2
+_CALIBRATE_FOR = ("auto", "trainer", "callback")
+#: What Lightning sets ``max_epochs`` to when neither it nor ``max_steps`` is given (a safeguard, not a plan).
+_LIGHTNING_DEFAULT_MAX_EPOCHS = 1000
 
 
 def _positive_int(name: str, value: int | None) -> int | None:
@@ -191,6 +194,21 @@ class DPSGD(Callback):
         epochs: planned epochs, for calibration (default: the Trainer's ``max_epochs``).
         max_steps: planned optimizer steps, for calibration (default: the Trainer's
             ``max_steps``).
+        calibrate_for: which planned length a calibrated sigma is for when ``epochs``/``max_steps``
+            here and the Trainer's ``max_epochs``/``max_steps`` disagree (a YAML's ``epochs``
+            with ``--trainer.max_epochs`` changed on the command line). ``"auto"`` (default):
+            a Trainer that stops earlier wins: sigma is calibrated so that the Trainer's shorter
+            run spends ``target_epsilon``, and an info line says so; Lightning's implicit limit
+            (``max_epochs`` not set: 1000) leaves this callback's plan in charge; a Trainer that
+            would run longer is refused before the first step, with both values and the fixes, because
+            its limit may be a safeguard (Lightning's default ``max_epochs=1000``, a limit
+            behind ``EarlyStopping``), which calibration must not spread the budget over.
+            ``"trainer"``: calibrate for the Trainer's length (this callback's when the
+            Trainer has none). ``"callback"``: calibrate for ``epochs``/``max_steps`` here
+            whatever the Trainer says (a run trained over several fits resumed from
+            checkpoints; a longer Trainer is then stopped by the budget). Only a sigma that is
+            calibrated now depends on it: a given ``noise_multiplier`` and the sigma of a
+            resumed checkpoint are kept.
         accountant: ``"pld"`` (privacy loss distributions, default) or ``"rdp"``.
         accountant_kwargs: extra arguments of the accountant (e.g.
             ``value_discretization_interval`` for PLD).
@@ -217,6 +235,8 @@ class DPSGD(Callback):
 
     #: Constructor arguments that are secrets: redacted from configs logged by ``lightning-dp``.
     SECRET_ARGUMENTS: tuple[str, ...] = ("seed",)
+    #: whether C stays ``max_grad_norm`` for the whole run (a param), or moves (adaptive clipping: a metric)
+    _fixed_clip = True
 
     def __init__(
         self,
@@ -227,6 +247,7 @@ class DPSGD(Callback):
         max_grad_norm: float = 1.0,
         epochs: int | None = None,
         max_steps: int | None = None,
+        calibrate_for: Literal["auto", "trainer", "callback"] = "auto",
         accountant: str = "pld",
         accountant_kwargs: dict[str, Any] | None = None,
         poisson_sampling: bool = True,
@@ -247,6 +268,11 @@ class DPSGD(Callback):
         self.max_steps = _positive_int("max_steps", max_steps)
         if self.epochs is not None and self.max_steps is not None:
             raise ValueError(f"pass epochs={epochs} or max_steps={max_steps} for calibration, not both")
+        if calibrate_for not in _CALIBRATE_FOR:
+            raise ValueError(f"calibrate_for={calibrate_for!r} is not allowed: pass one of {', '.join(_CALIBRATE_FOR)} "
+                             "(which planned length a calibrated noise multiplier is for when this callback's "
+                             "epochs/max_steps and the Trainer's limits disagree)")
+        self.calibrate_for = calibrate_for
         self.accountant_name = accountant
         self.accountant_kwargs = dict(accountant_kwargs or {})
         self.poisson_sampling = bool(poisson_sampling)
@@ -261,6 +287,11 @@ class DPSGD(Callback):
         self._seed: int | None = None
         self._sigma: float | None = None
         self._restored_sigma: float | None = None
+        self._sigma_source = ""  # given, calibrated for ..., from the checkpoint (for the end summary)
+        self._logged_rate: float | None = None  # the sample rate logged as a param at fit start
+        self._rate_varies = False  # a reloaded loader changed it since: privacy/sample_rate becomes a metric
+        self._budget_stop: int | None = None  # the step after which the budget stopped training (summary)
+        self._plan_done = False  # whether _allowed_events is the planned length (not the budget's limit)
         self._engine: GradSampleEngine | None = None
         self._restore: list[Any] = []  # undo actions for teardown: wrapped hooks, replaced data sources
         self._data: dict[str, Any] = {}
@@ -378,6 +409,12 @@ class DPSGD(Callback):
         self._requested_seed = check_seed(seed, optional=False)
         self._seed = None
 
+    def _drawn_seed(self) -> int:
+        """The seed of the sampling and noise streams, drawn (or restored) in ``setup``."""
+        if self._seed is None:
+            raise RuntimeError("DPSGD: the noise seed is drawn in setup(), which has not run (internal)")
+        return self._seed
+
     def attach_audit(self, audit: Any) -> None:
         """Lets a one-run audit (:class:`~lightning_dp.callbacks.OneRunAudit`) into the run before training starts.
 
@@ -484,8 +521,10 @@ class DPSGD(Callback):
                            "sampling (every example enters every batch with probability q); its own sampling is "
                            "not used.")
         self._data = data
+        if self._logged_rate is not None and data["sample_rate"] != self._logged_rate:
+            self._rate_varies = True  # logged as a metric from now on (the param holds the rate at fit start)
         self._update_budget(trainer)  # a reloaded loader may bring a new sampling rate
-        return poisson_dataloader(loader, sample_rate=data["sample_rate"], seed=self._seed, rank=trainer.global_rank,
+        return poisson_dataloader(loader, sample_rate=data["sample_rate"], seed=self._drawn_seed(), rank=trainer.global_rank,
                                   world_size=world, start_step=lambda: self._released)
 
     def _start_pass(self) -> None:
@@ -507,10 +546,81 @@ class DPSGD(Callback):
         return (data["sample_rate"], 1.0) if self.poisson_sampling else (1.0, 0.5)
 
     def _planned_events(self, trainer: Trainer, data: dict[str, Any] | None = None) -> int | None:
-        """Events of the planned run: this callback's ``max_steps``/``epochs``, else the Trainer's limits."""
+        """Events of the planned run, by ``calibrate_for``: this callback's ``max_steps``/``epochs`` and the
+        Trainer's limits, the shorter (``"auto"``), the Trainer's or this callback's first; None: neither."""
         data = self._data if data is None else data
-        own = self._own_planned_events(data)
-        return own if own is not None else self._trainer_events(trainer, data)
+        own, limit = self._own_planned_events(data), self._trainer_events(trainer, data)
+        if own is None or limit is None:
+            return own if limit is None else limit
+        if self.calibrate_for == "auto":
+            return min(own, limit)
+        return limit if self.calibrate_for == "trainer" else own
+
+    def _resolve_plan(self, trainer: Trainer) -> int | None:
+        """The events a sigma calibrated now is for; tells when this callback's plan and the Trainer disagree.
+
+        Raises:
+            MisconfigurationException: ``calibrate_for="auto"`` and the Trainer would run longer
+                than this callback's plan (see the class docstring), before the first step.
+        """
+        own, limit = self._own_planned_events(self._data), self._trainer_events(trainer, self._data)
+        planned = self._planned_events(trainer)
+        if own is None or limit is None or own == limit:
+            return planned
+        mine, theirs = self._describe_own_plan(), self._describe_trainer_limit(trainer)
+        key = "max_steps" if self.max_steps is not None else "epochs"
+        agree = self._agreeing_value(trainer, key)
+        value = "null" if agree is None else agree  # null: no plan of its own, the Trainer's length
+        set_own = f"DPSGD's {key}={value} (--trainer.callbacks.init_args.{key}={value} on the command line)"
+        # Lightning's implicit limit (max_epochs unset: 1000 epochs, with a warning) is a safeguard, not a plan
+        implicit = trainer.max_epochs == _LIGHTNING_DEFAULT_MAX_EPOCHS and (trainer.max_steps or -1) < 0
+        if self.calibrate_for == "auto" and limit > own and implicit:
+            rank_zero_info(f"DPSGD: calibrating the noise for DPSGD's plan of {mine}; the Trainer's limit is "
+                           f"Lightning's default max_epochs={trainer.max_epochs}, so the plan ends the run.")
+            return planned
+        if self.calibrate_for == "auto" and limit > own:
+            raise MisconfigurationException(
+                f"DPSGD plans {mine} but the Trainer runs up to {theirs}. With target_epsilon={self.target_epsilon} "
+                f"the noise would be calibrated for DPSGD's plan and the budget would stop training there, not at the "
+                f"Trainer's limit. Say which length is meant: set {set_own}, or {key}=null to follow the Trainer; or "
+                f"set the Trainer's limit to DPSGD's (--trainer.{'max_steps' if key == 'max_steps' else 'max_epochs'}="
+                f"{getattr(self, key)}); or pass calibrate_for='trainer' to calibrate the noise for the Trainer's "
+                "length, or calibrate_for='callback' to keep DPSGD's plan and stop at the budget (a Trainer limit that is only a "
+                "safeguard, e.g. Lightning's default max_epochs=1000 or a limit behind EarlyStopping).")
+        if planned == limit:
+            rank_zero_info(
+                f"DPSGD: the Trainer stops after {theirs}, DPSGD planned {mine}: calibrating the noise for the "
+                f"Trainer's length, so that this run spends up to target_epsilon={self.target_epsilon} "
+                f"(calibrate_for={self.calibrate_for!r}). To calibrate for DPSGD's plan instead (one run trained over "
+                f"several fits resumed from checkpoints), pass calibrate_for='callback'; to make the two agree, set "
+                f"{set_own}.")
+        else:
+            rank_zero_info(
+                f"DPSGD: calibrating the noise for DPSGD's plan of {mine} (calibrate_for='callback'); the Trainer "
+                f"runs up to {theirs}, so this fit "
+                + ("spends less than target_epsilon." if limit < own else "is stopped by the budget at DPSGD's plan."))
+        return planned
+
+    def _agreeing_value(self, trainer: Trainer, key: str) -> int | None:
+        """The value of this callback's ``epochs``/``max_steps`` that would match the Trainer's limit (None: none)."""
+        steps = self._trainer_steps(trainer, self._data)
+        if key == "max_steps":
+            return steps
+        by_epochs = trainer.max_epochs is not None and trainer.max_epochs > 0
+        return trainer.max_epochs if by_epochs and steps == trainer.max_epochs * self._data["steps_per_epoch"] else None
+
+    def _describe_own_plan(self) -> str:
+        if self.max_steps is not None:
+            return f"{self.max_steps} steps (max_steps={self.max_steps})"
+        steps = self.epochs * self._data["steps_per_epoch"] if self.epochs is not None else None
+        return f"{self.epochs} epochs (epochs={self.epochs}, {steps} steps)"
+
+    def _describe_trainer_limit(self, trainer: Trainer) -> str:
+        steps = self._trainer_steps(trainer, self._data)
+        by_steps = trainer.max_steps is not None and trainer.max_steps > 0 and steps == trainer.max_steps
+        if by_steps:
+            return f"{steps} steps (Trainer max_steps={trainer.max_steps})"
+        return f"{trainer.max_epochs} epochs (Trainer max_epochs={trainer.max_epochs}, {steps} steps)"
 
     def _own_planned_events(self, data: dict[str, Any]) -> int | None:
         per_epoch = data["steps_per_epoch"] if self.poisson_sampling else 1
@@ -548,7 +658,8 @@ class DPSGD(Callback):
                 in the Trainer).
         """
         # an audit that appends canary slots to the training set (OneRunAudit) changes N, q and the steps per epoch
-        extra = sum(int(getattr(cb, "extra_training_slots", 0)) for cb in trainer.callbacks)
+        callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning, undeclared
+        extra = sum(int(getattr(cb, "extra_training_slots", 0)) for cb in callbacks)
         data = self._data_facts(train_dataloader, trainer.world_size, extra_slots=extra)
         # the run stops at the Trainer's limits, or at this plan (the grid caps each run's budget to it)
         bounds = [e for e in (self._own_planned_events(data), self._trainer_events(trainer, data)) if e is not None]
@@ -586,23 +697,28 @@ class DPSGD(Callback):
                 f"{10 ** math.floor(math.log10(1 / n) - 1):.0e}.")
         planned = self._planned_events(trainer)
         if self._requested_sigma is not None:
-            self._sigma = self._requested_sigma
+            self._sigma, self._sigma_source = self._requested_sigma, "given"
         elif self._restored_sigma is not None:
-            self._sigma = self._restored_sigma
+            # the sigma the run was trained with, whatever the lengths say now: a resumed run keeps its noise
+            self._sigma, self._sigma_source = self._restored_sigma, "from the checkpoint"
         else:
+            planned = self._resolve_plan(trainer)
             if planned is None:
                 raise MisconfigurationException(
                     "DPSGD(target_epsilon=...) without noise_multiplier needs the planned length to calibrate the "
                     "noise: pass epochs=... or max_steps=... to DPSGD, or max_epochs/max_steps to the Trainer.")
+            if self.target_epsilon is None:  # __init__/fix_noise_multiplier: no sigma given means a budget is set
+                raise RuntimeError("DPSGD has neither a noise multiplier nor a target_epsilon (internal)")
             q = self._data["sample_rate"] if self.poisson_sampling else 1.0
             sigma = calibrate_noise_multiplier(
                 target_epsilon=self.target_epsilon, target_delta=self.target_delta, sample_rate=q,
                 steps=max(planned - len(self._accountant), 1), accountant=self.accountant_name,
                 accountant_kwargs=self.accountant_kwargs)
             self._sigma = sigma if self.poisson_sampling else 2 * sigma
+            self._sigma_source = f"calibrated for {planned} {'steps' if self.poisson_sampling else 'epochs'}"
             rank_zero_info(f"DPSGD: calibrated noise_multiplier={self._sigma:.4f} for target_epsilon="
                            f"{self.target_epsilon}, delta={self.target_delta}, {planned} planned steps, q={q:.4g}")
-        self._budget_event = None
+        self._budget_event, self._budget_stop = None, None
         self._update_budget(trainer)
         self._log_hyperparams(trainer, planned)
         # the last line of defence, right before the optimizer updates (after every callback and clipping)
@@ -625,6 +741,7 @@ class DPSGD(Callback):
         limit = planned if planned is not None else 10**7
         self._allowed_events = self._accountant.max_steps(
             self.target_epsilon, self.target_delta, noise_multiplier=sigma_e, sample_rate=q_e, limit=limit)
+        self._plan_done = planned is not None and self._allowed_events == planned  # the plan ends first, not the budget
         self._events_taken = 0
         if self._budget_event is not None:
             rank_zero_info(f"DPSGD: the sampling rate is now q={q_e:.4g} (dataset size {self._data['dataset_size']}, "
@@ -635,8 +752,17 @@ class DPSGD(Callback):
             rank_zero_warn(f"DPSGD: no further step fits in the remaining budget (epsilon spent {self.epsilon:.4g} of "
                            f"target_epsilon={self.target_epsilon}); stopping before the next step.")
             trainer.should_stop = True
+            self._budget_stop = trainer.global_step
 
     def _log_hyperparams(self, trainer: Trainer, planned: int | None) -> None:
+        """The run's fixed privacy parameters as params, once per fit (delta is ``privacy/target_delta``).
+
+        Values that change during the run are metrics instead: epsilon, an adaptive C
+        (``privacy/max_grad_norm`` of the adaptive-clipping subclasses, whose initial C is the
+        param ``privacy/initial_clip``), and a sampling rate that a reloaded loader changes
+        (the param is the rate at fit start, the metric ``privacy/sample_rate`` follows it).
+        """
+        self._logged_rate, self._rate_varies = self._data["sample_rate"], False
         params = {
             "privacy/noise_multiplier": self._sigma, "privacy/max_grad_norm": self.max_grad_norm,
             "privacy/target_epsilon": self.target_epsilon, "privacy/target_delta": self.target_delta,
@@ -646,6 +772,8 @@ class DPSGD(Callback):
             "privacy/steps_per_epoch": self._data["steps_per_epoch"], "privacy/planned_events": planned,
             "privacy/adjacency": "add/remove" if self.adjacency == "add_remove" else "replacement",
         }
+        if not self._fixed_clip:
+            del params["privacy/max_grad_norm"]
         for logger in trainer.loggers:
             logger.log_hyperparams(params)
 
@@ -797,7 +925,7 @@ class DPSGD(Callback):
             audit.add_to_sums(sums, step=self._released, sample_rate=self._data["sample_rate"], max_grad_norm=clip)
         noise_multiplier = self._gradient_noise_multiplier()
         expected = self._data["expected_batch_size"]
-        generator = derive_generator(self._seed, NOISE, self._released, device=sums[0].device)
+        generator = derive_generator(self._drawn_seed(), NOISE, self._released, device=sums[0].device)
         grads = noisy_mean(sums, noise_multiplier=noise_multiplier, max_grad_norm=clip,
                            expected_batch_size=expected, generator=generator)
         for p, g in zip(params, grads):
@@ -854,11 +982,14 @@ class DPSGD(Callback):
             planned_end = (0 < trainer.max_steps <= trainer.global_step) or (
                 last_batch and trainer.max_epochs is not None and trainer.current_epoch + 1 >= trainer.max_epochs)
             if (self.poisson_sampling or last_batch) and not planned_end:
-                rank_zero_info(f"DPSGD: stopping after step {trainer.global_step}: the next step would exceed "
-                               f"target_epsilon={self.target_epsilon} (spent {self.epsilon:.4f} at delta="
-                               f"{self.target_delta}).")
+                why = (f"DPSGD's planned {self._allowed_events} {'steps' if self.poisson_sampling else 'epochs'} are "
+                       "done (its epochs/max_steps; the Trainer would run longer)" if self._plan_done
+                       else f"the next step would exceed target_epsilon={self.target_epsilon}")
+                rank_zero_info(f"DPSGD: stopping after step {trainer.global_step}: {why} (spent {self.epsilon:.4f} of "
+                               f"target_epsilon={self.target_epsilon} at delta={self.target_delta}).")
                 trainer.should_stop = True
-        every = trainer.log_every_n_steps
+                self._budget_stop = trainer.global_step
+        every = trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by Lightning, undeclared on Trainer
         if (every and trainer.global_step % every == 0) or trainer.should_stop:
             self._log_privacy(pl_module, trainer.global_step)
 
@@ -866,8 +997,10 @@ class DPSGD(Callback):
         eps = self.epsilon
         if not self._curve or self._curve[-1][0] != step:
             self._curve.append((step, eps))
-        metrics = {"privacy/epsilon": eps, "privacy/delta": self.target_delta,
-                   "privacy/noise_multiplier": float(self._sigma), "privacy/max_grad_norm": self.max_grad_norm}
+        # what is fixed for the run (delta, sigma, C, q) is a param (_log_hyperparams); only what moves is a metric
+        metrics = {"privacy/epsilon": eps}
+        if self._rate_varies:  # a reloaded loader changed q since the param was logged: chart it from then on
+            metrics["privacy/sample_rate"] = float(self._data["sample_rate"])
         if self.log_nonprivate_metrics and self._last_stats is not None and self._last_stats[1] > 0:
             # exact, not covered by epsilon: see docs/privacy.md ("What epsilon covers")
             metrics["nonprivate/clipped_fraction"] = float(self._last_stats[0] / self._last_stats[1])
@@ -897,6 +1030,35 @@ class DPSGD(Callback):
             fig = tracking.plot_series(steps, eps, xlabel="step", ylabel=f"epsilon (delta={self.target_delta:g})",
                                        title=f"privacy spend, sigma={self._sigma:.3g}, C={self.max_grad_norm:g}")
             tracking.log_figure(trainer, fig, "privacy/epsilon.png")
+        from lightning_dp.callbacks.summary import print_summary
+
+        released, per_epoch = self._released, self._data["steps_per_epoch"]
+        print_summary(trainer, f"{type(self).__name__}: {released} private steps ({released / per_epoch:.3g} epochs of "
+                      f"{per_epoch} steps)", self._summary_rows())
+
+    def _summary_rows(self) -> list[tuple[str, str]]:
+        """``(label, value)`` rows of the end-of-training summary (:mod:`lightning_dp.callbacks.summary`)."""
+        if self.target_epsilon is None:
+            spend = f"{self.epsilon:.4g} at delta {self.target_delta:g} (no target_epsilon)"
+        else:
+            spend = f"{self.epsilon:.4g} of target_epsilon {self.target_epsilon:g} at delta {self.target_delta:g}"
+        adjacency = "add/remove" if self.adjacency == "add_remove" else "replacement"
+        data = self._data
+        if self.poisson_sampling:
+            batches = ("sample rate q", f"{data['sample_rate']:.4g} (expected batch {data['expected_batch_size']:g} "
+                                        f"of N = {data['dataset_size']}"
+                                        f"{'; changed during the run' if self._rate_varies else ''})")
+        else:
+            batches = ("batches", f"shuffled, {data['expected_batch_size']:g} of N = {data['dataset_size']} (one "
+                                  "Gaussian mechanism per epoch)")
+        rows = [("epsilon", f"{spend} ({self.accountant_name}, {adjacency} adjacency)"),
+                ("noise multiplier", f"{self._sigma:.4g} ({self._sigma_source})"),
+                ("clipping norm C", f"{self.max_grad_norm:.4g}"), batches]
+        if self._budget_stop is not None:
+            rows.append(("stopped", f"after step {self._budget_stop}: " + (
+                "DPSGD's planned length is done" if self._plan_done else
+                "by the budget (the next step would exceed target_epsilon)")))
+        return rows
 
     def _checked_closure(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Optimizer step pre-hook: makes the step check its gradients right before it updates.

@@ -87,7 +87,9 @@ class PersonalizedFederatedModule(FederatedRound):
             whose update is (numerically) zero still releases noise of mean norm
             ``nu * min_delta_norm``, for the same cost n/nu over a neighbourhood at least as
             large (see :func:`~lightning_dp.privacy.mechanisms.sanitize_update`).
-        seed, noise_seed, log_nonprivate_metrics: as :class:`~lightning_dp.federated.FederatedRound`.
+        seed: as :class:`~lightning_dp.federated.FederatedRound`.
+        noise_seed: as :class:`~lightning_dp.federated.FederatedRound`.
+        log_nonprivate_metrics: as :class:`~lightning_dp.federated.FederatedRound`.
     """
 
     def __init__(

@@ -52,7 +52,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 
-from lightning_dp.datamodules.federated import padded_sensitive
+from lightning_dp.datamodules.federated import ClientDataset, padded_sensitive
 from lightning_dp.federated.local import (
     FlatParams,
     check_loss,
@@ -136,6 +136,10 @@ class FederatedRound(LightningModule):
 
     #: Constructor arguments that are secrets: redacted from configs logged by ``lightning-dp``.
     SECRET_ARGUMENTS: tuple[str, ...] = ("noise_seed",)
+    # buffers (registered in __init__), declared for type checkers
+    hypotheses: Tensor
+    rounds: Tensor
+    previous_step: Tensor
 
     def __init__(
         self,
@@ -206,6 +210,7 @@ class FederatedRound(LightningModule):
         self._history: list[dict[str, Any]] = []
         self._cosines: list[tuple[int, float, float]] = []  # (round, update cosine, gradient cosine), diagnostics
         self._epsilon_written = -1  # the last round whose metrics carried privacy/epsilon
+        self._fit_rounds, self._fit_participants = 0, 0  # rounds and participations of this fit (end summary)
         self._split_scored = False  # pdpfl/split_accuracy is logged once, when the split is made
 
     def parts(self) -> dict[str, Any]:
@@ -232,30 +237,33 @@ class FederatedRound(LightningModule):
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(int(derive_generator(self.seed, _INIT, j).initial_seed()) % 2**63)
                 for mod in net.modules():
-                    if hasattr(mod, "reset_parameters"):
-                        mod.reset_parameters()
+                    reset = getattr(mod, "reset_parameters", None)
+                    if callable(reset):
+                        reset()
             rows.append(self.spec.flatten(net))
         return torch.stack(rows)
 
     def setup(self, stage: str) -> None:
         from lightning_dp.datamodules.federated import FederatedDataModule
 
-        dm = self.trainer.datamodule if self._trainer is not None else None
+        # Trainer.datamodule is set by Lightning's data connector, not declared on the class
+        dm = self.trainer.datamodule if self._trainer is not None else None  # type: ignore[attr-defined]
         if not isinstance(dm, FederatedDataModule):
             raise MisconfigurationException(
                 "PersonalizedFederatedModule reads its clients from a FederatedDataModule (e.g. "
                 "lightning_dp.datamodules.SyntheticLinearMixture): pass it as trainer.fit(module, datamodule=...).")
-        self._clients = {"train": dm.train_clients, "val": dm.val_clients, "test": dm.test_clients}
+        self._clients: dict[str, list[ClientDataset]] = {"train": dm.train_clients or [], "val": dm.val_clients or [],
+                                                         "test": dm.test_clients or []}
         self._classification = dm.task == "classification"
         if self._classification and self.loss_name == "rmse" and dm.num_classes is not None and dm.num_classes < 2:
             raise MisconfigurationException(f"{type(dm).__name__} is a classification task with num_classes="
                                             f"{dm.num_classes}; the rmse loss needs class scores of >= 2 classes")
         # group fairness of the held-out clients' predictions: binary labels with sensitive groups
         self._num_groups = dm.num_groups if self._classification and dm.num_classes == 2 else None
-        self._key_width = max((len(c) for c in dm.train_clients), default=1)
+        self._key_width = max((len(c) for c in self._clients["train"]), default=1)
         if stage == "fit":
             try:
-                self.selection.check(len(dm.train_clients))
+                self.selection.check(len(self._clients["train"]))
             except ValueError as err:
                 raise MisconfigurationException(str(err)) from None
             self._check_parts()
@@ -313,6 +321,7 @@ class FederatedRound(LightningModule):
         return bool(getattr(self.server_privacy, "adaptive", False) and self.sanitizer.follows_clip)
 
     def on_train_start(self) -> None:
+        self._fit_rounds, self._fit_participants = 0, 0
         planned_rounds = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else None
         if self._sanitizer_follows_clip():  # the sets the releases lie in are the server's threshold's
             self.sanitizer.follow_clip(self.server_privacy.clip)
@@ -365,7 +374,7 @@ class FederatedRound(LightningModule):
     # ------------------------------------------------------------------ round
     def _padded(self, split: str, index: list[int]):
         clients = [self._clients[split][i] for i in index]
-        return self.trainer.datamodule.padded(clients)
+        return self.trainer.datamodule.padded(clients)  # type: ignore[attr-defined]  # undeclared in Lightning
 
     def participation_cost(self) -> float:
         """The sanitizer's cost of one participation from the current hypotheses (d-privacy: n/nu; local DP:
@@ -393,11 +402,12 @@ class FederatedRound(LightningModule):
     def _sample_clients(self, r: int) -> tuple[list[int], int]:
         clients = self._clients["train"]
         eligible = None
-        if self.client_privacy_cap is not None:
+        cap = self.client_privacy_cap
+        if cap is not None:
             cost = self.participation_cost()
 
             def eligible(i: int) -> bool:
-                return (not self.ledger.would_exceed(clients[i].client_id, cost, self.client_privacy_cap)
+                return (not self.ledger.would_exceed(clients[i].client_id, cost, cap)
                         and self.update.eligible(i))
         elif self.update.accountable:
             eligible = self.update.eligible
@@ -546,7 +556,7 @@ class FederatedRound(LightningModule):
                 self.sanitizer.follow_clip(privacy.clip)
             self._split_metrics(index, metrics)
             self.previous_step.copy_(new - hyps)
-            self.optimizers().step(closure=lambda: self.hypotheses.copy_(new))
+            self.optimizers().step(closure=lambda: self.hypotheses.copy_(new))  # type: ignore[union-attr]  # one optimizer
             metrics.update({k: v for k, v in privacy_metrics.items()
                             if self.log_nonprivate_metrics or not k.startswith("nonprivate/")})
             sizes = torch.bincount(assignment, minlength=self.k)
@@ -558,7 +568,8 @@ class FederatedRound(LightningModule):
                 self._history.append({"round": r, "releases": releases.detach().cpu().clone(),
                                       "hypotheses": new.detach().cpu().clone()})
         else:
-            self.optimizers().step(closure=lambda: None)  # a round without participants is still a round
+            # a round without participants is still a round
+            self.optimizers().step(closure=lambda: None)  # type: ignore[union-attr]  # one optimizer
         if self.sanitizer.accountable and self.k > 1:  # the choice's share of the cost grows as hypotheses separate
             metrics["privacy/cost_per_participation"] = self.participation_cost()
         if len(self.ledger):
@@ -577,6 +588,22 @@ class FederatedRound(LightningModule):
             self._epsilon_written = r
         self.log_dict({k: torch.tensor(v, dtype=torch.float64) for k, v in metrics.items()}, on_step=True,
                       on_epoch=False, batch_size=1)
+        self._fit_rounds += 1
+        self._fit_participants += len(index)
+        self._log_progress(metrics)
+
+    def _log_progress(self, metrics: dict[str, float]) -> None:
+        """The round's progress on Lightning's progress bar, under short names (not sent to the loggers, which
+        get the metrics under their full names): ``round`` (rounds done), ``clients`` (this round's
+        participants), ``client_eps_med``/``client_eps_max`` (the per-client ledger), ``eps`` (the server's
+        client-level epsilon, when written) and ``record_eps_max`` (local DP-SGD, when written)."""
+        short = {"round/participants": "clients", "privacy/client_epsilon_median": "client_eps_med",
+                 "privacy/client_epsilon_max": "client_eps_max", "privacy/epsilon": "eps",
+                 "privacy/record_epsilon_max": "record_eps_max"}
+        bar = {"round": float(self.rounds)}
+        bar.update({name: metrics[key] for key, name in short.items() if key in metrics})
+        self.log_dict({k: torch.tensor(v, dtype=torch.float64) for k, v in bar.items()}, prog_bar=True, logger=False,
+                      on_step=True, on_epoch=False, batch_size=1)
 
     def _split_metrics(self, index: list[int], metrics: dict[str, float]) -> None:
         """A public/private split of the aggregator (PFA): its size per round, and once, when the split is made from
@@ -715,6 +742,40 @@ class FederatedRound(LightningModule):
             self._log_record_ledger()
         if self.trainer.is_global_zero and self._cosines:
             self._log_cosine_plot()
+        from lightning_dp.callbacks.summary import print_summary
+
+        rounds = int(self.rounds)
+        resumed = f", {self._fit_rounds} in this fit" if self._fit_rounds != rounds else ""
+        print_summary(self.trainer, f"{type(self).__name__}: {rounds} rounds{resumed}", self._summary_rows())
+
+    def _summary_rows(self) -> list[tuple[str, str]]:
+        """``(label, value)`` rows of the end-of-training summary (:mod:`lightning_dp.callbacks.summary`)."""
+        num_train = len(self._clients["train"])
+        mean = self._fit_participants / max(self._fit_rounds, 1)
+        rows = [("clients", f"{mean:.3g} per round ({self._fit_participants} participations this fit; {num_train} "
+                            f"training clients, {self.selection.name} selection)")]
+        if len(self.ledger):
+            cap = "" if self.client_privacy_cap is None else f", cap {self.client_privacy_cap:g}"
+            rows.append(("client epsilon", f"median {self.ledger.median():.4g}, max {self.ledger.max():.4g} "
+                                           f"({self.sanitizer.ledger_label}{cap})"))
+        privacy = self.server_privacy
+        if privacy.accounted:
+            eps = privacy.epsilon_metrics().get("privacy/epsilon", math.nan)
+            target = getattr(privacy, "target_epsilon", None)
+            of = "" if target is None else f" of target_epsilon {target:g}"
+            rows.append(("epsilon", f"{eps:.4g}{of} at delta {getattr(privacy, 'target_delta', math.nan):g} "
+                                    f"(client-level, {type(privacy).__name__})"))
+        record = self.update.privacy_metrics() if self.update.accountable else {}
+        if record:
+            med, top = record["privacy/record_epsilon_median"], record["privacy/record_epsilon_max"]
+            rows.append(("record epsilon", f"median {med:.4g}, max {top:.4g} (per client, {self.update.name})"))
+        if not (self.sanitizer.accountable or privacy.accounted or self.update.accountable):
+            rows.append(("privacy", "none: the clients' releases are not sanitized and nothing is accounted"))
+        metrics = self.trainer.callback_metrics
+        for name in ("val/loss", "val/acc"):
+            if name in metrics:
+                rows.append((name, f"{float(metrics[name]):.4g} (last validation)"))
+        return rows
 
     # ------------------------------------------------------------------ plots
     def _log_ledger_artifacts(self) -> None:

@@ -289,3 +289,29 @@ def test_quantile_resumes_exactly(tmp_path):
     assert resumed.max_grad_norm == full.max_grad_norm and resumed.epsilon == full.epsilon
     for a, b in zip(full_model.parameters(), resumed_model.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_an_adaptive_threshold_is_a_metric_not_a_param_and_ends_the_summary(capsys):
+    """C moves: privacy/max_grad_norm is a metric (no param that would claim one C); C_0 is privacy/initial_clip."""
+    from lightning.pytorch.loggers import Logger
+
+    class Record(Logger):
+        name, version = "record", 0
+
+        def __init__(self):
+            super().__init__()
+            self.params, self.metric_names = {}, set()
+
+        def log_hyperparams(self, params, *args, **kwargs):
+            self.params.update(params)
+
+        def log_metrics(self, metrics, step=None):
+            self.metric_names.update(metrics)
+
+    logger = Record()
+    qc = QuantileClipping(noise_multiplier=1.0, initial_clip=0.1, seed=0)
+    trainer(max_steps=4, callbacks=[qc], logger=logger, log_every_n_steps=1).fit(Classifier(), BlobsData())
+    assert "privacy/max_grad_norm" not in logger.params and logger.params["privacy/initial_clip"] == 0.1
+    assert logger.params["privacy/noise_multiplier"] == 1.0 and "privacy/noise_multiplier" not in logger.metric_names
+    assert {"privacy/max_grad_norm", "privacy/epsilon"} <= logger.metric_names
+    assert f"  clipping norm C   {qc.max_grad_norm:.4g} at the end (adaptive, initial 0.1)" in capsys.readouterr().out

@@ -10,6 +10,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.utils.data import DataLoader
@@ -31,6 +32,23 @@ class GradProbe(L.Callback):
         self.grads.append([p.grad.clone() for p in pl_module.parameters()])
 
 
+class ParamsLogger(Logger):
+    """Records the params and the names of the metrics a run logs."""
+
+    def __init__(self):
+        super().__init__()
+        self.params, self.metric_names, self.metrics = {}, set(), []
+
+    name, version = "params", 0
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        self.params.update(params)
+
+    def log_metrics(self, metrics, step=None):
+        self.metric_names.update(metrics)
+        self.metrics.append((step, dict(metrics)))
+
+
 def library_epsilon(sigma, q, steps, delta=1e-5):
     acc = dpa.pld.PLDAccountant()
     acc.compose(dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(sigma)), steps))
@@ -45,14 +63,18 @@ def test_epsilon_equals_library_value_and_is_logged():
         def on_train_batch_end(self, trainer, *args):
             logged.update({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("privacy/", "nonprivate/"))})
 
-    t = trainer(max_epochs=2, callbacks=[dp, Capture()], log_every_n_steps=1)
+    logger = ParamsLogger()
+    t = trainer(max_epochs=2, callbacks=[dp, Capture()], log_every_n_steps=1, logger=logger)
     t.fit(Classifier(), BlobsData(n=200, batch_size=20))
     assert t.global_step == 20  # 2 epochs x ceil(200 / 20)
     expected = library_epsilon(1.1, 0.1, 20)
     assert dp.epsilon == pytest.approx(expected, rel=1e-9)
     assert logged["privacy/epsilon"] == pytest.approx(expected, rel=1e-9)
-    assert logged["privacy/noise_multiplier"] == 1.1 and logged["privacy/max_grad_norm"] == 1.0
-    assert logged["privacy/delta"] == 1e-5
+    # what is fixed for the run is a param, logged once; only what moves (epsilon) is a metric
+    assert logger.params["privacy/noise_multiplier"] == 1.1 and logger.params["privacy/max_grad_norm"] == 1.0
+    assert logger.params["privacy/target_delta"] == 1e-5 and logger.params["privacy/sample_rate"] == 0.1
+    assert not {"privacy/delta", "privacy/noise_multiplier", "privacy/max_grad_norm", "privacy/sample_rate"} & (
+        set(logged) | logger.metric_names)
     assert 0.0 <= logged["nonprivate/clipped_fraction"] <= 1.0
 
 
@@ -340,3 +362,177 @@ def test_replacement_adjacency_is_accounted_with_the_library_replace_one_analysi
     assert dp.accountant.history == [(1.1, 0.1, 10)] and dp.accountant.adjacency == "replace"
     assert dp.epsilon == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)
     assert dp.epsilon > library_epsilon(1.1, 0.1, 10)
+
+
+# ----------------------------------------------- a Trainer whose length disagrees with DPSGD's epochs/max_steps
+def _infos(monkeypatch):
+    """The rank-zero info lines of the callback."""
+    import lightning_dp.callbacks.dp_sgd as dp_sgd
+
+    messages = []
+    monkeypatch.setattr(dp_sgd, "rank_zero_info", lambda message, *args, **kwargs: messages.append(message))
+    return messages
+
+
+def _sigma_for(steps, target=2.0, q=0.1):
+    from lightning_dp.privacy.calibration import calibrate_noise_multiplier
+
+    return calibrate_noise_multiplier(target_epsilon=target, target_delta=1e-3, sample_rate=q, steps=steps,
+                                      accountant="pld")
+
+
+def test_shorter_trainer_recalibrates_to_the_target_and_says_so(monkeypatch, capsys):
+    """A YAML's epochs=6 with --trainer.max_epochs=2: the noise is calibrated for the 2 epochs that run.
+
+    Before, sigma stayed calibrated for 6 epochs and the run ended at about half its budget, silently.
+    """
+    infos = _infos(monkeypatch)
+    dp = DPSGD(target_epsilon=2.0, target_delta=1e-3, epochs=6, seed=0)
+    t = trainer(max_epochs=2, callbacks=[dp])
+    t.fit(Classifier(), BlobsData(n=200, batch_size=20))
+    assert t.global_step == 20 and dp.accountant.history == [(dp.noise_multiplier, 0.1, 20)]
+    assert dp.noise_multiplier == _sigma_for(20)
+    # never above the target; close to it (calibration: sigma (1 - 2 * 0.01) would exceed it)
+    assert 0.95 * 2.0 <= dp.epsilon <= 2.0
+    assert library_epsilon(dp.noise_multiplier, 0.1, 20, delta=1e-3) == pytest.approx(dp.epsilon, rel=1e-9)
+    (message,) = [m for m in infos if "the Trainer stops" in m]
+    assert message.startswith("DPSGD: the Trainer stops after 2 epochs (Trainer max_epochs=2, 20 steps), DPSGD "
+                              "planned 6 epochs (epochs=6, 60 steps): calibrating the noise for the Trainer's length")
+    assert "pass calibrate_for='callback'" in message and "--trainer.callbacks.init_args.epochs=2" in message
+    out = capsys.readouterr().out
+    assert "DPSGD: 20 private steps (2 epochs of 10 steps)" in out
+    assert f"noise multiplier  {dp.noise_multiplier:.4g} (calibrated for 20 steps)" in out
+
+
+def test_calibrate_for_callback_keeps_the_callbacks_plan_for_a_shorter_trainer(monkeypatch):
+    """One run trained over several fits: sigma for DPSGD's 6 epochs; this 2-epoch fit spends less."""
+    infos = _infos(monkeypatch)
+    dp = DPSGD(target_epsilon=2.0, target_delta=1e-3, epochs=6, seed=0, calibrate_for="callback")
+    t = trainer(max_epochs=2, callbacks=[dp])
+    t.fit(Classifier(), BlobsData(n=200, batch_size=20))
+    assert t.global_step == 20 and dp.noise_multiplier == _sigma_for(60)
+    assert dp.epsilon < 0.75 * 2.0
+    assert any("calibrate_for='callback'" in m and "spends less than target_epsilon" in m for m in infos)
+
+
+def test_longer_trainer_is_refused_before_any_step_with_both_values_and_the_fixes():
+    probe = GradProbe()
+    dp = DPSGD(target_epsilon=2.0, target_delta=1e-3, epochs=2, seed=0)
+    t = trainer(max_epochs=6, callbacks=[dp, probe])
+    with pytest.raises(MisconfigurationException) as err:
+        t.fit(Classifier(), BlobsData(n=200, batch_size=20))
+    assert probe.batches == [] and t.global_step == 0 and len(dp.accountant) == 0
+    assert str(err.value) == (
+        "DPSGD plans 2 epochs (epochs=2, 20 steps) but the Trainer runs up to 6 epochs (Trainer max_epochs=6, 60 "
+        "steps). With target_epsilon=2.0 the noise would be calibrated for DPSGD's plan and the budget would stop "
+        "training there, not at the Trainer's limit. Say which length is meant: set DPSGD's epochs=6 "
+        "(--trainer.callbacks.init_args.epochs=6 on the command line), or epochs=null to follow the Trainer; or set "
+        "the Trainer's limit to DPSGD's (--trainer.max_epochs=2); or pass calibrate_for='trainer' to calibrate the "
+        "noise for the Trainer's length, or calibrate_for='callback' to keep DPSGD's plan and stop at the budget (a "
+        "Trainer limit that is only a safeguard, e.g. Lightning's default max_epochs=1000 or a limit behind "
+        "EarlyStopping).")
+
+
+def test_longer_trainer_with_calibrate_for_trainer_or_callback(capsys):
+    """'trainer': the noise is spread over the Trainer's 4 epochs; 'callback': the budget stops training after 2."""
+    for choice, steps in (("trainer", 40), ("callback", 20)):
+        dp = DPSGD(target_epsilon=2.0, target_delta=1e-3, epochs=2, seed=0, calibrate_for=choice)
+        t = trainer(max_epochs=4, callbacks=[dp])
+        t.fit(Classifier(), BlobsData(n=200, batch_size=20))
+        assert t.global_step == steps and dp.noise_multiplier == _sigma_for(steps), choice
+        assert 0.95 * 2.0 <= dp.epsilon <= 2.0, choice
+    assert "stopped           after step 20: DPSGD's planned length is done" in capsys.readouterr().out
+
+
+def test_max_steps_and_train_dataloaders_follow_the_same_rule(monkeypatch):
+    """DPSGD(max_steps=40) with Trainer(max_steps=15) and fit(train_dataloaders=...): calibrated for 15 steps."""
+    infos = _infos(monkeypatch)
+    dp = DPSGD(target_epsilon=2.0, target_delta=1e-3, max_steps=40, seed=0)
+    t = trainer(max_steps=15, max_epochs=-1, callbacks=[dp])
+    t.fit(Classifier(), train_dataloaders=DataLoader(blobs(200), batch_size=20))
+    assert t.global_step == 15 and dp.noise_multiplier == _sigma_for(15)
+    assert 0.95 * 2.0 <= dp.epsilon <= 2.0
+    (message,) = [m for m in infos if "the Trainer stops" in m]
+    assert "after 15 steps (Trainer max_steps=15), DPSGD planned 40 steps (max_steps=40)" in message
+    assert "--trainer.callbacks.init_args.max_steps=15" in message
+    with pytest.raises(MisconfigurationException, match=r"DPSGD plans 40 steps \(max_steps=40\) but the Trainer runs "
+                                                        r"up to 60 steps \(Trainer max_steps=60\)"):
+        trainer(max_steps=60, max_epochs=-1, callbacks=[DPSGD(target_epsilon=2.0, max_steps=40, seed=0)]).fit(
+            Classifier(), train_dataloaders=DataLoader(blobs(200), batch_size=20))
+
+
+def test_a_given_noise_multiplier_is_never_recalibrated():
+    """With noise_multiplier given, the lengths only bound the budget: nothing is refused or changed."""
+    dp = DPSGD(noise_multiplier=1.0, target_epsilon=50.0, epochs=2, seed=0)
+    t = trainer(max_epochs=3, callbacks=[dp])
+    t.fit(Classifier(), BlobsData(n=200, batch_size=20))
+    assert dp.noise_multiplier == 1.0 and dp.accountant.history == [(1.0, 0.1, 20)]  # DPSGD's plan of 2 epochs
+
+
+def test_resume_keeps_the_sigma_it_was_trained_with(tmp_path, monkeypatch):
+    """The checkpoint's sigma wins over any length: a resumed run is never recalibrated, and never exceeds its target.
+
+    (a) a run planned for 4 epochs, trained as two fits (calibrate_for='callback'), resumed with a Trainer that
+    now disagrees (3 epochs): the first fit's sigma. (b) a run recalibrated for a 2-epoch Trainer, resumed with a
+    longer Trainer: its sigma again; the budget is spent, so no further step is taken.
+    """
+    infos = _infos(monkeypatch)
+    first = DPSGD(target_epsilon=2.0, target_delta=1e-3, epochs=4, seed=3, calibrate_for="callback")
+    t1 = trainer(max_epochs=2, callbacks=[first], default_root_dir=tmp_path)
+    t1.fit(Classifier(), BlobsData(n=200, batch_size=20))
+    t1.save_checkpoint(tmp_path / "a.ckpt")
+    sigma = first.noise_multiplier
+    assert sigma == _sigma_for(40) and first.state_dict()["noise_multiplier"] == sigma
+    infos.clear()
+    resumed = DPSGD(target_epsilon=2.0, target_delta=1e-3, epochs=4)
+    t2 = trainer(max_epochs=3, callbacks=[resumed], default_root_dir=tmp_path)
+    t2.fit(Classifier(), BlobsData(n=200, batch_size=20), ckpt_path=str(tmp_path / "a.ckpt"))
+    assert t2.global_step == 30 and resumed.noise_multiplier == sigma
+    assert resumed.accountant.history == [(sigma, 0.1, 30)] and resumed.epsilon <= 2.0
+    assert not any("calibrat" in m for m in infos)
+
+    short = DPSGD(target_epsilon=2.0, target_delta=1e-3, epochs=4, seed=3)  # auto: recalibrated for 2 epochs
+    t3 = trainer(max_epochs=2, callbacks=[short], default_root_dir=tmp_path)
+    t3.fit(Classifier(), BlobsData(n=200, batch_size=20))
+    t3.save_checkpoint(tmp_path / "b.ckpt")
+    assert short.noise_multiplier == _sigma_for(20)
+    longer = DPSGD(target_epsilon=2.0, target_delta=1e-3, epochs=4)
+    t4 = trainer(max_epochs=4, callbacks=[longer], default_root_dir=tmp_path)
+    t4.fit(Classifier(), BlobsData(n=200, batch_size=20), ckpt_path=str(tmp_path / "b.ckpt"))
+    assert longer.noise_multiplier == short.noise_multiplier and t4.global_step == 20
+    assert longer.accountant.history == short.accountant.history and longer.epsilon <= 2.0
+
+
+def test_calibrate_for_is_checked():
+    with pytest.raises(ValueError, match="calibrate_for='steps' is not allowed: pass one of auto, trainer, callback"):
+        DPSGD(target_epsilon=1.0, calibrate_for="steps")
+
+
+def test_a_sampling_rate_that_changes_becomes_a_metric():
+    """q is a param at fit start; a reloaded loader with another batch size makes privacy/sample_rate a metric."""
+
+    class Growing(BlobsData):
+        def train_dataloader(self):
+            size = self.batch_size * (2 if self.trainer.current_epoch else 1)
+            return DataLoader(self.train_set, batch_size=size, shuffle=True)
+
+    logger = ParamsLogger()
+    dp = DPSGD(noise_multiplier=1.0, seed=0)
+    t = trainer(max_epochs=2, callbacks=[dp], logger=logger, log_every_n_steps=1, reload_dataloaders_every_n_epochs=1)
+    t.fit(Classifier(), Growing(n=200, batch_size=20))
+    assert logger.params["privacy/sample_rate"] == 0.1
+    rates = [m["privacy/sample_rate"] for _, m in logger.metrics if "privacy/sample_rate" in m]
+    assert rates and set(rates) == {0.2}
+    assert "privacy/noise_multiplier" not in logger.metric_names
+
+
+def test_lightnings_implicit_max_epochs_leaves_the_callbacks_plan_in_charge(monkeypatch):
+    """Trainer() without max_epochs (Lightning sets 1000, a safeguard) and DPSGD(epochs=2): calibrated for 2 epochs,
+    the run ends there at the target (as the README's first example does it), not refused."""
+    infos = _infos(monkeypatch)
+    dp = DPSGD(target_epsilon=2.0, target_delta=1e-3, epochs=2, seed=0)
+    t = trainer(max_epochs=None, callbacks=[dp])
+    t.fit(Classifier(), BlobsData(n=200, batch_size=20))
+    assert dp.noise_multiplier == _sigma_for(20) and t.global_step == 20
+    assert 0.95 * 2.0 <= dp.epsilon <= 2.0
+    assert any("Lightning's default max_epochs=1000" in m for m in infos)

@@ -287,3 +287,44 @@ def test_checkpoints_without_a_secret_noise_seed_resume_with_a_fresh_one(tmp_pat
     branched = module(noise_seed=9)  # a given noise seed wins over the checkpoint's (grid branches)
     trainer(max_epochs=2).fit(branched, SyntheticLinearMixture(seed=0), ckpt_path=str(tmp_path / "c.ckpt"))
     assert branched._noise_seed == 9
+
+
+def test_progress_bar_shows_round_clients_and_client_epsilon_and_the_run_ends_with_a_summary(capsys):
+    """Item 7 of issue 17: the federated run is not silent, and says at the end what it did and spent."""
+
+    class Bar(L.Callback):
+        def __init__(self):
+            self.seen, self.ledger_max = [], []
+
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            self.seen.append(dict(trainer.progress_bar_callback.get_metrics(trainer, pl_module)))
+            self.ledger_max.append(pl_module.ledger.max())
+
+    bar = Bar()
+    m = module()
+    t = trainer(max_epochs=4, enable_progress_bar=True, callbacks=[bar])
+    t.fit(m, SyntheticLinearMixture(num_clients=30, num_val_clients=5, seed=0))
+    assert [s["round"] for s in bar.seen] == [1.0, 2.0, 3.0, 4.0]
+    assert all(s["clients"] == 7.0 for s in bar.seen)
+    assert [s["client_eps_max"] for s in bar.seen] == pytest.approx(bar.ledger_max)
+    assert bar.seen[-1]["client_eps_med"] == pytest.approx(m.ledger.median())
+    assert not {"round", "clients", "client_eps_max"} & set(t.logged_metrics)  # the bar's names stay off the loggers
+    out = capsys.readouterr().out
+    lines = out[out.index("PersonalizedFederatedModule: 4 rounds"):].splitlines()
+    assert lines[:4] == [
+        "PersonalizedFederatedModule: 4 rounds",
+        "  clients         7 per round (28 participations this fit; 30 training clients, uniform selection)",
+        f"  client epsilon  median {m.ledger.median():.4g}, max {m.ledger.max():.4g} (client epsilon spent "
+        "(d-privacy, per ||delta||-neighbourhood))",
+        f"  val/loss        {float(t.callback_metrics['val/loss']):.4g} (last validation)"]
+
+
+def test_summary_of_a_resumed_and_of_a_non_private_run(tmp_path, capsys):
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, save_top_k=-1, filename="{epoch}")
+    trainer(max_epochs=3, callbacks=[ckpt], enable_checkpointing=True).fit(module(), SyntheticLinearMixture(seed=0))
+    trainer(max_epochs=5).fit(module(), SyntheticLinearMixture(seed=0), ckpt_path=str(tmp_path / "epoch=2.ckpt"))
+    assert "PersonalizedFederatedModule: 5 rounds, 2 in this fit\n" in capsys.readouterr().out
+    trainer(max_epochs=2).fit(module(noise_multiplier=0.0), SyntheticLinearMixture(seed=0))
+    out = capsys.readouterr().out
+    assert "  privacy   none: the clients' releases are not sanitized and nothing is accounted" in out
+    assert "client epsilon" not in out

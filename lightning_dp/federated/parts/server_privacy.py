@@ -161,6 +161,7 @@ class CentralGaussian(ServerPrivacy):
     def hparams(self) -> dict[str, Any]:
         return {"privacy/noise_multiplier": self.z, "privacy/target_epsilon": self.target_epsilon,
                 "privacy/target_delta": self.target_delta, "privacy/initial_clip": self.initial_clip,
+                "privacy/max_grad_norm": None if self.adaptive else self.clip,
                 "privacy/adaptive_clipping": self.adaptive, "privacy/accountant": self.accountant_name,
                 "privacy/client_sample_rate": self.q, "privacy/count_noise_std": self.count_std,
                 "privacy/level": "client",
@@ -190,16 +191,17 @@ class CentralGaussian(ServerPrivacy):
             if rounds is None:
                 raise ValueError("CentralGaussian(target_epsilon=...) without noise_multiplier needs the planned "
                                  "number of rounds: pass rounds=... or the Trainer's max_epochs")
+            assert self.target_epsilon is not None  # the constructor requires it without noise_multiplier
             self.z = calibrate_noise_multiplier(target_epsilon=self.target_epsilon, target_delta=self.target_delta,
                                                 sample_rate=self.q, steps=max(rounds - len(self.accountant), 1),
                                                 accountant=self.accountant_name,
                                                 accountant_kwargs={"adjacency": self.adjacency})
-            if self.adaptive:
+            if self.count_std is not None:  # adaptive
                 quantile_noise_split(self.z, count_noise_std=self.count_std)  # z < 2 sigma_b, or a clear error
             if self.adjacency == "replace" and update_sets is not None and any(update_sets) \
                     and not len(self.accountant):
                 self.z = self._calibrate_bounded(rounds, update_sets)
-        if self.adaptive:
+        if self.count_std is not None:  # adaptive
             quantile_noise_split(self.z, count_noise_std=self.count_std)  # z < 2 sigma_b, or a clear error
         if self.target_epsilon is not None:
             limit = self.rounds or planned_rounds or 10**7
@@ -210,7 +212,10 @@ class CentralGaussian(ServerPrivacy):
     def update_noise_multiplier(self) -> float:
         """The multiplier of the update noise: z, or z_Delta with adaptive clipping."""
         assert self.z is not None
-        return quantile_noise_split(self.z, count_noise_std=self.count_std) if self.adaptive else self.z
+        if self.adaptive:
+            assert self.count_std is not None  # set with z, by plan()
+            return quantile_noise_split(self.z, count_noise_std=self.count_std)
+        return self.z
 
     @property
     def epsilon(self) -> float:
@@ -363,7 +368,8 @@ class CentralGaussian(ServerPrivacy):
         z_update = self.update_noise_multiplier
         (noise,) = gaussian_noise([glob.shape], z_update * clip, noise_generator, dtype=glob.dtype, device=glob.device)
         new = glob + (total + noise) / expected_count
-        metrics = {"privacy/max_grad_norm": clip}
+        # C moves under adaptive clipping (a metric); a fixed C is the param privacy/max_grad_norm (hparams)
+        metrics = {"privacy/max_grad_norm": clip} if self.adaptive else {}
         # the clients' own bits when they clipped at this threshold before releasing, else the releases' norms
         within = unclipped.bool() if unclipped is not None else norms <= clip
         if len(norms):  # exact, not covered by epsilon (docs/privacy.md): logged under nonprivate/ if asked
