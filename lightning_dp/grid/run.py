@@ -66,7 +66,8 @@ def run_grid(config: Sequence[str], sets: Sequence[tuple[str, list[Any]]], *, te
         mode: ``"max"`` or ``"min"`` for ``select`` (default: :func:`default_mode`).
         plot: Metrics to draw as grouped bars (:func:`bar_plot`, artifact ``grid_bars.png``
             of the parent run; the figure is also kept in ``GridResult.figure``).
-        plot_x, plot_hue: The axes of the bar groups and of the bars (required with ``plot``).
+        plot_x: The axis of the bar groups (required with ``plot``).
+        plot_hue: The axis of the bars within a group (required with ``plot``).
         seed: The grid seed: run i's noise seeds are derived from ``(seed, i)``; None (default)
             draws a fresh secret seed for every run (module docstring, "Noise").
     """
