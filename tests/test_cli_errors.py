@@ -119,3 +119,13 @@ def test_a_missing_dataset_is_one_message_and_leaves_nothing_behind(capsys, work
     assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) <= 7, err
     assert f"MNIST is not in data_dir={data_dir}" in err and "t10k-labels-idx1-ubyte.gz" in err
     assert not data_dir.exists()
+
+
+def test_audit_help_lists_known_subclasses_briefly(capsys):
+    """jsonargparse lists every torch.nn.Module subclass (about 530) under --model: cut to a few."""
+    for args in (["audit", "--help"], ["audit", "mia", "--help"]):
+        with pytest.raises(SystemExit) as info:
+            cli.main(args)
+        out = capsys.readouterr().out
+        assert info.value.code == 0 and len(out.splitlines()) < 150, len(out.splitlines())
+        assert "more)" in out and "--print_config" in out
