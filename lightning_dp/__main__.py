@@ -5,4 +5,5 @@ import sys
 from lightning_dp.cli import main
 
 if __name__ == "__main__":
+    sys.argv[0] = "lightning-dp"  # usage and error lines name the command, not __main__.py
     sys.exit(main())

@@ -31,7 +31,7 @@ from typing import Optional
 import yaml
 
 from lightning_dp import __version__
-from lightning_dp.cli_errors import ConfigurationError, short_error, show_tracebacks, suggest
+from lightning_dp.cli_errors import is_user_error, short_error, show_tracebacks, suggest
 from lightning_dp.lightning_cli import LightningDPCLI, MLflowSaveConfigCallback
 from lightning_dp.tracking import redact_secrets  # noqa: F401  (part of this module's API since 0.2)
 
@@ -144,20 +144,6 @@ def run_help(subcommand: str, argv: Sequence[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _user_error_types() -> tuple[type[BaseException], ...]:
-    """Exceptions that mean "the run was set up wrong", printed as one message (not bugs: those keep tracebacks)."""
-    from lightning.fabric.utilities.exceptions import MisconfigurationException
-
-    types: list[type[BaseException]] = [ConfigurationError, MisconfigurationException]
-    try:
-        from lightning_dp.datamodules import DatasetUnavailableError
-    except ImportError:  # pragma: no cover - older datamodules
-        pass
-    else:
-        types.append(DatasetUnavailableError)
-    return tuple(types)
-
-
 def main(args: Optional[Sequence[str]] = None) -> Optional[int]:
     """Entry point of the ``lightning-dp`` console script.
 
@@ -192,8 +178,8 @@ def main(args: Optional[Sequence[str]] = None) -> Optional[int]:
         argv = [a if a != "--help-all" else "--help" for a in argv]
     try:
         LightningDPCLI(args=None if args is None and argv == sys.argv[1:] else argv)
-    except _user_error_types() as err:
-        if show_tracebacks():
+    except Exception as err:
+        if show_tracebacks() or not is_user_error(err):
             raise
         message = str(err).strip() or type(err).__name__
         sys.stderr.write(short_error(f"lightning-dp {command}", message, suggest(message)))

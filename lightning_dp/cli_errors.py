@@ -32,8 +32,8 @@ from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch.cli import LightningArgumentParser
 from typing_extensions import override
 
-__all__ = ["ConfigurationError", "ShortErrorParser", "ShortHelpFormatter", "closest", "condense", "root_message",
-           "shorten_known_subclasses", "show_tracebacks", "suggest"]
+__all__ = ["ConfigurationError", "ShortErrorParser", "ShortHelpFormatter", "closest", "condense", "is_refusal",
+           "is_user_error", "root_cause", "root_message", "shorten_known_subclasses", "show_tracebacks", "suggest"]
 
 TRACEBACK_ENV = "LIGHTNING_DP_TRACEBACK"
 
@@ -88,15 +88,50 @@ def condense(message: str) -> str:
     return f"{key[1]}: {body}" if key and not body.startswith(key[1]) else body
 
 
-def root_message(err: BaseException) -> str:
-    """The message of the exception a constructor raised under jsonargparse's wrappers (its deepest cause)."""
+def root_cause(err: BaseException) -> BaseException:
+    """The exception a constructor raised under jsonargparse's wrappers: the deepest ``__cause__``."""
     root = err
     seen = {id(root)}
     while root.__cause__ is not None and id(root.__cause__) not in seen:
         root = root.__cause__
         seen.add(id(root))
+    return root
+
+
+def root_message(err: BaseException) -> str:
+    """The message of :func:`root_cause` (jsonargparse's own text condensed)."""
+    root = root_cause(err)
     text = str(root).strip() or type(root).__name__
     return condense(text) if root is err else text
+
+
+def is_refusal(err: BaseException) -> bool:
+    """Whether ``err`` (by its :func:`root_cause`) is a class refusing a value, not a bug to show with its traceback.
+
+    Refusals: ``ValueError`` and ``TypeError`` (a bad value or argument), Lightning's
+    ``MisconfigurationException`` and jsonargparse's ``ArgumentError``. Anything else (an
+    ``AttributeError``, ``KeyError``, ``OSError``, ...) keeps its traceback.
+    """
+    from jsonargparse import ArgumentError
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    return isinstance(root_cause(err), (ValueError, TypeError, MisconfigurationException, ArgumentError))
+
+
+def is_user_error(err: BaseException) -> bool:
+    """Whether a command prints ``err`` as one short message: a refused config value
+    (:class:`ConfigurationError`), a Lightning ``MisconfigurationException`` (our callbacks'
+    refusals before training) or a missing dataset (``DatasetUnavailableError``)."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    types: list[type[BaseException]] = [ConfigurationError, MisconfigurationException]
+    try:
+        from lightning_dp.datamodules import DatasetUnavailableError
+    except ImportError:  # pragma: no cover - a partial install
+        pass
+    else:
+        types.append(DatasetUnavailableError)
+    return isinstance(err, tuple(types))
 
 
 def closest(word: str, candidates: Iterable[str], n: int = 3) -> list[str]:

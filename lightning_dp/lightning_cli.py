@@ -30,7 +30,7 @@ from typing_extensions import override
 
 from lightning_dp import __version__, tracking
 from lightning_dp.callbacks.run_artifacts import RunArtifacts
-from lightning_dp.cli_errors import ConfigurationError, ShortErrorParser, root_message, show_tracebacks
+from lightning_dp.cli_errors import ConfigurationError, ShortErrorParser, is_refusal, root_message, show_tracebacks
 from lightning_dp.tracking import redact_secrets
 
 __all__ = ["DEFAULT_LOGGER", "LightningDPCLI", "MLflowSaveConfigCallback", "quiet_third_party"]
@@ -188,11 +188,16 @@ class LightningDPCLI(LightningCLI):
 
     @override
     def instantiate_classes(self) -> None:
-        """LightningCLI's; a class that refuses its arguments raises :class:`ConfigurationError` with its message."""
+        """LightningCLI's; a class that refuses its arguments raises :class:`ConfigurationError` with its message.
+
+        Only refusals (:func:`~lightning_dp.cli_errors.is_refusal`: a ``ValueError``, ``TypeError``,
+        ``MisconfigurationException`` or jsonargparse ``ArgumentError`` at the root) are converted; any
+        other exception (a bug) propagates unchanged, with its traceback.
+        """
         try:
             super().instantiate_classes()
         except Exception as err:
-            if show_tracebacks():
+            if show_tracebacks() or not is_refusal(err):
                 raise
             raise ConfigurationError(root_message(err)) from err
 

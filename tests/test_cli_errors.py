@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from lightning.pytorch import LightningDataModule
 
 from lightning_dp import cli
 from lightning_dp.cli_errors import condense, root_message, suggest
@@ -129,3 +130,28 @@ def test_audit_help_lists_known_subclasses_briefly(capsys):
         out = capsys.readouterr().out
         assert info.value.code == 0 and len(out.splitlines()) < 150, len(out.splitlines())
         assert "more)" in out and "--print_config" in out
+
+
+class BuggyData(LightningDataModule):
+    """A DataModule whose constructor has a bug (not a refused value)."""
+
+    def __init__(self, batch_size: int = 1, seed: int = 0) -> None:
+        super().__init__()
+        self.missing = None
+        self.missing.size  # AttributeError: a bug, which must keep its traceback
+
+
+def test_a_bug_in_a_constructor_keeps_its_traceback(capsys, workdir):
+    from lightning_dp.cli_errors import ConfigurationError, root_cause
+
+    with pytest.raises(Exception) as info:  # jsonargparse's ValueError, caused by the bug: the traceback shows both
+        cli.main(["fit", "--config", DIGITS, f"--data={__name__}.BuggyData", "--data.batch_size=64"])
+    assert not isinstance(info.value, ConfigurationError)
+    assert isinstance(root_cause(info.value), AttributeError)
+
+
+def test_grid_refusals_are_short_too(capsys, workdir):
+    err = _short(capsys, ["grid", "--config", DIGITS, "--set", "model.init_args.lr=-1,0.1"])
+    assert "lightning-dp grid: error: lr=-1.0 must be a finite number > 0" in err
+    assert cli.main(["grid", "--config", DIGITS, "--set", "trainer.max_epochz=1,2", "--print_config"]) == 2
+    assert "did you mean --trainer.max_epochs" in capsys.readouterr().err

@@ -571,7 +571,8 @@ class DPSGD(Callback):
         key = "max_steps" if self.max_steps is not None else "epochs"
         agree = self._agreeing_value(trainer, key)
         value = "null" if agree is None else agree  # null: no plan of its own, the Trainer's length
-        set_own = f"DPSGD's {key}={value} (--trainer.callbacks.init_args.{key}={value} on the command line)"
+        set_own = (f"DPSGD's {key}={value} (in the config's trainer.callbacks entry of DPSGD; on the command line "
+                   f"--trainer.callbacks.init_args.{key}={value} reaches it when DPSGD is the last callback)")
         # Lightning's implicit limit (max_epochs unset: 1000 epochs, with a warning) is a safeguard, not a plan
         implicit = trainer.max_epochs == _LIGHTNING_DEFAULT_MAX_EPOCHS and (trainer.max_steps or -1) < 0
         if self.calibrate_for == "auto" and limit > own and implicit:

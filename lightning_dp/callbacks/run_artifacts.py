@@ -94,15 +94,17 @@ class RunArtifacts(Callback):
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking or getattr(trainer, "fast_dev_run", False):
             return
-        targets = [obj for obj in [*trainer.callbacks, pl_module]  # type: ignore[attr-defined]
-                   if isinstance(getattr(obj, "target_epsilon", None), (int, float))
-                   and getattr(obj, "noise_multiplier", None) is not None]
-        target = float(targets[0].target_epsilon) if len(targets) == 1 else None
+        # the one DP-SGD-like component (DPSGD and subclasses): its spend after the last step (the logged value
+        # may be older) and its target; with none or several, the logged metrics alone
+        private = [obj for obj in [*trainer.callbacks, pl_module]  # type: ignore[attr-defined]
+                   if isinstance(getattr(obj, "epsilon", None), (int, float)) and hasattr(obj, "noise_multiplier")]
         metrics = {name: float(value) for name, value in trainer.callback_metrics.items()
                    if getattr(value, "numel", lambda: 0)() == 1}
-        spent = getattr(targets[0], "epsilon", None) if len(targets) == 1 else None
-        if isinstance(spent, (int, float)):  # the spend after the last step (the logged one may be older)
-            metrics["privacy/epsilon"] = float(spent)
+        target = None
+        if len(private) == 1:
+            metrics["privacy/epsilon"] = float(private[0].epsilon)
+            goal = getattr(private[0], "target_epsilon", None)
+            target = float(goal) if isinstance(goal, (int, float)) else None
         tracking.set_tags(trainer, run_summary(metrics, target_epsilon=target))
 
     @override

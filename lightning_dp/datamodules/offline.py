@@ -304,5 +304,8 @@ def load_hf_dataset(
             raise
         except Exception as err:
             raise unavailable(one_line(err)) from err
-    with download_guard(cache_dir, unavailable, sweep=True):
+    # Only one process per machine sweeps: under DDP every rank loads, and a rank that fails must not remove
+    # what another rank is downloading into the same cache (two independent jobs sharing a data_dir still could).
+    sweep = os.environ.get("LOCAL_RANK", "0") == "0"
+    with download_guard(cache_dir, unavailable, sweep=sweep):
         return datasets_module.load_dataset(path, *args, cache_dir=str(cache_dir), **kwargs)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
+from lightning_dp.cli_errors import is_user_error, short_error, show_tracebacks
 from lightning_dp.grid.axes import parse_set, run_args, run_name
 from lightning_dp.grid.report import report
 from lightning_dp.grid.run import run_grid
@@ -90,12 +92,17 @@ def main(argv: Sequence[str]) -> int:
         if others:
             parser.error(f"--plot: the axes {others} have several values, so a bar would mix them; bars need every "
                          "axis other than --plot-x, --plot-hue and --mean-over to have one value")
-    if args.print_config:
-        print_configs(args.config, sets, extra)
-        return 0
-    result = run_grid(args.config, sets, test=args.test, extra=extra, mean_over=mean_over, budget=args.budget,
-                      budget_delta=args.budget_delta, select=args.select, mode=args.mode, plot=args.plot,
-                      plot_x=plot_x, plot_hue=plot_hue, seed=args.seed)
+    try:
+        if args.print_config:
+            return print_configs(args.config, sets, extra)
+        result = run_grid(args.config, sets, test=args.test, extra=extra, mean_over=mean_over, budget=args.budget,
+                          budget_delta=args.budget_delta, select=args.select, mode=args.mode, plot=args.plot,
+                          plot_x=plot_x, plot_hue=plot_hue, seed=args.seed)
+    except Exception as err:  # a refused value of a point, a missing dataset, a grid that cannot be planned
+        if show_tracebacks() or not (is_user_error(err) or isinstance(err, ValueError)):
+            raise
+        sys.stderr.write(short_error("lightning-dp grid", str(err).strip() or type(err).__name__))
+        return 2
     table = report(result)
     print(table, flush=True)
     if args.summary:
@@ -106,20 +113,26 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
-def print_configs(config: Sequence[str], sets: Sequence[tuple[str, list[Any]]], extra: Sequence[str] = ()) -> None:
+def print_configs(config: Sequence[str], sets: Sequence[tuple[str, list[Any]]], extra: Sequence[str] = ()) -> int:
     """Print every grid point's resolved config (``lightning-dp fit --print_config``), headed by its values.
 
     The secret noise seeds the grid gives each run at its start (:func:`~lightning_dp.grid.privacy.reseed`)
     are not in these configs.
+
+    Returns:
+        0, or 2 when a point's arguments were refused (its error is printed in its place).
     """
-    import contextlib
     import itertools
 
     from lightning_dp.lightning_cli import LightningDPCLI
 
     keys = [k for k, _ in sets]
     combos = [dict(zip(keys, combo)) for combo in itertools.product(*(values for _, values in sets))]
+    failed = False
     for i, values in enumerate(combos):
         print(f"# grid point {i + 1}/{len(combos)}: {run_name(values)}", flush=True)
-        with contextlib.suppress(SystemExit):  # LightningCLI exits after printing
+        try:
             LightningDPCLI(args=["fit", *run_args(config, values, extra), "--print_config"], run=True)
+        except SystemExit as done:  # LightningCLI exits after printing (0), or after a refused argument (2)
+            failed = failed or done.code not in (0, None)
+    return 2 if failed else 0

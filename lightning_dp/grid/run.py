@@ -6,6 +6,7 @@ import itertools
 import math
 import os
 import secrets
+import sys
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -203,14 +204,22 @@ class ParentRuns:
             client.set_tag(run_id, f"grid.{short_name(k)}", str(v))
 
     def fail(self) -> None:
-        """Mark every parent ``FAILED`` (the grid stopped on an error)."""
+        """Mark every parent ``FAILED`` (or ``KILLED`` when interrupted); never hides the grid's own error."""
+        if self.client is None:  # no run was created (or not on this rank)
+            return
+        status = "KILLED" if isinstance(sys.exc_info()[1], KeyboardInterrupt) else "FAILED"
         for pid in self.parents.values():
-            self.client.set_terminated(pid, status="FAILED")
+            try:
+                self.client.set_terminated(pid, status=status)
+            except Exception:  # noqa: BLE001 - the tracking server's failure must not replace the grid's error
+                pass
 
     def finish(self, result: GridResult, config: Sequence[str], sets: Sequence[tuple[str, list[Any]]],
                budget: Optional[float]) -> None:
         """Log the grid's totals, settings, choices, report and figure to every parent, and end them."""
         client = self.client
+        if client is None:  # no MLflow logger, or not rank zero
+            return
         for pid in self.parents.values():
             for name, value in result.totals.items():
                 if math.isfinite(value):

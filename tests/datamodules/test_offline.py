@@ -383,3 +383,26 @@ def test_a_cifar_download_only_adds_the_files_an_existing_folder_lacks(tmp_path,
     assert all((tmp_path / "data" / name).read_bytes() == b"official" for name in CIFAR_FILES[:5])
     assert listing(tmp_path / "data") == sorted(["cifar-10-batches-py", *CIFAR_FILES,
                                                  "cifar-10-batches-py/batches.meta", "cifar-10-batches-py/notes.txt"])
+
+
+def test_only_local_rank_zero_sweeps_a_shared_cache(tmp_path, monkeypatch):
+    """Under DDP every rank loads; a failing rank other than local zero leaves the cache to rank zero."""
+    from lightning_dp.datamodules.offline import DatasetUnavailableError, dataset_unavailable, load_hf_dataset
+
+    class Failing:
+        @staticmethod
+        def load_dataset(path, *args, cache_dir, **kwargs):
+            (Path(cache_dir) / "being_downloaded_by_rank_zero.arrow").write_text("x")
+            raise ConnectionError("offline")
+
+    def unavailable(error):
+        return dataset_unavailable("X", "X", data_dir=tmp_path, expected=["x"], sources=["y"], error=error)
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(DatasetUnavailableError):
+        load_hf_dataset(Failing, "org/x", cache_dir=tmp_path, unavailable=unavailable)
+    assert (tmp_path / "being_downloaded_by_rank_zero.arrow").exists()
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(DatasetUnavailableError):
+        load_hf_dataset(Failing, "org/y", cache_dir=tmp_path / "c", unavailable=unavailable)
+    assert not (tmp_path / "c").exists()
