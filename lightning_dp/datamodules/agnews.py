@@ -55,7 +55,12 @@ from lightning_dp.datamodules.base import (
     _check_positive_int,
     stratified_split,
 )
-from lightning_dp.datamodules.offline import DatasetUnavailableError, dataset_unavailable, load_hf_dataset
+from lightning_dp.datamodules.offline import (
+    DatasetUnavailableError,
+    dataset_unavailable,
+    import_datasets,
+    load_hf_dataset,
+)
 
 __all__ = [
     "AGNewsDataModule",
@@ -267,15 +272,8 @@ def mean_embeddings(
 
 
 def _import_datasets() -> Any:
-    try:
-        import datasets
-    except ImportError as err:
-        raise ImportError(
-            "source='huggingface' needs the Hugging Face `datasets` package, which is not installed. "
-            "Install the optional dependency with `pip install 'lightning-dp[hf]'`, or use source='csv' "
-            f"with the official train.csv and test.csv ({CSV_URL})."
-        ) from err
-    return datasets
+    return import_datasets("source='huggingface'",
+                           f"source='csv' with the official train.csv and test.csv ({CSV_URL})")
 
 
 def _file_fingerprint(path: Path) -> dict[str, Any]:

@@ -42,7 +42,12 @@ from lightning_dp.datamodules.federated import (
     derived_seed,
     split_clients,
 )
-from lightning_dp.datamodules.offline import DatasetUnavailableError, dataset_unavailable, load_hf_dataset
+from lightning_dp.datamodules.offline import (
+    DatasetUnavailableError,
+    dataset_unavailable,
+    import_datasets,
+    load_hf_dataset,
+)
 
 __all__ = ["FEMNIST", "LEAFFormatError", "read_leaf_dir", "rotate_images"]
 
@@ -150,15 +155,7 @@ def rotate_images(images: torch.Tensor) -> torch.Tensor:
 
 
 def _import_datasets() -> Any:
-    try:
-        import datasets
-    except ImportError as err:
-        raise ImportError(
-            "FEMNIST(source='huggingface') needs the Hugging Face `datasets` package, which is not installed. "
-            "Install the optional dependency with `pip install 'lightning-dp[hf]'`, or use source='leaf' with "
-            "LEAF's JSON files."
-        ) from err
-    return datasets
+    return import_datasets("FEMNIST(source='huggingface')", "source='leaf' with LEAF's JSON files")
 
 
 def _image_to_array(image: Any) -> np.ndarray:

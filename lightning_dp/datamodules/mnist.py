@@ -48,6 +48,7 @@ from lightning_dp.datamodules.offline import (
     DownloadError,
     dataset_unavailable,
     download_guard,
+    import_datasets,
     load_hf_dataset,
     publish,
     removing_on_failure,
@@ -196,15 +197,7 @@ def transform_images(
 
 
 def _import_datasets() -> Any:
-    try:
-        import datasets
-    except ImportError as err:
-        raise ImportError(
-            "source='huggingface' needs the Hugging Face `datasets` package, which is not installed. "
-            "Install the optional dependency with `pip install 'lightning-dp[hf]'`, or use source='idx' "
-            "with the official IDX files."
-        ) from err
-    return datasets
+    return import_datasets("source='huggingface'", "source='idx' with the official IDX files")
 
 
 def _hf_split_to_tensors(split: Any) -> tuple[torch.Tensor, torch.Tensor]:

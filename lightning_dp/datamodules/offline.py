@@ -48,6 +48,7 @@ __all__ = [
     "STAGING_PREFIX",
     "dataset_unavailable",
     "download_guard",
+    "import_datasets",
     "load_hf_dataset",
     "one_line",
     "publish",
@@ -190,6 +191,23 @@ def _remove_new(directory: Path, before: set[str]) -> None:
             if os.path.normpath(os.path.join(relative, name)) not in before:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(root, name))
+
+
+def import_datasets(needed_by: str, alternative: str) -> Any:
+    """The Hugging Face ``datasets`` package, or an ``ImportError`` saying how to install it or what to use instead.
+
+    Args:
+        needed_by: What needs it, e.g. ``"source='huggingface'"``.
+        alternative: The offline source to use instead, e.g. ``"source='idx' with the official IDX files"``.
+    """
+    try:
+        import datasets
+    except ImportError as err:
+        raise ImportError(
+            f"{needed_by} needs the Hugging Face `datasets` package, which is not installed. Install the optional "
+            f"dependency with `pip install 'lightning-dp[hf]'`, or use {alternative}."
+        ) from err
+    return datasets
 
 
 @contextlib.contextmanager

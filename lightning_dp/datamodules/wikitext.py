@@ -35,6 +35,7 @@ from lightning_dp.datamodules.offline import (
     DatasetUnavailableError,
     dataset_unavailable,
     download_guard,
+    import_datasets,
     load_hf_dataset,
     publish,
     staging_area,
@@ -67,15 +68,7 @@ def build_vocabulary(words: list[str], size: int) -> list[str]:
 
 
 def _import_datasets() -> Any:
-    try:
-        import datasets
-    except ImportError as err:
-        raise ImportError(
-            "source='huggingface' needs the Hugging Face `datasets` package, which is not installed. Install the "
-            "optional dependency with `pip install 'lightning-dp[hf]'`, or use source='files' with the official "
-            "token files."
-        ) from err
-    return datasets
+    return import_datasets("source='huggingface'", "source='files' with the official token files")
 
 
 class TokenBlocks(Dataset):

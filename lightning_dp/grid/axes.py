@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Sequence
 from typing import Any
 
 import yaml
 
-__all__ = ["cli_value", "parse_set", "run_args", "run_name", "short_name"]
+__all__ = ["cli_value", "grid_points", "parse_set", "run_args", "run_name", "short_name"]
 
 _SPACE = re.compile(r"^(log|lin)space:([^:]+):([^:]+):([0-9]+)$")
 
@@ -61,6 +62,12 @@ def cli_value(value: Any) -> str:
     if isinstance(value, bool) or value is None:
         return {True: "true", False: "false", None: "null"}[value]
     return str(value)
+
+
+def grid_points(sets: Sequence[tuple[str, list[Any]]]) -> list[dict[str, Any]]:
+    """The points of the grid: the Cartesian product of the axes' values, as ``{key: value}`` in axis order."""
+    keys = [k for k, _ in sets]
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(values for _, values in sets))]
 
 
 def run_name(values: dict[str, Any]) -> str:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_dp.cli_errors import is_user_error, short_error, show_tracebacks
-from lightning_dp.grid.axes import parse_set, run_args, run_name
+from lightning_dp.grid.axes import grid_points, parse_set, run_args, run_name
 from lightning_dp.grid.report import report
 from lightning_dp.grid.run import run_grid
 
@@ -122,12 +122,9 @@ def print_configs(config: Sequence[str], sets: Sequence[tuple[str, list[Any]]], 
     Returns:
         0, or 2 when a point's arguments were refused (its error is printed in its place).
     """
-    import itertools
-
     from lightning_dp.lightning_cli import LightningDPCLI
 
-    keys = [k for k, _ in sets]
-    combos = [dict(zip(keys, combo)) for combo in itertools.product(*(values for _, values in sets))]
+    combos = grid_points(sets)
     failed = False
     for i, values in enumerate(combos):
         print(f"# grid point {i + 1}/{len(combos)}: {run_name(values)}", flush=True)

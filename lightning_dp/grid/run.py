@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import secrets
@@ -10,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from lightning_dp.grid.axes import run_args, run_name, short_name
+from lightning_dp.grid.axes import grid_points, run_args, run_name, short_name
 from lightning_dp.grid.points import GridPoint, GridResult
 from lightning_dp.grid.privacy import (
     BudgetPlan,
@@ -76,8 +75,7 @@ def run_grid(config: Sequence[str], sets: Sequence[tuple[str, list[Any]]], *, te
     from lightning_dp.lightning_cli import LightningDPCLI
 
     grid_id = grid_id or secrets.token_hex(4)
-    keys = [k for k, _ in sets]
-    combos = [dict(zip(keys, combo)) for combo in itertools.product(*(values for _, values in sets))]
+    combos = grid_points(sets)
 
     def group_of(values: dict[str, Any]) -> Any:
         return values[mean_over] if mean_over else None
