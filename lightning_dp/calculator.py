@@ -12,7 +12,9 @@ The first question of every DP user, answered with the SAME functions the traini
     lightning-dp epsilon ... --adjacency replace          # bounded DP (PLD only when q < 1)
 
 It prints epsilon (or sigma) and a table of epsilon after a few fractions of the run. The dataset size
-is treated as public, as Opacus and DPSGD do; q = batch size / dataset size.
+is treated as public, as Opacus and DPSGD do; q = batch size / dataset size. When N is known
+(``--dataset-size``, ``--clients``) and delta is not below 1/N, it also prints the warning the training
+would give, from the same function (:func:`lightning_dp.privacy.delta.check_delta_for_size`).
 
 Client-level DP-FedAvg (McMahan, Ramage, Talwar & Zhang, ICLR 2018) as
 :class:`~lightning_dp.federated.FederatedRound` runs it with
@@ -44,11 +46,13 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from lightning_dp.federated.parts.server_privacy import CentralGaussian
+    from lightning_dp.privacy.delta import LargeDeltaWarning
 
 __all__ = ["build_parser", "client_epsilon_table", "client_level_privacy", "epsilon_table", "main"]
 
@@ -289,10 +293,20 @@ def main(argv: Sequence[str]) -> int:
                          accountant=args.accountant, adjacency=args.adjacency)
     if args.target_epsilon is None:
         print(f"epsilon = {rows[-1][1]:.4f} for noise_multiplier = {sigma:g}; {where}")
+    if args.dataset_size is not None:  # DPSGD's own check when training starts
+        from lightning_dp.privacy.delta import check_delta_for_size
+
+        _note(check_delta_for_size(args.delta, args.dataset_size, unit="examples", who="DPSGD"))
     print("\n| steps | epochs | epsilon |\n|---|---|---|")
     for k, eps in rows:
         print(f"| {k} | {k / per_epoch:.3g} | {eps:.4f} |")
     return 0
+
+
+def _note(warning: LargeDeltaWarning | None) -> None:
+    """Prints the warning the training would give for this delta (:mod:`lightning_dp.privacy.delta`), if any."""
+    if warning is not None:
+        print(f"note: the training would warn: {warning}")
 
 
 def _shown(sigma: float) -> str:
@@ -305,10 +319,15 @@ def _main_fedavg(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     """``lightning-dp epsilon`` for client-level DP-FedAvg (module docstring): CentralGaussian's own plan and ledger."""
     q = _sample_rate(args)
     assert q is not None  # _problems made sure
+    from lightning_dp.privacy.delta import LargeDeltaWarning
+
     try:
-        privacy = client_level_privacy(client_sample_rate=q, rounds=args.rounds, delta=args.delta,
-                                       noise_multiplier=args.noise_multiplier, target_epsilon=args.target_epsilon,
-                                       accountant=args.accountant, adjacency=args.adjacency, num_clients=args.clients)
+        with warnings.catch_warnings():  # printed below as a note, with the same text (_note)
+            warnings.simplefilter("ignore", LargeDeltaWarning)
+            privacy = client_level_privacy(client_sample_rate=q, rounds=args.rounds, delta=args.delta,
+                                           noise_multiplier=args.noise_multiplier, target_epsilon=args.target_epsilon,
+                                           accountant=args.accountant, adjacency=args.adjacency,
+                                           num_clients=args.clients)
     except ValueError as err:  # what CentralGaussian refuses, e.g. a target the calibration cannot reach
         parser.error(f"\n  {err}")
     rows = client_epsilon_table(privacy, rounds=args.rounds)
@@ -338,9 +357,7 @@ The training's config:
   model.init_args.server_privacy.init_args: {{{noise}, target_delta: {args.delta!r}, accountant: {args.accountant}, \
 adjacency: {args.adjacency}}}
   trainer.max_epochs: {args.rounds}""")
-    if args.clients and args.delta >= 1 / args.clients:
-        print(f"note: delta = {args.delta:g} is not below 1/N = {1 / args.clients:.3g}: a mechanism that releases one "
-              "random client's data whole meets it; choose a smaller --delta")
+    _note(privacy.large_delta(args.clients or 0))
     print("\n| rounds | participations per client (expected) | client-level epsilon |\n|---|---|---|")
     for k, eps in rows:
         print(f"| {k} | {q * k:.3g} | {eps:.4f} |")

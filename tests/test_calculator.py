@@ -220,3 +220,29 @@ def test_dp_fedavg_bad_input_lists_every_problem_and_exits_2(capsys):
     # RDP under replacement is refused only with sampling: every client in every round (q = 1) is accounted
     assert cli.main(["epsilon", "--client-sample-rate", "1", "--rounds", "10", "--noise-multiplier", "5",
                      "--accountant", "rdp", "--adjacency", "replace"]) == 0
+
+
+def test_the_note_on_a_delta_not_below_one_over_n_is_the_trainings_warning_and_silent_below(capsys):
+    """lightning-dp epsilon prints the warning the training would give (lightning_dp.privacy.delta), once, on
+    stdout, and no Python warning besides; delta < 1/N prints no note."""
+    import warnings
+
+    from lightning_dp.privacy.delta import LargeDeltaWarning, check_delta_for_size
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LargeDeltaWarning)  # the part's own warning is replaced by the note
+        assert cli.main(["epsilon", "--clients", "10", "--clients-per-round", "5", "--rounds", "3",
+                         "--noise-multiplier", "1", "--delta", "0.3"]) == 0
+        out = capsys.readouterr().out
+        note = f"note: the training would warn: {check_delta_for_size(0.3, 10, unit='clients', who='CentralGaussian')}"
+        assert out.count("note: ") == 1 and note in out.splitlines()
+        assert cli.main(["epsilon", "--dataset-size", "50", "--batch-size", "5", "--epochs", "1",
+                         "--noise-multiplier", "1", "--delta", "0.05"]) == 0
+        out = capsys.readouterr().out
+        assert f"note: the training would warn: {check_delta_for_size(0.05, 50)}" in out.splitlines()
+        assert "DPSGD: target_delta=0.05 is not below 1/N = 0.02 (N = 50 training examples)" in out
+        for args in (["--clients", "10", "--clients-per-round", "5", "--rounds", "3", "--delta", "0.099"],
+                     ["--dataset-size", "50", "--batch-size", "5", "--epochs", "1", "--delta", "0.019"],
+                     ["--sample-rate", "0.1", "--steps", "3", "--delta", "0.5"]):  # N unknown: nothing to say
+            assert cli.main(["epsilon", *args, "--noise-multiplier", "1"]) == 0
+            assert "note: " not in capsys.readouterr().out

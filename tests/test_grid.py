@@ -7,9 +7,12 @@ from pathlib import Path
 import mlflow
 import pytest
 import torch
+from lightning.pytorch import Callback
 
 from lightning_dp import cli, grid
 from lightning_dp.privacy.accounting import get_accountant
+from lightning_dp.privacy.ledger import PrivacyLedger
+from lightning_dp.privacy.spend import Spend
 from tests.helpers import seed_store
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -97,27 +100,114 @@ def test_federated_grid_adds_ledgers_per_client(workdir, store_template, capsys)
     assert text in capsys.readouterr().out
 
 
+def _ledger(spent):
+    ledger = PrivacyLedger()
+    for cid, cost in spent.items():
+        ledger.charge(cid, cost)
+    return ledger
+
+
+def _dp_point(acc):
+    return grid.GridPoint({}, privacy={"spends": [Spend.accounted("example", acc, delta=1e-5)],
+                                       "epsilon": acc.get_epsilon(1e-5)})
+
+
+def test_a_grid_over_an_unsanitized_federated_run_is_infinite(workdir, store_template):
+    """Reproduction 2 of issue 24: a grid over the sanitizer's noise 5 and 0 (the second releases the same clients'
+    models unsanitized) reported grid/client_epsilon_max = 1.2 (the module has no noise_multiplier attribute the
+    grid could read, so both runs counted as sanitized). The round now reports its spend itself."""
+    _seed(store_template, workdir)
+    result = grid.run_grid([str(REPO_ROOT / "examples" / "fl_synthetic.yaml")],
+                           [("model.init_args.noise_multiplier", [5.0, 0.0])],
+                           extra=["--trainer.max_epochs=2", "--trainer.check_val_every_n_epoch=2"])
+    sanitized, unsanitized = result.points
+    assert sanitized.privacy["client_epsilon_max"] > 0
+    assert [s.level for s in sanitized.privacy["spends"]] == ["client_ledger"]
+    assert [(s.level, s.unsanitized) for s in unsanitized.privacy["spends"]] == [("client", True)]
+    assert result.totals["grid/client_epsilon_max"] == result.totals["grid/client_epsilon_median"] == float("inf")
+    assert "client_epsilon_max" in grid.report(result)
+
+
+def test_a_grid_of_dp_fedavg_runs_composes_their_client_level_accountants(workdir, store_template):
+    """Reproduction 2: a grid of DP-FedAvg runs recorded no grid/epsilon at all. Under replacement with sector
+    releases each run's epsilon is the smaller of two bounds (replace-one, disjoint-pair); the grid composes
+    each bound over the runs and reports the smaller composition."""
+    uri = _seed(store_template, workdir)
+    result = grid.run_grid([str(REPO_ROOT / "examples" / "fl_sector_synthetic.yaml")],
+                           [("model.init_args.server_privacy.init_args.noise_multiplier", [3.0, 6.0])],
+                           extra=["--trainer.max_epochs=3", "--trainer.check_val_every_n_epoch=3"])
+    runs = [p.privacy["spends"] for p in result.points]
+    assert all([s.level for s in spends] == ["client"] for spends in runs)
+    bounds = []
+    for name in ("main", "disjoint_pair"):
+        composed = runs[0][0].accountants[name]
+        for spends in runs[1:]:
+            for z, q, n in spends[0].accountants[name].history:
+                composed.step(noise_multiplier=z, sample_rate=q, num_steps=n)
+        bounds.append(composed.get_epsilon(1e-5))
+    assert result.totals["grid/epsilon"] == pytest.approx(min(bounds), rel=1e-12)
+    assert result.totals["grid/epsilon"] > max(p.privacy["epsilon"] for p in result.points)
+    assert result.totals["grid/privacy_level"] == "client"
+    client = mlflow.MlflowClient(uri)
+    parent = [r for r in client.search_runs([client.get_experiment_by_name("fl-synthetic").experiment_id])
+              if r.info.run_name.startswith("grid-")][0]
+    assert parent.data.metrics["grid/epsilon"] == pytest.approx(result.totals["grid/epsilon"])
+    assert parent.data.tags["grid/privacy_level"] == "client"
+
+
+class UnreportedNoise(Callback):
+    """Not a privacy component of ours: it keeps a noise multiplier but reports no spend."""
+
+    noise_multiplier = 1.0
+
+
+def test_a_component_with_privacy_state_but_no_report_is_refused_before_any_run():
+    from lightning_dp.privacy.spend import unreported_components
+
+    from lightning_dp.callbacks import DPSGD
+    from lightning_dp.federated import FederatedRound
+    from lightning_dp.models import LinearRegression
+
+    assert unreported_components([DPSGD(noise_multiplier=1.0), FederatedRound(LinearRegression())]) == []
+    assert unreported_components([UnreportedNoise()]) == ["UnreportedNoise (has noise_multiplier)"]
+    assert unreported_components([torch.nn.Linear(2, 2)]) == []  # no privacy state: a non-private run
+
+
+def test_grid_refuses_an_unreported_component_through_the_command(workdir, store_template, capsys):
+    _seed(store_template, workdir)
+    with pytest.raises(ValueError, match="reports no spend"):
+        grid.run_grid([str(REPO_ROOT / "examples" / "digits_nonprivate.yaml")],
+                      [("model.init_args.lr", [0.1, 0.2])],
+                      extra=["--trainer.callbacks+=tests.test_grid.UnreportedNoise"])
+    assert "1/2" not in capsys.readouterr().out  # refused before the first run
+
+
 def test_grid_privacy_totals():
-    ledger_a, ledger_b = {"a": 0.4, "b": 0.8}, {"a": 1.0, "c": 1.0}
-    points = [grid.GridPoint({}, privacy={"ledger": ledger_a}), grid.GridPoint({}, privacy={"ledger": ledger_b})]
+    ledger_a, ledger_b = _ledger({"a": 0.4, "b": 0.8}), _ledger({"a": 1.0, "c": 1.0})
+    points = [grid.GridPoint({}, privacy={"spends": [Spend.per_client("client_ledger", ledger)]})
+              for ledger in (ledger_a, ledger_b)]
     totals = grid.grid_privacy(points)
     assert totals["grid/client_epsilon_max"] == pytest.approx(1.4) and totals["grid/client_epsilon_median"] == 1.0
-    points.append(grid.GridPoint({}, privacy={"ledger": None}))  # a run without sanitization (nu = 0)
-    assert grid.grid_privacy(points)["grid/client_epsilon_max"] == float("inf")
+    # a run without sanitization (nu = 0): it reports its unsanitized release, or nothing at that level
+    for unsanitized in ([Spend.unprotected("client", "nu = 0")], []):
+        assert grid.grid_privacy(points + [grid.GridPoint({}, privacy={"spends": unsanitized})])[
+            "grid/client_epsilon_max"] == float("inf")
     acc = get_accountant("rdp")
     acc.step(noise_multiplier=1.0, sample_rate=0.01, num_steps=10)
-    dp = grid.GridPoint({}, privacy={"accountant": acc, "delta": 1e-5, "epsilon": acc.get_epsilon(1e-5)})
+    dp = _dp_point(acc)
     assert grid.grid_privacy([dp, dp])["grid/epsilon"] > dp.privacy["epsilon"]
     assert grid.grid_privacy([dp, grid.GridPoint({})])["grid/epsilon"] == float("inf")  # one non-private run
 
 
 def test_mean_table_over_an_axis():
     pts = [grid.GridPoint({"k": 1, "seed": s}, metrics={"test/loss": 0.3 + 0.01 * s},
-                          privacy={"client_epsilon_max": 5.0 + s, "ledger": {}}) for s in range(3)]
-    pts += [grid.GridPoint({"k": 3, "seed": s}, metrics={"test/loss": 0.2}, privacy={"ledger": None}) for s in range(3)]
+                          privacy={"client_epsilon_median": 3.0 + s, "client_epsilon_max": 5.0 + s, "spends": []})
+           for s in range(3)]
+    pts += [grid.GridPoint({"k": 3, "seed": s}, metrics={"test/loss": 0.2},
+                           privacy={"spends": [Spend.unprotected("client_ledger", "nu = 0")]}) for s in range(3)]
     lines = grid.mean_table(pts, "seed").splitlines()
-    assert lines[2] == "| 1 | 0.31 ± 0.01 | 6 ± 1 | 0,1,2 |"
-    assert lines[3] == "| 3 | 0.2 ± 0 | inf | 0,1,2 |"
+    assert lines[2] == "| 1 | 0.31 ± 0.01 | 4 ± 1 | 6 ± 1 | 0,1,2 |"
+    assert lines[3] == "| 3 | 0.2 ± 0 | inf | inf | 0,1,2 |"
     with pytest.raises(ValueError, match="not a grid axis"):
         grid.mean_table(pts, "lr")
 
@@ -184,8 +274,7 @@ def test_a_dpsgd_run_without_steps_counts_as_private():
     """A run whose DP callback released nothing spent epsilon 0; it must not make the grid's cost infinite."""
     acc = get_accountant("rdp")
     acc.step(noise_multiplier=1.0, sample_rate=0.01, num_steps=10)
-    ran = grid.GridPoint({}, privacy={"accountant": acc, "delta": 1e-5, "epsilon": acc.get_epsilon(1e-5)})
-    idle = grid.GridPoint({}, privacy={"accountant": get_accountant("rdp"), "delta": 1e-5, "epsilon": 0.0})
+    ran, idle = _dp_point(acc), _dp_point(get_accountant("rdp"))
     assert grid.grid_privacy([ran, idle])["grid/epsilon"] == pytest.approx(ran.privacy["epsilon"])
 
 
@@ -274,17 +363,33 @@ def test_a_grid_seed_reproduces_the_grid_exactly(workdir, store_template, monkey
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def test_a_failed_grid_marks_its_parent_failed(workdir, store_template):
-    """The second run fails (lr=-1 is refused): the first run stays nested under a parent that ends FAILED."""
+def test_a_refused_point_is_refused_before_any_run(workdir, store_template):
+    """The second point's lr=-1 is refused when the grid checks every point, before the first run trains."""
     uri = _seed(store_template, workdir)
     with pytest.raises(Exception, match="lr=-1"):
         grid.run_grid([str(REPO_ROOT / "examples" / "dpsgd_digits.yaml"),
                        str(REPO_ROOT / "examples" / "digits_nonprivate.yaml")], [("model.init_args.lr", [0.1, -1])],
+                      grid_id="refused", extra=["--trainer.max_epochs=1", "--trainer.enable_progress_bar=false"])
+    client = mlflow.MlflowClient(uri)
+    assert client.search_runs([e.experiment_id for e in client.search_experiments()],
+                              filter_string="tags.`grid.id` = 'refused'") == []
+
+
+def test_a_failed_grid_marks_its_parent_failed(workdir, store_template):
+    """The second run fails when it starts training (DPSGD refuses accumulate_grad_batches=2 in setup): the first
+    run stays nested under a parent that ends FAILED."""
+    uri = _seed(store_template, workdir)
+    with pytest.raises(Exception, match="accumulate_grad_batches=2"):
+        grid.run_grid([str(REPO_ROOT / "examples" / "dpsgd_digits.yaml"),
+                       str(REPO_ROOT / "examples" / "digits_nonprivate.yaml")],
+                      [("trainer.accumulate_grad_batches", [1, 2])],
                       grid_id="failing", extra=["--trainer.max_epochs=1", "--trainer.enable_progress_bar=false"])
     client = mlflow.MlflowClient(uri)
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
                               filter_string="tags.`grid.id` = 'failing'")
     (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
-    (child,) = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
-    assert parent.info.status == "FAILED" and child.data.tags["mlflow.parentRunId"] == parent.info.run_id
-    assert child.data.tags["mlflow.runName"] == "digits-nonprivate-baseline lr=0.1"  # named by the last config
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert parent.info.status == "FAILED"
+    assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parent.info.run_id}
+    assert {r.data.tags["mlflow.runName"] for r in children} == {  # named by the last config
+        f"digits-nonprivate-baseline accumulate_grad_batches={k}" for k in (1, 2)}

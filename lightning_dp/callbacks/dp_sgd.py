@@ -36,6 +36,12 @@ replaced in ``on_before_optimizer_step``, and a last line of defence, an optimiz
 step pre-hook, refuses any step in which a parameter carries a gradient that did not go
 through clipping and noise.
 
+Gradient accumulation is refused wherever Lightning can switch it on (``Trainer(accumulate_grad_batches=k)``,
+a ``GradientAccumulationScheduler`` among the callbacks, any hook setting ``trainer.accumulate_grad_batches``):
+every optimizer step must be one Poisson batch, and with accumulation Lightning would run several batches
+per step while DPSGD clips, noises and releases the last one only. Setup refuses what it can see; each
+epoch start, batch start and backward checks again, before anything of an accumulating batch is released.
+
 Secrets: the seed of the sampling and noise streams is kept in the callback's
 checkpoint state under ``"secret"`` (:mod:`lightning_dp.privacy.seeds`), never logged;
 checkpoints uploaded by :class:`~lightning_dp.callbacks.run_artifacts.RunArtifacts` are
@@ -57,6 +63,7 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -68,6 +75,7 @@ from lightning_dp.privacy.accounting import get_accountant
 from lightning_dp.privacy.batch_dims import PROBE_SIZES, AmbiguousBatchDimError, batch_dim, batch_leaves, leaf_shape
 from lightning_dp.privacy.calibration import calibrate_noise_multiplier
 from lightning_dp.privacy.clipping import check_max_grad_norm, clip_factors
+from lightning_dp.privacy.delta import check_delta_for_size
 from lightning_dp.privacy.grad_sample import GradSampleEngine, PerSampleGradientError
 from lightning_dp.privacy.noise import NOISE, check_noise_multiplier, derive_generator, noisy_mean
 from lightning_dp.privacy.sampling import (
@@ -77,6 +85,7 @@ from lightning_dp.privacy.sampling import (
     rebuild_dataloader,
 )
 from lightning_dp.privacy.seeds import SECRET_KEY, check_seed, fresh_seed
+from lightning_dp.privacy.spend import Spend
 from lightning_dp.privacy.validators import describe_mixing_layers, find_mixing_layers, replace_batchnorm
 
 __all__ = ["DPSGD", "PlannedMechanism", "UnprivatizedGradientError"]
@@ -174,6 +183,29 @@ def _ends_with_sum(loss: torch.Tensor) -> bool:
     while fn is not None and type(fn).__name__ in ("DivBackward0", "DivBackward1", "MulBackward0", "MulBackward1"):
         fn = fn.next_functions[0][0] if fn.next_functions else None
     return fn is not None and type(fn).__name__.startswith("SumBackward")
+
+
+def _accumulation_refusal(what: str, factor: int) -> MisconfigurationException:
+    """The refusal of gradient accumulation: ``what`` switches it on (the value and where), ``factor`` its value."""
+    return MisconfigurationException(
+        f"{what}: gradient accumulation is not allowed with DPSGD. Every optimizer step is ONE Poisson-sampled batch "
+        f"in the privacy analysis; with accumulate_grad_batches={factor} Lightning runs {factor} batches per optimizer "
+        "step, and DPSGD would clip, noise and release the last one only, silently dropping the examples of the "
+        "others (and the accounting would no longer describe the training). Use a larger batch_size instead (the "
+        f"expected batch size q*N is what matters: batch_size x {factor} gives the same step); virtual batches, which "
+        "accumulate clipped sums correctly, are planned (issue 25).")
+
+
+def _scheduled_accumulation(callbacks: list[Callback]) -> tuple[GradientAccumulationScheduler, dict[int, int]] | None:
+    """The first ``GradientAccumulationScheduler`` among ``callbacks`` whose schedule ever gives a factor != 1, with
+    those entries ``{epoch: factor}``; None if there is none."""
+    for cb in callbacks:
+        if isinstance(cb, GradientAccumulationScheduler):
+            scheduling = dict(getattr(cb, "scheduling", {}))
+            bad = {epoch: factor for epoch, factor in sorted(scheduling.items()) if factor != 1}
+            if bad:
+                return cb, bad
+    return None
 
 
 class DPSGD(Callback):
@@ -311,11 +343,17 @@ class DPSGD(Callback):
         self._batch_size: int | None = None
         self._step_adds_event = False
         self._backward_seen = False
+        self._unreleased_backward = False  # a backward ran and its gradient was not released yet (accumulation)
         # Steps released by this callback over all its fits (restored from checkpoints). It keys the
         # noise and sampling streams: Trainer.global_step restarts at 0 in a second fit, and the same
         # noise on two releases would cancel in their difference.
         self._released = 0
         self._audits: list[Any] = []  # one-run audits (lightning_dp.callbacks.OneRunAudit) attached to this run
+
+    def privacy_spend(self) -> list[Spend]:
+        """The run's example-level spend: the accountant's history at ``target_delta`` (what ``lightning-dp grid``
+        composes over its runs, :mod:`lightning_dp.privacy.spend`). A run that took no step spent epsilon 0."""
+        return [Spend.accounted("example", self._accountant, delta=self.target_delta, why=type(self).__name__)]
 
     def _resolve_adjacency(self, adjacency: str | None, accountant: str) -> str:
         from lightning_dp.privacy.accounting import check_adjacency
@@ -360,6 +398,35 @@ class DPSGD(Callback):
         return self._data.get("sample_rate")
 
     # ------------------------------------------------------------- set-up
+    def _refuse_accumulation(self, trainer: Trainer, when: str | None = None) -> None:
+        """Refuses gradient accumulation at every point where Lightning can switch it on (issue 24, item 5).
+
+        ``when=None`` (``setup``, ``plan``): the Trainer's ``accumulate_grad_batches`` and every
+        ``GradientAccumulationScheduler`` whose schedule ever gives a factor != 1 (it sets
+        ``trainer.accumulate_grad_batches`` in its ``on_train_epoch_start``, after ``setup`` and, if it comes
+        after DPSGD among the callbacks, after DPSGD's own epoch-start hook). Otherwise (``when`` names the
+        hook): the value now, which any callback or hook may have set; :meth:`on_train_batch_start` is the last
+        line, before the first batch of an accumulating epoch runs ``training_step``, and
+        :meth:`on_before_backward` catches a module hook that sets it after DPSGD's batch-start hook. No
+        gradient is released in between.
+
+        Raises:
+            MisconfigurationException: accumulation is or will be on, with its value, why it breaks the
+                privacy analysis, and the fix.
+        """
+        factor = trainer.accumulate_grad_batches
+        if factor != 1:
+            where = "set on the Trainer" if when is None else f"set by a callback or hook, seen {when}"
+            raise _accumulation_refusal(f"accumulate_grad_batches={factor} ({where})", factor)
+        if when is None:
+            scheduled = _scheduled_accumulation(trainer.callbacks)  # type: ignore[attr-defined]  # undeclared
+            if scheduled is not None:
+                cb, bad = scheduled
+                epoch, factor = next(iter(bad.items()))
+                raise _accumulation_refusal(
+                    f"{type(cb).__name__}(scheduling={dict(sorted(cb.scheduling.items()))}) among the callbacks "
+                    f"would set accumulate_grad_batches={factor} from epoch {epoch} (zero-indexed)", factor)
+
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -367,11 +434,7 @@ class DPSGD(Callback):
             raise MisconfigurationException(
                 "DPSGD supports automatic optimization only (automatic_optimization=False was set): it replaces the "
                 "gradients between backward and the optimizer step. Use automatic optimization.")
-        if trainer.accumulate_grad_batches != 1:
-            raise MisconfigurationException(
-                f"accumulate_grad_batches={trainer.accumulate_grad_batches} is not allowed with DPSGD: every "
-                "optimizer step is one Poisson-sampled batch in the privacy analysis. Use a larger batch_size "
-                "instead (the expected batch size q*N is what matters).")
+        self._refuse_accumulation(trainer)
         if self.target_epsilon is not None and (trainer.min_steps or trainer.min_epochs):
             raise MisconfigurationException(
                 f"min_steps={trainer.min_steps} / min_epochs={trainer.min_epochs} conflict with target_epsilon: "
@@ -654,10 +717,11 @@ class DPSGD(Callback):
         multiplier (:func:`lightning_dp.privacy.calibration.calibrate_composed_noise_multiplier`).
 
         Raises:
-            MisconfigurationException: If the loader cannot be privatized, or the run has no
+            MisconfigurationException: If the loader cannot be privatized, the run has no
                 planned length (no ``epochs``/``max_steps`` here nor ``max_epochs``/``max_steps``
-                in the Trainer).
+                in the Trainer), or it would accumulate gradients (refused before the grid's first run).
         """
+        self._refuse_accumulation(trainer)
         # an audit that appends canary slots to the training set (OneRunAudit) changes N, q and the steps per epoch
         callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning, undeclared
         extra = sum(int(getattr(cb, "extra_training_slots", 0)) for cb in callbacks)
@@ -690,12 +754,11 @@ class DPSGD(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self._data:
             raise MisconfigurationException("DPSGD did not see the training DataLoader; was setup() skipped?")
-        n = self._data["dataset_size"]
-        if self.target_delta >= 1 / n:
-            rank_zero_warn(
-                f"target_delta={self.target_delta} is not below 1/N = {1 / n:.3g} (N = {n} training examples): a "
-                "mechanism that publishes one random example satisfies such a delta. Use delta << 1/N, e.g. "
-                f"{10 ** math.floor(math.log10(1 / n) - 1):.0e}.")
+        # delta >= 1/N: warned, with the wording every accountant shares (lightning_dp.privacy.delta)
+        large_delta = check_delta_for_size(self.target_delta, self._data["dataset_size"], unit="examples",
+                                           who=type(self).__name__)
+        if large_delta is not None:
+            rank_zero_warn(large_delta)
         planned = self._planned_events(trainer)
         if self._requested_sigma is not None:
             self._sigma, self._sigma_source = self._requested_sigma, "given"
@@ -720,6 +783,7 @@ class DPSGD(Callback):
             rank_zero_info(f"DPSGD: calibrated noise_multiplier={self._sigma:.4f} for target_epsilon="
                            f"{self.target_epsilon}, delta={self.target_delta}, {planned} planned steps, q={q:.4g}")
         self._budget_event, self._budget_stop = None, None
+        self._unreleased_backward = False
         self._update_budget(trainer)
         self._log_hyperparams(trainer, planned)
         # the last line of defence, right before the optimizer updates (after every callback and clipping)
@@ -788,7 +852,18 @@ class DPSGD(Callback):
             return True
         return False
 
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._refuse_accumulation(trainer, f"at the start of epoch {trainer.current_epoch}")
+
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        # the last line against accumulation switched on after setup (a GradientAccumulationScheduler after DPSGD
+        # among the callbacks, any hook setting trainer.accumulate_grad_batches): before this batch trains
+        self._refuse_accumulation(trainer, f"before batch {batch_idx} of epoch {trainer.current_epoch}")
+        if self._unreleased_backward:  # whatever switched it on: a gradient was computed and never released
+            raise _accumulation_refusal(
+                f"the previous training batch ran backward without an optimizer step (accumulate_grad_batches="
+                f"{trainer.accumulate_grad_batches} now; something switched accumulation on during that batch)",
+                max(2, trainer.accumulate_grad_batches))
         model = trainer.strategy.model
         if isinstance(model, DistributedDataParallel):
             # gradients are reduced by DPSGD (clipped sums, once per step), not by DDP's reducer
@@ -865,7 +940,10 @@ class DPSGD(Callback):
         depends on that set)."""
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        # the module's own on_train_batch_start runs after DPSGD's: it could switch accumulation on for this batch
+        self._refuse_accumulation(trainer, f"before a backward in epoch {trainer.current_epoch}")
         self._backward_seen = True
+        self._unreleased_backward = True
         if self._loss_checked or self._engine is None or self._batch_size == 0:
             return  # an empty Poisson batch says nothing about the reduction
         if loss.dim() != 0:
@@ -894,6 +972,7 @@ class DPSGD(Callback):
         engine = self._engine
         assert engine is not None and self._sigma is not None
         engine.stop()
+        self._unreleased_backward = False  # released below, or refused
         if not self._backward_seen:
             raise MisconfigurationException(
                 "training_step returned None (the step was skipped) while DPSGD trains: every step must be released, "

@@ -30,7 +30,7 @@ from torch.func import grad, vmap
 
 from lightning_dp.federated.local import FlatParams, check_loss, example_loss
 from lightning_dp.privacy.clipping import clip_factors
-from lightning_dp.privacy.noise import noisy_mean
+from lightning_dp.privacy.noise import noisy_mean, require_secret
 
 __all__ = ["ClientPlan", "local_dp_sgd", "steps_per_participation"]
 
@@ -74,7 +74,8 @@ def local_dp_sgd(template: nn.Module, spec: FlatParams, start: Tensor, x: Tensor
         start: (C, P) starting parameters.
         x, y, mask: padded client data (C, Nmax, ...), records first (``mask[c, :n_c]`` true).
         plans: one :class:`ClientPlan` per client.
-        generators: one secret generator per client (batches and noise).
+        generators: one :class:`~lightning_dp.privacy.noise.SecretGenerator` per client (batches and noise);
+            a plain ``torch.Generator`` is refused.
         batch_size: B, the expected batch size the noisy sum is divided by (and the shuffled batch).
         max_grad_norm: C.
         lr: the SGD learning rate.
@@ -93,6 +94,8 @@ def local_dp_sgd(template: nn.Module, spec: FlatParams, start: Tensor, x: Tensor
         raise ValueError(f"got {len(plans)} plans and {len(generators)} generators for {c} clients; pass one each")
     if sampling not in ("poisson", "shuffle"):
         raise ValueError(f"sampling={sampling!r} is not allowed; choose 'poisson' or 'shuffle'")
+    for g in generators:  # the record-level accountant amplifies by these batches (and the noise hides the rest)
+        require_secret(g, f"local DP-SGD's {sampling} batches")
     counts = mask.sum(1).tolist()
     per_example = vmap(grad(example_loss(template, spec, loss)), in_dims=(None, 0, 0))
     theta = start.clone()

@@ -28,10 +28,13 @@ Every random draw comes from a generator derived from ``(seed, stream, round, ..
 client's shuffles and noise depend on its index, not on the other clients of its process;
 with the round counter, the ledger and the parts' state in the checkpoint, a resumed run
 equals the uninterrupted one. Two seeds: ``seed`` drives what is public (initialization,
-client selection, local shuffles, the validation subsample) and is logged; ``noise_seed``
-drives every privacy noise (the sanitizers', the server's) and is a secret
-(:mod:`lightning_dp.privacy.seeds`): fresh from the OS by default, kept in local checkpoints
-under ``"secret"``, never logged nor uploaded.
+the local shuffles of non-private updates, the validation subsample, diagnostics) and is
+logged; ``noise_seed`` drives every draw an accountant relies on (client selection, whose
+Poisson rate the client-level accountant amplifies; the sanitizers' and the server's noise;
+local DP-SGD's batches) and is a secret (:mod:`lightning_dp.privacy.seeds`): fresh from the OS
+by default, kept in local checkpoints under ``"secret"``, never logged nor uploaded. Those draws
+use :func:`~lightning_dp.privacy.noise.derive_secret_generator`; the selection refuses any other
+generator.
 
 Under DDP (``strategy="ddp"``) every process selects the same clients, trains and sanitizes
 its share of them (positions rank, rank + W, ...), and the releases are all-gathered in the
@@ -71,12 +74,13 @@ from lightning_dp.federated.parts import (
     resolve_part,
 )
 from lightning_dp.privacy.ledger import PrivacyLedger
-from lightning_dp.privacy.noise import derive_generator
+from lightning_dp.privacy.noise import derive_generator, derive_secret_generator
 from lightning_dp.privacy.seeds import SECRET_KEY, check_seed, fresh_seed
 
 __all__ = ["FederatedRound"]
 
-# streams of derive_generator (public: seed; secret: noise_seed)
+# streams of derive_generator (public: seed, for _INIT, _LOCAL, _VAL, _DIAGNOSTICS) and of derive_secret_generator
+# (secret: noise_seed, for _CLIENTS, _NOISE, _SERVER_NOISE, _SERVER_COUNT, _LOCAL_NOISE)
 _CLIENTS, _LOCAL, _NOISE, _INIT, _VAL = 11, 12, 13, 14, 15
 _SERVER_NOISE, _SERVER_COUNT, _DIAGNOSTICS, _LOCAL_NOISE = 16, 17, 18, 19
 
@@ -115,10 +119,11 @@ class FederatedRound(LightningModule):
         client_privacy_cap: a client whose sanitizer spend would exceed this declines to participate.
         val_clients_per_check: evaluate a random sample of this many validation clients per check
             (default: all).
-        seed: seed of the public streams (initialization, client selection, local shuffles,
+        seed: seed of the public streams (initialization, local shuffles of non-private updates,
             validation subsample); default: a fresh random seed. Logged.
-        noise_seed: seed of every privacy noise of the run, a secret: whoever knows it can subtract
-            the noise from every release. Default: a fresh seed from the OS, kept in local
+        noise_seed: seed of every privacy noise of the run and of the client selection, a secret:
+            whoever knows it can subtract the noise from every release and recompute who took part
+            (which voids the amplification by client sampling). Default: a fresh seed from the OS, kept in local
             checkpoints (a run resumed without ``noise_seed`` continues its streams) and never
             logged or uploaded. A given seed wins over a checkpoint's, so that runs branched
             from one checkpoint draw different noise. Fix it only for reproducible
@@ -360,6 +365,23 @@ class FederatedRound(LightningModule):
         for logger in self.trainer.loggers:
             logger.log_hyperparams({k: v for k, v in params.items() if v is not None})
 
+    def privacy_spend(self) -> list[Any]:
+        """What the run spent, per level (:mod:`lightning_dp.privacy.spend`; ``lightning-dp grid`` composes it):
+        the server's client-level epsilon, the clients' ledger of their sanitized releases, the record-level
+        ledger of local DP-SGD; a run that protects none of them released the clients' updates unsanitized
+        (client level, infinite)."""
+        from lightning_dp.privacy.spend import Spend
+
+        spends = list(self.server_privacy.privacy_spend())
+        if self.sanitizer.accountable:
+            spends.append(Spend.per_client("client_ledger", self.ledger, why=self.sanitizer.name))
+        if self.update.accountable:
+            spends.append(Spend.per_client("record", self.update.ledger, why=self.update.name))
+        if not spends:
+            spends.append(Spend.unprotected("client", f"{type(self).__name__}: the clients' releases are not "
+                                                      "sanitized and nothing is accounted"))
+        return spends
+
     def set_secret_seed(self, seed: int) -> None:
         """Replace the noise seed before ``fit`` (``lightning-dp grid`` does this, so that no two runs of a
         grid draw the same noise)."""
@@ -412,7 +434,8 @@ class FederatedRound(LightningModule):
         elif self.update.accountable:
             eligible = self.update.eligible
 
-        return self.selection.select(len(clients), derive_generator(self.seed, _CLIENTS, r), eligible)
+        # secret: the client-level accountant amplifies by this draw (ClientSelection.draw refuses a public generator)
+        return self.selection.draw(len(clients), derive_secret_generator(self._noise_seed, _CLIENTS, r), eligible)
 
     def _shuffle_keys(self, r: int, index: list[int], mask: Tensor) -> Any:
         """Local shuffles of round r as a pure function of (seed, round, epoch, client index).
@@ -479,14 +502,15 @@ class FederatedRound(LightningModule):
         start = hyps[choice] if self.k > 1 else hyps[0].expand(len(mine), -1)
         trained = self.update.train(
             self.template, self.spec, start, x, y, mask, loss=self.loss_name, shuffles=self._shuffle_keys(r, mine, mask),
-            clients=mine, noise=lambda i: derive_generator(self._noise_seed, _LOCAL_NOISE, r, i, device=x.device))
+            clients=mine, noise=lambda i: derive_secret_generator(self._noise_seed, _LOCAL_NOISE, r, i, device=x.device))
         released, costs, bits = [], [], []
         choices = self._choices()
         # one copy per hypothesis (not per client, not a view of the buffer the round overwrites afterwards)
         references = [step.clone() if bool(step.norm() > 0) else None for step in self.previous_step]
         for c, i in enumerate(mine):
             out = self.sanitizer.sanitize(trained[c], start[c], layer_sizes=self.spec.sizes,
-                                          generator=derive_generator(self._noise_seed, _NOISE, r, i, device=x.device),
+                                          generator=derive_secret_generator(self._noise_seed, _NOISE, r, i,
+                                                                            device=x.device),
                                           reference=references[int(choice[c])], hypotheses=choices)
             released.append(out.released)
             costs.append(out.cost)
@@ -509,11 +533,49 @@ class FederatedRound(LightningModule):
         grads = per_sample_gradients(self.template, self.spec, start, x[rows, pick], y[rows, pick], self.loss_name)
         return torch.cat([trained - start, grads.to(start.dtype)], dim=1).detach()
 
+    def selection_is_secret(self) -> bool:
+        """Whether an accountant claims amplification by client sampling (central DP: ``server_privacy``
+        accounted): who took part, and how many, must then stay off the record. The exact counts, the
+        per-client ledgers (which show each client's participations) and statistics of the participants'
+        updates are ``nonprivate/``."""
+        return bool(self.server_privacy.accounted)
+
+    def releases_are_sanitized(self) -> bool:
+        """Whether every client's release is itself private (a local sanitizer with a ledger, or local DP-SGD
+        with a record-level accountant): statistics of the releases are then post-processing. Otherwise (no
+        sanitizer, or clip/sector without local noise, as under central DP) they are exact statistics of the
+        clients' data: ``nonprivate/``."""
+        return bool(self.sanitizer.accountable or self.update.accountable)
+
+    def _stat(self, name: str, *, of_releases: bool = False) -> str:
+        """The recorded name of a round statistic (``round/<name>`` or ``nonprivate/<name>``): per-participant
+        counts are private when the selection is secret (:meth:`selection_is_secret`); statistics of the
+        releases also when the releases are not sanitized (:meth:`releases_are_sanitized`)."""
+        private = self.selection_is_secret() or (of_releases and not self.releases_are_sanitized())
+        return f"{'nonprivate' if private else 'round'}/{name}"
+
+    def _ledger_name(self, name: str) -> str:
+        """``privacy/<name>`` of a per-client ledger, or ``nonprivate/<name>`` when the selection is secret (a
+        client's spend shows how often it took part)."""
+        return f"{'nonprivate' if self.selection_is_secret() else 'privacy'}/{name}"
+
+    def _records_releases(self) -> bool:
+        """Whether the releases themselves may go to the record (the plot ``federated/parameters.png`` of a model
+        with at most two parameters): sanitized releases of a public selection only."""
+        return self.releases_are_sanitized() and not self.selection_is_secret()
+
+    def _ledgers_recorded(self) -> bool:
+        """Whether the per-client ledgers (artifacts, summary) go to the record: always, unless the selection is
+        secret, where they are exact statistics of who took part (``nonprivate/``, off with
+        ``log_nonprivate_metrics=False``)."""
+        return not self.selection_is_secret() or self.log_nonprivate_metrics
+
     def training_step(self, batch: Any, batch_idx: int) -> None:
         r = int(self.rounds)
         index, declined = self._sample_clients(r)  # the same on every process (seeded by round)
         hyps = self.hypotheses
-        metrics: dict[str, float] = {"round/participants": float(len(index)), "round/declined": float(declined)}
+        metrics: dict[str, float] = {self._stat("participants"): float(len(index)),
+                                     self._stat("declined"): float(declined)}
         privacy = self.server_privacy
         planned = self.trainer.max_epochs
         last = planned is not None and planned > 0 and self.trainer.current_epoch + 1 >= planned  # ends anyway
@@ -537,10 +599,11 @@ class FederatedRound(LightningModule):
                 for i, cost in zip(index, stats[:, 1].tolist()):
                     self.ledger.charge(self._clients["train"][i].client_id, cost)
             self.update.charge(index)  # record-level ledger (local DP-SGD)
-            if self.k == 1 and len(index):  # the released updates' norms: public (the server sees the releases)
+            if self.k == 1 and len(index):  # the released updates' norms: post-processing only of sanitized releases
                 norms = row_norms(releases - hyps[0])
-                metrics["round/update_norm_mean"] = float(norms.mean())
-                metrics["round/update_norm_std"] = float(norms.std()) if len(index) > 1 else 0.0
+                metrics[self._stat("update_norm_mean", of_releases=True)] = float(norms.mean())
+                metrics[self._stat("update_norm_std", of_releases=True)] = float(norms.std()) if len(index) > 1 \
+                    else 0.0
             self.aggregator.observe(client_ids=[self._clients["train"][i].client_id for i in index],
                                     layer_sizes=self.spec.sizes, round_index=r,
                                     budgets=self.update.revealed_budgets(index) if self.aggregator.needs_budgets
@@ -549,22 +612,22 @@ class FederatedRound(LightningModule):
             new, assignment, privacy_metrics = privacy.aggregate(
                 releases, hyps, self.aggregator, weights=stats[:, 2],
                 expected_count=self.selection.expected_count(len(self._clients["train"])),
-                noise_generator=derive_generator(self._noise_seed, _SERVER_NOISE, r, device=hyps.device),
-                count_generator=derive_generator(self._noise_seed, _SERVER_COUNT, r), update_set=self._update_set(),
+                noise_generator=derive_secret_generator(self._noise_seed, _SERVER_NOISE, r, device=hyps.device),
+                count_generator=derive_secret_generator(self._noise_seed, _SERVER_COUNT, r),
+                update_set=self._update_set(),
                 report_epsilon=report, unclipped=stats[:, 3] if following else None)
             if following:  # the next round's clients clip at the server's new (public) threshold
                 self.sanitizer.follow_clip(privacy.clip)
             self._split_metrics(index, metrics)
             self.previous_step.copy_(new - hyps)
             self.optimizers().step(closure=lambda: self.hypotheses.copy_(new))  # type: ignore[union-attr]  # one optimizer
-            metrics.update({k: v for k, v in privacy_metrics.items()
-                            if self.log_nonprivate_metrics or not k.startswith("nonprivate/")})
+            metrics.update(privacy_metrics)
             sizes = torch.bincount(assignment, minlength=self.k)
-            if self.log_nonprivate_metrics and len(index):  # the clients' private losses: covered by no accountant
+            if len(index):  # the clients' private losses: covered by no accountant
                 metrics["nonprivate/train_loss"] = float(stats[:, 0].mean())
-            for j in range(self.k):
-                metrics[f"round/cluster_size_{j}"] = float(sizes[j])
-            if self.spec.numel <= 2:
+            for j in range(self.k):  # the server's clustering of the releases
+                metrics[self._stat(f"cluster_size_{j}", of_releases=True)] = float(sizes[j])
+            if self.spec.numel <= 2 and self._records_releases():
                 self._history.append({"round": r, "releases": releases.detach().cpu().clone(),
                                       "hypotheses": new.detach().cpu().clone()})
         else:
@@ -573,10 +636,10 @@ class FederatedRound(LightningModule):
         if self.sanitizer.accountable and self.k > 1:  # the choice's share of the cost grows as hypotheses separate
             metrics["privacy/cost_per_participation"] = self.participation_cost()
         if len(self.ledger):
-            metrics["privacy/client_epsilon_median"] = self.ledger.median()
-            metrics["privacy/client_epsilon_max"] = self.ledger.max()
+            metrics[self._ledger_name("client_epsilon_median")] = self.ledger.median()
+            metrics[self._ledger_name("client_epsilon_max")] = self.ledger.max()
         if report and self.update.accountable:  # per-client compositions: only when written
-            metrics.update(self.update.privacy_metrics())
+            metrics.update({self._ledger_name(k.split("/", 1)[1]): v for k, v in self.update.privacy_metrics().items()})
         self.rounds += 1
         # float64: Lightning would store a Python float as float32 and round the spend
         if privacy.accounted and not last and not privacy.budget_left(self._update_set()) and not self.trainer.should_stop:
@@ -584,8 +647,10 @@ class FederatedRound(LightningModule):
             rank_zero_info(f"{type(privacy).__name__}: stopping after round {r + 1}: the next round would exceed "
                            f"target_epsilon={privacy.target_epsilon} (spent {metrics['privacy/epsilon']:.4f}).")
             self.trainer.should_stop = True
-        if ("privacy/epsilon" in metrics or "privacy/record_epsilon_max" in metrics) and written:
+        if ("privacy/epsilon" in metrics or self._ledger_name("record_epsilon_max") in metrics) and written:
             self._epsilon_written = r
+        if not self.log_nonprivate_metrics:  # exact statistics of the clients' data, covered by no accountant
+            metrics = {k: v for k, v in metrics.items() if not k.startswith("nonprivate/")}
         self.log_dict({k: torch.tensor(v, dtype=torch.float64) for k, v in metrics.items()}, on_step=True,
                       on_epoch=False, batch_size=1)
         self._fit_rounds += 1
@@ -597,9 +662,9 @@ class FederatedRound(LightningModule):
         get the metrics under their full names): ``round`` (rounds done), ``clients`` (this round's
         participants), ``client_eps_med``/``client_eps_max`` (the per-client ledger), ``eps`` (the server's
         client-level epsilon, when written) and ``record_eps_max`` (local DP-SGD, when written)."""
-        short = {"round/participants": "clients", "privacy/client_epsilon_median": "client_eps_med",
-                 "privacy/client_epsilon_max": "client_eps_max", "privacy/epsilon": "eps",
-                 "privacy/record_epsilon_max": "record_eps_max"}
+        short = {self._stat("participants"): "clients", self._ledger_name("client_epsilon_median"): "client_eps_med",
+                 self._ledger_name("client_epsilon_max"): "client_eps_max", "privacy/epsilon": "eps",
+                 self._ledger_name("record_epsilon_max"): "record_eps_max"}
         bar = {"round": float(self.rounds)}
         bar.update({name: metrics[key] for key, name in short.items() if key in metrics})
         self.log_dict({k: torch.tensor(v, dtype=torch.float64) for k, v in bar.items()}, prog_bar=True, logger=False,
@@ -730,15 +795,17 @@ class FederatedRound(LightningModule):
             # a run ended between log writes (max_steps, max_time, an interrupt): write the final spend, at the
             # step numbering of the round's own metrics (those of optimizer step n are written at n - 1)
             final = self.server_privacy.epsilon_metrics() if self.server_privacy.accounted else {}
-            final.update(self.update.privacy_metrics())
+            if self._ledgers_recorded():
+                final.update({self._ledger_name(k.split("/", 1)[1]): v for k, v in self.update.privacy_metrics().items()})
             if final and self.trainer.is_global_zero:
                 for logger in self.trainer.loggers:
                     logger.log_metrics(final, step=step - 1)
-        if self.trainer.is_global_zero and len(self.ledger):
+        if self.trainer.is_global_zero and len(self.ledger) and self._ledgers_recorded():
             self._log_ledger_artifacts()
-            if self._history:
-                self._log_parameter_plot()
-        if self.trainer.is_global_zero and self.update.accountable and len(self.update.ledger):
+        if self.trainer.is_global_zero and self._history:
+            self._log_parameter_plot()
+        if self.trainer.is_global_zero and self.update.accountable and len(self.update.ledger) \
+                and self._ledgers_recorded():
             self._log_record_ledger()
         if self.trainer.is_global_zero and self._cosines:
             self._log_cosine_plot()
@@ -752,9 +819,13 @@ class FederatedRound(LightningModule):
         """``(label, value)`` rows of the end-of-training summary (:mod:`lightning_dp.callbacks.summary`)."""
         num_train = len(self._clients["train"])
         mean = self._fit_participants / max(self._fit_rounds, 1)
-        rows = [("clients", f"{mean:.3g} per round ({self._fit_participants} participations this fit; {num_train} "
-                            f"training clients, {self.selection.name} selection)")]
-        if len(self.ledger):
+        if self.selection_is_secret() and not self.log_nonprivate_metrics:  # the exact counts are nonprivate
+            rows = [("clients", f"{self.selection.expected_count(num_train):.3g} expected per round ({num_train} "
+                                f"training clients, {self.selection.name} selection; who took part is secret)")]
+        else:
+            rows = [("clients", f"{mean:.3g} per round ({self._fit_participants} participations this fit; {num_train} "
+                                f"training clients, {self.selection.name} selection)")]
+        if len(self.ledger) and self._ledgers_recorded():
             cap = "" if self.client_privacy_cap is None else f", cap {self.client_privacy_cap:g}"
             rows.append(("client epsilon", f"median {self.ledger.median():.4g}, max {self.ledger.max():.4g} "
                                            f"({self.sanitizer.ledger_label}{cap})"))
@@ -765,7 +836,7 @@ class FederatedRound(LightningModule):
             of = "" if target is None else f" of target_epsilon {target:g}"
             rows.append(("epsilon", f"{eps:.4g}{of} at delta {getattr(privacy, 'target_delta', math.nan):g} "
                                     f"(client-level, {type(privacy).__name__})"))
-        record = self.update.privacy_metrics() if self.update.accountable else {}
+        record = self.update.privacy_metrics() if self.update.accountable and self._ledgers_recorded() else {}
         if record:
             med, top = record["privacy/record_epsilon_median"], record["privacy/record_epsilon_max"]
             rows.append(("record epsilon", f"median {med:.4g}, max {top:.4g} (per client, {self.update.name})"))
@@ -791,14 +862,14 @@ class FederatedRound(LightningModule):
         ax.set_xlabel(self.sanitizer.ledger_label)
         ax.set_ylabel("clients")
         ax.set_title(f"privacy spend per client, {self.sanitizer.name}, n={self.spec.numel}")
-        tracking.log_figure(self.trainer, fig, "privacy/client_epsilon_hist.png")
+        tracking.log_figure(self.trainer, fig, self._ledger_name("client_epsilon_hist.png"))
         table = (f"clients\t{len(values)}\nmedian\t{self.ledger.median():.6g}\nmax\t{self.ledger.max():.6g}\n"
                  f"cost_per_participation\t{self.participation_cost():.6g}\n")
-        tracking.log_text(self.trainer, table, "privacy/client_epsilon.tsv")
+        tracking.log_text(self.trainer, table, self._ledger_name("client_epsilon.tsv"))
 
     def _log_record_ledger(self) -> None:
         """``privacy/record_epsilon.tsv`` (every client's record-level epsilon, noise and participations) and its
-        histogram ``privacy/record_epsilon_hist.png``."""
+        histogram ``privacy/record_epsilon_hist.png`` (under ``nonprivate/`` when the selection is secret)."""
         from matplotlib.figure import Figure
 
         from lightning_dp import tracking
@@ -810,7 +881,7 @@ class FederatedRound(LightningModule):
             rows.append(f"{client.client_id}\t{spend.get(client.client_id, 0.0):.6g}\t"
                         f"{'inf' if budget is None else f'{budget:.6g}'}\t{plan.noise_multiplier:.6g}\t"
                         f"{plan.sample_rate:.6g}\t{plan.steps}\t{ledger.participations(client.client_id)}")
-        tracking.log_text(self.trainer, "\n".join(rows) + "\n", "privacy/record_epsilon.tsv")
+        tracking.log_text(self.trainer, "\n".join(rows) + "\n", self._ledger_name("record_epsilon.tsv"))
         values = list(spend.values())
         fig = Figure(figsize=(6, 4))
         ax = fig.subplots()
@@ -818,7 +889,7 @@ class FederatedRound(LightningModule):
         ax.set_xlabel(f"record-level epsilon at delta={ledger.delta:g} ({ledger.accountant}, {ledger.adjacency})")
         ax.set_ylabel("clients")
         ax.set_title(f"local DP-SGD spend per client ({update.sampling} batches)")
-        tracking.log_figure(self.trainer, fig, "privacy/record_epsilon_hist.png")
+        tracking.log_figure(self.trainer, fig, self._ledger_name("record_epsilon_hist.png"))
 
     def _log_cosine_plot(self) -> None:
         from matplotlib.figure import Figure

@@ -25,7 +25,7 @@ class GridResult:
     """Everything a grid produced: points, privacy totals, id and, for budgeted grids, plans and choices."""
 
     points: list[GridPoint]
-    totals: dict[str, float]
+    totals: dict[str, Any]
     grid_id: str
     budgets: dict[Any, BudgetPlan] = field(default_factory=dict)
     """Per repetition (the ``--mean-over`` value, or None): the grid's noise multiplier."""

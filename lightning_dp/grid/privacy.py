@@ -6,7 +6,6 @@ See :mod:`lightning_dp.grid` for why a grid's cost is the composition of all its
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -14,61 +13,69 @@ from typing import Any, Optional
 from lightning_dp.grid.axes import run_args, run_name
 from lightning_dp.grid.points import GridPoint
 
-__all__ = ["BudgetPlan", "check_against_plan", "dp_callback", "grid_privacy", "plan_budget", "plan_point", "privacy_of",
+__all__ = ["BudgetPlan", "check_against_plan", "check_points", "dp_callback", "grid_privacy", "plan_budget", "plan_point", "privacy_of",
            "reseed", "secret_seeded"]
 
 def privacy_of(trainer: Any, module: Any) -> dict[str, Any]:
-    """What a finished run spent: a DPSGD accountant and/or a federated ledger (copies)."""
+    """What a finished run spent: every component's :class:`~lightning_dp.privacy.spend.Spend` (``"spends"``), and
+    for the report the run's own epsilon and per-client maxima; ``"accountant"`` is the DP-SGD callback's (the
+    budgeted grid checks it against its plan)."""
     from lightning_dp.callbacks import DPSGD
-    from lightning_dp.privacy.ledger import PrivacyLedger
+    from lightning_dp.privacy.spend import reporters_of
 
-    out: dict[str, Any] = {}
+    components = [*trainer.callbacks, module]
+    spends = [s for c in reporters_of(components) for s in c.privacy_spend()]
+    out: dict[str, Any] = {"spends": spends}
     for cb in trainer.callbacks:
         if isinstance(cb, DPSGD):  # a run that took no step is private too (epsilon 0), not unprotected
             out["accountant"] = copy.deepcopy(cb.accountant)
-            out["delta"] = cb.target_delta
-            out["epsilon"] = cb.epsilon
-    ledger = getattr(module, "ledger", None)
-    if isinstance(ledger, PrivacyLedger):
-        sanitized = float(getattr(module, "noise_multiplier", 1.0)) > 0
-        out["ledger"] = ledger.as_dict() if sanitized else None  # None: unsanitized releases, infinite cost
-        if sanitized and len(ledger):
-            out["client_epsilon_median"] = ledger.median()
-            out["client_epsilon_max"] = ledger.max()
+    for s in spends:
+        if s.level in ("example", "client"):
+            out["epsilon"] = s.epsilon
+            if s.delta is not None:
+                out["delta"] = s.delta
+        elif s.unsanitized:
+            continue
+        else:
+            prefix = "client_epsilon" if s.level == "client_ledger" else "record_epsilon"
+            if len(s.ledger):
+                out[f"{prefix}_median"], out[f"{prefix}_max"] = s.ledger.median(), s.ledger.max()
     return out
 
 
-def grid_privacy(points: Sequence[GridPoint]) -> dict[str, float]:
-    """The composed privacy cost of all runs of the grid (see the module docstring)."""
-    import statistics
+def check_points(config: Sequence[str], combos: Sequence[dict[str, Any]], extra: Sequence[str] = ()) -> None:
+    """Refuse, before any run trains, a grid point with a component that holds privacy state (a secret seed,
+    a ledger, an accountant) but reports no spend (``privacy_spend``): the grid could not compose it, and
+    counting it as private would under-state the grid's cost.
 
-    total: dict[str, float] = {}
-    accountants = [p.privacy["accountant"] for p in points if "accountant" in p.privacy]
-    if accountants:
-        composed = copy.deepcopy(accountants[0])
-        for acc in accountants[1:]:
-            if type(acc) is not type(composed):
-                raise ValueError("the grid mixes accountant kinds; compose runs with the same accountant")
-            for sigma, q, steps in acc.history:
-                composed.step(noise_multiplier=sigma, sample_rate=q, num_steps=steps)
-        delta = max(p.privacy["delta"] for p in points if "accountant" in p.privacy)
-        # a run without DPSGD trained on the same data without privacy: the grid has no finite bound
-        private = all("accountant" in p.privacy for p in points)
-        total["grid/epsilon"] = composed.get_epsilon(delta) if private else math.inf
-        total["grid/delta"] = delta
-    ledgers = [p.privacy["ledger"] for p in points if "ledger" in p.privacy]
-    if ledgers:
-        if any(ledger is None for ledger in ledgers):
-            total["grid/client_epsilon_median"] = total["grid/client_epsilon_max"] = math.inf
-        else:
-            per_client: dict[str, float] = {}
-            for ledger in ledgers:
-                for cid, spent in ledger.items():
-                    per_client[cid] = per_client.get(cid, 0.0) + spent
-            if per_client:
-                total["grid/client_epsilon_median"] = float(statistics.median(per_client.values()))
-                total["grid/client_epsilon_max"] = max(per_client.values())
-    return total
+    Raises:
+        ValueError: Naming the point and the components.
+    """
+    from lightning_dp.lightning_cli import LightningDPCLI
+    from lightning_dp.privacy.spend import unreported_components
+
+    seen: set[tuple[str, ...]] = set()
+    for values in combos:
+        cli = LightningDPCLI(args=run_args(config, values, extra), run=False)
+        components = [*cli.trainer.callbacks, cli.model]  # type: ignore[attr-defined]  # set by Lightning, undeclared
+        key = tuple(type(c).__qualname__ for c in components)
+        if key in seen:
+            continue
+        seen.add(key)
+        missing = unreported_components(components)
+        if missing:
+            raise ValueError(
+                f"grid point {run_name(values)!r}: {'; '.join(missing)} holds privacy state but reports no spend "
+                "(no privacy_spend() method), so the grid cannot compose its cost and will not count it as private. "
+                "Implement privacy_spend() returning lightning_dp.privacy.spend.Spend objects (see "
+                "lightning_dp.privacy.spend), or leave the component out of the grid.")
+
+
+def grid_privacy(points: Sequence[GridPoint]) -> dict[str, Any]:
+    """The composed privacy cost of all runs of the grid (:func:`lightning_dp.privacy.spend.compose`)."""
+    from lightning_dp.privacy.spend import compose
+
+    return compose([p.privacy.get("spends", []) for p in points])
 
 
 def dp_callback(trainer: Any, values: dict[str, Any]) -> Any:

@@ -17,19 +17,32 @@ def fmt(value: Any) -> str:
     return str(value)
 
 
-def summary_table(points: Sequence[GridPoint], totals: dict[str, float]) -> str:
+#: The per-run privacy columns of the tables (``GridPoint.privacy``, :func:`~lightning_dp.grid.privacy.privacy_of`).
+PRIVACY_COLUMNS = ("epsilon", "client_epsilon_median", "client_epsilon_max", "record_epsilon_median",
+                   "record_epsilon_max")
+_COLUMN_LEVEL = {"epsilon": ("example", "client"), "client_epsilon": ("client_ledger",), "record_epsilon": ("record",)}
+
+
+def privacy_value(point: GridPoint, name: str) -> Any:
+    """A run's privacy column: its value, ``inf`` where the run released at that level unsanitized, else ''."""
+    if name in point.privacy:
+        return point.privacy[name]
+    levels = _COLUMN_LEVEL[name.rsplit("_", 1)[0] if name != "epsilon" else "epsilon"]
+    if any(s.unsanitized and s.level in levels for s in point.privacy.get("spends", [])):
+        return math.inf
+    return ""
+
+
+def summary_table(points: Sequence[GridPoint], totals: dict[str, Any]) -> str:
     """The grid as a Markdown table (one row per run) followed by the grid's privacy totals."""
     keys = list(points[0].values) if points else []
     metric_names = sorted({m for p in points for m in p.metrics})
-    privacy_names = ["epsilon", "client_epsilon_median", "client_epsilon_max"]
-    privacy_names = [n for n in privacy_names if any(n in p.privacy for p in points)]
+    privacy_names = [n for n in PRIVACY_COLUMNS if any(privacy_value(p, n) != "" for p in points)]
     header = [short_name(k) for k in keys] + metric_names + privacy_names + ["run"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for p in points:
         cells = [fmt(p.values[k]) for k in keys] + [fmt(p.metrics.get(m, "")) for m in metric_names]
-        unsanitized = "ledger" in p.privacy and p.privacy["ledger"] is None  # nu = 0: infinite client cost
-        cells += [fmt(p.privacy.get(n, "inf" if unsanitized and n.startswith("client_") else ""))
-                  for n in privacy_names]
+        cells += [fmt(privacy_value(p, n)) for n in privacy_names]
         cells.append(p.run_id or "")
         lines.append("| " + " | ".join(cells) + " |")
     if totals:
@@ -49,12 +62,12 @@ def mean_table(points: Sequence[GridPoint], over: str) -> str:
     for p in points:
         groups.setdefault(tuple(p.values[k] for k in keys), []).append(p)
     columns = sorted({m for p in points for m in p.metrics})
-    columns += [n for n in ("epsilon", "client_epsilon_median", "client_epsilon_max")
-                if any(n in p.privacy for p in points)]
+    privacy = [n for n in PRIVACY_COLUMNS if any(privacy_value(p, n) != "" for p in points)]
+    columns += privacy
 
     def cell(group: list[GridPoint], name: str) -> str:
-        vals = [p.metrics.get(name, p.privacy.get(name)) for p in group]
-        if any("ledger" in p.privacy and p.privacy["ledger"] is None for p in group) and name.startswith("client_"):
+        vals = [privacy_value(p, name) if name in privacy else p.metrics.get(name) for p in group]
+        if any(v == math.inf for v in vals):
             return "inf"
         numbers = [float(v) for v in vals if isinstance(v, (int, float))]
         if not numbers:

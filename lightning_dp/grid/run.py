@@ -14,6 +14,7 @@ from lightning_dp.grid.points import GridPoint, GridResult
 from lightning_dp.grid.privacy import (
     BudgetPlan,
     check_against_plan,
+    check_points,
     dp_callback,
     grid_privacy,
     plan_budget,
@@ -82,6 +83,7 @@ def run_grid(config: Sequence[str], sets: Sequence[tuple[str, list[Any]]], *, te
 
     result = GridResult(points=[], totals={}, grid_id=grid_id, select=select, mode=mode or default_mode(select or ""),
                         mean_over=mean_over)
+    check_points(config, combos, extra)  # every point's privacy can be composed, before any run trains
     run_budget: dict[int, tuple[BudgetPlan, int]] = {}
     if budget is not None:
         groups: dict[Any, list[int]] = {}
@@ -220,7 +222,9 @@ class ParentRuns:
             return
         for pid in self.parents.values():
             for name, value in result.totals.items():
-                if math.isfinite(value):
+                if isinstance(value, str):  # grid/privacy_level
+                    client.set_tag(pid, name, value)
+                elif math.isfinite(value):
                     client.log_metric(pid, name, value)
                 else:
                     client.set_tag(pid, name, "inf")

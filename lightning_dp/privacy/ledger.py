@@ -199,6 +199,10 @@ class GaussianLedger(PrivacyLedger):
     project's accountant (dp-accounting). :meth:`spent`, :meth:`as_dict`, :meth:`median`,
     :meth:`max` and :meth:`would_exceed` speak epsilon; :meth:`charge` takes ``m^-2``.
 
+    The ``delta < 1/N`` rule (:mod:`lightning_dp.privacy.delta`) asks nothing more here: a local release
+    protects the client's whole data, ONE unit (any two datasets of the client are neighbours), so
+    ``N = 1`` and ``delta < 1`` is already required.
+
     Args:
         delta: the delta at which every client's epsilon is stated.
         accountant: ``"pld"`` or ``"rdp"``.
@@ -285,6 +289,10 @@ class RecordLedger:
     one record of the client (add/remove or replacement, as the accountant's adjacency). Client
     selection is public, so a participation is charged whole (no amplification by the client
     being sampled). The numbers depend only on public settings, so they may be logged.
+
+    One delta serves every client, while the ``delta < 1/N`` rule (:mod:`lightning_dp.privacy.delta`) depends
+    on each client's number of records ``n_c``, which the ledger does not know: the update that plans the
+    clients checks it (:meth:`lightning_dp.federated.parts.LocalDPSGD.plan`, one warning for all clients).
 
     Args:
         delta: the delta every client's epsilon is stated at.

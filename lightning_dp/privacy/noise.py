@@ -4,6 +4,15 @@ Every draw comes from an explicit ``torch.Generator``; :func:`derive_generator` 
 the generator of one logical query from (seed, stream, counters) so that all ranks of a
 DDP job draw the *same* noise for the same step: added after the all-reduce of the
 clipped sums, it is therefore present exactly once in the aggregate.
+
+**Secret and public generators.** A draw that an accountant relies on (the noise, Poisson
+batch sampling, client selection: anything amplification by sampling assumes the adversary
+cannot predict) must come from the run's *secret* seed (:mod:`lightning_dp.privacy.seeds`).
+:func:`derive_secret_generator` makes such a generator, of the type :class:`SecretGenerator`;
+the samplers whose rate an accountant amplifies call :func:`require_secret` on the generator
+they are given and refuse a plain ``torch.Generator`` (one derived from a public seed, say the
+federated module's logged ``seed``). A new sampler therefore cannot draw from the public seed by
+mistake: it fails on its first draw, before any data is touched.
 """
 
 from __future__ import annotations
@@ -16,8 +25,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["check_noise_multiplier", "derive_generator", "gaussian_noise", "noisy_mean", "SAMPLING", "NOISE",
-           "CLIP_STATISTIC"]
+__all__ = ["check_noise_multiplier", "derive_generator", "derive_secret_generator", "gaussian_noise", "noisy_mean",
+           "require_secret", "SecretGenerator", "SAMPLING", "NOISE", "CLIP_STATISTIC"]
 
 #: Stream identifiers for :func:`derive_generator`: Poisson sampling, the gradient noise, and the
 #: noise of the clipping statistic that adaptive-clipping rules release with the gradient.
@@ -40,17 +49,68 @@ def check_noise_multiplier(noise_multiplier: float) -> float:
     return float(noise_multiplier)
 
 
+def _seeded(cls: type[torch.Generator], seed: int, counters: Sequence[int], device: torch.device | str) -> torch.Generator:
+    state = np.random.SeedSequence([int(seed) % 2**128, *(int(c) for c in counters)]).generate_state(2, np.uint32)
+    g = cls(device=device)
+    g.manual_seed(int(state[0]) << 32 | int(state[1]))
+    return g
+
+
 def derive_generator(seed: int, *counters: int, device: torch.device | str = "cpu") -> torch.Generator:
     """A generator seeded from ``(seed, *counters)`` through NumPy's SeedSequence hashing.
 
     Counter-based seeding makes every draw a pure function of the run seed and the step,
     so a resumed run draws exactly what the uninterrupted run drew, without saving
-    generator states per rank.
+    generator states per rank. For draws an accountant relies on, use
+    :func:`derive_secret_generator` with the run's secret seed (the module docstring).
     """
-    state = np.random.SeedSequence([int(seed) % 2**128, *(int(c) for c in counters)]).generate_state(2, np.uint32)
-    g = torch.Generator(device=device)
-    g.manual_seed(int(state[0]) << 32 | int(state[1]))
+    return _seeded(torch.Generator, seed, counters, device)
+
+
+class SecretGenerator(torch.Generator):
+    """A ``torch.Generator`` derived from a run's secret seed (:func:`derive_secret_generator`).
+
+    The type is the mark: samplers whose rate an accountant amplifies (Poisson batches, client
+    selection, local DP-SGD batches) accept only this type (:func:`require_secret`). It draws
+    exactly what a plain generator with the same seed state draws.
+    """
+
+
+def derive_secret_generator(secret_seed: int, *counters: int,
+                            device: torch.device | str = "cpu") -> SecretGenerator:
+    """:func:`derive_generator` from the run's SECRET seed, marked as such (:class:`SecretGenerator`).
+
+    Pass only a seed that never reaches the record (DPSGD's ``seed``, the federated module's
+    ``noise_seed``: :mod:`lightning_dp.privacy.seeds`). The draws equal those of
+    ``derive_generator(secret_seed, *counters)``.
+
+    Example:
+        >>> g = derive_secret_generator(1234, 11, 0)
+        >>> isinstance(g, SecretGenerator), torch.equal(torch.rand(3, generator=g),
+        ...                                             torch.rand(3, generator=derive_generator(1234, 11, 0)))
+        (True, True)
+    """
+    g = _seeded(SecretGenerator, secret_seed, counters, device)
+    assert isinstance(g, SecretGenerator)
     return g
+
+
+def require_secret(generator: torch.Generator, what: str) -> SecretGenerator:
+    """Returns ``generator`` if it is a :class:`SecretGenerator`, else raises.
+
+    Called by every draw that an accountant amplifies (``what`` names it): a generator derived
+    from a public seed lets anyone with the record recompute the draw, so no amplification holds.
+
+    Raises:
+        TypeError: If ``generator`` is not a :class:`SecretGenerator`.
+    """
+    if not isinstance(generator, SecretGenerator):
+        raise TypeError(
+            f"{what} needs a generator derived from the run's SECRET seed, got {type(generator).__name__}: the "
+            "accountant claims amplification by this draw, which holds only if nobody who reads the record can "
+            "recompute it (a public seed is in the logged params and the uploaded checkpoint). Derive it with "
+            "lightning_dp.privacy.noise.derive_secret_generator(secret_seed, stream, ...).")
+    return generator
 
 
 def gaussian_noise(shapes: Sequence[torch.Size], std: float, generator: torch.Generator, *,

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler, SequentialSampler
 
-from lightning_dp.privacy.noise import SAMPLING, derive_generator
+from lightning_dp.privacy.noise import SAMPLING, derive_secret_generator
 
 __all__ = ["EmptySafeCollate", "PassMarkingBatchSampler", "PoissonBatchSampler", "check_partition_sampler",
            "check_sample_rate", "poisson_dataloader", "rebuild_dataloader"]
@@ -49,7 +49,8 @@ class PoissonBatchSampler(BatchSampler):
         drop_last: must be False (kept for the BatchSampler API).
         num_samples: the size N of the whole training set.
         sample_rate: q, the inclusion probability of every example in every batch.
-        seed: the run's sampling seed.
+        seed: the run's SECRET sampling seed (DPSGD's ``seed``): every batch is drawn from a
+            :class:`~lightning_dp.privacy.noise.SecretGenerator` derived from it.
         rank: this process' rank (which shard it samples).
         world_size: the number of processes (shards).
         start_step: a callable giving the number of batches already released when an
@@ -86,7 +87,8 @@ class PoissonBatchSampler(BatchSampler):
 
     def batch(self, step: int) -> list[int]:
         """The indices of this rank's batch at global batch counter ``step``."""
-        g = derive_generator(self.seed, SAMPLING, step, self.rank)
+        # the seed is the run's secret one (DPSGD's): amplification by sampling assumes nobody can recompute the batch
+        g = derive_secret_generator(self.seed, SAMPLING, step, self.rank)
         mask = torch.rand(self.indices.numel(), generator=g) < self.sample_rate
         return self.indices[mask].tolist()
 

@@ -216,6 +216,26 @@ def test_delta_not_below_one_over_n_warns():
             Classifier(), BlobsData(n=50, batch_size=5))
 
 
+def test_the_delta_warning_comes_from_the_shared_function_and_delta_below_one_over_n_is_silent():
+    """The same text as every accountant's (lightning_dp.privacy.delta), once; 1/N = 0.02 for N = 50."""
+    import warnings
+
+    from lightning_dp.privacy.delta import LargeDeltaWarning, check_delta_for_size
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(max_steps=1, callbacks=[DPSGD(noise_multiplier=1.0, target_delta=0.02, seed=0)]).fit(
+            Classifier(), BlobsData(n=50, batch_size=5))
+    ours = [w for w in caught if issubclass(w.category, LargeDeltaWarning)]
+    assert [str(w.message) for w in ours] == [str(check_delta_for_size(0.02, 50, unit="examples", who="DPSGD"))]
+    assert str(ours[0].message).startswith(
+        "DPSGD: target_delta=0.02 is not below 1/N = 0.02 (N = 50 training examples)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LargeDeltaWarning)  # delta < 1/N: no warning at all
+        trainer(max_steps=1, callbacks=[DPSGD(noise_multiplier=1.0, target_delta=0.019, seed=0)]).fit(
+            Classifier(), BlobsData(n=50, batch_size=5))
+
+
 def test_batchnorm_is_refused_with_layer_name_and_fixed_on_request():
     net = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
     with pytest.raises(MisconfigurationException, match=r"net\.1 \(BatchNorm1d\).*GroupNorm"):

@@ -111,7 +111,9 @@ def test_adaptive_clipping_tracks_the_target_quantile_of_update_norms():
     privacy = CentralGaussian(noise_multiplier=0.5, clip=0.01, adaptive=True, target_quantile=0.5, clip_lr=0.3)
     m = fedavg(privacy, q=0.8)
     trainer(max_epochs=40).fit(m, SyntheticLinearMixture(num_clients=60, seed=0))
-    assert privacy.clip > 0.1  # started far below the update norms (0.01), moved up by ~exp(0.15) a round
+    # started far below the update norms (0.01), moved up by ~exp(0.15) a round to the median update norm, about 0.1
+    # (measured over noise seeds 0-5: 0.095 to 0.102)
+    assert 0.05 < privacy.clip < 0.2
     assert privacy.accountant.history == [(0.5, 0.8, 40)]  # accounted with z; the update noise used z_Delta
 
 
@@ -319,7 +321,7 @@ def test_a_sector_under_adaptive_clipping_follows_the_servers_threshold_and_repo
                               adjacency="replace", count_noise_std=5.0)
     m = fedavg(privacy, q=0.8, sanitizer=sector)
     trainer(max_epochs=20).fit(m, SyntheticLinearMixture(num_clients=60, seed=0))
-    assert privacy.clip > 0.1
+    assert 0.05 < privacy.clip < 0.2  # from 0.01 up to about the median raw update norm (0.1), as above
     assert sector.clip == privacy.clip and sector.lower_clip == pytest.approx(0.5 * privacy.clip, rel=1e-12)
     pad = 1 + 1e-4
     ball = CentralGaussian(noise_multiplier=0.5, clip=1.0, adaptive=True, adjacency="replace", count_noise_std=5.0)
@@ -381,8 +383,41 @@ def test_epsilon_is_in_every_metrics_write_and_the_final_spend_is_written(every,
     recorder = _Recorder()
     trainer(max_epochs=rounds, logger=recorder, log_every_n_steps=every).fit(fedavg(privacy),
                                                                             SyntheticLinearMixture(seed=0))
-    writes = [m for _, m in recorder.calls if "round/participants" in m]
+    writes = [m for _, m in recorder.calls if "nonprivate/participants" in m]  # exact counts: nonprivate under central DP
     assert len(writes) == rounds // every and all("privacy/epsilon" in m for m in writes)
     finals = [m["privacy/epsilon"] for _, m in recorder.calls if "privacy/epsilon" in m]
     assert finals[-1] == pytest.approx(privacy.epsilon, rel=1e-12)
     assert privacy.epsilon == pytest.approx(library_epsilon(1.0, 0.25, rounds), rel=1e-9)
+
+
+def test_delta_not_below_one_over_the_number_of_clients_warns_when_planned():
+    """Issue 24's reproduction: 10 training clients at delta 0.3 trained and reported epsilon 0.0 with no
+    warning. The warning is the shared one (lightning_dp.privacy.delta), given once when the round plans."""
+    import warnings
+
+    from lightning_dp.privacy.delta import LargeDeltaWarning, check_delta_for_size
+
+    privacy = CentralGaussian(noise_multiplier=1.0, target_delta=0.3, clip=1.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(max_epochs=2).fit(fedavg(privacy, q=0.5), SyntheticLinearMixture(num_clients=10, seed=0))
+    ours = [str(w.message) for w in caught if issubclass(w.category, LargeDeltaWarning)]
+    assert ours == [str(check_delta_for_size(0.3, 10, unit="clients", who="CentralGaussian"))]
+    assert ours[0].startswith("CentralGaussian: target_delta=0.3 is not below 1/N = 0.1 (N = 10 training clients)")
+    assert len(privacy.accountant) == 2  # a warning, not a refusal: the run trained (its epsilon is still stated)
+    with pytest.warns(LargeDeltaWarning, match=r"target_delta=0.1 is not below 1/N = 0.1"):  # delta = 1/N exactly
+        CentralGaussian(noise_multiplier=1.0, target_delta=0.1).plan(sample_rate=0.5, num_clients=10,
+                                                                      expected_count=5.0, planned_rounds=1)
+
+
+def test_delta_below_one_over_the_number_of_clients_is_silent():
+    import warnings
+
+    from lightning_dp.privacy.delta import LargeDeltaWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LargeDeltaWarning)
+        CentralGaussian(noise_multiplier=1.0, target_delta=0.099).plan(sample_rate=0.5, num_clients=10,
+                                                                        expected_count=5.0, planned_rounds=1)
+        trainer(max_epochs=1).fit(fedavg(CentralGaussian(noise_multiplier=1.0), q=0.5),
+                                  SyntheticLinearMixture(num_clients=10, seed=0))

@@ -260,3 +260,50 @@ def test_weighted_fedavg_is_refused_with_a_local_dp_sanitizer():
                        sanitizer=GaussianLocalDP(noise_multiplier=2.0, clip=0.5), aggregator=FedAvg(weighted=True))
     with pytest.raises(MisconfigurationException, match="example counts"):
         trainer(max_epochs=1).fit(m, SyntheticLinearMixture(seed=0))
+
+
+def test_local_dp_sgd_warns_once_for_the_clients_whose_records_are_too_many_for_its_delta():
+    """Each client's record-level epsilon is stated at one delta; delta >= 1/n_c for the clients with
+    n_c >= 1/delta. ONE warning (the shared function's, lightning_dp.privacy.delta) names how many and the
+    largest n_c, not one per client; clients below stay silent."""
+    import warnings
+
+    from lightning_dp.federated.parts import FedAvg, LocalDPSGD
+    from lightning_dp.privacy.delta import LargeDeltaWarning, check_delta_for_size
+
+    update = LocalDPSGD(batch_size=5, noise_multiplier=1.0, delta=1e-3)
+    sizes = [5000, 40, 1200, 12, 2000]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        update.plan([f"c{i}" for i in range(5)], sizes, planned_rounds=1, inclusion_rate=1.0)
+    ours = [str(w.message) for w in caught if issubclass(w.category, LargeDeltaWarning)]
+    assert ours == [str(check_delta_for_size(1e-3, sizes, unit="records", who="LocalDPSGD", name="delta"))]
+    assert ours[0].startswith("LocalDPSGD: delta=0.001 is not below 1/N for 3 of 5 clients, those with N >= 1200 "
+                              "(N = records of a client; the largest has N = 5000")
+
+    # in a federated run: 10 clients of 10 records at delta 0.1 (= 1/n_c): one warning when the round plans
+    update = LocalDPSGD(epochs=1, lr=0.05, batch_size=5, noise_multiplier=1.0, delta=0.1)
+    m = FederatedRound(LinearRegression(), selection=UniformSelection(10), update=update, aggregator=FedAvg(),
+                       seed=0, noise_seed=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(max_epochs=1).fit(m, SyntheticLinearMixture(num_clients=10, samples_per_client=10, seed=0))
+    ours = [str(w.message) for w in caught if issubclass(w.category, LargeDeltaWarning)]
+    assert len(ours) == 1 and "for 10 of 10 clients" in ours[0] and len(update.ledger) == 10
+
+
+def test_local_dp_sgd_below_one_over_every_n_c_and_local_dp_ledgers_are_silent():
+    """delta < 1/n_c for every client: no warning. A local DP ledger (GaussianLocalDP) protects the client's
+    whole data, one unit: its delta has no 1/N to be below, and it never warns."""
+    import warnings
+
+    from lightning_dp.federated.parts import LocalDPSGD
+    from lightning_dp.privacy.delta import LargeDeltaWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LargeDeltaWarning)
+        LocalDPSGD(batch_size=5, noise_multiplier=1.0, delta=1e-3).plan(
+            ["a", "b"], [999, 12], planned_rounds=1, inclusion_rate=1.0)
+        trainer(max_epochs=1).fit(round_with(GaussianLocalDP(noise_multiplier=2.0, clip=0.5, target_delta=0.5),
+                                             clients_per_round=10),
+                                  SyntheticLinearMixture(num_clients=10, seed=0))

@@ -24,6 +24,7 @@ from lightning_dp.federated.local_dp_sgd import ClientPlan, _draw_batch, local_d
 from lightning_dp.federated.parts import FedAvg, LocalDPSGD, UniformSelection
 from lightning_dp.models import LinearRegression
 from lightning_dp.privacy.ledger import RecordLedger
+from lightning_dp.privacy.noise import SecretGenerator
 from tests.privacy.reference import per_example_gradients
 
 logging.getLogger("absl").setLevel(logging.ERROR)
@@ -89,7 +90,7 @@ def test_local_dp_sgd_equals_a_per_example_autograd_loop_with_the_same_draws(eng
     plans = [ClientPlan(steps_per_participation(n, 4, 2), min(1.0, 4 / n), s) for n, s in zip(sizes, (0.5, 1.0, 2.0))]
     seeds = [11, 12, 13]
     got = local_dp_sgd(template, spec, start, x, y, mask, plans=plans,
-                       generators=[torch.Generator().manual_seed(s) for s in seeds], batch_size=4, max_grad_norm=0.3,
+                       generators=[SecretGenerator().manual_seed(s) for s in seeds], batch_size=4, max_grad_norm=0.3,
                        lr=0.5, loss="cross_entropy", sampling=sampling, engine=engine)
     want = _reference(template, spec, start, x, y, mask, plans, seeds, batch_size=4, clip=0.3, lr=0.5,
                       sampling=sampling)
@@ -104,10 +105,10 @@ def test_a_clients_training_does_not_depend_on_its_companions():
     start = torch.zeros(3, spec.numel)
     plans = [ClientPlan(3, 0.3, 1.0)] * 3
     together = local_dp_sgd(template, spec, start, x, y, mask, plans=plans,
-                            generators=[torch.Generator().manual_seed(s) for s in (1, 2, 3)], batch_size=4,
+                            generators=[SecretGenerator().manual_seed(s) for s in (1, 2, 3)], batch_size=4,
                             max_grad_norm=1.0, lr=0.1, loss="cross_entropy")
     alone = local_dp_sgd(template, spec, start[1:2], x[1:2, :7], y[1:2, :7], mask[1:2, :7], plans=plans[1:2],
-                         generators=[torch.Generator().manual_seed(2)], batch_size=4, max_grad_norm=1.0, lr=0.1,
+                         generators=[SecretGenerator().manual_seed(2)], batch_size=4, max_grad_norm=1.0, lr=0.1,
                          loss="cross_entropy")
     torch.testing.assert_close(together[1:2], alone, rtol=1e-6, atol=1e-7)
 
@@ -123,7 +124,7 @@ def test_the_noise_has_std_sigma_c_over_b_per_coordinate():
     mask = torch.ones(1, 50, dtype=torch.bool)
     start = torch.zeros(1, spec.numel)
     out = local_dp_sgd(model, spec, start, x, y, mask, plans=[ClientPlan(1, 0.2, 3.0)],
-                       generators=[torch.Generator().manual_seed(5)], batch_size=10, max_grad_norm=1.0, lr=2.0,
+                       generators=[SecretGenerator().manual_seed(5)], batch_size=10, max_grad_norm=1.0, lr=2.0,
                        loss="cross_entropy")
     weights = out[0, : 784 * 10]
     assert float(weights.std()) == pytest.approx(2.0 * 3.0 * 1.0 / 10, rel=0.04)
@@ -147,10 +148,10 @@ def test_every_draw_comes_from_the_client_generator():
     spec = FlatParams.of(template)
     kwargs = dict(plans=[ClientPlan(2, 0.5, 1.0)] * 2, batch_size=5, max_grad_norm=1.0, lr=0.1, loss="cross_entropy")
     same = local_dp_sgd(template, spec, torch.zeros(2, spec.numel), x, y, mask,
-                        generators=[torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)], **kwargs)
+                        generators=[SecretGenerator().manual_seed(4), SecretGenerator().manual_seed(4)], **kwargs)
     assert torch.equal(same[0], same[1])
     other = local_dp_sgd(template, spec, torch.zeros(2, spec.numel), x, y, mask,
-                         generators=[torch.Generator().manual_seed(4), torch.Generator().manual_seed(5)], **kwargs)
+                         generators=[SecretGenerator().manual_seed(4), SecretGenerator().manual_seed(5)], **kwargs)
     assert not torch.equal(other[0], other[1])
 
 
@@ -306,3 +307,15 @@ def test_the_noise_comes_from_the_secret_seed():
 
     assert torch.equal(run(3), run(3))
     assert not torch.equal(run(3), run(4))
+
+
+def test_a_public_generator_is_refused():
+    """The record-level accountant amplifies by the clients' batches: a generator that is not a SecretGenerator (one
+    derived from the public seed, say) is refused before any step."""
+    x, y, mask = _clients([6, 5])
+    template = _model()
+    spec = FlatParams.of(template)
+    with pytest.raises(TypeError, match="SECRET seed"):
+        local_dp_sgd(template, spec, torch.zeros(2, spec.numel), x, y, mask, plans=[ClientPlan(1, 0.5, 1.0)] * 2,
+                     generators=[torch.Generator().manual_seed(4), SecretGenerator().manual_seed(5)], batch_size=2,
+                     max_grad_norm=1.0, lr=0.1, loss="cross_entropy")

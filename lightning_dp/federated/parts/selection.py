@@ -1,9 +1,13 @@
 """Client selection: which training clients take part in a round.
 
-The draw uses the round's public generator (client sampling is public randomness in the
-personalized algorithm, which claims no amplification by it; the client-level accountant
-of :class:`~lightning_dp.federated.parts.server_privacy.CentralGaussian` does claim it, so
-it needs :class:`PoissonSelection`, whose rate it accounts).
+The round draws its clients with :meth:`ClientSelection.draw`, from a generator derived from
+the run's SECRET noise seed (:func:`~lightning_dp.privacy.noise.derive_secret_generator`): the
+client-level accountant of :class:`~lightning_dp.federated.parts.server_privacy.CentralGaussian`
+claims amplification by :class:`PoissonSelection`'s rate, which holds only if nobody who reads
+the record can recompute who took part (the module's public ``seed`` is in the logged params and
+the uploaded checkpoint). :meth:`~ClientSelection.draw` refuses any other generator, so a new
+selection inherits the check. The personalized algorithm claims no amplification by its uniform
+selection; its draws are secret all the same (one rule for every selection).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Any, Literal
 import torch
 
 from lightning_dp.federated.parts.registry import Part, register_part
+from lightning_dp.privacy.noise import require_secret
 from lightning_dp.privacy.sampling import check_sample_rate
 
 __all__ = ["ClientSelection", "PoissonSelection", "UniformSelection"]
@@ -25,10 +30,20 @@ class ClientSelection(Part):
     #: Poisson inclusion rate of every client (for amplification by sampling), or None
     poisson_rate: float | None = None
 
+    def draw(self, num_clients: int, generator: torch.Generator,
+             eligible: Callable[[int], bool] | None = None) -> tuple[list[int], int]:
+        """:meth:`select` from a secret generator: what the round calls.
+
+        Raises:
+            TypeError: If ``generator`` is not a :class:`~lightning_dp.privacy.noise.SecretGenerator`.
+        """
+        require_secret(generator, f"client selection ({type(self).__name__})")
+        return self.select(num_clients, generator, eligible)
+
     def select(self, num_clients: int, generator: torch.Generator,
                eligible: Callable[[int], bool] | None = None) -> tuple[list[int], int]:
         """``(chosen client positions, number declined)``; ``eligible(i)`` False means client i declines
-        (its privacy cap would be exceeded)."""
+        (its privacy cap would be exceeded). Implemented by each selection; called through :meth:`draw`."""
         raise NotImplementedError
 
     def expected_count(self, num_clients: int) -> float:

@@ -48,6 +48,7 @@ import math
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_dp.federated.local import row_norms
@@ -56,6 +57,7 @@ from lightning_dp.privacy.accounting import check_adjacency, get_accountant
 from lightning_dp.privacy.adaptive import default_count_noise_std, quantile_clip_update, quantile_noise_split
 from lightning_dp.privacy.calibration import calibrate_noise_multiplier
 from lightning_dp.privacy.clipping import check_max_grad_norm, clip_factors
+from lightning_dp.privacy.delta import LargeDeltaWarning, check_delta_for_size
 from lightning_dp.privacy.noise import check_noise_multiplier, gaussian_noise
 
 __all__ = ["CentralGaussian", "NoServerPrivacy", "ServerPrivacy"]
@@ -87,6 +89,10 @@ class ServerPrivacy(Part):
         """The spend so far, as metrics (``privacy/epsilon``, ...); empty when nothing is accounted."""
         return {}
 
+    def privacy_spend(self) -> list[Any]:
+        """The client-level spend (:class:`~lightning_dp.privacy.spend.Spend`), empty when nothing is accounted."""
+        return []
+
 
 @register_part("server_privacy", "none")
 class NoServerPrivacy(ServerPrivacy):
@@ -106,7 +112,9 @@ class CentralGaussian(ServerPrivacy):
         noise_multiplier: z. If omitted, calibrated so that the planned rounds spend at most
             ``target_epsilon`` (the planned length: ``rounds``, else the Trainer's ``max_epochs``).
         target_epsilon: the budget; the run stops before a round that would exceed it.
-        target_delta: the delta at which epsilon is reported and enforced.
+        target_delta: the delta at which epsilon is reported and enforced; :meth:`plan` warns
+            (:class:`~lightning_dp.privacy.delta.LargeDeltaWarning`) when it is not below 1/N for the N
+            training clients.
         clip: C, the clipping threshold of the update norms (the initial one when adaptive).
         adaptive: move C to the ``target_quantile`` of the update norms (Andrew et al. 2021).
         target_quantile: gamma, the fraction of updates to leave unclipped.
@@ -184,6 +192,9 @@ class CentralGaussian(ServerPrivacy):
                              "init_args: {sample_rate: q}}. A fixed number of clients per round is not accounted.")
         self.q = sample_rate
         self.accountant.check_supported(sample_rate)
+        large_delta = self.large_delta(num_clients)
+        if large_delta is not None:  # 10 clients at delta 0.3 reported epsilon 0.0 silently (issue 24, item 6)
+            rank_zero_warn(large_delta)
         if self.adaptive:
             self.count_std = self.requested_count_std or default_count_noise_std(expected_count)
         if self.z is None:
@@ -207,6 +218,12 @@ class CentralGaussian(ServerPrivacy):
             limit = self.rounds or planned_rounds or 10**7
             self.allowed_rounds = self.accountant.max_steps(self.target_epsilon, self.target_delta,
                                                             noise_multiplier=self.z, sample_rate=self.q, limit=limit)
+
+    def large_delta(self, num_clients: int) -> LargeDeltaWarning | None:
+        """The warning :meth:`plan` gives when ``target_delta`` is not below ``1/N`` for the ``N`` training clients
+        (:func:`~lightning_dp.privacy.delta.check_delta_for_size`; ``lightning-dp epsilon`` prints the same), or None.
+        ``num_clients`` 0: N unknown, nothing to say."""
+        return check_delta_for_size(self.target_delta, num_clients, unit="clients", who=type(self).__name__)
 
     @property
     def update_noise_multiplier(self) -> float:
@@ -321,6 +338,15 @@ class CentralGaussian(ServerPrivacy):
         self.accountant.step(noise_multiplier=one, sample_rate=self.q)
         self.set_accountant.step(noise_multiplier=pair, sample_rate=self.q)
         metrics["privacy/update_set_diameter"] = d
+
+    def privacy_spend(self) -> list[Any]:
+        """Client-level (epsilon, delta): the replace-one (or add/remove) accountant, and under replacement with a
+        bounded update set the disjoint-pair one too (both bound the whole run; :attr:`epsilon` is the smaller)."""
+        from lightning_dp.privacy.spend import Spend
+
+        pair = self.set_accountant if self.set_accountant is not None and len(self.set_accountant) else None
+        return [Spend.accounted("client", self.accountant, delta=self.target_delta,
+                                alternatives={"disjoint_pair": pair}, why=type(self).__name__)]
 
     def epsilon_metrics(self) -> dict[str, float]:
         out = {"privacy/epsilon": self.epsilon}

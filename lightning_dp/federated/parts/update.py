@@ -7,11 +7,13 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_dp.federated.budgets import ClientBudgets
 from lightning_dp.federated.local import local_sgd, local_sgd_loop
 from lightning_dp.federated.parts.registry import Part, register_part
+from lightning_dp.privacy.delta import LargeDeltaWarning, check_delta_for_size
 
 __all__ = ["AUTO_VMAP_MAX_PARAMETERS", "ClientUpdate", "LocalDPSGD", "LocalSGD", "auto_engine"]
 
@@ -143,7 +145,8 @@ class LocalDPSGD(ClientUpdate):
         noise_multiplier: sigma for every client (None: calibrate to ``target_epsilon``).
         target_epsilon: each client's record-level budget at ``delta`` (None: unlimited; needs
             ``noise_multiplier``).
-        delta: the delta of every client's epsilon (well below 1 / n_c).
+        delta: the delta of every client's epsilon (well below 1 / n_c: :meth:`plan` warns once, with
+            :class:`~lightning_dp.privacy.delta.LargeDeltaWarning`, for the clients where it is not).
         sampling: ``"poisson"`` or ``"shuffle"``.
         adjacency: ``"add_remove"`` (Poisson only) or ``"replace"`` (of one record); default:
             add/remove for Poisson, replace for shuffled batches.
@@ -246,6 +249,9 @@ class LocalDPSGD(ClientUpdate):
         from lightning_dp.privacy.calibration import calibrate_noise_multiplier
 
         self._ids, self._planned_rounds, self._fits, self._fresh_fits = list(client_ids), planned_rounds, {}, {}
+        large_delta = self.large_delta(sizes)
+        if large_delta is not None:
+            rank_zero_warn(large_delta)
         if self.budgets is not None:
             self._own, self._groups = self.budgets.assign_with_groups(self._ids)
         else:
@@ -285,6 +291,13 @@ class LocalDPSGD(ClientUpdate):
             if not self.ledger.participations(self._ids[len(plans) - 1]):
                 self._fits[len(plans) - 1] = count  # verified by the calibration
         self._plans = plans
+
+    def large_delta(self, sizes: Sequence[int]) -> LargeDeltaWarning | None:
+        """The ONE warning :meth:`plan` gives when ``delta`` is not below ``1/n_c`` for some clients (``sizes``: the
+        records ``n_c`` of every training client; each client's record-level epsilon is stated at ``delta``), naming
+        how many and their sizes (:func:`~lightning_dp.privacy.delta.check_delta_for_size`), or None."""
+        return check_delta_for_size(self.delta, [int(n) for n in sizes], unit="records", who=type(self).__name__,
+                                    name="delta")
 
     def client_plans(self) -> list[Any]:
         """The :class:`~lightning_dp.federated.local_dp_sgd.ClientPlan` of every training client (after :meth:`plan`)."""

@@ -1,0 +1,116 @@
+"""What each name a run writes to the record is: one table for metrics, params, tags and artifacts.
+
+The record (MLflow: metrics, params, tags, artifacts; the printed summary) is what an attacker
+reads. Everything in it must be one of four kinds (DESIGN.md, "Secrets and the record"):
+
+- :attr:`Kind.RELEASE`: a value released through a DP mechanism and covered by an accountant
+  (an adaptive clipping threshold, a noisy count), or a value computed from released values
+  only (post-processing: the model's validation and test metrics on held-out data, the uploaded
+  model, plots of sanitized releases);
+- :attr:`Kind.PUBLIC`: public configuration, or a function of it and of public randomness alone
+  (the noise multiplier, the sample rate, the accounted epsilon: a function of the configuration
+  and of the number of steps);
+- :attr:`Kind.NONPRIVATE`: an exact statistic of the private data that no accountant covers, under
+  ``nonprivate/`` and switched off by the components' ``log_nonprivate_metrics=False``;
+- anything else is undeclared: :func:`classify` returns None, and the neighbouring-record test
+  (tests/test_neighbouring_records.py) fails on it.
+
+Components that choose a name by the run's setting do so in one place (the federated round's
+``_stat``: counts under central DP are ``nonprivate/``); this table states what each name is when
+it is written. A name is matched by its first pattern (``fnmatch``: ``*`` spans ``/``).
+
+Example:
+    >>> classify("privacy/epsilon"), classify("nonprivate/train_loss"), classify("val/acc")
+    (<Kind.PUBLIC: 'public'>, <Kind.NONPRIVATE: 'nonprivate'>, <Kind.RELEASE: 'release'>)
+    >>> classify("my_train_loss") is None
+    True
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from fnmatch import fnmatchcase
+from typing import NamedTuple
+
+__all__ = ["Declaration", "Kind", "RECORD", "classify", "declare", "undeclared"]
+
+
+class Kind(str, enum.Enum):
+    """What a recorded item is (module docstring)."""
+
+    RELEASE = "release"
+    PUBLIC = "public"
+    NONPRIVATE = "nonprivate"
+
+
+class Declaration(NamedTuple):
+    """One row of the table: a name pattern, its kind, where it is written ("metric", "param", "tag",
+    "artifact", or "*"), and why it is that kind."""
+
+    pattern: str
+    kind: Kind
+    where: str
+    why: str
+
+
+#: The table, first match wins. Each row says why; docs/privacy.md renders the threat model from it.
+RECORD: list[Declaration] = [
+    # --- exact statistics of private data
+    Declaration("nonprivate/*", Kind.NONPRIVATE, "*", "exact statistics of the training data, covered by no "
+                "accountant; off with log_nonprivate_metrics=False"),
+    # --- accounted releases and their post-processing
+    Declaration("privacy/max_grad_norm", Kind.RELEASE, "metric", "an adaptive clipping threshold: moved by a noisy "
+                "count (QuantileClipping, CentralGaussian(adaptive=True)) or the sanitized dot products of OSO, "
+                "accounted with the gradient"),
+    Declaration("privacy/unclipped_fraction_estimate", Kind.RELEASE, "metric", "the noisy count of unclipped "
+                "updates (Andrew et al.), accounted"),
+    Declaration("train/lr", Kind.RELEASE, "metric", "OSO's learning rate, from the sanitized dot products"),
+    Declaration("val/*", Kind.RELEASE, "metric", "the released model evaluated on held-out data (post-processing)"),
+    Declaration("test/*", Kind.RELEASE, "metric", "the released model evaluated on held-out data (post-processing)"),
+    Declaration("summary.val_*", Kind.RELEASE, "tag", "the last val/* metrics"),
+    Declaration("summary.test_*", Kind.RELEASE, "tag", "the last test/* metrics"),
+    Declaration("model/*", Kind.RELEASE, "artifact", "the released model, stripped of every secret "
+                "(tracking.public_checkpoint)"),
+    Declaration("round/*", Kind.RELEASE, "metric", "statistics of sanitized client releases (post-processing), or "
+                "counts of a selection no accountant amplifies; under central DP the round writes these under "
+                "nonprivate/ instead"),
+    Declaration("federated/parameters.png", Kind.RELEASE, "artifact", "sanitized releases of a public selection"),
+    Declaration("pdpfl/public_clients", Kind.RELEASE, "metric", "PFA's public group among the participants, from "
+                "the budgets the clients reveal (public in PFA)"),
+    Declaration("pdpfl/split_accuracy", Kind.RELEASE, "metric", "a simulation diagnostic of PFA's split against "
+                "the (public) budget groups"),
+    # --- accounted spend and configuration
+    Declaration("privacy/*", Kind.PUBLIC, "*", "the mechanism's configuration and its accounted spend (a function "
+                "of the configuration, the number of steps and the public or post-processed ledger)"),
+    Declaration("summary.epsilon", Kind.PUBLIC, "tag", "the final accounted spend"),
+    Declaration("summary.budget_used", Kind.PUBLIC, "tag", "the final spend over the target"),
+    Declaration("summary.client_epsilon_max", Kind.PUBLIC, "tag", "the final privacy/client_epsilon_max"),
+    Declaration("grid/*", Kind.PUBLIC, "*", "the grid's composition of its runs' spends"),
+    Declaration("grid.*", Kind.PUBLIC, "*", "the grid's configuration and choices"),
+    Declaration("epoch", Kind.PUBLIC, "metric", "Lightning's epoch counter"),
+    Declaration("config.yaml", Kind.PUBLIC, "artifact", "the run's configuration, secrets redacted"),
+    Declaration("mlflow.*", Kind.PUBLIC, "tag", "MLflow's own tags"),
+    Declaration("lightning_dp.*", Kind.PUBLIC, "tag", "versions and provenance"),
+    Declaration("audit/*", Kind.PUBLIC, "*", "an audit's configuration and its results on canaries (not training "
+                "data), run by the auditor"),
+]
+
+
+def declare(pattern: str, kind: Kind, where: str = "*", why: str = "") -> None:
+    """Add a row to the table (before the built-in rows: a component's own declaration wins)."""
+    RECORD.insert(0, Declaration(pattern, Kind(kind), where, why))
+
+
+def classify(name: str, where: str = "*") -> Kind | None:
+    """The kind of ``name`` written as ``where`` (``"metric"``, ``"param"``, ``"tag"``, ``"artifact"``), or
+    None when the table does not declare it."""
+    for row in RECORD:
+        if (row.where == "*" or where == "*" or row.where == where) and fnmatchcase(name, row.pattern):
+            return row.kind
+    return None
+
+
+def undeclared(names: Iterable[str], where: str = "*") -> list[str]:
+    """The names the table does not declare, sorted."""
+    return sorted({n for n in names if classify(n, where) is None})

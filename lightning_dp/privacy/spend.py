@@ -1,0 +1,231 @@
+"""What a run spent, in the units a grid composes: one interface for every privacy component.
+
+A grid of runs on the same data is one release of everything its runs release, so its privacy
+cost is the composition of the runs' costs (``lightning-dp grid``, :mod:`lightning_dp.grid`). Every
+component that protects a run reports what it spent through one method,
+``privacy_spend() -> list[Spend]`` (:class:`SpendReporter`): the DP-SGD callbacks
+(example-level epsilon with the accountant's history), the federated round (client-level epsilon
+of its server accountant, the clients' d-privacy or local-DP ledgers, the record-level ledgers of
+local DP-SGD, or "unsanitized: infinite" at a level it releases without protection). The grid
+composes the reports level by level with :func:`compose`; it never guesses from attributes.
+
+Levels (the unit whose neighbours the guarantee compares):
+
+- ``"example"``: one training example added or removed (or replaced), (epsilon, delta) from an
+  accountant's history (DPSGD and its subclasses);
+- ``"client"``: one client's data, (epsilon, delta) from the server's accountant (DP-FedAvg,
+  :class:`~lightning_dp.federated.parts.CentralGaussian`);
+- ``"client_ledger"``: each client's own spend of its local releases (d-privacy, or local DP with
+  the sanitizer's ledger), per client; runs add up per client as the ledger itself composes;
+- ``"record"``: each client's record-level spend of local DP-SGD, per client, from its accountant's
+  history.
+
+A level that some run of a grid reports and another does not protect (it released the same data
+unsanitized, or without that kind of guarantee) is infinite for the grid: its runs are only as
+private as the least private one.
+
+Example:
+    >>> from lightning_dp.privacy.accounting import get_accountant
+    >>> acc = get_accountant("rdp")
+    >>> acc.step(noise_multiplier=1.0, sample_rate=0.01, num_steps=100)
+    >>> run = [Spend.accounted("example", acc, delta=1e-5)]
+    >>> both = compose([run, run])
+    >>> both["grid/epsilon"] > acc.get_epsilon(1e-5), both["grid/privacy_level"]
+    (True, 'example')
+    >>> compose([run, [Spend.unprotected("example", "no DP-SGD callback")]])["grid/epsilon"]
+    inf
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["LEVELS", "Spend", "SpendReporter", "compose", "reporters_of", "unreported_components"]
+
+#: The levels a spend can be stated at (module docstring).
+LEVELS = ("example", "client", "client_ledger", "record")
+#: The (epsilon, delta) levels, of which a grid reports one as ``grid/epsilon``.
+_ACCOUNTED = ("example", "client")
+
+
+@dataclass(frozen=True)
+class Spend:
+    """One component's spend at one level (build it with the class methods).
+
+    Attributes:
+        level: one of :data:`LEVELS`.
+        accountants: for ``"example"``/``"client"``: ``{name: accountant}``, each a valid bound of the
+            whole run (e.g. the replace-one and the disjoint-pair bound); the spend is the smallest.
+        delta: the delta the epsilon is stated at.
+        ledger: for ``"client_ledger"``/``"record"``: the run's per-client ledger (a copy).
+        unsanitized: the run released data at this level without protection (infinite spend).
+        why: what the component is, for messages and the report.
+    """
+
+    level: str
+    accountants: Mapping[str, Any] = field(default_factory=dict)
+    delta: float | None = None
+    ledger: Any = None
+    unsanitized: bool = False
+    why: str = ""
+
+    def __post_init__(self) -> None:
+        if self.level not in LEVELS:
+            raise ValueError(f"level={self.level!r} is not allowed; choose one of {LEVELS}")
+
+    @classmethod
+    def accounted(cls, level: str, accountant: Any, *, delta: float, alternatives: Mapping[str, Any] | None = None,
+                  why: str = "") -> Spend:
+        """An (epsilon, delta) spend from ``accountant`` (its history is copied), and optional further accountants
+        that each bound the whole run too (the smallest bound is the spend)."""
+        if level not in _ACCOUNTED:
+            raise ValueError(f"an accountant's spend is stated at level 'example' or 'client', got {level!r}")
+        accountants = {"main": copy.deepcopy(accountant)}
+        accountants.update({k: copy.deepcopy(v) for k, v in (alternatives or {}).items() if v is not None})
+        return cls(level, accountants=accountants, delta=float(delta), why=why)
+
+    @classmethod
+    def per_client(cls, level: str, ledger: Any, *, why: str = "") -> Spend:
+        """A per-client spend: a :class:`~lightning_dp.privacy.ledger.PrivacyLedger` (or a subclass) at
+        ``"client_ledger"``, a :class:`~lightning_dp.privacy.ledger.RecordLedger` at ``"record"``."""
+        if level not in ("client_ledger", "record"):
+            raise ValueError(f"a ledger's spend is stated at level 'client_ledger' or 'record', got {level!r}")
+        return cls(level, ledger=copy.deepcopy(ledger), why=why)
+
+    @classmethod
+    def unprotected(cls, level: str, why: str) -> Spend:
+        """The run released data at ``level`` without protection: an infinite spend."""
+        return cls(level, unsanitized=True, why=why)
+
+    @property
+    def epsilon(self) -> float:
+        """The run's own spend (for ledgers: the largest client's)."""
+        if self.unsanitized:
+            return math.inf
+        if self.level in _ACCOUNTED:
+            assert self.delta is not None
+            return min(acc.get_epsilon(self.delta) for acc in self.accountants.values())
+        return float(self.ledger.max()) if len(self.ledger) else 0.0
+
+
+@runtime_checkable
+class SpendReporter(Protocol):
+    """A component that reports its spend (DPSGD, the federated round, ...)."""
+
+    def privacy_spend(self) -> list[Spend]:
+        """What the run spent so far, one :class:`Spend` per level it protects or releases unprotected."""
+        ...
+
+
+# attributes by which a component shows that it holds privacy state: one that has them but reports
+# no spend cannot be composed (and must not be counted as private)
+_PRIVACY_MARKS = ("set_secret_seed", "ledger", "accountant", "noise_multiplier", "SECRET_ARGUMENTS")
+
+
+def reporters_of(components: Sequence[Any]) -> list[Any]:
+    """The components that report a spend (:class:`SpendReporter`)."""
+    return [c for c in components if callable(getattr(c, "privacy_spend", None))]
+
+
+def unreported_components(components: Sequence[Any]) -> list[str]:
+    """Names of the components that hold privacy state (a secret seed, a ledger, an accountant, a noise
+    multiplier) but report no spend: a grid cannot compose them and refuses the run."""
+    out = []
+    for c in components:
+        if callable(getattr(c, "privacy_spend", None)):
+            continue
+        marks = [m for m in _PRIVACY_MARKS if getattr(type(c), m, None) is not None or m in getattr(c, "__dict__", {})]
+        if marks:
+            out.append(f"{type(c).__name__} (has {', '.join(marks)})")
+    return out
+
+
+def _compose_accounted(spends: Sequence[Spend]) -> tuple[float, float]:
+    """``(epsilon, delta)`` of the composition of one accounted level over runs: each bound (by name) that
+    every run reports is composed on its own; the smallest composed bound is the grid's."""
+    names = set(spends[0].accountants)
+    for s in spends[1:]:
+        names &= set(s.accountants)
+    kinds = {(type(s.accountants["main"]).__name__, getattr(s.accountants["main"], "adjacency", None)) for s in spends}
+    if len(kinds) != 1:
+        raise ValueError(f"the grid's runs state {spends[0].level}-level epsilon with different accountants "
+                         f"{sorted(map(str, kinds))}; a composition needs one accountant kind and adjacency: set the "
+                         "same accountant (and adjacency) in every run.")
+    delta = max(float(s.delta) for s in spends if s.delta is not None)
+    bounds = []
+    for name in sorted(names):
+        composed = copy.deepcopy(spends[0].accountants[name])
+        for s in spends[1:]:
+            for sigma, q, steps in s.accountants[name].history:
+                composed.step(noise_multiplier=sigma, sample_rate=q, num_steps=steps)
+        bounds.append(composed.get_epsilon(delta))
+    return min(bounds), delta
+
+
+def _compose_ledgers(spends: Sequence[Spend]) -> dict[Any, float]:
+    """Per-client spend of the composition over runs, with the ledgers' own composition."""
+    from lightning_dp.privacy.ledger import PrivacyLedger, RecordLedger
+
+    composed = copy.deepcopy(spends[0].ledger)
+    for s in spends[1:]:
+        other = s.ledger
+        if type(other) is not type(composed) or getattr(other, "delta", None) != getattr(composed, "delta", None):
+            raise ValueError(f"the grid's runs keep {spends[0].level} ledgers of different kinds ({type(composed).__name__}"
+                             f" and {type(other).__name__}, or different deltas); a composition needs one kind.")
+        for cid in other.as_dict():
+            if isinstance(other, RecordLedger):
+                for sigma, q, steps in other.history(cid):
+                    composed.charge(cid, noise_multiplier=sigma, sample_rate=q, num_steps=steps)
+            else:  # the ledger's raw additive cost (a GaussianLedger keeps precisions, which add)
+                composed.charge(cid, PrivacyLedger.spent(other, cid))
+    return composed.as_dict()
+
+
+def compose(runs: Sequence[Sequence[Spend]]) -> dict[str, Any]:
+    """The grid's privacy totals from every run's spends (one list per run).
+
+    Returns:
+        ``grid/epsilon``, ``grid/delta`` and ``grid/privacy_level`` for the (epsilon, delta) level;
+        ``grid/client_epsilon_median``/``_max`` for client ledgers; ``grid/record_epsilon_median``/``_max``
+        for record ledgers; ``math.inf`` where some run did not protect a level another run reports.
+
+    Raises:
+        ValueError: If the runs state epsilon at both the example and the client level, or with
+            accountants (ledgers) of different kinds.
+    """
+    by_level: dict[str, list[list[Spend]]] = {}
+    for spends in runs:
+        for level in LEVELS:
+            by_level.setdefault(level, []).append([s for s in spends if s.level == level])
+    present = [level for level in LEVELS if any(by_level[level])]
+    accounted = [level for level in present if level in _ACCOUNTED]
+    if len(accounted) > 1:
+        raise ValueError("the grid mixes example-level (DP-SGD) and client-level (DP-FedAvg) epsilon, which measure "
+                         "different neighbours and do not compose; grid one kind of run at a time.")
+    totals: dict[str, Any] = {}
+    for level in present:
+        per_run = by_level[level]
+        # a run that releases at this level unprotected, or states no guarantee at it: infinite for the grid
+        infinite = any(not spends or any(s.unsanitized for s in spends) for spends in per_run)
+        if level in _ACCOUNTED:
+            totals["grid/privacy_level"] = level
+            flat = [s for spends in per_run for s in spends if not s.unsanitized]
+            epsilon, delta = _compose_accounted(flat) if flat else (math.inf, math.nan)
+            totals["grid/epsilon"] = math.inf if infinite else epsilon
+            if not math.isnan(delta):
+                totals["grid/delta"] = delta
+            continue
+        name = "client_epsilon" if level == "client_ledger" else "record_epsilon"
+        if infinite:
+            totals[f"grid/{name}_median"] = totals[f"grid/{name}_max"] = math.inf
+            continue
+        per_client = _compose_ledgers([s for spends in per_run for s in spends])
+        if per_client:
+            totals[f"grid/{name}_median"] = float(statistics.median(per_client.values()))
+            totals[f"grid/{name}_max"] = max(per_client.values())
+    return totals
