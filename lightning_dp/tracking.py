@@ -10,7 +10,8 @@ server chooses where artifacts go.
 Helpers for callbacks (:func:`log_figure`, :func:`log_text`, :func:`log_artifact`,
 :func:`log_params`) act on global rank zero only, on every MLflow logger of the
 trainer, and do nothing when the trainer has none, so a callback can call them
-unconditionally.
+unconditionally. In a private run every name they write passes the record's gate
+(:mod:`lightning_dp.gate`) first.
 
 Example:
     >>> from lightning.pytorch import Trainer
@@ -35,6 +36,8 @@ from urllib.parse import unquote, urlparse
 
 from lightning.pytorch.loggers import MLFlowLogger as _LightningMLFlowLogger
 from typing_extensions import override
+
+from lightning_dp.gate import admit, admit_metrics
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
@@ -314,18 +317,19 @@ def log_figure(trainer: Trainer, figure: Figure, artifact_file: str) -> None:
         artifact_file: Path of the image inside the run's artifacts; its extension
             picks the format.
     """
-    for logger in _active(trainer):
+    for logger in _active(trainer) if admit(trainer, artifact_file, "artifact") else []:
         logger.experiment.log_figure(logger.run_id, figure, artifact_file)
 
 
 def log_text(trainer: Trainer, text: str, artifact_file: str) -> None:
     """Log ``text`` as the artifact file ``artifact_file`` (e.g. ``"config.yaml"``) of every MLflow run."""
-    for logger in _active(trainer):
+    for logger in _active(trainer) if admit(trainer, artifact_file, "artifact") else []:
         logger.experiment.log_text(logger.run_id, text, artifact_file)
 
 
 def set_tags(trainer: Trainer, tags: Mapping[str, Any]) -> None:
     """Set the tags ``tags`` (values as text) on every MLflow run of the trainer (global rank zero only)."""
+    tags = admit_metrics(trainer, tags, "tag")
     for logger in _active(trainer):
         for key, value in tags.items():
             logger.experiment.set_tag(logger.run_id, key, str(value))
@@ -343,6 +347,9 @@ def log_artifact(
             keeps its name.
     """
     local_path = os.fspath(local_path)
+    name = os.path.basename(local_path.rstrip(os.sep))
+    if not admit(trainer, f"{artifact_path}/{name}" if artifact_path else name, "artifact"):
+        return
     for logger in _active(trainer):
         if os.path.isdir(local_path):
             logger.experiment.log_artifacts(logger.run_id, local_path, artifact_path)
@@ -376,7 +383,7 @@ def log_public_checkpoint(trainer: Trainer, source: str | os.PathLike[str] | Map
     checkpoints.
     """
     active = _active(trainer)
-    if not active:
+    if not active or not admit(trainer, f"{artifact_path}/{filename}", "artifact"):
         return
     import tempfile
 

@@ -50,7 +50,8 @@ class Classifier(L.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = F.cross_entropy(self(x), y)
-        self.log("train/loss", loss)
+        # the exact loss of a (private) batch: under nonprivate/, as the record's gate requires of a private run
+        self.log("nonprivate/train_loss", loss)
         return loss
 
     def validation_step(self, batch, batch_idx):

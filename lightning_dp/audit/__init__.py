@@ -13,7 +13,8 @@ per-example loss), shadow models (:mod:`lightning_dp.audit.lira`, LiRA), noisy n
 low FPR and empirical epsilon lower bounds with Clopper-Pearson confidence).
 
 One-run audits of DP-SGD: canaries (:mod:`lightning_dp.audit.canaries`), the bounds of Steinke et al. and the
-f-DP analysis (:mod:`lightning_dp.audit.one_run`), in a run via :class:`lightning_dp.callbacks.OneRunAudit`;
+f-DP analysis (:mod:`lightning_dp.audit.one_run`) with their ceiling (``epsilon_ceiling``: the largest bound m
+canaries can give), in a run via :class:`lightning_dp.callbacks.OneRunAudit`;
 :mod:`lightning_dp.callbacks.faults` holds a deliberately broken DPSGD that audits must catch.
 
 The command ``lightning-dp audit`` (:mod:`lightning_dp.audit.command`) runs an audit from a
@@ -44,7 +45,7 @@ from lightning_dp.audit.dlg import (
 )
 from lightning_dp.audit.lira import inclusion_masks, lira_from_losses, lira_scores, train_shadow_models
 from lightning_dp.audit.neighbours import find_embedding, neighbour_losses, noisy_neighbour_scores, search_sigma
-from lightning_dp.audit.one_run import one_run_audit, steinke_epsilon
+from lightning_dp.audit.one_run import epsilon_ceiling, one_run_audit, steinke_epsilon
 from lightning_dp.audit.scores import loss_scores, per_example_losses
 from lightning_dp.audit.statistics import empirical_epsilon, roc, tpr_at_fpr, two_stage_epsilon
 
@@ -61,6 +62,7 @@ __all__ = [
     "client_release",
     "dlg_attack",
     "empirical_epsilon",
+    "epsilon_ceiling",
     "find_embedding",
     "inclusion_masks",
     "lira_from_losses",

@@ -38,6 +38,14 @@ Choosing the number of guesses after seeing the scores would be a multiple-testi
 ``(1 - confidence) / len(candidates)`` (Bonferroni), and reports the largest bound: it holds with
 probability ``confidence``.
 
+The power of an audit. With ``m`` canaries no outcome gives more than the bound of a perfect guesser
+(every guess of every candidate correct, ``v = r``): :func:`epsilon_ceiling` evaluates exactly that, with the
+same bound functions, candidates and Bonferroni level, so that every reported bound is at most the ceiling
+(the bounds grow with ``v``). A claim at or above the ceiling cannot be refuted by this audit whatever the
+scores: "not refuted" then carries no information. E.g. Steinke et al.'s bound cannot exceed about 5.1 with
+1000 canaries, delta 1e-5 and the 12 default candidates, so it can never refute a claim of epsilon 8 there; its
+``2 m delta`` term even makes its ceiling fall beyond about 3000 canaries at that delta (docs/audit.md).
+
 These are lower bounds: a correct run's bound stays below its accounted epsilon (with probability
 ``confidence``), and a bound far above the accounted epsilon is evidence of a bug (e.g. noise that
 was not added). A small bound says only that this attack found little; black-box (input canaries,
@@ -53,9 +61,10 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.typing import ArrayLike
 
-__all__ = ["METHODS", "AccountedFamily", "GaussianFamily", "GuessCandidate", "OneRunResult", "TradeoffFamily",
-           "check_methods", "count_correct_guesses", "default_guess_candidates", "fdp_consistent", "fdp_epsilon",
-           "gdp_epsilon", "one_run_audit", "steinke_epsilon", "steinke_p_value", "tradeoff_from_profile"]
+__all__ = ["METHODS", "REFUTING_METHODS", "AccountedFamily", "GaussianFamily", "GuessCandidate", "OneRunCeiling",
+           "OneRunResult", "TradeoffFamily", "check_methods", "count_correct_guesses", "default_guess_candidates",
+           "epsilon_ceiling", "fdp_consistent", "fdp_epsilon", "gdp_epsilon", "one_run_audit", "steinke_epsilon",
+           "steinke_p_value", "tradeoff_from_profile"]
 
 InverseBlowUp = Callable[[float], float]
 
@@ -349,8 +358,42 @@ class AccountedFamily(TradeoffFamily):
         return f"the accounted mechanism with noise x {param:.4g}"
 
 
+#: the log-spaced family members the f-DP bounds search (shared by the bounds and the ceiling)
+GRID_POINTS = 257
+
+
+def _family_grid(family: TradeoffFamily, points: int) -> np.ndarray:
+    return np.exp(np.linspace(math.log(family.low), math.log(family.high), points))
+
+
+def _rejected_boundary(m: int, r: int, v: int, family: TradeoffFamily, grid: np.ndarray, *, confidence: float,
+                       below: int | None = None) -> int | None:
+    """The index in ``grid`` of the least private member that ``v`` correct of ``r`` guesses reject, or None when
+    they reject none. With ``below``, only members below that index are searched (None: none of them is rejected),
+    so a caller that already holds a boundary tests one member to know whether another outcome beats it.
+
+    Bisection between "consistent" below and "rejected" above; ``grid[0]`` is never built (the weakest, costliest
+    curve): when everything is rejected the result is index 1, a slightly smaller (still valid) bound.
+    """
+
+    def rejected(index: int) -> bool:
+        return not fdp_consistent(family.inverse_blow_up(float(grid[index])), m, r, v, confidence=confidence)
+
+    high = len(grid) - 1 if below is None else below - 1
+    if high < 1 or not rejected(high):
+        return None
+    low = 0
+    while high - low > 1:
+        mid = (low + high) // 2
+        if rejected(mid):
+            high = mid
+        else:
+            low = mid
+    return high
+
+
 def fdp_epsilon(m: int, r: int, v: int, family: TradeoffFamily, *, delta: float, confidence: float = 0.95,
-                points: int = 257) -> tuple[float, float | None]:
+                points: int = GRID_POINTS) -> tuple[float, float | None]:
     """``(epsilon, param)``: the epsilon at ``delta`` of the least private family member the guesses reject.
 
     Rejection is monotone in the parameter (a more private claim is easier to refute), so the rejected members
@@ -360,26 +403,20 @@ def fdp_epsilon(m: int, r: int, v: int, family: TradeoffFamily, *, delta: float,
     ``(0, None)`` when even the most private member (``high``) is consistent with the observation.
     """
     _check_counts(m, r, v)
-    grid = np.exp(np.linspace(math.log(family.low), math.log(family.high), points))
-
-    def rejected(index: int) -> bool:
-        return not fdp_consistent(family.inverse_blow_up(float(grid[index])), m, r, v, confidence=confidence)
-
-    if not rejected(points - 1):
+    grid = _family_grid(family, points)
+    index = _rejected_boundary(m, r, v, family, grid, confidence=confidence)
+    if index is None:
         return 0.0, None
-    # bisection between "consistent" below and "rejected" above; grid[0] is never built (the weakest, costliest
-    # curve): when everything is rejected the result is grid[1], a slightly smaller (still valid) bound
-    low, high = 0, points - 1
-    while high - low > 1:
-        mid = (low + high) // 2
-        if rejected(mid):
-            high = mid
-        else:
-            low = mid
-    return family.epsilon(float(grid[high]), delta), float(grid[high])
+    return family.epsilon(float(grid[index]), delta), float(grid[index])
 
 
 # --------------------------------------------------------------------------------------- the audit
+METHODS = ("steinke", "fdp_gaussian", "fdp_accounted")
+#: the methods whose bound can refute a run's claim: Steinke et al.'s strict (eps, delta) bound, and the f-DP test
+#: against the run's own accounted curve (the mu-GDP bound is not a strict statement and refutes nothing alone)
+REFUTING_METHODS = ("steinke", "fdp_accounted")
+
+
 @dataclass(frozen=True)
 class GuessCandidate:
     """One ``(k+, k-)`` choice: guesses ``r``, correct ``v`` and the bound each method gives it."""
@@ -392,8 +429,43 @@ class GuessCandidate:
 
 
 @dataclass(frozen=True)
+class OneRunCeiling:
+    """The largest bounds an audit can report: the bounds of a perfect guesser (:func:`epsilon_ceiling`).
+
+    Attributes:
+        epsilon: per method, the largest bound any outcome can give (the perfect guesser's, over the candidates).
+        params: per f-DP method, the least private family member a perfect guesser rejects (``None`` when it
+            rejects none): for ``fdp_accounted`` the noise scale ``s``, so a claim (scale 1) can be refuted only if
+            ``s <= 1``.
+        canaries: m.
+    """
+
+    epsilon: dict[str, float]
+    params: dict[str, float | None]
+    canaries: int
+
+    def claim_above(self, accounted_epsilon: float) -> dict[str, bool]:
+        """Per method of :data:`REFUTING_METHODS` computed here: True when the claim is at or above the ceiling,
+        i.e. no outcome of this audit can refute it and "not refuted" carries no information.
+
+        Steinke et al.: the bound refutes when it exceeds the accounted epsilon, so a claim ``>=`` the ceiling is out
+        of reach. The f-DP test against the accounted family refutes when it rejects the claimed curve (scale 1), so
+        the claim is out of reach when even a perfect guesser rejects no curve at scale 1 or below (this compares
+        curves, not the reported epsilons, which are dp-accounting's optimistic estimates).
+        """
+        out: dict[str, bool] = {}
+        if "steinke" in self.epsilon:
+            out["steinke"] = not accounted_epsilon < self.epsilon["steinke"]
+        if "fdp_accounted" in self.epsilon:
+            scale = self.params.get("fdp_accounted")
+            out["fdp_accounted"] = scale is None or scale > 1.0
+        return out
+
+
+@dataclass(frozen=True)
 class OneRunResult:
-    """The bounds of a one-run audit (each the largest over the candidates, at the Bonferroni-corrected level)."""
+    """The bounds of a one-run audit (each the largest over the candidates, at the Bonferroni-corrected level),
+    with the :class:`OneRunCeiling` of the same audit (same ``m``, candidates, level and methods)."""
 
     epsilon: dict[str, float]
     best: dict[str, GuessCandidate]
@@ -403,6 +475,7 @@ class OneRunResult:
     delta: float
     confidence: float
     params: dict[str, float | None] = field(default_factory=dict)
+    ceiling: OneRunCeiling | None = None
 
     def table(self) -> str:
         methods = list(self.epsilon)
@@ -411,10 +484,10 @@ class OneRunResult:
         for c in self.candidates:
             lines.append(f"| {c.positives} | {c.negatives} | {c.guesses} | {c.correct} | "
                          + " | ".join(f"{c.epsilon[m]:.3f}" for m in methods) + " |")
+        if self.ceiling is not None:
+            lines.append(f"| ceiling: every guess correct | | | | "
+                         + " | ".join(f"{self.ceiling.epsilon[m]:.3f}" for m in methods) + " |")
         return "\n".join(lines)
-
-
-METHODS = ("steinke", "fdp_gaussian", "fdp_accounted")
 
 
 def check_methods(methods: Sequence[str]) -> tuple[str, ...]:
@@ -424,10 +497,88 @@ def check_methods(methods: Sequence[str]) -> tuple[str, ...]:
     return tuple(methods)
 
 
+def _plan(m: int, *, confidence: float, candidates: Sequence[tuple[int, int]] | None, methods: Sequence[str],
+          accounted: AccountedFamily | None) -> tuple[list[tuple[int, int]], float, dict[str, TradeoffFamily]]:
+    """The checked candidates, their Bonferroni level and the f-DP families: shared by the bounds and the ceiling."""
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence={confidence!r} must be in (0, 1), e.g. 0.95")
+    check_methods(methods)
+    if "fdp_accounted" in methods and accounted is None:
+        raise ValueError("method 'fdp_accounted' needs accounted=AccountedFamily(<the accountant's history>)")
+    pairs = [(int(p), int(n)) for p, n in candidates] if candidates is not None else default_guess_candidates(m)
+    if not pairs:
+        raise ValueError("candidates must hold at least one (positives, negatives) pair")
+    families: dict[str, TradeoffFamily] = {"fdp_gaussian": GaussianFamily()}
+    if accounted is not None:
+        families["fdp_accounted"] = accounted
+    return pairs, 1 - (1 - confidence) / len(pairs), families
+
+
+def _bound(name: str, m: int, r: int, v: int, *, delta: float, level: float,
+           families: dict[str, TradeoffFamily]) -> tuple[float, float | None]:
+    """``(epsilon, family member)`` of one method for ``v`` correct of ``r`` guesses at ``level``."""
+    if name == "steinke":
+        return steinke_epsilon(m, r, v, delta=delta, confidence=level), None
+    return fdp_epsilon(m, r, v, families[name], delta=delta, confidence=level)
+
+
+def epsilon_ceiling(m: int, *, delta: float, confidence: float = 0.95,
+                    candidates: Sequence[tuple[int, int]] | None = None, methods: Sequence[str] = ("steinke",),
+                    accounted: AccountedFamily | None = None) -> OneRunCeiling:
+    """The largest bound :func:`one_run_audit` can report with ``m`` canaries: every guess correct.
+
+    For each candidate ``(k+, k-)`` the perfect outcome is ``v = r = k+ + k-``; the ceiling of a method is the
+    largest of its bounds over the candidates, computed by the same functions (:func:`steinke_epsilon`,
+    :func:`fdp_epsilon`) at the same Bonferroni level. The bounds grow with the number of correct guesses, so every
+    observed bound is at most the ceiling, whatever the scores and the coins (a perfect attack reaches it when the
+    coins leave at least ``k+`` included and ``k-`` excluded canaries for the candidate that gives it). The ceiling
+    depends only on public quantities (``m``, delta, the candidates, the confidence and, for ``fdp_accounted``, the
+    accounted mechanism). A claim at or above it cannot be refuted by this audit (:meth:`OneRunCeiling.claim_above`);
+    more canaries raise it.
+
+    Args: as :func:`one_run_audit`, with ``m`` the number of canaries.
+
+    Example:
+        >>> round(epsilon_ceiling(1000, delta=1e-5).epsilon["steinke"], 2)   # 12 default candidates, 95 %
+        5.09
+    """
+    if isinstance(m, bool) or int(m) != m or m < 1:
+        raise ValueError(f"m={m!r} must be a positive integer (the number of canaries)")
+    m = int(m)
+    pairs, level, families = _plan(m, confidence=confidence, candidates=candidates, methods=methods,
+                                   accounted=accounted)
+    for k_pos, k_neg in pairs:
+        if k_pos < 0 or k_neg < 0 or k_pos + k_neg > m:
+            raise ValueError(f"candidate ({k_pos}, {k_neg}) must be non-negative with at most m={m} guesses")
+    guesses = sorted({k_pos + k_neg for k_pos, k_neg in pairs}, reverse=True)  # the perfect outcomes, v = r
+    epsilon: dict[str, float] = {}
+    params: dict[str, float | None] = {}
+    for name in methods:
+        if name == "steinke":
+            epsilon[name] = max(_bound(name, m, r, r, delta=delta, level=level, families=families)[0] for r in guesses)
+            continue
+        # what fdp_epsilon computes for each candidate, keeping the least private member rejected by any: once one
+        # candidate holds a boundary, another needs only one test (does it reject the member just below?) unless it
+        # beats it; the most guesses first, which usually give the boundary (each member below costs a PLD)
+        family = families[name]
+        grid = _family_grid(family, GRID_POINTS)
+        best: int | None = None
+        for r in guesses:
+            index = _rejected_boundary(m, r, r, family, grid, confidence=level, below=best)
+            if index is not None:
+                best = index
+        epsilon[name] = 0.0 if best is None else family.epsilon(float(grid[best]), delta)
+        params[name] = None if best is None else float(grid[best])
+    return OneRunCeiling(epsilon, params, m)
+
+
 def one_run_audit(scores: ArrayLike, included: ArrayLike, *, delta: float, confidence: float = 0.95,
                   candidates: Sequence[tuple[int, int]] | None = None, methods: Sequence[str] = ("steinke",),
                   accounted: AccountedFamily | None = None) -> OneRunResult:
     """Epsilon lower bounds of a one-run audit from the canaries' scores (higher = more likely included).
+
+    The result also holds the audit's :func:`epsilon_ceiling` (``result.ceiling``): the largest bound these ``m``
+    canaries could give, which every bound here is at most.
 
     Args:
         scores: one membership score per canary.
@@ -441,30 +592,20 @@ def one_run_audit(scores: ArrayLike, included: ArrayLike, *, delta: float, confi
     """
     inc = np.asarray(included, dtype=bool).ravel()
     m = inc.size
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence={confidence!r} must be in (0, 1), e.g. 0.95")
-    check_methods(methods)
-    if "fdp_accounted" in methods and accounted is None:
-        raise ValueError("method 'fdp_accounted' needs accounted=AccountedFamily(<the accountant's history>)")
-    pairs = list(candidates) if candidates is not None else default_guess_candidates(m)
-    if not pairs:
-        raise ValueError("candidates must hold at least one (positives, negatives) pair")
-    level = 1 - (1 - confidence) / len(pairs)
-    families: dict[str, TradeoffFamily] = {"fdp_gaussian": GaussianFamily()}
-    if accounted is not None:
-        families["fdp_accounted"] = accounted
+    pairs, level, families = _plan(m, confidence=confidence, candidates=candidates, methods=methods,
+                                   accounted=accounted)
     results: list[GuessCandidate] = []
     params: dict[str, float | None] = {}
     for k_pos, k_neg in pairs:
         r, v = count_correct_guesses(scores, inc, positives=k_pos, negatives=k_neg)
         eps: dict[str, float] = {}
         for name in methods:
-            if name == "steinke":
-                eps[name] = steinke_epsilon(m, r, v, delta=delta, confidence=level)
-            else:
-                eps[name], params[f"{name}/{k_pos}/{k_neg}"] = fdp_epsilon(m, r, v, families[name], delta=delta,
-                                                                           confidence=level)
+            eps[name], param = _bound(name, m, r, v, delta=delta, level=level, families=families)
+            if name != "steinke":
+                params[f"{name}/{k_pos}/{k_neg}"] = param
         results.append(GuessCandidate(k_pos, k_neg, r, v, eps))
     best = {name: max(results, key=lambda c: c.epsilon[name]) for name in methods}
+    ceiling = epsilon_ceiling(m, delta=delta, confidence=confidence, candidates=pairs, methods=methods,
+                              accounted=accounted)
     return OneRunResult({name: best[name].epsilon[name] for name in methods}, best, results, m, int(inc.sum()),
-                        float(delta), float(confidence), params)
+                        float(delta), float(confidence), params, ceiling)

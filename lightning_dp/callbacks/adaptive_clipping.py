@@ -46,7 +46,7 @@ from lightning_dp.privacy.adaptive import (
     quantile_clip_update,
     quantile_noise_split,
 )
-from lightning_dp.privacy.noise import CLIP_STATISTIC, derive_generator
+from lightning_dp.privacy.noise import CLIP_STATISTIC, derive_secret_generator
 
 __all__ = ["OnlineSensitivity", "QuantileClipping"]
 
@@ -267,7 +267,8 @@ class OnlineSensitivity(_AdaptiveClipping):
         for group, base in zip(optimizer.param_groups, self._base_lrs):
             group["lr"] = base * self._lr_scale  # rho_t for this step
         self._trace_step(trainer, optimizer)
-        generator = derive_generator(self._planned_seed(), CLIP_STATISTIC, self._released, device=grads[0].device)
+        generator = derive_secret_generator(self._planned_seed(), CLIP_STATISTIC, self._released,
+                                            device=grads[0].device)
         q_noise_multiplier = self.q_noise_multiplier
         assert q_noise_multiplier is not None  # known once DPSGD.on_train_start has planned the noise
         q_noisy = oso_noisy_q_sum(extra_sums[0], q_noise_multiplier=q_noise_multiplier, generator=generator)
@@ -404,7 +405,7 @@ class QuantileClipping(_AdaptiveClipping):
         self._trace_step(trainer, optimizer)
         assert self._last_stats is not None  # set by this step's _extra_weights
         clipped, size = (float(v) for v in self._last_stats)
-        generator = derive_generator(self._planned_seed(), CLIP_STATISTIC, self._released)
+        generator = derive_secret_generator(self._planned_seed(), CLIP_STATISTIC, self._released)
         self.max_grad_norm, self._last_estimate = quantile_clip_update(
             self.max_grad_norm, size - clipped, int(size), self._data["expected_batch_size"],
             target_quantile=self.target_quantile, clip_lr=self.clip_lr, count_noise_std=self._planned_count_std(),

@@ -77,7 +77,7 @@ from lightning_dp.privacy.calibration import calibrate_noise_multiplier
 from lightning_dp.privacy.clipping import check_max_grad_norm, clip_factors
 from lightning_dp.privacy.delta import check_delta_for_size
 from lightning_dp.privacy.grad_sample import GradSampleEngine, PerSampleGradientError
-from lightning_dp.privacy.noise import NOISE, check_noise_multiplier, derive_generator, noisy_mean
+from lightning_dp.privacy.noise import NOISE, check_noise_multiplier, derive_secret_generator, noisy_mean
 from lightning_dp.privacy.sampling import (
     PassMarkingBatchSampler,
     check_partition_sampler,
@@ -457,9 +457,11 @@ class DPSGD(Callback):
         if mixing:
             raise MisconfigurationException(describe_mixing_layers(mixing))
 
+        from lightning_dp import gate
         from lightning_dp.tracking import refuse_checkpoint_uploads
 
         refuse_checkpoint_uploads(trainer, type(self).__name__)
+        gate.install(trainer, self)  # everything the run writes from now on passes the record's gate
         if self._seed is None:
             seed = self._requested_seed if self._requested_seed is not None else fresh_seed()
             self._seed = int(trainer.strategy.broadcast(seed, src=0))
@@ -1005,7 +1007,7 @@ class DPSGD(Callback):
             audit.add_to_sums(sums, step=self._released, sample_rate=self._data["sample_rate"], max_grad_norm=clip)
         noise_multiplier = self._gradient_noise_multiplier()
         expected = self._data["expected_batch_size"]
-        generator = derive_generator(self._drawn_seed(), NOISE, self._released, device=sums[0].device)
+        generator = derive_secret_generator(self._drawn_seed(), NOISE, self._released, device=sums[0].device)
         grads = noisy_mean(sums, noise_multiplier=noise_multiplier, max_grad_norm=clip,
                            expected_batch_size=expected, generator=generator)
         for p, g in zip(params, grads):
@@ -1196,6 +1198,9 @@ class DPSGD(Callback):
         self._audits = []  # attached again by the audit's own setup in a next fit
         while self._restore:
             self._restore.pop()()
+        from lightning_dp import gate
+
+        gate.uninstall(trainer, self)
 
     # ---------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:

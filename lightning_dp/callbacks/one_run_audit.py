@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
@@ -31,9 +31,15 @@ from lightning_dp.audit.canaries import (
 from lightning_dp.audit.one_run import METHODS, AccountedFamily, OneRunResult, check_methods, one_run_audit
 from lightning_dp.callbacks.dp_sgd import DPSGD
 from lightning_dp.privacy.sampling import with_dataset
-from lightning_dp.privacy.seeds import check_seed, fresh_seed
+from lightning_dp.privacy.seeds import SECRET_KEY, check_seed, fresh_seed
 
 __all__ = ["OneRunAudit"]
+
+# metric names per method: the bound and, beside it, its ceiling (the largest value the audit can report)
+_BOUND_NAMES = {"steinke": "audit/epsilon_lower_bound", "fdp_accounted": "audit/epsilon_lower_bound_fdp",
+                "fdp_gaussian": "audit/epsilon_lower_bound_gdp"}
+_CEILING_NAMES = {"steinke": "audit/epsilon_ceiling", "fdp_accounted": "audit/epsilon_ceiling_fdp",
+                  "fdp_gaussian": "audit/epsilon_ceiling_gdp"}
 
 
 class OneRunAudit(Callback):
@@ -50,13 +56,21 @@ class OneRunAudit(Callback):
     * ``audit/epsilon_lower_bound_fdp``: the f-DP bound of Mahloujifar, Melis & Chaudhuri 2024 against the
       run's own accounted mechanism (its noise scaled down until the guesses reject it);
     * ``audit/epsilon_lower_bound_gdp``: the f-DP bound against mu-GDP;
+    * ``audit/epsilon_ceiling``, ``audit/epsilon_ceiling_fdp``, ``audit/epsilon_ceiling_gdp``: the largest value
+      each bound can take with these ``num_canaries`` (every guess correct,
+      :func:`~lightning_dp.audit.one_run.epsilon_ceiling`): the audit's power;
+    * ``audit/claim_refuted``: 1 when a bound refutes the accounted epsilon (Steinke et al.'s above it, or the f-DP
+      test rejecting the accounted curve itself);
+    * ``audit/claim_above_ceiling``: 1 when the accounted epsilon is at or above the ceiling of every method that
+      can refute it (``steinke``, ``fdp_accounted``): no outcome of this audit could refute the claim, so "not
+      refuted" carries no information (raise ``num_canaries``, or add ``fdp_accounted``);
     * ``audit/epsilon_accounted`` (DPSGD's epsilon), ``audit/canaries``, ``audit/included``,
       ``audit/guesses`` and ``audit/correct_guesses`` of the best candidate, ``audit/canary_auc``;
 
     with the artifacts ``audit/one_run.tsv`` (every canary's inclusion bit and score), ``audit/one_run.md``
-    (every guess candidate's bounds) and ``audit/canary_roc.png``. A bound above the accounted epsilon means
-    the run did not deliver its guarantee (a warning says so); a bound far below it is expected, above all
-    for black-box audits.
+    (every guess candidate's bounds and the ceiling) and ``audit/canary_roc.png``; the end-of-training summary
+    prints each bound beside its ceiling. A bound above the accounted epsilon means the run did not deliver its
+    guarantee (a warning says so); a bound far below it is expected, above all for black-box audits.
 
     The canaries are trained on: an audited run is a run for auditing, not the model to ship. The inclusion
     bits are the audit's own secret, drawn from ``seed`` (not DPSGD's): anyone who knows them can read the
@@ -76,6 +90,10 @@ class OneRunAudit(Callback):
             saved in checkpoints so that a resumed run keeps its canaries.
         batch_size: batch size for scoring the canaries.
     """
+
+    #: Constructor arguments that are secrets: redacted from configs logged by ``lightning-dp`` (the seed draws the
+    #: inclusion bits; a fixed one in the logged config would let the audited run's reader know them in advance).
+    SECRET_ARGUMENTS: tuple[str, ...] = ("seed",)
 
     def __init__(self, *, num_canaries: int = 1000, canary: str = "mislabeled", num_classes: int | None = None,
                  confidence: float = 0.95, candidates: Sequence[Sequence[int]] | None = None,
@@ -228,9 +246,10 @@ class OneRunAudit(Callback):
 
         inc = self._included
         assert inc is not None
-        names = {"steinke": "audit/epsilon_lower_bound", "fdp_accounted": "audit/epsilon_lower_bound_fdp",
-                 "fdp_gaussian": "audit/epsilon_lower_bound_gdp"}
-        metrics = {names[m]: float(result.epsilon[m]) for m in result.epsilon}
+        metrics = {_BOUND_NAMES[m]: float(result.epsilon[m]) for m in result.epsilon}
+        ceiling = result.ceiling
+        assert ceiling is not None  # one_run_audit always computes it
+        metrics.update({_CEILING_NAMES[m]: float(ceiling.epsilon[m]) for m in ceiling.epsilon})
         first = result.best[self.methods[0]]
         metrics.update({"audit/epsilon_accounted": float(accounted), "audit/canaries": float(result.canaries),
                         "audit/included": float(result.included), "audit/guesses": float(first.guesses),
@@ -239,12 +258,12 @@ class OneRunAudit(Callback):
         if 0 < inc.sum() < inc.size:
             curve = roc(scores[inc], scores[~inc])
             metrics["audit/canary_auc"] = curve.auc
-        summary = ", ".join(f"{m} {result.epsilon[m]:.3f}" for m in result.epsilon)
-        rank_zero_info(f"OneRunAudit ({self.canary} canaries, {result.included}/{result.canaries} included): epsilon "
-                       f"lower bounds at {self.confidence:.0%} confidence: {summary}; accounted epsilon "
-                       f"{accounted:.3f}")
         refuted = self._refutations(result, accounted)
+        above = ceiling.claim_above(accounted)
         metrics["audit/claim_refuted"] = float(bool(refuted))
+        # no refuting method computed (mu-GDP alone) is the same situation: the audit cannot refute anything
+        metrics["audit/claim_above_ceiling"] = float(all(above.values()))
+        self._summary(trainer, result, accounted, refuted, above)
         if refuted:
             rank_zero_warn(
                 "OneRunAudit: " + "; ".join(refuted) + ". This run did not deliver its privacy guarantee (noise "
@@ -260,12 +279,49 @@ class OneRunAudit(Callback):
         tracking.log_text(trainer, "\n".join(rows) + "\n", "audit/one_run.tsv")
         header = (f"# One-run audit\n\n{self.canary} canaries: {result.canaries} ({result.included} included); "
                   f"delta {result.delta:g}; confidence {result.confidence}; accounted epsilon {accounted:.4f}\n\n")
+        if all(above.values()):
+            header += ("The accounted epsilon is above the ceiling of every method that can refute it (the last row: "
+                       "every guess correct): this audit could not refute the claim, and \"not refuted\" carries no "
+                       "information.\n\n")
         tracking.log_text(trainer, header + result.table() + "\n", "audit/one_run.md")
         if curve is not None and tracking.mlflow_loggers(trainer):
             from lightning_dp.audit.plots import roc_figure
 
             tracking.log_figure(trainer, roc_figure({"canaries": curve}, title=f"one-run audit, AUC {curve.auc:.3f}"),
                                 "audit/canary_roc.png")
+
+    def _summary(self, trainer: Trainer, result: OneRunResult, accounted: float, refuted: list[str],
+                 above: dict[str, bool]) -> None:
+        """The end-of-training summary: every bound beside its ceiling, then what the audit says about the claim."""
+        from lightning_dp.callbacks.summary import print_summary
+
+        ceiling = result.ceiling
+        assert ceiling is not None
+        rows = []
+        for name, bound in result.epsilon.items():
+            note = ""
+            if name in above:
+                note = "; the claim is above it" if above[name] else "; the claim is below it"
+            rows.append((name, f"{bound:.3f} (ceiling {ceiling.epsilon[name]:.3f} with {result.canaries} "
+                               f"canaries{note})"))
+        rows.append(("accounted epsilon", f"{accounted:.3f} at delta {result.delta:g}"))
+        if refuted:
+            verdict = "REFUTED: " + "; ".join(refuted)
+        elif not above:
+            verdict = ("not refuted, which carries no information: the mu-GDP bound alone refutes no claim (add "
+                       "'steinke' or 'fdp_accounted' to methods)")
+        elif all(above.values()):
+            reach = ", ".join(f"{m} {ceiling.epsilon[m]:.3f}" for m in above)
+            verdict = (f"not refuted, which carries no information: the claim {accounted:.3f} is above what this "
+                       f"audit can refute (ceilings: {reach}); with {result.canaries} canaries no outcome, not even "
+                       "every guess correct, could refute it. More canaries raise the f-DP ceiling (Steinke et al.'s "
+                       "only while 2 m delta stays small; docs/audit.md).")
+        else:
+            verdict = ("not refuted (within reach of " + ", ".join(m for m, out in above.items() if not out)
+                       + ": a perfect attack could have refuted it)")
+        rows.append(("claim", verdict))
+        print_summary(trainer, f"OneRunAudit: {self.canary} canaries, {result.included}/{result.canaries} included, "
+                      f"epsilon lower bounds at {self.confidence:.0%} confidence", rows)
 
     @staticmethod
     def _refutations(result: OneRunResult, accounted: float) -> list[str]:
@@ -282,14 +338,22 @@ class OneRunAudit(Callback):
                        f"{min(scales):.3g} of the claimed)")
         return out
 
+    def privacy_spend(self) -> list[Any]:
+        """Nothing of its own: the audited DPSGD accounts the canary slots with the training data
+        (:mod:`lightning_dp.privacy.spend`)."""
+        return []
+
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
-        return {"seed": self._seed, "included": None if self._included is None else self._included.tolist(),
+        # the seed draws the inclusion bits and the canaries' sampling coins: local checkpoints only
+        return {SECRET_KEY: {"seed": self._seed},
+                "included": None if self._included is None else self._included.tolist(),
                 "gradient": None if self._gradient is None else self._gradient.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if state_dict.get("seed") is not None:
-            self._seed = int(state_dict["seed"])
+        seed = state_dict.get(SECRET_KEY, {}).get("seed", state_dict.get("seed"))  # "seed": before issue 24
+        if seed is not None:
+            self._seed = int(seed)
         if state_dict.get("included") is not None:
             self._included = np.asarray(state_dict["included"], dtype=bool)
         if state_dict.get("gradient") is not None and self._included is not None and self._seed is not None:

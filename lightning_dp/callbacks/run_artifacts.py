@@ -32,7 +32,7 @@ def run_summary(metrics: Mapping[str, float], *, target_epsilon: Optional[float]
     ``summary.budget_used`` is ``privacy/epsilon / target_epsilon`` as a percentage, when both are known.
 
     Example:
-        >>> run_summary({"privacy/epsilon": 2.9841, "val/acc": 0.8125, "train/loss": 0.3}, target_epsilon=3.0)
+        >>> run_summary({"privacy/epsilon": 2.9841, "val/acc": 0.8125, "nonprivate/train_loss": 0.3}, target_epsilon=3.0)
         {'summary.epsilon': '2.984', 'summary.val_acc': '0.8125', 'summary.budget_used': '99.5%'}
     """
     tags = {tag: f"{metrics[name]:.4g}" for name, tag in SUMMARY_METRICS.items() if name in metrics}

@@ -29,10 +29,11 @@ Every random draw comes from a generator derived from ``(seed, stream, round, ..
 client's shuffles and noise depend on its index, not on the other clients of its process
 (:meth:`_shuffle_keys`); with the round counter and the ledger in the checkpoint, a resumed
 run equals the uninterrupted one. Two seeds: ``seed`` drives what is public (initialization,
-client sampling, which the ledger does not count as amplification, local shuffles, the
-validation subsample) and is logged; ``noise_seed`` drives the sanitizers' noise and is a
-secret (:mod:`lightning_dp.privacy.seeds`): fresh from the OS by default, kept in local
-checkpoints under ``"secret"``, never logged nor uploaded.
+local shuffles, the validation subsample) and is logged; ``noise_seed`` drives the sanitizers'
+noise and the client selection (:class:`~lightning_dp.federated.FederatedRound`: every selection
+draws from the secret seed, whether or not an accountant amplifies by it) and is a secret
+(:mod:`lightning_dp.privacy.seeds`): fresh from the OS by default, kept in local checkpoints
+under ``"secret"``, never logged nor uploaded.
 
 Under DDP (``strategy="ddp"``) every process samples the same clients, trains and sanitizes
 its share of them (positions rank, rank + W, ...), and the releases are all-gathered in the
@@ -63,7 +64,8 @@ class PersonalizedFederatedModule(FederatedRound):
     :class:`~lightning_dp.federated.parts.EuclideanLaplace` (``noise_multiplier``, ``per_layer``,
     ``min_delta_norm``), :class:`~lightning_dp.federated.parts.KMeans` and no server privacy. It
     reproduces the runs of the implementation it replaced seed for seed
-    (``tests/federated/test_reference_runs.py``).
+    (``tests/federated/test_reference_runs.py``; the stored runs were regenerated once, when client
+    selection moved to the secret ``noise_seed``).
 
     Args:
         model: the network template; k hypotheses of its shape are trained.

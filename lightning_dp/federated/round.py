@@ -136,7 +136,7 @@ class FederatedRound(LightningModule):
             the participants' (unsanitized) updates, and ``nonprivate/gradient_cosine``, the same for
             per-sample gradients of one random example of each participant at its starting model
             (the centralized counterpart, a batch of U examples; thesis Fig. 5.4), with the plot
-            ``federated/cosine.png`` at the end. Needs ``log_nonprivate_metrics``.
+            ``nonprivate/cosine.png`` at the end. Needs ``log_nonprivate_metrics``.
     """
 
     #: Constructor arguments that are secrets: redacted from configs logged by ``lightning-dp``.
@@ -276,9 +276,19 @@ class FederatedRound(LightningModule):
             from lightning_dp.tracking import refuse_checkpoint_uploads
 
             refuse_checkpoint_uploads(self.trainer, type(self).__name__)
+        if stage == "fit":
+            from lightning_dp import gate
+
+            gate.install(self.trainer, self)  # everything the run writes from now on passes the record's gate
         if self.trainer.world_size > 1:  # default seeds are drawn per process: every process must use rank 0's
             self.seed, self._noise_seed = (int(v) for v in self.trainer.strategy.broadcast((self.seed,
                                                                                            self._noise_seed)))
+
+    def teardown(self, stage: str) -> None:
+        if stage == "fit" and self._trainer is not None:
+            from lightning_dp import gate
+
+            gate.uninstall(self.trainer, self)
 
     def _check_parts(self) -> None:
         """Refuse combinations of parts whose privacy claims would not hold, before any client trains."""
@@ -373,10 +383,13 @@ class FederatedRound(LightningModule):
         from lightning_dp.privacy.spend import Spend
 
         spends = list(self.server_privacy.privacy_spend())
+        secret = self.selection_is_secret()  # the ledgers then show who took part: nonprivate in the grid's record
         if self.sanitizer.accountable:
-            spends.append(Spend.per_client("client_ledger", self.ledger, why=self.sanitizer.name))
+            spends.append(Spend.per_client("client_ledger", self.ledger, why=self.sanitizer.name,
+                                           secret_participation=secret))
         if self.update.accountable:
-            spends.append(Spend.per_client("record", self.update.ledger, why=self.update.name))
+            spends.append(Spend.per_client("record", self.update.ledger, why=self.update.name,
+                                           secret_participation=secret))
         if not spends:
             spends.append(Spend.unprotected("client", f"{type(self).__name__}: the clients' releases are not "
                                                       "sanitized and nothing is accounted"))
@@ -761,27 +774,48 @@ class FederatedRound(LightningModule):
 
     # -------------------------------------------------------------- checkpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["federated"] = {"ledger": self.ledger.state_dict(), "seed": self.seed, "rounds": int(self.rounds),
-                                   "previous_step": self.previous_step.detach().cpu().clone(),
-                                   "parts": {kind: part.state_dict() for kind, part in self.parts().items()},
-                                   "split_scored": self._split_scored,
-                                   SECRET_KEY: {"noise_seed": self._noise_seed}, "version": 3}
+        parts = {kind: part.state_dict() for kind, part in self.parts().items()}
+        secret: dict[str, Any] = {"noise_seed": self._noise_seed}
+        state = {"seed": self.seed, "rounds": int(self.rounds), "previous_step": self.previous_step.detach().cpu().clone(),
+                 "split_scored": self._split_scored, "version": 4}
+        if self.selection_is_secret():
+            # the ledgers show who took part (participations per client), which the client-level accountant's
+            # amplification needs kept secret: local checkpoints only, like the noise seed; the server's accountant
+            # (its history is a function of the rounds) stays public
+            secret["ledger"] = self.ledger.state_dict()
+            secret["parts"] = {kind: s for kind, s in parts.items() if kind != "server_privacy"}
+            state["parts"] = {"server_privacy": parts["server_privacy"]}
+        else:
+            state["ledger"], state["parts"] = self.ledger.state_dict(), parts
+        state[SECRET_KEY] = secret
+        checkpoint["federated"] = state
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("federated")
         if state is not None:
-            self.ledger.load_state_dict(state["ledger"])
+            secret = state.get(SECRET_KEY, {})
+            ledger = state.get("ledger", secret.get("ledger"))
+            fitting = self._trainer is not None and self.trainer.state.fn == "fit"
+            if ledger is None and fitting and (self.sanitizer.accountable or self.update.accountable):
+                raise MisconfigurationException(
+                    f"{type(self).__name__}: this checkpoint holds no per-client ledger: it is a public checkpoint (the "
+                    "uploaded model/final.ckpt) of a run whose client selection is secret, stripped of who took part. "
+                    "Resuming from it would restart the clients' privacy ledgers at zero. Resume from the run's local "
+                    "checkpoint (ModelCheckpoint's file), or start a new run.")
+            if ledger is not None:
+                self.ledger.load_state_dict(ledger)
             self.seed = int(state["seed"])
             self.rounds.fill_(int(state["rounds"]))
             self._split_scored = bool(state.get("split_scored", False))
             if state.get("previous_step") is not None:
                 self.previous_step.copy_(state["previous_step"])
+            parts = {**secret.get("parts", {}), **state.get("parts", {})}
             for kind, part in self.parts().items():
-                part.load_state_dict(state.get("parts", {}).get(kind, {}))
+                part.load_state_dict(parts.get(kind, {}))
             if self._noise_seed_given:
                 pass  # runs branched from one checkpoint (a grid) must not continue the same noise
-            elif SECRET_KEY in state:
-                self._noise_seed = int(state[SECRET_KEY]["noise_seed"])
+            elif "noise_seed" in secret:
+                self._noise_seed = int(secret["noise_seed"])
             else:
                 # a public checkpoint, or one from before version 3, whose noise came from the logged (public) seed:
                 # the resumed rounds draw from the fresh secret seed of __init__
@@ -906,10 +940,10 @@ class FederatedRound(LightningModule):
         ax.set_ylabel("mean pairwise cosine similarity")
         ax.legend()
         ax.set_title(f"alignment of the participants' updates ({self.update.name})")
-        tracking.log_figure(self.trainer, fig, "federated/cosine.png")
+        tracking.log_figure(self.trainer, fig, "nonprivate/cosine.png")
         table = "round\tupdate_cosine\tgradient_cosine\n" + "".join(f"{r}\t{u:.6g}\t{g:.6g}\n"
                                                                     for r, u, g in self._cosines)
-        tracking.log_text(self.trainer, table, "federated/cosine.tsv")
+        tracking.log_text(self.trainer, table, "nonprivate/cosine.tsv")
 
     def _log_parameter_plot(self) -> None:
         from matplotlib.figure import Figure

@@ -22,15 +22,27 @@ Why the grid's privacy is reported: a hyperparameter search on private data rele
 every trained model (or at least the chosen one, which depends on all of them), so its
 cost is the composition of all runs' costs, not the cost of the best run.
 
-- Runs with the :class:`~lightning_dp.callbacks.DPSGD` callback: every run's mechanism
-  history is replayed into one accountant of the same kind (PLD or RDP over
-  dp-accounting): ``grid/epsilon`` at the largest ``target_delta`` of the runs; infinite
-  when some run of the grid trained without DPSGD.
-- Runs of :class:`~lightning_dp.federated.PersonalizedFederatedModule`: per-client
-  ledgers add up over runs (composition of d-privacy); ``grid/client_epsilon_median``
-  and ``grid/client_epsilon_max`` are over the per-client totals. A run with
-  ``noise_multiplier=0`` releases unsanitized models: the grid's client cost is then
-  infinite, and reported so.
+Every component reports what its run spent through one method, ``privacy_spend()``
+(:mod:`lightning_dp.privacy.spend`), and the grid composes the reports level by level; before
+the first run it instantiates every point and refuses one whose component holds privacy state
+(a secret seed, a ledger, an accountant) but reports no spend, rather than count it as private.
+
+- Example level (:class:`~lightning_dp.callbacks.DPSGD` and its subclasses): every run's
+  mechanism history is replayed into one accountant of the same kind (PLD or RDP over
+  dp-accounting): ``grid/epsilon`` at the largest ``target_delta`` of the runs, with
+  ``grid/privacy_level = example``.
+- Client level (DP-FedAvg, :class:`~lightning_dp.federated.parts.CentralGaussian`): the
+  same for the server's accountant, ``grid/privacy_level = client``; under replacement with a
+  bounded update set each valid bound (replace-one, disjoint-pair) is composed over the runs
+  and the smaller composition is reported.
+- Per-client ledgers (the d-privacy round, local DP sanitizers): ledgers add up per client as
+  each ledger composes; ``grid/client_epsilon_median`` and ``grid/client_epsilon_max`` are
+  over the per-client totals. Record-level ledgers of local DP-SGD: every client's histories
+  composed, ``grid/record_epsilon_median``/``_max``. Where the selection is secret (central DP
+  beside the ledgers) these totals show who took part and are ``nonprivate/grid_...``.
+- A level that some run leaves unprotected (a sanitizer with ``noise_multiplier=0``, a run
+  without DPSGD, ``NoiselessDPSGD``) is infinite for the grid, and reported so; example- and
+  client-level runs in one grid are refused (different neighbours do not compose).
 
 Noise: every run of a grid draws its own noise. Runs that shared a noise seed would
 release the same noise twice, which cancels in the difference of two released models, and

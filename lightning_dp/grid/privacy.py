@@ -34,7 +34,7 @@ def privacy_of(trainer: Any, module: Any) -> dict[str, Any]:
             out["epsilon"] = s.epsilon
             if s.delta is not None:
                 out["delta"] = s.delta
-        elif s.unsanitized:
+        elif s.unsanitized or s.secret_participation:  # no per-client column where participation is secret
             continue
         else:
             prefix = "client_epsilon" if s.level == "client_ledger" else "record_epsilon"

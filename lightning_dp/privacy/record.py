@@ -76,10 +76,16 @@ RECORD: list[Declaration] = [
                 "counts of a selection no accountant amplifies; under central DP the round writes these under "
                 "nonprivate/ instead"),
     Declaration("federated/parameters.png", Kind.RELEASE, "artifact", "sanitized releases of a public selection"),
+    Declaration("best_checkpoint/*", Kind.RELEASE, "param", "the best checkpoint by a validation metric (a release)"),
+    Declaration("lr-*", Kind.RELEASE, "metric", "a LearningRateMonitor's learning rate: a schedule of the "
+                "configuration, or OSO's rate from the sanitized dot products"),
+    Declaration("grid.md", Kind.RELEASE, "artifact", "a grid's report: its runs' releases and accounted spends"),
+    Declaration("grid_bars.png", Kind.RELEASE, "artifact", "a grid's bars of its runs' released metrics"),
     Declaration("pdpfl/public_clients", Kind.RELEASE, "metric", "PFA's public group among the participants, from "
-                "the budgets the clients reveal (public in PFA)"),
-    Declaration("pdpfl/split_accuracy", Kind.RELEASE, "metric", "a simulation diagnostic of PFA's split against "
-                "the (public) budget groups"),
+                "the budgets the clients reveal (direct split) or from their released updates' norms (indirect)"),
+    Declaration("pdpfl/split_accuracy", Kind.PUBLIC, "metric", "a simulation diagnostic of PFA's split against "
+                "the clients' budget groups: the budgets are configuration of the simulation (each client's "
+                "privacy preference), not training data"),
     # --- accounted spend and configuration
     Declaration("privacy/*", Kind.PUBLIC, "*", "the mechanism's configuration and its accounted spend (a function "
                 "of the configuration, the number of steps and the public or post-processed ledger)"),
@@ -89,11 +95,15 @@ RECORD: list[Declaration] = [
     Declaration("grid/*", Kind.PUBLIC, "*", "the grid's composition of its runs' spends"),
     Declaration("grid.*", Kind.PUBLIC, "*", "the grid's configuration and choices"),
     Declaration("epoch", Kind.PUBLIC, "metric", "Lightning's epoch counter"),
+    Declaration("versions/*", Kind.PUBLIC, "param", "library versions"),
     Declaration("config.yaml", Kind.PUBLIC, "artifact", "the run's configuration, secrets redacted"),
     Declaration("mlflow.*", Kind.PUBLIC, "tag", "MLflow's own tags"),
     Declaration("lightning_dp.*", Kind.PUBLIC, "tag", "versions and provenance"),
-    Declaration("audit/*", Kind.PUBLIC, "*", "an audit's configuration and its results on canaries (not training "
-                "data), run by the auditor"),
+    Declaration("audit/*", Kind.RELEASE, "*", "an audit's configuration and results (scores of the released model or of "
+                "the released gradients on canaries: post-processing), written by the auditor, who "
+                "holds the data: canaries built from training inputs (mislabeled copies, inputs at the training "
+                "data's mean and std), DLG's original images and MIA's membership bits are in it. An audit record "
+                "is the auditor's, not a release: do not share it beyond whoever may see the data"),
 ]
 
 

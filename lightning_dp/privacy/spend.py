@@ -65,6 +65,8 @@ class Spend:
         ledger: for ``"client_ledger"``/``"record"``: the run's per-client ledger (a copy).
         unsanitized: the run released data at this level without protection (infinite spend).
         why: what the component is, for messages and the report.
+        secret_participation: the ledger shows who took part in a selection that another accountant amplifies
+            (a federated round under central DP): the grid's per-client totals are then ``nonprivate/``.
     """
 
     level: str
@@ -73,6 +75,7 @@ class Spend:
     ledger: Any = None
     unsanitized: bool = False
     why: str = ""
+    secret_participation: bool = False
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
@@ -90,12 +93,12 @@ class Spend:
         return cls(level, accountants=accountants, delta=float(delta), why=why)
 
     @classmethod
-    def per_client(cls, level: str, ledger: Any, *, why: str = "") -> Spend:
+    def per_client(cls, level: str, ledger: Any, *, why: str = "", secret_participation: bool = False) -> Spend:
         """A per-client spend: a :class:`~lightning_dp.privacy.ledger.PrivacyLedger` (or a subclass) at
         ``"client_ledger"``, a :class:`~lightning_dp.privacy.ledger.RecordLedger` at ``"record"``."""
         if level not in ("client_ledger", "record"):
             raise ValueError(f"a ledger's spend is stated at level 'client_ledger' or 'record', got {level!r}")
-        return cls(level, ledger=copy.deepcopy(ledger), why=why)
+        return cls(level, ledger=copy.deepcopy(ledger), why=why, secret_participation=bool(secret_participation))
 
     @classmethod
     def unprotected(cls, level: str, why: str) -> Spend:
@@ -192,7 +195,8 @@ def compose(runs: Sequence[Sequence[Spend]]) -> dict[str, Any]:
     Returns:
         ``grid/epsilon``, ``grid/delta`` and ``grid/privacy_level`` for the (epsilon, delta) level;
         ``grid/client_epsilon_median``/``_max`` for client ledgers; ``grid/record_epsilon_median``/``_max``
-        for record ledgers; ``math.inf`` where some run did not protect a level another run reports.
+        for record ledgers (``nonprivate/grid_...`` when a run's participation is secret: the totals show how
+        often each client took part); ``math.inf`` where some run did not protect a level another run reports.
 
     Raises:
         ValueError: If the runs state epsilon at both the example and the client level, or with
@@ -221,11 +225,13 @@ def compose(runs: Sequence[Sequence[Spend]]) -> dict[str, Any]:
                 totals["grid/delta"] = delta
             continue
         name = "client_epsilon" if level == "client_ledger" else "record_epsilon"
+        flat = [s for spends in per_run for s in spends]
+        prefix = "nonprivate/grid_" if any(s.secret_participation for s in flat) else "grid/"
         if infinite:
-            totals[f"grid/{name}_median"] = totals[f"grid/{name}_max"] = math.inf
+            totals[f"{prefix}{name}_median"] = totals[f"{prefix}{name}_max"] = math.inf
             continue
-        per_client = _compose_ledgers([s for spends in per_run for s in spends])
+        per_client = _compose_ledgers(flat)
         if per_client:
-            totals[f"grid/{name}_median"] = float(statistics.median(per_client.values()))
-            totals[f"grid/{name}_max"] = max(per_client.values())
+            totals[f"{prefix}{name}_median"] = float(statistics.median(per_client.values()))
+            totals[f"{prefix}{name}_max"] = max(per_client.values())
     return totals

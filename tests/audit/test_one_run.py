@@ -1,6 +1,7 @@
 """One-run audit bounds: Steinke et al.'s p-value against a naive transcription of the paper's Algorithm 3, the
 bounds' coverage on mechanisms at exactly the audited privacy (simulated), the f-DP test against the Gaussian
-closed forms and dp-accounting, and the Bonferroni-corrected audit."""
+closed forms and dp-accounting, the Bonferroni-corrected audit, and its ceiling (the bound of a perfect guesser)
+against the closed form and the paper's algorithm."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from scipy.stats import binom, norm
 from lightning_dp.audit.one_run import (
     AccountedFamily,
     GaussianFamily,
+    OneRunCeiling,
     count_correct_guesses,
     default_guess_candidates,
+    epsilon_ceiling,
     fdp_consistent,
     fdp_epsilon,
     gdp_epsilon,
@@ -156,3 +159,107 @@ def test_one_run_audit_validates_and_bonferroni_makes_more_candidates_cost():
         one_run_audit(scores, included, delta=1e-5, methods=("magic",))
     with pytest.raises(ValueError, match="accounted"):
         one_run_audit(scores, included, delta=1e-5, methods=("fdp_accounted",))
+
+
+# ------------------------------------------------------------------------------------------- the ceiling
+def _paper_ceiling(m, r, delta, level):
+    """Steinke et al.'s bound for r correct of r guesses, solved independently: the eps where the transcribed
+    Algorithm 3 p-value crosses 1 - level (brentq on the transcription, not our bisection)."""
+    from scipy.optimize import brentq
+
+    tau = 1 - level
+    return brentq(lambda eps: _paper_p_value(m, r, r, eps, delta) - tau, 1e-6, 50.0, xtol=1e-9)
+
+
+def test_steinke_ceiling_equals_the_closed_form_and_the_papers_algorithm():
+    m = 1000
+    pairs = default_guess_candidates(m)
+    tau = 0.05 / len(pairs)  # 12 candidates, Bonferroni
+    # delta = 0: r correct of r guesses is rejected at eps iff q^r < tau, q = e^eps / (1 + e^eps), so the bound is
+    # logit(tau^(1/r)), largest for the most guesses (r = m with the (500, 500) candidate)
+    closed = max(math.log(tau ** (1 / r) / (1 - tau ** (1 / r))) for r in {p + n for p, n in pairs})
+    assert epsilon_ceiling(m, delta=0.0).epsilon["steinke"] == pytest.approx(closed, abs=1e-5)
+    # delta = 1e-5 (the MNIST audits of docs/results_mia.md): the paper's algorithm, solved by brentq, and the
+    # value ~5.1 the docs state
+    ceiling = epsilon_ceiling(m, delta=1e-5).epsilon["steinke"]
+    paper = max(_paper_ceiling(m, p + n, 1e-5, 1 - tau) for p, n in pairs)
+    assert ceiling == pytest.approx(paper, abs=1e-5)
+    assert round(ceiling, 1) == 5.1
+
+
+def test_ceilings_grow_with_the_number_of_canaries_while_2_m_delta_is_small():
+    sizes = (50, 100, 200, 400)
+    for delta, methods in ((0.0, ("steinke",)), (1e-5, ("steinke", "fdp_gaussian"))):  # mu-GDP needs delta > 0
+        values = [epsilon_ceiling(m, delta=delta, methods=methods).epsilon for m in sizes]
+        for name in methods:
+            series = [v[name] for v in values]
+            assert all(a < b for a, b in zip(series, series[1:])), (name, delta, series)
+    # Steinke et al.'s delta term 2 m delta alpha grows with m: at delta 1e-5 their ceiling peaks near 5.7
+    # (about 3,000 canaries) and falls after, while at delta 0 it keeps growing
+    steinke = {m: epsilon_ceiling(m, delta=1e-5).epsilon["steinke"] for m in (1000, 3000, 10_000)}
+    assert steinke[1000] < steinke[3000] and steinke[10_000] < steinke[3000] < 5.8
+    assert epsilon_ceiling(10_000, delta=0.0).epsilon["steinke"] > epsilon_ceiling(3000, delta=0.0).epsilon["steinke"]
+
+
+def test_every_bound_is_at_most_the_ceiling():
+    m, delta = 60, 1e-3
+    pairs = default_guess_candidates(m)
+    level = 1 - 0.05 / len(pairs)
+    ceiling = epsilon_ceiling(m, delta=delta, methods=("steinke", "fdp_gaussian"))
+    family = GaussianFamily()
+    for k_pos, k_neg in pairs:  # every outcome v of every candidate
+        r = k_pos + k_neg
+        for v in range(r + 1):
+            assert steinke_epsilon(m, r, v, delta=delta, confidence=level) <= ceiling.epsilon["steinke"]
+        for v in sorted({0, r // 2, (3 * r) // 4, r - 1, r} - {-1}):
+            assert fdp_epsilon(m, r, v, family, delta=delta, confidence=level)[0] <= ceiling.epsilon["fdp_gaussian"]
+    rng = np.random.default_rng(4)
+    for strength in (0.5, 2.0, 8.0):  # simulated audits, weak to nearly perfect
+        included = rng.random(m) < 0.5
+        result = one_run_audit(included * strength + rng.standard_normal(m), included, delta=delta,
+                               methods=("steinke", "fdp_gaussian"))
+        assert result.ceiling == ceiling
+        for name in ("steinke", "fdp_gaussian"):
+            assert result.epsilon[name] <= ceiling.epsilon[name]
+
+
+def test_a_perfect_attack_reaches_the_ceiling_with_every_method():
+    m = 200
+    included = np.zeros(m, dtype=bool)
+    included[np.random.default_rng(5).permutation(m)[: m // 2]] = True  # 100 in, 100 out: every candidate fits
+    family = AccountedFamily([(1.0, 1.0, 1)])  # one Gaussian mechanism: cheap curves
+    result = one_run_audit(included.astype(float), included, delta=1e-5, accounted=family,
+                           methods=("steinke", "fdp_gaussian", "fdp_accounted"))
+    assert all(c.correct == c.guesses for c in result.candidates)
+    ceiling = epsilon_ceiling(m, delta=1e-5, accounted=family, methods=("steinke", "fdp_gaussian", "fdp_accounted"))
+    assert result.ceiling == ceiling
+    assert result.epsilon == ceiling.epsilon  # the same functions on the same outcome: equal, not close
+    assert ceiling.params["fdp_accounted"] is not None
+    assert ceiling.params["fdp_accounted"] == min(v for k, v in result.params.items()
+                                                  if k.startswith("fdp_accounted/") and v is not None)
+    assert "| ceiling: every guess correct |" in result.table()
+
+
+def test_a_claim_above_the_ceiling_cannot_be_refuted():
+    ceiling = epsilon_ceiling(1000, delta=1e-5)
+    assert ceiling.claim_above(8.0) == {"steinke": True}  # the MNIST audits at epsilon 8 (docs/results_mia.md)
+    assert ceiling.claim_above(1.0) == {"steinke": False}
+    assert ceiling.claim_above(ceiling.epsilon["steinke"]) == {"steinke": True}  # refuting needs bound > claim
+    assert ceiling.claim_above(math.inf) == {"steinke": True}
+    # one Gaussian mechanism with sigma 1 (epsilon 4.4 at 1e-5) audited with 100 canaries: Steinke et al.'s ceiling
+    # (2.87) is below the claim, but a perfect guesser rejects the claimed curve itself (scale <= 1): the f-DP test
+    # could refute it
+    family = AccountedFamily([(1.0, 1.0, 1)])
+    both = epsilon_ceiling(100, delta=1e-5, methods=("steinke", "fdp_gaussian", "fdp_accounted"), accounted=family)
+    claim = family.epsilon(1.0, 1e-5)
+    assert both.epsilon["steinke"] < claim < both.epsilon["fdp_accounted"]
+    assert both.params["fdp_accounted"] <= 1.0
+    assert both.claim_above(claim) == {"steinke": True, "fdp_accounted": False}  # mu-GDP refutes nothing: absent
+    # the f-DP test compares curves: a perfect guesser that rejects no curve (None) or none at scale <= 1 cannot refute
+    nothing = OneRunCeiling({"fdp_accounted": 0.0}, {"fdp_accounted": None}, 10)
+    assert nothing.claim_above(0.1) == {"fdp_accounted": True}
+    assert OneRunCeiling({"fdp_accounted": 2.0}, {"fdp_accounted": 1.5}, 10).claim_above(9.0) == {"fdp_accounted": True}
+    with pytest.raises(ValueError, match="at most m=10"):
+        epsilon_ceiling(10, delta=1e-5, candidates=[(6, 6)])
+    with pytest.raises(ValueError, match="m=0"):
+        epsilon_ceiling(0, delta=1e-5)

@@ -1,6 +1,7 @@
 """OneRunAudit inside DPSGD runs: the canary slots keep N and q independent of the coins, excluded canaries never
 train, the bound stays below the accounted epsilon of a correct run and far above it when the noise is removed
-(white-box and black-box), metrics sit beside privacy/epsilon, state survives a checkpoint, bad set-ups refuse."""
+(white-box and black-box), metrics sit beside privacy/epsilon with each bound's ceiling (and say when the claim is
+out of the audit's reach), state survives a checkpoint, bad set-ups refuse."""
 
 from __future__ import annotations
 
@@ -122,6 +123,8 @@ def test_white_box_bound_is_below_the_accounted_epsilon_of_a_correct_run_and_cat
     assert dp.epsilon < 1.0  # what the broken run claims
     assert audit.result.epsilon["steinke"] > 1.5 > 1.5 * dp.epsilon
     assert audit.result.epsilon["fdp_accounted"] > 3 * dp.epsilon
+    for name, bound in audit.result.epsilon.items():  # even a broken run's bounds stay under the audit's ceiling
+        assert bound <= audit.result.ceiling.epsilon[name]
 
 
 def test_black_box_bound_catches_a_noiseless_run_and_respects_a_correct_one():
@@ -132,21 +135,63 @@ def test_black_box_bound_catches_a_noiseless_run_and_respects_a_correct_one():
     assert audit.result.epsilon["steinke"] <= dp.epsilon
 
 
-def test_metrics_beside_privacy_epsilon_and_state_round_trip(tmp_path):
+def _audit_row(logger) -> dict[str, float]:
+    """The CSV row holding the audit's metrics."""
+    with open(logger.experiment.metrics_file_path) as handle:
+        rows = list(csv.DictReader(handle))
+    (row,) = [r for r in rows if r.get("audit/epsilon_lower_bound")]
+    return {k: float(v) for k, v in row.items() if v != ""}
+
+
+def test_metrics_beside_privacy_epsilon_and_state_round_trip(tmp_path, capsys):
     logger = CSVLogger(tmp_path, name="audit")
     dp, audit, _ = _fit("gradient", epochs=2, logger=logger, root=tmp_path,
                         methods=("steinke", "fdp_gaussian", "fdp_accounted"))
     with open(logger.experiment.metrics_file_path) as handle:
         columns = set(next(csv.reader(handle)))
     for name in ("privacy/epsilon", "audit/epsilon_lower_bound", "audit/epsilon_lower_bound_fdp",
-                 "audit/epsilon_lower_bound_gdp", "audit/epsilon_accounted", "audit/canary_auc", "audit/guesses"):
+                 "audit/epsilon_lower_bound_gdp", "audit/epsilon_accounted", "audit/canary_auc", "audit/guesses",
+                 "audit/epsilon_ceiling", "audit/epsilon_ceiling_fdp", "audit/epsilon_ceiling_gdp",
+                 "audit/claim_above_ceiling"):
         assert name in columns
+    # each ceiling beside its bound, above it, and the one of epsilon_ceiling for the run's m and mechanism
+    row = _audit_row(logger)
+    for suffix in ("", "_fdp", "_gdp"):
+        assert row[f"audit/epsilon_lower_bound{suffix}"] <= row[f"audit/epsilon_ceiling{suffix}"]
+    from lightning_dp.audit.one_run import epsilon_ceiling
+
+    assert row["audit/epsilon_ceiling"] == pytest.approx(epsilon_ceiling(256, delta=dp.target_delta).epsilon["steinke"])
+    # the claim (epsilon 4.0) is above Steinke et al.'s ceiling with 256 canaries (3.8), but the f-DP test against the
+    # run's curve could still refute it: the audit as a whole has the power, and says which method has it
+    ceiling = audit.result.ceiling
+    assert ceiling.epsilon["steinke"] < dp.epsilon < ceiling.epsilon["fdp_accounted"]
+    assert row["audit/claim_above_ceiling"] == 0.0
+    out = capsys.readouterr().out
+    assert f"steinke            {audit.result.epsilon['steinke']:.3f} (ceiling {ceiling.epsilon['steinke']:.3f} with " \
+           "256 canaries; the claim is above it)" in out
+    assert f"fdp_accounted      {audit.result.epsilon['fdp_accounted']:.3f} (ceiling " \
+           f"{ceiling.epsilon['fdp_accounted']:.3f} with 256 canaries; the claim is below it)" in out
+    assert "claim              not refuted (within reach of fdp_accounted: a perfect attack" in out
     state = audit.state_dict()
     other = OneRunAudit(num_canaries=256, canary="gradient")
     other.load_state_dict(state)
     assert other._seed == audit._seed and (other._included == audit._included).all()
     assert np.array_equal(other._gradient.scores, audit._gradient.scores)
     assert other.state_key == audit.state_key
+
+
+def test_too_few_canaries_say_that_not_refuted_carries_no_information(tmp_path, capsys):
+    """16 canaries: Steinke et al.'s bound can never exceed about 1 (every guess correct), below the run's claim."""
+    logger = CSVLogger(tmp_path, name="audit")
+    dp, audit, _ = _fit("gradient", epochs=1, logger=logger, root=tmp_path, num_canaries=16)
+    ceiling = audit.result.ceiling.epsilon["steinke"]
+    assert audit.result.epsilon["steinke"] <= ceiling < dp.epsilon
+    row = _audit_row(logger)
+    assert row["audit/claim_above_ceiling"] == 1.0 and row["audit/claim_refuted"] == 0.0
+    assert row["audit/epsilon_ceiling"] == pytest.approx(ceiling)
+    out = capsys.readouterr().out
+    assert f"(ceiling {ceiling:.3f} with 16 canaries; the claim is above it)" in out
+    assert "not refuted, which carries no information" in out
 
 
 def test_a_budgeted_plan_counts_the_canary_slots():
@@ -209,3 +254,22 @@ def test_refusals():
                        ({"candidates": [(0, 0)]}, "candidates")):
         with pytest.raises(ValueError, match=match):
             OneRunAudit(**bad)
+
+
+def test_the_audit_seed_is_a_secret():
+    """The seed draws the inclusion bits and the canaries' sampling coins: kept under the secret key of the callback's
+    state (resume only) and redacted from logged configs; a checkpoint from before keeps loading."""
+    from lightning_dp.cli import redact_secrets
+    from lightning_dp.privacy.seeds import SECRET_KEY, strip_secrets
+
+    audit = OneRunAudit(num_canaries=8, seed=5)
+    audit._seed = 5
+    state = audit.state_dict()
+    assert state[SECRET_KEY] == {"seed": 5} and "seed" not in strip_secrets(state)
+    text = ("trainer:\n  callbacks:\n  - class_path: lightning_dp.callbacks.OneRunAudit\n    init_args:\n"
+            "      num_canaries: 8\n      seed: 5\n")
+    assert "seed: null" in redact_secrets(text) and "seed: 5" not in redact_secrets(text)
+    old = OneRunAudit(num_canaries=8)
+    old.load_state_dict({"seed": 7, "included": None, "gradient": None})
+    assert old._seed == 7
+    assert old.privacy_spend() == []  # its canaries are accounted by the audited DPSGD

@@ -16,6 +16,7 @@ from lightning_dp.datamodules import SyntheticLinearMixture
 from lightning_dp.federated import FederatedRound
 from lightning_dp.federated.parts import CentralGaussian, FedAvg, LocalSGD, PoissonSelection, UniformSelection
 from lightning_dp.models import LinearRegression
+from lightning_dp.privacy.noise import SecretGenerator
 
 
 def fedavg(server_privacy, *, q=0.25, k=1, aggregator=None, selection=None, **kwargs):
@@ -73,7 +74,7 @@ def test_the_update_is_the_clipped_sum_over_the_expected_number_of_clients():
     m = fedavg(privacy, q=0.5)
     releases = torch.randn(6, 2)
     glob = torch.zeros(1, 2)
-    g = torch.Generator().manual_seed(0)
+    g = SecretGenerator().manual_seed(0)
     privacy.plan(sample_rate=0.5, num_clients=40, expected_count=20.0, planned_rounds=1)
     new, assignment, metrics = privacy.aggregate(releases, glob, m.aggregator, weights=None, expected_count=20.0,
                                                  noise_generator=g, count_generator=g)
@@ -91,9 +92,9 @@ def test_noise_std_is_flowers_for_the_same_settings(adaptive):
     privacy = CentralGaussian(noise_multiplier=z, clip=clip, adaptive=adaptive)
     privacy.plan(sample_rate=0.5, num_clients=40, expected_count=m_clients, planned_rounds=1)
     glob = torch.zeros(1, 20_000, dtype=torch.float64)
-    g = torch.Generator().manual_seed(3)
+    g = SecretGenerator().manual_seed(3)
     new, _, _ = privacy.aggregate(glob.repeat(20, 1), glob, FedAvg(), weights=None, expected_count=m_clients,
-                                  noise_generator=g, count_generator=torch.Generator().manual_seed(4))
+                                  noise_generator=g, count_generator=SecretGenerator().manual_seed(4))
     z_used = privacy.update_noise_multiplier
     expected_std = z_used * clip / m_clients
     # 20,000 coordinates: the sample std is within 3% of the true std with probability > 1 - 1e-5
@@ -421,3 +422,13 @@ def test_delta_below_one_over_the_number_of_clients_is_silent():
                                                                         expected_count=5.0, planned_rounds=1)
         trainer(max_epochs=1).fit(fedavg(CentralGaussian(noise_multiplier=1.0), q=0.5),
                                   SyntheticLinearMixture(num_clients=10, seed=0))
+
+
+def test_the_server_refuses_noise_from_a_public_generator():
+    privacy = CentralGaussian(noise_multiplier=1.0, clip=1.0)
+    privacy.plan(sample_rate=0.5, num_clients=40, expected_count=20.0, planned_rounds=1)
+    glob = torch.zeros(1, 3)
+    for noise, count in ((torch.Generator(), SecretGenerator()), (SecretGenerator(), torch.Generator())):
+        with pytest.raises(TypeError, match="SECRET seed"):
+            privacy.aggregate(glob.repeat(4, 1), glob, FedAvg(), weights=None, expected_count=20.0,
+                              noise_generator=noise, count_generator=count)

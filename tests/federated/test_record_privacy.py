@@ -64,9 +64,10 @@ class _Spy(PoissonSelection):
 
 
 def _trainer(rounds, logger=False, **kwargs):
-    return L.Trainer(logger=logger, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                     accelerator="cpu", devices=1, max_epochs=rounds, num_sanity_val_steps=0, limit_val_batches=0,
-                     log_every_n_steps=1, **kwargs)
+    settings = dict(logger=logger, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    accelerator="cpu", devices=1, max_epochs=rounds, num_sanity_val_steps=0, limit_val_batches=0,
+                    log_every_n_steps=1)
+    return L.Trainer(**{**settings, **kwargs})
 
 
 def _dp_fedavg(selection, *, seed=0, noise_seed=1, **kwargs):
@@ -182,3 +183,37 @@ def test_sanitized_releases_keep_their_statistics_public():
     assert {"round/update_norm_mean", "round/participants", "round/cluster_size_0",
             "privacy/client_epsilon_max"} <= recorder.names()
     assert not any(n.startswith("nonprivate/") for n in recorder.names())
+
+
+def test_the_uploaded_checkpoint_does_not_show_who_took_part(tmp_path):
+    """Under central DP the per-client ledgers (participations) and the update's state are kept under the secret key:
+    the public checkpoint (what RunArtifacts uploads) has the model, the rounds and the server's accountant, no
+    client's spend; resuming from it is refused (it would restart the ledgers at zero)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from lightning_dp.federated.parts import GaussianLocalDP
+    from lightning_dp.tracking import public_checkpoint
+
+    def module():
+        return FederatedRound(LinearRegression(), selection=PoissonSelection(0.5),
+                              update=LocalSGD(epochs=1, lr=0.1, batch_size=10), sanitizer=GaussianLocalDP(5.0, 1.0),
+                              aggregator=FedAvg(weighted=False),
+                              server_privacy=CentralGaussian(noise_multiplier=1.0, clip=1.0), seed=0, noise_seed=1)
+
+    first = module()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    _trainer(2, callbacks=[ckpt], enable_checkpointing=True).fit(first, SyntheticLinearMixture(num_clients=20, seed=0))
+    local = torch.load(ckpt.last_model_path, weights_only=False)
+    assert len(first.ledger) > 0 and local["federated"]["secret"]["ledger"]["clients"]
+    public = public_checkpoint(local)
+    assert "ledger" not in public["federated"] and set(public["federated"]["parts"]) == {"server_privacy"}
+    data = SyntheticLinearMixture(num_clients=20, seed=0)
+    data.setup("fit")
+    assert not any(repr(c.client_id) in repr(public["federated"]) for c in data.train_clients)
+    torch.save(public, tmp_path / "public.ckpt")
+    with pytest.raises(MisconfigurationException, match="holds no per-client ledger"):
+        _trainer(3).fit(module(), SyntheticLinearMixture(num_clients=20, seed=0), ckpt_path=tmp_path / "public.ckpt")
+    resumed = module()  # the local checkpoint resumes exactly
+    _trainer(2).fit(resumed, SyntheticLinearMixture(num_clients=20, seed=0), ckpt_path=ckpt.last_model_path)
+    assert resumed.ledger.as_dict() == first.ledger.as_dict()

@@ -79,3 +79,10 @@ def test_different_units_or_accountants_are_refused():
         compose([example, [Spend.accounted("example", _accountant("pld", 1.0, 0.01, 10), delta=1e-5)]])
     with pytest.raises(ValueError, match="level"):
         Spend("device")
+
+
+def test_ledgers_of_a_secret_selection_compose_under_nonprivate():
+    ledger = PrivacyLedger()
+    ledger.charge("x", 1.0)
+    totals = compose([[Spend.per_client("client_ledger", ledger, secret_participation=True)]])
+    assert totals == {"nonprivate/grid_client_epsilon_median": 1.0, "nonprivate/grid_client_epsilon_max": 1.0}

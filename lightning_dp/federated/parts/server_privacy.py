@@ -58,7 +58,7 @@ from lightning_dp.privacy.adaptive import default_count_noise_std, quantile_clip
 from lightning_dp.privacy.calibration import calibrate_noise_multiplier
 from lightning_dp.privacy.clipping import check_max_grad_norm, clip_factors
 from lightning_dp.privacy.delta import LargeDeltaWarning, check_delta_for_size
-from lightning_dp.privacy.noise import check_noise_multiplier, gaussian_noise
+from lightning_dp.privacy.noise import check_noise_multiplier, gaussian_noise, require_secret
 
 __all__ = ["CentralGaussian", "NoServerPrivacy", "ServerPrivacy"]
 
@@ -386,6 +386,8 @@ class CentralGaussian(ServerPrivacy):
         if not self.budget_left(update_set):
             raise RuntimeError(f"CentralGaussian: the budget target_epsilon={self.target_epsilon} is spent (epsilon="
                                f"{self.epsilon:.4g}); refusing to release another round.")
+        require_secret(noise_generator, "CentralGaussian's noise")
+        require_secret(count_generator, "CentralGaussian's count noise")
         glob = hypotheses[0]
         deltas = releases - glob
         norms = row_norms(deltas)

@@ -1,0 +1,144 @@
+"""The record's gate (lightning_dp.gate): what a private run writes passes one place that knows each name."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_dp import gate, tracking
+from lightning_dp.callbacks import DPSGD
+from lightning_dp.privacy import record
+from tests.helpers import BlobsData, Classifier
+
+
+class _Recorder(L.pytorch.loggers.Logger):
+    name, version = "recorder", "0"
+
+    def __init__(self):
+        super().__init__()
+        self.metrics, self.params = [], {}
+
+    def log_metrics(self, metrics, step=None):
+        self.metrics.append(dict(metrics))
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        self.params.update(dict(params))
+
+    def names(self):
+        return {k for m in self.metrics for k in m}
+
+
+class _LogsTrainLoss(Classifier):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss)  # what an ordinary LightningModule does
+        return loss
+
+
+class _LogsNonprivate(Classifier):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("nonprivate/train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_acc", (self(x).argmax(1) == y).float().mean())  # any name: evaluation of the released model
+
+
+def _fit(module, logger, **dpsgd):
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=logger, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, max_epochs=1, log_every_n_steps=1,
+                        callbacks=[DPSGD(noise_multiplier=1.0, max_grad_norm=1.0, seed=0, **dpsgd)])
+    trainer.fit(module, BlobsData())
+    return trainer
+
+
+def test_an_undeclared_training_metric_is_refused_before_it_is_written():
+    recorder = _Recorder()
+    with pytest.raises(gate.UndeclaredRecordError, match="'train_loss'.*nonprivate/train_loss"):
+        _fit(_LogsTrainLoss(), recorder)
+    assert "train_loss" not in recorder.names()
+
+
+class _LogsDeclared(_LogsNonprivate):
+    def training_step(self, batch, batch_idx):
+        self.log("custom_constant", 1.0)  # declared by the test below
+        return super().training_step(batch, batch_idx)
+
+
+def test_declared_and_nonprivate_metrics_pass_and_the_switch_drops_nonprivate(monkeypatch):
+    with pytest.raises(gate.UndeclaredRecordError, match="custom_constant"):
+        _fit(_LogsDeclared(), _Recorder())
+    monkeypatch.setattr(record, "RECORD", list(record.RECORD))  # the declaration below stays in this test
+    record.declare("custom_constant", "public", "metric", "a constant")
+    on = _Recorder()
+    trainer = _fit(_LogsDeclared(), on)
+    assert {"nonprivate/train_loss", "val_acc", "custom_constant", "privacy/epsilon"} <= on.names()
+    assert gate.installed(trainer) is None  # removed at teardown: the loggers are as they were
+    assert "log_metrics" not in on.__dict__
+    off = _Recorder()
+    _fit(_LogsNonprivate(), off, log_nonprivate_metrics=False)
+    assert not any(n.startswith("nonprivate/") for n in off.names())
+    assert {"val_acc", "privacy/epsilon"} <= off.names()
+
+
+def test_params_are_configuration_and_pass():
+    recorder = _Recorder()
+    _fit(_LogsNonprivate(), recorder)
+    assert {"privacy/noise_multiplier", "privacy/sample_rate"} <= set(recorder.params)
+
+
+def test_tags_and_artifacts_pass_the_gate(tmp_path):
+    """The tracking helpers consult the gate: an undeclared tag or artifact of a private run is refused."""
+    trainer = L.Trainer(logger=False)
+    component = DPSGD(noise_multiplier=1.0)
+    gate.install(trainer, component)
+    try:
+        assert gate.admit(trainer, "summary.epsilon", "tag") and gate.admit(trainer, "model/final.ckpt", "artifact")
+        assert gate.admit(trainer, "nonprivate/cosine.png", "artifact")
+        with pytest.raises(gate.UndeclaredRecordError, match="tag 'my_tag'"):
+            tracking.set_tags(trainer, {"my_tag": 1})
+        with pytest.raises(gate.UndeclaredRecordError, match="artifact 'plots/x.png'"):
+            tracking.log_text(trainer, "x", "plots/x.png")
+        component.log_nonprivate_metrics = False
+        assert not gate.admit(trainer, "nonprivate/cosine.png", "artifact")
+    finally:
+        gate.uninstall(trainer, component)
+    assert gate.admit(trainer, "my_tag", "tag")  # no privacy component: not gated
+
+
+def test_a_non_private_run_is_not_gated():
+    recorder = _Recorder()
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=recorder, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, max_epochs=1, log_every_n_steps=1)
+    trainer.fit(_LogsTrainLoss(), BlobsData())
+    assert "train_loss" in recorder.names()
+
+
+def test_every_name_lightning_dp_writes_is_declared():
+    """The names our components write (collected from the source) are all in the table."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "lightning_dp"
+    pattern = re.compile(r'"((?:privacy|round|nonprivate|pdpfl|summary|val|test|train|federated|model)[/.][\w/.]+)"')
+    names = {m for path in root.rglob("*.py") for m in pattern.findall(path.read_text())}
+    names -= {"train.csv", "test.csv", "model.init_args.lr"}  # file names of datasets, a command-line example
+    assert len(names) > 20
+    assert record.undeclared(names) == []
+    # the names that change with the setting, as the round writes them
+    assert record.undeclared(["round/participants", "round/cluster_size_3", "privacy/client_epsilon.tsv",
+                              "nonprivate/record_epsilon_hist.png", "train/lr", "lr-SGD"]) == []
+
+
+def test_a_checkpoint_of_the_gate_leaves_no_trace_in_torch_save(tmp_path):
+    """The gate lives on the trainer and the loggers' instance attributes only: nothing of it is pickled."""
+    trainer = _fit(_LogsNonprivate(), _Recorder())
+    path = tmp_path / "c.ckpt"
+    trainer.save_checkpoint(path)
+    assert "gate" not in str(torch.load(path, weights_only=False).keys())
