@@ -5,46 +5,14 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-import torch.nn.functional as F
 
 from lightning_dp import gate, tracking
 from lightning_dp.callbacks import DPSGD
 from lightning_dp.privacy import record
-from tests.helpers import BlobsData, Classifier
-
-
-class _Recorder(L.pytorch.loggers.Logger):
-    name, version = "recorder", "0"
-
-    def __init__(self):
-        super().__init__()
-        self.metrics, self.params = [], {}
-
-    def log_metrics(self, metrics, step=None):
-        self.metrics.append(dict(metrics))
-
-    def log_hyperparams(self, params, *args, **kwargs):
-        self.params.update(dict(params))
-
-    def names(self):
-        return {k for m in self.metrics for k in m}
-
-
-class _LogsTrainLoss(Classifier):
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.cross_entropy(self(x), y)
-        self.log("train_loss", loss)  # what an ordinary LightningModule does
-        return loss
+from tests.helpers import BlobsData, Classifier, RecordingLogger
 
 
 class _LogsNonprivate(Classifier):
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.cross_entropy(self(x), y)
-        self.log("nonprivate/train_loss", loss)
-        return loss
-
     def validation_step(self, batch, batch_idx):
         x, y = batch
         self.log("val_acc", (self(x).argmax(1) == y).float().mean())  # any name: evaluation of the released model
@@ -59,9 +27,9 @@ def _fit(module, logger, **dpsgd):
 
 
 def test_an_undeclared_training_metric_is_refused_before_it_is_written():
-    recorder = _Recorder()
+    recorder = RecordingLogger()
     with pytest.raises(gate.UndeclaredRecordError, match="'train_loss'.*nonprivate/train_loss"):
-        _fit(_LogsTrainLoss(), recorder)
+        _fit(Classifier(loss_name="train_loss"), recorder)  # what an ordinary LightningModule logs
     assert "train_loss" not in recorder.names()
 
 
@@ -73,22 +41,22 @@ class _LogsDeclared(_LogsNonprivate):
 
 def test_declared_and_nonprivate_metrics_pass_and_the_switch_drops_nonprivate(monkeypatch):
     with pytest.raises(gate.UndeclaredRecordError, match="custom_constant"):
-        _fit(_LogsDeclared(), _Recorder())
+        _fit(_LogsDeclared(), RecordingLogger())
     monkeypatch.setattr(record, "RECORD", list(record.RECORD))  # the declaration below stays in this test
     record.declare("custom_constant", "public", "metric", "a constant")
-    on = _Recorder()
+    on = RecordingLogger()
     trainer = _fit(_LogsDeclared(), on)
     assert {"nonprivate/train_loss", "val_acc", "custom_constant", "privacy/epsilon"} <= on.names()
     assert gate.installed(trainer) is None  # removed at teardown: the loggers are as they were
     assert "log_metrics" not in on.__dict__
-    off = _Recorder()
+    off = RecordingLogger()
     _fit(_LogsNonprivate(), off, log_nonprivate_metrics=False)
     assert not any(n.startswith("nonprivate/") for n in off.names())
     assert {"val_acc", "privacy/epsilon"} <= off.names()
 
 
 def test_params_are_configuration_and_pass():
-    recorder = _Recorder()
+    recorder = RecordingLogger()
     _fit(_LogsNonprivate(), recorder)
     assert {"privacy/noise_multiplier", "privacy/sample_rate"} <= set(recorder.params)
 
@@ -113,10 +81,10 @@ def test_tags_and_artifacts_pass_the_gate(tmp_path):
 
 
 def test_a_non_private_run_is_not_gated():
-    recorder = _Recorder()
+    recorder = RecordingLogger()
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=recorder, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, max_epochs=1, log_every_n_steps=1)
-    trainer.fit(_LogsTrainLoss(), BlobsData())
+    trainer.fit(Classifier(loss_name="train_loss"), BlobsData())  # what an ordinary LightningModule logs
     assert "train_loss" in recorder.names()
 
 
@@ -138,7 +106,7 @@ def test_every_name_lightning_dp_writes_is_declared():
 
 def test_a_checkpoint_of_the_gate_leaves_no_trace_in_torch_save(tmp_path):
     """The gate lives on the trainer and the loggers' instance attributes only: nothing of it is pickled."""
-    trainer = _fit(_LogsNonprivate(), _Recorder())
+    trainer = _fit(_LogsNonprivate(), RecordingLogger())
     path = tmp_path / "c.ckpt"
     trainer.save_checkpoint(path)
     assert "gate" not in str(torch.load(path, weights_only=False).keys())

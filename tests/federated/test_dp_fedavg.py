@@ -17,6 +17,7 @@ from lightning_dp.federated import FederatedRound
 from lightning_dp.federated.parts import CentralGaussian, FedAvg, LocalSGD, PoissonSelection, UniformSelection
 from lightning_dp.models import LinearRegression
 from lightning_dp.privacy.noise import SecretGenerator
+from tests.helpers import RecordingLogger
 
 
 def fedavg(server_privacy, *, q=0.25, k=1, aggregator=None, selection=None, **kwargs):
@@ -362,26 +363,12 @@ def test_a_calibrated_run_logs_its_noise_multiplier_to_mlflow_once(tmp_path, ada
     assert float(params["privacy/client_sample_rate"]) == 0.5
 
 
-class _Recorder(L.pytorch.loggers.Logger):
-    name, version = "recorder", "0"
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def log_metrics(self, metrics, step=None):
-        self.calls.append((step, dict(metrics)))
-
-    def log_hyperparams(self, params, *args, **kwargs):
-        pass
-
-
 @pytest.mark.parametrize("every,rounds", [(3, 7), (1, 4), (50, 5)])
 def test_epsilon_is_in_every_metrics_write_and_the_final_spend_is_written(every, rounds):
     """epsilon is computed only for the rounds whose metrics Lightning writes (a PLD composition can cost more
     than a round), and the last round's spend is always written."""
     privacy = CentralGaussian(noise_multiplier=1.0, clip=0.5)
-    recorder = _Recorder()
+    recorder = RecordingLogger()
     trainer(max_epochs=rounds, logger=recorder, log_every_n_steps=every).fit(fedavg(privacy),
                                                                             SyntheticLinearMixture(seed=0))
     writes = [m for _, m in recorder.calls if "nonprivate/participants" in m]  # exact counts: nonprivate under central DP

@@ -26,28 +26,9 @@ from lightning_dp.federated.parts import (
 )
 from lightning_dp.models import LinearRegression
 from lightning_dp.privacy.noise import derive_generator, derive_secret_generator
+from tests.helpers import RecordingLogger
 
 CLIENTS_STREAM = 11  # the round's stream of client selection (lightning_dp.federated.round._CLIENTS)
-
-
-class _Recorder(L.pytorch.loggers.Logger):
-    name, version = "recorder", "0"
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def log_metrics(self, metrics, step=None):
-        self.calls.append((step, dict(metrics)))
-
-    def log_hyperparams(self, params, *args, **kwargs):
-        pass
-
-    def names(self):
-        return {k for _, m in self.calls for k in m}
-
-    def series(self, name):
-        return [m[name] for _, m in self.calls if name in m]
 
 
 class _Spy(PoissonSelection):
@@ -144,7 +125,7 @@ class _Amplified(SyntheticLinearMixture):
 
 
 def _central_run(factor, log_nonprivate_metrics, rounds=5):
-    recorder = _Recorder()
+    recorder = RecordingLogger()
     module = _dp_fedavg(PoissonSelection(0.5), log_nonprivate_metrics=log_nonprivate_metrics)
     _trainer(rounds, logger=recorder).fit(module, _Amplified(factor, num_clients=20, seed=0))
     return recorder
@@ -174,7 +155,7 @@ def test_central_dp_keeps_raw_update_norms_and_exact_counts_off_the_record():
 def test_sanitized_releases_keep_their_statistics_public():
     """Under local d-privacy the releases are themselves private: their norms and the server's clusters are
     post-processing, logged under round/ (and the uniform selection claims no amplification)."""
-    recorder = _Recorder()
+    recorder = RecordingLogger()
     module = FederatedRound(LinearRegression(), selection=UniformSelection(4),
                             update=LocalSGD(epochs=1, lr=0.1, batch_size=10),
                             sanitizer=EuclideanLaplace(noise_multiplier=5.0), aggregator=FedAvg(weighted=False),
