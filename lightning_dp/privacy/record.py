@@ -65,6 +65,8 @@ RECORD: list[Declaration] = [
                 "accounted with the gradient"),
     Declaration("privacy/unclipped_fraction_estimate", Kind.RELEASE, "metric", "the noisy count of unclipped "
                 "updates (Andrew et al.), accounted"),
+    Declaration("privacy/update_set_diameter", Kind.RELEASE, "metric", "the diameter of the set the round's "
+                "updates lie in, at the server's threshold: a function of the released adaptive threshold"),
     Declaration("train/lr", Kind.RELEASE, "metric", "OSO's learning rate, from the sanitized dot products"),
     Declaration("val/*", Kind.RELEASE, "metric", "the released model evaluated on held-out data (post-processing)"),
     Declaration("test/*", Kind.RELEASE, "metric", "the released model evaluated on held-out data (post-processing)"),
