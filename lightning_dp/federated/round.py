@@ -577,11 +577,12 @@ class FederatedRound(LightningModule):
         with at most two parameters): sanitized releases of a public selection only."""
         return self.releases_are_sanitized() and not self.selection_is_secret()
 
-    def _ledgers_recorded(self) -> bool:
-        """Whether the per-client ledgers (artifacts, summary) go to the record: always, unless the selection is
-        secret, where they are exact statistics of who took part (``nonprivate/``, off with
-        ``log_nonprivate_metrics=False``)."""
-        return not self.selection_is_secret() or self.log_nonprivate_metrics
+    def _shown(self, name: str) -> bool:
+        """Whether the record's gate (:mod:`lightning_dp.gate`) admits the metric ``name``: the printed summary shows
+        a fact only where the record may hold it (a secret selection's counts and ledgers are ``nonprivate/``)."""
+        from lightning_dp import gate
+
+        return gate.admit(self.trainer, name, "metric")
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         r = int(self.rounds)
@@ -829,17 +830,16 @@ class FederatedRound(LightningModule):
             # a run ended between log writes (max_steps, max_time, an interrupt): write the final spend, at the
             # step numbering of the round's own metrics (those of optimizer step n are written at n - 1)
             final = self.server_privacy.epsilon_metrics() if self.server_privacy.accounted else {}
-            if self._ledgers_recorded():
-                final.update({self._ledger_name(k.split("/", 1)[1]): v for k, v in self.update.privacy_metrics().items()})
+            final.update({self._ledger_name(k.split("/", 1)[1]): v for k, v in self.update.privacy_metrics().items()})
             if final and self.trainer.is_global_zero:
                 for logger in self.trainer.loggers:
                     logger.log_metrics(final, step=step - 1)
-        if self.trainer.is_global_zero and len(self.ledger) and self._ledgers_recorded():
+        # the artifacts pass the gate by their names (under nonprivate/ when the selection is secret)
+        if self.trainer.is_global_zero and len(self.ledger):
             self._log_ledger_artifacts()
         if self.trainer.is_global_zero and self._history:
             self._log_parameter_plot()
-        if self.trainer.is_global_zero and self.update.accountable and len(self.update.ledger) \
-                and self._ledgers_recorded():
+        if self.trainer.is_global_zero and self.update.accountable and len(self.update.ledger):
             self._log_record_ledger()
         if self.trainer.is_global_zero and self._cosines:
             self._log_cosine_plot()
@@ -853,13 +853,13 @@ class FederatedRound(LightningModule):
         """``(label, value)`` rows of the end-of-training summary (:mod:`lightning_dp.callbacks.summary`)."""
         num_train = len(self._clients["train"])
         mean = self._fit_participants / max(self._fit_rounds, 1)
-        if self.selection_is_secret() and not self.log_nonprivate_metrics:  # the exact counts are nonprivate
+        if not self._shown(self._stat("participants")):  # the exact counts are nonprivate, and off
             rows = [("clients", f"{self.selection.expected_count(num_train):.3g} expected per round ({num_train} "
                                 f"training clients, {self.selection.name} selection; who took part is secret)")]
         else:
             rows = [("clients", f"{mean:.3g} per round ({self._fit_participants} participations this fit; {num_train} "
                                 f"training clients, {self.selection.name} selection)")]
-        if len(self.ledger) and self._ledgers_recorded():
+        if len(self.ledger) and self._shown(self._ledger_name("client_epsilon_max")):
             cap = "" if self.client_privacy_cap is None else f", cap {self.client_privacy_cap:g}"
             rows.append(("client epsilon", f"median {self.ledger.median():.4g}, max {self.ledger.max():.4g} "
                                            f"({self.sanitizer.ledger_label}{cap})"))
@@ -870,7 +870,8 @@ class FederatedRound(LightningModule):
             of = "" if target is None else f" of target_epsilon {target:g}"
             rows.append(("epsilon", f"{eps:.4g}{of} at delta {getattr(privacy, 'target_delta', math.nan):g} "
                                     f"(client-level, {type(privacy).__name__})"))
-        record = self.update.privacy_metrics() if self.update.accountable and self._ledgers_recorded() else {}
+        record = self.update.privacy_metrics() if self.update.accountable and self._shown(
+            self._ledger_name("record_epsilon_max")) else {}
         if record:
             med, top = record["privacy/record_epsilon_median"], record["privacy/record_epsilon_max"]
             rows.append(("record epsilon", f"median {med:.4g}, max {top:.4g} (per client, {self.update.name})"))

@@ -198,3 +198,20 @@ def test_the_uploaded_checkpoint_does_not_show_who_took_part(tmp_path):
     resumed = module()  # the local checkpoint resumes exactly
     _trainer(2).fit(resumed, SyntheticLinearMixture(num_clients=20, seed=0), ckpt_path=ckpt.last_model_path)
     assert resumed.ledger.as_dict() == first.ledger.as_dict()
+
+
+@pytest.mark.parametrize("nonprivate", [True, False])
+def test_the_printed_summary_shows_only_what_the_gate_admits(nonprivate, capsys):
+    """Under central DP the exact participations and the clients' ledgers are nonprivate: the end-of-run summary
+    prints them only with log_nonprivate_metrics=True (else the expected count, and the client-level epsilon)."""
+    from lightning_dp.federated.parts import GaussianLocalDP
+
+    module = FederatedRound(LinearRegression(), selection=PoissonSelection(0.5),
+                            update=LocalSGD(epochs=1, lr=0.1, batch_size=10), sanitizer=GaussianLocalDP(5.0, 1.0),
+                            aggregator=FedAvg(weighted=False), server_privacy=CentralGaussian(noise_multiplier=1.0),
+                            seed=0, noise_seed=1, log_nonprivate_metrics=nonprivate)
+    _trainer(2, logger=RecordingLogger()).fit(module, SyntheticLinearMixture(num_clients=20, seed=0))
+    out = capsys.readouterr().out
+    assert "epsilon" in out and "client-level, CentralGaussian" in out
+    assert ("participations this fit" in out) == nonprivate and ("10 expected per round" in out) != nonprivate
+    assert ("client epsilon" in out) == nonprivate
