@@ -23,7 +23,12 @@ A privacy component (:class:`~lightning_dp.callbacks.DPSGD` and its subclasses,
   accountant covers. Log it as ``nonprivate/train_loss``, or declare the name
   (:func:`lightning_dp.privacy.record.declare`) if it is something else;
 - params are the run's configuration: written, unless the table says a name is a ``nonprivate/``
-  statistic.
+  statistic;
+- a metric row may hold conditions: ``round/*`` is admitted only in a run with a federated round,
+  ``val/*`` and ``test/*`` only while the trainer validates or tests, OneRunAudit's ``audit/*`` only
+  with the audit;
+- the progress bar shows only what the record may hold; a callback or scheduler that monitors a
+  statistic of the training data is refused when training starts (:func:`check_monitors`).
 
 A run without a privacy component claims nothing and is not gated.
 
@@ -40,9 +45,9 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-from lightning_dp.privacy.record import Kind, classify
+from lightning_dp.privacy.record import Declaration, Kind, declaration
 
-__all__ = ["UndeclaredRecordError", "admit", "admit_metrics", "install", "installed", "uninstall"]
+__all__ = ["UndeclaredRecordError", "admit", "admit_metrics", "check_monitors", "install", "installed", "uninstall"]
 
 _ATTRIBUTE = "_lightning_dp_gate"
 
@@ -74,6 +79,21 @@ def _evaluating(trainer: Any) -> bool:
                 or getattr(trainer, "sanity_checking", False))
 
 
+def _in_run(trainer: Any, owners: tuple[str, ...]) -> bool:
+    """Whether a callback or the module of the run is (a subclass of) one of the classes named ``owners``."""
+    objects = [*getattr(trainer, "callbacks", []), getattr(trainer, "lightning_module", None)]
+    return any(cls.__name__ in owners for obj in objects if obj is not None for cls in type(obj).__mro__)
+
+
+def _conditions_hold(trainer: Any, row: Declaration, where: str) -> bool:
+    """A metric row's conditions: one of its owners is in the run, and it is written while evaluating if it must."""
+    if where != "metric":
+        return True
+    if row.owners and not _in_run(trainer, row.owners):
+        return False
+    return not row.evaluating or _evaluating(trainer)
+
+
 def admit(trainer: Any, name: str, where: str) -> bool:
     """Whether ``name`` (a ``"metric"``, ``"param"``, ``"tag"`` or ``"artifact"``) may be written to the record.
 
@@ -81,15 +101,25 @@ def admit(trainer: Any, name: str, where: str) -> bool:
         True: write it. False: a ``nonprivate/`` item while some component has ``log_nonprivate_metrics=False``.
 
     Raises:
-        UndeclaredRecordError: An undeclared metric (outside validation and testing), tag or artifact.
+        UndeclaredRecordError: An undeclared metric (outside validation and testing), tag or artifact, or a metric
+            whose row's conditions do not hold (``round/*`` without a federated round, ``val/*`` during training).
     """
     gate = installed(trainer)
     if gate is None:
         return True
-    kind = classify(name, where)
-    if kind is Kind.NONPRIVATE:
+    row = declaration(name, where)
+    if row is not None and row.kind is Kind.NONPRIVATE:
         return gate.nonprivate
-    if kind is not None or where == "param" or (where == "metric" and _evaluating(trainer)):
+    if row is not None and not _conditions_hold(trainer, row, where):
+        condition = ("only while the trainer validates or tests" if row.evaluating
+                     else f"only in a run with {' or '.join(row.owners)}")
+        raise UndeclaredRecordError(
+            f"{gate.describe()}: the run was about to write the metric {name!r}, which the record's table "
+            f"(lightning_dp.privacy.record) admits {condition} (its row {row.pattern!r}: {row.why}). Written here it "
+            f"may be an exact statistic of private data. Fix: log it as 'nonprivate/{name.replace('/', '_')}' if it "
+            "is a statistic of the training data, or under a name of its own that you declare: "
+            "lightning_dp.privacy.record.declare(name, 'release' | 'public' | 'nonprivate', 'metric', why).")
+    if row is not None or where == "param" or (where == "metric" and _evaluating(trainer)):
         return True
     hint = (f"log it as 'nonprivate/{name.replace('/', '_')}' (switched off by log_nonprivate_metrics=False) if it "
             "is a statistic of the training data, or " if where in ("metric", "artifact") else "")
@@ -105,6 +135,47 @@ def admit(trainer: Any, name: str, where: str) -> bool:
 def admit_metrics(trainer: Any, metrics: Mapping[str, Any], where: str = "metric") -> dict[str, Any]:
     """The items of ``metrics`` that :func:`admit` lets through (it raises on an undeclared one)."""
     return {k: v for k, v in metrics.items() if admit(trainer, k, where)}
+
+
+def _shown(trainer: Any, name: str) -> bool:
+    """Whether the progress bar may show ``name``: what the record may hold (an undeclared or refused name is left
+    out of the bar rather than stopping the run: the logger's write is where it is refused)."""
+    try:
+        return admit(trainer, name, "metric")
+    except UndeclaredRecordError:
+        return False
+
+
+def _gated_bar(trainer: Any, original: Any) -> Any:
+    @functools.wraps(original)
+    def get_metrics(*args: Any, **kwargs: Any) -> Any:
+        return {k: v for k, v in original(*args, **kwargs).items() if _shown(trainer, k)}
+
+    return get_metrics
+
+
+def check_monitors(trainer: Any) -> None:
+    """Refuse a callback (``ModelCheckpoint``, ``EarlyStopping``) or learning-rate scheduler that monitors a
+    statistic of the training data: the model it selects, its logged score (``best_checkpoint/score``) and the
+    learning rates it sets would carry that statistic into the record. Call when training starts (the schedulers
+    are configured by then).
+
+    Raises:
+        UndeclaredRecordError: Naming the monitor and the fix (monitor a validation metric).
+    """
+    if installed(trainer) is None:
+        return
+    monitors = [(type(cb).__name__, cb.monitor) for cb in getattr(trainer, "callbacks", [])
+                if isinstance(getattr(cb, "monitor", None), str) and cb.monitor]
+    monitors += [("a learning-rate scheduler", config.monitor) for config in getattr(trainer, "lr_scheduler_configs", [])
+                 if getattr(config, "monitor", None)]
+    for who, name in monitors:
+        row = declaration(name, "metric")
+        if (row is not None and row.kind is Kind.NONPRIVATE) or (row is None and name.startswith("train")):
+            raise UndeclaredRecordError(
+                f"{who} monitors {name!r}, a statistic of the training data that no accountant covers: the model or "
+                "learning rate it selects, and the score it logs, would carry it into the record of a private run. "
+                "Monitor a metric of the released model on held-out data instead (e.g. val/loss).")
 
 
 def _gated_metrics(trainer: Any, original: Any) -> Any:
@@ -125,19 +196,28 @@ def _gated_params(trainer: Any, original: Any) -> Any:
     return log_hyperparams
 
 
+def _wrap(gate: _Gate, obj: Any, attr: str, wrapped: Any) -> None:
+    had = attr in obj.__dict__
+    gate.restore.append((obj, attr, had, obj.__dict__.get(attr)))
+    setattr(obj, attr, wrapped)
+
+
 def install(trainer: Any, component: Any) -> None:
-    """Put the gate on ``trainer`` for ``component`` (idempotent; call from the component's ``setup``): its loggers'
-    ``log_metrics`` and ``log_hyperparams`` are wrapped until :func:`uninstall`."""
+    """Put the gate on ``trainer`` for ``component`` (idempotent; call from the component's ``setup``, and again when
+    training starts, to cover loggers added in between): every logger's ``log_metrics`` and ``log_hyperparams``,
+    and the progress bar's ``get_metrics``, are wrapped until :func:`uninstall`."""
     gate = installed(trainer)
     if gate is None:
         gate = _Gate()
-        for logger in trainer.loggers:
-            for attr, wrap in (("log_metrics", _gated_metrics), ("log_hyperparams", _gated_params)):
-                had = attr in logger.__dict__
-                before = logger.__dict__.get(attr)
-                setattr(logger, attr, wrap(trainer, getattr(logger, attr)))
-                gate.restore.append((logger, attr, had, before))
         setattr(trainer, _ATTRIBUTE, gate)
+    wrapped = {id(obj) for obj, *_ in gate.restore}
+    for logger in trainer.loggers:
+        if id(logger) not in wrapped:
+            _wrap(gate, logger, "log_metrics", _gated_metrics(trainer, logger.log_metrics))
+            _wrap(gate, logger, "log_hyperparams", _gated_params(trainer, logger.log_hyperparams))
+    bar = getattr(trainer, "progress_bar_callback", None)
+    if bar is not None and id(bar) not in wrapped:
+        _wrap(gate, bar, "get_metrics", _gated_bar(trainer, bar.get_metrics))
     if not any(c is component for c in gate.components):
         gate.components.append(component)
 

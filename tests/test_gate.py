@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import lightning as L
 import pytest
 import torch
@@ -110,3 +112,74 @@ def test_a_checkpoint_of_the_gate_leaves_no_trace_in_torch_save(tmp_path):
     path = tmp_path / "c.ckpt"
     trainer.save_checkpoint(path)
     assert "gate" not in str(torch.load(path, weights_only=False).keys())
+
+
+class _LogsUnder(Classifier):
+    """Logs a statistic of the training batch under a name the table declares for someone else."""
+
+    def __init__(self, name):
+        super().__init__()
+        self.name = name
+
+    def training_step(self, batch, batch_idx):
+        self.log(self.name, float(batch[0].shape[0]))  # the exact Poisson batch size
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("name", ["round/x_sum", "audit/batch_size", "privacy/batch_loss", "val/train_batch_loss",
+                                  "lr-SGD", "train/lr"])
+def test_a_name_declared_for_another_component_or_for_evaluation_is_refused_in_training(name):
+    """round/* belongs to the federated round, audit/* to the one-run audit, val/* to evaluation, privacy/* metrics
+    to the privacy components' own names: a module's training statistic under such a name is refused."""
+    with pytest.raises(gate.UndeclaredRecordError, match=re.escape(repr(name))):
+        _fit(_LogsUnder(name), RecordingLogger())
+
+
+def test_a_monitor_of_a_training_statistic_is_refused_when_training_starts():
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    for callback in (ModelCheckpoint(monitor="nonprivate/train_loss"), EarlyStopping(monitor="train_loss")):
+        trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, max_epochs=1,
+                            callbacks=[DPSGD(noise_multiplier=1.0, seed=0), callback])
+        with pytest.raises(gate.UndeclaredRecordError, match="monitors"):
+            trainer.fit(Classifier(), BlobsData())
+    ok = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                   max_epochs=1, callbacks=[DPSGD(noise_multiplier=1.0, seed=0), ModelCheckpoint(monitor="val/acc",
+                                                                                                 mode="max")])
+    ok.fit(Classifier(), BlobsData())
+
+
+def test_the_progress_bar_shows_only_what_the_record_may_hold():
+    shown = []
+
+    class Bar(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            shown.append(set(trainer.progress_bar_callback.get_metrics(trainer, trainer.lightning_module)))
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_model_summary=False, max_epochs=1,
+                        log_every_n_steps=1, enable_progress_bar=True,
+                        callbacks=[DPSGD(noise_multiplier=1.0, seed=0, log_nonprivate_metrics=False), Bar()])
+    class OnTheBar(Classifier):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.log("nonprivate/train_loss", loss, prog_bar=True)
+            return loss
+
+    trainer.fit(OnTheBar(loss_name="nonprivate/loss"), BlobsData())
+    assert shown and not any(n.startswith("nonprivate/") for names in shown for n in names)
+    assert "nonprivate/train_loss" in trainer.progress_bar_metrics  # computed, not shown
+
+
+def test_a_logger_added_after_setup_is_gated():
+    late = RecordingLogger()
+
+    class AddLogger(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            trainer.loggers = [*trainer.loggers, late]
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=RecordingLogger(), enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, max_epochs=1, log_every_n_steps=1,
+                        callbacks=[DPSGD(noise_multiplier=1.0, seed=0, log_nonprivate_metrics=False), AddLogger()])
+    trainer.fit(Classifier(), BlobsData())
+    assert "privacy/epsilon" in late.names() and not any(n.startswith("nonprivate/") for n in late.names())

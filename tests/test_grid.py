@@ -393,3 +393,15 @@ def test_a_failed_grid_marks_its_parent_failed(workdir, store_template):
     assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parent.info.run_id}
     assert {r.data.tags["mlflow.runName"] for r in children} == {  # named by the last config
         f"digits-nonprivate-baseline accumulate_grad_batches={k}" for k in (1, 2)}
+
+
+def test_nonprivate_grid_totals_follow_the_runs_switch():
+    from lightning_dp.privacy.ledger import PrivacyLedger as Ledger
+
+    ledger = Ledger()
+    ledger.charge("x", 1.0)
+    spend = Spend.per_client("client_ledger", ledger, secret_participation=True)
+    on = grid.GridPoint({}, privacy={"spends": [spend], "nonprivate": True})
+    off = grid.GridPoint({}, privacy={"spends": [spend], "nonprivate": False})
+    assert "nonprivate/grid_client_epsilon_max" in grid.grid_privacy([on, on])
+    assert grid.grid_privacy([on, off]) == {}

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from lightning_dp.privacy.noise import derive_generator
+from lightning_dp.privacy.noise import derive_generator, derive_secret_generator
 
 __all__ = ["ABSENT", "CANARY_KINDS", "CanaryDataset", "DiracCanaries", "DropAbsent", "draw_inclusions",
            "make_input_canaries"]
@@ -201,7 +201,7 @@ class DiracCanaries:
     def add_to_sums(self, sums: Sequence[Tensor], *, step: int, sample_rate: float, max_grad_norm: float) -> None:
         """Adds the step's Poisson-sampled included canaries (``C e_j`` each) to the clipped sums, in place."""
         self._check(sums)
-        g = derive_generator(self.seed, CANARY_SAMPLING, step)
+        g = derive_secret_generator(self.seed, CANARY_SAMPLING, step)  # DPSGD accounts these coins: secret
         sampled = (torch.rand(self.included.size, generator=g) < sample_rate).numpy() & self.included
         for p, index, ids in self.groups():
             chosen = index[torch.from_numpy(sampled[ids])].to(sums[p].device)

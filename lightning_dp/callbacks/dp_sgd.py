@@ -756,6 +756,10 @@ class DPSGD(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self._data:
             raise MisconfigurationException("DPSGD did not see the training DataLoader; was setup() skipped?")
+        from lightning_dp import gate
+
+        gate.install(trainer, self)  # again: loggers (and the progress bar) added since setup
+        gate.check_monitors(trainer)  # no checkpoint, early stop or scheduler may select on a private statistic
         # delta >= 1/N: warned, with the wording every accountant shares (lightning_dp.privacy.delta)
         large_delta = check_delta_for_size(self.target_delta, self._data["dataset_size"], unit="examples",
                                            who=type(self).__name__)
@@ -861,6 +865,9 @@ class DPSGD(Callback):
         # the last line against accumulation switched on after setup (a GradientAccumulationScheduler after DPSGD
         # among the callbacks, any hook setting trainer.accumulate_grad_batches): before this batch trains
         self._refuse_accumulation(trainer, f"before batch {batch_idx} of epoch {trainer.current_epoch}")
+        from lightning_dp import gate
+
+        gate.install(trainer, self)  # a logger added by a hook since (wraps only what is new: a few lookups)
         if self._unreleased_backward:  # whatever switched it on: a gradient was computed and never released
             raise _accumulation_refusal(
                 f"the previous training batch ran backward without an optimizer step (accumulate_grad_batches="

@@ -187,6 +187,11 @@ class FederatedRound(LightningModule):
                                       else _positive_int("val_clients_per_check", val_clients_per_check))
         check_seed(seed)
         check_seed(noise_seed, "noise_seed")
+        if seed is not None and seed == noise_seed and (self.sanitizer.accountable or self.server_privacy.accounted
+                                                         or self.update.accountable):
+            raise ValueError(f"noise_seed={noise_seed} equals seed, which is public (logged, and in the uploaded "
+                             "checkpoint): anyone with the record could regenerate every noise draw and recompute "
+                             "who took part. Pass another noise_seed, or none (a fresh secret one).")
         self.log_nonprivate_metrics = bool(log_nonprivate_metrics)
         if diagnostics and not self.log_nonprivate_metrics:
             raise ValueError("diagnostics=True logs statistics of unsanitized updates and gradients (nonprivate/*): "
@@ -217,6 +222,7 @@ class FederatedRound(LightningModule):
         self._epsilon_written = -1  # the last round whose metrics carried privacy/epsilon
         self._fit_rounds, self._fit_participants = 0, 0  # rounds and participations of this fit (end summary)
         self._split_scored = False  # pdpfl/split_accuracy is logged once, when the split is made
+        self._ledgers_missing = False  # loaded from a public checkpoint without its ledgers (on_load_checkpoint)
 
     def parts(self) -> dict[str, Any]:
         """``{kind: part}`` of the round."""
@@ -336,6 +342,12 @@ class FederatedRound(LightningModule):
         return bool(getattr(self.server_privacy, "adaptive", False) and self.sanitizer.follows_clip)
 
     def on_train_start(self) -> None:
+        from lightning_dp import gate
+
+        gate.install(self.trainer, self)  # again: loggers (and the progress bar) added since setup
+        gate.check_monitors(self.trainer)  # no checkpoint, early stop or scheduler may select on a private statistic
+        if self._ledgers_missing:
+            self._refuse_missing_ledgers()
         self._fit_rounds, self._fit_participants = 0, 0
         planned_rounds = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else None
         if self._sanitizer_follows_clip():  # the sets the releases lie in are the server's threshold's
@@ -386,7 +398,7 @@ class FederatedRound(LightningModule):
         secret = self.selection_is_secret()  # the ledgers then show who took part: nonprivate in the grid's record
         if self.sanitizer.accountable:
             spends.append(Spend.per_client("client_ledger", self.ledger, why=self.sanitizer.name,
-                                           secret_participation=secret))
+                                           secret_participation=secret, unit=self.sanitizer.ledger_label))
         if self.update.accountable:
             spends.append(Spend.per_client("record", self.update.ledger, why=self.update.name,
                                            secret_participation=secret))
@@ -585,6 +597,9 @@ class FederatedRound(LightningModule):
         return gate.admit(self.trainer, name, "metric")
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
+        from lightning_dp import gate
+
+        gate.install(self.trainer, self)  # a logger added by a hook since setup (wraps only what is new)
         r = int(self.rounds)
         index, declined = self._sample_clients(r)  # the same on every process (seeded by round)
         hyps = self.hypotheses
@@ -796,13 +811,11 @@ class FederatedRound(LightningModule):
         if state is not None:
             secret = state.get(SECRET_KEY, {})
             ledger = state.get("ledger", secret.get("ledger"))
-            fitting = self._trainer is not None and self.trainer.state.fn == "fit"
-            if ledger is None and fitting and (self.sanitizer.accountable or self.update.accountable):
-                raise MisconfigurationException(
-                    f"{type(self).__name__}: this checkpoint holds no per-client ledger: it is a public checkpoint (the "
-                    "uploaded model/final.ckpt) of a run whose client selection is secret, stripped of who took part. "
-                    "Resuming from it would restart the clients' privacy ledgers at zero. Resume from the run's local "
-                    "checkpoint (ModelCheckpoint's file), or start a new run.")
+            # a public checkpoint of a run whose selection is secret has no ledgers: training on from it (resume, or
+            # load_from_checkpoint then fit) is refused when training starts (on_train_start); testing is fine
+            self._ledgers_missing = ledger is None and (self.sanitizer.accountable or self.update.accountable)
+            if self._ledgers_missing and self._trainer is not None and self.trainer.state.fn == "fit":
+                self._refuse_missing_ledgers()  # a resume (ckpt_path): before Lightning restores anything else
             if ledger is not None:
                 self.ledger.load_state_dict(ledger)
             self.seed = int(state["seed"])
@@ -823,6 +836,14 @@ class FederatedRound(LightningModule):
                 rank_zero_warn("the checkpoint holds no secret noise seed (a public checkpoint, or one written before "
                                "lightning-dp kept the noise seed apart from the logged seed); the resumed run draws its "
                                "noise from a fresh secret seed.")
+
+    def _refuse_missing_ledgers(self) -> None:
+        raise MisconfigurationException(
+            f"{type(self).__name__}: the checkpoint holds no per-client ledger: it is a public checkpoint (the "
+            "uploaded model/final.ckpt) of a run whose client selection is secret, stripped of who took part. "
+            "Training on from it would restart the clients' privacy ledgers at zero while the rounds and the "
+            "server's accountant continue. Resume from the run's local checkpoint (ModelCheckpoint's file), or start "
+            "a new run from fresh weights.")
 
     def on_train_end(self) -> None:
         step = int(self.trainer.global_step)

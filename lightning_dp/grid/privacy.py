@@ -25,7 +25,9 @@ def privacy_of(trainer: Any, module: Any) -> dict[str, Any]:
 
     components = [*trainer.callbacks, module]
     spends = [s for c in reporters_of(components) for s in c.privacy_spend()]
-    out: dict[str, Any] = {"spends": spends}
+    # whether every component let nonprivate/ statistics into the record (the grid's nonprivate/ totals follow)
+    out: dict[str, Any] = {"spends": spends, "nonprivate": all(bool(getattr(c, "log_nonprivate_metrics", True))
+                                                                 for c in components)}
     for cb in trainer.callbacks:
         if isinstance(cb, DPSGD):  # a run that took no step is private too (epsilon 0), not unprotected
             out["accountant"] = copy.deepcopy(cb.accountant)
@@ -54,10 +56,14 @@ def check_points(config: Sequence[str], combos: Sequence[dict[str, Any]], extra:
     from lightning_dp.lightning_cli import LightningDPCLI
     from lightning_dp.privacy.spend import unreported_components
 
+    from lightning_dp.privacy.spend import compose, reporters_of
+
     seen: set[tuple[str, ...]] = set()
+    planned = []  # every point's spend before training: the kinds of its accountants and ledgers
     for values in combos:
         cli = LightningDPCLI(args=run_args(config, values, extra), run=False)
         components = [*cli.trainer.callbacks, cli.model]  # type: ignore[attr-defined]  # set by Lightning, undeclared
+        planned.append([s for c in reporters_of(components) for s in c.privacy_spend()])
         key = tuple(type(c).__qualname__ for c in components)
         if key in seen:
             continue
@@ -69,13 +75,18 @@ def check_points(config: Sequence[str], combos: Sequence[dict[str, Any]], extra:
                 "(no privacy_spend() method), so the grid cannot compose its cost and will not count it as private. "
                 "Implement privacy_spend() returning lightning_dp.privacy.spend.Spend objects (see "
                 "lightning_dp.privacy.spend), or leave the component out of the grid.")
+    compose(planned)  # runs whose spends cannot compose (mixed units, accountants, ledgers) are refused now
 
 
 def grid_privacy(points: Sequence[GridPoint]) -> dict[str, Any]:
-    """The composed privacy cost of all runs of the grid (:func:`lightning_dp.privacy.spend.compose`)."""
+    """The composed privacy cost of all runs of the grid (:func:`lightning_dp.privacy.spend.compose`); its
+    ``nonprivate/`` totals only if every run let nonprivate statistics into its record."""
     from lightning_dp.privacy.spend import compose
 
-    return compose([p.privacy.get("spends", []) for p in points])
+    totals = compose([p.privacy.get("spends", []) for p in points])
+    if not all(p.privacy.get("nonprivate", True) for p in points):
+        totals = {k: v for k, v in totals.items() if not k.startswith("nonprivate/")}
+    return totals
 
 
 def dp_callback(trainer: Any, values: dict[str, Any]) -> Any:

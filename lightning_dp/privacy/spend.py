@@ -67,6 +67,8 @@ class Spend:
         why: what the component is, for messages and the report.
         secret_participation: the ledger shows who took part in a selection that another accountant amplifies
             (a federated round under central DP): the grid's per-client totals are then ``nonprivate/``.
+        unit: for ledgers, what one unit of spend means (the sanitizer's ``ledger_label``: d-privacy per
+            ||delta||-neighbourhood, local DP Gaussian or Laplace); ledgers of different units do not add.
     """
 
     level: str
@@ -76,6 +78,7 @@ class Spend:
     unsanitized: bool = False
     why: str = ""
     secret_participation: bool = False
+    unit: str = ""
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
@@ -93,12 +96,15 @@ class Spend:
         return cls(level, accountants=accountants, delta=float(delta), why=why)
 
     @classmethod
-    def per_client(cls, level: str, ledger: Any, *, why: str = "", secret_participation: bool = False) -> Spend:
+    def per_client(cls, level: str, ledger: Any, *, why: str = "", secret_participation: bool = False,
+                   unit: str = "") -> Spend:
         """A per-client spend: a :class:`~lightning_dp.privacy.ledger.PrivacyLedger` (or a subclass) at
-        ``"client_ledger"``, a :class:`~lightning_dp.privacy.ledger.RecordLedger` at ``"record"``."""
+        ``"client_ledger"``, a :class:`~lightning_dp.privacy.ledger.RecordLedger` at ``"record"``; ``unit`` says
+        what its spend measures (ledgers of different units are refused by :func:`compose`)."""
         if level not in ("client_ledger", "record"):
             raise ValueError(f"a ledger's spend is stated at level 'client_ledger' or 'record', got {level!r}")
-        return cls(level, ledger=copy.deepcopy(ledger), why=why, secret_participation=bool(secret_participation))
+        return cls(level, ledger=copy.deepcopy(ledger), why=why, secret_participation=bool(secret_participation),
+                   unit=unit)
 
     @classmethod
     def unprotected(cls, level: str, why: str) -> Spend:
@@ -154,7 +160,8 @@ def _compose_accounted(spends: Sequence[Spend]) -> tuple[float, float]:
     names = set(spends[0].accountants)
     for s in spends[1:]:
         names &= set(s.accountants)
-    kinds = {(type(s.accountants["main"]).__name__, getattr(s.accountants["main"], "adjacency", None)) for s in spends}
+    kinds = {(type(s.accountants["main"]).__name__, str(getattr(s.accountants["main"], "adjacency", None)))
+             for s in spends}
     if len(kinds) != 1:
         raise ValueError(f"the grid's runs state {spends[0].level}-level epsilon with different accountants "
                          f"{sorted(map(str, kinds))}; a composition needs one accountant kind and adjacency: set the "
@@ -170,16 +177,28 @@ def _compose_accounted(spends: Sequence[Spend]) -> tuple[float, float]:
     return min(bounds), delta
 
 
+def _ledger_kind(spend: Spend) -> str:
+    """What a ledger's spend measures: its class, unit, delta, accountant and adjacency (as text)."""
+    ledger = spend.ledger
+    parts = [type(ledger).__name__, spend.unit] + [f"{a}={getattr(ledger, a)}" for a in ("delta", "accountant",
+                                                                                        "adjacency")
+                                                   if getattr(ledger, a, None) is not None]
+    return " ".join(p for p in parts if p)
+
+
 def _compose_ledgers(spends: Sequence[Spend]) -> dict[Any, float]:
     """Per-client spend of the composition over runs, with the ledgers' own composition."""
     from lightning_dp.privacy.ledger import PrivacyLedger, RecordLedger
 
+    kinds = {_ledger_kind(s) for s in spends}
+    if len(kinds) != 1:
+        raise ValueError(f"the grid's runs keep {spends[0].level} ledgers of different kinds {sorted(kinds)} (another "
+                         "ledger class, unit, delta, accountant or adjacency): their spends measure different "
+                         "neighbours and do not add. Grid one kind at a time (e.g. the same sampling and adjacency "
+                         "in every run).")
     composed = copy.deepcopy(spends[0].ledger)
     for s in spends[1:]:
         other = s.ledger
-        if type(other) is not type(composed) or getattr(other, "delta", None) != getattr(composed, "delta", None):
-            raise ValueError(f"the grid's runs keep {spends[0].level} ledgers of different kinds ({type(composed).__name__}"
-                             f" and {type(other).__name__}, or different deltas); a composition needs one kind.")
         for cid in other.as_dict():
             if isinstance(other, RecordLedger):
                 for sigma, q, steps in other.history(cid):

@@ -38,7 +38,7 @@ class Probe(L.Callback):
 
 def main(out: Path, devices: int, mode: str = "") -> None:
     fairness = mode == "fairness"
-    seeds = {} if mode == "secret" else {"seed": 0, "noise_seed": 0}
+    seeds = {} if mode == "secret" else {"seed": 0, "noise_seed": 1}
     # U = 7 clients over 2 processes: shards of 4 and 3; 5 validation clients: 3 and 2
     if mode in ("local_dp_sgd", "pfa"):
         from lightning_dp.federated import FederatedRound

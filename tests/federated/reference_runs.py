@@ -3,8 +3,8 @@
 The configurations below were run with the implementation before the round was split into parts
 (commit 24f94d2) and their final hypotheses, ledgers and validation losses stored in
 ``data/reference_runs.json``; regenerated once since, when client selection moved from the public
-``seed`` to the secret ``noise_seed`` (issue 24: the same draws, from the other seed; the run whose two
-seeds are equal, ``synthetic_vmap_nu5``, kept its stored values). Regenerate (only when a change of results is intended and explained):
+``seed`` to the secret ``noise_seed`` (issue 24: the same draws, from the other seed), and
+``synthetic_vmap_nu5`` once more when its noise seed, equal to its public seed (now refused), became 1. Regenerate (only when a change of results is intended and explained):
 
     python tests/federated/reference_runs.py
 """
@@ -30,7 +30,7 @@ CONFIGS = {
     "synthetic_vmap_nu5": dict(
         model=lambda: LinearRegression(), data=lambda: SyntheticLinearMixture(num_clients=40, num_val_clients=5, seed=0),
         module=dict(num_hypotheses=2, clients_per_round=7, local_epochs=2, local_lr=0.1, local_batch_size=3,
-                    noise_multiplier=5.0, client_engine="vmap", seed=0, noise_seed=0), rounds=6),
+                    noise_multiplier=5.0, client_engine="vmap", seed=0, noise_seed=1), rounds=6),
     "synthetic_loop_per_layer_cap_skip": dict(
         model=lambda: HospitalMLP(in_features=2), data=lambda: SyntheticLinearMixture(num_clients=30, num_val_clients=5, seed=1),
         module=dict(num_hypotheses=3, clients_per_round=6, local_epochs=1, local_lr=0.05, local_batch_size=4,

