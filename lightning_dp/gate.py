@@ -47,7 +47,8 @@ from typing import Any
 
 from lightning_dp.privacy.record import Declaration, Kind, declaration
 
-__all__ = ["UndeclaredRecordError", "admit", "admit_metrics", "check_monitors", "install", "installed", "uninstall"]
+__all__ = ["UndeclaredRecordError", "admit", "admit_metrics", "check_monitors", "install", "installed",
+           "nonprivate_allowed", "uninstall"]
 
 _ATTRIBUTE = "_lightning_dp_gate"
 
@@ -63,10 +64,15 @@ class _Gate:
 
     @property
     def nonprivate(self) -> bool:
-        return all(bool(getattr(c, "log_nonprivate_metrics", True)) for c in self.components)
+        return nonprivate_allowed(self.components)
 
     def describe(self) -> str:
         return ", ".join(type(c).__name__ for c in self.components)
+
+
+def nonprivate_allowed(components: Any) -> bool:
+    """Whether ``nonprivate/`` items may be recorded: every component lets them in (``log_nonprivate_metrics``)."""
+    return all(bool(getattr(c, "log_nonprivate_metrics", True)) for c in components)
 
 
 def installed(trainer: Any) -> _Gate | None:

@@ -584,6 +584,10 @@ class FederatedRound(LightningModule):
         client's spend shows how often it took part)."""
         return f"{'nonprivate' if self.selection_is_secret() else 'privacy'}/{name}"
 
+    def _record_metrics(self) -> dict[str, float]:
+        """The record-level ledger's metrics (local DP-SGD) under their recorded names (:meth:`_ledger_name`)."""
+        return {self._ledger_name(k.split("/", 1)[1]): v for k, v in self.update.privacy_metrics().items()}
+
     def _records_releases(self) -> bool:
         """Whether the releases themselves may go to the record (the plot ``federated/parameters.png`` of a model
         with at most two parameters): sanitized releases of a public selection only."""
@@ -668,7 +672,7 @@ class FederatedRound(LightningModule):
             metrics[self._ledger_name("client_epsilon_median")] = self.ledger.median()
             metrics[self._ledger_name("client_epsilon_max")] = self.ledger.max()
         if report and self.update.accountable:  # per-client compositions: only when written
-            metrics.update({self._ledger_name(k.split("/", 1)[1]): v for k, v in self.update.privacy_metrics().items()})
+            metrics.update(self._record_metrics())
         self.rounds += 1
         # float64: Lightning would store a Python float as float32 and round the spend
         if privacy.accounted and not last and not privacy.budget_left(self._update_set()) and not self.trainer.should_stop:
@@ -851,7 +855,7 @@ class FederatedRound(LightningModule):
             # a run ended between log writes (max_steps, max_time, an interrupt): write the final spend, at the
             # step numbering of the round's own metrics (those of optimizer step n are written at n - 1)
             final = self.server_privacy.epsilon_metrics() if self.server_privacy.accounted else {}
-            final.update({self._ledger_name(k.split("/", 1)[1]): v for k, v in self.update.privacy_metrics().items()})
+            final.update(self._record_metrics())
             if final and self.trainer.is_global_zero:
                 for logger in self.trainer.loggers:
                     logger.log_metrics(final, step=step - 1)

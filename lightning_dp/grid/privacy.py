@@ -21,13 +21,13 @@ def privacy_of(trainer: Any, module: Any) -> dict[str, Any]:
     for the report the run's own epsilon and per-client maxima; ``"accountant"`` is the DP-SGD callback's (the
     budgeted grid checks it against its plan)."""
     from lightning_dp.callbacks import DPSGD
-    from lightning_dp.privacy.spend import reporters_of
+    from lightning_dp.gate import nonprivate_allowed
+    from lightning_dp.privacy.spend import spends_of
 
     components = [*trainer.callbacks, module]
-    spends = [s for c in reporters_of(components) for s in c.privacy_spend()]
+    spends = spends_of(components)
     # whether every component let nonprivate/ statistics into the record (the grid's nonprivate/ totals follow)
-    out: dict[str, Any] = {"spends": spends, "nonprivate": all(bool(getattr(c, "log_nonprivate_metrics", True))
-                                                                 for c in components)}
+    out: dict[str, Any] = {"spends": spends, "nonprivate": nonprivate_allowed(components)}
     for cb in trainer.callbacks:
         if isinstance(cb, DPSGD):  # a run that took no step is private too (epsilon 0), not unprotected
             out["accountant"] = copy.deepcopy(cb.accountant)
@@ -48,26 +48,20 @@ def privacy_of(trainer: Any, module: Any) -> dict[str, Any]:
 def check_points(config: Sequence[str], combos: Sequence[dict[str, Any]], extra: Sequence[str] = ()) -> None:
     """Refuse, before any run trains, a grid point with a component that holds privacy state (a secret seed,
     a ledger, an accountant) but reports no spend (``privacy_spend``): the grid could not compose it, and
-    counting it as private would under-state the grid's cost.
+    counting it as private would under-state the grid's cost; and a grid whose runs' spends cannot compose
+    (example- and client-level epsilon, accountants or ledgers of different kinds).
 
     Raises:
-        ValueError: Naming the point and the components.
+        ValueError: Naming the point and the components, or the kinds that do not compose.
     """
     from lightning_dp.lightning_cli import LightningDPCLI
-    from lightning_dp.privacy.spend import unreported_components
+    from lightning_dp.privacy.spend import compose, spends_of, unreported_components
 
-    from lightning_dp.privacy.spend import compose, reporters_of
-
-    seen: set[tuple[str, ...]] = set()
     planned = []  # every point's spend before training: the kinds of its accountants and ledgers
     for values in combos:
         cli = LightningDPCLI(args=run_args(config, values, extra), run=False)
         components = [*cli.trainer.callbacks, cli.model]  # type: ignore[attr-defined]  # set by Lightning, undeclared
-        planned.append([s for c in reporters_of(components) for s in c.privacy_spend()])
-        key = tuple(type(c).__qualname__ for c in components)
-        if key in seen:
-            continue
-        seen.add(key)
+        planned.append(spends_of(components))
         missing = unreported_components(components)
         if missing:
             raise ValueError(

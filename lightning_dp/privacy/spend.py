@@ -45,7 +45,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["LEVELS", "Spend", "SpendReporter", "compose", "reporters_of", "unreported_components"]
+__all__ = ["LEVELS", "Spend", "SpendReporter", "compose", "reporters_of", "spends_of", "unreported_components"]
 
 #: The levels a spend can be stated at (module docstring).
 LEVELS = ("example", "client", "client_ledger", "record")
@@ -139,6 +139,11 @@ _PRIVACY_MARKS = ("set_secret_seed", "ledger", "accountant", "noise_multiplier",
 def reporters_of(components: Sequence[Any]) -> list[Any]:
     """The components that report a spend (:class:`SpendReporter`)."""
     return [c for c in components if callable(getattr(c, "privacy_spend", None))]
+
+
+def spends_of(components: Sequence[Any]) -> list[Spend]:
+    """Every spend the reporting components of a run state (:func:`reporters_of`, in order)."""
+    return [s for c in reporters_of(components) for s in c.privacy_spend()]
 
 
 def unreported_components(components: Sequence[Any]) -> list[str]:
