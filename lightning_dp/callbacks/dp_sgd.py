@@ -36,11 +36,14 @@ replaced in ``on_before_optimizer_step``, and a last line of defence, an optimiz
 step pre-hook, refuses any step in which a parameter carries a gradient that did not go
 through clipping and noise.
 
-Gradient accumulation is refused wherever Lightning can switch it on (``Trainer(accumulate_grad_batches=k)``,
-a ``GradientAccumulationScheduler`` among the callbacks, any hook setting ``trainer.accumulate_grad_batches``):
-every optimizer step must be one Poisson batch, and with accumulation Lightning would run several batches
-per step while DPSGD clips, noises and releases the last one only. Setup refuses what it can see; each
-epoch start, batch start and backward checks again, before anything of an accumulating batch is released.
+Virtual batches (:mod:`lightning_dp.callbacks.virtual_batches`): with ``Trainer(accumulate_grad_batches=k)`` (or
+a ``GradientAccumulationScheduler``) each logical Poisson batch, of expected size ``k x batch_size x world_size``,
+is yielded in ``k`` micro-batches that Lightning accumulates; with ``max_physical_batch_size=M`` a batch of more
+than ``M`` examples is cut into chunks inside the training step. Every micro-batch and chunk is clipped per
+example after its backward pass (``on_after_backward``) and the clipped sums add up; the last backward of the
+logical batch releases them, noised once, as the step's gradient. A factor that changes under a loader sampled
+for another, a micro-batch that skips its backward, an optimizer step in the middle of a logical batch, and a
+resume from a checkpoint saved in the middle of one are refused.
 
 Secrets: the seed of the sampling and noise streams is kept in the callback's
 checkpoint state under ``"secret"`` (:mod:`lightning_dp.privacy.seeds`), never logged;
@@ -63,7 +66,6 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -72,7 +74,15 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
 from lightning_dp.privacy.accounting import get_accountant
-from lightning_dp.privacy.batch_dims import PROBE_SIZES, AmbiguousBatchDimError, batch_dim, batch_leaves, leaf_shape
+from lightning_dp.callbacks import virtual_batches
+from lightning_dp.privacy.batch_dims import (
+    PROBE_SIZES,
+    AmbiguousBatchDimError,
+    batch_dim,
+    batch_leaves,
+    leaf_shape,
+    split_batch,
+)
 from lightning_dp.privacy.calibration import calibrate_noise_multiplier
 from lightning_dp.privacy.clipping import check_max_grad_norm, clip_factors
 from lightning_dp.privacy.delta import check_delta_for_size
@@ -185,29 +195,6 @@ def _ends_with_sum(loss: torch.Tensor) -> bool:
     return fn is not None and type(fn).__name__.startswith("SumBackward")
 
 
-def _accumulation_refusal(what: str, factor: int) -> MisconfigurationException:
-    """The refusal of gradient accumulation: ``what`` switches it on (the value and where), ``factor`` its value."""
-    return MisconfigurationException(
-        f"{what}: gradient accumulation is not allowed with DPSGD. Every optimizer step is ONE Poisson-sampled batch "
-        f"in the privacy analysis; with accumulate_grad_batches={factor} Lightning runs {factor} batches per optimizer "
-        "step, and DPSGD would clip, noise and release the last one only, silently dropping the examples of the "
-        "others (and the accounting would no longer describe the training). Use a larger batch_size instead (the "
-        f"expected batch size q*N is what matters: batch_size x {factor} gives the same step); virtual batches, which "
-        "accumulate clipped sums correctly, are planned (issue 25).")
-
-
-def _scheduled_accumulation(callbacks: list[Callback]) -> tuple[GradientAccumulationScheduler, dict[int, int]] | None:
-    """The first ``GradientAccumulationScheduler`` among ``callbacks`` whose schedule ever gives a factor != 1, with
-    those entries ``{epoch: factor}``; None if there is none."""
-    for cb in callbacks:
-        if isinstance(cb, GradientAccumulationScheduler):
-            scheduling = dict(getattr(cb, "scheduling", {}))
-            bad = {epoch: factor for epoch, factor in sorted(scheduling.items()) if factor != 1}
-            if bad:
-                return cb, bad
-    return None
-
-
 class DPSGD(Callback):
     """Differentially private SGD (Abadi et al. 2016) for an unmodified LightningModule.
 
@@ -263,6 +250,12 @@ class DPSGD(Callback):
             example added or removed; the default with Poisson sampling) or ``"replace"``
             (one example replaced by another: bounded DP, a larger epsilon for the same
             noise, the default and only choice of ``poisson_sampling=False``).
+        max_physical_batch_size: the most examples one forward/backward pass may hold (a memory
+            bound; None: no bound). A batch that holds more is cut into chunks of at most this many
+            examples inside the training step, each clipped after its own backward pass; the step
+            releases their sum, noised once (virtual batches, :mod:`lightning_dp.callbacks.virtual_batches`).
+            Composes with ``Trainer(accumulate_grad_batches=k)``, which splits every logical batch into
+            ``k`` micro-batches of expected size ``batch_size``.
     """
 
     #: Constructor arguments that are secrets: redacted from configs logged by ``lightning-dp``.
@@ -287,6 +280,7 @@ class DPSGD(Callback):
         replace_batchnorm: bool = False,
         log_nonprivate_metrics: bool = True,
         adjacency: str | None = None,
+        max_physical_batch_size: int | None = None,
     ) -> None:
         if noise_multiplier is None and target_epsilon is None:
             raise ValueError(
@@ -315,6 +309,7 @@ class DPSGD(Callback):
         self._requested_seed = check_seed(seed)
         self.replace_batchnorm = bool(replace_batchnorm)
         self.log_nonprivate_metrics = bool(log_nonprivate_metrics)
+        self.max_physical_batch_size = _positive_int("max_physical_batch_size", max_physical_batch_size)
 
         self._seed: int | None = None
         self._sigma: float | None = None
@@ -343,7 +338,18 @@ class DPSGD(Callback):
         self._batch_size: int | None = None
         self._step_adds_event = False
         self._backward_seen = False
-        self._unreleased_backward = False  # a backward ran and its gradient was not released yet (accumulation)
+        # virtual batches: micro-batches per logical batch the training data was sampled for, micro-batches begun
+        # in the current logical batch, their clipped sums and counts so far, whether a backward runs inside the
+        # chunk loop of max_physical_batch_size (not the step's last), and whether the step was released
+        self._parts = 1
+        self._part = 0
+        self._pending: list[list[torch.Tensor]] | None = None
+        self._pending_stats: torch.Tensor | None = None
+        self._in_chunks = False
+        self._awaiting_step = False  # released, the optimizer step has not run yet
+        self._released_in_batch = False
+        self._batch_idx = -1
+        self._user_training_step: Any = None
         # Steps released by this callback over all its fits (restored from checkpoints). It keys the
         # noise and sampling streams: Trainer.global_step restarts at 0 in a second fit, and the same
         # noise on two releases would cancel in their difference.
@@ -398,34 +404,16 @@ class DPSGD(Callback):
         return self._data.get("sample_rate")
 
     # ------------------------------------------------------------- set-up
-    def _refuse_accumulation(self, trainer: Trainer, when: str | None = None) -> None:
-        """Refuses gradient accumulation at every point where Lightning can switch it on (issue 24, item 5).
-
-        ``when=None`` (``setup``, ``plan``): the Trainer's ``accumulate_grad_batches`` and every
-        ``GradientAccumulationScheduler`` whose schedule ever gives a factor != 1 (it sets
-        ``trainer.accumulate_grad_batches`` in its ``on_train_epoch_start``, after ``setup`` and, if it comes
-        after DPSGD among the callbacks, after DPSGD's own epoch-start hook). Otherwise (``when`` names the
-        hook): the value now, which any callback or hook may have set; :meth:`on_train_batch_start` is the last
-        line, before the first batch of an accumulating epoch runs ``training_step``, and
-        :meth:`on_before_backward` catches a module hook that sets it after DPSGD's batch-start hook. No
-        gradient is released in between.
+    def _check_accumulation(self, trainer: Trainer, when: str) -> None:
+        """The accumulation factor now (any callback or hook may set it) is the one the epoch's data was sampled
+        for (virtual batches): checked before every micro-batch and every backward pass.
 
         Raises:
-            MisconfigurationException: accumulation is or will be on, with its value, why it breaks the
-                privacy analysis, and the fix.
+            MisconfigurationException: with both factors, where it was seen, and the fix.
         """
         factor = trainer.accumulate_grad_batches
-        if factor != 1:
-            where = "set on the Trainer" if when is None else f"set by a callback or hook, seen {when}"
-            raise _accumulation_refusal(f"accumulate_grad_batches={factor} ({where})", factor)
-        if when is None:
-            scheduled = _scheduled_accumulation(trainer.callbacks)  # type: ignore[attr-defined]  # undeclared
-            if scheduled is not None:
-                cb, bad = scheduled
-                epoch, factor = next(iter(bad.items()))
-                raise _accumulation_refusal(
-                    f"{type(cb).__name__}(scheduling={dict(sorted(cb.scheduling.items()))}) among the callbacks "
-                    f"would set accumulate_grad_batches={factor} from epoch {epoch} (zero-indexed)", factor)
+        if self._data and factor != self._parts:
+            raise virtual_batches.mismatch(factor, self._parts, f"seen {when}")
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -434,7 +422,7 @@ class DPSGD(Callback):
             raise MisconfigurationException(
                 "DPSGD supports automatic optimization only (automatic_optimization=False was set): it replaces the "
                 "gradients between backward and the optimizer step. Use automatic optimization.")
-        self._refuse_accumulation(trainer)
+        virtual_batches.check_schedule(trainer)
         if self.target_epsilon is not None and (trainer.min_steps or trainer.min_epochs):
             raise MisconfigurationException(
                 f"min_steps={trainer.min_steps} / min_epochs={trainer.min_epochs} conflict with target_epsilon: "
@@ -467,6 +455,16 @@ class DPSGD(Callback):
             self._seed = int(trainer.strategy.broadcast(seed, src=0))
         self._engine = GradSampleEngine(pl_module)
         self._attach_to_training_data(trainer)
+        self._part, self._pending, self._pending_stats, self._awaiting_step = 0, None, None, False
+        self._user_training_step = pl_module.training_step
+        if self.max_physical_batch_size is not None:
+            user_step = self._user_training_step
+
+            @functools.wraps(user_step)
+            def training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
+                return self._train_in_chunks(trainer, batch, lambda chunk: user_step(chunk, *args, **kwargs))
+
+            self._shadow(pl_module, "training_step", training_step)
 
     def set_secret_seed(self, seed: int) -> None:
         """Replace the seed of the sampling and noise streams before ``fit`` (``lightning-dp grid`` does this,
@@ -541,9 +539,9 @@ class DPSGD(Callback):
 
         self._restore.append(restore)
 
-    def _data_facts(self, loader: Any, world: int, extra_slots: int = 0) -> dict[str, Any]:
-        """Dataset size, sample rate, expected batch size and steps per epoch of a training loader (with
-        ``extra_slots`` examples that an audit will append)."""
+    def _data_facts(self, loader: Any, world: int, extra_slots: int = 0, parts: int = 1) -> dict[str, Any]:
+        """Dataset size, sample rate, expected (logical) batch size and optimizer steps per epoch of a training
+        loader (with ``extra_slots`` examples that an audit will append, and ``parts`` micro-batches per step)."""
         if not isinstance(loader, DataLoader):
             raise MisconfigurationException(
                 f"train_dataloader returned {type(loader).__name__}; DPSGD needs one torch DataLoader over a "
@@ -558,20 +556,27 @@ class DPSGD(Callback):
             raise MisconfigurationException(
                 "the training DataLoader has batch_size=None (a custom batch_sampler?); DPSGD takes the expected "
                 "batch size from DataLoader(batch_size=...). Pass batch_size and no batch_sampler.")
-        expected = loader.batch_size * world
+        if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+            raise MisconfigurationException(f"accumulate_grad_batches={parts!r} is not allowed: pass a positive integer")
+        expected = loader.batch_size * world * parts
         if expected > n:
+            accumulated = f" x accumulate_grad_batches={parts}" if parts > 1 else ""
             raise MisconfigurationException(
-                f"expected batch size {expected} (batch_size={loader.batch_size} x {world} processes) exceeds the "
-                f"training set size N={n}; lower batch_size.")
+                f"expected batch size {expected} (batch_size={loader.batch_size} x {world} processes{accumulated}) "
+                f"exceeds the training set size N={n}; lower batch_size"
+                + (" or accumulate_grad_batches." if parts > 1 else "."))
+        steps = math.ceil(n / expected) if self.poisson_sampling else math.ceil(len(loader) / parts)
         return {"dataset_size": n, "sample_rate": expected / n, "expected_batch_size": expected,
-                "steps_per_epoch": math.ceil(n / expected) if self.poisson_sampling else len(loader)}
+                "steps_per_epoch": steps, "parts": parts, "micro_batch_size": loader.batch_size * world}
 
     def _privatize(self, loader: Any, trainer: Trainer) -> DataLoader:
         world = trainer.world_size
         for audit in self._audits:
             loader = audit.transform_loader(loader)
-        data = self._data_facts(loader, world)
+        parts = virtual_batches.accumulation_factor(trainer)
+        data = self._data_facts(loader, world, parts=parts)
         self._probe_data = (loader.dataset, loader.collate_fn)
+        self._parts = parts
         if not self.poisson_sampling:
             try:
                 check_partition_sampler(loader)
@@ -590,7 +595,7 @@ class DPSGD(Callback):
             self._rate_varies = True  # logged as a metric from now on (the param holds the rate at fit start)
         self._update_budget(trainer)  # a reloaded loader may bring a new sampling rate
         return poisson_dataloader(loader, sample_rate=data["sample_rate"], seed=self._drawn_seed(), rank=trainer.global_rank,
-                                  world_size=world, start_step=lambda: self._released)
+                                  world_size=world, start_step=lambda: self._released, parts=parts)
 
     def _start_pass(self) -> None:
         self._passes += 1
@@ -721,13 +726,15 @@ class DPSGD(Callback):
         Raises:
             MisconfigurationException: If the loader cannot be privatized, the run has no
                 planned length (no ``epochs``/``max_steps`` here nor ``max_epochs``/``max_steps``
-                in the Trainer), or it would accumulate gradients (refused before the grid's first run).
+                in the Trainer), or a ``GradientAccumulationScheduler`` changes the factor during the run
+                (a plan has one sampling rate; refused before the grid's first run).
         """
-        self._refuse_accumulation(trainer)
+        virtual_batches.check_schedule(trainer, for_plan=True)
         # an audit that appends canary slots to the training set (OneRunAudit) changes N, q and the steps per epoch
         callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning, undeclared
         extra = sum(int(getattr(cb, "extra_training_slots", 0)) for cb in callbacks)
-        data = self._data_facts(train_dataloader, trainer.world_size, extra_slots=extra)
+        data = self._data_facts(train_dataloader, trainer.world_size, extra_slots=extra,
+                                parts=virtual_batches.accumulation_factor(trainer))
         # the run stops at the Trainer's limits, or at this plan (the grid caps each run's budget to it)
         bounds = [e for e in (self._own_planned_events(data), self._trainer_events(trainer, data)) if e is not None]
         events = min(bounds) if bounds else None
@@ -789,7 +796,6 @@ class DPSGD(Callback):
             rank_zero_info(f"DPSGD: calibrated noise_multiplier={self._sigma:.4f} for target_epsilon="
                            f"{self.target_epsilon}, delta={self.target_delta}, {planned} planned steps, q={q:.4g}")
         self._budget_event, self._budget_stop = None, None
-        self._unreleased_backward = False
         self._update_budget(trainer)
         self._log_hyperparams(trainer, planned)
         # the last line of defence, right before the optimizer updates (after every callback and clipping)
@@ -842,6 +848,8 @@ class DPSGD(Callback):
             "privacy/expected_batch_size": self._data["expected_batch_size"],
             "privacy/steps_per_epoch": self._data["steps_per_epoch"], "privacy/planned_events": planned,
             "privacy/adjacency": "add/remove" if self.adjacency == "add_remove" else "replacement",
+            "privacy/accumulate_grad_batches": self._data["parts"],
+            "privacy/max_physical_batch_size": self.max_physical_batch_size,
         }
         if not self._fixed_clip:
             del params["privacy/max_grad_norm"]
@@ -859,25 +867,58 @@ class DPSGD(Callback):
         return False
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._refuse_accumulation(trainer, f"at the start of epoch {trainer.current_epoch}")
+        parts = self._parts
+        if parts > 1 and self.poisson_sampling and trainer.num_training_batches % parts:
+            raise MisconfigurationException(
+                f"the epoch runs {trainer.num_training_batches} training batches, not a multiple of "
+                f"accumulate_grad_batches={parts}: its last logical batch would be released with only some of its "
+                "micro-batches, a selection of the sampled examples that depends on the others. Set "
+                f"limit_train_batches to a multiple of {parts} (or leave it unset).")
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        # the last line against accumulation switched on after setup (a GradientAccumulationScheduler after DPSGD
-        # among the callbacks, any hook setting trainer.accumulate_grad_batches): before this batch trains
-        self._refuse_accumulation(trainer, f"before batch {batch_idx} of epoch {trainer.current_epoch}")
+        # after every on_train_epoch_start (a GradientAccumulationScheduler sets the factor there) and before anything
+        # of this micro-batch is computed: the factor must be the one the data was sampled for
+        self._check_accumulation(trainer, f"before batch {batch_idx} of epoch {trainer.current_epoch}")
         from lightning_dp import gate
 
         gate.install(trainer, self)  # a logger added by a hook since (wraps only what is new: a few lookups)
-        if self._unreleased_backward:  # whatever switched it on: a gradient was computed and never released
-            raise _accumulation_refusal(
-                f"the previous training batch ran backward without an optimizer step (accumulate_grad_batches="
-                f"{trainer.accumulate_grad_batches} now; something switched accumulation on during that batch)",
-                max(2, trainer.accumulate_grad_batches))
+        if self._awaiting_step:  # whatever switched accumulation on: a step was released and never applied
+            raise virtual_batches.mismatch(
+                max(2, trainer.accumulate_grad_batches), self._parts,
+                "the previous training batch released a step but the optimizer did not step; something switched "
+                "accumulation on during that batch")
+        if self._part and not self._backward_seen:
+            raise MisconfigurationException(
+                f"training_step returned None for micro-batch {self._part} of {self._parts} (the step was skipped) "
+                "while DPSGD trains: every micro-batch of a logical batch must be trained and released, an empty one "
+                "included; skipping one would make the release depend on which examples it held. Return a loss "
+                "connected to the parameters, e.g. model(x).sum() * 0.0 for an empty batch.")
+        self._batch_idx, self._released_in_batch = batch_idx, False
+        assert self._engine is not None
+        if self._part == 0:
+            self._begin_logical_step(trainer, pl_module)
+        elif self._engine.trainable_changed():
+            raise MisconfigurationException(
+                f"the set of trainable parameters changed in the middle of a logical batch (before micro-batch "
+                f"{self._part + 1} of {self._parts}); the micro-batches of one step must train the same parameters. "
+                "Change requires_grad in on_train_epoch_start (as BackboneFinetuning does) or at a step boundary.")
+        self._part += 1
+        self._start_examples(self._examples_in(batch))
+        if self._batch_size is None:
+            raise MisconfigurationException(
+                "DPSGD cannot tell how many examples this training batch holds: none of its tensors (or lists) has "
+                "the dimension that followed the number of examples in the probe batches, or the batch's structure "
+                "differs from theirs. Without it, a training_step that splits or merges examples would go "
+                "unnoticed. Return batches with a tensor (or a list) holding one entry per example.")
+
+    def _begin_logical_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """What happens once per optimizer step, before its first micro-batch: the budget, the engine, DDP."""
         model = trainer.strategy.model
         if isinstance(model, DistributedDataParallel):
             # gradients are reduced by DPSGD (clipped sums, once per step), not by DDP's reducer
             model.require_backward_grad_sync = False
         self._released_grads = {}
+        self._pending, self._pending_stats = None, None
         self._step_adds_event = self._adds_event()
         if self._step_adds_event and self._allowed_events is not None and self._events_taken >= self._allowed_events:
             raise RuntimeError(
@@ -892,22 +933,45 @@ class DPSGD(Callback):
             self._on_engine_rebuilt()
         if not self._engine.probed:
             self._probe(trainer, pl_module)
-        self._batch_size = self._examples_in(batch)
-        if self._batch_size is None:
-            raise MisconfigurationException(
-                "DPSGD cannot tell how many examples this training batch holds: none of its tensors (or lists) has "
-                "the dimension that followed the number of examples in the probe batches, or the batch's structure "
-                "differs from theirs. Without it, a training_step that splits or merges examples would go "
-                "unnoticed. Return batches with a tensor (or a list) holding one entry per example.")
+
+    def _start_examples(self, examples: int | None) -> None:
+        """Starts recording a forward/backward pass of ``examples`` examples (a micro-batch or one of its chunks)."""
+        assert self._engine is not None
+        self._batch_size = examples
         self._backward_seen = False
-        self._engine.start(batch_size=self._batch_size)
+        self._engine.start(batch_size=examples)
+
+    def _train_in_chunks(self, trainer: Trainer, batch: Any, step: Any) -> Any:
+        """The training step with ``max_physical_batch_size``: a batch of more examples runs in chunks."""
+        limit, examples = self.max_physical_batch_size, self._batch_size
+        if limit is None or examples is None or examples <= limit or self._engine is None:
+            return step(batch)
+        try:
+            chunks = split_batch(batch, self._batch_dims, limit, examples)
+        except ValueError as err:
+            raise MisconfigurationException(
+                f"DPSGD(max_physical_batch_size={limit}) cannot cut this batch of {examples} examples into chunks: "
+                f"{err}. Return batches whose every tensor that holds the examples keeps them in one dimension, or "
+                "raise max_physical_batch_size.") from None
+        sizes = [min(limit, examples - start) for start in range(0, examples, limit)]
+        divisor, optimizer = trainer.accumulate_grad_batches, trainer.optimizers[0]
+
+        def inner(on: bool) -> None:
+            self._in_chunks = on
+
+        # the backward of every chunk but the last runs here, through the strategy (precision plugin, hooks);
+        # the last chunk's backward is the Trainer's own, on the loss returned (divided by the same factor)
+        return virtual_batches.run_in_chunks(
+            chunks, sizes, step=step, start=self._start_examples, inner=inner,
+            backward=lambda loss: trainer.strategy.backward(loss / divisor, optimizer))
 
     def _probe(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Runs ``training_step`` on probe batches (see the module docstring) to establish the batch dimensions."""
         assert self._engine is not None and self._probe_data is not None
         dataset, collate = self._probe_data
         size = len(dataset)
-        with_idx = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
+        training_step = self._user_training_step or pl_module.training_step  # not the chunk loop
+        with_idx = is_param_in_hook_signature(training_step, "batch_idx", min_args=2)
         precision = trainer.precision_plugin
         shapes: dict[int, list[tuple[int, ...]]] = {}
 
@@ -919,7 +983,7 @@ class DPSGD(Callback):
                 batch = pl_module._on_before_batch_transfer(batch, dataloader_idx=0)
                 batch = trainer.strategy.batch_to_device(batch, dataloader_idx=0)
                 with precision.train_step_context():
-                    return pl_module.training_step(batch, 0) if with_idx else pl_module.training_step(batch)
+                    return training_step(batch, 0) if with_idx else training_step(batch)
 
         try:
             self._engine.probe(run, PROBE_SIZES)
@@ -949,10 +1013,9 @@ class DPSGD(Callback):
         depends on that set)."""
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
-        # the module's own on_train_batch_start runs after DPSGD's: it could switch accumulation on for this batch
-        self._refuse_accumulation(trainer, f"before a backward in epoch {trainer.current_epoch}")
+        # the module's own on_train_batch_start runs after DPSGD's: it could change the factor for this batch
+        self._check_accumulation(trainer, f"before a backward in epoch {trainer.current_epoch}")
         self._backward_seen = True
-        self._unreleased_backward = True
         if self._loss_checked or self._engine is None or self._batch_size == 0:
             return  # an empty Poisson batch says nothing about the reduction
         if loss.dim() != 0:
@@ -977,16 +1040,20 @@ class DPSGD(Callback):
             self._probe(trainer, pl_module)
             return engine.batch_size()
 
-    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+    def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Clips the examples of the pass just run; the last pass of the logical batch releases the step."""
+        if self._engine is None or self._awaiting_step or not self._backward_seen:
+            return
+        self._harvest(trainer, pl_module)
+        last_batch = self._batch_idx + 1 >= trainer.num_training_batches  # Lightning steps on an epoch's last batch
+        if not self._in_chunks and (self._part >= self._parts or last_batch):
+            self._release(trainer, trainer.optimizers[0])
+
+    def _harvest(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Per-sample norms of the recorded pass, and its clipped (and extra weighted) sums added to the step's."""
         engine = self._engine
-        assert engine is not None and self._sigma is not None
+        assert engine is not None
         engine.stop()
-        self._unreleased_backward = False  # released below, or refused
-        if not self._backward_seen:
-            raise MisconfigurationException(
-                "training_step returned None (the step was skipped) while DPSGD trains: every step must be released, "
-                "an empty Poisson batch included (noise only), since skipping one would reveal that it was empty. "
-                "Return a loss connected to the parameters, e.g. model(x).sum() * 0.0 for an empty batch.")
         engine.check_parameter_gradients()
         seen = self._step_batch_size(trainer, pl_module)
         if self._batch_size is not None and seen != self._batch_size:
@@ -995,13 +1062,29 @@ class DPSGD(Callback):
                 f"holds {self._batch_size} examples. Per-sample clipping needs each layer to keep the examples in one "
                 "dimension (a model that flattens (B, T, d) to (B*T, d) would clip tokens, not examples, and "
                 "under-state the sensitivity). Keep a batch dimension, e.g. apply nn.Linear to (B, T, d).")
-        norms = engine.per_sample_norms()
+        # the loss was a mean over `seen` examples, divided by Lightning's accumulation factor
+        norms = engine.per_sample_norms(loss_scale=seen * trainer.accumulate_grad_batches)
         clip = self.max_grad_norm
-        releases = [engine.clipped_sum(clip_factors(norms, clip))]
-        releases += [engine.clipped_sum(w) for w in self._extra_weights(norms)]
+        sums = [engine.clipped_sum(clip_factors(norms, clip))]
+        sums += [engine.clipped_sum(w) for w in self._extra_weights(norms)]
         engine.clear()
+        stats = torch.stack([(norms > clip).sum(), torch.tensor(norms.numel())]).to(sums[0][0])
+        if self._pending is None or self._pending_stats is None:
+            self._pending, self._pending_stats = sums, stats
+            return
+        for acc, new in zip(self._pending, sums):
+            for a, t in zip(acc, new):
+                a.add_(t)
+        self._pending_stats.add_(stats)
+
+    def _release(self, trainer: Trainer, optimizer: Any) -> None:
+        """The step's release: the clipped sums of all its passes (all ranks), noised once; then the accounting."""
+        engine = self._engine
+        assert engine is not None and self._sigma is not None
+        releases, stats = self._pending, self._pending_stats
+        assert releases is not None and stats is not None
+        self._pending, self._pending_stats = None, None
         params = engine.parameters
-        stats = torch.stack([(norms > clip).sum(), torch.tensor(norms.numel())]).to(releases[0][0])
         if trainer.world_size > 1:
             # one all-reduce for every weighted sum and the counts
             flat = trainer.strategy.reduce(torch.cat([t.reshape(-1) for r in releases for t in r] + [stats]),
@@ -1010,6 +1093,7 @@ class DPSGD(Callback):
             releases = [[next(chunks).view_as(t) for t in r] for r in releases]
             stats = flat[-2:]
         sums, extra_sums = releases[0], releases[1:]
+        clip = self.max_grad_norm
         for audit in self._audits:  # gradient canaries enter the clipped sum (after the all-reduce: once in aggregate)
             audit.add_to_sums(sums, step=self._released, sample_rate=self._data["sample_rate"], max_grad_norm=clip)
         noise_multiplier = self._gradient_noise_multiplier()
@@ -1030,10 +1114,24 @@ class DPSGD(Callback):
         self._last_stats = stats.detach()
         self._after_release(trainer, optimizer, grads, extra_sums)
         self._released += 1
+        self._part, self._awaiting_step, self._released_in_batch = 0, True, True
         if self._step_adds_event:
             sigma_e, q_e = self._event()
             self._accountant.step(noise_multiplier=sigma_e, sample_rate=q_e)
             self._events_taken += 1
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        if self._awaiting_step:
+            self._awaiting_step = False
+            return
+        if not self._backward_seen:
+            raise MisconfigurationException(
+                "training_step returned None (the step was skipped) while DPSGD trains: every step must be released, "
+                "an empty Poisson batch included (noise only), since skipping one would reveal that it was empty. "
+                "Return a loss connected to the parameters, e.g. model(x).sum() * 0.0 for an empty batch.")
+        raise virtual_batches.mismatch(
+            trainer.accumulate_grad_batches, self._parts,
+            f"the optimizer is about to step after micro-batch {self._part} of {self._parts} of a logical batch")
 
     # ------------------------------------------- extension points of the adaptive-clipping callbacks
     def _extra_weights(self, per_sample_norms: torch.Tensor) -> list[torch.Tensor]:
@@ -1066,6 +1164,8 @@ class DPSGD(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if not self._released_in_batch:
+            return  # a micro-batch of a logical batch still being accumulated: no step was taken
         if self._allowed_events is not None and self._events_taken >= self._allowed_events and not trainer.should_stop:
             last_batch = batch_idx + 1 >= trainer.num_training_batches
             planned_end = (0 < trainer.max_steps <= trainer.global_step) or (
@@ -1143,6 +1243,11 @@ class DPSGD(Callback):
         rows = [("epsilon", f"{spend} ({self.accountant_name}, {adjacency} adjacency)"),
                 ("noise multiplier", f"{self._sigma:.4g} ({self._sigma_source})"),
                 ("clipping norm C", f"{self.max_grad_norm:.4g}"), batches]
+        if data.get("parts", 1) > 1 or self.max_physical_batch_size is not None:
+            bound = (f", at most {self.max_physical_batch_size} examples per pass"
+                     if self.max_physical_batch_size is not None else "")
+            rows.append(("virtual batches", f"{data.get('parts', 1)} micro-batch(es) per step{bound}; noise added "
+                                            "once per step"))
         if self._budget_stop is not None:
             rows.append(("stopped", f"after step {self._budget_stop}: " + (
                 "DPSGD's planned length is done" if self._plan_done else
@@ -1215,11 +1320,20 @@ class DPSGD(Callback):
         return {"version": _STATE_VERSION, "accountant": self._accountant.state_dict(), SECRET_KEY: {"seed": self._seed},
                 "noise_multiplier": self._sigma, "max_grad_norm": self.max_grad_norm,
                 "poisson_sampling": self.poisson_sampling, "released_steps": self._released,
-                "curve": list(self._curve)}
+                "curve": list(self._curve),
+                # micro-batches of a logical batch accumulated but not released (a checkpoint saved in between)
+                "pending_micro_batches": self._part if self._pending is not None else 0}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict.get("accountant") is None:
             return
+        pending = int(state_dict.get("pending_micro_batches", 0))
+        if pending:
+            raise MisconfigurationException(
+                f"this checkpoint was saved in the middle of a logical batch ({pending} micro-batch(es) accumulated, "
+                "not yet released); their clipped sums are private and are not saved, so the run cannot continue that "
+                "step exactly. Resume from a checkpoint saved at an optimizer step (ModelCheckpoint saves there: "
+                "every_n_train_steps, every epoch), or train without accumulation.")
         saved = state_dict["accountant"]
         if saved.get("name") != self.accountant_name:
             raise MisconfigurationException(

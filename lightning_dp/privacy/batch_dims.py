@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["PROBE_SIZES", "AmbiguousBatchDimError", "batch_dim", "batch_leaves", "leaf_shape", "tensor_leaves"]
+__all__ = ["PROBE_SIZES", "AmbiguousBatchDimError", "batch_dim", "batch_leaves", "leaf_shape", "map_batch_leaves",
+           "split_batch", "tensor_leaves"]
 
 #: Numbers of examples of the probe batches. Distinct and not 1 (a dimension of size 1 is
 #: a broadcast dimension as often as a batch of one).
@@ -104,8 +105,7 @@ def batch_leaves(obj: Any) -> list[Any]:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return [leaf for f in dataclasses.fields(obj) for leaf in batch_leaves(getattr(obj, f.name))]
     if isinstance(obj, (list, tuple)):
-        if obj and not any(isinstance(v, (torch.Tensor, Mapping, list, tuple)) or dataclasses.is_dataclass(v)
-                           for v in obj):
+        if _is_leaf_list(obj):
             return [obj]
         return [leaf for v in obj for leaf in batch_leaves(v)]
     return []
@@ -114,3 +114,90 @@ def batch_leaves(obj: Any) -> list[Any]:
 def leaf_shape(leaf: Any) -> tuple[int, ...]:
     """A tensor's shape, or ``(len,)`` of a list of non-tensors (see :func:`batch_leaves`)."""
     return tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else (len(leaf),)
+
+
+def _is_leaf_list(obj: Any) -> bool:
+    return bool(obj) and not any(isinstance(v, (torch.Tensor, Mapping, list, tuple)) or dataclasses.is_dataclass(v)
+                                 for v in obj)
+
+
+def map_batch_leaves(obj: Any, fn: Any) -> Any:
+    """``obj`` with every leaf of :func:`batch_leaves` replaced by ``fn(index, leaf)`` (same order), the structure
+    (mappings, named tuples, dataclasses, lists and tuples) rebuilt around them.
+
+    Example:
+        >>> map_batch_leaves({"x": torch.zeros(2), "id": ["a", "b"]}, lambda i, leaf: i)
+        {'x': 0, 'id': 1}
+    """
+    counter = iter(range(10**12))
+
+    def rebuild(o: Any) -> Any:
+        if isinstance(o, torch.Tensor):
+            return fn(next(counter), o)
+        if isinstance(o, Mapping):
+            items = {k: rebuild(v) for k, v in o.items()}
+            mapping: Any = type(o)
+            try:
+                return mapping(items)  # dict, OrderedDict, Hugging Face BatchEncoding
+            except TypeError:
+                return items
+        if dataclasses.is_dataclass(o) and not isinstance(o, type):
+            return dataclasses.replace(o, **{f.name: rebuild(getattr(o, f.name)) for f in dataclasses.fields(o)
+                                             if f.init})
+        if isinstance(o, (list, tuple)):
+            if _is_leaf_list(o):
+                return fn(next(counter), o)
+            if isinstance(o, tuple) and hasattr(o, "_fields"):
+                return type(o)(*(rebuild(v) for v in o))
+            return type(o)(rebuild(v) for v in o)
+        return o
+
+    return rebuild(obj)
+
+
+def split_batch(batch: Any, dims: Sequence[int | None], size: int, examples: int) -> list[Any]:
+    """``batch`` of ``examples`` examples cut into consecutive chunks of at most ``size`` examples.
+
+    Args:
+        batch: the batch (any structure :func:`batch_leaves` reads).
+        dims: where each leaf holds the examples, in the order of :func:`batch_leaves`, as
+            established by the probe (:func:`batch_dim`); None: the leaf does not hold examples
+            (a shared tensor) and every chunk gets it whole.
+        size: the most examples of a chunk (a memory bound).
+        examples: the number of examples of ``batch``.
+
+    Raises:
+        ValueError: If ``dims`` does not match the batch's leaves, or a leaf without an established
+            batch dimension has a dimension of size ``examples`` (it may hold the examples in a way
+            that cannot be cut, as a flattened ``(B*T,)`` or a ``(B, B)`` mask).
+
+    Example:
+        >>> x, ids = torch.arange(10).view(5, 2), ["a", "b", "c", "d", "e"]
+        >>> [(c[0].tolist(), c[1]) for c in split_batch((x, ids), [0, 0], 2, 5)][-1]
+        ([[8, 9]], ['e'])
+    """
+    leaves = batch_leaves(batch)
+    if len(leaves) != len(dims):
+        raise ValueError(f"the batch has {len(leaves)} leaves but {len(dims)} batch dimensions were established")
+    for i, (leaf, d) in enumerate(zip(leaves, dims)):
+        shape = leaf_shape(leaf)
+        if d is None and examples in shape and examples > 1:
+            raise ValueError(
+                f"leaf {i} of the batch (shape {shape}) has a dimension of size {examples}, the number of examples, but "
+                "no dimension of it followed the number of examples in the probe batches, so it cannot be cut into "
+                "micro-batches safely")
+        if d is not None and (len(shape) <= d or shape[d] != examples):
+            raise ValueError(f"leaf {i} of the batch (shape {shape}) does not hold {examples} examples at its "
+                             f"established batch dimension {d}")
+
+    def chunk(start: int, stop: int) -> Any:
+        def cut(i: int, leaf: Any) -> Any:
+            d = dims[i]
+            if d is None:
+                return leaf
+            if isinstance(leaf, torch.Tensor):
+                return leaf.narrow(d, start, stop - start)
+            return type(leaf)(leaf[start:stop]) if isinstance(leaf, tuple) else leaf[start:stop]
+        return map_batch_leaves(batch, cut)
+
+    return [chunk(start, min(start + size, examples)) for start in range(0, examples, size)]

@@ -11,6 +11,13 @@ Batch ``k`` of the run (counting the steps released so far, across epochs and fi
 drawn from a generator derived from ``(seed, SAMPLING, k, rank)``, so batches are a pure
 function of the step: a run resumed from a checkpoint samples the same batches as the
 uninterrupted run.
+
+**Virtual batches.** With ``parts=k`` every (logical) Poisson batch is yielded as ``k``
+consecutive micro-batches, a split of its indices into ``k`` runs of sizes that differ by at
+most one (some may be empty). The split is a function of the sampled batch alone, and the
+DP-SGD step releases the sum over all ``k`` parts with noise added once, so the release is
+exactly that of the unsplit batch: the parts only bound the memory of one forward/backward
+pass (Lightning's ``accumulate_grad_batches=k`` runs them and steps once).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, S
 from lightning_dp.privacy.noise import SAMPLING, derive_secret_generator
 
 __all__ = ["EmptySafeCollate", "PassMarkingBatchSampler", "PoissonBatchSampler", "check_partition_sampler",
-           "check_sample_rate", "poisson_dataloader", "rebuild_dataloader"]
+           "check_sample_rate", "poisson_dataloader", "rebuild_dataloader", "split_indices"]
 
 
 def check_sample_rate(sample_rate: float) -> float:
@@ -55,23 +62,32 @@ class PoissonBatchSampler(BatchSampler):
         world_size: the number of processes (shards).
         start_step: a callable giving the number of batches already released when an
             epoch starts; batch k of that epoch uses counter ``start_step() + k``.
-        steps_per_epoch: batches per epoch; default ``ceil(1 / q)``.
+        steps_per_epoch: (logical) batches per epoch; default ``ceil(1 / q)``.
+        parts: micro-batches per logical batch (see the module docstring); ``len()`` is
+            ``steps_per_epoch * parts``.
 
     Example:
         >>> s = PoissonBatchSampler(None, 2, False, num_samples=10, sample_rate=0.2, seed=0)
         >>> len(s), all(0 <= i < 10 for b in s for i in b)
         (5, True)
+        >>> v = PoissonBatchSampler(None, 2, False, num_samples=10, sample_rate=0.2, seed=0, parts=2)
+        >>> len(v), [a + b for a, b in zip(*[iter(v)] * 2)] == list(s)  # the same logical batches, in halves
+        (10, True)
     """
 
     def __init__(self, sampler: object = None, batch_size: int = 1, drop_last: bool = False, *, num_samples: int,
                  sample_rate: float, seed: int, rank: int = 0, world_size: int = 1,
-                 start_step: Callable[[], int] | None = None, steps_per_epoch: int | None = None) -> None:
+                 start_step: Callable[[], int] | None = None, steps_per_epoch: int | None = None,
+                 parts: int = 1) -> None:
         if drop_last:
             raise ValueError("drop_last=True is not allowed with Poisson sampling: batch sizes are random by design")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
         if num_samples <= 0:
             raise ValueError(f"num_samples={num_samples} must be > 0: the training set is empty")
+        if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+            raise ValueError(f"parts={parts!r} must be a positive integer (micro-batches per logical batch)")
+        self.parts = parts
         self.batch_size = batch_size
         self.drop_last = False
         self.num_samples = int(num_samples)
@@ -83,7 +99,7 @@ class PoissonBatchSampler(BatchSampler):
         self.indices = torch.arange(self.rank, self.num_samples, self.world_size)
 
     def __len__(self) -> int:
-        return self.steps_per_epoch
+        return self.steps_per_epoch * self.parts
 
     def batch(self, step: int) -> list[int]:
         """The indices of this rank's batch at global batch counter ``step``."""
@@ -95,7 +111,22 @@ class PoissonBatchSampler(BatchSampler):
     def __iter__(self) -> Iterator[list[int]]:
         start = int(self.start_step())
         for k in range(self.steps_per_epoch):
-            yield self.batch(start + k)
+            if self.parts == 1:
+                yield self.batch(start + k)
+            else:
+                yield from split_indices(self.batch(start + k), self.parts)
+
+
+def split_indices(indices: list[int], parts: int) -> list[list[int]]:
+    """``indices`` in ``parts`` consecutive runs whose sizes differ by at most one (the first ones larger).
+
+    Example:
+        >>> split_indices([1, 2, 3, 4, 5], 3), split_indices([7], 2)
+        ([[1, 2], [3, 4], [5]], [[7], []])
+    """
+    n = len(indices)
+    bounds = [(j * n + parts - 1) // parts for j in range(parts + 1)]
+    return [indices[bounds[j]:bounds[j + 1]] for j in range(parts)]
 
 
 def _empty_like(batch: object) -> object:
@@ -156,12 +187,13 @@ def with_dataset(loader: DataLoader, dataset: Dataset, *, collate_fn: Callable |
 
 
 def poisson_dataloader(loader: DataLoader, *, sample_rate: float, seed: int, rank: int = 0, world_size: int = 1,
-                       start_step: Callable[[], int] | None = None) -> DataLoader:
-    """A copy of ``loader`` (same dataset, collate and worker settings) with Poisson batches."""
+                       start_step: Callable[[], int] | None = None, parts: int = 1) -> DataLoader:
+    """A copy of ``loader`` (same dataset, collate and worker settings) with Poisson batches, each yielded in
+    ``parts`` micro-batches (:class:`PoissonBatchSampler`)."""
     # a map-style dataset has __len__, which torch's Dataset does not declare
     batch_sampler = PoissonBatchSampler(None, loader.batch_size or 1, False, num_samples=len(loader.dataset),  # type: ignore[arg-type]
                                         sample_rate=sample_rate, seed=seed, rank=rank, world_size=world_size,
-                                        start_step=start_step)
+                                        start_step=start_step, parts=parts)
     return rebuild_dataloader(loader, batch_sampler=batch_sampler,
                               collate_fn=EmptySafeCollate(loader.collate_fn, loader.dataset))
 

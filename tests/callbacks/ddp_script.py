@@ -16,7 +16,7 @@ from torch import nn  # noqa: E402
 from lightning_dp.callbacks import DPSGD, OneRunAudit, OnlineSensitivity, QuantileClipping  # noqa: E402
 from lightning_dp.callbacks.faults import NoiselessDPSGD  # noqa: E402
 from lightning_dp.tracking import MLFlowLogger  # noqa: E402
-from tests.helpers import BlobsData, Classifier  # noqa: E402
+from tests.helpers import BlobsData, Classifier, blobs  # noqa: E402
 
 
 class ZeroGrad(Classifier):
@@ -73,7 +73,22 @@ def main(out: Path, tracking_uri: str) -> None:
                                                                         seed=7), audit, probe4], **common)
     t4.fit(ZeroGrad(d=100, classes=100, net=nn.Sequential(nn.Linear(100, 100))),
            BlobsData(n=200, batch_size=10, d=100, classes=100))
+    # 5. virtual batches: 2 ranks x 2 micro-batches of 5 expected (chunks of at most 3), in float64, against the
+    # unsplit DDP step (2 ranks x 10): the same logical Poisson batches, released once
+    virtual = {}
+    for name, batch, kwargs, dp_kwargs in (("unsplit", 10, {}, {}),
+                                           ("split", 5, {"accumulate_grad_batches": 2}, {"max_physical_batch_size": 3})):
+        torch.manual_seed(0)
+        m = Classifier().double()
+        cb = DPSGD(noise_multiplier=1.0, max_grad_norm=1.0, seed=8, **dp_kwargs)
+        x, y = blobs(200).tensors
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x.double(), y), batch_size=batch)
+        tv = L.Trainer(max_epochs=2, logger=False, callbacks=[cb], **common, **kwargs)
+        tv.fit(m, train_dataloaders=loader)
+        virtual[name] = {"params": torch.cat([p.detach().reshape(-1) for p in m.parameters()]),
+                         "history": cb.accountant.history, "steps": tv.global_step}
     torch.save({
+        "virtual": virtual,
         "canary_grad": probe4.grads[0], "canary_scores": audit._gradient.scores.copy(),
         "audit_result": audit.result is not None,
         "adaptive": adaptive,

@@ -99,3 +99,16 @@ def test_adaptive_thresholds_agree_on_all_ranks(ddp_run):
         assert a["history"] == b["history"] == [(1.0, 0.1, 10)], name
         assert torch.equal(a["params"], b["params"]), name
     assert len({lr for _, _, lr in r0["adaptive"]["oso"]["trace"]}) > 2  # OSO's learning rate moved too
+
+
+def test_virtual_batches_release_the_unsplit_step_under_ddp(ddp_run):
+    """accumulate_grad_batches=2 and max_physical_batch_size=3 on each of 2 ranks equal the unsplit DDP run (float64):
+    each rank samples its shard's logical batch, clips its micro-batches and chunks, and the all-reduce happens once
+    per logical step."""
+    (r0, r1), _ = ddp_run
+    for r in (r0, r1):
+        unsplit, split = r["virtual"]["unsplit"], r["virtual"]["split"]
+        assert split["steps"] == unsplit["steps"] == 20
+        assert split["history"] == unsplit["history"] == [(1.0, 0.1, 20)]
+        torch.testing.assert_close(split["params"], unsplit["params"], rtol=0, atol=1e-12)
+    assert torch.equal(r0["virtual"]["split"]["params"], r1["virtual"]["split"]["params"])
