@@ -404,7 +404,7 @@ class QuantileClipping(_AdaptiveClipping):
                        extra_sums: list[list[torch.Tensor]]) -> None:
         self._trace_step(trainer, optimizer)
         assert self._last_stats is not None  # set by this step's _extra_weights
-        clipped, size = (float(v) for v in self._last_stats)
+        clipped, size = (float(v) for v in self._last_stats[:2])
         generator = derive_secret_generator(self._planned_seed(), CLIP_STATISTIC, self._released)
         self.max_grad_norm, self._last_estimate = quantile_clip_update(
             self.max_grad_norm, size - clipped, int(size), self._data["expected_batch_size"],

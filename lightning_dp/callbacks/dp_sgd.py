@@ -113,6 +113,8 @@ class PlannedMechanism(NamedTuple):
     multiplier_scale: float
 
 _STATE_VERSION = 2
+#: Trainer precisions DPSGD supports (the engine computes per-sample norms and sums in at least float32)
+_PRECISIONS = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "32", "64")
 _CALIBRATE_FOR = ("auto", "trainer", "callback")
 #: What Lightning sets ``max_epochs`` to when neither it nor ``max_steps`` is given (a safeguard, not a plan).
 _LIGHTNING_DEFAULT_MAX_EPOCHS = 1000
@@ -185,6 +187,18 @@ def _copied(value: Any) -> Any:
     if isinstance(value, list):
         return [_copied(v) for v in value]
     return value
+
+
+#: growth interval that fixes a GradScaler's scale for any run (2**62 steps)
+_FIXED_GROWTH_INTERVAL = 2**62
+
+
+def _loss_scale(trainer: Trainer) -> float:
+    """The loss scale of the Trainer's GradScaler (``precision="16-mixed"``), 1.0 without one."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return 1.0
+    return float(scaler.get_scale())
 
 
 def _ends_with_sum(loss: torch.Tensor) -> bool:
@@ -350,6 +364,7 @@ class DPSGD(Callback):
         self._released_in_batch = False
         self._batch_idx = -1
         self._user_training_step: Any = None
+        self._half_precision = False  # bf16-mixed, 16-mixed or bf16-true: nonprivate/overflowed_fraction is logged
         # Steps released by this callback over all its fits (restored from checkpoints). It keys the
         # noise and sampling streams: Trainer.global_step restarts at 0 in a second fit, and the same
         # noise on two releases would cancel in their difference.
@@ -427,11 +442,14 @@ class DPSGD(Callback):
             raise MisconfigurationException(
                 f"min_steps={trainer.min_steps} / min_epochs={trainer.min_epochs} conflict with target_epsilon: "
                 "Lightning would keep training after the budget is spent. Remove min_steps/min_epochs.")
-        if str(trainer.precision) not in ("32-true", "64-true", "32", "64"):
+        if str(trainer.precision) not in _PRECISIONS:
             raise MisconfigurationException(
-                f"precision={trainer.precision!r} is not supported by DPSGD yet: per-sample norms computed in half "
-                "precision (or on gradients scaled by a GradScaler) can exceed the clipping threshold C, which would "
-                "under-state the sensitivity. Use Trainer(precision='32-true').")
+                f"precision={trainer.precision!r} is not supported by DPSGD: it supports {', '.join(_PRECISIONS[:5])} "
+                "(per-sample norms, clipped sums and noise in float32 whatever the forward ran in). "
+                + ("16-true has no loss scaling, so float16 gradients underflow; use precision='16-mixed' (float16 "
+                   "autocast with loss scaling) or 'bf16-true'." if str(trainer.precision) == "16-true" else
+                   "Use one of those."))
+        self._fix_loss_scale(trainer)
         if not self.poisson_sampling and trainer.world_size > 1:
             raise MisconfigurationException(
                 "poisson_sampling=False is not supported under DDP (DistributedSampler repeats examples to pad "
@@ -465,6 +483,27 @@ class DPSGD(Callback):
                 return self._train_in_chunks(trainer, batch, lambda chunk: user_step(chunk, *args, **kwargs))
 
             self._shadow(pl_module, "training_step", training_step)
+
+    def _fix_loss_scale(self, trainer: Trainer) -> None:
+        """16-mixed: the GradScaler's scale stays where it starts.
+
+        DPSGD drops an example whose float16 gradient overflowed (its contribution becomes zero,
+        within the clipping bound), so the released gradient is always finite and the scaler
+        never sees an overflow. Its scale would still double every ``growth_interval`` steps, on
+        and on, until most examples overflow and are dropped; and a scale that backed off when a
+        private example overflowed would carry that example into every later step. So the scale is
+        fixed: public, the same on every step.
+        """
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self._half_precision = str(trainer.precision) in ("bf16-mixed", "16-mixed", "bf16-true")
+        if scaler is None or not scaler.is_enabled():
+            return
+        if scaler.get_growth_interval() < _FIXED_GROWTH_INTERVAL:
+            scaler.set_growth_interval(_FIXED_GROWTH_INTERVAL)
+            rank_zero_info(f"DPSGD: the loss scale of precision='16-mixed' stays at its initial value "
+                           f"{scaler.get_scale():g} (a scale that "
+                           "moved with overflows would follow the private examples); an example whose float16 "
+                           "gradient still overflows is dropped from its step (nonprivate/overflowed_fraction).")
 
     def set_secret_seed(self, seed: int) -> None:
         """Replace the seed of the sampling and noise streams before ``fit`` (``lightning-dp grid`` does this,
@@ -1062,13 +1101,15 @@ class DPSGD(Callback):
                 f"holds {self._batch_size} examples. Per-sample clipping needs each layer to keep the examples in one "
                 "dimension (a model that flattens (B, T, d) to (B*T, d) would clip tokens, not examples, and "
                 "under-state the sensitivity). Keep a batch dimension, e.g. apply nn.Linear to (B, T, d).")
-        # the loss was a mean over `seen` examples, divided by Lightning's accumulation factor
-        norms = engine.per_sample_norms(loss_scale=seen * trainer.accumulate_grad_batches)
+        # the loss was a mean over `seen` examples, divided by Lightning's accumulation factor, and multiplied by
+        # the loss scale of 16-mixed: unscaled here, before the norms and the clipping
+        norms = engine.per_sample_norms(loss_scale=seen * trainer.accumulate_grad_batches / _loss_scale(trainer))
         clip = self.max_grad_norm
         sums = [engine.clipped_sum(clip_factors(norms, clip))]
         sums += [engine.clipped_sum(w) for w in self._extra_weights(norms)]
         engine.clear()
-        stats = torch.stack([(norms > clip).sum(), torch.tensor(norms.numel())]).to(sums[0][0])
+        # clipped (overflowed ones included: their norm is +inf), total, and dropped for a half-precision overflow
+        stats = torch.tensor([float((norms > clip).sum()), norms.numel(), engine.dropped]).to(sums[0][0])
         if self._pending is None or self._pending_stats is None:
             self._pending, self._pending_stats = sums, stats
             return
@@ -1089,9 +1130,9 @@ class DPSGD(Callback):
             # one all-reduce for every weighted sum and the counts
             flat = trainer.strategy.reduce(torch.cat([t.reshape(-1) for r in releases for t in r] + [stats]),
                                            reduce_op="sum")
-            chunks = iter(torch.split(flat[:-2], [t.numel() for r in releases for t in r]))
+            chunks = iter(torch.split(flat[:-stats.numel()], [t.numel() for r in releases for t in r]))
             releases = [[next(chunks).view_as(t) for t in r] for r in releases]
-            stats = flat[-2:]
+            stats = flat[-stats.numel():]
         sums, extra_sums = releases[0], releases[1:]
         clip = self.max_grad_norm
         for audit in self._audits:  # gradient canaries enter the clipped sum (after the all-reduce: once in aggregate)
@@ -1101,10 +1142,12 @@ class DPSGD(Callback):
         generator = derive_secret_generator(self._drawn_seed(), NOISE, self._released, device=sums[0].device)
         grads = noisy_mean(sums, noise_multiplier=noise_multiplier, max_grad_norm=clip,
                            expected_batch_size=expected, generator=generator)
+        # 16-mixed: the gradients go to the optimizer through the GradScaler, which unscales them next
+        scale = _loss_scale(trainer)
         for p, g in zip(params, grads):
             if not p.requires_grad:  # frozen since the batch started (a module hook, training_step): not trained
                 continue
-            p.grad = g.to(p.dtype)
+            p.grad = (g * scale if scale != 1.0 else g).to(p.dtype)
             self._released_grads[id(p)] = p.grad
         for audit in self._audits:
             audit.observe(grads)
@@ -1193,6 +1236,8 @@ class DPSGD(Callback):
         if self.log_nonprivate_metrics and self._last_stats is not None and self._last_stats[1] > 0:
             # exact, not covered by epsilon: see docs/privacy.md ("What epsilon covers")
             metrics["nonprivate/clipped_fraction"] = float(self._last_stats[0] / self._last_stats[1])
+            if self._half_precision:
+                metrics["nonprivate/overflowed_fraction"] = float(self._last_stats[2] / self._last_stats[1])
         return metrics
 
     def _log_privacy(self, pl_module: LightningModule, step: int) -> None:
@@ -1263,8 +1308,9 @@ class DPSGD(Callback):
         one that runs it and then :meth:`_check_released` (torch lets a step pre-hook
         return new arguments).
         """
-        closure = kwargs.get("closure", args[0] if args else None)
-        if closure is None:
+        # torch passes the step's own arguments with the optimizer first: (optimizer, closure?) or closure=...
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:  # step() without a closure (a GradScaler's step after the closure ran): check now
             self._check_released(optimizer)
             return None
 
@@ -1275,7 +1321,7 @@ class DPSGD(Callback):
 
         if "closure" in kwargs:
             return args, {**kwargs, "closure": checked}
-        return (checked, *args[1:]), kwargs
+        return (args[0], checked, *args[2:]), kwargs
 
     def _check_released(self, optimizer: Any) -> None:
         """Every gradient the optimizer is about to use is one this callback released.

@@ -260,12 +260,6 @@ def test_several_optimizers_refused():
         trainer(max_steps=1, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)]).fit(Two(), BlobsData())
 
 
-def test_half_precision_refused():
-    with pytest.raises(MisconfigurationException, match="precision='bf16-mixed'"):
-        trainer(max_steps=1, precision="bf16-mixed", callbacks=[DPSGD(noise_multiplier=1.0, seed=0)]).fit(
-            Classifier(), BlobsData())
-
-
 def test_model_without_trainable_parameters_refused():
     model = Classifier()
     model.net.requires_grad_(False)

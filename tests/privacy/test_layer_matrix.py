@@ -218,7 +218,7 @@ def _bags_with_offsets(n, g):
 
 
 def _causal(t):
-    return torch.triu(torch.full((t, t), float("-inf"), dtype=torch.float64), diagonal=1)
+    return torch.triu(torch.ones(t, t, dtype=torch.bool), diagonal=1)  # True: not attended (any dtype's model)
 
 
 # ----------------------------------------------------------------------------------------- cases

@@ -84,6 +84,16 @@ class Contribution:
         """``<G_b, G'_b>`` per example, shape ``(B,)`` (the cross term of tied parameters)."""
         return (self.dense().flatten(1) * other.dense().flatten(1)).sum(1)
 
+    def drop(self, examples: Tensor) -> None:
+        """Sets ``G_b = 0`` for every ``b`` where the boolean ``examples`` is True (examples whose gradient
+        overflowed in half precision: a zero contribution is within any clipping bound)."""
+        raise NotImplementedError
+
+
+def _zero_rows(t: Tensor, examples: Tensor) -> Tensor:
+    """``t`` with its rows (dimension 0) at ``examples`` set to 0, out of place (``t`` may be a shared view)."""
+    return t.masked_fill(examples.view(-1, *([1] * (t.dim() - 1))), 0)
+
 
 class Dense(Contribution):
     """Per-sample gradients held as one ``(B, ...)`` tensor.
@@ -117,6 +127,9 @@ class Dense(Contribution):
         if isinstance(other, Factored):
             return other.dot(self)
         return super().dot(other)
+
+    def drop(self, examples: Tensor) -> None:
+        self.grads = _zero_rows(self.grads, examples)
 
 
 class Factored(Contribution):
@@ -182,6 +195,11 @@ class Factored(Contribution):
         d = other.dense().reshape(self.left.shape[0], self.left.shape[-1], self.right.shape[-1])
         return torch.einsum("btp,bpd,btd->b", self.left, d, self.right)
 
+    def drop(self, examples: Tensor) -> None:
+        self.left, self.right = _zero_rows(self.left, examples), _zero_rows(self.right, examples)
+        if self._dense is not None:
+            self._dense = _zero_rows(self._dense, examples)
+
 
 class OneHotFactored(Contribution):
     """An embedding's ``G_b = sum_t e_{index[b, t]} (x) right[b, t]``: rows of a ``(V, d)`` table.
@@ -221,3 +239,6 @@ class OneHotFactored(Contribution):
             picked = other.left.gather(2, self.index.unsqueeze(1).expand(b, other.left.shape[1], t))  # (B, S, T)
             return (picked.transpose(1, 2) * torch.bmm(self.right, other.right.transpose(1, 2))).sum((1, 2))
         return super().dot(other)
+
+    def drop(self, examples: Tensor) -> None:
+        self.right = _zero_rows(self.right, examples)

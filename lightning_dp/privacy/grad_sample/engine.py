@@ -20,11 +20,33 @@ from lightning_dp.privacy.batch_dims import PROBE_SIZES, AmbiguousBatchDimError,
 from lightning_dp.privacy.grad_sample.contributions import DEFAULT_INSTANTIATE_LIMIT, Contribution
 from lightning_dp.privacy.grad_sample.registry import LayerRule, Record, rule_for
 
-__all__ = ["GradSampleEngine", "PerSampleGradientError", "trainable_parameters"]
+__all__ = ["GradSampleEngine", "PerSampleGradientError", "compute_dtype", "trainable_parameters"]
 
 
 class PerSampleGradientError(RuntimeError):
     """Raised when per-sample gradients cannot be computed for the model as used."""
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype per-sample norms and clipped sums are computed in for a parameter of ``dtype``: at least float32.
+
+    Under mixed precision (autocast) a layer's inputs and output gradients are float16 or bfloat16; under
+    ``bf16-true`` its weights are too. Norms computed in half precision round by up to 0.4 % (bfloat16), so a
+    clipped contribution could exceed C by that much; they are computed from the records cast to float32.
+
+    Example:
+        >>> compute_dtype(torch.bfloat16), compute_dtype(torch.float64)
+        (torch.float32, torch.float64)
+    """
+    return torch.promote_types(dtype, torch.float32) if dtype.is_floating_point else dtype
+
+
+def _upcast(value: Any, dtype: torch.dtype) -> Any:
+    """A floating tensor of lower precision than ``dtype`` cast to it (anything else as is)."""
+    if isinstance(value, Tensor) and value.is_floating_point() and value.dtype != dtype \
+            and torch.promote_types(value.dtype, dtype) == dtype:
+        return value.to(dtype)
+    return value
 
 
 def trainable_parameters(module: nn.Module) -> tuple[int, ...]:
@@ -82,6 +104,8 @@ class _Layer:
 
     def __init__(self, name: str, module: nn.Module, rule: LayerRule, trainable: dict[str, nn.Parameter]) -> None:
         self.name, self.module, self.rule, self.trainable = name, module, rule, trainable
+        # per-sample gradients are computed in at least float32, whatever the layer ran in (autocast, bf16 weights)
+        self.compute_dtype = compute_dtype(next(iter(trainable.values())).dtype)
         self.calls: list[_Call] = []
         self.dims: _Dims | None = None
         self.broadcast = False
@@ -182,6 +206,11 @@ class GradSampleEngine:
         self._recording = False
         self._probing = False
         self._probed = False
+        self._contributions: dict[int, list[Contribution]] | None = None
+        self._half_records = False
+        self._probe_half = False  # a layer's output was float16/bfloat16 while probing (autocast)
+        #: examples of the last step whose half-precision gradient overflowed and was dropped (per_sample_norms)
+        self.dropped = 0
         self._broadcasting: set[int] = set()  # layers whose outputs the probe expands (id of _Layer)
         self._captured: dict[int, list[list[Tensor]]] = {}  # their expanded outputs, per call (checking round)
         self._batch: int | None = None
@@ -262,6 +291,8 @@ class GradSampleEngine:
                     self._captured[id(layer)].append([o for o in outputs if isinstance(o, Tensor) and o.requires_grad
                                                       and o.is_floating_point()])
                 layer.probe_calls[-1].append(([_shape(a) for a in inputs], [_shape(o) for o in outputs]))
+                self._probe_half = self._probe_half or any(
+                    isinstance(o, Tensor) and o.dtype in (torch.float16, torch.bfloat16) for o in outputs)
                 return out
             if not (self._recording and torch.is_grad_enabled()) or not layer.calls \
                     or layer.calls[-1].context is None:
@@ -376,6 +407,7 @@ class GradSampleEngine:
             raise PerSampleGradientError("probe() cannot run while a step is being recorded")
         for layer in self.layers:
             layer.broadcast = False
+        self._probe_half = False
         plain = self._probe_round(run, sizes, set())
         candidates: list[_Layer] = []
         for layer in self.layers:
@@ -502,7 +534,9 @@ class GradSampleEngine:
             if n == max(sizes):
                 extra = torch.cat([g[common:].reshape(-1) for g in leaves]) if leaves else torch.zeros(0)
         ref = rows[0]
-        low = any(g.dtype not in (torch.float32, torch.float64) for call in grads[0] for g in call)  # type: ignore
+        # half precision anywhere in the model (autocast) rounds the gradients the slices receive
+        low = self._probe_half or any(g.dtype not in (torch.float32, torch.float64)
+                                      for call in grads[0] for g in call)  # type: ignore[union-attr]
         tol = 3e-2 if low else 1e-3
         if ref.numel() == 0 or not bool(ref.any()) or extra is None or not bool(extra.any()):
             refuse("the probe's result does not depend on the slices of its broadcast output that belong to the "
@@ -605,7 +639,8 @@ class GradSampleEngine:
         for layer in self.layers:
             layer.calls.clear()
             layer.cache.clear()
-        self._contributions: dict[int, list[Contribution]] | None = None
+        self._contributions = None
+        self._half_records = False
         if not self.keep_buffers:
             self._buffers.clear()
 
@@ -699,6 +734,10 @@ class GradSampleEngine:
                     "x += f(x), ids.masked_fill_(...) or an in-place activation on it), so what the layer computed with "
                     "is lost and its per-sample gradients cannot be computed. Plain autograd refuses this too when "
                     "the layer's weight is trainable. Use the out-of-place form (x = x + f(x)) or clone() the input.")
+            dtype = layer.compute_dtype
+            self._half_records = self._half_records or any(
+                isinstance(t, Tensor) and t.dtype in (torch.float16, torch.bfloat16) for t in (*inputs, *call.outputs))
+            inputs = [_upcast(a, dtype) for a in inputs]
             if layer.broadcast:
                 normalized = [self._expand(a, batch) if isinstance(a, Tensor) else a for a in inputs]
                 input_dims: list[Any] = [None] * len(inputs)
@@ -718,13 +757,14 @@ class GradSampleEngine:
                             "the loss depends on; its gradient cannot be split by example.")
                     grads.append(None)
                     continue
-                g = torch.zeros_like(o) if g is None else g
+                g = torch.zeros_like(o, dtype=dtype) if g is None else _upcast(g, dtype)
                 grads.append(g.movedim(d, 0) * scale)
             args, kwargs = pytree.tree_unflatten(normalized, spec)
             arg_dims, kwarg_dims = pytree.tree_unflatten(input_dims, spec)
+            call_args, call_kwargs = pytree.tree_map(lambda a: _upcast(a, dtype), (call.args, call.kwargs))
             out.append(Record(args=tuple(args), kwargs=dict(kwargs), grad_outputs=grads, arg_dims=tuple(arg_dims),
                               kwarg_dims=dict(kwarg_dims), output_dims=list(dims.outputs), broadcast=layer.broadcast,
-                              extra=call.extra, call_args=call.args, call_kwargs=call.kwargs, scale=scale))
+                              extra=call.extra, call_args=call_args, call_kwargs=call_kwargs, scale=scale))
         return out
 
     def _contributions_of_step(self, scale: float, batch: int) -> dict[int, list[Contribution]]:
@@ -763,9 +803,27 @@ class GradSampleEngine:
         """
         b = self.batch_size()
         scale = float(b) if loss_scale is None else float(loss_scale)
+        self._half_records = False
         self._contributions = self._contributions_of_step(scale, b)
+        norms = self._norms(b)
+        self.dropped = 0
+        if self._half_records and not bool(torch.isfinite(norms).all()):
+            # An example whose gradient overflowed in half precision (inf/nan in its records) is dropped: its
+            # contribution becomes 0, within any clipping bound, and its norm +inf (clipped, counted as above C).
+            # Letting it through would make the whole release non-finite, and an optimizer step skipped for that
+            # (GradScaler) would reveal that some example overflowed: a statistic no accountant covers.
+            bad = ~torch.isfinite(norms)
+            for contributions in self._contributions.values():
+                for c in contributions:
+                    c.drop(bad)
+            self.dropped = int(bad.sum())
+            norms = self._norms(b).masked_fill(bad, math.inf)
+        return norms
+
+    def _norms(self, b: int) -> Tensor:
         p0 = self._params[0]
-        sq = torch.zeros(b, dtype=p0.dtype, device=p0.device)
+        sq = torch.zeros(b, dtype=compute_dtype(p0.dtype), device=p0.device)
+        assert self._contributions is not None
         for contributions in self._contributions.values():
             for i, c in enumerate(contributions):
                 sq = sq + c.sq_norms().to(sq.dtype)
@@ -785,14 +843,15 @@ class GradSampleEngine:
             raise PerSampleGradientError("call per_sample_norms() before clipped_sum()")
         out = []
         for p in self._params:
+            dtype = compute_dtype(p.dtype)  # at least float32: the caller casts the released gradient to p.dtype
             parts = contributions.get(id(p), [])
             if not parts or factors.numel() == 0:
-                out.append(torch.zeros_like(p))
+                out.append(torch.zeros(p.shape, dtype=dtype, device=p.device))
                 continue
             total = parts[0].weighted_sum(factors)
             for c in parts[1:]:
                 total = total + c.weighted_sum(factors)
-            out.append(total.to(p.dtype).view_as(p))
+            out.append(total.to(dtype).view(p.shape))
         return out
 
 
@@ -803,16 +862,27 @@ class _LayerView:
         self._engine, self._layer = engine, layer
         self.module, self.trainable, self.name, self.cache = layer.module, layer.trainable, layer.name, layer.cache
         self.instantiate_limit = engine.instantiate_limit
+        #: the dtype the records were cast to (at least float32), which a rule's own tensors should use too
+        self.compute_dtype = layer.compute_dtype
 
     def workspace(self, key: str, shape: tuple[int, ...], like: Tensor, *, shared: bool = False) -> Tensor:
         return self._engine.workspace(self._layer, key, shape, like, shared=shared)
 
     @contextlib.contextmanager
     def replaying(self) -> Iterator[None]:
-        """Calls of the module inside are not recorded (rules that run the module again)."""
+        """Calls of the module inside are not recorded (rules that run the module again); a module whose weights
+        are in lower precision than :attr:`compute_dtype` (``bf16-true``) runs in it meanwhile, as the records do
+        (the round trip to float32 and back is exact)."""
         engine = self._engine
         was, engine._recording = engine._recording, False
+        low = [(t, t.dtype) for t in (*self.module.parameters(), *self.module.buffers())
+               if t.is_floating_point() and torch.promote_types(t.dtype, self.compute_dtype) == self.compute_dtype
+               and t.dtype != self.compute_dtype]
+        for t, _ in low:
+            t.data = t.data.to(self.compute_dtype)
         try:
             yield
         finally:
             engine._recording = was
+            for t, dtype in low:
+                t.data = t.data.to(dtype)

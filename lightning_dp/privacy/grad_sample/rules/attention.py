@@ -143,8 +143,9 @@ class MultiheadAttentionRule(LayerRule):
             for call in r.extra["linear_calls"]:
                 if call["grad"] is None:
                     continue
-                x, go = self._per_example(call["input"], batch_size), self._per_example(call["grad"], batch_size)
-                go = go * r.scale
+                # recorded by the rule itself, in the forward's dtype: cast as the engine casts its records
+                x = self._per_example(call["input"], batch_size).to(layer.compute_dtype)
+                go = self._per_example(call["grad"], batch_size).to(layer.compute_dtype) * r.scale
                 name, row = call["weight"]
                 blocks.setdefault(name, []).append((row, go, x))
                 if call["bias"] is not None:

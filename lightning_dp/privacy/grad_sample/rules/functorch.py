@@ -36,9 +36,9 @@ def per_example_grads(layer, records, batch_size: int) -> dict[str, Tensor]:
     from lightning_dp.privacy.grad_sample.engine import PerSampleGradientError
 
     module = layer.module
-    params = {n: p.detach() for n, p in layer.trainable.items()}
     total: dict[str, Tensor] = {}
     with layer.replaying():
+        params = {n: p.detach() for n, p in layer.trainable.items()}  # in the replay's dtype
         for r in records:
             if r.broadcast:  # shared inputs: every example calls the module on the same arguments
                 args, kwargs = r.call_args, r.call_kwargs

@@ -124,9 +124,11 @@ class RecurrentRule(LayerRule):
                 outs = []
                 for d in range(dirs):
                     sfx = f"_l{layer_index}" + ("_reverse" if d else "")
-                    w_ih, w_hh = getattr(m, "weight_ih" + sfx).detach(), getattr(m, "weight_hh" + sfx).detach()
-                    b_ih = getattr(m, "bias_ih" + sfx).detach() if m.bias else None
-                    b_hh = getattr(m, "bias_hh" + sfx).detach() if m.bias else None
+                    # in the records' dtype (at least float32, also under bf16-true weights)
+                    w_ih = getattr(m, "weight_ih" + sfx).detach().to(x.dtype)
+                    w_hh = getattr(m, "weight_hh" + sfx).detach().to(x.dtype)
+                    b_ih = getattr(m, "bias_ih" + sfx).detach().to(x.dtype) if m.bias else None
+                    b_hh = getattr(m, "bias_hh" + sfx).detach().to(x.dtype) if m.bias else None
                     gi = tracked(torch.nn.functional.linear(inp, w_ih, b_ih))  # (B, T, G*H)
                     h = h0[:, layer_index * dirs + d]
                     c = c0[:, layer_index * dirs + d] if c0 is not None else None  # c0: LSTM only

@@ -1,0 +1,122 @@
+"""DPSGD under mixed and half precision (issue 25, item 2): bf16-mixed, 16-mixed (with a GradScaler), bf16-true.
+
+Each run is compared with the float32 run of the same seeds: the same Poisson batches and the same noise (drawn in
+float32 from the same generator), so the released gradients differ only by the clipped sums computed from
+half-precision activations. Stated tolerance: the difference of the released gradients is below 3e-2 (bfloat16)
+or 1e-2 (float16) of the norm of the float32 run's clipped mean, per step. 16-mixed needs a GradScaler on the CPU
+too; Lightning turns precision="16-mixed" into bf16-mixed on the CPU, so the tests pass its plugin explicitly.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.plugins import MixedPrecision
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_dp.callbacks import DPSGD
+from tests.helpers import BlobsData, Classifier, RecordingLogger, trainer
+
+SIGMA = 1e-3  # small noise: the comparison is about the clipped sums (the noise is the same draw anyway)
+
+
+class Released(L.Callback):
+    """The gradients the optimizer receives (after the GradScaler unscaled them), and the loss scale."""
+
+    def __init__(self):
+        self.grads, self.scales = [], []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.grads.append(torch.cat([p.grad.float().reshape(-1) for p in pl_module.parameters()]))
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self.scales.append(None if scaler is None else scaler.get_scale())
+
+
+def _run(precision=None, plugins=None, steps=3, data=None, **dp_kwargs):
+    torch.manual_seed(0)
+    model = Classifier(lr=0.5)
+    dp = DPSGD(noise_multiplier=SIGMA, max_grad_norm=0.5, seed=21, accountant="rdp", **dp_kwargs)
+    released = Released()
+    kwargs = {"plugins": plugins} if plugins is not None else {"precision": precision or "32-true"}
+    t = trainer(max_steps=steps, callbacks=[dp, released], **kwargs)
+    t.fit(model, data or BlobsData(n=200, batch_size=40))
+    return t, model, dp, released
+
+
+@pytest.fixture(scope="module")
+def float32():
+    return _run()
+
+
+def _float16_plugin():
+    return [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
+
+
+@pytest.mark.parametrize("mode, tol", [("bf16-mixed", 3e-2), ("16-mixed", 1e-2), ("bf16-true", 3e-2)])
+def test_the_released_gradient_is_the_float32_one_within_the_stated_tolerance(float32, mode, tol):
+    plugins = _float16_plugin() if mode == "16-mixed" else None
+    t, model, dp, released = _run(mode if plugins is None else None, plugins)
+    assert str(t.precision) == mode
+    assert t.global_step == dp._released == 3
+    assert dp.accountant.history == float32[2].accountant.history  # same steps, same accounting
+    # the first step starts from the same parameters (bf16-true: the float32 ones rounded to bfloat16)
+    reference = float32[3].grads[0]
+    assert torch.linalg.vector_norm(released.grads[0] - reference) <= tol * torch.linalg.vector_norm(reference)
+    if mode == "bf16-true":
+        assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    if mode == "16-mixed":
+        assert released.scales == [65536.0] * 3  # unscaled by the GradScaler, and the scale did not move
+
+
+def test_16_mixed_keeps_the_loss_scale_fixed_and_says_so(caplog):
+    plugins = _float16_plugin()
+    with caplog.at_level("INFO"):
+        t, _, _, _ = _run(plugins=plugins, steps=2)
+    assert plugins[0].scaler.get_growth_interval() >= 2**62
+    assert "loss scale of precision='16-mixed' stays at its initial value 65536" in caplog.text
+
+
+class Overflowing(BlobsData):
+    """The blobs with one example scaled so that its float16 activations overflow (65504)."""
+
+    def setup(self, stage):
+        super().setup(stage)
+        x, y = self.train_set.tensors
+        x = x.clone()
+        x[7] = 1e6
+        self.train_set = torch.utils.data.TensorDataset(x, y)
+
+
+def test_an_example_that_overflows_in_float16_is_dropped_and_the_step_taken_and_accounted():
+    """A GradScaler would skip a step whose gradient is not finite, and lower its scale: both would reveal that
+    some example of the batch overflowed. DPSGD drops the example instead (its contribution becomes 0); every step
+    is taken and accounted, the scale stays, and only nonprivate/ says that an example overflowed."""
+    logger = RecordingLogger()
+    torch.manual_seed(0)
+    model = Classifier(lr=0.5)
+    dp = DPSGD(noise_multiplier=1.0, max_grad_norm=0.5, seed=3)
+    released = Released()
+    t = trainer(max_epochs=1, callbacks=[dp, released], plugins=_float16_plugin(), logger=logger,
+                log_every_n_steps=1)
+    t.fit(model, Overflowing(n=200, batch_size=20))
+    assert t.global_step == dp._released == 10 and len(dp.accountant.history) == 1
+    assert all(torch.isfinite(g).all() for g in released.grads)
+    assert set(released.scales) == {65536.0}
+    overflowed = logger.series("nonprivate/overflowed_fraction")
+    assert max(overflowed) > 0 and min(overflowed) == 0  # the steps whose batch held example 7, and the others
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_virtual_batches_compose_with_bf16_mixed():
+    reference = _run("bf16-mixed", steps=4)
+    split = _run("bf16-mixed", steps=4, max_physical_batch_size=7)
+    for a, b in zip(reference[3].grads, split[3].grads):
+        assert torch.linalg.vector_norm(a - b) <= 3e-2 * torch.linalg.vector_norm(a)
+    assert split[2].accountant.history == reference[2].accountant.history
+
+
+def test_unsupported_precisions_are_refused_with_the_supported_ones():
+    with pytest.raises(MisconfigurationException,
+                       match="supports 32-true, 64-true, bf16-mixed, 16-mixed, bf16-true.*16-true has no loss scaling"):
+        _run("16-true")
