@@ -376,13 +376,13 @@ def test_a_refused_point_is_refused_before_any_run(workdir, store_template):
 
 
 def test_a_failed_grid_marks_its_parent_failed(workdir, store_template):
-    """The second run fails when it starts training (DPSGD refuses accumulate_grad_batches=2 in setup): the first
+    """The second run fails when it starts training (DPSGD refuses precision='16-true' in setup): the first
     run stays nested under a parent that ends FAILED."""
     uri = _seed(store_template, workdir)
-    with pytest.raises(Exception, match="accumulate_grad_batches=2"):
+    with pytest.raises(Exception, match="16-true has no loss scaling"):
         grid.run_grid([str(REPO_ROOT / "examples" / "dpsgd_digits.yaml"),
                        str(REPO_ROOT / "examples" / "digits_nonprivate.yaml")],
-                      [("trainer.accumulate_grad_batches", [1, 2])],
+                      [("trainer.precision", ["32-true", "16-true"])],
                       grid_id="failing", extra=["--trainer.max_epochs=1", "--trainer.enable_progress_bar=false"])
     client = mlflow.MlflowClient(uri)
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
@@ -392,7 +392,7 @@ def test_a_failed_grid_marks_its_parent_failed(workdir, store_template):
     assert parent.info.status == "FAILED"
     assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parent.info.run_id}
     assert {r.data.tags["mlflow.runName"] for r in children} == {  # named by the last config
-        f"digits-nonprivate-baseline accumulate_grad_batches={k}" for k in (1, 2)}
+        f"digits-nonprivate-baseline precision={k}" for k in ("32-true", "16-true")}
 
 
 def test_nonprivate_grid_totals_follow_the_runs_switch():
