@@ -108,3 +108,46 @@ def test_mia_configs_instantiate(name):
     assert init.model is not None and init.data is not None
     assert (init.callbacks is None) == (name == "mia_lm.yaml")
     assert AUDIT.joinpath(name).read_text().startswith("#")
+
+
+LM = ROOT / "lm"
+
+
+def test_the_lm_fine_tuning_pipeline_runs_from_its_configs(tmp_path, monkeypatch):
+    """examples/lm: stage 1 (public pretraining) writes the checkpoint stage 2 starts from; LoRA fine-tuning trains
+    only the adapters of exactly those weights, and full fine-tuning loads them too (fixture files, 1 step each)."""
+    pytest.importorskip("peft")
+    pytest.importorskip("transformers")
+    import torch
+
+    from lightning_dp.models import LoRA
+    from tests.datamodules.test_wikitext import write_fixture
+
+    write_fixture(tmp_path / "data", splits=("valid", "test"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-dp"])
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    small = ["--data.init_args.data_dir=data", "--data.init_args.block_size=16", "--data.init_args.vocab_size=40",
+             "--trainer.logger=false", "--trainer.enable_progress_bar=false", "--trainer.accelerator=cpu"]
+    net = "--model.init_args.network.init_args"
+    LightningDPCLI(args=["fit", "--config", str(LM / "gpt2_public_pretrain.yaml"), *small, "--trainer.max_epochs=1",
+                         f"{net}.vocab_size=40", "--data.init_args.batch_size=8"])
+    base = tmp_path / "checkpoints" / "gpt2-wikitext2-public" / "base.ckpt"
+    assert base.is_file()
+    weights = torch.load(base, weights_only=True)["state_dict"]
+    for name in ("dp_lora_wikitext2.yaml", "dp_full_wikitext2.yaml"):
+        inner = f"{net}.network.init_args" if "lora" in name else net
+        cli = LightningDPCLI(args=["fit", "--config", str(LM / name), *small, f"{inner}.vocab_size=40",
+                                   "--trainer.max_epochs=null", "--trainer.max_steps=1",
+                                   "--data.init_args.batch_size=4", "--trainer.callbacks.init_args.epochs=null",
+                                   "--trainer.callbacks.init_args.max_steps=1"])
+        assert cli.trainer.global_step == 1
+        network = cli.model.network
+        if "lora" in name:
+            assert isinstance(network, LoRA)
+            base_state = {k.replace(".base_layer", ""): v for k, v in network.network.state_dict().items()
+                          if "lora_" not in k}
+        else:
+            base_state = network.state_dict()
+        changed = [k for k, v in base_state.items() if not torch.equal(v, weights[f"network.{k}"])]
+        assert (changed == []) == ("lora" in name)  # LoRA: the base weights are the checkpoint's, untouched

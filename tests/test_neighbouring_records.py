@@ -80,6 +80,12 @@ LOCAL_DPSGD = ["--trainer.max_epochs=2", "--model.init_args.update.init_args.bat
                "--model.init_args.update.init_args.epochs=3"]
 
 
+#: The fine-tuning examples start from a random base instead of lm/gpt2_public_pretrain.yaml's checkpoint (YAML null:
+#: on the command line jsonargparse would read it as the string 'None').
+RANDOM_BASE = {"model": {"init_args": {"network": {"init_args": {"checkpoint": None}}}}}
+RANDOM_LORA_BASE = {"model": {"init_args": {"network": {"init_args": {"network": {"init_args": {"checkpoint": None}}}}}}}
+
+
 def kind(name: str, configs: Sequence[str | dict[str, Any]], overrides: Sequence[str], *marks: Any,
          unit: str = "client") -> Any:
     """One run kind: config files under examples/ (or inline YAML overlays, dicts), overrides, and the unit of
@@ -114,6 +120,18 @@ KINDS = [
     # about 100 training blocks of 16 tokens: batches of 80
     kind("dpsgd-gpt2", ["dpsgd_gpt2_wikitext2.yaml"],
          [*WIKITEXT, *TINY_GPT2, "--data.init_args.batch_size=80", *DPSGD, *DPSGD_SHORT]),
+    # virtual batches: logical Poisson batches of about 1,000 (4 micro-batches of 250, chunks of at most 32)
+    kind("dpsgd-virtual-batches", ["dpsgd_digits_virtual.yaml"],
+         [*DPSGD, *DPSGD_SHORT, "--data.init_args.batch_size=250"]),
+    kind("dpsgd-bf16-mixed", ["dpsgd_digits_bf16.yaml"], [*DPSGD, *DPSGD_SHORT, *DIGITS_BATCH]),
+    # DP fine-tuning from a random base (the real pipeline starts from lm/gpt2_public_pretrain.yaml's checkpoint):
+    # LoRA adapters only, and every weight; logical batches of 80 blocks (2 micro-batches of 40) in bfloat16
+    kind("dp-lora-gpt2", ["lm/dp_lora_wikitext2.yaml", RANDOM_LORA_BASE],
+         [*WIKITEXT, *(a.replace(".network.init_args.", ".network.init_args.network.init_args.") for a in TINY_GPT2),
+          "--model.init_args.network.init_args.target_modules=[c_attn]", "--data.init_args.batch_size=40",
+          *DPSGD, *DPSGD_SHORT]),
+    kind("dp-full-gpt2", ["lm/dp_full_wikitext2.yaml", RANDOM_BASE],
+         [*WIKITEXT, *TINY_GPT2, "--data.init_args.batch_size=40", *DPSGD, *DPSGD_SHORT]),
     kind("dpsgd-mnist-t10k", ["dpsgd_mnist_t10k.yaml"], [*MNIST, *MNIST_BATCH, *DPSGD, *DPSGD_SHORT]),
     kind("dpsgd-autoencoder", ["oso_mnist_autoencoder.yaml"], [*MNIST, *MNIST_BATCH, *DPSGD, *DPSGD_SHORT]),
     kind("one-run-audit", ["audit/one_run_mnist.yaml", one_run_audit("mislabeled")],
@@ -164,6 +182,8 @@ KINDS = [
         "needs the AG News CSV files and word vectors; DPSGD runs in dpsgd and the OSO strategies in oso-*"))),
     kind("digits-nonprivate", ["digits_nonprivate.yaml"], [], pytest.mark.skip(reason=(
         "non-private baseline: it claims no DP, and its model is not a DP release"))),
+    kind("lm-public-pretraining", ["lm/gpt2_public_pretrain.yaml"], [], pytest.mark.skip(reason=(
+        "non-private pretraining on the public file (the base model of the DP fine-tuning kinds): it claims no DP"))),
     kind("pdpfl-nonprivate", ["pdpfl/nonprivate_mnist.yaml"], [], pytest.mark.skip(reason=(
         "non-private baseline (plain local SGD, no noise): it claims no DP"))),
     kind("fedavg-cosine", ["fedavg_cosine_mnist.yaml"], [], pytest.mark.skip(reason=(

@@ -837,6 +837,12 @@ class DPSGD(Callback):
         self._budget_event, self._budget_stop = None, None
         self._update_budget(trainer)
         self._log_hyperparams(trainer, planned)
+        sparse = [type(opt).__name__ for opt in trainer.optimizers if isinstance(opt, torch.optim.SparseAdam)]
+        if sparse:
+            raise MisconfigurationException(
+                f"{sparse[0]} needs sparse gradients, but DP-SGD's released gradient is dense: the Gaussian noise covers "
+                "every row of an embedding table (a row that no example used still moves, or the release would say "
+                "which rows the batch used). Use torch.optim.Adam or SGD; nn.Embedding(sparse=True) itself is fine.")
         # the last line of defence, right before the optimizer updates (after every callback and clipping)
         self._step_hooks = [opt.register_step_pre_hook(self._checked_closure) for opt in trainer.optimizers]
 

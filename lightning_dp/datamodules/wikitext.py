@@ -100,7 +100,11 @@ class WikiText2DataModule(SplitDataModule):
             the training samples (seeded) instead.
         val_fraction: fraction of training samples held out for validation when ``val_file``
             is None.
-        test_file: official file of the test split.
+        test_file: official file of the test split, or None for no test split.
+        vocab_file: official file the vocabulary is built from; None: the training file. Fine-tuning a model
+            pretrained on another file (``examples/lm/``: pretrained on the public ``test`` file, fine-tuned
+            privately on ``valid``) needs the pretraining run's vocabulary: its training file. A vocabulary built
+            from the private training file would be a statistic of the private data (which words are frequent).
         source: ``"files"`` (``data_dir``) or ``"huggingface"``.
         download: with ``source="files"``, fetch the official zip into ``data_dir`` when files
             are missing.
@@ -131,7 +135,8 @@ class WikiText2DataModule(SplitDataModule):
         train_file: Literal["train", "valid", "test"] = "train",
         val_file: Optional[Literal["train", "valid", "test"]] = "valid",
         val_fraction: float = 0.1,
-        test_file: Literal["train", "valid", "test"] = "test",
+        test_file: Optional[Literal["train", "valid", "test"]] = "test",
+        vocab_file: Optional[Literal["train", "valid", "test"]] = None,
         source: Literal["files", "huggingface"] = "files",
         download: bool = False,
         batch_size: int = 8,
@@ -146,10 +151,12 @@ class WikiText2DataModule(SplitDataModule):
         _check_non_negative_int("seed", seed, owner)
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 3:
             raise ValueError(f"{owner}: vocab_size={vocab_size!r} must be an integer >= 3 (<unk>, <eos> and words)")
-        for name, value in (("train_file", train_file), ("val_file", val_file), ("test_file", test_file)):
-            if value not in SPLITS and not (name == "val_file" and value is None):
+        optional = ("val_file", "test_file", "vocab_file")
+        for name, value in (("train_file", train_file), ("val_file", val_file), ("test_file", test_file),
+                            ("vocab_file", vocab_file)):
+            if value not in SPLITS and not (name in optional and value is None):
                 raise ValueError(f"{owner}: {name}={value!r} is not one of {SPLITS}" +
-                                 (" or None" if name == "val_file" else ""))
+                                 (" or None" if name in optional else ""))
         if val_file is None and not (isinstance(val_fraction, float) and 0 < val_fraction < 1):
             raise ValueError(f"{owner}: val_fraction={val_fraction!r} must be in (0, 1) when val_file is None")
         if train_file in (val_file, test_file):
@@ -170,9 +177,8 @@ class WikiText2DataModule(SplitDataModule):
             else self.data_dir
 
     def _needed(self) -> list[str]:
-        files = [self.hparams["train_file"], self.hparams["test_file"]]
-        if self.hparams["val_file"] is not None:
-            files.append(self.hparams["val_file"])
+        files = [self.hparams[k] for k in ("train_file", "val_file", "test_file", "vocab_file")
+                 if self.hparams.get(k) is not None]
         return sorted(set(files), key=SPLITS.index)
 
     def _missing(self) -> list[Path]:
@@ -242,7 +248,10 @@ class WikiText2DataModule(SplitDataModule):
         if self.train_dataset is not None:
             return
         train_words = tokenize_lines(self._lines(self.hparams["train_file"]))
-        self.vocabulary = build_vocabulary(train_words, self.vocab_size)
+        vocab_file = self.hparams.get("vocab_file")
+        vocab_words = train_words if vocab_file in (None, self.hparams["train_file"]) else \
+            tokenize_lines(self._lines(vocab_file))
+        self.vocabulary = build_vocabulary(vocab_words, self.vocab_size)
         index = {w: i for i, w in enumerate(self.vocabulary)}
 
         def encode(words: list[str]) -> torch.Tensor:
@@ -259,10 +268,19 @@ class WikiText2DataModule(SplitDataModule):
             self.val_dataset = TokenBlocks(encode(tokenize_lines(self._lines(self.hparams["val_file"]))),
                                            self.block_size)
         self.train_dataset = train
-        self.test_dataset = TokenBlocks(encode(tokenize_lines(self._lines(self.hparams["test_file"]))), self.block_size)
+        if self.hparams["test_file"] is not None:
+            self.test_dataset = TokenBlocks(encode(tokenize_lines(self._lines(self.hparams["test_file"]))),
+                                            self.block_size)
         if len(self.train_dataset) == 0:
             raise ValueError(f"{type(self).__name__}: the training file holds fewer than block_size="
                              f"{self.block_size} tokens; lower block_size")
+
+    def test_dataloader(self) -> Any:
+        """Test batches in a fixed order (refused with ``test_file=None``)."""
+        if self.hparams["test_file"] is None:
+            raise ValueError(f"{type(self).__name__}(test_file=None) has no test split; set test_file to one of "
+                             f"{SPLITS} other than the training file to test")
+        return super().test_dataloader()
 
     def decode(self, ids: torch.Tensor) -> str:
         """The words of token ids (for looking at samples)."""

@@ -12,8 +12,10 @@ Public API:
     LinearRegression, HospitalMLP, FEMNISTConvNet: the federated models of the seed.
     LogisticRegression, CIFARConvNet: the DP-FedAvg models (MNIST, CIFAR-10).
     GPT2: a small GPT-2 from a transformers config (no download); CausalLanguageModel trains it.
+    LoRA: low-rank adapters (peft) on any network; only the adapters train.
 """
 
+from lightning_dp.models.adapters import LoRA
 from lightning_dp.models.autoencoder import Autoencoder
 from lightning_dp.models.classifier import ImageClassifier
 from lightning_dp.models.federated import (
@@ -27,5 +29,5 @@ from lightning_dp.models.language import GPT2, CausalLanguageModel
 from lightning_dp.models.networks import MLP, BagOfWordsMLP, ConvAutoencoder, DigitsConvNet, MNISTConvNet, SigmoidLeNet
 
 __all__ = ["GPT2", "MLP", "Autoencoder", "BagOfWordsMLP", "CIFARConvNet", "CausalLanguageModel", "ConvAutoencoder",
-           "DigitsConvNet", "FEMNISTConvNet", "HospitalMLP", "ImageClassifier", "LinearRegression", "LogisticRegression",
+           "DigitsConvNet", "FEMNISTConvNet", "HospitalMLP", "ImageClassifier", "LinearRegression", "LogisticRegression", "LoRA",
            "MNISTConvNet", "SigmoidLeNet"]

@@ -12,7 +12,7 @@ cross terms; shared inputs expanded to the batch), so ``DPSGD`` trains it as it 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +22,7 @@ from torchmetrics import MeanMetric
 
 from lightning_dp.optim import build_optimizer, check_optimizer_choice
 
-__all__ = ["CausalLanguageModel", "GPT2", "per_example_token_loss"]
+__all__ = ["CausalLanguageModel", "GPT2", "load_weights", "per_example_token_loss"]
 
 
 class GPT2(nn.Module):
@@ -36,10 +36,14 @@ class GPT2(nn.Module):
         num_heads: ``n_head``.
         dropout: residual, embedding and attention dropout (``resid_pdrop``, ``embd_pdrop``,
             ``attn_pdrop``).
+        checkpoint: weights to start from: a Lightning checkpoint of a :class:`CausalLanguageModel` that trained a
+            GPT2 of the same size (its ``network.`` weights), or a plain state dict of this module
+            (:func:`load_weights`). None: random initialization. Public pretraining followed by private
+            fine-tuning (``examples/lm/``) starts here.
     """
 
     def __init__(self, vocab_size: int, max_positions: int = 128, embed_dim: int = 128, num_layers: int = 2,
-                 num_heads: int = 2, dropout: float = 0.1) -> None:
+                 num_heads: int = 2, dropout: float = 0.1, checkpoint: Optional[str] = None) -> None:
         super().__init__()
         try:
             from transformers import GPT2Config, GPT2LMHeadModel
@@ -58,9 +62,46 @@ class GPT2(nn.Module):
                             bos_token_id=1, eos_token_id=1, tie_word_embeddings=True)
         self.vocab_size, self.max_positions = vocab_size, max_positions
         self.model = GPT2LMHeadModel(config)
+        if checkpoint is not None:
+            load_weights(self, checkpoint)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=ids).logits
+
+
+def load_weights(network: nn.Module, path: str, prefix: str = "network.") -> None:
+    """Loads ``network``'s weights from ``path``: a Lightning checkpoint of a module that holds the network as
+    ``network`` (the keys under ``prefix``), or a plain state dict of ``network``. Every weight must match.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: weights missing or of other shapes (a checkpoint of another size or vocabulary), with the
+            names.
+    """
+    from pathlib import Path
+
+    file = Path(path).expanduser()
+    if not file.is_file():
+        hint = (" To start from random weights, set checkpoint: null in the YAML (on the command line jsonargparse "
+                "reads null as the string 'None' here)." if str(path) in ("None", "null") else "")
+        raise FileNotFoundError(f"checkpoint={path!r}: no such file. Train the base model first (for the "
+                                "examples/lm/ pipeline: lightning-dp fit --config examples/lm/gpt2_public_pretrain.yaml)."
+                                + hint)
+    state = torch.load(file, map_location="cpu", weights_only=True)
+    weights = state.get("state_dict", state) if isinstance(state, dict) else state
+    if any(k.startswith(prefix) for k in weights):
+        weights = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+    own = network.state_dict()
+    missing = sorted(set(own) - set(weights))
+    shapes = sorted(k for k in set(own) & set(weights) if tuple(own[k].shape) != tuple(weights[k].shape))
+    if missing or shapes:
+        detail = "; ".join(f"{k}: {tuple(weights[k].shape)} in the file, {tuple(own[k].shape)} here"
+                           for k in shapes[:3])
+        raise ValueError(f"checkpoint={path!r} does not fit {type(network).__name__}: "
+                         + (f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}; " if missing else "")
+                         + (f"other shapes ({detail})" if shapes else "")
+                         + ". Build the network with the size and vocabulary the checkpoint was trained with.")
+    network.load_state_dict({k: weights[k] for k in own}, strict=True)
 
 
 def per_example_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp.callbacks import DPSGD
 from tests.helpers import BlobsData, Classifier, blobs, trainer
@@ -546,3 +546,50 @@ def test_lightnings_implicit_max_epochs_leaves_the_callbacks_plan_in_charge(monk
     assert dp.noise_multiplier == _sigma_for(20) and t.global_step == 20
     assert 0.95 * 2.0 <= dp.epsilon <= 2.0
     assert any("Lightning's default max_epochs=1000" in m for m in infos)
+
+
+class PackedClassifier(Classifier):
+    """Sequences of unequal lengths through an LSTM fed a PackedSequence (unsorted): the layer the engine replays
+    through the packing (issue 25, item 4)."""
+
+    def __init__(self):
+        super().__init__(net=nn.Linear(5, 3))
+        self.lstm = nn.LSTM(6, 5, batch_first=True)
+
+    def forward(self, x):
+        lengths = (x.abs().sum(-1) > 0).sum(1).clamp_min(1)  # zero rows are padding
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        _, (h, _) = self.lstm(packed)
+        return self.net(h[-1])
+
+
+def test_packed_sequences_and_sparse_max_norm_embeddings_train_and_sparse_adam_is_refused():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(120, 7, 6, generator=g)
+    for i in range(120):  # lengths 1..7, padded with zero rows
+        x[i, 1 + i % 7:] = 0
+    y = torch.randint(0, 3, (120,), generator=g)
+    model = PackedClassifier()
+    dp = DPSGD(noise_multiplier=1.0, seed=0)
+    t = trainer(max_epochs=1, callbacks=[dp])
+    t.fit(model, train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=20))
+    assert t.global_step == dp._released == 6
+
+    class Tokens(Classifier):
+        def __init__(self, optimizer):
+            super().__init__(net=nn.Sequential(nn.Embedding(50, 4, sparse=True, max_norm=1.0), nn.Flatten(),
+                                               nn.Linear(12, 3)))
+            self.optimizer = optimizer
+
+        def configure_optimizers(self):
+            return self.optimizer(self.parameters(), lr=0.1)
+
+    ids = torch.randint(0, 50, (100, 3), generator=g)
+    labels = torch.randint(0, 3, (100,), generator=g)
+    tokens = Tokens(torch.optim.Adam)
+    t = trainer(max_steps=3, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)])
+    t.fit(tokens, train_dataloaders=DataLoader(TensorDataset(ids, labels), batch_size=20))
+    assert t.global_step == 3 and (tokens.net[0].weight.norm(dim=1) <= 1.0 + 0.5).all()
+    with pytest.raises(MisconfigurationException, match="SparseAdam needs sparse gradients.*Use torch.optim.Adam"):
+        trainer(max_steps=1, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)]).fit(
+            Tokens(torch.optim.SparseAdam), train_dataloaders=DataLoader(TensorDataset(ids, labels), batch_size=20))

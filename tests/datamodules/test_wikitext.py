@@ -87,3 +87,21 @@ def test_real_validation_and_test_files():
     dm.setup("fit")
     assert len(dm.vocabulary) == 10_000
     assert 1500 < len(dm.train_dataset) + len(dm.val_dataset) < 2000  # ~217k tokens / 126
+
+
+def test_a_vocabulary_from_another_file_and_no_test_split(tmp_path):
+    """Fine-tuning a model pretrained on the public file: the vocabulary is the public file's, not the private
+    training file's, and no split is read from a file the configuration does not name."""
+    write_fixture(tmp_path, splits=("valid", "test"))
+    dm = WikiText2DataModule(str(tmp_path), block_size=8, vocab_size=12, train_file="valid", val_file=None,
+                             test_file=None, vocab_file="test")
+    dm.setup("fit")
+    public = WikiText2DataModule(str(tmp_path), block_size=8, vocab_size=12, train_file="test", val_file=None,
+                                 test_file=None)
+    public.setup("fit")
+    assert dm.vocabulary == public.vocabulary and "lobster" not in dm.vocabulary
+    assert dm.test_dataset is None
+    with pytest.raises(ValueError, match="test_file=None.*has no test split"):
+        dm.test_dataloader()
+    with pytest.raises(ValueError, match="vocab_file"):
+        WikiText2DataModule("x", vocab_file="nope")

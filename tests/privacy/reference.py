@@ -12,6 +12,7 @@ def per_example_gradients(model, losses):
     rows = []
     for i in range(losses.shape[0]):
         grads = torch.autograd.grad(losses[i], unique, retain_graph=True, allow_unused=True)
-        rows.append(torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1)
+        rows.append(torch.cat([(g.to_dense() if g is not None and g.is_sparse else
+                                g if g is not None else torch.zeros_like(p)).reshape(-1)
                                for g, p in zip(grads, unique)]))
     return unique, torch.stack(rows)

@@ -253,3 +253,43 @@ def test_a_layer_called_with_two_input_ranks_is_refused_by_name():
 
     with pytest.raises(PerSampleGradientError, match=r"layer fc \(Linear\).*inputs of different ranks \(\[\(2,\), \(3,\)\]\)"):
         _check(M(), *_data(4))
+
+
+def test_embedding_max_norm_renormalizes_the_whole_table_whatever_the_batch_looks_up():
+    """PyTorch renormalizes the looked-up rows during the forward: which rows change would depend on the private
+    batch. Under the engine every row is renormalized before the probed and recorded forwards, so two batches that
+    look up different rows leave the same table (issue 25, item 4)."""
+    from lightning_dp.privacy.grad_sample import GradSampleEngine as Engine
+
+    def table_after(ids):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Flatten(), nn.Linear(8, 2))
+        engine = Engine(model)
+        probe_ids = torch.zeros(7, 2, dtype=torch.long)  # the probe looks up row 0 only
+        engine.probe(lambda n: model(probe_ids[:n]).sum())
+        with engine.record(batch_size=len(ids)):
+            model(ids).sum().backward()
+        engine.per_sample_norms()
+        engine.remove()
+        return model[0].weight.detach().clone()
+
+    a = table_after(torch.tensor([[1, 2], [3, 3]]))
+    b = table_after(torch.tensor([[7, 8], [9, 9]]))
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert (a.norm(dim=1) <= 1.0 + 1e-6).all()
+    torch.manual_seed(0)
+    plain = nn.Embedding(10, 4, max_norm=1.0)
+    plain(torch.tensor([1, 2, 3]))  # without the engine only the looked-up rows are renormalized
+    assert (plain.weight.norm(dim=1) > 1.0).any()
+
+
+def test_every_refusal_names_the_submodule():
+    """A rule's refusal at construction, at a call, or when computing names the layer's path in the model."""
+    from lightning_dp.privacy.grad_sample import GradSampleEngine as Engine, PerSampleGradientError as Error
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Sequential(nn.Embedding(5, 4, scale_grad_by_freq=True)))
+    with pytest.raises(Error, match=r"^layer 1\.0 \(Embedding\): nn.Embedding\(scale_grad_by_freq=True\)"):
+        Engine(model)
+    lstm = nn.Sequential(nn.LSTM(3, 4, proj_size=2))
+    with pytest.raises(Error, match=r"^layer 0 \(LSTM\): nn.LSTM\(proj_size > 0\)"):
+        Engine(lstm)

@@ -23,6 +23,9 @@ from tests.privacy.test_layer_matrix import B, CASES, _first
 #: the float16 autocast on CPU lacks kernels for a few layers (recurrent, some convolutions): bfloat16 covers them
 FLOAT16_CASES = [n for n in sorted(CASES) if any(k in n for k in ("linear", "embedding", "layer_norm", "tied",
                                                                    "mha", "gpt2", "keyword", "rms"))]
+#: Opacus' packed recurrent layers build their final states as float32 zeros (opacus/layers/dp_rnn.py): with bfloat16
+#: weights their forward fails without DP too (float32 states into a bfloat16 layer)
+NOT_BF16_TRUE = {n for n in CASES if n.startswith("opacus_") and "packed" in n}
 MODES = {"bf16-mixed": (torch.float32, torch.bfloat16, 3e-2), "16-mixed": (torch.float32, torch.float16, 1e-2),
          "bf16-true": (torch.bfloat16, None, 3e-2)}
 
@@ -73,6 +76,8 @@ def run_in_precision(name: str, mode: str, c: float = 0.5):
 @pytest.mark.parametrize("mode", ["bf16-mixed", "bf16-true"])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_layer_matrix_in_bfloat16(name, mode):
+    if mode == "bf16-true" and name in NOT_BF16_TRUE:
+        pytest.skip("Opacus' packed path mixes float32 states into bfloat16 layers (fails without DP too)")
     _check(name, mode)
 
 

@@ -6,6 +6,7 @@ rule shares, so that a rule only turns a layer's records into per-sample gradien
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
 
 from lightning_dp.privacy.batch_dims import PROBE_SIZES, AmbiguousBatchDimError, batch_dim, tensor_leaves
 from lightning_dp.privacy.grad_sample.contributions import DEFAULT_INSTANTIATE_LIMIT, Contribution
@@ -70,6 +72,13 @@ class _JoinGraph(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         return grad, None
+
+
+def _packed(tree: Any) -> list[PackedSequence]:
+    """The ``PackedSequence`` objects in a structure of arguments or outputs."""
+    found: list[PackedSequence] = []
+    pytree.tree_map_only(PackedSequence, found.append, tree, is_leaf=lambda x: isinstance(x, PackedSequence))
+    return found
 
 
 def _shape(value: Any) -> tuple[int, ...] | None:
@@ -128,6 +137,36 @@ def _ancestor(a: str, b: str) -> bool:
 
 def _input_leaves(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
     return pytree.tree_flatten((args, kwargs))
+
+
+@contextlib.contextmanager
+def _named(layer: Any) -> Iterator[None]:
+    """A :class:`PerSampleGradientError` raised inside names the layer (its path in the model and its type) first,
+    so that every refusal says which submodule it is about."""
+    label = layer if isinstance(layer, str) else layer.label
+    try:
+        yield
+    except PerSampleGradientError as err:
+        if str(err).startswith(label) or label in str(err):
+            raise
+        raise PerSampleGradientError(f"{label}: {err}") from err
+
+
+def _unflatten_plain(leaves: list[Any], spec: Any) -> Any:
+    """``pytree.tree_unflatten`` with named tuples rebuilt as plain tuples: for structures of batch dimensions
+    (ints and None), which a named tuple that validates its fields (``PackedSequence``) would refuse."""
+    it = iter(leaves)
+
+    def build(node: Any) -> Any:
+        if node.is_leaf():
+            return next(it)
+        children = [build(node.child(i)) for i in range(node.num_children)]
+        if node.type is collections.namedtuple or (isinstance(node.type, type) and issubclass(node.type, tuple)
+                                                    and hasattr(node.type, "_fields")):
+            return tuple(children)
+        return pytree.SUPPORTED_NODES[node.type].unflatten_fn(children, node.context)
+
+    return build(spec)
 
 
 def _differentiable_target(result: Any) -> Tensor | None:
@@ -190,7 +229,8 @@ class GradSampleEngine:
                 continue
             if rule.claims_subtree:
                 claimed.append(mod_name)
-            rule.check(mod, trainable)
+            with _named(f"layer {mod_name or type(mod).__name__} ({type(mod).__name__})"):
+                rule.check(mod, trainable)
             self.layers.append(_Layer(mod_name or type(mod).__name__, mod, rule, trainable))
         if not self.layers:
             raise PerSampleGradientError(
@@ -258,15 +298,11 @@ class GradSampleEngine:
     def _make_pre_hook(self, layer: _Layer):
         def pre_hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if self._probing:
-                check_call = getattr(layer.rule, "check_call", None)
-                if check_call is not None:
-                    check_call(mod, args, kwargs)
+                self._before_call(layer, mod, args, kwargs)
                 return None
             if not (self._recording and torch.is_grad_enabled()):
                 return None
-            check_call = getattr(layer.rule, "check_call", None)
-            if check_call is not None:
-                check_call(mod, args, kwargs)
+            self._before_call(layer, mod, args, kwargs)
             # Freeze the weights while this layer runs: autograd then computes only the
             # input gradients the chain rule needs, not the batch weight gradient that the
             # engine would throw away. Only what requires grad now is frozen and unfrozen after:
@@ -290,7 +326,14 @@ class GradSampleEngine:
                 if id(layer) in self._captured:
                     self._captured[id(layer)].append([o for o in outputs if isinstance(o, Tensor) and o.requires_grad
                                                       and o.is_floating_point()])
-                layer.probe_calls[-1].append(([_shape(a) for a in inputs], [_shape(o) for o in outputs]))
+                # a PackedSequence's batch_sizes counts the sequences at each step: its length is the longest
+                # sequence's, never the number of examples, even where the two coincide in every probe
+                counts = {id(p.batch_sizes) for p in _packed((args, kwargs, out))}
+
+                def shape(t: Any) -> tuple[int, ...] | None:
+                    return (-1,) * t.dim() if id(t) in counts else _shape(t)  # (-1,): never follows the batch
+
+                layer.probe_calls[-1].append(([shape(a) for a in inputs], [shape(o) for o in outputs]))
                 self._probe_half = self._probe_half or any(
                     isinstance(o, Tensor) and o.dtype in (torch.float16, torch.bfloat16) for o in outputs)
                 return out
@@ -345,6 +388,17 @@ class GradSampleEngine:
                 return pytree.tree_unflatten(leaves, spec)
             return None
         return hook
+
+    @staticmethod
+    def _before_call(layer: _Layer, mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The rule's ``check_call`` and ``prepare_call`` before a probed or recorded forward of its layer."""
+        with _named(layer):
+            check_call = getattr(layer.rule, "check_call", None)
+            if check_call is not None:
+                check_call(mod, args, kwargs)
+            prepare_call = getattr(layer.rule, "prepare_call", None)
+            if prepare_call is not None:
+                prepare_call(mod)
 
     @staticmethod
     def _expand(output: Any, batch: int) -> Any:
@@ -750,6 +804,9 @@ class GradSampleEngine:
                 if o is None:
                     grads.append(None)
                     continue
+                if d is None and layer.rule.unbatched_outputs:
+                    grads.append(None if g is None else _upcast(g, dtype) * scale)
+                    continue
                 if d is None:
                     if g is not None and g.abs().sum() > 0:
                         raise PerSampleGradientError(
@@ -760,7 +817,7 @@ class GradSampleEngine:
                 g = torch.zeros_like(o, dtype=dtype) if g is None else _upcast(g, dtype)
                 grads.append(g.movedim(d, 0) * scale)
             args, kwargs = pytree.tree_unflatten(normalized, spec)
-            arg_dims, kwarg_dims = pytree.tree_unflatten(input_dims, spec)
+            arg_dims, kwarg_dims = _unflatten_plain(input_dims, spec)
             call_args, call_kwargs = pytree.tree_map(lambda a: _upcast(a, dtype), (call.args, call.kwargs))
             out.append(Record(args=tuple(args), kwargs=dict(kwargs), grad_outputs=grads, arg_dims=tuple(arg_dims),
                               kwarg_dims=dict(kwarg_dims), output_dims=list(dims.outputs), broadcast=layer.broadcast,
@@ -775,7 +832,8 @@ class GradSampleEngine:
             records = self._records(layer, scale, batch)
             if not records or batch == 0:
                 continue
-            contributions = layer.rule.contributions(_LayerView(self, layer), records, batch)
+            with _named(layer):
+                contributions = layer.rule.contributions(_LayerView(self, layer), records, batch)
             if not contributions:
                 raise PerSampleGradientError(
                     f"{layer.label}: the loss depends on the layer's output, but its rule ({type(layer.rule).__name__}) "

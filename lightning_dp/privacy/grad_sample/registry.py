@@ -88,17 +88,25 @@ class LayerRule:
             functionally, never calling ``out_proj``); those descendants are not hooked.
         batch_from_output: accept a layer whose inputs have no batch dimension when its
             output has one.
+        unbatched_outputs: hand the rule the gradients of outputs without a batch dimension
+            (as they are, times the scale) instead of refusing them.
 
     A rule may also define ``check_dims(module, input_dims, output_dims, broadcast)``,
     called after probing with the batch dimension of every input and output leaf, to
-    refuse layouts it cannot handle, and ``check_call(module, args, kwargs)``, called
+    refuse layouts it cannot handle, ``check_call(module, args, kwargs)``, called
     before every probed or recorded forward of the module, to refuse call-time
-    configurations (a ``PackedSequence``).
+    configurations, and ``prepare_call(module)``, called there too, to put the module in a
+    state that does not depend on the batch (an embedding with ``max_norm`` renormalizes its
+    whole table). A :class:`~lightning_dp.privacy.grad_sample.PerSampleGradientError` raised by
+    any of them is prefixed with the layer's path in the model.
     """
 
     claims_subtree: bool = False
     #: the batch size may be read from the output alone (an ``EmbeddingBag``'s offsets can hold B + 1 entries)
     batch_from_output: bool = False
+    #: the rule reads the gradients of outputs without a batch dimension itself (a recurrent layer's packed
+    #: output): they reach it as they are (times the scale) instead of being refused
+    unbatched_outputs: bool = False
 
     def check(self, module: nn.Module, trainable: dict[str, nn.Parameter]) -> None:
         """Raise :class:`~lightning_dp.privacy.grad_sample.PerSampleGradientError` for configurations the rule

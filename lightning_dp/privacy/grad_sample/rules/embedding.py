@@ -1,4 +1,5 @@
-"""``nn.Embedding`` and ``nn.EmbeddingBag`` (sum and mean, with offsets or 2-D input, per-sample weights).
+"""``nn.Embedding`` and ``nn.EmbeddingBag`` (sum and mean, with offsets or 2-D input, per-sample weights;
+``sparse=True``; ``max_norm``).
 
 An embedding's gradient for one example adds its output gradients to the rows of the
 tokens it looked up: a :class:`~lightning_dp.privacy.grad_sample.contributions.OneHotFactored`
@@ -6,6 +7,20 @@ contribution, whose norm uses token-equality masks and whose clipped sum is one
 ``index_add``. A bag's output is the (weighted) sum or mean of its rows, so each token of
 bag b receives ``go[b]`` (times its per-sample weight, divided by the bag size for the
 mean); bags of different lengths are padded with zero rows.
+
+``sparse=True`` changes nothing here: the engine never lets autograd compute the table's batch
+gradient, and the released gradient is dense whatever the module says, because the Gaussian noise
+covers every row (a row that no example used still moves, or the release would say which rows were
+used). An optimizer that needs sparse gradients (``torch.optim.SparseAdam``) is refused by DPSGD.
+
+``max_norm``: PyTorch renormalizes, in place and during the forward, the rows that the batch looks
+up and whose norm exceeds ``max_norm``: which rows change would then depend on the private batch, a
+change of the model that no noise covers. The rule renormalizes EVERY row before each probed and
+recorded forward instead (``prepare_call``), a function of the public weights alone; the forward's
+own renormalization then finds nothing to do. Every row is used only after renormalization either
+way, so the model computes what it computes without DP; rows that no batch looks up are kept
+within ``max_norm`` too. The per-sample gradient is the embedding's (PyTorch does not differentiate
+the renormalization).
 """
 
 from __future__ import annotations
@@ -30,17 +45,17 @@ class EmbeddingRule(LayerRule):
     """``nn.Embedding`` (``padding_idx`` rows receive nothing)."""
 
     def check(self, module, trainable):
-        if module.sparse:
-            raise _error("nn.Embedding(sparse=True) gives sparse gradients, which DP-SGD's dense noise would "
-                         "densify anyway; use sparse=False")
         if module.scale_grad_by_freq:
             raise _error("nn.Embedding(scale_grad_by_freq=True) scales each token's gradient by its frequency in "
                          "the whole batch, so one example's gradient depends on the others; use "
                          "scale_grad_by_freq=False")
+
+    def prepare_call(self, module):
+        """``max_norm``: renormalizes EVERY row of the table before the forward (see the module docstring)."""
         if module.max_norm is not None:
-            raise _error("nn.Embedding(max_norm=...) renormalizes the looked-up rows of the weight in place during "
-                         "the forward, a change no per-sample clipping covers; use max_norm=None (or clip the rows "
-                         "after each step yourself)")
+            with torch.no_grad():
+                rows = torch.arange(module.weight.shape[0], device=module.weight.device)
+                torch.embedding_renorm_(module.weight, rows, module.max_norm, module.norm_type)
 
     def contributions(self, layer, records, batch_size):
         pad = layer.module.padding_idx
@@ -61,10 +76,12 @@ class EmbeddingBagRule(LayerRule):
     """``nn.EmbeddingBag`` with ``mode="sum"`` or ``"mean"``; ``"max"`` is refused."""
 
     def check(self, module, trainable):
-        EmbeddingRule.check(self, module, trainable)  # the same three refusals
+        EmbeddingRule.check(self, module, trainable)  # the same refusal of scale_grad_by_freq
         if module.mode == "max":
             raise _error("nn.EmbeddingBag(mode='max') routes each bag's gradient to the row of its largest entry; "
                          "per-sample gradients of that are not supported: use mode='sum' or 'mean'")
+
+    prepare_call = EmbeddingRule.prepare_call  # max_norm: the whole table, as for nn.Embedding
 
     #: with 1-D input and ``include_last_offset=True`` no input tensor has one entry per example: the output does
     batch_from_output = True

@@ -11,10 +11,19 @@ and step. Then per example, as for a linear layer seen at T positions:
 
 (``gi = W_ih x + b_ih`` and ``gh = W_hh h + b_hh``; the GRU keeps them apart because its
 candidate gate multiplies ``gh`` by the reset gate). The replay costs about one more
-forward and backward of the recurrent layer. Refused, with an alternative: packed
-sequences (pad them and mask the loss), dropout between layers in training (a replay
-cannot draw the same masks: stack one-layer modules with ``nn.Dropout`` between them) and
-``proj_size > 0``.
+forward and backward of the recurrent layer.
+
+**Packed sequences** (``nn.utils.rnn.pack_padded_sequence``, sorted or not): the packed input
+has no batch dimension (its rows are the examples' time steps, interleaved), so the rule reads
+the packing itself. The replay runs on the padded batch in the packing's (length-sorted) order:
+at step ``t`` an example whose sequence is shorter than ``t + 1`` keeps its state (the forward
+direction ends at its own last step; the reverse direction starts there), so its pre-activations
+at padded steps receive no gradient and contribute nothing. The gradient of the packed output
+is padded the same way, the final states' gradients are put in the sorted order, and the
+per-example results are put back in the batch's order (``unsorted_indices``).
+
+Refused, with an alternative: dropout between layers in training (a replay cannot draw the
+same masks: stack one-layer modules with ``nn.Dropout`` between them) and ``proj_size > 0``.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.utils.rnn import PackedSequence
+from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from lightning_dp.privacy.grad_sample.contributions import Dense, Factored
 from lightning_dp.privacy.grad_sample.registry import LayerRule, register_rule
@@ -66,17 +75,21 @@ class RecurrentRule(LayerRule):
                          "inside the fused kernel, which the per-sample replay cannot reproduce; stack one-layer "
                          f"{type(module).__name__}s with nn.Dropout between them, or set dropout=0")
 
-    def check_call(self, module, args, kwargs):
-        first = args[0] if args else kwargs.get("input")
-        if isinstance(first, PackedSequence):
-            raise _error(f"{type(module).__name__} called with a PackedSequence: per-sample gradients of packed "
-                         "sequences are not supported; pass the padded batch and mask the padded positions in the loss")
+    #: a packed input has no batch dimension (with enforce_sorted=True no input leaf has one): the final states do
+    batch_from_output = True
+    #: the packed output's gradient has no batch dimension either: the replay reads it through the packing
+    unbatched_outputs = True
+
+    @staticmethod
+    def mode(module: nn.Module) -> str:
+        """PyTorch's name of the recurrence: ``"LSTM"``, ``"GRU"``, ``"RNN_TANH"`` or ``"RNN_RELU"``."""
+        return str(module.mode)
 
     def contributions(self, layer, records, batch_size):
         m = layer.module
         totals: dict[str, list] = {}
         for r in records:
-            for name, (left, right) in self._replay(m, r, batch_size).items():
+            for name, (left, right) in self._replay(m, self.mode(m), r, batch_size).items():
                 totals.setdefault(name, []).append((left, right))
         out = {}
         for name, p in layer.trainable.items():
@@ -92,14 +105,20 @@ class RecurrentRule(LayerRule):
         return out
 
     @staticmethod
-    def _replay(m, r, batch_size: int) -> dict[str, tuple[Tensor, Tensor]]:
+    def _replay(m, mode: str, r, batch_size: int) -> dict[str, tuple[Tensor, Tensor]]:
         """``{parameter name: (pre-activation gradients (B, T, G*H), inputs (B, T, ·))}`` of one call."""
         x = r.input(0)
-        hx = r.args[1] if len(r.args) > 1 else r.kwargs.get("hx")
-        lstm = m.mode == "LSTM"
+        hx = r.args[1] if len(r.args) > 1 else r.kwargs.get("hx", r.kwargs.get("state_init"))
+        lstm = mode == "LSTM"
         dirs = 2 if m.bidirectional else 1
         layers, hidden = m.num_layers, m.hidden_size
-        x = x.detach()  # (B, T, I), batch first after the engine's normalization
+        packed = isinstance(x, PackedSequence)
+        order = back = valid = None  # packed: the sorted order, its inverse, the valid (example, step) pairs
+        if packed:
+            order, back = x.sorted_indices, x.unsorted_indices
+            x, lengths = pad_packed_sequence(PackedSequence(x.data, x.batch_sizes), batch_first=True)
+            valid = torch.arange(x.shape[1], device=x.device)[None, :] < lengths.to(x.device)[:, None]  # (B, T)
+        x = x.detach()  # (B, T, I), batch first after the engine's normalization (packed: in the sorted order)
         if hx is None:
             h0 = x.new_zeros(batch_size, layers * dirs, hidden)
             c0 = h0 if lstm else None
@@ -107,6 +126,9 @@ class RecurrentRule(LayerRule):
             h0, c0 = hx  # each (B, layers * dirs, H)
         else:
             h0, c0 = hx, None
+        if order is not None:  # the initial states are given in the batch's order
+            h0 = h0[order]
+            c0 = c0[order] if c0 is not None else None
         steps = x.shape[1]
 
         def tracked(t: Tensor) -> Tensor:  # a pre-activation whose gradient we ask for must be in the graph
@@ -132,16 +154,22 @@ class RecurrentRule(LayerRule):
                     gi = tracked(torch.nn.functional.linear(inp, w_ih, b_ih))  # (B, T, G*H)
                     h = h0[:, layer_index * dirs + d]
                     c = c0[:, layer_index * dirs + d] if c0 is not None else None  # c0: LSTM only
-                    order = range(steps - 1, -1, -1) if d else range(steps)
                     # filled in time order (reversed for the backward direction)
                     hs: list[Any] = [None] * steps
                     ghs: list[Any] = [None] * steps
                     prevs: list[Any] = [None] * steps
-                    for t in order:
+                    for t in (range(steps - 1, -1, -1) if d else range(steps)):
                         prevs[t] = h.detach()
                         ghs[t] = tracked(torch.nn.functional.linear(h, w_hh, b_hh))
-                        h, c = _cell(m.mode, gi[:, t], ghs[t], h, c)
-                        hs[t] = h
+                        h_new, c_new = _cell(mode, gi[:, t], ghs[t], h, c)
+                        if valid is not None:  # a finished (or, reversed, not yet started) sequence keeps its state
+                            keep = valid[:, t:t + 1]
+                            h_new = torch.where(keep, h_new, h)
+                            c_new = torch.where(keep, c_new, c) if c is not None and c_new is not None else c_new
+                            hs[t] = torch.where(keep, h_new, torch.zeros_like(h_new))
+                        else:
+                            hs[t] = h_new
+                        h, c = h_new, c_new
                     outs.append(torch.stack(hs, 1))
                     finals_h.append(h)
                     finals_c.append(c)
@@ -151,12 +179,53 @@ class RecurrentRule(LayerRule):
                     pre.extend(ghs)
                 inp = torch.cat(outs, -1) if dirs > 1 else outs[0]
             outputs = [inp, torch.stack(finals_h, 1)] + ([torch.stack(finals_c, 1)] if lstm else [])
-            cotangents = [g if g is not None else torch.zeros_like(o) for o, g in zip(outputs, r.grad_outputs)]
+            if packed:  # output leaves: the packed output (data, batch_sizes, sorted, unsorted), h_n, c_n
+                g_data, g_states = r.grad_outputs[0], list(r.grad_outputs[4:])
+                g_seq = None if g_data is None else pad_packed_sequence(
+                    PackedSequence(g_data, x_batch_sizes(r)), batch_first=True, total_length=steps)[0]
+                given = [g_seq] + [g if g is None or order is None else g[order] for g in g_states]
+            else:
+                given = list(r.grad_outputs)
+            cotangents = [g if g is not None else torch.zeros_like(o) for o, g in zip(outputs, given)]
             raw_grads = torch.autograd.grad(outputs, pre, cotangents, allow_unused=True)
         grads = [torch.zeros_like(t) if g is None else g for g, t in zip(raw_grads, pre)]
         found: dict[str, tuple[Tensor, Tensor]] = {}
         for wname, bname, right, start, per_step in plan:
             g = torch.stack(grads[start:start + per_step], 1) if per_step else grads[start]
+            if back is not None:  # rows in the batch's order again
+                g, right = g[back], right[back]
             found[wname] = (g, right)
             found[bname] = (g, right)
         return found
+
+
+def x_batch_sizes(r: Any) -> Tensor:
+    """The ``batch_sizes`` of a record's packed input (the packing of its output too)."""
+    return r.input(0).batch_sizes
+
+
+@register_rule("opacus.layers.dp_rnn.DPRNNBase")  # by name: Opacus is not imported for this
+class DPRecurrentRule(RecurrentRule):
+    """Opacus' ``DPRNN``, ``DPGRU`` and ``DPLSTM``: the same recurrences as PyTorch's, written as cells of
+    ``nn.Linear`` maps (``ih``, ``hh``) that run once per time step. Their parameters carry PyTorch's names too
+    (Opacus' ``RenameParamsMixin``: ``weight_ih_l0`` ...), so the whole module is replayed as PyTorch's recurrent
+    layers are, padded or packed: one rule for both, where per-step cells on a packed sequence see batches of
+    shrinking size that no batch dimension describes."""
+
+    claims_subtree = True
+
+    @staticmethod
+    def mode(module: nn.Module) -> str:
+        name = type(module).__name__
+        if "LSTM" in name:
+            return "LSTM"
+        if "GRU" in name:
+            return "GRU"
+        params: dict[str, Any] = getattr(module, "cell_params", {})
+        return "RNN_RELU" if params.get("nonlinearity") == "relu" else "RNN_TANH"
+
+    def check(self, module, trainable):
+        if type(module).__name__ not in ("DPRNN", "DPGRU", "DPLSTM"):
+            raise _error(f"{type(module).__name__} (a DPRNNBase with a custom cell) is not supported: use DPRNN, "
+                         "DPGRU or DPLSTM, or nn.RNN/GRU/LSTM")
+        super().check(module, trainable)
