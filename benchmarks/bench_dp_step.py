@@ -19,6 +19,10 @@ Models (``--model``):
   sequences of 64 tokens;
 * ``gpt2``: a Hugging Face GPT-2 from a config (vocabulary 1,000, d 128, 2 layers, 4 heads, tied embeddings), next-token
   loss; 16 sequences of 64 tokens.
+* ``digits_mlp``: the new user's model: an MLP on scikit-learn's 8x8 digits as one writes it (flatten, 64 -> 128 ->
+  ReLU -> 10), batch 64.
+* ``gpt2_lora``: the ``gpt2`` model with rank-8 LoRA adapters (``peft``) on every projection (``c_attn``, ``c_proj``,
+  ``c_fc``), everything else frozen; 16 sequences of 64 tokens.
 
 Opacus runs the same models with its own layers where it needs them (``DPMultiheadAttention`` in the transformer,
 ``DPLSTM`` for the LSTM); a method that cannot run a model is reported as failed, with the reason.
@@ -134,6 +138,26 @@ class GPT2LM(nn.Module):
         return self.gpt(ids)
 
 
+class DigitsMLP(nn.Module):
+    def __init__(self, opacus: bool = False):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class GPT2LoRA(nn.Module):
+    def __init__(self, opacus: bool = False):
+        super().__init__()
+        from lightning_dp.models import LoRA
+
+        self.gpt = LoRA(GPT2LM().gpt, rank=8, alpha=16, target_modules=["c_attn", "c_proj", "c_fc"])
+
+    def forward(self, ids):
+        return self.gpt(ids)
+
+
 def _images(shape, classes=10):
     def make(b, g):
         return torch.randn(b, *shape, generator=g), torch.randint(0, classes, (b,), generator=g)
@@ -164,6 +188,8 @@ MODELS = {
     "transformer": (TextTransformer, _tokens(64), 32, _ce),
     "lstm": (TextLSTM, _tokens(64), 64, _ce),
     "gpt2": (GPT2LM, _tokens(64), 16, _lm_loss),
+    "digits_mlp": (DigitsMLP, _images((1, 8, 8)), 64, _ce),
+    "gpt2_lora": (GPT2LoRA, _tokens(64), 16, _lm_loss),
 }
 
 
