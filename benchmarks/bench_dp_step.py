@@ -302,6 +302,80 @@ def build(method: str, model_name: str, batch_size: int, device: str):
     raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
 
 
+def breakdown(model_name: str, batch_size: int, device: str, rounds: int = 9, steps: int = 5) -> dict[str, float]:
+    """Where lightning-dp's step spends its time, in ms (best of ``rounds``): the plain forward and backward, the
+    recorded ones (hooks; no weight gradients), then per-sample norms, clipped sums, noise and the update, each
+    measured as the difference of two cumulative timings in the same process."""
+    make_model, make_batch, _, per_example = MODELS[model_name]
+    torch.manual_seed(0)
+    model = make_model().to(device).train()
+    batch = tuple(t.to(device) for t in make_batch(batch_size, torch.Generator().manual_seed(0)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def loss():
+        return per_example(model(batch[0]), batch).mean()
+
+    def clock(fn):
+        for _ in range(2):
+            fn()
+        best = float("inf")
+        for _ in range(rounds):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, (time.perf_counter() - t0) / steps)
+        return best * 1e3
+
+    def plain():
+        opt.zero_grad(set_to_none=True)
+        loss().backward()
+        opt.step()
+
+    out = {"non-private step": clock(plain)}
+    engine = GradSampleEngine(model)
+    big = tuple(t.to(device) for t in make_batch(7, torch.Generator().manual_seed(7)))
+    probes = {n: tuple(t[:n] for t in big) for n in (3, 5, 7)}
+    engine.probe(lambda n: per_example(model(probes[n][0]), probes[n]).mean())
+    params = engine.parameters
+
+    def recorded():
+        with engine.record(batch_size=batch_size):
+            loss().backward()
+
+    def norms():
+        recorded()
+        engine.per_sample_norms()
+        engine.clear()
+
+    def sums():
+        recorded()
+        engine.clipped_sum(clip_factors(engine.per_sample_norms(), C))
+        engine.clear()
+
+    def full():
+        recorded()
+        s = engine.clipped_sum(clip_factors(engine.per_sample_norms(), C))
+        engine.clear()
+        grads = noisy_mean(s, noise_multiplier=SIGMA, max_grad_norm=C, expected_batch_size=batch_size,
+                           generator=derive_generator(0, 2, 0, device=device))
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+
+    timings = [clock(f) for f in (recorded, norms, sums, full)]
+    out["recorded forward + backward"] = timings[0]
+    out["per-sample norms"] = timings[1] - timings[0]
+    out["clipped sums"] = timings[2] - timings[1]
+    out["noise, normalization, update"] = timings[3] - timings[2]
+    out["lightning-dp step"] = timings[3]
+    engine.remove()
+    return out
+
+
 def _try_build(method, model_name, batch_size, device):
     try:
         fn = build(method, model_name, batch_size, device)
@@ -391,8 +465,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="only: where lightning-dp's step spends its time (see breakdown())")
     args = parser.parse_args(argv)
     batch_size = args.batch_size or MODELS[args.model][2]
+    if args.breakdown:
+        parts = breakdown(args.model, batch_size, args.device)
+        print(f"{args.model}, batch {batch_size}, device {args.device}, threads {torch.get_num_threads()}")
+        for name, ms in parts.items():
+            print(f"{name:<32} {ms:8.2f} ms")
+        return
     methods = args.methods.split(",")
     if "nonprivate" not in methods:
         methods.insert(0, "nonprivate")

@@ -91,6 +91,8 @@ class _Call:
 
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
+    leaves: list[Any] = field(default_factory=list)  # the input leaves (args then kwargs), detached
+    spec: Any = None  # their pytree structure; None: positional tensors only (the common case, no pytree needed)
     outputs: list[Tensor | None] = field(default_factory=list)  # output leaves, as returned by the hook
     grad_outputs: list[Tensor | None] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -351,18 +353,27 @@ class GradSampleEngine:
                 # backward pass: either way the call left nothing to record.
                 layer.calls.pop()
                 return None
-            call.args = tuple(pytree.tree_map(lambda a: a.detach() if isinstance(a, Tensor) else a, args))
-            call.kwargs = pytree.tree_map(lambda a: a.detach() if isinstance(a, Tensor) else a, dict(kwargs))
+            if not kwargs and all(isinstance(a, Tensor) for a in args):  # positional tensors: no pytree
+                call.leaves = [a.detach() for a in args]
+                call.args = tuple(call.leaves)
+            else:
+                leaves, call.spec = _input_leaves(args, kwargs)
+                call.leaves = [a.detach() if isinstance(a, Tensor) else a for a in leaves]
+                call.args, call.kwargs = pytree.tree_unflatten(call.leaves, call.spec)
+                call.args, call.kwargs = tuple(call.args), dict(call.kwargs)
             # detach() shares the version counter: an in-place change of an input after this call (which plain
             # autograd refuses when it saved the input for the weight's gradient) is caught in _records
-            call.versions = [a._version if isinstance(a, Tensor) else None for a in _input_leaves(args, kwargs)[0]]
+            call.versions = [a._version if isinstance(a, Tensor) else None for a in call.leaves]
             if layer.broadcast:
                 if self._batch is None:
                     raise PerSampleGradientError(
                         f"{layer.label} computes on inputs shared by all examples, which needs the batch size when "
                         "recording starts: call engine.start(batch_size=B) or engine.record(batch_size=B).")
                 output = self._expand(output, self._batch)
-            leaves, spec = pytree.tree_flatten(output)
+            if isinstance(output, Tensor):
+                leaves, spec = [output], None
+            else:
+                leaves, spec = pytree.tree_flatten(output)
             changed = False
             for i, leaf in enumerate(leaves):
                 if not isinstance(leaf, Tensor) or not leaf.is_floating_point():
@@ -385,7 +396,7 @@ class GradSampleEngine:
 
                 leaf.register_hook(save_grad)
             if changed or layer.broadcast:
-                return pytree.tree_unflatten(leaves, spec)
+                return leaves[0] if spec is None else pytree.tree_unflatten(leaves, spec)
             return None
         return hook
 
@@ -745,7 +756,7 @@ class GradSampleEngine:
         """The sizes of a call's tensors at their batch dimensions, after checking the structure."""
         dims = layer.dims
         assert dims is not None
-        inputs, _ = _input_leaves(call.args, call.kwargs)
+        inputs = call.leaves
         ranks = tuple(a.dim() if isinstance(a, Tensor) else None for a in inputs)
         if ranks != dims.input_ranks or len(call.outputs) != len(dims.outputs):
             raise PerSampleGradientError(
@@ -779,7 +790,7 @@ class GradSampleEngine:
         for call in layer.calls:
             if all(g is None for g in call.grad_outputs):
                 continue
-            inputs, spec = _input_leaves(call.args, call.kwargs)
+            inputs, spec = call.leaves, call.spec
             changed = [i for i, (a, v) in enumerate(zip(inputs, call.versions))
                        if isinstance(a, Tensor) and a._version != v]
             if changed:
@@ -816,9 +827,13 @@ class GradSampleEngine:
                     continue
                 g = torch.zeros_like(o, dtype=dtype) if g is None else _upcast(g, dtype)
                 grads.append(g.movedim(d, 0) * scale)
-            args, kwargs = pytree.tree_unflatten(normalized, spec)
-            arg_dims, kwarg_dims = _unflatten_plain(input_dims, spec)
-            call_args, call_kwargs = pytree.tree_map(lambda a: _upcast(a, dtype), (call.args, call.kwargs))
+            if spec is None:  # positional tensors only
+                args, kwargs, arg_dims, kwarg_dims = tuple(normalized), {}, tuple(input_dims), {}
+                call_args, call_kwargs = tuple(_upcast(a, dtype) for a in call.args), {}
+            else:
+                args, kwargs = pytree.tree_unflatten(normalized, spec)
+                arg_dims, kwarg_dims = _unflatten_plain(input_dims, spec)
+                call_args, call_kwargs = pytree.tree_map(lambda a: _upcast(a, dtype), (call.args, call.kwargs))
             out.append(Record(args=tuple(args), kwargs=dict(kwargs), grad_outputs=grads, arg_dims=tuple(arg_dims),
                               kwarg_dims=dict(kwarg_dims), output_dims=list(dims.outputs), broadcast=layer.broadcast,
                               extra=call.extra, call_args=call_args, call_kwargs=call_kwargs, scale=scale))
