@@ -302,10 +302,11 @@ def build(method: str, model_name: str, batch_size: int, device: str):
     raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
 
 
-def breakdown(model_name: str, batch_size: int, device: str, rounds: int = 9, steps: int = 5) -> dict[str, float]:
-    """Where lightning-dp's step spends its time, in ms (best of ``rounds``): the plain forward and backward, the
-    recorded ones (hooks; no weight gradients), then per-sample norms, clipped sums, noise and the update, each
-    measured as the difference of two cumulative timings in the same process."""
+def breakdown(model_name: str, batch_size: int, device: str, rounds: int = 15, steps: int = 3) -> dict[str, float]:
+    """Where lightning-dp's step spends its time, in ms (median of ``rounds``, the stages interleaved in every round):
+    the plain step, the recorded forward and backward (hooks; no weight gradients), then per-sample norms, clipped
+    sums, noise and the update, each the difference of two cumulative timings in the same process (small parts
+    can come out slightly negative in the noise)."""
     make_model, make_batch, _, per_example = MODELS[model_name]
     torch.manual_seed(0)
     model = make_model().to(device).train()
@@ -316,31 +317,33 @@ def breakdown(model_name: str, batch_size: int, device: str, rounds: int = 9, st
         return per_example(model(batch[0]), batch).mean()
 
     def clock(fn):
-        for _ in range(2):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
             fn()
-        best = float("inf")
-        for _ in range(rounds):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                fn()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            best = min(best, (time.perf_counter() - t0) / steps)
-        return best * 1e3
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / steps * 1e3
 
     def plain():
         opt.zero_grad(set_to_none=True)
         loss().backward()
         opt.step()
 
-    out = {"non-private step": clock(plain)}
     engine = GradSampleEngine(model)
     big = tuple(t.to(device) for t in make_batch(7, torch.Generator().manual_seed(7)))
     probes = {n: tuple(t[:n] for t in big) for n in (3, 5, 7)}
-    engine.probe(lambda n: per_example(model(probes[n][0]), probes[n]).mean())
+
+    def run(n):  # the same draws for the same n (dropout), as the probe requires
+        with torch.random.fork_rng(devices=[device] if device == "cuda" else []):
+            return per_example(model(probes[n][0]), probes[n]).mean()
+
+    engine.probe(run)
     params = engine.parameters
+    engine.remove()  # the plain step runs without hooks; they are put back below
+    engine = GradSampleEngine(model)
+    engine.probe(run)
 
     def recorded():
         with engine.record(batch_size=batch_size):
@@ -366,14 +369,21 @@ def breakdown(model_name: str, batch_size: int, device: str, rounds: int = 9, st
             p.grad = g
         opt.step()
 
-    timings = [clock(f) for f in (recorded, norms, sums, full)]
-    out["recorded forward + backward"] = timings[0]
-    out["per-sample norms"] = timings[1] - timings[0]
-    out["clipped sums"] = timings[2] - timings[1]
-    out["noise, normalization, update"] = timings[3] - timings[2]
-    out["lightning-dp step"] = timings[3]
+    stages = {"plain": plain, "recorded": recorded, "norms": norms, "sums": sums, "full": full}
+    times: dict[str, list[float]] = {k: [] for k in stages}
+    for fn in stages.values():
+        fn()
+        fn()
+    for _ in range(rounds):
+        for name, fn in stages.items():
+            if name == "plain":
+                engine.stop()  # hooks in place but not recording: the plain step pays two attribute checks per layer
+            times[name].append(clock(fn))
+    t = {k: statistics.median(v) for k, v in times.items()}
     engine.remove()
-    return out
+    return {"non-private step": t["plain"], "recorded forward + backward": t["recorded"],
+            "per-sample norms": t["norms"] - t["recorded"], "clipped sums": t["sums"] - t["norms"],
+            "noise, normalization, update": t["full"] - t["sums"], "lightning-dp step": t["full"]}
 
 
 def _try_build(method, model_name, batch_size, device):
