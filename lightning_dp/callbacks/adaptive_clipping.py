@@ -403,7 +403,7 @@ class QuantileClipping(_AdaptiveClipping):
     def _after_release(self, trainer: Trainer, optimizer: Any, grads: list[torch.Tensor],
                        extra_sums: list[list[torch.Tensor]]) -> None:
         self._trace_step(trainer, optimizer)
-        assert self._last_stats is not None  # set by this step's _extra_weights
+        assert self._last_stats is not None  # this step's counts, set by DPSGD._release before this hook
         clipped, size = (float(v) for v in self._last_stats[:2])
         generator = derive_secret_generator(self._planned_seed(), CLIP_STATISTIC, self._released)
         self.max_grad_norm, self._last_estimate = quantile_clip_update(

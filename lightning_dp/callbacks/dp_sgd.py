@@ -487,17 +487,18 @@ class DPSGD(Callback):
     def _fix_loss_scale(self, trainer: Trainer) -> None:
         """16-mixed: the GradScaler's scale stays where it starts.
 
-        DPSGD drops an example whose float16 gradient overflowed (its contribution becomes zero,
-        within the clipping bound), so the released gradient is always finite and the scaler
-        never sees an overflow. Its scale would still double every ``growth_interval`` steps, on
-        and on, until most examples overflow and are dropped; and a scale that backed off when a
+        DPSGD drops an example whose gradient is not finite (a float16 overflow; its contribution
+        becomes zero, within the clipping bound), so the released gradient is always finite and the
+        scaler never sees an overflow. Its scale would still double every ``growth_interval`` steps,
+        on and on, until most examples overflow and are dropped; and a scale that backed off when a
         private example overflowed would carry that example into every later step. So the scale is
-        fixed: public, the same on every step.
+        fixed (no growth, no back-off): public, the same on every step.
         """
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self._half_precision = str(trainer.precision) in ("bf16-mixed", "16-mixed", "bf16-true")
         if scaler is None or not scaler.is_enabled():
             return
+        scaler.set_backoff_factor(1.0)  # the release is always finite; should anything else overflow, no back-off
         if scaler.get_growth_interval() < _FIXED_GROWTH_INTERVAL:
             scaler.set_growth_interval(_FIXED_GROWTH_INTERVAL)
             rank_zero_info(f"DPSGD: the loss scale of precision='16-mixed' stays at its initial value "
@@ -606,7 +607,7 @@ class DPSGD(Callback):
                 + (" or accumulate_grad_batches." if parts > 1 else "."))
         steps = math.ceil(n / expected) if self.poisson_sampling else math.ceil(len(loader) / parts)
         return {"dataset_size": n, "sample_rate": expected / n, "expected_batch_size": expected,
-                "steps_per_epoch": steps, "parts": parts, "micro_batch_size": loader.batch_size * world}
+                "steps_per_epoch": steps, "parts": parts}
 
     def _privatize(self, loader: Any, trainer: Trainer) -> DataLoader:
         world = trainer.world_size
@@ -634,7 +635,8 @@ class DPSGD(Callback):
             self._rate_varies = True  # logged as a metric from now on (the param holds the rate at fit start)
         self._update_budget(trainer)  # a reloaded loader may bring a new sampling rate
         return poisson_dataloader(loader, sample_rate=data["sample_rate"], seed=self._drawn_seed(), rank=trainer.global_rank,
-                                  world_size=world, start_step=lambda: self._released, parts=parts)
+                                  world_size=world, start_step=lambda: self._released, parts=parts,
+                                  steps_per_epoch=data["steps_per_epoch"])  # the plan's count, not ceil(1/q) again
 
     def _start_pass(self) -> None:
         self._passes += 1
@@ -1114,8 +1116,9 @@ class DPSGD(Callback):
         sums = [engine.clipped_sum(clip_factors(norms, clip))]
         sums += [engine.clipped_sum(w) for w in self._extra_weights(norms)]
         engine.clear()
-        # clipped (overflowed ones included: their norm is +inf), total, and dropped for a half-precision overflow
-        stats = torch.tensor([float((norms > clip).sum()), norms.numel(), engine.dropped]).to(sums[0][0])
+        # clipped (dropped ones included: their norm is +inf), total, and dropped for a non-finite gradient
+        counts = torch.tensor([norms.numel(), engine.dropped], dtype=sums[0][0].dtype, device=norms.device)
+        stats = torch.cat([(norms > clip).sum().to(counts).reshape(1), counts])
         if self._pending is None or self._pending_stats is None:
             self._pending, self._pending_stats = sums, stats
             return

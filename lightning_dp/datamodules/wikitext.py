@@ -5,8 +5,10 @@ already replaced by ``<unk>``, one paragraph per line, article titles as ``= Tit
 official files are ``wiki.train.tokens``, ``wiki.valid.tokens`` and ``wiki.test.tokens``
 (in ``wikitext-2/`` of the official zip). Each line becomes its words followed by ``<eos>``;
 the vocabulary is the ``vocab_size - 2`` most frequent words of the TRAINING file (ties
-broken alphabetically) plus ``<unk>`` and ``<eos>``, so nothing of the evaluation files
-leaks into it; the token stream of each file is cut into non-overlapping samples of
+broken alphabetically; or of ``vocab_file``) plus ``<unk>`` and ``<eos>``, so nothing of the
+evaluation files leaks into it. Under DP, which words are frequent in the private training
+file is a statistic of it that no accountant covers: fine-tune with the vocabulary of a public
+file (``vocab_file``, as ``examples/lm/`` does); the token stream of each file is cut into non-overlapping samples of
 ``block_size`` tokens (the remainder is dropped). A sample is one example: DP-SGD clips and
 accounts per sample, and a membership audit asks about samples.
 
@@ -244,7 +246,7 @@ class WikiText2DataModule(SplitDataModule):
 
     # ------------------------------------------------------------------ setup
     def setup(self, stage: str) -> None:
-        """Reads the files, builds the vocabulary from the training file and cuts the samples."""
+        """Reads the files, builds the vocabulary from the training file (or ``vocab_file``) and cuts the samples."""
         if self.train_dataset is not None:
             return
         train_words = tokenize_lines(self._lines(self.hparams["train_file"]))

@@ -25,6 +25,7 @@ the set of trainable parameters changes) and works for any model.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -142,8 +143,11 @@ def map_batch_leaves(obj: Any, fn: Any) -> Any:
             except TypeError:
                 return items
         if dataclasses.is_dataclass(o) and not isinstance(o, type):
-            return dataclasses.replace(o, **{f.name: rebuild(getattr(o, f.name)) for f in dataclasses.fields(o)
-                                             if f.init})
+            # every field, in batch_leaves' order (init=False ones too); frozen dataclasses included
+            rebuilt = copy.copy(o)
+            for f in dataclasses.fields(o):
+                object.__setattr__(rebuilt, f.name, rebuild(getattr(o, f.name)))
+            return rebuilt
         if isinstance(o, (list, tuple)):
             if _is_leaf_list(o):
                 return fn(next(counter), o)

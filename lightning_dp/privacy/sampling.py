@@ -187,13 +187,14 @@ def with_dataset(loader: DataLoader, dataset: Dataset, *, collate_fn: Callable |
 
 
 def poisson_dataloader(loader: DataLoader, *, sample_rate: float, seed: int, rank: int = 0, world_size: int = 1,
-                       start_step: Callable[[], int] | None = None, parts: int = 1) -> DataLoader:
+                       start_step: Callable[[], int] | None = None, parts: int = 1,
+                       steps_per_epoch: int | None = None) -> DataLoader:
     """A copy of ``loader`` (same dataset, collate and worker settings) with Poisson batches, each yielded in
     ``parts`` micro-batches (:class:`PoissonBatchSampler`)."""
     # a map-style dataset has __len__, which torch's Dataset does not declare
     batch_sampler = PoissonBatchSampler(None, loader.batch_size or 1, False, num_samples=len(loader.dataset),  # type: ignore[arg-type]
                                         sample_rate=sample_rate, seed=seed, rank=rank, world_size=world_size,
-                                        start_step=start_step, parts=parts)
+                                        start_step=start_step, parts=parts, steps_per_epoch=steps_per_epoch)
     return rebuild_dataloader(loader, batch_sampler=batch_sampler,
                               collate_fn=EmptySafeCollate(loader.collate_fn, loader.dataset))
 

@@ -293,3 +293,22 @@ def test_every_refusal_names_the_submodule():
     lstm = nn.Sequential(nn.LSTM(3, 4, proj_size=2))
     with pytest.raises(Error, match=r"^layer 0 \(LSTM\): nn.LSTM\(proj_size > 0\)"):
         Engine(lstm)
+
+
+def test_split_batch_keeps_dataclass_fields_that_are_not_init_arguments():
+    import dataclasses
+
+    from lightning_dp.privacy.batch_dims import batch_leaves, split_batch
+
+    @dataclasses.dataclass(frozen=True)
+    class Batch:
+        x: torch.Tensor
+        y: torch.Tensor = dataclasses.field(default=None, init=True)
+        mask: torch.Tensor = dataclasses.field(default=None, init=False)
+
+    b = Batch(torch.arange(10).view(5, 2), torch.arange(5))
+    object.__setattr__(b, "mask", torch.ones(5, 3))
+    assert len(batch_leaves(b)) == 3
+    chunks = split_batch(b, [0, 0, 0], 2, 5)
+    assert [c.x.shape[0] for c in chunks] == [2, 2, 1] and [c.mask.shape[0] for c in chunks] == [2, 2, 1]
+    assert torch.equal(chunks[2].y, torch.tensor([4]))

@@ -141,6 +141,15 @@ def _input_leaves(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
     return pytree.tree_flatten((args, kwargs))
 
 
+def _no_autocast(device: torch.device) -> Any:
+    """A context in which autocast is off for ``device``'s type (and for the CPU, whose autocast applies too)."""
+    kinds = {device.type, "cpu"}
+    stack = contextlib.ExitStack()
+    for kind in kinds:
+        stack.enter_context(torch.autocast(device_type=kind, enabled=False))
+    return stack
+
+
 @contextlib.contextmanager
 def _named(layer: Any) -> Iterator[None]:
     """A :class:`PerSampleGradientError` raised inside names the layer (its path in the model and its type) first,
@@ -249,7 +258,6 @@ class GradSampleEngine:
         self._probing = False
         self._probed = False
         self._contributions: dict[int, list[Contribution]] | None = None
-        self._half_records = False
         self._probe_half = False  # a layer's output was float16/bfloat16 while probing (autocast)
         #: examples of the last step whose half-precision gradient overflowed and was dropped (per_sample_norms)
         self.dropped = 0
@@ -705,7 +713,6 @@ class GradSampleEngine:
             layer.calls.clear()
             layer.cache.clear()
         self._contributions = None
-        self._half_records = False
         if not self.keep_buffers:
             self._buffers.clear()
 
@@ -800,8 +807,6 @@ class GradSampleEngine:
                     "is lost and its per-sample gradients cannot be computed. Plain autograd refuses this too when "
                     "the layer's weight is trainable. Use the out-of-place form (x = x + f(x)) or clone() the input.")
             dtype = layer.compute_dtype
-            self._half_records = self._half_records or any(
-                isinstance(t, Tensor) and t.dtype in (torch.float16, torch.bfloat16) for t in (*inputs, *call.outputs))
             inputs = [_upcast(a, dtype) for a in inputs]
             if layer.broadcast:
                 normalized = [self._expand(a, batch) if isinstance(a, Tensor) else a for a in inputs]
@@ -876,21 +881,24 @@ class GradSampleEngine:
         """
         b = self.batch_size()
         scale = float(b) if loss_scale is None else float(loss_scale)
-        self._half_records = False
-        self._contributions = self._contributions_of_step(scale, b)
-        norms = self._norms(b)
-        self.dropped = 0
-        if self._half_records and not bool(torch.isfinite(norms).all()):
-            # An example whose gradient overflowed in half precision (inf/nan in its records) is dropped: its
-            # contribution becomes 0, within any clipping bound, and its norm +inf (clipped, counted as above C).
-            # Letting it through would make the whole release non-finite, and an optimizer step skipped for that
-            # (GradScaler) would reveal that some example overflowed: a statistic no accountant covers.
-            bad = ~torch.isfinite(norms)
-            for contributions in self._contributions.values():
-                for c in contributions:
-                    c.drop(bad)
-            self.dropped = int(bad.sum())
-            norms = self._norms(b).masked_fill(bad, math.inf)
+        # Outside any autocast region (a caller may sit inside one, as a chunked training step does): the
+        # norms and the sums below must be computed in the records' float32, not in bfloat16 matrix products
+        with _no_autocast(self._params[0].device):
+            self._contributions = self._contributions_of_step(scale, b)
+            norms = self._norms(b)
+            self.dropped = 0
+            if not bool(torch.isfinite(norms).all()):
+                # An example whose gradient is not finite (an overflow in half precision, a loss of inf) is
+                # dropped: its contribution becomes 0, within any clipping bound, and its norm +inf (clipped,
+                # counted as above C). Letting it through would make the whole release non-finite (unbounded
+                # sensitivity), and an optimizer step skipped for that (GradScaler) would reveal that some
+                # example overflowed: a statistic no accountant covers.
+                bad = ~torch.isfinite(norms)
+                for contributions in self._contributions.values():
+                    for c in contributions:
+                        c.drop(bad)
+                self.dropped = int(bad.sum())
+                norms = self._norms(b).masked_fill(bad, math.inf)
         return norms
 
     def _norms(self, b: int) -> Tensor:
@@ -915,16 +923,17 @@ class GradSampleEngine:
         if contributions is None:
             raise PerSampleGradientError("call per_sample_norms() before clipped_sum()")
         out = []
-        for p in self._params:
-            dtype = compute_dtype(p.dtype)  # at least float32: the caller casts the released gradient to p.dtype
-            parts = contributions.get(id(p), [])
-            if not parts or factors.numel() == 0:
-                out.append(torch.zeros(p.shape, dtype=dtype, device=p.device))
-                continue
-            total = parts[0].weighted_sum(factors)
-            for c in parts[1:]:
-                total = total + c.weighted_sum(factors)
-            out.append(total.to(dtype).view(p.shape))
+        with _no_autocast(self._params[0].device):
+            for p in self._params:
+                dtype = compute_dtype(p.dtype)  # at least float32: the caller casts the released gradient to p.dtype
+                parts = contributions.get(id(p), [])
+                if not parts or factors.numel() == 0:
+                    out.append(torch.zeros(p.shape, dtype=dtype, device=p.device))
+                    continue
+                total = parts[0].weighted_sum(factors)
+                for c in parts[1:]:
+                    total = total + c.weighted_sum(factors)
+                out.append(total.to(dtype).view(p.shape))
         return out
 
 
@@ -943,19 +952,19 @@ class _LayerView:
 
     @contextlib.contextmanager
     def replaying(self) -> Iterator[None]:
-        """Calls of the module inside are not recorded (rules that run the module again); a module whose weights
-        are in lower precision than :attr:`compute_dtype` (``bf16-true``) runs in it meanwhile, as the records do
-        (the round trip to float32 and back is exact)."""
+        """Calls of the module inside are not recorded (rules that run the module again); autocast is off. A rule
+        that replays a module whose weights are in lower precision than :attr:`compute_dtype` (``bf16-true``)
+        passes float32 copies (:meth:`replay_state`)."""
         engine = self._engine
         was, engine._recording = engine._recording, False
-        low = [(t, t.dtype) for t in (*self.module.parameters(), *self.module.buffers())
-               if t.is_floating_point() and torch.promote_types(t.dtype, self.compute_dtype) == self.compute_dtype
-               and t.dtype != self.compute_dtype]
-        for t, _ in low:
-            t.data = t.data.to(self.compute_dtype)
         try:
-            yield
+            with _no_autocast(next(self.module.parameters()).device):
+                yield
         finally:
             engine._recording = was
-            for t, dtype in low:
-                t.data = t.data.to(dtype)
+
+    def replay_state(self) -> dict[str, Tensor]:
+        """The module's floating parameters and buffers in :attr:`compute_dtype`, detached: what
+        ``torch.func.functional_call`` replays the module with (copies only where the dtype differs)."""
+        named = [*self.module.named_parameters(), *self.module.named_buffers()]
+        return {n: (t.detach().to(self.compute_dtype) if t.is_floating_point() else t.detach()) for n, t in named}

@@ -84,8 +84,9 @@ def _to_weight(weight_shape):
 
 class _ConvBase(LayerRule):
     def _instantiates(self, layer, batch_size: int) -> bool:
-        w = layer.module.weight
-        return batch_size * w.numel() * w.element_size() <= layer.instantiate_limit
+        w = layer.module.weight  # the per-sample gradients are in the records' dtype (float32 under bf16-true)
+        itemsize = torch.empty((), dtype=getattr(layer, "compute_dtype", w.dtype)).element_size()
+        return batch_size * w.numel() * itemsize <= layer.instantiate_limit
 
     def check_dims(self, module, inputs, outputs, broadcast):
         if not broadcast and (inputs[0] != 0 or outputs[0] != 0):

@@ -38,7 +38,9 @@ def per_example_grads(layer, records, batch_size: int) -> dict[str, Tensor]:
     module = layer.module
     total: dict[str, Tensor] = {}
     with layer.replaying():
-        params = {n: p.detach() for n, p in layer.trainable.items()}  # in the replay's dtype
+        state = layer.replay_state()  # every parameter and buffer in the records' dtype (float32 under bf16-true)
+        params = {n: state[n] for n in layer.trainable}
+        fixed = {n: t for n, t in state.items() if n not in params}
         for r in records:
             if r.broadcast:  # shared inputs: every example calls the module on the same arguments
                 args, kwargs = r.call_args, r.call_kwargs
@@ -52,8 +54,8 @@ def per_example_grads(layer, records, batch_size: int) -> dict[str, Tensor]:
             def one(grads_i: list, args_i: tuple, kwargs_i: dict, _r=r, _dims=arg_dims) -> dict[str, Tensor]:
                 call_args, call_kwargs = (args_i, kwargs_i) if _r.broadcast else _unsqueeze((args_i, kwargs_i), _dims)
                 # torch.func.vjp is annotated for has_aux=True as well: a 2- or 3-tuple
-                out, pullback = vjp(lambda p: functional_call(module, p, tuple(call_args), dict(call_kwargs)),  # type: ignore[misc]
-                                    params)
+                out, pullback = vjp(lambda p: functional_call(module, {**fixed, **p}, tuple(call_args),  # type: ignore[misc]
+                                                              dict(call_kwargs)), params)
                 leaves, spec = pytree.tree_flatten(out)
                 cot = []
                 for leaf, g, d in zip(leaves, grads_i, _r.output_dims):

@@ -182,7 +182,7 @@ class RecurrentRule(LayerRule):
             if packed:  # output leaves: the packed output (data, batch_sizes, sorted, unsorted), h_n, c_n
                 g_data, g_states = r.grad_outputs[0], list(r.grad_outputs[4:])
                 g_seq = None if g_data is None else pad_packed_sequence(
-                    PackedSequence(g_data, x_batch_sizes(r)), batch_first=True, total_length=steps)[0]
+                    PackedSequence(g_data, _x_batch_sizes(r)), batch_first=True, total_length=steps)[0]
                 given = [g_seq] + [g if g is None or order is None else g[order] for g in g_states]
             else:
                 given = list(r.grad_outputs)
@@ -199,7 +199,7 @@ class RecurrentRule(LayerRule):
         return found
 
 
-def x_batch_sizes(r: Any) -> Tensor:
+def _x_batch_sizes(r: Any) -> Tensor:
     """The ``batch_sizes`` of a record's packed input (the packing of its output too)."""
     return r.input(0).batch_sizes
 
