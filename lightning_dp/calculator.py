@@ -58,16 +58,18 @@ __all__ = ["build_parser", "client_epsilon_table", "client_level_privacy", "epsi
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from lightning_dp.cli_errors import ShortArgumentParser
+
+    parser = ShortArgumentParser(
         prog="lightning-dp epsilon", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n" + "\n".join(line.strip() for line in __doc__.splitlines() if "lightning-dp epsilon " in
                                          line)
         + "\n\nDP-FedAvg. " + next(p for p in __doc__.split("\n\n") if p.startswith("What the training does")))
     size = parser.add_argument_group("sampling (give --sample-rate, or --dataset-size with --batch-size)")
-    size.add_argument("--dataset-size", type=int, help="N, the number of training examples")
-    size.add_argument("--batch-size", type=int, help="the expected batch size B (Poisson: q = B / N)")
-    size.add_argument("--sample-rate", type=float, help="q, the Poisson sampling rate in (0, 1]")
+    size.add_argument("--dataset-size", type=int, metavar="N", help="N, the number of training examples")
+    size.add_argument("--batch-size", type=int, metavar="B", help="the expected batch size B (Poisson: q = B / N)")
+    size.add_argument("--sample-rate", type=float, metavar="Q", help="q, the Poisson sampling rate in (0, 1]")
     length = parser.add_argument_group("length (give --epochs or --steps)")
     length.add_argument("--epochs", type=int, help="epochs (an epoch is ceil(1 / q) steps)")
     length.add_argument("--steps", type=int, help="optimizer steps")
@@ -80,9 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     fed.add_argument("--client-sample-rate", type=float, help="q, the client-level Poisson sampling rate in (0, 1]")
     fed.add_argument("--rounds", type=int, help="rounds (the Trainer's max_epochs)")
     noise = parser.add_argument_group("noise (give --noise-multiplier, or --target-epsilon to calibrate it)")
-    noise.add_argument("--noise-multiplier", type=float, help="sigma (DP-FedAvg: z), the noise std over the clipping norm")
-    noise.add_argument("--target-epsilon", type=float, help="the budget: prints the smallest sigma that fits it")
-    parser.add_argument("--delta", type=float, default=1e-5, help="delta (default 1e-5)")
+    noise.add_argument("--noise-multiplier", type=float, metavar="SIGMA", help="sigma (DP-FedAvg: z), the noise std over the clipping norm")
+    noise.add_argument("--target-epsilon", type=float, metavar="EPSILON", help="the budget: prints the smallest sigma that fits it")
+    parser.add_argument("--delta", type=float, default=1e-5, metavar="DELTA", help="delta (default 1e-5)")
     parser.add_argument("--print_config", action="store_true",
                         help="print the settings (given and default) as YAML and exit")
     parser.add_argument("--accountant", choices=["pld", "rdp"], default="pld", help="default pld")
@@ -256,8 +258,6 @@ def client_epsilon_table(privacy: CentralGaussian, *, rounds: int, fractions: Se
 
 def main(argv: Sequence[str]) -> int:
     """Entry point of ``lightning-dp epsilon``; returns the exit code (2 for bad input)."""
-    from lightning_dp.privacy.calibration import calibrate_noise_multiplier, steps_for_epochs
-
     parser = build_parser()
     args = parser.parse_args(list(argv))
     if args.print_config:  # the settings as the command read them, like --print_config of the other commands
@@ -268,9 +268,11 @@ def main(argv: Sequence[str]) -> int:
         return 0
     problems = _problems(args)
     if problems:
-        parser.error("\n  " + "\n  ".join(problems))
+        parser.error("; ".join(problems))
     if _is_fedavg(args):
         return _main_fedavg(parser, args)
+    from lightning_dp.privacy.calibration import calibrate_noise_multiplier, steps_for_epochs  # imports torch
+
     q = args.sample_rate if args.sample_rate is not None else args.batch_size / args.dataset_size
     per_epoch = steps_for_epochs(epochs=1, sample_rate=q)  # the training's ceil(1 / q), float-safe
     steps = args.steps if args.steps is not None else args.epochs * per_epoch
@@ -285,7 +287,7 @@ def main(argv: Sequence[str]) -> int:
                                                sample_rate=q, steps=steps, accountant=args.accountant,
                                                accountant_kwargs=kwargs)
         except ValueError as err:  # a target the search range cannot reach
-            parser.error(f"\n  {err}")
+            parser.error(str(err))
         print(f"noise_multiplier = {_shown(sigma)} for epsilon <= {args.target_epsilon:g}; {where}")
     else:
         sigma = args.noise_multiplier
@@ -329,7 +331,7 @@ def _main_fedavg(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
                                            accountant=args.accountant, adjacency=args.adjacency,
                                            num_clients=args.clients)
     except ValueError as err:  # what CentralGaussian refuses, e.g. a target the calibration cannot reach
-        parser.error(f"\n  {err}")
+        parser.error(str(err))
     rows = client_epsilon_table(privacy, rounds=args.rounds)
     z = privacy.z
     if z is None:  # client_level_privacy planned it (client_epsilon_table would have raised)

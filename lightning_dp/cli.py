@@ -24,16 +24,27 @@ shows the full traceback instead.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Optional
-
-import yaml
+from typing import Any, Optional
 
 from lightning_dp import __version__
 from lightning_dp.cli_errors import is_user_error, short_error, show_tracebacks, suggest
-from lightning_dp.lightning_cli import LightningDPCLI, MLflowSaveConfigCallback
-from lightning_dp.tracking import redact_secrets  # noqa: F401  (part of this module's API since 0.2)
+
+# Nothing above imports torch, Lightning or MLflow (tests/test_cli.py checks it): --version, --help and the
+# argument errors answer in a fraction of a second; the classes below load when a command needs them.
+_LAZY = {"LightningDPCLI": "lightning_dp.lightning_cli", "MLflowSaveConfigCallback": "lightning_dp.lightning_cli",
+         "redact_secrets": "lightning_dp.tracking"}
+
+
+def __getattr__(name: str) -> Any:  # PEP 562: the module's API, imported on first use
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["COMMANDS", "EXTRA_COMMANDS", "LightningDPCLI", "MLflowSaveConfigCallback", "help_text", "main",
            "redact_secrets", "run_help"]
@@ -92,12 +103,33 @@ def help_text() -> str:
     return "\n".join(lines) + "\n"
 
 
+def _config_paths(argv: Sequence[str]) -> list[str]:
+    """The files named by ``--config`` / ``-c`` in ``argv``."""
+    paths = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("-c", "--config")]
+    return paths + [a.split("=", 1)[1] for a in argv if a.startswith(("--config=", "-c="))]
+
+
+def _missing_config(argv: Sequence[str]) -> Optional[tuple[str, str]]:
+    """The refusal and hint for a ``--config`` file that does not exist (before Lightning is imported), or None."""
+    for path in _config_paths(argv):
+        if not os.path.isfile(path):
+            here = os.path.dirname(path) or "."
+            near = [os.path.join(os.path.dirname(path), n) for n in
+                    (sorted(os.listdir(here)) if os.path.isdir(here) else []) if n.endswith((".yaml", ".yml"))]
+            from lightning_dp.cli_errors import closest
+
+            hint = closest(path, near, n=2)
+            return (f"--config {path}: no such file",
+                    f"did you mean {' or '.join(hint)}?" if hint else "the examples are in examples/*.yaml")
+    return None
+
+
 def _config_classes(argv: Sequence[str]) -> list[tuple[str, str]]:
     """``(key, class_path)`` of the model, data and callbacks named by the ``--config`` files in ``argv``."""
-    paths = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("-c", "--config")]
-    paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    import yaml
+
     found: dict[str, str] = {}
-    for path in paths:
+    for path in _config_paths(argv):
         try:
             with open(path, encoding="utf-8") as handle:
                 config = yaml.safe_load(handle) or {}
@@ -165,7 +197,7 @@ def main(args: Optional[Sequence[str]] = None) -> Optional[int]:
     command = argv[0]
     if command in EXTRA_COMMANDS:
         return EXTRA_COMMANDS[command](argv[1:])
-    if command not in LightningDPCLI.subcommands():
+    if command not in ("fit", "validate", "test"):  # LightningDPCLI.subcommands(), without importing Lightning
         if not command.startswith("-"):
             hint = suggest(f"invalid choice: '{command}' (choose from {', '.join(map(repr, COMMANDS))})")
             sys.stderr.write(short_error("lightning-dp", f"unknown command {command!r}", hint or
@@ -176,6 +208,12 @@ def main(args: Optional[Sequence[str]] = None) -> Optional[int]:
         return 0
     elif "--help-all" in argv[1:]:
         argv = [a if a != "--help-all" else "--help" for a in argv]
+    missing = _missing_config(argv[1:])
+    if missing:
+        sys.stderr.write(short_error(f"lightning-dp {command}", *missing))
+        return 2
+    from lightning_dp.lightning_cli import LightningDPCLI
+
     try:
         LightningDPCLI(args=None if args is None and argv == sys.argv[1:] else argv)
     except Exception as err:

@@ -19,6 +19,7 @@ lines); it keeps ours and a few others.
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import importlib
 import inspect
@@ -27,10 +28,6 @@ import re
 import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn, Optional
-
-from jsonargparse import DefaultHelpFormatter
-from lightning.pytorch.cli import LightningArgumentParser
-from typing_extensions import override
 
 __all__ = ["ConfigurationError", "ShortErrorParser", "ShortHelpFormatter", "closest", "condense", "is_refusal",
            "is_user_error", "root_cause", "root_message", "shorten_known_subclasses", "show_tracebacks", "suggest"]
@@ -85,6 +82,8 @@ def condense(message: str) -> str:
         else:
             kept.append(text)
     body = "\n  ".join(dict.fromkeys(kept)) or message.strip()
+    # a nested class (model.init_args.network) is reported under each enclosing class_path: keep the innermost
+    body = re.sub(r"(?:class_path '[^']+': )+(class_path '[^']+')", r"\1", body)
     return f"{key[1]}: {body}" if key and not body.startswith(key[1]) else body
 
 
@@ -181,36 +180,64 @@ def _path_suggestions(path: str) -> list[str]:
     return []
 
 
-def suggest(message: str, option_strings: Iterable[str] = ()) -> str:
+def suggest(message: str, option_strings: Iterable[str] = (), synonyms: Optional[dict[str, str]] = None) -> str:
     """A "did you mean ..." for an unknown option, init argument or class path named in ``message`` ('' if none).
 
     Args:
         message: The parser's error message.
         option_strings: The options the parser accepts (``--trainer.max_epochs``, ...).
+        synonyms: Other names users type for an option, mapped to it (``{"--sigma": "--noise-multiplier"}``,
+            see :func:`option_synonyms`).
+
+    >>> suggest("unrecognized arguments: --sigma 1.1", ["--noise-multiplier", "--steps"],
+    ...         {"--sigma": "--noise-multiplier"})
+    'did you mean --noise-multiplier?'
     """
+    synonyms = synonyms or {}
     unknown = re.search(r"[Uu]nrecognized arguments: (.+)", message)
     if unknown:
         hints = []
         for arg in unknown[1].split():
             if arg.startswith("-"):
-                hints += closest(arg.split("=")[0], option_strings, n=2)
-        return _did_you_mean([f"{h}" for h in dict.fromkeys(hints)])
+                name = arg.split("=")[0]
+                names = [*option_strings, *synonyms]
+                prefixed = [n for n in names if n.startswith(name) and len(name) > 3]  # what was begun, first
+                hints += [synonyms.get(h, h) for h in [*prefixed, *closest(name, names, n=2)]]
+        return _did_you_mean(list(dict.fromkeys(hints))[:3])
     option = re.search(r"class_path '([^']+)':? Option '([^']+)' is not accepted", message)
     if option:
         key = re.match(r'\s*([\w.]+): ', message)
         prefix = f"--{key[1]}.init_args." if key else ""
         return _did_you_mean([prefix + m for m in closest(option[2], _class_parameters(option[1]))])
-    missing = re.search(r"class_path '([^']+)'", message)
-    if missing and re.search(r"has no attribute|No module named|not accessible|Import", message):
-        return _did_you_mean(_path_suggestions(missing[1]))
+    paths = re.findall(r"class_path '([^']+)'", message)
+    if paths and re.search(r"has no attribute|No module named|not accessible|Import", message):
+        return _did_you_mean(_path_suggestions(paths[-1]))  # the innermost path is the one that failed
     choice = re.search(r"invalid choice: '([^']+)' \(choose from (.+)\)", message)
     if choice:
         return _did_you_mean(closest(choice[1], re.findall(r"'([^']+)'", choice[2])))
     return ""
 
 
+def option_synonyms(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """``--<metavar>`` for every long option whose metavar names it otherwise (``--noise-multiplier SIGMA``).
+
+    What users type from a paper's notation (``--sigma``) then finds the option in "did you mean".
+    """
+    found: dict[str, str] = {}
+    for action in parser._actions:  # argparse has no public list of its actions
+        longs = [o for o in action.option_strings if o.startswith("--")]
+        metavar = action.metavar if isinstance(action.metavar, str) else None
+        if longs and metavar and re.fullmatch(r"[A-Za-z][\w-]*", metavar):
+            alias = "--" + metavar.lower().replace("_", "-")
+            if alias not in action.option_strings:
+                found.setdefault(alias, longs[0])
+    return found
+
+
 def short_error(prog: str, message: str, hint: str = "") -> str:
-    """The text printed for a refused command: ``<prog>: error: <message>``, a suggestion, and where to look."""
+    """The text printed for a refused command, three lines at most: ``<prog>: error: <message>`` (its lines
+    joined by "; "), a suggestion, and where to look."""
+    message = "; ".join(line.strip() for line in message.strip().splitlines() if line.strip())
     lines = [f"{prog}: error: {message}"]
     if hint:
         lines.append(f"  {hint}")
@@ -218,53 +245,19 @@ def short_error(prog: str, message: str, hint: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-class ShortErrorParser(LightningArgumentParser):
-    """LightningCLI's parser, whose errors print our message in a few lines and exit with status 2.
 
-    With ``exit_on_error=False`` or ``LIGHTNING_DP_TRACEBACK=1`` it behaves exactly like
-    :class:`~lightning.pytorch.cli.LightningArgumentParser`. Its help lists known subclasses
-    briefly (:class:`ShortHelpFormatter`) unless given another ``formatter_class``.
+
+class ShortArgumentParser(argparse.ArgumentParser):
+    """A standard-library ``argparse`` parser whose errors are :func:`short_error`: the message, "did you mean"
+    from its own options (and their :func:`option_synonyms`), where to look; exit status 2.
+
+    The commands that need no class from the config (``epsilon``, ``grid``) use it, so their errors answer
+    before torch is imported. ``LIGHTNING_DP_TRACEBACK=1`` restores argparse's own error with the usage block.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", ShortHelpFormatter)
-        super().__init__(*args, **kwargs)
-
-    @override
-    def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
-        if not self.exit_on_error or show_tracebacks():
-            super().error(message, ex)
-        parser = getattr(ex, "subcommand_parser", None) or self
-        prog = parser.prog.replace(" [options]", "")
-        text = condense(message)
-        options = list(getattr(parser, "_option_string_actions", {}))
-        sys.stderr.write(short_error(prog, text, suggest(text, options)))
+    def error(self, message: str) -> NoReturn:
+        if show_tracebacks():
+            super().error(message)
+        options = list(self._option_string_actions)
+        sys.stderr.write(short_error(self.prog, message, suggest(message, options, option_synonyms(self))))
         sys.exit(2)
-
-
-_KNOWN = re.compile(r", known subclasses: ([^)]*)")
-
-
-def shorten_known_subclasses(help_text: str, keep: int = 6) -> str:
-    """jsonargparse's ``known subclasses: a, b, ...`` cut to lightning_dp's and then others, ``keep`` in all.
-
-    >>> shorten_known_subclasses("(type: Module, known subclasses: torch.nn.Linear, torch.nn.ReLU, "
-    ...                          "lightning_dp.models.GPT2)", keep=2)
-    '(type: Module, known subclasses: lightning_dp.models.GPT2, torch.nn.Linear, ... 1 more)'
-    """
-    def cut(match: re.Match[str]) -> str:
-        paths = [p.strip() for p in match[1].split(",") if p.strip()]
-        ours = [p for p in paths if p.startswith("lightning_dp.")]
-        shown = (ours + [p for p in paths if p not in ours])[:keep]
-        more = len(paths) - len(shown)
-        return ", known subclasses: " + ", ".join(shown) + (f", ... {more} more" if more else "")
-
-    return _KNOWN.sub(cut, help_text)
-
-
-class ShortHelpFormatter(DefaultHelpFormatter):
-    """jsonargparse's help formatter with the lists of known subclasses cut (:func:`shorten_known_subclasses`)."""
-
-    @override
-    def _get_help_string(self, action: Any) -> str:
-        return shorten_known_subclasses(super()._get_help_string(action))

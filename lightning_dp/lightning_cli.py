@@ -30,7 +30,8 @@ from typing_extensions import override
 
 from lightning_dp import __version__, tracking
 from lightning_dp.callbacks.run_artifacts import RunArtifacts
-from lightning_dp.cli_errors import ConfigurationError, ShortErrorParser, is_refusal, root_message, show_tracebacks
+from lightning_dp.cli_errors import ConfigurationError, is_refusal, root_message, show_tracebacks
+from lightning_dp.cli_parser import ShortErrorParser
 from lightning_dp.tracking import redact_secrets
 
 __all__ = ["DEFAULT_LOGGER", "LightningDPCLI", "MLflowSaveConfigCallback", "quiet_third_party"]

@@ -54,10 +54,9 @@ def build_parser() -> ArgumentParser:
     """The jsonargparse parser of ``lightning-dp audit`` (``model`` and ``data`` as ``class_path``/``init_args``)."""
     from lightning.pytorch import LightningDataModule
 
-    from lightning_dp.cli_errors import ShortHelpFormatter
+    from lightning_dp.cli_parser import ShortJsonParser
 
-    parser = ArgumentParser(prog="lightning-dp audit", description=__doc__.split("\n\n")[0],
-                            formatter_class=ShortHelpFormatter)
+    parser = ShortJsonParser(prog="lightning-dp audit", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", action=ActionConfigFile, help="a YAML config (examples/dlg_*.yaml)")
     parser.add_argument("--model", type=nn.Module, required=True,
                         help="the audited network (class_path/init_args), e.g. lightning_dp.models.SigmoidLeNet; "

@@ -52,10 +52,9 @@ INIT_STREAM, DATA_STREAM, NOISE_STREAM, SUBSET_STREAM, SHUFFLE_STREAM = 51, 52, 
 def build_parser() -> ArgumentParser:
     from lightning.pytorch import Callback, LightningDataModule, LightningModule
 
-    from lightning_dp.cli_errors import ShortHelpFormatter
+    from lightning_dp.cli_parser import ShortJsonParser
 
-    parser = ArgumentParser(prog="lightning-dp audit mia", description=__doc__.split("\n\n")[0],
-                            formatter_class=ShortHelpFormatter)
+    parser = ShortJsonParser(prog="lightning-dp audit mia", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", action=ActionConfigFile, help="a YAML config (examples/audit/mia_lm.yaml)")
     parser.add_argument("--model", type=LightningModule, required=True,
                         help="the target (and shadow) LightningModule, class_path/init_args")

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_dp.cli_errors import is_user_error, short_error, show_tracebacks
+from lightning_dp.cli_errors import ShortArgumentParser, is_user_error, short_error, show_tracebacks
 from lightning_dp.grid.axes import grid_points, parse_set, run_args, run_name
 from lightning_dp.grid.report import report
 from lightning_dp.grid.run import run_grid
@@ -26,7 +26,7 @@ def main(argv: Sequence[str]) -> int:
     if "--" in argv:
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1:]
-    parser = argparse.ArgumentParser(prog="lightning-dp grid", description=DESCRIPTION)
+    parser = ShortArgumentParser(prog="lightning-dp grid", description=DESCRIPTION)
     parser.add_argument("--config", action="append", required=True, help="config file(s), as for lightning-dp fit")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=V1,V2,...",
                         help="a grid axis: a dotted config key and its values (repeat for more axes)")

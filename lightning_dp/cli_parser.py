@@ -1,0 +1,92 @@
+"""The jsonargparse parsers of ``lightning-dp``: short errors (:mod:`lightning_dp.cli_errors`) and short help.
+
+Kept apart from :mod:`lightning_dp.cli_errors` because these subclass jsonargparse's and Lightning's
+parsers, which import torch: ``lightning-dp --help``, ``--version`` and the argument errors of the
+standard-library commands must answer without them.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from typing import Any, NoReturn, Optional
+
+from jsonargparse import ArgumentParser, DefaultHelpFormatter
+from lightning.pytorch.cli import LightningArgumentParser
+from typing_extensions import override
+
+from lightning_dp.cli_errors import condense, short_error, show_tracebacks, suggest
+
+__all__ = ["ShortErrorParser", "ShortHelpFormatter", "ShortJsonParser", "shorten_known_subclasses"]
+
+
+def _short_error(parser: Any, message: str, ex: Optional[Exception]) -> NoReturn:
+    """Print a jsonargparse error as :func:`~lightning_dp.cli_errors.short_error` and exit with status 2."""
+    parser = getattr(ex, "subcommand_parser", None) or parser
+    prog = parser.prog.replace(" [options]", "")
+    text = condense(message)
+    options = list(getattr(parser, "_option_string_actions", {}))
+    sys.stderr.write(short_error(prog, text, suggest(text, options)))
+    sys.exit(2)
+
+
+class ShortErrorParser(LightningArgumentParser):
+    """LightningCLI's parser, whose errors print our message in a few lines and exit with status 2.
+
+    With ``exit_on_error=False`` or ``LIGHTNING_DP_TRACEBACK=1`` it behaves exactly like
+    :class:`~lightning.pytorch.cli.LightningArgumentParser`. Its help lists known subclasses
+    briefly (:class:`ShortHelpFormatter`) unless given another ``formatter_class``.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", ShortHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    @override
+    def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
+        if not self.exit_on_error or show_tracebacks():
+            super().error(message, ex)
+        _short_error(self, message, ex)
+
+
+_KNOWN = re.compile(r", known subclasses: ([^)]*)")
+
+
+def shorten_known_subclasses(help_text: str, keep: int = 6) -> str:
+    """jsonargparse's ``known subclasses: a, b, ...`` cut to lightning_dp's and then others, ``keep`` in all.
+
+    >>> shorten_known_subclasses("(type: Module, known subclasses: torch.nn.Linear, torch.nn.ReLU, "
+    ...                          "lightning_dp.models.GPT2)", keep=2)
+    '(type: Module, known subclasses: lightning_dp.models.GPT2, torch.nn.Linear, ... 1 more)'
+    """
+    def cut(match: re.Match[str]) -> str:
+        paths = [p.strip() for p in match[1].split(",") if p.strip()]
+        ours = [p for p in paths if p.startswith("lightning_dp.")]
+        shown = (ours + [p for p in paths if p not in ours])[:keep]
+        more = len(paths) - len(shown)
+        return ", known subclasses: " + ", ".join(shown) + (f", ... {more} more" if more else "")
+
+    return _KNOWN.sub(cut, help_text)
+
+
+class ShortHelpFormatter(DefaultHelpFormatter):
+    """jsonargparse's help formatter with the lists of known subclasses cut (:func:`shorten_known_subclasses`)."""
+
+    @override
+    def _get_help_string(self, action: Any) -> str:
+        return shorten_known_subclasses(super()._get_help_string(action))
+
+
+class ShortJsonParser(ArgumentParser):
+    """jsonargparse's parser with the same short errors and help as :class:`ShortErrorParser`, for the commands
+    that are not LightningCLI (``audit``, ``audit mia``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", ShortHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    @override
+    def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
+        if not self.exit_on_error or show_tracebacks():
+            super().error(message, ex)
+        _short_error(self, message, ex)
