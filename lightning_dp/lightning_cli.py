@@ -216,6 +216,15 @@ class LightningDPCLI(LightningCLI):
             name: skip for name, skip in LightningCLI.subcommands().items() if name in ("fit", "validate", "test")
         }
 
+    def before_fit(self) -> None:
+        """Let every callback that can refuse the fit from its settings alone (``check_fit``: DPSGD and its
+        subclasses) do so now, before any data is read, any MLflow run is started or any model summary printed."""
+        ckpt_path = self.config_init[self.subcommand].get("ckpt_path") if self.subcommand else None
+        for callback in self.trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning, undeclared
+            check = getattr(callback, "check_fit", None)
+            if callable(check):
+                check(self.trainer, self.model, ckpt_path=ckpt_path)
+
     def after_fit(self) -> None:
         """Print where the run is recorded."""
         self.print_run_locations()

@@ -197,3 +197,24 @@ def test_every_command_refuses_in_three_lines_with_did_you_mean(capsys, workdir)
     assert "lightning-dp audit: error: unrecognized arguments: --bogus 1" in err
     err = _short(capsys, ["audit", "mia", "--bogus"])
     assert "lightning-dp audit mia: error: unrecognized arguments: --bogus" in err
+
+
+def test_a_trainer_longer_than_the_plan_is_refused_before_data_summary_or_run(capsys, workdir):
+    import sqlite3
+
+    err = _short(capsys, ["fit", "--config", DIGITS, "--trainer.max_epochs=40"])
+    assert "DPSGD plans 30 epochs (epochs=30) but the Trainer runs up to 40 epochs" in err
+    assert "--trainer.max_epochs=30" in err and "--trainer.callbacks.init_args.epochs=40" in err
+    out = capsys.readouterr().out
+    assert "Trainable params" not in out  # no model summary before the refusal
+    db = Path("mlruns") / "mlflow.db"
+    assert not db.exists() or sqlite3.connect(db).execute("select count(*) from runs").fetchone() == (0,)
+
+
+def test_the_baseline_prints_its_summary_after_the_bar(capsys, workdir):
+    base = str(REPO_ROOT / "examples" / "digits_nonprivate.yaml")
+    assert cli.main(["fit", "--config", base, "--trainer.max_epochs=1", "--trainer.limit_train_batches=3",
+                     "--trainer.limit_val_batches=2"]) is None
+    out = capsys.readouterr().out
+    assert "Non-private training: 3 steps (1 epoch)" in out and "privacy   none" in out and "val/acc" in out
+    assert out.index("Non-private training") < out.index("MLflow run ")

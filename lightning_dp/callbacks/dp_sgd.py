@@ -348,6 +348,7 @@ class DPSGD(Callback):
         self._last_stats: torch.Tensor | None = None
         self._curve: list[tuple[int, float]] = []
         self._logged_step = -1
+        self._summary_due = False  # on_train_end ran: on_fit_end prints the summary
         self._loss_checked = False
         self._batch_size: int | None = None
         self._step_adds_event = False
@@ -430,9 +431,15 @@ class DPSGD(Callback):
         if self._data and factor != self._parts:
             raise virtual_batches.mismatch(factor, self._parts, f"seen {when}")
 
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
+    def check_fit(self, trainer: Trainer, pl_module: LightningModule, ckpt_path: Optional[str] = None) -> None:
+        """Refuse a fit that cannot be private from the Trainer's and the module's settings alone, before any data
+        is read or any model summary printed (``lightning-dp`` calls it before ``Trainer.fit``; :meth:`setup` again).
+
+        Raises:
+            MisconfigurationException: manual optimization, an unsupported precision, ``min_epochs``/``min_steps``
+                with a budget, shuffled batches under DDP, a layer that mixes examples, or a Trainer that runs more
+                epochs than this callback's ``epochs`` (see the class docstring, ``calibrate_for``).
+        """
         if not pl_module.automatic_optimization:
             raise MisconfigurationException(
                 "DPSGD supports automatic optimization only (automatic_optimization=False was set): it replaces the "
@@ -449,11 +456,43 @@ class DPSGD(Callback):
                 + ("16-true has no loss scaling, so float16 gradients underflow; use precision='16-mixed' (float16 "
                    "autocast with loss scaling) or 'bf16-true'." if str(trainer.precision) == "16-true" else
                    "Use one of those."))
-        self._fix_loss_scale(trainer)
         if not self.poisson_sampling and trainer.world_size > 1:
             raise MisconfigurationException(
                 "poisson_sampling=False is not supported under DDP (DistributedSampler repeats examples to pad "
                 "shards, which breaks the per-epoch bound). Use poisson_sampling=True.")
+        if not self.replace_batchnorm and find_mixing_layers(pl_module):
+            raise MisconfigurationException(describe_mixing_layers(find_mixing_layers(pl_module)))
+        self._check_epochs_agree(trainer, ckpt_path)
+
+    def _check_epochs_agree(self, trainer: Trainer, ckpt_path: Optional[str]) -> None:
+        """A Trainer that runs more epochs than this callback plans, refused before any data is read.
+
+        The epochs-against-epochs case needs no data; lengths in steps need the steps per epoch, which the
+        same refusal checks when training starts (:meth:`_resolve_plan`).
+        """
+        if (self._requested_sigma is not None or ckpt_path is not None or self.calibrate_for != "auto"
+                or self.max_steps is not None or self.epochs is None or (trainer.max_steps or -1) > 0
+                or trainer.max_epochs is None or trainer.max_epochs == _LIGHTNING_DEFAULT_MAX_EPOCHS):
+            return
+        if trainer.max_epochs > self.epochs:
+            raise MisconfigurationException(self._plan_conflict(
+                f"{self.epochs} epochs (epochs={self.epochs})", f"{trainer.max_epochs} epochs (Trainer max_epochs="
+                f"{trainer.max_epochs})", "epochs", trainer.max_epochs))
+
+    def _plan_conflict(self, mine: str, theirs: str, key: str, agree: Any) -> str:
+        """The refusal of a Trainer longer than this callback's plan: both lengths and the three ways out."""
+        trainer_key = "max_steps" if key == "max_steps" else "max_epochs"
+        return (f"{type(self).__name__} plans {mine} but the Trainer runs up to {theirs}: the noise would be "
+                f"calibrated for the plan and target_epsilon={self.target_epsilon} would stop training there. Make them "
+                f"agree (--trainer.{trainer_key}={getattr(self, key)}, or the callback's {key}={agree}: "
+                f"--trainer.callbacks.init_args.{key}={agree} when it is the last callback), or pass "
+                "calibrate_for='trainer' (noise for the Trainer's length) or 'callback' (stop at the plan).")
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self.check_fit(trainer, pl_module, ckpt_path=trainer.ckpt_path)
+        self._fix_loss_scale(trainer)
 
         mixing = find_mixing_layers(pl_module)
         if mixing and self.replace_batchnorm:
@@ -691,14 +730,7 @@ class DPSGD(Callback):
                            f"Lightning's default max_epochs={trainer.max_epochs}, so the plan ends the run.")
             return planned
         if self.calibrate_for == "auto" and limit > own:
-            raise MisconfigurationException(
-                f"DPSGD plans {mine} but the Trainer runs up to {theirs}. With target_epsilon={self.target_epsilon} "
-                f"the noise would be calibrated for DPSGD's plan and the budget would stop training there, not at the "
-                f"Trainer's limit. Say which length is meant: set {set_own}, or {key}=null to follow the Trainer; or "
-                f"set the Trainer's limit to DPSGD's (--trainer.{'max_steps' if key == 'max_steps' else 'max_epochs'}="
-                f"{getattr(self, key)}); or pass calibrate_for='trainer' to calibrate the noise for the Trainer's "
-                "length, or calibrate_for='callback' to keep DPSGD's plan and stop at the budget (a Trainer limit that is only a "
-                "safeguard, e.g. Lightning's default max_epochs=1000 or a limit behind EarlyStopping).")
+            raise MisconfigurationException(self._plan_conflict(mine, theirs, key, value))
         if planned == limit:
             rank_zero_info(
                 f"DPSGD: the Trainer stops after {theirs}, DPSGD planned {mine}: calibrating the noise for the "
@@ -1231,8 +1263,10 @@ class DPSGD(Callback):
                 trainer.should_stop = True
                 self._budget_stop = trainer.global_step
         every = trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by Lightning, undeclared on Trainer
-        if (every and trainer.global_step % every == 0) or trainer.should_stop:
-            self._log_privacy(pl_module, trainer.global_step)
+        epoch_end = batch_idx + 1 >= trainer.num_training_batches  # the bar's epsilon is current at every epoch end
+        written = bool(every and trainer.global_step % every == 0) or trainer.should_stop  # Lightning's cadence
+        if written or epoch_end:
+            self._log_privacy(pl_module, trainer.global_step, written=written)
 
     def _privacy_metrics(self, step: int) -> dict[str, float]:
         eps = self.epsilon
@@ -1249,12 +1283,15 @@ class DPSGD(Callback):
                 metrics["nonprivate/overflowed_fraction"] = float(self._last_stats[2] / self._last_stats[1])
         return metrics
 
-    def _log_privacy(self, pl_module: LightningModule, step: int) -> None:
+    def _log_privacy(self, pl_module: LightningModule, step: int, written: bool = True) -> None:
+        """Log the spend at ``step``; ``written``: Lightning writes it to the loggers at this step (its cadence),
+        else it only reaches the progress bar and ``on_train_end`` still writes the final value."""
         for name, value in self._privacy_metrics(step).items():
             # float64 tensors: Lightning would store a Python float as float32 and round the spend
             pl_module.log(name, torch.tensor(value, dtype=torch.float64), on_step=True, on_epoch=False,
                           prog_bar=name == "privacy/epsilon")
-        self._logged_step = step
+        if written:
+            self._logged_step = step
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         step = trainer.global_step
@@ -1273,6 +1310,14 @@ class DPSGD(Callback):
             fig = tracking.plot_series(steps, eps, xlabel="step", ylabel=f"epsilon (delta={self.target_delta:g})",
                                        title=f"privacy spend, sigma={self._sigma:.3g}, C={self.max_grad_norm:g}")
             tracking.log_figure(trainer, fig, "privacy/epsilon.png")
+        self._summary_due = True
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # printed here, after Lightning closed the progress bar (on_train_end), so that the summary is the run's
+        # last word and no bar redraw cuts into it
+        if not self._summary_due:
+            return
+        self._summary_due = False
         from lightning_dp.callbacks.summary import print_summary
 
         released, per_epoch = self._released, self._data["steps_per_epoch"]

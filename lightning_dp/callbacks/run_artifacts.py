@@ -13,8 +13,9 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_dp import tracking
+from lightning_dp.callbacks.summary import print_summary
 
-__all__ = ["SUMMARY_METRICS", "RunArtifacts", "run_summary"]
+__all__ = ["SUMMARY_METRICS", "RunArtifacts", "baseline_rows", "run_summary"]
 
 #: Final metric -> summary tag (when the run logged it).
 SUMMARY_METRICS = {
@@ -42,6 +43,19 @@ def run_summary(metrics: Mapping[str, float], *, target_epsilon: Optional[float]
     return tags
 
 
+def baseline_rows(metrics: Mapping[str, float]) -> list[tuple[str, str]]:
+    """The summary rows of a run with no private component: that it is not private, and its final metrics.
+
+    Example:
+        >>> baseline_rows({"val/acc": 0.9612, "val/loss": 0.1234, "epoch": 9.0})[1:]
+        [('val/acc', '0.9612'), ('val/loss', '0.1234')]
+    """
+    rows = [("privacy", "none: no DP callback or private module; the model and its metrics are not private")]
+    rows += [(name, f"{metrics[name]:.4g}") for name in sorted(metrics)
+             if name.startswith(("val/", "test/")) and math.isfinite(metrics[name])]
+    return rows
+
+
 class RunArtifacts(Callback):
     """Log library versions and the final model to every MLflow run of the trainer.
 
@@ -62,7 +76,9 @@ class RunArtifacts(Callback):
       ``summary.budget_used`` (epsilon over the target of a DP-SGD callback), the federated
       ``summary.client_epsilon_max`` and the final ``summary.val_acc`` / ``summary.val_loss`` /
       ``summary.test_acc``. Tags are shown as columns of the MLflow runs table, so runs compare
-      at a glance without opening each one; the per-step values stay metrics.
+      at a glance without opening each one; the per-step values stay metrics. A run with no private
+      component (no :func:`~lightning_dp.privacy.spend.reporters_of`: the non-private baseline) also prints
+      its summary (:func:`baseline_rows`), as DPSGD and the federated round print theirs.
 
     Without an MLflow logger (or under ``fast_dev_run``) nothing is written.
     The ``lightning-dp`` CLI adds this callback to every run.
@@ -106,6 +122,13 @@ class RunArtifacts(Callback):
             goal = getattr(private[0], "target_epsilon", None)
             target = float(goal) if isinstance(goal, (int, float)) else None
         tracking.set_tags(trainer, run_summary(metrics, target_epsilon=target))
+        from lightning_dp.privacy.spend import reporters_of
+
+        if not reporters_of([*trainer.callbacks, pl_module]):  # type: ignore[attr-defined]
+            # a private component prints its own summary (DPSGD, the federated round); a run without one says so
+            epochs = trainer.current_epoch
+            print_summary(trainer, f"Non-private training: {trainer.global_step} steps ({epochs} epoch"
+                          f"{'' if epochs == 1 else 's'})", baseline_rows(metrics))
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -219,6 +219,7 @@ class FederatedRound(LightningModule):
         self.automatic_optimization = False
         self._history: list[dict[str, Any]] = []
         self._cosines: list[tuple[int, float, float]] = []  # (round, update cosine, gradient cosine), diagnostics
+        self._summary_due = False  # on_train_end ran: on_fit_end prints the summary
         self._epsilon_written = -1  # the last round whose metrics carried privacy/epsilon
         self._fit_rounds, self._fit_participants = 0, 0  # rounds and participations of this fit (end summary)
         self._split_scored = False  # pdpfl/split_accuracy is logged once, when the split is made
@@ -868,6 +869,13 @@ class FederatedRound(LightningModule):
             self._log_record_ledger()
         if self.trainer.is_global_zero and self._cosines:
             self._log_cosine_plot()
+        self._summary_due = True
+
+    def on_fit_end(self) -> None:
+        # after Lightning closed the progress bar (on_train_end): the summary is the run's last word
+        if not self._summary_due:
+            return
+        self._summary_due = False
         from lightning_dp.callbacks.summary import print_summary
 
         rounds = int(self.rounds)

@@ -431,16 +431,38 @@ def test_longer_trainer_is_refused_before_any_step_with_both_values_and_the_fixe
         t.fit(Classifier(), BlobsData(n=200, batch_size=20))
     assert probe.batches == [] and t.global_step == 0 and len(dp.accountant) == 0
     assert str(err.value) == (
-        "DPSGD plans 2 epochs (epochs=2, 20 steps) but the Trainer runs up to 6 epochs (Trainer max_epochs=6, 60 "
-        "steps). With target_epsilon=2.0 the noise would be calibrated for DPSGD's plan and the budget would stop "
-        "training there, not at the Trainer's limit. Say which length is meant: set DPSGD's epochs=6 "
-        "(in the config's trainer.callbacks entry of DPSGD; on the command line "
-        "--trainer.callbacks.init_args.epochs=6 reaches it when DPSGD is the last callback), or epochs=null to follow "
-        "the Trainer; or set "
-        "the Trainer's limit to DPSGD's (--trainer.max_epochs=2); or pass calibrate_for='trainer' to calibrate the "
-        "noise for the Trainer's length, or calibrate_for='callback' to keep DPSGD's plan and stop at the budget (a "
-        "Trainer limit that is only a safeguard, e.g. Lightning's default max_epochs=1000 or a limit behind "
-        "EarlyStopping).")
+        "DPSGD plans 2 epochs (epochs=2) but the Trainer runs up to 6 epochs (Trainer max_epochs=6): the noise would "
+        "be calibrated for the plan and target_epsilon=2.0 would stop training there. Make them agree "
+        "(--trainer.max_epochs=2, or the callback's epochs=6: --trainer.callbacks.init_args.epochs=6 when it is the "
+        "last callback), or pass calibrate_for='trainer' (noise for the Trainer's length) or 'callback' (stop at the "
+        "plan).")
+    assert len(str(err.value)) < 450  # was 900 characters
+
+
+def test_the_progress_bar_epsilon_is_current_at_every_epoch_end():
+    """10 steps per epoch never reach a logging interval of 50: the bar still shows each epoch's final spend."""
+    seen = []
+
+    class Bar(L.Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            seen.append((float(trainer.progress_bar_metrics["privacy/epsilon"]), dp.epsilon))
+
+    dp = DPSGD(target_epsilon=2.0, target_delta=1e-3, epochs=3, seed=0)
+    t = trainer(max_epochs=3, log_every_n_steps=50, callbacks=[dp, Bar()])
+    t.fit(Classifier(), BlobsData(n=200, batch_size=20))
+    assert len(seen) == 3 and all(bar == pytest.approx(now, rel=1e-6) for bar, now in seen), seen
+
+
+def test_longer_trainer_is_refused_from_the_settings_alone():
+    """The epochs-against-epochs refusal needs no data: check_fit (called by lightning-dp before Trainer.fit and
+    by setup) refuses from the Trainer and the module alone."""
+    dp = DPSGD(target_epsilon=2.0, target_delta=1e-3, epochs=2, seed=0)
+    with pytest.raises(MisconfigurationException, match=r"plans 2 epochs \(epochs=2\) but the Trainer runs up to 6"):
+        dp.check_fit(trainer(max_epochs=6, callbacks=[dp]), Classifier())
+    dp.check_fit(trainer(max_epochs=2, callbacks=[dp]), Classifier())  # agreeing lengths pass
+    dp.check_fit(trainer(max_epochs=6, callbacks=[dp]), Classifier(), ckpt_path="last.ckpt")  # resume: at train start
+    given = DPSGD(noise_multiplier=1.0, epochs=2, seed=0)  # no calibration: nothing to disagree about
+    given.check_fit(trainer(max_epochs=6, callbacks=[given]), Classifier())
 
 
 def test_longer_trainer_with_calibrate_for_trainer_or_callback(capsys):
