@@ -57,6 +57,7 @@ COMMANDS: dict[str, str] = {
     "grid": "run one config over a grid of overrides, nested in MLflow, with the grid's privacy cost",
     "audit": "attack a model to audit its privacy: gradient inversion (audit dlg) or membership (audit mia)",
     "epsilon": "the epsilon of a DP-SGD or DP-FedAvg run for its size, batch, epochs and sigma (or sigma)",
+    "compare": "the privacy-utility picture of runs: a metric against epsilon, with the non-private baseline",
 }
 
 def _grid(argv: list[str]) -> Optional[int]:
@@ -81,13 +82,20 @@ def _epsilon(argv: list[str]) -> Optional[int]:
     return calculator.main(argv)
 
 
+def _compare(argv: list[str]) -> Optional[int]:
+    from lightning_dp import compare
+
+    return compare.main(argv)
+
+
 #: Top-level commands handled outside LightningCLI: name -> function(argv) -> exit code.
 #: ``grid``: one config over a grid of overrides, with the grid's privacy cost (:mod:`lightning_dp.grid`).
 #: ``audit``: Deep Leakage from Gradients against sanitized client releases (:mod:`lightning_dp.audit.command`);
 #: ``audit mia``: membership inference, loss / shadow / noisy neighbours (:mod:`lightning_dp.audit.mia_command`).
 #: ``epsilon``: the epsilon of a DP-SGD run, or sigma for a target epsilon (:mod:`lightning_dp.calculator`).
+#: ``compare``: a metric against epsilon over runs, with the non-private baseline (:mod:`lightning_dp.compare`).
 EXTRA_COMMANDS: dict[str, Callable[[list[str]], Optional[int]]] = {"grid": _grid, "audit": _audit,
-                                                                   "epsilon": _epsilon}
+                                                                   "epsilon": _epsilon, "compare": _compare}
 
 
 def help_text() -> str:

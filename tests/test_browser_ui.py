@@ -83,6 +83,13 @@ def _fit(workdir: Path, config: Path, *overrides: str) -> None:
                                    f"{result.stderr[-5000:]}"
 
 
+def _compare(workdir: Path, *args: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    result = subprocess.run([*_command("lightning-dp", "lightning_dp"), "compare", *args], cwd=workdir, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"lightning-dp compare failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -107,6 +114,7 @@ def workdir(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("readme-job").resolve()
     for config in README_CONFIGS:
         _fit(folder, config)
+    _compare(folder, "--experiment", _logger_args(README_CONFIGS[0])["experiment_name"])
     return folder
 
 
@@ -250,7 +258,8 @@ def test_two_runs_of_one_experiment_compare(page, ui: str, workdir: Path, store:
     private, baseline = _logger_args(README_CONFIGS[0]), _logger_args(README_CONFIGS[1])
     assert private["experiment_name"] == baseline["experiment_name"]
     experiment = store.get_experiment_by_name(private["experiment_name"])
-    runs = {run.info.run_name: run.info.run_id for run in store.search_runs([experiment.experiment_id])}
+    runs = {run.info.run_name: run.info.run_id for run in store.search_runs([experiment.experiment_id])
+            if "lightning_dp.compare.runs" not in run.data.tags}
     assert set(runs) == {private["run_name"], baseline["run_name"]}
 
     # the link `lightning-dp fit` prints opens the runs in the training view, in a browser that never chose it
@@ -271,3 +280,20 @@ def test_two_runs_of_one_experiment_compare(page, ui: str, workdir: Path, store:
         expect(page.get_by_text(name, exact=True).first).to_be_visible()
     expect(page.get_by_text("privacy/epsilon", exact=True).first).to_be_visible()  # the metrics, side by side
     page.screenshot(path=shots / "compare_runs.png", full_page=True)
+
+
+def test_the_privacy_utility_picture_is_visible_from_its_run_page(page, ui: str, store: mlflow.MlflowClient,
+                                                                   shots: Path) -> None:
+    """The README's job ends with ``lightning-dp compare``: accuracy against epsilon, the baseline as a line."""
+    experiment = store.get_experiment_by_name(_logger_args(README_CONFIGS[0])["experiment_name"])
+    (run,) = store.search_runs([experiment.experiment_id], filter_string="attributes.run_name = 'privacy-utility'")
+    assert len(run.data.tags["lightning_dp.compare.runs"].split(",")) == 2  # the DP-SGD run and its baseline
+
+    page.goto(f"{ui}/#/experiments/{experiment.experiment_id}/runs/{run.info.run_id}")
+    expect(page.get_by_text("privacy-utility", exact=True).first).to_be_visible()
+    page.get_by_role("tab", name="Artifacts").click()
+    page.get_by_text("privacy_utility.png", exact=True).first.click()
+    image = page.get_by_role("img", name="privacy_utility.png").first
+    expect(image).to_be_visible()
+    assert page.evaluate("(img) => img.naturalWidth", image.element_handle()) > 100  # loaded, not a broken icon
+    page.screenshot(path=shots / "privacy_utility.png")

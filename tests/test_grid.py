@@ -77,6 +77,8 @@ def test_dpsgd_grid_composes_every_run(workdir, store_template):
     table = client.download_artifacts(parent[0].info.run_id, "grid.md", str(workdir))
     text = Path(table).read_text()
     assert "| lr |" in text and "grid/epsilon" in text and all(p.run_id in text for p in points)
+    utility = Path(client.download_artifacts(parent[0].info.run_id, "privacy_utility.md", str(workdir))).read_text()
+    assert "| lr=0.1 | 1 |" in utility and "| lr=0.2 | 1 |" in utility and "val/acc" in utility
 
 
 def test_federated_grid_adds_ledgers_per_client(workdir, store_template, capsys):
@@ -93,7 +95,8 @@ def test_federated_grid_adds_ledgers_per_client(workdir, store_template, capsys)
     client = mlflow.MlflowClient()
     parent = [r for r in client.search_runs([client.get_experiment_by_name("fl-synthetic").experiment_id])
               if r.info.run_name.startswith("grid-")]
-    assert [a.path for a in client.list_artifacts(parent[0].info.run_id)] == ["grid.md", "grid_bars.png"]
+    assert [a.path for a in client.list_artifacts(parent[0].info.run_id)] == [
+        "grid.md", "grid_bars.png", "privacy_utility.md", "privacy_utility.png"]
     text = (workdir / "grid.md").read_text()
     assert "test/loss" in text and "client_epsilon_max" in text and "grid/client_epsilon_max" in text
     assert "Mean ± std over seed" in text and "| 5 |" in text and "0,1 |" in text

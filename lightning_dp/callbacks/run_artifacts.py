@@ -122,9 +122,12 @@ class RunArtifacts(Callback):
             goal = getattr(private[0], "target_epsilon", None)
             target = float(goal) if isinstance(goal, (int, float)) else None
         tracking.set_tags(trainer, run_summary(metrics, target_epsilon=target))
+        from lightning_dp.compare import PRIVATE_TAG
         from lightning_dp.privacy.spend import reporters_of
 
-        if not reporters_of([*trainer.callbacks, pl_module]):  # type: ignore[attr-defined]
+        private = bool(reporters_of([*trainer.callbacks, pl_module]))  # type: ignore[attr-defined]
+        tracking.set_tags(trainer, {PRIVATE_TAG: str(private).lower()})  # lightning-dp compare: the baseline's mark
+        if not private:
             # a private component prints its own summary (DPSGD, the federated round); a run without one says so
             epochs = trainer.current_epoch
             print_summary(trainer, f"Non-private training: {trainer.global_step} steps ({epochs} epoch"

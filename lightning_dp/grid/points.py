@@ -36,3 +36,5 @@ class GridResult:
     mean_over: Optional[str] = None
     figure: Any = None
     """The grouped bar plot of ``plot`` (a matplotlib Figure), or None."""
+    utility: Optional[tuple[str, Any]] = None
+    """The privacy-utility table and figure (:mod:`lightning_dp.compare`), or None when no run has an epsilon."""

@@ -157,12 +157,28 @@ def run_grid(config: Sequence[str], sets: Sequence[tuple[str, list[Any]]], *, te
             if plot_x is None or plot_hue is None:
                 raise ValueError("plot needs plot_x and plot_hue: the axes of the bar groups and of the bars")
             result.figure = bar_plot(points, plot, plot_x, plot_hue, mean_over)
+        result.utility = privacy_utility(points, select, mean_over)
 
         parents.finish(result, config, sets, budget)
     except BaseException:
         parents.fail()
         raise
     return result
+
+
+def privacy_utility(points: Sequence[GridPoint], metric: Optional[str], over: Optional[str]) -> Optional[tuple[str, Any]]:
+    """The grid's privacy-utility table and figure (``select``'s metric, else the task metric; groups over the
+    ``mean_over`` axis), or None when no point has both an epsilon and a task metric."""
+    from lightning_dp.compare import grid_outcomes, group_outcomes, utility_figure, utility_table
+
+    try:
+        chosen, outcomes = grid_outcomes(points, metric, over)
+        groups = group_outcomes(outcomes)
+    except ValueError:  # no task metric in the runs, or a group that mixes private and non-private points
+        return None
+    if not groups:
+        return None
+    return utility_table(groups, chosen), utility_figure(groups, chosen)
 
 
 def base_name(logger: Any, config: Sequence[str]) -> str:
@@ -242,6 +258,9 @@ class ParentRuns:
             client.log_text(pid, report(result), "grid.md")
             if result.figure is not None:
                 client.log_figure(pid, result.figure, "grid_bars.png")
+            if result.utility is not None:
+                client.log_text(pid, result.utility[0], "privacy_utility.md")
+                client.log_figure(pid, result.utility[1], "privacy_utility.png")
             client.set_terminated(pid)
         if result.select:
             for p in result.best.values():

@@ -1,0 +1,331 @@
+"""The privacy-utility picture: a task metric against epsilon, over runs, with the non-private baseline.
+
+What a DP user came for is one picture: how much accuracy each epsilon costs. MLflow's compare view draws
+parallel coordinates of whatever the runs logged; this module draws the metric against epsilon instead:
+
+- runs are grouped by their configuration without the seeds (``seed_everything``, ``*.seed``): a group is
+  one setting repeated over seeds, drawn as its mean with sample-std error bars in both directions
+  (none for a single run);
+- a run with no private component (the ``lightning_dp.private = false`` tag that
+  :class:`~lightning_dp.callbacks.RunArtifacts` sets) is the non-private baseline: a horizontal line, with
+  a band of one sample std when there are several;
+- a run that logged no epsilon and is not marked non-private is left out and named (never drawn as a
+  baseline: a private run shown without its epsilon would be misread).
+
+Everything drawn is a final metric the runs already logged (post-processing of released values), so the
+picture costs no privacy.
+
+``lightning-dp compare`` (:func:`main`) writes the figure and the table as artifacts
+``privacy_utility.png`` and ``privacy_utility.md`` of a new MLflow run, ``privacy-utility``, in the
+experiment of the runs, and prints the table::
+
+    lightning-dp compare --experiment dpsgd-digits                 # every finished run of the experiment
+    lightning-dp compare RUN_ID RUN_ID ... --metric val/acc --output figures/
+
+Every grid writes the same two artifacts to its parent run (:func:`grid_outcomes`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+__all__ = ["COMPARE_TAG", "Group", "Outcome", "PRIVATE_TAG", "choose_metric", "group_outcomes", "grid_outcomes",
+           "main", "utility_figure", "utility_table"]
+
+#: Tag of every run fitted by ``lightning-dp``: "true" when a component reports a privacy spend, else "false".
+PRIVATE_TAG = "lightning_dp.private"
+#: Tag of the runs ``lightning-dp compare`` creates (never compared themselves).
+COMPARE_TAG = "lightning_dp.compare.runs"
+#: The metric drawn when none is given: the first that some run logged.
+METRIC_PREFERENCE = ("val/acc", "test/acc", "val/perplexity", "test/perplexity", "val/loss", "test/loss")
+#: The epsilon of a run: its first final metric among these (example level, then a federated client's worst).
+EPSILON_METRICS = ("privacy/epsilon", "privacy/client_epsilon_max")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One run: its group (configuration without seeds), its epsilon (None: non-private) and its metric."""
+
+    run_id: str
+    group: str
+    epsilon: Optional[float]
+    value: float
+
+
+@dataclass(frozen=True)
+class Group:
+    """Runs of one setting: means and sample stds (0 for one run) of epsilon and of the metric."""
+
+    label: str
+    runs: tuple[str, ...]
+    epsilon: Optional[float]
+    epsilon_std: float
+    value: float
+    value_std: float
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def group_outcomes(outcomes: Sequence[Outcome]) -> list[Group]:
+    """One :class:`Group` per group label, private groups by increasing epsilon, then the baselines.
+
+    Raises:
+        ValueError: a group mixes private and non-private runs.
+
+    Example:
+        >>> g = group_outcomes([Outcome("a", "eps=1", 0.99, 0.8), Outcome("b", "eps=1", 0.99, 0.9),
+        ...                     Outcome("c", "baseline", None, 0.95)])
+        >>> [(x.label, x.epsilon, round(x.value, 3), round(x.value_std, 4)) for x in g]
+        [('eps=1', 0.99, 0.85, 0.0707), ('baseline', None, 0.95, 0.0)]
+    """
+    by: dict[str, list[Outcome]] = {}
+    for o in outcomes:
+        by.setdefault(o.group, []).append(o)
+    groups = []
+    for label, members in by.items():
+        kinds = {o.epsilon is None for o in members}
+        if len(kinds) > 1:
+            raise ValueError(f"group {label!r} mixes private and non-private runs: "
+                             f"{[o.run_id for o in members]}; compare them as separate groups")
+        value, value_std = _mean_std([o.value for o in members])
+        if members[0].epsilon is None:
+            eps, eps_std = None, 0.0
+        else:
+            eps, eps_std = _mean_std([float(o.epsilon) for o in members if o.epsilon is not None])
+        groups.append(Group(label, tuple(o.run_id for o in members), eps, eps_std, value, value_std))
+    return sorted(groups, key=lambda g: (g.epsilon is None, g.epsilon if g.epsilon is not None else 0.0))
+
+
+def _pm(mean: float, std: float, n: int) -> str:
+    return f"{mean:.4g} ± {std:.2g}" if n > 1 else f"{mean:.4g}"
+
+
+def utility_table(groups: Sequence[Group], metric: str) -> str:
+    """The groups as a Markdown table: setting, runs, epsilon and the metric (mean ± sample std)."""
+    lines = [f"| setting | runs | epsilon | {metric} |", "|---|---|---|---|"]
+    for g in groups:
+        eps = "non-private" if g.epsilon is None else _pm(g.epsilon, g.epsilon_std, len(g.runs))
+        lines.append(f"| {g.label} | {len(g.runs)} | {eps} | {_pm(g.value, g.value_std, len(g.runs))} |")
+    return "\n".join(lines) + "\n"
+
+
+def utility_figure(groups: Sequence[Group], metric: str, title: str = "") -> Any:
+    """``metric`` against epsilon: private groups as points with error bars, baselines as lines (with bands).
+
+    Returns:
+        A :class:`matplotlib.figure.Figure`.
+    """
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 4.2), layout="constrained")
+    ax = fig.subplots()
+    private = [g for g in groups if g.epsilon is not None]
+    colors = iter(f"C{i}" for i in range(1, 1000))
+    for g in private:
+        ax.errorbar([g.epsilon], [g.value], yerr=[g.value_std], xerr=[g.epsilon_std], fmt="o", capsize=4,
+                    color=next(colors), label=f"{g.label} (n={len(g.runs)})")
+    if len(private) > 1:
+        xs = [float(g.epsilon) for g in private if g.epsilon is not None]
+        ax.plot(xs, [g.value for g in private], color="0.6", linewidth=0.8, zorder=0)
+        if max(xs) / max(min(xs), 1e-12) > 20:
+            ax.set_xscale("log")
+    if private and ax.get_xscale() == "linear":  # epsilon from 0: how far each point is from no privacy at all
+        ax.set_xlim(0, 1.15 * max(float(g.epsilon) + g.epsilon_std for g in private if g.epsilon is not None))
+    for g in groups:
+        if g.epsilon is None:
+            color = next(colors)
+            ax.axhline(g.value, color=color, linestyle="--", label=f"{g.label}: non-private (n={len(g.runs)})")
+            if g.value_std > 0:
+                ax.axhspan(g.value - g.value_std, g.value + g.value_std, color=color, alpha=0.15)
+    ax.set_xlabel("epsilon (spent, at each run's delta)")
+    ax.set_ylabel(metric)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    ax.set_title(title or f"{metric} against epsilon (mean ± sample std over seeds)", fontsize=10)
+    return fig
+
+
+def choose_metric(available: Sequence[set[str]], metric: Optional[str] = None) -> str:
+    """The metric to draw: ``metric`` when given (and logged by some run), else the first of
+    :data:`METRIC_PREFERENCE` some run logged.
+
+    Raises:
+        ValueError: no run has it, with the metrics the runs have.
+    """
+    seen = set().union(*available) if available else set()
+    if metric is not None:
+        if metric not in seen:
+            from lightning_dp.cli_errors import closest
+
+            near = closest(metric, seen)
+            raise ValueError(f"--metric {metric}: no run logged it" + (f"; did you mean {' or '.join(near)}?" if near
+                                                                        else f"; metrics of the runs: {sorted(seen)}"))
+        return metric
+    for name in METRIC_PREFERENCE:
+        if name in seen:
+            return name
+    task = sorted(m for m in seen if m.startswith(("val/", "test/")))
+    if task:
+        return task[0]
+    raise ValueError(f"no task metric (val/* or test/*) in the runs; their metrics: {sorted(seen)}; pass --metric")
+
+
+def _differing_label(params: Mapping[str, Mapping[str, str]]) -> dict[str, str]:
+    """A short label per group from the settings that differ between groups (``key=value, ...``)."""
+    keys = sorted({k for p in params.values() for k in p})
+    varying = [k for k in keys if len({p.get(k) for p in params.values()}) > 1]
+    labels = {}
+    for group, p in params.items():
+        parts = [f"{k.rsplit('/', 1)[-1].rsplit('.', 1)[-1]}={p.get(k, '-')}" for k in varying[:3]]
+        labels[group] = ", ".join(parts) + (", ..." if len(varying) > 3 else "")
+    return labels
+
+
+def _is_seed(key: str) -> bool:
+    leaf = key.replace("/", ".").rsplit(".", 1)[-1]
+    return leaf in ("seed", "seed_everything") or leaf.endswith("_seed")
+
+
+def runs_outcomes(runs: Sequence[Any], metric: Optional[str] = None) -> tuple[str, list[Outcome], list[str]]:
+    """Outcomes of MLflow runs (``mlflow.entities.Run``): the metric chosen, the outcomes, the runs left out (why).
+
+    A run's group is its run name with its seed parameters removed when runs share the rest of their
+    parameters; the label shows what differs between groups.
+    """
+    chosen = choose_metric([set(r.data.metrics) for r in runs], metric)
+    skipped, kept = [], []
+    for r in runs:
+        private = r.data.tags.get(PRIVATE_TAG)
+        eps = next((r.data.metrics[m] for m in EPSILON_METRICS if m in r.data.metrics), None)
+        if chosen not in r.data.metrics:
+            skipped.append(f"{r.info.run_name} ({r.info.run_id[:8]}): no {chosen}")
+        elif eps is None and private != "false":
+            skipped.append(f"{r.info.run_name} ({r.info.run_id[:8]}): no epsilon logged and not marked non-private")
+        else:
+            kept.append((r, None if private == "false" and eps is None else eps))
+    keyed: dict[str, dict[str, str]] = {}
+    key_of = {}
+    for r, _ in kept:
+        params = {k: v for k, v in r.data.params.items() if not _is_seed(k) and not k.startswith("versions/")}
+        key = repr(sorted(params.items()))
+        keyed.setdefault(key, params)
+        key_of[r.info.run_id] = key
+    labels = _differing_label(keyed) if len(keyed) > 1 else {}
+    outcomes = []
+    for r, eps in kept:
+        key = key_of[r.info.run_id]
+        label = labels.get(key) or (r.info.run_name or r.info.run_id[:8])
+        if len(keyed) == len(kept) and r.info.run_name:
+            label = r.info.run_name  # one run per setting: its own name says more than the differing params
+        outcomes.append(Outcome(r.info.run_id, label, eps, float(r.data.metrics[chosen])))
+    return chosen, outcomes, skipped
+
+
+def grid_outcomes(points: Sequence[Any], metric: Optional[str], over: Optional[str]) -> tuple[str, list[Outcome]]:
+    """Outcomes of a grid's points (:class:`~lightning_dp.grid.points.GridPoint`), grouped over ``over`` (seeds).
+
+    A point whose epsilon is infinite (it released without sanitization) is a non-private baseline; a
+    point with no epsilon at all is left out.
+    """
+    from lightning_dp.grid.axes import short_name
+    from lightning_dp.grid.report import privacy_value
+
+    chosen = choose_metric([set(p.metrics) for p in points], metric)
+    outcomes = []
+    for p in points:
+        if chosen not in p.metrics:
+            continue
+        eps = next((privacy_value(p, n) for n in ("epsilon", "client_epsilon_max") if privacy_value(p, n) != ""),
+                   "")
+        if eps == "":
+            continue
+        label = ", ".join(f"{short_name(k)}={v}" for k, v in p.values.items() if k != over) or "all"
+        outcomes.append(Outcome(p.run_id or "", label, None if eps == math.inf else float(eps),
+                                float(p.metrics[chosen])))
+    return chosen, outcomes
+
+
+def main(argv: Sequence[str]) -> int:
+    """Entry point of ``lightning-dp compare``; returns the exit code (2 for bad input)."""
+    import os
+    import sys
+
+    from lightning_dp.cli_errors import ShortArgumentParser
+
+    parser = ShortArgumentParser(prog="lightning-dp compare", description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="*", metavar="RUN_ID", help="MLflow run ids (or give --experiment)")
+    parser.add_argument("--experiment", metavar="NAME", help="every finished run of this experiment")
+    parser.add_argument("--metric", metavar="METRIC", help=f"the task metric (default: the first of "
+                                                           f"{', '.join(METRIC_PREFERENCE)} that a run logged)")
+    parser.add_argument("--output", metavar="DIR", help="also write privacy_utility.png and .md to this folder")
+    parser.add_argument("--no-log", action="store_true", help="do not create the MLflow run (print only)")
+    args = parser.parse_args(list(argv))
+    if bool(args.runs) == bool(args.experiment):
+        parser.error("give run ids (lightning-dp compare RUN_ID RUN_ID ...) or --experiment NAME, not both")
+
+    import logging
+
+    if not os.environ.get("MLFLOW_TRACKING_URI") and not os.path.isfile(os.path.join("mlruns", "mlflow.db")):
+        parser.error("no runs here: ./mlruns/mlflow.db does not exist (run lightning-dp fit in this folder first, or "
+                     "set MLFLOW_TRACKING_URI to your tracking server)")
+    for name in ("mlflow.store.db.utils", "alembic.runtime.migration"):  # as LightningDPCLI's quiet_third_party
+        logging.getLogger(name).setLevel(logging.WARNING)
+    from lightning_dp import tracking
+
+    uri = tracking.default_tracking_uri()
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    client = MlflowClient(uri)
+    try:
+        if args.experiment:
+            experiment = client.get_experiment_by_name(args.experiment)
+            if experiment is None:
+                names = [e.name for e in client.search_experiments()]
+                from lightning_dp.cli_errors import closest
+
+                near = closest(args.experiment, names)
+                parser.error(f"--experiment {args.experiment}: not in {uri}" + (
+                    f"; did you mean {' or '.join(near)}?" if near else f"; experiments: {names}"))
+            runs = [r for r in client.search_runs([experiment.experiment_id], "attributes.status = 'FINISHED'")
+                    if COMPARE_TAG not in r.data.tags]
+        else:
+            runs = [client.get_run(run_id) for run_id in args.runs]
+    except MlflowException as err:
+        parser.error(f"{str(err).splitlines()[0]} (tracking URI {uri})")
+    if not runs:
+        parser.error("no finished runs to compare")
+    try:
+        metric, outcomes, skipped = runs_outcomes(runs, args.metric)
+        groups = group_outcomes(outcomes)
+    except ValueError as err:
+        parser.error(str(err))
+    if not groups:
+        parser.error("no run has both the metric and an epsilon (or the non-private mark): " + "; ".join(skipped))
+    table = utility_table(groups, metric)
+    figure = utility_figure(groups, metric)
+    print(table, end="")
+    for note in skipped:
+        print(f"left out: {note}")
+    if args.output:
+        os.makedirs(args.output, exist_ok=True)
+        figure.savefig(os.path.join(args.output, "privacy_utility.png"), dpi=120)
+        with open(os.path.join(args.output, "privacy_utility.md"), "w", encoding="utf-8") as handle:
+            handle.write(table)
+    if not args.no_log:
+        experiment_id = runs[0].info.experiment_id
+        run = client.create_run(experiment_id, run_name="privacy-utility",
+                                tags={COMPARE_TAG: ",".join(o.run_id for o in outcomes), "metric": metric})
+        client.log_figure(run.info.run_id, figure, "privacy_utility.png")
+        client.log_text(run.info.run_id, table, "privacy_utility.md")
+        client.set_terminated(run.info.run_id)
+        print(f"MLflow run {run.info.run_id} (privacy-utility, experiment id {experiment_id}): artifacts "
+              f"privacy_utility.png and privacy_utility.md\n  open: http://127.0.0.1:5000/#/experiments/"
+              f"{experiment_id}/runs/{run.info.run_id}/artifacts", file=sys.stdout)
+    return 0

@@ -1,0 +1,105 @@
+"""``lightning-dp compare`` and the privacy-utility picture: groups over seeds, the baseline, what is left out."""
+
+from __future__ import annotations
+
+import math
+
+import mlflow
+import pytest
+
+from lightning_dp import cli
+from lightning_dp.tracking import default_tracking_uri
+from tests.helpers import seed_store
+from lightning_dp.compare import (COMPARE_TAG, PRIVATE_TAG, Outcome, choose_metric, group_outcomes, utility_figure,
+                                  utility_table)
+
+
+def test_groups_are_means_with_sample_stds_and_baselines_last():
+    outcomes = [Outcome("a", "eps=8", 7.9, 0.90), Outcome("b", "eps=8", 7.9, 0.92), Outcome("c", "eps=8", 7.9, 0.94),
+                Outcome("d", "eps=1", 0.99, 0.6), Outcome("e", "base", None, 0.97), Outcome("f", "base", None, 0.99)]
+    groups = group_outcomes(outcomes)
+    assert [g.label for g in groups] == ["eps=1", "eps=8", "base"]
+    eight = groups[1]
+    assert eight.value == pytest.approx(0.92) and eight.value_std == pytest.approx(0.02)  # sample std (n - 1)
+    assert groups[0].value_std == 0.0 and groups[2].epsilon is None
+    table = utility_table(groups, "val/acc")
+    assert "| eps=8 | 3 | 7.9 ± 0 | 0.92 ± 0.02 |" in table and "| base | 2 | non-private | 0.98 ± 0.014 |" in table
+    fig = utility_figure(groups, "val/acc")
+    ax = fig.axes[0]
+    assert ax.get_ylabel() == "val/acc" and ax.get_xlim()[0] == 0
+    assert any("non-private" in t.get_text() for t in ax.get_legend().get_texts())
+    with pytest.raises(ValueError, match="mixes private and non-private"):
+        group_outcomes([Outcome("a", "x", 1.0, 0.5), Outcome("b", "x", None, 0.6)])
+
+
+def test_metric_choice_prefers_the_task_metric_and_suggests():
+    assert choose_metric([{"val/loss", "val/acc"}, {"val/acc"}]) == "val/acc"
+    assert choose_metric([{"val/perplexity", "val/loss"}]) == "val/perplexity"
+    with pytest.raises(ValueError, match="did you mean val/acc"):
+        choose_metric([{"val/acc"}], "val/accc")
+    with pytest.raises(ValueError, match="no task metric"):
+        choose_metric([{"privacy/epsilon"}])
+
+
+def _run(client, experiment_id, name, metrics, params, tags):
+    run = client.create_run(experiment_id, run_name=name, tags=tags)
+    for k, v in metrics.items():
+        client.log_metric(run.info.run_id, k, v)
+    for k, v in params.items():
+        client.log_param(run.info.run_id, k, v)
+    client.set_terminated(run.info.run_id)
+    return run.info.run_id
+
+
+def test_compare_command_groups_seeds_draws_the_baseline_and_leaves_out_unmarked_runs(workdir, store_template,
+                                                                                      capsys):
+    seed_store(store_template, workdir / "mlruns" / "mlflow.db")
+    client = mlflow.MlflowClient(default_tracking_uri())
+    eid = client.create_experiment("cmp", artifact_location=(workdir / "art").as_uri())
+    for seed, acc in ((0, 0.80), (1, 0.84), (2, 0.82)):
+        _run(client, eid, f"dp-{seed}", {"privacy/epsilon": 2.96, "val/acc": acc},
+             {"target_epsilon": "3", "seed_everything": str(seed)}, {PRIVATE_TAG: "true"})
+    _run(client, eid, "dp8", {"privacy/epsilon": 7.9, "val/acc": 0.9},
+         {"target_epsilon": "8", "seed_everything": "0"}, {PRIVATE_TAG: "true"})
+    _run(client, eid, "base", {"val/acc": 0.95}, {"target_epsilon": "none", "seed_everything": "0"},
+         {PRIVATE_TAG: "false"})
+    _run(client, eid, "old", {"val/acc": 0.99}, {"seed_everything": "0"}, {})  # no epsilon, no mark: left out
+    assert cli.main(["compare", "--experiment", "cmp", "--output", str(workdir / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "| target_epsilon=3 | 3 | 2.96 ± 0 | 0.82 ± 0.02 |" in out
+    assert "| target_epsilon=none | 1 | non-private | 0.95 |" in out
+    assert "left out: old" in out and "not marked non-private" in out
+    assert (workdir / "out" / "privacy_utility.png").stat().st_size > 0
+    (made,) = client.search_runs([eid], "attributes.run_name = 'privacy-utility'")
+    assert len(made.data.tags[COMPARE_TAG].split(",")) == 5
+    assert sorted(a.path for a in client.list_artifacts(made.info.run_id)) == ["privacy_utility.md",
+                                                                              "privacy_utility.png"]
+    # a second compare leaves the first compare run out
+    assert cli.main(["compare", "--experiment", "cmp", "--no-log"]) == 0
+    assert "privacy-utility" not in capsys.readouterr().out
+
+
+def test_compare_refuses_in_three_lines(workdir, store_template, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["compare", "--experiment", "nope"])
+    assert "./mlruns/mlflow.db does not exist" in capsys.readouterr().err
+    seed_store(store_template, workdir / "mlruns" / "mlflow.db")
+    for args, text in ((["compare"], "give run ids"), (["compare", "--experiment", "nope"], "not in"),
+                       (["compare", "--metrc", "x"], "did you mean --metric")):
+        with pytest.raises(SystemExit) as info:
+            cli.main(args)
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and text in err and len(err.strip().splitlines()) <= 3, err
+
+
+def test_outcome_epsilon_of_a_grid_point_that_released_unsanitized_is_a_baseline():
+    from lightning_dp.compare import grid_outcomes
+    from lightning_dp.grid.points import GridPoint
+
+    points = [GridPoint({"nu": 0, "seed": 0}, "r0", {"test/acc": 0.9}, {"epsilon": math.inf}),
+              GridPoint({"nu": 1, "seed": 0}, "r1", {"test/acc": 0.7}, {"epsilon": 2.0}),
+              GridPoint({"nu": 1, "seed": 1}, "r2", {"test/acc": 0.8}, {"epsilon": 2.0})]
+    metric, outcomes = grid_outcomes(points, None, "seed")
+    groups = group_outcomes(outcomes)
+    assert metric == "test/acc" and [(g.label, g.epsilon, len(g.runs)) for g in groups] == [
+        ("nu=1", 2.0, 2), ("nu=0", None, 1)]
