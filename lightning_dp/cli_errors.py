@@ -88,10 +88,14 @@ def condense(message: str) -> str:
 
 
 def root_cause(err: BaseException) -> BaseException:
-    """The exception a constructor raised under jsonargparse's wrappers: the deepest ``__cause__``."""
+    """The exception a constructor raised under jsonargparse's wrappers: the deepest ``__cause__`` (a
+    :class:`~lightning_dp.extras.MissingExtraError` is the message itself: its cause is the raw ImportError)."""
+    from lightning_dp.extras import MissingExtraError
+
     root = err
     seen = {id(root)}
-    while root.__cause__ is not None and id(root.__cause__) not in seen:
+    while (root.__cause__ is not None and id(root.__cause__) not in seen
+           and not isinstance(root, MissingExtraError)):
         root = root.__cause__
         seen.add(id(root))
     return root
@@ -108,22 +112,29 @@ def is_refusal(err: BaseException) -> bool:
     """Whether ``err`` (by its :func:`root_cause`) is a class refusing a value, not a bug to show with its traceback.
 
     Refusals: ``ValueError`` and ``TypeError`` (a bad value or argument), Lightning's
-    ``MisconfigurationException`` and jsonargparse's ``ArgumentError``. Anything else (an
+    ``MisconfigurationException``, jsonargparse's ``ArgumentError`` and a missing optional dependency
+    (:class:`~lightning_dp.extras.MissingExtraError`). Anything else (an
     ``AttributeError``, ``KeyError``, ``OSError``, ...) keeps its traceback.
     """
     from jsonargparse import ArgumentError
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-    return isinstance(root_cause(err), (ValueError, TypeError, MisconfigurationException, ArgumentError))
+    from lightning_dp.extras import MissingExtraError
+
+    return isinstance(root_cause(err), (ValueError, TypeError, MisconfigurationException, ArgumentError,
+                                        MissingExtraError))
 
 
 def is_user_error(err: BaseException) -> bool:
     """Whether a command prints ``err`` as one short message: a refused config value
     (:class:`ConfigurationError`), a Lightning ``MisconfigurationException`` (our callbacks'
-    refusals before training) or a missing dataset (``DatasetUnavailableError``)."""
+    refusals before training), a missing dataset (``DatasetUnavailableError``) or a missing optional
+    dependency (:class:`~lightning_dp.extras.MissingExtraError`, which names the extra to install)."""
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-    types: list[type[BaseException]] = [ConfigurationError, MisconfigurationException]
+    from lightning_dp.extras import MissingExtraError
+
+    types: list[type[BaseException]] = [ConfigurationError, MisconfigurationException, MissingExtraError]
     try:
         from lightning_dp.datamodules import DatasetUnavailableError
     except ImportError:  # pragma: no cover - a partial install

@@ -151,3 +151,76 @@ def test_the_lm_fine_tuning_pipeline_runs_from_its_configs(tmp_path, monkeypatch
             base_state = network.state_dict()
         changed = [k for k, v in base_state.items() if not torch.equal(v, weights[f"network.{k}"])]
         assert (changed == []) == ("lora" in name)  # LoRA: the base weights are the checkpoint's, untouched
+
+
+_PLAIN_INSTALL = '''
+import importlib.abc, json, sys
+
+BLOCKED = ("datasets", "flwr_datasets", "flwr", "transformers", "peft", "opacus")
+
+
+class NotInstalled(importlib.abc.MetaPathFinder):  # the plain install: no extra is there
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, NotInstalled())
+# libraries that test for an optional package (torchmetrics, Lightning) ask its metadata or find_spec first
+import importlib.metadata as metadata, importlib.util as util
+
+_distribution, _find_spec = metadata.distribution, util.find_spec
+
+
+def distribution(name):
+    if name.replace("-", "_").lower() in BLOCKED:
+        raise metadata.PackageNotFoundError(name)
+    return _distribution(name)
+
+
+def find_spec(name, package=None):
+    return None if name.split(".")[0] in BLOCKED else _find_spec(name, package)
+
+
+metadata.distribution, util.find_spec = distribution, find_spec
+from lightning_dp.cli_errors import is_refusal, root_message
+from lightning_dp.lightning_cli import LightningDPCLI
+
+results = {}
+for config in sys.argv[1:]:
+    try:
+        LightningDPCLI(run=False, args=["--config", config, "--trainer.logger=false"])
+        results[config] = "ok"
+    except SystemExit as exit_info:
+        results[config] = f"exit {exit_info.code}"
+    except Exception as err:
+        results[config] = ("refused: " if is_refusal(err) else "BUG: ") + root_message(err)
+print("RESULTS " + json.dumps(results))
+'''
+
+
+def test_every_example_instantiates_or_names_its_extra_on_the_plain_install(tmp_path):
+    """Walk every example config as the plain install (no datasets, flwr, transformers, peft, opacus): each
+    builds, or is refused in one line that says which extra to install; never a traceback."""
+    import json
+    import os
+    import subprocess
+
+    configs = [str(p) for p in EXAMPLES] + [str(p) for p in sorted((ROOT / "lm").glob("*.yaml"))]
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
+    done = subprocess.run([sys.executable, "-c", _PLAIN_INSTALL, *configs], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=900)
+    line = [row for row in done.stdout.splitlines() if row.startswith("RESULTS ")]
+    assert line, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(line[0][len("RESULTS "):])
+    needing = {}
+    for config, outcome in results.items():
+        if outcome == "ok":
+            continue
+        assert outcome.startswith("refused: ") and "\n" not in outcome, (config, outcome)
+        assert "pip install 'lightning-dp[" in outcome, (config, outcome)
+        needing[Path(config).name] = outcome
+    assert "dpsgd_digits.yaml" not in needing and "fedavg_mnist.yaml" not in needing  # IID needs no extra
+    assert "[fl]" in needing["fedavg_dp_mnist.yaml"] and "partition='pathological'" in needing["fedavg_dp_mnist.yaml"]
+    assert "[lm]" in needing["dp_lora_wikitext2.yaml"]  # the language models name theirs

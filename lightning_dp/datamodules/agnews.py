@@ -373,6 +373,8 @@ class AGNewsDataModule(SplitDataModule):
         self.data_dir = Path(data_dir).expanduser()
         self.glove_path = self.data_dir / GLOVE_FILE if glove_path is None else Path(glove_path).expanduser()
         self.source = source
+        if source == "huggingface":
+            _import_datasets()  # a missing extra is refused now, before any data is read
         self.batch_size = batch_size
         self.val_fraction = val_fraction
         self.train_subset = train_subset

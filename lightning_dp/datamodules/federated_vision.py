@@ -5,7 +5,9 @@ official test split with ``subset="test"``) is partitioned into ``num_clients +
 num_val_clients`` clients by one of Flower's partitioners (``flwr_datasets.partitioner``,
 on a ``datasets.Dataset`` of the labels: the partitioners only see labels and indices):
 
-- ``"iid"``: a seeded shuffle, then :class:`~flwr_datasets.partitioner.IidPartitioner` (equal shares);
+- ``"iid"``: a seeded shuffle cut into equal shares, the indices of
+  :class:`~flwr_datasets.partitioner.IidPartitioner` on ``datasets``' seeded shuffle, computed without either
+  library (the plain install runs it; the others need the ``fl`` extra);
 - ``"pathological"``: NIID(k), every client holds ``classes_per_client`` classes
   (:class:`~flwr_datasets.partitioner.PathologicalPartitioner`, classes assigned at random);
 - ``"shards"``: McMahan et al. (2017): sorted by label, cut into shards of ``shard_size``, each client
@@ -50,13 +52,12 @@ DATASETS = ("mnist", "fashion_mnist", "cifar10")
 PARTITIONS = ("iid", "pathological", "shards", "dirichlet")
 
 
-def _flwr_partitioners() -> Any:
-    try:
-        from flwr_datasets import partitioner
-    except ImportError as err:
-        raise ImportError("FederatedVision partitions with flwr-datasets, which is not installed: "
-                          "pip install 'lightning-dp[fl]'") from err
-    return partitioner
+def _flwr_partitioners(partition: str) -> Any:
+    from lightning_dp.extras import require
+
+    needed_by = f"FederatedVision(partition={partition!r})"
+    require("datasets", "fl", needed_by, "partition='iid'")
+    return require("flwr_datasets.partitioner", "fl", needed_by, "partition='iid'")
 
 
 def partition_labels(labels: torch.Tensor, num_partitions: int, partition: str, *, seed: int,
@@ -66,15 +67,23 @@ def partition_labels(labels: torch.Tensor, num_partitions: int, partition: str, 
 
     Deterministic in ``seed``. Every index lands in at most one partition (the shard and
     pathological partitioners may leave a remainder out, as Flower's do).
+
+    ``partition="iid"`` needs neither flwr-datasets nor datasets: it is the permutation that
+    ``datasets.Dataset.shuffle(seed=seed)`` draws (``numpy.random.default_rng(seed)``), cut into contiguous
+    shards as flwr-datasets' ``IidPartitioner`` cuts them (``Dataset.shard(contiguous=True)``: the first
+    ``n % num_partitions`` shards one longer, which is ``numpy.array_split``); the same indices, tested
+    against the libraries. The other partitions use the libraries (the ``fl`` extra).
     """
+    if partition == "iid":
+        permutation = np.random.default_rng(seed).permutation(len(labels))
+        return [np.asarray(part, dtype=np.int64) for part in np.array_split(permutation, num_partitions)]
+    if partition not in PARTITIONS:
+        raise ValueError(f"partition={partition!r} is not one of {PARTITIONS}")
+    P = _flwr_partitioners(partition)
     import datasets
 
-    P = _flwr_partitioners()
     table = datasets.Dataset.from_dict({"index": np.arange(len(labels)), "label": labels.numpy()})
-    if partition == "iid":
-        table = table.shuffle(seed=seed)  # IidPartitioner cuts contiguous shards
-        part = P.IidPartitioner(num_partitions=num_partitions)
-    elif partition == "pathological":
+    if partition == "pathological":
         part = P.PathologicalPartitioner(num_partitions=num_partitions, partition_by="label",
                                          num_classes_per_partition=classes_per_client,
                                          class_assignment_mode="random", seed=seed)
@@ -166,6 +175,12 @@ class FederatedVision(FederatedDataModule):
         self.num_clients, self.num_val_clients, self.num_test_clients = num_clients, num_val_clients, num_test_clients
         self.partition, self.classes_per_client, self.alpha = partition, classes_per_client, float(alpha)
         self.min_partition_size, self.shard_size = min_partition_size, shard_size
+        if partition != "iid":
+            _flwr_partitioners(partition)  # a missing extra is refused now, before any data is read
+        if source == "huggingface":
+            from lightning_dp.datamodules.mnist import _import_datasets
+
+            _import_datasets()
         self.train_fraction, self.normalize = float(train_fraction), normalize
         self.input_shape = (3, 32, 32) if dataset == "cifar10" else (1, 28, 28)
 

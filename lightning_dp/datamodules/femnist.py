@@ -260,6 +260,8 @@ class FEMNIST(FederatedDataModule):
         self.save_hyperparameters()
         self.data_dir = Path(data_dir).expanduser()
         self.source = source
+        if source == "huggingface":
+            _import_datasets()  # a missing extra is refused now, before any data is read
         self.val_fraction = float(val_fraction)
         self.max_clients = max_clients
         self.rotate_probability = float(rotate_probability)

@@ -310,6 +310,8 @@ class MNISTFamilyDataModule(SplitDataModule):
         self.val_size = val_size
         self.download = download
         self.source = source
+        if source == "huggingface":
+            _import_datasets()  # a missing extra is refused now, before any data is read
         self.subset = subset
         self.train_fraction = train_fraction
         self.val_fraction = val_fraction

@@ -200,14 +200,9 @@ def import_datasets(needed_by: str, alternative: str) -> Any:
         needed_by: What needs it, e.g. ``"source='huggingface'"``.
         alternative: The offline source to use instead, e.g. ``"source='idx' with the official IDX files"``.
     """
-    try:
-        import datasets
-    except ImportError as err:
-        raise ImportError(
-            f"{needed_by} needs the Hugging Face `datasets` package, which is not installed. Install the optional "
-            f"dependency with `pip install 'lightning-dp[hf]'`, or use {alternative}."
-        ) from err
-    return datasets
+    from lightning_dp.extras import require
+
+    return require("datasets", "hf", needed_by, alternative)
 
 
 @contextlib.contextmanager

@@ -59,10 +59,10 @@ class LoRA(nn.Module):
     def __init__(self, network: nn.Module, rank: int = 8, alpha: float = 16.0, dropout: float = 0.0,
                  target_modules: Optional[list[str]] = None) -> None:
         super().__init__()
-        try:
-            from peft import LoraConfig, inject_adapter_in_model
-        except ImportError as err:  # pragma: no cover - depends on the environment
-            raise ImportError("LoRA needs the peft package: pip install 'lightning-dp[lm]'") from err
+        from lightning_dp.extras import require
+
+        peft = require("peft", "lm", "LoRA")
+        LoraConfig, inject_adapter_in_model = peft.LoraConfig, peft.inject_adapter_in_model
         if not isinstance(network, nn.Module):
             raise TypeError(f"network={network!r} must be a torch.nn.Module, e.g. lightning_dp.models.GPT2")
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:

@@ -45,10 +45,10 @@ class GPT2(nn.Module):
     def __init__(self, vocab_size: int, max_positions: int = 128, embed_dim: int = 128, num_layers: int = 2,
                  num_heads: int = 2, dropout: float = 0.1, checkpoint: Optional[str] = None) -> None:
         super().__init__()
-        try:
-            from transformers import GPT2Config, GPT2LMHeadModel
-        except ImportError as err:  # pragma: no cover - depends on the environment
-            raise ImportError("GPT2 needs the transformers package: pip install 'lightning-dp[lm]'") from err
+        from lightning_dp.extras import require
+
+        transformers = require("transformers", "lm", "GPT2")
+        GPT2Config, GPT2LMHeadModel = transformers.GPT2Config, transformers.GPT2LMHeadModel
         for name, value in (("vocab_size", vocab_size), ("max_positions", max_positions), ("embed_dim", embed_dim),
                             ("num_layers", num_layers), ("num_heads", num_heads)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -340,9 +340,8 @@ def test_huggingface_source_gives_the_csv_features(ag_dir, tmp_path, monkeypatch
 
 def test_huggingface_source_without_datasets_installed(ag_dir, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
-    dm = AGNewsDataModule(data_dir=ag_dir, source="huggingface")
     with pytest.raises(ImportError, match=r"pip install 'lightning-dp\[hf\]'.*source='csv'"):
-        dm.prepare_data()
+        AGNewsDataModule(data_dir=ag_dir, source="huggingface")  # refused before any data is read
 
 
 # ---------------------------------------------------------------- training

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_dp.datamodules.cifar import CIFARFormatError, download_cifar10, load_cifar10, read_cifar_batch
-from lightning_dp.datamodules.federated_vision import FederatedVision
+from lightning_dp.datamodules.federated_vision import FederatedVision, partition_labels
 from lightning_dp.datamodules.idx import write_idx
 
 pytest.importorskip("flwr_datasets")
@@ -220,3 +220,36 @@ def test_a_failed_download_leaves_no_data_directory(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError):
         download_cifar10(target)
     assert not target.exists()
+
+
+@pytest.mark.parametrize("n, k, seed", [(1000, 7, 3), (60000, 100, 0), (13, 5, 9)])
+def test_iid_is_flwr_datasets_iid_partitioner_without_the_libraries(n, k, seed):
+    """The plain install's IID cut equals IidPartitioner on datasets' seeded shuffle, index for index."""
+    import numpy as np
+
+    datasets = pytest.importorskip("datasets")
+    partitioner = pytest.importorskip("flwr_datasets.partitioner")
+    labels = torch.randint(0, 10, (n,), generator=torch.Generator().manual_seed(seed))
+    table = datasets.Dataset.from_dict({"index": np.arange(n), "label": labels.numpy()}).shuffle(seed=seed)
+    reference = partitioner.IidPartitioner(num_partitions=k)
+    reference.dataset = table
+    ours = partition_labels(labels, k, "iid", seed=seed)
+    assert len(ours) == k
+    for i, part in enumerate(ours):
+        assert np.array_equal(part, np.asarray(reference.load_partition(i)["index"]))
+
+
+def test_a_missing_partitioner_library_is_one_line_naming_the_extra(monkeypatch):
+    import sys
+
+    from lightning_dp.extras import MissingExtraError
+
+    monkeypatch.setitem(sys.modules, "flwr_datasets", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "flwr_datasets.partitioner", None)
+    labels = torch.arange(100) % 10
+    assert len(partition_labels(labels, 4, "iid", seed=0)) == 4  # IID needs no library
+    with pytest.raises(MissingExtraError) as info:
+        partition_labels(labels, 4, "dirichlet", seed=0)
+    assert str(info.value) == ("FederatedVision(partition='dirichlet') needs flwr_datasets, which is not installed: "
+                               "pip install 'lightning-dp[fl]', or use partition='iid'")
+    assert info.value.extra == "fl"

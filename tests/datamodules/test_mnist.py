@@ -370,9 +370,8 @@ def test_huggingface_source(tmp_path, monkeypatch, random_split, module, subset)
 
 def test_huggingface_source_without_datasets_installed(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
-    datamodule = MNISTDataModule(data_dir=tmp_path, source="huggingface")
     with pytest.raises(ImportError, match=r"pip install 'lightning-dp\[hf\]'"):
-        datamodule.prepare_data()
+        MNISTDataModule(data_dir=tmp_path, source="huggingface")  # refused before any data is read
 
 
 # ---------------------------------------------------------------- Lightning integration
