@@ -128,7 +128,7 @@ def utility_figure(groups: Sequence[Group], metric: str, title: str = "") -> Any
     private = [g for g in groups if g.epsilon is not None]
     colors = iter(f"C{i}" for i in range(1, 1000))
     for g in private:
-        ax.errorbar([g.epsilon], [g.value], yerr=[g.value_std], xerr=[g.epsilon_std], fmt="o", capsize=4,
+        ax.errorbar([float(g.epsilon or 0.0)], [g.value], yerr=[g.value_std], xerr=[g.epsilon_std], fmt="o", capsize=4,
                     color=next(colors), label=f"{g.label} (n={len(g.runs)})")
     if len(private) > 1:
         xs = [float(g.epsilon) for g in private if g.epsilon is not None]

@@ -125,9 +125,9 @@ class RunArtifacts(Callback):
         from lightning_dp.compare import PRIVATE_TAG
         from lightning_dp.privacy.spend import reporters_of
 
-        private = bool(reporters_of([*trainer.callbacks, pl_module]))  # type: ignore[attr-defined]
-        tracking.set_tags(trainer, {PRIVATE_TAG: str(private).lower()})  # lightning-dp compare: the baseline's mark
-        if not private:
+        is_private = bool(reporters_of([*trainer.callbacks, pl_module]))  # type: ignore[attr-defined]
+        tracking.set_tags(trainer, {PRIVATE_TAG: str(is_private).lower()})  # lightning-dp compare: the baseline's mark
+        if not is_private:
             # a private component prints its own summary (DPSGD, the federated round); a run without one says so
             epochs = trainer.current_epoch
             print_summary(trainer, f"Non-private training: {trainer.global_step} steps ({epochs} epoch"

@@ -90,8 +90,8 @@ class LoRA(nn.Module):
         # transformers' Conv1D (GPT-2) stores its weight as (d_in, d_out): peft needs to know
         conv1d = any(type(m).__name__ == "Conv1D" for n, m in network.named_modules()
                      if any(n == t or n.endswith("." + t) for t in target_modules))
-        # peft annotates lora_alpha as int; it only uses alpha / r
-        config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout,  # type: ignore[arg-type]
+        # peft annotates lora_alpha as int; it only uses alpha / r (LoraConfig is Any here: imported by require)
+        config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout,
                             target_modules=list(target_modules), fan_in_fan_out=conv1d, bias="none")
         self.network = inject_adapter_in_model(config, network)
         self.rank, self.alpha, self.target_modules = rank, float(alpha), list(target_modules)
