@@ -61,6 +61,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 from collections.abc import Iterator
 from typing import Any, Literal, NamedTuple
 
@@ -431,7 +432,7 @@ class DPSGD(Callback):
         if self._data and factor != self._parts:
             raise virtual_batches.mismatch(factor, self._parts, f"seen {when}")
 
-    def check_fit(self, trainer: Trainer, pl_module: LightningModule, ckpt_path: str | None = None) -> None:
+    def check_fit(self, trainer: Trainer, pl_module: LightningModule, ckpt_path: str | os.PathLike[str] | None = None) -> None:
         """Refuse a fit that cannot be private from the Trainer's and the module's settings alone, before any data
         is read or any model summary printed (``lightning-dp`` calls it before ``Trainer.fit``; :meth:`setup` again).
 
@@ -464,7 +465,7 @@ class DPSGD(Callback):
             raise MisconfigurationException(describe_mixing_layers(find_mixing_layers(pl_module)))
         self._check_epochs_agree(trainer, ckpt_path)
 
-    def _check_epochs_agree(self, trainer: Trainer, ckpt_path: str | None) -> None:
+    def _check_epochs_agree(self, trainer: Trainer, ckpt_path: str | os.PathLike[str] | None) -> None:
         """A Trainer that runs more epochs than this callback plans, refused before any data is read.
 
         The epochs-against-epochs case needs no data; lengths in steps need the steps per epoch, which the
