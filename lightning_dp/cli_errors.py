@@ -75,7 +75,7 @@ def condense(message: str) -> str:
         text = line.strip()
         if not text or any(p.search(text) for p in _NOISE):
             continue
-        text = re.sub(r"^-\s*", "", text)
+        text = re.sub(r"^-(?!-)\s*", "", text)  # a bullet, not the dashes of an option
         text = re.sub(r"^Problem with given class_path ('[^']+'):$", r"class_path \1:", text)
         if kept and kept[-1].endswith(":"):
             kept[-1] = f"{kept[-1]} {text}"
@@ -258,6 +258,28 @@ def short_error(prog: str, message: str, hint: str = "") -> str:
 
 
 
+def plain_text(text: str) -> str:
+    """Docstring markup as a terminal shows it: Sphinx roles reduced to their name, double backticks dropped.
+
+    >>> plain_text("``max_grad_norm`` of :class:`~lightning_dp.callbacks.DPSGD` (:func:`a.b.f`)")
+    'max_grad_norm of DPSGD (a.b.f)'
+    """
+    text = re.sub(r":\w+:`~[\w.]*?\.?(\w+)`", r"\1", text)  # :class:`~a.b.C` -> C
+    text = re.sub(r":\w+:`([^`]+)`", r"\1", text)  # :func:`a.b.f` -> a.b.f
+    return text.replace("``", "")
+
+
+def class_help_spelling(text: str) -> str:
+    """In the help of ``--KEY.help CLASS``, the options spelled as configs and our messages spell them
+    (``--trainer.callbacks.init_args.epochs``; jsonargparse lists ``--trainer.callbacks.epochs``, which it
+    also accepts): one spelling from help to error hint."""
+    match = re.search(r"Help for --([\w.]+)\.help=", text)
+    if not match:
+        return text
+    prefix = re.escape(match[1])
+    return re.sub(rf"--{prefix}\.(?!init_args\.|help\b)(\w)", rf"--{match[1]}.init_args.\1", text)
+
+
 class ShortArgumentParser(argparse.ArgumentParser):
     """A standard-library ``argparse`` parser whose errors are :func:`short_error`: the message, "did you mean"
     from its own options (and their :func:`option_synonyms`), where to look; exit status 2.
@@ -265,6 +287,9 @@ class ShortArgumentParser(argparse.ArgumentParser):
     The commands that need no class from the config (``epsilon``, ``grid``) use it, so their errors answer
     before torch is imported. ``LIGHTNING_DP_TRACEBACK=1`` restores argparse's own error with the usage block.
     """
+
+    def format_help(self) -> str:
+        return plain_text(super().format_help())
 
     def error(self, message: str) -> NoReturn:
         if show_tracebacks():

@@ -15,7 +15,7 @@ from jsonargparse import ArgumentParser, DefaultHelpFormatter
 from lightning.pytorch.cli import LightningArgumentParser
 from typing_extensions import override
 
-from lightning_dp.cli_errors import condense, short_error, show_tracebacks, suggest
+from lightning_dp.cli_errors import class_help_spelling, condense, plain_text, short_error, show_tracebacks, suggest
 
 __all__ = ["ShortErrorParser", "ShortHelpFormatter", "ShortJsonParser", "shorten_known_subclasses"]
 
@@ -41,6 +41,10 @@ class ShortErrorParser(LightningArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", ShortHelpFormatter)
         super().__init__(*args, **kwargs)
+
+    @override
+    def format_help(self) -> str:
+        return class_help_spelling(plain_text(super().format_help()))
 
     @override
     def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
@@ -84,6 +88,10 @@ class ShortJsonParser(ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", ShortHelpFormatter)
         super().__init__(*args, **kwargs)
+
+    @override
+    def format_help(self) -> str:
+        return class_help_spelling(plain_text(super().format_help()))
 
     @override
     def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:

@@ -325,7 +325,6 @@ def main(argv: Sequence[str]) -> int:
         client.log_figure(run.info.run_id, figure, "privacy_utility.png")
         client.log_text(run.info.run_id, table, "privacy_utility.md")
         client.set_terminated(run.info.run_id)
-        print(f"MLflow run {run.info.run_id} (privacy-utility, experiment id {experiment_id}): artifacts "
-              f"privacy_utility.png and privacy_utility.md\n  open: http://127.0.0.1:5000/#/experiments/"
-              f"{experiment_id}/runs/{run.info.run_id}/artifacts", file=sys.stdout)
+        print(tracking.run_locations(run.info.run_id, experiment_id, uri, what="MLflow run privacy-utility",
+                                     artifacts=["privacy_utility.png", "privacy_utility.md"]), file=sys.stdout)
     return 0

@@ -244,12 +244,5 @@ class LightningDPCLI(LightningCLI):
         for logger in tracking.mlflow_loggers(self.trainer):
             if logger.run_id is None:
                 continue
-            uri = tracking.tracking_uri_of(logger)
-            print(
-                f"MLflow run {logger.run_id} (experiment id {logger.experiment_id})\n"
-                f"  tracking URI: {uri}\n"
-                f"  browse runs:  {tracking.ui_command(uri)}\n"
-                f"  then open:    http://127.0.0.1:5000/#/experiments/{logger.experiment_id}/runs"
-                "?workflowType=machine_learning  (MLflow 3's training view)",
-                flush=True,
-            )
+            print(tracking.run_locations(logger.run_id, logger.experiment_id, tracking.tracking_uri_of(logger)),
+                  flush=True)

@@ -150,6 +150,20 @@ def _store_lock(tracking_uri: str) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _quiet(logger_name: str) -> Iterator[None]:
+    """Raise a library logger's level to ERROR for the block (its INFO/WARNING lines are expected there)."""
+    import logging
+
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _tag_training_experiment(client: MlflowClient, experiment_id: str) -> None:
     """Set ``mlflow.experimentKind`` to the training view on an experiment that has no such tag.
 
@@ -270,7 +284,8 @@ class MLFlowLogger(_LightningMLFlowLogger):
     def experiment(self) -> MlflowClient:
         """Lightning's ``MlflowClient`` (see above); on first use the experiment is tagged for the training view."""
         first_use = not self._initialized
-        client = super().experiment
+        with _quiet("lightning.pytorch.loggers.mlflow"):  # "Experiment ... not found. Creating it.": expected here
+            client = super().experiment
         if first_use and self._initialized and self._experiment_id is not None:  # rank zero, once
             _tag_training_experiment(client, self._experiment_id)
         return client
@@ -567,3 +582,25 @@ def ui_command(tracking_uri: Optional[str] = None) -> str:
     if uri.startswith("file:") and not uri.startswith("file://"):  # file:./mlruns -> a path `mlflow ui` accepts
         uri = unquote(uri[len("file:") :])
     return f"mlflow ui --backend-store-uri {shlex.quote(uri)}"
+
+
+def run_locations(run_id: str, experiment_id: str, tracking_uri: str, what: str = "MLflow run",
+                  artifacts: Sequence[str] = ()) -> str:
+    """Where a run is recorded, as every command prints it: run id, tracking URI, how to browse it, and the
+    link that opens the experiment in MLflow's training view (MLflow 3 opens in its GenAI view otherwise).
+
+    >>> print(run_locations("abc", "1", "sqlite:////tmp/mlruns/mlflow.db"))  # doctest: +NORMALIZE_WHITESPACE
+    MLflow run abc (experiment id 1)
+      tracking URI: sqlite:////tmp/mlruns/mlflow.db
+      browse runs:  mlflow ui --backend-store-uri sqlite:////tmp/mlruns/mlflow.db
+      then open:    http://127.0.0.1:5000/#/experiments/1/runs?workflowType=machine_learning  (MLflow 3's training view)
+    """
+    server = urlparse(tracking_uri).scheme in ("http", "https")
+    base = tracking_uri.rstrip("/") if server else "http://127.0.0.1:5000"
+    lines = [f"{what} {run_id} (experiment id {experiment_id})", f"  tracking URI: {tracking_uri}"]
+    if artifacts:
+        lines.append(f"  artifacts:    {', '.join(artifacts)}")
+    lines += [f"  browse runs:  {ui_command(tracking_uri)}",
+              f"  then open:    {base}/#/experiments/{experiment_id}/runs?workflowType=machine_learning  "
+              "(MLflow 3's training view)"]
+    return "\n".join(lines)

@@ -218,3 +218,14 @@ def test_the_baseline_prints_its_summary_after_the_bar(capsys, workdir):
     out = capsys.readouterr().out
     assert "Non-private training: 3 steps (1 epoch)" in out and "privacy   none" in out and "val/acc" in out
     assert out.index("Non-private training") < out.index("MLflow run ")
+
+
+def test_class_help_spells_options_as_the_hints_do_and_shows_no_markup(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["fit", "--config", DIGITS, "--trainer.callbacks.help", "lightning_dp.callbacks.DPSGD"])
+    out = capsys.readouterr().out
+    assert "--trainer.callbacks.init_args.epochs EPOCHS" in out and "--trainer.callbacks.epochs" not in out
+    assert "``" not in out and ":class:" not in out
+    with pytest.raises(SystemExit):
+        cli.main(["epsilon", "--help"])
+    assert "``" not in capsys.readouterr().out

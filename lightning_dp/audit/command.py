@@ -322,10 +322,8 @@ def main(argv: Sequence[str]) -> int:
         logger.finalize(status)
     uri = tracking.tracking_uri_of(logger)
     print(result.table(), flush=True)
-    print(f"MLflow run {logger.run_id} (experiment id {logger.experiment_id})\n"
-          f"  tracking URI: {uri}\n"
-          f"  artifacts:    audit/dlg.tsv, audit/dlg.md, audit/dlg_grid.png\n"
-          f"  browse runs:  {tracking.ui_command(uri)}", flush=True)
+    print(tracking.run_locations(logger.run_id, logger.experiment_id, uri,
+                                 artifacts=["audit/dlg.tsv", "audit/dlg.md", "audit/dlg_grid.png"]), flush=True)
     return 0
 
 

@@ -282,8 +282,9 @@ def main(argv: Sequence[str]) -> int:
         audit_logger.finalize(status)
     print(table(results), flush=True)
     uri = tracking.tracking_uri_of(audit_logger)
-    print(f"MLflow audit run {audit_logger.run_id} (target run {target_logger.run_id})\n  tracking URI: {uri}\n"
-          f"  browse runs:  {tracking.ui_command(uri)}", flush=True)
+    print(f"The target model's run: {target_logger.run_id}", flush=True)
+    print(tracking.run_locations(audit_logger.run_id, audit_logger.experiment_id, uri, what="MLflow audit run"),
+          flush=True)
     return 0
 
 
