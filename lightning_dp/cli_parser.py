@@ -43,8 +43,8 @@ class ShortErrorParser(LightningArgumentParser):
         super().__init__(*args, **kwargs)
 
     @override
-    def format_help(self) -> str:
-        return class_help_spelling(plain_text(super().format_help()))
+    def format_help(self, formatter: Any = None) -> str:
+        return class_help_spelling(plain_text(super().format_help(formatter)))
 
     @override
     def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
@@ -90,8 +90,8 @@ class ShortJsonParser(ArgumentParser):
         super().__init__(*args, **kwargs)
 
     @override
-    def format_help(self) -> str:
-        return class_help_spelling(plain_text(super().format_help()))
+    def format_help(self, formatter: Any = None) -> str:
+        return class_help_spelling(plain_text(super().format_help(formatter)))
 
     @override
     def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:

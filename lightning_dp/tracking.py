@@ -584,7 +584,7 @@ def ui_command(tracking_uri: Optional[str] = None) -> str:
     return f"mlflow ui --backend-store-uri {shlex.quote(uri)}"
 
 
-def run_locations(run_id: str, experiment_id: str, tracking_uri: str, what: str = "MLflow run",
+def run_locations(run_id: Optional[str], experiment_id: Optional[str], tracking_uri: str, what: str = "MLflow run",
                   artifacts: Sequence[str] = ()) -> str:
     """Where a run is recorded, as every command prints it: run id, tracking URI, how to browse it, and the
     link that opens the experiment in MLflow's training view (MLflow 3 opens in its GenAI view otherwise).
