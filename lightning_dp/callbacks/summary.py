@@ -26,6 +26,16 @@ def format_summary(title: str, rows: Sequence[tuple[str, str]]) -> str:
 
 
 def print_summary(trainer: Any, title: str, rows: Sequence[tuple[str, str]]) -> None:
-    """Print :func:`format_summary` on global rank zero (one copy under DDP)."""
-    if trainer.is_global_zero:
-        print(format_summary(title, rows), flush=True)
+    """Print :func:`format_summary` on global rank zero (one copy under DDP), after the progress bar's last frame.
+
+    Called from ``on_fit_end``. Lightning's Rich progress bar draws its final frame when it stops, in its
+    ``teardown`` hook, after ``on_fit_end``: in a log file that frame (with its metrics cut to the width) came
+    after the summary. The bar's own ``teardown`` is called here first (idempotent: it stops a display that
+    is running, and Lightning's later call finds it stopped), so that the summary is the run's last word.
+    """
+    if not trainer.is_global_zero:
+        return
+    bar = getattr(trainer, "progress_bar_callback", None)
+    if bar is not None and getattr(trainer, "lightning_module", None) is not None:
+        bar.teardown(trainer, trainer.lightning_module, "fit")
+    print(format_summary(title, rows), flush=True)

@@ -209,3 +209,23 @@ def test_grid_calibration_errors(runs, match):
 
     with pytest.raises(ValueError, match=match):
         calibrate_composed_noise_multiplier(target_epsilon=1.0, target_delta=1e-5, runs=runs)
+
+
+def test_the_readme_calibration_takes_few_evaluations_and_is_cached(monkeypatch):
+    """Item 4 of issue 26: the README job's calibration (epsilon 3, q = 64/1,257, 600 steps, PLD) brackets from
+    the Gaussian-DP guess in a handful of accountant evaluations, and a second one in the process costs none
+    (its time, 0.28 s on an idle machine, is in docs/benchmarks.md; tests do not assert times)."""
+    from lightning_dp.privacy import calibration
+
+    calls = []
+    real = calibration._spend
+    monkeypatch.setattr(calibration, "_spend", lambda *a, **k: calls.append(a) or real(*a, **k))
+    monkeypatch.setattr(calibration, "_CALIBRATION_CACHE", {})
+    args = dict(target_epsilon=3.0, target_delta=1e-5, sample_rate=64 / 1257, steps=600)
+    sigma = calibrate_noise_multiplier(**args)
+    assert 1 <= len(calls) <= 8, len(calls)
+    reference = get_accountant("pld")
+    reference.step(noise_multiplier=sigma, sample_rate=64 / 1257, num_steps=600)
+    assert reference.get_epsilon(1e-5) <= 3.0
+    calls.clear()
+    assert calibrate_noise_multiplier(**args) == sigma and calls == []
