@@ -98,6 +98,8 @@ RECORD: list[Declaration] = [
                 "must monitor a release: lightning_dp.gate.check_monitors)", ("LearningRateMonitor",)),
     Declaration("grid.md", Kind.RELEASE, "artifact", "a grid's report: its runs' releases and accounted spends"),
     Declaration("grid_bars.png", Kind.RELEASE, "artifact", "a grid's bars of its runs' released metrics"),
+    Declaration("privacy_utility.*", Kind.RELEASE, "artifact", "a grid's (or lightning-dp compare's) task metric "
+                "against epsilon: its runs' released metrics and accounted spends"),
     Declaration("pdpfl/public_clients", Kind.RELEASE, "metric", "PFA's public group among the participants, from "
                 "the budgets the clients reveal (direct split) or from their released updates' norms (indirect)",
                 ("FederatedRound",)),
