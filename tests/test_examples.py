@@ -224,3 +224,28 @@ def test_every_example_instantiates_or_names_its_extra_on_the_plain_install(tmp_
     assert "dpsgd_digits.yaml" not in needing and "fedavg_mnist.yaml" not in needing  # IID needs no extra
     assert "[fl]" in needing["fedavg_dp_mnist.yaml"] and "partition='pathological'" in needing["fedavg_dp_mnist.yaml"]
     assert "[lm]" in needing["dp_lora_wikitext2.yaml"]  # the language models name theirs
+
+
+def test_oso_fig3_2_frontier_spends_the_same_everywhere_and_redraws(tmp_path):
+    """examples/oso/figures.py fig3.2: every (nu_q, nu_g) on a curve composes to its nu (Prop. 1); the chosen
+    point is the thesis' 7.124 nu / 1.01 nu; the committed table redraws without calibrating."""
+    import csv
+    import importlib.util
+    import shutil
+
+    from lightning_dp.privacy.adaptive import composed_noise_multiplier
+
+    spec = importlib.util.spec_from_file_location("oso_figures", ROOT / "oso" / "figures.py")
+    figures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(figures)
+    for nu_q, nu_g in figures.frontier(0.845):
+        assert composed_noise_multiplier(nu_g, nu_q) == pytest.approx(0.845, rel=1e-12)
+    committed = ROOT.parent / "docs" / "figures" / "oso_fig3_2.tsv"
+    shutil.copy(committed, tmp_path / "oso_fig3_2.tsv")
+    figures.main(["fig3.2", "--out", str(tmp_path), "--replot"])
+    assert (tmp_path / "oso_fig3_2.png").stat().st_size > 0
+    chosen = [r for r in csv.DictReader(committed.open(), delimiter="\t") if r["chosen"] == "1"]
+    assert [float(r["epsilon"]) for r in chosen] == list(figures.EPSILONS)
+    for r in chosen:
+        assert float(r["nu_q"]) == pytest.approx(7.124 * float(r["nu"]))
+        assert float(r["nu_g"]) == pytest.approx(1.01 * float(r["nu"]), rel=1e-3)

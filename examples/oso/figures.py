@@ -1,0 +1,105 @@
+"""Thesis ch. 3 figures that need no training run: Fig. 3.2, the Pareto frontier of OSO's two noise multipliers.
+
+    python examples/oso/figures.py fig3.2            # docs/figures/oso_fig3_2.{png,tsv}
+    python examples/oso/figures.py fig3.2 --replot   # redraw from the TSV
+
+OSO-DPSGD releases two sums of the same Poisson batch at each step: the clipped gradients with noise
+multiplier nu_g and the unit vectors q_i with nu_q. Together they are one Gaussian mechanism of
+multiplier nu when nu_g = (nu^-2 - nu_q^-2)^(-1/2) (thesis Proposition 1; in the code
+:func:`lightning_dp.privacy.adaptive.oso_noise_split`). For a privacy requirement, nu is what the
+accountant calibrates; every pair (nu_q, nu_g) on that curve spends the same. The thesis picks the point
+where nu_g is 1 % above nu, nu_q = 7.124 nu. Fig. 3.2 draws the curves for several epsilons "from the MNIST
+experiments"; the thesis does not state their batch size or length, so the curves here are for the
+project's full-scale MNIST config (examples/oso/mnist.yaml: N = 54,000 training images, expected batch 256,
+30 epochs, delta 1e-5, PLD accountant; one run, not a grid), stated on the figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+#: The setting of the curves (examples/oso/mnist.yaml): training images, expected batch, epochs, delta.
+SETTING = {"dataset_size": 54_000, "batch_size": 256, "epochs": 30, "delta": 1e-5}
+EPSILONS = (1.0, 3.0, 5.0, 7.0, 9.0)
+#: nu_q / nu along each curve (a curve exists for nu_q > nu only).
+RATIOS = [1.0 + 0.02 * i for i in range(1, 50)] + [2.0 + 0.25 * i for i in range(1, 57)]
+
+
+def frontier(noise_multiplier: float) -> list[tuple[float, float]]:
+    """``(nu_q, nu_g)`` along the curve of one overall multiplier ``nu`` (every point composes to ``nu``)."""
+    from lightning_dp.privacy.adaptive import oso_noise_split
+
+    return [(nu_q, nu_g) for nu_g, nu_q in (oso_noise_split(noise_multiplier, q_noise_multiplier=r * noise_multiplier)
+                                            for r in RATIOS)]
+
+
+def measure_fig3_2() -> list[list]:
+    from lightning_dp.privacy.adaptive import oso_noise_split
+    from lightning_dp.privacy.calibration import calibrate_noise_multiplier, steps_for_epochs
+
+    q = SETTING["batch_size"] / SETTING["dataset_size"]
+    steps = steps_for_epochs(epochs=SETTING["epochs"], sample_rate=q)
+    rows = [["epsilon", "nu", "nu_q", "nu_g", "chosen"]]
+    for eps in EPSILONS:
+        nu = calibrate_noise_multiplier(target_epsilon=eps, target_delta=SETTING["delta"], sample_rate=q,
+                                        steps=steps)
+        rows += [[eps, nu, nu_q, nu_g, 0] for nu_q, nu_g in frontier(nu)]
+        nu_g, nu_q = oso_noise_split(nu)
+        rows.append([eps, nu, nu_q, nu_g, 1])
+    return rows
+
+
+def draw_fig3_2(table: list[dict]):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 4.4), layout="constrained")
+    ax = fig.subplots()
+    for i, eps in enumerate(dict.fromkeys(r["epsilon"] for r in table)):
+        curve = [r for r in table if r["epsilon"] == eps and r["chosen"] == "0"]
+        (chosen,) = [r for r in table if r["epsilon"] == eps and r["chosen"] == "1"]
+        ax.plot([float(r["nu_q"]) for r in curve], [float(r["nu_g"]) for r in curve], color=f"C{i}",
+                label=f"epsilon {float(eps):g} (nu = {float(chosen['nu']):.3f})")
+        ax.plot([float(chosen["nu_q"])], [float(chosen["nu_g"])], "o", color=f"C{i}")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("nu_q (noise multiplier of the sum of q_i)")
+    ax.set_ylabel("nu_g (noise multiplier of the clipped gradient sum)")
+    ax.set_title("OSO: pairs of equal privacy (Prop. 1); dots: nu_q = 7.124 nu, nu_g = 1.01 nu\n"
+                 f"N = {SETTING['dataset_size']:,}, batch {SETTING['batch_size']}, {SETTING['epochs']} epochs, "
+                 f"delta {SETTING['delta']:g}, PLD", fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    return fig
+
+
+FIGURES = {"fig3.2": (measure_fig3_2, draw_fig3_2)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("figure", choices=sorted(FIGURES))
+    parser.add_argument("--out", default=str(ROOT / "docs" / "figures"))
+    parser.add_argument("--replot", action="store_true", help="redraw the figure from its TSV in --out")
+    args = parser.parse_args(argv)
+    measure, draw = FIGURES[args.figure]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "oso_" + args.figure.replace(".", "_")
+    tsv = out / f"{stem}.tsv"
+    if not args.replot:
+        with tsv.open("w", newline="") as handle:
+            csv.writer(handle, delimiter="\t", lineterminator="\n").writerows(measure())
+    with tsv.open() as handle:
+        table = list(csv.DictReader(handle, delimiter="\t"))
+    draw(table).savefig(out / f"{stem}.png", dpi=120)
+    print(f"{'redrew' if args.replot else 'wrote'} {out / stem}.png from {tsv}")
+
+
+if __name__ == "__main__":
+    main()
