@@ -244,6 +244,9 @@ def test_oso_fig3_2_frontier_spends_the_same_everywhere_and_redraws(tmp_path):
     shutil.copy(committed, tmp_path / "oso_fig3_2.tsv")
     figures.main(["fig3.2", "--out", str(tmp_path), "--replot"])
     assert (tmp_path / "oso_fig3_2.png").stat().st_size > 0
+    shutil.copy(committed.with_name("oso_fig3_1.tsv"), tmp_path / "oso_fig3_1.tsv")  # Fig. 3.1 redraws too
+    figures.main(["fig3.1", "--out", str(tmp_path), "--replot"])
+    assert (tmp_path / "oso_fig3_1.png").stat().st_size > 0
     chosen = [r for r in csv.DictReader(committed.open(), delimiter="\t") if r["chosen"] == "1"]
     assert [float(r["epsilon"]) for r in chosen] == list(figures.EPSILONS)
     for r in chosen:

@@ -1,7 +1,16 @@
-"""Thesis ch. 3 figures that need no training run: Fig. 3.2, the Pareto frontier of OSO's two noise multipliers.
+"""Thesis ch. 3 figures outside the grids: Fig. 3.1 (cosine against C) and Fig. 3.2 (OSO's noise frontier).
 
+    python examples/oso/figures.py fig3.1            # docs/figures/oso_fig3_1.{png,tsv}, about a minute
     python examples/oso/figures.py fig3.2            # docs/figures/oso_fig3_2.{png,tsv}
-    python examples/oso/figures.py fig3.2 --replot   # redraw from the TSV
+    python examples/oso/figures.py fig3.2 --replot   # redraw from the TSV (either figure)
+
+Fig. 3.1: why C matters. A CNN for character recognition is trained; at iterations t in {100, 250, 500,
+750, 950} the DP-SGD gradient of one batch (clipped at C, averaged, noised) is compared with the batch's
+true mean gradient by their cosine, averaged over 20 draws of the noise
+(:func:`lightning_dp.privacy.clipping.sanitized_cosine`): small C biases the direction, large C drowns it
+in noise. The thesis states neither the training, the batch nor nu; here: MNISTConvNet (tanh, thesis
+Table 3.5) on 8,000 images of the official MNIST test split (../shared/data/mnist), plain SGD at lr 0.1
+(the trajectory is not private; only the measured release is DP-SGD's), batch 256, nu = 1.0.
 
 OSO-DPSGD releases two sums of the same Poisson batch at each step: the clipped gradients with noise
 multiplier nu_g and the unit vectors q_i with nu_q. Together they are one Gaussian mechanism of
@@ -78,7 +87,80 @@ def draw_fig3_2(table: list[dict]):
     return fig
 
 
-FIGURES = {"fig3.2": (measure_fig3_2, draw_fig3_2)}
+#: Fig. 3.1's setting (the thesis states none of it).
+FIG31 = {"iterations": (100, 250, 500, 750, 950), "batch_size": 256, "lr": 0.1, "noise_multiplier": 1.0,
+         "realizations": 20, "seed": 0, "clip_norms": [10 ** (-3 + 0.2 * i) for i in range(26)]}
+
+
+def measure_fig3_1(data_dir: str | None = None) -> list[list]:
+    import torch
+    from torch.func import functional_call, grad, vmap
+
+    from lightning_dp.datamodules import MNISTDataModule
+    from lightning_dp.models import MNISTConvNet
+    from lightning_dp.privacy.clipping import sanitized_cosine
+
+    torch.manual_seed(FIG31["seed"])
+    data = MNISTDataModule(data_dir=data_dir or str((ROOT / ".." / "shared" / "data" / "mnist").resolve()),
+                           subset="t10k", train_fraction=0.8, val_fraction=0.1, batch_size=FIG31["batch_size"],
+                           seed=FIG31["seed"])
+    data.setup("fit")
+    loader = data.train_dataloader()
+    model = MNISTConvNet(activation="tanh")
+    optimizer = torch.optim.SGD(model.parameters(), lr=FIG31["lr"])
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss_of(p, x, y):
+        out = functional_call(model, p, (x.unsqueeze(0),))
+        return torch.nn.functional.cross_entropy(out, y.unsqueeze(0))
+
+    generator = torch.Generator().manual_seed(FIG31["seed"])
+    norms = torch.tensor(FIG31["clip_norms"])
+    rows, step = [["iteration", "max_grad_norm", "cosine", "cosine_without_noise"]], 0
+    while step < max(FIG31["iterations"]):
+        for x, y in loader:
+            step += 1
+            if step in FIG31["iterations"]:
+                params = {k: v.detach() for k, v in model.named_parameters()}
+                grads = vmap(grad(loss_of), in_dims=(None, 0, 0))(params, x, y)
+                flat = torch.cat([g.flatten(1) for g in grads.values()], dim=1)
+                cos = sanitized_cosine(flat, norms, noise_multiplier=FIG31["noise_multiplier"], generator=generator,
+                                       realizations=FIG31["realizations"])
+                bias = sanitized_cosine(flat, norms, noise_multiplier=0.0, generator=generator, realizations=1)
+                rows += [[step, float(c), float(v), float(b)] for c, v, b in zip(norms, cos, bias)]
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if step >= max(FIG31["iterations"]):
+                break
+    return rows
+
+
+def draw_fig3_1(table: list[dict]):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 4.2), layout="constrained")
+    ax = fig.subplots()
+    for i, t in enumerate(dict.fromkeys(r["iteration"] for r in table)):
+        rows = [r for r in table if r["iteration"] == t]
+        ax.plot([float(r["max_grad_norm"]) for r in rows], [float(r["cosine"]) for r in rows], marker=".",
+                color=f"C{i}", label=f"t = {t}")
+        ax.plot([float(r["max_grad_norm"]) for r in rows], [float(r["cosine_without_noise"]) for r in rows],
+                linestyle=":", color=f"C{i}")
+    ax.axhline(0, color="0.5", linewidth=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("clipping norm C")
+    ax.set_ylabel("cosine(sanitized gradient, true mean gradient)")
+    ax.set_title(f"MNISTConvNet, batch {FIG31['batch_size']}, nu = {FIG31['noise_multiplier']:g}, mean over "
+                 f"{FIG31['realizations']} noise draws\n(dotted: the same without noise, the clipping bias alone)",
+                 fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    return fig
+
+
+FIGURES = {"fig3.1": (measure_fig3_1, draw_fig3_1), "fig3.2": (measure_fig3_2, draw_fig3_2)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("figure", choices=sorted(FIGURES))
     parser.add_argument("--out", default=str(ROOT / "docs" / "figures"))
     parser.add_argument("--replot", action="store_true", help="redraw the figure from its TSV in --out")
+    parser.add_argument("--data-dir", default=None, help="fig3.1: the MNIST IDX files (default ../shared/data/mnist)")
     args = parser.parse_args(argv)
     measure, draw = FIGURES[args.figure]
     out = Path(args.out)
@@ -94,7 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     tsv = out / f"{stem}.tsv"
     if not args.replot:
         with tsv.open("w", newline="") as handle:
-            csv.writer(handle, delimiter="\t", lineterminator="\n").writerows(measure())
+            rows = measure(args.data_dir) if args.figure == "fig3.1" else measure()
+            csv.writer(handle, delimiter="\t", lineterminator="\n").writerows(rows)
     with tsv.open() as handle:
         table = list(csv.DictReader(handle, delimiter="\t"))
     draw(table).savefig(out / f"{stem}.png", dpi=120)

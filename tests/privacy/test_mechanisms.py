@@ -418,3 +418,28 @@ def test_sanitize_update_rejects_invalid_tensors() -> None:
         sanitize_update(broken, reference, noise_multiplier=1.0, generator=_gen(0))
     with pytest.raises(ValueError, match="must be tensors"):
         sanitize_update(client.tolist(), reference, noise_multiplier=1.0, generator=_gen(0))
+
+
+def test_sanitized_cosine_equals_a_naive_loop_over_examples_and_draws():
+    """Thesis Fig. 3.1's measurement: per C, clip each example, average, add N(0, (nu C)^2 I) / B, cosine with the
+    true mean, averaged over the draws; against a loop over examples and draws with the same generator stream."""
+    import torch
+
+    from lightning_dp.privacy.clipping import sanitized_cosine
+
+    g = torch.randn(7, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 3
+    norms = torch.tensor([0.1, 1.0, 100.0])
+    got = sanitized_cosine(g, norms, noise_multiplier=0.7, generator=torch.Generator().manual_seed(2),
+                           realizations=4)
+    gen = torch.Generator().manual_seed(2)
+    true = sum(g[i] for i in range(7)) / 7
+    for k, c in enumerate(norms.tolist()):
+        clipped = sum(g[i] * min(1.0, c / (float(g[i].norm()) + 1e-6)) for i in range(7)) / 7
+        draws = torch.randn((4, 5), generator=gen, dtype=torch.float64)
+        cosines = [float(torch.dot(clipped + d * 0.7 * c / 7, true) / ((clipped + d * 0.7 * c / 7).norm() * true.norm()))
+                   for d in draws]
+        assert float(got[k]) == pytest.approx(sum(cosines) / 4, rel=1e-9)
+    assert float(sanitized_cosine(g, torch.tensor([1e6]), noise_multiplier=0.0,
+                                  generator=torch.Generator())[0]) == pytest.approx(1.0)  # no clip, no noise
+    with pytest.raises(ValueError, match="realizations"):
+        sanitized_cosine(g, norms, noise_multiplier=1.0, generator=torch.Generator(), realizations=0)
