@@ -12,9 +12,10 @@ accepted: the parsers decide, this only rewords their refusal.
 
 Set ``LIGHTNING_DP_TRACEBACK=1`` to get the full error and traceback instead.
 
-:class:`ShortHelpFormatter` does the same for ``--help``: jsonargparse lists every known
-subclass of an option's type (for a ``torch.nn.Module`` option, about 150 classes over 400
-lines); it keeps ours and a few others.
+Everything here is standard library, so that ``lightning-dp --help``, ``--version`` and the argument errors
+of ``epsilon``, ``grid`` and ``compare`` (:class:`ShortArgumentParser`) answer before torch is imported. The
+jsonargparse parsers with the same errors and a shortened help (known subclasses cut, options spelled as
+configs spell them) are in :mod:`lightning_dp.cli_parser`.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn, Optional
 
-__all__ = ["ConfigurationError", "ShortErrorParser", "ShortHelpFormatter", "closest", "condense", "is_refusal",
-           "is_user_error", "root_cause", "root_message", "shorten_known_subclasses", "show_tracebacks", "suggest"]
+__all__ = ["ConfigurationError", "ShortArgumentParser", "class_help_spelling", "closest", "condense", "is_refusal",
+           "is_user_error", "option_synonyms", "plain_text", "root_cause", "root_message", "short_error",
+           "show_tracebacks", "suggest"]
 
 TRACEBACK_ENV = "LIGHTNING_DP_TRACEBACK"
 

@@ -6,9 +6,9 @@ parallel coordinates of whatever the runs logged; this module draws the metric a
 - runs are grouped by their configuration without the seeds (``seed_everything``, ``*.seed``): a group is
   one setting repeated over seeds, drawn as its mean with sample-std error bars in both directions
   (none for a single run);
-- a run with no private component (the ``lightning_dp.private = false`` tag that
-  :class:`~lightning_dp.callbacks.RunArtifacts` sets) is the non-private baseline: a horizontal line, with
-  a band of one sample std when there are several;
+- a run with no private component, or one that releases without protection whatever epsilon it logs
+  (the ``lightning_dp.private = false`` tag that :class:`~lightning_dp.callbacks.RunArtifacts` sets) is a
+  non-private baseline: a horizontal line, with a band of one sample std when there are several;
 - a run that logged no epsilon and is not marked non-private is left out and named (never drawn as a
   baseline: a private run shown without its epsilon would be misread).
 
@@ -36,7 +36,8 @@ from typing import Any, Optional
 __all__ = ["COMPARE_TAG", "Group", "Outcome", "PRIVATE_TAG", "choose_metric", "group_outcomes", "grid_outcomes",
            "main", "utility_figure", "utility_table"]
 
-#: Tag of every run fitted by ``lightning-dp``: "true" when a component reports a privacy spend, else "false".
+#: Tag of every run fitted by ``lightning-dp``: "true" when a component reports a privacy spend and none releases
+#: without protection, else "false".
 PRIVATE_TAG = "lightning_dp.private"
 #: Tag of the runs ``lightning-dp compare`` creates (never compared themselves).
 COMPARE_TAG = "lightning_dp.compare.runs"
@@ -159,6 +160,10 @@ def choose_metric(available: Sequence[set[str]], metric: Optional[str] = None) -
         ValueError: no run has it, with the metrics the runs have.
     """
     seen = set().union(*available) if available else set()
+    if metric is not None and not metric.startswith(("val/", "test/")):
+        raise ValueError(f"--metric {metric}: the picture is a release, so it draws a metric of the released model "
+                         "on held-out data (val/* or test/*); training statistics (nonprivate/*) are not covered by "
+                         "epsilon")
     if metric is not None:
         if metric not in seen:
             from lightning_dp.cli_errors import closest
@@ -176,14 +181,16 @@ def choose_metric(available: Sequence[set[str]], metric: Optional[str] = None) -
     raise ValueError(f"no task metric (val/* or test/*) in the runs; their metrics: {sorted(seen)}; pass --metric")
 
 
-def _differing_label(params: Mapping[str, Mapping[str, str]]) -> dict[str, str]:
-    """A short label per group from the settings that differ between groups (``key=value, ...``)."""
+def _labels(params: Mapping[str, Mapping[str, str]]) -> dict[str, str]:
+    """A short, unique label per group from the settings that differ between groups (``key=value, ...``)."""
     keys = sorted({k for p in params.values() for k in p})
     varying = [k for k in keys if len({p.get(k) for p in params.values()}) > 1]
-    labels = {}
+    labels: dict[str, str] = {}
     for group, p in params.items():
-        parts = [f"{k.rsplit('/', 1)[-1].rsplit('.', 1)[-1]}={p.get(k, '-')}" for k in varying[:3]]
-        labels[group] = ", ".join(parts) + (", ..." if len(varying) > 3 else "")
+        label = ", ".join(f"{k.rsplit('/', 1)[-1].rsplit('.', 1)[-1]}={p.get(k, '-')}" for k in varying)
+        labels[group] = label if len(label) <= 60 else label[:57] + "..."
+    if len(set(labels.values())) < len(labels):  # cut labels that collide: number them
+        labels = {group: f"{label} [{i + 1}]" for i, (group, label) in enumerate(labels.items())}
     return labels
 
 
@@ -195,8 +202,9 @@ def _is_seed(key: str) -> bool:
 def runs_outcomes(runs: Sequence[Any], metric: Optional[str] = None) -> tuple[str, list[Outcome], list[str]]:
     """Outcomes of MLflow runs (``mlflow.entities.Run``): the metric chosen, the outcomes, the runs left out (why).
 
-    A run's group is its run name with its seed parameters removed when runs share the rest of their
-    parameters; the label shows what differs between groups.
+    Runs are grouped by their parameters without the seeds (and the library versions): a group is one setting
+    repeated over seeds. A group's label is its run name when every group has one distinct name, else the
+    settings that differ between groups.
     """
     chosen = choose_metric([set(r.data.metrics) for r in runs], metric)
     skipped, kept = [], []
@@ -207,23 +215,26 @@ def runs_outcomes(runs: Sequence[Any], metric: Optional[str] = None) -> tuple[st
             skipped.append(f"{r.info.run_name} ({r.info.run_id[:8]}): no {chosen}")
         elif eps is None and private != "false":
             skipped.append(f"{r.info.run_name} ({r.info.run_id[:8]}): no epsilon logged and not marked non-private")
-        else:
-            kept.append((r, None if private == "false" and eps is None else eps))
-    keyed: dict[str, dict[str, str]] = {}
+        else:  # marked non-private: a baseline, whatever epsilon it logged (an unsanitized release claims none)
+            kept.append((r, None if private == "false" else eps))
+    params: dict[str, dict[str, str]] = {}
+    names: dict[str, set[str]] = {}
     key_of = {}
     for r, _ in kept:
-        params = {k: v for k, v in r.data.params.items() if not _is_seed(k) and not k.startswith("versions/")}
-        key = repr(sorted(params.items()))
-        keyed.setdefault(key, params)
+        setting = {k: v for k, v in r.data.params.items() if not _is_seed(k) and not k.startswith("versions/")}
+        key = repr(sorted(setting.items()))
+        params.setdefault(key, setting)
+        names.setdefault(key, set()).add(r.info.run_name or r.info.run_id[:8])
         key_of[r.info.run_id] = key
-    labels = _differing_label(keyed) if len(keyed) > 1 else {}
-    outcomes = []
-    for r, eps in kept:
-        key = key_of[r.info.run_id]
-        label = labels.get(key) or (r.info.run_name or r.info.run_id[:8])
-        if len(keyed) == len(kept) and r.info.run_name:
-            label = r.info.run_name  # one run per setting: its own name says more than the differing params
-        outcomes.append(Outcome(r.info.run_id, label, eps, float(r.data.metrics[chosen])))
+    by_name = {key: next(iter(n)) for key, n in names.items() if len(n) == 1}
+    if len(by_name) == len(params) and len(set(by_name.values())) == len(by_name):
+        labels = by_name  # one distinct run name per setting: the names say more than the parameters
+    elif len(params) == 1:
+        labels = {next(iter(params)): "all runs"}
+    else:
+        labels = _labels(params)
+    outcomes = [Outcome(r.info.run_id, labels[key_of[r.info.run_id]], eps, float(r.data.metrics[chosen]))
+                for r, eps in kept]
     return chosen, outcomes, skipped
 
 

@@ -103,3 +103,29 @@ def test_outcome_epsilon_of_a_grid_point_that_released_unsanitized_is_a_baseline
     groups = group_outcomes(outcomes)
     assert metric == "test/acc" and [(g.label, g.epsilon, len(g.runs)) for g in groups] == [
         ("nu=1", 2.0, 2), ("nu=0", None, 1)]
+
+
+def test_compare_groups_by_setting_not_by_name_and_marks_unprotected_runs(workdir, store_template, capsys):
+    """Review findings: runs of one config at three epsilons share a run name (three rows, not one); seeds with
+    MLflow's generated names are one row; a run tagged non-private is a baseline whatever epsilon it logged."""
+    seed_store(store_template, workdir / "mlruns" / "mlflow.db")
+    client = mlflow.MlflowClient(default_tracking_uri())
+    eid = client.create_experiment("grp", artifact_location=(workdir / "art").as_uri())
+    for eps, acc in ((1, 0.7), (3, 0.8), (8, 0.9)):
+        _run(client, eid, "same-name", {"privacy/epsilon": eps * 0.99, "val/acc": acc},
+             {"target_epsilon": str(eps), "seed_everything": "0"}, {PRIVATE_TAG: "true"})
+    _run(client, eid, "noiseless", {"privacy/epsilon": 0.99, "val/acc": 0.95}, {"target_epsilon": "1", "x": "y"},
+         {PRIVATE_TAG: "false"})  # NoiselessDPSGD: its logged epsilon is a claim, not a guarantee
+    assert cli.main(["compare", "--experiment", "grp", "--no-log"]) == 0
+    out = capsys.readouterr().out
+    assert "| 3 | 3 |" not in out and out.count("| 1 |") >= 3  # three settings, one run each
+    assert "non-private | 0.95 |" in out
+    eid2 = client.create_experiment("seeds", artifact_location=(workdir / "art2").as_uri())
+    for s, acc in ((0, 0.80), (1, 0.84), (2, 0.82)):
+        _run(client, eid2, f"gentle-owl-{s}", {"privacy/epsilon": 2.96, "val/acc": acc},
+             {"target_epsilon": "3", "seed_everything": str(s)}, {PRIVATE_TAG: "true"})
+    assert cli.main(["compare", "--experiment", "seeds", "--no-log"]) == 0
+    assert "| all runs | 3 | 2.96 ± 0 | 0.82 ± 0.02 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["compare", "--experiment", "seeds", "--metric", "nonprivate/train_loss", "--no-log"])
+    assert "not covered by epsilon" in capsys.readouterr().err

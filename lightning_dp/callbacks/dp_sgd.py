@@ -432,9 +432,12 @@ class DPSGD(Callback):
         if self._data and factor != self._parts:
             raise virtual_batches.mismatch(factor, self._parts, f"seen {when}")
 
-    def check_fit(self, trainer: Trainer, pl_module: LightningModule, ckpt_path: str | os.PathLike[str] | None = None) -> None:
+    def check_fit(self, trainer: Trainer, pl_module: LightningModule, ckpt_path: str | os.PathLike[str] | None = None,
+                  *, lengths: bool = True) -> None:
         """Refuse a fit that cannot be private from the Trainer's and the module's settings alone, before any data
-        is read or any model summary printed (``lightning-dp`` calls it before ``Trainer.fit``; :meth:`setup` again).
+        is read or any model summary printed (``lightning-dp`` calls it before ``Trainer.fit``; :meth:`setup` again
+        with ``lengths=False``: Lightning sets ``trainer.ckpt_path`` only after ``setup``, so a resumed run cannot be
+        told from a fresh one there, and the lengths are checked when training starts, :meth:`_resolve_plan`).
 
         Raises:
             MisconfigurationException: manual optimization, an unsupported precision, ``min_epochs``/``min_steps``
@@ -463,7 +466,8 @@ class DPSGD(Callback):
                 "shards, which breaks the per-epoch bound). Use poisson_sampling=True.")
         if not self.replace_batchnorm and find_mixing_layers(pl_module):
             raise MisconfigurationException(describe_mixing_layers(find_mixing_layers(pl_module)))
-        self._check_epochs_agree(trainer, ckpt_path)
+        if lengths:
+            self._check_epochs_agree(trainer, ckpt_path)
 
     def _check_epochs_agree(self, trainer: Trainer, ckpt_path: str | os.PathLike[str] | None) -> None:
         """A Trainer that runs more epochs than this callback plans, refused before any data is read.
@@ -492,7 +496,7 @@ class DPSGD(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self.check_fit(trainer, pl_module, ckpt_path=trainer.ckpt_path)
+        self.check_fit(trainer, pl_module, lengths=False)
         self._fix_loss_scale(trainer)
 
         mixing = find_mixing_layers(pl_module)
@@ -1265,7 +1269,8 @@ class DPSGD(Callback):
                 self._budget_stop = trainer.global_step
         every = trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by Lightning, undeclared on Trainer
         epoch_end = batch_idx + 1 >= trainer.num_training_batches  # the bar's epsilon is current at every epoch end
-        written = bool(every and trainer.global_step % every == 0) or trainer.should_stop  # Lightning's cadence
+        # what Lightning writes at this step: its cadence, or a stop; nothing at all with log_every_n_steps=0
+        written = bool(every) and (trainer.global_step % every == 0 or trainer.should_stop)
         if written or epoch_end:
             self._log_privacy(pl_module, trainer.global_step, written=written)
 

@@ -123,11 +123,15 @@ class RunArtifacts(Callback):
             target = float(goal) if isinstance(goal, (int, float)) else None
         tracking.set_tags(trainer, run_summary(metrics, target_epsilon=target))
         from lightning_dp.compare import PRIVATE_TAG
-        from lightning_dp.privacy.spend import reporters_of
+        from lightning_dp.privacy.spend import reporters_of, spends_of
 
-        is_private = bool(reporters_of([*trainer.callbacks, pl_module]))  # type: ignore[attr-defined]
-        tracking.set_tags(trainer, {PRIVATE_TAG: str(is_private).lower()})  # lightning-dp compare: the baseline's mark
-        if not is_private:
+        components = [*trainer.callbacks, pl_module]  # type: ignore[attr-defined]
+        reporting = bool(reporters_of(components))
+        # private: some component accounts the run and none releases without protection (NoiselessDPSGD, an
+        # unsanitized round: their logged epsilon is a claim, not a guarantee); lightning-dp compare reads it
+        is_private = reporting and not any(s.unsanitized for s in spends_of(components))
+        tracking.set_tags(trainer, {PRIVATE_TAG: str(is_private).lower()})
+        if not reporting:
             # a private component prints its own summary (DPSGD, the federated round); a run without one says so
             epochs = trainer.current_epoch
             print_summary(trainer, f"Non-private training: {trainer.global_step} steps ({epochs} epoch"

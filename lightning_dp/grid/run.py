@@ -116,6 +116,7 @@ def run_grid(config: Sequence[str], sets: Sequence[tuple[str, list[Any]]], *, te
                         plan, j = run_budget[i]
                         dp_callback(self.trainer, values).fix_noise_multiplier(
                             plan.noise_multiplier, target_epsilon=plan.run_epsilon(j), target_delta=plan.delta)
+                    super().before_fit()  # the settings-only refusals, before the child run exists
                     if self.trainer.is_global_zero:  # nested under the grid's parent run before it logs anything
                         for logger in tracking.mlflow_loggers(self.trainer):
                             parents.adopt(logger, base_name(logger, config), values)

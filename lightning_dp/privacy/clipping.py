@@ -79,7 +79,8 @@ def sanitized_cosine(per_sample: Tensor, max_grad_norms: Tensor, *, noise_multip
     out = []
     for c in max_grad_norms.double().tolist():
         clipped = (g * clip_factors(norms, c).unsqueeze(1)).mean(0)
-        noise = torch.randn((realizations, g.shape[1]), generator=generator, dtype=torch.float64)
+        noise = torch.randn((realizations, g.shape[1]), generator=generator, dtype=torch.float64,
+                            device=generator.device).to(g.device)
         noisy = clipped + noise * (noise_multiplier * c / g.shape[0])
         out.append(torch.nn.functional.cosine_similarity(noisy, true.expand_as(noisy), dim=1).mean())
     return torch.stack(out)

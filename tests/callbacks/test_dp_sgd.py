@@ -431,8 +431,8 @@ def test_longer_trainer_is_refused_before_any_step_with_both_values_and_the_fixe
         t.fit(Classifier(), BlobsData(n=200, batch_size=20))
     assert probe.batches == [] and t.global_step == 0 and len(dp.accountant) == 0
     assert str(err.value) == (
-        "DPSGD plans 2 epochs (epochs=2) but the Trainer runs up to 6 epochs (Trainer max_epochs=6): the noise would "
-        "be calibrated for the plan and target_epsilon=2.0 would stop training there. Make them agree "
+        "DPSGD plans 2 epochs (epochs=2, 20 steps) but the Trainer runs up to 6 epochs (Trainer max_epochs=6, 60 "
+        "steps): the noise would be calibrated for the plan and target_epsilon=2.0 would stop training there. Make them agree "
         "(--trainer.max_epochs=2, or the callback's epochs=6: --trainer.callbacks.init_args.epochs=6 when it is the "
         "last callback), or pass calibrate_for='trainer' (noise for the Trainer's length) or 'callback' (stop at the "
         "plan).")
@@ -533,6 +533,25 @@ def test_resume_keeps_the_sigma_it_was_trained_with(tmp_path, monkeypatch):
     t4.fit(Classifier(), BlobsData(n=200, batch_size=20), ckpt_path=str(tmp_path / "b.ckpt"))
     assert longer.noise_multiplier == short.noise_multiplier and t4.global_step == 20
     assert longer.accountant.history == short.accountant.history and longer.epsilon <= 2.0
+    # (c) a resume whose Trainer runs longer than the callback's epochs (6 > 4): the restored sigma decides, so it is
+    # not refused (setup cannot tell a resume from a fresh fit: Lightning sets ckpt_path after it)
+    beyond = DPSGD(target_epsilon=2.0, target_delta=1e-3, epochs=4)
+    t5 = trainer(max_epochs=6, callbacks=[beyond], default_root_dir=tmp_path)
+    t5.fit(Classifier(), BlobsData(n=200, batch_size=20), ckpt_path=str(tmp_path / "a.ckpt"))
+    assert beyond.noise_multiplier == sigma and beyond.epsilon <= 2.0 and t5.global_step > 20
+
+
+def test_final_epsilon_is_written_when_lightning_writes_no_step_metrics():
+    """log_every_n_steps=0 and a budget stop: Lightning writes nothing at the stop, so on_train_end writes the spend
+    (found by review: the stop was taken for a write)."""
+    from tests.helpers import RecordingLogger
+
+    logger = RecordingLogger()
+    dp = DPSGD(noise_multiplier=0.8, target_epsilon=2.0, target_delta=1e-3, seed=0)
+    t = trainer(max_epochs=50, log_every_n_steps=0, logger=logger, callbacks=[dp])
+    t.fit(Classifier(), BlobsData(n=200, batch_size=20))
+    assert dp._budget_stop is not None and t.global_step < 500  # stopped by the budget
+    assert logger.series("privacy/epsilon")[-1] == pytest.approx(dp.epsilon)
 
 
 def test_calibrate_for_is_checked():
