@@ -13,7 +13,9 @@ Usage::
 (LightningCLI with MLflow tracking by default; see :mod:`lightning_dp.lightning_cli`). The other
 subcommands register in :data:`EXTRA_COMMANDS` and are dispatched before LightningCLI parses
 anything: ``grid`` (:mod:`lightning_dp.grid`), ``audit`` (:mod:`lightning_dp.audit.command`,
-``audit mia``: :mod:`lightning_dp.audit.mia_command`) and ``epsilon`` (:mod:`lightning_dp.calculator`).
+``audit mia``: :mod:`lightning_dp.audit.mia_command`), ``epsilon`` (:mod:`lightning_dp.calculator`) and
+``compare`` (:mod:`lightning_dp.compare`). Nothing heavy is imported before a command needs it: ``--help``,
+``--version`` and the argument errors of ``epsilon``, ``grid`` and ``compare`` answer without torch.
 
 Errors: a refused value, an unknown option, subcommand or class path prints one message with a
 "did you mean" (:mod:`lightning_dp.cli_errors`) and exits with status 2; so does a missing
