@@ -30,29 +30,6 @@ def _short_error(parser: Any, message: str, ex: Optional[Exception]) -> NoReturn
     sys.exit(2)
 
 
-class ShortErrorParser(LightningArgumentParser):
-    """LightningCLI's parser, whose errors print our message in a few lines and exit with status 2.
-
-    With ``exit_on_error=False`` or ``LIGHTNING_DP_TRACEBACK=1`` it behaves exactly like
-    :class:`~lightning.pytorch.cli.LightningArgumentParser`. Its help lists known subclasses
-    briefly (:class:`ShortHelpFormatter`) unless given another ``formatter_class``.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", ShortHelpFormatter)
-        super().__init__(*args, **kwargs)
-
-    @override
-    def format_help(self, formatter: Any = None) -> str:
-        return class_help_spelling(plain_text(super().format_help(formatter)))
-
-    @override
-    def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
-        if not self.exit_on_error or show_tracebacks():
-            super().error(message, ex)
-        _short_error(self, message, ex)
-
-
 _KNOWN = re.compile(r", known subclasses: ([^)]*)")
 
 
@@ -82,8 +59,12 @@ class ShortHelpFormatter(DefaultHelpFormatter):
 
 
 class ShortJsonParser(ArgumentParser):
-    """jsonargparse's parser with the same short errors and help as :class:`ShortErrorParser`, for the commands
-    that are not LightningCLI (``audit``, ``audit mia``)."""
+    """jsonargparse's parser whose errors print our message in a few lines and exit with status 2, and whose help
+    is short (:class:`ShortHelpFormatter`, unless given another ``formatter_class``) and plain
+    (:func:`~lightning_dp.cli_errors.plain_text`, :func:`~lightning_dp.cli_errors.class_help_spelling`); for the
+    commands that are not LightningCLI (``audit``, ``audit mia``) and, through :class:`ShortErrorParser`, for
+    LightningCLI. With ``exit_on_error=False`` or ``LIGHTNING_DP_TRACEBACK=1`` its errors are jsonargparse's own.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", ShortHelpFormatter)
@@ -98,3 +79,8 @@ class ShortJsonParser(ArgumentParser):
         if not self.exit_on_error or show_tracebacks():
             super().error(message, ex)
         _short_error(self, message, ex)
+
+
+class ShortErrorParser(ShortJsonParser, LightningArgumentParser):
+    """LightningCLI's parser with :class:`ShortJsonParser`'s errors and help (the method order puts those before
+    :class:`~lightning.pytorch.cli.LightningArgumentParser`'s, which it otherwise is)."""

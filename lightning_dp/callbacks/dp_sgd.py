@@ -464,8 +464,9 @@ class DPSGD(Callback):
             raise MisconfigurationException(
                 "poisson_sampling=False is not supported under DDP (DistributedSampler repeats examples to pad "
                 "shards, which breaks the per-epoch bound). Use poisson_sampling=True.")
-        if not self.replace_batchnorm and find_mixing_layers(pl_module):
-            raise MisconfigurationException(describe_mixing_layers(find_mixing_layers(pl_module)))
+        mixing = [] if self.replace_batchnorm else find_mixing_layers(pl_module)  # replaced in setup otherwise
+        if mixing:
+            raise MisconfigurationException(describe_mixing_layers(mixing))
         if lengths:
             self._check_epochs_agree(trainer, ckpt_path)
 
