@@ -32,9 +32,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 from lightning_dp import __version__
-from lightning_dp.cli_errors import is_user_error, short_error, show_tracebacks, suggest
+from lightning_dp.cli_errors import closest, is_user_error, short_error, show_tracebacks, suggest
 
-# Nothing above imports torch, Lightning or MLflow (tests/test_cli.py checks it): --version, --help and the
+# Nothing above imports torch, Lightning or MLflow (tests/test_cli_errors.py checks it): --version, --help and the
 # argument errors answer in a fraction of a second; the classes below load when a command needs them.
 _LAZY = {"LightningDPCLI": "lightning_dp.lightning_cli", "MLflowSaveConfigCallback": "lightning_dp.lightning_cli",
          "redact_secrets": "lightning_dp.tracking"}
@@ -126,8 +126,6 @@ def _missing_config(argv: Sequence[str]) -> Optional[tuple[str, str]]:
             here = os.path.dirname(path) or "."
             near = [os.path.join(os.path.dirname(path), n) for n in
                     (sorted(os.listdir(here)) if os.path.isdir(here) else []) if n.endswith((".yaml", ".yml"))]
-            from lightning_dp.cli_errors import closest
-
             hint = closest(path, near, n=2)
             return (f"--config {path}: no such file",
                     f"did you mean {' or '.join(hint)}?" if hint else "the examples are in examples/*.yaml")
