@@ -67,13 +67,16 @@ def test_pdpfl_figures_redraw_from_their_tables(tmp_path):
             for p in figures.PARTITIONS for lvl, _, _ in figures.LEVELS for r in (1, 2)]
     fig3 = [{"partition": p, "distribution": d, "budget_seed": str(s), "split_accuracy": "1", "public_clients": "2"}
             for p in figures.PARTITIONS for d in figures.DISTRIBUTIONS for s in (0, 1)]
-    fig4 = [{"method": m, "seed": str(s), "round": str(r), "val_acc": "0.5"}
+    fig4 = [{"method": m, "seed": str(s), "round": str(r), "val_acc": "0.5", "test_acc": "0.4"}
             for m, _ in figures.METHODS for s in (0, 1) for r in (1, 2, 3)]
-    for name, table in (("fig2", fig2), ("fig3", fig3), ("fig4", fig4)):
+    fig4_val_only = [{k: v for k, v in row.items() if k != "test_acc"} for row in fig4]  # tables before issue 27
+    for name, table, extra in (("fig2", fig2, []), ("fig3", fig3, []), ("fig4", fig4_val_only, []),
+                               ("fig4_niid2", fig4, ["--partition", "NIID(2)"]),
+                               ("fig4_shards2_pfa_regime", fig4, ["--partition", "shards(2)", "--regime", "pfa"])):
         header = list(table[0])
         (tmp_path / f"pdpfl_{name}.tsv").write_text(
             "\t".join(header) + "\n" + "".join("\t".join(row[k] for k in header) + "\n" for row in table))
-        figures.main([name, "--replot", "--out", str(tmp_path)])
+        figures.main([name.split("_")[0], "--replot", "--out", str(tmp_path), *extra])
         assert (tmp_path / f"pdpfl_{name}.png").stat().st_size > 10_000
 
 

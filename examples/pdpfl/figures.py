@@ -2,7 +2,9 @@
 
     python examples/pdpfl/figures.py fig2   # update-norm mean and std per round: noise level x partition
     python examples/pdpfl/figures.py fig3   # accuracy of the indirect split after the warm start
-    python examples/pdpfl/figures.py fig4   # held-out accuracy per round: PFA (direct, indirect), FedAvg, Minimum, NP
+    python examples/pdpfl/figures.py fig4   # accuracy per round: PFA (direct, indirect), FedAvg, Minimum, NP
+    python examples/pdpfl/figures.py fig4 --partition "NIID(2)"   # the same on label-skewed clients
+    python examples/pdpfl/figures.py fig4 --regime pfa --partition "shards(2)" --rounds 100   # PFA's code's settings
     python examples/pdpfl/figures.py fig3 --replot   # redraw from docs/figures/pdpfl_fig3.tsv, no runs
 
 Every run is the config of this folder with overrides, through ``lightning-dp fit`` (``LightningDPCLI``),
@@ -30,6 +32,9 @@ ROOT = HERE.parents[1]
 PARTITIONS = {"IID": ["--data.init_args.partition=iid"],
               "NIID(2)": ["--data.init_args.partition=pathological", "--data.init_args.classes_per_client=2"],
               "Dir(0.5)": ["--data.init_args.partition=dirichlet", "--data.init_args.alpha=0.5"]}
+# fig4 only (fig2 and fig3 run the three above): PFA's code's non-IID partition, 2 label shards per client
+FIG4_PARTITIONS = {**PARTITIONS, "shards(2)": ["--data.init_args.partition=shards",
+                                               "--data.init_args.classes_per_client=2"]}
 
 
 _RUN_IDS: list[str] = []  # the figure's runs, children of its summary run
@@ -143,37 +148,62 @@ def draw_fig3(table: list[dict]):
     return fig
 
 
+# PFA's own code (Emory-AIMS/PFA, main.py defaults and README): 1 public client (top 10 % of 10), WeiPFA, local lr
+# 0.1 at batch 4, 8 of 10 clients per round, 100 rounds, label shards (every class present). Its clients take 100
+# local steps; ours take an epoch (200 steps at batch 4 on 800 images): the same for every method.
+PFA_REGIME = {"common": ["--model.init_args.update.init_args.lr=0.1", "--model.init_args.update.init_args.batch_size=4",
+                         "--model.init_args.selection.init_args.clients_per_round=8"],
+              "direct": ["--model.init_args.aggregator.init_args.weighted=true"]}
+
+
+def _fig4_name(args) -> str:
+    parts = ["fig4"] + ([] if args.partition == "IID" else [args.partition.lower().replace("(", "").replace(")", "")])
+    return "_".join(parts + ([] if args.regime == "project" else ["pfa_regime"]))
+
+
 def measure_fig4(args) -> list[list]:
-    """Held-out accuracy per round of PFA (direct, indirect), FedAvg, Minimum and NP-FedAvg, over seeds."""
-    rows = [["method", "seed", "round", "val_acc"]]
+    """Accuracy per round of PFA (direct, indirect), FedAvg, Minimum and NP-FedAvg, over seeds: on the held-out
+    validation client (``val_acc``) and on the 10 test clients (``test_acc``, every class: ``test_every_check``)."""
+    rows = [["method", "seed", "round", "val_acc", "test_acc"]]
+    data_args = FIG4_PARTITIONS[args.partition]
     for label, config in METHODS:
+        regime = []
+        if args.regime == "pfa":
+            regime = PFA_REGIME["common"] + (PFA_REGIME["direct"] if config == "direct_mnist.yaml" else [])
+            if config == "nonprivate_mnist.yaml":  # LocalSGD: the same lr and batch
+                regime = [a for a in regime if "update" in a or "selection" in a]
         for seed in args.seeds:
-            run_id = _run(config, [f"--model.init_args.seed={seed}", f"--trainer.max_epochs={args.rounds}",
-                                   "--trainer.check_val_every_n_epoch=1", f"--data.init_args.seed={seed}"],
-                          data_dir=args.data_dir, experiment="pdpfl-fig4", run_name=f"{label} seed {seed}")
-            rows += [[label, seed, r, a] for r, a in enumerate(_history(run_id, "val/acc"), start=1)]
+            run_id = _run(config, [*data_args, *regime, f"--model.init_args.seed={seed}",
+                                   f"--trainer.max_epochs={args.rounds}", "--trainer.check_val_every_n_epoch=1",
+                                   "--model.init_args.test_every_check=true", f"--data.init_args.seed={seed}"],
+                          data_dir=args.data_dir, experiment="pdpfl-fig4",
+                          run_name=f"{label} {args.partition} {args.regime} seed {seed}")
+            val, test = _history(run_id, "val/acc"), _history(run_id, "test/acc")
+            rows += [[label, seed, r, a, t] for r, (a, t) in enumerate(zip(val, test), start=1)]
     return rows
 
 
-def draw_fig4(table: list[dict]):
+def draw_fig4(table: list[dict], title: str = ""):
     import numpy as np
     from matplotlib.figure import Figure
 
+    key = "test_acc" if "test_acc" in table[0] else "val_acc"  # tables before test_every_check: val only
     fig = Figure(figsize=(7, 4.2))
     ax = fig.subplots()
     seeds = sorted({r["seed"] for r in table})
     for label, _ in METHODS:
-        curves = [[float(r["val_acc"]) for r in table if r["method"] == label and r["seed"] == s] for s in seeds]
+        curves = [[float(r[key]) for r in table if r["method"] == label and r["seed"] == s] for s in seeds]
         length = min(len(c) for c in curves)
         values = np.array([c[:length] for c in curves])
         rounds = np.arange(1, length + 1)
-        ax.plot(rounds, values.mean(0), marker=".", label=label)
+        ax.plot(rounds, values.mean(0), marker="." if length <= 30 else None, label=label)
         spread = values.std(0, ddof=1) if len(values) > 1 else np.zeros(length)  # sample std over the seeds
         ax.fill_between(rounds, values.mean(0) - spread, values.mean(0) + spread, alpha=0.2)
     ax.set_xlabel("round")
-    ax.set_ylabel(f"held-out accuracy (mean ± sample std, {len(seeds)} seeds)")
+    where = "the 10 test clients (all classes)" if key == "test_acc" else "the held-out client"
+    ax.set_ylabel(f"accuracy on {where}\n(mean ± sample std, {len(seeds)} seeds)", fontsize="small")
     ax.legend(fontsize="small")
-    ax.set_title("MNIST, 10 clients (IID partition), MixGauss1 budgets, local DP-SGD")
+    ax.set_title(title or "MNIST, 10 clients (IID partition), MixGauss1 budgets, local DP-SGD", fontsize="small")
     return fig
 
 
@@ -189,6 +219,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--seeds", type=lambda s: [int(v) for v in s.split(",")], default=[0, 1, 2])
     parser.add_argument("--replot", action="store_true", help="redraw the figure from its TSV in --out, no runs")
+    parser.add_argument("--partition", choices=list(FIG4_PARTITIONS), default="IID",
+                        help="fig4: the clients' partition (written to pdpfl_fig4_<partition>.*; default IID)")
+    parser.add_argument("--regime", choices=["project", "pfa"], default="project",
+                        help="fig4: 'pfa' runs PFA's code's settings (1 public client, WeiPFA, lr 0.1, batch 4, 8 of "
+                             "10 clients per round; pass --rounds 100 --partition shards(2) for its 100 rounds on "
+                             "label shards); default: this folder's configs")
     args = parser.parse_args(argv)
     if args.dataset == "cifar10":
         _DATASET_ARGS[:] = ["--data.init_args.dataset=cifar10", "--data.init_args.subset=full",
@@ -197,9 +233,10 @@ def main(argv: list[str] | None = None) -> None:
         args.data_dir = str((ROOT / "../shared/data/mnist").resolve() if args.dataset == "mnist"
                             else Path("data/cifar10").resolve())
     measure, draw = FIGURES[args.figure]
+    name = _fig4_name(args) if args.figure == "fig4" else args.figure
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tsv = out / f"pdpfl_{args.figure}.tsv"
+    tsv, png = out / f"pdpfl_{name}.tsv", out / f"pdpfl_{name}.png"
     if not args.replot:
         logging.getLogger("absl").setLevel(logging.ERROR)
         os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{(Path.cwd() / 'mlruns' / 'mlflow.db').resolve()}")
@@ -209,22 +246,26 @@ def main(argv: list[str] | None = None) -> None:
                                for row in rows))
     with tsv.open() as handle:
         table = list(csv.DictReader(handle, delimiter="\t"))
-    fig = draw(table)
+    if args.figure == "fig4":
+        regime = "PFA's code's settings" if args.regime == "pfa" else "this folder's configs"
+        fig = draw(table, f"MNIST, 10 clients ({args.partition} partition), MixGauss1 budgets, local DP-SGD, {regime}")
+    else:
+        fig = draw(table)
     fig.tight_layout()
-    fig.savefig(out / f"pdpfl_{args.figure}.png", dpi=120)
+    fig.savefig(png, dpi=120)
     if args.replot:
-        print(f"redrew {out / f'pdpfl_{args.figure}.png'} from {tsv}")
+        print(f"redrew {png} from {tsv}")
         return
     import mlflow
 
     mlflow.set_experiment(f"pdpfl-{args.figure}")
-    with mlflow.start_run(run_name=f"{args.figure} summary") as parent:  # the runs of the figure are its children
-        mlflow.log_artifact(str(out / f"pdpfl_{args.figure}.png"))
-        mlflow.log_artifact(str(out / f"pdpfl_{args.figure}.tsv"))
+    with mlflow.start_run(run_name=f"{name} summary") as parent:  # the runs of the figure are its children
+        mlflow.log_artifact(str(png))
+        mlflow.log_artifact(str(tsv))
         client = mlflow.MlflowClient()
         for run_id in _RUN_IDS:
             client.set_tag(run_id, "mlflow.parentRunId", parent.info.run_id)
-    print(f"wrote {out / f'pdpfl_{args.figure}.png'} and .tsv")
+    print(f"wrote {png} and {tsv.name}")
 
 
 if __name__ == "__main__":

@@ -84,6 +84,7 @@ class PersonalizedFederatedModule(FederatedRound):
             ``"skip"`` (the round runs with fewer clients).
         val_clients_per_check: evaluate a random sample of this many validation clients
             per check (default: all).
+        test_every_check: as :class:`~lightning_dp.federated.FederatedRound`.
         client_engine: ``"vmap"`` (all clients at once), ``"loop"`` (one by one) or ``"auto"``.
         min_delta_norm: the noise is calibrated to ``max(||delta||, min_delta_norm)``: a client
             whose update is (numerically) zero still releases noise of mean norm
@@ -109,6 +110,7 @@ class PersonalizedFederatedModule(FederatedRound):
         client_privacy_cap: float | None = None,
         cap_policy: Literal["replace", "skip"] = "replace",
         val_clients_per_check: int | None = None,
+        test_every_check: bool = False,
         client_engine: Literal["auto", "vmap", "loop"] = "auto",
         min_delta_norm: float = 1e-8,
         seed: int | None = None,
@@ -123,7 +125,7 @@ class PersonalizedFederatedModule(FederatedRound):
             update=LocalSGD(local_epochs, local_lr, local_batch_size, client_engine),
             sanitizer=EuclideanLaplace(noise_multiplier, per_layer, min_delta_norm),
             aggregator=KMeans(), server_privacy=NoServerPrivacy(), loss=loss, client_privacy_cap=client_privacy_cap,
-            val_clients_per_check=val_clients_per_check, seed=seed, noise_seed=noise_seed,
+            val_clients_per_check=val_clients_per_check, test_every_check=test_every_check, seed=seed, noise_seed=noise_seed,
             log_nonprivate_metrics=log_nonprivate_metrics)
         self.save_hyperparameters(ignore=["model", "noise_seed"])  # the noise seed is a secret
 

@@ -79,7 +79,9 @@ def pfa_combine(updates: Tensor, public: Tensor, *, layer_sizes: Sequence[int], 
         centered: PFA's code (``Pfizer`` in ``modules/server.py``): the eigenvectors of the public updates'
             covariance (centred at their mean) and an affine projection through that mean,
             ``mean_pub + V V^T (m_priv - mean_pub)``; default: the second-moment matrix and a projection
-            through 0 (the seed's Algorithm 1).
+            through 0 (the seed's Algorithm 1). With a single public client there is nothing to centre (the
+            centred update is 0 and its eigenvectors arbitrary): as PFA's ``__standardize``, the projection then
+            goes through 0 on that client's update.
 
     Returns:
         ``(P,)`` the aggregated update and this round's :class:`Subspace` (None without public clients). Without
@@ -102,7 +104,8 @@ def pfa_combine(updates: Tensor, public: Tensor, *, layer_sizes: Sequence[int], 
     if mean_pub is None:
         assert mean_priv is not None  # the weights have a positive sum: some client is public or private
         return mean_priv.to(updates.dtype), None
-    origin = x[pub].mean(0) if centered else torch.zeros_like(mean_pub)  # unweighted, as PFA's code
+    # Unweighted, as PFA's code; one public client: through 0 (its __standardize returns the matrix as it is).
+    origin = x[pub].mean(0) if centered and int(pub.sum()) > 1 else torch.zeros_like(mean_pub)
     current = Subspace([top_subspace(chunk, k) for chunk in torch.split(x[pub] - origin, list(layer_sizes), dim=1)],
                        origin)
     if mean_priv is None:

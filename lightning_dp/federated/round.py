@@ -119,6 +119,10 @@ class FederatedRound(LightningModule):
         client_privacy_cap: a client whose sanitizer spend would exceed this declines to participate.
         val_clients_per_check: evaluate a random sample of this many validation clients per check
             (default: all).
+        test_every_check: at every validation check, also evaluate the test clients (all of them) and
+            log ``test/*`` at that round: a learning curve on test data, for when the validation clients
+            do not represent it (one held-out client of a label-skewed partition holds a few classes).
+            Do not select models or stop on it.
         seed: seed of the public streams (initialization, local shuffles of non-private updates,
             validation subsample); default: a fresh random seed. Logged.
         noise_seed: seed of every privacy noise of the run and of the client selection, a secret:
@@ -160,6 +164,7 @@ class FederatedRound(LightningModule):
         loss: Literal["rmse", "cross_entropy", "binary_cross_entropy"] = "rmse",
         client_privacy_cap: float | None = None,
         val_clients_per_check: int | None = None,
+        test_every_check: bool = False,
         seed: int | None = None,
         noise_seed: int | None = None,
         log_nonprivate_metrics: bool = True,
@@ -185,6 +190,7 @@ class FederatedRound(LightningModule):
         self.client_privacy_cap = None if client_privacy_cap is None else float(client_privacy_cap)
         self.val_clients_per_check = (None if val_clients_per_check is None
                                       else _positive_int("val_clients_per_check", val_clients_per_check))
+        self.test_every_check = bool(test_every_check)
         check_seed(seed)
         check_seed(noise_seed, "noise_seed")
         if seed is not None and seed == noise_seed and (self.sanitizer.accountable or self.server_privacy.accounted
@@ -279,6 +285,10 @@ class FederatedRound(LightningModule):
             except ValueError as err:
                 raise MisconfigurationException(str(err)) from None
             self._check_parts()
+            if self.test_every_check and not self._clients["test"]:
+                raise MisconfigurationException(
+                    f"test_every_check=True but {type(dm).__name__} has no test clients: give it some (e.g. "
+                    "num_test_clients for FederatedVision), or set test_every_check=False")
         if self.sanitizer.accountable or self.server_privacy.accounted or self.update.accountable:
             from lightning_dp.tracking import refuse_checkpoint_uploads
 
@@ -789,6 +799,8 @@ class FederatedRound(LightningModule):
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self._evaluate("val", "val")
+        if self.test_every_check:
+            self._evaluate("test", "test")
 
     def test_step(self, batch: Any, batch_idx: int) -> None:
         self._evaluate("test" if self._clients["test"] else "val", "test")

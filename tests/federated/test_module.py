@@ -222,6 +222,42 @@ def test_accuracy_and_group_fairness_of_the_chosen_hypotheses_match_fairlearn():
         assert result[f"test/fairness/selection_rate/group_{g}"] == pytest.approx(rate, abs=1e-9)
 
 
+def test_test_every_check_logs_the_test_clients_at_each_check_and_changes_nothing_else():
+    """test_every_check: a test/* learning curve during fit (issue 27: PDP-FL Fig. 4 on a label-skewed partition);
+    the run is otherwise the same run, and the last check's test/acc is what trainer.test gives."""
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from lightning_dp.datamodules import SyntheticFairness
+
+    class Checks(Callback):
+        def __init__(self):
+            self.seen = []
+
+        def on_validation_end(self, trainer, pl_module):
+            self.seen.append({k: float(v) for k, v in trainer.callback_metrics.items() if k[:4] in ("val/", "test")})
+
+    runs = {}
+    for flag in (False, True):
+        m = PersonalizedFederatedModule(torch.nn.Linear(2, 2), num_hypotheses=2, clients_per_round=20, local_lr=0.5,
+                                        noise_multiplier=1.0, loss="cross_entropy", seed=0, noise_seed=1,
+                                        test_every_check=flag)
+        data = SyntheticFairness(num_clients=100, num_val_clients=10, num_test_clients=20, seed=0)
+        checks = Checks()
+        t = trainer(max_epochs=6, num_sanity_val_steps=0, check_val_every_n_epoch=3, callbacks=[checks])
+        t.fit(m, data)
+        runs[flag] = (checks.seen, m.hypotheses.clone(), t.test(m, data, verbose=False)[0])
+    (plain, h0, r0), (curve, h1, r1) = runs[False], runs[True]
+    assert torch.equal(h0, h1) and r0 == r1
+    assert len(curve) == 2 and all("test/acc" in c and "test/loss" in c for c in curve)
+    assert all(not any(k.startswith("test") for k in c) for c in plain)
+    assert [{k: v for k, v in c.items() if k.startswith("val/")} for c in curve] == plain
+    assert curve[-1]["test/acc"] == pytest.approx(r1["test/acc"], abs=1e-12)
+
+    with pytest.raises(MisconfigurationException, match="test_every_check=True but SyntheticLinearMixture has no test"):
+        trainer(max_epochs=1).fit(module(test_every_check=True), SyntheticLinearMixture(num_clients=20, seed=0))
+
+
 def test_regression_data_logs_no_accuracy_and_no_fairness():
     m = module()
     t = trainer(max_epochs=2, num_sanity_val_steps=0, check_val_every_n_epoch=1)

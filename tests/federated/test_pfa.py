@@ -73,6 +73,25 @@ def test_the_centered_projection_is_pfas_codes_affine_projection_through_the_pub
     np.testing.assert_allclose(got.numpy(), (3 * pub.mean(0) + 3 * projected) / 6, atol=1e-10)
 
 
+def test_a_single_public_client_is_not_centred_as_in_pfas_code():
+    # PFA's __standardize returns one public update as it is: the subspace is that update's direction through 0.
+    # Centred, the lone update would be a zero row with an arbitrary eigenvector, and the private mean would be
+    # projected on a coordinate axis instead (what the project did before, issue 27).
+    rng = np.random.default_rng(5)
+    updates = rng.normal(size=(4, 9)) + 1.0
+    public = np.array([False, True, False, False])
+    got, subspace = pfa_combine(torch.tensor(updates), torch.tensor(public), layer_sizes=[5, 4], k=1, centered=True)
+    pieces = []
+    for lo, hi in ((0, 5), (5, 9)):
+        u = updates[1, lo:hi] / np.linalg.norm(updates[1, lo:hi])
+        projected = u * (u @ updates[~public, lo:hi].mean(0))
+        pieces.append((updates[1, lo:hi] + 3 * projected) / 4)
+    np.testing.assert_allclose(got.numpy(), np.concatenate(pieces), atol=1e-10)
+    assert float(subspace.origin.abs().max()) == 0.0
+    uncentred, _ = pfa_combine(torch.tensor(updates), torch.tensor(public), layer_sizes=[5, 4], k=1)
+    np.testing.assert_allclose(got.numpy(), uncentred.numpy(), atol=1e-12)
+
+
 def test_budgets_drawn_from_pfas_distributions():
     from lightning_dp.federated.budgets import DISTRIBUTIONS, DistributionBudgets
 
