@@ -21,31 +21,21 @@ The command ``lightning-dp audit`` (:mod:`lightning_dp.audit.command`) runs an a
 YAML config and records it in MLflow; see docs/audit.md.
 """
 
-from lightning_dp.audit.dlg import (
+from lightning_dp.audit._common import Sanitizer, flatten_parameters, parameter_sizes
+from lightning_dp.audit.dlg import DLGResult, dlg_attack, gradient_matching_loss
+from lightning_dp.audit.dlg_audit import AuditResult, AuditRow, run_dlg_audit
+from lightning_dp.audit.lira import inclusion_masks, lira_from_losses, lira_scores, train_shadow_models
+from lightning_dp.audit.metrics import image_grid, mse, psnr
+from lightning_dp.audit.neighbours import find_embedding, neighbour_losses, noisy_neighbour_scores, search_sigma
+from lightning_dp.audit.one_run import epsilon_ceiling, one_run_audit, steinke_epsilon
+from lightning_dp.audit.release import ClientRelease, client_release, observed_gradient
+from lightning_dp.audit.sanitizers import (
     SANITIZERS,
-    AuditResult,
-    AuditRow,
-    ClientRelease,
-    DLGResult,
     EuclideanLaplaceSanitizer,
     GaussianSanitizer,
     NoSanitizer,
-    Sanitizer,
-    client_release,
-    dlg_attack,
-    flatten_parameters,
-    gradient_matching_loss,
-    image_grid,
     make_sanitizer_factory,
-    mse,
-    observed_gradient,
-    parameter_sizes,
-    psnr,
-    run_dlg_audit,
 )
-from lightning_dp.audit.lira import inclusion_masks, lira_from_losses, lira_scores, train_shadow_models
-from lightning_dp.audit.neighbours import find_embedding, neighbour_losses, noisy_neighbour_scores, search_sigma
-from lightning_dp.audit.one_run import epsilon_ceiling, one_run_audit, steinke_epsilon
 from lightning_dp.audit.scores import loss_scores, per_example_losses
 from lightning_dp.audit.statistics import empirical_epsilon, roc, tpr_at_fpr, two_stage_epsilon
 

@@ -41,7 +41,8 @@ import torch
 from jsonargparse import ActionConfigFile, ArgumentParser
 from torch import Tensor, nn
 
-from lightning_dp.audit.dlg import SANITIZERS, AuditResult, AuditRow, make_sanitizer_factory, run_dlg_audit
+from lightning_dp.audit.dlg_audit import AuditResult, AuditRow, run_dlg_audit
+from lightning_dp.audit.sanitizers import SANITIZERS, make_sanitizer_factory
 
 __all__ = ["build_parser", "input_scale", "load_images", "main"]
 

@@ -46,7 +46,7 @@ from one seed with :func:`lightning_dp.privacy.noise.derive_generator`, so an au
 reproducible and the global RNG is never used. The audit imports torch only (no
 Lightning): it is the functional core of ``lightning-dp audit``
 (:mod:`lightning_dp.audit.command`). Its concepts live in their own modules, all importable
-from here: this module (the attack), :mod:`~lightning_dp.audit.release` (the client's release and
+from :mod:`lightning_dp.audit`: this module (the attack), :mod:`~lightning_dp.audit.release` (the client's release and
 the attacker's gradient estimate), :mod:`~lightning_dp.audit.sanitizers`,
 :mod:`~lightning_dp.audit.metrics` (MSE, PSNR, the image grid), :mod:`~lightning_dp.audit.dlg_audit`
 (the audit over images and noise levels) and :mod:`~lightning_dp.audit._common` (checks, flat
@@ -55,6 +55,7 @@ parameters).
 Example:
     >>> import torch
     >>> from torch import nn
+    >>> from lightning_dp.audit import EuclideanLaplaceSanitizer, run_dlg_audit
     >>> model = nn.Sequential(nn.Flatten(), nn.Linear(4, 8), nn.Sigmoid(), nn.Linear(8, 3))
     >>> x, y = torch.rand(1, 1, 2, 2), torch.tensor([2])
     >>> out = run_dlg_audit(model, x, y, noise_multipliers=(0.0, 10.0), lr=0.1, iterations=20, seed=0,
@@ -87,28 +88,7 @@ from lightning_dp.audit._common import (
     parameter_sizes,
 )
 
-__all__ = [
-    "AuditResult",
-    "AuditRow",
-    "ClientRelease",
-    "DLGResult",
-    "EuclideanLaplaceSanitizer",
-    "GaussianSanitizer",
-    "NoSanitizer",
-    "SANITIZERS",
-    "Sanitizer",
-    "client_release",
-    "dlg_attack",
-    "flatten_parameters",
-    "gradient_matching_loss",
-    "image_grid",
-    "make_sanitizer_factory",
-    "mse",
-    "observed_gradient",
-    "parameter_sizes",
-    "psnr",
-    "run_dlg_audit",
-]
+__all__ = ["DLGResult", "dlg_attack", "gradient_matching_loss"]
 
 
 def _soft_cross_entropy(logits: Tensor, soft_labels: Tensor) -> Tensor:
@@ -293,15 +273,3 @@ def dlg_attack(model: nn.Module, target_gradients: Sequence[Tensor], *, input_sh
         label = int(probabilities.argmax())
     return DLGResult(best_x, label, probabilities, final, history, best, losses)
 
-
-# the audit's other concepts live in their own modules; importable from here as before
-from lightning_dp.audit.dlg_audit import AuditResult, AuditRow, run_dlg_audit  # noqa: E402
-from lightning_dp.audit.metrics import image_grid, mse, psnr  # noqa: E402
-from lightning_dp.audit.release import ClientRelease, client_release, observed_gradient  # noqa: E402
-from lightning_dp.audit.sanitizers import (  # noqa: E402
-    SANITIZERS,
-    EuclideanLaplaceSanitizer,
-    GaussianSanitizer,
-    NoSanitizer,
-    make_sanitizer_factory,
-)

@@ -20,13 +20,9 @@ from torch.nn.utils.rnn import PackedSequence
 
 from lightning_dp.privacy.batch_dims import PROBE_SIZES, AmbiguousBatchDimError, batch_dim, tensor_leaves
 from lightning_dp.privacy.grad_sample.contributions import DEFAULT_INSTANTIATE_LIMIT, Contribution
-from lightning_dp.privacy.grad_sample.registry import LayerRule, Record, rule_for
+from lightning_dp.privacy.grad_sample.registry import LayerRule, PerSampleGradientError, Record, join_graph, rule_for
 
 __all__ = ["GradSampleEngine", "PerSampleGradientError", "compute_dtype", "trainable_parameters"]
-
-
-class PerSampleGradientError(RuntimeError):
-    """Raised when per-sample gradients cannot be computed for the model as used."""
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -54,24 +50,6 @@ def _upcast(value: Any, dtype: torch.dtype) -> Any:
 def trainable_parameters(module: nn.Module) -> tuple[int, ...]:
     """Identities of the parameters of ``module`` that require grad: the engine's trainable set."""
     return tuple(id(p) for p in module.parameters() if p.requires_grad)
-
-
-class _JoinGraph(torch.autograd.Function):
-    """Makes a tensor computed without grad part of the graph, without copying it.
-
-    The output is marked dirty (as an in-place op would be), so it keeps its storage and
-    may itself be modified in place later (``nn.ReLU(inplace=True)``). ``anchor`` is a
-    0-dim leaf that requires grad; it only gives the node a reason to exist.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, output: Tensor, anchor: Tensor) -> Tensor:
-        ctx.mark_dirty(output)
-        return output
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return grad, None
 
 
 def _packed(tree: Any) -> list[PackedSequence]:
@@ -390,7 +368,7 @@ class GradSampleEngine:
                     continue
                 if not leaf.requires_grad:
                     # no input carried the graph (typically the first layer): join the output to it
-                    leaf = _JoinGraph.apply(leaf, self._anchor)
+                    leaf = join_graph(leaf, self._anchor)
                     leaves[i] = leaf
                     changed = True
                 # detached: the hook below holds `call`, and a tensor kept here would hold the hook's graph node in

@@ -32,9 +32,40 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
-__all__ = ["LayerRule", "Record", "register_rule", "rule_for", "registered_rules"]
+__all__ = ["LayerRule", "PerSampleGradientError", "Record", "join_graph", "register_rule", "rule_for",
+           "registered_rules"]
+
+
+class PerSampleGradientError(RuntimeError):
+    """Raised when per-sample gradients cannot be computed for the model as used."""
+
+
+class _JoinGraph(torch.autograd.Function):
+    """Makes a tensor computed without grad part of the graph, without copying it.
+
+    The output is marked dirty (as an in-place op would be), so it keeps its storage and
+    may itself be modified in place later (``nn.ReLU(inplace=True)``). ``anchor`` is a
+    0-dim leaf that requires grad; it only gives the node a reason to exist.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, output: Tensor, anchor: Tensor) -> Tensor:
+        ctx.mark_dirty(output)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+def join_graph(output: Tensor, anchor: Tensor) -> Tensor:
+    """``output`` (computed without grad: no input carried the graph) joined to the graph through ``anchor``, a
+    0-dim leaf that requires grad, so that a hook on it receives the output's gradient (used by the engine and by
+    rules that tap functional calls)."""
+    return _JoinGraph.apply(output, anchor)
 
 
 @dataclass

@@ -29,13 +29,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_dp.privacy.grad_sample.contributions import Dense, Factored
-from lightning_dp.privacy.grad_sample.registry import LayerRule, register_rule
+from lightning_dp.privacy.grad_sample.registry import LayerRule, PerSampleGradientError, join_graph, register_rule
 
 __all__ = ["MultiheadAttentionRule"]
 
 def _error(text: str):
-    from lightning_dp.privacy.grad_sample.engine import PerSampleGradientError
-
     return PerSampleGradientError(text)
 
 
@@ -75,10 +73,8 @@ class _LinearTap:
             where = _locate(weight, self.params)
             if where is None:
                 return out
-            from lightning_dp.privacy.grad_sample.engine import _JoinGraph
-
             if not out.requires_grad:
-                out = _JoinGraph.apply(out, self.anchor)
+                out = join_graph(out, self.anchor)
             call = {"input": x.detach(), "weight": where, "bias": _locate(bias, self.params), "grad": None}
 
             def save(grad: Tensor, call: dict = call) -> None:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_dp.privacy.grad_sample.contributions import Dense, Factored
-from lightning_dp.privacy.grad_sample.registry import LayerRule, register_rule
+from lightning_dp.privacy.grad_sample.registry import LayerRule, PerSampleGradientError, register_rule
 
 __all__ = ["ConvRule", "ConvTransposeRule"]
 
@@ -95,8 +95,6 @@ class _ConvBase(LayerRule):
 
 
 def _error(text: str):
-    from lightning_dp.privacy.grad_sample.engine import PerSampleGradientError
-
     return PerSampleGradientError(text)
 
 

@@ -29,14 +29,12 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.privacy.grad_sample.contributions import OneHotFactored
-from lightning_dp.privacy.grad_sample.registry import LayerRule, register_rule
+from lightning_dp.privacy.grad_sample.registry import LayerRule, PerSampleGradientError, register_rule
 
 __all__ = ["EmbeddingBagRule", "EmbeddingRule"]
 
 
 def _error(text: str):
-    from lightning_dp.privacy.grad_sample.engine import PerSampleGradientError
-
     return PerSampleGradientError(text)
 
 

@@ -19,7 +19,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from lightning_dp.privacy.grad_sample.contributions import Dense
-from lightning_dp.privacy.grad_sample.registry import LayerRule
+from lightning_dp.privacy.grad_sample.registry import LayerRule, PerSampleGradientError
 
 __all__ = ["FunctorchRule", "per_example_grads"]
 
@@ -32,8 +32,6 @@ def _unsqueeze(tree: Any, dims: Any) -> Any:
 def per_example_grads(layer, records, batch_size: int) -> dict[str, Tensor]:
     """``{name: (B, *shape)}`` per-sample gradients of ``layer``'s trainable parameters, summed over its calls."""
     from torch.func import functional_call, vjp, vmap
-
-    from lightning_dp.privacy.grad_sample.engine import PerSampleGradientError
 
     module = layer.module
     total: dict[str, Tensor] = {}

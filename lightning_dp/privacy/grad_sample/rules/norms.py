@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_dp.privacy.grad_sample.contributions import Dense
-from lightning_dp.privacy.grad_sample.registry import LayerRule, register_rule
+from lightning_dp.privacy.grad_sample.registry import LayerRule, PerSampleGradientError, register_rule
 
 __all__ = ["GroupNormRule", "InstanceNormRule", "LayerNormRule", "RMSNormRule"]
 
@@ -53,8 +53,6 @@ def _affine(layer, records, batch_size: int, normalize, channel_dim: int | None)
 
 def _batch_first_input(self, module, inputs, outputs, broadcast):
     if not broadcast and (inputs[0] != 0 or outputs[0] != 0):
-        from lightning_dp.privacy.grad_sample.engine import PerSampleGradientError
-
         raise PerSampleGradientError(f"sees the batch at dimension {inputs[0]}; {type(module).__name__} normalizes "
                                      "(batch, channels, ...) inputs")
 

@@ -35,14 +35,12 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from lightning_dp.privacy.grad_sample.contributions import Dense, Factored
-from lightning_dp.privacy.grad_sample.registry import LayerRule, register_rule
+from lightning_dp.privacy.grad_sample.registry import LayerRule, PerSampleGradientError, register_rule
 
 __all__ = ["RecurrentRule"]
 
 
 def _error(text: str):
-    from lightning_dp.privacy.grad_sample.engine import PerSampleGradientError
-
     return PerSampleGradientError(text)
 
 

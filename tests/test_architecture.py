@@ -1,0 +1,109 @@
+"""The package's layering, read from its source: no import circles, and the functional core (``privacy/``)
+imports nothing above it and no Lightning (DESIGN.md, "Layers")."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "lightning_dp"
+
+
+def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, at module level or inside a function (a lazy import still
+    runs), without the imports under ``if TYPE_CHECKING:`` (never run) and without the module's own parent
+    packages (Python runs them before the module whatever it imports)."""
+    files = {}
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def module_of(name: str) -> str:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph = {}
+    for name, path in files.items():
+        tree = ast.parse(path.read_text("utf-8"))
+        typing_only = {id(n) for node in ast.walk(tree)
+                       if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                       for stmt in node.body for n in ast.walk(stmt)}
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        parents = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+        deps: set[str] = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.Import):
+                targets = [module_of(a.name) for a in node.names if a.name.split(".")[0] == root.name]
+            elif isinstance(node, ast.ImportFrom):
+                base = (".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+                        if node.level else node.module or "")
+                if base.split(".")[0] != root.name:
+                    continue
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else module_of(base) for a in node.names]
+            else:
+                continue
+            deps |= {t for t in targets if t and t != name and t not in parents}
+        graph[name] = deps
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_checker_finds_a_circle_through_a_lazy_import_and_ignores_typing_only_imports(tmp_path):
+    root = tmp_path / "pkg"
+    (root / "sub").mkdir(parents=True)
+    (root / "__init__.py").write_text("")
+    (root / "sub" / "__init__.py").write_text("from pkg.sub.a import A\n")
+    (root / "sub" / "a.py").write_text("from pkg.sub import b\nA = 1\n")
+    (root / "sub" / "b.py").write_text("def f():\n    from pkg.sub.a import A\n    return A\n")
+    (root / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.d import D\n")
+    (root / "d.py").write_text("from pkg.c import *\nD = 2\n")
+    graph = import_graph(root)
+    assert graph["pkg.sub.a"] == {"pkg.sub.b"} and graph["pkg.c"] == set()
+    assert import_circles(graph) == [["pkg.sub.a", "pkg.sub.b"]]
+
+
+def test_the_package_has_no_import_circles():
+    assert import_circles(import_graph()) == []
+
+
+def test_the_functional_core_imports_nothing_above_it_and_no_lightning():
+    graph = import_graph()
+    above = {name: sorted(d for d in deps if not d.startswith("lightning_dp.privacy"))
+             for name, deps in graph.items() if name.startswith("lightning_dp.privacy")}
+    assert {name: deps for name, deps in above.items() if deps} == {}
+    for path in (PACKAGE / "privacy").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n == "lightning" or n.startswith(("lightning.", "pytorch_lightning")) for n in names), path
