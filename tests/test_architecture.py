@@ -1,9 +1,11 @@
-"""The package's layering, read from its source: no import circles, and the functional core (``privacy/``)
-imports nothing above it and no Lightning (DESIGN.md, "Layers")."""
+"""The package's layering, read from its source: no import circles; the functional core (``privacy/``) imports
+nothing above it but the leaf ``lightning_dp.checks``, and no Lightning (DESIGN.md, "Layers"); one home per
+argument check."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_dp"
@@ -99,7 +101,8 @@ def test_the_package_has_no_import_circles():
 
 def test_the_functional_core_imports_nothing_above_it_and_no_lightning():
     graph = import_graph()
-    above = {name: sorted(d for d in deps if not d.startswith("lightning_dp.privacy"))
+    assert graph["lightning_dp.checks"] == set()  # a leaf: anything may use it
+    above = {name: sorted(d for d in deps if not d.startswith("lightning_dp.privacy") and d != "lightning_dp.checks")
              for name, deps in graph.items() if name.startswith("lightning_dp.privacy")}
     assert {name: deps for name, deps in above.items() if deps} == {}
     for path in (PACKAGE / "privacy").rglob("*.py"):
@@ -107,3 +110,14 @@ def test_the_functional_core_imports_nothing_above_it_and_no_lightning():
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n == "lightning" or n.startswith(("lightning.", "pytorch_lightning")) for n in names), path
+
+
+def test_argument_checks_have_one_home():
+    """The generic checks live in lightning_dp/checks.py and delta's in privacy/accounting.py (check_delta); no
+    module defines its own copy again (issue 28 counted six positive-integer checks, three generator checks)."""
+    copy = re.compile(r"^\s*def _?(check_)?(positive_int|non_negative_int|int|integer|count|probability|open_fraction|"
+                      r"positive_real|generator|delta)\(", re.M)
+    found = {str(path.relative_to(PACKAGE)): copy.findall(path.read_text("utf-8"))
+             for path in PACKAGE.rglob("*.py") if path.name != "checks.py"}
+    assert {path: hits for path, hits in found.items() if hits and path != "privacy/accounting.py"} == {}
+    assert len(found["privacy/accounting.py"]) == 1  # check_delta

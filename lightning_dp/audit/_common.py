@@ -5,7 +5,6 @@ Torch only (no Lightning), like the rest of :mod:`lightning_dp.audit`'s DLG audi
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Callable
 from typing import Any, Optional
@@ -36,16 +35,8 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def _check_positive_real(name: str, value: Any, hint: str) -> float:
-    if not _is_real(value) or not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name}={value!r} is not allowed: it must be a finite number > 0. {hint}")
-    return float(value)
 
 
-def _check_positive_int(name: str, value: Any, hint: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name}={value!r} is not allowed: it must be an integer >= 1. {hint}")
-    return int(value)
 
 
 def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -58,17 +49,8 @@ def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return named
 
 
-def _check_generator(generator: Any, name: str = "generator") -> Optional[torch.Generator]:
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise ValueError(f"{name}={generator!r} must be a torch.Generator (or None for a fresh, non-reproducible "
-                         "one); pass e.g. lightning_dp.privacy.noise.derive_generator(seed, stream).")
-    return generator
 
 
-def _fresh_generator(device: torch.device) -> torch.Generator:
-    generator = torch.Generator(device=device)
-    generator.seed()  # OS entropy, never the global RNG
-    return generator
 
 
 # --------------------------------------------------------------------------- flat parameters

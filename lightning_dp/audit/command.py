@@ -41,6 +41,7 @@ import torch
 from jsonargparse import ActionConfigFile, ArgumentParser
 from torch import Tensor, nn
 
+from lightning_dp import checks
 from lightning_dp.audit.dlg_audit import AuditResult, AuditRow, run_dlg_audit
 from lightning_dp.audit.sanitizers import SANITIZERS, make_sanitizer_factory
 
@@ -104,14 +105,16 @@ def _settings_problems(cfg: Any) -> list[str]:
             relation = ">" if strict else ">="
             problems.append(f"--{name}={value!r}: must be a finite number {relation} {low:g}; pass e.g. {example}.")
 
-    def integer(name: str, example: str) -> None:
-        if cfg[name] < 1:
-            problems.append(f"--{name}={cfg[name]!r}: must be an integer >= 1; pass e.g. {example}.")
+    def positive(name: str, example: str) -> None:
+        try:
+            checks.positive_int(f"--{name}", cfg[name], hint=f"pass e.g. {example}.")
+        except ValueError as err:
+            problems.append(str(err))
 
-    integer("num_images", "--num_images=4")
-    integer("iterations", "--iterations=300 (the paper)")
-    integer("restarts", "--restarts=1")
-    integer("local_steps", "--local_steps=1 (one step: the attacker sees the exact gradient)")
+    positive("num_images", "--num_images=4")
+    positive("iterations", "--iterations=300 (the paper)")
+    positive("restarts", "--restarts=1")
+    positive("local_steps", "--local_steps=1 (one step: the attacker sees the exact gradient)")
     real("lr", 0.0, True, "--lr=0.1")
     real("attack_lr", 0.0, True, "--attack_lr=1.0")
     real("max_grad_norm", 0.0, True, "--max_grad_norm=1.0")

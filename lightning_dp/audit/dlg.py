@@ -77,16 +77,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from lightning_dp.audit._common import (
-    Sanitizer,
-    _check_generator,
-    _check_positive_int,
-    _check_positive_real,
-    _fresh_generator,
-    _trainable,
-    flatten_parameters,
-    parameter_sizes,
-)
+from lightning_dp import checks
+from lightning_dp.audit._common import _trainable
 
 __all__ = ["DLGResult", "dlg_attack", "gradient_matching_loss"]
 
@@ -214,15 +206,15 @@ def dlg_attack(model: nn.Module, target_gradients: Sequence[Tensor], *, input_sh
     if not input_shape or any(s < 1 for s in input_shape):
         raise ValueError(f"input_shape={input_shape!r} must be a non-empty sequence of positive integers, the shape "
                          "of one input such as (1, 28, 28).")
-    num_classes = _check_positive_int("num_classes", num_classes, "Pass the number of the model's output logits.")
-    iterations = _check_positive_int("iterations", iterations, "The DLG paper runs 300 L-BFGS steps.")
-    attack_lr = _check_positive_real("attack_lr", attack_lr, "The DLG code uses L-BFGS's default lr=1.")
-    restarts = _check_positive_int("restarts", restarts, "Pass restarts=1 for the paper's single run.")
+    num_classes = checks.positive_int("num_classes", num_classes, hint="Pass the number of the model's output logits.")
+    iterations = checks.positive_int("iterations", iterations, hint="The DLG paper runs 300 L-BFGS steps.")
+    attack_lr = checks.positive_real("attack_lr", attack_lr, hint="The DLG code uses L-BFGS's default lr=1.")
+    restarts = checks.positive_int("restarts", restarts, hint="Pass restarts=1 for the paper's single run.")
     if known_label is not None and (isinstance(known_label, bool) or not isinstance(known_label, numbers.Integral)
                                     or not 0 <= known_label < num_classes):
         raise ValueError(f"known_label={known_label!r} must be None or a class index in 0..{num_classes - 1}.")
     reference = target[0]
-    generator = _check_generator(generator) or _fresh_generator(reference.device)
+    generator = checks.generator("generator", generator, device=reference.device)
     options: dict[str, Any] = {"dtype": reference.dtype, "device": reference.device}
     inits_x = torch.randn((restarts, 1, *input_shape), generator=generator, **options)
     inits_y = torch.randn((restarts, 1, num_classes), generator=generator, **options)

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_dp import checks
 from lightning_dp.audit._common import (
     DUMMY_STREAM,
     NOISE_STREAM,
     SanitizerFactory,
-    _check_positive_real,
     _is_real,
     parameter_sizes,
 )
@@ -188,7 +188,7 @@ def run_dlg_audit(model: nn.Module, x: Tensor, y: Tensor, *,
     nus = _check_noise_multipliers(noise_multipliers)
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise ValueError(f"seed={seed!r} must be an integer.")
-    input_std = _check_positive_real("input_std", input_std, "Pass the std the inputs were standardized with, or 1.")
+    input_std = checks.positive_real("input_std", input_std, hint="Pass the std the inputs were standardized with, or 1.")
     if not _is_real(input_mean) or not math.isfinite(input_mean):
         raise ValueError(f"input_mean={input_mean!r} must be a finite number (0 if the inputs are not standardized).")
     try:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch  # noqa: F401 (the examples below use it)
 from torch import Tensor
 
-from lightning_dp.audit._common import _check_positive_real
+from lightning_dp import checks
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -39,7 +39,7 @@ def psnr(a: Tensor, b: Tensor, data_range: float = 1.0) -> float:
         >>> round(psnr(torch.zeros(4), torch.full((4,), 0.1)), 6)  # mse 0.01 -> 20 dB
         20.0
     """
-    data_range = _check_positive_real("data_range", data_range, "Pass the pixel range, 1.0 for images in [0, 1].")
+    data_range = checks.positive_real("data_range", data_range, hint="Pass the pixel range, 1.0 for images in [0, 1].")
     error = mse(a, b)
     return math.inf if error == 0 else 10.0 * math.log10(data_range ** 2 / error)
 

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from lightning_dp import checks
 from lightning_dp.audit.scores import _to, default_per_example_loss
 
 __all__ = ["EMBEDDING_NAMES", "NeighbourLosses", "SigmaSearch", "find_embedding", "neighbour_losses",
@@ -144,10 +145,6 @@ def _check_sigma(sigma: Any) -> float:
     return float(sigma)
 
 
-def _check_count(name: str, value: Any, hint: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name}={value!r} must be an integer >= 1; {hint}")
-    return int(value)
 
 
 def _repeat(batch: Any, times: int) -> Any:
@@ -252,11 +249,6 @@ def _check_model(model: Any) -> None:
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
 
 
-def _check_generator(generator: Any) -> torch.Generator:
-    if not isinstance(generator, torch.Generator):
-        raise ValueError(f"generator={generator!r} must be a torch.Generator (the neighbours' noise never comes from "
-                         "the global RNG); pass e.g. torch.Generator().manual_seed(0)")
-    return generator
 
 
 def neighbour_losses(model: nn.Module, batches: Iterable[Any], *, sigma: float, num_neighbours: int,
@@ -288,10 +280,10 @@ def neighbour_losses(model: nn.Module, batches: Iterable[Any], *, sigma: float, 
     """
     _check_model(model)
     sigma = _check_sigma(sigma)
-    m = _check_count("num_neighbours", num_neighbours, "pass e.g. num_neighbours=16")
-    chunk = m if chunk is None else _check_count("chunk", chunk, "the number of neighbours per forward pass")
+    m = checks.positive_int("num_neighbours", num_neighbours, hint="pass e.g. num_neighbours=16")
+    chunk = m if chunk is None else checks.positive_int("chunk", chunk, hint="the number of neighbours per forward pass")
     own, neighbours, passes = _losses(model, batches, sigma=sigma, num_neighbours=m,
-                                      generator=_check_generator(generator),
+                                      generator=checks.generator("generator", generator, required=True),
                                       embedding=_resolve_embedding(model, embedding),
                                       loss=loss or default_per_example_loss, chunk=min(chunk, m), own=True)
     assert own is not None  # own=True
@@ -388,8 +380,8 @@ def search_sigma(model: nn.Module, member_batches: Iterable[Any], nonmember_batc
     from lightning_dp.privacy.noise import derive_generator
 
     _check_model(model)
-    m = _check_count("num_neighbours", num_neighbours, "pass e.g. num_neighbours=16")
-    chunk = m if chunk is None else _check_count("chunk", chunk, "the number of neighbours per forward pass")
+    m = checks.positive_int("num_neighbours", num_neighbours, hint="pass e.g. num_neighbours=16")
+    chunk = m if chunk is None else checks.positive_int("chunk", chunk, hint="the number of neighbours per forward pass")
     if isinstance(generator_seed, bool) or not isinstance(generator_seed, numbers.Integral) or generator_seed < 0:
         raise ValueError(f"generator_seed={generator_seed!r} must be an integer >= 0; pass e.g. generator_seed=0")
     for name, value in (("low", low), ("high", high)):

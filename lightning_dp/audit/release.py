@@ -10,12 +10,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from lightning_dp import checks
 from lightning_dp.audit._common import (
     LOSSES,
     Sanitizer,
-    _check_generator,
-    _check_positive_int,
-    _check_positive_real,
     _trainable,
     _unflatten,
 )
@@ -77,15 +75,16 @@ def client_release(model: nn.Module, x: Tensor, y: Tensor, *, lr: float, local_s
         >>> [tuple(g.shape) for g in observed]
         [(3, 4), (3,)]
     """
-    lr = _check_positive_real("lr", lr, "Pass the client's learning rate, e.g. lr=0.1.")
-    local_steps = _check_positive_int("local_steps", local_steps, "One step lets the attacker recover the exact "
+    lr = checks.positive_real("lr", lr, hint="Pass the client's learning rate, e.g. lr=0.1.")
+    local_steps = checks.positive_int("local_steps", local_steps, hint="One step lets the attacker recover the exact "
                                       "gradient; more steps blur it. Pass e.g. local_steps=1.")
     if loss not in LOSSES:
         raise ValueError(f"loss={loss!r} is not supported; choose one of {LOSSES} (DLG attacks classifiers).")
     if not callable(sanitizer):
         raise ValueError(f"sanitizer={sanitizer!r} must be a callable (start, trained, generator) -> released, e.g. "
                          "EuclideanLaplaceSanitizer.for_model(model, 1.0) or NoSanitizer().")
-    _check_generator(generator)
+    if generator is not None:
+        checks.generator("generator", generator, required=True)
     _check_batch(x, y)
     named = _trainable(model)
     start = torch.cat([p.detach().reshape(-1) for _, p in named])
@@ -120,7 +119,7 @@ def observed_gradient(start: Tensor, released: Tensor, lr: float, model: nn.Modu
     Raises:
         ValueError: On mismatched shapes or a non-positive ``lr``.
     """
-    lr = _check_positive_real("lr", lr, "Pass the client's learning rate (the attacker knows it).")
+    lr = checks.positive_real("lr", lr, hint="Pass the client's learning rate (the attacker knows it).")
     if not isinstance(start, Tensor) or not isinstance(released, Tensor) or start.shape != released.shape:
         raise ValueError(f"start and released must be tensors of the same shape, got "
                          f"{tuple(getattr(start, 'shape', ()))} and {tuple(getattr(released, 'shape', ()))}.")

@@ -10,16 +10,14 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_dp import checks
 from lightning_dp.audit._common import (
     SanitizerFactory,
-    _check_generator,
-    _check_positive_real,
-    _fresh_generator,
     _is_real,
     parameter_sizes,
 )
 from lightning_dp.privacy.clipping import check_max_grad_norm, clip_factors
-from lightning_dp.privacy.mechanisms import _check_noise_multiplier, sanitize_update
+from lightning_dp.privacy.mechanisms import check_noise_multiplier, sanitize_update
 from lightning_dp.privacy.noise import gaussian_noise
 
 __all__ = ["EuclideanLaplaceSanitizer", "GaussianSanitizer", "NoSanitizer", "SANITIZERS", "make_sanitizer_factory"]
@@ -75,7 +73,7 @@ class EuclideanLaplaceSanitizer:
 
     def __init__(self, noise_multiplier: float, *, per_layer: bool = True, min_delta_norm: float = 1e-8,
                  layer_sizes: Optional[Sequence[int]] = None) -> None:
-        self.noise_multiplier = _check_noise_multiplier(noise_multiplier)
+        self.noise_multiplier = check_noise_multiplier(noise_multiplier)
         if not isinstance(per_layer, bool):
             raise ValueError(f"per_layer={per_layer!r} must be True or False.")
         if not _is_real(min_delta_norm) or not (math.isfinite(min_delta_norm) and min_delta_norm >= 0):
@@ -148,7 +146,7 @@ class GaussianSanitizer:
                 "Gaussian noise std over the clipping norm C (0 clips without noise). Pass e.g. 1.0."
             )
         self.noise_multiplier = float(noise_multiplier)
-        self.lr = _check_positive_real("lr", lr, "Pass the client's learning rate, as in client_release(lr=...).")
+        self.lr = checks.positive_real("lr", lr, hint="Pass the client's learning rate, as in client_release(lr=...).")
 
     def __call__(self, start: Tensor, trained: Tensor, generator: Optional[torch.Generator]) -> Tensor:
         if start.shape != trained.shape or start.dim() != 1:
@@ -158,7 +156,7 @@ class GaussianSanitizer:
         factor = clip_factors(torch.linalg.vector_norm(gradient).reshape(1), self.max_grad_norm)[0]
         noisy = gradient * factor
         if self.noise_multiplier > 0:
-            generator = _check_generator(generator) or _fresh_generator(start.device)
+            generator = checks.generator("generator", generator, device=start.device)
             noisy = noisy + gaussian_noise([gradient.shape], self.noise_multiplier * self.max_grad_norm, generator,
                                            dtype=gradient.dtype, device=gradient.device)[0]
         return start - self.lr * noisy
@@ -216,7 +214,7 @@ def make_sanitizer_factory(name: str, *, model: nn.Module, lr: float, max_grad_n
     if name not in SANITIZERS:
         raise ValueError(f"sanitizer={name!r} is not supported; choose one of {sorted(SANITIZERS)}: "
                          + "; ".join(f"{key}: {doc}" for key, (doc, _) in SANITIZERS.items()) + ".")
-    lr = _check_positive_real("lr", lr, "Pass the client's learning rate, e.g. 0.1.")
+    lr = checks.positive_real("lr", lr, hint="Pass the client's learning rate, e.g. 0.1.")
     check_max_grad_norm(max_grad_norm)
     EuclideanLaplaceSanitizer(0.0, per_layer=False, min_delta_norm=min_delta_norm)  # validates min_delta_norm
     return SANITIZERS[name][1](model, lr=lr, max_grad_norm=float(max_grad_norm), min_delta_norm=float(min_delta_norm))

@@ -74,6 +74,7 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
+from lightning_dp import checks
 from lightning_dp.privacy.accounting import get_accountant
 from lightning_dp.callbacks import virtual_batches
 from lightning_dp.privacy.batch_dims import (
@@ -121,12 +122,6 @@ _CALIBRATE_FOR = ("auto", "trainer", "callback")
 _LIGHTNING_DEFAULT_MAX_EPOCHS = 1000
 
 
-def _positive_int(name: str, value: int | None) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name}={value!r} is not allowed: pass a positive integer, or None")
-    return value
 
 
 def _target_epsilon(value: float | None) -> float | None:
@@ -305,8 +300,8 @@ class DPSGD(Callback):
         self.target_epsilon = _target_epsilon(target_epsilon)
         self.target_delta = _target_delta(target_delta)
         self.max_grad_norm = check_max_grad_norm(max_grad_norm)
-        self.epochs = _positive_int("epochs", epochs)
-        self.max_steps = _positive_int("max_steps", max_steps)
+        self.epochs = None if epochs is None else checks.positive_int("epochs", epochs, hint="or None")
+        self.max_steps = None if max_steps is None else checks.positive_int("max_steps", max_steps, hint="or None")
         if self.epochs is not None and self.max_steps is not None:
             raise ValueError(f"pass epochs={epochs} or max_steps={max_steps} for calibration, not both")
         if calibrate_for not in _CALIBRATE_FOR:
@@ -324,7 +319,9 @@ class DPSGD(Callback):
         self._requested_seed = check_seed(seed)
         self.replace_batchnorm = bool(replace_batchnorm)
         self.log_nonprivate_metrics = bool(log_nonprivate_metrics)
-        self.max_physical_batch_size = _positive_int("max_physical_batch_size", max_physical_batch_size)
+        self.max_physical_batch_size = (None if max_physical_batch_size is None else
+                                        checks.positive_int("max_physical_batch_size", max_physical_batch_size,
+                                                            hint="or None"))
 
         self._seed: int | None = None
         self._sigma: float | None = None

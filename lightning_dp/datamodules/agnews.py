@@ -48,11 +48,10 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import TensorDataset
 
+from lightning_dp import checks
 from lightning_dp.datamodules.base import (
     SplitDataModule,
     _check_fractions,
-    _check_non_negative_int,
-    _check_positive_int,
     stratified_split,
 )
 from lightning_dp.datamodules.offline import (
@@ -354,7 +353,7 @@ class AGNewsDataModule(SplitDataModule):
                 f"{owner}: source must be 'csv' (official train.csv/test.csv in data_dir) or 'huggingface' "
                 f"({self.hf_dataset}), got {source!r}"
             )
-        _check_positive_int("batch_size", batch_size, owner)
+        checks.positive_int("batch_size", batch_size, owner=owner)
         _check_fractions(owner, val_fraction=val_fraction)
         for subset_name, subset in (("train_subset", train_subset), ("test_subset", test_subset)):
             if subset is not None and (isinstance(subset, bool) or not isinstance(subset, int) or subset < 1):
@@ -362,9 +361,9 @@ class AGNewsDataModule(SplitDataModule):
                     f"{owner}: {subset_name} must be None (all rows) or a positive integer number of rows, "
                     f"got {subset!r}"
                 )
-        _check_positive_int("max_tokens", max_tokens, owner)
-        _check_positive_int("embedding_dim", embedding_dim, owner)
-        _check_non_negative_int("num_workers", num_workers, owner)
+        checks.positive_int("max_tokens", max_tokens, owner=owner)
+        checks.positive_int("embedding_dim", embedding_dim, owner=owner)
+        checks.non_negative_int("num_workers", num_workers, owner=owner)
         if not isinstance(cache, bool):
             raise ValueError(f"{owner}: cache must be True or False, got {cache!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):

@@ -10,6 +10,8 @@ from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_dp import checks
+
 __all__ = ["SplitDataModule", "make_dataloader", "stratified_split"]
 
 
@@ -90,20 +92,9 @@ def make_dataloader(
     )
 
 
-def _check_positive_int(name: str, value: int, owner: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{owner}: {name} must be a positive integer, got {value!r}")
-
-
-def _check_non_negative_int(name: str, value: int, owner: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{owner}: {name} must be a non-negative integer, got {value!r}")
-
-
 def _check_fractions(owner: str, **fractions: float) -> None:
     for name, value in fractions.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1.0:
-            raise ValueError(f"{owner}: {name} must be a number in the open interval (0, 1), got {value!r}")
+        checks.open_fraction(name, value, owner=owner)
     if sum(fractions.values()) >= 1.0:
         described = " + ".join(f"{name}={value}" for name, value in fractions.items())
         raise ValueError(

@@ -9,11 +9,10 @@ from typing import Optional
 import torch
 from torch.utils.data import TensorDataset
 
+from lightning_dp import checks
 from lightning_dp.datamodules.base import (
     SplitDataModule,
     _check_fractions,
-    _check_non_negative_int,
-    _check_positive_int,
     stratified_split,
 )
 
@@ -69,9 +68,9 @@ class DigitsDataModule(SplitDataModule):
     ) -> None:
         super().__init__()
         owner = type(self).__name__
-        _check_positive_int("batch_size", batch_size, owner)
+        checks.positive_int("batch_size", batch_size, owner=owner)
         _check_fractions(owner, val_fraction=val_fraction, test_fraction=test_fraction)
-        _check_non_negative_int("num_workers", num_workers, owner)
+        checks.non_negative_int("num_workers", num_workers, owner=owner)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"{owner}: seed must be an integer, got {seed!r}")
         self.save_hyperparameters()

@@ -22,11 +22,10 @@ from typing import Any
 
 import torch
 
-from lightning_dp.datamodules.base import _check_positive_int
+from lightning_dp import checks
 from lightning_dp.datamodules.federated import (
     ClientDataset,
     _block_sizes,
-    _check_open_fraction,
     derived_seed,
 )
 from lightning_dp.datamodules.femnist import FEMNIST, PathLike, Source, WriterData
@@ -119,11 +118,11 @@ class SyntheticFairness(GeneratedClients):
     ) -> None:
         super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed)
         owner = type(self).__name__
-        _check_positive_int("num_clients", num_clients, owner)
-        _check_positive_int("samples_per_client", samples_per_client, owner)
-        _check_positive_int("num_val_clients", num_val_clients, owner)
-        _check_positive_int("num_test_clients", num_test_clients, owner)
-        _check_open_fraction("minority_fraction", minority_fraction, owner)
+        checks.positive_int("num_clients", num_clients, owner=owner)
+        checks.positive_int("samples_per_client", samples_per_client, owner=owner)
+        checks.positive_int("num_val_clients", num_val_clients, owner=owner)
+        checks.positive_int("num_test_clients", num_test_clients, owner=owner)
+        checks.open_fraction("minority_fraction", minority_fraction, owner=owner)
         self.true_thetas = _validated_thetas(thetas, owner)
         if self.true_thetas.shape[0] != 2:
             raise ValueError(f"{owner}: thetas must hold exactly two hypotheses [theta_1, theta_2] (g1 and g2), "
@@ -244,7 +243,7 @@ class FEMNISTFairness(FEMNIST):
         num_workers: int = 0,
         seed: int = 0,
     ) -> None:
-        _check_open_fraction("minority_fraction", minority_fraction, type(self).__name__)
+        checks.open_fraction("minority_fraction", minority_fraction, owner=type(self).__name__)
         super().__init__(data_dir=data_dir, source=source, val_fraction=val_fraction, max_clients=max_clients,
                          rotate_probability=float(minority_fraction), invert=invert,
                          hf_test_fraction=hf_test_fraction, batch_size=batch_size, num_workers=num_workers,

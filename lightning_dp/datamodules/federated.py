@@ -31,10 +31,9 @@ from lightning.pytorch import LightningDataModule
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_dp import checks
 from lightning_dp.datamodules.base import (
     DataHparamsMixin,
-    _check_non_negative_int,
-    _check_positive_int,
     make_dataloader,
 )
 
@@ -268,9 +267,9 @@ class FederatedDataModule(DataHparamsMixin, LightningDataModule):
     def __init__(self, *, batch_size: int = 64, num_workers: int = 0, seed: int = 0) -> None:
         super().__init__()
         owner = type(self).__name__
-        _check_positive_int("batch_size", batch_size, owner)
-        _check_non_negative_int("num_workers", num_workers, owner)
-        _check_int("seed", seed, owner)
+        checks.positive_int("batch_size", batch_size, owner=owner)
+        checks.non_negative_int("num_workers", num_workers, owner=owner)
+        checks.integer("seed", seed, owner=owner)
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.seed = seed
@@ -428,18 +427,3 @@ def derived_seed(seed: int, *keys: Any) -> int:
     """
     digest = hashlib.sha256(repr((int(seed), *keys)).encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
-
-
-def _check_int(name: str, value: Any, owner: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{owner}: {name} must be an integer, got {value!r}")
-
-
-def _check_probability(name: str, value: Any, owner: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
-        raise ValueError(f"{owner}: {name} must be a probability in [0, 1], got {value!r}")
-
-
-def _check_open_fraction(name: str, value: Any, owner: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < float(value) < 1.0:
-        raise ValueError(f"{owner}: {name} must be a number in the open interval (0, 1), got {value!r}")

@@ -34,12 +34,11 @@ from typing import Any, Literal, Optional, Union
 import numpy as np
 import torch
 
+from lightning_dp import checks
 from lightning_dp.datamodules.base import stratified_split
 from lightning_dp.datamodules.federated import (
     ClientDataset,
     FederatedDataModule,
-    _check_int,
-    _check_open_fraction,
     derived_seed,
 )
 from lightning_dp.datamodules.offline import DatasetUnavailableError, download_guard, load_hf_dataset
@@ -154,18 +153,18 @@ class FederatedVision(FederatedDataModule):
                                  ("num_test_clients", num_test_clients, 0),
                                  ("classes_per_client", classes_per_client, 1),
                                  ("min_partition_size", min_partition_size, 0)):
-            _check_int(name, value, owner)
+            checks.integer(name, value, owner=owner)
             if value < low:
                 raise ValueError(f"{owner}: {name}={value} must be >= {low}")
         if classes_per_client > 10:
             raise ValueError(f"{owner}: classes_per_client={classes_per_client} exceeds the 10 classes")
         if shard_size is not None:
-            _check_int("shard_size", shard_size, owner)
+            checks.integer("shard_size", shard_size, owner=owner)
             if shard_size < 1:
                 raise ValueError(f"{owner}: shard_size={shard_size} must be >= 1 (or None: as large as fits)")
         if not (isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and np.isfinite(alpha) and alpha > 0):
             raise ValueError(f"{owner}: alpha={alpha!r} must be a finite number > 0 (Dirichlet concentration)")
-        _check_open_fraction("train_fraction", train_fraction, owner)
+        checks.open_fraction("train_fraction", train_fraction, owner=owner)
         for name, flag in (("download", download), ("normalize", normalize)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{owner}: {name} must be True or False, got {flag!r}")

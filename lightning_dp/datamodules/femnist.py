@@ -32,13 +32,11 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_dp.datamodules.base import _check_positive_int
+from lightning_dp import checks
 from lightning_dp.datamodules.federated import (
     ClientDataset,
     FederatedDataModule,
     _block_sizes,
-    _check_open_fraction,
-    _check_probability,
     derived_seed,
     split_clients,
 )
@@ -245,11 +243,11 @@ class FEMNIST(FederatedDataModule):
         owner = type(self).__name__
         if source not in ("leaf", "huggingface"):
             raise ValueError(f"{owner}: source must be 'leaf' or 'huggingface', got {source!r}")
-        _check_open_fraction("val_fraction", val_fraction, owner)
-        _check_open_fraction("hf_test_fraction", hf_test_fraction, owner)
-        _check_probability("rotate_probability", rotate_probability, owner)
+        checks.open_fraction("val_fraction", val_fraction, owner=owner)
+        checks.open_fraction("hf_test_fraction", hf_test_fraction, owner=owner)
+        checks.probability("rotate_probability", rotate_probability, owner=owner)
         if max_clients is not None:
-            _check_positive_int("max_clients", max_clients, owner)
+            checks.positive_int("max_clients", max_clients, owner=owner)
             if max_clients < 2:
                 raise ValueError(
                     f"{owner}: max_clients must be at least 2 (one training and one validation client), "

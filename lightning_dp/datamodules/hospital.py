@@ -34,10 +34,10 @@ from typing import Any, ClassVar, Optional, Union
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_dp import checks
 from lightning_dp.datamodules.federated import (
     ClientDataset,
     FederatedDataModule,
-    _check_open_fraction,
     split_clients,
 )
 from lightning_dp.datamodules.offline import (
@@ -411,7 +411,7 @@ class HospitalCharges(FederatedDataModule):
     ) -> None:
         super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed)
         owner = type(self).__name__
-        _check_open_fraction("train_fraction", train_fraction, owner)
+        checks.open_fraction("train_fraction", train_fraction, owner=owner)
         for flag_name, flag in (("scale", scale), ("download", download)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{owner}: {flag_name} must be True or False, got {flag!r}")

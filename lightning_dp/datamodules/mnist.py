@@ -35,11 +35,10 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
+from lightning_dp import checks
 from lightning_dp.datamodules.base import (
     SplitDataModule,
     _check_fractions,
-    _check_non_negative_int,
-    _check_positive_int,
     stratified_split,
 )
 from lightning_dp.datamodules.idx import read_idx
@@ -288,9 +287,9 @@ class MNISTFamilyDataModule(SplitDataModule):
                 f"{owner} is a base class; use MNISTDataModule or FashionMNISTDataModule, or subclass it "
                 "and set name, hf_dataset, mirrors, md5s, mean, std and classes"
             )
-        _check_positive_int("batch_size", batch_size, owner)
-        _check_positive_int("val_size", val_size, owner)
-        _check_non_negative_int("num_workers", num_workers, owner)
+        checks.positive_int("batch_size", batch_size, owner=owner)
+        checks.positive_int("val_size", val_size, owner=owner)
+        checks.non_negative_int("num_workers", num_workers, owner=owner)
         _check_fractions(owner, train_fraction=train_fraction, val_fraction=val_fraction)
         if source not in ("idx", "huggingface"):
             raise ValueError(f"{owner}: source must be 'idx' or 'huggingface', got {source!r}")

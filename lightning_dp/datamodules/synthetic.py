@@ -17,7 +17,7 @@ from typing import Any, Literal, Optional
 
 import torch
 
-from lightning_dp.datamodules.base import _check_non_negative_int, _check_positive_int
+from lightning_dp import checks
 from lightning_dp.datamodules.federated import (
     ClientDataset,
     FederatedDataModule,
@@ -138,10 +138,10 @@ class SyntheticLinearMixture(GeneratedClients):
     ) -> None:
         super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed)
         owner = type(self).__name__
-        _check_positive_int("num_clients", num_clients, owner)
-        _check_positive_int("samples_per_client", samples_per_client, owner)
-        _check_positive_int("num_val_clients", num_val_clients, owner)
-        _check_non_negative_int("num_test_clients", num_test_clients, owner)
+        checks.positive_int("num_clients", num_clients, owner=owner)
+        checks.positive_int("samples_per_client", samples_per_client, owner=owner)
+        checks.positive_int("num_val_clients", num_val_clients, owner=owner)
+        checks.non_negative_int("num_test_clients", num_test_clients, owner=owner)
         self.true_thetas = _validated_thetas(thetas, owner)
         k = self.true_thetas.shape[0]
         self.proportions = _validated_proportions(proportions, k, owner)

@@ -32,7 +32,8 @@ from typing import Any, Literal, Optional
 import torch
 from torch.utils.data import Dataset
 
-from lightning_dp.datamodules.base import SplitDataModule, _check_non_negative_int, _check_positive_int
+from lightning_dp import checks
+from lightning_dp.datamodules.base import SplitDataModule
 from lightning_dp.datamodules.offline import (
     DatasetUnavailableError,
     dataset_unavailable,
@@ -147,10 +148,10 @@ class WikiText2DataModule(SplitDataModule):
     ) -> None:
         super().__init__()
         owner = type(self).__name__
-        _check_positive_int("block_size", block_size, owner)
-        _check_positive_int("batch_size", batch_size, owner)
-        _check_non_negative_int("num_workers", num_workers, owner)
-        _check_non_negative_int("seed", seed, owner)
+        checks.positive_int("block_size", block_size, owner=owner)
+        checks.positive_int("batch_size", batch_size, owner=owner)
+        checks.non_negative_int("num_workers", num_workers, owner=owner)
+        checks.non_negative_int("seed", seed, owner=owner)
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 3:
             raise ValueError(f"{owner}: vocab_size={vocab_size!r} must be an integer >= 3 (<unk>, <eos> and words)")
         optional = ("val_file", "test_file", "vocab_file")

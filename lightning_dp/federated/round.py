@@ -55,6 +55,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 
+from lightning_dp import checks
 from lightning_dp.datamodules.federated import ClientDataset, padded_sensitive
 from lightning_dp.federated.local import (
     FlatParams,
@@ -85,10 +86,6 @@ _CLIENTS, _LOCAL, _NOISE, _INIT, _VAL = 11, 12, 13, 14, 15
 _SERVER_NOISE, _SERVER_COUNT, _DIAGNOSTICS, _LOCAL_NOISE = 16, 17, 18, 19
 
 
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} is not allowed: pass a positive integer")
-    return value
 
 
 class _RoundOptimizer(torch.optim.Optimizer):
@@ -173,7 +170,7 @@ class FederatedRound(LightningModule):
         super().__init__()
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        self.k = _positive_int("num_hypotheses", num_hypotheses)
+        self.k = checks.positive_int("num_hypotheses", num_hypotheses)
         self.selection = resolve_part("selection", selection)
         self.update = resolve_part("update", update)
         self.sanitizer = resolve_part("sanitizer", sanitizer)
@@ -189,7 +186,7 @@ class FederatedRound(LightningModule):
                              "cost")
         self.client_privacy_cap = None if client_privacy_cap is None else float(client_privacy_cap)
         self.val_clients_per_check = (None if val_clients_per_check is None
-                                      else _positive_int("val_clients_per_check", val_clients_per_check))
+                                      else checks.positive_int("val_clients_per_check", val_clients_per_check))
         self.test_every_check = bool(test_every_check)
         check_seed(seed)
         check_seed(noise_seed, "noise_seed")

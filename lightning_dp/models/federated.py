@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_dp.models.networks import _check_positive_int
+from lightning_dp import checks
+
 
 __all__ = ["CIFARConvNet", "FEMNISTConvNet", "HospitalMLP", "LinearRegression", "LogisticRegression"]
 
@@ -50,7 +51,7 @@ class LinearRegression(nn.Module):
 
     def __init__(self, in_features: int = 2, bias: bool = False) -> None:
         super().__init__()
-        self.in_features = _check_positive_int("in_features", in_features)
+        self.in_features = checks.positive_int("in_features", in_features)
         if not isinstance(bias, bool):
             raise ValueError(f"bias={bias!r} is not allowed: pass True (with an intercept) or False")
         self.linear = nn.Linear(self.in_features, 1, bias=bias)
@@ -86,8 +87,8 @@ class HospitalMLP(nn.Module):
 
     def __init__(self, in_features: int = 3, hidden: int = 2) -> None:
         super().__init__()
-        self.in_features = _check_positive_int("in_features", in_features)
-        self.hidden = _check_positive_int("hidden", hidden)
+        self.in_features = checks.positive_int("in_features", in_features)
+        self.hidden = checks.positive_int("hidden", hidden)
         self.net = nn.Sequential(nn.Linear(self.in_features, self.hidden), nn.ReLU(), nn.Linear(self.hidden, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -125,7 +126,7 @@ class FEMNISTConvNet(nn.Module):
 
     def __init__(self, num_classes: int = 62) -> None:
         super().__init__()
-        self.num_classes = _check_positive_int("num_classes", num_classes)
+        self.num_classes = checks.positive_int("num_classes", num_classes)
         self.features = nn.Sequential(
             nn.Conv2d(1, 32, kernel_size=2),
             nn.ReLU(),
@@ -161,8 +162,8 @@ class LogisticRegression(nn.Module):
 
     def __init__(self, in_features: int = 784, num_classes: int = 10) -> None:
         super().__init__()
-        self.in_features = _check_positive_int("in_features", in_features)
-        self.num_classes = _check_positive_int("num_classes", num_classes)
+        self.in_features = checks.positive_int("in_features", in_features)
+        self.num_classes = checks.positive_int("num_classes", num_classes)
         self.linear = nn.Linear(self.in_features, self.num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -193,7 +194,7 @@ class CIFARConvNet(nn.Module):
 
     def __init__(self, num_classes: int = 10) -> None:
         super().__init__()
-        self.num_classes = _check_positive_int("num_classes", num_classes)
+        self.num_classes = checks.positive_int("num_classes", num_classes)
         self.features = nn.Sequential(
             nn.Conv2d(3, 64, kernel_size=5, padding=2), nn.ReLU(), nn.MaxPool2d(3, stride=2, padding=1),
             nn.Conv2d(64, 64, kernel_size=5, padding=2), nn.ReLU(), nn.MaxPool2d(3, stride=2, padding=1),

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from lightning_dp import checks
+
 __all__ = ["BagOfWordsMLP", "ConvAutoencoder", "DigitsConvNet", "MLP", "MNISTConvNet", "SigmoidLeNet"]
 
 _ACTIVATIONS: dict[str, type[nn.Module]] = {"tanh": nn.Tanh, "relu": nn.ReLU}
@@ -35,11 +37,6 @@ def _activation(name: str) -> nn.Module:
     return _ACTIVATIONS[name]()
 
 
-def _check_positive_int(name: str, value: object) -> int:
-    """Return ``value`` if it is an int >= 1, else raise a ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer; pass e.g. {name}=10.")
-    return value
 
 
 class MNISTConvNet(nn.Module):
@@ -73,7 +70,7 @@ class MNISTConvNet(nn.Module):
 
     def __init__(self, num_classes: int = 10, activation: str = "tanh") -> None:
         super().__init__()
-        num_classes = _check_positive_int("num_classes", num_classes)
+        num_classes = checks.positive_int("num_classes", num_classes)
         self.num_classes = num_classes
         self.activation = activation
         self.features = nn.Sequential(
@@ -119,7 +116,7 @@ class DigitsConvNet(nn.Module):
 
     def __init__(self, num_classes: int = 10) -> None:
         super().__init__()
-        num_classes = _check_positive_int("num_classes", num_classes)
+        num_classes = checks.positive_int("num_classes", num_classes)
         self.num_classes = num_classes
         self.features = nn.Sequential(
             nn.Conv2d(1, 16, kernel_size=3, padding=1),
@@ -163,11 +160,11 @@ class MLP(nn.Module):
 
     def __init__(self, in_features: int, hidden: Sequence[int] = (128,), num_classes: int = 10) -> None:
         super().__init__()
-        in_features = _check_positive_int("in_features", in_features)
-        num_classes = _check_positive_int("num_classes", num_classes)
+        in_features = checks.positive_int("in_features", in_features)
+        num_classes = checks.positive_int("num_classes", num_classes)
         hidden = tuple(hidden)
         for i, width in enumerate(hidden):
-            _check_positive_int(f"hidden[{i}]", width)
+            checks.positive_int(f"hidden[{i}]", width)
         self.in_features = in_features
         self.hidden = hidden
         self.num_classes = num_classes
@@ -217,9 +214,9 @@ class BagOfWordsMLP(nn.Module):
     def __init__(self, in_features: int = 50, hidden: int = 32, num_classes: int = 4,
                  activation: str = "tanh") -> None:
         super().__init__()
-        self.in_features = _check_positive_int("in_features", in_features)
-        self.hidden = _check_positive_int("hidden", hidden)
-        self.num_classes = _check_positive_int("num_classes", num_classes)
+        self.in_features = checks.positive_int("in_features", in_features)
+        self.hidden = checks.positive_int("hidden", hidden)
+        self.num_classes = checks.positive_int("num_classes", num_classes)
         self.activation = activation
         self.net = nn.Sequential(
             nn.Linear(in_features, hidden),
@@ -345,9 +342,9 @@ class SigmoidLeNet(nn.Module):
     def __init__(self, in_channels: int = 1, image_size: int = 28, num_classes: int = 62,
                  init_range: float | None = 0.5) -> None:
         super().__init__()
-        self.in_channels = _check_positive_int("in_channels", in_channels)
-        self.image_size = _check_positive_int("image_size", image_size)
-        self.num_classes = _check_positive_int("num_classes", num_classes)
+        self.in_channels = checks.positive_int("in_channels", in_channels)
+        self.image_size = checks.positive_int("image_size", image_size)
+        self.num_classes = checks.positive_int("num_classes", num_classes)
         if init_range is not None and (isinstance(init_range, bool) or not isinstance(init_range, (int, float))
                                        or not 0 < init_range < float("inf")):
             raise ValueError(

@@ -92,6 +92,7 @@ __all__ = [
     "PLDAccountant",
     "RDPAccountant",
     "check_adjacency",
+    "check_delta",
     "clear_caches",
     "get_accountant",
     "history_to_dp_event",
@@ -134,7 +135,8 @@ def _check_num_steps(num_steps: Any, *, name: str = "num_steps", minimum: int = 
     return int(num_steps)
 
 
-def _check_delta(delta: Any, *, name: str = "delta") -> float:
+def check_delta(delta: Any, *, name: str = "delta") -> float:
+    """``delta`` as a float in (0, 1), else a ValueError naming ``name`` (every component's delta check)."""
     if not _is_real(delta) or not 0 < delta < 1:
         raise ValueError(
             f"{name} must be a number in (0, 1), got {delta!r}. Delta is the probability mass allowed to exceed "
@@ -324,7 +326,7 @@ class Accountant(abc.ABC):
             under add/remove adjacency (``0.0`` for an empty history; ``inf`` if no finite
             epsilon exists at that delta).
         """
-        return self._epsilon(self._history, _check_delta(delta))
+        return self._epsilon(self._history, check_delta(delta))
 
     def epsilon_after(
         self, delta: float, *, noise_multiplier: float, sample_rate: float, num_steps: int = 1
@@ -342,7 +344,7 @@ class Accountant(abc.ABC):
             :meth:`step` call.
         """
         return self._epsilon(_append(self._history, self._entry(noise_multiplier, sample_rate, num_steps)),
-                             _check_delta(delta))
+                             check_delta(delta))
 
     def max_steps(
         self, target_epsilon: float, delta: float, *, noise_multiplier: float, sample_rate: float, limit: int
@@ -367,7 +369,7 @@ class Accountant(abc.ABC):
             The number of further steps ``k`` that fit into the budget.
         """
         target_epsilon = _check_target_epsilon(target_epsilon)
-        delta = _check_delta(delta)
+        delta = check_delta(delta)
         sigma, q, _ = self._entry(noise_multiplier, sample_rate, 1)
         limit = _check_num_steps(limit, name="limit", minimum=0)
 

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning_dp.privacy.accounting import (
-    _check_delta,
+    check_delta,
     _check_num_steps,
     _check_target_epsilon,
     _is_real,
@@ -245,7 +245,7 @@ def _check_search(target_epsilon: Any, target_delta: Any, tolerance: Any,
     target_epsilon = _check_target_epsilon(target_epsilon)
     if math.isinf(target_epsilon):
         raise ValueError("target_epsilon must be finite, got inf: an infinite budget needs no noise to calibrate.")
-    target_delta = _check_delta(target_delta, name="target_delta")
+    target_delta = check_delta(target_delta, name="target_delta")
     if not _is_real(tolerance) or not 0 < tolerance < 1:
         raise ValueError(
             f"tolerance must be a number in (0, 1), got {tolerance!r}. It is the relative precision of the "

@@ -310,9 +310,9 @@ class RecordLedger:
     """
 
     def __init__(self, delta: float = 1e-5, accountant: str = "pld", adjacency: str = "add_remove") -> None:
-        from lightning_dp.privacy.accounting import _check_delta, check_adjacency, get_accountant
+        from lightning_dp.privacy.accounting import check_delta, check_adjacency, get_accountant
 
-        self.delta = _check_delta(delta)
+        self.delta = check_delta(delta)
         self.adjacency = check_adjacency(adjacency)
         self.accountant = get_accountant(accountant, adjacency=self.adjacency).name
         self._accountants: dict[ClientId, Any] = {}

@@ -58,8 +58,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_dp import checks
+
 __all__ = [
     "SanitizedUpdate",
+    "check_noise_multiplier",
     "euclidean_laplace",
     "euclidean_laplace_log_prob",
     "sample_gamma",
@@ -93,7 +96,8 @@ def _check_epsilon(epsilon: Any) -> float:
     return float(epsilon)
 
 
-def _check_noise_multiplier(noise_multiplier: Any) -> float:
+def check_noise_multiplier(noise_multiplier: Any) -> float:
+    """The d-privacy noise multiplier nu as a finite float >= 0, else a ValueError that says what nu is."""
     if not _is_real(noise_multiplier) or not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
         raise ValueError(
             f"noise_multiplier={noise_multiplier!r} is not allowed: nu must be a finite number >= 0. It is the "
@@ -104,24 +108,6 @@ def _check_noise_multiplier(noise_multiplier: Any) -> float:
     return float(noise_multiplier)
 
 
-def _check_generator(generator: Any, device: torch.device) -> torch.Generator:
-    """Returns ``generator``, or a fresh one seeded from OS entropy when it is ``None``."""
-    if generator is None:
-        # Not the global RNG (DESIGN.md): a private generator with a non-reproducible seed.
-        generator = torch.Generator(device=device)
-        generator.seed()
-        return generator
-    if not isinstance(generator, torch.Generator):
-        raise ValueError(
-            f"generator={generator!r} must be a torch.Generator (or None for a fresh, non-reproducible one); "
-            "pass e.g. torch.Generator().manual_seed(0) or lightning_dp.privacy.noise.derive_generator(seed, ...)."
-        )
-    if torch.device(generator.device).type != device.type:
-        raise ValueError(
-            f"generator is on device {generator.device} but the noise is drawn on {device}; create the generator "
-            f"with torch.Generator(device={str(device)!r})."
-        )
-    return generator
 
 
 # --------------------------------------------------------------------------- gamma radius
@@ -179,7 +165,7 @@ def sample_gamma(
                          "Euclidean Laplace radius).")
     num_samples = _check_dim(num_samples, name="num_samples")
     device = torch.device(device)
-    generator = _check_generator(generator, device)
+    generator = checks.generator("generator", generator, device=device)
     a = float(concentration)
     boost = a < 1.0
     d = (a + 1.0 if boost else a) - 1.0 / 3.0
@@ -261,7 +247,7 @@ def euclidean_laplace(
         raise ValueError(f"dtype={dtype!r} must be a floating torch.dtype such as torch.float32 or torch.float64.")
     count = 1 if num_samples is None else _check_dim(num_samples, name="num_samples")
     device = torch.device(device)
-    generator = _check_generator(generator, device)
+    generator = checks.generator("generator", generator, device=device)
 
     gaussian = torch.randn(count, dim, generator=generator, dtype=torch.float64, device=device)
     norms = torch.linalg.vector_norm(gaussian, dim=1)
@@ -423,7 +409,7 @@ def sanitize_update(
         >>> out.cost, out.epsilon  # n / nu, n / (nu * ||delta||) = 100 / (2 * 10)
         (50.0, 5.0)
     """
-    nu = _check_noise_multiplier(noise_multiplier)
+    nu = check_noise_multiplier(noise_multiplier)
     if not isinstance(client, Tensor) or not isinstance(reference, Tensor):
         raise ValueError(f"client and reference must be tensors, got {type(client).__name__} and "
                          f"{type(reference).__name__}; flatten a model with torch.nn.utils.parameters_to_vector.")
@@ -452,7 +438,7 @@ def sanitize_update(
             return SanitizedUpdate(client.clone(), math.inf, math.inf, None)
         return SanitizedUpdate(client.clone(), [math.inf] * len(sizes), math.inf, [math.inf] * len(sizes))
 
-    generator = _check_generator(generator, client.device)
+    generator = checks.generator("generator", generator, device=client.device)
     chunks = [delta] if sizes is None else list(torch.split(delta, sizes))
     radii = [max(float(torch.linalg.vector_norm(chunk)), float(min_delta_norm)) for chunk in chunks]
     epsilons = [chunk.numel() / (nu * radius) if radius > 0 else math.inf for chunk, radius in zip(chunks, radii)]

@@ -380,7 +380,7 @@ def test_audit_command_records_one_mlflow_run(audit_store, capsys, sanitizer):
 
 @pytest.mark.parametrize("args, message", [
     (["--sanitizer=foo"], "--sanitizer='foo': not supported; choose one of"),
-    (["--noise_multipliers=[-1]", "--iterations=0"], "--iterations=0: must be an integer >= 1"),
+    (["--noise_multipliers=[-1]", "--iterations=0"], "--iterations=0 is not allowed: --iterations must be a positive integer"),
     (["--noise_multipliers=[1, 1]"], "lists a value twice"),
     (["--model.init_args.image_size=28"], "--model.init_args.image_size=8"),
     (["--model.init_args.num_classes=62"], "--model.init_args.num_classes=10"),

@@ -149,7 +149,7 @@ def test_clip_sanitizer_bounds_updates_and_charges_nothing():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(noise_multiplier=0.0), r"noise_multiplier=0.0 is not allowed"),
     (dict(clip=-1.0), r"clip=-1.0 is not allowed"),
-    (dict(target_delta=1.0), r"target_delta=1.0 is not allowed"),
+    (dict(target_delta=1.0), r"target_delta must be a number in \(0, 1\), got 1.0"),
     (dict(accountant="nope"), r"nope"),
 ])
 def test_gaussian_local_dp_refuses_bad_settings(kwargs, match):

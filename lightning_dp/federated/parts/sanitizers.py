@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from lightning_dp.federated.parts.registry import Part, register_part
+from lightning_dp.privacy.accounting import check_delta
 from lightning_dp.privacy.ledger import GaussianLedger, PrivacyLedger
 from lightning_dp.privacy.local_dp import (
     check_sector,
@@ -126,10 +127,6 @@ def _check_multiplier(noise_multiplier: Any, *, allow_zero: bool = False) -> flo
     return float(noise_multiplier)
 
 
-def _check_delta(delta: Any) -> float:
-    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 < delta < 1:
-        raise ValueError(f"target_delta={delta!r} is not allowed: pass a number in (0, 1)")
-    return float(delta)
 
 
 @register_part("sanitizer", "none")
@@ -236,7 +233,7 @@ class GaussianLocalDP(ClientSanitizer):
     def __init__(self, noise_multiplier: float = 1.0, clip: float = 1.0, target_delta: float = 1e-5,
                  accountant: str = "pld") -> None:
         self.noise_multiplier, self.clip = _check_multiplier(noise_multiplier), _check_clip(clip)
-        self.target_delta, self.accountant = _check_delta(target_delta), accountant
+        self.target_delta, self.accountant = check_delta(target_delta, name="target_delta"), accountant
         self.make_ledger()  # validates the accountant
 
     def hparams(self) -> dict[str, Any]:
@@ -340,7 +337,7 @@ class SectorSanitizer(GaussianLocalDP):
         self.clip, self.lower_clip, self.angle = check_sector(clip, lower_clip, angle)
         self.initial = (self.clip, self.lower_clip)
         self.noise_multiplier = _check_multiplier(noise_multiplier, allow_zero=True)
-        self.target_delta, self.accountant = _check_delta(target_delta), accountant
+        self.target_delta, self.accountant = check_delta(target_delta, name="target_delta"), accountant
         self.accountable = self.noise_multiplier > 0
         # without local noise the server may adapt the thresholds (central DP: the clients' bits are noised there);
         # with local noise the bits would reach the server raw

@@ -168,7 +168,7 @@ class LocalDPSGD(ClientUpdate):
                  adjacency: Literal["add_remove", "replace"] | None = None, accountant: Literal["pld", "rdp"] = "pld",
                  participations: int | None = None, engine: Literal["auto", "vmap", "loop"] = "auto",
                  budgets: ClientBudgets | None = None, train_at: Literal["own", "minimum"] = "own") -> None:
-        from lightning_dp.privacy.accounting import _check_delta, check_adjacency, get_accountant
+        from lightning_dp.privacy.accounting import check_delta, check_adjacency, get_accountant
         from lightning_dp.privacy.clipping import check_max_grad_norm
         from lightning_dp.privacy.noise import check_noise_multiplier
 
@@ -191,7 +191,7 @@ class LocalDPSGD(ClientUpdate):
                                            or not math.isfinite(float(target_epsilon))):
             raise ValueError(f"target_epsilon={target_epsilon!r} is not allowed: pass a finite number > 0 or None")
         self.target_epsilon = None if target_epsilon is None else float(target_epsilon)
-        self.delta = _check_delta(delta)
+        self.delta = check_delta(delta)
         if sampling not in ("poisson", "shuffle"):
             raise ValueError(f"sampling={sampling!r} is not allowed; choose 'poisson' or 'shuffle'")
         self.sampling = sampling

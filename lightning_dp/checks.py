@@ -1,0 +1,99 @@
+"""Argument checks, one home for each (issue 28): every component validates its arguments with these.
+
+Each returns the value (converted: ``int``, ``float``) or raises a ``ValueError`` that names the argument, its
+value and what is allowed, prefixed by the owner (``"MNISTDataModule: batch_size=0 is not allowed: batch_size must be ..."``) and followed by
+the fix when the caller gives one. A leaf module: it imports nothing of the package, so the functional core may
+use it too.
+
+Example:
+    >>> positive_int("batch_size", 64)
+    64
+    >>> positive_int("batch_size", 0, owner="Digits", hint="pass e.g. batch_size=64")
+    Traceback (most recent call last):
+    ...
+    ValueError: Digits: batch_size=0 is not allowed: batch_size must be a positive integer; pass e.g. batch_size=64
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["generator", "integer", "non_negative_int", "open_fraction", "positive_int", "positive_real",
+           "probability"]
+
+
+def _fail(name: str, value: Any, allowed: str, owner: Optional[str], hint: Optional[str]) -> ValueError:
+    return ValueError(f"{owner + ': ' if owner else ''}{name}={value!r} is not allowed: {name} must be {allowed}"
+                      f"{'; ' + hint if hint else ''}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def integer(name: str, value: Any, *, owner: Optional[str] = None, hint: Optional[str] = None) -> int:
+    """``value`` as an ``int`` (``bool`` is refused)."""
+    if not _is_int(value):
+        raise _fail(name, value, "an integer", owner, hint)
+    return int(value)
+
+
+def positive_int(name: str, value: Any, *, owner: Optional[str] = None, hint: Optional[str] = None) -> int:
+    """``value`` as an ``int`` >= 1."""
+    if not _is_int(value) or value < 1:
+        raise _fail(name, value, "a positive integer", owner, hint)
+    return int(value)
+
+
+def non_negative_int(name: str, value: Any, *, owner: Optional[str] = None, hint: Optional[str] = None) -> int:
+    """``value`` as an ``int`` >= 0."""
+    if not _is_int(value) or value < 0:
+        raise _fail(name, value, "a non-negative integer", owner, hint)
+    return int(value)
+
+
+def positive_real(name: str, value: Any, *, owner: Optional[str] = None, hint: Optional[str] = None) -> float:
+    """``value`` as a finite ``float`` > 0."""
+    if not _is_real(value) or not (math.isfinite(value) and value > 0):
+        raise _fail(name, value, "a finite number > 0", owner, hint)
+    return float(value)
+
+
+def open_fraction(name: str, value: Any, *, owner: Optional[str] = None, hint: Optional[str] = None) -> float:
+    """``value`` as a ``float`` in the open interval (0, 1)."""
+    if not _is_real(value) or not 0.0 < float(value) < 1.0:
+        raise _fail(name, value, "a number in the open interval (0, 1)", owner, hint)
+    return float(value)
+
+
+def probability(name: str, value: Any, *, owner: Optional[str] = None, hint: Optional[str] = None) -> float:
+    """``value`` as a ``float`` in [0, 1]."""
+    if not _is_real(value) or not 0.0 <= float(value) <= 1.0:
+        raise _fail(name, value, "a probability in [0, 1]", owner, hint)
+    return float(value)
+
+
+def generator(name: str, value: Any, *, required: bool = False, device: Any = None) -> torch.Generator:
+    """``value`` if it is a ``torch.Generator``; ``None`` (unless ``required``) gives a fresh one seeded from OS
+    entropy on ``device``, never the global RNG (DESIGN.md: every draw that protects privacy comes from a generator
+    the component owns). A given generator must be on ``device``'s type when one is named."""
+    if value is None and not required:
+        fresh = torch.Generator(device=device if device is not None else "cpu")
+        fresh.seed()
+        return fresh
+    if not isinstance(value, torch.Generator):
+        raise ValueError(f"{name}={value!r} must be a torch.Generator{'' if required else ' (or None for a fresh one)'}"
+                         "; pass e.g. lightning_dp.privacy.noise.derive_generator(seed, stream) or "
+                         "torch.Generator().manual_seed(0)")
+    if device is not None and torch.device(value.device).type != torch.device(device).type:
+        raise ValueError(f"{name} is on device {value.device} but draws on {device}; create it with "
+                         f"torch.Generator(device={str(device)!r})")
+    return value
