@@ -121,3 +121,13 @@ def test_argument_checks_have_one_home():
              for path in PACKAGE.rglob("*.py") if path.name != "checks.py"}
     assert {path: hits for path, hits in found.items() if hits and path != "privacy/accounting.py"} == {}
     assert len(found["privacy/accounting.py"]) == 1  # check_delta
+
+
+def test_every_download_goes_through_one_function():
+    """Official files are fetched by lightning_dp.datamodules.offline.download_file only (a .part file, a check,
+    an atomic rename, nothing left behind on failure): no other module opens a URL itself."""
+    openers = {"urllib.request.urlopen", "urllib.request.urlretrieve", "requests.get", "httpx.get"}
+    opens = {str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
+             for node in ast.walk(ast.parse(path.read_text("utf-8")))
+             if isinstance(node, ast.Attribute) and ast.unparse(node) in openers}
+    assert opens == {"datamodules/offline.py"}

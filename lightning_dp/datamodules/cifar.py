@@ -31,6 +31,7 @@ from lightning_dp.datamodules.mnist import download_resource
 from lightning_dp.datamodules.offline import (
     DatasetUnavailableError,
     dataset_unavailable,
+    import_datasets,
     load_hf_dataset,
     publish,
     removing_on_failure,
@@ -204,9 +205,8 @@ def load_cifar10_hf(cache_dir: PathLike, split: str, *, owner: str = "CIFAR-10")
     Raises:
         DatasetUnavailableError: If the dataset is neither cached nor downloadable.
     """
-    from lightning_dp.datamodules.mnist import _import_datasets
-
-    table = load_hf_dataset(_import_datasets(), HF_DATASET, cache_dir=cache_dir, unavailable=lambda error:
+    datasets = import_datasets("CIFAR-10 from Hugging Face", "the official python batches in data_dir")
+    table = load_hf_dataset(datasets, HF_DATASET, cache_dir=cache_dir, unavailable=lambda error:
                             cifar10_unavailable(cache_dir, owner=owner, source="huggingface", error=error))[split]
     images = np.stack([np.asarray(image, dtype=np.uint8) for image in table["img"]])  # (N, 32, 32, 3)
     if images.ndim != 4 or images.shape[1:] != (32, 32, 3):

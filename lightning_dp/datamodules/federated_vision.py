@@ -41,7 +41,7 @@ from lightning_dp.datamodules.federated import (
     FederatedDataModule,
     derived_seed,
 )
-from lightning_dp.datamodules.offline import DatasetUnavailableError, download_guard, load_hf_dataset
+from lightning_dp.datamodules.offline import DatasetUnavailableError, download_guard, import_datasets, load_hf_dataset
 
 __all__ = ["DATASETS", "PARTITIONS", "FederatedVision", "partition_labels"]
 
@@ -176,10 +176,8 @@ class FederatedVision(FederatedDataModule):
         self.min_partition_size, self.shard_size = min_partition_size, shard_size
         if partition != "iid":
             _flwr_partitioners(partition)  # a missing extra is refused now, before any data is read
-        if source == "huggingface":
-            from lightning_dp.datamodules.mnist import _import_datasets
-
-            _import_datasets()
+        if source == "huggingface":  # a missing extra is refused now, before any data is read
+            import_datasets("FederatedVision(source='huggingface')", "source='files' with the official files")
         self.train_fraction, self.normalize = float(train_fraction), normalize
         self.input_shape = (3, 32, 32) if dataset == "cifar10" else (1, 28, 28)
 
@@ -211,9 +209,9 @@ class FederatedVision(FederatedDataModule):
         """
         if self.dataset == "cifar10" and self.source == "huggingface":
             from lightning_dp.datamodules.cifar import HF_DATASET
-            from lightning_dp.datamodules.mnist import _import_datasets
 
-            load_hf_dataset(_import_datasets(), HF_DATASET, cache_dir=self.data_dir,
+            load_hf_dataset(import_datasets("FederatedVision(source='huggingface')",
+                                            "source='files' with the official files"), HF_DATASET, cache_dir=self.data_dir,
                             unavailable=self._cifar10_unavailable)
             return
         if self.source == "huggingface":

@@ -24,10 +24,8 @@ import csv
 import functools
 import math
 import os
-import urllib.error
-import urllib.request
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Optional, Union
 
@@ -42,10 +40,10 @@ from lightning_dp.datamodules.federated import (
 )
 from lightning_dp.datamodules.offline import (
     DatasetUnavailableError,
-    DownloadError,
+    UrlOpener,
     dataset_unavailable,
+    download_file,
     download_guard,
-    removing_on_failure,
 )
 
 __all__ = [
@@ -103,7 +101,6 @@ FEATURE_NAMES: tuple[str, str, str] = ("service_index", "longitude", "latitude")
 #: (e.g. by total discharges).
 PAPER_DRGS: tuple[str, ...] = ("194", "690", "292", "392")
 
-UrlOpener = Callable[..., Any]
 PathLike = Union[str, "os.PathLike[str]"]
 
 
@@ -284,15 +281,12 @@ def download_cms_file(
     directory: PathLike,
     *,
     urls: Sequence[str] = DOWNLOAD_URLS,
-    urlopen: UrlOpener = urllib.request.urlopen,
+    urlopen: Optional[UrlOpener] = None,
     timeout: float = 120.0,
 ) -> Path:
-    """Download the official CSV into ``directory/OFFICIAL_FILENAME``.
-
-    The file is written to a ``.part`` file, checked to have the official columns (CMS
-    publishes no checksum for it), and only then renamed, so a failed or wrong
-    download never leaves a file that looks complete; a failed one leaves nothing
-    (a directory created for it is removed again).
+    """Download the official CSV into ``directory/OFFICIAL_FILENAME``
+    (:func:`~lightning_dp.datamodules.offline.download_file`, checked to have the official columns: CMS publishes
+    no checksum for it).
 
     Args:
         directory: Destination directory, created if missing.
@@ -307,32 +301,9 @@ def download_cms_file(
         DownloadError: (a :class:`RuntimeError`) If no address served a file in the official
             layout; the message lists each address and why it failed.
     """
-    target_dir = Path(directory).expanduser()
-    destination = target_dir / OFFICIAL_FILENAME
-    partial = destination.with_name(destination.name + ".part")
-    failures = []
-    with removing_on_failure(target_dir):
-        for url in urls:
-            request = urllib.request.Request(url, headers={"User-Agent": "lightning-dp"})
-            try:
-                with urlopen(request, timeout=timeout) as response, open(partial, "wb") as handle:
-                    for chunk in iter(lambda: response.read(1 << 20), b""):
-                        handle.write(chunk)
-                read_cms_rows(partial)  # raises ValueError unless the layout is the official one
-                os.replace(partial, destination)
-                return destination
-            except (urllib.error.URLError, OSError, ValueError, UnicodeDecodeError) as err:
-                failures.append((url, str(err)))
-            finally:
-                if partial.exists():
-                    partial.unlink()
-        raise DownloadError(
-            f"could not download {OFFICIAL_FILENAME} into {target_dir.resolve()}:\n"
-            + "\n".join(f"  {url}: {reason}" for url, reason in failures)
-            + "\nDownload the FY2011 'Inpatient Prospective Payment System Provider Summary for the Top 100 DRGs' "
-            "CSV by hand and pass path=... (or put it in data_dir).",
-            failures,
-        )
+    return download_file(OFFICIAL_FILENAME, directory=directory, urls=urls, check=read_cms_rows, urlopen=urlopen,
+                         timeout=timeout, advice="Download the FY2011 'Inpatient Prospective Payment System Provider "
+                         "Summary for the Top 100 DRGs' CSV by hand and pass path=... (or put it in data_dir).")
 
 
 # ----------------------------------------------------------------------------- DataModule

@@ -23,11 +23,8 @@ Two subsets:
 
 from __future__ import annotations
 
-import hashlib
 import os
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Optional, Union
 
@@ -44,24 +41,23 @@ from lightning_dp.datamodules.base import (
 from lightning_dp.datamodules.idx import read_idx
 from lightning_dp.datamodules.offline import (
     DatasetUnavailableError,
-    DownloadError,
+    UrlOpener,
     dataset_unavailable,
+    download_file,
     download_guard,
     import_datasets,
     load_hf_dataset,
+    md5_check,
     publish,
-    removing_on_failure,
     staging_area,
 )
 
 __all__ = [
-    "ChecksumError",
     "FashionMNISTDataModule",
     "MNISTDataModule",
     "MNISTFamilyDataModule",
     "OFFICIAL_FILES",
     "download_resource",
-    "md5sum",
     "transform_images",
 ]
 
@@ -73,45 +69,7 @@ OFFICIAL_FILES: dict[str, tuple[str, str]] = {
 
 Source = Literal["idx", "huggingface"]
 Subset = Literal["full", "t10k"]
-UrlOpener = Callable[..., Any]
 
-
-class ChecksumError(RuntimeError):
-    """Raised when a downloaded file does not have the expected md5 sum."""
-
-
-def md5sum(path: Union[str, "os.PathLike[str]"], *, chunk_size: int = 1 << 20) -> str:
-    """Return the hexadecimal md5 digest of a file.
-
-    Args:
-        path: The file.
-        chunk_size: Bytes read at a time.
-
-    Returns:
-        The 32-character lowercase hex digest.
-    """
-    digest = hashlib.md5(usedforsecurity=False)
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(chunk_size), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _fetch(url: str, destination: Path, *, md5: str, urlopen: UrlOpener, timeout: float) -> None:
-    """Download ``url`` to ``destination`` through a temporary file, verifying ``md5``."""
-    partial = destination.with_name(destination.name + ".part")
-    request = urllib.request.Request(url, headers={"User-Agent": "lightning-dp"})
-    try:
-        with urlopen(request, timeout=timeout) as response, open(partial, "wb") as handle:
-            for chunk in iter(lambda: response.read(1 << 20), b""):
-                handle.write(chunk)
-        actual = md5sum(partial)
-        if actual != md5.lower():
-            raise ChecksumError(f"md5 mismatch: expected {md5.lower()}, got {actual}")
-        os.replace(partial, destination)
-    finally:
-        if partial.exists():
-            partial.unlink()
 
 
 def download_resource(
@@ -120,48 +78,25 @@ def download_resource(
     directory: Union[str, "os.PathLike[str]"],
     mirrors: Sequence[str],
     md5: str,
-    urlopen: UrlOpener = urllib.request.urlopen,
+    urlopen: Optional[UrlOpener] = None,
     timeout: float = 60.0,
 ) -> Path:
-    """Download one file from the first mirror that serves it with the right md5 sum.
-
-    The file is written to ``<directory>/<filename>.part`` and renamed only after its
-    md5 sum matched, so an interrupted or corrupted download never leaves a file that
-    looks complete; when no mirror served it, nothing is left behind (not even the
-    directory, when it was created here).
+    """Download one official file from the first mirror that serves it with the right md5 sum
+    (:func:`~lightning_dp.datamodules.offline.download_file`: nothing half-made is left behind).
 
     Args:
         filename: Name of the file on the mirrors, e.g. ``"t10k-images-idx3-ubyte.gz"``.
         directory: Destination directory, created if missing.
         mirrors: Base URLs tried in order (``https://``, ``http://`` or ``file://``).
         md5: Expected md5 hex digest of the file.
-        urlopen: Function with the signature of :func:`urllib.request.urlopen`
-            (injectable for tests or proxies).
+        urlopen: Function with the signature of :func:`urllib.request.urlopen`.
         timeout: Seconds before a connection attempt is abandoned.
 
-    Returns:
-        The path of the downloaded file.
-
     Raises:
-        DownloadError: (a :class:`RuntimeError`) If no mirror served the file with the right
-            md5 sum; the message lists each URL tried and why it failed.
+        DownloadError: If no mirror served the file with the right md5 sum (each URL tried, and why).
     """
-    target_dir = Path(directory).expanduser()
-    destination = target_dir / filename
-    failures = []
-    with removing_on_failure(target_dir):
-        for mirror in mirrors:
-            url = mirror.rstrip("/") + "/" + filename
-            try:
-                _fetch(url, destination, md5=md5, urlopen=urlopen, timeout=timeout)
-                return destination
-            except (urllib.error.URLError, OSError, ChecksumError, ValueError) as err:
-                failures.append((url, str(err)))
-        raise DownloadError(
-            f"could not download {filename} into {target_dir.resolve()} from any mirror:\n"
-            + "\n".join(f"  {url}: {reason}" for url, reason in failures),
-            failures,
-        )
+    return download_file(filename, directory=directory, urls=[m.rstrip("/") + "/" + filename for m in mirrors],
+                         check=md5_check(md5), urlopen=urlopen, timeout=timeout)
 
 
 def transform_images(

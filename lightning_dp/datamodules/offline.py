@@ -16,6 +16,9 @@ Downloads leave nothing half-made on disk:
   (removed with its content, whatever happens); :func:`publish` moves a finished file
   or folder into place with one atomic rename (never over an existing one). So a failed
   official download leaves nothing, and a concurrent run's files are never touched.
+- :func:`download_file` fetches one official file from the first address that serves it and passes a check
+  (an md5 sum, :func:`md5_check`, or the file's layout), through a ``.part`` file renamed only after the check:
+  every downloader of the package (MNIST's IDX files, the CMS CSV) is this function with its own check.
 - :func:`load_hf_dataset` calls ``datasets.load_dataset`` under :func:`download_guard`
   with ``sweep=True``: the ``datasets`` library writes into its cache directory itself,
   so what appeared there during a failed call is removed.
@@ -35,21 +38,28 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import tempfile
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
 __all__ = [
+    "ChecksumError",
     "DatasetUnavailableError",
     "DownloadError",
     "STAGING_PREFIX",
     "dataset_unavailable",
+    "download_file",
     "download_guard",
     "import_datasets",
     "load_hf_dataset",
+    "md5_check",
+    "md5sum",
     "one_line",
     "publish",
     "removing_on_failure",
@@ -57,6 +67,7 @@ __all__ = [
 ]
 
 PathLike = Union[str, "os.PathLike[str]"]
+UrlOpener = Callable[..., Any]
 #: Name prefix of the temporary download directories inside a ``data_dir``.
 STAGING_PREFIX = ".lightning-dp-download-"
 _MAX_ERROR_CHARS = 400
@@ -322,3 +333,76 @@ def load_hf_dataset(
     sweep = os.environ.get("LOCAL_RANK", "0") == "0"
     with download_guard(cache_dir, unavailable, sweep=sweep):
         return datasets_module.load_dataset(path, *args, cache_dir=str(cache_dir), **kwargs)
+
+
+# --------------------------------------------------------------------------- downloads
+class ChecksumError(RuntimeError):
+    """Raised when a downloaded file does not have the expected md5 sum."""
+
+
+def md5sum(path: PathLike, *, chunk_size: int = 1 << 20) -> str:
+    """The hexadecimal md5 digest (32 lowercase characters) of a file, read ``chunk_size`` bytes at a time."""
+    digest = hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(chunk_size), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def md5_check(md5: str) -> Callable[[Path], None]:
+    """A :func:`download_file` check: the file's md5 sum is ``md5``, else :class:`ChecksumError`."""
+    def check(path: Path) -> None:
+        actual = md5sum(path)
+        if actual != md5.lower():
+            raise ChecksumError(f"md5 mismatch: expected {md5.lower()}, got {actual}")
+    return check
+
+
+def download_file(filename: str, *, directory: PathLike, urls: Sequence[str], check: Callable[[Path], object],
+                  urlopen: Optional[UrlOpener] = None, timeout: float = 60.0, advice: str = "") -> Path:
+    """Download ``directory/filename`` from the first of ``urls`` that serves a file passing ``check``.
+
+    The body is written to ``<filename>.part`` and renamed only after ``check(part)`` returned (it raises
+    ``ValueError``, ``OSError`` or :class:`ChecksumError` for a wrong file), so an interrupted or wrong download
+    never leaves a file that looks complete; when no address served it, nothing is left behind (not even the
+    directory, when it was created here).
+
+    Args:
+        filename: the name the file gets in ``directory``.
+        directory: destination, created if missing.
+        urls: full addresses tried in order (``https://``, ``http://`` or ``file://``).
+        check: raises unless the downloaded file is the official one (:func:`md5_check`, or a layout check; what
+            it returns is ignored).
+        urlopen: a function with the signature of :func:`urllib.request.urlopen` (injectable for tests, proxies);
+            default: ``urllib.request.urlopen``, looked up at the call.
+        timeout: seconds before a connection attempt is abandoned.
+        advice: a last line for the error, e.g. how to get the file by hand.
+
+    Raises:
+        DownloadError: no address served a file that passed ``check``; the message lists each address and why.
+    """
+    target_dir = Path(directory).expanduser()
+    destination = target_dir / filename
+    partial = destination.with_name(destination.name + ".part")
+    opener = urlopen if urlopen is not None else urllib.request.urlopen
+    failures = []
+    with removing_on_failure(target_dir):
+        for url in urls:
+            request = urllib.request.Request(url, headers={"User-Agent": "lightning-dp"})
+            try:
+                with opener(request, timeout=timeout) as response, open(partial, "wb") as handle:
+                    for chunk in iter(lambda: response.read(1 << 20), b""):
+                        handle.write(chunk)
+                check(partial)
+                os.replace(partial, destination)
+                return destination
+            except (urllib.error.URLError, OSError, ValueError, UnicodeDecodeError, ChecksumError) as err:
+                failures.append((url, str(err)))
+            finally:
+                if partial.exists():
+                    partial.unlink()
+        raise DownloadError(
+            f"could not download {filename} into {target_dir.resolve()}:\n"
+            + "\n".join(f"  {url}: {reason}" for url, reason in failures) + (f"\n{advice}" if advice else ""),
+            failures,
+        )

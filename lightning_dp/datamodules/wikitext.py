@@ -23,8 +23,6 @@ samples, seeded), and the test file stays the test split. Nothing is downloaded 
 from __future__ import annotations
 
 import collections
-import io
-import urllib.request
 import zipfile
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -37,6 +35,7 @@ from lightning_dp.datamodules.base import SplitDataModule
 from lightning_dp.datamodules.offline import (
     DatasetUnavailableError,
     dataset_unavailable,
+    download_file,
     download_guard,
     import_datasets,
     load_hf_dataset,
@@ -47,6 +46,14 @@ from lightning_dp.datamodules.offline import (
 __all__ = ["WikiText2DataModule", "TokenBlocks", "build_vocabulary", "tokenize_lines"]
 
 URL = "https://s3.amazonaws.com/research.metamind.io/wikitext/wikitext-2-v1.zip"
+
+
+def _zip_check(path: Path) -> None:
+    """A download check: the file is a zip archive (the official one has no published checksum)."""
+    try:
+        zipfile.ZipFile(path).close()
+    except zipfile.BadZipFile as err:
+        raise ValueError(f"not a zip archive ({err})") from err
 HF_DATASET, HF_CONFIG = "Salesforce/wikitext", "wikitext-2-v1"
 SPLITS = ("train", "valid", "test")
 UNK, EOS = "<unk>", "<eos>"
@@ -204,9 +211,9 @@ class WikiText2DataModule(SplitDataModule):
         if not self.hparams["download"]:
             raise self.unavailable()
         with download_guard(self.data_dir, self.unavailable), staging_area(self.data_dir) as staging:
-            with urllib.request.urlopen(URL, timeout=60) as response:  # noqa: S310  (a fixed https URL)
-                archive = zipfile.ZipFile(io.BytesIO(response.read()))
-            archive.extractall(staging)
+            path = download_file(URL.rsplit("/", 1)[-1], directory=staging, urls=[URL], check=_zip_check)
+            with zipfile.ZipFile(path) as archive:
+                archive.extractall(staging)
             for split in SPLITS:
                 src = staging / "wikitext-2" / f"wiki.{split}.tokens"
                 if src.exists():

@@ -152,7 +152,7 @@ def test_a_batch_pickle_that_asks_for_code_is_refused(tmp_path):
 
 def test_download_extracts_only_the_batch_files(tmp_path, cifar_dir, monkeypatch):
     import lightning_dp.datamodules.cifar as cifar
-    from lightning_dp.datamodules.mnist import md5sum
+    from lightning_dp.datamodules.offline import md5sum
 
     archive = tmp_path / "mirror" / cifar.ARCHIVE
     archive.parent.mkdir()

@@ -21,7 +21,8 @@ from lightning_dp.datamodules import (
     MNISTFamilyDataModule,
     write_idx,
 )
-from lightning_dp.datamodules.mnist import OFFICIAL_FILES, download_resource, md5sum, transform_images
+from lightning_dp.datamodules.mnist import OFFICIAL_FILES, download_resource, transform_images
+from lightning_dp.datamodules.offline import md5sum
 
 MODULES = [MNISTDataModule, FashionMNISTDataModule]
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_dp.datamodules import MNISTDataModule, read_idx
-from lightning_dp.datamodules.mnist import md5sum
+from lightning_dp.datamodules.offline import md5sum
 
 _DEFAULT_SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 SHARED_DATA = Path(os.environ.get("LIGHTNING_DP_SHARED_DATA", _DEFAULT_SHARED_DATA))

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 import lightning_dp.datamodules.hospital as hospital
-import lightning_dp.datamodules.mnist as mnist
+import lightning_dp.datamodules.offline as offline
 from lightning_dp.datamodules import (
     FEMNIST,
     AGNewsDataModule,
@@ -49,7 +49,6 @@ MNIST_FILES = ["train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k
 CIFAR_FILES = [f"cifar-10-batches-py/data_batch_{i}" for i in range(1, 6)] + ["cifar-10-batches-py/test_batch"]
 WIKI_FILES = ["wiki.train.tokens", "wiki.valid.tokens", "wiki.test.tokens"]
 HUB_ERROR = "Couldn't reach '{}' on the Hub (LocalEntryNotFoundError)"
-REAL_FETCH, REAL_CMS_DOWNLOAD = mnist._fetch, hospital.download_cms_file
 
 
 def listing(root: Path) -> list[str]:
@@ -85,13 +84,9 @@ def broken_opener(served: dict[str, bytes]) -> Callable[..., _Response]:
 
 
 def break_official_downloads(monkeypatch: pytest.MonkeyPatch, served: dict[str, bytes] = {}) -> None:  # noqa: B006
-    """Route the real MNIST/CIFAR (``mnist._fetch``), CMS and WikiText downloads to :func:`broken_opener`."""
-    opener = broken_opener(served)
-    monkeypatch.setattr(mnist, "_fetch", lambda url, destination, **kw: REAL_FETCH(url, destination,
-                                                                                     **{**kw, "urlopen": opener}))
-    monkeypatch.setattr(hospital, "download_cms_file",
-                        lambda directory, **kw: REAL_CMS_DOWNLOAD(directory, **{**kw, "urlopen": opener}))
-    monkeypatch.setattr(urllib.request, "urlopen", opener)  # WikiText's zip
+    """Route every official download (MNIST, CIFAR and CMS through ``offline.download_file``, WikiText's zip) to
+    :func:`broken_opener`: they all look ``urllib.request.urlopen`` up when they run."""
+    monkeypatch.setattr(urllib.request, "urlopen", broken_opener(served))
 
 
 def offline_datasets(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
@@ -372,7 +367,7 @@ def test_a_cifar_download_only_adds_the_files_an_existing_folder_lacks(tmp_path,
             info = tarfile.TarInfo(name)
             info.size = len(b"official")
             tar.addfile(info, io.BytesIO(b"official"))
-    monkeypatch.setattr(cifar, "ARCHIVE_MD5", mnist.md5sum(archive))
+    monkeypatch.setattr(cifar, "ARCHIVE_MD5", offline.md5sum(archive))
     monkeypatch.setattr(cifar, "MIRRORS", (archive.parent.as_uri() + "/",))
     folder = tmp_path / "data" / "cifar-10-batches-py"
     folder.mkdir(parents=True)
