@@ -131,3 +131,27 @@ def test_every_download_goes_through_one_function():
              for node in ast.walk(ast.parse(path.read_text("utf-8")))
              if isinstance(node, ast.Attribute) and ast.unparse(node) in openers}
     assert opens == {"datamodules/offline.py"}
+
+
+def test_the_top_level_api_is_deliberate_and_lazy():
+    """``from lightning_dp import DPSGD`` and the other top-level names are the objects of their subpackages, and
+    ``import lightning_dp`` alone loads neither torch nor Lightning (the command line's first hundred ms)."""
+    import importlib
+    import subprocess
+    import sys
+
+    import lightning_dp
+
+    for name in lightning_dp.__all__:
+        if name != "__version__":
+            assert getattr(lightning_dp, name) is getattr(importlib.import_module(lightning_dp._API[name]), name)
+    assert set(dir(lightning_dp)) >= set(lightning_dp.__all__)
+    code = ("import sys, lightning_dp; "
+            "sys.exit(int(any(m in sys.modules for m in ('torch', 'lightning', 'lightning_dp.callbacks'))))")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+    try:
+        lightning_dp.NotAName  # noqa: B018
+    except AttributeError as err:
+        assert "NotAName" in str(err)
+    else:
+        raise AssertionError("an unknown name must raise AttributeError")
