@@ -107,7 +107,7 @@ def _assert_recorded_fit(tracking_uri: str, run, workdir: Path, lr: float = 0.05
     config = yaml.safe_load(text)
     assert config["model"]["init_args"]["lr"] == lr
     assert config["model"]["init_args"]["network"]["class_path"] == "lightning_dp.models.DigitsConvNet"
-    assert config["trainer"]["logger"]["class_path"] == "lightning_dp.tracking.MLFlowLogger"
+    assert config["trainer"]["logger"]["class_path"] == "lightning_dp.MLFlowLogger"  # the top-level name
 
 
 def test_fit_records_params_metrics_config_and_checkpoint(workdir: Path, store_template: Path, capsys) -> None:
