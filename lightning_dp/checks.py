@@ -1,9 +1,9 @@
 """Argument checks, one home for each (issue 28): every component validates its arguments with these.
 
 Each returns the value (converted: ``int``, ``float``) or raises a ``ValueError`` that names the argument, its
-value and what is allowed, prefixed by the owner (``"MNISTDataModule: batch_size=0 is not allowed: batch_size must be ..."``) and followed by
-the fix when the caller gives one. A leaf module: it imports nothing of the package, so the functional core may
-use it too.
+value and what is allowed, prefixed by the owner when given and followed by the fix when given
+(``"MNISTDataModule: batch_size=0 is not allowed: batch_size must be a positive integer"``). A leaf module: it
+imports nothing of the package, so the functional core may use it too.
 
 Example:
     >>> positive_int("batch_size", 64)
