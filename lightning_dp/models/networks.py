@@ -42,10 +42,12 @@ def _activation(name: str) -> nn.Module:
 class MNISTConvNet(nn.Module):
     """The standard DP-SGD CNN for 1x28x28 images (MNIST, Fashion-MNIST).
 
-    The architecture of the TF-Privacy MNIST tutorial, of Papernot et al. 2021
+    The architecture of the TF-Privacy MNIST tutorial and of Papernot et al. 2021
     ("Tempered sigmoid activations for deep learning with differential privacy",
-    AAAI 2021) and of the thesis Table 3.5: two strided convolutions each followed by a
-    2x2 max-pool of stride 1, then a 32-unit hidden layer. Shapes for a 28x28 input::
+    AAAI 2021): two strided convolutions each followed by a 2x2 max-pool of stride 1, then a
+    32-unit hidden layer. The thesis' Table 3.5 lists the same layers but with stride-1
+    convolutions and ReLU, and its Table 3.1 a model of 551,322 parameters, which that list
+    does not give exactly either; this network is not the thesis' model. Shapes for a 28x28 input::
 
         Conv2d(1, 16, 8, stride=2, padding=3)  -> 16x14x14 -> act -> MaxPool2d(2, 1) -> 16x13x13
         Conv2d(16, 32, 4, stride=2)            -> 32x5x5   -> act -> MaxPool2d(2, 1) -> 32x4x4
