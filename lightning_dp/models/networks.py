@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 from torch import nn
@@ -24,7 +25,7 @@ from lightning_dp import checks
 
 __all__ = ["BagOfWordsMLP", "ConvAutoencoder", "DigitsConvNet", "MLP", "MNISTConvNet", "SigmoidLeNet"]
 
-_ACTIVATIONS: dict[str, type[nn.Module]] = {"tanh": nn.Tanh, "relu": nn.ReLU}
+_ACTIVATIONS: dict[str, type[nn.Module]] = {"tanh": nn.Tanh, "relu": nn.ReLU, "leaky_relu": nn.LeakyReLU}
 
 
 def _activation(name: str) -> nn.Module:
@@ -235,62 +236,77 @@ _OUTPUTS: dict[str, type[nn.Module]] = {"identity": nn.Identity, "sigmoid": nn.S
 
 
 class ConvAutoencoder(nn.Module):
-    """A convolutional autoencoder for 1x28x28 images (MNIST, Fashion-MNIST; thesis Table 3.6).
+    """A convolutional autoencoder for 1x28x28 images (MNIST, Fashion-MNIST), trained with the mean squared error
+    by :class:`~lightning_dp.models.Autoencoder` (thesis chapter 3: Galli et al., "Online sensitivity optimization in
+    differentially private learning", AAAI 2024).
 
-    The reconstruction model of thesis chapter 3 (Galli et al., "Online sensitivity
-    optimization in differentially private learning", AAAI 2024), trained with the
-    mean squared error by :class:`~lightning_dp.models.Autoencoder`. The exact layers of
-    the thesis' Table 3.6 could not be checked here; this is a documented, reasonable
-    choice: two strided convolutions down to a 32x7x7 code and two transposed
-    convolutions back. Shapes for a 28x28 input::
+    ``layers="thesis"``: the thesis' Table 3.6, four 3x3 convolutions of stride 1 without padding (8, 16, 32, 64
+    channels) and four transposed ones back (32, 16, 8, 1), 48,705 parameters, Table 3.1's model size for
+    FashionMNIST; with ``activation="leaky_relu"`` and ``output="sigmoid"`` (pixels in [0, 1]) as in the thesis::
+
+        Conv2d(1, 8, 3) -> 8x26x26, (8, 16) -> 16x24x24, (16, 32) -> 32x22x22, (32, 64) -> 64x20x20, each -> act
+        ConvTranspose2d(64, 32, 3) -> 32x22x22, ... (8, 1) -> 1x28x28 -> output
+
+    ``layers="strided"`` (default, 9,569 parameters): two strided convolutions down to a 32x7x7 code and two
+    transposed convolutions back, a smaller model chosen before the thesis' table was at hand::
 
         Conv2d(1, 16, 3, stride=2, padding=1)                             -> 16x14x14 -> act
         Conv2d(16, 32, 3, stride=2, padding=1)                            -> 32x7x7   -> act
         ConvTranspose2d(32, 16, 3, stride=2, padding=1, output_padding=1) -> 16x14x14 -> act
         ConvTranspose2d(16, 1, 3, stride=2, padding=1, output_padding=1)  -> 1x28x28  -> output
 
-    9,569 parameters. No layer mixes examples, so DP-SGD's per-sample clipping applies;
-    the per-sample gradient engine (:mod:`lightning_dp.privacy.grad_sample`) handles the
-    convolutions with its fast rule and the transposed convolutions with its exact
-    ``torch.func`` fallback.
+    No layer mixes examples, so DP-SGD's per-sample clipping applies; the per-sample gradient engine
+    (:mod:`lightning_dp.privacy.grad_sample`) handles the convolutions with its fast rule and the transposed
+    convolutions with its exact ``torch.func`` fallback.
 
     Args:
-        activation: Hidden activation, ``"tanh"`` (default, Papernot et al. 2021) or ``"relu"``.
+        activation: Hidden activation, ``"tanh"`` (default, Papernot et al. 2021), ``"relu"`` or
+            ``"leaky_relu"`` (the thesis).
         output: ``"identity"`` (default) for standardized inputs, such as those of
             :class:`~lightning_dp.datamodules.MNISTDataModule` with ``normalize=True``
             (pixels roughly in [-0.4, 2.8], outside a sigmoid's range); ``"sigmoid"``
             for pixels in [0, 1] (``normalize=False``).
+        layers: ``"strided"`` or ``"thesis"`` (above).
 
     Raises:
-        ValueError: If ``activation`` or ``output`` is not one of the choices.
+        ValueError: If ``activation``, ``output`` or ``layers`` is not one of the choices.
 
     Example:
         >>> import torch
         >>> ConvAutoencoder()(torch.zeros(2, 1, 28, 28)).shape
         torch.Size([2, 1, 28, 28])
+        >>> sum(p.numel() for p in ConvAutoencoder(layers="thesis").parameters())
+        48705
     """
 
-    def __init__(self, activation: str = "tanh", output: str = "identity") -> None:
+    def __init__(self, activation: str = "tanh", output: str = "identity",
+                 layers: Literal["strided", "thesis"] = "strided") -> None:
         super().__init__()
         if output not in _OUTPUTS:
             raise ValueError(
                 f"output={output!r} is not supported; choose one of {sorted(_OUTPUTS)} ('identity' for "
                 "standardized pixels, 'sigmoid' for pixels in [0, 1])."
             )
-        self.activation = activation
-        self.output = output
-        self.encoder = nn.Sequential(
-            nn.Conv2d(1, 16, kernel_size=3, stride=2, padding=1),
-            _activation(activation),
-            nn.Conv2d(16, 32, kernel_size=3, stride=2, padding=1),
-            _activation(activation),
-        )
-        self.decoder = nn.Sequential(
-            nn.ConvTranspose2d(32, 16, kernel_size=3, stride=2, padding=1, output_padding=1),
-            _activation(activation),
-            nn.ConvTranspose2d(16, 1, kernel_size=3, stride=2, padding=1, output_padding=1),
-            _OUTPUTS[output](),
-        )
+        if layers not in ("strided", "thesis"):
+            raise ValueError(f"layers={layers!r} is not supported; choose 'strided' (two strided convolutions, the "
+                             "default) or 'thesis' (thesis Table 3.6: four stride-1 convolutions, 48,705 parameters).")
+        self.activation, self.output, self.layers = activation, output, layers
+        if layers == "thesis":
+            down, up = (1, 8, 16, 32, 64), (64, 32, 16, 8, 1)
+            conv: dict[str, int] = {"kernel_size": 3}
+            tconv = conv
+        else:
+            down, up = (1, 16, 32), (32, 16, 1)
+            conv = {"kernel_size": 3, "stride": 2, "padding": 1}
+            tconv = {**conv, "output_padding": 1}
+        encoder: list[nn.Module] = []
+        for c_in, c_out in zip(down, down[1:]):
+            encoder += [nn.Conv2d(c_in, c_out, **conv), _activation(activation)]
+        decoder: list[nn.Module] = []
+        for c_in, c_out in zip(up, up[1:]):
+            decoder += [nn.ConvTranspose2d(c_in, c_out, **tconv), _activation(activation)]
+        decoder[-1] = _OUTPUTS[output]()
+        self.encoder, self.decoder = nn.Sequential(*encoder), nn.Sequential(*decoder)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return the reconstruction of ``x`` (shape ``(batch, 1, 28, 28)``), of the same shape."""

@@ -59,7 +59,7 @@ def test_digits_convnet_and_mlp_shapes() -> None:
 @pytest.mark.parametrize(
     ("build", "message"),
     [
-        (lambda: MNISTConvNet(activation="gelu"), r"activation='gelu'.*\['relu', 'tanh'\]"),
+        (lambda: MNISTConvNet(activation="gelu"), r"activation='gelu'.*\['leaky_relu', 'relu', 'tanh'\]"),
         (lambda: MNISTConvNet(num_classes=0), r"num_classes=0"),
         (lambda: DigitsConvNet(num_classes=2.5), r"num_classes=2.5"),
         (lambda: MLP(0), r"in_features=0"),
@@ -102,6 +102,23 @@ def test_conv_autoencoder_architecture() -> None:
         squashed = ConvAutoencoder(output="sigmoid")(torch.randn(2, 1, 28, 28) * 10)
     assert float(squashed.min()) >= 0.0 and float(squashed.max()) <= 1.0
     _assert_no_batch_mixing(net)
+
+
+def test_the_thesis_autoencoder_is_table_3_6() -> None:
+    """layers='thesis': thesis Table 3.6, 3x3 stride-1 convolutions (8, 16, 32, 64) and transposed ones back, with
+    the 48,705 parameters of Table 3.1 (FashionMNIST's model size)."""
+    net = ConvAutoencoder(layers="thesis", activation="leaky_relu", output="sigmoid")
+    assert [m.out_channels for m in net.encoder if isinstance(m, nn.Conv2d)] == [8, 16, 32, 64]
+    assert [m.out_channels for m in net.decoder if isinstance(m, nn.ConvTranspose2d)] == [32, 16, 8, 1]
+    assert all(m.stride == (1, 1) and m.kernel_size == (3, 3) for m in net.modules()
+               if isinstance(m, (nn.Conv2d, nn.ConvTranspose2d)))
+    assert net.encoder(torch.zeros(1, 1, 28, 28)).shape == (1, 64, 20, 20)
+    assert sum(p.numel() for p in net.parameters()) == 48_705
+    assert isinstance(net.decoder[-1], nn.Sigmoid) and isinstance(net.encoder[1], nn.LeakyReLU)
+    assert net(torch.rand(3, 1, 28, 28)).shape == (3, 1, 28, 28)
+    _assert_no_batch_mixing(net)
+    with pytest.raises(ValueError, match="layers='wide' is not supported"):
+        ConvAutoencoder(layers="wide")  # type: ignore[arg-type]
 
 
 def _naive_per_sample(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
