@@ -185,19 +185,18 @@ class MLP(nn.Module):
 
 
 class BagOfWordsMLP(nn.Module):
-    """A one-hidden-layer MLP over averaged word vectors (AG News, thesis Table 3.7).
+    """A one-hidden-layer MLP over averaged word vectors (AG News, thesis ch. 3).
 
-    The text classifier of thesis chapter 3 (Galli et al., "Online sensitivity
-    optimization in differentially private learning", AAAI 2024): the input is the
-    bag-of-words feature of :class:`~lightning_dp.datamodules.AGNewsDataModule`, the mean
-    of the 50-dimensional GloVe vectors of a text's first 25 tokens. Shapes::
+    The text classifier of the project's AG News runs (thesis chapter 3: Galli et al., "Online sensitivity
+    optimization in differentially private learning", AAAI 2024): the input is the feature of
+    :class:`~lightning_dp.datamodules.AGNewsDataModule`, the mean of the 50-dimensional GloVe vectors of a text's
+    first 25 tokens. Shapes::
 
         Linear(in_features, hidden) -> act -> Linear(hidden, num_classes)
 
-    1,764 parameters with the defaults (50 -> 32 -> 4). The exact widths of the
-    thesis' Table 3.7 could not be checked here; 32 tanh units is a documented,
-    reasonable choice (the width of the hidden layer of :class:`MNISTConvNet`, and
-    tanh after Papernot et al. 2021), and both are constructor arguments.
+    1,764 parameters with the defaults (50 -> 32 -> 4). This is not the thesis' model: its Table 3.7 has two
+    hidden layers of 128 LeakyReLU units over a bag of words, and its Table 3.1 size (113,156 parameters) implies
+    750 input features (128 x 750 + 128 + 128 x 128 + 128 + 128 x 4 + 4); which 750 words is not stated.
 
     Args:
         in_features: Dimension of the input features (the GloVe dimension, 50).
