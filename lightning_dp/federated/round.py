@@ -190,7 +190,7 @@ class FederatedRound(LightningModule):
         self.test_every_check = bool(test_every_check)
         check_seed(seed)
         check_seed(noise_seed, "noise_seed")
-        if seed is not None and seed == noise_seed and (self.sanitizer.accountable or self.server_privacy.accounted
+        if seed is not None and seed == noise_seed and (self.sanitizer.accountable or self.server_privacy.accountable
                                                          or self.update.accountable):
             raise ValueError(f"noise_seed={noise_seed} equals seed, which is public (logged, and in the uploaded "
                              "checkpoint): anyone with the record could regenerate every noise draw and recompute "
@@ -286,7 +286,7 @@ class FederatedRound(LightningModule):
                 raise MisconfigurationException(
                     f"test_every_check=True but {type(dm).__name__} has no test clients: give it some (e.g. "
                     "num_test_clients for FederatedVision), or set test_every_check=False")
-        if self.sanitizer.accountable or self.server_privacy.accounted or self.update.accountable:
+        if self.sanitizer.accountable or self.server_privacy.accountable or self.update.accountable:
             from lightning_dp.tracking import refuse_checkpoint_uploads
 
             refuse_checkpoint_uploads(self.trainer, type(self).__name__)
@@ -305,44 +305,18 @@ class FederatedRound(LightningModule):
             gate.uninstall(self.trainer, self)
 
     def _check_parts(self) -> None:
-        """Refuse combinations of parts whose privacy claims would not hold, before any client trains."""
-        from lightning_dp.federated.parts import FedAvg
+        """Refuse combinations of parts whose privacy claims would not hold, before any client trains: every part
+        checks the combination it is in (:meth:`~lightning_dp.federated.parts.Part.problems`), and all the problems
+        are reported together."""
+        from lightning_dp.federated.parts import Combination
 
-        if self.sanitizer.accountable and isinstance(self.aggregator, FedAvg) and self.aggregator.weighted:
-            raise MisconfigurationException(
-                f"sanitizer {self.sanitizer.name!r} with fedavg weighted=True: the weights are the clients' example "
-                "counts, released to the server unsanitized and not covered by the clients' ledgers; use "
-                "weighted=False")
-        if self.aggregator.needs_budgets and not self.update.reveals_budgets:
-            raise MisconfigurationException(
-                f"aggregator {self.aggregator.name!r} splits the clients by their revealed privacy budgets, but update "
-                f"{self.update.name!r} has none: use update local_dp_sgd with target_epsilon or budgets (or the "
-                "budget-agnostic partition='indirect')")
-        if self.aggregator.one_model and self.k != 1:
-            raise MisconfigurationException(f"aggregator {self.aggregator.name!r} averages one global model; "
-                                            f"num_hypotheses={self.k} is not allowed: use 1")
-        if self.update.accountable:
-            if self.k != 1:
-                raise MisconfigurationException(
-                    f"update {self.update.name!r} with num_hypotheses={self.k}: each client would choose its starting "
-                    "model by the loss of every hypothesis on all of its records, a data-dependent choice that its "
-                    "release shows and no record-level accountant covers; use num_hypotheses=1")
-            if isinstance(self.aggregator, FedAvg) and self.aggregator.weighted:
-                raise MisconfigurationException(
-                    f"update {self.update.name!r} with fedavg weighted=True: the weights are the clients' exact "
-                    "record counts, which add/remove of one record changes; use weighted=False")
-        if self.server_privacy.accounted:
-            problems = []
-            if self.k != 1:
-                problems.append(f"num_hypotheses={self.k} (central DP averages one global model: use 1)")
-            if not isinstance(self.aggregator, FedAvg) or self.aggregator.weighted:
-                problems.append("the aggregator must be fedavg with weighted=False (weights by example counts depend "
-                                "on private data and change the sensitivity)")
-            if self.selection.poisson_rate is None:
-                problems.append("client selection must be poisson (the accountant claims amplification by Poisson "
-                                "sampling; a fixed number of clients per round is not accounted)")
-            if problems:
-                raise MisconfigurationException(f"{type(self.server_privacy).__name__}: " + "; ".join(problems))
+        parts = Combination(self.selection, self.update, self.sanitizer, self.aggregator, self.server_privacy, self.k)
+        problems = [problem for part in (self.selection, self.update, self.sanitizer, self.aggregator,
+                                         self.server_privacy) for problem in part.problems(parts)]
+        if len(problems) == 1:
+            raise MisconfigurationException(problems[0])
+        if problems:
+            raise MisconfigurationException(f"{len(problems)} problems with these parts:\n  - " + "\n  - ".join(problems))
 
     def _sanitizer_follows_clip(self) -> bool:
         """Whether the clients clip at the server's adaptive threshold (clip and sector sanitizers without local
@@ -363,7 +337,7 @@ class FederatedRound(LightningModule):
         if self.update.accountable:
             self._plan_update(planned_rounds)
         privacy = self.server_privacy
-        if not privacy.accounted:
+        if not privacy.accountable:
             return
         num_clients = len(self._clients["train"])
         try:
@@ -571,7 +545,7 @@ class FederatedRound(LightningModule):
         accounted): who took part, and how many, must then stay off the record. The exact counts, the
         per-client ledgers (which show each client's participations) and statistics of the participants'
         updates are ``nonprivate/``."""
-        return bool(self.server_privacy.accounted)
+        return bool(self.server_privacy.accountable)
 
     def releases_are_sanitized(self) -> bool:
         """Whether every client's release is itself private (a local sanitizer with a ledger, or local DP-SGD
@@ -624,7 +598,7 @@ class FederatedRound(LightningModule):
         written = bool(getattr(self.trainer, "_logger_connector", None) is None
                        or self.trainer._logger_connector.should_update_logs)
         report = last or written
-        if index or privacy.accounted:  # an accounted round without participants still releases its noise
+        if index or privacy.accountable:  # an accounted round without participants still releases its noise
             if index:
                 local_releases, local_stats, local_diagnostics = self._client_round(index, r)
             else:
@@ -683,7 +657,7 @@ class FederatedRound(LightningModule):
             metrics.update(self._record_metrics())
         self.rounds += 1
         # float64: Lightning would store a Python float as float32 and round the spend
-        if privacy.accounted and not last and not privacy.budget_left(self._update_set()) and not self.trainer.should_stop:
+        if privacy.accountable and not last and not privacy.budget_left(self._update_set()) and not self.trainer.should_stop:
             metrics.update(privacy.epsilon_metrics())  # the final spend is always recorded
             rank_zero_info(f"{type(privacy).__name__}: stopping after round {r + 1}: the next round would exceed "
                            f"target_epsilon={privacy.target_epsilon} (spent {metrics['privacy/epsilon']:.4f}).")
@@ -864,7 +838,7 @@ class FederatedRound(LightningModule):
         if step > 0 and self._epsilon_written != int(self.rounds) - 1:
             # a run ended between log writes (max_steps, max_time, an interrupt): write the final spend, at the
             # step numbering of the round's own metrics (those of optimizer step n are written at n - 1)
-            final = self.server_privacy.epsilon_metrics() if self.server_privacy.accounted else {}
+            final = self.server_privacy.epsilon_metrics() if self.server_privacy.accountable else {}
             final.update(self._record_metrics())
             if final and self.trainer.is_global_zero:
                 for logger in self.trainer.loggers:
@@ -906,7 +880,7 @@ class FederatedRound(LightningModule):
             rows.append(("client epsilon", f"median {self.ledger.median():.4g}, max {self.ledger.max():.4g} "
                                            f"({self.sanitizer.ledger_label}{cap})"))
         privacy = self.server_privacy
-        if privacy.accounted:
+        if privacy.accountable:
             eps = privacy.epsilon_metrics().get("privacy/epsilon", math.nan)
             target = getattr(privacy, "target_epsilon", None)
             of = "" if target is None else f" of target_epsilon {target:g}"
@@ -917,7 +891,7 @@ class FederatedRound(LightningModule):
         if record:
             med, top = record["privacy/record_epsilon_median"], record["privacy/record_epsilon_max"]
             rows.append(("record epsilon", f"median {med:.4g}, max {top:.4g} (per client, {self.update.name})"))
-        if not (self.sanitizer.accountable or privacy.accounted or self.update.accountable):
+        if not (self.sanitizer.accountable or privacy.accountable or self.update.accountable):
             rows.append(("privacy", "none: the clients' releases are not sanitized and nothing is accounted"))
         metrics = self.trainer.callback_metrics
         for name in ("val/loss", "val/acc"):

@@ -168,6 +168,26 @@ def test_combinations_whose_claims_would_not_hold_are_refused(kwargs, match):
         trainer(max_epochs=1).fit(m, SyntheticLinearMixture(seed=0))
 
 
+def test_every_part_checks_its_combination_and_the_round_reports_all_problems_together():
+    """Each part says what is wrong with the combination it is in (Part.problems, Flower's wrappers validating
+    themselves); the round raises one error with all of them, before any client trains."""
+    from lightning_dp.federated.parts import Combination, LocalDPSGD, ServerPrivacy
+
+    m = FederatedRound(LinearRegression(), num_hypotheses=2, selection=UniformSelection(5),
+                       update=LocalDPSGD(batch_size=5, noise_multiplier=1.0), aggregator=FedAvg(weighted=True),
+                       server_privacy=CentralGaussian(noise_multiplier=1.0), seed=0, noise_seed=1)
+    with pytest.raises(MisconfigurationException) as info:
+        trainer(max_epochs=1).fit(m, SyntheticLinearMixture(seed=0))
+    message = str(info.value)
+    assert message.startswith("3 problems with these parts:")
+    assert "update 'local_dp_sgd' with num_hypotheses=2" in message and "exact record counts" in message
+    assert "CentralGaussian: num_hypotheses=2" in message and "client selection must be poisson" in message
+    parts = Combination(m.selection, m.update, m.sanitizer, m.aggregator, m.server_privacy, 1)
+    assert m.sanitizer.problems(parts) == [] and m.selection.problems(parts) == []
+    with pytest.raises(TypeError, match="'accounted', which is now 'accountable'"):
+        type("OldStyle", (ServerPrivacy,), {"accounted": True})
+
+
 def test_parts_by_name_and_unknown_names():
     m = FederatedRound(LinearRegression(), selection="poisson", aggregator="fedavg", server_privacy="none")
     assert type(m.selection).__name__ == "PoissonSelection" and m.hparams["aggregator"] == "fedavg"

@@ -13,7 +13,7 @@
 """
 
 from lightning_dp.federated.parts.aggregators import PFA, Aggregator, FedAvg, KMeans
-from lightning_dp.federated.parts.registry import KINDS, Part, register_part, registered_parts, resolve_part
+from lightning_dp.federated.parts.registry import KINDS, Combination, Part, register_part, registered_parts, resolve_part
 from lightning_dp.federated.parts.sanitizers import (
     ClientSanitizer,
     ClipSanitizer,
@@ -30,7 +30,7 @@ from lightning_dp.federated.parts.update import AUTO_VMAP_MAX_PARAMETERS, Client
 
 __all__ = [
     "AUTO_VMAP_MAX_PARAMETERS", "Aggregator", "CentralGaussian", "ClientSanitizer", "ClientSelection", "ClientUpdate",
-    "ClipSanitizer", "EuclideanLaplace", "FedAvg", "GaussianLocalDP", "KINDS", "KMeans", "LaplaceLocalDP", "LocalDPSGD", "LocalSGD",
+    "ClipSanitizer", "Combination", "EuclideanLaplace", "FedAvg", "GaussianLocalDP", "KINDS", "KMeans", "LaplaceLocalDP", "LocalDPSGD", "LocalSGD",
     "NoSanitizer", "NoServerPrivacy", "PFA", "Part", "PoissonSelection", "SectorSanitizer", "ServerPrivacy",
     "UniformSelection", "choice_spread", "register_part", "registered_parts", "resolve_part",
 ]

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from lightning_dp.federated.aggregation import kmeans_aggregate
 from lightning_dp.federated.local import row_norms
-from lightning_dp.federated.parts.registry import Part, register_part
+from lightning_dp.federated.parts.registry import Combination, Part, register_part
 
 __all__ = ["Aggregator", "FedAvg", "KMeans", "PFA"]
 
@@ -27,6 +27,10 @@ class Aggregator(Part):
     needs_budgets = False
     #: whether it averages one global model only (the round refuses num_hypotheses > 1 before training)
     one_model = False
+    #: whether its weights are the clients' example counts (private: they change with one record)
+    weights_by_counts = False
+    #: whether it is the plain mean of the releases (the sum whose sensitivity central DP accounts)
+    plain_mean = False
     #: the public (True) / private split of the last aggregated releases, for aggregators that split the clients
     last_public: list[bool] | None = None
     @property
@@ -41,6 +45,17 @@ class Aggregator(Part):
     def aggregate(self, releases: Tensor, hypotheses: Tensor, weights: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """``(new hypotheses (k, P), cluster of each release (U,))``."""
         raise NotImplementedError
+
+    def problems(self, parts: Combination) -> list[str]:
+        found = []
+        if self.needs_budgets and not parts.update.reveals_budgets:
+            found.append(f"aggregator {self.name!r} splits the clients by their revealed privacy budgets, but update "
+                         f"{parts.update.name!r} has none: use update local_dp_sgd with target_epsilon or budgets "
+                         "(or the budget-agnostic partition='indirect')")
+        if self.one_model and parts.num_hypotheses != 1:
+            found.append(f"aggregator {self.name!r} averages one global model; num_hypotheses={parts.num_hypotheses} "
+                         "is not allowed: use 1")
+        return found
 
 
 @register_part("aggregator", "kmeans")
@@ -69,6 +84,7 @@ class FedAvg(Aggregator):
 
     def __init__(self, weighted: bool = False) -> None:
         self.weighted = bool(weighted)
+        self.weights_by_counts, self.plain_mean = self.weighted, not self.weighted
 
     def hparams(self) -> dict[str, Any]:
         return {"fedavg_weighted": self.weighted}

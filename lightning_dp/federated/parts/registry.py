@@ -22,18 +22,42 @@ after which ``aggregator: median`` (or ``class_path: my_module.CoordinateMedian`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["KINDS", "Part", "register_part", "registered_parts", "resolve_part"]
+__all__ = ["KINDS", "Combination", "Part", "register_part", "registered_parts", "resolve_part"]
 
 KINDS = ("selection", "update", "sanitizer", "aggregator", "server_privacy")
 _PARTS: dict[str, dict[str, type]] = {kind: {} for kind in KINDS}
 
 
+@dataclass(frozen=True)
+class Combination:
+    """The parts of one round and its number of hypotheses, as a part sees them when it checks the combination."""
+
+    selection: Any
+    update: Any
+    sanitizer: Any
+    aggregator: Any
+    server_privacy: Any
+    num_hypotheses: int
+
+
 class Part:
-    """What every part shares: a name, optional state, and parameters to log."""
+    """What every part shares: a name, optional state, parameters to log, and a check of the combination it is in.
+
+    Capabilities, one vocabulary: ``accountable`` (the part spends privacy and keeps its own accounting: an update's
+    record-level ledgers, a sanitizer's per-client ledger, the server's client-level accountant).
+    """
 
     name = "part"
+    #: whether the part spends privacy and accounts it
+    accountable = False
+
+    def problems(self, parts: Combination) -> list[str]:
+        """Why this part's privacy claims would not hold among ``parts`` (empty: they hold). The round collects
+        every part's problems into one error before any client trains."""
+        return []
 
     def hparams(self) -> dict[str, Any]:
         """Parameters logged with the run (never secrets)."""

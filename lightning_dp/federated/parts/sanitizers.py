@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_dp.federated.parts.registry import Part, register_part
+from lightning_dp.federated.parts.registry import Combination, Part, register_part
 from lightning_dp.privacy.accounting import check_delta
 from lightning_dp.privacy.ledger import GaussianLedger, PrivacyLedger
 from lightning_dp.privacy.local_dp import (
@@ -59,6 +59,13 @@ class ClientSanitizer(Part):
 
     #: whether releases cost privacy that the round must charge to the clients' ledgers
     accountable = False
+
+    def problems(self, parts: Combination) -> list[str]:
+        if self.accountable and parts.aggregator.weights_by_counts:
+            return [f"sanitizer {self.name!r} with {parts.aggregator.name} weighted=True: the weights are the "
+                    "clients' example counts, released to the server unsanitized and not covered by the clients' "
+                    "ledgers; use weighted=False"]
+        return []
     #: what the ledger's numbers are, for plots and tables
     ledger_label = "client epsilon spent (d-privacy, per ||delta||-neighbourhood)"
     #: whether the client clips at a threshold the server may adapt (:meth:`follow_clip`); such a sanitizer

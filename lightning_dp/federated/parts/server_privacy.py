@@ -52,7 +52,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_dp.federated.local import row_norms
-from lightning_dp.federated.parts.registry import Part, register_part
+from lightning_dp.federated.parts.registry import Combination, Part, register_part
 from lightning_dp.privacy.accounting import check_adjacency, get_accountant
 from lightning_dp.privacy.adaptive import default_count_noise_std, quantile_clip_update, quantile_noise_split
 from lightning_dp.privacy.calibration import calibrate_noise_multiplier
@@ -67,7 +67,27 @@ class ServerPrivacy(Part):
     """Wraps the aggregation of a round (Flower's view of DP as a wrapper: clip, aggregate, noise)."""
 
     #: True when the part accounts a client-level epsilon
-    accounted = False
+    accountable = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "accounted" in vars(cls):  # renamed: a subclass still setting it would silently claim nothing
+            raise TypeError(f"{cls.__name__} sets 'accounted', which is now 'accountable' (one vocabulary for every "
+                            "part): rename the attribute")
+
+    def problems(self, parts: Combination) -> list[str]:
+        if not self.accountable:
+            return []
+        found = []
+        if parts.num_hypotheses != 1:
+            found.append(f"num_hypotheses={parts.num_hypotheses} (central DP averages one global model: use 1)")
+        if not parts.aggregator.plain_mean:
+            found.append("the aggregator must be fedavg with weighted=False (weights by example counts depend "
+                         "on private data and change the sensitivity)")
+        if parts.selection.poisson_rate is None:
+            found.append("client selection must be poisson (the accountant claims amplification by Poisson "
+                         "sampling; a fixed number of clients per round is not accounted)")
+        return [f"{type(self).__name__}: " + "; ".join(found)] if found else []
 
     def aggregate(self, releases: Tensor, hypotheses: Tensor, aggregator: Any, *, weights: Tensor | None,
                   expected_count: float, noise_generator: torch.Generator, count_generator: torch.Generator,
@@ -128,7 +148,7 @@ class CentralGaussian(ServerPrivacy):
             Poisson-subsampled Gaussian, ``pld`` only unless every client takes part).
     """
 
-    accounted = True
+    accountable = True
 
     def __init__(self, noise_multiplier: float | None = None, target_epsilon: float | None = None,
                  target_delta: float = 1e-5, clip: float = 1.0, adaptive: bool = False, target_quantile: float = 0.5,

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from lightning_dp.federated.budgets import ClientBudgets
 from lightning_dp.federated.local import local_sgd, local_sgd_loop
-from lightning_dp.federated.parts.registry import Part, register_part
+from lightning_dp.federated.parts.registry import Combination, Part, register_part
 from lightning_dp.privacy.delta import LargeDeltaWarning, check_delta_for_size
 
 __all__ = ["AUTO_VMAP_MAX_PARAMETERS", "ClientUpdate", "LocalDPSGD", "LocalSGD", "auto_engine"]
@@ -39,6 +39,19 @@ class ClientUpdate(Part):
 
     #: whether the update is record-level private and keeps a per-client ledger
     accountable = False
+
+    def problems(self, parts: Combination) -> list[str]:
+        if not self.accountable:
+            return []
+        found = []
+        if parts.num_hypotheses != 1:
+            found.append(f"update {self.name!r} with num_hypotheses={parts.num_hypotheses}: each client would choose "
+                         "its starting model by the loss of every hypothesis on all of its records, a data-dependent "
+                         "choice that its release shows and no record-level accountant covers; use num_hypotheses=1")
+        if parts.aggregator.weights_by_counts:
+            found.append(f"update {self.name!r} with {parts.aggregator.name} weighted=True: the weights are the "
+                         "clients' exact record counts, which add/remove of one record changes; use weighted=False")
+        return found
 
     def train(self, template, spec, start: Tensor, x: Tensor, y: Tensor, mask: Tensor, *, loss: str,
               shuffles: Any, clients: Sequence[int] | None = None,
