@@ -290,20 +290,19 @@ class ConvAutoencoder(nn.Module):
             raise ValueError(f"layers={layers!r} is not supported; choose 'strided' (two strided convolutions, the "
                              "default) or 'thesis' (thesis Table 3.6: four stride-1 convolutions, 48,705 parameters).")
         self.activation, self.output, self.layers = activation, output, layers
-        if layers == "thesis":
-            down, up = (1, 8, 16, 32, 64), (64, 32, 16, 8, 1)
-            conv: dict[str, int] = {"kernel_size": 3}
-            tconv = conv
-        else:
-            down, up = (1, 16, 32), (32, 16, 1)
-            conv = {"kernel_size": 3, "stride": 2, "padding": 1}
-            tconv = {**conv, "output_padding": 1}
+        down: tuple[int, ...]
+        up: tuple[int, ...]
+        if layers == "thesis":  # 3x3, stride 1, no padding: 28 -> 26 -> 24 -> 22 -> 20 and back
+            down, up, stride, padding, output_padding = (1, 8, 16, 32, 64), (64, 32, 16, 8, 1), 1, 0, 0
+        else:  # 3x3, stride 2, padding 1: 28 -> 14 -> 7 and back
+            down, up, stride, padding, output_padding = (1, 16, 32), (32, 16, 1), 2, 1, 1
         encoder: list[nn.Module] = []
         for c_in, c_out in zip(down, down[1:]):
-            encoder += [nn.Conv2d(c_in, c_out, **conv), _activation(activation)]
+            encoder += [nn.Conv2d(c_in, c_out, kernel_size=3, stride=stride, padding=padding), _activation(activation)]
         decoder: list[nn.Module] = []
         for c_in, c_out in zip(up, up[1:]):
-            decoder += [nn.ConvTranspose2d(c_in, c_out, **tconv), _activation(activation)]
+            decoder += [nn.ConvTranspose2d(c_in, c_out, kernel_size=3, stride=stride, padding=padding,
+                                           output_padding=output_padding), _activation(activation)]
         decoder[-1] = _OUTPUTS[output]()
         self.encoder, self.decoder = nn.Sequential(*encoder), nn.Sequential(*decoder)
 
