@@ -899,31 +899,24 @@ class FederatedRound(LightningModule):
                 rows.append((name, f"{float(metrics[name]):.4g} (last validation)"))
         return rows
 
-    # ------------------------------------------------------------------ plots
+    # ------------------------------------------------------------------ plots (drawn by federated/reports.py)
     def _log_ledger_artifacts(self) -> None:
-        from matplotlib.figure import Figure
-
         from lightning_dp import tracking
+        from lightning_dp.federated import reports
 
-        spend = self.ledger.as_dict()
-        values = list(spend.values())
-        fig = Figure(figsize=(6, 4))
-        ax = fig.subplots()
-        ax.hist(values, bins=min(30, max(5, len(set(values)))))
-        ax.set_xlabel(self.sanitizer.ledger_label)
-        ax.set_ylabel("clients")
-        ax.set_title(f"privacy spend per client, {self.sanitizer.name}, n={self.spec.numel}")
+        values = list(self.ledger.as_dict().values())
+        fig = reports.spend_histogram(values, xlabel=self.sanitizer.ledger_label,
+                                      title=f"privacy spend per client, {self.sanitizer.name}, n={self.spec.numel}")
         tracking.log_figure(self.trainer, fig, self._ledger_name("client_epsilon_hist.png"))
-        table = (f"clients\t{len(values)}\nmedian\t{self.ledger.median():.6g}\nmax\t{self.ledger.max():.6g}\n"
-                 f"cost_per_participation\t{self.participation_cost():.6g}\n")
+        table = reports.spend_table(clients=len(values), median=self.ledger.median(), maximum=self.ledger.max(),
+                                    cost_per_participation=self.participation_cost())
         tracking.log_text(self.trainer, table, self._ledger_name("client_epsilon.tsv"))
 
     def _log_record_ledger(self) -> None:
         """``privacy/record_epsilon.tsv`` (every client's record-level epsilon, noise and participations) and its
         histogram ``privacy/record_epsilon_hist.png`` (under ``nonprivate/`` when the selection is secret)."""
-        from matplotlib.figure import Figure
-
         from lightning_dp import tracking
+        from lightning_dp.federated import reports
 
         ledger, update = self.update.ledger, self.update
         rows = ["client\tepsilon\tbudget\tnoise_multiplier\tsample_rate\tsteps_per_participation\tparticipations"]
@@ -933,50 +926,22 @@ class FederatedRound(LightningModule):
                         f"{'inf' if budget is None else f'{budget:.6g}'}\t{plan.noise_multiplier:.6g}\t"
                         f"{plan.sample_rate:.6g}\t{plan.steps}\t{ledger.participations(client.client_id)}")
         tracking.log_text(self.trainer, "\n".join(rows) + "\n", self._ledger_name("record_epsilon.tsv"))
-        values = list(spend.values())
-        fig = Figure(figsize=(6, 4))
-        ax = fig.subplots()
-        ax.hist(values, bins=min(30, max(5, len(set(values)))))
-        ax.set_xlabel(f"record-level epsilon at delta={ledger.delta:g} ({ledger.accountant}, {ledger.adjacency})")
-        ax.set_ylabel("clients")
-        ax.set_title(f"local DP-SGD spend per client ({update.sampling} batches)")
+        fig = reports.spend_histogram(
+            list(spend.values()),
+            xlabel=f"record-level epsilon at delta={ledger.delta:g} ({ledger.accountant}, {ledger.adjacency})",
+            title=f"local DP-SGD spend per client ({update.sampling} batches)")
         tracking.log_figure(self.trainer, fig, self._ledger_name("record_epsilon_hist.png"))
 
     def _log_cosine_plot(self) -> None:
-        from matplotlib.figure import Figure
-
         from lightning_dp import tracking
+        from lightning_dp.federated import reports
 
-        rounds, updates, gradients = zip(*self._cosines)
-        fig = Figure(figsize=(6, 4))
-        ax = fig.subplots()
-        ax.plot(rounds, updates, marker=".", label="client updates")
-        ax.plot(rounds, gradients, marker=".", label="per-sample gradients (one example per client)")
-        ax.axhline(0.0, color="grey", linewidth=0.5)
-        ax.set_xlabel("round")
-        ax.set_ylabel("mean pairwise cosine similarity")
-        ax.legend()
-        ax.set_title(f"alignment of the participants' updates ({self.update.name})")
-        tracking.log_figure(self.trainer, fig, "nonprivate/cosine.png")
-        table = "round\tupdate_cosine\tgradient_cosine\n" + "".join(f"{r}\t{u:.6g}\t{g:.6g}\n"
-                                                                    for r, u, g in self._cosines)
-        tracking.log_text(self.trainer, table, "nonprivate/cosine.tsv")
+        tracking.log_figure(self.trainer, reports.cosine_figure(self._cosines, update_name=self.update.name),
+                            "nonprivate/cosine.png")
+        tracking.log_text(self.trainer, reports.cosine_table(self._cosines), "nonprivate/cosine.tsv")
 
     def _log_parameter_plot(self) -> None:
-        from matplotlib.figure import Figure
-
         from lightning_dp import tracking
+        from lightning_dp.federated import reports
 
-        fig = Figure(figsize=(6, 5))
-        ax = fig.subplots()
-        for h in self._history:
-            r = h["releases"]
-            ax.scatter(r[:, 0], r[:, 1], s=6, alpha=0.25, color="tab:gray")
-        path = torch.stack([h["hypotheses"] for h in self._history])  # (rounds, k, 2)
-        for j in range(self.k):
-            ax.plot(path[:, j, 0], path[:, j, 1], marker=".", label=f"hypothesis {j}")
-        ax.set_xlabel("theta[0]")
-        ax.set_ylabel("theta[1]")
-        ax.legend()
-        ax.set_title("released parameters (grey) and hypotheses per round")
-        tracking.log_figure(self.trainer, fig, "federated/parameters.png")
+        tracking.log_figure(self.trainer, reports.parameter_figure(self._history, self.k), "federated/parameters.png")
