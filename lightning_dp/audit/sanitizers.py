@@ -17,7 +17,7 @@ from lightning_dp.audit._common import (
     parameter_sizes,
 )
 from lightning_dp.privacy.clipping import check_max_grad_norm, clip_factors
-from lightning_dp.privacy.mechanisms import check_noise_multiplier, sanitize_update
+from lightning_dp.privacy.mechanisms import check_metric_noise_multiplier, sanitize_update
 from lightning_dp.privacy.noise import gaussian_noise
 
 __all__ = ["EuclideanLaplaceSanitizer", "GaussianSanitizer", "NoSanitizer", "SANITIZERS", "make_sanitizer_factory"]
@@ -73,7 +73,7 @@ class EuclideanLaplaceSanitizer:
 
     def __init__(self, noise_multiplier: float, *, per_layer: bool = True, min_delta_norm: float = 1e-8,
                  layer_sizes: Optional[Sequence[int]] = None) -> None:
-        self.noise_multiplier = check_noise_multiplier(noise_multiplier)
+        self.noise_multiplier = check_metric_noise_multiplier(noise_multiplier)
         if not isinstance(per_layer, bool):
             raise ValueError(f"per_layer={per_layer!r} must be True or False.")
         if not _is_real(min_delta_norm) or not (math.isfinite(min_delta_norm) and min_delta_norm >= 0):

@@ -62,7 +62,7 @@ from lightning_dp import checks
 
 __all__ = [
     "SanitizedUpdate",
-    "check_noise_multiplier",
+    "check_metric_noise_multiplier",
     "euclidean_laplace",
     "euclidean_laplace_log_prob",
     "sample_gamma",
@@ -96,7 +96,7 @@ def _check_epsilon(epsilon: Any) -> float:
     return float(epsilon)
 
 
-def check_noise_multiplier(noise_multiplier: Any) -> float:
+def check_metric_noise_multiplier(noise_multiplier: Any) -> float:
     """The d-privacy noise multiplier nu as a finite float >= 0, else a ValueError that says what nu is."""
     if not _is_real(noise_multiplier) or not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
         raise ValueError(
@@ -409,7 +409,7 @@ def sanitize_update(
         >>> out.cost, out.epsilon  # n / nu, n / (nu * ||delta||) = 100 / (2 * 10)
         (50.0, 5.0)
     """
-    nu = check_noise_multiplier(noise_multiplier)
+    nu = check_metric_noise_multiplier(noise_multiplier)
     if not isinstance(client, Tensor) or not isinstance(reference, Tensor):
         raise ValueError(f"client and reference must be tensors, got {type(client).__name__} and "
                          f"{type(reference).__name__}; flatten a model with torch.nn.utils.parameters_to_vector.")

@@ -42,7 +42,7 @@ from lightning_dp.privacy.local_dp import (
     project_to_sector,
     sector_diameter,
 )
-from lightning_dp.privacy.mechanisms import SanitizedUpdate, sanitize_update
+from lightning_dp.privacy.mechanisms import SanitizedUpdate, check_metric_noise_multiplier, sanitize_update
 from lightning_dp.privacy.noise import gaussian_noise
 
 __all__ = ["ClientSanitizer", "ClipSanitizer", "EuclideanLaplace", "GaussianLocalDP", "LaplaceLocalDP", "NoSanitizer",
@@ -161,9 +161,7 @@ class EuclideanLaplace(ClientSanitizer):
     """
 
     def __init__(self, noise_multiplier: float = 1.0, per_layer: bool = False, min_delta_norm: float = 1e-8) -> None:
-        if not (float(noise_multiplier) >= 0 and math.isfinite(float(noise_multiplier))):
-            raise ValueError(f"noise_multiplier={noise_multiplier!r} is not allowed: nu must be >= 0 (0 = no "
-                             "sanitization); the seed's experiments use 0.1 to 5")
+        check_metric_noise_multiplier(noise_multiplier)
         if not (float(min_delta_norm) >= 0 and math.isfinite(float(min_delta_norm))):
             raise ValueError(f"min_delta_norm={min_delta_norm!r} is not allowed: pass a finite number >= 0")
         self.noise_multiplier, self.per_layer = float(noise_multiplier), bool(per_layer)
