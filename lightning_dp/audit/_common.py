@@ -35,10 +35,6 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-
-
-
-
 def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
@@ -47,10 +43,6 @@ def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
         raise ValueError(f"{type(model).__name__} has no trainable parameters: a client that trains nothing "
                          "releases nothing to audit. Pass a model with parameters that require grad.")
     return named
-
-
-
-
 
 
 # --------------------------------------------------------------------------- flat parameters

@@ -145,8 +145,6 @@ def _check_sigma(sigma: Any) -> float:
     return float(sigma)
 
 
-
-
 def _repeat(batch: Any, times: int) -> Any:
     """The batch with every tensor repeated ``times`` along dim 0 (copy c holds rows ``c B .. (c + 1) B - 1``)."""
     if isinstance(batch, Tensor):
@@ -247,8 +245,6 @@ def _checked(values: Any, rows: int) -> Tensor:
 def _check_model(model: Any) -> None:
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-
-
 
 
 def neighbour_losses(model: nn.Module, batches: Iterable[Any], *, sigma: float, num_neighbours: int,

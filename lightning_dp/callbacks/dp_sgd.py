@@ -122,8 +122,6 @@ _CALIBRATE_FOR = ("auto", "trainer", "callback")
 _LIGHTNING_DEFAULT_MAX_EPOCHS = 1000
 
 
-
-
 def _target_epsilon(value: float | None) -> float | None:
     if value is not None and not (float(value) > 0 and math.isfinite(float(value))):
         raise ValueError(f"target_epsilon={value!r} is not allowed: pass a finite number > 0, e.g. 3.0, or None")

@@ -71,7 +71,6 @@ Source = Literal["idx", "huggingface"]
 Subset = Literal["full", "t10k"]
 
 
-
 def download_resource(
     filename: str,
     *,

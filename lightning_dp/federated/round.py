@@ -86,8 +86,6 @@ _CLIENTS, _LOCAL, _NOISE, _INIT, _VAL = 11, 12, 13, 14, 15
 _SERVER_NOISE, _SERVER_COUNT, _DIAGNOSTICS, _LOCAL_NOISE = 16, 17, 18, 19
 
 
-
-
 class _RoundOptimizer(torch.optim.Optimizer):
     """Runs the closure it is given: the round's aggregation, counted by Lightning as a step."""
 

@@ -38,8 +38,6 @@ def _activation(name: str) -> nn.Module:
     return _ACTIVATIONS[name]()
 
 
-
-
 class MNISTConvNet(nn.Module):
     """The standard DP-SGD CNN for 1x28x28 images (MNIST, Fashion-MNIST).
 

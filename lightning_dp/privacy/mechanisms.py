@@ -108,8 +108,6 @@ def check_metric_noise_multiplier(noise_multiplier: Any) -> float:
     return float(noise_multiplier)
 
 
-
-
 # --------------------------------------------------------------------------- gamma radius
 
 

@@ -134,8 +134,6 @@ def _check_multiplier(noise_multiplier: Any, *, allow_zero: bool = False) -> flo
     return float(noise_multiplier)
 
 
-
-
 @register_part("sanitizer", "none")
 class NoSanitizer(ClientSanitizer):
     """Releases the trained model as it is: no privacy from the client (e.g. under central DP, or a baseline)."""
