@@ -14,7 +14,7 @@ thesis chapter 2. One training step is one round:
    (:mod:`lightning_dp.privacy.mechanisms`, :mod:`lightning_dp.privacy.ledger`);
 4. the server sees only the releases; k-means initialized at the hypotheses, each
    hypothesis becomes the mean of its cluster, an empty cluster keeps its hypothesis
-   (:mod:`lightning_dp.federated.aggregation`).
+   (:mod:`lightning_dp.federated.kmeans`).
 
 Validation clients are held out from training; each picks its best hypothesis and
 ``val/loss`` is the mean of those best losses (monitor it with Lightning's

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_dp.federated.aggregation import kmeans_aggregate
+from lightning_dp.federated.kmeans import kmeans_aggregate
 from lightning_dp.federated.local import row_norms
 from lightning_dp.federated.parts.registry import Combination, Part, register_part
 
