@@ -12,7 +12,7 @@ Usage::
 ``fit``, ``validate`` and ``test`` run :class:`~lightning_dp.lightning_cli.LightningDPCLI`
 (LightningCLI with MLflow tracking by default; see :mod:`lightning_dp.lightning_cli`). The other
 subcommands register in :data:`EXTRA_COMMANDS` and are dispatched before LightningCLI parses
-anything: ``grid`` (:mod:`lightning_dp.grid`), ``audit`` (:mod:`lightning_dp.audit.command`,
+anything: ``grid`` (:mod:`lightning_dp.grid`), ``audit`` (:mod:`lightning_dp.audit.dlg_command`,
 ``audit mia``: :mod:`lightning_dp.audit.mia_command`), ``epsilon`` (:mod:`lightning_dp.calculator`) and
 ``compare`` (:mod:`lightning_dp.compare`). Nothing heavy is imported before a command needs it: ``--help``,
 ``--version`` and the argument errors of ``epsilon``, ``grid`` and ``compare`` answer without torch.
@@ -73,9 +73,9 @@ def _audit(argv: list[str]) -> Optional[int]:
         from lightning_dp.audit import mia_command
 
         return mia_command.main(argv[1:])
-    from lightning_dp.audit import command  # lightning-dp audit [dlg] --config ...: gradient inversion
+    from lightning_dp.audit import dlg_command  # lightning-dp audit [dlg] --config ...: gradient inversion
 
-    return command.main(argv[1:] if argv and argv[0] == "dlg" else argv)
+    return dlg_command.main(argv[1:] if argv and argv[0] == "dlg" else argv)
 
 
 def _epsilon(argv: list[str]) -> Optional[int]:
@@ -92,7 +92,7 @@ def _compare(argv: list[str]) -> Optional[int]:
 
 #: Top-level commands handled outside LightningCLI: name -> function(argv) -> exit code.
 #: ``grid``: one config over a grid of overrides, with the grid's privacy cost (:mod:`lightning_dp.grid`).
-#: ``audit``: Deep Leakage from Gradients against sanitized client releases (:mod:`lightning_dp.audit.command`);
+#: ``audit``: Deep Leakage from Gradients against sanitized client releases (:mod:`lightning_dp.audit.dlg_command`);
 #: ``audit mia``: membership inference, loss / shadow / noisy neighbours (:mod:`lightning_dp.audit.mia_command`).
 #: ``epsilon``: the epsilon of a DP-SGD run, or sigma for a target epsilon (:mod:`lightning_dp.calculator`).
 #: ``compare``: a metric against epsilon over runs, with the non-private baseline (:mod:`lightning_dp.compare`).
