@@ -169,9 +169,8 @@ def measure_fig4(args) -> list[list]:
     for label, config in METHODS:
         regime = []
         if args.regime == "pfa":
+            # the update's lr and batch apply to LocalSGD (NP-FedAvg) as to LocalDPSGD
             regime = PFA_REGIME["common"] + (PFA_REGIME["direct"] if config == "direct_mnist.yaml" else [])
-            if config == "nonprivate_mnist.yaml":  # LocalSGD: the same lr and batch
-                regime = [a for a in regime if "update" in a or "selection" in a]
         for seed in args.seeds:
             run_id = _run(config, [*data_args, *regime, f"--model.init_args.seed={seed}",
                                    f"--trainer.max_epochs={args.rounds}", "--trainer.check_val_every_n_epoch=1",

@@ -27,12 +27,19 @@ class Aggregator(Part):
     needs_budgets = False
     #: whether it averages one global model only (the round refuses num_hypotheses > 1 before training)
     one_model = False
-    #: whether its weights are the clients' example counts (private: they change with one record)
-    weights_by_counts = False
-    #: whether it is the plain mean of the releases (the sum whose sensitivity central DP accounts)
-    plain_mean = False
     #: the public (True) / private split of the last aggregated releases, for aggregators that split the clients
     last_public: list[bool] | None = None
+
+    @property
+    def weights_by_counts(self) -> bool:
+        """Whether its weights are the clients' example counts (private: they change with one record)."""
+        return False
+
+    @property
+    def plain_mean(self) -> bool:
+        """Whether it is the plain mean of the releases (the sum whose sensitivity central DP accounts)."""
+        return False
+
     @property
     def warm_started(self) -> bool:
         """Whether that split is final (made from revealed budgets, or after a warm start): then it is scored once."""
@@ -84,7 +91,15 @@ class FedAvg(Aggregator):
 
     def __init__(self, weighted: bool = False) -> None:
         self.weighted = bool(weighted)
-        self.weights_by_counts, self.plain_mean = self.weighted, not self.weighted
+
+    # derived from ``weighted`` when asked, so a changed ``weighted`` can never leave a stale capability behind
+    @property
+    def weights_by_counts(self) -> bool:
+        return self.weighted
+
+    @property
+    def plain_mean(self) -> bool:
+        return not self.weighted
 
     def hparams(self) -> dict[str, Any]:
         return {"fedavg_weighted": self.weighted}

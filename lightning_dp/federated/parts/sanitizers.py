@@ -159,10 +159,10 @@ class EuclideanLaplace(ClientSanitizer):
     """
 
     def __init__(self, noise_multiplier: float = 1.0, per_layer: bool = False, min_delta_norm: float = 1e-8) -> None:
-        check_metric_noise_multiplier(noise_multiplier)
+        self.noise_multiplier = check_metric_noise_multiplier(noise_multiplier)
         if not (float(min_delta_norm) >= 0 and math.isfinite(float(min_delta_norm))):
             raise ValueError(f"min_delta_norm={min_delta_norm!r} is not allowed: pass a finite number >= 0")
-        self.noise_multiplier, self.per_layer = float(noise_multiplier), bool(per_layer)
+        self.per_layer = bool(per_layer)
         self.min_delta_norm = float(min_delta_norm)
         self.accountable = self.noise_multiplier > 0
 
