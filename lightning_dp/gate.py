@@ -86,8 +86,10 @@ def _evaluating(trainer: Any) -> bool:
 
 
 def _in_run(trainer: Any, owners: tuple[str, ...]) -> bool:
-    """Whether a callback or the module of the run is (a subclass of) one of the classes named ``owners``."""
+    """Whether a callback or the module of the run, or a callback's clipping strategy, is (a subclass of) one of the
+    classes named ``owners``."""
     objects = [*getattr(trainer, "callbacks", []), getattr(trainer, "lightning_module", None)]
+    objects += [getattr(obj, "clipping", None) for obj in objects]
     return any(cls.__name__ in owners for obj in objects if obj is not None for cls in type(obj).__mro__)
 
 

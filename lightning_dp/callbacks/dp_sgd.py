@@ -16,25 +16,12 @@ Privacy semantics (see ``docs/privacy.md``):
   ``2C``: each epoch is accounted as a Gaussian mechanism with multiplier ``sigma / 2``.
   Not supported under DDP (DistributedSampler repeats examples to pad shards).
 
-Where the training data comes from: the callback rebuilds the training DataLoader with
-Poisson sampling whichever way it was given: ``trainer.fit(model, train_dataloaders=dl)``
-(Lightning's documented call), ``datamodule=...``, or the module's own
-``train_dataloader``. For the first it wraps the ``dataloader()`` of the fit loop's data
-source (Lightning keeps it in the private ``fit_loop._data_source``; the only private
-attribute the callback touches, checked, with a clear refusal should Lightning move it), as
-it wraps the public ``train_dataloader`` hook of a DataModule or LightningModule in the
-other two cases: the loader is privatized when Lightning asks for it, after a checkpoint has
-restored the seed.
-
-Per-sample gradients are recorded with forward/tensor hooks
-(:class:`~lightning_dp.privacy.grad_sample.GradSampleEngine`). When training starts (and
-whenever the set of trainable parameters changes) the callback runs ``training_step`` on
-three small probe batches (3, 5 and 7 examples of the training set; nothing is logged,
-metric states and the RNG are restored, nothing is released) to establish where every
-layer holds the batch (:mod:`lightning_dp.privacy.batch_dims`). The gradients are
-replaced in ``on_before_optimizer_step``, and a last line of defence, an optimizer
-step pre-hook, refuses any step in which a parameter carries a gradient that did not go
-through clipping and noise.
+Where the parts live: taking over the training data in :mod:`~lightning_dp.callbacks.training_data`, the batch
+probe (where every layer holds the examples) in :mod:`~lightning_dp.callbacks.batch_probe`, the optimizer-step guard
+in :mod:`~lightning_dp.callbacks.release_guard`, the choice of C in :mod:`~lightning_dp.callbacks.clipping` (a
+registered strategy: ``fixed``, ``online_sensitivity``, ``quantile``), the planning in
+:mod:`lightning_dp.privacy.planning`. Per-sample gradients are recorded by
+:class:`~lightning_dp.privacy.grad_sample.GradSampleEngine`; the gradients are replaced in ``on_after_backward``.
 
 Virtual batches (:mod:`lightning_dp.callbacks.virtual_batches`): with ``Trainer(accumulate_grad_batches=k)`` (or
 a ``GradientAccumulationScheduler``) each logical Poisson batch, of expected size ``k x batch_size x world_size``,
@@ -58,38 +45,37 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import os
-from collections.abc import Iterator
 from typing import Any, Literal, NamedTuple
 
 import torch
-from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
 from lightning_dp import checks
+from lightning_dp.callbacks import batch_probe, training_data, virtual_batches
+from lightning_dp.callbacks.clipping import ClipStrategy, FixedClip, Release, resolve_clip_strategy
+from lightning_dp.callbacks.release_guard import ReleaseGuard, UnprivatizedGradientError
+from lightning_dp.privacy import planning
 from lightning_dp.privacy.accounting import get_accountant
-from lightning_dp.callbacks import virtual_batches
-from lightning_dp.privacy.batch_dims import (
-    PROBE_SIZES,
-    AmbiguousBatchDimError,
-    batch_dim,
-    batch_leaves,
-    leaf_shape,
-    split_batch,
-)
+from lightning_dp.privacy.batch_dims import split_batch
 from lightning_dp.privacy.calibration import calibrate_noise_multiplier
-from lightning_dp.privacy.clipping import check_max_grad_norm, clip_factors
+from lightning_dp.privacy.clipping import clip_factors
 from lightning_dp.privacy.delta import check_delta_for_size
 from lightning_dp.privacy.grad_sample import GradSampleEngine, PerSampleGradientError
-from lightning_dp.privacy.noise import NOISE, check_noise_multiplier, derive_secret_generator, noisy_mean
+from lightning_dp.privacy.noise import (
+    CLIP_STATISTIC,
+    NOISE,
+    check_noise_multiplier,
+    derive_secret_generator,
+    noisy_mean,
+)
+from lightning_dp.privacy.planning import DataFacts
 from lightning_dp.privacy.sampling import (
     PassMarkingBatchSampler,
     check_partition_sampler,
@@ -103,10 +89,6 @@ from lightning_dp.privacy.validators import describe_mixing_layers, find_mixing_
 __all__ = ["DPSGD", "PlannedMechanism", "UnprivatizedGradientError"]
 
 
-class UnprivatizedGradientError(RuntimeError):
-    """An optimizer step was about to use a gradient that did not go through clipping and noise."""
-
-
 class PlannedMechanism(NamedTuple):
     """What a planned DP-SGD run is accounted as: ``events`` x Gaussian(``multiplier_scale * sigma``) at rate q."""
 
@@ -117,7 +99,6 @@ class PlannedMechanism(NamedTuple):
 _STATE_VERSION = 2
 #: Trainer precisions DPSGD supports (the engine computes per-sample norms and sums in at least float32)
 _PRECISIONS = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "32", "64")
-_CALIBRATE_FOR = ("auto", "trainer", "callback")
 #: What Lightning sets ``max_epochs`` to when neither it nor ``max_steps`` is given (a safeguard, not a plan).
 _LIGHTNING_DEFAULT_MAX_EPOCHS = 1000
 
@@ -133,54 +114,6 @@ def _target_delta(value: float) -> float:
         raise ValueError(f"target_delta={value!r} is not allowed: delta must be in (0, 1), and well below "
                          "1/N for N training examples (e.g. 1e-5 for N = 60,000)")
     return float(value)
-
-
-@contextlib.contextmanager
-def _side_effect_free(pl_module: LightningModule) -> Iterator[None]:
-    """Runs ``training_step`` for the batch-dimension probe without leaving a trace.
-
-    ``self.log``/``log_dict`` do nothing, torchmetrics states are restored afterwards (a
-    ``self.train_acc(preds, y)`` in ``training_step`` would otherwise count the probe
-    batches), and the global torch, Python and NumPy RNGs (dropout masks, random dataset
-    transforms) are restored, so training continues as without the probe. Other side
-    effects of ``training_step`` (appending to a list of outputs, a call counter) do happen
-    for the probe batches: keep them out of ``training_step`` or tolerate three extra calls.
-    """
-
-    import random
-
-    import numpy as np
-    from torchmetrics import Metric
-
-    metrics = [m for m in pl_module.modules() if isinstance(m, Metric)]
-    saved = [({name: _copied(getattr(m, name)) for name in m._defaults},
-              getattr(m, "_update_count", None), getattr(m, "_computed", None)) for m in metrics]
-    devices = [pl_module.device] if pl_module.device.type == "cuda" else []
-    python_rng, numpy_rng = random.getstate(), np.random.get_state()
-    pl_module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
-    pl_module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
-    try:
-        with torch.random.fork_rng(devices=devices):
-            yield
-    finally:
-        random.setstate(python_rng)
-        np.random.set_state(numpy_rng)
-        pl_module.__dict__.pop("log", None)
-        pl_module.__dict__.pop("log_dict", None)
-        for m, (states, count, computed) in zip(metrics, saved):
-            for name, value in states.items():
-                setattr(m, name, value)
-            if count is not None:
-                m._update_count = count
-            m._computed = computed
-
-
-def _copied(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, list):
-        return [_copied(v) for v in value]
-    return value
 
 
 #: growth interval that fixes a GradScaler's scale for any run (2**62 steps)
@@ -217,7 +150,12 @@ class DPSGD(Callback):
             exceed it (with or without ``noise_multiplier``).
         target_delta: the delta at which epsilon is reported and enforced (default 1e-5;
             a warning is given when it is not below 1/N).
-        max_grad_norm: C, the per-sample L2 clipping threshold.
+        max_grad_norm: C, the per-sample L2 clipping threshold (default 1.0): the ``fixed`` strategy's. An adaptive
+            strategy takes its initial C as ``initial_clip`` instead.
+        clipping: how C is chosen at each step: a registered name (``"fixed"``, ``"online_sensitivity"``,
+            ``"quantile"``) or a :class:`~lightning_dp.callbacks.clipping.ClipStrategy` (its own arguments in YAML:
+            ``clipping: {class_path: lightning_dp.callbacks.clipping.QuantileClip, init_args: {target_quantile:
+            0.7}}``). Default ``"fixed"``.
         epochs: planned epochs, for calibration (default: the Trainer's ``max_epochs``).
         max_steps: planned optimizer steps, for calibration (default: the Trainer's
             ``max_steps``).
@@ -268,8 +206,6 @@ class DPSGD(Callback):
 
     #: Constructor arguments that are secrets: redacted from configs logged by ``lightning-dp``.
     SECRET_ARGUMENTS: tuple[str, ...] = ("seed",)
-    #: whether C stays ``max_grad_norm`` for the whole run (a param), or moves (adaptive clipping: a metric)
-    _fixed_clip = True
 
     def __init__(
         self,
@@ -277,7 +213,8 @@ class DPSGD(Callback):
         noise_multiplier: float | None = None,
         target_epsilon: float | None = None,
         target_delta: float = 1e-5,
-        max_grad_norm: float = 1.0,
+        max_grad_norm: float | None = None,
+        clipping: ClipStrategy | str = "fixed",
         epochs: int | None = None,
         max_steps: int | None = None,
         calibrate_for: Literal["auto", "trainer", "callback"] = "auto",
@@ -297,13 +234,14 @@ class DPSGD(Callback):
         self._requested_sigma = None if noise_multiplier is None else check_noise_multiplier(noise_multiplier)
         self.target_epsilon = _target_epsilon(target_epsilon)
         self.target_delta = _target_delta(target_delta)
-        self.max_grad_norm = check_max_grad_norm(max_grad_norm)
+        self.clipping = self._resolve_clipping(clipping, max_grad_norm)
         self.epochs = None if epochs is None else checks.positive_int("epochs", epochs, hint="or None")
         self.max_steps = None if max_steps is None else checks.positive_int("max_steps", max_steps, hint="or None")
         if self.epochs is not None and self.max_steps is not None:
             raise ValueError(f"pass epochs={epochs} or max_steps={max_steps} for calibration, not both")
-        if calibrate_for not in _CALIBRATE_FOR:
-            raise ValueError(f"calibrate_for={calibrate_for!r} is not allowed: pass one of {', '.join(_CALIBRATE_FOR)} "
+        if calibrate_for not in planning.CALIBRATE_FOR:
+            raise ValueError(f"calibrate_for={calibrate_for!r} is not allowed: pass one of "
+                             f"{', '.join(planning.CALIBRATE_FOR)} "
                              "(which planned length a calibrated noise multiplier is for when this callback's "
                              "epochs/max_steps and the Trainer's limits disagree)")
         self.calibrate_for = calibrate_for
@@ -330,8 +268,8 @@ class DPSGD(Callback):
         self._budget_stop: int | None = None  # the step after which the budget stopped training (summary)
         self._plan_done = False  # whether _allowed_events is the planned length (not the budget's limit)
         self._engine: GradSampleEngine | None = None
-        self._restore: list[Any] = []  # undo actions for teardown: wrapped hooks, replaced data sources
-        self._data: dict[str, Any] = {}
+        self._shadows = training_data.Shadows()  # wrapped hooks, replaced data sources: put back at teardown
+        self._facts: DataFacts | None = None  # of the training loader, once Lightning asked for it
         self._probe_data: tuple[Any, Any] | None = None  # (dataset, collate_fn) of the probe batches
         self._batch_dims: list[int | None] = []  # where the batch's tensors hold the examples
         self._allowed_events: int | None = None
@@ -339,8 +277,7 @@ class DPSGD(Callback):
         self._budget_event: tuple[float, float] | None = None  # the event _allowed_events was computed for
         self._passes = 0  # passes started over a shuffled loader; each is one accounted event
         self._charged_pass = 0
-        self._released_grads: dict[int, torch.Tensor] = {}
-        self._step_hooks: list[Any] = []
+        self._guard = ReleaseGuard()
         self._last_stats: torch.Tensor | None = None
         self._curve: list[tuple[int, float]] = []
         self._logged_step = -1
@@ -367,11 +304,26 @@ class DPSGD(Callback):
         # noise on two releases would cancel in their difference.
         self._released = 0
         self._audits: list[Any] = []  # one-run audits (lightning_dp.callbacks.OneRunAudit) attached to this run
+        if self._requested_sigma is not None:
+            self.clipping.check_noise(self._requested_sigma, None)  # what does not depend on the data, now
 
     def privacy_spend(self) -> list[Spend]:
         """The run's example-level spend: the accountant's history at ``target_delta`` (what ``lightning-dp grid``
         composes over its runs, :mod:`lightning_dp.privacy.spend`). A run that took no step spent epsilon 0."""
         return [Spend.accounted("example", self._accountant, delta=self.target_delta, why=type(self).__name__)]
+
+    def _resolve_clipping(self, clipping: ClipStrategy | str, max_grad_norm: float | None) -> ClipStrategy:
+        """The strategy; ``max_grad_norm`` is the fixed strategy's C (an adaptive one has ``initial_clip``)."""
+        if clipping == "fixed" and max_grad_norm is not None:
+            return FixedClip(max_grad_norm)
+        strategy = resolve_clip_strategy(clipping)
+        if max_grad_norm is not None and strategy.adaptive:
+            raise ValueError(f"{type(self).__name__} with the {strategy.name!r} clipping strategy learns the clipping "
+                             f"threshold: pass initial_clip=<C_0> instead of max_grad_norm={max_grad_norm!r}")
+        if max_grad_norm is not None and max_grad_norm != strategy.clip:
+            raise ValueError(f"max_grad_norm={max_grad_norm!r} and clipping={strategy!r} (C = {strategy.clip}) "
+                             "disagree: pass one of them")
+        return strategy
 
     def _resolve_adjacency(self, adjacency: str | None, accountant: str) -> str:
         from lightning_dp.privacy.accounting import check_adjacency
@@ -413,7 +365,24 @@ class DPSGD(Callback):
 
     @property
     def sample_rate(self) -> float | None:
-        return self._data.get("sample_rate")
+        return None if self._facts is None else self._facts.sample_rate
+
+    @property
+    def data_facts(self) -> DataFacts | None:
+        """Size, sample rate, expected batch and steps per epoch of the training data (None before Lightning asked
+        for the training loader)."""
+        return self._facts
+
+    @property
+    def _data(self) -> DataFacts:
+        if self._facts is None:
+            raise MisconfigurationException("DPSGD did not see the training DataLoader; was setup() skipped?")
+        return self._facts
+
+    @property
+    def max_grad_norm(self) -> float:
+        """C of the next step (the clipping strategy's)."""
+        return self.clipping.clip
 
     # ------------------------------------------------------------- set-up
     def _check_accumulation(self, trainer: Trainer, when: str) -> None:
@@ -424,7 +393,7 @@ class DPSGD(Callback):
             MisconfigurationException: with both factors, where it was seen, and the fix.
         """
         factor = trainer.accumulate_grad_batches
-        if self._data and factor != self._parts:
+        if self._facts is not None and factor != self._parts:
             raise virtual_batches.mismatch(factor, self._parts, f"seen {when}")
 
     def check_fit(self, trainer: Trainer, pl_module: LightningModule, ckpt_path: str | os.PathLike[str] | None = None,
@@ -512,7 +481,7 @@ class DPSGD(Callback):
             seed = self._requested_seed if self._requested_seed is not None else fresh_seed()
             self._seed = int(trainer.strategy.broadcast(seed, src=0))
         self._engine = GradSampleEngine(pl_module)
-        self._attach_to_training_data(trainer)
+        training_data.attach(trainer, lambda loader: self._privatize(loader, trainer), self._shadows)
         self._part, self._pending, self._pending_stats, self._awaiting_step = 0, None, None, False
         self._user_training_step = pl_module.training_step
         if self.max_physical_batch_size is not None:
@@ -522,7 +491,7 @@ class DPSGD(Callback):
             def training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
                 return self._train_in_chunks(trainer, batch, lambda chunk: user_step(chunk, *args, **kwargs))
 
-            self._shadow(pl_module, "training_step", training_step)
+            self._shadows.set(pl_module, "training_step", training_step)
 
     def _fix_loss_scale(self, trainer: Trainer) -> None:
         """16-mixed: the GradScaler's scale stays where it starts.
@@ -575,53 +544,9 @@ class DPSGD(Callback):
         if audit not in self._audits:
             self._audits.append(audit)
 
-    def _attach_to_training_data(self, trainer: Trainer) -> None:
-        """Make the fit's training data Poisson-sampled, wherever Lightning takes it from."""
-        source = getattr(trainer.fit_loop, "_data_source", None)
-        instance = getattr(source, "instance", None)
-        if source is None or not hasattr(source, "instance"):
-            raise MisconfigurationException(
-                "DPSGD could not find where this Lightning version keeps the training data (fit_loop._data_source); "
-                "it refuses to train rather than miss the Poisson sampling. Please report your Lightning version.")
-        if isinstance(instance, (LightningDataModule, LightningModule)):
-            if not is_overridden("train_dataloader", instance):
-                raise MisconfigurationException(
-                    f"{type(instance).__name__} defines no train_dataloader; DPSGD needs a training DataLoader: pass "
-                    "trainer.fit(model, train_dataloaders=DataLoader(dataset, batch_size=...)) or a DataModule.")
-            original = instance.train_dataloader
-
-            @functools.wraps(original)
-            def train_dataloader() -> DataLoader:
-                return self._privatize(original(), trainer)
-
-            self._shadow(instance, "train_dataloader", train_dataloader)
-        else:  # trainer.fit(model, train_dataloaders=...): a loader (or a collection of them)
-            if not isinstance(instance, DataLoader):
-                raise MisconfigurationException(
-                    f"train_dataloaders={type(instance).__name__}: DPSGD needs one torch DataLoader over a map-style "
-                    "dataset (it rebuilds it with Poisson sampling); a collection of loaders (CombinedLoader, dict, "
-                    "list) has no single sampling rate. Pass one DataLoader.")
-            # privatized when Lightning asks for it (after a checkpoint restored the seed), like the hooks above
-            self._shadow(source, "dataloader", lambda: self._privatize(instance, trainer))
-
-    def _shadow(self, owner: Any, name: str, value: Any) -> None:
-        """Set an instance attribute until teardown, then put back what was there (``LightningDataModule.from_datasets``
-        keeps its ``train_dataloader`` as an instance attribute itself)."""
-        missing = object()
-        before = owner.__dict__.get(name, missing)
-        setattr(owner, name, value)
-
-        def restore() -> None:
-            if before is missing:
-                owner.__dict__.pop(name, None)
-            else:
-                setattr(owner, name, before)
-
-        self._restore.append(restore)
-
-    def _data_facts(self, loader: Any, world: int, extra_slots: int = 0, parts: int = 1) -> dict[str, Any]:
-        """Dataset size, sample rate, expected (logical) batch size and optimizer steps per epoch of a training
-        loader (with ``extra_slots`` examples that an audit will append, and ``parts`` micro-batches per step)."""
+    def _data_facts(self, loader: Any, world: int, extra_slots: int = 0, parts: int = 1) -> DataFacts:
+        """The facts of a training loader (with ``extra_slots`` examples that an audit will append, and ``parts``
+        micro-batches per step)."""
         if not isinstance(loader, DataLoader):
             raise MisconfigurationException(
                 f"train_dataloader returned {type(loader).__name__}; DPSGD needs one torch DataLoader over a "
@@ -636,18 +561,12 @@ class DPSGD(Callback):
             raise MisconfigurationException(
                 "the training DataLoader has batch_size=None (a custom batch_sampler?); DPSGD takes the expected "
                 "batch size from DataLoader(batch_size=...). Pass batch_size and no batch_sampler.")
-        if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
-            raise MisconfigurationException(f"accumulate_grad_batches={parts!r} is not allowed: pass a positive integer")
-        expected = loader.batch_size * world * parts
-        if expected > n:
-            accumulated = f" x accumulate_grad_batches={parts}" if parts > 1 else ""
-            raise MisconfigurationException(
-                f"expected batch size {expected} (batch_size={loader.batch_size} x {world} processes{accumulated}) "
-                f"exceeds the training set size N={n}; lower batch_size"
-                + (" or accumulate_grad_batches." if parts > 1 else "."))
-        steps = math.ceil(n / expected) if self.poisson_sampling else math.ceil(len(loader) / parts)
-        return {"dataset_size": n, "sample_rate": expected / n, "expected_batch_size": expected,
-                "steps_per_epoch": steps, "parts": parts}
+        try:
+            return DataFacts.of(dataset_size=n, batch_size=loader.batch_size, world_size=world, parts=parts,
+                                poisson_sampling=self.poisson_sampling,
+                                batches_per_epoch=None if self.poisson_sampling else len(loader))
+        except ValueError as err:
+            raise MisconfigurationException(str(err)) from None
 
     def _privatize(self, loader: Any, trainer: Trainer) -> DataLoader:
         world = trainer.world_size
@@ -662,7 +581,7 @@ class DPSGD(Callback):
                 check_partition_sampler(loader)
             except ValueError as err:
                 raise MisconfigurationException(str(err)) from None
-            self._data = data
+            self._facts = data
             self._update_budget(trainer)
             return rebuild_dataloader(loader, batch_sampler=PassMarkingBatchSampler(loader.batch_sampler,
                                                                                     self._start_pass))
@@ -670,13 +589,13 @@ class DPSGD(Callback):
             rank_zero_warn(f"DPSGD replaces the training DataLoader's {type(loader.sampler).__name__} by Poisson "
                            "sampling (every example enters every batch with probability q); its own sampling is "
                            "not used.")
-        self._data = data
-        if self._logged_rate is not None and data["sample_rate"] != self._logged_rate:
+        self._facts = data
+        if self._logged_rate is not None and data.sample_rate != self._logged_rate:
             self._rate_varies = True  # logged as a metric from now on (the param holds the rate at fit start)
         self._update_budget(trainer)  # a reloaded loader may bring a new sampling rate
-        return poisson_dataloader(loader, sample_rate=data["sample_rate"], seed=self._drawn_seed(), rank=trainer.global_rank,
-                                  world_size=world, start_step=lambda: self._released, parts=parts,
-                                  steps_per_epoch=data["steps_per_epoch"])  # the plan's count, not ceil(1/q) again
+        return poisson_dataloader(loader, sample_rate=data.sample_rate, seed=self._drawn_seed(),
+                                  rank=trainer.global_rank, world_size=world, start_step=lambda: self._released,
+                                  parts=parts, steps_per_epoch=data.steps_per_epoch)  # the plan's count  # the plan's count, not ceil(1/q) again
 
     def _start_pass(self) -> None:
         self._passes += 1
@@ -685,27 +604,25 @@ class DPSGD(Callback):
     def _event(self) -> tuple[float, float]:
         """(noise multiplier, sampling rate) of one accounted event."""
         assert self._sigma is not None
-        q, scale = self._event_shape(self._data)
+        q, scale = planning.event_shape(self.poisson_sampling, self._data.sample_rate)
         return self._sigma * scale, q
 
-    def _event_shape(self, data: dict[str, Any]) -> tuple[float, float]:
-        """(sampling rate, multiplier scale) of one accounted event: the event is Gaussian(scale * sigma) at rate q.
+    def _own_planned_events(self, data: DataFacts) -> int | None:
+        return planning.own_planned_events(data, self.poisson_sampling, epochs=self.epochs, max_steps=self.max_steps)
 
-        Poisson sampling: one subsampled Gaussian per step. Shuffled batches: one Gaussian per
-        epoch at half the multiplier (replacement adjacency moves a clipped sum by 2C).
-        """
-        return (data["sample_rate"], 1.0) if self.poisson_sampling else (1.0, 0.5)
+    @staticmethod
+    def _trainer_steps(trainer: Trainer, data: DataFacts) -> int | None:
+        return planning.trainer_steps(data, max_epochs=trainer.max_epochs, max_steps=trainer.max_steps)
 
-    def _planned_events(self, trainer: Trainer, data: dict[str, Any] | None = None) -> int | None:
-        """Events of the planned run, by ``calibrate_for``: this callback's ``max_steps``/``epochs`` and the
-        Trainer's limits, the shorter (``"auto"``), the Trainer's or this callback's first; None: neither."""
+    def _trainer_events(self, trainer: Trainer, data: DataFacts) -> int | None:
+        return planning.trainer_events(data, self.poisson_sampling, max_epochs=trainer.max_epochs,
+                                       max_steps=trainer.max_steps)
+
+    def _planned_events(self, trainer: Trainer, data: DataFacts | None = None) -> int | None:
+        """Events of the planned run, by ``calibrate_for`` (:func:`lightning_dp.privacy.planning.planned_events`)."""
         data = self._data if data is None else data
-        own, limit = self._own_planned_events(data), self._trainer_events(trainer, data)
-        if own is None or limit is None:
-            return own if limit is None else limit
-        if self.calibrate_for == "auto":
-            return min(own, limit)
-        return limit if self.calibrate_for == "trainer" else own
+        return planning.planned_events(self._own_planned_events(data), self._trainer_events(trainer, data),
+                                       self.calibrate_for)
 
     def _resolve_plan(self, trainer: Trainer) -> int | None:
         """The events a sigma calibrated now is for; tells when this callback's plan and the Trainer disagree.
@@ -752,12 +669,12 @@ class DPSGD(Callback):
         if key == "max_steps":
             return steps
         by_epochs = trainer.max_epochs is not None and trainer.max_epochs > 0
-        return trainer.max_epochs if by_epochs and steps == trainer.max_epochs * self._data["steps_per_epoch"] else None
+        return trainer.max_epochs if by_epochs and steps == trainer.max_epochs * self._data.steps_per_epoch else None
 
     def _describe_own_plan(self) -> str:
         if self.max_steps is not None:
             return f"{self.max_steps} steps (max_steps={self.max_steps})"
-        steps = self.epochs * self._data["steps_per_epoch"] if self.epochs is not None else None
+        steps = self.epochs * self._data.steps_per_epoch if self.epochs is not None else None
         return f"{self.epochs} epochs (epochs={self.epochs}, {steps} steps)"
 
     def _describe_trainer_limit(self, trainer: Trainer) -> str:
@@ -766,30 +683,6 @@ class DPSGD(Callback):
         if by_steps:
             return f"{steps} steps (Trainer max_steps={trainer.max_steps})"
         return f"{trainer.max_epochs} epochs (Trainer max_epochs={trainer.max_epochs}, {steps} steps)"
-
-    def _own_planned_events(self, data: dict[str, Any]) -> int | None:
-        per_epoch = data["steps_per_epoch"] if self.poisson_sampling else 1
-        if self.max_steps is not None:
-            return self.max_steps if self.poisson_sampling else math.ceil(self.max_steps / data["steps_per_epoch"])
-        if self.epochs is not None:
-            return self.epochs * per_epoch
-        return None
-
-    @staticmethod
-    def _trainer_steps(trainer: Trainer, data: dict[str, Any]) -> int | None:
-        """The most optimizer steps the Trainer's limits allow (None: unlimited)."""
-        limits = []
-        if trainer.max_steps is not None and trainer.max_steps > 0:
-            limits.append(trainer.max_steps)
-        if trainer.max_epochs is not None and trainer.max_epochs > 0:
-            limits.append(trainer.max_epochs * data["steps_per_epoch"])
-        return min(limits) if limits else None
-
-    def _trainer_events(self, trainer: Trainer, data: dict[str, Any]) -> int | None:
-        steps = self._trainer_steps(trainer, data)
-        if steps is None or self.poisson_sampling:
-            return steps
-        return math.ceil(steps / data["steps_per_epoch"])
 
     def plan(self, trainer: Trainer, train_dataloader: Any) -> PlannedMechanism:
         """What a fit of ``trainer`` on ``train_dataloader`` would be accounted as, before it runs.
@@ -816,7 +709,7 @@ class DPSGD(Callback):
             raise MisconfigurationException(
                 "DPSGD cannot plan a run without a length: pass epochs=... or max_steps=... to DPSGD, or "
                 "max_epochs/max_steps to the Trainer.")
-        q, scale = self._event_shape(data)
+        q, scale = planning.event_shape(self.poisson_sampling, data.sample_rate)
         return PlannedMechanism(sample_rate=q, events=events, multiplier_scale=scale)
 
     def fix_noise_multiplier(self, noise_multiplier: float, *, target_epsilon: float | None = None,
@@ -835,14 +728,13 @@ class DPSGD(Callback):
             self.target_delta = _target_delta(target_delta)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if not self._data:
-            raise MisconfigurationException("DPSGD did not see the training DataLoader; was setup() skipped?")
+        data = self._data  # refuses a run whose training loader DPSGD did not see
         from lightning_dp import gate
 
         gate.install(trainer, self)  # again: loggers (and the progress bar) added since setup
         gate.check_monitors(trainer)  # no checkpoint, early stop or scheduler may select on a private statistic
         # delta >= 1/N: warned, with the wording every accountant shares (lightning_dp.privacy.delta)
-        large_delta = check_delta_for_size(self.target_delta, self._data["dataset_size"], unit="examples",
+        large_delta = check_delta_for_size(self.target_delta, data.dataset_size, unit="examples",
                                            who=type(self).__name__)
         if large_delta is not None:
             rank_zero_warn(large_delta)
@@ -860,18 +752,25 @@ class DPSGD(Callback):
                     "noise: pass epochs=... or max_steps=... to DPSGD, or max_epochs/max_steps to the Trainer.")
             if self.target_epsilon is None:  # __init__/fix_noise_multiplier: no sigma given means a budget is set
                 raise RuntimeError("DPSGD has neither a noise multiplier nor a target_epsilon (internal)")
-            q = self._data["sample_rate"] if self.poisson_sampling else 1.0
+            q, scale = planning.event_shape(self.poisson_sampling, data.sample_rate)
             sigma = calibrate_noise_multiplier(
                 target_epsilon=self.target_epsilon, target_delta=self.target_delta, sample_rate=q,
                 steps=max(planned - len(self._accountant), 1), accountant=self.accountant_name,
                 accountant_kwargs=self.accountant_kwargs)
-            self._sigma = sigma if self.poisson_sampling else 2 * sigma
+            self._sigma = sigma / scale  # the event's multiplier is scale x sigma
             self._sigma_source = f"calibrated for {planned} {'steps' if self.poisson_sampling else 'epochs'}"
             rank_zero_info(f"DPSGD: calibrated noise_multiplier={self._sigma:.4f} for target_epsilon="
                            f"{self.target_epsilon}, delta={self.target_delta}, {planned} planned steps, q={q:.4g}")
         self._budget_event, self._budget_stop = None, None
         self._update_budget(trainer)
-        self._log_hyperparams(trainer, planned)
+        try:
+            strategy_params = self.clipping.start(self._sigma, data.expected_batch_size,
+                                                  lr_scheduled=bool(trainer.lr_scheduler_configs))
+        except ValueError as err:
+            raise MisconfigurationException(
+                f"{type(self).__name__} ({self.clipping.name} clipping, expected batch size m = "
+                f"{data.expected_batch_size:g}): {err}") from err
+        self._log_hyperparams(trainer, planned, strategy_params)
         sparse = [type(opt).__name__ for opt in trainer.optimizers if isinstance(opt, torch.optim.SparseAdam)]
         if sparse:
             raise MisconfigurationException(
@@ -879,7 +778,7 @@ class DPSGD(Callback):
                 "every row of an embedding table (a row that no example used still moves, or the release would say "
                 "which rows the batch used). Use torch.optim.Adam or SGD; nn.Embedding(sparse=True) itself is fine.")
         # the last line of defence, right before the optimizer updates (after every callback and clipping)
-        self._step_hooks = [opt.register_step_pre_hook(self._checked_closure) for opt in trainer.optimizers]
+        self._guard.install(trainer.optimizers)
 
     def _update_budget(self, trainer: Trainer) -> None:
         """How many further events the budget allows, for the event each step is accounted as NOW.
@@ -888,7 +787,7 @@ class DPSGD(Callback):
         DataLoader with another dataset or batch size changes q): the stop must follow the
         real cost of the next step, not the cost the run started with.
         """
-        if self.target_epsilon is None or self._sigma is None or not self._data:
+        if self.target_epsilon is None or self._sigma is None or self._facts is None:
             return
         event = self._event()
         if event == self._budget_event:
@@ -901,8 +800,8 @@ class DPSGD(Callback):
         self._plan_done = planned is not None and self._allowed_events == planned  # the plan ends first, not the budget
         self._events_taken = 0
         if self._budget_event is not None:
-            rank_zero_info(f"DPSGD: the sampling rate is now q={q_e:.4g} (dataset size {self._data['dataset_size']}, "
-                           f"expected batch {self._data['expected_batch_size']}); {self._allowed_events} more steps "
+            rank_zero_info(f"DPSGD: the sampling rate is now q={q_e:.4g} (dataset size {self._data.dataset_size}, "
+                           f"expected batch {self._data.expected_batch_size}); {self._allowed_events} more steps "
                            f"fit in target_epsilon={self.target_epsilon}.")
         self._budget_event = event
         if self._allowed_events == 0 and (planned is None or planned > 0):
@@ -911,27 +810,28 @@ class DPSGD(Callback):
             trainer.should_stop = True
             self._budget_stop = trainer.global_step
 
-    def _log_hyperparams(self, trainer: Trainer, planned: int | None) -> None:
+    def _log_hyperparams(self, trainer: Trainer, planned: int | None, strategy_params: dict[str, Any]) -> None:
         """The run's fixed privacy parameters as params, once per fit (delta is ``privacy/target_delta``).
 
-        Values that change during the run are metrics instead: epsilon, an adaptive C
-        (``privacy/max_grad_norm`` of the adaptive-clipping subclasses, whose initial C is the
-        param ``privacy/initial_clip``), and a sampling rate that a reloaded loader changes
+        Values that change during the run are metrics instead: epsilon, an adaptive C (``privacy/max_grad_norm``;
+        its initial C is the param ``privacy/initial_clip``), and a sampling rate that a reloaded loader changes
         (the param is the rate at fit start, the metric ``privacy/sample_rate`` follows it).
         """
-        self._logged_rate, self._rate_varies = self._data["sample_rate"], False
+        data = self._data
+        self._logged_rate, self._rate_varies = data.sample_rate, False
         params = {
             "privacy/noise_multiplier": self._sigma, "privacy/max_grad_norm": self.max_grad_norm,
             "privacy/target_epsilon": self.target_epsilon, "privacy/target_delta": self.target_delta,
             "privacy/accountant": self.accountant_name, "privacy/poisson_sampling": self.poisson_sampling,
-            "privacy/sample_rate": self._data["sample_rate"], "privacy/dataset_size": self._data["dataset_size"],
-            "privacy/expected_batch_size": self._data["expected_batch_size"],
-            "privacy/steps_per_epoch": self._data["steps_per_epoch"], "privacy/planned_events": planned,
+            "privacy/sample_rate": data.sample_rate, "privacy/dataset_size": data.dataset_size,
+            "privacy/expected_batch_size": data.expected_batch_size,
+            "privacy/steps_per_epoch": data.steps_per_epoch, "privacy/planned_events": planned,
             "privacy/adjacency": "add/remove" if self.adjacency == "add_remove" else "replacement",
-            "privacy/accumulate_grad_batches": self._data["parts"],
+            "privacy/accumulate_grad_batches": data.parts,
             "privacy/max_physical_batch_size": self.max_physical_batch_size,
+            **strategy_params,
         }
-        if not self._fixed_clip:
+        if self.clipping.adaptive:
             del params["privacy/max_grad_norm"]
         for logger in trainer.loggers:
             logger.log_hyperparams(params)
@@ -983,7 +883,7 @@ class DPSGD(Callback):
                 f"{self._part + 1} of {self._parts}); the micro-batches of one step must train the same parameters. "
                 "Change requires_grad in on_train_epoch_start (as BackboneFinetuning does) or at a step boundary.")
         self._part += 1
-        self._start_examples(self._examples_in(batch))
+        self._start_examples(batch_probe.examples_in(batch, self._batch_dims))
         if self._batch_size is None:
             raise MisconfigurationException(
                 "DPSGD cannot tell how many examples this training batch holds: none of its tensors (or lists) has "
@@ -997,7 +897,7 @@ class DPSGD(Callback):
         if isinstance(model, DistributedDataParallel):
             # gradients are reduced by DPSGD (clipped sums, once per step), not by DDP's reducer
             model.require_backward_grad_sync = False
-        self._released_grads = {}
+        self._guard.clear()
         self._pending, self._pending_stats = None, None
         self._step_adds_event = self._adds_event()
         if self._step_adds_event and self._allowed_events is not None and self._events_taken >= self._allowed_events:
@@ -1010,7 +910,7 @@ class DPSGD(Callback):
             rank_zero_info("DPSGD: the set of trainable parameters changed; rebuilding the per-sample gradient engine.")
             self._engine.remove()
             self._engine = GradSampleEngine(pl_module)
-            self._on_engine_rebuilt()
+            self.clipping.trainable_changed()
         if not self._engine.probed:
             self._probe(trainer, pl_module)
 
@@ -1046,51 +946,10 @@ class DPSGD(Callback):
             backward=lambda loss: trainer.strategy.backward(loss / divisor, optimizer))
 
     def _probe(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Runs ``training_step`` on probe batches (see the module docstring) to establish the batch dimensions."""
+        """Establishes where the layers and the batch hold the examples (:func:`~lightning_dp.callbacks.batch_probe.probe`)."""
         assert self._engine is not None and self._probe_data is not None
-        dataset, collate = self._probe_data
-        size = len(dataset)
         training_step = self._user_training_step or pl_module.training_step  # not the chunk loop
-        with_idx = is_param_in_hook_signature(training_step, "batch_idx", min_args=2)
-        precision = trainer.precision_plugin
-        shapes: dict[int, list[tuple[int, ...]]] = {}
-
-        def run(n: int) -> Any:  # the first n examples, through Lightning's own batch path (precision, transfer)
-            with _side_effect_free(pl_module):
-                batch = collate([dataset[i % size] for i in range(n)])
-                shapes[n] = [leaf_shape(leaf) for leaf in batch_leaves(batch)]
-                batch = precision.convert_input(batch)
-                batch = pl_module._on_before_batch_transfer(batch, dataloader_idx=0)
-                batch = trainer.strategy.batch_to_device(batch, dataloader_idx=0)
-                with precision.train_step_context():
-                    return training_step(batch, 0) if with_idx else training_step(batch)
-
-        try:
-            self._engine.probe(run, PROBE_SIZES)
-        except PerSampleGradientError as err:
-            raise MisconfigurationException(f"DPSGD cannot clip per example: {err}") from None
-        dims: list[int | None] = []
-        if len({len(s) for s in shapes.values()}) == 1:
-            for leaf in zip(*(shapes[n] for n in PROBE_SIZES)):
-                try:
-                    dims.append(batch_dim(leaf, PROBE_SIZES))
-                except AmbiguousBatchDimError:
-                    dims.append(None)
-        self._batch_dims = dims
-
-    def _examples_in(self, batch: Any) -> int | None:
-        """The number of examples in a training batch, read where the probe found the batch dimension."""
-        leaves = batch_leaves(batch)
-        if len(leaves) == len(self._batch_dims):
-            for leaf, d in zip(leaves, self._batch_dims):
-                shape = leaf_shape(leaf)
-                if d is not None and len(shape) > d:
-                    return int(shape[d])
-        return None
-
-    def _on_engine_rebuilt(self) -> None:
-        """Called after the engine was rebuilt for a new set of trainable parameters (subclasses reset what
-        depends on that set)."""
+        self._batch_dims = batch_probe.probe(self._engine, trainer, pl_module, self._probe_data, training_step)
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         # the module's own on_train_batch_start runs after DPSGD's: it could change the factor for this batch
@@ -1147,7 +1006,7 @@ class DPSGD(Callback):
         norms = engine.per_sample_norms(loss_scale=seen * trainer.accumulate_grad_batches / _loss_scale(trainer))
         clip = self.max_grad_norm
         sums = [engine.clipped_sum(clip_factors(norms, clip))]
-        sums += [engine.clipped_sum(w) for w in self._extra_weights(norms)]
+        sums += [engine.clipped_sum(w) for w in self.clipping.extra_weights(norms)]
         engine.clear()
         # clipped (dropped ones included: their norm is +inf), total, and dropped for a non-finite gradient
         counts = torch.tensor([norms.numel(), engine.dropped], dtype=sums[0][0].dtype, device=norms.device)
@@ -1178,9 +1037,9 @@ class DPSGD(Callback):
         sums, extra_sums = releases[0], releases[1:]
         clip = self.max_grad_norm
         for audit in self._audits:  # gradient canaries enter the clipped sum (after the all-reduce: once in aggregate)
-            audit.add_to_sums(sums, step=self._released, sample_rate=self._data["sample_rate"], max_grad_norm=clip)
+            audit.add_to_sums(sums, step=self._released, sample_rate=self._data.sample_rate, max_grad_norm=clip)
         noise_multiplier = self._gradient_noise_multiplier()
-        expected = self._data["expected_batch_size"]
+        expected = self._data.expected_batch_size
         generator = derive_secret_generator(self._drawn_seed(), NOISE, self._released, device=sums[0].device)
         grads = noisy_mean(sums, noise_multiplier=noise_multiplier, max_grad_norm=clip,
                            expected_batch_size=expected, generator=generator)
@@ -1190,14 +1049,21 @@ class DPSGD(Callback):
             if not p.requires_grad:  # frozen since the batch started (a module hook, training_step): not trained
                 continue
             p.grad = (g * scale if scale != 1.0 else g).to(p.dtype)
-            self._released_grads[id(p)] = p.grad
+            self._guard.mark(p)
         for audit in self._audits:
             audit.observe(grads)
         set_noise_std = getattr(optimizer, "set_noise_std", None)
         if callable(set_noise_std):  # AdamWOSM: its fixed second moment is this step's noise std per coordinate
             set_noise_std(noise_multiplier * clip / expected)
         self._last_stats = stats.detach()
-        self._after_release(trainer, optimizer, grads, extra_sums)
+        release = Release(step=self._released, noise_multiplier=self._sigma, gradient=grads, extra_sums=extra_sums,
+                          clipped=float(stats[0]), examples=float(stats[1]), expected_batch_size=expected,
+                          optimizer=optimizer, statistic_generator=functools.partial(
+                              derive_secret_generator, self._drawn_seed(), CLIP_STATISTIC, self._released))
+        try:
+            self.clipping.after_release(release)
+        except ValueError as err:
+            raise MisconfigurationException(f"{type(self).__name__} ({self.clipping.name} clipping): {err}") from err
         self._released += 1
         self._part, self._awaiting_step, self._released_in_batch = 0, True, True
         if self._step_adds_event:
@@ -1218,34 +1084,10 @@ class DPSGD(Callback):
             trainer.accumulate_grad_batches, self._parts,
             f"the optimizer is about to step after micro-batch {self._part} of {self._parts} of a logical batch")
 
-    # ------------------------------------------- extension points of the adaptive-clipping callbacks
-    def _extra_weights(self, per_sample_norms: torch.Tensor) -> list[torch.Tensor]:
-        """Per-example weights of further weighted gradient sums released with the clipped sum.
-
-        DP-SGD releases only the clipped sum. A subclass that releases more (OSO's sum of
-        the ``q_i``) returns their weights; the sums are all-reduced with the clipped sum
-        and handed to :meth:`_after_release` un-noised: the subclass adds their noise.
-        """
-        return []
-
     def _gradient_noise_multiplier(self) -> float:
-        """The multiplier of the clipped-sum noise: the accounted sigma, or its share of it.
-
-        An adaptive rule that releases a statistic of the same batch splits the accounted
-        multiplier between the two releases (:func:`~lightning_dp.privacy.adaptive.composed_noise_multiplier`).
-        """
+        """The multiplier of the clipped sum's noise: the accounted sigma, or the clipping strategy's share of it."""
         assert self._sigma is not None
-        return self._sigma
-
-    def _after_release(self, trainer: Trainer, optimizer: Any, grads: list[torch.Tensor],
-                       extra_sums: list[list[torch.Tensor]]) -> None:
-        """Post-processing of the step's releases, before the optimizer step (nothing for DP-SGD).
-
-        ``grads`` is the released noisy gradient, ``extra_sums`` the summed (not yet
-        noised) weighted sums of :meth:`_extra_weights`, ``self._last_stats`` the clipped
-        and total counts of the batch over all ranks. Counter ``self._released`` is still
-        the number of this step (it keys this step's noise streams).
-        """
+        return self.clipping.gradient_noise_multiplier(self._sigma, self._data.expected_batch_size)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -1277,12 +1119,13 @@ class DPSGD(Callback):
         # what is fixed for the run (delta, sigma, C, q) is a param (_log_hyperparams); only what moves is a metric
         metrics = {"privacy/epsilon": eps}
         if self._rate_varies:  # a reloaded loader changed q since the param was logged: chart it from then on
-            metrics["privacy/sample_rate"] = float(self._data["sample_rate"])
+            metrics["privacy/sample_rate"] = float(self._data.sample_rate)
         if self.log_nonprivate_metrics and self._last_stats is not None and self._last_stats[1] > 0:
             # exact, not covered by epsilon: see docs/privacy.md ("What epsilon covers")
             metrics["nonprivate/clipped_fraction"] = float(self._last_stats[0] / self._last_stats[1])
             if self._half_precision:
                 metrics["nonprivate/overflowed_fraction"] = float(self._last_stats[2] / self._last_stats[1])
+        metrics.update(self.clipping.metrics())  # what the strategy moves (C, OSO's learning rate), post-processing
         return metrics
 
     def _log_privacy(self, pl_module: LightningModule, step: int, written: bool = True) -> None:
@@ -1312,6 +1155,12 @@ class DPSGD(Callback):
             fig = tracking.plot_series(steps, eps, xlabel="step", ylabel=f"epsilon (delta={self.target_delta:g})",
                                        title=f"privacy spend, sigma={self._sigma:.3g}, C={self.max_grad_norm:g}")
             tracking.log_figure(trainer, fig, "privacy/epsilon.png")
+            if self.clipping.adaptive and self.clipping.trace:
+                steps, clips, _ = zip(*self.clipping.trace)
+                fig = tracking.plot_series(steps, clips, xlabel="released step", ylabel="clipping threshold C",
+                                           title=f"{self.clipping.title}: C_t (sigma={self._sigma:.3g})")
+                fig.axes[0].set_yscale("log")
+                tracking.log_figure(trainer, fig, "privacy/max_grad_norm.png")
         self._summary_due = True
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -1322,7 +1171,7 @@ class DPSGD(Callback):
         self._summary_due = False
         from lightning_dp.callbacks.summary import print_summary
 
-        released, per_epoch = self._released, self._data["steps_per_epoch"]
+        released, per_epoch = self._released, self._data.steps_per_epoch
         print_summary(trainer, f"{type(self).__name__}: {released} private steps ({released / per_epoch:.3g} epochs of "
                       f"{per_epoch} steps)", self._summary_rows())
 
@@ -1335,19 +1184,19 @@ class DPSGD(Callback):
         adjacency = "add/remove" if self.adjacency == "add_remove" else "replacement"
         data = self._data
         if self.poisson_sampling:
-            batches = ("sample rate q", f"{data['sample_rate']:.4g} (expected batch {data['expected_batch_size']:g} "
-                                        f"of N = {data['dataset_size']}"
+            batches = ("sample rate q", f"{data.sample_rate:.4g} (expected batch {data.expected_batch_size:g} "
+                                        f"of N = {data.dataset_size}"
                                         f"{'; changed during the run' if self._rate_varies else ''})")
         else:
-            batches = ("batches", f"shuffled, {data['expected_batch_size']:g} of N = {data['dataset_size']} (one "
+            batches = ("batches", f"shuffled, {data.expected_batch_size:g} of N = {data.dataset_size} (one "
                                   "Gaussian mechanism per epoch)")
         rows = [("epsilon", f"{spend} ({self.accountant_name}, {adjacency} adjacency)"),
                 ("noise multiplier", f"{self._sigma:.4g} ({self._sigma_source})"),
-                ("clipping norm C", f"{self.max_grad_norm:.4g}"), batches]
-        if data.get("parts", 1) > 1 or self.max_physical_batch_size is not None:
+                ("clipping norm C", self.clipping.describe()), batches]
+        if data.parts > 1 or self.max_physical_batch_size is not None:
             bound = (f", at most {self.max_physical_batch_size} examples per pass"
                      if self.max_physical_batch_size is not None else "")
-            rows.append(("virtual batches", f"{data.get('parts', 1)} micro-batch(es) per step{bound}; noise added "
+            rows.append(("virtual batches", f"{data.parts} micro-batch(es) per step{bound}; noise added "
                                             "once per step"))
         if self._budget_stop is not None:
             rows.append(("stopped", f"after step {self._budget_stop}: " + (
@@ -1355,63 +1204,15 @@ class DPSGD(Callback):
                 "by the budget (the next step would exceed target_epsilon)")))
         return rows
 
-    def _checked_closure(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Optimizer step pre-hook: makes the step check its gradients right before it updates.
-
-        Lightning's automatic optimization runs the forward, the backward and every
-        ``on_before_optimizer_step`` hook INSIDE ``optimizer.step(closure)``, so a pre-hook
-        alone would look at the gradients before they exist. It replaces the closure by
-        one that runs it and then :meth:`_check_released` (torch lets a step pre-hook
-        return new arguments).
-        """
-        # torch passes the step's own arguments with the optimizer first: (optimizer, closure?) or closure=...
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-        if closure is None:  # step() without a closure (a GradScaler's step after the closure ran): check now
-            self._check_released(optimizer)
-            return None
-
-        def checked() -> Any:
-            result = closure()
-            self._check_released(optimizer)
-            return result
-
-        if "closure" in kwargs:
-            return args, {**kwargs, "closure": checked}
-        return (args[0], checked, *args[2:]), kwargs
-
-    def _check_released(self, optimizer: Any) -> None:
-        """Every gradient the optimizer is about to use is one this callback released.
-
-        The last line of defence against every path that bypasses clipping and noise (a
-        parameter unfrozen inside ``training_step``, a parameter added to the optimizer but
-        not owned by the module, a callback that writes raw gradients after DPSGD): the
-        step is refused before the optimizer reads them. The gradient must be the very
-        tensor DPSGD set; in-place post-processing of it (gradient clipping) is allowed.
-        """
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None and self._released_grads.get(id(p)) is not p.grad:
-                    shape = tuple(p.shape)
-                    raise UnprivatizedGradientError(
-                        f"DPSGD: an optimizer step was about to use the gradient of a parameter of shape {shape} that "
-                        "did not go through per-sample clipping and noise (a parameter that became trainable inside "
-                        "training_step, a parameter outside the LightningModule, or a gradient written after DPSGD). "
-                        "The step is refused so that nothing unprivatized is released. Change requires_grad in a hook "
-                        "that runs before the batch (e.g. on_train_epoch_start, as BackboneFinetuning does), or "
-                        "freeze the parameter.")
-
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         if self._engine is not None:
             self._engine.remove()
             self._engine = None
-        for handle in self._step_hooks:
-            handle.remove()
-        self._step_hooks = []
+        self._guard.remove()
         self._audits = []  # attached again by the audit's own setup in a next fit
-        while self._restore:
-            self._restore.pop()()
+        self._shadows.restore()
         from lightning_dp import gate
 
         gate.uninstall(trainer, self)
@@ -1419,12 +1220,16 @@ class DPSGD(Callback):
     # ---------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
         # the seed regenerates every noise draw: kept under SECRET_KEY, stripped from whatever is uploaded
-        return {"version": _STATE_VERSION, "accountant": self._accountant.state_dict(), SECRET_KEY: {"seed": self._seed},
-                "noise_multiplier": self._sigma, "max_grad_norm": self.max_grad_norm,
-                "poisson_sampling": self.poisson_sampling, "released_steps": self._released,
-                "curve": list(self._curve),
-                # micro-batches of a logical batch accumulated but not released (a checkpoint saved in between)
-                "pending_micro_batches": self._part if self._pending is not None else 0}
+        state = {"version": _STATE_VERSION, "accountant": self._accountant.state_dict(), SECRET_KEY: {"seed": self._seed},
+                 "noise_multiplier": self._sigma, "max_grad_norm": self.max_grad_norm,
+                 "poisson_sampling": self.poisson_sampling, "released_steps": self._released,
+                 "curve": list(self._curve),
+                 # micro-batches of a logical batch accumulated but not released (a checkpoint saved in between)
+                 "pending_micro_batches": self._part if self._pending is not None else 0}
+        strategy = self.clipping.state_dict()
+        if strategy:  # an adaptive C, its trace and what its next update needs (the key of checkpoints before 0.3)
+            state["adaptive"] = strategy
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict.get("accountant") is None:
@@ -1458,3 +1263,4 @@ class DPSGD(Callback):
         self._restored_sigma = state_dict.get("noise_multiplier")
         self._released = int(state_dict.get("released_steps", 0))
         self._curve = [tuple(x) for x in state_dict.get("curve", [])]
+        self.clipping.load_state_dict(state_dict.get("adaptive") or {})

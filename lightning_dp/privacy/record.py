@@ -79,7 +79,7 @@ RECORD: list[Declaration] = [
                 "updates lie in, at the server's threshold: a function of the released adaptive threshold",
                 ("FederatedRound",)),
     Declaration("train/lr", Kind.RELEASE, "metric", "OSO's learning rate, from the sanitized dot products",
-                ("OnlineSensitivity",)),
+                ("OnlineSensitivityClip",)),
     Declaration("val/*", Kind.RELEASE, "metric", "the released model evaluated on held-out data (post-processing)",
                 evaluating=True),
     Declaration("test/*", Kind.RELEASE, "metric", "the released model evaluated on held-out data (post-processing)",

@@ -63,7 +63,7 @@ def main(out: Path, tracking_uri: str) -> None:
         torch.manual_seed(0)
         m = Classifier()
         L.Trainer(max_epochs=1, logger=False, callbacks=[cb], **common).fit(m, BlobsData(n=200, batch_size=10))
-        adaptive[name] = {"trace": list(cb._trace), "history": cb.accountant.history,
+        adaptive[name] = {"trace": list(cb.clipping.trace), "history": cb.accountant.history,
                           "params": torch.cat([p.detach().reshape(-1) for p in m.parameters()])}
     # 4. white-box canaries enter the aggregate once: no noise, zero gradients, so the released gradient is
     # C / (q N) = 3 / 20 at each sampled included canary's coordinate and 0 elsewhere

@@ -91,7 +91,7 @@ def test_oso_steps_equal_algorithm_3_replayed_by_hand():
             scale *= math.exp(rho_r * sign(float(g_tilde @ g_prev)))
         g_prev, q_prev = g_tilde, q_tilde
     assert len(clips_used) == 8
-    assert [c for _, c, _ in oso._trace] == pytest.approx(clips_used, rel=1e-12)
+    assert [c for _, c, _ in oso.clipping.trace] == pytest.approx(clips_used, rel=1e-12)
     assert oso.max_grad_norm == pytest.approx(clip, rel=1e-12) and oso.lr_scale == pytest.approx(scale, rel=1e-12)
     assert len(set(clips_used)) >= 2 and scale != 1.0  # C and the lr moved: the test exercised both updates
     # the parameters follow SGD with the adapted learning rate
@@ -134,8 +134,8 @@ def test_oso_logs_threshold_learning_rate_and_clipped_fraction():
     oso = OnlineSensitivity(noise_multiplier=1.0, initial_clip=0.1, clip_lr=0.1, lr_lr=0.1, seed=1)
     trainer(max_steps=6, callbacks=[oso, Capture()], log_every_n_steps=1).fit(Classifier(lr=0.2),
                                                                               BlobsData(n=100, batch_size=10))
-    assert logged["privacy/max_grad_norm"] == pytest.approx([c for _, c, _ in oso._trace], rel=1e-6)
-    assert logged["train/lr"] == pytest.approx([lr for _, _, lr in oso._trace], rel=1e-6)
+    assert logged["privacy/max_grad_norm"] == pytest.approx([c for _, c, _ in oso.clipping.trace], rel=1e-6)
+    assert logged["train/lr"] == pytest.approx([lr for _, _, lr in oso.clipping.trace], rel=1e-6)
     assert logged["train/lr"][0] == pytest.approx(0.2)
     assert all(0 <= f <= 1 for f in logged["nonprivate/clipped_fraction"])
 
@@ -159,8 +159,8 @@ def test_oso_resumes_exactly(tmp_path):
     assert t2.global_step == 45
     assert resumed.accountant.history == full.accountant.history and resumed.epsilon == full.epsilon
     assert resumed.max_grad_norm == full.max_grad_norm and resumed.lr_scale == full.lr_scale
-    assert resumed._trace == full._trace
-    for a, b in zip(full._q_prev, resumed._q_prev):
+    assert resumed.clipping.trace == full.clipping.trace
+    for a, b in zip(full.clipping.q_prev, resumed.clipping.q_prev):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     for a, b in zip(full_model.parameters(), resumed_model.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -215,13 +215,13 @@ def test_quantile_steps_equal_andrew_et_al_replayed_by_hand():
         g_noise = torch.randn(per.shape[1], generator=derive_generator(seed, NOISE, t)).double() * (z_delta * clip)
         torch.testing.assert_close(got.double(), ((factors[:, None] * per).sum(0) + g_noise) / batch,
                                    rtol=1e-5, atol=1e-6)
-        assert qc._trace[t][1] == pytest.approx(clip, rel=1e-12)
+        assert qc.clipping.trace[t][1] == pytest.approx(clip, rel=1e-12)
         count_noise = torch.randn((), generator=derive_generator(seed, CLIP_STATISTIC, t), dtype=torch.float64)
         centered = float((norms <= clip).sum()) - len(norms) / 2
         b = min(1.0, max(0.0, (centered + sigma_b * count_noise.item()) / batch + 0.5))
         clip *= math.exp(-eta * (b - gamma))
     assert qc.max_grad_norm == pytest.approx(clip, rel=1e-12)
-    assert len({c for _, c, _ in qc._trace}) > 2
+    assert len({c for _, c, _ in qc.clipping.trace}) > 2
 
 
 def test_quantile_clipping_accounting_uses_z_and_default_count_noise():
@@ -243,7 +243,7 @@ def test_quantile_threshold_converges_to_the_target_quantile_of_the_norms():
     init = copy.deepcopy(model)
     trainer(max_epochs=20, callbacks=[qc]).fit(model, BlobsData(n=200, batch_size=40))
     norms = per_example_grads(init, [p.detach() for p in model.parameters()], *_all(BlobsData(n=200))).norm(dim=1)
-    assert qc._trace[0][1] == 0.1 and qc.max_grad_norm > 10 * 0.1  # it moved 30x from C_0 ...
+    assert qc.clipping.trace[0][1] == 0.1 and qc.max_grad_norm > 10 * 0.1  # it moved 30x from C_0 ...
     unclipped = float((norms <= qc.max_grad_norm).float().mean())
     assert 0.35 < unclipped < 0.65, unclipped  # ... to about the median norm
 

@@ -643,4 +643,4 @@ def test_the_loader_runs_the_planned_steps_per_epoch():
     ds = TensorDataset(torch.randn(49, 6), torch.randint(0, 3, (49,)))
     t = trainer(max_epochs=1, callbacks=[dp])
     t.fit(Classifier(), train_dataloaders=DataLoader(ds, batch_size=1))
-    assert dp._data["steps_per_epoch"] == 49 == t.global_step == dp._released
+    assert dp.data_facts.steps_per_epoch == 49 == t.global_step == dp._released

@@ -501,7 +501,7 @@ def test_online_sensitivity_follows_an_unfrozen_layer():
     finetune = BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=1.0)
     t = trainer(max_epochs=2, callbacks=[finetune, oso])
     t.fit(Finetuned(), BlobsData(n=100, batch_size=20))
-    assert t.global_step == 10 and len(oso._trace) == 10
+    assert t.global_step == 10 and len(oso.clipping.trace) == 10
 
 
 def test_a_second_fit_with_a_from_datasets_datamodule():

@@ -83,7 +83,7 @@ def test_accumulate_grad_batches_equals_the_unsplit_step(unsplit):
     split = _fit(10, accumulate_grad_batches=4)
     _assert_same_run(unsplit, split)
     t, _, dp, steps = split
-    assert dp.sample_rate == pytest.approx(0.2) and dp._data["expected_batch_size"] == 40
+    assert dp.sample_rate == pytest.approx(0.2) and dp.data_facts.expected_batch_size == 40
     assert t.num_training_batches == 20 and len(steps.sizes) == 40  # 5 logical batches of 4 micro-batches per epoch
     assert steps.steps == list(range(10))  # one optimizer step per logical batch
     # the micro-batches of a logical batch are its split: together they are the unsplit batch's size
@@ -120,7 +120,7 @@ def test_the_adaptive_clipping_rules_release_the_same_steps(kind):
     reference = _fit(40, dp=make())
     _assert_same_run(reference, _fit(10, dp=make(), accumulate_grad_batches=4))
     _assert_same_run(reference, _fit(40, dp=make(max_physical_batch_size=9)))
-    assert reference[2]._trace == _fit(10, dp=make(), accumulate_grad_batches=4)[2]._trace
+    assert reference[2].clipping.trace == _fit(10, dp=make(), accumulate_grad_batches=4)[2].clipping.trace
 
 
 def test_shuffled_batches_accumulate_too():
@@ -129,10 +129,10 @@ def test_shuffled_batches_accumulate_too():
     reference = _fit(40, dp=make())
     split = _fit(10, dp=make(), accumulate_grad_batches=4)
     _assert_same_run(reference, split)
-    assert split[2]._data["steps_per_epoch"] == 5
+    assert split[2].data_facts.steps_per_epoch == 5
     # 30 batches of 7 per epoch (the last of 4): the last step of an epoch has 2 micro-batches, not 4
     t, _, dp, steps = _fit(7, dp=make(), accumulate_grad_batches=4, epochs=1)
-    assert t.global_step == dp._released == 8 and dp._data["expected_batch_size"] == 28
+    assert t.global_step == dp._released == 8 and dp.data_facts.expected_batch_size == 28
 
 
 def test_an_empty_micro_batch_still_trains_and_releases():

@@ -1,0 +1,114 @@
+"""Planning a DP-SGD run: the facts of its training data, the event each step is accounted as, the planned length.
+
+Pure functions of public configuration (dataset size, batch size, processes, limits); DPSGD
+(:mod:`lightning_dp.callbacks.dp_sgd`) reads the facts from the training DataLoader and the limits from the Trainer.
+
+* Poisson sampling: every step is one Poisson-subsampled Gaussian mechanism, multiplier ``sigma``, rate
+  ``q = expected batch / N``.
+* Shuffled batches (``poisson_sampling=False``): the batches of an epoch partition the data, so each epoch is one
+  Gaussian mechanism; under replacement adjacency a clipped sum moves by ``2C``, so the epoch is accounted with
+  multiplier ``sigma / 2`` at rate 1.
+
+Example:
+    >>> facts = DataFacts.of(dataset_size=1000, batch_size=50, world_size=2, parts=1, poisson_sampling=True)
+    >>> facts.sample_rate, facts.steps_per_epoch, event_shape(True, facts.sample_rate)
+    (0.1, 10, (0.1, 1.0))
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["CALIBRATE_FOR", "DataFacts", "event_shape", "own_planned_events", "planned_events", "trainer_events",
+           "trainer_steps"]
+
+#: Which planned length a calibrated noise multiplier is for when the callback's and the Trainer's disagree.
+CALIBRATE_FOR = ("auto", "trainer", "callback")
+
+
+@dataclass(frozen=True)
+class DataFacts:
+    """What the accounting needs to know of the training data (public: sizes, never contents)."""
+
+    dataset_size: int  #: N (with the slots an audit appends)
+    sample_rate: float  #: q = expected_batch_size / N
+    expected_batch_size: int  #: batch_size x processes x micro-batches per step
+    steps_per_epoch: int  #: optimizer steps per epoch
+    parts: int  #: micro-batches per step (accumulate_grad_batches)
+
+    @classmethod
+    def of(cls, *, dataset_size: int, batch_size: int, world_size: int, parts: int, poisson_sampling: bool,
+           batches_per_epoch: int | None = None) -> DataFacts:
+        """The facts of a loader of ``batch_size`` over ``dataset_size`` examples on ``world_size`` processes, with
+        ``parts`` micro-batches per optimizer step (``batches_per_epoch``: the loader's length, for shuffled batches).
+
+        Raises:
+            ValueError: ``parts`` is not a positive integer, or the expected batch exceeds the dataset.
+        """
+        if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+            raise ValueError(f"accumulate_grad_batches={parts!r} is not allowed: pass a positive integer")
+        expected = batch_size * world_size * parts
+        if expected > dataset_size:
+            accumulated = f" x accumulate_grad_batches={parts}" if parts > 1 else ""
+            raise ValueError(
+                f"expected batch size {expected} (batch_size={batch_size} x {world_size} processes{accumulated}) "
+                f"exceeds the training set size N={dataset_size}; lower batch_size"
+                + (" or accumulate_grad_batches." if parts > 1 else "."))
+        if poisson_sampling:
+            steps = math.ceil(dataset_size / expected)
+        else:
+            if batches_per_epoch is None:
+                raise ValueError("shuffled batches need batches_per_epoch (the loader's length)")
+            steps = math.ceil(batches_per_epoch / parts)
+        return cls(dataset_size=dataset_size, sample_rate=expected / dataset_size, expected_batch_size=expected,
+                   steps_per_epoch=steps, parts=parts)
+
+
+def event_shape(poisson_sampling: bool, sample_rate: float) -> tuple[float, float]:
+    """``(rate, multiplier scale)`` of one accounted event: Gaussian(``scale * sigma``) at that rate.
+
+    Poisson sampling: one subsampled Gaussian per step, ``(q, 1)``. Shuffled batches: one Gaussian per epoch at half
+    the multiplier, ``(1, 1/2)`` (replacement adjacency moves a clipped sum by ``2C``). A noise multiplier calibrated
+    for the event is ``sigma_event / scale``.
+    """
+    return (sample_rate, 1.0) if poisson_sampling else (1.0, 0.5)
+
+
+def own_planned_events(facts: DataFacts, poisson_sampling: bool, *, epochs: int | None,
+                       max_steps: int | None) -> int | None:
+    """Accounted events of the callback's own plan (``epochs`` or ``max_steps``; None: no plan)."""
+    if max_steps is not None:
+        return max_steps if poisson_sampling else math.ceil(max_steps / facts.steps_per_epoch)
+    if epochs is not None:
+        return epochs * (facts.steps_per_epoch if poisson_sampling else 1)
+    return None
+
+
+def trainer_steps(facts: DataFacts, *, max_epochs: int | None, max_steps: int | None) -> int | None:
+    """The most optimizer steps the Trainer's limits allow (None or <= 0: no limit; None: unlimited)."""
+    limits = []
+    if max_steps is not None and max_steps > 0:
+        limits.append(max_steps)
+    if max_epochs is not None and max_epochs > 0:
+        limits.append(max_epochs * facts.steps_per_epoch)
+    return min(limits) if limits else None
+
+
+def trainer_events(facts: DataFacts, poisson_sampling: bool, *, max_epochs: int | None,
+                   max_steps: int | None) -> int | None:
+    """Accounted events of the Trainer's limits (None: unlimited)."""
+    steps = trainer_steps(facts, max_epochs=max_epochs, max_steps=max_steps)
+    if steps is None or poisson_sampling:
+        return steps
+    return math.ceil(steps / facts.steps_per_epoch)
+
+
+def planned_events(own: int | None, limit: int | None, calibrate_for: str) -> int | None:
+    """The planned events by ``calibrate_for``: the shorter (``"auto"``), the Trainer's or the callback's first;
+    either when only one is known; None when neither is."""
+    if own is None or limit is None:
+        return own if limit is None else limit
+    if calibrate_for == "auto":
+        return min(own, limit)
+    return limit if calibrate_for == "trainer" else own
