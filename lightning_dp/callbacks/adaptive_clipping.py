@@ -32,10 +32,14 @@ __all__ = ["OnlineSensitivity", "QuantileClipping"]
 
 
 def _no_max_grad_norm(name: str, kwargs: dict[str, Any]) -> None:
-    if "max_grad_norm" in kwargs or "clipping" in kwargs:
-        given = "max_grad_norm" if "max_grad_norm" in kwargs else "clipping"
+    """Refuses DPSGD's own choice of C (a config parser passes DPSGD's defaults, None and "fixed": dropped)."""
+    max_grad_norm, clipping = kwargs.pop("max_grad_norm", None), kwargs.pop("clipping", "fixed")
+    if max_grad_norm is not None:
         raise ValueError(f"{name} learns the clipping threshold: pass initial_clip=<C_0> instead of "
-                         f"{given}={kwargs[given]!r}")
+                         f"max_grad_norm={max_grad_norm!r}")
+    if clipping != "fixed":
+        raise ValueError(f"{name} is DPSGD with its own clipping strategy; for clipping={clipping!r} use "
+                         "DPSGD(clipping=...) instead")
 
 
 class OnlineSensitivity(DPSGD):
@@ -63,8 +67,9 @@ class OnlineSensitivity(DPSGD):
         _no_max_grad_norm("OnlineSensitivity", kwargs)
         strategy = OnlineSensitivityClip(initial_clip=initial_clip, clip_lr=clip_lr, lr_lr=lr_lr,
                                          q_noise_multiplier=q_noise_multiplier)
-        super().__init__(noise_multiplier=noise_multiplier, target_epsilon=target_epsilon, clipping=strategy,
-                         **kwargs)
+        # max_grad_norm and clipping given here keep them out of the signature a config parser reads
+        super().__init__(noise_multiplier=noise_multiplier, target_epsilon=target_epsilon, max_grad_norm=None,
+                         clipping=strategy, **kwargs)
         self.clipping: OnlineSensitivityClip
 
     @property
@@ -122,8 +127,9 @@ class QuantileClipping(DPSGD):
         _no_max_grad_norm("QuantileClipping", kwargs)
         strategy = QuantileClip(initial_clip=initial_clip, target_quantile=target_quantile, clip_lr=clip_lr,
                                 count_noise_std=count_noise_std)
-        super().__init__(noise_multiplier=noise_multiplier, target_epsilon=target_epsilon, clipping=strategy,
-                         **kwargs)
+        # max_grad_norm and clipping given here keep them out of the signature a config parser reads
+        super().__init__(noise_multiplier=noise_multiplier, target_epsilon=target_epsilon, max_grad_norm=None,
+                         clipping=strategy, **kwargs)
         self.clipping: QuantileClip
 
     @property
