@@ -42,11 +42,17 @@ import numpy as np
 import torch
 from jsonargparse import ActionConfigFile, ArgumentParser
 
-__all__ = ["ATTACKS", "build_parser", "main"]
+from lightning_dp.audit.attacks import (
+    DATA_STREAM,
+    INIT_STREAM,
+    SHUFFLE_STREAM,
+    SUBSET_STREAM,
+    AttackSetting,
+    registered_attacks,
+    resolve_attacks,
+)
 
-ATTACKS = ("loss", "shadow", "noisy")
-#: Streams of :func:`~lightning_dp.privacy.noise.derive_generator` under the experiment's seed.
-INIT_STREAM, DATA_STREAM, NOISE_STREAM, SUBSET_STREAM, SHUFFLE_STREAM = 51, 52, 53, 54, 55
+__all__ = ["build_parser", "main"]
 
 
 def build_parser() -> ArgumentParser:
@@ -72,7 +78,8 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--callbacks", type=Optional[list[Callback]], default=None,
                         help="callbacks of the target's and every shadow's training (e.g. DPSGD); fresh per model")
     parser.add_argument("--batch_size", type=int, default=32, help="training and scoring batch size")
-    parser.add_argument("--attacks", type=list[str], default=list(ATTACKS), help=f"any of {list(ATTACKS)}")
+    parser.add_argument("--attacks", type=list[str], default=list(registered_attacks()),
+                        help=f"any of {list(registered_attacks())} (registered attacks, lightning_dp.audit.attacks)")
     parser.add_argument("--num_shadows", type=int, default=10, help="LiRA shadow models (even)")
     parser.add_argument("--shadow_online", type=bool, default=True, help="online LiRA (IN and OUT fits)")
     parser.add_argument("--shadow_statistic", type=str, default="auto",
@@ -94,14 +101,14 @@ def build_parser() -> ArgumentParser:
 
 def _problems(cfg: Any) -> list[str]:
     problems = []
-    unknown = [a for a in cfg.attacks if a not in ATTACKS]
-    if unknown or not cfg.attacks:
-        problems.append(f"--attacks={cfg.attacks!r}: choose from {list(ATTACKS)}")
+    try:
+        resolve_attacks(cfg.attacks)
+    except ValueError as err:
+        problems.append(str(err))
+    problems += [p for name, attack in registered_attacks().items() if name in cfg.attacks for p in attack.problems(cfg)]
     bad_pool = [p for p in cfg.pool if p not in ("train", "val", "test")]
     if bad_pool or not cfg.pool:
         problems.append(f"--pool={cfg.pool!r}: choose from ['train', 'val', 'test']")
-    if "shadow" in cfg.attacks and (cfg.num_shadows < 2 or cfg.num_shadows % 2):
-        problems.append(f"--num_shadows={cfg.num_shadows}: must be even and >= 2 (each example is IN for half)")
     if cfg.shadow_statistic not in ("auto", "logit", "loss"):
         problems.append(f"--shadow_statistic={cfg.shadow_statistic!r}: choose auto, logit or loss")
     for name in ("num_neighbours", "batch_size", "sigma_grid"):
@@ -137,7 +144,7 @@ def main(argv: Sequence[str]) -> int:
     from torch.utils.data import DataLoader, Subset
 
     from lightning_dp import tracking
-    from lightning_dp.audit import lira, neighbours
+    from lightning_dp.audit import lira
     from lightning_dp.audit.mia import attack_result, split_members, table
     from lightning_dp.audit.scores import per_example_losses
     from lightning_dp.privacy.noise import derive_generator
@@ -215,68 +222,31 @@ def main(argv: Sequence[str]) -> int:
         target_logger.finalize("success")
         print(f"[mia] target trained in {time.perf_counter() - start:.0f} s", flush=True)
 
-        def batches(indices: np.ndarray) -> DataLoader:
-            return DataLoader(Subset(pool, indices.tolist()), batch_size=cfg.batch_size, shuffle=False)
-
         start = time.perf_counter()
         target_losses = per_example_losses(target, DataLoader(evaluation, batch_size=cfg.batch_size))
-        loss_seconds = time.perf_counter() - start
-        if "loss" in cfg.attacks:
-            results.append(attack_result("loss", -target_losses[:n_in], -target_losses[n_in:],
-                                         forward_passes=len(evaluation), seconds=loss_seconds,
+        setting = AttackSetting(
+            target=target, pool=pool, split=split, evaluation=evaluation, target_losses=target_losses,
+            loss_seconds=time.perf_counter() - start, config=cfg, statistic=statistic, seeded=seeded,
+            make_model=lambda: parser.instantiate_classes(cfg).model,
+            trainer_kwargs=lambda: trainer_kwargs(parser.instantiate_classes(cfg).callbacks))
+        search, costs = None, {}
+        for attack in resolve_attacks(cfg.attacks):
+            scores = attack.run(setting)
+            results.append(attack_result(attack.name, scores.members, scores.nonmembers,
+                                         forward_passes=scores.forward_passes, seconds=scores.seconds,
                                          confidence=cfg.confidence, seed=cfg.seed))
-            print(f"[mia] loss attack: AUC {results[-1].curve.auc:.4f}", flush=True)
-
-        if "shadow" in cfg.attacks:
-            masks = lira.inclusion_masks(len(pool), cfg.num_shadows, seed=seeded(DATA_STREAM, 1))
-
-            def make_model() -> Any:
-                return parser.instantiate_classes(cfg).model
-
-            def shadow_kwargs(k: int) -> dict[str, Any]:
-                return trainer_kwargs(parser.instantiate_classes(cfg).callbacks)
-
-            shadows = lira.train_shadow_models(make_model, pool, masks, trainer_kwargs=shadow_kwargs,
-                                               batch_size=cfg.batch_size, seed=seeded(INIT_STREAM, 1),
-                                               score_dataset=evaluation)
-            scores = lira.lira_from_losses(target_losses, shadows.losses, masks[:, split.evaluation],
-                                           statistic=statistic, online=cfg.shadow_online, fixed_variance=True)
-            training_passes = shadows.training_passes
-            results.append(attack_result("shadow", scores[:n_in], scores[n_in:],
-                                         forward_passes=shadows.forward_passes + len(evaluation),
-                                         seconds=shadows.seconds + loss_seconds, confidence=cfg.confidence,
-                                         seed=cfg.seed))
-            print(f"[mia] shadow attack ({cfg.num_shadows} shadows, {shadows.seconds:.0f} s): AUC "
-                  f"{results[-1].curve.auc:.4f}", flush=True)
-
-        search = None
-        if "noisy" in cfg.attacks:
-            embedding = neighbours.find_embedding(target, cfg.embedding)
-            search = neighbours.search_sigma(target, batches(split.calibration_members),
-                                             batches(split.calibration_nonmembers),
-                                             num_neighbours=cfg.num_neighbours, generator_seed=seeded(NOISE_STREAM),
-                                             low=cfg.sigma_low, high=cfg.sigma_high, grid=cfg.sigma_grid,
-                                             iterations=cfg.sigma_iterations, embedding=embedding)
-            start = time.perf_counter()
-            near = neighbours.neighbour_losses(target, DataLoader(evaluation, batch_size=cfg.batch_size),
-                                               sigma=search.sigma, num_neighbours=cfg.num_neighbours,
-                                               generator=derive_generator(cfg.seed, NOISE_STREAM, 1),
-                                               embedding=embedding)
-            scores = near.scores
-            results.append(attack_result("noisy", scores[:n_in], scores[n_in:],
-                                         forward_passes=near.forward_passes + search.forward_passes,
-                                         seconds=time.perf_counter() - start + search.seconds,
-                                         confidence=cfg.confidence, seed=cfg.seed))
-            print(f"[mia] noisy neighbours (sigma {search.sigma:.4g} from {len(search.evaluated)} searched): AUC "
-                  f"{results[-1].curve.auc:.4f}", flush=True)
+            search = scores.search if scores.search is not None else search
+            costs.update(scores.metrics)
+            print(f"[mia] {scores.note}: AUC {results[-1].curve.auc:.4f}", flush=True)
 
         _log(audit_logger, results, search, split, pool, target_logger.run_id)
-        if "shadow" in cfg.attacks:
-            client.log_metric(audit_run, "audit/cost/training_forward_passes/shadow", float(training_passes))
-            by_name = {r.name: r for r in results}
-            if "noisy" in by_name:
-                client.log_metric(audit_run, "audit/cost/ratio_forward_passes_with_training",
-                                  (by_name["shadow"].forward_passes + training_passes) / by_name["noisy"].forward_passes)
+        for name, value in costs.items():
+            client.log_metric(audit_run, name, value)
+        by_name = {r.name: r for r in results}
+        training_passes = costs.get("audit/cost/training_forward_passes/shadow")
+        if training_passes is not None and "noisy" in by_name:
+            client.log_metric(audit_run, "audit/cost/ratio_forward_passes_with_training",
+                              (by_name["shadow"].forward_passes + training_passes) / by_name["noisy"].forward_passes)
         status = "success"
     finally:
         audit_logger.finalize(status)

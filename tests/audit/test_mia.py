@@ -115,3 +115,30 @@ def test_bad_settings_are_refused_before_a_run_opens(tmp_path, monkeypatch, caps
     err = capsys.readouterr().err
     assert "--attacks" in err and "magic" in err and "--num_shadows=3" in err
     assert mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_experiment_by_name("mia-test") is None
+
+
+def test_an_attack_is_one_registered_class_and_runs_beside_the_others(tmp_path, monkeypatch):
+    """A membership attack is a registered part producing scores: the command logs it as it logs the built-in ones."""
+    from lightning_dp.audit.attacks import AttackScores, MembershipAttack, register_attack, resolve_attacks
+
+    @register_attack("confidence_test")
+    class Confidence(MembershipAttack):
+        def run(self, setting):
+            n = setting.split.members.size
+            scores = -setting.target_losses
+            return AttackScores(scores[:n], scores[n:], forward_passes=0, seconds=0.0, note="confidence attack")
+
+    assert [a.name for a in resolve_attacks(["confidence_test", "loss"])] == ["loss", "confidence_test"]
+    with pytest.raises(ValueError, match="did you mean 'shadow'"):
+        resolve_attacks(["shadw"])
+    _write_wikitext(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(_args(tmp_path, "--attacks=[loss, confidence_test]")) in (0, None)
+    client = mlflow.MlflowClient(uri)
+    experiment = client.get_experiment_by_name("mia-test")
+    audit = {r.info.run_name: r for r in client.search_runs([experiment.experiment_id])}["tiny"]
+    metrics = audit.data.metrics
+    assert metrics["audit/auc/confidence_test"] == metrics["audit/auc/loss"]  # the same scores, logged alike
+    assert "audit/auc/shadow" not in metrics
