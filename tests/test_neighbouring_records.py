@@ -109,6 +109,8 @@ def one_run_audit(canary: str) -> dict[str, Any]:
 #: Every ``lightning-dp fit`` kind: (id, configs under examples/, overrides).
 KINDS = [
     kind("dpsgd", ["dpsgd_digits.yaml"], [*DPSGD, *DPSGD_SHORT, *DIGITS_BATCH]),
+    # the clipping strategy named in YAML (DPSGD with clipping: QuantileClip): its C_t and count estimate
+    kind("dpsgd-quantile-strategy", ["dpsgd_digits_quantile.yaml"], [*DPSGD, *DPSGD_SHORT, *DIGITS_BATCH]),
     kind("oso-online", ["oso/mnist_t10k.yaml", "oso/online.yaml"],
          [*MNIST, *MNIST_BATCH, *DPSGD, *DPSGD_SHORT, "--trainer.logger.init_args.run_name=oso"]),
     kind("oso-fixed-quantile", ["oso/mnist_t10k.yaml", "oso/fixed_quantile.yaml"],

@@ -97,7 +97,7 @@ class ClipStrategy:
     #: the plot's title
     title = "clipping"
 
-    def __init__(self, initial_clip: float) -> None:
+    def __init__(self, initial_clip: float = 1.0) -> None:
         self.initial_clip = initial_clip
         self.clip = initial_clip
         #: (optimizer step, C used, learning rate used) of every released step (adaptive strategies)
@@ -147,7 +147,7 @@ class ClipStrategy:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.adaptive and state:
             self.clip = float(state["max_grad_norm"])
-            self.trace = [tuple(x) for x in state.get("trace", [])]  # type: ignore[misc]
+            self.trace = [(int(x[0]), float(x[1]), float(x[2])) for x in state.get("trace", [])]
 
 
 def register_clip_strategy(name: str) -> Callable[[type[ClipStrategy]], type[ClipStrategy]]:

@@ -668,8 +668,10 @@ class DPSGD(Callback):
         steps = self._trainer_steps(trainer, self._data)
         if key == "max_steps":
             return steps
-        by_epochs = trainer.max_epochs is not None and trainer.max_epochs > 0
-        return trainer.max_epochs if by_epochs and steps == trainer.max_epochs * self._data.steps_per_epoch else None
+        max_epochs = trainer.max_epochs
+        if max_epochs is not None and max_epochs > 0 and steps == max_epochs * self._data.steps_per_epoch:
+            return max_epochs
+        return None
 
     def _describe_own_plan(self) -> str:
         if self.max_steps is not None:
