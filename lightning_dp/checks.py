@@ -22,8 +22,8 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["generator", "integer", "non_negative_int", "open_fraction", "positive_int", "positive_real",
-           "probability"]
+__all__ = ["generator", "integer", "is_real", "non_negative_int", "non_negative_real", "open_fraction", "positive_int",
+           "positive_real", "probability"]
 
 
 def _fail(name: str, value: Any, allowed: str, owner: Optional[str], hint: Optional[str]) -> ValueError:
@@ -35,8 +35,10 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _is_real(value: Any) -> bool:
+def is_real(value: Any) -> bool:
+    """Whether ``value`` is a real number (``bool`` is not)."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
 
 
 def integer(name: str, value: Any, *, owner: Optional[str] = None, hint: Optional[str] = None) -> int:
@@ -62,21 +64,28 @@ def non_negative_int(name: str, value: Any, *, owner: Optional[str] = None, hint
 
 def positive_real(name: str, value: Any, *, owner: Optional[str] = None, hint: Optional[str] = None) -> float:
     """``value`` as a finite ``float`` > 0."""
-    if not _is_real(value) or not (math.isfinite(value) and value > 0):
+    if not is_real(value) or not (math.isfinite(value) and value > 0):
         raise _fail(name, value, "a finite number > 0", owner, hint)
+    return float(value)
+
+
+def non_negative_real(name: str, value: Any, *, owner: Optional[str] = None, hint: Optional[str] = None) -> float:
+    """``value`` as a finite ``float`` >= 0."""
+    if not is_real(value) or not (math.isfinite(value) and value >= 0):
+        raise _fail(name, value, "a finite number >= 0", owner, hint)
     return float(value)
 
 
 def open_fraction(name: str, value: Any, *, owner: Optional[str] = None, hint: Optional[str] = None) -> float:
     """``value`` as a ``float`` in the open interval (0, 1)."""
-    if not _is_real(value) or not 0.0 < float(value) < 1.0:
+    if not is_real(value) or not 0.0 < float(value) < 1.0:
         raise _fail(name, value, "a number in the open interval (0, 1)", owner, hint)
     return float(value)
 
 
 def probability(name: str, value: Any, *, owner: Optional[str] = None, hint: Optional[str] = None) -> float:
     """``value`` as a ``float`` in [0, 1]."""
-    if not _is_real(value) or not 0.0 <= float(value) <= 1.0:
+    if not is_real(value) or not 0.0 <= float(value) <= 1.0:
         raise _fail(name, value, "a probability in [0, 1]", owner, hint)
     return float(value)
 

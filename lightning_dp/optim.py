@@ -16,12 +16,13 @@ privacy.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.optim.optimizer import Optimizer, ParamsT
+
+from lightning_dp import checks
 
 __all__ = ["AdamWOSM", "OPTIMIZERS", "build_optimizer", "check_optimizer_choice"]
 
@@ -32,28 +33,28 @@ _NOISE_STD_FIX = (
 )
 
 
-def _is_real(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+def _finite_real(value: Any) -> bool:
+    return checks.is_real(value) and math.isfinite(value)
 
 
 def _check_noise_std(noise_std: Any) -> float:
-    if not _is_real(noise_std) or noise_std <= 0:
+    if not _finite_real(noise_std) or noise_std <= 0:
         raise ValueError(f"noise_std={noise_std!r} must be a finite number > 0; {_NOISE_STD_FIX}.")
     return float(noise_std)
 
 
 def _check_hyperparameters(*, lr: Any, beta: Any, noise_std: Any, eps: Any, weight_decay: Any) -> None:
     """Raise on the first invalid hyperparameter of :class:`AdamWOSM` (the message names value, range and fix)."""
-    if not _is_real(lr) or lr < 0:
+    if not _finite_real(lr) or lr < 0:
         raise ValueError(f"lr={lr!r} must be a finite number >= 0; pass e.g. lr=1e-3.")
-    if not _is_real(beta) or not 0.0 <= beta < 1.0:
+    if not _finite_real(beta) or not 0.0 <= beta < 1.0:
         raise ValueError(
             f"beta={beta!r} must be in [0, 1); pass e.g. beta=0.9 (Adam's beta1), or beta=0.0 for no momentum.")
     if noise_std is not None:
         _check_noise_std(noise_std)
-    if not _is_real(eps) or eps < 0:
+    if not _finite_real(eps) or eps < 0:
         raise ValueError(f"eps={eps!r} must be a finite number >= 0; pass e.g. eps=1e-8.")
-    if not _is_real(weight_decay) or weight_decay < 0:
+    if not _finite_real(weight_decay) or weight_decay < 0:
         raise ValueError(
             f"weight_decay={weight_decay!r} must be a finite number >= 0; pass 0.0 (none) or e.g. 1e-4.")
 

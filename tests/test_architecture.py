@@ -114,9 +114,11 @@ def test_the_functional_core_imports_nothing_above_it_and_no_lightning():
 
 def test_argument_checks_have_one_home():
     """The generic checks live in lightning_dp/checks.py and delta's in privacy/accounting.py (check_delta); no
-    module defines its own copy again (issue 28 counted six positive-integer checks, three generator checks)."""
+    module defines its own copy again (issue 28 counted six positive-integer checks, three generator checks, five
+    real-number predicates)."""
     copy = re.compile(r"^\s*def _?(check_)?(positive_int|non_negative_int|int|integer|count|probability|open_fraction|"
-                      r"positive_real|generator|delta)\(", re.M)
+                      r"positive_real|non_negative_real|is_real|finite|finite_positive|finite_non_negative|positive|"
+                      r"generator|delta)\(", re.M)
     found = {str(path.relative_to(PACKAGE)): copy.findall(path.read_text("utf-8"))
              for path in PACKAGE.rglob("*.py") if path.name != "checks.py"}
     assert {path: hits for path, hits in found.items() if hits and path != "privacy/accounting.py"} == {}

@@ -5,12 +5,12 @@ Torch only (no Lightning), like the rest of :mod:`lightning_dp.audit`'s DLG audi
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
+
 
 __all__ = ["DUMMY_STREAM", "LOSSES", "NOISE_STREAM", "Sanitizer", "SanitizerFactory", "flatten_parameters",
            "parameter_sizes"]
@@ -29,10 +29,6 @@ LOSSES = ("cross_entropy",)
 
 
 # --------------------------------------------------------------------------- validation
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

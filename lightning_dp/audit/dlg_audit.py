@@ -19,7 +19,6 @@ from lightning_dp.audit._common import (
     DUMMY_STREAM,
     NOISE_STREAM,
     SanitizerFactory,
-    _is_real,
     parameter_sizes,
 )
 from lightning_dp.audit.dlg import dlg_attack
@@ -122,7 +121,7 @@ def _check_noise_multipliers(noise_multipliers: Any) -> list[float]:
         values = list(noise_multipliers)
     except TypeError:
         values = None
-    if not values or any(not _is_real(v) or not (math.isfinite(v) and v >= 0) for v in values):
+    if not values or any(not checks.is_real(v) or not (math.isfinite(v) and v >= 0) for v in values):
         raise ValueError(f"noise_multipliers={noise_multipliers!r} is not allowed: it must be a non-empty sequence of "
                          "finite numbers >= 0 (0 = no noise), e.g. [0, 0.001, 0.01, 0.1, 1, 3, 5, 10].")
     if len(set(map(float, values))) != len(values):
@@ -189,7 +188,7 @@ def run_dlg_audit(model: nn.Module, x: Tensor, y: Tensor, *,
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise ValueError(f"seed={seed!r} must be an integer.")
     input_std = checks.positive_real("input_std", input_std, hint="Pass the std the inputs were standardized with, or 1.")
-    if not _is_real(input_mean) or not math.isfinite(input_mean):
+    if not checks.is_real(input_mean) or not math.isfinite(input_mean):
         raise ValueError(f"input_mean={input_mean!r} must be a finite number (0 if the inputs are not standardized).")
     try:
         low, high = (float(v) for v in pixel_range)

@@ -105,16 +105,16 @@ def _settings_problems(cfg: Any) -> list[str]:
             relation = ">" if strict else ">="
             problems.append(f"--{name}={value!r}: must be a finite number {relation} {low:g}; pass e.g. {example}.")
 
-    def positive(name: str, example: str) -> None:
+    def need_positive(name: str, example: str) -> None:
         try:
             checks.positive_int(f"--{name}", cfg[name], hint=f"pass e.g. {example}.")
         except ValueError as err:
             problems.append(str(err))
 
-    positive("num_images", "--num_images=4")
-    positive("iterations", "--iterations=300 (the paper)")
-    positive("restarts", "--restarts=1")
-    positive("local_steps", "--local_steps=1 (one step: the attacker sees the exact gradient)")
+    need_positive("num_images", "--num_images=4")
+    need_positive("iterations", "--iterations=300 (the paper)")
+    need_positive("restarts", "--restarts=1")
+    need_positive("local_steps", "--local_steps=1 (one step: the attacker sees the exact gradient)")
     real("lr", 0.0, True, "--lr=0.1")
     real("attack_lr", 0.0, True, "--attack_lr=1.0")
     real("max_grad_norm", 0.0, True, "--max_grad_norm=1.0")

@@ -13,7 +13,6 @@ from torch import Tensor, nn
 from lightning_dp import checks
 from lightning_dp.audit._common import (
     SanitizerFactory,
-    _is_real,
     parameter_sizes,
 )
 from lightning_dp.privacy.clipping import check_max_grad_norm, clip_factors
@@ -76,7 +75,7 @@ class EuclideanLaplaceSanitizer:
         self.noise_multiplier = check_metric_noise_multiplier(noise_multiplier)
         if not isinstance(per_layer, bool):
             raise ValueError(f"per_layer={per_layer!r} must be True or False.")
-        if not _is_real(min_delta_norm) or not (math.isfinite(min_delta_norm) and min_delta_norm >= 0):
+        if not checks.is_real(min_delta_norm) or not (math.isfinite(min_delta_norm) and min_delta_norm >= 0):
             raise ValueError(f"min_delta_norm={min_delta_norm!r} is not allowed: it must be a finite number >= 0 "
                              "(the smallest update norm the noise is calibrated to); pass e.g. 1e-8.")
         if per_layer and layer_sizes is None:
@@ -140,7 +139,7 @@ class GaussianSanitizer:
 
     def __init__(self, max_grad_norm: float, noise_multiplier: float, *, lr: float = 1.0) -> None:
         self.max_grad_norm = check_max_grad_norm(max_grad_norm)
-        if not _is_real(noise_multiplier) or not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
+        if not checks.is_real(noise_multiplier) or not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
             raise ValueError(
                 f"noise_multiplier={noise_multiplier!r} is not allowed: sigma must be a finite number >= 0, the "
                 "Gaussian noise std over the clipping norm C (0 clips without noise). Pass e.g. 1.0."

@@ -191,13 +191,6 @@ class FixedClip(ClipStrategy):
         super().__init__(check_max_grad_norm(max_grad_norm))
 
 
-def _rate(name: str, value: Any, default: float, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name}={value!r} is not allowed: pass a finite number >= 0. It is {what} "
-                         f"(default {default}).")
-    return float(value)
-
-
 @register_clip_strategy("online_sensitivity")
 class OnlineSensitivityClip(ClipStrategy):
     """OSO-DPSGD: C and the learning rate adapt at every step (Galli et al., AAAI 2024; thesis Algorithm 3).
@@ -227,8 +220,10 @@ class OnlineSensitivityClip(ClipStrategy):
                  lr_lr: float = OSO_LR_LR, q_noise_multiplier: float | None = None) -> None:
         super().__init__(checks.positive_real("initial_clip", initial_clip,
                                               hint="it is C_0, the clipping threshold of the first step (e.g. 0.1)"))
-        self.clip_lr = _rate("clip_lr", clip_lr, OSO_CLIP_LR, "rho_c, the step of log C per update")
-        self.lr_lr = _rate("lr_lr", lr_lr, OSO_LR_LR, "rho_r, the step of log(lr) per update")
+        self.clip_lr = checks.non_negative_real(
+            "clip_lr", clip_lr, hint=f"it is rho_c, the step of log C per update (default {OSO_CLIP_LR})")
+        self.lr_lr = checks.non_negative_real(
+            "lr_lr", lr_lr, hint=f"it is rho_r, the step of log(lr) per update (default {OSO_LR_LR})")
         self.q_noise_multiplier = None if q_noise_multiplier is None else checks.positive_real(
             "q_noise_multiplier", q_noise_multiplier, hint="it is nu_q, the multiplier of the released sum of q_i; "
             "pass None for the default 7.124 * noise_multiplier")
@@ -332,7 +327,8 @@ class QuantileClip(ClipStrategy):
         self.target_quantile = checks.probability(
             "target_quantile", target_quantile, hint="gamma, the fraction of examples the threshold should leave "
             "unclipped (Andrew et al. recommend 0.5)")
-        self.clip_lr = _rate("clip_lr", clip_lr, QUANTILE_CLIP_LR, "eta_C, the step of log C")
+        self.clip_lr = checks.non_negative_real(
+            "clip_lr", clip_lr, hint=f"it is eta_C, the step of log C (Andrew et al.: {QUANTILE_CLIP_LR})")
         self.requested_count_noise_std = None if count_noise_std is None else checks.positive_real(
             "count_noise_std", count_noise_std, hint="it is sigma_b, the std of the noise on the unclipped count; "
             "None uses expected_batch_size / 20")

@@ -80,6 +80,7 @@ from dp_accounting.pld import privacy_loss_distribution
 from dp_accounting.privacy_accountant import NeighboringRelation
 from dp_accounting.rdp import rdp_privacy_accountant
 
+from lightning_dp import checks
 from lightning_dp.privacy.noise import check_noise_multiplier
 from lightning_dp.privacy.sampling import check_sample_rate
 
@@ -119,10 +120,6 @@ def check_adjacency(adjacency: Any) -> str:
 # --------------------------------------------------------------------------- validation
 
 
-def _is_real(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
 def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -137,7 +134,7 @@ def _check_num_steps(num_steps: Any, *, name: str = "num_steps", minimum: int = 
 
 def check_delta(delta: Any, *, name: str = "delta") -> float:
     """``delta`` as a float in (0, 1), else a ValueError naming ``name`` (every component's delta check)."""
-    if not _is_real(delta) or not 0 < delta < 1:
+    if not checks.is_real(delta) or not 0 < delta < 1:
         raise ValueError(
             f"{name} must be a number in (0, 1), got {delta!r}. Delta is the probability mass allowed to exceed "
             "the epsilon bound; use delta well below 1 / dataset_size (for example 1e-5 for 60 000 examples)."
@@ -146,7 +143,7 @@ def check_delta(delta: Any, *, name: str = "delta") -> float:
 
 
 def _check_target_epsilon(target_epsilon: Any, *, name: str = "target_epsilon") -> float:
-    if not _is_real(target_epsilon) or math.isnan(target_epsilon) or target_epsilon <= 0:
+    if not checks.is_real(target_epsilon) or math.isnan(target_epsilon) or target_epsilon <= 0:
         raise ValueError(
             f"{name} must be a number > 0, got {target_epsilon!r}. It is the privacy budget epsilon; "
             "common choices are 1 to 8."
@@ -504,7 +501,7 @@ class PLDAccountant(Accountant):
 
     @staticmethod
     def _check_interval(value: Any) -> float:
-        if not _is_real(value) or not math.isfinite(value) or not 0 < value <= 0.1:
+        if not checks.is_real(value) or not math.isfinite(value) or not 0 < value <= 0.1:
             raise ValueError(
                 f"value_discretization_interval must be a number in (0, 0.1], got {value!r}. It is the grid "
                 "spacing of the privacy loss distribution: 1e-4 (default) is tight, 1e-3 is faster and slightly "
@@ -689,7 +686,7 @@ class RDPAccountant(Accountant):
         if orders is None:
             orders = rdp_privacy_accountant.DEFAULT_RDP_ORDERS
         try:
-            values = [float(order) for order in orders if _is_real(order)]
+            values = [float(order) for order in orders if checks.is_real(order)]
         except TypeError:
             values = []
         if not values or len(values) != len(orders) or not all(1 < v < math.inf for v in values):

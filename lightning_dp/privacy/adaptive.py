@@ -51,13 +51,13 @@ Example:
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
+from lightning_dp import checks
 from lightning_dp.privacy.clipping import NORM_EPS, clip_factors
 from lightning_dp.privacy.noise import check_noise_multiplier, gaussian_noise
 
@@ -94,27 +94,10 @@ Tensors = Tensor | Sequence[Tensor]
 # --------------------------------------------------------------------------- validation
 
 
-def _is_real(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _check_positive(value: Any, name: str, hint: str) -> float:
-    if not _is_real(value) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}. {hint}")
-    return float(value)
-
-
-def _check_rate(value: Any, name: str, hint: str) -> float:
-    if not _is_real(value) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}. {hint}")
-    return float(value)
-
-
 def _check_clip(clip: Any) -> float:
-    return _check_positive(
-        clip, "clip",
-        "It is the current clipping threshold C (the L2 sensitivity of one example); a multiplicative "
-        "update keeps it positive, so pass the value the previous update returned (OSO starts at 0.1).")
+    return checks.positive_real(
+        "clip", clip, hint="it is the current clipping threshold C (the L2 sensitivity of one example); a "
+        "multiplicative update keeps it positive, so pass the value the previous update returned (OSO starts at 0.1)")
 
 
 def _as_count(value: Any, name: str) -> float:
@@ -122,7 +105,7 @@ def _as_count(value: Any, name: str) -> float:
         if value.numel() != 1:
             raise ValueError(f"{name} must be a scalar, got a tensor of shape {tuple(value.shape)}.")
         value = value.item()
-    if not _is_real(value) or not math.isfinite(value) or value < 0:
+    if not checks.is_real(value) or not math.isfinite(value) or value < 0:
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}. Pass a number of examples.")
     return float(value)
 
@@ -203,10 +186,9 @@ def oso_noise_split(noise_multiplier: float, *, q_noise_multiplier: float | None
     if q_noise_multiplier is None:
         nu_q = OSO_Q_NOISE_RATIO * nu
     else:
-        nu_q = _check_positive(
-            q_noise_multiplier, "q_noise_multiplier",
-            "It is nu_q, the noise multiplier of the released sum of q_i; pass None for the default 7.124 * "
-            "noise_multiplier.")
+        nu_q = checks.positive_real(
+            "q_noise_multiplier", q_noise_multiplier, hint="it is nu_q, the noise multiplier of the released sum of "
+            "q_i; pass None for the default 7.124 * noise_multiplier")
     if nu_q <= nu:
         raise ValueError(
             f"q_noise_multiplier={q_noise_multiplier!r} must be larger than noise_multiplier={noise_multiplier!r}: "
@@ -282,8 +264,8 @@ def oso_noisy_q_sum(q_sum: Sequence[Tensor], *, q_noise_multiplier: float,
         >>> [t.shape for t in oso_noisy_q_sum([torch.zeros(2, 3)], q_noise_multiplier=7.124, generator=g)]
         [torch.Size([2, 3])]
     """
-    nu_q = _check_positive(q_noise_multiplier, "q_noise_multiplier",
-                           "Pass the nu_q returned by oso_noise_split.")
+    nu_q = checks.positive_real(
+        "q_noise_multiplier", q_noise_multiplier, hint="pass the nu_q returned by oso_noise_split")
     first = q_sum[0]
     noise = gaussian_noise([t.shape for t in q_sum], nu_q, generator, dtype=first.dtype, device=first.device)
     return [s + n for s, n in zip(q_sum, noise)]
@@ -354,9 +336,12 @@ def oso_update(clip: float, lr: float, g_noisy: Tensors, g_prev: Tensors | None,
         (1.002503, 0.997503)
     """
     clip = _check_clip(clip)
-    lr = _check_positive(lr, "lr", "It is the current learning rate rho_t; a multiplicative update keeps it positive.")
-    clip_lr = _check_rate(clip_lr, "clip_lr", f"It is rho_c, the step of log C per update (default {OSO_CLIP_LR}).")
-    lr_lr = _check_rate(lr_lr, "lr_lr", f"It is rho_r, the step of log(lr) per update (default {OSO_LR_LR}).")
+    lr = checks.positive_real(
+        "lr", lr, hint="it is the current learning rate rho_t; a multiplicative update keeps it positive")
+    clip_lr = checks.non_negative_real(
+        "clip_lr", clip_lr, hint=f"it is rho_c, the step of log C per update (default {OSO_CLIP_LR})")
+    lr_lr = checks.non_negative_real(
+        "lr_lr", lr_lr, hint=f"it is rho_r, the step of log(lr) per update (default {OSO_LR_LR})")
     if q_prev is not None:  # exp(0) == 1.0 exactly: a zero dot product leaves C bit-identical
         clip *= math.exp(clip_lr * _sign(_dot(g_noisy, q_prev, "g_noisy and q_prev")))
     if g_prev is not None:
@@ -377,8 +362,8 @@ def default_count_noise_std(expected_batch_size: float) -> float:
         >>> default_count_noise_std(256)
         12.8
     """
-    m = _check_positive(expected_batch_size, "expected_batch_size",
-                        "It is m = q * N, the expected number of examples per batch.")
+    m = checks.positive_real(
+        "expected_batch_size", expected_batch_size, hint="it is m = q * N, the expected number of examples per batch")
     return m / 20
 
 
@@ -407,9 +392,9 @@ def quantile_noise_split(noise_multiplier: float, *, count_noise_std: float) -> 
         1.000764
     """
     z = check_noise_multiplier(noise_multiplier)
-    sigma_b = _check_positive(count_noise_std, "count_noise_std",
-                              "It is sigma_b, the std of the noise on the unclipped count; Andrew et al. use "
-                              "expected_batch_size / 20 (default_count_noise_std).")
+    sigma_b = checks.positive_real(
+        "count_noise_std", count_noise_std, hint="it is sigma_b, the std of the noise on the unclipped count; "
+        "Andrew et al. use expected_batch_size / 20 (default_count_noise_std)")
     if z >= 2 * sigma_b:
         raise ValueError(
             f"noise_multiplier={noise_multiplier!r} must be smaller than 2 * count_noise_std = {2 * sigma_b!r}: "
@@ -479,15 +464,17 @@ def quantile_clip_update(clip: float, unclipped_count: float | Tensor, batch_siz
         raise ValueError(
             f"unclipped_count={unclipped_count!r} cannot exceed batch_size={batch_size!r}: the count is taken over "
             "the examples of the batch. Pass the realized batch size (summed over ranks).")
-    m = _check_positive(expected_batch_size, "expected_batch_size",
-                        "It is m = q * N, the expected number of examples per batch.")
-    if not _is_real(target_quantile) or not 0 <= target_quantile <= 1:
+    m = checks.positive_real(
+        "expected_batch_size", expected_batch_size, hint="it is m = q * N, the expected number of examples per batch")
+    if not checks.is_real(target_quantile) or not 0 <= target_quantile <= 1:
         raise ValueError(
             f"target_quantile must be a number in [0, 1], got {target_quantile!r}. It is gamma, the fraction of "
             "examples the threshold should leave unclipped (Andrew et al. recommend 0.5).")
-    clip_lr = _check_rate(clip_lr, "clip_lr", "It is eta_C, the step of log C per update (Andrew et al. use 0.2).")
-    sigma_b = _check_rate(count_noise_std, "count_noise_std",
-                          "It is sigma_b, the std of the count noise (default_count_noise_std: m / 20).")
+    clip_lr = checks.non_negative_real(
+        "clip_lr", clip_lr, hint="it is eta_C, the step of log C per update (Andrew et al. use 0.2)")
+    sigma_b = checks.non_negative_real(
+        "count_noise_std", count_noise_std,
+        hint="it is sigma_b, the std of the count noise (default_count_noise_std: m / 20)")
     if not isinstance(generator, torch.Generator):
         raise ValueError(
             f"generator must be a torch.Generator, got {type(generator).__name__}: every privacy-relevant draw "

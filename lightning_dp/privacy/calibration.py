@@ -30,11 +30,11 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from lightning_dp import checks
 from lightning_dp.privacy.accounting import (
     check_delta,
     _check_num_steps,
     _check_target_epsilon,
-    _is_real,
     get_accountant,
 )
 from lightning_dp.privacy.sampling import check_sample_rate
@@ -231,7 +231,7 @@ def calibrate_spend(spend: Callable[[float], float], *, target_epsilon: float, d
         True
     """
     target_epsilon = _check_target_epsilon(target_epsilon)
-    if not _is_real(tolerance) or not 0 < tolerance < 1:
+    if not checks.is_real(tolerance) or not 0 < tolerance < 1:
         raise ValueError(f"tolerance must be a number in (0, 1), got {tolerance!r}")
     z = _bracket_and_bisect(spend, target_epsilon, guess, float(tolerance), describe, first_ratio=first_ratio)
     if spend(z) > target_epsilon:  # _bracket_and_bisect returns an evaluated fit; a guard, never expected
@@ -246,7 +246,7 @@ def _check_search(target_epsilon: Any, target_delta: Any, tolerance: Any,
     if math.isinf(target_epsilon):
         raise ValueError("target_epsilon must be finite, got inf: an infinite budget needs no noise to calibrate.")
     target_delta = check_delta(target_delta, name="target_delta")
-    if not _is_real(tolerance) or not 0 < tolerance < 1:
+    if not checks.is_real(tolerance) or not 0 < tolerance < 1:
         raise ValueError(
             f"tolerance must be a number in (0, 1), got {tolerance!r}. It is the relative precision of the "
             "calibrated noise multiplier; 0.01 (1%) is the default."
@@ -423,7 +423,7 @@ def calibrate_composed_noise_multiplier(
             raise ValueError(f"runs: {run!r} is not a (sample_rate, steps[, multiplier_scale]) tuple")
         q, steps, *rest = run
         scale = rest[0] if rest else 1.0
-        if not _is_real(scale) or not 0 < scale <= 1:
+        if not checks.is_real(scale) or not 0 < scale <= 1:
             raise ValueError(f"runs: multiplier_scale={scale!r} in {run!r} must be in (0, 1]")
         checked.append((check_sample_rate(q), _check_num_steps(steps, name="steps"), float(scale)))
     describe = (f"a grid of {len(checked)} runs ({sum(s for _, s, _ in checked)} steps in all), "

@@ -37,11 +37,11 @@ is ``2C`` whatever ``c``: clipping from below alone buys nothing; with ``a = 0``
 from __future__ import annotations
 
 import math
-import numbers
-from typing import Any
 
 import torch
 from torch import Tensor
+
+from lightning_dp import checks
 
 __all__ = [
     "check_sector",
@@ -57,21 +57,14 @@ __all__ = [
 MARGIN = 1e-6
 
 
-def _finite(name: str, value: Any, *, low: float = 0.0, strict: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
-            or (value <= low if strict else value < low):
-        raise ValueError(f"{name}={value!r} is not allowed: pass a finite number {'>' if strict else '>='} {low:g}")
-    return float(value)
-
-
 def check_sector(upper: float, lower: float = 0.0, angle: float = math.pi) -> tuple[float, float, float]:
     """Validates ``(C, c, a)``: ``C > 0``, ``0 <= c < C``, ``0 <= a <= pi``."""
-    upper = _finite("clip (C, the upper norm)", upper, strict=True)
-    lower = _finite("lower_clip (c)", lower)
+    upper = checks.positive_real("clip", upper, hint="C, the upper norm")
+    lower = checks.non_negative_real("lower_clip", lower, hint="c, the lower norm")
     if not lower < upper:
         raise ValueError(f"lower_clip={lower!r} must be below clip={upper!r}: updates are scaled up to norm c and "
                          "down to norm C")
-    angle = _finite("angle (a, radians)", angle)
+    angle = checks.non_negative_real("angle", angle, hint="a, in radians")
     if angle > math.pi:
         raise ValueError(f"angle={angle!r} is not allowed: pass an angle in [0, pi] radians (pi: no angular "
                          "clipping)")

@@ -73,10 +73,6 @@ __all__ = [
 # --------------------------------------------------------------------------- validation
 
 
-def _is_real(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
 def _check_dim(dim: Any, *, name: str = "dim") -> int:
     if not isinstance(dim, numbers.Integral) or isinstance(dim, bool) or dim < 1:
         raise ValueError(
@@ -87,7 +83,7 @@ def _check_dim(dim: Any, *, name: str = "dim") -> int:
 
 
 def _check_epsilon(epsilon: Any) -> float:
-    if not _is_real(epsilon) or not (math.isfinite(epsilon) and epsilon > 0):
+    if not checks.is_real(epsilon) or not (math.isfinite(epsilon) and epsilon > 0):
         raise ValueError(
             f"epsilon={epsilon!r} is not allowed: the Euclidean Laplace parameter must be a finite number > 0 "
             "(the noise norm has mean dim / epsilon; epsilon = inf would mean no noise). Pass e.g. epsilon=1.0, "
@@ -98,7 +94,7 @@ def _check_epsilon(epsilon: Any) -> float:
 
 def check_metric_noise_multiplier(noise_multiplier: Any) -> float:
     """The d-privacy noise multiplier nu as a finite float >= 0, else a ValueError that says what nu is."""
-    if not _is_real(noise_multiplier) or not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
+    if not checks.is_real(noise_multiplier) or not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
         raise ValueError(
             f"noise_multiplier={noise_multiplier!r} is not allowed: nu must be a finite number >= 0. It is the "
             "expected noise norm over the update norm ||client - reference||, and each participation costs "
@@ -155,10 +151,10 @@ def sample_gamma(
         >>> sample_gamma(3.0, scale=2.0, num_samples=4, generator=g).shape
         torch.Size([4])
     """
-    if not _is_real(concentration) or not (math.isfinite(concentration) and concentration > 0):
+    if not checks.is_real(concentration) or not (math.isfinite(concentration) and concentration > 0):
         raise ValueError(f"concentration={concentration!r} must be a finite number > 0, the shape of the Gamma "
                          "distribution (the dimension n for a Euclidean Laplace radius).")
-    if not _is_real(scale) or not (math.isfinite(scale) and scale > 0):
+    if not checks.is_real(scale) or not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale={scale!r} must be a finite number > 0 (the Gamma scale, 1 / epsilon for a "
                          "Euclidean Laplace radius).")
     num_samples = _check_dim(num_samples, name="num_samples")
@@ -332,7 +328,7 @@ def _check_layer_sizes(per_layer_sizes: Any, n: int) -> list[int]:
     if not sizes or bad or sum(sizes) != n:
         raise ValueError(
             f"per_layer_sizes={per_layer_sizes!r} is not allowed: it must be a non-empty sequence of integers >= 1 "
-            f"summing to the number of parameters {n} (got sum {sum(int(s) for s in sizes if _is_real(s))}"
+            f"summing to the number of parameters {n} (got sum {sum(int(s) for s in sizes if checks.is_real(s))}"
             f"{', invalid entries ' + repr(bad) if bad else ''}). Pass [p.numel() for p in model.parameters()] "
             "in the order of torch.nn.utils.parameters_to_vector, or None for one release of the whole vector."
         )
@@ -420,7 +416,7 @@ def sanitize_update(
     if not client.dtype.is_floating_point or client.numel() == 0:
         raise ValueError(f"client must be a non-empty floating tensor, got dtype {client.dtype} with "
                          f"{client.numel()} elements.")
-    if not _is_real(min_delta_norm) or not (math.isfinite(min_delta_norm) and min_delta_norm >= 0):
+    if not checks.is_real(min_delta_norm) or not (math.isfinite(min_delta_norm) and min_delta_norm >= 0):
         raise ValueError(f"min_delta_norm={min_delta_norm!r} must be a finite number >= 0, the smallest update "
                          "norm used for calibration; pass 0.0 (the seed's calibration) or e.g. 1e-3.")
     flat_client = client.reshape(-1)
