@@ -157,3 +157,13 @@ def test_the_top_level_api_is_deliberate_and_lazy():
         assert "NotAName" in str(err)
     else:
         raise AssertionError("an unknown name must raise AttributeError")
+
+
+def test_the_federated_parts_and_the_dlg_audit_load_no_lightning():
+    """One sanitizer family serves the round and the DLG audit: the parts stay as Lightning-free as the audit."""
+    import subprocess
+    import sys
+
+    code = ("import sys, lightning_dp.federated.parts, lightning_dp.audit.sanitizers; "
+            "sys.exit(int(any(m == 'lightning' or m.startswith('lightning.') for m in sys.modules)))")
+    assert subprocess.run([sys.executable, "-c", code], cwd=PACKAGE.parent).returncode == 0

@@ -3,8 +3,9 @@
 Public API (:mod:`lightning_dp.audit.dlg`, torch only):
     run_dlg_audit: Deep Leakage from Gradients against a client's release at several noise levels.
     client_release, observed_gradient, dlg_attack: the three stages (client, attacker's estimate, attack).
-    EuclideanLaplaceSanitizer, GaussianSanitizer, NoSanitizer: what a client may release
-        (any callable ``(start, trained, generator) -> released`` works); make_sanitizer_factory, SANITIZERS.
+    EuclideanLaplaceSanitizer, GaussianSanitizer, NoSanitizer: what a client may release, the federated round's
+        sanitizer parts behind PartRelease (any callable ``(start, trained, generator) -> released`` works);
+        make_sanitizer_factory, SANITIZERS.
     mse, psnr, image_grid: the comparison of reconstructions with the private images.
 
 Membership inference: scores (:mod:`lightning_dp.audit.scores`, the loss attack on any module with a
@@ -34,6 +35,7 @@ from lightning_dp.audit.sanitizers import (
     EuclideanLaplaceSanitizer,
     GaussianSanitizer,
     NoSanitizer,
+    PartRelease,
     make_sanitizer_factory,
 )
 from lightning_dp.audit.scores import loss_scores, per_example_losses
@@ -48,6 +50,7 @@ __all__ = [
     "EuclideanLaplaceSanitizer",
     "GaussianSanitizer",
     "NoSanitizer",
+    "PartRelease",
     "Sanitizer",
     "client_release",
     "dlg_attack",

@@ -1,9 +1,13 @@
-"""What a client may release, for the DLG audit: sanitizers ``(start, trained, generator) -> released`` on flat
-parameter vectors (see :mod:`lightning_dp.audit.dlg` for the threat model)."""
+"""What a client may release, for the DLG audit: the federated round's sanitizers as release functions.
+
+One sanitizer family (:mod:`lightning_dp.federated.parts.sanitizers`) serves the round and the audit: an audit
+release is a :class:`~lightning_dp.federated.parts.ClientSanitizer` called as ``(start, trained, generator) ->
+released`` on flat parameter vectors (:class:`PartRelease`; see :mod:`lightning_dp.audit.dlg` for the threat
+model). The names below build the part the DLG audit's ``--sanitizer`` means.
+"""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Optional
 
@@ -11,82 +15,88 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp import checks
-from lightning_dp.audit._common import (
-    SanitizerFactory,
-    parameter_sizes,
-)
-from lightning_dp.privacy.clipping import check_max_grad_norm, clip_factors
-from lightning_dp.privacy.mechanisms import check_metric_noise_multiplier, sanitize_update
-from lightning_dp.privacy.noise import gaussian_noise
+from lightning_dp.audit._common import SanitizerFactory, parameter_sizes
+from lightning_dp.federated.parts.sanitizers import ClipSanitizer, ClientSanitizer, EuclideanLaplace, GaussianLocalDP
+from lightning_dp.federated.parts.sanitizers import NoSanitizer as _Unsanitized
+from lightning_dp.privacy.clipping import check_max_grad_norm
 
-__all__ = ["EuclideanLaplaceSanitizer", "GaussianSanitizer", "NoSanitizer", "SANITIZERS", "make_sanitizer_factory"]
+__all__ = ["EuclideanLaplaceSanitizer", "GaussianSanitizer", "NoSanitizer", "PartRelease", "SANITIZERS",
+           "make_sanitizer_factory"]
 
 
-class NoSanitizer:
-    """Releases the trained model as it is (the attack's best case).
+class PartRelease:
+    """A federated sanitizer part as the audit's release function ``(start, trained, generator) -> released``.
+
+    Args:
+        part: the :class:`~lightning_dp.federated.parts.ClientSanitizer` (the round's, unchanged).
+        layer_sizes: the sizes of the model's parameter tensors in flat order (layer-wise sanitizers).
+    """
+
+    def __init__(self, part: ClientSanitizer, layer_sizes: Optional[Sequence[int]] = None) -> None:
+        self.part = part
+        self.layer_sizes = None if layer_sizes is None else [int(s) for s in layer_sizes]
+
+    def __call__(self, start: Tensor, trained: Tensor, generator: Optional[torch.Generator]) -> Tensor:
+        if start.shape != trained.shape or start.dim() != 1:
+            raise ValueError(f"start {tuple(start.shape)} and trained {tuple(trained.shape)} must be flat vectors of "
+                             "the same shape (flatten_parameters(model)).")
+        sizes = self.layer_sizes if self.layer_sizes is not None else [start.numel()]
+        return self.part.sanitize(trained, start, generator=generator, layer_sizes=sizes).released  # type: ignore[arg-type]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.part!r})"
+
+
+class NoSanitizer(PartRelease):
+    """Releases the trained model as it is (the attack's best case; the round's ``none`` sanitizer).
 
     Example:
         >>> NoSanitizer()(torch.zeros(2), torch.ones(2), None)
         tensor([1., 1.])
     """
 
-    def __call__(self, start: Tensor, trained: Tensor, generator: Optional[torch.Generator] = None) -> Tensor:
-        return trained.clone()
+    def __init__(self) -> None:
+        super().__init__(_Unsanitized())
 
     def __repr__(self) -> str:
         return "NoSanitizer()"
 
 
-class EuclideanLaplaceSanitizer:
-    """The seed's release: ``trained + rho``, ``rho`` Euclidean Laplace with expected norm ``nu ||delta||``.
+class EuclideanLaplaceSanitizer(PartRelease):
+    """The seed's release, the round's :class:`~lightning_dp.federated.parts.EuclideanLaplace`: ``trained + rho``,
+    ``rho`` Euclidean Laplace with expected norm ``nu ||delta||`` (per layer: ``nu ||delta_l||``).
 
-    A thin wrapper of :func:`lightning_dp.privacy.mechanisms.sanitize_update` (Galli et
-    al., "Group privacy for personalized federated learning"; the formula, its
-    d-privacy guarantee and the layer-wise variant are documented there) with
-    ``reference = start``: ``delta = trained - start``, ``epsilon = n / (nu * max(||delta||,
-    min_delta_norm))``, cost ``n / nu`` per release. Layer-wise (``per_layer=True``, the
-    default of the audit) each parameter tensor gets its own ``epsilon_l = n_l / (nu ||delta_l||)``.
-    One SGD step gives ``delta = -lr g``, so the attacker's gradient estimate carries
-    noise of expected norm ``nu ||g||`` (per layer: ``nu ||g_l||``) whatever ``lr`` is.
+    One SGD step gives ``delta = -lr g``, so the attacker's gradient estimate carries noise of expected norm
+    ``nu ||g||`` whatever ``lr`` is (formula and guarantee: :func:`lightning_dp.privacy.mechanisms.sanitize_update`).
 
     Args:
         noise_multiplier: ``nu >= 0``; 0 releases the trained model (no noise).
-        per_layer: Sanitize each parameter tensor separately (needs ``layer_sizes``).
-        min_delta_norm: Floor on the update norm used for calibration (the federated
-            module's default 1e-8; 0 refuses a client whose update is zero).
-        layer_sizes: The sizes ``n_l`` of the parameter tensors, in flat order; use
-            :meth:`for_model` to take them from a model.
-
-    Raises:
-        ValueError: If an argument is outside its range.
+        per_layer: sanitize each parameter tensor separately (needs ``layer_sizes``).
+        min_delta_norm: floor on the update norm used for calibration (0 refuses a client whose update is zero).
+        layer_sizes: the sizes ``n_l`` of the parameter tensors, in flat order (:meth:`for_model`).
 
     Example:
         >>> from lightning_dp.audit._common import flatten_parameters
         >>> model = nn.Linear(3, 2)
         >>> sanitizer = EuclideanLaplaceSanitizer.for_model(model, 1.0)
         >>> start = flatten_parameters(model)
-        >>> released = sanitizer(start, start + 0.1, torch.Generator().manual_seed(0))
-        >>> released.shape
+        >>> sanitizer(start, start + 0.1, torch.Generator().manual_seed(0)).shape
         torch.Size([8])
     """
 
     def __init__(self, noise_multiplier: float, *, per_layer: bool = True, min_delta_norm: float = 1e-8,
                  layer_sizes: Optional[Sequence[int]] = None) -> None:
-        self.noise_multiplier = check_metric_noise_multiplier(noise_multiplier)
         if not isinstance(per_layer, bool):
             raise ValueError(f"per_layer={per_layer!r} must be True or False.")
-        if not checks.is_real(min_delta_norm) or not (math.isfinite(min_delta_norm) and min_delta_norm >= 0):
-            raise ValueError(f"min_delta_norm={min_delta_norm!r} is not allowed: it must be a finite number >= 0 "
-                             "(the smallest update norm the noise is calibrated to); pass e.g. 1e-8.")
         if per_layer and layer_sizes is None:
             raise ValueError(
                 "per_layer=True needs the sizes of the model's parameter tensors, got layer_sizes=None. Use "
                 "EuclideanLaplaceSanitizer.for_model(model, noise_multiplier), or pass layer_sizes="
-                "lightning_dp.audit.parameter_sizes(model), or per_layer=False for one release of the whole vector."
-            )
-        self.per_layer = per_layer
-        self.min_delta_norm = float(min_delta_norm)
-        self.layer_sizes = None if layer_sizes is None else [int(s) for s in layer_sizes]
+                "lightning_dp.audit.parameter_sizes(model), or per_layer=False for one release of the whole vector.")
+        super().__init__(EuclideanLaplace(noise_multiplier, per_layer=per_layer, min_delta_norm=min_delta_norm),
+                         layer_sizes)
+        self.noise_multiplier, self.per_layer = self.part.noise_multiplier, per_layer  # type: ignore[attr-defined]
+        self.min_delta_norm = self.part.min_delta_norm  # type: ignore[attr-defined]
 
     @classmethod
     def for_model(cls, model: nn.Module, noise_multiplier: float, *, per_layer: bool = True,
@@ -95,41 +105,25 @@ class EuclideanLaplaceSanitizer:
         return cls(noise_multiplier, per_layer=per_layer, min_delta_norm=min_delta_norm,
                    layer_sizes=parameter_sizes(model))
 
-    def __call__(self, start: Tensor, trained: Tensor, generator: Optional[torch.Generator]) -> Tensor:
-        return sanitize_update(
-            trained,
-            start,
-            noise_multiplier=self.noise_multiplier,
-            generator=generator,
-            per_layer_sizes=self.layer_sizes if self.per_layer else None,
-            min_delta_norm=self.min_delta_norm,
-        ).released
-
     def __repr__(self) -> str:
         return (f"EuclideanLaplaceSanitizer(noise_multiplier={self.noise_multiplier!r}, per_layer={self.per_layer}, "
                 f"min_delta_norm={self.min_delta_norm!r})")
 
 
-class GaussianSanitizer:
+class GaussianSanitizer(PartRelease):
     """DP-SGD for one example: clip the update-implied gradient to ``C``, add ``N(0, (sigma C)^2 I)``.
 
-    Abadi et al., "Deep learning with differential privacy", CCS 2016, Algorithm 1 with a
-    batch of one: the update ``trained - start = -lr g`` gives the gradient
-    ``g = (start - trained) / lr``, which is clipped to norm ``C``
-    (:func:`lightning_dp.privacy.clipping.clip_factors`) and noised with
-    ``N(0, (sigma C)^2 I)`` (:func:`lightning_dp.privacy.noise.gaussian_noise`); the release
-    is ``start - lr (clip(g) + noise)``, so the attacker's gradient estimate is exactly
-    the noisy clipped gradient. After several local steps ``g`` is the average
-    pseudo-gradient ``(start - trained) / lr`` of the whole update. With ``lr=1`` it is
-    the update itself, i.e. update clipping as in DP-FedAvg (McMahan et al., ICLR 2018).
+    Abadi et al. 2016, Algorithm 1 with a batch of one: the update ``trained - start = -lr g`` gives the gradient
+    ``g``, clipped to norm ``C`` and noised with ``N(0, (sigma C)^2 I)``; the release is ``start - lr (clip(g) +
+    noise)``, so the attacker's gradient estimate is exactly the noisy clipped gradient. That is the round's
+    :class:`~lightning_dp.federated.parts.GaussianLocalDP` on the update with clip ``lr C`` and the same ``sigma``
+    (:class:`~lightning_dp.federated.parts.ClipSanitizer` for ``sigma = 0``); with ``lr=1`` it is DP-FedAvg's update
+    clipping (McMahan et al., ICLR 2018).
 
     Args:
-        max_grad_norm: The clipping norm ``C > 0``.
+        max_grad_norm: the clipping norm ``C > 0``.
         noise_multiplier: ``sigma >= 0`` (noise std over ``C``); 0 clips without noise.
-        lr: The client's learning rate, the same as in :func:`client_release`.
-
-    Raises:
-        ValueError: If an argument is outside its range.
+        lr: the client's learning rate, the same as in :func:`client_release`.
 
     Example:
         >>> sanitizer = GaussianSanitizer(1.0, 0.0, lr=0.5)  # clipping only
@@ -139,26 +133,19 @@ class GaussianSanitizer:
 
     def __init__(self, max_grad_norm: float, noise_multiplier: float, *, lr: float = 1.0) -> None:
         self.max_grad_norm = check_max_grad_norm(max_grad_norm)
-        if not checks.is_real(noise_multiplier) or not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
-            raise ValueError(
-                f"noise_multiplier={noise_multiplier!r} is not allowed: sigma must be a finite number >= 0, the "
-                "Gaussian noise std over the clipping norm C (0 clips without noise). Pass e.g. 1.0."
-            )
-        self.noise_multiplier = float(noise_multiplier)
-        self.lr = checks.positive_real("lr", lr, hint="Pass the client's learning rate, as in client_release(lr=...).")
+        self.noise_multiplier = checks.non_negative_real(
+            "noise_multiplier", noise_multiplier, hint="sigma, the Gaussian noise std over the clipping norm C (0 "
+            "clips without noise); pass e.g. 1.0")
+        self.lr = checks.positive_real("lr", lr, hint="pass the client's learning rate, as in client_release(lr=...)")
+        clip = self.lr * self.max_grad_norm
+        part: ClientSanitizer = (GaussianLocalDP(self.noise_multiplier, clip=clip) if self.noise_multiplier > 0
+                                 else ClipSanitizer(clip))
+        super().__init__(part)
 
     def __call__(self, start: Tensor, trained: Tensor, generator: Optional[torch.Generator]) -> Tensor:
-        if start.shape != trained.shape or start.dim() != 1:
-            raise ValueError(f"start {tuple(start.shape)} and trained {tuple(trained.shape)} must be flat vectors of "
-                             "the same shape (flatten_parameters(model)).")
-        gradient = (start - trained) / self.lr
-        factor = clip_factors(torch.linalg.vector_norm(gradient).reshape(1), self.max_grad_norm)[0]
-        noisy = gradient * factor
         if self.noise_multiplier > 0:
             generator = checks.generator("generator", generator, device=start.device)
-            noisy = noisy + gaussian_noise([gradient.shape], self.noise_multiplier * self.max_grad_norm, generator,
-                                           dtype=gradient.dtype, device=gradient.device)[0]
-        return start - self.lr * noisy
+        return super().__call__(start, trained, generator)
 
     def __repr__(self) -> str:
         return (f"GaussianSanitizer(max_grad_norm={self.max_grad_norm!r}, noise_multiplier={self.noise_multiplier!r}, "

@@ -1,15 +1,55 @@
-"""Personalized federated learning with metric privacy (Galli et al.): the round's pieces.
+"""Personalized federated learning with metric privacy (Galli et al.): the round and its parts.
 
-- :mod:`~lightning_dp.federated.local`: hypothesis choice and local SGD, vectorized over clients.
-- :mod:`~lightning_dp.federated.kmeans`: clustered averaging of the released models.
-- :mod:`~lightning_dp.federated.parts`: the parts a round is assembled from, registered by name.
-- :class:`FederatedRound`: the round as a LightningModule, from parts.
+What a user imports from here (each name loads its module on first use, so the Lightning-free parts,
+:mod:`lightning_dp.federated.parts`, can be used without Lightning, as the DLG audit does)::
+
+    from lightning_dp.federated import FederatedRound, PersonalizedFederatedModule
+
+- :class:`FederatedRound`: the round as a LightningModule, from parts (:mod:`~lightning_dp.federated.parts`,
+  registered by name).
 - :class:`PersonalizedFederatedModule`: the personalized algorithm of Galli et al. (a preset).
+- The machinery, in its modules: :mod:`~lightning_dp.federated.local` (hypothesis choice and local SGD, vectorized
+  over clients; ``FlatParams``), :mod:`~lightning_dp.federated.kmeans` (clustered averaging),
+  :mod:`~lightning_dp.federated.reports` (the round's figures and tables).
 """
 
-from lightning_dp.federated.kmeans import kmeans_aggregate
-from lightning_dp.federated.local import FlatParams, choose_hypotheses, client_losses, local_sgd, local_sgd_loop
-from lightning_dp.federated.module import PersonalizedFederatedModule
-from lightning_dp.federated.round import FederatedRound
+from __future__ import annotations
 
-__all__ = ["FederatedRound", "FlatParams", "PersonalizedFederatedModule", "choose_hypotheses", "client_losses", "kmeans_aggregate", "local_sgd", "local_sgd_loop"]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_API = {
+    "FederatedRound": "lightning_dp.federated.round",
+    "PersonalizedFederatedModule": "lightning_dp.federated.module",
+}
+#: importable from here as before, documented in their modules (not the package's API)
+_MODULE_NAMES = {
+    "FlatParams": "lightning_dp.federated.local",
+    "choose_hypotheses": "lightning_dp.federated.local",
+    "client_losses": "lightning_dp.federated.local",
+    "local_sgd": "lightning_dp.federated.local",
+    "local_sgd_loop": "lightning_dp.federated.local",
+    "kmeans_aggregate": "lightning_dp.federated.kmeans",
+}
+
+__all__ = sorted(_API)
+
+if TYPE_CHECKING:
+    from lightning_dp.federated.kmeans import kmeans_aggregate
+    from lightning_dp.federated.local import FlatParams, choose_hypotheses, client_losses, local_sgd, local_sgd_loop
+    from lightning_dp.federated.module import PersonalizedFederatedModule
+    from lightning_dp.federated.round import FederatedRound
+
+
+def __getattr__(name: str) -> Any:
+    """PEP 562: the names above, imported from their module when first used."""
+    module = _API.get(name) or _MODULE_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_dp.federated' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_API) | set(_MODULE_NAMES))

@@ -61,6 +61,18 @@ def test_gaussian_local_dp_adds_noise_of_std_z_c_to_the_clipped_update():
     assert out.epsilon == pytest.approx(gaussian_epsilon(0.75, 1e-5))
 
 
+def test_a_tiny_noise_multiplier_releases_and_reports_a_huge_epsilon_instead_of_exhausting_memory():
+    """z = 0.001: the release's single Gaussian has multiplier 5e-4, whose PLD asked for 301 GB; the analytic
+    epsilon (about 2e6) is reported instead, and the ledger composes the same way."""
+    sanitizer = GaussianLocalDP(noise_multiplier=0.001, clip=0.2)
+    start, trained = _large_update()
+    out = sanitizer.sanitize(trained, start, generator=torch.Generator().manual_seed(1), layer_sizes=[start.numel()])
+    assert 1e6 < out.epsilon < math.inf
+    ledger = sanitizer.make_ledger()
+    ledger.charge("a", out.cost)
+    assert ledger.spent("a") == pytest.approx(out.epsilon, rel=1e-9)
+
+
 def test_laplace_local_dp_adds_laplace_noise_to_the_l1_clipped_update():
     sanitizer = LaplaceLocalDP(noise_multiplier=4.0, clip=0.5)
     start, trained = _large_update()

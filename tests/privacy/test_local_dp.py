@@ -117,6 +117,25 @@ def test_gaussian_epsilon_is_the_library_value(multiplier):
     assert gaussian_epsilon(math.inf, 1e-5) == 0.0
 
 
+@pytest.mark.parametrize("multiplier", [5e-4, 0.01, 0.3, 0.4999])
+def test_a_small_multipliers_epsilon_is_the_exact_analytic_one_never_below_it(multiplier):
+    """PLD of one unsampled Gaussian needs memory like 1/multiplier^2 (301 GB at 5e-4): below 0.5 the analytic
+    epsilon (Balle & Wang 2018; dp-accounting) plus 1e-9. Checked against the analytic delta(epsilon) of the
+    Gaussian (Balle & Wang, Theorem 8) computed here with scipy: at our epsilon, delta is at most the target."""
+    from scipy.stats import norm
+
+    eps = gaussian_epsilon(multiplier, 1e-5)
+    sensitivity_over_std = 1 / multiplier
+    a = sensitivity_over_std
+    delta_at = norm.cdf(a / 2 - eps / a) - math.exp(eps + norm.logcdf(-a / 2 - eps / a))
+    assert delta_at <= 1e-5 * (1 + 1e-6)
+    assert delta_at >= 1e-5 * (1 - 1e-3)  # tight: not a loose upper bound
+    if multiplier > 0.25:  # where PLD is still affordable, the two agree
+        acc = dpa.pld.PLDAccountant()
+        acc.compose(dpa.GaussianDpEvent(multiplier))
+        assert eps == pytest.approx(acc.get_epsilon(1e-5), rel=1e-7)
+
+
 def test_gaussian_ledger_reports_the_exact_composition_of_its_releases():
     """Releases at multipliers 2, 3 and 6 compose into one Gaussian mechanism with multiplier
     (1/4 + 1/9 + 1/36)^(-1/2) = sqrt(36/14); the library composing the three events agrees (PLD, up to

@@ -48,7 +48,6 @@ import math
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_dp.federated.local import row_norms
@@ -214,6 +213,8 @@ class CentralGaussian(ServerPrivacy):
         self.accountant.check_supported(sample_rate)
         large_delta = self.large_delta(num_clients)
         if large_delta is not None:  # 10 clients at delta 0.3 reported epsilon 0.0 silently (issue 24, item 6)
+            from lightning.pytorch.utilities import rank_zero_warn  # only when a warning is due
+
             rank_zero_warn(large_delta)
         if self.adaptive:
             self.count_std = self.requested_count_std or default_count_noise_std(expected_count)

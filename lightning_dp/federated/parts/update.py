@@ -7,7 +7,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_dp.federated.budgets import ClientBudgets
@@ -264,6 +263,8 @@ class LocalDPSGD(ClientUpdate):
         self._ids, self._planned_rounds, self._fits, self._fresh_fits = list(client_ids), planned_rounds, {}, {}
         large_delta = self.large_delta(sizes)
         if large_delta is not None:
+            from lightning.pytorch.utilities import rank_zero_warn  # only when a warning is due
+
             rank_zero_warn(large_delta)
         if self.budgets is not None:
             self._own, self._groups = self.budgets.assign_with_groups(self._ids)
