@@ -9,16 +9,16 @@ Usage::
     lightning-dp fit --help              # our options and this config's classes; --help-all: Lightning's 500 lines
     lightning-dp fit --config run.yaml --print_config
 
-``fit``, ``validate`` and ``test`` run :class:`~lightning_dp.lightning_cli.LightningDPCLI`
-(LightningCLI with MLflow tracking by default; see :mod:`lightning_dp.lightning_cli`). The other
+``fit``, ``validate`` and ``test`` run :class:`~lightning_dp.commands.fit.LightningDPCLI`
+(LightningCLI with MLflow tracking by default; see :mod:`lightning_dp.commands.fit`). The other
 subcommands register in :data:`EXTRA_COMMANDS` and are dispatched before LightningCLI parses
-anything: ``grid`` (:mod:`lightning_dp.grid`), ``audit`` (:mod:`lightning_dp.audit.dlg_command`,
-``audit mia``: :mod:`lightning_dp.audit.mia_command`), ``epsilon`` (:mod:`lightning_dp.calculator`) and
-``compare`` (:mod:`lightning_dp.compare`). Nothing heavy is imported before a command needs it: ``--help``,
+anything: ``grid`` (:mod:`lightning_dp.commands.grid`), ``audit`` (:mod:`lightning_dp.commands.audit_dlg`,
+``audit mia``: :mod:`lightning_dp.commands.audit_mia`), ``epsilon`` (:mod:`lightning_dp.commands.epsilon`) and
+``compare`` (:mod:`lightning_dp.commands.compare`). Nothing heavy is imported before a command needs it: ``--help``,
 ``--version`` and the argument errors of ``epsilon``, ``grid`` and ``compare`` answer without torch.
 
 Errors: a refused value, an unknown option, subcommand or class path prints one message with a
-"did you mean" (:mod:`lightning_dp.cli_errors`) and exits with status 2; so does a missing
+"did you mean" (:mod:`lightning_dp.commands.errors`) and exits with status 2; so does a missing
 dataset (:class:`~lightning_dp.datamodules.DatasetUnavailableError`) and a Lightning
 ``MisconfigurationException`` (our callbacks' refusals before training). ``LIGHTNING_DP_TRACEBACK=1``
 shows the full traceback instead.
@@ -32,11 +32,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 from lightning_dp import __version__
-from lightning_dp.cli_errors import closest, is_user_error, short_error, show_tracebacks, suggest
+from lightning_dp.commands.errors import closest, is_user_error, short_error, show_tracebacks, suggest
 
 # Nothing above imports torch, Lightning or MLflow (tests/test_cli_errors.py checks it): --version, --help and the
 # argument errors answer in a fraction of a second; the classes below load when a command needs them.
-_LAZY = {"LightningDPCLI": "lightning_dp.lightning_cli", "MLflowSaveConfigCallback": "lightning_dp.lightning_cli",
+_LAZY = {"LightningDPCLI": "lightning_dp.commands.fit", "MLflowSaveConfigCallback": "lightning_dp.commands.fit",
          "redact_secrets": "lightning_dp.tracking"}
 
 
@@ -63,39 +63,39 @@ COMMANDS: dict[str, str] = {
 }
 
 def _grid(argv: list[str]) -> Optional[int]:
-    from lightning_dp import grid
+    from lightning_dp.commands import grid
 
     return grid.main(argv)
 
 
 def _audit(argv: list[str]) -> Optional[int]:
     if argv and argv[0] == "mia":  # lightning-dp audit mia --config ...: membership inference
-        from lightning_dp.audit import mia_command
+        from lightning_dp.commands import audit_mia
 
-        return mia_command.main(argv[1:])
-    from lightning_dp.audit import dlg_command  # lightning-dp audit [dlg] --config ...: gradient inversion
+        return audit_mia.main(argv[1:])
+    from lightning_dp.commands import audit_dlg  # lightning-dp audit [dlg] --config ...: gradient inversion
 
-    return dlg_command.main(argv[1:] if argv and argv[0] == "dlg" else argv)
+    return audit_dlg.main(argv[1:] if argv and argv[0] == "dlg" else argv)
 
 
 def _epsilon(argv: list[str]) -> Optional[int]:
-    from lightning_dp import calculator
+    from lightning_dp.commands import epsilon
 
-    return calculator.main(argv)
+    return epsilon.main(argv)
 
 
 def _compare(argv: list[str]) -> Optional[int]:
-    from lightning_dp import compare
+    from lightning_dp.commands import compare
 
     return compare.main(argv)
 
 
 #: Top-level commands handled outside LightningCLI: name -> function(argv) -> exit code.
 #: ``grid``: one config over a grid of overrides, with the grid's privacy cost (:mod:`lightning_dp.grid`).
-#: ``audit``: Deep Leakage from Gradients against sanitized client releases (:mod:`lightning_dp.audit.dlg_command`);
-#: ``audit mia``: membership inference, loss / shadow / noisy neighbours (:mod:`lightning_dp.audit.mia_command`).
-#: ``epsilon``: the epsilon of a DP-SGD run, or sigma for a target epsilon (:mod:`lightning_dp.calculator`).
-#: ``compare``: a metric against epsilon over runs, with the non-private baseline (:mod:`lightning_dp.compare`).
+#: ``audit``: Deep Leakage from Gradients against sanitized client releases (:mod:`lightning_dp.commands.audit_dlg`);
+#: ``audit mia``: membership inference, loss / shadow / noisy neighbours (:mod:`lightning_dp.commands.audit_mia`).
+#: ``epsilon``: the epsilon of a DP-SGD run, or sigma for a target epsilon (:mod:`lightning_dp.commands.epsilon`).
+#: ``compare``: a metric against epsilon over runs, with the non-private baseline (:mod:`lightning_dp.commands.compare`).
 EXTRA_COMMANDS: dict[str, Callable[[list[str]], Optional[int]]] = {"grid": _grid, "audit": _audit,
                                                                    "epsilon": _epsilon, "compare": _compare}
 
@@ -220,7 +220,7 @@ def main(args: Optional[Sequence[str]] = None) -> Optional[int]:
     if missing:
         sys.stderr.write(short_error(f"lightning-dp {command}", *missing))
         return 2
-    from lightning_dp.lightning_cli import LightningDPCLI
+    from lightning_dp.commands.fit import LightningDPCLI
 
     try:
         LightningDPCLI(args=None if args is None and argv == sys.argv[1:] else argv)

@@ -22,7 +22,7 @@ import lightning_dp
 ROOT = Path(__file__).resolve().parents[1]
 # every package of the public API has a page under docs/api/ (and mkdocs.yml's nav)
 API_MODULES = ["callbacks", "privacy", "federated", "audit", "datamodules", "metrics", "models", "tracking",
-               "calculator", "grid", "cli"]
+               "commands", "grid", "cli"]
 
 
 def _missing(*modules: str) -> list[str]:
@@ -55,8 +55,8 @@ def test_mkdocs_build_strict(tmp_path):
     privacy = (site / "api" / "privacy" / "index.html").read_text("utf-8")
     assert 'id="lightning_dp.privacy.GradSampleEngine"' in privacy
     # Google-style "Example:" sections are rendered as code (docs/griffe_extensions.py), not as block quotes
-    calculator = (site / "api" / "calculator" / "index.html").read_text("utf-8")
-    assert "&gt;&gt;&gt;" in calculator and "<blockquote>" not in calculator
+    commands = (site / "api" / "commands" / "index.html").read_text("utf-8")
+    assert "&gt;&gt;&gt;" in commands and "<blockquote>" not in commands
 
 
 def test_mypy_passes():

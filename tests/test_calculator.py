@@ -11,7 +11,7 @@ import dp_accounting
 import pytest
 
 from lightning_dp import cli
-from lightning_dp.calculator import epsilon_table
+from lightning_dp.commands.epsilon import epsilon_table
 
 
 def _printed(capsys):
@@ -115,7 +115,7 @@ def _train_dp_fedavg(server_privacy, *, q, rounds, num_clients):
 def test_dp_fedavg_epsilon_equals_what_the_training_logs(capsys):
     """40 training clients, 10 a round (q = 0.25), z = 1.3, 4 rounds: the table's rows (rounds 1..4) are the
     privacy/epsilon the run logs after each round, exactly (and to the 4 printed decimals)."""
-    from lightning_dp.calculator import client_epsilon_table, client_level_privacy
+    from lightning_dp.commands.epsilon import client_epsilon_table, client_level_privacy
     from lightning_dp.federated.parts import CentralGaussian
 
     assert cli.main(["epsilon", "--clients", "40", "--clients-per-round", "10", "--rounds", "4",
@@ -137,7 +137,7 @@ def test_dp_fedavg_epsilon_equals_what_the_training_logs(capsys):
 def test_dp_fedavg_calibrated_z_is_the_trainings_under_replacement(capsys):
     """--target-epsilon: the calculator's z is the one the training calibrates itself (same CentralGaussian.plan),
     here under replacement, and the run's final epsilon is the table's last row."""
-    from lightning_dp.calculator import client_epsilon_table, client_level_privacy
+    from lightning_dp.commands.epsilon import client_epsilon_table, client_level_privacy
     from lightning_dp.federated.parts import CentralGaussian
 
     assert cli.main(["epsilon", "--client-sample-rate", "0.3", "--rounds", "6", "--target-epsilon", "2",
@@ -183,7 +183,7 @@ def test_dp_fedavg_epsilon_equals_dp_accountings_own_accountant(capsys, accounta
 
 
 def test_dp_fedavg_calibrated_z_fits_its_target_and_z_over_1_01_does_not(capsys):
-    from lightning_dp.calculator import client_level_privacy
+    from lightning_dp.commands.epsilon import client_level_privacy
 
     assert cli.main(["epsilon", "--clients", "100", "--clients-per-round", "20", "--rounds", "100",
                      "--target-epsilon", "4", "--delta", "1e-3"]) == 0

@@ -9,7 +9,7 @@ import yaml
 from lightning.pytorch import LightningDataModule
 
 from lightning_dp import cli
-from lightning_dp.cli_errors import condense, root_message, suggest
+from lightning_dp.commands.errors import condense, root_message, suggest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DIGITS = str(REPO_ROOT / "examples" / "dpsgd_digits.yaml")
@@ -142,7 +142,7 @@ class BuggyData(LightningDataModule):
 
 
 def test_a_bug_in_a_constructor_keeps_its_traceback(capsys, workdir):
-    from lightning_dp.cli_errors import ConfigurationError, root_cause
+    from lightning_dp.commands.errors import ConfigurationError, root_cause
 
     with pytest.raises(Exception) as info:  # jsonargparse's ValueError, caused by the bug: the traceback shows both
         cli.main(["fit", "--config", DIGITS, f"--data={__name__}.BuggyData", "--data.batch_size=64"])

@@ -10,7 +10,7 @@ import pytest
 from lightning_dp import cli
 from lightning_dp.tracking import default_tracking_uri
 from tests.helpers import seed_store
-from lightning_dp.compare import (COMPARE_TAG, PRIVATE_TAG, Outcome, choose_metric, group_outcomes, utility_figure,
+from lightning_dp.commands.compare import (COMPARE_TAG, PRIVATE_TAG, Outcome, choose_metric, group_outcomes, utility_figure,
                                   utility_table)
 
 
@@ -93,7 +93,7 @@ def test_compare_refuses_in_three_lines(workdir, store_template, capsys):
 
 
 def test_outcome_epsilon_of_a_grid_point_that_released_unsanitized_is_a_baseline():
-    from lightning_dp.compare import grid_outcomes
+    from lightning_dp.commands.compare import grid_outcomes
     from lightning_dp.grid.points import GridPoint
 
     points = [GridPoint({"nu": 0, "seed": 0}, "r0", {"test/acc": 0.9}, {"epsilon": math.inf}),

@@ -105,7 +105,7 @@ def test_one_run_audit_configs_put_dpsgd_last(name, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("name", ["mia_lm.yaml", "mia_lm_dpsgd.yaml"])
 def test_mia_configs_instantiate(name):
-    from lightning_dp.audit.mia_command import _problems, build_parser
+    from lightning_dp.commands.audit_mia import _problems, build_parser
 
     parser = build_parser()
     cfg = parser.parse_args(["--config", str(AUDIT / name)])
@@ -190,8 +190,8 @@ def find_spec(name, package=None):
 
 
 metadata.distribution, util.find_spec = distribution, find_spec
-from lightning_dp.cli_errors import is_refusal, root_message
-from lightning_dp.lightning_cli import LightningDPCLI
+from lightning_dp.commands.errors import is_refusal, root_message
+from lightning_dp.commands.fit import LightningDPCLI
 
 results = {}
 for config in sys.argv[1:]:

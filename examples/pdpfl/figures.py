@@ -43,7 +43,7 @@ _DATASET_ARGS: list[str] = []  # overrides that switch the dataset and model (--
 
 def _run(config: str, overrides: list[str], *, data_dir: str, experiment: str, run_name: str) -> str:
     """One ``lightning-dp fit`` run in a scratch directory; returns its MLflow run id."""
-    from lightning_dp.lightning_cli import LightningDPCLI
+    from lightning_dp.commands.fit import LightningDPCLI
 
     args = ["fit", "--config", str(HERE / config), f"--data.init_args.data_dir={data_dir}", *_DATASET_ARGS,
             f"--trainer.logger.init_args.experiment_name={experiment}",

@@ -18,7 +18,7 @@ f-DP analysis (:mod:`lightning_dp.audit.one_run`) with their ceiling (``epsilon_
 canaries can give), in a run via :class:`lightning_dp.callbacks.OneRunAudit`;
 :mod:`lightning_dp.callbacks.faults` holds a deliberately broken DPSGD that audits must catch.
 
-The command ``lightning-dp audit`` (:mod:`lightning_dp.audit.dlg_command`) runs an audit from a
+The command ``lightning-dp audit`` (:mod:`lightning_dp.commands.audit_dlg`) runs an audit from a
 YAML config and records it in MLflow; see docs/audit.md.
 """
 

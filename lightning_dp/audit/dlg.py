@@ -45,7 +45,7 @@ Every random draw comes from a ``torch.Generator``; :func:`run_dlg_audit` derive
 from one seed with :func:`lightning_dp.privacy.noise.derive_generator`, so an audit is
 reproducible and the global RNG is never used. The audit imports torch only (no
 Lightning): it is the functional core of ``lightning-dp audit``
-(:mod:`lightning_dp.audit.dlg_command`). Its concepts live in their own modules, all importable
+(:mod:`lightning_dp.commands.audit_dlg`). Its concepts live in their own modules, all importable
 from :mod:`lightning_dp.audit`: this module (the attack), :mod:`~lightning_dp.audit.release` (the client's release and
 the attacker's gradient estimate), :mod:`~lightning_dp.audit.sanitizers`,
 :mod:`~lightning_dp.audit.metrics` (MSE, PSNR, the image grid), :mod:`~lightning_dp.audit.dlg_audit`

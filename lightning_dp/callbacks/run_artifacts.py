@@ -122,7 +122,6 @@ class RunArtifacts(Callback):
             goal = getattr(private[0], "target_epsilon", None)
             target = float(goal) if isinstance(goal, (int, float)) else None
         tracking.set_tags(trainer, run_summary(metrics, target_epsilon=target))
-        from lightning_dp.compare import PRIVATE_TAG
         from lightning_dp.privacy.spend import reporters_of, spends_of
 
         components = [*trainer.callbacks, pl_module]  # type: ignore[attr-defined]
@@ -130,6 +129,8 @@ class RunArtifacts(Callback):
         # private: some component accounts the run and none releases without protection (NoiselessDPSGD, an
         # unsanitized round: their logged epsilon is a claim, not a guarantee); lightning-dp compare reads it
         is_private = reporting and not any(s.unsanitized for s in spends_of(components))
+        from lightning_dp.commands.compare import PRIVATE_TAG  # the tag lightning-dp compare reads
+
         tracking.set_tags(trainer, {PRIVATE_TAG: str(is_private).lower()})
         if not reporting:
             # a private component prints its own summary (DPSGD, the federated round); a run without one says so

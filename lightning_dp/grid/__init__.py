@@ -59,12 +59,11 @@ privacy budgets; a grid is a loop over LightningDPCLI plus the accounting above.
 """
 
 from lightning_dp.grid.axes import parse_set
-from lightning_dp.grid.command import main
 from lightning_dp.grid.points import GridPoint, GridResult
 from lightning_dp.grid.privacy import BudgetPlan, grid_privacy, plan_budget, plan_point, reseed, secret_seeded
 from lightning_dp.grid.report import bar_plot, best_table, default_mode, mean_table, report, select_best, summary_table
 from lightning_dp.grid.run import run_grid
 
-__all__ = ["BudgetPlan", "GridPoint", "GridResult", "bar_plot", "best_table", "default_mode", "grid_privacy", "main",
+__all__ = ["BudgetPlan", "GridPoint", "GridResult", "bar_plot", "best_table", "default_mode", "grid_privacy",
            "mean_table", "parse_set", "plan_budget", "plan_point", "report", "reseed", "run_grid", "secret_seeded",
            "select_best", "summary_table"]

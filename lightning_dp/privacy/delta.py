@@ -17,7 +17,7 @@ the rule and its wording live in one place:
 - :class:`~lightning_dp.federated.parts.LocalDPSGD`: the ``n_c`` records of each client (its
   :class:`~lightning_dp.privacy.ledger.RecordLedger` states one epsilon per client at one delta),
   reported once for all clients (the exposed ones are the LARGEST: ``delta >= 1/n_c`` when ``n_c >= 1/delta``);
-- ``lightning-dp epsilon`` (:mod:`lightning_dp.calculator`) prints the message the training would give.
+- ``lightning-dp epsilon`` (:mod:`lightning_dp.commands.epsilon`) prints the message the training would give.
 
 Local DP ledgers need no check: a local release protects the client's whole data, one unit
 (``N = 1``), and their delta is already required to be below 1

@@ -36,7 +36,7 @@ from lightning_dp.audit import (
     psnr,
     run_dlg_audit,
 )
-from lightning_dp.audit.dlg_command import build_parser, input_scale, load_images
+from lightning_dp.commands.audit_dlg import build_parser, input_scale, load_images
 from lightning_dp.federated import FlatParams
 from lightning_dp.models import SigmoidLeNet
 from lightning_dp.privacy.mechanisms import sanitize_update

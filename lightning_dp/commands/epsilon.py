@@ -58,7 +58,7 @@ __all__ = ["build_parser", "client_epsilon_table", "client_level_privacy", "epsi
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lightning_dp.cli_errors import ShortArgumentParser
+    from lightning_dp.commands.errors import ShortArgumentParser
 
     parser = ShortArgumentParser(
         prog="lightning-dp epsilon", description=__doc__.split("\n\n")[0],

@@ -58,7 +58,7 @@ __all__ = ["build_parser", "main"]
 def build_parser() -> ArgumentParser:
     from lightning.pytorch import Callback, LightningDataModule, LightningModule
 
-    from lightning_dp.cli_parser import ShortJsonParser
+    from lightning_dp.commands.parser import ShortJsonParser
 
     parser = ShortJsonParser(prog="lightning-dp audit mia", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", action=ActionConfigFile, help="a YAML config (examples/audit/mia_lm.yaml)")

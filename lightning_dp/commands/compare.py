@@ -37,7 +37,7 @@ __all__ = ["COMPARE_TAG", "Group", "Outcome", "PRIVATE_TAG", "choose_metric", "g
            "main", "utility_figure", "utility_table"]
 
 #: Tag of every run fitted by ``lightning-dp``: "true" when a component reports a privacy spend and none releases
-#: without protection, else "false".
+#: without protection, else "false" (written by :class:`~lightning_dp.callbacks.RunArtifacts`).
 PRIVATE_TAG = "lightning_dp.private"
 #: Tag of the runs ``lightning-dp compare`` creates (never compared themselves).
 COMPARE_TAG = "lightning_dp.compare.runs"
@@ -166,7 +166,7 @@ def choose_metric(available: Sequence[set[str]], metric: Optional[str] = None) -
                          "epsilon")
     if metric is not None:
         if metric not in seen:
-            from lightning_dp.cli_errors import closest
+            from lightning_dp.commands.errors import closest
 
             near = closest(metric, seen)
             raise ValueError(f"--metric {metric}: no run logged it" + (f"; did you mean {' or '.join(near)}?" if near
@@ -267,7 +267,7 @@ def main(argv: Sequence[str]) -> int:
     import os
     import sys
 
-    from lightning_dp.cli_errors import ShortArgumentParser
+    from lightning_dp.commands.errors import ShortArgumentParser
 
     parser = ShortArgumentParser(prog="lightning-dp compare", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="*", metavar="RUN_ID", help="MLflow run ids (or give --experiment)")
@@ -299,7 +299,7 @@ def main(argv: Sequence[str]) -> int:
             experiment = client.get_experiment_by_name(args.experiment)
             if experiment is None:
                 names = [e.name for e in client.search_experiments()]
-                from lightning_dp.cli_errors import closest
+                from lightning_dp.commands.errors import closest
 
                 near = closest(args.experiment, names)
                 parser.error(f"--experiment {args.experiment}: not in {uri}" + (

@@ -56,7 +56,7 @@ def build_parser() -> ArgumentParser:
     """The jsonargparse parser of ``lightning-dp audit`` (``model`` and ``data`` as ``class_path``/``init_args``)."""
     from lightning.pytorch import LightningDataModule
 
-    from lightning_dp.cli_parser import ShortJsonParser
+    from lightning_dp.commands.parser import ShortJsonParser
 
     parser = ShortJsonParser(prog="lightning-dp audit", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", action=ActionConfigFile, help="a YAML config (examples/dlg_*.yaml)")

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_dp.cli_errors import ShortArgumentParser, is_user_error, short_error, show_tracebacks
+from lightning_dp.commands.errors import ShortArgumentParser, is_user_error, short_error, show_tracebacks
 from lightning_dp.grid.axes import grid_points, parse_set, run_args, run_name
 from lightning_dp.grid.report import report
 from lightning_dp.grid.run import run_grid
@@ -121,7 +121,7 @@ def print_configs(config: Sequence[str], sets: Sequence[tuple[str, list[Any]]], 
     Returns:
         0, or 2 when a point's arguments were refused (its error is printed in its place).
     """
-    from lightning_dp.lightning_cli import LightningDPCLI
+    from lightning_dp.commands.fit import LightningDPCLI
 
     combos = grid_points(sets)
     failed = False

@@ -15,7 +15,7 @@ Set ``LIGHTNING_DP_TRACEBACK=1`` to get the full error and traceback instead.
 Everything here is standard library, so that ``lightning-dp --help``, ``--version`` and the argument errors
 of ``epsilon``, ``grid`` and ``compare`` (:class:`ShortArgumentParser`) answer before torch is imported. The
 jsonargparse parsers with the same errors and a shortened help (known subclasses cut, options spelled as
-configs spell them) are in :mod:`lightning_dp.cli_parser`.
+configs spell them) are in :mod:`lightning_dp.commands.parser`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import os
 import re
 import sys
 from collections.abc import Iterable, Sequence
-from typing import Any, NoReturn, Optional
+from typing import NoReturn, Optional
 
 __all__ = ["ConfigurationError", "ShortArgumentParser", "class_help_spelling", "closest", "condense", "is_refusal",
            "is_user_error", "option_synonyms", "plain_text", "root_cause", "root_message", "short_error",

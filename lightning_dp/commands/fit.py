@@ -30,8 +30,8 @@ from typing_extensions import override
 
 from lightning_dp import __version__, tracking
 from lightning_dp.callbacks.run_artifacts import RunArtifacts
-from lightning_dp.cli_errors import ConfigurationError, is_refusal, root_message, show_tracebacks
-from lightning_dp.cli_parser import ShortErrorParser
+from lightning_dp.commands.errors import ConfigurationError, is_refusal, root_message, show_tracebacks
+from lightning_dp.commands.parser import ShortErrorParser
 from lightning_dp.tracking import redact_secrets
 
 __all__ = ["DEFAULT_LOGGER", "LightningDPCLI", "MLflowSaveConfigCallback", "quiet_third_party"]
@@ -140,12 +140,12 @@ class LightningDPCLI(LightningCLI):
     ``datamodule_class=None`` with subclass mode (configs name their classes),
     ``save_config_callback=MLflowSaveConfigCallback`` with ``overwrite=True``,
     ``seed_everything_default=0``, ``parser_class=ShortErrorParser`` (a refused value is
-    printed in a few lines, :mod:`lightning_dp.cli_errors`), and ``trainer_defaults`` that set the logger to
+    printed in a few lines, :mod:`lightning_dp.commands.errors`), and ``trainer_defaults`` that set the logger to
     :class:`lightning_dp.tracking.MLFlowLogger` and add
     :class:`~lightning_dp.callbacks.run_artifacts.RunArtifacts` (given
     ``trainer_defaults`` are merged over these; given callbacks are added to RunArtifacts).
     An exception raised while the config's classes are built (a constructor refusing a value)
-    is re-raised as :class:`~lightning_dp.cli_errors.ConfigurationError` with the
+    is re-raised as :class:`~lightning_dp.commands.errors.ConfigurationError` with the
     constructor's own message, the original as its cause.
 
     Example:
@@ -191,7 +191,7 @@ class LightningDPCLI(LightningCLI):
     def instantiate_classes(self) -> None:
         """LightningCLI's; a class that refuses its arguments raises :class:`ConfigurationError` with its message.
 
-        Only refusals (:func:`~lightning_dp.cli_errors.is_refusal`: a ``ValueError``, ``TypeError``,
+        Only refusals (:func:`~lightning_dp.commands.errors.is_refusal`: a ``ValueError``, ``TypeError``,
         ``MisconfigurationException`` or jsonargparse ``ArgumentError`` at the root) are converted; any
         other exception (a bug) propagates unchanged, with its traceback.
         """

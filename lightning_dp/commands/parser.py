@@ -1,6 +1,6 @@
-"""The jsonargparse parsers of ``lightning-dp``: short errors (:mod:`lightning_dp.cli_errors`) and short help.
+"""The jsonargparse parsers of ``lightning-dp``: short errors (:mod:`lightning_dp.commands.errors`) and short help.
 
-Kept apart from :mod:`lightning_dp.cli_errors` because these subclass jsonargparse's and Lightning's
+Kept apart from :mod:`lightning_dp.commands.errors` because these subclass jsonargparse's and Lightning's
 parsers, which import torch: ``lightning-dp --help``, ``--version`` and the argument errors of the
 standard-library commands must answer without them.
 """
@@ -15,13 +15,13 @@ from jsonargparse import ArgumentParser, DefaultHelpFormatter
 from lightning.pytorch.cli import LightningArgumentParser
 from typing_extensions import override
 
-from lightning_dp.cli_errors import class_help_spelling, condense, plain_text, short_error, show_tracebacks, suggest
+from lightning_dp.commands.errors import class_help_spelling, condense, plain_text, short_error, show_tracebacks, suggest
 
 __all__ = ["ShortErrorParser", "ShortHelpFormatter", "ShortJsonParser", "shorten_known_subclasses"]
 
 
 def _short_error(parser: Any, message: str, ex: Optional[Exception]) -> NoReturn:
-    """Print a jsonargparse error as :func:`~lightning_dp.cli_errors.short_error` and exit with status 2."""
+    """Print a jsonargparse error as :func:`~lightning_dp.commands.errors.short_error` and exit with status 2."""
     parser = getattr(ex, "subcommand_parser", None) or parser
     prog = parser.prog.replace(" [options]", "")
     text = condense(message)
@@ -61,7 +61,7 @@ class ShortHelpFormatter(DefaultHelpFormatter):
 class ShortJsonParser(ArgumentParser):
     """jsonargparse's parser whose errors print our message in a few lines and exit with status 2, and whose help
     is short (:class:`ShortHelpFormatter`, unless given another ``formatter_class``) and plain
-    (:func:`~lightning_dp.cli_errors.plain_text`, :func:`~lightning_dp.cli_errors.class_help_spelling`); for the
+    (:func:`~lightning_dp.commands.errors.plain_text`, :func:`~lightning_dp.commands.errors.class_help_spelling`); for the
     commands that are not LightningCLI (``audit``, ``audit mia``) and, through :class:`ShortErrorParser`, for
     LightningCLI. With ``exit_on_error=False`` or ``LIGHTNING_DP_TRACEBACK=1`` its errors are jsonargparse's own.
     """
