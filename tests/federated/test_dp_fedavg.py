@@ -198,6 +198,20 @@ def test_parts_by_name_and_unknown_names():
     assert math.isinf(FederatedRound(LinearRegression()).participation_cost())
 
 
+def test_parts_are_abstract_bases_of_one_kind_each():
+    """A kind's base class declares its kind and abstract methods: an incomplete part is refused when it is built,
+    a part of another kind when it is registered or passed."""
+    from lightning_dp.federated.parts import Aggregator, ClientSanitizer, NoSanitizer, register_part
+
+    with pytest.raises(TypeError, match="abstract method sanitize"):
+        type("Incomplete", (ClientSanitizer,), {})()
+    with pytest.raises(TypeError, match="is not a aggregator part"):
+        register_part("aggregator", "wrong_kind_test")(type("Wrong", (NoSanitizer,), {}))
+    with pytest.raises(ValueError, match="is not a Aggregator"):
+        FederatedRound(LinearRegression(), aggregator=NoSanitizer())
+    assert Aggregator.kind == "aggregator" and NoSanitizer.kind == "sanitizer"
+
+
 def test_replacement_adjacency_is_accounted_with_the_library_replace_one_analysis():
     privacy = CentralGaussian(noise_multiplier=1.3, clip=0.5, adjacency="replace")
     trainer(max_epochs=4).fit(fedavg(privacy, q=0.2), SyntheticLinearMixture(seed=0))

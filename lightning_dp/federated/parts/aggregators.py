@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 from typing import Any
 
 import torch
@@ -22,6 +23,8 @@ class Aggregator(Part):
     aggregator that declares :attr:`needs_budgets` (clients reveal their privacy budgets), each
     client's epsilon.
     """
+
+    kind = "aggregator"
 
     #: whether the clients reveal their privacy budgets to this aggregator (PFA's direct split)
     needs_budgets = False
@@ -49,6 +52,7 @@ class Aggregator(Part):
                 budgets: list[float] | None = None) -> None:
         """What the server knows about the coming :meth:`aggregate`'s releases (in their order)."""
 
+    @abc.abstractmethod
     def aggregate(self, releases: Tensor, hypotheses: Tensor, weights: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """``(new hypotheses (k, P), cluster of each release (U,))``."""
         raise NotImplementedError

@@ -22,8 +22,9 @@ after which ``aggregator: median`` (or ``class_path: my_module.CoordinateMedian`
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = ["KINDS", "Combination", "Part", "register_part", "registered_parts", "resolve_part"]
 
@@ -43,13 +44,16 @@ class Combination:
     num_hypotheses: int
 
 
-class Part:
-    """What every part shares: a name, optional state, parameters to log, and a check of the combination it is in.
+class Part(abc.ABC):
+    """What every part shares: a kind, a name, optional state, parameters to log, and a check of the combination it
+    is in. Each kind's base class (``ClientSanitizer``, ...) declares ``kind`` and its abstract methods.
 
     Capabilities, one vocabulary: ``accountable`` (the part spends privacy and keeps its own accounting: an update's
     record-level ledgers, a sanitizer's per-client ledger, the server's client-level accountant).
     """
 
+    #: which of :data:`KINDS` the part is (set by the kind's base class)
+    kind: ClassVar[str] = ""
     name = "part"
     #: whether the part spends privacy and accounts it
     accountable = False
@@ -76,6 +80,9 @@ def register_part(kind: str, name: str):
         raise ValueError(f"kind={kind!r} is not one of {KINDS}")
 
     def decorate(cls: type) -> type:
+        if getattr(cls, "kind", None) != kind:
+            raise TypeError(f"register_part({kind!r}, {name!r}): {cls.__name__} is not a {kind} part (subclass the "
+                            f"kind's base class, e.g. lightning_dp.federated.parts.Aggregator for an aggregator)")
         _PARTS[kind][name] = cls
         cls.name = name  # type: ignore[attr-defined]  # parts are Part subclasses, which declare it
         return cls
@@ -103,9 +110,9 @@ def resolve_part(kind: str, value: Any) -> Any:
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise ValueError(f"{kind}={value!r} is not a registered {kind} part; choose one of {names}.{hint}")
         return found()
-    base = {"selection": "ClientSelection", "update": "ClientUpdate", "sanitizer": "ClientSanitizer",
-            "aggregator": "Aggregator", "server_privacy": "ServerPrivacy"}[kind]
-    if not any(t.__name__ == base for t in type(value).__mro__):
+    if not (isinstance(value, Part) and type(value).kind == kind):
+        base = {"selection": "ClientSelection", "update": "ClientUpdate", "sanitizer": "ClientSanitizer",
+                "aggregator": "Aggregator", "server_privacy": "ServerPrivacy"}[kind]
         raise ValueError(f"{kind}={value!r} is not a {base} (lightning_dp.federated.parts); pass a registered name "
                          f"({sorted(_PARTS[kind])}) or an instance of a {base} subclass")
     return value

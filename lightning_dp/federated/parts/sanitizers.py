@@ -24,6 +24,7 @@ Hypotheses that have separated make local DP releases expensive: that is what th
 
 from __future__ import annotations
 
+import abc
 import math
 from typing import Any
 
@@ -56,6 +57,8 @@ class ClientSanitizer(Part):
     the round charges to the client's ledger when :attr:`accountable` (a d-privacy ledger:
     costs add up over participations, :class:`~lightning_dp.privacy.ledger.PrivacyLedger`).
     """
+
+    kind = "sanitizer"
 
     #: whether releases cost privacy that the round must charge to the clients' ledgers
     accountable = False
@@ -91,6 +94,7 @@ class ClientSanitizer(Part):
         the client's data, or None: server-side accounting under replacement may use it (public)."""
         return None
 
+    @abc.abstractmethod
     def sanitize(self, trained: Tensor, start: Tensor, *, generator: torch.Generator, layer_sizes: list[int],
                  reference: Tensor | None = None, hypotheses: Tensor | None = None) -> SanitizedUpdate:
         """The release of a client that trained ``start`` into ``trained``.

@@ -12,6 +12,7 @@ selection; its draws are secret all the same (one rule for every selection).
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -27,6 +28,8 @@ __all__ = ["ClientSelection", "PoissonSelection", "UniformSelection"]
 class ClientSelection(Part):
     """Chooses the clients of a round."""
 
+    kind = "selection"
+
     #: Poisson inclusion rate of every client (for amplification by sampling), or None
     poisson_rate: float | None = None
 
@@ -40,12 +43,14 @@ class ClientSelection(Part):
         require_secret(generator, f"client selection ({type(self).__name__})")
         return self.select(num_clients, generator, eligible)
 
+    @abc.abstractmethod
     def select(self, num_clients: int, generator: torch.Generator,
                eligible: Callable[[int], bool] | None = None) -> tuple[list[int], int]:
         """``(chosen client positions, number declined)``; ``eligible(i)`` False means client i declines
         (its privacy cap would be exceeded). Implemented by each selection; called through :meth:`draw`."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def expected_count(self, num_clients: int) -> float:
         """The expected number of participants (the divisor of a noisy average)."""
         raise NotImplementedError

@@ -44,6 +44,7 @@ aggregate (every DDP process draws the same), after the releases are gathered.
 
 from __future__ import annotations
 
+import abc
 import math
 from typing import Any
 
@@ -64,6 +65,8 @@ __all__ = ["CentralGaussian", "NoServerPrivacy", "ServerPrivacy"]
 
 class ServerPrivacy(Part):
     """Wraps the aggregation of a round (Flower's view of DP as a wrapper: clip, aggregate, noise)."""
+
+    kind = "server_privacy"
 
     #: True when the part accounts a client-level epsilon
     accountable = False
@@ -88,6 +91,7 @@ class ServerPrivacy(Part):
                          "sampling; a fixed number of clients per round is not accounted)")
         return [f"{type(self).__name__}: " + "; ".join(found)] if found else []
 
+    @abc.abstractmethod
     def aggregate(self, releases: Tensor, hypotheses: Tensor, aggregator: Any, *, weights: Tensor | None,
                   expected_count: float, noise_generator: torch.Generator, count_generator: torch.Generator,
                   update_set: tuple[float, float] | None = None, report_epsilon: bool = True,

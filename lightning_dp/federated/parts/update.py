@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -36,6 +37,8 @@ class ClientUpdate(Part):
     (:meth:`charge`) and reports it (:meth:`privacy_metrics`).
     """
 
+    kind = "update"
+
     #: whether the update is record-level private and keeps a per-client ledger
     accountable = False
 
@@ -52,6 +55,7 @@ class ClientUpdate(Part):
                          "clients' exact record counts, which add/remove of one record changes; use weighted=False")
         return found
 
+    @abc.abstractmethod
     def train(self, template, spec, start: Tensor, x: Tensor, y: Tensor, mask: Tensor, *, loss: str,
               shuffles: Any, clients: Sequence[int] | None = None,
               noise: Callable[[int], torch.Generator] | None = None) -> Tensor:
