@@ -22,6 +22,9 @@ in :mod:`~lightning_dp.callbacks.release_guard`, the choice of C in :mod:`~light
 registered strategy: ``fixed``, ``online_sensitivity``, ``quantile``), the planning in
 :mod:`lightning_dp.privacy.planning`. Per-sample gradients are recorded by
 :class:`~lightning_dp.privacy.grad_sample.GradSampleEngine`; the gradients are replaced in ``on_after_backward``.
+Private attributes of other libraries it relies on: Lightning's ``fit_loop._data_source`` (checked, refused loudly
+if moved) and ``LightningModule._on_before_batch_transfer`` (the probe's batch path), torchmetrics'
+``Metric._defaults``, ``_update_count`` and ``_computed`` (the probe restores metric states).
 
 Virtual batches (:mod:`lightning_dp.callbacks.virtual_batches`): with ``Trainer(accumulate_grad_batches=k)`` (or
 a ``GradientAccumulationScheduler``) each logical Poisson batch, of expected size ``k x batch_size x world_size``,
@@ -159,21 +162,12 @@ class DPSGD(Callback):
         epochs: planned epochs, for calibration (default: the Trainer's ``max_epochs``).
         max_steps: planned optimizer steps, for calibration (default: the Trainer's
             ``max_steps``).
-        calibrate_for: which planned length a calibrated sigma is for when ``epochs``/``max_steps``
-            here and the Trainer's ``max_epochs``/``max_steps`` disagree (a YAML's ``epochs``
-            with ``--trainer.max_epochs`` changed on the command line). ``"auto"`` (default):
-            a Trainer that stops earlier wins: sigma is calibrated so that the Trainer's shorter
-            run spends ``target_epsilon``, and an info line says so; Lightning's implicit limit
-            (``max_epochs`` not set: 1000) leaves this callback's plan in charge; a Trainer that
-            would run longer is refused before the first step, with both values and the fixes, because
-            its limit may be a safeguard (Lightning's default ``max_epochs=1000``, a limit
-            behind ``EarlyStopping``), which calibration must not spread the budget over.
-            ``"trainer"``: calibrate for the Trainer's length (this callback's when the
-            Trainer has none). ``"callback"``: calibrate for ``epochs``/``max_steps`` here
-            whatever the Trainer says (a run trained over several fits resumed from
-            checkpoints; a longer Trainer is then stopped by the budget). Only a sigma that is
-            calibrated now depends on it: a given ``noise_multiplier`` and the sigma of a
-            resumed checkpoint are kept.
+        calibrate_for: which planned length a calibrated sigma is for when this callback's ``epochs``/``max_steps``
+            and the Trainer's limits disagree. ``"auto"`` (default): the shorter, but a Trainer that would run
+            longer than the plan is refused before the first step (its limit may be a safeguard, which the budget
+            must not be spread over; Lightning's implicit ``max_epochs=1000`` leaves the plan in charge).
+            ``"trainer"``: the Trainer's length. ``"callback"``: this plan (a run over several resumed fits). A given
+            ``noise_multiplier`` and the sigma of a resumed checkpoint are kept whatever this says.
         accountant: ``"pld"`` (privacy loss distributions, default) or ``"rdp"``.
         accountant_kwargs: extra arguments of the accountant (e.g.
             ``value_discretization_interval`` for PLD).

@@ -74,6 +74,7 @@ from lightning_dp.federated.parts import (
     ServerPrivacy,
     resolve_part,
 )
+from lightning_dp.federated.parts.server_privacy import RoundReleases
 from lightning_dp.privacy.ledger import PrivacyLedger
 from lightning_dp.privacy.noise import derive_generator, derive_secret_generator
 from lightning_dp.privacy.seeds import SECRET_KEY, check_seed, fresh_seed
@@ -622,13 +623,13 @@ class FederatedRound(LightningModule):
                                     budgets=self.update.revealed_budgets(index) if self.aggregator.needs_budgets
                                     else None)
             following = self._sanitizer_follows_clip()
+            held = RoundReleases(releases, hyps, weights=stats[:, 2],
+                                 expected_count=self.selection.expected_count(len(self._clients["train"])),
+                                 update_set=self._update_set(), unclipped=stats[:, 3] if following else None)
             new, assignment, privacy_metrics = privacy.aggregate(
-                releases, hyps, self.aggregator, weights=stats[:, 2],
-                expected_count=self.selection.expected_count(len(self._clients["train"])),
+                held, self.aggregator,
                 noise_generator=derive_secret_generator(self._noise_seed, _SERVER_NOISE, r, device=hyps.device),
-                count_generator=derive_secret_generator(self._noise_seed, _SERVER_COUNT, r),
-                update_set=self._update_set(),
-                report_epsilon=report, unclipped=stats[:, 3] if following else None)
+                count_generator=derive_secret_generator(self._noise_seed, _SERVER_COUNT, r), report_epsilon=report)
             if following:  # the next round's clients clip at the server's new (public) threshold
                 self.sanitizer.follow_clip(privacy.clip)
             self._split_metrics(index, metrics)

@@ -14,7 +14,14 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_dp.datamodules import SyntheticLinearMixture
 from lightning_dp.federated import FederatedRound
-from lightning_dp.federated.parts import CentralGaussian, FedAvg, LocalSGD, PoissonSelection, UniformSelection
+from lightning_dp.federated.parts import (
+    CentralGaussian,
+    FedAvg,
+    LocalSGD,
+    PoissonSelection,
+    RoundReleases,
+    UniformSelection,
+)
 from lightning_dp.models import LinearRegression
 from lightning_dp.privacy.noise import SecretGenerator
 from tests.helpers import RecordingLogger
@@ -77,8 +84,8 @@ def test_the_update_is_the_clipped_sum_over_the_expected_number_of_clients():
     glob = torch.zeros(1, 2)
     g = SecretGenerator().manual_seed(0)
     privacy.plan(sample_rate=0.5, num_clients=40, expected_count=20.0, planned_rounds=1)
-    new, assignment, metrics = privacy.aggregate(releases, glob, m.aggregator, weights=None, expected_count=20.0,
-                                                 noise_generator=g, count_generator=g)
+    new, assignment, metrics = privacy.aggregate(RoundReleases(releases, glob, weights=None, expected_count=20.0),
+                                                 m.aggregator, noise_generator=g, count_generator=g)
     factors = (0.05 / (releases.double().norm(dim=1) + 1e-6)).clamp(max=1).float()
     expected = (factors[:, None] * releases).sum(0) / 20.0
     torch.testing.assert_close(new[0], expected, rtol=0, atol=1e-6)
@@ -94,8 +101,8 @@ def test_noise_std_is_flowers_for_the_same_settings(adaptive):
     privacy.plan(sample_rate=0.5, num_clients=40, expected_count=m_clients, planned_rounds=1)
     glob = torch.zeros(1, 20_000, dtype=torch.float64)
     g = SecretGenerator().manual_seed(3)
-    new, _, _ = privacy.aggregate(glob.repeat(20, 1), glob, FedAvg(), weights=None, expected_count=m_clients,
-                                  noise_generator=g, count_generator=SecretGenerator().manual_seed(4))
+    new, _, _ = privacy.aggregate(RoundReleases(glob.repeat(20, 1), glob, weights=None, expected_count=m_clients),
+                                  FedAvg(), noise_generator=g, count_generator=SecretGenerator().manual_seed(4))
     z_used = privacy.update_noise_multiplier
     expected_std = z_used * clip / m_clients
     # 20,000 coordinates: the sample std is within 3% of the true std with probability > 1 - 1e-5
@@ -451,5 +458,5 @@ def test_the_server_refuses_noise_from_a_public_generator():
     glob = torch.zeros(1, 3)
     for noise, count in ((torch.Generator(), SecretGenerator()), (SecretGenerator(), torch.Generator())):
         with pytest.raises(TypeError, match="SECRET seed"):
-            privacy.aggregate(glob.repeat(4, 1), glob, FedAvg(), weights=None, expected_count=20.0,
+            privacy.aggregate(RoundReleases(glob.repeat(4, 1), glob, weights=None, expected_count=20.0), FedAvg(),
                               noise_generator=noise, count_generator=count)

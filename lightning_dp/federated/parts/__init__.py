@@ -25,12 +25,13 @@ from lightning_dp.federated.parts.sanitizers import (
     choice_spread,
 )
 from lightning_dp.federated.parts.selection import ClientSelection, PoissonSelection, UniformSelection
-from lightning_dp.federated.parts.server_privacy import CentralGaussian, NoServerPrivacy, ServerPrivacy
+from lightning_dp.federated.parts.server_privacy import CentralGaussian, NoServerPrivacy, RoundReleases, ServerPrivacy
 from lightning_dp.federated.parts.update import AUTO_VMAP_MAX_PARAMETERS, ClientUpdate, LocalDPSGD, LocalSGD
 
 __all__ = [
     "AUTO_VMAP_MAX_PARAMETERS", "Aggregator", "CentralGaussian", "ClientSanitizer", "ClientSelection", "ClientUpdate",
     "ClipSanitizer", "Combination", "EuclideanLaplace", "FedAvg", "GaussianLocalDP", "KINDS", "KMeans", "LaplaceLocalDP", "LocalDPSGD", "LocalSGD",
-    "NoSanitizer", "NoServerPrivacy", "PFA", "Part", "PoissonSelection", "SectorSanitizer", "ServerPrivacy",
+    "NoSanitizer", "NoServerPrivacy", "PFA", "Part", "PoissonSelection", "RoundReleases", "SectorSanitizer",
+    "ServerPrivacy",
     "UniformSelection", "choice_spread", "register_part", "registered_parts", "resolve_part",
 ]

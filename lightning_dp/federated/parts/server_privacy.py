@@ -45,6 +45,7 @@ aggregate (every DDP process draws the same), after the releases are gathered.
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 import math
 from typing import Any
 
@@ -60,7 +61,23 @@ from lightning_dp.privacy.clipping import check_max_grad_norm, clip_factors
 from lightning_dp.privacy.delta import LargeDeltaWarning, check_delta_for_size
 from lightning_dp.privacy.noise import check_noise_multiplier, gaussian_noise, require_secret
 
-__all__ = ["CentralGaussian", "NoServerPrivacy", "ServerPrivacy"]
+__all__ = ["CentralGaussian", "NoServerPrivacy", "RoundReleases", "ServerPrivacy"]
+
+
+@dataclass(frozen=True)
+class RoundReleases:
+    """What the server holds at the end of a round: the sanitized releases and what is public about them."""
+
+    releases: Tensor  #: (U, P) the round's releases
+    hypotheses: Tensor  #: (k, P) the models the clients started from
+    weights: Tensor | None  #: the aggregator's weights of the releases (None: plain)
+    expected_count: float  #: the expected number of participants (the divisor of a noisy average)
+    #: ``(radius, diameter)`` of a set every release's update lies in (public, from the sanitizer:
+    #: :meth:`~lightning_dp.federated.parts.ClientSanitizer.update_set`), or None
+    update_set: tuple[float, float] | None = None
+    #: one 0/1 per release, whether the client's raw update was within the threshold it clipped at (sanitizers
+    #: that follow the server's adaptive threshold); None: the server reads the norms of the releases
+    unclipped: Tensor | None = None
 
 
 class ServerPrivacy(Part):
@@ -92,21 +109,13 @@ class ServerPrivacy(Part):
         return [f"{type(self).__name__}: " + "; ".join(found)] if found else []
 
     @abc.abstractmethod
-    def aggregate(self, releases: Tensor, hypotheses: Tensor, aggregator: Any, *, weights: Tensor | None,
-                  expected_count: float, noise_generator: torch.Generator, count_generator: torch.Generator,
-                  update_set: tuple[float, float] | None = None, report_epsilon: bool = True,
-                  unclipped: Tensor | None = None) -> tuple[Tensor, Tensor, dict[str, float]]:
-        """``(new hypotheses, assignment, metrics)`` of the round.
+    def aggregate(self, round: RoundReleases, aggregator: Any, *, noise_generator: torch.Generator,
+                  count_generator: torch.Generator, report_epsilon: bool = True) -> tuple[Tensor, Tensor, dict[str, float]]:
+        """``(new hypotheses, assignment, metrics)`` of the round, its noise from the two secret generators.
 
-        ``update_set``: ``(radius, diameter)`` of a set every release's update is known to lie in
-        (public, from the sanitizer: :meth:`~lightning_dp.federated.parts.ClientSanitizer.update_set`), or None.
-        ``report_epsilon``: include :meth:`epsilon_metrics` (the round passes False between log writes:
-        a PLD composition per round can cost more than the round).
-        ``unclipped``: one 0/1 per release, whether the client's raw update was within the threshold it
-        clipped at (sanitizers that follow the server's adaptive threshold clip before the server sees
-        the update); None: the server reads the norms of the releases.
+        ``report_epsilon``: include :meth:`epsilon_metrics` (the round passes False between log writes: a PLD
+        composition per round can cost more than the round).
         """
-        raise NotImplementedError
 
     def epsilon_metrics(self) -> dict[str, float]:
         """The spend so far, as metrics (``privacy/epsilon``, ...); empty when nothing is accounted."""
@@ -121,9 +130,8 @@ class ServerPrivacy(Part):
 class NoServerPrivacy(ServerPrivacy):
     """The aggregator's result as it is."""
 
-    def aggregate(self, releases, hypotheses, aggregator, *, weights, expected_count, noise_generator,
-                  count_generator, update_set=None, report_epsilon=True, unclipped=None):
-        new, assignment = aggregator.aggregate(releases, hypotheses, weights)
+    def aggregate(self, round, aggregator, *, noise_generator, count_generator, report_epsilon=True):
+        new, assignment = aggregator.aggregate(round.releases, round.hypotheses, round.weights)
         return new, assignment, {}
 
 
@@ -404,8 +412,9 @@ class CentralGaussian(ServerPrivacy):
         return s, min(diameter, 2 * s)
 
     # ----------------------------------------------------------------- round
-    def aggregate(self, releases, hypotheses, aggregator, *, weights, expected_count, noise_generator,
-                  count_generator, update_set=None, report_epsilon=True, unclipped=None):
+    def aggregate(self, round, aggregator, *, noise_generator, count_generator, report_epsilon=True):
+        releases, hypotheses, expected_count = round.releases, round.hypotheses, round.expected_count
+        update_set, unclipped = round.update_set, round.unclipped
         if hypotheses.shape[0] != 1:
             raise ValueError("CentralGaussian averages one model (num_hypotheses=1)")
         if not self.budget_left(update_set):
