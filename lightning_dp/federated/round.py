@@ -582,80 +582,92 @@ class FederatedRound(LightningModule):
         return gate.admit(self.trainer, name, "metric")
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
+        """One round: select, train and sanitize on the clients, aggregate (with the server's privacy), log."""
         from lightning_dp import gate
 
         gate.install(self.trainer, self)  # a logger added by a hook since setup (wraps only what is new)
         r = int(self.rounds)
         index, declined = self._sample_clients(r)  # the same on every process (seeded by round)
-        hyps = self.hypotheses
         metrics: dict[str, float] = {self._stat("participants"): float(len(index)),
                                      self._stat("declined"): float(declined)}
-        privacy = self.server_privacy
         planned = self.trainer.max_epochs
         last = planned is not None and planned > 0 and self.trainer.current_epoch + 1 >= planned  # ends anyway
         # epsilon (a PLD composition) only when Lightning writes this round's metrics, or the run ends
         written = bool(getattr(self.trainer, "_logger_connector", None) is None
                        or self.trainer._logger_connector.should_update_logs)
-        report = last or written
-        if index or privacy.accountable:  # an accounted round without participants still releases its noise
-            if index:
-                local_releases, local_stats, local_diagnostics = self._client_round(index, r)
-            else:
-                local_releases = hyps.new_zeros((0, self.spec.numel))
-                local_stats = torch.zeros((0, 4), dtype=torch.float64, device=hyps.device)
-                local_diagnostics = hyps.new_zeros((0, 2 * self.spec.numel)) if self.diagnostics else None
-            if local_diagnostics is not None:
-                self._log_cosines(r, self._gather_rows(local_diagnostics, len(index)), metrics)
-            # the server's view: every release, in the round's client order, on every process
-            releases = self._gather_rows(local_releases, len(index))
-            stats = self._gather_rows(local_stats, len(index))
-            if self.sanitizer.accountable:  # e.g. nu = 0, the non-private baseline: nothing to account
-                for i, cost in zip(index, stats[:, 1].tolist()):
-                    self.ledger.charge(self._clients["train"][i].client_id, cost)
-            self.update.charge(index)  # record-level ledger (local DP-SGD)
-            if self.k == 1 and len(index):  # the released updates' norms: post-processing only of sanitized releases
-                norms = row_norms(releases - hyps[0])
-                metrics[self._stat("update_norm_mean", of_releases=True)] = float(norms.mean())
-                metrics[self._stat("update_norm_std", of_releases=True)] = float(norms.std()) if len(index) > 1 \
-                    else 0.0
-            self.aggregator.observe(client_ids=[self._clients["train"][i].client_id for i in index],
-                                    layer_sizes=self.spec.sizes, round_index=r,
-                                    budgets=self.update.revealed_budgets(index) if self.aggregator.needs_budgets
-                                    else None)
-            following = self._sanitizer_follows_clip()
-            held = RoundReleases(releases, hyps, weights=stats[:, 2],
-                                 expected_count=self.selection.expected_count(len(self._clients["train"])),
-                                 update_set=self._update_set(), unclipped=stats[:, 3] if following else None)
-            new, assignment, privacy_metrics = privacy.aggregate(
-                held, self.aggregator,
-                noise_generator=derive_secret_generator(self._noise_seed, _SERVER_NOISE, r, device=hyps.device),
-                count_generator=derive_secret_generator(self._noise_seed, _SERVER_COUNT, r), report_epsilon=report)
-            if following:  # the next round's clients clip at the server's new (public) threshold
-                self.sanitizer.follow_clip(privacy.clip)
-            self._split_metrics(index, metrics)
-            self.previous_step.copy_(new - hyps)
-            self.optimizers().step(closure=lambda: self.hypotheses.copy_(new))  # type: ignore[union-attr]  # one optimizer
-            metrics.update(privacy_metrics)
-            sizes = torch.bincount(assignment, minlength=self.k)
-            if len(index):  # the clients' private losses: covered by no accountant
-                metrics["nonprivate/train_loss"] = float(stats[:, 0].mean())
-            for j in range(self.k):  # the server's clustering of the releases
-                metrics[self._stat(f"cluster_size_{j}", of_releases=True)] = float(sizes[j])
-            if self.spec.numel <= 2 and self._records_releases():
-                self._history.append({"round": r, "releases": releases.detach().cpu().clone(),
-                                      "hypotheses": new.detach().cpu().clone()})
+        if index or self.server_privacy.accountable:  # an accounted round without participants still releases noise
+            releases, stats = self._client_releases(index, r, metrics)
+            self._server_step(index, releases, stats, r, report=last or written, metrics=metrics)
         else:
             # a round without participants is still a round
             self.optimizers().step(closure=lambda: None)  # type: ignore[union-attr]  # one optimizer
+        self._end_round(index, r, last=last, written=written, metrics=metrics)
+
+    def _client_releases(self, index: list[int], r: int, metrics: dict[str, float]) -> tuple[Tensor, Tensor]:
+        """The server's view of round ``r``: every release and its statistics, in the round's client order, on every
+        process; the clients' costs charged to their ledgers."""
+        hyps = self.hypotheses
+        if index:
+            local_releases, local_stats, local_diagnostics = self._client_round(index, r)
+        else:
+            local_releases = hyps.new_zeros((0, self.spec.numel))
+            local_stats = torch.zeros((0, 4), dtype=torch.float64, device=hyps.device)
+            local_diagnostics = hyps.new_zeros((0, 2 * self.spec.numel)) if self.diagnostics else None
+        if local_diagnostics is not None:
+            self._log_cosines(r, self._gather_rows(local_diagnostics, len(index)), metrics)
+        releases = self._gather_rows(local_releases, len(index))
+        stats = self._gather_rows(local_stats, len(index))
+        if self.sanitizer.accountable:  # e.g. nu = 0, the non-private baseline: nothing to account
+            for i, cost in zip(index, stats[:, 1].tolist()):
+                self.ledger.charge(self._clients["train"][i].client_id, cost)
+        self.update.charge(index)  # record-level ledger (local DP-SGD)
+        if self.k == 1 and len(index):  # the released updates' norms: post-processing only of sanitized releases
+            norms = row_norms(releases - hyps[0])
+            metrics[self._stat("update_norm_mean", of_releases=True)] = float(norms.mean())
+            metrics[self._stat("update_norm_std", of_releases=True)] = float(norms.std()) if len(index) > 1 else 0.0
+        return releases, stats
+
+    def _server_step(self, index: list[int], releases: Tensor, stats: Tensor, r: int, *, report: bool,
+                     metrics: dict[str, float]) -> None:
+        """The server's aggregation of round ``r`` (through its privacy part) and the optimizer step to it."""
+        hyps, privacy = self.hypotheses, self.server_privacy
+        self.aggregator.observe(client_ids=[self._clients["train"][i].client_id for i in index],
+                                layer_sizes=self.spec.sizes, round_index=r,
+                                budgets=self.update.revealed_budgets(index) if self.aggregator.needs_budgets else None)
+        following = self._sanitizer_follows_clip()
+        held = RoundReleases(releases, hyps, weights=stats[:, 2],
+                             expected_count=self.selection.expected_count(len(self._clients["train"])),
+                             update_set=self._update_set(), unclipped=stats[:, 3] if following else None)
+        new, assignment, privacy_metrics = privacy.aggregate(
+            held, self.aggregator,
+            noise_generator=derive_secret_generator(self._noise_seed, _SERVER_NOISE, r, device=hyps.device),
+            count_generator=derive_secret_generator(self._noise_seed, _SERVER_COUNT, r), report_epsilon=report)
+        if following:  # the next round's clients clip at the server's new (public) threshold
+            self.sanitizer.follow_clip(privacy.clip)
+        self._split_metrics(index, metrics)
+        self.previous_step.copy_(new - hyps)
+        self.optimizers().step(closure=lambda: self.hypotheses.copy_(new))  # type: ignore[union-attr]  # one optimizer
+        metrics.update(privacy_metrics)
+        sizes = torch.bincount(assignment, minlength=self.k)
+        if len(index):  # the clients' private losses: covered by no accountant
+            metrics["nonprivate/train_loss"] = float(stats[:, 0].mean())
+        for j in range(self.k):  # the server's clustering of the releases
+            metrics[self._stat(f"cluster_size_{j}", of_releases=True)] = float(sizes[j])
+        if self.spec.numel <= 2 and self._records_releases():
+            self._history.append({"round": r, "releases": releases.detach().cpu().clone(),
+                                  "hypotheses": new.detach().cpu().clone()})
+
+    def _end_round(self, index: list[int], r: int, *, last: bool, written: bool, metrics: dict[str, float]) -> None:
+        """The round's spend and ledgers as metrics, the budget's stop, the logging."""
+        privacy = self.server_privacy
         if self.sanitizer.accountable and self.k > 1:  # the choice's share of the cost grows as hypotheses separate
             metrics["privacy/cost_per_participation"] = self.participation_cost()
         if len(self.ledger):
             metrics[self._ledger_name("client_epsilon_median")] = self.ledger.median()
             metrics[self._ledger_name("client_epsilon_max")] = self.ledger.max()
-        if report and self.update.accountable:  # per-client compositions: only when written
+        if (last or written) and self.update.accountable:  # per-client compositions: only when written
             metrics.update(self._record_metrics())
         self.rounds += 1
-        # float64: Lightning would store a Python float as float32 and round the spend
         if privacy.accountable and not last and not privacy.budget_left(self._update_set()) and not self.trainer.should_stop:
             metrics.update(privacy.epsilon_metrics())  # the final spend is always recorded
             rank_zero_info(f"{type(privacy).__name__}: stopping after round {r + 1}: the next round would exceed "
@@ -665,6 +677,7 @@ class FederatedRound(LightningModule):
             self._epsilon_written = r
         if not self.log_nonprivate_metrics:  # exact statistics of the clients' data, covered by no accountant
             metrics = {k: v for k, v in metrics.items() if not k.startswith("nonprivate/")}
+        # float64: Lightning would store a Python float as float32 and round the spend
         self.log_dict({k: torch.tensor(v, dtype=torch.float64) for k, v in metrics.items()}, on_step=True,
                       on_epoch=False, batch_size=1)
         self._fit_rounds += 1
