@@ -92,7 +92,7 @@ class EuclideanLaplaceSanitizer(PartRelease):
             raise ValueError(
                 "per_layer=True needs the sizes of the model's parameter tensors, got layer_sizes=None. Use "
                 "EuclideanLaplaceSanitizer.for_model(model, noise_multiplier), or pass layer_sizes="
-                "lightning_dp.audit.parameter_sizes(model), or per_layer=False for one release of the whole vector.")
+                "lightning_dp.audit.sanitizers.parameter_sizes(model), or per_layer=False for one release of the whole vector.")
         super().__init__(EuclideanLaplace(noise_multiplier, per_layer=per_layer, min_delta_norm=min_delta_norm),
                          layer_sizes)
         self.noise_multiplier, self.per_layer = self.part.noise_multiplier, per_layer  # type: ignore[attr-defined]

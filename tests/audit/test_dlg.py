@@ -26,16 +26,13 @@ from lightning_dp.audit import (
     NoSanitizer,
     client_release,
     dlg_attack,
-    flatten_parameters,
-    gradient_matching_loss,
-    image_grid,
     make_sanitizer_factory,
-    mse,
     observed_gradient,
-    parameter_sizes,
-    psnr,
     run_dlg_audit,
 )
+from lightning_dp.audit._common import flatten_parameters, parameter_sizes
+from lightning_dp.audit.dlg import gradient_matching_loss
+from lightning_dp.audit.metrics import image_grid, mse, psnr
 from lightning_dp.commands.audit_dlg import build_parser, input_scale, load_images
 from lightning_dp.federated import FlatParams
 from lightning_dp.models import SigmoidLeNet
