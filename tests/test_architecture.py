@@ -167,3 +167,42 @@ def test_the_federated_parts_and_the_dlg_audit_load_no_lightning():
     code = ("import sys, lightning_dp.federated.parts, lightning_dp.audit.sanitizers; "
             "sys.exit(int(any(m == 'lightning' or m.startswith('lightning.') for m in sys.modules)))")
     assert subprocess.run([sys.executable, "-c", code], cwd=PACKAGE.parent).returncode == 0
+
+
+def test_every_extension_example_of_the_architecture_doc_runs_and_registers():
+    """docs/architecture.md shows adding a layer rule, a sanitizer, a clipping strategy and an attack as one registered
+    class each: the blocks run as written and their classes are registered where the package looks them up."""
+    import numpy as np
+    import torch
+
+    from lightning_dp.audit.attacks import AttackSetting, registered_attacks
+    from lightning_dp.audit.sanitizers import PartRelease
+    from lightning_dp.callbacks.clipping import Release, registered_clip_strategies
+    from lightning_dp.federated.parts import registered_parts
+    from lightning_dp.privacy.grad_sample.registry import rule_for
+
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text("utf-8")
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    spaces = []
+    for block in blocks[1:]:  # the first block is the top-level API
+        namespace: dict = {}
+        exec(compile(block, "docs/architecture.md", "exec"), namespace)  # noqa: S102  (our own documentation)
+        spaces.append(namespace)
+    rules, sanitizers, strategies, attacks = spaces
+    assert type(rule_for(rules["Scale"](3))).__name__ == "ScaleRule"
+    sign = registered_parts("sanitizer")["sign"]()
+    released = PartRelease(sign)(torch.zeros(3), torch.tensor([0.5, -2.0, 0.0]), None)
+    assert torch.equal(released, torch.tensor([0.01, -0.01, 0.0]))
+    halving = registered_clip_strategies()["halving"]()
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    for step in range(200):
+        halving.after_release(Release(step=step, noise_multiplier=1.0, gradient=[], extra_sums=[], clipped=0.0,
+                                      examples=0.0, expected_batch_size=1.0, optimizer=optimizer,
+                                      statistic_generator=lambda device=None: torch.Generator()))
+    assert halving.clip == 0.25 and len(halving.trace) == 200
+    split = type("Split", (), {"members": np.arange(2)})()
+    setting = AttackSetting(target=None, pool=None, split=split, evaluation=None, target_losses=np.array([0.1, 0.2, 3.0]),
+                            loss_seconds=0.0, config=None, statistic="loss", seeded=lambda *a: 0, make_model=None,
+                            trainer_kwargs=dict)
+    scores = registered_attacks()["confidence"]().run(setting)
+    assert scores.members.tolist() == [-0.1, -0.2] and scores.nonmembers.tolist() == [-3.0]
