@@ -40,7 +40,6 @@ def is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-
 def integer(name: str, value: Any, *, owner: Optional[str] = None, hint: Optional[str] = None) -> int:
     """``value`` as an ``int`` (``bool`` is refused)."""
     if not _is_int(value):

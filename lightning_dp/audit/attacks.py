@@ -87,6 +87,10 @@ class MembershipAttack:
 def register_attack(name: str) -> Callable[[type[MembershipAttack]], type[MembershipAttack]]:
     """Class decorator: ``--attacks`` may name the attack."""
     def decorate(cls: type[MembershipAttack]) -> type[MembershipAttack]:
+        taken = _ATTACKS.get(name)
+        if taken is not None and (taken.__module__, taken.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise ValueError(f"attack {name!r} is already registered ({taken.__module__}.{taken.__qualname__}); "
+                             "choose another name")
         _ATTACKS[name] = cls
         cls.name = name
         return cls

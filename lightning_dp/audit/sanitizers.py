@@ -58,6 +58,9 @@ class NoSanitizer(PartRelease):
     def __init__(self) -> None:
         super().__init__(_Unsanitized())
 
+    def __call__(self, start: Tensor, trained: Tensor, generator: Optional[torch.Generator] = None) -> Tensor:
+        return super().__call__(start, trained, generator).clone()  # a copy, as before: callers may modify it
+
     def __repr__(self) -> str:
         return "NoSanitizer()"
 

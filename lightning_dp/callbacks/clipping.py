@@ -20,6 +20,7 @@ Adding one is one registered class (docs/architecture.md)::
         adaptive = True                      # C moves: logged as a metric, plotted
 
         def after_release(self, release):    # a public schedule: releases nothing, costs nothing
+            self.record(release.step, release.optimizer)   # the trace: the metric and the plot of C
             if release.step % 100 == 99:
                 self.clip /= 2
 
@@ -33,7 +34,7 @@ from __future__ import annotations
 import difflib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -52,8 +53,10 @@ from lightning_dp.privacy.adaptive import (
     quantile_noise_split,
 )
 from lightning_dp.privacy.clipping import check_max_grad_norm
+from lightning_dp.privacy.noise import derive_secret_generator
 
-__all__ = ["ClipStrategy", "FixedClip", "OnlineSensitivityClip", "QuantileClip", "Release", "register_clip_strategy",
+__all__ = ["ClipStrategy", "FixedClip", "OnlineSensitivityClip", "QuantileClip", "Release", "StatisticStream",
+           "register_clip_strategy",
            "registered_clip_strategies", "resolve_clip_strategy"]
 
 #: Andrew et al. 2021's recommended step of log C (eta_C) and initial threshold.
@@ -80,7 +83,28 @@ class Release:
     expected_batch_size: float
     optimizer: Any
     #: ``statistic_generator(device=None)``: the secret generator of this step's statistic noise
-    statistic_generator: Callable[..., torch.Generator]
+    statistic_generator: Callable[..., torch.Generator] = field(repr=False)
+
+
+class StatisticStream:
+    """The secret generator of one step's statistic noise, without showing its seed: no repr of it, no pickling
+    (a strategy that kept a release in its checkpoint state would otherwise carry the seed out of the run)."""
+
+    __slots__ = ("_make",)
+
+    def __init__(self, seed: int, *counters: int) -> None:
+        def make(device: Any = "cpu") -> torch.Generator:
+            return derive_secret_generator(seed, *counters, device=device)
+        self._make = make
+
+    def __call__(self, device: Any = "cpu") -> torch.Generator:
+        return self._make(device)
+
+    def __repr__(self) -> str:
+        return "StatisticStream(<secret>)"
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a StatisticStream holds the run's secret seed: it is not pickled")
 
 
 class ClipStrategy:
@@ -151,8 +175,16 @@ class ClipStrategy:
 
 
 def register_clip_strategy(name: str) -> Callable[[type[ClipStrategy]], type[ClipStrategy]]:
-    """Class decorator: ``DPSGD(clipping=name)`` builds the strategy with its defaults."""
+    """Class decorator: ``DPSGD(clipping=name)`` builds the strategy with its defaults.
+
+    Raises:
+        ValueError: the name is taken by another class (importing a module must not replace, e.g., ``fixed``).
+    """
     def decorate(cls: type[ClipStrategy]) -> type[ClipStrategy]:
+        taken = _STRATEGIES.get(name)
+        if taken is not None and (taken.__module__, taken.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise ValueError(f"clipping strategy {name!r} is already registered ({taken.__module__}."
+                             f"{taken.__qualname__}); choose another name")
         _STRATEGIES[name] = cls
         cls.name = name
         return cls

@@ -62,13 +62,13 @@ from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
 from lightning_dp import checks
 from lightning_dp.callbacks import batch_probe, training_data, virtual_batches
-from lightning_dp.callbacks.clipping import ClipStrategy, FixedClip, Release, resolve_clip_strategy
+from lightning_dp.callbacks.clipping import ClipStrategy, FixedClip, Release, StatisticStream, resolve_clip_strategy
 from lightning_dp.callbacks.release_guard import ReleaseGuard, UnprivatizedGradientError
 from lightning_dp.privacy import planning
 from lightning_dp.privacy.accounting import get_accountant
 from lightning_dp.privacy.batch_dims import split_batch
 from lightning_dp.privacy.calibration import calibrate_noise_multiplier
-from lightning_dp.privacy.clipping import clip_factors
+from lightning_dp.privacy.clipping import check_max_grad_norm, clip_factors
 from lightning_dp.privacy.delta import check_delta_for_size
 from lightning_dp.privacy.grad_sample import GradSampleEngine, PerSampleGradientError
 from lightning_dp.privacy.noise import (
@@ -98,6 +98,7 @@ class PlannedMechanism(NamedTuple):
     sample_rate: float
     events: int
     multiplier_scale: float
+
 
 _STATE_VERSION = 2
 #: Trainer precisions DPSGD supports (the engine computes per-sample norms and sums in at least float32)
@@ -589,7 +590,7 @@ class DPSGD(Callback):
         self._update_budget(trainer)  # a reloaded loader may bring a new sampling rate
         return poisson_dataloader(loader, sample_rate=data.sample_rate, seed=self._drawn_seed(),
                                   rank=trainer.global_rank, world_size=world, start_step=lambda: self._released,
-                                  parts=parts, steps_per_epoch=data.steps_per_epoch)  # the plan's count  # the plan's count, not ceil(1/q) again
+                                  parts=parts, steps_per_epoch=data.steps_per_epoch)  # the plan's count, not ceil(1/q) again
 
     def _start_pass(self) -> None:
         self._passes += 1
@@ -1000,7 +1001,7 @@ class DPSGD(Callback):
         # the loss was a mean over `seen` examples, divided by Lightning's accumulation factor, and multiplied by
         # the loss scale of 16-mixed: unscaled here, before the norms and the clipping
         norms = engine.per_sample_norms(loss_scale=seen * trainer.accumulate_grad_batches / _loss_scale(trainer))
-        clip = self.max_grad_norm
+        clip = check_max_grad_norm(self.max_grad_norm)  # a strategy's C, checked at every step it clips with
         sums = [engine.clipped_sum(clip_factors(norms, clip))]
         sums += [engine.clipped_sum(w) for w in self.clipping.extra_weights(norms)]
         engine.clear()
@@ -1054,8 +1055,8 @@ class DPSGD(Callback):
         self._last_stats = stats.detach()
         release = Release(step=self._released, noise_multiplier=self._sigma, gradient=grads, extra_sums=extra_sums,
                           clipped=float(stats[0]), examples=float(stats[1]), expected_batch_size=expected,
-                          optimizer=optimizer, statistic_generator=functools.partial(
-                              derive_secret_generator, self._drawn_seed(), CLIP_STATISTIC, self._released))
+                          optimizer=optimizer,
+                          statistic_generator=StatisticStream(self._drawn_seed(), CLIP_STATISTIC, self._released))
         try:
             self.clipping.after_release(release)
         except ValueError as err:
@@ -1081,9 +1082,21 @@ class DPSGD(Callback):
             f"the optimizer is about to step after micro-batch {self._part} of {self._parts} of a logical batch")
 
     def _gradient_noise_multiplier(self) -> float:
-        """The multiplier of the clipped sum's noise: the accounted sigma, or the clipping strategy's share of it."""
+        """The multiplier of the clipped sum's noise: the accounted sigma, or the clipping strategy's share of it.
+
+        Raises:
+            RuntimeError: a strategy's share below the accounted sigma or not finite: any split of one Gaussian
+                mechanism between two releases gives the gradient MORE than sigma (``nu_g^-2 + nu_q^-2 = nu^-2``), so
+                less would release with less noise than the accountant records.
+        """
         assert self._sigma is not None
-        return self.clipping.gradient_noise_multiplier(self._sigma, self._data.expected_batch_size)
+        share = self.clipping.gradient_noise_multiplier(self._sigma, self._data.expected_batch_size)
+        if not (math.isfinite(share) and share >= self._sigma):
+            raise RuntimeError(
+                f"{type(self).__name__}: the clipping strategy {type(self.clipping).__name__} gives the gradient noise "
+                f"multiplier {share!r}, below the accounted {self._sigma!r}; refusing to release with less noise "
+                "than epsilon is computed for (a strategy's share of one Gaussian mechanism is at least sigma).")
+        return share
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

@@ -103,6 +103,32 @@ def test_the_strategys_statistic_noise_comes_from_the_secret_stream_it_never_hol
 
     assert isinstance(seen[0].statistic_generator(), SecretGenerator)
     assert not any(v == 123 for v in vars(dp.clipping).values())
+    import pickle
+
+    assert "123" not in repr(seen[0]) and "123" not in repr(seen[0].statistic_generator)
+    with pytest.raises(TypeError, match="secret seed"):
+        pickle.dumps(seen[0].statistic_generator)
+
+
+def test_a_strategy_that_would_release_with_less_noise_or_a_bad_threshold_is_refused_at_its_first_step():
+    class Cheating(FixedClip):
+        def gradient_noise_multiplier(self, noise_multiplier, expected_batch_size):
+            return 0.5 * noise_multiplier  # less than the accounted sigma: epsilon would be under-reported
+
+    with pytest.raises(RuntimeError, match="below the accounted"):
+        _fit(DPSGD(noise_multiplier=1.0, clipping=Cheating(), seed=0), steps=1)
+
+    class Runaway(FixedClip):
+        def after_release(self, release):
+            self.clip = float("nan")
+
+    with pytest.raises(ValueError, match="max_grad_norm=nan"):
+        _fit(DPSGD(noise_multiplier=1.0, clipping=Runaway(), seed=0), steps=2)
+
+
+def test_a_registered_name_cannot_be_taken_by_another_class():
+    with pytest.raises(ValueError, match="'fixed' is already registered"):
+        register_clip_strategy("fixed")(type("MyFixed", (FixedClip,), {}))
 
 
 def test_osos_learning_rate_metric_is_admitted_by_the_gate_for_dpsgd_with_the_strategy():

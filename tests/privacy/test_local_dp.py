@@ -115,6 +115,9 @@ def test_gaussian_epsilon_is_the_library_value(multiplier):
     acc.compose(dpa.GaussianDpEvent(multiplier))
     assert gaussian_epsilon(multiplier, 1e-5) == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)
     assert gaussian_epsilon(math.inf, 1e-5) == 0.0
+    for delta in (0.0, 1.0):
+        with pytest.raises(ValueError, match="delta"):
+            gaussian_epsilon(0.1, delta)  # both branches check delta (the analytic one returned 1e-9 at delta 1)
 
 
 @pytest.mark.parametrize("multiplier", [5e-4, 0.01, 0.3, 0.4999])

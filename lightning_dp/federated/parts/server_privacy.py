@@ -45,8 +45,8 @@ aggregate (every DDP process draws the same), after the releases are gathered.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -109,7 +109,7 @@ class ServerPrivacy(Part):
         return [f"{type(self).__name__}: " + "; ".join(found)] if found else []
 
     @abc.abstractmethod
-    def aggregate(self, round: RoundReleases, aggregator: Any, *, noise_generator: torch.Generator,
+    def aggregate(self, held: RoundReleases, aggregator: Any, *, noise_generator: torch.Generator,
                   count_generator: torch.Generator, report_epsilon: bool = True) -> tuple[Tensor, Tensor, dict[str, float]]:
         """``(new hypotheses, assignment, metrics)`` of the round, its noise from the two secret generators.
 
@@ -130,8 +130,8 @@ class ServerPrivacy(Part):
 class NoServerPrivacy(ServerPrivacy):
     """The aggregator's result as it is."""
 
-    def aggregate(self, round, aggregator, *, noise_generator, count_generator, report_epsilon=True):
-        new, assignment = aggregator.aggregate(round.releases, round.hypotheses, round.weights)
+    def aggregate(self, held, aggregator, *, noise_generator, count_generator, report_epsilon=True):
+        new, assignment = aggregator.aggregate(held.releases, held.hypotheses, held.weights)
         return new, assignment, {}
 
 
@@ -412,9 +412,9 @@ class CentralGaussian(ServerPrivacy):
         return s, min(diameter, 2 * s)
 
     # ----------------------------------------------------------------- round
-    def aggregate(self, round, aggregator, *, noise_generator, count_generator, report_epsilon=True):
-        releases, hypotheses, expected_count = round.releases, round.hypotheses, round.expected_count
-        update_set, unclipped = round.update_set, round.unclipped
+    def aggregate(self, held, aggregator, *, noise_generator, count_generator, report_epsilon=True):
+        releases, hypotheses, expected_count = held.releases, held.hypotheses, held.expected_count
+        update_set, unclipped = held.update_set, held.unclipped
         if hypotheses.shape[0] != 1:
             raise ValueError("CentralGaussian averages one model (num_hypotheses=1)")
         if not self.budget_left(update_set):
