@@ -35,15 +35,18 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
-from jsonargparse import ActionConfigFile, ArgumentParser
+from jsonargparse import ActionConfigFile
 from torch import Tensor, nn
 
 from lightning_dp import checks
 from lightning_dp.audit.dlg_audit import AuditResult, AuditRow, run_dlg_audit
 from lightning_dp.audit.sanitizers import SANITIZERS, make_sanitizer_factory
+
+if TYPE_CHECKING:
+    from lightning_dp.commands.parser import ShortJsonParser
 
 __all__ = ["build_parser", "input_scale", "load_images", "main"]
 
@@ -52,7 +55,7 @@ DEFAULT_NOISE_MULTIPLIERS = [0.0, 1e-3, 1e-2, 1e-1, 1.0, 3.0, 5.0, 10.0]
 INIT_STREAM = 23
 
 
-def build_parser() -> ArgumentParser:
+def build_parser() -> ShortJsonParser:
     """The jsonargparse parser of ``lightning-dp audit`` (``model`` and ``data`` as ``class_path``/``init_args``)."""
     from lightning.pytorch import LightningDataModule
 
@@ -260,13 +263,7 @@ def main(argv: Sequence[str]) -> int:
     from lightning_dp.privacy.noise import derive_generator
 
     parser = build_parser()
-    cfg = parser.parse_args(list(argv))
-    problems = _settings_problems(cfg)
-    if problems:
-        parser.error("invalid settings:\n  " + "\n  ".join(problems))
-    from lightning_dp.tracking import redact_secrets
-
-    config_text = redact_secrets(parser.dump(cfg, skip_none=False))  # e.g. a DPSGD seed in callbacks
+    cfg, config_text = parser.parse_checked(argv, _settings_problems)
     # The model's initialization uses the global RNG (every nn.Module does): seed it from the audit's
     # seed inside fork_rng, so the audit is reproducible and the caller's RNG state is left untouched.
     with torch.random.fork_rng(devices=[]):

@@ -36,11 +36,11 @@ import math
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
-from jsonargparse import ActionConfigFile, ArgumentParser
+from jsonargparse import ActionConfigFile
 
 from lightning_dp.audit.attacks import (
     DATA_STREAM,
@@ -52,10 +52,13 @@ from lightning_dp.audit.attacks import (
     resolve_attacks,
 )
 
+if TYPE_CHECKING:
+    from lightning_dp.commands.parser import ShortJsonParser
+
 __all__ = ["build_parser", "main"]
 
 
-def build_parser() -> ArgumentParser:
+def build_parser() -> ShortJsonParser:
     from lightning.pytorch import Callback, LightningDataModule, LightningModule
 
     from lightning_dp.commands.parser import ShortJsonParser
@@ -150,13 +153,7 @@ def main(argv: Sequence[str]) -> int:
     from lightning_dp.privacy.noise import derive_generator
 
     parser = build_parser()
-    cfg = parser.parse_args(list(argv))
-    problems = _problems(cfg)
-    if problems:
-        parser.error("invalid settings:\n  " + "\n  ".join(problems))
-    from lightning_dp.tracking import redact_secrets
-
-    config_text = redact_secrets(parser.dump(cfg, skip_none=False))  # e.g. a DPSGD seed in callbacks
+    cfg, config_text = parser.parse_checked(argv, _problems)
 
     def seeded(stream: int, k: int = 0) -> int:
         return int(derive_generator(cfg.seed, stream, k).initial_seed()) % 2**63

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, Optional
 
 from jsonargparse import ArgumentParser, DefaultHelpFormatter
@@ -79,6 +80,17 @@ class ShortJsonParser(ArgumentParser):
         if not self.exit_on_error or show_tracebacks():
             super().error(message, ex)
         _short_error(self, message, ex)
+
+    def parse_checked(self, argv: Sequence[str], problems: Callable[[Any], list[str]]) -> tuple[Any, str]:
+        """``argv`` parsed, every one of ``problems(cfg)`` refused in one error before anything runs, and the config
+        as it is logged (``config.yaml``: secrets such as a DPSGD seed redacted)."""
+        from lightning_dp.tracking import redact_secrets
+
+        cfg = self.parse_args(list(argv))
+        found = problems(cfg)
+        if found:
+            self.error("invalid settings:\n  " + "\n  ".join(found))
+        return cfg, redact_secrets(self.dump(cfg, skip_none=False))
 
 
 class ShortErrorParser(ShortJsonParser, LightningArgumentParser):
