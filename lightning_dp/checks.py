@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
 
-__all__ = ["generator", "integer", "is_real", "non_negative_int", "non_negative_real", "open_fraction", "positive_int",
+__all__ = ["free_name", "generator", "integer", "is_real", "non_negative_int", "non_negative_real", "open_fraction", "positive_int",
            "positive_real", "probability"]
 
 
@@ -87,6 +88,19 @@ def probability(name: str, value: Any, *, owner: Optional[str] = None, hint: Opt
     if not is_real(value) or not 0.0 <= float(value) <= 1.0:
         raise _fail(name, value, "a probability in [0, 1]", owner, hint)
     return float(value)
+
+
+def free_name(what: str, name: str, cls: type, registered: Mapping[str, type]) -> None:
+    """Refuse registering ``cls`` as ``name`` when another class holds that name (importing a module must not replace
+    a registered part, e.g. DPSGD's ``fixed`` clipping); the same definition imported again is fine.
+
+    Raises:
+        ValueError: with the class that holds the name.
+    """
+    taken = registered.get(name)
+    if taken is not None and (taken.__module__, taken.__qualname__) != (cls.__module__, cls.__qualname__):
+        raise ValueError(f"{what} {name!r} is already registered ({taken.__module__}.{taken.__qualname__}); choose "
+                         "another name")
 
 
 def generator(name: str, value: Any, *, required: bool = False, device: Any = None) -> torch.Generator:

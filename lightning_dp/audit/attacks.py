@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from lightning_dp import checks
+
 __all__ = ["AttackScores", "AttackSetting", "MembershipAttack", "register_attack", "registered_attacks",
            "resolve_attacks"]
 
@@ -87,10 +89,7 @@ class MembershipAttack:
 def register_attack(name: str) -> Callable[[type[MembershipAttack]], type[MembershipAttack]]:
     """Class decorator: ``--attacks`` may name the attack."""
     def decorate(cls: type[MembershipAttack]) -> type[MembershipAttack]:
-        taken = _ATTACKS.get(name)
-        if taken is not None and (taken.__module__, taken.__qualname__) != (cls.__module__, cls.__qualname__):
-            raise ValueError(f"attack {name!r} is already registered ({taken.__module__}.{taken.__qualname__}); "
-                             "choose another name")
+        checks.free_name("attack", name, cls, _ATTACKS)
         _ATTACKS[name] = cls
         cls.name = name
         return cls

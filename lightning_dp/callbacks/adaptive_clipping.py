@@ -147,15 +147,14 @@ class QuantileClipping(DPSGD):
     @property
     def count_noise_std(self) -> float | None:
         """``sigma_b`` (None until the expected batch size is known, when it is the default)."""
-        if self.clipping.requested_count_noise_std is not None:
-            return self.clipping.requested_count_noise_std
-        facts = self.data_facts
-        return None if facts is None else self.clipping.count_noise_std(facts.expected_batch_size)
+        return self.clipping.count_noise_std(self._expected_batch_size())
 
     @property
     def gradient_noise_multiplier(self) -> float | None:
         """``z_Delta``, the multiplier of the gradient noise (None until known)."""
-        z, facts = self.noise_multiplier, self.data_facts
-        if z is None or (facts is None and self.clipping.requested_count_noise_std is None):
-            return None
-        return self.clipping.gradient_noise_multiplier(z, facts.expected_batch_size if facts else 0.0)
+        z = self.noise_multiplier
+        return None if z is None else self.clipping.split(z, self._expected_batch_size())
+
+    def _expected_batch_size(self) -> float | None:
+        facts = self.data_facts
+        return None if facts is None else facts.expected_batch_size

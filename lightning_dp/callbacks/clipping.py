@@ -181,10 +181,7 @@ def register_clip_strategy(name: str) -> Callable[[type[ClipStrategy]], type[Cli
         ValueError: the name is taken by another class (importing a module must not replace, e.g., ``fixed``).
     """
     def decorate(cls: type[ClipStrategy]) -> type[ClipStrategy]:
-        taken = _STRATEGIES.get(name)
-        if taken is not None and (taken.__module__, taken.__qualname__) != (cls.__module__, cls.__qualname__):
-            raise ValueError(f"clipping strategy {name!r} is already registered ({taken.__module__}."
-                             f"{taken.__qualname__}); choose another name")
+        checks.free_name("clipping strategy", name, cls, _STRATEGIES)
         _STRATEGIES[name] = cls
         cls.name = name
         return cls
@@ -366,18 +363,24 @@ class QuantileClip(ClipStrategy):
             "None uses expected_batch_size / 20")
         self.last_estimate: float | None = None
 
-    def count_noise_std(self, expected_batch_size: float) -> float:
-        """``sigma_b``: the one given, or ``m / 20``."""
+    def count_noise_std(self, expected_batch_size: float | None) -> float | None:
+        """``sigma_b``: the one given, or ``m / 20``; None while neither is known (no ``m`` yet)."""
         if self.requested_count_noise_std is not None:
             return self.requested_count_noise_std
-        return default_count_noise_std(expected_batch_size)
+        return None if expected_batch_size is None else default_count_noise_std(expected_batch_size)
+
+    def split(self, noise_multiplier: float, expected_batch_size: float | None) -> float | None:
+        """``z_Delta`` for the accounted ``z`` (None while ``sigma_b`` is not known)."""
+        sigma_b = self.count_noise_std(expected_batch_size)
+        return None if sigma_b is None else quantile_noise_split(noise_multiplier, count_noise_std=sigma_b)
 
     def check_noise(self, noise_multiplier: float, expected_batch_size: float | None) -> None:
-        if expected_batch_size is not None or self.requested_count_noise_std is not None:
-            self.gradient_noise_multiplier(noise_multiplier, expected_batch_size or 0.0)
+        self.split(noise_multiplier, expected_batch_size)
 
     def gradient_noise_multiplier(self, noise_multiplier: float, expected_batch_size: float) -> float:
-        return quantile_noise_split(noise_multiplier, count_noise_std=self.count_noise_std(expected_batch_size))
+        z_delta = self.split(noise_multiplier, expected_batch_size)
+        assert z_delta is not None  # sigma_b is known once m is
+        return z_delta
 
     def start(self, noise_multiplier: float, expected_batch_size: float, *, lr_scheduled: bool) -> dict[str, Any]:
         z_delta = self.gradient_noise_multiplier(noise_multiplier, expected_batch_size)
@@ -389,9 +392,11 @@ class QuantileClip(ClipStrategy):
     def after_release(self, release: Release) -> None:
         self.record(release.step, release.optimizer)
         m = release.expected_batch_size
+        sigma_b = self.count_noise_std(m)
+        assert sigma_b is not None  # known once m is
         self.clip, self.last_estimate = quantile_clip_update(
             self.clip, release.examples - release.clipped, int(release.examples), m,
-            target_quantile=self.target_quantile, clip_lr=self.clip_lr, count_noise_std=self.count_noise_std(m),
+            target_quantile=self.target_quantile, clip_lr=self.clip_lr, count_noise_std=sigma_b,
             generator=release.statistic_generator())
 
     def metrics(self) -> dict[str, float]:
