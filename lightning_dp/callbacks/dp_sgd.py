@@ -20,10 +20,11 @@ Where the parts live: taking over the training data in :mod:`~lightning_dp.callb
 probe (where every layer holds the examples) in :mod:`~lightning_dp.callbacks.batch_probe`, the optimizer-step guard
 in :mod:`~lightning_dp.callbacks.release_guard`, the choice of C in :mod:`~lightning_dp.callbacks.clipping` (a
 registered strategy: ``fixed``, ``online_sensitivity``, ``quantile``), the planning in
-:mod:`lightning_dp.privacy.planning`. Per-sample gradients are recorded by
-:class:`~lightning_dp.privacy.grad_sample.GradSampleEngine`; the gradients are replaced in ``on_after_backward``.
-Private attributes of other libraries it relies on: Lightning's ``fit_loop._data_source`` (checked, refused loudly
-if moved) and ``LightningModule._on_before_batch_transfer`` (the probe's batch path), torchmetrics'
+:mod:`lightning_dp.privacy.planning` and :mod:`~lightning_dp.callbacks.run_length` (the plan against the Trainer's
+limits), what it writes to the record in :mod:`~lightning_dp.callbacks.dp_sgd_record`. Per-sample gradients are
+recorded by :class:`~lightning_dp.privacy.grad_sample.GradSampleEngine`; the gradients are replaced in
+``on_after_backward``. Private attributes of other libraries it relies on: Lightning's ``fit_loop._data_source``
+(checked, refused loudly if moved) and ``LightningModule._on_before_batch_transfer`` (the probe's batch path), torchmetrics'
 ``Metric._defaults``, ``_update_count`` and ``_computed`` (the probe restores metric states).
 
 Virtual batches (:mod:`lightning_dp.callbacks.virtual_batches`): with ``Trainer(accumulate_grad_batches=k)`` (or
@@ -61,9 +62,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
 from lightning_dp import checks
-from lightning_dp.callbacks import batch_probe, training_data, virtual_batches
+from lightning_dp.callbacks import batch_probe, dp_sgd_record, training_data, virtual_batches
 from lightning_dp.callbacks.clipping import ClipStrategy, FixedClip, Release, StatisticStream, resolve_clip_strategy
 from lightning_dp.callbacks.release_guard import ReleaseGuard, UnprivatizedGradientError
+from lightning_dp.callbacks.run_length import Lengths
 from lightning_dp.privacy import planning
 from lightning_dp.privacy.accounting import get_accountant
 from lightning_dp.privacy.batch_dims import split_batch
@@ -103,8 +105,6 @@ class PlannedMechanism(NamedTuple):
 _STATE_VERSION = 2
 #: Trainer precisions DPSGD supports (the engine computes per-sample norms and sums in at least float32)
 _PRECISIONS = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "32", "64")
-#: What Lightning sets ``max_epochs`` to when neither it nor ``max_steps`` is given (a safeguard, not a plan).
-_LIGHTNING_DEFAULT_MAX_EPOCHS = 1000
 
 
 def _target_epsilon(value: float | None) -> float | None:
@@ -396,7 +396,8 @@ class DPSGD(Callback):
         """Refuse a fit that cannot be private from the Trainer's and the module's settings alone, before any data
         is read or any model summary printed (``lightning-dp`` calls it before ``Trainer.fit``; :meth:`setup` again
         with ``lengths=False``: Lightning sets ``trainer.ckpt_path`` only after ``setup``, so a resumed run cannot be
-        told from a fresh one there, and the lengths are checked when training starts, :meth:`_resolve_plan`).
+        told from a fresh one there, and the lengths are checked when training starts,
+        :meth:`~lightning_dp.callbacks.run_length.Lengths.resolve`).
 
         Raises:
             MisconfigurationException: manual optimization, an unsupported precision, ``min_epochs``/``min_steps``
@@ -426,32 +427,12 @@ class DPSGD(Callback):
         mixing = [] if self.replace_batchnorm else find_mixing_layers(pl_module)  # replaced in setup otherwise
         if mixing:
             raise MisconfigurationException(describe_mixing_layers(mixing))
-        if lengths:
-            self._check_epochs_agree(trainer, ckpt_path)
+        if lengths and self._requested_sigma is None and ckpt_path is None:
+            self._lengths(trainer).check_epochs(target_epsilon=self.target_epsilon, who=type(self).__name__)
 
-    def _check_epochs_agree(self, trainer: Trainer, ckpt_path: str | os.PathLike[str] | None) -> None:
-        """A Trainer that runs more epochs than this callback plans, refused before any data is read.
-
-        The epochs-against-epochs case needs no data; lengths in steps need the steps per epoch, which the
-        same refusal checks when training starts (:meth:`_resolve_plan`).
-        """
-        if (self._requested_sigma is not None or ckpt_path is not None or self.calibrate_for != "auto"
-                or self.max_steps is not None or self.epochs is None or (trainer.max_steps or -1) > 0
-                or trainer.max_epochs is None or trainer.max_epochs == _LIGHTNING_DEFAULT_MAX_EPOCHS):
-            return
-        if trainer.max_epochs > self.epochs:
-            raise MisconfigurationException(self._plan_conflict(
-                f"{self.epochs} epochs (epochs={self.epochs})", f"{trainer.max_epochs} epochs (Trainer max_epochs="
-                f"{trainer.max_epochs})", "epochs", trainer.max_epochs))
-
-    def _plan_conflict(self, mine: str, theirs: str, key: str, agree: Any) -> str:
-        """The refusal of a Trainer longer than this callback's plan: both lengths and the three ways out."""
-        trainer_key = "max_steps" if key == "max_steps" else "max_epochs"
-        return (f"{type(self).__name__} plans {mine} but the Trainer runs up to {theirs}: the noise would be "
-                f"calibrated for the plan and target_epsilon={self.target_epsilon} would stop training there. Make them "
-                f"agree (--trainer.{trainer_key}={getattr(self, key)}, or the callback's {key}={agree}: "
-                f"--trainer.callbacks.init_args.{key}={agree} when it is the last callback), or pass "
-                "calibrate_for='trainer' (noise for the Trainer's length) or 'callback' (stop at the plan).")
+    def _lengths(self, trainer: Trainer) -> Lengths:
+        """This callback's plan and ``trainer``'s limits (:class:`~lightning_dp.callbacks.run_length.Lengths`)."""
+        return Lengths.of(self, trainer)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -602,85 +583,6 @@ class DPSGD(Callback):
         q, scale = planning.event_shape(self.poisson_sampling, self._data.sample_rate)
         return self._sigma * scale, q
 
-    def _own_planned_events(self, data: DataFacts) -> int | None:
-        return planning.own_planned_events(data, self.poisson_sampling, epochs=self.epochs, max_steps=self.max_steps)
-
-    @staticmethod
-    def _trainer_steps(trainer: Trainer, data: DataFacts) -> int | None:
-        return planning.trainer_steps(data, max_epochs=trainer.max_epochs, max_steps=trainer.max_steps)
-
-    def _trainer_events(self, trainer: Trainer, data: DataFacts) -> int | None:
-        return planning.trainer_events(data, self.poisson_sampling, max_epochs=trainer.max_epochs,
-                                       max_steps=trainer.max_steps)
-
-    def _planned_events(self, trainer: Trainer, data: DataFacts | None = None) -> int | None:
-        """Events of the planned run, by ``calibrate_for`` (:func:`lightning_dp.privacy.planning.planned_events`)."""
-        data = self._data if data is None else data
-        return planning.planned_events(self._own_planned_events(data), self._trainer_events(trainer, data),
-                                       self.calibrate_for)
-
-    def _resolve_plan(self, trainer: Trainer) -> int | None:
-        """The events a sigma calibrated now is for; tells when this callback's plan and the Trainer disagree.
-
-        Raises:
-            MisconfigurationException: ``calibrate_for="auto"`` and the Trainer would run longer
-                than this callback's plan (see the class docstring), before the first step.
-        """
-        own, limit = self._own_planned_events(self._data), self._trainer_events(trainer, self._data)
-        planned = self._planned_events(trainer)
-        if own is None or limit is None or own == limit:
-            return planned
-        mine, theirs = self._describe_own_plan(), self._describe_trainer_limit(trainer)
-        key = "max_steps" if self.max_steps is not None else "epochs"
-        agree = self._agreeing_value(trainer, key)
-        value = "null" if agree is None else agree  # null: no plan of its own, the Trainer's length
-        set_own = (f"DPSGD's {key}={value} (in the config's trainer.callbacks entry of DPSGD; on the command line "
-                   f"--trainer.callbacks.init_args.{key}={value} reaches it when DPSGD is the last callback)")
-        # Lightning's implicit limit (max_epochs unset: 1000 epochs, with a warning) is a safeguard, not a plan
-        implicit = trainer.max_epochs == _LIGHTNING_DEFAULT_MAX_EPOCHS and (trainer.max_steps or -1) < 0
-        if self.calibrate_for == "auto" and limit > own and implicit:
-            rank_zero_info(f"DPSGD: calibrating the noise for DPSGD's plan of {mine}; the Trainer's limit is "
-                           f"Lightning's default max_epochs={trainer.max_epochs}, so the plan ends the run.")
-            return planned
-        if self.calibrate_for == "auto" and limit > own:
-            raise MisconfigurationException(self._plan_conflict(mine, theirs, key, value))
-        if planned == limit:
-            rank_zero_info(
-                f"DPSGD: the Trainer stops after {theirs}, DPSGD planned {mine}: calibrating the noise for the "
-                f"Trainer's length, so that this run spends up to target_epsilon={self.target_epsilon} "
-                f"(calibrate_for={self.calibrate_for!r}). To calibrate for DPSGD's plan instead (one run trained over "
-                f"several fits resumed from checkpoints), pass calibrate_for='callback'; to make the two agree, set "
-                f"{set_own}.")
-        else:
-            rank_zero_info(
-                f"DPSGD: calibrating the noise for DPSGD's plan of {mine} (calibrate_for='callback'); the Trainer "
-                f"runs up to {theirs}, so this fit "
-                + ("spends less than target_epsilon." if limit < own else "is stopped by the budget at DPSGD's plan."))
-        return planned
-
-    def _agreeing_value(self, trainer: Trainer, key: str) -> int | None:
-        """The value of this callback's ``epochs``/``max_steps`` that would match the Trainer's limit (None: none)."""
-        steps = self._trainer_steps(trainer, self._data)
-        if key == "max_steps":
-            return steps
-        max_epochs = trainer.max_epochs
-        if max_epochs is not None and max_epochs > 0 and steps == max_epochs * self._data.steps_per_epoch:
-            return max_epochs
-        return None
-
-    def _describe_own_plan(self) -> str:
-        if self.max_steps is not None:
-            return f"{self.max_steps} steps (max_steps={self.max_steps})"
-        steps = self.epochs * self._data.steps_per_epoch if self.epochs is not None else None
-        return f"{self.epochs} epochs (epochs={self.epochs}, {steps} steps)"
-
-    def _describe_trainer_limit(self, trainer: Trainer) -> str:
-        steps = self._trainer_steps(trainer, self._data)
-        by_steps = trainer.max_steps is not None and trainer.max_steps > 0 and steps == trainer.max_steps
-        if by_steps:
-            return f"{steps} steps (Trainer max_steps={trainer.max_steps})"
-        return f"{trainer.max_epochs} epochs (Trainer max_epochs={trainer.max_epochs}, {steps} steps)"
-
     def plan(self, trainer: Trainer, train_dataloader: Any) -> PlannedMechanism:
         """What a fit of ``trainer`` on ``train_dataloader`` would be accounted as, before it runs.
 
@@ -700,7 +602,8 @@ class DPSGD(Callback):
         data = self._data_facts(train_dataloader, trainer.world_size, extra_slots=extra,
                                 parts=virtual_batches.accumulation_factor(trainer))
         # the run stops at the Trainer's limits, or at this plan (the grid caps each run's budget to it)
-        bounds = [e for e in (self._own_planned_events(data), self._trainer_events(trainer, data)) if e is not None]
+        lengths = self._lengths(trainer)
+        bounds = [e for e in (lengths.own_events(data), lengths.trainer_events(data)) if e is not None]
         events = min(bounds) if bounds else None
         if events is None:
             raise MisconfigurationException(
@@ -735,14 +638,15 @@ class DPSGD(Callback):
                                            who=type(self).__name__)
         if large_delta is not None:
             rank_zero_warn(large_delta)
-        planned = self._planned_events(trainer)
+        planned = self._lengths(trainer).planned_events(data)
         if self._requested_sigma is not None:
             self._sigma, self._sigma_source = self._requested_sigma, "given"
         elif self._restored_sigma is not None:
             # the sigma the run was trained with, whatever the lengths say now: a resumed run keeps its noise
             self._sigma, self._sigma_source = self._restored_sigma, "from the checkpoint"
         else:
-            planned = self._resolve_plan(trainer)
+            planned = self._lengths(trainer).resolve(data, target_epsilon=self.target_epsilon,
+                                                     who=type(self).__name__)
             if planned is None:
                 raise MisconfigurationException(
                     "DPSGD(target_epsilon=...) without noise_multiplier needs the planned length to calibrate the "
@@ -790,7 +694,7 @@ class DPSGD(Callback):
         if event == self._budget_event:
             return
         sigma_e, q_e = event
-        planned = self._planned_events(trainer)
+        planned = self._lengths(trainer).planned_events(self._data)
         limit = planned if planned is not None else 10**7
         self._allowed_events = self._accountant.max_steps(
             self.target_epsilon, self.target_delta, noise_multiplier=sigma_e, sample_rate=q_e, limit=limit)
@@ -808,28 +712,14 @@ class DPSGD(Callback):
             self._budget_stop = trainer.global_step
 
     def _log_hyperparams(self, trainer: Trainer, planned: int | None, strategy_params: dict[str, Any]) -> None:
-        """The run's fixed privacy parameters as params, once per fit (delta is ``privacy/target_delta``).
-
-        Values that change during the run are metrics instead: epsilon, an adaptive C (``privacy/max_grad_norm``;
-        its initial C is the param ``privacy/initial_clip``), and a sampling rate that a reloaded loader changes
-        (the param is the rate at fit start, the metric ``privacy/sample_rate`` follows it).
-        """
+        """The run's fixed privacy parameters as params, once per fit (:func:`dp_sgd_record.hyperparams`)."""
         data = self._data
         self._logged_rate, self._rate_varies = data.sample_rate, False
-        params = {
-            "privacy/noise_multiplier": self._sigma, "privacy/max_grad_norm": self.max_grad_norm,
-            "privacy/target_epsilon": self.target_epsilon, "privacy/target_delta": self.target_delta,
-            "privacy/accountant": self.accountant_name, "privacy/poisson_sampling": self.poisson_sampling,
-            "privacy/sample_rate": data.sample_rate, "privacy/dataset_size": data.dataset_size,
-            "privacy/expected_batch_size": data.expected_batch_size,
-            "privacy/steps_per_epoch": data.steps_per_epoch, "privacy/planned_events": planned,
-            "privacy/adjacency": "add/remove" if self.adjacency == "add_remove" else "replacement",
-            "privacy/accumulate_grad_batches": data.parts,
-            "privacy/max_physical_batch_size": self.max_physical_batch_size,
-            **strategy_params,
-        }
-        if self.clipping.adaptive:
-            del params["privacy/max_grad_norm"]
+        params = dp_sgd_record.hyperparams(
+            sigma=self._sigma, clipping=self.clipping, target_epsilon=self.target_epsilon,
+            target_delta=self.target_delta, accountant=self.accountant_name, poisson_sampling=self.poisson_sampling,
+            adjacency=self.adjacency, data=data, planned=planned, max_physical_batch_size=self.max_physical_batch_size,
+            strategy_params=strategy_params)
         for logger in trainer.loggers:
             logger.log_hyperparams(params)
 
@@ -1157,19 +1047,12 @@ class DPSGD(Callback):
                 for logger in trainer.loggers:
                     logger.log_metrics(metrics, step=step - 1)
             self._logged_step = step
-        if trainer.is_global_zero and self._curve:
+        if trainer.is_global_zero:
             from lightning_dp import tracking
 
-            steps, eps = zip(*self._curve)
-            fig = tracking.plot_series(steps, eps, xlabel="step", ylabel=f"epsilon (delta={self.target_delta:g})",
-                                       title=f"privacy spend, sigma={self._sigma:.3g}, C={self.max_grad_norm:g}")
-            tracking.log_figure(trainer, fig, "privacy/epsilon.png")
-            if self.clipping.adaptive and self.clipping.trace:
-                steps, clips, _ = zip(*self.clipping.trace)
-                fig = tracking.plot_series(steps, clips, xlabel="released step", ylabel="clipping threshold C",
-                                           title=f"{self.clipping.title}: C_t (sigma={self._sigma:.3g})")
-                fig.axes[0].set_yscale("log")
-                tracking.log_figure(trainer, fig, "privacy/max_grad_norm.png")
+            for fig, name in dp_sgd_record.figures(self._curve, target_delta=self.target_delta, sigma=self._sigma,
+                                                   clipping=self.clipping):
+                tracking.log_figure(trainer, fig, name)
         self._summary_due = True
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -1185,33 +1068,13 @@ class DPSGD(Callback):
                       f"{per_epoch} steps)", self._summary_rows())
 
     def _summary_rows(self) -> list[tuple[str, str]]:
-        """``(label, value)`` rows of the end-of-training summary (:mod:`lightning_dp.callbacks.summary`)."""
-        if self.target_epsilon is None:
-            spend = f"{self.epsilon:.4g} at delta {self.target_delta:g} (no target_epsilon)"
-        else:
-            spend = f"{self.epsilon:.4g} of target_epsilon {self.target_epsilon:g} at delta {self.target_delta:g}"
-        adjacency = "add/remove" if self.adjacency == "add_remove" else "replacement"
-        data = self._data
-        if self.poisson_sampling:
-            batches = ("sample rate q", f"{data.sample_rate:.4g} (expected batch {data.expected_batch_size:g} "
-                                        f"of N = {data.dataset_size}"
-                                        f"{'; changed during the run' if self._rate_varies else ''})")
-        else:
-            batches = ("batches", f"shuffled, {data.expected_batch_size:g} of N = {data.dataset_size} (one "
-                                  "Gaussian mechanism per epoch)")
-        rows = [("epsilon", f"{spend} ({self.accountant_name}, {adjacency} adjacency)"),
-                ("noise multiplier", f"{self._sigma:.4g} ({self._sigma_source})"),
-                ("clipping norm C", self.clipping.describe()), batches]
-        if data.parts > 1 or self.max_physical_batch_size is not None:
-            bound = (f", at most {self.max_physical_batch_size} examples per pass"
-                     if self.max_physical_batch_size is not None else "")
-            rows.append(("virtual batches", f"{data.parts} micro-batch(es) per step{bound}; noise added "
-                                            "once per step"))
-        if self._budget_stop is not None:
-            rows.append(("stopped", f"after step {self._budget_stop}: " + (
-                "DPSGD's planned length is done" if self._plan_done else
-                "by the budget (the next step would exceed target_epsilon)")))
-        return rows
+        """``(label, value)`` rows of the end-of-training summary (:func:`dp_sgd_record.summary_rows`)."""
+        return dp_sgd_record.summary_rows(
+            epsilon=self.epsilon, target_epsilon=self.target_epsilon, target_delta=self.target_delta,
+            accountant=self.accountant_name, adjacency=self.adjacency, poisson_sampling=self.poisson_sampling,
+            data=self._data, rate_varies=self._rate_varies, sigma=self._sigma, sigma_source=self._sigma_source,
+            clipping=self.clipping, max_physical_batch_size=self.max_physical_batch_size,
+            budget_stop=self._budget_stop, plan_done=self._plan_done)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":

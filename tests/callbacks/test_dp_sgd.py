@@ -374,11 +374,13 @@ def test_replacement_adjacency_is_accounted_with_the_library_replace_one_analysi
 
 # ----------------------------------------------- a Trainer whose length disagrees with DPSGD's epochs/max_steps
 def _infos(monkeypatch):
-    """The rank-zero info lines of the callback."""
+    """The rank-zero info lines of the callback and of its length planning."""
     import lightning_dp.callbacks.dp_sgd as dp_sgd
+    import lightning_dp.callbacks.run_length as run_length
 
     messages = []
-    monkeypatch.setattr(dp_sgd, "rank_zero_info", lambda message, *args, **kwargs: messages.append(message))
+    for module in (dp_sgd, run_length):
+        monkeypatch.setattr(module, "rank_zero_info", lambda message, *args, **kwargs: messages.append(message))
     return messages
 
 
