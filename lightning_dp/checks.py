@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 from collections.abc import Mapping
@@ -23,8 +24,8 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["free_name", "generator", "integer", "is_real", "non_negative_int", "non_negative_real", "open_fraction", "positive_int",
-           "positive_real", "probability"]
+__all__ = ["free_name", "generator", "integer", "is_real", "lookup", "non_negative_int", "non_negative_real",
+           "open_fraction", "positive_int", "positive_real", "probability"]
 
 
 def _fail(name: str, value: Any, allowed: str, owner: Optional[str], hint: Optional[str]) -> ValueError:
@@ -101,6 +102,25 @@ def free_name(what: str, name: str, cls: type, registered: Mapping[str, type]) -
     if taken is not None and (taken.__module__, taken.__qualname__) != (cls.__module__, cls.__qualname__):
         raise ValueError(f"{what} {name!r} is already registered ({taken.__module__}.{taken.__qualname__}); choose "
                          "another name")
+
+
+def lookup(name: str, value: str, registered: Mapping[str, Any], *, what: str) -> Any:
+    """``registered[value]``, or the one refusal of an unknown name that every registry shares: the value, the
+    registered names and the closest one.
+
+    Example:
+        >>> lookup("clipping", "quantil", {"fixed": 1, "quantile": 2}, what="clipping strategy")
+        Traceback (most recent call last):
+        ...
+        ValueError: clipping='quantil' is not a registered clipping strategy; choose one of ['fixed', 'quantile']. \
+Did you mean 'quantile'?
+    """
+    if value in registered:
+        return registered[value]
+    names = sorted(registered)
+    close = difflib.get_close_matches(value, names, n=1)
+    raise ValueError(f"{name}={value!r} is not a registered {what}; choose one of {names}."
+                     + (f" Did you mean {close[0]!r}?" if close else ""))
 
 
 def generator(name: str, value: Any, *, required: bool = False, device: Any = None) -> torch.Generator:

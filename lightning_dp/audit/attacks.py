@@ -18,7 +18,6 @@ after which ``--attacks=[loss,confidence]`` runs it.
 
 from __future__ import annotations
 
-import difflib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -107,11 +106,10 @@ def resolve_attacks(names: list[str]) -> list[MembershipAttack]:
     Raises:
         ValueError: no name, or a name that is not registered (with the closest registered one).
     """
-    unknown = [n for n in names if n not in _ATTACKS]
-    if unknown or not names:
-        close = difflib.get_close_matches(unknown[0], list(_ATTACKS), n=1) if unknown else []
-        raise ValueError(f"--attacks={names!r}: choose from {list(_ATTACKS)}"
-                         + (f" (did you mean {close[0]!r}?)" if close else ""))
+    if not names:
+        raise ValueError(f"--attacks={names!r}: choose at least one of {list(_ATTACKS)}")
+    for name in names:
+        checks.lookup("--attacks", name, _ATTACKS, what="membership attack")
     return [cls() for name, cls in _ATTACKS.items() if name in names]
 
 

@@ -485,7 +485,7 @@ class OneRunResult:
             lines.append(f"| {c.positives} | {c.negatives} | {c.guesses} | {c.correct} | "
                          + " | ".join(f"{c.epsilon[m]:.3f}" for m in methods) + " |")
         if self.ceiling is not None:
-            lines.append(f"| ceiling: every guess correct | | | | "
+            lines.append("| ceiling: every guess correct | | | | "
                          + " | ".join(f"{self.ceiling.epsilon[m]:.3f}" for m in methods) + " |")
         return "\n".join(lines)
 

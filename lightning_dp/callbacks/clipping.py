@@ -31,7 +31,6 @@ A strategy never sees the noise seed: the noise of its statistic comes from ``re
 
 from __future__ import annotations
 
-import difflib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -202,12 +201,7 @@ def resolve_clip_strategy(value: ClipStrategy | str) -> ClipStrategy:
     if isinstance(value, ClipStrategy):
         return value
     if isinstance(value, str):
-        found = _STRATEGIES.get(value)
-        if found is None:
-            close = difflib.get_close_matches(value, sorted(_STRATEGIES), n=1)
-            raise ValueError(f"clipping={value!r} is not a registered clipping strategy; choose one of "
-                             f"{sorted(_STRATEGIES)}" + (f". Did you mean {close[0]!r}?" if close else ""))
-        return found()
+        return checks.lookup("clipping", value, _STRATEGIES, what="clipping strategy")()
     raise ValueError(f"clipping={value!r} is not allowed: pass a registered name ({sorted(_STRATEGIES)}) or a "
                      "lightning_dp.callbacks.clipping.ClipStrategy")
 

@@ -129,7 +129,7 @@ def test_an_attack_is_one_registered_class_and_runs_beside_the_others(tmp_path, 
             return AttackScores(scores[:n], scores[n:], forward_passes=0, seconds=0.0, note="confidence attack")
 
     assert [a.name for a in resolve_attacks(["confidence_test", "loss"])] == ["loss", "confidence_test"]
-    with pytest.raises(ValueError, match="did you mean 'shadow'"):
+    with pytest.raises(ValueError, match="Did you mean 'shadow'"):
         resolve_attacks(["shadw"])
     _write_wikitext(tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -26,6 +26,8 @@ import abc
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from lightning_dp import checks
+
 __all__ = ["KINDS", "Combination", "Part", "register_part", "registered_parts", "resolve_part"]
 
 KINDS = ("selection", "update", "sanitizer", "aggregator", "server_privacy")
@@ -83,6 +85,7 @@ def register_part(kind: str, name: str):
         if getattr(cls, "kind", None) != kind:
             raise TypeError(f"register_part({kind!r}, {name!r}): {cls.__name__} is not a {kind} part (subclass the "
                             f"kind's base class, e.g. lightning_dp.federated.parts.Aggregator for an aggregator)")
+        checks.free_name(f"{kind} part", name, cls, _PARTS[kind])
         _PARTS[kind][name] = cls
         cls.name = name  # type: ignore[attr-defined]  # parts are Part subclasses, which declare it
         return cls
@@ -101,15 +104,7 @@ def resolve_part(kind: str, value: Any) -> Any:
         ValueError: If the name is not registered (the message lists the names that are).
     """
     if isinstance(value, str):
-        found = _PARTS[kind].get(value)
-        if found is None:
-            import difflib
-
-            names = sorted(_PARTS[kind])
-            close = difflib.get_close_matches(value, names, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"{kind}={value!r} is not a registered {kind} part; choose one of {names}.{hint}")
-        return found()
+        return checks.lookup(kind, value, _PARTS[kind], what=f"{kind} part")()
     if not (isinstance(value, Part) and type(value).kind == kind):
         base = {"selection": "ClientSelection", "update": "ClientUpdate", "sanitizer": "ClientSanitizer",
                 "aggregator": "Aggregator", "server_privacy": "ServerPrivacy"}[kind]
