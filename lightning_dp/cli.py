@@ -34,7 +34,7 @@ from typing import Any, Optional
 from lightning_dp import __version__
 from lightning_dp.commands.errors import closest, is_user_error, short_error, show_tracebacks, suggest
 
-# Nothing above imports torch, Lightning or MLflow (tests/test_cli_errors.py checks it): --version, --help and the
+# Nothing above imports torch, Lightning or MLflow (tests/commands/test_errors.py checks it): --version, --help and the
 # argument errors answer in a fraction of a second; the classes below load when a command needs them.
 _LAZY = {"LightningDPCLI": "lightning_dp.commands.fit", "MLflowSaveConfigCallback": "lightning_dp.commands.fit",
          "redact_secrets": "lightning_dp.tracking"}

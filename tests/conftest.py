@@ -1,4 +1,4 @@
-"""Fixtures shared by the command-line tests (tests/test_cli.py, tests/test_grid.py)."""
+"""Fixtures shared by the command-line tests (tests/test_cli.py, tests/commands/test_grid.py)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 1. Client selection drawn from the public ``seed`` let anyone with the record recompute every round's
    participants (no amplification by sampling held; epsilon under-reported about 4x).
-2. (the grid, tests/test_grid.py and tests/privacy/test_spend.py)
+2. (the grid, tests/commands/test_grid.py and tests/privacy/test_spend.py)
 3. Under central DP the round logged norms of the raw updates and the exact participant counts outside
    ``nonprivate/``, even with ``log_nonprivate_metrics=False``.
 """

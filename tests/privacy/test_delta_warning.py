@@ -2,7 +2,7 @@
 
 The components' own tests check that each one warns through this function (DPSGD in
 tests/callbacks/test_dp_sgd.py, CentralGaussian in tests/federated/test_dp_fedavg.py, LocalDPSGD in
-tests/federated/test_local_dp_round.py, ``lightning-dp epsilon`` in tests/test_calculator.py).
+tests/federated/test_local_dp_round.py, ``lightning-dp epsilon`` in tests/commands/test_epsilon.py).
 """
 
 from __future__ import annotations

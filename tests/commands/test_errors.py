@@ -11,7 +11,7 @@ from lightning.pytorch import LightningDataModule
 from lightning_dp import cli
 from lightning_dp.commands.errors import condense, root_message, suggest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DIGITS = str(REPO_ROOT / "examples" / "dpsgd_digits.yaml")
 
 

@@ -15,7 +15,7 @@ from lightning_dp.privacy.ledger import PrivacyLedger
 from lightning_dp.privacy.spend import Spend
 from tests.helpers import seed_store
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _seed(template: Path, workdir: Path) -> str:
@@ -181,7 +181,7 @@ def test_grid_refuses_an_unreported_component_through_the_command(workdir, store
     with pytest.raises(ValueError, match="reports no spend"):
         grid.run_grid([str(REPO_ROOT / "examples" / "digits_nonprivate.yaml")],
                       [("model.init_args.lr", [0.1, 0.2])],
-                      extra=["--trainer.callbacks+=tests.test_grid.UnreportedNoise"])
+                      extra=["--trainer.callbacks+=tests.commands.test_grid.UnreportedNoise"])
     assert "1/2" not in capsys.readouterr().out  # refused before the first run
 
 
