@@ -7,7 +7,7 @@ official-file datasets. Four extras add what some configs need:
 extra     packages                    needed by
 ========  ==========================  ====================================================================
 ``hf``    datasets                    ``source='huggingface'`` of the DataModules (the Hub copies)
-``fl``    flwr-datasets (+ datasets)  the non-IID partitions of ``FederatedVision`` (pathological, shards,
+``fl``    flwr-datasets (+ datasets)  the non-IID partitions of ``FederatedVisionDataModule`` (pathological, shards,
                                       dirichlet); IID needs neither
 ``lm``    transformers, peft          ``GPT2``, ``LoRA`` (examples/lm, examples/dpsgd_gpt2_wikitext2.yaml)
 ``bench`` opacus, flwr                the benchmark scripts' comparisons only
@@ -47,7 +47,7 @@ def require(module: str, extra: str, needed_by: str, alternative: str = "") -> M
     Args:
         module: The import name, e.g. ``"flwr_datasets.partitioner"``.
         extra: The extra that installs it, a key of :data:`EXTRAS`.
-        needed_by: What needs it, e.g. ``"FederatedVision(partition='dirichlet')"``.
+        needed_by: What needs it, e.g. ``"FederatedVisionDataModule(partition='dirichlet')"``.
         alternative: What to use instead without the extra, e.g. ``"partition='iid'"`` ('' if nothing).
 
     >>> require("json", "hf", "a doctest").__name__

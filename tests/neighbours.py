@@ -145,7 +145,7 @@ def _datamodule_classes() -> list[type]:
 def neighbouring(monkeypatch: pytest.MonkeyPatch, unit: str = "client", split: str = "train") -> Iterator[list[str]]:
     """Within the block every DataModule changes its data (:func:`change_data`) when its first ``setup`` returns,
     whoever builds it (``lightning-dp fit``, ``grid``, the audit commands); yields the list of what changed (one
-    entry per DataModule). A DataModule set up inside another's ``setup`` (FederatedVision reads the files through
+    entry per DataModule). A DataModule set up inside another's ``setup`` (FederatedVisionDataModule reads the files through
     MNISTDataModule) is left alone: the outer one changes its own example or client."""
     changed: list[str] = []
     depth = [0]

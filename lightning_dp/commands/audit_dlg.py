@@ -68,7 +68,7 @@ def build_parser() -> ShortJsonParser:
                              "initialized with seed")
     parser.add_argument("--data", type=LightningDataModule, required=True,
                         help="where the private images come from (class_path/init_args), e.g. "
-                             "lightning_dp.datamodules.FEMNIST or lightning_dp.datamodules.DigitsDataModule")
+                             "lightning_dp.datamodules.FEMNISTDataModule or lightning_dp.datamodules.DigitsDataModule")
     parser.add_argument("--num_images", type=int, default=4,
                         help="number of private images (federated data: one per validation client)")
     parser.add_argument("--noise_multipliers", type=list[float], default=DEFAULT_NOISE_MULTIPLIERS,
@@ -162,7 +162,7 @@ def load_images(datamodule: Any, num_images: int) -> tuple[Tensor, Tensor, list[
     if isinstance(datamodule, FederatedDataModule):
         if datamodule.task != "classification":
             raise ValueError(f"{owner} is a {datamodule.task} data set; DLG audits classifiers (cross-entropy with "
-                             "a soft label). Use a classification DataModule such as lightning_dp.datamodules.FEMNIST.")
+                             "a soft label). Use a classification DataModule such as lightning_dp.datamodules.FEMNISTDataModule.")
         clients = [client for client in datamodule.clients("val") if len(client) > 0]
         if len(clients) < num_images:
             raise ValueError(f"--num_images={num_images} but {owner} has {len(clients)} non-empty validation clients; "
@@ -196,7 +196,7 @@ def input_scale(datamodule: Any, input_mean: Optional[float] = None,
 
     Read from the DataModule when not given: its ``mean`` and ``std`` attributes if it
     has both as numbers and does not say ``normalize=False`` (``DigitsDataModule``,
-    ``MNISTDataModule``, ``FashionMNISTDataModule``); ``(0, 1)`` otherwise (``FEMNIST``:
+    ``MNISTDataModule``, ``FashionMNISTDataModule``); ``(0, 1)`` otherwise (``FEMNISTDataModule``:
     pixels in [0, 1] already).
     """
     mean, std = 0.0, 1.0

@@ -10,11 +10,11 @@ Public API:
 - :func:`read_idx`, :func:`write_idx`, :class:`IDXFormatError`: the IDX file format.
 - :func:`stratified_split`: seeded, stratified split with exact sizes.
 - Federated (per-client data, :class:`FederatedDataModule`, :class:`ClientDataset`):
-  :class:`SyntheticLinearMixture`, :class:`HospitalCharges` (CMS inpatient charges),
-  :class:`FEMNIST` (LEAF JSON or Hugging Face ``flwrlabs/femnist``).
+  :class:`SyntheticLinearMixtureDataModule`, :class:`HospitalChargesDataModule` (CMS inpatient charges),
+  :class:`FEMNISTDataModule` (LEAF JSON or Hugging Face ``flwrlabs/femnist``).
 - Federated images partitioned by flwr-datasets (IID, pathological NIID(k), shards, Dirichlet):
-  :class:`FederatedVision` over MNIST, Fashion-MNIST (IDX) and CIFAR-10 (official python batches).
-- Federated with a sensitive group (fairness): :class:`SyntheticFairness`, :class:`FEMNISTFairness`.
+  :class:`FederatedVisionDataModule` over MNIST, Fashion-MNIST (IDX) and CIFAR-10 (official python batches).
+- Federated with a sensitive group (fairness): :class:`SyntheticFairnessDataModule`, :class:`FEMNISTFairnessDataModule`.
 - Language: :class:`WikiText2DataModule` (official token files or Hugging Face, word level, fixed-length samples).
 - :class:`DatasetUnavailableError` (a :class:`FileNotFoundError`): what every DataModule raises when its
   data is missing and cannot be downloaded; ``str(error)`` is the whole message (the files expected in
@@ -24,15 +24,15 @@ Public API:
 from lightning_dp.datamodules.agnews import AGNewsDataModule
 from lightning_dp.datamodules.base import SplitDataModule, stratified_split
 from lightning_dp.datamodules.digits import DigitsDataModule
-from lightning_dp.datamodules.fairness import FEMNISTFairness, SyntheticFairness
+from lightning_dp.datamodules.fairness import FEMNISTFairnessDataModule, SyntheticFairnessDataModule
 from lightning_dp.datamodules.federated import ClientDataset, FederatedDataModule, padded, split_clients
-from lightning_dp.datamodules.federated_vision import FederatedVision
-from lightning_dp.datamodules.femnist import FEMNIST
-from lightning_dp.datamodules.hospital import HospitalCharges
+from lightning_dp.datamodules.federated_vision import FederatedVisionDataModule
+from lightning_dp.datamodules.femnist import FEMNISTDataModule
+from lightning_dp.datamodules.hospital import HospitalChargesDataModule
 from lightning_dp.datamodules.idx import IDXFormatError, read_idx, write_idx
 from lightning_dp.datamodules.mnist import FashionMNISTDataModule, MNISTDataModule, MNISTFamilyDataModule
 from lightning_dp.datamodules.offline import DatasetUnavailableError
-from lightning_dp.datamodules.synthetic import SyntheticLinearMixture
+from lightning_dp.datamodules.synthetic import SyntheticLinearMixtureDataModule
 from lightning_dp.datamodules.wikitext import WikiText2DataModule
 
 __all__ = [
@@ -40,13 +40,13 @@ __all__ = [
     "ClientDataset",
     "DatasetUnavailableError",
     "DigitsDataModule",
-    "FEMNIST",
-    "FEMNISTFairness",
+    "FEMNISTDataModule",
+    "FEMNISTFairnessDataModule",
     "FederatedDataModule",
-    "FederatedVision",
-    "HospitalCharges",
-    "SyntheticFairness",
-    "SyntheticLinearMixture",
+    "FederatedVisionDataModule",
+    "HospitalChargesDataModule",
+    "SyntheticFairnessDataModule",
+    "SyntheticLinearMixtureDataModule",
     "WikiText2DataModule",
     "padded",
     "split_clients",
@@ -59,3 +59,26 @@ __all__ = [
     "stratified_split",
     "write_idx",
 ]
+
+#: Former names (every LightningDataModule of the package now ends in ``DataModule``, as in Lightning): still
+#: importable from ``lightning_dp.datamodules`` (and so as a config's ``class_path``), with a FutureWarning.
+_RENAMED = {
+    "FEMNIST": "FEMNISTDataModule",
+    "FEMNISTFairness": "FEMNISTFairnessDataModule",
+    "FederatedVision": "FederatedVisionDataModule",
+    "HospitalCharges": "HospitalChargesDataModule",
+    "SyntheticFairness": "SyntheticFairnessDataModule",
+    "SyntheticLinearMixture": "SyntheticLinearMixtureDataModule",
+}
+
+
+def __getattr__(name: str) -> type:
+    new = _RENAMED.get(name)
+    if new is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import warnings
+
+    warnings.warn(f"lightning_dp.datamodules.{name} is now lightning_dp.datamodules.{new} (the old name will be removed); "
+                  f"in a config: class_path: lightning_dp.datamodules.{new}", FutureWarning, stacklevel=2)
+    return globals()[new]
+

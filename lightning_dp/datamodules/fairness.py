@@ -8,9 +8,9 @@ and its samples carry the group id as the sensitive attribute
 (:attr:`~lightning_dp.datamodules.federated.ClientDataset.sensitive`, 0 = g1, 1 = g2),
 which is never an input of the model.
 
-- :class:`SyntheticFairness`: 1000 clients x 10 samples, binary labels from two linear
+- :class:`SyntheticFairnessDataModule`: 1000 clients x 10 samples, binary labels from two linear
   models with opposite label rules.
-- :class:`FEMNISTFairness`: FEMNIST writers, the rotated ones (20 %) form g2; the binary
+- :class:`FEMNISTFairnessDataModule`: FEMNIST writers, the rotated ones (20 %) form g2; the binary
   label is the parity of the class index, flipped in g2.
 """
 
@@ -28,17 +28,17 @@ from lightning_dp.datamodules.federated import (
     _block_sizes,
     derived_seed,
 )
-from lightning_dp.datamodules.femnist import FEMNIST, PathLike, Source, WriterData
+from lightning_dp.datamodules.femnist import FEMNISTDataModule, PathLike, Source, WriterData
 from lightning_dp.datamodules.synthetic import (
     DEFAULT_THETAS,
-    GeneratedClients,
+    GeneratedClientsDataModule,
     XDistribution,
     _check_x_distribution,
     _validated_thetas,
     draw_inputs,
 )
 
-__all__ = ["FEMNISTFairness", "SyntheticFairness"]
+__all__ = ["FEMNISTFairnessDataModule", "SyntheticFairnessDataModule"]
 
 
 def _minority_count(total: int, minority_fraction: float) -> int:
@@ -46,7 +46,7 @@ def _minority_count(total: int, minority_fraction: float) -> int:
     return _block_sizes(total, [1.0 - minority_fraction, minority_fraction])[1]
 
 
-class SyntheticFairness(GeneratedClients):
+class SyntheticFairnessDataModule(GeneratedClientsDataModule):
     """The journal paper's synthetic fairness setting: a privileged group and a minority with opposite rules.
 
     Every split's clients are split into g1 (``1 - minority_fraction`` of them, exact
@@ -66,7 +66,7 @@ class SyntheticFairness(GeneratedClients):
     majority has very different true- and false-positive rates on the two groups.
 
     The input distribution is not stated in the paper, as in
-    :class:`~lightning_dp.datamodules.SyntheticLinearMixture` (``x_distribution``).
+    :class:`~lightning_dp.datamodules.SyntheticLinearMixtureDataModule` (``x_distribution``).
 
     Training, validation and test clients come from independent streams derived from
     ``seed``; client ids are ``"train-0000"``, ``"val-0000"``, ``"test-0000"``, ... After
@@ -91,7 +91,7 @@ class SyntheticFairness(GeneratedClients):
         ValueError: If an argument is outside its range.
 
     Example:
-        >>> dm = SyntheticFairness(num_clients=10, num_val_clients=5, num_test_clients=5, seed=0)
+        >>> dm = SyntheticFairnessDataModule(num_clients=10, num_val_clients=5, num_test_clients=5, seed=0)
         >>> dm.setup()
         >>> sum(dm.group_of[c.client_id] for c in dm.train_clients), dm.train_clients[0].y.dtype
         (2, torch.int64)
@@ -195,13 +195,13 @@ def _group_summary(clients: Sequence[ClientDataset]) -> dict[str, list[Any]]:
             "positive_rate_per_group": [p / s if s else None for p, s in zip(positives, samples)]}
 
 
-class FEMNISTFairness(FEMNIST):
+class FEMNISTFairnessDataModule(FEMNISTDataModule):
     """FEMNIST with a sensitive group: rotated writers are the minority g2, the label is a class-index parity.
 
     The journal paper's FEMNIST fairness setting. Exactly ``minority_fraction`` of the
     loaded writers (rounded; 20 % by default) are rotated by 90 degrees and form g2
     (sensitive 1); the others, upright, form g1 (sensitive 0). Which writers are rotated
-    is a seeded permutation of the sorted writer ids (unlike :class:`FEMNIST`'s
+    is a seeded permutation of the sorted writer ids (unlike :class:`FEMNISTDataModule`'s
     independent per-writer draws, which give the share only on average). The binary
     label of a character of class ``c`` (0..61) is
 
@@ -209,21 +209,21 @@ class FEMNISTFairness(FEMNIST):
     - g2: ``1`` if ``c`` is odd,
 
     so the two groups need different models twice over: rotated images and the opposite
-    rule. ``y`` is int64 in {0, 1}; :attr:`FEMNIST.rotated` maps clients to their group.
-    Everything else (sources, splits, inversion, test samples) is :class:`FEMNIST`'s; its
+    rule. ``y`` is int64 in {0, 1}; :attr:`FEMNISTDataModule.rotated` maps clients to their group.
+    Everything else (sources, splits, inversion, test samples) is :class:`FEMNISTDataModule`'s; its
     ``rotate_probability`` is replaced by ``minority_fraction``.
 
     Args:
         minority_fraction: Share of the writers rotated into g2, in (0, 1).
-        data_dir: As in :class:`FEMNIST`.
-        source: As in :class:`FEMNIST`.
-        val_fraction: As in :class:`FEMNIST`.
-        max_clients: As in :class:`FEMNIST`.
-        invert: As in :class:`FEMNIST`.
-        hf_test_fraction: As in :class:`FEMNIST`.
-        batch_size: As in :class:`FEMNIST`.
-        num_workers: As in :class:`FEMNIST`.
-        seed: As in :class:`FEMNIST`; also the seed of the permutation that picks the rotated writers.
+        data_dir: As in :class:`FEMNISTDataModule`.
+        source: As in :class:`FEMNISTDataModule`.
+        val_fraction: As in :class:`FEMNISTDataModule`.
+        max_clients: As in :class:`FEMNISTDataModule`.
+        invert: As in :class:`FEMNISTDataModule`.
+        hf_test_fraction: As in :class:`FEMNISTDataModule`.
+        batch_size: As in :class:`FEMNISTDataModule`.
+        num_workers: As in :class:`FEMNISTDataModule`.
+        seed: As in :class:`FEMNISTDataModule`; also the seed of the permutation that picks the rotated writers.
     """
 
     num_classes = 2

@@ -43,7 +43,7 @@ from lightning_dp.datamodules.federated import (
 )
 from lightning_dp.datamodules.offline import DatasetUnavailableError, download_guard, import_datasets, load_hf_dataset
 
-__all__ = ["DATASETS", "PARTITIONS", "FederatedVision", "partition_labels"]
+__all__ = ["DATASETS", "PARTITIONS", "FederatedVisionDataModule", "partition_labels"]
 
 Dataset = Literal["mnist", "fashion_mnist", "cifar10"]
 Partition = Literal["iid", "pathological", "shards", "dirichlet"]
@@ -54,7 +54,7 @@ PARTITIONS = ("iid", "pathological", "shards", "dirichlet")
 def _flwr_partitioners(partition: str) -> Any:
     from lightning_dp.extras import require
 
-    needed_by = f"FederatedVision(partition={partition!r})"
+    needed_by = f"FederatedVisionDataModule(partition={partition!r})"
     require("datasets", "fl", needed_by, "partition='iid'")
     return require("flwr_datasets.partitioner", "fl", needed_by, "partition='iid'")
 
@@ -100,7 +100,7 @@ def partition_labels(labels: torch.Tensor, num_partitions: int, partition: str, 
         return [np.asarray(part.load_partition(i)["index"], dtype=np.int64) for i in range(num_partitions)]
 
 
-class FederatedVision(FederatedDataModule):
+class FederatedVisionDataModule(FederatedDataModule):
     """Image classification clients partitioned from MNIST, Fashion-MNIST or CIFAR-10 (module docstring).
 
     Args:
@@ -177,7 +177,7 @@ class FederatedVision(FederatedDataModule):
         if partition != "iid":
             _flwr_partitioners(partition)  # a missing extra is refused now, before any data is read
         if source == "huggingface":  # a missing extra is refused now, before any data is read
-            import_datasets("FederatedVision(source='huggingface')", "source='files' with the official files")
+            import_datasets("FederatedVisionDataModule(source='huggingface')", "source='files' with the official files")
         self.train_fraction, self.normalize = float(train_fraction), normalize
         self.input_shape = (3, 32, 32) if dataset == "cifar10" else (1, 28, 28)
 
@@ -210,7 +210,7 @@ class FederatedVision(FederatedDataModule):
         if self.dataset == "cifar10" and self.source == "huggingface":
             from lightning_dp.datamodules.cifar import HF_DATASET
 
-            load_hf_dataset(import_datasets("FederatedVision(source='huggingface')",
+            load_hf_dataset(import_datasets("FederatedVisionDataModule(source='huggingface')",
                                             "source='files' with the official files"), HF_DATASET, cache_dir=self.data_dir,
                             unavailable=self._cifar10_unavailable)
             return

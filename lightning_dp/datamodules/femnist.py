@@ -5,7 +5,7 @@ learning" (thesis ch. 2): the writers of LEAF's Federated Extended MNIST (62 cla
 digits, upper- and lower-case letters) are the clients, and each client's images are
 rotated by 90 degrees with probability 0.5, which creates two groups of clients that
 need different models: the setting where personalization pays off. Which clients were
-rotated is kept (:attr:`FEMNIST.rotated`) for tests and plots.
+rotated is kept (:attr:`FEMNISTDataModule.rotated`) for tests and plots.
 
 Two sources:
 
@@ -47,7 +47,7 @@ from lightning_dp.datamodules.offline import (
     load_hf_dataset,
 )
 
-__all__ = ["FEMNIST", "LEAFFormatError", "read_leaf_dir", "rotate_images"]
+__all__ = ["FEMNISTDataModule", "LEAFFormatError", "read_leaf_dir", "rotate_images"]
 
 Source = Literal["leaf", "huggingface"]
 NUM_PIXELS = 28 * 28
@@ -153,7 +153,7 @@ def rotate_images(images: torch.Tensor) -> torch.Tensor:
 
 
 def _import_datasets() -> Any:
-    return import_datasets("FEMNIST(source='huggingface')", "source='leaf' with LEAF's JSON files")
+    return import_datasets("FEMNISTDataModule(source='huggingface')", "source='leaf' with LEAF's JSON files")
 
 
 def _image_to_array(image: Any) -> np.ndarray:
@@ -165,7 +165,7 @@ def _image_to_array(image: Any) -> np.ndarray:
     return array
 
 
-class FEMNIST(FederatedDataModule):
+class FEMNISTDataModule(FederatedDataModule):
     """LEAF FEMNIST: 62-class handwriting, one client per writer, each writer rotated with probability 0.5.
 
     ``setup()`` reads the writers that have training data, optionally keeps a seeded
@@ -213,7 +213,7 @@ class FEMNIST(FederatedDataModule):
         ValueError: If an argument is outside its range.
 
     Example:
-        >>> dm = FEMNIST(data_dir="../shared/data/femnist", max_clients=20)  # doctest: +SKIP
+        >>> dm = FEMNISTDataModule(data_dir="../shared/data/femnist", max_clients=20)  # doctest: +SKIP
         >>> dm.setup()  # doctest: +SKIP
         >>> len(dm.train_clients), len(dm.val_clients), tuple(dm.train_clients[0].x.shape[1:])  # doctest: +SKIP
         (16, 4, (1, 28, 28))

@@ -50,7 +50,7 @@ __all__ = [
     "CMS_COLUMNS",
     "DOWNLOAD_URLS",
     "FEATURE_NAMES",
-    "HospitalCharges",
+    "HospitalChargesDataModule",
     "OFFICIAL_FILENAME",
     "PAPER_DRGS",
     "download_cms_file",
@@ -96,7 +96,7 @@ FEATURE_NAMES: tuple[str, str, str] = ("service_index", "longitude", "latitude")
 #: recalled, not recomputed (the full file is not available offline): 194 SIMPLE
 #: PNEUMONIA & PLEURISY W CC, 690 KIDNEY & URINARY TRACT INFECTIONS W/O MCC, 292 HEART
 #: FAILURE & SHOCK W CC, 392 ESOPHAGITIS, GASTROENT & MISC DIGEST DISORDERS W/O MCC.
-#: With the full file, ``HospitalCharges.drg_frequencies(path)`` shows the real ranking;
+#: With the full file, ``HospitalChargesDataModule.drg_frequencies(path)`` shows the real ranking;
 #: pass ``drgs=[...]`` explicitly to reproduce a different reading of "most treated"
 #: (e.g. by total discharges).
 PAPER_DRGS: tuple[str, ...] = ("194", "690", "292", "392")
@@ -180,7 +180,7 @@ def _zip_table() -> dict[str, tuple[float, float]]:
         import zipcodes
     except ImportError as err:  # a core dependency; only a broken install gets here
         raise ImportError(
-            "HospitalCharges needs the `zipcodes` package (offline ZIP -> coordinates table); "
+            "HospitalChargesDataModule needs the `zipcodes` package (offline ZIP -> coordinates table); "
             "install it with `pip install zipcodes`"
         ) from err
     table = {}
@@ -307,7 +307,7 @@ def download_cms_file(
 
 
 # ----------------------------------------------------------------------------- DataModule
-class HospitalCharges(FederatedDataModule):
+class HospitalChargesDataModule(FederatedDataModule):
     """CMS FY2011 inpatient charges: one client per provider, regression of Average Total Payments.
 
     ``setup()`` reads the official CSV, keeps the rows of the chosen DRGs, turns each
@@ -354,7 +354,7 @@ class HospitalCharges(FederatedDataModule):
         ValueError: If an argument is outside its range.
 
     Example:
-        >>> dm = HospitalCharges(data_dir="../shared/data/cms_inpatient")  # doctest: +SKIP
+        >>> dm = HospitalChargesDataModule(data_dir="../shared/data/cms_inpatient")  # doctest: +SKIP
         >>> dm.setup()  # doctest: +SKIP
         >>> dm.selected_drgs, dm.drg_selection  # doctest: +SKIP
         (['065', '064', '066', '057'], 'most_frequent')

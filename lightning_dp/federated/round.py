@@ -265,7 +265,7 @@ class FederatedRound(LightningModule):
         if not isinstance(dm, FederatedDataModule):
             raise MisconfigurationException(
                 "PersonalizedFederatedModule reads its clients from a FederatedDataModule (e.g. "
-                "lightning_dp.datamodules.SyntheticLinearMixture): pass it as trainer.fit(module, datamodule=...).")
+                "lightning_dp.datamodules.SyntheticLinearMixtureDataModule): pass it as trainer.fit(module, datamodule=...).")
         self._clients: dict[str, list[ClientDataset]] = {"train": dm.train_clients or [], "val": dm.val_clients or [],
                                                          "test": dm.test_clients or []}
         self._classification = dm.task == "classification"
@@ -284,7 +284,7 @@ class FederatedRound(LightningModule):
             if self.test_every_check and not self._clients["test"]:
                 raise MisconfigurationException(
                     f"test_every_check=True but {type(dm).__name__} has no test clients: give it some (e.g. "
-                    "num_test_clients for FederatedVision), or set test_every_check=False")
+                    "num_test_clients for FederatedVisionDataModule), or set test_every_check=False")
         if self.sanitizer.accountable or self.server_privacy.accountable or self.update.accountable:
             from lightning_dp.tracking import refuse_checkpoint_uploads
 

@@ -301,16 +301,16 @@ def _write_leaf(directory: Path, writers: dict[str, int]) -> None:
 
 
 def test_images_come_from_one_sample_per_validation_client(tmp_path):
-    from lightning_dp.datamodules import FEMNIST
+    from lightning_dp.datamodules import FEMNISTDataModule
 
     _write_leaf(tmp_path, {f"w{i}": 3 for i in range(6)})
-    data = FEMNIST(data_dir=tmp_path, val_fraction=0.5)
+    data = FEMNISTDataModule(data_dir=tmp_path, val_fraction=0.5)
     x, y, sources = load_images(data, 2)
     assert x.shape == (2, 1, 28, 28) and y.tolist() == [0, 0]
     assert [s.split()[2].rstrip(",") for s in sources] == [c.client_id for c in data.val_clients[:2]]
     assert torch.equal(x[1], data.val_clients[1].x[0])
     assert input_scale(data) == (0.0, 1.0)
-    with pytest.raises(ValueError, match="--num_images=4 but FEMNIST has 3 non-empty validation clients"):
+    with pytest.raises(ValueError, match="--num_images=4 but FEMNISTDataModule has 3 non-empty validation clients"):
         load_images(data, 4)
 
 

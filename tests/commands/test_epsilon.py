@@ -91,7 +91,7 @@ def _train_dp_fedavg(server_privacy, *, q, rounds, num_clients):
     """A tiny DP-FedAvg run (tests/federated/test_dp_fedavg.py's set-up): the privacy/epsilon it logs each round."""
     import lightning as L
 
-    from lightning_dp.datamodules import SyntheticLinearMixture
+    from lightning_dp.datamodules import SyntheticLinearMixtureDataModule
     from lightning_dp.federated import FederatedRound
     from lightning_dp.federated.parts import FedAvg, LocalSGD, PoissonSelection
     from lightning_dp.models import LinearRegression
@@ -107,7 +107,7 @@ def _train_dp_fedavg(server_privacy, *, q, rounds, num_clients):
     trainer = L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         accelerator="cpu", devices=1, max_epochs=rounds, num_sanity_val_steps=0, limit_val_batches=0,
                         log_every_n_steps=1, callbacks=[Capture()])
-    trainer.fit(module, SyntheticLinearMixture(num_clients=num_clients, num_val_clients=2, seed=0))
+    trainer.fit(module, SyntheticLinearMixtureDataModule(num_clients=num_clients, num_val_clients=2, seed=0))
     assert trainer.global_step == rounds
     return logged
 

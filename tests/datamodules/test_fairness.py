@@ -1,17 +1,17 @@
-"""SyntheticFairness and FEMNISTFairness: groups, label rules, sensitive ids, determinism, errors."""
+"""SyntheticFairnessDataModule and FEMNISTFairnessDataModule: groups, label rules, sensitive ids, determinism, errors."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lightning_dp.datamodules import ClientDataset, FEMNISTFairness, SyntheticFairness
+from lightning_dp.datamodules import ClientDataset, FEMNISTFairnessDataModule, SyntheticFairnessDataModule
 from lightning_dp.datamodules.federated import padded_sensitive
 from tests.datamodules.test_federated_femnist import _expected_images, write_leaf
 
 
 def test_synthetic_fairness_groups_and_label_rules_match_the_paper():
-    dm = SyntheticFairness(seed=3)
+    dm = SyntheticFairnessDataModule(seed=3)
     dm.setup()
     summary = dm.summary()
     assert summary["train"]["clients_per_group"] == [800, 200]  # the paper: 1000 clients, 800 in g1, 200 in g2
@@ -40,11 +40,11 @@ def test_synthetic_fairness_groups_and_label_rules_match_the_paper():
 
 
 def test_synthetic_fairness_is_deterministic_and_splits_are_independent_streams():
-    a, b = SyntheticFairness(num_clients=20, seed=1), SyntheticFairness(num_clients=20, seed=1, num_test_clients=7)
+    a, b = SyntheticFairnessDataModule(num_clients=20, seed=1), SyntheticFairnessDataModule(num_clients=20, seed=1, num_test_clients=7)
     a.setup(), b.setup()
     for ca, cb in zip(a.train_clients + a.val_clients, b.train_clients + b.val_clients):
         assert ca.client_id == cb.client_id and torch.equal(ca.x, cb.x) and torch.equal(ca.y, cb.y)
-    c = SyntheticFairness(num_clients=20, seed=2)
+    c = SyntheticFairnessDataModule(num_clients=20, seed=2)
     c.setup()
     assert not torch.equal(a.train_clients[0].x, c.train_clients[0].x)
     assert len(b.test_clients) == 7 and b.summary()["test"]["clients_per_group"] == [6, 1]
@@ -61,11 +61,11 @@ def test_synthetic_fairness_is_deterministic_and_splits_are_independent_streams(
 ])
 def test_synthetic_fairness_rejects_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        SyntheticFairness(**kwargs)
+        SyntheticFairnessDataModule(**kwargs)
 
 
 def test_uniform_inputs_option():
-    dm = SyntheticFairness(num_clients=10, num_val_clients=2, num_test_clients=2, x_distribution="uniform")
+    dm = SyntheticFairnessDataModule(num_clients=10, num_val_clients=2, num_test_clients=2, x_distribution="uniform")
     dm.setup()
     x = torch.cat([c.x for c in dm.train_clients])
     assert float(x.min()) >= 0 and float(x.max()) < 1
@@ -93,7 +93,7 @@ def leaf_fairness_dir(tmp_path):
 
 def test_femnist_fairness_minority_is_rotated_with_flipped_parity_labels(leaf_fairness_dir):
     directory, written = leaf_fairness_dir
-    dm = FEMNISTFairness(data_dir=directory, minority_fraction=0.2, val_fraction=0.2, seed=0)
+    dm = FEMNISTFairnessDataModule(data_dir=directory, minority_fraction=0.2, val_fraction=0.2, seed=0)
     dm.setup()
     assert sum(dm.rotated.values()) == 2  # exactly 20 % of the 10 writers
     summary = dm.summary()
@@ -113,7 +113,7 @@ def test_femnist_fairness_minority_draw_is_seeded(leaf_fairness_dir):
     directory, _ = leaf_fairness_dir
     draws = []
     for seed in (0, 0, 1, 2, 3):
-        dm = FEMNISTFairness(data_dir=directory, minority_fraction=0.3, seed=seed)
+        dm = FEMNISTFairnessDataModule(data_dir=directory, minority_fraction=0.3, seed=seed)
         dm.setup()
         draws.append(frozenset(w for w, r in dm.rotated.items() if r))
         assert len(draws[-1]) == 3
@@ -121,4 +121,4 @@ def test_femnist_fairness_minority_draw_is_seeded(leaf_fairness_dir):
     with pytest.raises(KeyError, match="not loaded"):
         dm.is_rotated("nobody")
     with pytest.raises(ValueError, match="minority_fraction"):
-        FEMNISTFairness(data_dir=directory, minority_fraction=1.5)
+        FEMNISTFairnessDataModule(data_dir=directory, minority_fraction=1.5)

@@ -199,3 +199,17 @@ def test_usable_as_a_plain_lightning_datamodule_for_a_centralized_baseline():
                       enable_model_summary=False, accelerator="cpu")
     trainer.fit(_Linear(), datamodule=_module(batch_size=4).centralized())
     assert trainer.state.finished and "val/loss" in trainer.callback_metrics
+
+
+def test_former_datamodule_names_still_resolve_with_a_warning():
+    """Configs written before the rename (class_path: lightning_dp.datamodules.FEMNIST) keep working, warned."""
+    import lightning_dp.datamodules as datamodules
+    from lightning_dp.datamodules import FEMNISTDataModule, HospitalChargesDataModule
+
+    with pytest.warns(FutureWarning, match="class_path: lightning_dp.datamodules.FEMNISTDataModule"):
+        assert datamodules.FEMNIST is FEMNISTDataModule
+    with pytest.warns(FutureWarning):
+        from lightning_dp.datamodules import HospitalCharges
+    assert HospitalCharges is HospitalChargesDataModule
+    with pytest.raises(AttributeError):
+        datamodules.NoSuchData  # noqa: B018

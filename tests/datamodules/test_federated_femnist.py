@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_dp.datamodules.femnist import FEMNIST, LEAFFormatError, read_leaf_dir, rotate_images
+from lightning_dp.datamodules.femnist import FEMNISTDataModule, LEAFFormatError, read_leaf_dir, rotate_images
 
 
 def _writer_data(rng: np.random.Generator, count: int) -> dict[str, list]:
@@ -74,7 +74,7 @@ def test_read_leaf_dir(leaf_dir):
 
 def test_writers_are_clients_with_shapes_dtypes_and_split(leaf_dir):
     directory, written = leaf_dir
-    datamodule = FEMNIST(data_dir=directory, val_fraction=0.3, seed=0)
+    datamodule = FEMNISTDataModule(data_dir=directory, val_fraction=0.3, seed=0)
     datamodule.setup()
     assert datamodule.task == "classification" and datamodule.num_classes == 62
     assert datamodule.input_shape == (1, 28, 28)
@@ -95,7 +95,7 @@ def test_writers_are_clients_with_shapes_dtypes_and_split(leaf_dir):
 
 def test_rotation_matches_np_rot90_on_train_and_test_samples(leaf_dir):
     directory, written = leaf_dir
-    datamodule = FEMNIST(data_dir=directory, seed=1)
+    datamodule = FEMNISTDataModule(data_dir=directory, seed=1)
     datamodule.setup()
     assert 0 < sum(datamodule.rotated.values()) < len(datamodule.rotated)  # both kinds present here
     for split, clients in (("train", datamodule.train_clients + datamodule.val_clients),
@@ -117,7 +117,7 @@ def test_rotate_images_is_np_rot90():
 
 def test_invert_false_keeps_leaf_pixels(leaf_dir):
     directory, written = leaf_dir
-    datamodule = FEMNIST(data_dir=directory, invert=False, rotate_probability=0.0)
+    datamodule = FEMNISTDataModule(data_dir=directory, invert=False, rotate_probability=0.0)
     datamodule.setup()
     assert not any(datamodule.rotated.values())
     for client in datamodule.train_clients:
@@ -128,36 +128,36 @@ def test_rotation_probability_and_per_writer_seeding(leaf_dir):
     directory, _ = leaf_dir
     writers = [f"w{i:05d}" for i in range(4000)]
     for probability in (0.5, 0.2):
-        datamodule = FEMNIST(data_dir=directory, rotate_probability=probability, seed=0)
+        datamodule = FEMNISTDataModule(data_dir=directory, rotate_probability=probability, seed=0)
         share = np.mean([datamodule.is_rotated(w) for w in writers])
         # Binomial(4000, p): standard deviation <= 0.008; tolerance 0.04 is 5 sigma (false failures < 1e-6).
         assert share == pytest.approx(probability, abs=0.04)
-    assert not any(FEMNIST(data_dir=directory, rotate_probability=0.0).is_rotated(w) for w in writers[:200])
-    assert all(FEMNIST(data_dir=directory, rotate_probability=1.0).is_rotated(w) for w in writers[:200])
+    assert not any(FEMNISTDataModule(data_dir=directory, rotate_probability=0.0).is_rotated(w) for w in writers[:200])
+    assert all(FEMNISTDataModule(data_dir=directory, rotate_probability=1.0).is_rotated(w) for w in writers[:200])
     # A writer's draw depends on (seed, writer) only: not on the other writers loaded.
-    full = FEMNIST(data_dir=directory, seed=2)
+    full = FEMNISTDataModule(data_dir=directory, seed=2)
     full.setup()
-    subset = FEMNIST(data_dir=directory, seed=2, max_clients=4)
+    subset = FEMNISTDataModule(data_dir=directory, seed=2, max_clients=4)
     subset.setup()
     assert all(subset.rotated[w] == full.rotated[w] for w in subset.rotated)
 
 
 def test_max_clients_and_determinism(leaf_dir):
     directory, written = leaf_dir
-    first = FEMNIST(data_dir=directory, max_clients=5, seed=3)
+    first = FEMNISTDataModule(data_dir=directory, max_clients=5, seed=3)
     first.setup()
     ids = [c.client_id for c in first.train_clients + first.val_clients]
     assert len(ids) == 5 and set(ids) <= set(written["train"])
     assert first.summary()["writers_available"] == 10
     assert {c.client_id for c in first.test_clients} == set(ids)
-    again = FEMNIST(data_dir=directory, max_clients=5, seed=3)
+    again = FEMNISTDataModule(data_dir=directory, max_clients=5, seed=3)
     again.setup()
     assert [c.client_id for c in again.train_clients + again.val_clients] == ids
     assert all(torch.equal(a.x, b.x) for a, b in zip(first.train_clients, again.train_clients))
     assert again.rotated == first.rotated
     other_ids = set()
     for seed in (4, 5, 6):
-        other = FEMNIST(data_dir=directory, max_clients=5, seed=seed)
+        other = FEMNISTDataModule(data_dir=directory, max_clients=5, seed=seed)
         other.setup()
         other_ids.add(tuple(c.client_id for c in other.train_clients + other.val_clients))
     assert len(other_ids | {tuple(ids)}) > 1
@@ -165,20 +165,20 @@ def test_max_clients_and_determinism(leaf_dir):
 
 def test_missing_files_and_format_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"(?s)train/\*\.json, test/\*\.json.*source='huggingface'"):
-        FEMNIST(data_dir=tmp_path / "none").setup()
+        FEMNISTDataModule(data_dir=tmp_path / "none").setup()
     bad = tmp_path / "bad" / "train"
     bad.mkdir(parents=True)
     record = {"users": ["u"], "num_samples": [1], "user_data": {"u": {"x": [[0.5] * 783], "y": [1]}}}
     (bad / "a.json").write_text(json.dumps(record))
     with pytest.raises(LEAFFormatError, match="a.json: user 'u': x must be a list of 784-pixel images"):
-        FEMNIST(data_dir=tmp_path / "bad").setup()
+        FEMNISTDataModule(data_dir=tmp_path / "bad").setup()
     record["user_data"]["u"] = {"x": [[0.5] * 784], "y": [62]}
     (bad / "a.json").write_text(json.dumps(record))
     with pytest.raises(LEAFFormatError, match=r"labels must be in 0..61"):
-        FEMNIST(data_dir=tmp_path / "bad").setup()
+        FEMNISTDataModule(data_dir=tmp_path / "bad").setup()
     (bad / "a.json").write_text(json.dumps({"writers": []}))
     with pytest.raises(LEAFFormatError, match="expected LEAF keys"):
-        FEMNIST(data_dir=tmp_path / "bad").setup()
+        FEMNISTDataModule(data_dir=tmp_path / "bad").setup()
 
 
 def test_missing_test_dir_warns_and_leaves_test_empty(tmp_path):
@@ -186,7 +186,7 @@ def test_missing_test_dir_warns_and_leaves_test_empty(tmp_path):
     write_leaf(directory, train_sizes={"a": 2, "b": 2, "c": 2}, test_sizes={})
     for path in (directory / "test").iterdir():
         path.unlink()
-    datamodule = FEMNIST(data_dir=directory, val_fraction=0.34)
+    datamodule = FEMNISTDataModule(data_dir=directory, val_fraction=0.34)
     with pytest.warns(UserWarning, match="no LEAF test files"):
         datamodule.setup()
     assert datamodule.test_clients == []
@@ -206,7 +206,7 @@ def test_missing_test_dir_warns_and_leaves_test_empty(tmp_path):
 )
 def test_constructor_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        FEMNIST(**kwargs)
+        FEMNISTDataModule(**kwargs)
 
 
 # ---------------------------------------------------------------- Hugging Face source (mocked)
@@ -251,7 +251,7 @@ def test_huggingface_source_partitions_by_writer(tmp_path, monkeypatch):
     sizes = {"f0001_01": 8, "f0002_02": 12, "f0003_03": 4, "f0004_04": 8, "f0005_05": 9}
     fake, columns, calls = _fake_hf(sizes)
     monkeypatch.setitem(sys.modules, "datasets", fake)
-    datamodule = FEMNIST(data_dir=tmp_path / "hf", source="huggingface", val_fraction=0.4, hf_test_fraction=0.25,
+    datamodule = FEMNISTDataModule(data_dir=tmp_path / "hf", source="huggingface", val_fraction=0.4, hf_test_fraction=0.25,
                          seed=0)
     datamodule.prepare_data()
     datamodule.setup()
@@ -278,4 +278,4 @@ def test_huggingface_source_partitions_by_writer(tmp_path, monkeypatch):
 def test_huggingface_source_without_datasets_installed(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
     with pytest.raises(ImportError, match=r"pip install 'lightning-dp\[hf\]'.*source='leaf'"):
-        FEMNIST(data_dir=tmp_path, source="huggingface")  # refused before any data is read
+        FEMNISTDataModule(data_dir=tmp_path, source="huggingface")  # refused before any data is read

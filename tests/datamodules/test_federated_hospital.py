@@ -1,4 +1,4 @@
-"""HospitalCharges on generated CSV files in the official CMS layout (padded headers, "$" money)."""
+"""HospitalChargesDataModule on generated CSV files in the official CMS layout (padded headers, "$" money)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from lightning_dp.datamodules.hospital import (
     DOWNLOAD_URLS,
     OFFICIAL_FILENAME,
     PAPER_DRGS,
-    HospitalCharges,
+    HospitalChargesDataModule,
     download_cms_file,
     drg_code,
     normalize_zip,
@@ -146,7 +146,7 @@ def test_select_drgs_default_logic():
 
 
 def test_default_drgs_are_the_most_frequent_when_the_papers_are_absent(cms_file):
-    datamodule = HospitalCharges(path=cms_file)
+    datamodule = HospitalChargesDataModule(path=cms_file)
     datamodule.setup()
     assert datamodule.drg_selection == "most_frequent"
     assert datamodule.selected_drgs == ["039", "057", "064", "065"]  # 066 has the fewest rows
@@ -158,7 +158,7 @@ def test_default_drgs_are_the_most_frequent_when_the_papers_are_absent(cms_file)
 def test_default_drgs_are_the_papers_when_present(tmp_path):
     # The paper's DRGs are billed by fewer providers than 039 and 057, and still win.
     path = write_cms_csv(tmp_path / "f.csv", fixture_rows(("039", "057", "194", "690", "292", "392")))
-    datamodule = HospitalCharges(path=path)
+    datamodule = HospitalChargesDataModule(path=path)
     datamodule.setup()
     assert datamodule.drg_selection == "paper" and datamodule.selected_drgs == list(PAPER_DRGS)
     services = torch.cat([c.x[:, 0] for c in datamodule.train_clients + datamodule.val_clients])
@@ -166,7 +166,7 @@ def test_default_drgs_are_the_papers_when_present(tmp_path):
 
 
 def test_requested_drgs_define_the_service_index(cms_file):
-    datamodule = HospitalCharges(path=cms_file, drgs=["066", 39], scale=False)
+    datamodule = HospitalChargesDataModule(path=cms_file, drgs=["066", 39], scale=False)
     datamodule.setup()
     assert datamodule.selected_drgs == ["066", "039"] and datamodule.drg_selection == "requested"
     clients = {c.client_id: c for c in datamodule.train_clients + datamodule.val_clients}
@@ -174,12 +174,12 @@ def test_requested_drgs_define_the_service_index(cms_file):
     assert client.x[:, 0].tolist() == [0.0, 1.0]
     assert client.y.tolist() == pytest.approx([_payment(0, "066"), _payment(0, "039")], abs=0.01)
     with pytest.raises(ValueError, match=r"DRG\(s\) \['470'\] are not in the file"):
-        HospitalCharges(path=cms_file, drgs=["470"]).setup()
+        HospitalChargesDataModule(path=cms_file, drgs=["470"]).setup()
 
 
 # ---------------------------------------------------------------- clients, features, scaling, split
 def test_providers_are_clients_with_features_and_targets(cms_file):
-    datamodule = HospitalCharges(path=cms_file, scale=False)
+    datamodule = HospitalChargesDataModule(path=cms_file, scale=False)
     datamodule.setup()
     clients = {c.client_id: c for c in datamodule.train_clients + datamodule.val_clients}
     assert set(clients) == {str(10001 + i) for i in range(20)}  # the unknown-ZIP providers are gone
@@ -198,7 +198,7 @@ def test_providers_are_clients_with_features_and_targets(cms_file):
 
 
 def test_unknown_zip_rows_are_dropped_and_counted(cms_file):
-    datamodule = HospitalCharges(path=cms_file)
+    datamodule = HospitalChargesDataModule(path=cms_file)
     datamodule.setup()
     summary = datamodule.summary()
     assert summary["rows_dropped_unknown_zip"] == 2 and summary["unknown_zips"] == [UNKNOWN_ZIP]
@@ -208,8 +208,8 @@ def test_unknown_zip_rows_are_dropped_and_counted(cms_file):
 
 
 def test_scaling_by_powers_of_ten_from_the_training_clients(cms_file):
-    raw = HospitalCharges(path=cms_file, scale=False, seed=5)
-    scaled = HospitalCharges(path=cms_file, seed=5)
+    raw = HospitalChargesDataModule(path=cms_file, scale=False, seed=5)
+    scaled = HospitalChargesDataModule(path=cms_file, seed=5)
     raw.setup()
     scaled.setup()
     train_x = torch.cat([c.x for c in raw.train_clients]).double()
@@ -226,19 +226,19 @@ def test_scaling_by_powers_of_ten_from_the_training_clients(cms_file):
 
 def test_scales_ignore_the_validation_clients(tmp_path):
     rows = fixture_rows()
-    datamodule = HospitalCharges(path=write_cms_csv(tmp_path / "a.csv", rows), seed=0)
+    datamodule = HospitalChargesDataModule(path=write_cms_csv(tmp_path / "a.csv", rows), seed=0)
     datamodule.setup()
     # Give one validation provider huge payments: the target scale must not move.
     victim = datamodule.val_clients[0].client_id
     inflated = [(c, p, z, pay * 1000 if p == victim else pay) for c, p, z, pay in rows]
-    other = HospitalCharges(path=write_cms_csv(tmp_path / "b.csv", inflated), seed=0)
+    other = HospitalChargesDataModule(path=write_cms_csv(tmp_path / "b.csv", inflated), seed=0)
     other.setup()
     assert other.target_scale == datamodule.target_scale == 10000.0
     assert float(next(c for c in other.val_clients if c.client_id == victim).y.max()) > 100.0
 
 
 def test_seventy_thirty_split_by_provider(cms_file):
-    datamodule = HospitalCharges(path=cms_file, seed=1)
+    datamodule = HospitalChargesDataModule(path=cms_file, seed=1)
     datamodule.setup()
     train_ids = [c.client_id for c in datamodule.train_clients]
     val_ids = [c.client_id for c in datamodule.val_clients]
@@ -247,13 +247,13 @@ def test_seventy_thirty_split_by_provider(cms_file):
     # Every row of a provider stays with its provider.
     summary = datamodule.summary()
     assert summary["train"]["samples"] + summary["val"]["samples"] == summary["rows_selected"] - 2
-    again = HospitalCharges(path=cms_file, seed=1)
+    again = HospitalChargesDataModule(path=cms_file, seed=1)
     again.setup()
     assert [c.client_id for c in again.train_clients] == train_ids
-    other = HospitalCharges(path=cms_file, seed=2)
+    other = HospitalChargesDataModule(path=cms_file, seed=2)
     other.setup()
     assert [c.client_id for c in other.train_clients] != train_ids
-    half = HospitalCharges(path=cms_file, train_fraction=0.5)
+    half = HospitalChargesDataModule(path=cms_file, train_fraction=0.5)
     half.setup()
     assert (len(half.train_clients), len(half.val_clients)) == (10, 10)
 
@@ -263,16 +263,16 @@ def test_finds_the_file_in_data_dir(tmp_path):
     write_cms_csv(tmp_path / "official" / OFFICIAL_FILENAME, fixture_rows())
     write_cms_csv(tmp_path / "subset" / OFFICIAL_FILENAME.replace(".csv", "_subset.csv"), fixture_rows())
     for folder in ("official", "subset"):
-        datamodule = HospitalCharges(data_dir=tmp_path / folder)
+        datamodule = HospitalChargesDataModule(data_dir=tmp_path / folder)
         datamodule.setup()
         assert len(datamodule.train_clients) == 14
     write_cms_csv(tmp_path / "subset" / OFFICIAL_FILENAME.replace(".csv", "_other.csv"), fixture_rows())
     with pytest.raises(ValueError, match="several candidate files"):
-        HospitalCharges(data_dir=tmp_path / "subset").setup()
+        HospitalChargesDataModule(data_dir=tmp_path / "subset").setup()
 
 
 def test_missing_file_error_gives_the_fixes(tmp_path):
-    datamodule = HospitalCharges(data_dir=tmp_path / "nothing")
+    datamodule = HospitalChargesDataModule(data_dir=tmp_path / "nothing")
     datamodule.prepare_data()  # download=False: does nothing
     with pytest.raises(FileNotFoundError, match="download=True.*path="):
         datamodule.setup()
@@ -281,8 +281,8 @@ def test_missing_file_error_gives_the_fixes(tmp_path):
 def test_prepare_data_downloads_with_fallback(tmp_path, monkeypatch):
     source = write_cms_csv(tmp_path / "mirror" / "rows.csv", fixture_rows())
     broken = (tmp_path / "missing.csv").as_uri()
-    monkeypatch.setattr(HospitalCharges, "urls", (broken, source.as_uri()))
-    datamodule = HospitalCharges(data_dir=tmp_path / "data", download=True)
+    monkeypatch.setattr(HospitalChargesDataModule, "urls", (broken, source.as_uri()))
+    datamodule = HospitalChargesDataModule(data_dir=tmp_path / "data", download=True)
     datamodule.prepare_data()
     target = tmp_path / "data" / OFFICIAL_FILENAME
     assert target.read_bytes() == source.read_bytes()
@@ -328,13 +328,13 @@ def test_download_uses_the_official_url_and_rejects_a_wrong_layout(tmp_path):
 )
 def test_constructor_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        HospitalCharges(**kwargs)
+        HospitalChargesDataModule(**kwargs)
 
 
 def test_configurable_from_a_config(cms_file):
     parser = ArgumentParser()
-    parser.add_class_arguments(HospitalCharges, "data")
+    parser.add_class_arguments(HospitalChargesDataModule, "data")
     config = parser.parse_args([f"--data.path={cms_file}", "--data.drgs=['039', '057']"])
-    datamodule = HospitalCharges(**config.data.as_dict())
+    datamodule = HospitalChargesDataModule(**config.data.as_dict())
     datamodule.setup()
     assert datamodule.selected_drgs == ["039", "057"]

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_dp.datamodules.femnist import FEMNIST
-from lightning_dp.datamodules.hospital import HospitalCharges
+from lightning_dp.datamodules.femnist import FEMNISTDataModule
+from lightning_dp.datamodules.hospital import HospitalChargesDataModule
 
 _DEFAULT_SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 SHARED_DATA = Path(os.environ.get("LIGHTNING_DP_SHARED_DATA", _DEFAULT_SHARED_DATA))
@@ -22,7 +22,7 @@ FEMNIST_DIR = SHARED_DATA / "femnist"
 
 @pytest.mark.skipif(not CMS_FILE.is_file(), reason=f"the CMS inpatient subset is not at {CMS_FILE}")
 def test_real_cms_subset():
-    datamodule = HospitalCharges(data_dir=CMS_FILE.parent)
+    datamodule = HospitalChargesDataModule(data_dir=CMS_FILE.parent)
     datamodule.setup()
     summary = datamodule.summary()
     assert summary["rows_read"] == 7869
@@ -44,7 +44,7 @@ def test_real_cms_subset():
 
 @pytest.mark.skipif(not (FEMNIST_DIR / "train").is_dir(), reason=f"the LEAF FEMNIST sample is not in {FEMNIST_DIR}")
 def test_real_femnist_sample():
-    datamodule = FEMNIST(data_dir=FEMNIST_DIR)
+    datamodule = FEMNISTDataModule(data_dir=FEMNIST_DIR)
     datamodule.setup()
     summary = datamodule.summary()
     assert summary["writers_available"] == 105

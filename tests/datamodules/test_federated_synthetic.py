@@ -1,4 +1,4 @@
-"""SyntheticLinearMixture: the seed's two-hypothesis linear regression clients."""
+"""SyntheticLinearMixtureDataModule: the seed's two-hypothesis linear regression clients."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import pytest
 import torch
 from jsonargparse import ArgumentParser
 
-from lightning_dp.datamodules.synthetic import DEFAULT_THETAS, SyntheticLinearMixture
+from lightning_dp.datamodules.synthetic import DEFAULT_THETAS, SyntheticLinearMixtureDataModule
 
 
-def _built(**kwargs) -> SyntheticLinearMixture:
-    datamodule = SyntheticLinearMixture(**kwargs)
+def _built(**kwargs) -> SyntheticLinearMixtureDataModule:
+    datamodule = SyntheticLinearMixtureDataModule(**kwargs)
     datamodule.setup()
     return datamodule
 
@@ -95,14 +95,14 @@ def test_determinism_and_independent_split_streams():
 )
 def test_constructor_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        SyntheticLinearMixture(**kwargs)
+        SyntheticLinearMixtureDataModule(**kwargs)
 
 
 def test_configurable_from_a_config():
     parser = ArgumentParser()
-    parser.add_class_arguments(SyntheticLinearMixture, "data")
+    parser.add_class_arguments(SyntheticLinearMixtureDataModule, "data")
     config = parser.parse_args(["--data.thetas=[[1, 2], [3, 4], [5, 6]]", "--data.num_clients=9",
                                 "--data.x_distribution=uniform"])
-    datamodule = SyntheticLinearMixture(**config.data.as_dict())
+    datamodule = SyntheticLinearMixtureDataModule(**config.data.as_dict())
     datamodule.setup()
     assert datamodule.num_hypotheses == 3 and datamodule.summary()["train"]["clients_per_hypothesis"] == [3, 3, 3]

@@ -1,4 +1,4 @@
-"""FederatedVision: MNIST / Fashion-MNIST IDX and CIFAR-10 batch fixtures partitioned by flwr-datasets."""
+"""FederatedVisionDataModule: MNIST / Fashion-MNIST IDX and CIFAR-10 batch fixtures partitioned by flwr-datasets."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_dp.datamodules.cifar import CIFARFormatError, download_cifar10, load_cifar10, read_cifar_batch
-from lightning_dp.datamodules.federated_vision import FederatedVision, partition_labels
+from lightning_dp.datamodules.federated_vision import FederatedVisionDataModule, partition_labels
 from lightning_dp.datamodules.idx import write_idx
 
 pytest.importorskip("flwr_datasets")
@@ -49,7 +49,7 @@ def build(data_dir, **kwargs):
     defaults = dict(dataset="mnist", data_dir=data_dir, subset="test", num_clients=20, num_val_clients=4,
                     num_test_clients=3, normalize=False, min_partition_size=5)
     defaults.update(kwargs)
-    dm = FederatedVision(**defaults)
+    dm = FederatedVisionDataModule(**defaults)
     dm.setup("fit")
     return dm
 
@@ -100,13 +100,13 @@ def test_missing_files_name_what_is_needed_and_leave_nothing_behind(tmp_path):
 
 def test_bad_arguments_are_refused_with_the_allowed_values(tmp_path):
     with pytest.raises(ValueError, match="partition='niid'.*iid"):
-        FederatedVision(partition="niid")
+        FederatedVisionDataModule(partition="niid")
     with pytest.raises(ValueError, match="dataset='cifar100'"):
-        FederatedVision(dataset="cifar100")
+        FederatedVisionDataModule(dataset="cifar100")
     with pytest.raises(ValueError, match="alpha"):
-        FederatedVision(alpha=0)
+        FederatedVisionDataModule(alpha=0)
     with pytest.raises(ValueError, match="classes_per_client=11"):
-        FederatedVision(classes_per_client=11)
+        FederatedVisionDataModule(classes_per_client=11)
 
 
 # ----------------------------------------------------------------------------- CIFAR-10
@@ -250,6 +250,6 @@ def test_a_missing_partitioner_library_is_one_line_naming_the_extra(monkeypatch)
     assert len(partition_labels(labels, 4, "iid", seed=0)) == 4  # IID needs no library
     with pytest.raises(MissingExtraError) as info:
         partition_labels(labels, 4, "dirichlet", seed=0)
-    assert str(info.value) == ("FederatedVision(partition='dirichlet') needs flwr_datasets, which is not installed: "
+    assert str(info.value) == ("FederatedVisionDataModule(partition='dirichlet') needs flwr_datasets, which is not installed: "
                                "pip install 'lightning-dp[fl]', or use partition='iid'")
     assert info.value.extra == "fl"

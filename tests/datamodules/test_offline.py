@@ -24,15 +24,15 @@ import pytest
 import lightning_dp.datamodules.hospital as hospital
 import lightning_dp.datamodules.offline as offline
 from lightning_dp.datamodules import (
-    FEMNIST,
+    FEMNISTDataModule,
     AGNewsDataModule,
     DatasetUnavailableError,
     DigitsDataModule,
     FashionMNISTDataModule,
-    FEMNISTFairness,
-    HospitalCharges,
+    FEMNISTFairnessDataModule,
+    HospitalChargesDataModule,
     MNISTDataModule,
-    SyntheticLinearMixture,
+    SyntheticLinearMixtureDataModule,
     WikiText2DataModule,
 )
 from lightning_dp.datamodules.offline import (
@@ -125,16 +125,16 @@ def _mnist_family(module: type) -> Callable[..., Any]:
 def _federated_vision(dataset: str) -> Callable[..., Any]:
     def case(data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
         pytest.importorskip("flwr_datasets")
-        from lightning_dp.datamodules import FederatedVision
+        from lightning_dp.datamodules import FederatedVisionDataModule
 
         break_official_downloads(monkeypatch)
-        return FederatedVision(dataset=dataset, data_dir=data_dir, download=True)
+        return FederatedVisionDataModule(dataset=dataset, data_dir=data_dir, download=True)
     return case
 
 
 def _hospital(data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     break_official_downloads(monkeypatch)
-    return HospitalCharges(data_dir=data_dir, download=True)
+    return HospitalChargesDataModule(data_dir=data_dir, download=True)
 
 
 def _wikitext(data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
@@ -151,9 +151,9 @@ def _hub(factory: Callable[[Path], Any]) -> Callable[..., Any]:
 
 def _hub_federated_vision(data_dir: Path) -> Any:
     pytest.importorskip("flwr_datasets")
-    from lightning_dp.datamodules import FederatedVision
+    from lightning_dp.datamodules import FederatedVisionDataModule
 
-    return FederatedVision(dataset="cifar10", data_dir=data_dir, source="huggingface")
+    return FederatedVisionDataModule(dataset="cifar10", data_dir=data_dir, source="huggingface")
 
 
 #: id -> (DataModule with a failing download, call that downloads, dataset id or file that must be named,
@@ -170,9 +170,9 @@ CASES: dict[str, tuple[Callable[..., Any], str, list[str]]] = {
     "fashion-mnist-hf": (_hub(lambda d: FashionMNISTDataModule(data_dir=d, source="huggingface")), "prepare_data",
                          ["zalando-datasets/fashion_mnist", *MNIST_FILES]),
     "federated-cifar10-hf": (_hub(_hub_federated_vision), "prepare_data", ["uoft-cs/cifar10", *CIFAR_FILES]),
-    "femnist-hf": (_hub(lambda d: FEMNIST(data_dir=d, source="huggingface")), "prepare_data",
+    "femnist-hf": (_hub(lambda d: FEMNISTDataModule(data_dir=d, source="huggingface")), "prepare_data",
                    ["flwrlabs/femnist", "train/*.json", "test/*.json"]),
-    "femnist-fairness-hf": (_hub(lambda d: FEMNISTFairness(data_dir=d, source="huggingface")), "prepare_data",
+    "femnist-fairness-hf": (_hub(lambda d: FEMNISTFairnessDataModule(data_dir=d, source="huggingface")), "prepare_data",
                             ["flwrlabs/femnist", "train/*.json", "test/*.json"]),
     "agnews-hf": (_hub(lambda d: AGNewsDataModule(data_dir=d, source="huggingface")), "prepare_data",
                   ["fancyzhx/ag_news", "train.csv", "test.csv", "glove.6B.50d.txt"]),
@@ -250,8 +250,8 @@ def test_a_download_that_succeeds_after_a_failure_still_works(tmp_path, monkeypa
 @pytest.mark.parametrize("factory, names", [
     (lambda d: MNISTDataModule(data_dir=d), MNIST_FILES),
     (lambda d: FashionMNISTDataModule(data_dir=d, subset="t10k"), MNIST_FILES[2:]),
-    (lambda d: HospitalCharges(data_dir=d), [hospital.OFFICIAL_FILENAME]),
-    (lambda d: FEMNIST(data_dir=d), ["train/*.json", "test/*.json"]),
+    (lambda d: HospitalChargesDataModule(data_dir=d), [hospital.OFFICIAL_FILENAME]),
+    (lambda d: FEMNISTDataModule(data_dir=d), ["train/*.json", "test/*.json"]),
     (lambda d: AGNewsDataModule(data_dir=d), ["train.csv", "test.csv", "glove.6B.50d.txt"]),
     (lambda d: WikiText2DataModule(str(d), train_file="valid", val_file=None), ["wiki.valid.tokens",
                                                                                 "wiki.test.tokens"]),
@@ -271,10 +271,10 @@ def test_missing_files_without_download_are_the_same_error(factory, names, tmp_p
 @pytest.mark.parametrize("dataset, names", [("mnist", MNIST_FILES), ("cifar10", CIFAR_FILES)])
 def test_federated_vision_without_download(dataset, names, tmp_path):
     pytest.importorskip("flwr_datasets")
-    from lightning_dp.datamodules import FederatedVision
+    from lightning_dp.datamodules import FederatedVisionDataModule
 
     with pytest.raises(DatasetUnavailableError) as info:
-        FederatedVision(dataset=dataset, data_dir=tmp_path / "data").setup()
+        FederatedVisionDataModule(dataset=dataset, data_dir=tmp_path / "data").setup()
     assert all(name in str(info.value) for name in names) and "download=True" in str(info.value)
     assert listing(tmp_path) == []
 
@@ -287,7 +287,7 @@ def test_bundled_and_generated_data_need_no_network(monkeypatch):
     digits = DigitsDataModule()
     digits.prepare_data()
     digits.setup("fit")
-    synthetic = SyntheticLinearMixture(num_clients=4, num_val_clients=2, num_test_clients=2, samples_per_client=5)
+    synthetic = SyntheticLinearMixtureDataModule(num_clients=4, num_val_clients=2, num_test_clients=2, samples_per_client=5)
     synthetic.prepare_data()
     synthetic.setup("fit")
     assert len(digits.train_dataset) > 0 and len(synthetic.train_clients) == 4

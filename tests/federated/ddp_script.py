@@ -3,7 +3,7 @@
 Usage: python tests/federated/ddp_script.py OUT_DIR DEVICES [fairness|secret|fedavg|local_dp_sgd|pfa]
 Trains the synthetic personalized-FL setting for a few rounds with DEVICES processes and
 writes OUT_DIR/rank{r}.pt (hypotheses, ledger, validation loss) for the test to compare.
-With ``fairness``: the SyntheticFairness setting (binary labels, sensitive groups), then
+With ``fairness``: the SyntheticFairnessDataModule setting (binary labels, sensitive groups), then
 ``trainer.test``; the test metrics (accuracy, group fairness) are saved too. With ``secret``:
 the synthetic setting with default seeds (drawn per process, so every process must adopt rank 0's). With
 ``fedavg``: client-level DP-FedAvg (Poisson selection, adaptive clipping, central noise drawn once). With
@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-from lightning_dp.datamodules import SyntheticFairness, SyntheticLinearMixture  # noqa: E402
+from lightning_dp.datamodules import SyntheticFairnessDataModule, SyntheticLinearMixtureDataModule  # noqa: E402
 from lightning_dp.federated import PersonalizedFederatedModule  # noqa: E402
 from lightning_dp.models import LinearRegression  # noqa: E402
 
@@ -52,7 +52,7 @@ def main(out: Path, devices: int, mode: str = "") -> None:
                                                   **budget),
                                 aggregator=PFA(partition="indirect", plus=True, centered=True) if mode == "pfa"
                                 else "fedavg", **seeds)
-        data = SyntheticLinearMixture(num_clients=40 if mode == "local_dp_sgd" else 9, num_val_clients=5, seed=0)
+        data = SyntheticLinearMixtureDataModule(num_clients=40 if mode == "local_dp_sgd" else 9, num_val_clients=5, seed=0)
     elif mode == "fedavg":
         from lightning_dp.federated import FederatedRound
         from lightning_dp.federated.parts import CentralGaussian, FedAvg, LocalSGD, PoissonSelection
@@ -61,17 +61,17 @@ def main(out: Path, devices: int, mode: str = "") -> None:
                                 update=LocalSGD(epochs=2, lr=0.1, batch_size=3), aggregator=FedAvg(),
                                 server_privacy=CentralGaussian(noise_multiplier=1.0, clip=0.5, adaptive=True),
                                 **seeds)
-        data = SyntheticLinearMixture(num_clients=40, num_val_clients=5, seed=0)
+        data = SyntheticLinearMixtureDataModule(num_clients=40, num_val_clients=5, seed=0)
     elif fairness:  # 7 test clients: shards of 4 and 3, both groups present
         module = PersonalizedFederatedModule(LinearRegression(bias=True), num_hypotheses=2, clients_per_round=7,
                                              local_epochs=2, local_lr=0.5, local_batch_size=3, noise_multiplier=1.0,
                                              loss="binary_cross_entropy", **seeds)
-        data = SyntheticFairness(num_clients=40, num_val_clients=5, num_test_clients=7, seed=0)
+        data = SyntheticFairnessDataModule(num_clients=40, num_val_clients=5, num_test_clients=7, seed=0)
     else:
         module = PersonalizedFederatedModule(LinearRegression(), num_hypotheses=2, clients_per_round=7,
                                              local_epochs=2, local_lr=0.1, local_batch_size=3, noise_multiplier=5.0,
                                              **seeds)
-        data = SyntheticLinearMixture(num_clients=40, num_val_clients=5, seed=0)
+        data = SyntheticLinearMixtureDataModule(num_clients=40, num_val_clients=5, seed=0)
     probe = Probe()
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", max_epochs=6,
                         check_val_every_n_epoch=3, logger=False, enable_checkpointing=False,

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-from lightning_dp.datamodules import SyntheticFairness, SyntheticLinearMixture  # noqa: E402
+from lightning_dp.datamodules import SyntheticFairnessDataModule, SyntheticLinearMixtureDataModule  # noqa: E402
 from lightning_dp.federated import PersonalizedFederatedModule  # noqa: E402
 from lightning_dp.models import HospitalMLP, LinearRegression  # noqa: E402
 
@@ -28,22 +28,22 @@ STORE = Path(__file__).with_name("data") / "reference_runs.json"
 
 CONFIGS = {
     "synthetic_vmap_nu5": dict(
-        model=lambda: LinearRegression(), data=lambda: SyntheticLinearMixture(num_clients=40, num_val_clients=5, seed=0),
+        model=lambda: LinearRegression(), data=lambda: SyntheticLinearMixtureDataModule(num_clients=40, num_val_clients=5, seed=0),
         module=dict(num_hypotheses=2, clients_per_round=7, local_epochs=2, local_lr=0.1, local_batch_size=3,
                     noise_multiplier=5.0, client_engine="vmap", seed=0, noise_seed=1), rounds=6),
     "synthetic_loop_per_layer_cap_skip": dict(
-        model=lambda: HospitalMLP(in_features=2), data=lambda: SyntheticLinearMixture(num_clients=30, num_val_clients=5, seed=1),
+        model=lambda: HospitalMLP(in_features=2), data=lambda: SyntheticLinearMixtureDataModule(num_clients=30, num_val_clients=5, seed=1),
         module=dict(num_hypotheses=3, clients_per_round=6, local_epochs=1, local_lr=0.05, local_batch_size=4,
                     noise_multiplier=2.0, per_layer=True, client_engine="loop", client_privacy_cap=30.0,
                     cap_policy="skip", seed=1, noise_seed=7), rounds=5),
     "fairness_bce_cap_replace": dict(
         model=lambda: LinearRegression(bias=True),
-        data=lambda: SyntheticFairness(num_clients=30, num_val_clients=4, num_test_clients=4, seed=2),
+        data=lambda: SyntheticFairnessDataModule(num_clients=30, num_val_clients=4, num_test_clients=4, seed=2),
         module=dict(num_hypotheses=2, clients_per_round=5, local_epochs=1, local_lr=0.5, local_batch_size=5,
                     noise_multiplier=1.0, loss="binary_cross_entropy", client_privacy_cap=3.5,
                     cap_policy="replace", val_clients_per_check=3, seed=2, noise_seed=3), rounds=6),
     "nonprivate_k1": dict(
-        model=lambda: LinearRegression(), data=lambda: SyntheticLinearMixture(num_clients=20, num_val_clients=4, seed=3),
+        model=lambda: LinearRegression(), data=lambda: SyntheticLinearMixtureDataModule(num_clients=20, num_val_clients=4, seed=3),
         module=dict(num_hypotheses=1, clients_per_round=5, local_epochs=1, local_lr=0.1, local_batch_size=10,
                     noise_multiplier=0.0, seed=3, noise_seed=0), rounds=4),
 }

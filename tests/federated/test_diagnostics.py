@@ -8,7 +8,7 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_dp.datamodules import SyntheticLinearMixture
+from lightning_dp.datamodules import SyntheticLinearMixtureDataModule
 from lightning_dp.federated import FederatedRound
 from lightning_dp.federated.diagnostics import mean_pairwise_cosine, per_sample_gradients
 from lightning_dp.federated.local import FlatParams
@@ -58,7 +58,7 @@ def test_the_round_logs_the_cosines_of_its_updates_and_of_per_sample_gradients()
     t = L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                   accelerator="cpu", devices=1, max_epochs=3, num_sanity_val_steps=0, limit_val_batches=0,
                   log_every_n_steps=1)
-    t.fit(m, SyntheticLinearMixture(seed=0))
+    t.fit(m, SyntheticLinearMixtureDataModule(seed=0))
     assert len(m._cosines) == 3
     assert float(t.callback_metrics["nonprivate/update_cosine"]) == pytest.approx(
         mean_pairwise_cosine(captured[-1]), rel=1e-9)

@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_dp.datamodules import SyntheticLinearMixture
+from lightning_dp.datamodules import SyntheticLinearMixtureDataModule
 from lightning_dp.federated import FederatedRound
 from lightning_dp.federated.parts import (
     CentralGaussian,
@@ -55,7 +55,7 @@ def test_epsilon_per_round_equals_the_library_value():
             epsilons.append(float(trainer.callback_metrics["privacy/epsilon"]))
 
     m = fedavg(privacy, q=0.2)
-    trainer(max_epochs=6, callbacks=[Capture()], log_every_n_steps=1).fit(m, SyntheticLinearMixture(seed=0))
+    trainer(max_epochs=6, callbacks=[Capture()], log_every_n_steps=1).fit(m, SyntheticLinearMixtureDataModule(seed=0))
     assert privacy.accountant.history == [(1.3, 0.2, 6)]
     assert epsilons == pytest.approx([library_epsilon(1.3, 0.2, r) for r in range(1, 7)], rel=1e-9)
 
@@ -63,13 +63,13 @@ def test_epsilon_per_round_equals_the_library_value():
 def test_calibrated_noise_meets_the_target_and_the_budget_stops_the_run():
     calibrated = CentralGaussian(target_epsilon=2.0, clip=1.0)
     t = trainer(max_epochs=8)
-    t.fit(fedavg(calibrated, q=0.3), SyntheticLinearMixture(seed=0))
+    t.fit(fedavg(calibrated, q=0.3), SyntheticLinearMixtureDataModule(seed=0))
     assert t.global_step == 8 and 1.9 < calibrated.epsilon <= 2.0  # calibrated, not wastefully below
     assert calibrated.epsilon == pytest.approx(library_epsilon(calibrated.z, 0.3, 8), rel=1e-9)
 
     budget = CentralGaussian(noise_multiplier=2.0, target_epsilon=2.0, clip=1.0)  # about 6 rounds fit
     t = trainer(max_epochs=200)
-    t.fit(fedavg(budget, q=0.3), SyntheticLinearMixture(seed=0))
+    t.fit(fedavg(budget, q=0.3), SyntheticLinearMixtureDataModule(seed=0))
     rounds = t.global_step
     assert 0 < rounds < 200 and budget.epsilon <= 2.0
     assert library_epsilon(2.0, 0.3, rounds) <= 2.0 < library_epsilon(2.0, 0.3, rounds + 1)
@@ -119,7 +119,7 @@ def test_noise_std_is_flowers_for_the_same_settings(adaptive):
 def test_adaptive_clipping_tracks_the_target_quantile_of_update_norms():
     privacy = CentralGaussian(noise_multiplier=0.5, clip=0.01, adaptive=True, target_quantile=0.5, clip_lr=0.3)
     m = fedavg(privacy, q=0.8)
-    trainer(max_epochs=40).fit(m, SyntheticLinearMixture(num_clients=60, seed=0))
+    trainer(max_epochs=40).fit(m, SyntheticLinearMixtureDataModule(num_clients=60, seed=0))
     # started far below the update norms (0.01), moved up by ~exp(0.15) a round to the median update norm, about 0.1
     # (measured over noise seeds 0-5: 0.095 to 0.102)
     assert 0.05 < privacy.clip < 0.2
@@ -131,7 +131,7 @@ def test_resume_equals_the_uninterrupted_run(tmp_path):
         privacy = CentralGaussian(noise_multiplier=1.0, clip=0.5, adaptive=True)
         m = fedavg(privacy, q=0.3)
         trainer(max_epochs=epochs, callbacks=list(callbacks), enable_checkpointing=bool(callbacks)).fit(
-            m, SyntheticLinearMixture(seed=0), ckpt_path=ckpt)
+            m, SyntheticLinearMixtureDataModule(seed=0), ckpt_path=ckpt)
         return m, privacy
 
     full, full_privacy = fit(6, callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, save_top_k=-1,
@@ -152,7 +152,7 @@ def test_resume_with_an_adaptive_sector_equals_the_uninterrupted_run(tmp_path):
         sector = SectorSanitizer(clip=0.5, lower_clip=0.1, angle=0.6)
         m = fedavg(privacy, q=0.3, sanitizer=sector)
         trainer(max_epochs=epochs, callbacks=list(callbacks), enable_checkpointing=bool(callbacks)).fit(
-            m, SyntheticLinearMixture(seed=0), ckpt_path=ckpt)
+            m, SyntheticLinearMixtureDataModule(seed=0), ckpt_path=ckpt)
         return m, privacy, sector
 
     full, full_privacy, full_sector = fit(5, callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1,
@@ -172,7 +172,7 @@ def test_resume_with_an_adaptive_sector_equals_the_uninterrupted_run(tmp_path):
 def test_combinations_whose_claims_would_not_hold_are_refused(kwargs, match):
     m = fedavg(CentralGaussian(noise_multiplier=1.0), **kwargs)
     with pytest.raises(MisconfigurationException, match=match):
-        trainer(max_epochs=1).fit(m, SyntheticLinearMixture(seed=0))
+        trainer(max_epochs=1).fit(m, SyntheticLinearMixtureDataModule(seed=0))
 
 
 def test_every_part_checks_its_combination_and_the_round_reports_all_problems_together():
@@ -184,7 +184,7 @@ def test_every_part_checks_its_combination_and_the_round_reports_all_problems_to
                        update=LocalDPSGD(batch_size=5, noise_multiplier=1.0), aggregator=FedAvg(weighted=True),
                        server_privacy=CentralGaussian(noise_multiplier=1.0), seed=0, noise_seed=1)
     with pytest.raises(MisconfigurationException) as info:
-        trainer(max_epochs=1).fit(m, SyntheticLinearMixture(seed=0))
+        trainer(max_epochs=1).fit(m, SyntheticLinearMixtureDataModule(seed=0))
     message = str(info.value)
     assert message.startswith("3 problems with these parts:")
     assert "update 'local_dp_sgd' with num_hypotheses=2" in message and "exact record counts" in message
@@ -221,7 +221,7 @@ def test_parts_are_abstract_bases_of_one_kind_each():
 
 def test_replacement_adjacency_is_accounted_with_the_library_replace_one_analysis():
     privacy = CentralGaussian(noise_multiplier=1.3, clip=0.5, adjacency="replace")
-    trainer(max_epochs=4).fit(fedavg(privacy, q=0.2), SyntheticLinearMixture(seed=0))
+    trainer(max_epochs=4).fit(fedavg(privacy, q=0.2), SyntheticLinearMixtureDataModule(seed=0))
     acc = dpa.pld.PLDAccountant(dpa.NeighboringRelation.REPLACE_ONE)
     acc.compose(dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(0.2, dpa.GaussianDpEvent(1.3)), 4))
     assert privacy.epsilon == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)
@@ -231,7 +231,7 @@ def test_replacement_adjacency_is_accounted_with_the_library_replace_one_analysi
     calibrated = CentralGaussian(target_epsilon=2.0, clip=1.0, adjacency="replace")
     add_remove = CentralGaussian(target_epsilon=2.0, clip=1.0)
     for part in (calibrated, add_remove):
-        trainer(max_epochs=5).fit(fedavg(part, q=0.3), SyntheticLinearMixture(seed=0))
+        trainer(max_epochs=5).fit(fedavg(part, q=0.3), SyntheticLinearMixtureDataModule(seed=0))
     assert 1.9 < calibrated.epsilon <= 2.0 and calibrated.z > add_remove.z
 
 
@@ -239,7 +239,7 @@ def test_rdp_under_replacement_with_client_sampling_is_refused_before_any_client
     privacy = CentralGaussian(noise_multiplier=1.0, accountant="rdp", adjacency="replace")
     t = trainer(max_epochs=2)
     with pytest.raises(MisconfigurationException, match=r"RDP accountant cannot analyse Poisson sampling.*'pld'"):
-        t.fit(fedavg(privacy, q=0.2), SyntheticLinearMixture(seed=0))
+        t.fit(fedavg(privacy, q=0.2), SyntheticLinearMixtureDataModule(seed=0))
     assert t.global_step == 0 and len(privacy.accountant) == 0
 
 
@@ -254,7 +254,7 @@ def test_sector_bounded_updates_under_replacement_report_the_smaller_of_two_vali
     clip, z, q, rounds = 0.5, 1.0, 0.5, 4
     privacy = CentralGaussian(noise_multiplier=z, clip=clip, adjacency="replace")
     m = fedavg(privacy, q=q, sanitizer=SectorSanitizer(clip=clip, lower_clip=0.45, angle=0.05))
-    trainer(max_epochs=rounds).fit(m, SyntheticLinearMixture(seed=0))
+    trainer(max_epochs=rounds).fit(m, SyntheticLinearMixtureDataModule(seed=0))
     pad = 1 + 1e-4
     d = sector_diameter(clip, 0.45, 0.05) * pad
     ball = get_accountant("pld", adjacency="replace")
@@ -272,7 +272,7 @@ def test_sector_bounded_updates_under_replacement_report_the_smaller_of_two_vali
 
     plain = CentralGaussian(noise_multiplier=z, clip=clip)  # add/remove: the set does not enter
     trainer(max_epochs=2).fit(fedavg(plain, q=q, sanitizer=SectorSanitizer(clip=clip, lower_clip=0.45, angle=0.05)),
-                              SyntheticLinearMixture(seed=0))
+                              SyntheticLinearMixtureDataModule(seed=0))
     assert plain.accountant.history == [(z, q, 2)] and plain.set_accountant is None
 
 
@@ -286,7 +286,7 @@ def test_the_budget_stop_under_replacement_follows_the_smaller_bound():
     clip, z, target = 1.0, 3.0, 10.0
     privacy = CentralGaussian(noise_multiplier=z, clip=clip, adjacency="replace", target_epsilon=target)
     m = fedavg(privacy, q=1.0, sanitizer=SectorSanitizer(clip=clip, angle=0.5))
-    trainer(max_epochs=40).fit(m, SyntheticLinearMixture(seed=0))
+    trainer(max_epochs=40).fit(m, SyntheticLinearMixtureDataModule(seed=0))
     rounds = int(m.rounds)
     assert 9 < rounds < 40
     assert privacy.accountant.get_epsilon(1e-5) > target >= privacy.epsilon
@@ -309,7 +309,7 @@ def test_calibration_under_replacement_with_a_sector_meets_the_budget_with_the_s
     sector = SectorSanitizer(clip=1.0, angle=0.5)
     privacy = CentralGaussian(target_epsilon=target, clip=1.0, adjacency="replace")
     m = fedavg(privacy, q=1.0, sanitizer=sector)
-    trainer(max_epochs=rounds).fit(m, SyntheticLinearMixture(seed=0))
+    trainer(max_epochs=rounds).fit(m, SyntheticLinearMixtureDataModule(seed=0))
     ball_only = CentralGaussian(target_epsilon=target, clip=1.0, adjacency="replace")
     ball_only.plan(sample_rate=1.0, num_clients=100, expected_count=100.0, planned_rounds=rounds)
     sets = (sector.update_set(False), sector.update_set(True))
@@ -363,7 +363,7 @@ def test_a_sector_under_adaptive_clipping_follows_the_servers_threshold_and_repo
     privacy = CentralGaussian(noise_multiplier=0.5, clip=0.01, adaptive=True, target_quantile=0.5, clip_lr=0.3,
                               adjacency="replace", count_noise_std=5.0)
     m = fedavg(privacy, q=0.8, sanitizer=sector)
-    trainer(max_epochs=20).fit(m, SyntheticLinearMixture(num_clients=60, seed=0))
+    trainer(max_epochs=20).fit(m, SyntheticLinearMixtureDataModule(num_clients=60, seed=0))
     assert 0.05 < privacy.clip < 0.2  # from 0.01 up to about the median raw update norm (0.1), as above
     assert sector.clip == privacy.clip and sector.lower_clip == pytest.approx(0.5 * privacy.clip, rel=1e-12)
     pad = 1 + 1e-4
@@ -382,7 +382,7 @@ def test_calibration_with_adaptive_sector_clipping_meets_the_budget():
     sector = SectorSanitizer(clip=1.0, angle=0.5)
     privacy = CentralGaussian(target_epsilon=10.0, clip=1.0, adaptive=True, adjacency="replace", count_noise_std=20.0)
     m = fedavg(privacy, q=1.0, sanitizer=sector)
-    trainer(max_epochs=8).fit(m, SyntheticLinearMixture(seed=0))
+    trainer(max_epochs=8).fit(m, SyntheticLinearMixtureDataModule(seed=0))
     assert int(m.rounds) == 8
     assert 10.0 / 1.02 <= privacy.epsilon <= 10.0
 
@@ -398,7 +398,7 @@ def test_a_calibrated_run_logs_its_noise_multiplier_to_mlflow_once(tmp_path, ada
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     logger = MLFlowLogger(experiment_name="calibrated", tracking_uri=uri, artifact_location=str(tmp_path / "art"))
     privacy = CentralGaussian(target_epsilon=4.0, clip=0.5, adaptive=adaptive, count_noise_std=3.0)
-    trainer(max_epochs=2, logger=logger).fit(fedavg(privacy, q=0.5), SyntheticLinearMixture(seed=0))
+    trainer(max_epochs=2, logger=logger).fit(fedavg(privacy, q=0.5), SyntheticLinearMixtureDataModule(seed=0))
     params = mlflow.MlflowClient(tracking_uri=uri).get_run(logger.run_id).data.params
     assert float(params["privacy/noise_multiplier"]) == pytest.approx(privacy.z)
     assert float(params["privacy/client_sample_rate"]) == 0.5
@@ -411,7 +411,7 @@ def test_epsilon_is_in_every_metrics_write_and_the_final_spend_is_written(every,
     privacy = CentralGaussian(noise_multiplier=1.0, clip=0.5)
     recorder = RecordingLogger()
     trainer(max_epochs=rounds, logger=recorder, log_every_n_steps=every).fit(fedavg(privacy),
-                                                                            SyntheticLinearMixture(seed=0))
+                                                                            SyntheticLinearMixtureDataModule(seed=0))
     writes = [m for _, m in recorder.calls if "nonprivate/participants" in m]  # exact counts: nonprivate under central DP
     assert len(writes) == rounds // every and all("privacy/epsilon" in m for m in writes)
     finals = [m["privacy/epsilon"] for _, m in recorder.calls if "privacy/epsilon" in m]
@@ -429,7 +429,7 @@ def test_delta_not_below_one_over_the_number_of_clients_warns_when_planned():
     privacy = CentralGaussian(noise_multiplier=1.0, target_delta=0.3, clip=1.0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer(max_epochs=2).fit(fedavg(privacy, q=0.5), SyntheticLinearMixture(num_clients=10, seed=0))
+        trainer(max_epochs=2).fit(fedavg(privacy, q=0.5), SyntheticLinearMixtureDataModule(num_clients=10, seed=0))
     ours = [str(w.message) for w in caught if issubclass(w.category, LargeDeltaWarning)]
     assert ours == [str(check_delta_for_size(0.3, 10, unit="clients", who="CentralGaussian"))]
     assert ours[0].startswith("CentralGaussian: target_delta=0.3 is not below 1/N = 0.1 (N = 10 training clients)")
@@ -449,7 +449,7 @@ def test_delta_below_one_over_the_number_of_clients_is_silent():
         CentralGaussian(noise_multiplier=1.0, target_delta=0.099).plan(sample_rate=0.5, num_clients=10,
                                                                         expected_count=5.0, planned_rounds=1)
         trainer(max_epochs=1).fit(fedavg(CentralGaussian(noise_multiplier=1.0), q=0.5),
-                                  SyntheticLinearMixture(num_clients=10, seed=0))
+                                  SyntheticLinearMixtureDataModule(num_clients=10, seed=0))
 
 
 def test_the_server_refuses_noise_from_a_public_generator():

@@ -10,7 +10,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_dp.datamodules import SyntheticLinearMixture
+from lightning_dp.datamodules import SyntheticLinearMixtureDataModule
 from lightning_dp.federated import FederatedRound
 from lightning_dp.federated.parts import (
     ClipSanitizer,
@@ -24,7 +24,7 @@ from lightning_dp.models import LinearRegression
 from lightning_dp.privacy.ledger import GaussianLedger, PrivacyLedger
 from lightning_dp.privacy.local_dp import gaussian_epsilon, sector_diameter
 
-CLIENTS = 100  # SyntheticLinearMixture's training clients
+CLIENTS = 100  # SyntheticLinearMixtureDataModule's training clients
 
 
 def round_with(sanitizer, *, clients_per_round=CLIENTS, **kwargs):
@@ -88,7 +88,7 @@ def test_every_participation_is_charged_and_the_ledger_is_the_exact_gaussian_com
     sanitizer = GaussianLocalDP(noise_multiplier=2.0, clip=0.5)
     m = round_with(sanitizer)
     t = trainer(max_epochs=3, log_every_n_steps=1)
-    t.fit(m, SyntheticLinearMixture(seed=0))
+    t.fit(m, SyntheticLinearMixtureDataModule(seed=0))
     assert isinstance(m.ledger, GaussianLedger) and len(m.ledger) == CLIENTS
     expected = gaussian_epsilon((2.0 / 2) / math.sqrt(3), 1e-5)  # three releases at multiplier z / 2
     assert all(eps == pytest.approx(expected, rel=1e-12) for eps in m.ledger.as_dict().values())
@@ -97,7 +97,7 @@ def test_every_participation_is_charged_and_the_ledger_is_the_exact_gaussian_com
 
 def test_laplace_participations_add_up():
     m = round_with(LaplaceLocalDP(noise_multiplier=4.0, clip=0.5), clients_per_round=30)
-    trainer(max_epochs=4).fit(m, SyntheticLinearMixture(seed=0))
+    trainer(max_epochs=4).fit(m, SyntheticLinearMixtureDataModule(seed=0))
     assert isinstance(m.ledger, PrivacyLedger) and not isinstance(m.ledger, GaussianLedger)
     for cid, spent in m.ledger.as_dict().items():
         assert spent == pytest.approx(0.5 * m.ledger.participations(cid))
@@ -109,7 +109,7 @@ def test_the_sector_is_accounted_with_its_diameter_once_a_reference_exists():
     clip, lower, angle, z = 0.5, 0.2, 0.3, 2.0
     sanitizer = SectorSanitizer(clip=clip, lower_clip=lower, angle=angle, noise_multiplier=z)
     m = round_with(sanitizer)
-    trainer(max_epochs=3).fit(m, SyntheticLinearMixture(seed=0))
+    trainer(max_epochs=3).fit(m, SyntheticLinearMixtureDataModule(seed=0))
     d = sector_diameter(clip, lower, angle)
     assert d < 2 * clip
     precision = (2 * clip / (z * clip)) ** 2 + 2 * (d / (z * clip)) ** 2
@@ -129,7 +129,7 @@ def test_sector_releases_lie_in_the_sector_around_the_previous_released_change()
         return out
 
     m.sanitizer.sanitize = spy
-    trainer(max_epochs=3).fit(m, SyntheticLinearMixture(seed=0))
+    trainer(max_epochs=3).fit(m, SyntheticLinearMixtureDataModule(seed=0))
     assert captured[0][1] is None and all(ref is not None for _, ref in captured[20:])
     for delta, ref in captured:
         assert 0.2 <= float(delta.norm()) <= 0.5
@@ -144,7 +144,7 @@ def test_a_client_privacy_cap_on_the_gaussian_ledger_is_never_exceeded():
     cap = gaussian_epsilon(1.0 / math.sqrt(2), 1e-5) * (1 + 1e-9)  # exactly two participations fit
     m = round_with(sanitizer, clients_per_round=40, client_privacy_cap=cap)
     t = trainer(max_epochs=8, log_every_n_steps=1)
-    t.fit(m, SyntheticLinearMixture(seed=0))
+    t.fit(m, SyntheticLinearMixtureDataModule(seed=0))
     assert m.ledger.max() <= cap
     assert max(m.ledger.participations(cid) for cid in m.ledger.as_dict()) == 2
 
@@ -154,7 +154,7 @@ def test_clip_sanitizer_bounds_updates_and_charges_nothing():
     out = ClipSanitizer(0.3).sanitize(trained, start, generator=torch.Generator(), layer_sizes=[start.numel()])
     assert float((out.released - start).norm()) <= 0.3 * (1 + 1e-6)  # float32 rounding of start + clipped
     m = round_with(ClipSanitizer(0.3), clients_per_round=10)
-    trainer(max_epochs=2).fit(m, SyntheticLinearMixture(seed=0))
+    trainer(max_epochs=2).fit(m, SyntheticLinearMixtureDataModule(seed=0))
     assert len(m.ledger) == 0
 
 
@@ -175,7 +175,7 @@ def test_sector_resume_equals_the_uninterrupted_run(tmp_path):
         m = round_with(SectorSanitizer(clip=0.5, lower_clip=0.1, angle=0.5, noise_multiplier=3.0),
                        clients_per_round=30)
         trainer(max_epochs=epochs, callbacks=list(callbacks), enable_checkpointing=bool(callbacks)).fit(
-            m, SyntheticLinearMixture(seed=0), ckpt_path=ckpt)
+            m, SyntheticLinearMixtureDataModule(seed=0), ckpt_path=ckpt)
         return m
 
     full = fit(5, callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, save_top_k=-1, filename="{epoch}")])
@@ -246,7 +246,7 @@ def test_with_two_hypotheses_every_release_is_charged_for_the_choice(sanitizer):
 
     m.sanitizer.sanitize = spy
     t = trainer(max_epochs=3, log_every_n_steps=1)
-    t.fit(m, SyntheticLinearMixture(seed=0))
+    t.fit(m, SyntheticLinearMixtureDataModule(seed=0))
     assert len(seen_round) == 3 and choice_spread_of(seen_round[-1]) > 0
     assert charged == pytest.approx(expected, rel=1e-12)
     if isinstance(sanitizer, LaplaceLocalDP):
@@ -271,7 +271,7 @@ def test_weighted_fedavg_is_refused_with_a_local_dp_sanitizer():
     m = FederatedRound(LinearRegression(), selection=UniformSelection(10),
                        sanitizer=GaussianLocalDP(noise_multiplier=2.0, clip=0.5), aggregator=FedAvg(weighted=True))
     with pytest.raises(MisconfigurationException, match="example counts"):
-        trainer(max_epochs=1).fit(m, SyntheticLinearMixture(seed=0))
+        trainer(max_epochs=1).fit(m, SyntheticLinearMixtureDataModule(seed=0))
 
 
 def test_local_dp_sgd_warns_once_for_the_clients_whose_records_are_too_many_for_its_delta():
@@ -299,7 +299,7 @@ def test_local_dp_sgd_warns_once_for_the_clients_whose_records_are_too_many_for_
                        seed=0, noise_seed=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer(max_epochs=1).fit(m, SyntheticLinearMixture(num_clients=10, samples_per_client=10, seed=0))
+        trainer(max_epochs=1).fit(m, SyntheticLinearMixtureDataModule(num_clients=10, samples_per_client=10, seed=0))
     ours = [str(w.message) for w in caught if issubclass(w.category, LargeDeltaWarning)]
     assert len(ours) == 1 and "for 10 of 10 clients" in ours[0] and len(update.ledger) == 10
 
@@ -318,4 +318,4 @@ def test_local_dp_sgd_below_one_over_every_n_c_and_local_dp_ledgers_are_silent()
             ["a", "b"], [999, 12], planned_rounds=1, inclusion_rate=1.0)
         trainer(max_epochs=1).fit(round_with(GaussianLocalDP(noise_multiplier=2.0, clip=0.5, target_delta=0.5),
                                              clients_per_round=10),
-                                  SyntheticLinearMixture(num_clients=10, seed=0))
+                                  SyntheticLinearMixtureDataModule(num_clients=10, seed=0))

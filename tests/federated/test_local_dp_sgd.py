@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
-from lightning_dp.datamodules import SyntheticLinearMixture
+from lightning_dp.datamodules import SyntheticLinearMixtureDataModule
 from lightning_dp.federated import FederatedRound
 from lightning_dp.federated.local import FlatParams
 from lightning_dp.federated.local_dp_sgd import ClientPlan, _draw_batch, local_dp_sgd, steps_per_participation
@@ -207,7 +207,7 @@ def _trainer(**kwargs):
 def test_every_participation_is_charged_at_its_clients_rate_and_steps():
     update = LocalDPSGD(epochs=2, lr=0.05, batch_size=4, noise_multiplier=1.5, delta=1e-3)
     m = _round(update)
-    dm = SyntheticLinearMixture(seed=0)
+    dm = SyntheticLinearMixtureDataModule(seed=0)
     t = _trainer(max_epochs=3)
     t.fit(m, dm)
     sizes = [len(c) for c in dm.train_clients]
@@ -224,7 +224,7 @@ def test_a_calibrated_client_spends_its_budget_and_no_more():
     """target 2 over 3 full-participation rounds: every client ends within [2 / 1.1, 2] (calibration precision 1%)."""
     update = LocalDPSGD(epochs=1, lr=0.05, batch_size=5, target_epsilon=2.0, delta=1e-3, accountant="rdp")
     t = _trainer(max_epochs=3)
-    t.fit(_round(update), SyntheticLinearMixture(seed=0))
+    t.fit(_round(update), SyntheticLinearMixtureDataModule(seed=0))
     spend = update.ledger.as_dict()
     assert len(spend) == 100 and update.participations_planned == 3
     assert all(2 / 1.1 <= eps <= 2.0 for eps in spend.values())
@@ -233,7 +233,7 @@ def test_a_calibrated_client_spends_its_budget_and_no_more():
 def test_a_client_whose_budget_is_spent_declines():
     """sigma 1 at a budget that admits two participations: over five rounds nobody takes a third."""
     probe = RecordLedger(delta=1e-3, accountant="rdp")
-    dm = SyntheticLinearMixture(seed=0)
+    dm = SyntheticLinearMixtureDataModule(seed=0)
     dm.setup("fit")
     n = len(dm.train_clients[0])
     steps, q = steps_per_participation(n, 5, 1), 5 / n
@@ -259,7 +259,7 @@ def test_choices_and_weights_that_leak_records_are_refused(bad):
     kwargs = dict(selection=UniformSelection(10), update=update, seed=0, noise_seed=1)
     kwargs.update(bad)
     with pytest.raises(MisconfigurationException, match="local_dp_sgd"):
-        _trainer().fit(FederatedRound(LinearRegression(), **kwargs), SyntheticLinearMixture(seed=0))
+        _trainer().fit(FederatedRound(LinearRegression(), **kwargs), SyntheticLinearMixtureDataModule(seed=0))
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -278,7 +278,7 @@ def test_bad_settings_are_refused_with_the_value(kwargs, match):
 def test_calibration_needs_a_planned_number_of_rounds():
     update = LocalDPSGD(batch_size=5, target_epsilon=1.0)
     with pytest.raises(MisconfigurationException, match="max_epochs"):
-        _trainer(max_epochs=-1, max_steps=2).fit(_round(update, clients_per_round=10), SyntheticLinearMixture(seed=0))
+        _trainer(max_epochs=-1, max_steps=2).fit(_round(update, clients_per_round=10), SyntheticLinearMixtureDataModule(seed=0))
 
 
 def test_resume_equals_the_uninterrupted_run(tmp_path):
@@ -286,7 +286,7 @@ def test_resume_equals_the_uninterrupted_run(tmp_path):
         update = LocalDPSGD(epochs=1, lr=0.05, batch_size=5, target_epsilon=3.0, delta=1e-3, accountant="rdp")
         m = _round(update, clients_per_round=30)
         _trainer(max_epochs=epochs, enable_checkpointing=bool(callbacks), callbacks=list(callbacks)).fit(
-            m, SyntheticLinearMixture(seed=0), ckpt_path=ckpt)
+            m, SyntheticLinearMixtureDataModule(seed=0), ckpt_path=ckpt)
         return m, update
 
     full, full_update = fit(4, callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, save_top_k=-1,
@@ -302,7 +302,7 @@ def test_the_noise_comes_from_the_secret_seed():
         update = LocalDPSGD(epochs=1, lr=0.05, batch_size=5, noise_multiplier=1.0)
         m = FederatedRound(LinearRegression(), selection=UniformSelection(10), update=update, seed=0,
                            noise_seed=noise_seed)
-        _trainer(max_epochs=1).fit(m, SyntheticLinearMixture(seed=0))
+        _trainer(max_epochs=1).fit(m, SyntheticLinearMixtureDataModule(seed=0))
         return m.hypotheses.clone()
 
     assert torch.equal(run(3), run(3))

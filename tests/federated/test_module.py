@@ -6,7 +6,7 @@ import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_dp.datamodules import SyntheticLinearMixture
+from lightning_dp.datamodules import SyntheticLinearMixtureDataModule
 from lightning_dp.federated import PersonalizedFederatedModule
 from lightning_dp.models import LinearRegression
 from tests.helpers import BlobsData
@@ -39,7 +39,7 @@ def test_synthetic_hypotheses_converge_and_every_participation_costs_n_over_nu()
             if not trainer.sanity_checking:
                 checks.append((float(trainer.callback_metrics["val/loss"]), pl_module.hypotheses.detach().clone()))
 
-    trainer(max_epochs=300, check_val_every_n_epoch=10, callbacks=[Best()]).fit(m, SyntheticLinearMixture(seed=0))
+    trainer(max_epochs=300, check_val_every_n_epoch=10, callbacks=[Best()]).fit(m, SyntheticLinearMixtureDataModule(seed=0))
     dist = torch.cdist(min(checks, key=lambda c: c[0])[1], THETAS)
     assert dist.min(dim=0).values.max() < 0.5, m.hypotheses
     assert set(dist.argmin(dim=0).tolist()) == {0, 1}  # one hypothesis per true cluster
@@ -53,9 +53,9 @@ def test_synthetic_hypotheses_converge_and_every_participation_costs_n_over_nu()
 def test_resume_equals_uninterrupted_run(tmp_path):
     full = module()
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, save_top_k=-1, filename="{epoch}")
-    trainer(max_epochs=20, callbacks=[ckpt], enable_checkpointing=True).fit(full, SyntheticLinearMixture(seed=0))
+    trainer(max_epochs=20, callbacks=[ckpt], enable_checkpointing=True).fit(full, SyntheticLinearMixtureDataModule(seed=0))
     resumed = module(seed=123)  # the checkpoint's seed wins
-    trainer(max_epochs=20).fit(resumed, SyntheticLinearMixture(seed=0), ckpt_path=str(tmp_path / "epoch=9.ckpt"))
+    trainer(max_epochs=20).fit(resumed, SyntheticLinearMixtureDataModule(seed=0), ckpt_path=str(tmp_path / "epoch=9.ckpt"))
     assert int(resumed.rounds) == int(full.rounds) == 20
     assert torch.equal(resumed.hypotheses, full.hypotheses)
     assert resumed.ledger.state_dict() == full.ledger.state_dict()
@@ -64,7 +64,7 @@ def test_resume_equals_uninterrupted_run(tmp_path):
 @pytest.mark.parametrize("policy", ["replace", "skip"])
 def test_privacy_cap_is_never_exceeded(policy):
     m = module(client_privacy_cap=0.85, cap_policy=policy)  # 0.4 per participation: two participations
-    trainer(max_epochs=40).fit(m, SyntheticLinearMixture(num_clients=30, seed=1))
+    trainer(max_epochs=40).fit(m, SyntheticLinearMixtureDataModule(num_clients=30, seed=1))
     spend = m.ledger.as_dict()
     assert max(spend.values()) <= 0.85
     assert max(m.ledger.participations(c) for c in spend) == 2
@@ -77,7 +77,7 @@ def test_validation_and_early_stopping():
     m = module()
     stop = EarlyStopping(monitor="val/loss", patience=6, mode="min")
     t = trainer(max_epochs=1000, callbacks=[stop], check_val_every_n_epoch=5)
-    t.fit(m, SyntheticLinearMixture(seed=0))
+    t.fit(m, SyntheticLinearMixtureDataModule(seed=0))
     assert 0 < stop.stopped_epoch < 999
     assert float(stop.best_score) < 1.0
     assert 0.0 <= float(t.callback_metrics["val/chose_0"]) <= 1.0
@@ -85,7 +85,7 @@ def test_validation_and_early_stopping():
 
 def test_non_private_baseline_has_no_ledger():
     m = module(noise_multiplier=0.0)
-    trainer(max_epochs=5).fit(m, SyntheticLinearMixture(seed=0))
+    trainer(max_epochs=5).fit(m, SyntheticLinearMixtureDataModule(seed=0))
     assert len(m.ledger) == 0 and m.participation_cost() == float("inf")
 
 
@@ -106,13 +106,13 @@ def test_needs_a_federated_datamodule_and_enough_clients():
     with pytest.raises(MisconfigurationException, match="FederatedDataModule"):
         trainer(max_epochs=1).fit(module(), BlobsData())
     with pytest.raises(MisconfigurationException, match="clients_per_round=7"):
-        trainer(max_epochs=1).fit(module(), SyntheticLinearMixture(num_clients=5, seed=0))
+        trainer(max_epochs=1).fit(module(), SyntheticLinearMixtureDataModule(num_clients=5, seed=0))
 
 
 def test_engines_agree():
     a, b = module(client_engine="vmap"), module(client_engine="loop")
     for m in (a, b):
-        trainer(max_epochs=5).fit(m, SyntheticLinearMixture(seed=0))
+        trainer(max_epochs=5).fit(m, SyntheticLinearMixtureDataModule(seed=0))
     torch.testing.assert_close(a.hypotheses, b.hypotheses, rtol=1e-4, atol=1e-5)
 
 
@@ -124,7 +124,7 @@ def test_restore_best_weights_keeps_the_ledger_and_round_counter(tmp_path):
     ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="val/loss", mode="min", save_top_k=1)
     t = trainer(max_epochs=60, check_val_every_n_epoch=10, enable_checkpointing=True,
                 callbacks=[ckpt, RestoreBestWeights()])
-    t.fit(m, SyntheticLinearMixture(seed=0))
+    t.fit(m, SyntheticLinearMixtureDataModule(seed=0))
     best = torch.load(ckpt.best_model_path, weights_only=False)
     assert torch.equal(m.hypotheses, best["state_dict"]["hypotheses"])
     assert int(m.rounds) == 60 and best["federated"]["rounds"] <= 60
@@ -135,7 +135,7 @@ def test_validation_checks_subsample_but_test_evaluates_every_client():
     from lightning_dp.federated import client_losses
 
     m = module(val_clients_per_check=3)
-    data = SyntheticLinearMixture(num_val_clients=20, seed=0)
+    data = SyntheticLinearMixtureDataModule(num_val_clients=20, seed=0)
     t = trainer(max_epochs=5, check_val_every_n_epoch=5, num_sanity_val_steps=0)
     t.fit(m, data)
     x, y, mask = data.padded("val")
@@ -156,7 +156,7 @@ def test_module_and_data_seeds_may_differ_in_logged_hyperparameters(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 
     t = trainer(max_epochs=1, logger=CSVLogger(tmp_path), num_sanity_val_steps=0, limit_val_batches=0)
-    t.fit(module(seed=2), SyntheticLinearMixture(seed=0))
+    t.fit(module(seed=2), SyntheticLinearMixtureDataModule(seed=0))
     hparams = t.logger.experiment.hparams
     assert hparams["seed"] == 2 and hparams["data/seed"] == 0
 
@@ -175,7 +175,7 @@ def test_per_layer_sanitizes_each_tensor_with_its_own_size(monkeypatch):
         return out
 
     monkeypatch.setattr(mod, "sanitize_update", spy)
-    data = SyntheticLinearMixture(seed=0, thetas=[[5.0, 6.0, 1.0], [4.0, -4.5, 0.0]])
+    data = SyntheticLinearMixtureDataModule(seed=0, thetas=[[5.0, 6.0, 1.0], [4.0, -4.5, 0.0]])
     m = PersonalizedFederatedModule(HospitalMLP(), num_hypotheses=2, clients_per_round=5, noise_multiplier=2.0,
                                     per_layer=True, seed=0)
     trainer(max_epochs=2).fit(m, data)
@@ -191,12 +191,12 @@ def test_accuracy_and_group_fairness_of_the_chosen_hypotheses_match_fairlearn():
     pooled predictions of those choices (the personalized model), against the sensitive groups."""
     from fairlearn.metrics import demographic_parity_difference, equal_opportunity_difference, equalized_odds_difference
 
-    from lightning_dp.datamodules import SyntheticFairness
+    from lightning_dp.datamodules import SyntheticFairnessDataModule
     from lightning_dp.federated import client_losses
 
     m = PersonalizedFederatedModule(LinearRegression(bias=True), num_hypotheses=2, clients_per_round=20,
                                     local_lr=0.5, noise_multiplier=1.0, loss="binary_cross_entropy", seed=0)
-    data = SyntheticFairness(num_clients=100, num_val_clients=10, num_test_clients=30, seed=0)
+    data = SyntheticFairnessDataModule(num_clients=100, num_val_clients=10, num_test_clients=30, seed=0)
     t = trainer(max_epochs=30, num_sanity_val_steps=0, check_val_every_n_epoch=10)
     t.fit(m, data)
     assert "val/fairness/demographic_parity_difference" in t.callback_metrics and "val/acc" in t.callback_metrics
@@ -228,7 +228,7 @@ def test_test_every_check_logs_the_test_clients_at_each_check_and_changes_nothin
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-    from lightning_dp.datamodules import SyntheticFairness
+    from lightning_dp.datamodules import SyntheticFairnessDataModule
 
     class Checks(Callback):
         def __init__(self):
@@ -242,7 +242,7 @@ def test_test_every_check_logs_the_test_clients_at_each_check_and_changes_nothin
         m = PersonalizedFederatedModule(torch.nn.Linear(2, 2), num_hypotheses=2, clients_per_round=20, local_lr=0.5,
                                         noise_multiplier=1.0, loss="cross_entropy", seed=0, noise_seed=1,
                                         test_every_check=flag)
-        data = SyntheticFairness(num_clients=100, num_val_clients=10, num_test_clients=20, seed=0)
+        data = SyntheticFairnessDataModule(num_clients=100, num_val_clients=10, num_test_clients=20, seed=0)
         checks = Checks()
         t = trainer(max_epochs=6, num_sanity_val_steps=0, check_val_every_n_epoch=3, callbacks=[checks])
         t.fit(m, data)
@@ -254,14 +254,14 @@ def test_test_every_check_logs_the_test_clients_at_each_check_and_changes_nothin
     assert [{k: v for k, v in c.items() if k.startswith("val/")} for c in curve] == plain
     assert curve[-1]["test/acc"] == pytest.approx(r1["test/acc"], abs=1e-12)
 
-    with pytest.raises(MisconfigurationException, match="test_every_check=True but SyntheticLinearMixture has no test"):
-        trainer(max_epochs=1).fit(module(test_every_check=True), SyntheticLinearMixture(num_clients=20, seed=0))
+    with pytest.raises(MisconfigurationException, match="test_every_check=True but SyntheticLinearMixtureDataModule has no test"):
+        trainer(max_epochs=1).fit(module(test_every_check=True), SyntheticLinearMixtureDataModule(num_clients=20, seed=0))
 
 
 def test_regression_data_logs_no_accuracy_and_no_fairness():
     m = module()
     t = trainer(max_epochs=2, num_sanity_val_steps=0, check_val_every_n_epoch=1)
-    t.fit(m, SyntheticLinearMixture(num_clients=20, seed=0))
+    t.fit(m, SyntheticLinearMixtureDataModule(num_clients=20, seed=0))
     assert "val/loss" in t.callback_metrics
     assert not any(k.startswith(("val/acc", "val/fairness")) for k in t.callback_metrics)
 
@@ -269,12 +269,12 @@ def test_regression_data_logs_no_accuracy_and_no_fairness():
 @pytest.mark.parametrize("loss", ["rmse", "cross_entropy"])
 def test_class_score_models_log_argmax_accuracy_and_fairness(loss):
     """Two class scores trained with cross-entropy or the RMSE (root Brier) loss: predictions are the argmax."""
-    from lightning_dp.datamodules import SyntheticFairness
+    from lightning_dp.datamodules import SyntheticFairnessDataModule
     from lightning_dp.federated import client_losses
 
     m = PersonalizedFederatedModule(torch.nn.Linear(2, 2), num_hypotheses=2, clients_per_round=20, local_lr=0.5,
                                     noise_multiplier=1.0, loss=loss, seed=0)
-    data = SyntheticFairness(num_clients=100, num_val_clients=10, num_test_clients=20, seed=0)
+    data = SyntheticFairnessDataModule(num_clients=100, num_val_clients=10, num_test_clients=20, seed=0)
     t = trainer(max_epochs=30, num_sanity_val_steps=0, check_val_every_n_epoch=30)
     t.fit(m, data)
     (result,) = t.test(m, data, verbose=False)
@@ -298,7 +298,7 @@ def test_noise_seed_is_a_secret_kept_apart_from_the_public_seed(tmp_path):
     m = module(noise_seed=123)
     assert "noise_seed" not in m.hparams and m.hparams["seed"] == 0
     t = trainer(max_epochs=2)
-    t.fit(m, SyntheticLinearMixture(seed=0))
+    t.fit(m, SyntheticLinearMixtureDataModule(seed=0))
     t.save_checkpoint(tmp_path / "local.ckpt")
     local = torch.load(tmp_path / "local.ckpt", weights_only=False)
     assert local["federated"]["secret"] == {"noise_seed": 123} and local["federated"]["seed"] == 0
@@ -310,7 +310,7 @@ def test_noise_seed_is_a_secret_kept_apart_from_the_public_seed(tmp_path):
 
     other = module(noise_seed=None)
     resumed = trainer(max_epochs=3)
-    resumed.fit(other, SyntheticLinearMixture(seed=0), ckpt_path=str(tmp_path / "local.ckpt"))
+    resumed.fit(other, SyntheticLinearMixtureDataModule(seed=0), ckpt_path=str(tmp_path / "local.ckpt"))
     assert other._noise_seed == 123  # a local resume without a given noise seed continues the same noise streams
 
 
@@ -318,7 +318,7 @@ def test_checkpoints_without_a_secret_noise_seed_resume_with_a_fresh_one(tmp_pat
     """A public checkpoint, or one of version 2 whose noise came from the logged seed: the resumed rounds must not
     draw noise derivable from the record."""
     t = trainer(max_epochs=1)
-    t.fit(module(noise_seed=123), SyntheticLinearMixture(seed=0))
+    t.fit(module(noise_seed=123), SyntheticLinearMixtureDataModule(seed=0))
     t.save_checkpoint(tmp_path / "c.ckpt")
     ckpt = torch.load(tmp_path / "c.ckpt", weights_only=False)
     del ckpt["federated"]["secret"]
@@ -326,10 +326,10 @@ def test_checkpoints_without_a_secret_noise_seed_resume_with_a_fresh_one(tmp_pat
     torch.save(ckpt, tmp_path / "old.ckpt")
     resumed = module(noise_seed=None)
     with pytest.warns(UserWarning, match="no secret noise seed"):
-        trainer(max_epochs=2).fit(resumed, SyntheticLinearMixture(seed=0), ckpt_path=str(tmp_path / "old.ckpt"))
+        trainer(max_epochs=2).fit(resumed, SyntheticLinearMixtureDataModule(seed=0), ckpt_path=str(tmp_path / "old.ckpt"))
     assert resumed._noise_seed not in (0, 123) and int(resumed.rounds) == 2
     branched = module(noise_seed=9)  # a given noise seed wins over the checkpoint's (grid branches)
-    trainer(max_epochs=2).fit(branched, SyntheticLinearMixture(seed=0), ckpt_path=str(tmp_path / "c.ckpt"))
+    trainer(max_epochs=2).fit(branched, SyntheticLinearMixtureDataModule(seed=0), ckpt_path=str(tmp_path / "c.ckpt"))
     assert branched._noise_seed == 9
 
 
@@ -347,7 +347,7 @@ def test_progress_bar_shows_round_clients_and_client_epsilon_and_the_run_ends_wi
     bar = Bar()
     m = module()
     t = trainer(max_epochs=4, enable_progress_bar=True, callbacks=[bar])
-    t.fit(m, SyntheticLinearMixture(num_clients=30, num_val_clients=5, seed=0))
+    t.fit(m, SyntheticLinearMixtureDataModule(num_clients=30, num_val_clients=5, seed=0))
     assert [s["round"] for s in bar.seen] == [1.0, 2.0, 3.0, 4.0]
     assert all(s["clients"] == 7.0 for s in bar.seen)
     assert [s["client_eps_max"] for s in bar.seen] == pytest.approx(bar.ledger_max)
@@ -365,10 +365,10 @@ def test_progress_bar_shows_round_clients_and_client_epsilon_and_the_run_ends_wi
 
 def test_summary_of_a_resumed_and_of_a_non_private_run(tmp_path, capsys):
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, save_top_k=-1, filename="{epoch}")
-    trainer(max_epochs=3, callbacks=[ckpt], enable_checkpointing=True).fit(module(), SyntheticLinearMixture(seed=0))
-    trainer(max_epochs=5).fit(module(), SyntheticLinearMixture(seed=0), ckpt_path=str(tmp_path / "epoch=2.ckpt"))
+    trainer(max_epochs=3, callbacks=[ckpt], enable_checkpointing=True).fit(module(), SyntheticLinearMixtureDataModule(seed=0))
+    trainer(max_epochs=5).fit(module(), SyntheticLinearMixtureDataModule(seed=0), ckpt_path=str(tmp_path / "epoch=2.ckpt"))
     assert "PersonalizedFederatedModule: 5 rounds, 2 in this fit\n" in capsys.readouterr().out
-    trainer(max_epochs=2).fit(module(noise_multiplier=0.0), SyntheticLinearMixture(seed=0))
+    trainer(max_epochs=2).fit(module(noise_multiplier=0.0), SyntheticLinearMixtureDataModule(seed=0))
     out = capsys.readouterr().out
     assert "  privacy   none: the clients' releases are not sanitized and nothing is accounted" in out
     assert "client epsilon" not in out

@@ -8,7 +8,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from lightning_dp.datamodules import SyntheticLinearMixture
+from lightning_dp.datamodules import SyntheticLinearMixtureDataModule
 from lightning_dp.federated import FederatedRound
 from lightning_dp.federated.parts import LocalSGD, UniformSelection, registered_parts
 from lightning_dp.models import LinearRegression
@@ -33,6 +33,6 @@ def test_the_documented_median_aggregator():
 
     m.aggregator.aggregate = spy
     L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-              max_epochs=2, num_sanity_val_steps=0, limit_val_batches=0).fit(m, SyntheticLinearMixture(seed=0))
+              max_epochs=2, num_sanity_val_steps=0, limit_val_batches=0).fit(m, SyntheticLinearMixtureDataModule(seed=0))
     assert len(releases) == 2
     assert torch.equal(m.hypotheses[0], releases[-1].median(dim=0).values)

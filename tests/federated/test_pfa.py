@@ -11,7 +11,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_dp.datamodules import SyntheticLinearMixture
+from lightning_dp.datamodules import SyntheticLinearMixtureDataModule
 from lightning_dp.federated import FederatedRound
 from lightning_dp.federated.budgets import FixedBudgets
 from lightning_dp.federated.local_dp_sgd import steps_per_participation
@@ -167,7 +167,7 @@ def _pdpfl(aggregator, *, train_at="own", seed=0):
 
 
 def _data():
-    return SyntheticLinearMixture(num_clients=10, num_val_clients=2, seed=0)
+    return SyntheticLinearMixtureDataModule(num_clients=10, num_val_clients=2, seed=0)
 
 
 def test_each_client_spends_at_most_its_own_budget_and_equals_the_library_value():

@@ -13,7 +13,7 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_dp.datamodules import SyntheticLinearMixture
+from lightning_dp.datamodules import SyntheticLinearMixtureDataModule
 from lightning_dp.federated import FederatedRound
 from lightning_dp.federated.parts import (
     CentralGaussian,
@@ -64,7 +64,7 @@ def test_the_public_seed_does_not_recompute_who_took_part():
     spy = _Spy(0.25)
     rounds, num_clients = 8, 40
     _trainer(rounds).fit(_dp_fedavg(spy, seed=0, noise_seed=12345),
-                         SyntheticLinearMixture(num_clients=num_clients, seed=0))
+                         SyntheticLinearMixtureDataModule(num_clients=num_clients, seed=0))
     assert len(spy.drawn) == rounds
     attacker = [PoissonSelection(0.25).select(num_clients, derive_generator(0, CLIENTS_STREAM, r))[0]
                 for r in range(rounds)]
@@ -78,7 +78,7 @@ def test_the_public_seed_does_not_recompute_who_took_part():
 def test_participants_follow_the_secret_seed_not_the_public_one():
     def drawn(seed, noise_seed):
         spy = _Spy(0.3)
-        _trainer(4).fit(_dp_fedavg(spy, seed=seed, noise_seed=noise_seed), SyntheticLinearMixture(num_clients=30, seed=0))
+        _trainer(4).fit(_dp_fedavg(spy, seed=seed, noise_seed=noise_seed), SyntheticLinearMixtureDataModule(num_clients=30, seed=0))
         return spy.drawn
 
     assert drawn(0, 7) == drawn(1, 7)  # a new public seed (initialization) selects the same clients
@@ -112,7 +112,7 @@ def test_a_new_selection_inherits_the_check():
         EveryOther().draw(10, torch.Generator())
 
 
-class _Amplified(SyntheticLinearMixture):
+class _Amplified(SyntheticLinearMixtureDataModule):
     """One training client's inputs multiplied by ``factor``: a neighbouring federation (reproduction 3)."""
 
     def __init__(self, factor=1.0, **kwargs):
@@ -160,7 +160,7 @@ def test_sanitized_releases_keep_their_statistics_public():
                             update=LocalSGD(epochs=1, lr=0.1, batch_size=10),
                             sanitizer=EuclideanLaplace(noise_multiplier=5.0), aggregator=FedAvg(weighted=False),
                             seed=0, noise_seed=1, log_nonprivate_metrics=False)
-    _trainer(3, logger=recorder).fit(module, SyntheticLinearMixture(num_clients=20, seed=0))
+    _trainer(3, logger=recorder).fit(module, SyntheticLinearMixtureDataModule(num_clients=20, seed=0))
     assert {"round/update_norm_mean", "round/participants", "round/cluster_size_0",
             "privacy/client_epsilon_max"} <= recorder.names()
     assert not any(n.startswith("nonprivate/") for n in recorder.names())
@@ -184,26 +184,26 @@ def test_the_uploaded_checkpoint_does_not_show_who_took_part(tmp_path):
 
     first = module()
     ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True)
-    _trainer(2, callbacks=[ckpt], enable_checkpointing=True).fit(first, SyntheticLinearMixture(num_clients=20, seed=0))
+    _trainer(2, callbacks=[ckpt], enable_checkpointing=True).fit(first, SyntheticLinearMixtureDataModule(num_clients=20, seed=0))
     local = torch.load(ckpt.last_model_path, weights_only=False)
     assert len(first.ledger) > 0 and local["federated"]["secret"]["ledger"]["clients"]
     public = public_checkpoint(local)
     assert "ledger" not in public["federated"] and set(public["federated"]["parts"]) == {"server_privacy"}
-    data = SyntheticLinearMixture(num_clients=20, seed=0)
+    data = SyntheticLinearMixtureDataModule(num_clients=20, seed=0)
     data.setup("fit")
     assert not any(repr(c.client_id) in repr(public["federated"]) for c in data.train_clients)
     torch.save(public, tmp_path / "public.ckpt")
     with pytest.raises(MisconfigurationException, match="holds no per-client ledger"):
-        _trainer(3).fit(module(), SyntheticLinearMixture(num_clients=20, seed=0), ckpt_path=tmp_path / "public.ckpt")
+        _trainer(3).fit(module(), SyntheticLinearMixtureDataModule(num_clients=20, seed=0), ckpt_path=tmp_path / "public.ckpt")
     loaded = type(first).load_from_checkpoint(tmp_path / "public.ckpt", model=LinearRegression(),
                                               selection=PoissonSelection(0.5), update=LocalSGD(epochs=1, lr=0.1,
                                                                                                batch_size=10),
                                               sanitizer=GaussianLocalDP(5.0, 1.0), aggregator=FedAvg(weighted=False),
                                               server_privacy=CentralGaussian(noise_multiplier=1.0, clip=1.0))
     with pytest.raises(MisconfigurationException, match="holds no per-client ledger"):  # loaded, then trained on
-        _trainer(3).fit(loaded, SyntheticLinearMixture(num_clients=20, seed=0))
+        _trainer(3).fit(loaded, SyntheticLinearMixtureDataModule(num_clients=20, seed=0))
     resumed = module()  # the local checkpoint resumes exactly
-    _trainer(2).fit(resumed, SyntheticLinearMixture(num_clients=20, seed=0), ckpt_path=ckpt.last_model_path)
+    _trainer(2).fit(resumed, SyntheticLinearMixtureDataModule(num_clients=20, seed=0), ckpt_path=ckpt.last_model_path)
     assert resumed.ledger.as_dict() == first.ledger.as_dict()
 
 
@@ -217,7 +217,7 @@ def test_the_printed_summary_shows_only_what_the_gate_admits(nonprivate, capsys)
                             update=LocalSGD(epochs=1, lr=0.1, batch_size=10), sanitizer=GaussianLocalDP(5.0, 1.0),
                             aggregator=FedAvg(weighted=False), server_privacy=CentralGaussian(noise_multiplier=1.0),
                             seed=0, noise_seed=1, log_nonprivate_metrics=nonprivate)
-    _trainer(2, logger=RecordingLogger()).fit(module, SyntheticLinearMixture(num_clients=20, seed=0))
+    _trainer(2, logger=RecordingLogger()).fit(module, SyntheticLinearMixtureDataModule(num_clients=20, seed=0))
     out = capsys.readouterr().out
     assert "epsilon" in out and "client-level, CentralGaussian" in out
     assert ("participations this fit" in out) == nonprivate and ("10 expected per round" in out) != nonprivate
