@@ -6,7 +6,7 @@ record (``privacy/``, ``nonprivate/``, ``federated/``) is decided there, by what
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -14,7 +14,7 @@ import torch
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["cosine_figure", "cosine_table", "parameter_figure", "spend_histogram", "spend_table"]
+__all__ = ["cosine_figure", "cosine_table", "parameter_figure", "record_table", "spend_histogram", "spend_table"]
 
 
 def spend_histogram(values: Sequence[float], *, xlabel: str, title: str) -> Figure:
@@ -34,6 +34,16 @@ def spend_table(*, clients: int, median: float, maximum: float, cost_per_partici
     """The d-privacy ledger's summary, a two-column TSV."""
     return (f"clients\t{clients}\nmedian\t{median:.6g}\nmax\t{maximum:.6g}\n"
             f"cost_per_participation\t{cost_per_participation:.6g}\n")
+
+
+def record_table(rows: Iterable[tuple[str, float, float | None, Any, int]]) -> str:
+    """Every client's record-level ledger, a TSV: ``(client, epsilon, budget (None: none), plan, participations)``
+    per client, ``plan`` a :class:`~lightning_dp.federated.local_dp_sgd.ClientPlan` (noise, rate, steps)."""
+    lines = ["client\tepsilon\tbudget\tnoise_multiplier\tsample_rate\tsteps_per_participation\tparticipations"]
+    for client, epsilon, budget, plan, participations in rows:
+        lines.append(f"{client}\t{epsilon:.6g}\t{'inf' if budget is None else f'{budget:.6g}'}\t"
+                     f"{plan.noise_multiplier:.6g}\t{plan.sample_rate:.6g}\t{plan.steps}\t{participations}")
+    return "\n".join(lines) + "\n"
 
 
 def cosine_figure(cosines: Sequence[tuple[int, float, float]], *, update_name: str) -> Figure:

@@ -931,13 +931,11 @@ class FederatedRound(LightningModule):
         from lightning_dp.federated import reports
 
         ledger, update = self.update.ledger, self.update
-        rows = ["client\tepsilon\tbudget\tnoise_multiplier\tsample_rate\tsteps_per_participation\tparticipations"]
         spend = ledger.as_dict()
-        for client, plan, budget in zip(self._clients["train"], update.client_plans(), update.client_budgets()):
-            rows.append(f"{client.client_id}\t{spend.get(client.client_id, 0.0):.6g}\t"
-                        f"{'inf' if budget is None else f'{budget:.6g}'}\t{plan.noise_multiplier:.6g}\t"
-                        f"{plan.sample_rate:.6g}\t{plan.steps}\t{ledger.participations(client.client_id)}")
-        tracking.log_text(self.trainer, "\n".join(rows) + "\n", self._ledger_name("record_epsilon.tsv"))
+        table = reports.record_table(
+            (client.client_id, spend.get(client.client_id, 0.0), budget, plan, ledger.participations(client.client_id))
+            for client, plan, budget in zip(self._clients["train"], update.client_plans(), update.client_budgets()))
+        tracking.log_text(self.trainer, table, self._ledger_name("record_epsilon.tsv"))
         fig = reports.spend_histogram(
             list(spend.values()),
             xlabel=f"record-level epsilon at delta={ledger.delta:g} ({ledger.accountant}, {ledger.adjacency})",

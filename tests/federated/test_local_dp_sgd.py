@@ -204,12 +204,22 @@ def _trainer(**kwargs):
     return L.Trainer(**defaults)
 
 
-def test_every_participation_is_charged_at_its_clients_rate_and_steps():
+def test_every_participation_is_charged_at_its_clients_rate_and_steps(monkeypatch):
+    from lightning_dp import tracking
+
+    texts = {}
+    monkeypatch.setattr(tracking, "log_text", lambda trainer, text, name: texts.__setitem__(name, text))
     update = LocalDPSGD(epochs=2, lr=0.05, batch_size=4, noise_multiplier=1.5, delta=1e-3)
     m = _round(update)
     dm = SyntheticLinearMixtureDataModule(seed=0)
     t = _trainer(max_epochs=3)
     t.fit(m, dm)
+    # the record ledger's table: one row per training client, its spend, plan and participations
+    header, *rows = texts["privacy/record_epsilon.tsv"].splitlines()
+    assert header.split("\t")[:2] == ["client", "epsilon"] and len(rows) == len(dm.train_clients)
+    first_row = rows[0].split("\t")
+    assert first_row[0] == str(dm.train_clients[0].client_id) and first_row[2] == "inf" and first_row[6] == "3"
+    assert float(first_row[1]) == pytest.approx(update.ledger.spent(dm.train_clients[0].client_id), rel=1e-5)
     sizes = [len(c) for c in dm.train_clients]
     for client, n in zip(dm.train_clients, sizes):
         steps = steps_per_participation(n, 4, 2)
