@@ -1,56 +1,16 @@
-"""Deep Leakage from Gradients (DLG) as an audit of what a federated client releases.
+"""Deep Leakage from Gradients (Zhu, Liu & Han, NeurIPS 2019; github.com/mit-han-lab/dlg), the attack of the DLG
+audit.
 
-Zhu, Liu & Han, "Deep leakage from gradients", NeurIPS 2019 (code:
-github.com/mit-han-lab/dlg). An attacker who knows the model and sees the gradient
-of the loss on one private example ``(x, y)`` finds a dummy example ``(x', y')`` whose
-gradient matches it (their Algorithm 1)::
+Given a model and the gradient ``g`` of the loss on one private example, find a dummy ``(x', y')`` whose gradient
+matches it (their Algorithm 1), by L-BFGS from ``x', y' ~ N(0, 1)``::
 
     x', y'  <-  argmin  sum_l || d loss(F(x'), softmax(y')) / d theta_l  -  g_l ||^2
 
-with L-BFGS, starting from ``x', y' ~ N(0, 1)``; the loss is the cross-entropy with the
-soft label ``softmax(y')`` so that the label is optimized too, and the objective is
-differentiated through the gradient (``create_graph=True``), which needs a twice
-differentiable model (:class:`lightning_dp.models.SigmoidLeNet`).
-
-**Threat model of the audit.** In personalized federated learning (Galli et al.,
-"Group privacy for personalized federated learning"; :mod:`lightning_dp.federated`)
-a client starts from a hypothesis ``theta_j`` the server knows, runs local SGD with a
-learning rate ``lr`` and releases its model through a sanitizer. The attacker (the
-server, or anyone who sees the release) knows ``theta_j`` (``start``), the release,
-``lr``, the architecture and the loss, and estimates the client's gradient as
-
-.. math::
-
-    \\hat g = (\\theta_{start} - \\theta_{released}) / lr,
-
-exact for one unsanitized SGD step on the client's batch (:func:`observed_gradient`).
-It then runs DLG against ``\\hat g`` (:func:`dlg_attack`). The audit
-(:func:`run_dlg_audit`) repeats this for several noise levels and reports how close
-the reconstruction is to the private image (:func:`mse`, :func:`psnr`) and whether
-the label was recovered. A failed attack is evidence, not proof, of protection:
-stronger attacks exist (other objectives, priors, more restarts).
-
-**Sanitizers** are callables ``(start, trained, generator) -> released`` on flat
-parameter vectors (the order of ``model.named_parameters()`` restricted to trainable
-parameters, the layout of :class:`lightning_dp.federated.FlatParams`):
-
-- :class:`EuclideanLaplaceSanitizer`: the seed's metric-privacy release,
-  :func:`lightning_dp.privacy.mechanisms.sanitize_update` (noise of expected norm
-  ``nu * ||delta||``, per layer by default);
-- :class:`GaussianSanitizer`: DP-SGD for one example (clip the update-implied
-  gradient to ``C``, add ``N(0, (sigma C)^2 I)``);
-- :class:`NoSanitizer`: the release is the trained model.
-
-Every random draw comes from a ``torch.Generator``; :func:`run_dlg_audit` derives them
-from one seed with :func:`lightning_dp.privacy.noise.derive_generator`, so an audit is
-reproducible and the global RNG is never used. The audit imports torch only (no
-Lightning): it is the functional core of ``lightning-dp audit``
-(:mod:`lightning_dp.commands.audit_dlg`). Its concepts live in their own modules, all importable
-from :mod:`lightning_dp.audit`: this module (the attack), :mod:`~lightning_dp.audit.release` (the client's release and
-the attacker's gradient estimate), :mod:`~lightning_dp.audit.sanitizers`,
-:mod:`~lightning_dp.audit.metrics` (MSE, PSNR, the image grid), :mod:`~lightning_dp.audit.dlg_audit`
-(the audit over images and noise levels) and :mod:`~lightning_dp.audit._common` (checks, flat
-parameters).
+The soft label ``softmax(y')`` is optimized too; the objective is differentiated through the gradient
+(``create_graph=True``), so the model must be twice differentiable (:class:`lightning_dp.models.SigmoidLeNet`).
+In the audit, ``g`` is the attacker's estimate ``(theta_start - theta_released) / lr`` from a client's release
+(:mod:`~lightning_dp.audit.release`); the threat model is in docs/audit.md. A failed attack is evidence, not
+proof, of protection. Every draw comes from a ``torch.Generator``; no Lightning is imported.
 
 Example:
     >>> import torch

@@ -1,45 +1,27 @@
-"""DP-SGD as a Lightning callback: add it to ``Trainer(callbacks=[...])``, keep your module.
+"""DP-SGD (Abadi et al. 2016) as a Lightning callback: add it to ``Trainer(callbacks=[...])``, keep your module.
 
-Privacy semantics (see ``docs/privacy.md``):
+Privacy semantics (docs/privacy.md):
 
-* With ``poisson_sampling=True`` (default): add/remove adjacency. Every example enters
-  every batch independently with probability ``q = batch_size * world_size / N``; each
-  step releases ``(sum_i clip_C(g_i) + N(0, (sigma C)^2 I)) / (q N)`` and is accounted as
-  one Poisson-subsampled Gaussian mechanism (noise multiplier sigma, rate q).
-* With ``adjacency="replace"`` (and Poisson sampling): bounded DP, one example replaced by
-  another; the same release, accounted with the library's replace-one analysis of the
-  Poisson-subsampled Gaussian (twice the sensitivity of the clipped sum; ``pld`` only).
-* With ``poisson_sampling=False``: the DataLoader's own (shuffled) batches are kept.
-  Batches of one epoch partition the data, so by parallel composition each epoch is one
-  Gaussian mechanism; no amplification by sampling is claimed. The bound is stated for
-  *replacement* adjacency (one example swapped), where a clipped sum moves by at most
-  ``2C``: each epoch is accounted as a Gaussian mechanism with multiplier ``sigma / 2``.
-  Not supported under DDP (DistributedSampler repeats examples to pad shards).
+* ``poisson_sampling=True`` (default), add/remove adjacency: every example enters a batch independently with
+  probability ``q = batch_size * world_size / N``; each step releases
+  ``(sum_i clip_C(g_i) + N(0, (sigma C)^2 I)) / (q N)``, accounted as one Poisson-subsampled Gaussian mechanism.
+  ``adjacency="replace"``: the same release under the library's replace-one analysis (``pld`` only).
+* ``poisson_sampling=False``: the loader's shuffled batches partition each epoch, so an epoch is one Gaussian
+  mechanism with multiplier ``sigma / 2`` (replacement adjacency moves a clipped sum by ``2C``); no amplification
+  is claimed; not under DDP.
 
-Where the parts live: taking over the training data in :mod:`~lightning_dp.callbacks.training_data`, the batch
-probe (where every layer holds the examples) in :mod:`~lightning_dp.callbacks.batch_probe`, the optimizer-step guard
-in :mod:`~lightning_dp.callbacks.release_guard`, the choice of C in :mod:`~lightning_dp.callbacks.clipping` (a
-registered strategy: ``fixed``, ``online_sensitivity``, ``quantile``), the planning in
-:mod:`lightning_dp.privacy.planning` and :mod:`~lightning_dp.callbacks.run_length` (the plan against the Trainer's
-limits), what it writes to the record in :mod:`~lightning_dp.callbacks.dp_sgd_record`. Per-sample gradients are
-recorded by :class:`~lightning_dp.privacy.grad_sample.GradSampleEngine`; the gradients are replaced in
+The callback is a shell over parts with one concern each: :mod:`~lightning_dp.callbacks.training_data` (taking
+over the training loader), :mod:`~lightning_dp.callbacks.batch_probe`, :mod:`~lightning_dp.callbacks.clipping`
+(the strategy that chooses C), :mod:`~lightning_dp.callbacks.virtual_batches`,
+:mod:`~lightning_dp.callbacks.release_guard`, :mod:`~lightning_dp.callbacks.run_length` and
+:mod:`lightning_dp.privacy.planning` (the planned length), :mod:`~lightning_dp.callbacks.dp_sgd_record` (what it
+writes); per-sample gradients by :class:`~lightning_dp.privacy.grad_sample.GradSampleEngine`, replaced in
 ``on_after_backward``. Private attributes of other libraries it relies on: Lightning's ``fit_loop._data_source``
-(checked, refused loudly if moved) and ``LightningModule._on_before_batch_transfer`` (the probe's batch path), torchmetrics'
+(checked, refused loudly if moved) and ``LightningModule._on_before_batch_transfer``, torchmetrics'
 ``Metric._defaults``, ``_update_count`` and ``_computed`` (the probe restores metric states).
 
-Virtual batches (:mod:`lightning_dp.callbacks.virtual_batches`): with ``Trainer(accumulate_grad_batches=k)`` (or
-a ``GradientAccumulationScheduler``) each logical Poisson batch, of expected size ``k x batch_size x world_size``,
-is yielded in ``k`` micro-batches that Lightning accumulates; with ``max_physical_batch_size=M`` a batch of more
-than ``M`` examples is cut into chunks inside the training step. Every micro-batch and chunk is clipped per
-example after its backward pass (``on_after_backward``) and the clipped sums add up; the last backward of the
-logical batch releases them, noised once, as the step's gradient. A factor that changes under a loader sampled
-for another, a micro-batch that skips its backward, an optimizer step in the middle of a logical batch, and a
-resume from a checkpoint saved in the middle of one are refused.
-
-Secrets: the seed of the sampling and noise streams is kept in the callback's
-checkpoint state under ``"secret"`` (:mod:`lightning_dp.privacy.seeds`), never logged;
-checkpoints uploaded by :class:`~lightning_dp.callbacks.run_artifacts.RunArtifacts` are
-stripped of it.
+The seed of the sampling and noise streams is a secret (:mod:`lightning_dp.privacy.seeds`): kept in local
+checkpoints under ``"secret"``, never logged, stripped from uploaded checkpoints.
 
 Example:
     >>> from lightning_dp.callbacks import DPSGD
