@@ -27,18 +27,23 @@ from lightning_dp.datamodules.digits import DigitsDataModule
 from lightning_dp.datamodules.fairness import FEMNISTFairnessDataModule, SyntheticFairnessDataModule
 from lightning_dp.datamodules.federated import ClientDataset, FederatedDataModule, padded, split_clients
 from lightning_dp.datamodules.federated_vision import FederatedVisionDataModule
-from lightning_dp.datamodules.femnist import FEMNISTDataModule
+from lightning_dp.datamodules.femnist import FEMNISTDataModule, LEAFFormatError
 from lightning_dp.datamodules.hospital import HospitalChargesDataModule
 from lightning_dp.datamodules.idx import IDXFormatError, read_idx, write_idx
 from lightning_dp.datamodules.mnist import FashionMNISTDataModule, MNISTDataModule, MNISTFamilyDataModule
-from lightning_dp.datamodules.offline import DatasetUnavailableError
+from lightning_dp.datamodules.cifar import CIFARFormatError
+from lightning_dp.datamodules.offline import ChecksumError, DataFormatError, DatasetUnavailableError, DownloadError
 from lightning_dp.datamodules.synthetic import SyntheticLinearMixtureDataModule
 from lightning_dp.datamodules.wikitext import WikiText2DataModule
 
 __all__ = [
     "AGNewsDataModule",
+    "CIFARFormatError",
+    "ChecksumError",
     "ClientDataset",
+    "DataFormatError",
     "DatasetUnavailableError",
+    "DownloadError",
     "DigitsDataModule",
     "FEMNISTDataModule",
     "FEMNISTFairnessDataModule",
@@ -52,6 +57,7 @@ __all__ = [
     "split_clients",
     "FashionMNISTDataModule",
     "IDXFormatError",
+    "LEAFFormatError",
     "MNISTDataModule",
     "MNISTFamilyDataModule",
     "read_idx",

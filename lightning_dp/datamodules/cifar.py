@@ -29,6 +29,7 @@ import torch
 
 from lightning_dp.datamodules.mnist import download_resource
 from lightning_dp.datamodules.offline import (
+    DataFormatError,
     DatasetUnavailableError,
     dataset_unavailable,
     import_datasets,
@@ -67,7 +68,7 @@ _ALLOWED = {
 }
 
 
-class CIFARFormatError(ValueError):
+class CIFARFormatError(DataFormatError):
     """A file is not an official CIFAR-10 batch (or it asks the unpickler for anything but arrays)."""
 
 

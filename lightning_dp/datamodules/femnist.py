@@ -41,6 +41,7 @@ from lightning_dp.datamodules.federated import (
     split_clients,
 )
 from lightning_dp.datamodules.offline import (
+    DataFormatError,
     DatasetUnavailableError,
     dataset_unavailable,
     import_datasets,
@@ -59,7 +60,7 @@ PathLike = Union[str, "os.PathLike[str]"]
 WriterData = tuple[np.ndarray, np.ndarray]
 
 
-class LEAFFormatError(ValueError):
+class LEAFFormatError(DataFormatError):
     """Raised when a file is not in LEAF's JSON format (the message names the file and the problem)."""
 
 

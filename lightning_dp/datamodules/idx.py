@@ -32,6 +32,8 @@ from typing import Union
 import numpy as np
 import torch
 
+from lightning_dp.datamodules.offline import DataFormatError
+
 __all__ = ["IDX_DTYPES", "IDXFormatError", "parse_idx", "read_idx", "write_idx"]
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -49,7 +51,7 @@ _TORCH_TO_CODE = {torch_dtype: code for code, (torch_dtype, _) in IDX_DTYPES.ite
 _GZIP_MAGIC = b"\x1f\x8b"
 
 
-class IDXFormatError(ValueError):
+class IDXFormatError(DataFormatError):
     """Raised when a file is not a valid IDX file (bad magic, truncated, dims mismatch)."""
 
 

@@ -50,6 +50,7 @@ from typing import Any, Optional, Union
 
 __all__ = [
     "ChecksumError",
+    "DataFormatError",
     "DatasetUnavailableError",
     "DownloadError",
     "STAGING_PREFIX",
@@ -71,6 +72,12 @@ UrlOpener = Callable[..., Any]
 #: Name prefix of the temporary download directories inside a ``data_dir``.
 STAGING_PREFIX = ".lightning-dp-download-"
 _MAX_ERROR_CHARS = 400
+
+
+class DataFormatError(ValueError):
+    """A file is not in its dataset's official format (the message names the file and the problem). One base for the
+    format errors of every reader (:class:`~lightning_dp.datamodules.idx.IDXFormatError`, LEAF's JSON, CIFAR's
+    batches), so that ``except DataFormatError`` catches any of them; a ``ValueError``, as before."""
 
 
 class DatasetUnavailableError(FileNotFoundError):

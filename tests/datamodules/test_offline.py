@@ -401,3 +401,14 @@ def test_only_local_rank_zero_sweeps_a_shared_cache(tmp_path, monkeypatch):
     with pytest.raises(DatasetUnavailableError):
         load_hf_dataset(Failing, "org/y", cache_dir=tmp_path / "c", unavailable=unavailable)
     assert not (tmp_path / "c").exists()
+
+
+def test_every_format_error_is_a_data_format_error():
+    """One base for the readers' format errors: ``except DataFormatError`` catches a bad IDX, LEAF or CIFAR file."""
+    from lightning_dp.datamodules import CIFARFormatError, DataFormatError, IDXFormatError, LEAFFormatError
+    from lightning_dp.datamodules.idx import parse_idx
+
+    for cls in (CIFARFormatError, IDXFormatError, LEAFFormatError):
+        assert issubclass(cls, DataFormatError) and issubclass(cls, ValueError)
+    with pytest.raises(DataFormatError):
+        parse_idx(b"\x00\x00\x07\x01")  # an unknown type code
