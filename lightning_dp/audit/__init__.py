@@ -7,7 +7,7 @@ of noisy neighbours, the one-run bounds).
 DLG (torch only):
     run_dlg_audit: Deep Leakage from Gradients against a client's release at several noise levels.
     client_release, observed_gradient, dlg_attack: the three stages (client, attacker's estimate, attack).
-    EuclideanLaplaceSanitizer, GaussianSanitizer, NoSanitizer: what a client may release, the federated round's
+    EuclideanLaplaceSanitizer, GaussianSanitizer, Unsanitized: what a client may release, the federated round's
         sanitizer parts behind PartRelease (any callable ``(start, trained, generator) -> released`` works);
         make_sanitizer_factory.
 
@@ -36,8 +36,8 @@ from lightning_dp.audit.release import client_release, observed_gradient
 from lightning_dp.audit.sanitizers import (
     EuclideanLaplaceSanitizer,
     GaussianSanitizer,
-    NoSanitizer,
     PartRelease,
+    Unsanitized,
     make_sanitizer_factory,
 )
 from lightning_dp.audit.scores import loss_scores, per_example_losses
@@ -48,7 +48,6 @@ __all__ = [
     "EuclideanLaplaceSanitizer",
     "GaussianSanitizer",
     "MembershipAttack",
-    "NoSanitizer",
     "PartRelease",
     "client_release",
     "dlg_attack",
@@ -66,4 +65,13 @@ __all__ = [
     "run_dlg_audit",
     "tpr_at_fpr",
     "two_stage_epsilon",
+    "Unsanitized",
 ]
+
+
+def __getattr__(name: str) -> type:
+    if name == "NoSanitizer":  # the release's former name: warned by audit.sanitizers
+        from lightning_dp.audit import sanitizers
+
+        return sanitizers.NoSanitizer  # type: ignore[attr-defined]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -67,10 +67,10 @@ def client_release(model: nn.Module, x: Tensor, y: Tensor, *, lr: float, local_s
             flat vector of the parameters' shape.
 
     Example:
-        >>> from lightning_dp.audit.sanitizers import NoSanitizer
+        >>> from lightning_dp.audit.sanitizers import Unsanitized
         >>> model = nn.Linear(4, 3)
         >>> start, released = client_release(model, torch.ones(1, 4), torch.tensor([1]), lr=0.1,
-        ...                                  sanitizer=NoSanitizer(), generator=None)
+        ...                                  sanitizer=Unsanitized(), generator=None)
         >>> observed = observed_gradient(start, released, 0.1, model)
         >>> [tuple(g.shape) for g in observed]
         [(3, 4), (3,)]
@@ -82,7 +82,7 @@ def client_release(model: nn.Module, x: Tensor, y: Tensor, *, lr: float, local_s
         raise ValueError(f"loss={loss!r} is not supported; choose one of {LOSSES} (DLG attacks classifiers).")
     if not callable(sanitizer):
         raise ValueError(f"sanitizer={sanitizer!r} must be a callable (start, trained, generator) -> released, e.g. "
-                         "EuclideanLaplaceSanitizer.for_model(model, 1.0) or NoSanitizer().")
+                         "EuclideanLaplaceSanitizer.for_model(model, 1.0) or Unsanitized().")
     if generator is not None:
         checks.generator("generator", generator, required=True)
     _check_batch(x, y)

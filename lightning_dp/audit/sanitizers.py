@@ -17,10 +17,10 @@ from torch import Tensor, nn
 from lightning_dp import checks
 from lightning_dp.audit._common import SanitizerFactory, parameter_sizes
 from lightning_dp.federated.parts.sanitizers import ClipSanitizer, ClientSanitizer, EuclideanLaplace, GaussianLocalDP
-from lightning_dp.federated.parts.sanitizers import NoSanitizer as _Unsanitized
+from lightning_dp.federated.parts.sanitizers import NoSanitizer as _NoSanitizerPart  # the name: the alias below
 from lightning_dp.privacy.clipping import check_max_grad_norm
 
-__all__ = ["EuclideanLaplaceSanitizer", "GaussianSanitizer", "NoSanitizer", "PartRelease", "SANITIZERS",
+__all__ = ["EuclideanLaplaceSanitizer", "GaussianSanitizer", "PartRelease", "SANITIZERS", "Unsanitized",
            "make_sanitizer_factory"]
 
 
@@ -47,22 +47,23 @@ class PartRelease:
         return f"{type(self).__name__}({self.part!r})"
 
 
-class NoSanitizer(PartRelease):
-    """Releases the trained model as it is (the attack's best case; the round's ``none`` sanitizer).
+class Unsanitized(PartRelease):
+    """Releases the trained model as it is (the attack's best case): the round's ``none`` sanitizer
+    (:class:`~lightning_dp.federated.parts.NoSanitizer`) as a release.
 
     Example:
-        >>> NoSanitizer()(torch.zeros(2), torch.ones(2), None)
+        >>> Unsanitized()(torch.zeros(2), torch.ones(2), None)
         tensor([1., 1.])
     """
 
     def __init__(self) -> None:
-        super().__init__(_Unsanitized())
+        super().__init__(_NoSanitizerPart())
 
     def __call__(self, start: Tensor, trained: Tensor, generator: Optional[torch.Generator] = None) -> Tensor:
         return super().__call__(start, trained, generator).clone()  # a copy, as before: callers may modify it
 
     def __repr__(self) -> str:
-        return "NoSanitizer()"
+        return "Unsanitized()"
 
 
 class EuclideanLaplaceSanitizer(PartRelease):
@@ -207,3 +208,14 @@ def make_sanitizer_factory(name: str, *, model: nn.Module, lr: float, max_grad_n
     check_max_grad_norm(max_grad_norm)
     EuclideanLaplaceSanitizer(0.0, per_layer=False, min_delta_norm=min_delta_norm)  # validates min_delta_norm
     return SANITIZERS[name][1](model, lr=lr, max_grad_norm=float(max_grad_norm), min_delta_norm=float(min_delta_norm))
+
+
+def __getattr__(name: str) -> type:
+    if name == "NoSanitizer":  # the audit's release before it was renamed (one NoSanitizer: the round's part)
+        import warnings
+
+        warnings.warn("lightning_dp.audit.NoSanitizer is now lightning_dp.audit.Unsanitized (the federated part "
+                      "keeps the name NoSanitizer)", FutureWarning, stacklevel=2)
+        return Unsanitized
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+

@@ -23,7 +23,7 @@ from lightning_dp import cli
 from lightning_dp.audit import (
     EuclideanLaplaceSanitizer,
     GaussianSanitizer,
-    NoSanitizer,
+    Unsanitized,
     client_release,
     dlg_attack,
     make_sanitizer_factory,
@@ -89,7 +89,7 @@ def test_dlg_reconstructs_without_noise_and_fails_with_large_noise(digits):
 def test_known_label_attack(digits):
     x, y = digits
     model = make_model()
-    start, released = client_release(model, x[:1], y[:1], lr=0.1, sanitizer=NoSanitizer(), generator=None)
+    start, released = client_release(model, x[:1], y[:1], lr=0.1, sanitizer=Unsanitized(), generator=None)
     result = dlg_attack(model, observed_gradient(start, released, 0.1, model), input_shape=(1, 8, 8), num_classes=10,
                         iterations=50, generator=torch.Generator().manual_seed(0), known_label=int(y[0]))
     assert result.label == int(y[0]) and mse(result.reconstruction[0].clamp(0, 1), x[0]) < 1e-4
@@ -102,7 +102,7 @@ def test_observed_gradient_of_one_unsanitized_step_is_the_gradient(digits):
     x, y = digits
     model = make_model()
     before = [p.detach().clone() for p in model.parameters()]
-    start, released = client_release(model, x[:1], y[:1], lr=0.1, sanitizer=NoSanitizer(), generator=None)
+    start, released = client_release(model, x[:1], y[:1], lr=0.1, sanitizer=Unsanitized(), generator=None)
     expected = torch.autograd.grad(F.cross_entropy(model(x[:1]), y[:1]), list(model.parameters()))
     observed = observed_gradient(start, released, 0.1, model)
     assert [o.shape for o in observed] == [e.shape for e in expected]
@@ -119,7 +119,7 @@ def test_observed_gradient_of_one_unsanitized_step_is_the_gradient(digits):
 def test_local_steps_are_sgd_steps(digits):
     x, y = digits
     model = make_model()
-    _, released = client_release(model, x[:2], y[:2], lr=0.05, local_steps=2, sanitizer=NoSanitizer(), generator=None)
+    _, released = client_release(model, x[:2], y[:2], lr=0.05, local_steps=2, sanitizer=Unsanitized(), generator=None)
     manual = make_model()
     optimizer = torch.optim.SGD(manual.parameters(), lr=0.05)
     for _ in range(2):
@@ -138,7 +138,7 @@ def test_laplace_sanitizer_is_sanitize_update(digits, per_layer):
     model = make_model()
     assert parameter_sizes(model) == FlatParams.of(model).sizes
     assert torch.equal(flatten_parameters(model), FlatParams.of(model).flatten(model))
-    start, trained = client_release(model, x[:1], y[:1], lr=0.1, sanitizer=NoSanitizer(), generator=None)
+    start, trained = client_release(model, x[:1], y[:1], lr=0.1, sanitizer=Unsanitized(), generator=None)
     sanitizer = EuclideanLaplaceSanitizer.for_model(model, 3.0, per_layer=per_layer)
     released = sanitizer(start, trained, torch.Generator().manual_seed(7))
     expected = sanitize_update(trained, start, noise_multiplier=3.0, generator=torch.Generator().manual_seed(7),
@@ -222,7 +222,7 @@ def test_diverged_restarts_count_as_failed():
         torch.manual_seed(0)
         model = _LogInput()
     x, y = torch.rand(1, 1, 2, 2) + 0.5, torch.tensor([1])
-    start, released = client_release(model, x, y, lr=0.1, sanitizer=NoSanitizer(), generator=None)
+    start, released = client_release(model, x, y, lr=0.1, sanitizer=Unsanitized(), generator=None)
     result = dlg_attack(model, observed_gradient(start, released, 0.1, model), input_shape=(1, 2, 2), num_classes=3,
                         iterations=5, generator=torch.Generator().manual_seed(0), restarts=2)
     assert result.diverged and result.match_loss == math.inf and result.restart_losses == [math.inf, math.inf]
@@ -238,9 +238,9 @@ def test_diverged_restarts_count_as_failed():
     (lambda m: GaussianSanitizer(0.0, 1.0), "max_grad_norm=0.0"),
     (lambda m: GaussianSanitizer(1.0, -2.0), "noise_multiplier=-2.0"),
     (lambda m: make_sanitizer_factory("foo", model=m, lr=0.1), "sanitizer='foo'.*gaussian"),
-    (lambda m: client_release(m, torch.zeros(1, 1, 8, 8), torch.tensor([0]), lr=0.0, sanitizer=NoSanitizer(),
+    (lambda m: client_release(m, torch.zeros(1, 1, 8, 8), torch.tensor([0]), lr=0.0, sanitizer=Unsanitized(),
                               generator=None), "lr=0.0"),
-    (lambda m: client_release(m, torch.zeros(1, 1, 8, 8), torch.tensor([0.5]), lr=0.1, sanitizer=NoSanitizer(),
+    (lambda m: client_release(m, torch.zeros(1, 1, 8, 8), torch.tensor([0.5]), lr=0.1, sanitizer=Unsanitized(),
                               generator=None), "integer class index"),
     (lambda m: client_release(m, torch.zeros(1, 1, 8, 8), torch.tensor([0]), lr=0.1, sanitizer=lambda s, t, g: t[:3],
                               generator=None), "must return a flat tensor"),
@@ -390,3 +390,13 @@ def test_audit_command_errors(workdir, monkeypatch, capsys, args, message):
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
     assert not (workdir / "mlflow.db").exists()  # no run opened for bad input
+
+
+def test_the_former_name_of_the_unsanitized_release_still_resolves_with_a_warning():
+    import lightning_dp.audit as audit
+    from lightning_dp.audit import sanitizers
+
+    with pytest.warns(FutureWarning, match="now lightning_dp.audit.Unsanitized"):
+        assert audit.NoSanitizer is Unsanitized
+    with pytest.warns(FutureWarning):
+        assert sanitizers.NoSanitizer is Unsanitized
