@@ -11,6 +11,8 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_dp.federated.local import FlatParams
+
 
 __all__ = ["DUMMY_STREAM", "LOSSES", "NOISE_STREAM", "Sanitizer", "SanitizerFactory", "flatten_parameters",
            "parameter_sizes"]
@@ -45,16 +47,14 @@ def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def parameter_sizes(model: nn.Module) -> list[int]:
-    """Number of elements of each trainable parameter, in ``named_parameters`` order.
-
-    The same layout as :class:`lightning_dp.federated.FlatParams` (``FlatParams.of(model).sizes``),
-    computed here without importing the federated package (which imports Lightning).
+    """Number of elements of each trainable parameter, in ``named_parameters`` order: the layout of
+    :class:`lightning_dp.federated.local.FlatParams` (the round's, one home; it imports no Lightning).
 
     Example:
         >>> parameter_sizes(nn.Linear(3, 2))
         [6, 2]
     """
-    return [p.numel() for _, p in _trainable(model)]
+    return _layout(model).sizes
 
 
 def flatten_parameters(model: nn.Module) -> Tensor:
@@ -64,13 +64,17 @@ def flatten_parameters(model: nn.Module) -> Tensor:
         >>> flatten_parameters(nn.Linear(3, 2)).shape
         torch.Size([8])
     """
-    return torch.cat([p.detach().reshape(-1) for _, p in _trainable(model)])
+    return _layout(model).flatten(model)
+
+
+def _layout(model: nn.Module) -> FlatParams:
+    _trainable(model)  # the audit's own refusals (not a module, nothing trainable), worded for the audit
+    return FlatParams.of(model)
 
 
 def _unflatten(model: nn.Module, flat: Tensor) -> list[Tensor]:
-    named = _trainable(model)
-    sizes = [p.numel() for _, p in named]
-    if flat.dim() != 1 or flat.numel() != sum(sizes):
+    layout = _layout(model)
+    if flat.dim() != 1 or flat.numel() != layout.numel:
         raise ValueError(f"the flat vector has shape {tuple(flat.shape)} but {type(model).__name__} has "
-                         f"{sum(sizes)} trainable parameters; flatten it with flatten_parameters(model).")
-    return [chunk.reshape(p.shape) for chunk, (_, p) in zip(torch.split(flat, sizes), named)]
+                         f"{layout.numel} trainable parameters; flatten it with flatten_parameters(model).")
+    return list(layout.unflatten(flat).values())
