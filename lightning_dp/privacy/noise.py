@@ -59,6 +59,12 @@ def _seeded(cls: type[torch.Generator], seed: int, counters: Sequence[int], devi
 def derive_generator(seed: int, *counters: int, device: torch.device | str = "cpu") -> torch.Generator:
     """A generator seeded from ``(seed, *counters)`` through NumPy's SeedSequence hashing.
 
+    SeedSequence ignores trailing zero words: ``(seed, s)``, ``(seed, s, 0)`` and ``(seed, s, 0, 0)`` give the same
+    generator. So every stream ``s`` is used with one number of counters wherever it is derived from the same seed,
+    and each seed has its own streams (DPSGD's secret seed: ``SAMPLING``, ``NOISE``, ``CLIP_STATISTIC``; the
+    round's seed and noise seed: ``federated/round.py``; an audit's own seed: ``audit/``), never shared with
+    another component's seed (``OneRunAudit`` refuses DPSGD's).
+
     Counter-based seeding makes every draw a pure function of the run seed and the step,
     so a resumed run draws exactly what the uninterrupted run drew, without saving
     generator states per rank. For draws an accountant relies on, use
