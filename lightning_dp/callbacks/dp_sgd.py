@@ -13,7 +13,8 @@ Privacy semantics (docs/privacy.md):
 The callback is a shell over parts with one concern each: :mod:`~lightning_dp.callbacks.training_data` (taking
 over the training loader), :mod:`~lightning_dp.callbacks.batch_probe`, :mod:`~lightning_dp.callbacks.clipping`
 (the strategy that chooses C), :mod:`~lightning_dp.callbacks.virtual_batches`,
-:mod:`~lightning_dp.callbacks.release_guard`, :mod:`~lightning_dp.callbacks.run_length` and
+:mod:`~lightning_dp.callbacks.release_guard`, :mod:`~lightning_dp.callbacks.budget` (target_epsilon's stop),
+:mod:`~lightning_dp.callbacks.run_length` and
 :mod:`lightning_dp.privacy.planning` (the planned length), :mod:`~lightning_dp.callbacks.dp_sgd_record` (what it
 writes); per-sample gradients by :class:`~lightning_dp.privacy.grad_sample.GradSampleEngine`, replaced in
 ``on_after_backward``. Private attributes of other libraries it relies on: Lightning's ``fit_loop._data_source``
@@ -45,6 +46,7 @@ from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
 from lightning_dp import checks
 from lightning_dp.callbacks import batch_probe, dp_sgd_record, training_data, virtual_batches
+from lightning_dp.callbacks.budget import Budget
 from lightning_dp.callbacks.clipping import ClipStrategy, FixedClip, Release, StatisticStream, resolve_clip_strategy
 from lightning_dp.callbacks.release_guard import ReleaseGuard, UnprivatizedGradientError
 from lightning_dp.callbacks.run_length import Lengths
@@ -242,16 +244,12 @@ class DPSGD(Callback):
         self._sigma_source = ""  # given, calibrated for ..., from the checkpoint (for the end summary)
         self._logged_rate: float | None = None  # the sample rate logged as a param at fit start
         self._rate_varies = False  # a reloaded loader changed it since: privacy/sample_rate becomes a metric
-        self._budget_stop: int | None = None  # the step after which the budget stopped training (summary)
-        self._plan_done = False  # whether _allowed_events is the planned length (not the budget's limit)
         self._engine: GradSampleEngine | None = None
         self._shadows = training_data.Shadows()  # wrapped hooks, replaced data sources: put back at teardown
         self._facts: DataFacts | None = None  # of the training loader, once Lightning asked for it
         self._probe_data: tuple[Any, Any] | None = None  # (dataset, collate_fn) of the probe batches
         self._batch_dims: list[int | None] = []  # where the batch's tensors hold the examples
-        self._allowed_events: int | None = None
-        self._events_taken = 0
-        self._budget_event: tuple[float, float] | None = None  # the event _allowed_events was computed for
+        self._budget = Budget()  # the events target_epsilon allows, and those taken
         self._passes = 0  # passes started over a shuffled loader; each is one accounted event
         self._charged_pass = 0
         self._guard = ReleaseGuard()
@@ -644,7 +642,7 @@ class DPSGD(Callback):
             self._sigma_source = f"calibrated for {planned} {'steps' if self.poisson_sampling else 'epochs'}"
             rank_zero_info(f"DPSGD: calibrated noise_multiplier={self._sigma:.4f} for target_epsilon="
                            f"{self.target_epsilon}, delta={self.target_delta}, {planned} planned steps, q={q:.4g}")
-        self._budget_event, self._budget_stop = None, None
+        self._budget.start()
         self._update_budget(trainer)
         try:
             strategy_params = self.clipping.start(self._sigma, data.expected_batch_size,
@@ -672,26 +670,20 @@ class DPSGD(Callback):
         """
         if self.target_epsilon is None or self._sigma is None or self._facts is None:
             return
-        event = self._event()
-        if event == self._budget_event:
-            return
-        sigma_e, q_e = event
+        budget, first = self._budget, self._budget.event is None
         planned = self._lengths(trainer).planned_events(self._data)
-        limit = planned if planned is not None else 10**7
-        self._allowed_events = self._accountant.max_steps(
-            self.target_epsilon, self.target_delta, noise_multiplier=sigma_e, sample_rate=q_e, limit=limit)
-        self._plan_done = planned is not None and self._allowed_events == planned  # the plan ends first, not the budget
-        self._events_taken = 0
-        if self._budget_event is not None:
-            rank_zero_info(f"DPSGD: the sampling rate is now q={q_e:.4g} (dataset size {self._data.dataset_size}, "
-                           f"expected batch {self._data.expected_batch_size}); {self._allowed_events} more steps "
-                           f"fit in target_epsilon={self.target_epsilon}.")
-        self._budget_event = event
-        if self._allowed_events == 0 and (planned is None or planned > 0):
+        if not budget.update(self._event(), accountant=self._accountant, target_epsilon=self.target_epsilon,
+                             target_delta=self.target_delta, planned=planned):
+            return
+        if not first:
+            rank_zero_info(f"DPSGD: the sampling rate is now q={budget.event[1]:.4g} (dataset size "  # type: ignore[index]
+                           f"{self._data.dataset_size}, expected batch {self._data.expected_batch_size}); "
+                           f"{budget.allowed} more steps fit in target_epsilon={self.target_epsilon}.")
+        if budget.allowed == 0 and (planned is None or planned > 0):
             rank_zero_warn(f"DPSGD: no further step fits in the remaining budget (epsilon spent {self.epsilon:.4g} of "
                            f"target_epsilon={self.target_epsilon}); stopping before the next step.")
             trainer.should_stop = True
-            self._budget_stop = trainer.global_step
+            budget.stopped_at = trainer.global_step
 
     def _log_hyperparams(self, trainer: Trainer, planned: int | None, strategy_params: dict[str, Any]) -> None:
         """The run's fixed privacy parameters as params, once per fit (:func:`dp_sgd_record.hyperparams`)."""
@@ -769,7 +761,7 @@ class DPSGD(Callback):
         self._guard.clear()
         self._pending, self._pending_stats = None, None
         self._step_adds_event = self._adds_event()
-        if self._step_adds_event and self._allowed_events is not None and self._events_taken >= self._allowed_events:
+        if self._step_adds_event and self._budget.spent:
             raise RuntimeError(
                 f"DPSGD: the privacy budget target_epsilon={self.target_epsilon} is spent (epsilon="
                 f"{self.epsilon:.4g}) but training continued; refusing to release another step.")
@@ -938,7 +930,7 @@ class DPSGD(Callback):
         if self._step_adds_event:
             sigma_e, q_e = self._event()
             self._accountant.step(noise_multiplier=sigma_e, sample_rate=q_e)
-            self._events_taken += 1
+            self._budget.take()
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         if self._awaiting_step:
@@ -974,18 +966,19 @@ class DPSGD(Callback):
                            batch_idx: int) -> None:
         if not self._released_in_batch:
             return  # a micro-batch of a logical batch still being accumulated: no step was taken
-        if self._allowed_events is not None and self._events_taken >= self._allowed_events and not trainer.should_stop:
+        budget = self._budget
+        if budget.spent and not trainer.should_stop:
             last_batch = batch_idx + 1 >= trainer.num_training_batches
             planned_end = (0 < trainer.max_steps <= trainer.global_step) or (
                 last_batch and trainer.max_epochs is not None and trainer.current_epoch + 1 >= trainer.max_epochs)
             if (self.poisson_sampling or last_batch) and not planned_end:
-                why = (f"DPSGD's planned {self._allowed_events} {'steps' if self.poisson_sampling else 'epochs'} are "
-                       "done (its epochs/max_steps; the Trainer would run longer)" if self._plan_done
+                why = (f"DPSGD's planned {budget.allowed} {'steps' if self.poisson_sampling else 'epochs'} are "
+                       "done (its epochs/max_steps; the Trainer would run longer)" if budget.plan_done
                        else f"the next step would exceed target_epsilon={self.target_epsilon}")
                 rank_zero_info(f"DPSGD: stopping after step {trainer.global_step}: {why} (spent {self.epsilon:.4f} of "
                                f"target_epsilon={self.target_epsilon} at delta={self.target_delta}).")
                 trainer.should_stop = True
-                self._budget_stop = trainer.global_step
+                budget.stopped_at = trainer.global_step
         every = trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by Lightning, undeclared on Trainer
         epoch_end = batch_idx + 1 >= trainer.num_training_batches  # the bar's epsilon is current at every epoch end
         # what Lightning writes at this step: its cadence, or a stop; nothing at all with log_every_n_steps=0
@@ -1056,7 +1049,7 @@ class DPSGD(Callback):
             accountant=self.accountant_name, adjacency=self.adjacency, poisson_sampling=self.poisson_sampling,
             data=self._data, rate_varies=self._rate_varies, sigma=self._sigma, sigma_source=self._sigma_source,
             clipping=self.clipping, max_physical_batch_size=self.max_physical_batch_size,
-            budget_stop=self._budget_stop, plan_done=self._plan_done)
+            budget_stop=self._budget.stopped_at, plan_done=self._budget.plan_done)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":

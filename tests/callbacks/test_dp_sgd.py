@@ -552,7 +552,7 @@ def test_final_epsilon_is_written_when_lightning_writes_no_step_metrics():
     dp = DPSGD(noise_multiplier=0.8, target_epsilon=2.0, target_delta=1e-3, seed=0)
     t = trainer(max_epochs=50, log_every_n_steps=0, logger=logger, callbacks=[dp])
     t.fit(Classifier(), BlobsData(n=200, batch_size=20))
-    assert dp._budget_stop is not None and t.global_step < 500  # stopped by the budget
+    assert dp._budget.stopped_at is not None and t.global_step < 500  # stopped by the budget
     assert logger.series("privacy/epsilon")[-1] == pytest.approx(dp.epsilon)
 
 
