@@ -259,19 +259,7 @@ class DPSGD(Callback):
         self._summary_due = False  # on_train_end ran: on_fit_end prints the summary
         self._loss_checked = False
         self._batch_size: int | None = None
-        self._step_adds_event = False
-        self._backward_seen = False
-        # virtual batches: micro-batches per logical batch the training data was sampled for, micro-batches begun
-        # in the current logical batch, their clipped sums and counts so far, whether a backward runs inside the
-        # chunk loop of max_physical_batch_size (not the step's last), and whether the step was released
-        self._parts = 1
-        self._part = 0
-        self._pending: list[list[torch.Tensor]] | None = None
-        self._pending_stats: torch.Tensor | None = None
-        self._in_chunks = False
-        self._awaiting_step = False  # released, the optimizer step has not run yet
-        self._released_in_batch = False
-        self._batch_idx = -1
+        self._logical = virtual_batches.LogicalStep()  # where the current logical batch stands
         self._user_training_step: Any = None
         self._half_precision = False  # bf16-mixed, 16-mixed or bf16-true: nonprivate/overflowed_fraction is logged
         # Steps released by this callback over all its fits (restored from checkpoints). It keys the
@@ -368,8 +356,8 @@ class DPSGD(Callback):
             MisconfigurationException: with both factors, where it was seen, and the fix.
         """
         factor = trainer.accumulate_grad_batches
-        if self._facts is not None and factor != self._parts:
-            raise virtual_batches.mismatch(factor, self._parts, f"seen {when}")
+        if self._facts is not None and factor != self._logical.parts:
+            raise virtual_batches.mismatch(factor, self._logical.parts, f"seen {when}")
 
     def check_fit(self, trainer: Trainer, pl_module: LightningModule, ckpt_path: str | os.PathLike[str] | None = None,
                   *, lengths: bool = True) -> None:
@@ -438,7 +426,7 @@ class DPSGD(Callback):
             self._seed = int(trainer.strategy.broadcast(seed, src=0))
         self._engine = GradSampleEngine(pl_module)
         training_data.attach(trainer, lambda loader: self._privatize(loader, trainer), self._shadows)
-        self._part, self._pending, self._pending_stats, self._awaiting_step = 0, None, None, False
+        self._logical.restart()
         self._user_training_step = pl_module.training_step
         if self.max_physical_batch_size is not None:
             user_step = self._user_training_step
@@ -531,7 +519,7 @@ class DPSGD(Callback):
         parts = virtual_batches.accumulation_factor(trainer)
         data = self._data_facts(loader, world, parts=parts)
         self._probe_data = (loader.dataset, loader.collate_fn)
-        self._parts = parts
+        self._logical.parts = parts
         if not self.poisson_sampling:
             try:
                 check_partition_sampler(loader)
@@ -708,7 +696,7 @@ class DPSGD(Callback):
         return False
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        parts = self._parts
+        parts = self._logical.parts
         if parts > 1 and self.poisson_sampling and trainer.num_training_batches % parts:
             raise MisconfigurationException(
                 f"the epoch runs {trainer.num_training_batches} training batches, not a multiple of "
@@ -723,27 +711,27 @@ class DPSGD(Callback):
         from lightning_dp import gate
 
         gate.install(trainer, self)  # a logger added by a hook since (wraps only what is new: a few lookups)
-        if self._awaiting_step:  # whatever switched accumulation on: a step was released and never applied
+        if self._logical.awaiting_step:  # whatever switched accumulation on: a step was released and never applied
             raise virtual_batches.mismatch(
-                max(2, trainer.accumulate_grad_batches), self._parts,
+                max(2, trainer.accumulate_grad_batches), self._logical.parts,
                 "the previous training batch released a step but the optimizer did not step; something switched "
                 "accumulation on during that batch")
-        if self._part and not self._backward_seen:
+        if self._logical.part and not self._logical.backward_seen:
             raise MisconfigurationException(
-                f"training_step returned None for micro-batch {self._part} of {self._parts} (the step was skipped) "
-                "while DPSGD trains: every micro-batch of a logical batch must be trained and released, an empty one "
+                f"training_step returned None for micro-batch {self._logical.part} of {self._logical.parts} (the step "
+                "was skipped) while DPSGD trains: every micro-batch of a logical batch must be trained and released, an empty one "
                 "included; skipping one would make the release depend on which examples it held. Return a loss "
                 "connected to the parameters, e.g. model(x).sum() * 0.0 for an empty batch.")
-        self._batch_idx, self._released_in_batch = batch_idx, False
+        self._logical.batch_idx, self._logical.released_in_batch = batch_idx, False
         assert self._engine is not None
-        if self._part == 0:
+        if self._logical.part == 0:
             self._begin_logical_step(trainer, pl_module)
         elif self._engine.trainable_changed():
             raise MisconfigurationException(
                 f"the set of trainable parameters changed in the middle of a logical batch (before micro-batch "
-                f"{self._part + 1} of {self._parts}); the micro-batches of one step must train the same parameters. "
-                "Change requires_grad in on_train_epoch_start (as BackboneFinetuning does) or at a step boundary.")
-        self._part += 1
+                f"{self._logical.part + 1} of {self._logical.parts}); the micro-batches of one step must train the "
+                "same parameters. Change requires_grad in on_train_epoch_start (as BackboneFinetuning does) or at a step boundary.")
+        self._logical.part += 1
         self._start_examples(batch_probe.examples_in(batch, self._batch_dims))
         if self._batch_size is None:
             raise MisconfigurationException(
@@ -759,9 +747,9 @@ class DPSGD(Callback):
             # gradients are reduced by DPSGD (clipped sums, once per step), not by DDP's reducer
             model.require_backward_grad_sync = False
         self._guard.clear()
-        self._pending, self._pending_stats = None, None
-        self._step_adds_event = self._adds_event()
-        if self._step_adds_event and self._budget.spent:
+        self._logical.pending, self._logical.pending_stats = None, None
+        self._logical.adds_event = self._adds_event()
+        if self._logical.adds_event and self._budget.spent:
             raise RuntimeError(
                 f"DPSGD: the privacy budget target_epsilon={self.target_epsilon} is spent (epsilon="
                 f"{self.epsilon:.4g}) but training continued; refusing to release another step.")
@@ -779,7 +767,7 @@ class DPSGD(Callback):
         """Starts recording a forward/backward pass of ``examples`` examples (a micro-batch or one of its chunks)."""
         assert self._engine is not None
         self._batch_size = examples
-        self._backward_seen = False
+        self._logical.backward_seen = False
         self._engine.start(batch_size=examples)
 
     def _train_in_chunks(self, trainer: Trainer, batch: Any, step: Any) -> Any:
@@ -798,7 +786,7 @@ class DPSGD(Callback):
         divisor, optimizer = trainer.accumulate_grad_batches, trainer.optimizers[0]
 
         def inner(on: bool) -> None:
-            self._in_chunks = on
+            self._logical.in_chunks = on
 
         # the backward of every chunk but the last runs here, through the strategy (precision plugin, hooks);
         # the last chunk's backward is the Trainer's own, on the loss returned (divided by the same factor)
@@ -815,7 +803,7 @@ class DPSGD(Callback):
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         # the module's own on_train_batch_start runs after DPSGD's: it could change the factor for this batch
         self._check_accumulation(trainer, f"before a backward in epoch {trainer.current_epoch}")
-        self._backward_seen = True
+        self._logical.backward_seen = True
         if self._loss_checked or self._engine is None or self._batch_size == 0:
             return  # an empty Poisson batch says nothing about the reduction
         if loss.dim() != 0:
@@ -842,11 +830,12 @@ class DPSGD(Callback):
 
     def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Clips the examples of the pass just run; the last pass of the logical batch releases the step."""
-        if self._engine is None or self._awaiting_step or not self._backward_seen:
+        if self._engine is None or self._logical.awaiting_step or not self._logical.backward_seen:
             return
         self._harvest(trainer, pl_module)
-        last_batch = self._batch_idx + 1 >= trainer.num_training_batches  # Lightning steps on an epoch's last batch
-        if not self._in_chunks and (self._part >= self._parts or last_batch):
+        # Lightning steps on an epoch's last batch
+        last_batch = self._logical.batch_idx + 1 >= trainer.num_training_batches
+        if not self._logical.in_chunks and (self._logical.part >= self._logical.parts or last_batch):
             self._release(trainer, trainer.optimizers[0])
 
     def _harvest(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -872,21 +861,21 @@ class DPSGD(Callback):
         # clipped (dropped ones included: their norm is +inf), total, and dropped for a non-finite gradient
         counts = torch.tensor([norms.numel(), engine.dropped], dtype=sums[0][0].dtype, device=norms.device)
         stats = torch.cat([(norms > clip).sum().to(counts).reshape(1), counts])
-        if self._pending is None or self._pending_stats is None:
-            self._pending, self._pending_stats = sums, stats
+        if self._logical.pending is None or self._logical.pending_stats is None:
+            self._logical.pending, self._logical.pending_stats = sums, stats
             return
-        for acc, new in zip(self._pending, sums):
+        for acc, new in zip(self._logical.pending, sums):
             for a, t in zip(acc, new):
                 a.add_(t)
-        self._pending_stats.add_(stats)
+        self._logical.pending_stats.add_(stats)
 
     def _release(self, trainer: Trainer, optimizer: Any) -> None:
         """The step's release: the clipped sums of all its passes (all ranks), noised once; then the accounting."""
         engine = self._engine
         assert engine is not None and self._sigma is not None
-        releases, stats = self._pending, self._pending_stats
+        releases, stats = self._logical.pending, self._logical.pending_stats
         assert releases is not None and stats is not None
-        self._pending, self._pending_stats = None, None
+        self._logical.pending, self._logical.pending_stats = None, None
         params = engine.parameters
         if trainer.world_size > 1:
             # one all-reduce for every weighted sum and the counts
@@ -926,24 +915,25 @@ class DPSGD(Callback):
         except ValueError as err:
             raise MisconfigurationException(f"{type(self).__name__} ({self.clipping.name} clipping): {err}") from err
         self._released += 1
-        self._part, self._awaiting_step, self._released_in_batch = 0, True, True
-        if self._step_adds_event:
+        self._logical.part, self._logical.awaiting_step, self._logical.released_in_batch = 0, True, True
+        if self._logical.adds_event:
             sigma_e, q_e = self._event()
             self._accountant.step(noise_multiplier=sigma_e, sample_rate=q_e)
             self._budget.take()
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
-        if self._awaiting_step:
-            self._awaiting_step = False
+        if self._logical.awaiting_step:
+            self._logical.awaiting_step = False
             return
-        if not self._backward_seen:
+        if not self._logical.backward_seen:
             raise MisconfigurationException(
                 "training_step returned None (the step was skipped) while DPSGD trains: every step must be released, "
                 "an empty Poisson batch included (noise only), since skipping one would reveal that it was empty. "
                 "Return a loss connected to the parameters, e.g. model(x).sum() * 0.0 for an empty batch.")
         raise virtual_batches.mismatch(
-            trainer.accumulate_grad_batches, self._parts,
-            f"the optimizer is about to step after micro-batch {self._part} of {self._parts} of a logical batch")
+            trainer.accumulate_grad_batches, self._logical.parts,
+            f"the optimizer is about to step after micro-batch {self._logical.part} of {self._logical.parts} of a "
+            "logical batch")
 
     def _gradient_noise_multiplier(self) -> float:
         """The multiplier of the clipped sum's noise: the accounted sigma, or the clipping strategy's share of it.
@@ -964,7 +954,7 @@ class DPSGD(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if not self._released_in_batch:
+        if not self._logical.released_in_batch:
             return  # a micro-batch of a logical batch still being accumulated: no step was taken
         budget = self._budget
         if budget.spent and not trainer.should_stop:
@@ -1072,7 +1062,7 @@ class DPSGD(Callback):
                  "poisson_sampling": self.poisson_sampling, "released_steps": self._released,
                  "curve": list(self._curve),
                  # micro-batches of a logical batch accumulated but not released (a checkpoint saved in between)
-                 "pending_micro_batches": self._part if self._pending is not None else 0}
+                 "pending_micro_batches": self._logical.part if self._logical.pending is not None else 0}
         strategy = self.clipping.state_dict()
         if strategy:  # an adaptive C, its trace and what its next update needs (the key of checkpoints before 0.3)
             state["adaptive"] = strategy

@@ -27,18 +27,43 @@ loop. The formulas (clipping, the noisy mean, the split) are in :mod:`lightning_
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
+from torch import Tensor
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-__all__ = ["accumulation_factor", "check_schedule", "closure_loss", "mismatch", "run_in_chunks", "with_loss"]
+__all__ = ["LogicalStep", "accumulation_factor", "check_schedule", "closure_loss", "mismatch", "run_in_chunks",
+           "with_loss"]
 
 
 def _scheduler(callbacks: list[Callback]) -> GradientAccumulationScheduler | None:
     return next((cb for cb in callbacks if isinstance(cb, GradientAccumulationScheduler)), None)
+
+
+
+@dataclass
+class LogicalStep:
+    """Where DPSGD stands in the current logical batch: its micro-batches, their clipped sums so far, and whether the
+    step was released (the noise is added once, when the last backward of the logical batch is done)."""
+
+    parts: int = 1  #: micro-batches per logical batch the training data was sampled for
+    part: int = 0  #: micro-batches begun in the current logical batch
+    pending: Optional[list[list[Tensor]]] = None  #: their clipped sums so far (private: never saved)
+    pending_stats: Optional[Tensor] = None  #: their clipping statistics so far
+    in_chunks: bool = False  #: a backward runs inside the chunk loop of max_physical_batch_size (not the step's last)
+    awaiting_step: bool = False  #: released; the optimizer step has not run yet
+    released_in_batch: bool = False  #: the step was released in this batch
+    batch_idx: int = -1  #: Lightning's index of the current batch
+    backward_seen: bool = False  #: a backward pass ran for the current micro-batch
+    adds_event: bool = False  #: this step starts an accounted event
+
+    def restart(self) -> None:
+        """A new fit starts at the beginning of a logical batch (the factor ``parts`` is kept)."""
+        self.part, self.pending, self.pending_stats, self.awaiting_step = 0, None, None, False
 
 
 def accumulation_factor(trainer: Trainer) -> int:
