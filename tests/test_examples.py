@@ -258,3 +258,39 @@ def test_oso_fig3_2_frontier_spends_the_same_everywhere_and_redraws(tmp_path):
     for r in chosen:
         assert float(r["nu_q"]) == pytest.approx(7.124 * float(r["nu"]))
         assert float(r["nu_g"]) == pytest.approx(1.01 * float(r["nu"]), rel=1e-3)
+
+
+def test_oso_fig3_10_reads_the_budgeted_grids_from_mlflow_and_redraws(tmp_path, monkeypatch):
+    """examples/oso/figures.py fig3.10: the chosen runs of every budgeted grid (a fake store of two grids), grouped by
+    strategy and budget; grids without a budget or of another config are left out; the committed table redraws."""
+    import importlib.util
+    import shutil
+
+    from mlflow import MlflowClient
+
+    spec = importlib.util.spec_from_file_location("oso_figures", ROOT / "oso" / "figures.py")
+    figures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(figures)
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    client = MlflowClient(uri)  # no global tracking state changed
+    experiment = client.create_experiment("oso")
+    for name, budget, accs in [("online", 5.0, [0.9, 0.92]), ("fixed_quantile", 7.0, [0.88]), ("other", 5.0, [0.5]),
+                               ("online", None, [0.1])]:
+        parent = client.create_run(experiment, run_name=f"grid-{len(accs)}{name[:3]} {name}").info.run_id
+        ids = []
+        for acc in accs:
+            child = client.create_run(experiment, tags={"mlflow.parentRunId": parent}).info.run_id
+            client.log_metric(child, "test/acc", acc)
+            ids.append(child)
+        if budget is not None:
+            client.log_metric(parent, "grid/budget_epsilon", budget)
+        client.set_tag(parent, "grid.best_runs", ",".join(ids))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    figures.main(["fig3.10", "--out", str(tmp_path), "--tracking-uri", uri])
+    rows = (tmp_path / "oso_fig3_10.tsv").read_text().splitlines()[1:]
+    assert sorted((r.split("\t")[0], r.split("\t")[1], round(float(r.split("\t")[3]), 3)) for r in rows) == [
+        ("fixed_quantile", "7", 88.0), ("online", "5", 90.0), ("online", "5", 92.0)]
+    committed = ROOT.parent / "docs" / "figures" / "oso_fig3_10.tsv"
+    shutil.copy(committed, tmp_path / "oso_fig3_10.tsv")
+    figures.main(["fig3.10", "--out", str(tmp_path), "--replot"])
+    assert (tmp_path / "oso_fig3_10.png").stat().st_size > 0

@@ -1,8 +1,14 @@
-"""Thesis ch. 3 figures outside the grids: Fig. 3.1 (cosine against C) and Fig. 3.2 (OSO's noise frontier).
+"""Thesis ch. 3 figures: Fig. 3.1 (cosine against C), Fig. 3.2 (OSO's noise frontier), Fig. 3.10 (Table 3.11).
 
     python examples/oso/figures.py fig3.1            # docs/figures/oso_fig3_1.{png,tsv}, about a minute
     python examples/oso/figures.py fig3.2            # docs/figures/oso_fig3_2.{png,tsv}
-    python examples/oso/figures.py fig3.2 --replot   # redraw from the TSV (either figure)
+    python examples/oso/figures.py fig3.10 --tracking-uri sqlite:///mlruns/oso.db   # from the budgeted grids
+    python examples/oso/figures.py fig3.2 --replot   # redraw from the TSV (any figure)
+
+Fig. 3.10 (the plot of Table 3.11: MNIST test accuracy against epsilon, k = 5): reads the ``lightning-dp grid
+--budget`` runs of docs/results_oso_mnist.md from MLflow (every grid parent with ``grid/budget_epsilon``, its chosen
+runs ``grid.best_runs``, their ``test/acc``; the strategy is the config's name in the parent's run name) and draws
+their mean and sample std per budget beside the thesis' Table 3.11 (dashed).
 
 Fig. 3.1: why C matters. A CNN for character recognition is trained; at iterations t in {100, 250, 500,
 750, 950} the DP-SGD gradient of one batch (clipped at C, averaged, noised) is compared with the batch's
@@ -162,7 +168,71 @@ def draw_fig3_1(table: list[dict]):
     return fig
 
 
-FIGURES = {"fig3.1": (measure_fig3_1, draw_fig3_1), "fig3.2": (measure_fig3_2, draw_fig3_2)}
+#: Thesis Table 3.11 (MNIST, k = 5): {strategy: {epsilon: (accuracy %, std)}}.
+THESIS_3_11 = {
+    "online": {3: (91.19, 0.51), 5: (91.66, 0.50), 7: (92.96, 0.90), 9: (94.11, 0.63)},
+    "adamwosm": {3: (91.27, 0.46), 5: (92.16, 0.38), 7: (92.76, 0.52), 9: (93.22, 0.70)},
+    "fixed_threshold": {3: (89.2, 0.39), 5: (90.9, 0.49), 7: (91.4, 0.43), 9: (91.7, 0.42)},
+    "fixed_quantile": {3: (87.91, 0.62), 5: (90.71, 0.69), 7: (91.16, 0.49), 9: (91.21, 0.47)},
+}
+
+
+def measure_fig3_10(tracking_uri: str | None = None) -> list[list]:
+    """One row per chosen run of every budgeted grid: strategy, budget, test accuracy (%)."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    rows = [["strategy", "epsilon", "run", "test_acc"]]
+    for experiment in client.search_experiments():
+        for parent in client.search_runs([experiment.experiment_id], filter_string="attributes.run_name LIKE 'grid-%'",
+                                         max_results=1000):
+            budget = parent.data.metrics.get("grid/budget_epsilon")
+            best = parent.data.tags.get("grid.best_runs")
+            name = parent.info.run_name.split(" ", 1)
+            if budget is None or not best or len(name) < 2 or name[1] not in THESIS_3_11:
+                continue
+            for run_id in best.split(","):
+                acc = client.get_run(run_id).data.metrics.get("test/acc")
+                if acc is not None:
+                    rows.append([name[1], f"{budget:g}", run_id, 100 * acc])
+    if len(rows) == 1:
+        raise SystemExit(f"no budgeted OSO grid with chosen runs in {tracking_uri or 'MLFLOW_TRACKING_URI'}: run the "
+                         "grids of docs/results_oso_mnist.md (lightning-dp grid ... --budget EPS --select val/acc "
+                         "--test) first")
+    return rows
+
+
+def draw_fig3_10(table: list[dict]):
+    import statistics
+
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 4.4), layout="constrained")
+    ax = fig.subplots()
+    for i, (strategy, thesis) in enumerate(THESIS_3_11.items()):
+        eps = sorted(thesis)
+        ax.errorbar([e + 0.06 * (i - 1.5) for e in eps], [thesis[e][0] for e in eps], [thesis[e][1] for e in eps],
+                    color=f"C{i}", linestyle="--", marker="x", alpha=0.6, capsize=2)
+        ours = {}
+        for r in table:
+            if r["strategy"] == strategy:
+                ours.setdefault(float(r["epsilon"]), []).append(float(r["test_acc"]))
+        if ours:
+            xs = sorted(ours)
+            ax.errorbar([e + 0.06 * (i - 1.5) for e in xs], [statistics.mean(ours[e]) for e in xs],
+                        [statistics.stdev(ours[e]) if len(ours[e]) > 1 else 0.0 for e in xs], color=f"C{i}",
+                        marker="o", capsize=2, label=f"{strategy} (ours, n = {min(len(v) for v in ours.values())})")
+    ax.plot([], [], "k--x", alpha=0.6, label="thesis Table 3.11 (n = 5)")
+    ax.set_xlabel("epsilon (delta 1e-5, composed over each grid)")
+    ax.set_ylabel("MNIST test accuracy (%), mean and sample std")
+    ax.set_title("Thesis Fig. 3.10 (k = 5); ours: 8,000 images, 160 steps", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return fig
+
+
+FIGURES = {"fig3.1": (measure_fig3_1, draw_fig3_1), "fig3.2": (measure_fig3_2, draw_fig3_2),
+           "fig3.10": (measure_fig3_10, draw_fig3_10)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -171,6 +241,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=str(ROOT / "docs" / "figures"))
     parser.add_argument("--replot", action="store_true", help="redraw the figure from its TSV in --out")
     parser.add_argument("--data-dir", default=None, help="fig3.1: the MNIST IDX files (default ../shared/data/mnist)")
+    parser.add_argument("--tracking-uri", default=None, help="fig3.10: the MLflow store of the grids "
+                                                             "(default: MLFLOW_TRACKING_URI)")
     args = parser.parse_args(argv)
     measure, draw = FIGURES[args.figure]
     out = Path(args.out)
@@ -179,7 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     tsv = out / f"{stem}.tsv"
     if not args.replot:
         with tsv.open("w", newline="") as handle:
-            rows = measure(args.data_dir) if args.figure == "fig3.1" else measure()
+            rows = (measure(args.data_dir) if args.figure == "fig3.1" else
+                    measure(args.tracking_uri) if args.figure == "fig3.10" else measure())
             csv.writer(handle, delimiter="\t", lineterminator="\n").writerows(rows)
     with tsv.open() as handle:
         table = list(csv.DictReader(handle, delimiter="\t"))
