@@ -73,5 +73,5 @@ def __getattr__(name: str) -> type:
     if name == "NoSanitizer":  # the release's former name: warned by audit.sanitizers
         from lightning_dp.audit import sanitizers
 
-        return sanitizers.NoSanitizer  # type: ignore[attr-defined]
+        return sanitizers.NoSanitizer
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
