@@ -273,7 +273,8 @@ def test_oso_fig3_10_reads_the_budgeted_grids_from_mlflow_and_redraws(tmp_path, 
     spec.loader.exec_module(figures)
     uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
     client = MlflowClient(uri)  # no global tracking state changed
-    experiment = client.create_experiment("oso")
+    experiment = client.create_experiment("oso-mnist-t10k")
+    client.create_run(client.create_experiment("another setting"), run_name="grid-x online")  # left out
     for name, budget, accs in [("online", 5.0, [0.9, 0.92]), ("fixed_quantile", 7.0, [0.88]), ("other", 5.0, [0.5]),
                                ("online", None, [0.1])]:
         parent = client.create_run(experiment, run_name=f"grid-{len(accs)}{name[:3]} {name}").info.run_id
@@ -290,6 +291,11 @@ def test_oso_fig3_10_reads_the_budgeted_grids_from_mlflow_and_redraws(tmp_path, 
     rows = (tmp_path / "oso_fig3_10.tsv").read_text().splitlines()[1:]
     assert sorted((r.split("\t")[0], r.split("\t")[1], round(float(r.split("\t")[3]), 3)) for r in rows) == [
         ("fixed_quantile", "7", 88.0), ("online", "5", 90.0), ("online", "5", 92.0)]
+    empty = MlflowClient(f"sqlite:///{tmp_path / 'empty.db'}")
+    empty.create_experiment("oso-mnist-t10k")
+    with pytest.raises(SystemExit, match="no budgeted OSO grid"):  # and the table written before is kept
+        figures.main(["fig3.10", "--out", str(tmp_path), "--tracking-uri", f"sqlite:///{tmp_path / 'empty.db'}"])
+    assert (tmp_path / "oso_fig3_10.tsv").read_text().splitlines()[1:] == rows
     committed = ROOT.parent / "docs" / "figures" / "oso_fig3_10.tsv"
     shutil.copy(committed, tmp_path / "oso_fig3_10.tsv")
     figures.main(["fig3.10", "--out", str(tmp_path), "--replot"])

@@ -177,13 +177,16 @@ THESIS_3_11 = {
 }
 
 
-def measure_fig3_10(tracking_uri: str | None = None) -> list[list]:
-    """One row per chosen run of every budgeted grid: strategy, budget, test accuracy (%)."""
+def measure_fig3_10(tracking_uri: str | None = None, experiment_name: str | None = None) -> list[list]:
+    """One row per chosen run of every budgeted grid: strategy, budget, test accuracy (%). ``experiment_name``:
+    only that experiment's grids (the scaled setting's is ``oso-mnist-t10k``; grids of another setting must not be
+    pooled with them)."""
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri)
     rows = [["strategy", "epsilon", "run", "test_acc"]]
-    for experiment in client.search_experiments():
+    experiments = [e for e in client.search_experiments() if experiment_name in (None, e.name)]
+    for experiment in experiments:
         for parent in client.search_runs([experiment.experiment_id], filter_string="attributes.run_name LIKE 'grid-%'",
                                          max_results=1000):
             budget = parent.data.metrics.get("grid/budget_epsilon")
@@ -191,7 +194,7 @@ def measure_fig3_10(tracking_uri: str | None = None) -> list[list]:
             name = parent.info.run_name.split(" ", 1)
             if budget is None or not best or len(name) < 2 or name[1] not in THESIS_3_11:
                 continue
-            for run_id in best.split(","):
+            for run_id in filter(None, best.split(",")):  # a grid point without a run id leaves an empty item
                 acc = client.get_run(run_id).data.metrics.get("test/acc")
                 if acc is not None:
                     rows.append([name[1], f"{budget:g}", run_id, 100 * acc])
@@ -243,16 +246,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--data-dir", default=None, help="fig3.1: the MNIST IDX files (default ../shared/data/mnist)")
     parser.add_argument("--tracking-uri", default=None, help="fig3.10: the MLflow store of the grids "
                                                              "(default: MLFLOW_TRACKING_URI)")
+    parser.add_argument("--experiment", default="oso-mnist-t10k", help="fig3.10: the grids' MLflow experiment")
     args = parser.parse_args(argv)
     measure, draw = FIGURES[args.figure]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "oso_" + args.figure.replace(".", "_")
     tsv = out / f"{stem}.tsv"
-    if not args.replot:
+    if not args.replot:  # measured first: a failed measurement leaves the committed table as it was
+        rows = (measure(args.data_dir) if args.figure == "fig3.1" else
+                measure(args.tracking_uri, args.experiment) if args.figure == "fig3.10" else measure())
         with tsv.open("w", newline="") as handle:
-            rows = (measure(args.data_dir) if args.figure == "fig3.1" else
-                    measure(args.tracking_uri) if args.figure == "fig3.10" else measure())
             csv.writer(handle, delimiter="\t", lineterminator="\n").writerows(rows)
     with tsv.open() as handle:
         table = list(csv.DictReader(handle, delimiter="\t"))

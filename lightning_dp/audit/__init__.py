@@ -49,6 +49,7 @@ __all__ = [
     "GaussianSanitizer",
     "MembershipAttack",
     "PartRelease",
+    "Unsanitized",
     "client_release",
     "dlg_attack",
     "empirical_epsilon",
@@ -65,13 +66,12 @@ __all__ = [
     "run_dlg_audit",
     "tpr_at_fpr",
     "two_stage_epsilon",
-    "Unsanitized",
 ]
 
 
 def __getattr__(name: str) -> type:
-    if name == "NoSanitizer":  # the release's former name: warned by audit.sanitizers
-        from lightning_dp.audit import sanitizers
+    if name == "NoSanitizer":  # the release's former name
+        from lightning_dp.audit.sanitizers import _renamed
 
-        return sanitizers.NoSanitizer
+        return _renamed("lightning_dp.audit")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -210,12 +210,16 @@ def make_sanitizer_factory(name: str, *, model: nn.Module, lr: float, max_grad_n
     return SANITIZERS[name][1](model, lr=lr, max_grad_norm=float(max_grad_norm), min_delta_norm=float(min_delta_norm))
 
 
+def _renamed(module: str) -> type:
+    """The audit's release under its former name ``NoSanitizer``, warned (one NoSanitizer: the round's part)."""
+    import warnings
+
+    warnings.warn(f"{module}.NoSanitizer is now {module}.Unsanitized (the federated part keeps the name NoSanitizer)",
+                  FutureWarning, stacklevel=3)
+    return Unsanitized
+
+
 def __getattr__(name: str) -> type:
-    if name == "NoSanitizer":  # the audit's release before it was renamed (one NoSanitizer: the round's part)
-        import warnings
-
-        warnings.warn("lightning_dp.audit.NoSanitizer is now lightning_dp.audit.Unsanitized (the federated part "
-                      "keeps the name NoSanitizer)", FutureWarning, stacklevel=2)
-        return Unsanitized
+    if name == "NoSanitizer":
+        return _renamed(__name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-

@@ -27,7 +27,7 @@ loop. The formulas (clipping, the noisy mean, the split) are in :mod:`lightning_
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -44,7 +44,6 @@ def _scheduler(callbacks: list[Callback]) -> GradientAccumulationScheduler | Non
     return next((cb for cb in callbacks if isinstance(cb, GradientAccumulationScheduler)), None)
 
 
-
 @dataclass
 class LogicalStep:
     """Where DPSGD stands in the current logical batch: its micro-batches, their clipped sums so far, and whether the
@@ -52,8 +51,9 @@ class LogicalStep:
 
     parts: int = 1  #: micro-batches per logical batch the training data was sampled for
     part: int = 0  #: micro-batches begun in the current logical batch
-    pending: Optional[list[list[Tensor]]] = None  #: their clipped sums so far (private: never saved)
-    pending_stats: Optional[Tensor] = None  #: their clipping statistics so far
+    #: their clipped sums so far (private: never saved nor shown in a repr)
+    pending: Optional[list[list[Tensor]]] = field(default=None, repr=False)
+    pending_stats: Optional[Tensor] = field(default=None, repr=False)  #: their clipping statistics so far
     in_chunks: bool = False  #: a backward runs inside the chunk loop of max_physical_batch_size (not the step's last)
     awaiting_step: bool = False  #: released; the optimizer step has not run yet
     released_in_batch: bool = False  #: the step was released in this batch

@@ -19,10 +19,14 @@ Public API:
 - :class:`DatasetUnavailableError` (a :class:`FileNotFoundError`): what every DataModule raises when its
   data is missing and cannot be downloaded; ``str(error)`` is the whole message (the files expected in
   ``data_dir`` and where to get them). A failed download leaves ``data_dir`` as it was.
+- :class:`DataFormatError` (a :class:`ValueError`): a file that is there but not in its official format
+  (``IDXFormatError``, ``LEAFFormatError``, ``CIFARFormatError`` for those readers).
+- Former names (``FEMNIST``, ``HospitalCharges``, ...; :data:`~lightning_dp.datamodules.base.RENAMED`) still resolve,
+  with a FutureWarning.
 """
 
 from lightning_dp.datamodules.agnews import AGNewsDataModule
-from lightning_dp.datamodules.base import SplitDataModule, stratified_split
+from lightning_dp.datamodules.base import SplitDataModule, renamed, stratified_split
 from lightning_dp.datamodules.digits import DigitsDataModule
 from lightning_dp.datamodules.fairness import FEMNISTFairnessDataModule, SyntheticFairnessDataModule
 from lightning_dp.datamodules.federated import ClientDataset, FederatedDataModule, padded, split_clients
@@ -66,25 +70,6 @@ __all__ = [
     "write_idx",
 ]
 
-#: Former names (every LightningDataModule of the package now ends in ``DataModule``, as in Lightning): still
-#: importable from ``lightning_dp.datamodules`` (and so as a config's ``class_path``), with a FutureWarning.
-_RENAMED = {
-    "FEMNIST": "FEMNISTDataModule",
-    "FEMNISTFairness": "FEMNISTFairnessDataModule",
-    "FederatedVision": "FederatedVisionDataModule",
-    "HospitalCharges": "HospitalChargesDataModule",
-    "SyntheticFairness": "SyntheticFairnessDataModule",
-    "SyntheticLinearMixture": "SyntheticLinearMixtureDataModule",
-}
 
-
-def __getattr__(name: str) -> type:
-    new = _RENAMED.get(name)
-    if new is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import warnings
-
-    warnings.warn(f"lightning_dp.datamodules.{name} is now lightning_dp.datamodules.{new} (the old name will be removed); "
-                  f"in a config: class_path: lightning_dp.datamodules.{new}", FutureWarning, stacklevel=2)
-    return globals()[new]
-
+def __getattr__(name: str) -> type:  # the former names (datamodules.base.RENAMED), warned
+    return renamed(__name__, name, globals())

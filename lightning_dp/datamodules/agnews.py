@@ -55,6 +55,7 @@ from lightning_dp.datamodules.base import (
     stratified_split,
 )
 from lightning_dp.datamodules.offline import (
+    DataFormatError,
     DatasetUnavailableError,
     dataset_unavailable,
     import_datasets,
@@ -151,7 +152,7 @@ def read_ag_news_csv(path: Union[str, "os.PathLike[str]"]) -> tuple[list[str], t
             if not row:
                 continue
             if len(row) != 3:
-                raise ValueError(
+                raise DataFormatError(
                     f"{path}: row {row_number} has {len(row)} field(s); an AG News CSV row has 3: class index "
                     f"(1-4), title, description. Use the official files of {CSV_URL}"
                 )
@@ -160,9 +161,9 @@ def read_ag_news_csv(path: Union[str, "os.PathLike[str]"]) -> tuple[list[str], t
             except ValueError:
                 if row_number == 1:  # a header row
                     continue
-                raise ValueError(f"{path}: row {row_number}: class index {row[0]!r} is not an integer 1-4") from None
+                raise DataFormatError(f"{path}: row {row_number}: class index {row[0]!r} is not an integer 1-4") from None
             if not 1 <= label <= 4:
-                raise ValueError(f"{path}: row {row_number}: class index {label} is outside 1-4")
+                raise DataFormatError(f"{path}: row {row_number}: class index {label} is outside 1-4")
             texts.append(f"{row[1]} {row[2]}")
             labels.append(label - 1)
     if not labels:

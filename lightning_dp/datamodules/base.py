@@ -12,7 +12,31 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_dp import checks
 
-__all__ = ["SplitDataModule", "make_dataloader", "stratified_split"]
+__all__ = ["RENAMED", "SplitDataModule", "make_dataloader", "renamed", "stratified_split"]
+
+#: Former names of the DataModules (every LightningDataModule of the package now ends in ``DataModule``, as in
+#: Lightning): still importable from their package and modules (so as a config's ``class_path``), with a FutureWarning.
+RENAMED = {
+    "FEMNIST": "FEMNISTDataModule",
+    "FEMNISTFairness": "FEMNISTFairnessDataModule",
+    "FederatedVision": "FederatedVisionDataModule",
+    "GeneratedClients": "GeneratedClientsDataModule",
+    "HospitalCharges": "HospitalChargesDataModule",
+    "SyntheticFairness": "SyntheticFairnessDataModule",
+    "SyntheticLinearMixture": "SyntheticLinearMixtureDataModule",
+}
+
+
+def renamed(module: str, name: str, namespace: dict) -> type:
+    """A module's ``__getattr__`` for the former names: the class under its new name, warned; else AttributeError."""
+    new = RENAMED.get(name)
+    if new is None or new not in namespace:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    import warnings
+
+    warnings.warn(f"{module}.{name} is now {module}.{new} (the old name will be removed); in a config: "
+                  f"class_path: {module}.{new}", FutureWarning, stacklevel=3)
+    return namespace[new]
 
 
 def stratified_split(labels: torch.Tensor, sizes: Sequence[int], *, seed: int) -> list[torch.Tensor]:

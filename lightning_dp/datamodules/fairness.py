@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from lightning_dp import checks
+from lightning_dp.datamodules.base import renamed
 from lightning_dp.datamodules.federated import (
     ClientDataset,
     _block_sizes,
@@ -273,9 +274,13 @@ class FEMNISTFairnessDataModule(FEMNISTDataModule):
                              torch.full((len(client),), group, dtype=torch.long))
 
     def summary(self) -> dict[str, Any]:
-        """:meth:`FEMNIST.summary` plus, per split, ``clients_per_group`` and ``positive_rate_per_group``."""
+        """:meth:`FEMNISTDataModule.summary` plus, per split, ``clients_per_group`` and ``positive_rate_per_group``."""
         out = super().summary()
         for split in ("train", "val", "test"):
             out[split].update(_group_summary(self.clients(split)))
         out["minority_fraction"] = self.minority_fraction
         return out
+
+
+def __getattr__(name: str) -> type:  # the former names (datamodules.base.RENAMED), warned
+    return renamed(__name__, name, globals())

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from lightning_dp import checks
-from lightning_dp.datamodules.base import stratified_split
+from lightning_dp.datamodules.base import renamed, stratified_split
 from lightning_dp.datamodules.federated import (
     ClientDataset,
     FederatedDataModule,
@@ -311,3 +311,6 @@ def _size_summary_values(values: list[int]) -> dict[str, float]:
     arr = np.asarray(values)
     return {"min": int(arr.min()), "median": float(np.median(arr)), "max": int(arr.max())}
 
+
+def __getattr__(name: str) -> type:  # the former names (datamodules.base.RENAMED), warned
+    return renamed(__name__, name, globals())

@@ -33,6 +33,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_dp import checks
+from lightning_dp.datamodules.base import renamed
 from lightning_dp.datamodules.federated import (
     ClientDataset,
     FederatedDataModule,
@@ -396,3 +397,7 @@ class FEMNISTDataModule(FederatedDataModule):
         out["rotate_probability"] = self.rotate_probability
         out["invert"] = self.invert
         return out
+
+
+def __getattr__(name: str) -> type:  # the former names (datamodules.base.RENAMED), warned
+    return renamed(__name__, name, globals())

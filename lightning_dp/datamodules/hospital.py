@@ -33,12 +33,14 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_dp import checks
+from lightning_dp.datamodules.base import renamed
 from lightning_dp.datamodules.federated import (
     ClientDataset,
     FederatedDataModule,
     split_clients,
 )
 from lightning_dp.datamodules.offline import (
+    DataFormatError,
     DatasetUnavailableError,
     UrlOpener,
     dataset_unavailable,
@@ -164,10 +166,10 @@ def read_cms_rows(path: PathLike) -> list[dict[str, str]]:
         try:
             header = [name.strip() for name in next(reader)]
         except StopIteration:
-            raise ValueError(f"{path}: empty file, expected the official CMS inpatient CSV") from None
+            raise DataFormatError(f"{path}: empty file, expected the official CMS inpatient CSV") from None
         missing = [name for name in REQUIRED_COLUMNS if name not in header]
         if missing:
-            raise ValueError(
+            raise DataFormatError(
                 f"{path}: missing column(s) {missing}; found {header}. Expected the official layout of "
                 f"{OFFICIAL_FILENAME} (columns {list(CMS_COLUMNS)})"
             )
@@ -481,7 +483,7 @@ class HospitalChargesDataModule(FederatedDataModule):
             try:
                 codes_of_rows.append(drg_code(row["DRG Definition"]))
             except ValueError as err:
-                raise ValueError(f"{owner}: {source}, line {line}: {err}") from None
+                raise DataFormatError(f"{owner}: {source}, line {line}: {err}") from None
         frequencies = Counter(codes_of_rows)
         for code, row in zip(codes_of_rows, rows):
             self.drg_definitions.setdefault(code, row["DRG Definition"])
@@ -568,3 +570,7 @@ class HospitalChargesDataModule(FederatedDataModule):
 
 def _provider_sort_key(provider: str) -> tuple[int, Union[int, str]]:
     return (0, int(provider)) if provider.isdigit() else (1, provider)
+
+
+def __getattr__(name: str) -> type:  # the former names (datamodules.base.RENAMED), warned
+    return renamed(__name__, name, globals())

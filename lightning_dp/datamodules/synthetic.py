@@ -18,6 +18,7 @@ from typing import Any, Literal, Optional
 import torch
 
 from lightning_dp import checks
+from lightning_dp.datamodules.base import renamed
 from lightning_dp.datamodules.federated import (
     ClientDataset,
     FederatedDataModule,
@@ -231,3 +232,7 @@ def _validated_proportions(proportions: Optional[Sequence[float]], k: int, owner
         )
     total = sum(values)
     return [value / total for value in values]
+
+
+def __getattr__(name: str) -> type:  # the former names (datamodules.base.RENAMED), warned
+    return renamed(__name__, name, globals())

@@ -213,3 +213,9 @@ def test_former_datamodule_names_still_resolve_with_a_warning():
     assert HospitalCharges is HospitalChargesDataModule
     with pytest.raises(AttributeError):
         datamodules.NoSuchData  # noqa: B018
+    from lightning_dp.datamodules import femnist, synthetic  # the modules' paths too (their __all__ had them)
+
+    with pytest.warns(FutureWarning, match="class_path: lightning_dp.datamodules.femnist.FEMNISTDataModule"):
+        assert femnist.FEMNIST is FEMNISTDataModule
+    with pytest.warns(FutureWarning):
+        assert synthetic.GeneratedClients is synthetic.GeneratedClientsDataModule
