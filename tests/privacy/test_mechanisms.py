@@ -444,31 +444,3 @@ def test_sanitized_cosine_equals_a_naive_loop_over_examples_and_draws():
     with pytest.raises(ValueError, match="realizations"):
         sanitized_cosine(g, norms, noise_multiplier=1.0, generator=torch.Generator(), realizations=0)
 
-
-def test_derived_streams_alias_on_trailing_zeros_and_each_seed_has_distinct_streams() -> None:
-    """The property derive_generator's docstring warns of (SeedSequence ignores trailing zero words), and the
-    stream tables that keep the draws of one seed apart: distinct numbers within each seed's table."""
-    from lightning_dp.audit import _common, attacks, canaries, lira, neighbours
-    from lightning_dp.commands import audit_dlg
-    from lightning_dp.federated import round as rnd
-    from lightning_dp.privacy import noise
-    from lightning_dp.privacy.noise import derive_generator
-
-    def draw(*counters):
-        return torch.rand(4, generator=derive_generator(7, *counters))
-
-    assert torch.equal(draw(31), draw(31, 0)) and torch.equal(draw(31), draw(31, 0, 0))
-    assert not torch.equal(draw(31, 0), draw(31, 1)) and not torch.equal(draw(31), draw(32))
-    tables = {
-        "DPSGD's secret seed": [noise.SAMPLING, noise.NOISE, noise.CLIP_STATISTIC],
-        "the round's seed and noise seed": [rnd._CLIENTS, rnd._LOCAL, rnd._NOISE, rnd._INIT, rnd._VAL,
-                                            rnd._SERVER_NOISE, rnd._SERVER_COUNT, rnd._DIAGNOSTICS, rnd._LOCAL_NOISE],
-        "OneRunAudit's seed": [canaries.CANARY_INCLUSION, canaries.CANARY_DATA, canaries.CANARY_SAMPLING],
-        "the DLG audit's seed": [_common.NOISE_STREAM, _common.DUMMY_STREAM, audit_dlg.INIT_STREAM],
-        "the MIA command's seed": [attacks.INIT_STREAM, attacks.DATA_STREAM, attacks.NOISE_STREAM,
-                                   attacks.SUBSET_STREAM, attacks.SHUFFLE_STREAM],
-        "a LiRA seed": [lira._INIT_STREAM, lira._DATA_STREAM],
-        "a noisy-neighbour seed": [neighbours._MEMBER_STREAM, neighbours._NONMEMBER_STREAM],
-    }
-    for seed, streams in tables.items():
-        assert len(streams) == len(set(streams)), (seed, streams)
