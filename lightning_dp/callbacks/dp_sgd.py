@@ -606,15 +606,15 @@ class DPSGD(Callback):
                                            who=type(self).__name__)
         if large_delta is not None:
             rank_zero_warn(large_delta)
-        planned = self._lengths(trainer).planned_events(data)
+        lengths = self._lengths(trainer)
+        planned = lengths.planned_events(data)
         if self._requested_sigma is not None:
             self._sigma, self._sigma_source = self._requested_sigma, "given"
         elif self._restored_sigma is not None:
             # the sigma the run was trained with, whatever the lengths say now: a resumed run keeps its noise
             self._sigma, self._sigma_source = self._restored_sigma, "from the checkpoint"
         else:
-            planned = self._lengths(trainer).resolve(data, target_epsilon=self.target_epsilon,
-                                                     who=type(self).__name__)
+            planned = lengths.resolve(data, target_epsilon=self.target_epsilon, who=type(self).__name__)
             if planned is None:
                 raise MisconfigurationException(
                     "DPSGD(target_epsilon=...) without noise_multiplier needs the planned length to calibrate the "
@@ -660,13 +660,14 @@ class DPSGD(Callback):
             return
         budget, first = self._budget, self._budget.event is None
         planned = self._lengths(trainer).planned_events(self._data)
-        if not budget.update(self._event(), accountant=self._accountant, target_epsilon=self.target_epsilon,
+        event = self._event()
+        if not budget.update(event, accountant=self._accountant, target_epsilon=self.target_epsilon,
                              target_delta=self.target_delta, planned=planned):
             return
         if not first:
-            rank_zero_info(f"DPSGD: the sampling rate is now q={budget.event[1]:.4g} (dataset size "  # type: ignore[index]
-                           f"{self._data.dataset_size}, expected batch {self._data.expected_batch_size}); "
-                           f"{budget.allowed} more steps fit in target_epsilon={self.target_epsilon}.")
+            rank_zero_info(f"DPSGD: the sampling rate is now q={event[1]:.4g} (dataset size {self._data.dataset_size}, "
+                           f"expected batch {self._data.expected_batch_size}); {budget.allowed} more steps fit in "
+                           f"target_epsilon={self.target_epsilon}.")
         if budget.allowed == 0 and (planned is None or planned > 0):
             rank_zero_warn(f"DPSGD: no further step fits in the remaining budget (epsilon spent {self.epsilon:.4g} of "
                            f"target_epsilon={self.target_epsilon}); stopping before the next step.")
@@ -711,27 +712,28 @@ class DPSGD(Callback):
         from lightning_dp import gate
 
         gate.install(trainer, self)  # a logger added by a hook since (wraps only what is new: a few lookups)
-        if self._logical.awaiting_step:  # whatever switched accumulation on: a step was released and never applied
+        step = self._logical
+        if step.awaiting_step:  # whatever switched accumulation on: a step was released and never applied
             raise virtual_batches.mismatch(
-                max(2, trainer.accumulate_grad_batches), self._logical.parts,
+                max(2, trainer.accumulate_grad_batches), step.parts,
                 "the previous training batch released a step but the optimizer did not step; something switched "
                 "accumulation on during that batch")
-        if self._logical.part and not self._logical.backward_seen:
+        if step.part and not step.backward_seen:
             raise MisconfigurationException(
-                f"training_step returned None for micro-batch {self._logical.part} of {self._logical.parts} (the step "
-                "was skipped) while DPSGD trains: every micro-batch of a logical batch must be trained and released, an empty one "
+                f"training_step returned None for micro-batch {step.part} of {step.parts} (the step was skipped) "
+                "while DPSGD trains: every micro-batch of a logical batch must be trained and released, an empty one "
                 "included; skipping one would make the release depend on which examples it held. Return a loss "
                 "connected to the parameters, e.g. model(x).sum() * 0.0 for an empty batch.")
-        self._logical.batch_idx, self._logical.released_in_batch = batch_idx, False
+        step.batch_idx, step.released_in_batch = batch_idx, False
         assert self._engine is not None
-        if self._logical.part == 0:
+        if step.part == 0:
             self._begin_logical_step(trainer, pl_module)
         elif self._engine.trainable_changed():
             raise MisconfigurationException(
                 f"the set of trainable parameters changed in the middle of a logical batch (before micro-batch "
-                f"{self._logical.part + 1} of {self._logical.parts}); the micro-batches of one step must train the "
-                "same parameters. Change requires_grad in on_train_epoch_start (as BackboneFinetuning does) or at a step boundary.")
-        self._logical.part += 1
+                f"{step.part + 1} of {step.parts}); the micro-batches of one step must train the same parameters. "
+                "Change requires_grad in on_train_epoch_start (as BackboneFinetuning does) or at a step boundary.")
+        step.part += 1
         self._start_examples(batch_probe.examples_in(batch, self._batch_dims))
         if self._batch_size is None:
             raise MisconfigurationException(
