@@ -1,19 +1,37 @@
-"""Times the client part of a federated round: vectorized (torch.func) vs. a per-client loop.
+"""Times federated rounds: the whole round at population scale (``--whole``), or the client part, vectorized
+(torch.func) vs. a per-client loop (default).
 
-Both run in one process on the same clients, starting points and shuffles
+``--whole``: DP-FedAvg (Poisson selection at rate U / N, local SGD, the server's clipping and
+Gaussian noise with its PLD accountant, MLflow logging to SQLite) on a population of N generated
+clients (:class:`~lightning_dp.datamodules.population.SyntheticPopulationDataModule`: 8 bytes per
+client held, the round's clients built when drawn), one ``Trainer.fit`` per (model, U) in its own
+process (its peak memory is its own). Per round: the median time of the rounds after the first,
+the share of it spent generating the clients' data (what reading real data would replace), the
+accounting (``privacy/epsilon`` is composed when Lightning writes metrics, every
+``--log-every`` rounds, and at the end) and the process's peak resident memory.
+
+The client part: both run in one process on the same clients, starting points and shuffles
 (``lightning_dp.federated.local_sgd`` vs. ``local_sgd_loop``, which trains one client at a
 time with ``torch.optim.SGD``), alternating repetitions; the median is reported.
 
 Usage:
     python benchmarks/bench_federated_round.py                          # hospital MLP (11 params), U = 100
     python benchmarks/bench_federated_round.py --model femnist --clients 10 --samples 20,200
+    python benchmarks/bench_federated_round.py --whole                  # U = 1k, 10k, 100k of N = 1M, 3 models
+    python benchmarks/bench_federated_round.py --whole --models hospital --per-round 100000 --rounds 60
+    python benchmarks/bench_federated_round.py --accounting             # one epsilon write, q = 0.001 .. 0.1
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import resource
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,8 +61,143 @@ def make_model(name: str) -> tuple[nn.Module, tuple[int, ...], str]:
     raise ValueError(f"unknown model {name!r}; choose hospital or femnist")
 
 
+#: the whole-round models: (network, SyntheticPopulation task and input shape, loss, local lr)
+WHOLE_MODELS = ("hospital", "logreg", "cifar")
+
+
+def whole_setting(name: str):
+    from lightning_dp.models import CIFARConvNet, HospitalMLP, LogisticRegression
+
+    if name == "hospital":  # the CMS hospital MLP (3 -> 2 -> 1, 11 parameters), regression
+        return HospitalMLP(), dict(task="regression", input_shape=[3]), "rmse", 0.05
+    if name == "logreg":  # the project's multinomial logistic regression on MNIST-shaped images (7,850 parameters)
+        return LogisticRegression(), dict(task="image", input_shape=[1, 28, 28]), "cross_entropy", 0.05
+    if name == "cifar":  # McMahan et al.'s CIFAR CNN (the Flower comparison's)
+        return CIFARConvNet(), dict(task="image", input_shape=[3, 32, 32]), "cross_entropy", 0.05
+    raise ValueError(f"unknown model {name!r}; choose one of {WHOLE_MODELS}")
+
+
+def whole_one(model_name: str, per_round: int, population: int, rounds: int, log_every: int) -> dict:
+    """One fit of ``rounds`` DP-FedAvg rounds; what the module docstring says, as a dict."""
+    import lightning as L
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    from lightning_dp.datamodules.population import SyntheticPopulationDataModule
+    from lightning_dp.federated import FederatedRound
+    from lightning_dp.federated.parts import CentralGaussian, LocalSGD, PoissonSelection
+
+    net, data, loss, lr = whole_setting(model_name)
+    dm = SyntheticPopulationDataModule(population, 100, samples=(1, 4), seed=0, **data)
+    privacy = CentralGaussian(noise_multiplier=1.0, clip=1.0, target_delta=0.1 / population)
+    module = FederatedRound(net, selection=PoissonSelection(per_round / population),
+                            update=LocalSGD(lr=lr, epochs=1, batch_size=10), server_privacy=privacy, loss=loss,
+                            seed=0, noise_seed=1, log_nonprivate_metrics=False)
+    spent = {"data": 0.0, "accounting": 0.0, "writes": 0}
+    rows_of = dm.padded_rows
+
+    def timed_rows(*a, **k):
+        t0 = time.perf_counter()
+        out = rows_of(*a, **k)
+        spent["data"] += time.perf_counter() - t0
+        return out
+
+    dm.padded_rows = timed_rows  # type: ignore[method-assign]
+    eps_of = privacy.epsilon_metrics
+
+    def timed_epsilon():
+        t0 = time.perf_counter()
+        out = eps_of()
+        spent["accounting"] += time.perf_counter() - t0
+        spent["writes"] += 1
+        return out
+
+    privacy.epsilon_metrics = timed_epsilon  # type: ignore[method-assign]
+    times: list[dict] = []
+
+    class Clock(L.Callback):
+        def on_train_batch_start(self, *args) -> None:
+            self.t0, self.d0, self.a0 = time.perf_counter(), spent["data"], spent["accounting"]
+
+        def on_train_batch_end(self, *args) -> None:
+            times.append({"round": time.perf_counter() - self.t0, "data": spent["data"] - self.d0,
+                          "accounting": spent["accounting"] - self.a0})
+
+    with tempfile.TemporaryDirectory() as tmp:
+        logger = MLFlowLogger(experiment_name="bench-round", tracking_uri=f"sqlite:///{tmp}/mlruns.db")
+        trainer = L.Trainer(max_epochs=rounds, logger=logger, callbacks=[Clock()], log_every_n_steps=log_every,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            limit_val_batches=0, num_sanity_val_steps=0)
+        t0 = time.perf_counter()
+        trainer.fit(module, datamodule=dm)
+        fit = time.perf_counter() - t0
+    later = times[1:] or times
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return {"model": model_name, "params": module.spec.numel, "U": per_round, "N": population,
+            "rounds": len(times), "round_s": statistics.median(t["round"] for t in later),
+            "data_s": statistics.median(t["data"] for t in later),
+            "accounting_s": spent["accounting"], "epsilon_writes": spent["writes"],
+            "accounting_share": spent["accounting"] / sum(t["round"] for t in times),
+            "fit_s": fit, "peak_rss_mib": rss, "epsilon": float(privacy.epsilon), "threads": torch.get_num_threads()}
+
+
+def whole(args: argparse.Namespace) -> None:
+    """Each (model, U) in a fresh process: a markdown table of the results."""
+    print(f"N = {args.population} clients, DP-FedAvg, {args.rounds} rounds per fit (median of rounds 2..), epsilon "
+          f"written every {args.log_every} rounds; torch {torch.__version__}; load {os.getloadavg()[0]:.2f}")
+    print("| model | params | U | round (median) | of which data generation | accounting, share of the fit "
+          "(writes) | peak memory |")
+    print("|---|---|---|---|---|---|---|")
+    for model_name in args.models.split(","):
+        for per_round in (int(u) for u in args.per_round.split(",")):
+            rounds = args.rounds if model_name == "hospital" else max(2, min(args.rounds, args.big_rounds))
+            out = subprocess.run([sys.executable, __file__, "--whole-one", model_name, str(per_round),
+                                  str(args.population), str(rounds), str(args.log_every)],
+                                 capture_output=True, text=True)
+            line = [row for row in out.stdout.splitlines() if row.startswith("{")]
+            if out.returncode or not line:
+                print(f"| {model_name} | | {per_round:,} | failed: {(out.stderr.strip().splitlines() or ['?'])[-1]} |")
+                continue
+            r = json.loads(line[-1])
+            print(f"| {r['model']} | {r['params']:,} | {r['U']:,} | {r['round_s'] * 1e3:,.0f} ms | "
+                  f"{r['data_s'] * 1e3:,.0f} ms | {r['accounting_s']:.2f} s, {100 * r['accounting_share']:.1f} % "
+                  f"({r['epsilon_writes']}) | {r['peak_rss_mib']:,.0f} MiB |", flush=True)
+    print(f"load after: {os.getloadavg()[0]:.2f}")
+
+
+def accounting_costs() -> None:
+    """What one ``privacy/epsilon`` write costs: the PLD of n DP-FedAvg rounds (z = 1) at client rate q, first (the
+    single-round PLD built, then cached) and later (the n-fold composition only)."""
+    from lightning_dp.privacy.accounting import clear_caches, get_accountant
+
+    print(f"PLD epsilon at delta 1e-7, z = 1; load {os.getloadavg()[0]:.2f}")
+    print("| q | first write (n = 50) | n = 100 | n = 1,000 |")
+    print("|---|---|---|---|")
+    for q in (0.001, 0.01, 0.1):
+        clear_caches()
+        accountant, costs = get_accountant("pld"), []
+        for steps in (50, 50, 900):
+            accountant.step(noise_multiplier=1.0, sample_rate=q, num_steps=steps)
+            t0 = time.perf_counter()
+            accountant.get_epsilon(1e-7)
+            costs.append(time.perf_counter() - t0)
+        print(f"| {q:g} | " + " | ".join(f"{c:.3f} s" for c in costs) + " |")
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--whole-one"]:  # the child process of --whole
+        model_name, per_round, population, rounds, log_every = argv[1], *(int(v) for v in argv[2:6])
+        print(json.dumps(whole_one(model_name, per_round, population, rounds, log_every)))
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--whole", action="store_true", help="time whole rounds at population scale")
+    parser.add_argument("--accounting", action="store_true", help="time one privacy/epsilon write of DP-FedAvg")
+    parser.add_argument("--models", default=",".join(WHOLE_MODELS), help="--whole: models")
+    parser.add_argument("--per-round", default="1000,10000,100000", help="--whole: expected clients per round U")
+    parser.add_argument("--population", type=int, default=1_000_000, help="--whole: N")
+    parser.add_argument("--rounds", type=int, default=12, help="--whole: rounds per fit (the hospital MLP)")
+    parser.add_argument("--big-rounds", type=int, default=3, help="--whole: rounds per fit of the other models")
+    parser.add_argument("--log-every", type=int, default=50, help="--whole: Trainer(log_every_n_steps)")
     parser.add_argument("--model", default="hospital")
     parser.add_argument("--clients", type=int, default=100, help="U, clients per round")
     parser.add_argument("--samples", default="1,4", help="min,max examples per client (uniform)")
@@ -52,6 +205,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
+    if args.whole:
+        whole(args)
+        return
+    if args.accounting:
+        accounting_costs()
+        return
     torch.manual_seed(0)
     model, shape, loss = make_model(args.model)
     spec = FlatParams.of(model)

@@ -12,6 +12,8 @@ Public API:
 - Federated (per-client data, :class:`FederatedDataModule`, :class:`ClientDataset`):
   :class:`SyntheticLinearMixtureDataModule`, :class:`HospitalChargesDataModule` (CMS inpatient charges),
   :class:`FEMNISTDataModule` (LEAF JSON or Hugging Face ``flwrlabs/femnist``).
+- Populations too large to list (:class:`ClientPopulation`: sizes held, the drawn clients built when read):
+  :class:`SyntheticPopulationDataModule` (1,000,000 generated clients, for the round at scale).
 - Federated images partitioned by flwr-datasets (IID, pathological NIID(k), shards, Dirichlet):
   :class:`FederatedVisionDataModule` over MNIST, Fashion-MNIST (IDX) and CIFAR-10 (official python batches).
 - Federated with a sensitive group (fairness): :class:`SyntheticFairnessDataModule`, :class:`FEMNISTFairnessDataModule`.
@@ -29,7 +31,13 @@ from lightning_dp.datamodules.agnews import AGNewsDataModule
 from lightning_dp.datamodules.base import SplitDataModule, renamed, stratified_split
 from lightning_dp.datamodules.digits import DigitsDataModule
 from lightning_dp.datamodules.fairness import FEMNISTFairnessDataModule, SyntheticFairnessDataModule
-from lightning_dp.datamodules.federated import ClientDataset, FederatedDataModule, padded, split_clients
+from lightning_dp.datamodules.federated import (
+    ClientDataset,
+    ClientPopulation,
+    FederatedDataModule,
+    padded,
+    split_clients,
+)
 from lightning_dp.datamodules.federated_vision import FederatedVisionDataModule
 from lightning_dp.datamodules.femnist import FEMNISTDataModule, LEAFFormatError
 from lightning_dp.datamodules.hospital import HospitalChargesDataModule
@@ -37,6 +45,7 @@ from lightning_dp.datamodules.idx import IDXFormatError, read_idx, write_idx
 from lightning_dp.datamodules.mnist import FashionMNISTDataModule, MNISTDataModule, MNISTFamilyDataModule
 from lightning_dp.datamodules.cifar import CIFARFormatError
 from lightning_dp.datamodules.offline import ChecksumError, DataFormatError, DatasetUnavailableError, DownloadError
+from lightning_dp.datamodules.population import SyntheticPopulationDataModule
 from lightning_dp.datamodules.synthetic import SyntheticLinearMixtureDataModule
 from lightning_dp.datamodules.wikitext import WikiText2DataModule
 
@@ -45,6 +54,7 @@ __all__ = [
     "CIFARFormatError",
     "ChecksumError",
     "ClientDataset",
+    "ClientPopulation",
     "DataFormatError",
     "DatasetUnavailableError",
     "DownloadError",
@@ -56,6 +66,7 @@ __all__ = [
     "HospitalChargesDataModule",
     "SyntheticFairnessDataModule",
     "SyntheticLinearMixtureDataModule",
+    "SyntheticPopulationDataModule",
     "WikiText2DataModule",
     "padded",
     "split_clients",

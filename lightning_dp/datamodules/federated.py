@@ -19,12 +19,14 @@ sizes), :func:`padded` stacks clients into ``(C, Nmax, ...)`` tensors with a mas
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import math
+import re
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, TypeVar, Union
+from typing import Any, Literal, Optional, TypeVar, Union, overload
 
 import torch
 from lightning.pytorch import LightningDataModule
@@ -37,7 +39,8 @@ from lightning_dp.datamodules.base import (
     make_dataloader,
 )
 
-__all__ = ["ClientDataset", "FederatedDataModule", "derived_seed", "padded", "padded_sensitive", "split_clients"]
+__all__ = ["ClientDataset", "ClientPopulation", "FederatedDataModule", "client_ids", "client_sizes", "derived_seed",
+           "padded", "padded_sensitive", "split_clients"]
 
 T = TypeVar("T")
 Task = Literal["regression", "classification"]
@@ -95,6 +98,118 @@ class ClientDataset:
     def as_dataset(self) -> TensorDataset:
         """The client's samples as a :class:`~torch.utils.data.TensorDataset` of ``(x, y)`` pairs."""
         return TensorDataset(self.x, self.y)
+
+
+class ClientPopulation(Sequence[ClientDataset], abc.ABC):
+    """A split of clients ``0 .. N-1`` too large to hold as one :class:`ClientDataset` each: it keeps the sizes
+    (8 bytes per client) and builds the data of the clients a round reads, already padded; client ``i``'s id is
+    ``f"{id_prefix}{i}"``. The federated round reads a split through ``len``,
+    :meth:`FederatedDataModule.padded_rows`, :func:`client_sizes` and :func:`client_ids`, so a population of
+    1,000,000 clients costs the memory of the clients drawn (e.g.
+    :class:`~lightning_dp.datamodules.population.SyntheticPopulation`).
+
+    Subclasses implement :attr:`sizes` and :meth:`rows`. ``population[i]`` builds one
+    :class:`ClientDataset` (for inspection; a round reads :meth:`rows` of its clients at once).
+
+    Args:
+        id_prefix: the ids' common prefix, ending in a character that is not a digit (so that two populations
+            of different prefixes never share an id).
+    """
+
+    def __init__(self, id_prefix: str) -> None:
+        if not isinstance(id_prefix, str) or not id_prefix or id_prefix[-1].isdigit():
+            raise ValueError(f"id_prefix={id_prefix!r} is not allowed: pass a non-empty string that does not end in "
+                             "a digit (e.g. 'train-')")
+        self.id_prefix = id_prefix
+
+    @property
+    @abc.abstractmethod
+    def sizes(self) -> Tensor:
+        """int64 ``(N,)``: every client's number of samples."""
+
+    @abc.abstractmethod
+    def rows(self, index: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
+        """``(x, y, mask)`` of the clients at ``index``, laid out as
+        :func:`~lightning_dp.datamodules.federated.padded` lays out a list of clients."""
+
+    def __len__(self) -> int:
+        return int(self.sizes.shape[0])
+
+    @overload
+    def __getitem__(self, i: int) -> ClientDataset: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[ClientDataset]: ...
+
+    def __getitem__(self, i: Union[int, slice]) -> Union[ClientDataset, list[ClientDataset]]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if isinstance(i, bool) or not isinstance(i, int) or not -n <= i < n:
+            raise IndexError(f"client index {i!r} out of range for a population of {n} clients")
+        i = i % n
+        x, y, mask = self.rows([i])
+        size = int(mask[0].sum())
+        return ClientDataset(self.client_id(i), x[0, :size], y[0, :size])
+
+    def __iter__(self) -> Iterator[ClientDataset]:
+        return (self[i] for i in range(len(self)))
+
+    def client_id(self, i: int) -> str:
+        return f"{self.id_prefix}{int(i)}"
+
+    def has_id(self, client_id: Any) -> bool:
+        """Whether ``client_id`` is one of this population's ids."""
+        if not isinstance(client_id, str) or not client_id.startswith(self.id_prefix):
+            return False
+        rest = client_id[len(self.id_prefix):]
+        return re.fullmatch(r"0|[1-9][0-9]*", rest) is not None and int(rest) < len(self)
+
+    def shares_ids_with(self, other: Sequence[ClientDataset]) -> list[Any]:
+        """Ids found in both (a population of another prefix shares none: prefixes do not end in digits)."""
+        if isinstance(other, ClientPopulation):
+            return [f"{self.id_prefix}*"] if other.id_prefix == self.id_prefix and len(self) and len(other) else []
+        return [c.client_id for c in other if self.has_id(c.client_id)]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self)} clients, ids {self.id_prefix}0..)"
+
+
+def client_sizes(clients: Sequence[ClientDataset]) -> Tensor:
+    """int64 ``(N,)``: the number of samples of each client (a population's stored sizes, else each ``len``)."""
+    if isinstance(clients, ClientPopulation):
+        return clients.sizes
+    return torch.tensor([len(c) for c in clients], dtype=torch.int64)
+
+
+class _PopulationIds(Sequence[str]):
+    """The ids of some clients of a population, each formatted when read (100,000 ids as strings cost ~50 ms, which
+    a round whose parts never read them need not pay)."""
+
+    def __init__(self, population: ClientPopulation, index: Sequence[int]) -> None:
+        self._population, self._index = population, index
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getitem__(self, i):  # int or slice, as a list
+        if isinstance(i, slice):
+            return [self._population.client_id(j) for j in self._index[i]]
+        return self._population.client_id(self._index[i])
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and not isinstance(other, str) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return f"client ids {list(self[:3])}{'...' if len(self) > 3 else ''} ({len(self)})"
+
+
+def client_ids(clients: Sequence[ClientDataset], index: Sequence[int]) -> Sequence[Any]:
+    """The ids of the clients at ``index``, in order (a population's are formatted when read, without building
+    the clients)."""
+    if isinstance(clients, ClientPopulation):
+        return _PopulationIds(clients, index)
+    return [clients[i].client_id for i in index]
 
 
 def _block_sizes(total: int, fractions: Sequence[float]) -> list[int]:
@@ -218,13 +333,16 @@ def padded_sensitive(clients: Sequence[ClientDataset]) -> Optional[Tensor]:
 
 
 def _size_summary(clients: Sequence[ClientDataset]) -> dict[str, Any]:
-    sizes = [len(client) for client in clients]
+    sizes = client_sizes(clients)
+    empty = not len(sizes)
     return {
         "clients": len(sizes),
-        "samples": sum(sizes),
-        "samples_min": min(sizes) if sizes else None,
-        "samples_median": float(statistics.median(sizes)) if sizes else None,
-        "samples_max": max(sizes) if sizes else None,
+        "samples": int(sizes.sum()),
+        "samples_min": None if empty else int(sizes.min()),
+        # the mean of the two middle values for an even count, as statistics.median
+        "samples_median": None if empty else float(sizes.double().quantile(0.5)) if len(sizes) <= 2**24
+        else float(statistics.median(sizes.tolist())),
+        "samples_max": None if empty else int(sizes.max()),
     }
 
 
@@ -273,9 +391,10 @@ class FederatedDataModule(DataHparamsMixin, LightningDataModule):
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.seed = seed
-        self.train_clients: Optional[list[ClientDataset]] = None
-        self.val_clients: Optional[list[ClientDataset]] = None
-        self.test_clients: Optional[list[ClientDataset]] = None
+        # lists, or a ClientPopulation for a split too large to list
+        self.train_clients: Optional[Sequence[ClientDataset]] = None
+        self.val_clients: Optional[Sequence[ClientDataset]] = None
+        self.test_clients: Optional[Sequence[ClientDataset]] = None
 
     # ----------------------------------------------------------------- subclass API
     def _build_clients(self) -> tuple[list[ClientDataset], list[ClientDataset], list[ClientDataset]]:
@@ -303,12 +422,19 @@ class FederatedDataModule(DataHparamsMixin, LightningDataModule):
                 f"{owner}: the client split left {len(train)} training and {len(val)} validation clients; "
                 "both must be non-empty: use more clients or change the split fraction"
             )
-        shared = {client.client_id for client in train} & {client.client_id for client in val}
+        if isinstance(train, ClientPopulation):
+            shared = set(train.shares_ids_with(val))
+        elif isinstance(val, ClientPopulation):
+            shared = set(val.shares_ids_with(train))
+        else:
+            shared = {client.client_id for client in train} & {client.client_id for client in val}
         if shared:
             raise ValueError(f"{owner}: clients {sorted(shared)[:5]} are both training and validation clients")
-        self.train_clients, self.val_clients, self.test_clients = list(train), list(val), list(test)
+        # a population stays one (listing it would build every client)
+        self.train_clients, self.val_clients, self.test_clients = (
+            clients if isinstance(clients, ClientPopulation) else list(clients) for clients in (train, val, test))
 
-    def clients(self, split: str) -> list[ClientDataset]:
+    def clients(self, split: str) -> Sequence[ClientDataset]:
         """The client list of ``split`` (``"train"``, ``"val"`` or ``"test"``).
 
         Raises:
@@ -327,6 +453,14 @@ class FederatedDataModule(DataHparamsMixin, LightningDataModule):
     ) -> tuple[Tensor, Tensor, Tensor]:
         """:func:`padded` over a split name (``"train"``, ...) or an explicit list of clients."""
         return padded(self.clients(clients) if isinstance(clients, str) else clients, pad_value=pad_value)
+
+    def padded_rows(self, split: str, index: Sequence[int], *, pad_value: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+        """:func:`padded` over the clients at positions ``index`` of ``split`` (a :class:`ClientPopulation` builds
+        them at once, padded with zeros)."""
+        clients = self.clients(split)
+        if isinstance(clients, ClientPopulation):
+            return clients.rows(index)
+        return padded([clients[i] for i in index], pad_value=pad_value)
 
     def summary(self) -> dict[str, Any]:
         """Task, shapes and, per split, the number of clients and of samples (total, min/median/max per client).
@@ -355,6 +489,10 @@ class FederatedDataModule(DataHparamsMixin, LightningDataModule):
         clients = self.clients(split)
         if not clients:
             raise RuntimeError(f"{type(self).__name__}: the {split} split has no clients, so it has no loader")
+        if isinstance(clients, ClientPopulation):
+            raise RuntimeError(f"{type(self).__name__}: the {split} split is a population of {len(clients)} clients "
+                               "built on demand; pooling all their samples would hold every client in memory. Read "
+                               "its clients with padded_rows(split, index) instead.")
         return TensorDataset(torch.cat([client.x for client in clients]), torch.cat([client.y for client in clients]))
 
     def centralized(self) -> CentralizedView:

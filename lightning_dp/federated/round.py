@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -56,15 +57,21 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 
 from lightning_dp import checks
-from lightning_dp.datamodules.federated import ClientDataset, padded_sensitive
+from lightning_dp.datamodules.federated import (
+    ClientDataset,
+    ClientPopulation,
+    client_ids,
+    client_sizes,
+    padded_sensitive,
+)
 from lightning_dp.federated.local import (
     FlatParams,
     check_loss,
     choose_hypotheses,
     client_losses,
     client_outputs_and_losses,
+    delta_norms,
     predictions,
-    row_norms,
 )
 from lightning_dp.federated.parts import (
     Aggregator,
@@ -76,7 +83,7 @@ from lightning_dp.federated.parts import (
 )
 from lightning_dp.federated.parts.server_privacy import RoundReleases
 from lightning_dp.privacy.ledger import PrivacyLedger
-from lightning_dp.privacy.noise import derive_generator, derive_secret_generator
+from lightning_dp.privacy.noise import counter_uniform, derive_generator, derive_secret_generator
 from lightning_dp.privacy.seeds import SECRET_KEY, check_seed, fresh_seed
 
 __all__ = ["FederatedRound"]
@@ -266,7 +273,7 @@ class FederatedRound(LightningModule):
             raise MisconfigurationException(
                 "PersonalizedFederatedModule reads its clients from a FederatedDataModule (e.g. "
                 "lightning_dp.datamodules.SyntheticLinearMixtureDataModule): pass it as trainer.fit(module, datamodule=...).")
-        self._clients: dict[str, list[ClientDataset]] = {"train": dm.train_clients or [], "val": dm.val_clients or [],
+        self._clients: dict[str, Sequence[ClientDataset]] = {"train": dm.train_clients or [], "val": dm.val_clients or [],
                                                          "test": dm.test_clients or []}
         self._classification = dm.task == "classification"
         if self._classification and self.loss_name == "rmse" and dm.num_classes is not None and dm.num_classes < 2:
@@ -274,7 +281,8 @@ class FederatedRound(LightningModule):
                                             f"{dm.num_classes}; the rmse loss needs class scores of >= 2 classes")
         # group fairness of the held-out clients' predictions: binary labels with sensitive groups
         self._num_groups = dm.num_groups if self._classification and dm.num_classes == 2 else None
-        self._key_width = max((len(c) for c in self._clients["train"]), default=1)
+        sizes = client_sizes(self._clients["train"])
+        self._key_width = int(sizes.max()) if len(sizes) else 1
         if stage == "fit":
             try:
                 self.selection.check(len(self._clients["train"]))
@@ -401,8 +409,7 @@ class FederatedRound(LightningModule):
 
     # ------------------------------------------------------------------ round
     def _padded(self, split: str, index: list[int]):
-        clients = [self._clients[split][i] for i in index]
-        return self.trainer.datamodule.padded(clients)  # type: ignore[attr-defined]  # undeclared in Lightning
+        return self.trainer.datamodule.padded_rows(split, index)  # type: ignore[attr-defined]  # undeclared in Lightning
 
     def participation_cost(self) -> float:
         """The sanitizer's cost of one participation from the current hypotheses (d-privacy: n/nu; local DP:
@@ -435,7 +442,7 @@ class FederatedRound(LightningModule):
             cost = self.participation_cost()
 
             def eligible(i: int) -> bool:
-                return (not self.ledger.would_exceed(clients[i].client_id, cost, cap)
+                return (not self.ledger.would_exceed(client_ids(clients, [i])[0], cost, cap)
                         and self.update.eligible(i))
         elif self.update.accountable:
             eligible = self.update.eligible
@@ -450,13 +457,21 @@ class FederatedRound(LightningModule):
         (DDP shards) or its vmap call. One (clients x largest client) table of uniform keys
         per epoch, rows taken by client index: one generator call instead of one generator per
         client (derive_generator costs ~10 us, as much as a whole vectorized round of 100
-        hospital clients). Above 16 M keys, one generator per client instead.
+        hospital clients). For a :class:`~lightning_dp.datamodules.federated.ClientPopulation` or above 16 M keys,
+        the keys of the round's clients only, each a hash of (seed, round, epoch, client, position)
+        (:func:`~lightning_dp.privacy.noise.counter_uniform`): a table over a population of 1M clients would cost
+        more than a round of 1,000 of them.
         """
         clients = self._clients["train"]
         width = self._key_width
-        if len(clients) * width > 2**24:
-            return [derive_generator(self.seed, _LOCAL, r, i, device=mask.device) for i in index]
         rows = torch.tensor(index, device=mask.device)
+        if isinstance(clients, ClientPopulation) or len(clients) * width > 2**24:
+            positions = torch.arange(mask.shape[1], device=mask.device)
+
+            def hashed(epoch: int) -> Tensor:
+                return counter_uniform(self.seed, _LOCAL, r, epoch, rows[:, None], positions[None]).float()
+
+            return hashed
 
         def keys(epoch: int) -> Tensor:
             table = torch.rand((len(clients), width), device=mask.device,
@@ -509,21 +524,15 @@ class FederatedRound(LightningModule):
         trained = self.update.train(
             self.template, self.spec, start, x, y, mask, loss=self.loss_name, shuffles=self._shuffle_keys(r, mine, mask),
             clients=mine, noise=lambda i: derive_secret_generator(self._noise_seed, _LOCAL_NOISE, r, i, device=x.device))
-        released, costs, bits = [], [], []
-        choices = self._choices()
         # one copy per hypothesis (not per client, not a view of the buffer the round overwrites afterwards)
         references = [step.clone() if bool(step.norm() > 0) else None for step in self.previous_step]
-        for c, i in enumerate(mine):
-            out = self.sanitizer.sanitize(trained[c], start[c], layer_sizes=self.spec.sizes,
-                                          generator=derive_secret_generator(self._noise_seed, _NOISE, r, i,
-                                                                            device=x.device),
-                                          reference=references[int(choice[c])], hypotheses=choices)
-            released.append(out.released)
-            costs.append(out.cost)
-            bits.append(math.nan if out.unclipped is None else float(out.unclipped))
+        released, costs, bits = self.sanitizer.sanitize_rows(
+            trained, start, layer_sizes=self.spec.sizes, references=references, choice=choice,
+            hypotheses=self._choices(),
+            generator_of=lambda c: derive_secret_generator(self._noise_seed, _NOISE, r, mine[c], device=x.device))
         chosen = losses.gather(1, choice[:, None]).squeeze(1).double()
-        stats = torch.stack([chosen, chosen.new_tensor(costs), mask.sum(1).double(), chosen.new_tensor(bits)], dim=1)
-        return torch.stack(released), stats, self._diagnostic_rows(mine, r, start, trained, x, y, mask)
+        stats = torch.stack([chosen, costs.to(chosen.device), mask.sum(1).double(), bits.to(chosen.device)], dim=1)
+        return released, stats, self._diagnostic_rows(mine, r, start, trained, x, y, mask)
 
     def _diagnostic_rows(self, mine: list[int], r: int, start: Tensor, trained: Tensor, x: Tensor, y: Tensor,
                          mask: Tensor) -> Tensor | None:
@@ -618,11 +627,11 @@ class FederatedRound(LightningModule):
         releases = self._gather_rows(local_releases, len(index))
         stats = self._gather_rows(local_stats, len(index))
         if self.sanitizer.accountable:  # e.g. nu = 0, the non-private baseline: nothing to account
-            for i, cost in zip(index, stats[:, 1].tolist()):
-                self.ledger.charge(self._clients["train"][i].client_id, cost)
+            for client_id, cost in zip(client_ids(self._clients["train"], index), stats[:, 1].tolist()):
+                self.ledger.charge(client_id, cost)
         self.update.charge(index)  # record-level ledger (local DP-SGD)
         if self.k == 1 and len(index):  # the released updates' norms: post-processing only of sanitized releases
-            norms = row_norms(releases - hyps[0])
+            norms = delta_norms(releases, hyps[0])
             metrics[self._stat("update_norm_mean", of_releases=True)] = float(norms.mean())
             metrics[self._stat("update_norm_std", of_releases=True)] = float(norms.std()) if len(index) > 1 else 0.0
         return releases, stats
@@ -631,7 +640,7 @@ class FederatedRound(LightningModule):
                      metrics: dict[str, float]) -> None:
         """The server's aggregation of round ``r`` (through its privacy part) and the optimizer step to it."""
         hyps, privacy = self.hypotheses, self.server_privacy
-        self.aggregator.observe(client_ids=[self._clients["train"][i].client_id for i in index],
+        self.aggregator.observe(client_ids=client_ids(self._clients["train"], index),
                                 layer_sizes=self.spec.sizes, round_index=r,
                                 budgets=self.update.revealed_budgets(index) if self.aggregator.needs_budgets else None)
         following = self._sanitizer_follows_clip()

@@ -86,12 +86,17 @@ def sector_diameter(upper: float, lower: float = 0.0, angle: float = math.pi) ->
     return math.sqrt(max(outer, mixed, 0.0))
 
 
-def clip_l2(delta: Tensor, clip: float) -> Tensor:
-    """``delta`` scaled to L2 norm at most ``clip`` (strictly: the factor of :func:`~lightning_dp.privacy.clipping.clip_factors`)."""
+def clip_l2(delta: Tensor, clip: float, *, norms: Tensor | None = None) -> Tensor:
+    """``delta`` (P,), or each row of ``delta`` (m, P), scaled to L2 norm at most ``clip`` (strictly: the factor of
+    :func:`~lightning_dp.privacy.clipping.clip_factors`); ``norms``: the rows' float64 norms, if already known."""
     from lightning_dp.privacy.clipping import clip_factors
 
-    norm = delta.double().norm()
-    return delta * clip_factors(norm[None], clip).to(delta.dtype)
+    if delta.ndim == 1:
+        norm = delta.double().norm()[None] if norms is None else norms.reshape(1)
+        return delta * clip_factors(norm, clip).to(delta.dtype)
+    if norms is None:
+        norms = delta.double().norm(dim=1)
+    return delta * clip_factors(norms, clip).to(delta.dtype)[:, None]
 
 
 def clip_l1(delta: Tensor, clip: float) -> Tensor:

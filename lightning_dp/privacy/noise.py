@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["check_noise_multiplier", "derive_generator", "derive_secret_generator", "gaussian_noise", "noisy_mean",
+__all__ = ["check_noise_multiplier", "counter_normal", "counter_uniform", "derive_generator", "derive_secret_generator", "gaussian_noise", "noisy_mean",
            "require_secret", "SecretGenerator", "SAMPLING", "NOISE", "CLIP_STATISTIC"]
 
 #: Stream identifiers for :func:`derive_generator`: Poisson sampling, the gradient noise, and the
@@ -71,6 +71,59 @@ def derive_generator(seed: int, *counters: int, device: torch.device | str = "cp
     :func:`derive_secret_generator` with the run's secret seed (the module docstring).
     """
     return _seeded(torch.Generator, seed, counters, device)
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer (Steele, Lea & Flood 2014) on uint64 arrays: a bijection of 64-bit words; NumPy's
+    uint64 arithmetic wraps modulo 2^64 as the algorithm needs."""
+    x = x + _GOLDEN
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def counter_uniform(seed: int, *counters: int | Tensor, device: torch.device | str | None = None) -> Tensor:
+    """Uniform draws in (0, 1) (float64, 53-bit resolution), one per element of the broadcast ``counters``: a hash
+    of ``(seed, *counters)``, so each draw is a pure function of its own indices.
+
+    For PUBLIC streams only (synthetic data, the local shuffles of non-private updates at populations where one
+    generator per client costs more than the round: :func:`derive_generator` takes ~10 us): a draw for client i
+    does not depend on which other clients are drawn, in which process or order, without building a generator
+    per client or a table over the whole population. Not for anything an accountant relies on
+    (:func:`derive_secret_generator`). Written by hand because torch has no counter-based (stateless) random API
+    on CPU: the hash chains SplitMix64's bijection over the seed's two 64-bit words and the counters (each an
+    integer in [0, 2^64)), computed with NumPy on the CPU and returned on ``device`` (default: the first tensor
+    counter's).
+    """
+    tensors = [c for c in counters if isinstance(c, Tensor)]
+    dev = device if device is not None else (tensors[0].device if tensors else "cpu")
+    seed = int(seed) % 2**128
+    with np.errstate(over="ignore"):
+        h = _splitmix64(np.uint64(seed & (2**64 - 1)))
+        h = _splitmix64(h ^ np.uint64(seed >> 64))
+        for c in counters:
+            if isinstance(c, Tensor):
+                if c.dtype.is_floating_point or c.dtype == torch.bool:
+                    raise TypeError(f"counter_uniform: counters must be integers, got a {c.dtype} tensor")
+                if c.numel() and bool((c < 0).any()):
+                    raise ValueError("counter_uniform: counters must be >= 0")
+                word = c.detach().cpu().numpy().astype(np.uint64)
+            else:
+                if isinstance(c, bool) or not isinstance(c, numbers.Integral) or not 0 <= int(c) < 2**64:
+                    raise ValueError(f"counter_uniform: counter {c!r} is not an integer in [0, 2^64)")
+                word = np.uint64(int(c))
+            h = _splitmix64(h ^ word)
+        u = ((h >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
+    return torch.as_tensor(np.asarray(u, dtype=np.float64)).to(dev)
+
+
+def counter_normal(seed: int, *counters: int | Tensor, device: torch.device | str | None = None) -> Tensor:
+    """Standard normal draws (float64), one per element of the broadcast ``counters``: the normal quantile of a
+    :func:`counter_uniform` draw. Public streams only, as there."""
+    return torch.special.ndtri(counter_uniform(seed, *counters, device=device))
 
 
 class SecretGenerator(torch.Generator):

@@ -1,6 +1,6 @@
 """Run by tests/federated/test_module_ddp.py: the federated round under Lightning DDP (2 CPU processes, gloo).
 
-Usage: python tests/federated/ddp_script.py OUT_DIR DEVICES [fairness|secret|fedavg|local_dp_sgd|pfa]
+Usage: python tests/federated/ddp_script.py OUT_DIR DEVICES [fairness|secret|fedavg|population|local_dp_sgd|pfa]
 Trains the synthetic personalized-FL setting for a few rounds with DEVICES processes and
 writes OUT_DIR/rank{r}.pt (hypotheses, ledger, validation loss) for the test to compare.
 With ``fairness``: the SyntheticFairnessDataModule setting (binary labels, sensitive groups), then
@@ -8,7 +8,8 @@ With ``fairness``: the SyntheticFairnessDataModule setting (binary labels, sensi
 the synthetic setting with default seeds (drawn per process, so every process must adopt rank 0's). With
 ``fedavg``: client-level DP-FedAvg (Poisson selection, adaptive clipping, central noise drawn once). With
 ``local_dp_sgd``: record-level DP-SGD inside the clients, calibrated per client, with a per-client ledger. With
-``pfa``: per-client budgets and PFA+ with the budget-agnostic split.
+``pfa``: per-client budgets and PFA+ with the budget-agnostic split. With ``population``: DP-FedAvg over a
+generated population (the drawn clients' rows built in each process, hashed local shuffles).
 """
 
 import sys
@@ -53,6 +54,16 @@ def main(out: Path, devices: int, mode: str = "") -> None:
                                 aggregator=PFA(partition="indirect", plus=True, centered=True) if mode == "pfa"
                                 else "fedavg", **seeds)
         data = SyntheticLinearMixtureDataModule(num_clients=40 if mode == "local_dp_sgd" else 9, num_val_clients=5, seed=0)
+    elif mode == "population":  # DP-FedAvg over a generated population of 100,000 clients, ~12 drawn per round
+        from lightning_dp.datamodules.population import SyntheticPopulationDataModule
+        from lightning_dp.federated import FederatedRound
+        from lightning_dp.federated.parts import CentralGaussian, LocalSGD, PoissonSelection
+
+        module = FederatedRound(torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU(), torch.nn.Linear(2, 1)),
+                                selection=PoissonSelection(1.2e-4), update=LocalSGD(epochs=2, lr=0.1, batch_size=2),
+                                server_privacy=CentralGaussian(noise_multiplier=1.0, clip=0.5, target_delta=1e-6),
+                                **seeds)
+        data = SyntheticPopulationDataModule(100_000, 5, samples=(1, 5), seed=0)
     elif mode == "fedavg":
         from lightning_dp.federated import FederatedRound
         from lightning_dp.federated.parts import CentralGaussian, FedAvg, LocalSGD, PoissonSelection

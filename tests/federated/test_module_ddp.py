@@ -76,6 +76,16 @@ def test_dp_fedavg_on_two_processes_equals_one(tmp_path_factory):
     assert r0["server"]["clip"] == pytest.approx(single["server"]["clip"], rel=1e-9)
 
 
+def test_dp_fedavg_over_a_population_on_two_processes_equals_one(tmp_path_factory):
+    """A population's clients are built where they train (each process its shard's rows) and shuffled by hashed
+    keys of (seed, round, epoch, client, position): the run of one process, as for client lists."""
+    r0, r1 = run(tmp_path_factory.mktemp("ddp_population"), 2, "population")
+    single = run(tmp_path_factory.mktemp("single_population"), 1, "population")[0]
+    torch.testing.assert_close(r0["hypotheses"], single["hypotheses"], rtol=1e-6, atol=1e-7)
+    assert torch.equal(r0["hypotheses"], r1["hypotheses"]) and r0["train"] == pytest.approx(single["train"])
+    assert r0["server"]["accountant"] == single["server"]["accountant"]
+
+
 def test_local_dp_sgd_on_two_processes_equals_one(tmp_path_factory):
     """Record-level DP-SGD: every client draws its batches and noise from its own secret generator, so sharding the
     clients over 2 processes changes nothing; both processes charge the same per-client ledger."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -48,7 +49,7 @@ class Aggregator(Part):
         """Whether that split is final (made from revealed budgets, or after a warm start): then it is scored once."""
         return True
 
-    def observe(self, *, client_ids: list[Any], layer_sizes: list[int], round_index: int,
+    def observe(self, *, client_ids: Sequence[Any], layer_sizes: list[int], round_index: int,
                 budgets: list[float] | None = None) -> None:
         """What the server knows about the coming :meth:`aggregate`'s releases (in their order)."""
 

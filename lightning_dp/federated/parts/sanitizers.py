@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from lightning_dp.federated.local import row_norms
 from lightning_dp.federated.parts.registry import Combination, Part, register_part
 from lightning_dp.privacy.accounting import check_delta
 from lightning_dp.privacy.ledger import GaussianLedger, PrivacyLedger
@@ -107,6 +109,30 @@ class ClientSanitizer(Part):
         raise NotImplementedError
 
 
+    def sanitize_rows(self, trained: Tensor, start: Tensor, *, generator_of: Callable[[int], torch.Generator],
+                      layer_sizes: list[int], references: list[Tensor | None], choice: Tensor,
+                      hypotheses: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """The releases of m clients: ``(released (m, P), costs (m,) float64, unclipped (m,) float64)``, a bit
+        NaN where the sanitizer reports none.
+
+        Row ``c`` is :meth:`sanitize` of ``trained[c]`` from ``start[c]`` with the generator ``generator_of(c)``
+        (the client's own secret stream) and the reference of its hypothesis ``references[choice[c]]``. A
+        sanitizer that draws no noise overrides this with one pass over the rows (a generator per client costs
+        ~10 us, more than a whole round of 100,000 small clients can afford).
+        """
+        released, costs, bits = [], [], []
+        for c in range(len(trained)):
+            out = self.sanitize(trained[c], start[c], layer_sizes=layer_sizes, generator=generator_of(c),
+                                reference=references[int(choice[c])], hypotheses=hypotheses)
+            released.append(out.released)
+            costs.append(out.cost)
+            bits.append(math.nan if out.unclipped is None else float(out.unclipped))
+        if not released:
+            return trained.new_zeros(trained.shape), torch.zeros(0, dtype=torch.float64), \
+                torch.zeros(0, dtype=torch.float64)
+        return torch.stack(released), torch.tensor(costs, dtype=torch.float64), torch.tensor(bits, dtype=torch.float64)
+
+
 def choice_spread(hypotheses: Tensor | None, p: float = 2.0) -> float:
     """``max_ij ||h_i - h_j||_p``: how far apart the starting models a client chooses among are (0 for k <= 1).
 
@@ -144,6 +170,10 @@ class NoSanitizer(ClientSanitizer):
 
     def sanitize(self, trained, start, *, generator, layer_sizes, reference=None, hypotheses=None):
         return SanitizedUpdate(released=trained, epsilon=math.inf, cost=math.inf)
+
+    def sanitize_rows(self, trained, start, *, generator_of, layer_sizes, references, choice, hypotheses=None):
+        m = len(trained)
+        return trained, torch.full((m,), math.inf, dtype=torch.float64), torch.full((m,), math.nan, dtype=torch.float64)
 
 
 @register_part("sanitizer", "euclidean_laplace")
@@ -210,6 +240,12 @@ class ClipSanitizer(ClientSanitizer):
         delta = trained - start
         return SanitizedUpdate(released=start + clip_l2(delta, self.clip), epsilon=math.inf, cost=math.inf,
                                unclipped=bool(delta.double().norm() <= self.clip))
+
+    def sanitize_rows(self, trained, start, *, generator_of, layer_sizes, references, choice, hypotheses=None):
+        deltas = trained - start
+        norms = row_norms(deltas)
+        released = start + clip_l2(deltas, self.clip, norms=norms)
+        return released, torch.full((len(trained),), math.inf, dtype=torch.float64), (norms <= self.clip).double()
 
     def state_dict(self) -> dict[str, Any]:
         return {"clip": self.clip}

@@ -88,9 +88,10 @@ class UniformSelection(ClientSelection):
         return float(self.clients_per_round)
 
     def select(self, num_clients, generator, eligible=None):
-        order = torch.randperm(num_clients, generator=generator).tolist()
-        if eligible is None:
-            return order[: self.clients_per_round], 0
+        permutation = torch.randperm(num_clients, generator=generator)
+        if eligible is None:  # only the head becomes a list (a population of 1M: 1M Python ints otherwise)
+            return permutation[: self.clients_per_round].tolist(), 0
+        order = permutation.tolist()
         if self.cap_policy == "replace":  # walk the random order until U eligible clients said yes
             chosen, declined = [], 0
             for i in order:

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_dp.federated.local import row_norms
+from lightning_dp.federated.local import clipped_delta_sum, delta_norms
 from lightning_dp.federated.parts.registry import Combination, Part, register_part
 from lightning_dp.privacy.accounting import check_adjacency, get_accountant
 from lightning_dp.privacy.adaptive import default_count_noise_std, quantile_clip_update, quantile_noise_split
@@ -423,10 +423,10 @@ class CentralGaussian(ServerPrivacy):
         require_secret(noise_generator, "CentralGaussian's noise")
         require_secret(count_generator, "CentralGaussian's count noise")
         glob = hypotheses[0]
-        deltas = releases - glob
-        norms = row_norms(deltas)
+        # a block of updates at a time: no (U, P) copy of the releases beside them (delta_norms)
+        norms = delta_norms(releases, glob)
         clip = self.clip
-        total = clip_factors(norms, clip).to(deltas.dtype) @ deltas if len(deltas) else torch.zeros_like(glob)
+        total = clipped_delta_sum(releases, glob, clip_factors(norms, clip))
         z_update = self.update_noise_multiplier
         (noise,) = gaussian_noise([glob.shape], z_update * clip, noise_generator, dtype=glob.dtype, device=glob.device)
         new = glob + (total + noise) / expected_count
