@@ -20,6 +20,7 @@ Usage:
     python benchmarks/bench_federated_round.py --whole                  # U = 1k, 10k, 100k of N = 1M, 3 models
     python benchmarks/bench_federated_round.py --whole --models hospital --per-round 100000 --rounds 60
     python benchmarks/bench_federated_round.py --accounting             # one epsilon write, q = 0.001 .. 0.1
+    python benchmarks/bench_federated_round.py --whole --models hospital --devices 2   # clients over 2 DDP ranks
 """
 
 from __future__ import annotations
@@ -77,8 +78,10 @@ def whole_setting(name: str):
     raise ValueError(f"unknown model {name!r}; choose one of {WHOLE_MODELS}")
 
 
-def whole_one(model_name: str, per_round: int, population: int, rounds: int, log_every: int) -> dict:
-    """One fit of ``rounds`` DP-FedAvg rounds; what the module docstring says, as a dict."""
+def whole_one(model_name: str, per_round: int, population: int, rounds: int, log_every: int,
+              devices: int = 1) -> dict:
+    """One fit of ``rounds`` DP-FedAvg rounds; what the module docstring says, as a dict. ``devices`` > 1: DDP
+    over that many CPU processes (each its share of the round's clients, one thread each)."""
     import lightning as L
     from lightning.pytorch.loggers import MLFlowLogger
 
@@ -124,9 +127,12 @@ def whole_one(model_name: str, per_round: int, population: int, rounds: int, log
 
     with tempfile.TemporaryDirectory() as tmp:
         logger = MLFlowLogger(experiment_name="bench-round", tracking_uri=f"sqlite:///{tmp}/mlruns.db")
+        parallel = dict(strategy="ddp", devices=devices, accelerator="cpu") if devices > 1 else {}
+        if devices > 1:
+            torch.set_num_threads(1)
         trainer = L.Trainer(max_epochs=rounds, logger=logger, callbacks=[Clock()], log_every_n_steps=log_every,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                            limit_val_batches=0, num_sanity_val_steps=0)
+                            limit_val_batches=0, num_sanity_val_steps=0, **parallel)
         t0 = time.perf_counter()
         trainer.fit(module, datamodule=dm)
         fit = time.perf_counter() - t0
@@ -137,13 +143,15 @@ def whole_one(model_name: str, per_round: int, population: int, rounds: int, log
             "data_s": statistics.median(t["data"] for t in later),
             "accounting_s": spent["accounting"], "epsilon_writes": spent["writes"],
             "accounting_share": spent["accounting"] / sum(t["round"] for t in times),
-            "fit_s": fit, "peak_rss_mib": rss, "epsilon": float(privacy.epsilon), "threads": torch.get_num_threads()}
+            "fit_s": fit, "peak_rss_mib": rss, "epsilon": float(privacy.epsilon), "threads": torch.get_num_threads(),
+            "devices": devices, "rank": trainer.global_rank}
 
 
 def whole(args: argparse.Namespace) -> None:
     """Each (model, U) in a fresh process: a markdown table of the results."""
+    where = "one process" if args.devices == 1 else f"DDP over {args.devices} CPU processes of one thread"
     print(f"N = {args.population} clients, DP-FedAvg, {args.rounds} rounds per fit (median of rounds 2..), epsilon "
-          f"written every {args.log_every} rounds; torch {torch.__version__}; load {os.getloadavg()[0]:.2f}")
+          f"written every {args.log_every} rounds, {where}; torch {torch.__version__}; load {os.getloadavg()[0]:.2f}")
     print("| model | params | U | round (median) | of which data generation | accounting, share of the fit "
           "(writes) | peak memory |")
     print("|---|---|---|---|---|---|---|")
@@ -151,7 +159,7 @@ def whole(args: argparse.Namespace) -> None:
         for per_round in (int(u) for u in args.per_round.split(",")):
             rounds = args.rounds if model_name == "hospital" else max(2, min(args.rounds, args.big_rounds))
             out = subprocess.run([sys.executable, __file__, "--whole-one", model_name, str(per_round),
-                                  str(args.population), str(rounds), str(args.log_every)],
+                                  str(args.population), str(rounds), str(args.log_every), str(args.devices)],
                                  capture_output=True, text=True)
             line = [row for row in out.stdout.splitlines() if row.startswith("{")]
             if out.returncode or not line:
@@ -185,9 +193,11 @@ def accounting_costs() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--whole-one"]:  # the child process of --whole
-        model_name, per_round, population, rounds, log_every = argv[1], *(int(v) for v in argv[2:6])
-        print(json.dumps(whole_one(model_name, per_round, population, rounds, log_every)))
+    if argv[:1] == ["--whole-one"]:  # the child process of --whole (and, under DDP, every rank Lightning starts)
+        model_name, per_round, population, rounds, log_every, devices = argv[1], *(int(v) for v in argv[2:7])
+        out = whole_one(model_name, per_round, population, rounds, log_every, devices)
+        if out["rank"] == 0:
+            print(json.dumps(out))
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--whole", action="store_true", help="time whole rounds at population scale")
@@ -198,6 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=12, help="--whole: rounds per fit (the hospital MLP)")
     parser.add_argument("--big-rounds", type=int, default=3, help="--whole: rounds per fit of the other models")
     parser.add_argument("--log-every", type=int, default=50, help="--whole: Trainer(log_every_n_steps)")
+    parser.add_argument("--devices", type=int, default=1, help="--whole: DDP processes (1: one process)")
     parser.add_argument("--model", default="hospital")
     parser.add_argument("--clients", type=int, default=100, help="U, clients per round")
     parser.add_argument("--samples", default="1,4", help="min,max examples per client (uniform)")

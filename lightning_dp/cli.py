@@ -60,6 +60,7 @@ COMMANDS: dict[str, str] = {
     "audit": "attack a model to audit its privacy: gradient inversion (audit dlg) or membership (audit mia)",
     "epsilon": "the epsilon of a DP-SGD or DP-FedAvg run for its size, batch, epochs and sigma (or sigma)",
     "compare": "the privacy-utility picture of runs: a metric against epsilon, with the non-private baseline",
+    "flower-app": "the Flower app of a federated config: the same round on a deployment (SuperLink, SuperNodes)",
 }
 
 def _grid(argv: list[str]) -> Optional[int]:
@@ -90,14 +91,22 @@ def _compare(argv: list[str]) -> Optional[int]:
     return compare.main(argv)
 
 
+def _flower_app(argv: list[str]) -> Optional[int]:
+    from lightning_dp.commands import flower_app
+
+    return flower_app.main(argv)
+
+
 #: Top-level commands handled outside LightningCLI: name -> function(argv) -> exit code.
 #: ``grid``: one config over a grid of overrides, with the grid's privacy cost (:mod:`lightning_dp.grid`).
 #: ``audit``: Deep Leakage from Gradients against sanitized client releases (:mod:`lightning_dp.commands.audit_dlg`);
 #: ``audit mia``: membership inference, loss / shadow / noisy neighbours (:mod:`lightning_dp.commands.audit_mia`).
 #: ``epsilon``: the epsilon of a DP-SGD run, or sigma for a target epsilon (:mod:`lightning_dp.commands.epsilon`).
 #: ``compare``: a metric against epsilon over runs, with the non-private baseline (:mod:`lightning_dp.commands.compare`).
+#: ``flower-app``: the Flower app of a federated config (:mod:`lightning_dp.commands.flower_app`, :mod:`lightning_dp.flower`).
 EXTRA_COMMANDS: dict[str, Callable[[list[str]], Optional[int]]] = {"grid": _grid, "audit": _audit,
-                                                                   "epsilon": _epsilon, "compare": _compare}
+                                                                   "epsilon": _epsilon, "compare": _compare,
+                                                                   "flower-app": _flower_app}
 
 
 def help_text() -> str:

@@ -21,7 +21,7 @@ import lightning_dp
 
 ROOT = Path(__file__).resolve().parents[1]
 # every package of the public API has a page under docs/api/ (and mkdocs.yml's nav)
-API_MODULES = ["callbacks", "privacy", "federated", "audit", "datamodules", "metrics", "models", "tracking",
+API_MODULES = ["callbacks", "privacy", "federated", "flower", "audit", "datamodules", "metrics", "models", "tracking",
                "commands", "grid", "cli"]
 
 

@@ -233,6 +233,9 @@ class FederatedRound(LightningModule):
         self._fit_rounds, self._fit_participants = 0, 0  # rounds and participations of this fit (end summary)
         self._split_scored = False  # pdpfl/split_accuracy is logged once, when the split is made
         self._ledgers_missing = False  # loaded from a public checkpoint without its ledgers (on_load_checkpoint)
+        self._key_width_cache: int | None = None
+        #: the clients' side of a Flower deployment (:class:`lightning_dp.flower.server.NodeRound`), None in simulation
+        self.remote: Any = None
 
     def parts(self) -> dict[str, Any]:
         """``{kind: part}`` of the round."""
@@ -273,16 +276,7 @@ class FederatedRound(LightningModule):
             raise MisconfigurationException(
                 "PersonalizedFederatedModule reads its clients from a FederatedDataModule (e.g. "
                 "lightning_dp.datamodules.SyntheticLinearMixtureDataModule): pass it as trainer.fit(module, datamodule=...).")
-        self._clients: dict[str, Sequence[ClientDataset]] = {"train": dm.train_clients or [], "val": dm.val_clients or [],
-                                                         "test": dm.test_clients or []}
-        self._classification = dm.task == "classification"
-        if self._classification and self.loss_name == "rmse" and dm.num_classes is not None and dm.num_classes < 2:
-            raise MisconfigurationException(f"{type(dm).__name__} is a classification task with num_classes="
-                                            f"{dm.num_classes}; the rmse loss needs class scores of >= 2 classes")
-        # group fairness of the held-out clients' predictions: binary labels with sensitive groups
-        self._num_groups = dm.num_groups if self._classification and dm.num_classes == 2 else None
-        sizes = client_sizes(self._clients["train"])
-        self._key_width = int(sizes.max()) if len(sizes) else 1
+        self.read_clients(dm)
         if stage == "fit":
             try:
                 self.selection.check(len(self._clients["train"]))
@@ -304,6 +298,33 @@ class FederatedRound(LightningModule):
         if self.trainer.world_size > 1:  # default seeds are drawn per process: every process must use rank 0's
             self.seed, self._noise_seed = (int(v) for v in self.trainer.strategy.broadcast((self.seed,
                                                                                            self._noise_seed)))
+
+    def read_clients(self, dm: Any) -> None:
+        """Take the clients and the task from a :class:`~lightning_dp.datamodules.federated.FederatedDataModule` that is
+        set up: what ``setup`` reads, and what a SuperNode of a Flower deployment reads from its own data
+        (:mod:`lightning_dp.flower`)."""
+        self._data = dm
+        self._clients: dict[str, Sequence[ClientDataset]] = {"train": dm.train_clients or [], "val": dm.val_clients or [],
+                                                         "test": dm.test_clients or []}
+        self._classification = dm.task == "classification"
+        if self._classification and self.loss_name == "rmse" and dm.num_classes is not None and dm.num_classes < 2:
+            raise MisconfigurationException(f"{type(dm).__name__} is a classification task with num_classes="
+                                            f"{dm.num_classes}; the rmse loss needs class scores of >= 2 classes")
+        # group fairness of the held-out clients' predictions: binary labels with sensitive groups
+        self._num_groups = dm.num_groups if self._classification and dm.num_classes == 2 else None
+        self._key_width_cache = None
+
+    @property
+    def _key_width(self) -> int:
+        """The longest training client (the width of the local shuffles' key table; computed when first needed)."""
+        if self._key_width_cache is None:
+            sizes = client_sizes(self._clients["train"])
+            self._key_width_cache = int(sizes.max()) if len(sizes) else 1
+        return self._key_width_cache
+
+    @_key_width.setter
+    def _key_width(self, width: int) -> None:
+        self._key_width_cache = int(width)
 
     def teardown(self, stage: str) -> None:
         if stage == "fit" and self._trainer is not None:
@@ -409,7 +430,7 @@ class FederatedRound(LightningModule):
 
     # ------------------------------------------------------------------ round
     def _padded(self, split: str, index: list[int]):
-        return self.trainer.datamodule.padded_rows(split, index)  # type: ignore[attr-defined]  # undeclared in Lightning
+        return self._data.padded_rows(split, index)
 
     def participation_cost(self) -> float:
         """The sanitizer's cost of one participation from the current hypotheses (d-privacy: n/nu; local DP:
@@ -507,11 +528,23 @@ class FederatedRound(LightningModule):
         with ``diagnostics``, also (m, 2P) rows ``[update, per-sample gradient of one random example]``.
         """
         hyps = self.hypotheses
+        if self.remote is not None:  # the server of a deployment: the clients compute on their nodes
+            return self.remote.client_round(self, index, r)
         mine = self._shard(index)
         if not mine:
             return (hyps.new_zeros((0, self.spec.numel)), torch.zeros((0, 4), dtype=torch.float64, device=hyps.device),
                     hyps.new_zeros((0, 2 * self.spec.numel)) if self.diagnostics else None)
         x, y, mask = self._padded("train", mine)
+        return self.train_clients(mine, r, x, y, mask)
+
+    def train_clients(self, mine: list[int], r: int, x: Tensor, y: Tensor,
+                      mask: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """What the training clients at positions ``mine`` (their padded data ``x, y, mask``) compute in round ``r``
+        from the public hypotheses and previous step: the choice, the local training, the release
+        (:meth:`_client_round`'s returns). Every draw is the client's own (public shuffles from ``seed``, noise
+        from ``noise_seed``, both by client position), so a SuperNode of a Flower deployment that runs this for
+        its clients computes what the simulation computes (:mod:`lightning_dp.flower`)."""
+        hyps = self.hypotheses
         if self.k == 1 and not self.log_nonprivate_metrics:  # nothing to choose, no loss to log: no forward pass
             losses = torch.full((len(mine), 1), float("nan"), device=hyps.device)
         else:

@@ -1,0 +1,98 @@
+"""The Flower app directory of a ``lightning-dp`` config (``lightning-dp flower-app``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["SECRET_KEYS", "check_shareable", "write_app"]
+
+#: config keys whose values are secrets: the app's config goes to every SuperNode and to the SuperLink
+SECRET_KEYS = ("noise_seed",)
+
+
+def check_shareable(config: Any, where: str = "the config") -> None:
+    """Refuse a config that holds a secret (:data:`SECRET_KEYS`, at any depth): it is shipped to every node."""
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key in SECRET_KEYS and value is not None:
+                    raise ValueError(
+                        f"{where} sets {path}{key}, a secret: a Flower app's config goes to the SuperLink and to every "
+                        "SuperNode. Remove it; give the server its noise seed as the environment variable "
+                        "LIGHTNING_DP_NOISE_SEED of the SuperLink's process, and each site its own with "
+                        "flower-supernode --node-config 'noise-seed=...' (or leave both out: fresh secrets from the "
+                        "operating system).")
+                walk(value, f"{path}{key}.")
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                walk(value, f"{path}{i}.")
+
+    walk(config, "")
+
+
+def write_app(config: str | Path, out: str | Path, *, min_nodes: int = 1, node_timeout: float = 600.0,
+              name: str = "lightning-dp-round", save_to: str = "") -> Path:
+    """Write the Flower app directory that runs ``config`` on a deployment; return its ``pyproject.toml``.
+
+    Args:
+        config: a ``lightning-dp fit`` YAML whose model is a :class:`~lightning_dp.federated.FederatedRound` (or a
+            preset of it).
+        out: the app directory (created; ``flwr run <out> <connection>`` runs it).
+        min_nodes: the server waits for this many SuperNodes before it asks them for their clients.
+        node_timeout: seconds the server waits for the nodes' replies in one round before it fails the run.
+        name: the app's (and package's) name.
+        save_to: a path on the server's machine where the server writes the final public state (hypotheses,
+            epsilon, rounds) with ``torch.save``; empty: none.
+
+    Raises:
+        ValueError: If the config holds a secret (:func:`check_shareable`) or an argument is out of range.
+    """
+    import yaml
+
+    text = Path(config).read_text("utf-8")
+    check_shareable(yaml.safe_load(text), f"{config}")
+    if isinstance(min_nodes, bool) or not isinstance(min_nodes, int) or min_nodes < 1:
+        raise ValueError(f"min_nodes={min_nodes!r} is not allowed: pass a positive integer")
+    if not float(node_timeout) > 0:
+        raise ValueError(f"node_timeout={node_timeout!r} is not allowed: pass a number of seconds > 0")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    package = name.replace("-", "_")
+    (out / package).mkdir(exist_ok=True)
+    # the components are lightning-dp's, installed on every node; the app carries only the config
+    (out / package / "__init__.py").write_text('"""A lightning-dp federated round as a Flower app."""\n')
+    # JSON strings are TOML basic strings: the YAML travels verbatim
+    pyproject = f"""[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "{name}"
+version = "1.0.0"
+description = "The federated round of {Path(config).name}, from lightning-dp"
+license = "Apache-2.0"
+dependencies = ["lightning-dp", "flwr>=1.42"]
+
+[tool.hatch.build.targets.wheel]
+packages = ["."]
+
+[tool.flwr.app]
+publisher = "lightning-dp"
+
+[tool.flwr.app.components]
+serverapp = "lightning_dp.flower.server:app"
+clientapp = "lightning_dp.flower.client:app"
+
+[tool.flwr.app.config]
+config-yaml = {json.dumps(text)}
+config-name = {json.dumps(Path(config).name)}
+min-nodes = {min_nodes}
+node-timeout = {float(node_timeout)}
+save-to = {json.dumps(str(save_to))}
+"""
+    path = out / "pyproject.toml"
+    path.write_text(pyproject, "utf-8")
+    return path

@@ -1,0 +1,203 @@
+"""The ``ServerApp``: the round's server on a Flower deployment (:mod:`lightning_dp.flower`).
+
+``main`` builds the round and its Trainer from the app's config (``--trainer.limit_val_batches=0``:
+the server holds no data), asks every node for the training clients it serves
+(:class:`RemoteClient`: an id and a size), and fits: each round's clients are selected from the
+server's secret noise seed (``LIGHTNING_DP_NOISE_SEED`` in the server process's environment, else
+fresh), :class:`NodeRound` sends the public state to the nodes of the selected clients and
+returns their releases in the round's order, and the round aggregates, accounts and logs as in
+simulation.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_dp.datamodules.federated import FederatedDataModule
+
+__all__ = ["NodeRound", "RemoteClient", "RemoteDataModule", "app", "main"]
+
+#: the server process's environment variable holding its secret noise seed (client selection, central noise)
+NOISE_SEED_VARIABLE = "LIGHTNING_DP_NOISE_SEED"
+
+
+@dataclass(frozen=True)
+class RemoteClient:
+    """A training client as the server knows it: its id and number of examples (reported by its node)."""
+
+    client_id: str
+    size: int
+
+    def __len__(self) -> int:
+        return self.size
+
+
+class RemoteDataModule(FederatedDataModule):
+    """The server's DataModule: the training clients the nodes reported, no data, no validation or test clients."""
+
+    def __init__(self, clients: list[RemoteClient], *, task: str, num_classes: Optional[int],
+                 num_groups: Optional[int], input_shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.task = task  # type: ignore[assignment]  # checked by the nodes' DataModule
+        self.num_classes, self.num_groups, self.input_shape = num_classes, num_groups, tuple(input_shape)
+        self._remote_clients = clients
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        self.train_clients = self._remote_clients  # type: ignore[assignment]  # duck-typed: client_id and len
+        self.val_clients, self.test_clients = [], []
+
+    def padded_rows(self, split: str, index: Any, *, pad_value: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+        raise RuntimeError("the server of a Flower deployment holds no client data: its clients compute on their nodes")
+
+
+class NodeRound:
+    """The clients' side of the round, on the nodes: what :meth:`FederatedRound._client_round` returns, computed
+    remotely. ``owners[i]`` is the node id serving training client i."""
+
+    def __init__(self, grid: Any, owners: list[int], *, timeout: float) -> None:
+        self.grid, self.owners, self.timeout = grid, owners, float(timeout)
+
+    def client_round(self, module: Any, index: list[int], r: int) -> tuple[Tensor, Tensor, None]:
+        from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+
+        hyps = module.hypotheses
+        if not index:
+            return hyps.new_zeros((0, module.spec.numel)), torch.zeros((0, 4), dtype=torch.float64), None
+        by_node: dict[int, list[int]] = defaultdict(list)
+        for i in index:
+            by_node[self.owners[i]].append(i)
+        follows = module._sanitizer_follows_clip()
+        public = ArrayRecord({"hypotheses": hyps.detach().cpu(), "previous_step": module.previous_step.detach().cpu()})
+        messages = [Message(RecordDict({"arrays": public, "config": ConfigRecord({
+            "round": int(r), "clients": positions, "seed": str(module.seed),
+            "clip": float(module.server_privacy.clip) if follows else -1.0})}),
+            message_type=MessageType.TRAIN, dst_node_id=node, group_id=str(r)) for node, positions in by_node.items()]
+        replies = {reply.metadata.src_node_id: reply
+                   for reply in self.grid.send_and_receive(messages, timeout=self.timeout)}
+        rows: dict[int, tuple[Tensor, Tensor]] = {}
+        for node, positions in by_node.items():
+            reply = replies.get(node)
+            if reply is None:
+                raise RuntimeError(f"round {r}: node {node} did not reply within {self.timeout:g} s (node_timeout)")
+            if reply.has_error():
+                raise RuntimeError(f"round {r}: node {node} failed: {reply.error.reason}")
+            arrays = reply.content["arrays"].to_torch_state_dict()
+            released, stats = arrays["releases"], arrays["stats"]
+            if released.shape != (len(positions), module.spec.numel) or stats.shape != (len(positions), 4):
+                raise RuntimeError(f"round {r}: node {node} replied {tuple(released.shape)} releases for its "
+                                   f"{len(positions)} clients of {module.spec.numel} parameters")
+            for c, i in enumerate(positions):
+                rows[i] = (released[c], stats[c])
+        releases = torch.stack([rows[i][0] for i in index]).to(hyps.device, hyps.dtype)
+        stats = torch.stack([rows[i][1] for i in index]).to(hyps.device, torch.float64)
+        return releases, stats, None
+
+
+def wait_for_nodes(grid: Any, count: int, timeout: float) -> list[int]:
+    start = time.monotonic()
+    while True:
+        nodes = sorted(grid.get_node_ids())
+        if len(nodes) >= count:
+            return nodes
+        if time.monotonic() - start > timeout:
+            raise RuntimeError(f"{len(nodes)} SuperNodes connected after {timeout:g} s; the app waits for min-nodes="
+                               f"{count}: start more SuperNodes, or lower --min-nodes of lightning-dp flower-app")
+        time.sleep(0.5)
+
+
+def ask_nodes(grid: Any, nodes: list[int], timeout: float) -> dict[int, dict[str, Any]]:
+    """Every node's report of the training clients it serves (a QUERY message)."""
+    from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+
+    messages = [Message(RecordDict({"config": ConfigRecord({"ask": "clients"})}), message_type=MessageType.QUERY,
+                        dst_node_id=node, group_id="clients") for node in nodes]
+    reports = {}
+    for reply in grid.send_and_receive(messages, timeout=timeout):
+        node = reply.metadata.src_node_id
+        if reply.has_error():
+            raise RuntimeError(f"node {node} could not report its clients: {reply.error.reason}")
+        reports[node] = dict(reply.content["config"])
+    missing = set(nodes) - set(reports)
+    if missing:
+        raise RuntimeError(f"nodes {sorted(missing)} did not report their clients within {timeout:g} s")
+    return reports
+
+
+def plan_clients(reports: dict[int, dict[str, Any]], numel: int) -> tuple[list[int], list[RemoteClient], dict]:
+    """``(owners, clients, data)`` from the nodes' reports; refuses reports that disagree or leave clients out."""
+    totals = {int(rep["num-training-clients"]) for rep in reports.values()}
+    sizes = {int(rep["numel"]) for rep in reports.values()}
+    if sizes != {numel}:
+        raise RuntimeError(f"the nodes' models have {sorted(sizes)} parameters, the server's {numel}: every node must "
+                           "run the same config")
+    if len(totals) != 1:
+        raise RuntimeError(f"the nodes' DataModules hold {sorted(totals)} training clients: every node must build the "
+                           "same client list (the same config and data)")
+    total = totals.pop()
+    owners: list[Optional[int]] = [None] * total
+    clients: list[Optional[RemoteClient]] = [None] * total
+    for node, rep in sorted(reports.items()):
+        for i, cid, n in zip(rep["positions"], rep["ids"], rep["sizes"]):
+            if owners[i] is not None:
+                raise RuntimeError(f"training client {i} ({cid}) is served by nodes {owners[i]} and {node}: give the "
+                                   "SuperNodes distinct --node-config partition-id values")
+            owners[i], clients[i] = node, RemoteClient(str(cid), int(n))
+    unserved = [i for i, o in enumerate(owners) if o is None]
+    if unserved:
+        raise RuntimeError(f"{len(unserved)} of the {total} training clients have no node (first: {unserved[:5]}): "
+                           "start one SuperNode per partition-id 0..num-partitions-1")
+    first = next(iter(reports.values()))
+    data = {"task": str(first["task"]), "num_classes": None if int(first["num-classes"]) < 0 else int(first["num-classes"]),
+            "num_groups": None if int(first["num-groups"]) < 0 else int(first["num-groups"]),
+            "input_shape": tuple(int(v) for v in first["input-shape"])}
+    return owners, clients, data  # type: ignore[return-value]  # every entry filled (unserved refused)
+
+
+def main(grid: Any, context: Any) -> None:
+    """The ServerApp's main: build, ask the nodes, fit (module docstring)."""
+    from lightning_dp.flower.build import build_from_yaml, refuse_unsupported
+
+    config = context.run_config
+    cli = build_from_yaml(str(config["config-yaml"]), ["--trainer.limit_val_batches=0",
+                                                       "--trainer.num_sanity_val_steps=0"])
+    module, trainer = cli.model, cli.trainer
+    refuse_unsupported(module)
+    secret = os.environ.get(NOISE_SEED_VARIABLE)
+    if secret:
+        module.set_secret_seed(int(secret))
+    timeout = float(config.get("node-timeout", 600.0))
+    nodes = wait_for_nodes(grid, int(config.get("min-nodes", 1)), timeout)
+    owners, clients, data = plan_clients(ask_nodes(grid, nodes, timeout), module.spec.numel)
+    module.remote = NodeRound(grid, owners, timeout=timeout)
+    trainer.fit(module, datamodule=RemoteDataModule(clients, **data))
+    save_to = str(config.get("save-to", ""))
+    if save_to and trainer.is_global_zero:
+        privacy = module.server_privacy
+        # the ledgers show who took part when the selection is secret (central DP): then they stay out of the file
+        ledger = None if module.selection_is_secret() else module.ledger.as_dict()
+        torch.save({"hypotheses": module.hypotheses.detach().cpu().clone(), "rounds": int(module.rounds),
+                    "epsilon": float(privacy.epsilon) if privacy.accountable else math.inf, "ledger": ledger,
+                    "nodes": len(nodes), "clients": len(clients)}, save_to)
+
+
+def _server_app() -> Any:
+    try:
+        from flwr.serverapp import ServerApp
+    except ImportError as err:  # the deployment's extra
+        raise ImportError("lightning_dp.flower needs Flower 1.42 or later: pip install 'lightning-dp[deploy]'") from err
+
+    server = ServerApp()
+    server.main()(main)
+    return server
+
+
+#: the ``ServerApp`` (``[tool.flwr.app.components] serverapp = "lightning_dp.flower.server:app"``)
+app = _server_app()

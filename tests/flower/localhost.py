@@ -1,0 +1,113 @@
+"""A Flower deployment on localhost for the tests: one SuperLink and SuperNodes, each its own process
+(Flower's Deployment Engine, insecure mode), then ``flwr run`` of an app directory, waited to its end."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout: float = 60.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"nothing listens on port {port} after {timeout:g} s")
+
+
+class LocalDeployment:
+    """``with LocalDeployment(tmp, node_configs, env) as d: d.run(app_dir)``: the processes stop on exit."""
+
+    def __init__(self, root: Path, node_configs: list[str], env: dict[str, str] | None = None) -> None:
+        self.root, self.node_configs = Path(root), node_configs
+        self.home = self.root / "flwr_home"
+        self.logs = self.root / "logs"
+        self.env = {**os.environ, "FLWR_HOME": str(self.home), "FLWR_DISABLE_UPDATE_CHECK": "1",
+                    "FLWR_TELEMETRY_ENABLED": "0", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+        self.procs: list[subprocess.Popen] = []
+
+    def _start(self, name: str, args: list[str], env: dict[str, str]) -> None:
+        log = open(self.logs / f"{name}.log", "w")
+        self.procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.root,
+                                           start_new_session=True))
+
+    def __enter__(self) -> "LocalDeployment":
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        (self.home / "config.toml").write_text(f'[superlink]\ndefault = "local"\n\n[superlink.local]\n'
+                                               f'address = "127.0.0.1:{self.port}"\ninsecure = true\n')
+        self._start("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(self.port),
+                                  "--disable-runtime-dependency-installation"], self.env)
+        wait_port(self.port)
+        node_env = {k: v for k, v in self.env.items() if k != "LIGHTNING_DP_NOISE_SEED"}  # the server's secret
+        for i, node_config in enumerate(self.node_configs):
+            port = free_port()
+            self._start(f"supernode{i}", ["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{self.port}",
+                                          "--host", "127.0.0.1", "--port", str(port), "--node-config", node_config],
+                        node_env)
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            logs = [(self.logs / f"supernode{i}.log").read_text() for i in range(len(self.node_configs))]
+            if all("SuperNode ID:" in log for log in logs):
+                break
+            time.sleep(0.3)
+        else:
+            raise TimeoutError("the SuperNodes did not register:\n" + self.log_tail())
+        return self
+
+    def flwr(self, *args: str, timeout: float = 60) -> str:
+        out = subprocess.run(["flwr", *args], capture_output=True, text=True, env=self.env, timeout=timeout,
+                             cwd=self.root)
+        if out.returncode:
+            raise RuntimeError(f"flwr {' '.join(args)} failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
+        return out.stdout
+
+    def run(self, app: Path, timeout: float = 600) -> tuple[str, str]:
+        """``flwr run`` the app and wait for its end: ``(status, log)``."""
+        run_id = json.loads(self.flwr("run", str(app), "local", "--format", "json"))["run-id"]
+        end = time.monotonic() + timeout
+        status = ""
+        while time.monotonic() < end:
+            runs = json.loads(self.flwr("ls", "local", "--run-id", str(run_id), "--format", "json"))["runs"]
+            status = runs[0]["status"]
+            if status.startswith("finished:"):
+                break
+            time.sleep(1)
+        log = subprocess.run(["flwr", "log", str(run_id), "local", "--show"], capture_output=True, text=True,
+                             env=self.env, timeout=60, cwd=self.root).stdout
+        return status, log
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-chars:]}" for p in sorted(self.logs.glob("*.log")))
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in reversed(self.procs):  # SuperNodes first, then the SuperLink; their process groups (superexec)
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        time.sleep(0.5)
+        for proc in self.procs:  # children that outlived their parent (flower-superexec)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -1,0 +1,72 @@
+"""The round on Flower's Deployment Engine, each side a process on localhost: a SuperLink, two SuperNodes
+(tests/flower/localhost.py), ``lightning-dp flower-app`` then ``flwr run``. DP-FedAvg and the d-privacy
+personalized round end with the simulation's model, epsilon and ledger for the same seeds, the server records
+the run in MLflow, and the server's secret appears nowhere outside the server."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.flower.localhost import LocalDeployment
+from tests.flower.test_protocol import EXAMPLES, simulate
+
+pytestmark = pytest.mark.skipif(shutil.which("flower-superlink") is None, reason="Flower's CLI is not installed")
+
+SECRET = 918273645  # distinctive: searched for in what the SuperLink and MLflow hold
+CONFIGS = ["fl_deploy_fedavg.yaml", "fl_deploy_personalized.yaml"]
+
+
+@pytest.fixture(scope="module")
+def deployed(tmp_path_factory):
+    from lightning_dp.flower.app import write_app
+
+    root = tmp_path_factory.mktemp("flower")
+    nodes = [f"partition-id={p} num-partitions=2 noise-seed={SECRET}" for p in range(2)]
+    results = {}
+    env = {"LIGHTNING_DP_NOISE_SEED": str(SECRET), "MLFLOW_TRACKING_URI": f"sqlite:///{root}/server-mlflow.db"}
+    with LocalDeployment(root, nodes, env=env) as deployment:
+        for name in CONFIGS:
+            app = root / name.removesuffix(".yaml")
+            write_app(EXAMPLES / name, app, min_nodes=2, node_timeout=300, save_to=str(root / f"{app.name}.pt"))
+            status, log = deployment.run(app, timeout=500)
+            assert status == "finished:completed", log[-3000:] + deployment.log_tail()
+            results[name] = torch.load(root / f"{app.name}.pt")
+        superlink_log = (root / "logs" / "superlink.log").read_text()
+    return root, results, superlink_log
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_the_deployment_ends_with_the_simulations_model_and_epsilon(name, deployed, tmp_path, monkeypatch):
+    root, results, _ = deployed
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    simulated = simulate(EXAMPLES / name, SECRET)
+    result = results[name]
+    assert result["nodes"] == 2 and result["clients"] == 40 and result["rounds"] == 3
+    torch.testing.assert_close(result["hypotheses"], simulated.hypotheses, rtol=1e-6, atol=1e-7)
+    if simulated.server_privacy.accountable:  # DP-FedAvg: the same accountant; the ledger stays on the server
+        assert result["epsilon"] == simulated.server_privacy.epsilon and result["ledger"] is None
+    else:  # the personalized round: every participation's n / nu charged as in simulation
+        assert result["ledger"] == pytest.approx(simulated.ledger.as_dict())
+
+
+def test_the_server_records_the_run_and_its_secret_stays_on_the_server(deployed):
+    import mlflow
+
+    root, _, superlink_log = deployed
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{root}/server-mlflow.db")
+    (experiment,) = [e for e in client.search_experiments() if e.name == "fl-deploy"]
+    runs = {r.info.run_name: r for r in client.search_runs([experiment.experiment_id])}
+    assert set(runs) == {"dp-fedavg", "personalized-nu5"}
+    assert runs["dp-fedavg"].data.metrics["privacy/epsilon"] > 0
+    assert "privacy/client_epsilon_max" in runs["personalized-nu5"].data.metrics
+    # the server's noise seed: in no param, tag or metric of the record, nor in what the SuperLink logged
+    for run in runs.values():
+        assert str(SECRET) not in repr((run.data.params, run.data.tags))
+    assert str(SECRET) not in superlink_log
+    for app in ("fl_deploy_fedavg", "fl_deploy_personalized"):
+        assert str(SECRET) not in (root / app / "pyproject.toml").read_text()

@@ -1,0 +1,173 @@
+"""The deployment's protocol in one process (lightning_dp/flower): the ServerApp's NodeRound talking to the real
+ClientApp through a grid that delivers messages in memory. Equal to the simulation, refusals before any data,
+what goes into the app directory. The same over real processes: tests/flower/test_deployment.py."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lightning_dp.flower import client as client_side
+from lightning_dp.flower import server as server_side
+from lightning_dp.flower.app import check_shareable, write_app
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+class MemoryGrid:
+    """Flower's Grid, delivered in memory: each node's ClientApp called with its node config (the messages carry
+    only what the real ones do: they are built by the same code)."""
+
+    def __init__(self, run_config: dict, node_configs: dict[int, dict]) -> None:
+        from flwr.app import Context, RecordDict
+
+        self.contexts = {node: Context(run_id=7, node_id=node, node_config=cfg, state=RecordDict(),
+                                       run_config=run_config) for node, cfg in node_configs.items()}
+        self.sent: list = []
+
+    def get_node_ids(self):
+        return list(self.contexts)
+
+    def send_and_receive(self, messages, timeout=None):
+        replies = []
+        for message in messages:
+            self.sent.append(message)
+            node = message.metadata.dst_node_id
+            reply = client_side.app(message, self.contexts[node])
+            assert reply.metadata.src_node_id == node  # a reply comes from the node the message went to
+            replies.append(reply)
+        return replies
+
+
+def simulate(config: Path, noise_seed: int):
+    from lightning_dp.cli import LightningDPCLI
+
+    cli = LightningDPCLI(run=False, args=["--config", str(config), "--trainer.logger=false",
+                                          f"--model.init_args.noise_seed={noise_seed}", "--trainer.limit_val_batches=0",
+                                          "--trainer.enable_checkpointing=false"])
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    return cli.model
+
+
+def deploy_in_memory(config: Path, noise_seed: int, nodes: int = 2):
+    run_config = {"config-yaml": config.read_text(), "min-nodes": nodes, "node-timeout": 60.0, "save-to": ""}
+    grid = MemoryGrid(run_config, {100 + p: {"partition-id": p, "num-partitions": nodes, "noise-seed": noise_seed}
+                                   for p in range(nodes)})
+    client_side._SITES.clear()
+    from flwr.app import Context, RecordDict
+
+    context = Context(run_id=7, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
+    captured = {}
+    fit = server_side.RemoteDataModule  # capture the server's module through the DataModule it is fitted with
+
+    class Capturing(fit):
+        def setup(self, stage=None):
+            captured["module"] = self.trainer.lightning_module
+            super().setup(stage)
+
+    from flwr.supercore.task_identity import TaskIdentity
+
+    identity = {name: getattr(TaskIdentity, f"_{name}", None) for name in ("run_id", "node_id", "task_id")}
+    server_side.RemoteDataModule = Capturing
+    try:
+        import os
+
+        # what a ServerApp process of Flower has set before its main runs (messages are stamped with it)
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 7, 0, 1
+        os.environ[server_side.NOISE_SEED_VARIABLE] = str(noise_seed)
+        server_side.main(grid, context)
+    finally:
+        server_side.RemoteDataModule = fit
+        os.environ.pop(server_side.NOISE_SEED_VARIABLE, None)
+        for name, value in identity.items():
+            setattr(TaskIdentity, f"_{name}", value)
+    return captured["module"], grid
+
+
+@pytest.mark.parametrize("name", ["fl_deploy_fedavg.yaml", "fl_deploy_personalized.yaml"])
+def test_the_deployment_protocol_ends_with_the_simulations_model_epsilon_and_ledger(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    monkeypatch.setattr(sys, "argv", ["lightning-dp"])
+    config = tmp_path / name
+    text = yaml.safe_load((EXAMPLES / name).read_text())
+    text["trainer"]["logger"] = False  # the deployment's MLflow record: tests/flower/test_deployment.py
+    config.write_text(yaml.safe_dump(text))
+    simulated = simulate(config, 918273645)
+    deployed, grid = deploy_in_memory(config, 918273645)
+    torch.testing.assert_close(deployed.hypotheses, simulated.hypotheses, rtol=1e-6, atol=1e-7)
+    assert int(deployed.rounds) == int(simulated.rounds) == 3
+    assert deployed.ledger.as_dict() == pytest.approx(simulated.ledger.as_dict())
+    if simulated.server_privacy.accountable:
+        assert deployed.server_privacy.epsilon == simulated.server_privacy.epsilon
+        assert deployed.server_privacy.accountant.history == simulated.server_privacy.accountant.history
+    # what the nodes received: public state only (the server's secret seed is in no message)
+    for message in grid.sent:
+        content = message.content
+        assert "918273645" not in repr(dict(content["config"]))
+        if "arrays" in content:
+            assert set(content["arrays"].keys()) == {"hypotheses", "previous_step"}
+
+
+def test_nodes_that_disagree_or_leave_clients_out_are_refused_before_training():
+    def report(positions, total=4, numel=2):
+        return {"positions": positions, "ids": [f"c{i}" for i in positions], "sizes": [3] * len(positions),
+                "num-training-clients": total, "numel": numel, "task": "regression", "num-classes": -1,
+                "num-groups": -1, "input-shape": [2]}
+
+    owners, clients, data = server_side.plan_clients({1: report([0, 2]), 2: report([1, 3])}, 2)
+    assert owners == [1, 2, 1, 2] and [c.client_id for c in clients] == ["c0", "c1", "c2", "c3"]
+    assert data == {"task": "regression", "num_classes": None, "num_groups": None, "input_shape": (2,)}
+    with pytest.raises(RuntimeError, match="distinct --node-config partition-id"):
+        server_side.plan_clients({1: report([0, 2]), 2: report([0, 1, 3])}, 2)
+    with pytest.raises(RuntimeError, match="no node"):
+        server_side.plan_clients({1: report([0, 2])}, 2)
+    with pytest.raises(RuntimeError, match="same config"):
+        server_side.plan_clients({1: report([0, 2], numel=3), 2: report([1, 3])}, 2)
+    with pytest.raises(RuntimeError, match="same client list"):
+        server_side.plan_clients({1: report([0, 2]), 2: report([1, 3], total=5)}, 2)
+
+
+def test_a_config_with_a_secret_is_refused_and_the_app_carries_the_config_verbatim(tmp_path):
+    with pytest.raises(ValueError, match="model.init_args.noise_seed, a secret"):
+        check_shareable({"model": {"init_args": {"noise_seed": 3}}})
+    check_shareable({"model": {"init_args": {"noise_seed": None, "seed": 3}}})  # an unset secret is no secret
+    leaky = tmp_path / "leaky.yaml"
+    leaky.write_text((EXAMPLES / "fl_deploy_fedavg.yaml").read_text().replace("    seed: 0\n",
+                                                                             "    seed: 0\n    noise_seed: 77\n"))
+    with pytest.raises(ValueError, match="LIGHTNING_DP_NOISE_SEED"):
+        write_app(leaky, tmp_path / "app")
+    import tomllib
+
+    path = write_app(EXAMPLES / "fl_deploy_personalized.yaml", tmp_path / "app", min_nodes=3, save_to="/x/final.pt")
+    app = tomllib.loads(path.read_text())["tool"]["flwr"]["app"]
+    assert app["components"] == {"serverapp": "lightning_dp.flower.server:app",
+                                 "clientapp": "lightning_dp.flower.client:app"}
+    assert app["config"]["config-yaml"] == (EXAMPLES / "fl_deploy_personalized.yaml").read_text()
+    assert app["config"]["min-nodes"] == 3 and app["config"]["save-to"] == "/x/final.pt"
+
+
+def test_the_flower_app_command_writes_the_app_and_refuses_bad_input(tmp_path, capsys):
+    from lightning_dp.cli import main
+
+    assert main(["flower-app", "--config", str(EXAMPLES / "fl_deploy_fedavg.yaml"), "--out", str(tmp_path / "a"),
+                 "--min-nodes", "2"]) == 0
+    assert (tmp_path / "a" / "pyproject.toml").is_file() and "flwr run" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as err:
+        main(["flower-app", "--config", str(tmp_path / "missing.yaml"), "--out", str(tmp_path / "b")])
+    assert err.value.code == 2 and "no such file" in capsys.readouterr().err
+
+
+def test_what_the_deployment_does_not_run_yet_is_refused_with_the_reason():
+    from lightning_dp.federated import FederatedRound
+    from lightning_dp.federated.parts import LocalDPSGD
+    from lightning_dp.flower.build import refuse_unsupported
+    from lightning_dp.models import LinearRegression
+
+    module = FederatedRound(LinearRegression(), update=LocalDPSGD(target_epsilon=2.0), diagnostics=True)
+    with pytest.raises(ValueError, match="(?s)local_dp_sgd.*diagnostics"):
+        refuse_unsupported(module)
