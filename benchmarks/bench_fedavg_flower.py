@@ -397,7 +397,8 @@ def report_target(name: str, record: dict, target: float, note: str = "") -> Non
     reached = next((i + 1 for i, a in enumerate(accuracies) if a >= target), None)
     what = (f"reached {accuracies[reached - 1]:.3f} in {reached} rounds" if reached else
             f"NOT reached in {rounds} rounds (best {max(accuracies):.3f}, last {accuracies[-1]:.3f})")
-    print(f"{name:<18}: {what}; training {sum(record['round_times']):.2f} s (sum of rounds), wall "
+    print(f"{name:<18}: {what}; training {sum(record['round_times']):.2f} s (sum of rounds, the first "
+          f"{record['round_times'][0]:.2f} s), wall "
           f"{record['wall'] - evals:.2f} s (set-up included{note}); evaluation {evals:.3f} s excluded")
 
 

@@ -1,7 +1,7 @@
 """Generated client populations too large to hold as one :class:`ClientDataset` per client.
 
-A :class:`~lightning_dp.datamodules.federated.ClientPopulation` is a ``Sequence`` of clients that keeps only what a round needs of
-all of them (the sizes: 8 bytes per client) and builds the data of the clients a round reads,
+A :class:`~lightning_dp.datamodules.federated.ClientPopulation` is a ``Sequence`` of clients that keeps only
+what a round needs of all of them (the sizes: 8 bytes per client) and builds the data of the clients a round reads,
 already padded, so a population of 1,000,000 clients costs the memory of the clients drawn,
 not of the population (docs/federated.md, "Populations").
 
@@ -77,7 +77,8 @@ class SyntheticPopulation(ClientPopulation):
         self.split = split
         lo, hi = (int(v) for v in samples)
         if not 1 <= lo <= hi:
-            raise ValueError(f"{owner}: samples={tuple(samples)!r} is not allowed: pass (min, max) with 1 <= min <= max")
+            raise ValueError(f"{owner}: samples={tuple(samples)!r} is not allowed: pass (min, max) with "
+                             "1 <= min <= max")
         self.samples = (lo, hi)
         self.input_shape = tuple(checks.positive_int("input_shape", int(v), owner=owner) for v in input_shape)
         self.num_clusters = checks.positive_int("num_clusters", num_clusters, owner=owner)

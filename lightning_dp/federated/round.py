@@ -304,8 +304,8 @@ class FederatedRound(LightningModule):
         set up: what ``setup`` reads, and what a SuperNode of a Flower deployment reads from its own data
         (:mod:`lightning_dp.flower`)."""
         self._data = dm
-        self._clients: dict[str, Sequence[ClientDataset]] = {"train": dm.train_clients or [], "val": dm.val_clients or [],
-                                                         "test": dm.test_clients or []}
+        self._clients: dict[str, Sequence[ClientDataset]] = {
+            "train": dm.train_clients or [], "val": dm.val_clients or [], "test": dm.test_clients or []}
         self._classification = dm.task == "classification"
         if self._classification and self.loss_name == "rmse" and dm.num_classes is not None and dm.num_classes < 2:
             raise MisconfigurationException(f"{type(dm).__name__} is a classification task with num_classes="
@@ -387,7 +387,8 @@ class FederatedRound(LightningModule):
         clients = self._clients["train"]
         num_clients = len(clients)
         try:
-            self.update.plan([c.client_id for c in clients], [len(c) for c in clients], planned_rounds=planned_rounds,
+            self.update.plan(client_ids(clients, range(num_clients)), client_sizes(clients).tolist(),
+                             planned_rounds=planned_rounds,
                              inclusion_rate=self.selection.expected_count(num_clients) / num_clients)
         except ValueError as err:
             raise MisconfigurationException(f"{type(self.update).__name__}: {err}") from None
@@ -420,7 +421,13 @@ class FederatedRound(LightningModule):
     def set_secret_seed(self, seed: int) -> None:
         """Replace the noise seed before ``fit`` (``lightning-dp grid`` does this, so that no two runs of a
         grid draw the same noise)."""
-        self._noise_seed = check_seed(seed, optional=False)
+        seed = check_seed(seed, optional=False, name="noise_seed")
+        if seed == self.seed and (self.sanitizer.accountable or self.server_privacy.accountable
+                                  or self.update.accountable):
+            raise ValueError("the noise seed equals the round's public seed (logged, in the uploaded checkpoint and "
+                             "in every message of a deployment): anyone with the record could regenerate the noise "
+                             "and recompute who took part. Use another noise seed, or none (a fresh secret one).")
+        self._noise_seed = seed
         self._noise_seed_given = True
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -692,7 +699,8 @@ class FederatedRound(LightningModule):
         metrics.update(privacy_metrics)
         sizes = torch.bincount(assignment, minlength=self.k)
         if len(index):  # the clients' private losses: covered by no accountant
-            metrics["nonprivate/train_loss"] = float(stats[:, 0].mean())
+            if not bool(stats[:, 0].isnan().all()):  # the clients of a deployment withhold it (lightning_dp.flower)
+                metrics["nonprivate/train_loss"] = float(stats[:, 0].mean())
         for j in range(self.k):  # the server's clustering of the releases
             metrics[self._stat(f"cluster_size_{j}", of_releases=True)] = float(sizes[j])
         if self.spec.numel <= 2 and self._records_releases():

@@ -6,31 +6,36 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SECRET_KEYS", "check_shareable", "write_app"]
+__all__ = ["check_shareable", "secret_settings", "write_app"]
 
-#: config keys whose values are secrets: the app's config goes to every SuperNode and to the SuperLink
-SECRET_KEYS = ("noise_seed",)
+def secret_settings(cli: Any) -> list[str]:
+    """The secret arguments a built config sets (the dotted paths; never their values): what
+    :func:`~lightning_dp.tracking.redact_secrets` would redact from the parsed config (every component's
+    ``SECRET_ARGUMENTS``: the round's ``noise_seed``, a DPSGD or audit ``seed``, however the YAML spelled them), and
+    a noise seed the round was given."""
+    from lightning_dp.tracking import redact_secrets
+
+    dump = cli.parser.dump(cli.config, skip_none=False)
+    redacted = redact_secrets(dump)
+    found = []
+    if redacted != dump:
+        line = next(row for row in redacted.splitlines() if row.startswith("# redacted"))
+        found = line.split(": ", 1)[1].split(", ")
+    if getattr(cli.model, "_noise_seed_given", False) and not any(p.endswith("noise_seed") for p in found):
+        found.append("model.init_args.noise_seed")
+    return found
 
 
-def check_shareable(config: Any, where: str = "the config") -> None:
-    """Refuse a config that holds a secret (:data:`SECRET_KEYS`, at any depth): it is shipped to every node."""
-
-    def walk(node: Any, path: str) -> None:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                if key in SECRET_KEYS and value is not None:
-                    raise ValueError(
-                        f"{where} sets {path}{key}, a secret: a Flower app's config goes to the SuperLink and to every "
-                        "SuperNode. Remove it; give the server its noise seed as the environment variable "
-                        "LIGHTNING_DP_NOISE_SEED of the SuperLink's process, and each site its own with "
-                        "flower-supernode --node-config 'noise-seed=...' (or leave both out: fresh secrets from the "
-                        "operating system).")
-                walk(value, f"{path}{key}.")
-        elif isinstance(node, list):
-            for i, value in enumerate(node):
-                walk(value, f"{path}{i}.")
-
-    walk(config, "")
+def check_shareable(cli: Any, where: str = "the config") -> None:
+    """Refuse a built config that sets a secret (:func:`secret_settings`): a Flower app's config goes to every node."""
+    found = secret_settings(cli)
+    if found:
+        raise ValueError(
+            f"{where} sets {', '.join(found)}, secret: a Flower app's config goes to the SuperLink and to every "
+            "SuperNode. Remove it; give the server its noise seed as the environment variable "
+            "LIGHTNING_DP_NOISE_SEED of the SuperLink's process, and each site its own with "
+            "flower-supernode --node-config 'noise-seed=...' (or leave both out: fresh secrets from the operating "
+            "system).")
 
 
 def write_app(config: str | Path, out: str | Path, *, min_nodes: int = 1, node_timeout: float = 600.0,
@@ -48,19 +53,27 @@ def write_app(config: str | Path, out: str | Path, *, min_nodes: int = 1, node_t
             epsilon, rounds) with ``torch.save``; empty: none.
 
     Raises:
-        ValueError: If the config holds a secret (:func:`check_shareable`) or an argument is out of range.
+        ValueError: If the config does not build a federated round, holds a secret (:func:`check_shareable`), ``out``
+            holds other files (Flower ships every file of the app directory to every node), or an argument is out
+            of range.
     """
-    import yaml
+    from lightning_dp.flower.build import build_from_yaml
 
-    text = Path(config).read_text("utf-8")
-    check_shareable(yaml.safe_load(text), f"{config}")
     if isinstance(min_nodes, bool) or not isinstance(min_nodes, int) or min_nodes < 1:
         raise ValueError(f"min_nodes={min_nodes!r} is not allowed: pass a positive integer")
     if not float(node_timeout) > 0:
         raise ValueError(f"node_timeout={node_timeout!r} is not allowed: pass a number of seconds > 0")
+    text = Path(config).read_text("utf-8")
+    build_from_yaml(text, ["--trainer.logger=false"], where=str(config))  # builds as the nodes will, or refuses
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     package = name.replace("-", "_")
+    ours = {out / "pyproject.toml", out / package, out / package / "__init__.py"}
+    others = sorted(str(p) for p in out.rglob("*") if p not in ours) if out.exists() else []
+    if others:
+        shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+        raise ValueError(f"--out {out} holds other files ({shown}): "
+                         "Flower ships every file of an app directory to every node. Give a new or empty directory.")
+    out.mkdir(parents=True, exist_ok=True)
     (out / package).mkdir(exist_ok=True)
     # the components are lightning-dp's, installed on every node; the app carries only the config
     (out / package / "__init__.py").write_text('"""A lightning-dp federated round as a Flower app."""\n')

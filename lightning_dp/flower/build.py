@@ -7,18 +7,16 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["build_from_yaml", "refuse_unsupported"]
+__all__ = ["build_from_yaml", "read_secret", "refuse_unsupported"]
 
 
-def build_from_yaml(text: str, args: Sequence[str] = ()) -> Any:
-    """``LightningDPCLI(run=False)`` of a config's text (plus overrides): its model must be a ``FederatedRound``."""
-    import yaml
-
+def build_from_yaml(text: str, args: Sequence[str] = (), *, where: str = "the app's config") -> Any:
+    """``LightningDPCLI(run=False)`` of a config's text (plus overrides): its model must be a ``FederatedRound``,
+    and it may set no secret (:func:`~lightning_dp.flower.app.check_shareable`)."""
     from lightning_dp.cli import LightningDPCLI
     from lightning_dp.federated import FederatedRound
     from lightning_dp.flower.app import check_shareable
 
-    check_shareable(yaml.safe_load(text), "the app's config")
     handle, path = tempfile.mkstemp(suffix=".yaml", prefix="lightning-dp-flower-")
     try:
         with os.fdopen(handle, "w") as f:
@@ -26,11 +24,25 @@ def build_from_yaml(text: str, args: Sequence[str] = ()) -> Any:
         cli = LightningDPCLI(run=False, args=["--config", path, *args])
     finally:
         os.unlink(path)
+    check_shareable(cli, where)
     if not isinstance(cli.model, FederatedRound):
-        raise ValueError(f"a Flower deployment runs a federated round: the config's model is {type(cli.model).__name__}, "
+        raise ValueError("a Flower deployment runs a federated round: the config's model is "
+                         f"{type(cli.model).__name__}, "
                          "not a lightning_dp.federated.FederatedRound (or a preset such as "
                          "PersonalizedFederatedModule)")
     return cli
+
+
+def read_secret(value: Any, where: str) -> int:
+    """A noise seed given as text (an environment variable, a node config), checked without ever echoing it: an
+    error's text travels to the server's logs."""
+    try:
+        seed = int(str(value).strip())
+    except ValueError:
+        seed = -1
+    if seed < 0:
+        raise ValueError(f"{where} is not a non-negative integer (its value is not shown: it is a secret)")
+    return seed
 
 
 def refuse_unsupported(module: Any) -> None:

@@ -25,7 +25,7 @@ class _Site:
     """A node's round and data, built once per run in this process."""
 
     def __init__(self, text: str, node_config: Any) -> None:
-        from lightning_dp.flower.build import build_from_yaml, refuse_unsupported
+        from lightning_dp.flower.build import build_from_yaml, read_secret, refuse_unsupported
 
         cli = build_from_yaml(text, ["--trainer.logger=false", "--trainer.enable_checkpointing=false"])
         self.module, self.data = cli.model, cli.datamodule
@@ -40,14 +40,15 @@ class _Site:
         total = len(self.data.train_clients)
         self.positions = list(range(part, total, parts))
         secret = node_config.get("noise-seed")
-        if secret not in (None, ""):
-            self.module.set_secret_seed(int(secret))  # else the fresh secret the round drew when it was built
+        if secret not in (None, ""):  # else the fresh secret the round drew when it was built
+            self.module.set_secret_seed(read_secret(secret, "--node-config noise-seed"))
 
     def report(self) -> dict[str, Any]:
         from lightning_dp.datamodules.federated import client_ids, client_sizes
 
         train, data = self.data.train_clients, self.data
-        sizes = client_sizes(train)
+        # the example counts only where the aggregator weights by them (FedAvg weighted=True), else 1
+        sizes = client_sizes(train) if self.module.aggregator.weights_by_counts else torch.ones(len(train))
         return {"positions": self.positions, "ids": [str(i) for i in client_ids(train, self.positions)],
                 "sizes": [int(sizes[i]) for i in self.positions], "num-training-clients": len(train),
                 "numel": int(self.module.spec.numel), "task": str(data.task),
@@ -71,6 +72,9 @@ def serve_clients(node: _Site, positions: list[int], r: int, *, hypotheses: torc
     foreign = sorted(set(positions) - set(node.positions))
     if foreign:
         raise ValueError(f"the server asked for clients {foreign[:5]}, which this node does not serve")
+    if int(seed) == module._noise_seed:
+        raise ValueError("the server's public seed equals this site's noise seed: the noise of its releases would be "
+                         "public. Give the site another --node-config noise-seed (or none: a fresh secret one).")
     with torch.no_grad():
         module.hypotheses.copy_(hypotheses)
         module.previous_step.copy_(previous_step)
@@ -80,8 +84,15 @@ def serve_clients(node: _Site, positions: list[int], r: int, *, hypotheses: torc
     x, y, mask = node.data.padded_rows("train", positions)
     released, stats, _ = module.train_clients(list(positions), int(r), x, y, mask)
     stats = stats.detach().clone()
-    if not module.log_nonprivate_metrics:  # the client's exact loss goes to the server only when the config logs it
+    # what leaves the site beside the release (docs/federated.md, "What each side sees"): its exact loss only to a
+    # trusted server (the releases unsanitized, central DP) that logs nonprivate metrics; its example count only to
+    # an aggregator that weights by it; its unclipped bit only when it clipped at the server's adaptive threshold
+    if module.releases_are_sanitized() or not module.log_nonprivate_metrics:
         stats[:, 0] = math.nan
+    if not module.aggregator.weights_by_counts:
+        stats[:, 2] = 1.0
+    if not clip > 0:
+        stats[:, 3] = math.nan
     return released.detach(), stats
 
 

@@ -155,24 +155,31 @@ def plan_clients(reports: dict[int, dict[str, Any]], numel: int) -> tuple[list[i
         raise RuntimeError(f"{len(unserved)} of the {total} training clients have no node (first: {unserved[:5]}): "
                            "start one SuperNode per partition-id 0..num-partitions-1")
     first = next(iter(reports.values()))
-    data = {"task": str(first["task"]), "num_classes": None if int(first["num-classes"]) < 0 else int(first["num-classes"]),
-            "num_groups": None if int(first["num-groups"]) < 0 else int(first["num-groups"]),
+    def optional(value: Any) -> Optional[int]:  # -1: None in a ConfigRecord
+        return None if int(value) < 0 else int(value)
+
+    data = {"task": str(first["task"]), "num_classes": optional(first["num-classes"]),
+            "num_groups": optional(first["num-groups"]),
             "input_shape": tuple(int(v) for v in first["input-shape"])}
     return owners, clients, data  # type: ignore[return-value]  # every entry filled (unserved refused)
 
 
 def main(grid: Any, context: Any) -> None:
     """The ServerApp's main: build, ask the nodes, fit (module docstring)."""
-    from lightning_dp.flower.build import build_from_yaml, refuse_unsupported
+    from lightning_dp.flower.build import build_from_yaml, read_secret, refuse_unsupported
 
     config = context.run_config
     cli = build_from_yaml(str(config["config-yaml"]), ["--trainer.limit_val_batches=0",
                                                        "--trainer.num_sanity_val_steps=0"])
     module, trainer = cli.model, cli.trainer
     refuse_unsupported(module)
+    if trainer.world_size > 1:
+        raise ValueError(f"the server of a deployment runs in one process (the config's Trainer has "
+                         f"{trainer.world_size} processes, each of which would send every round to the nodes): set "
+                         "trainer.devices: 1")
     secret = os.environ.get(NOISE_SEED_VARIABLE)
     if secret:
-        module.set_secret_seed(int(secret))
+        module.set_secret_seed(read_secret(secret, f"the environment variable {NOISE_SEED_VARIABLE}"))
     timeout = float(config.get("node-timeout", 600.0))
     nodes = wait_for_nodes(grid, int(config.get("min-nodes", 1)), timeout)
     owners, clients, data = plan_clients(ask_nodes(grid, nodes, timeout), module.spec.numel)

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["check_noise_multiplier", "counter_normal", "counter_uniform", "derive_generator", "derive_secret_generator", "gaussian_noise", "noisy_mean",
+__all__ = ["check_noise_multiplier", "counter_normal", "counter_uniform", "derive_generator", "derive_secret_generator",
+           "gaussian_noise", "noisy_mean",
            "require_secret", "SecretGenerator", "SAMPLING", "NOISE", "CLIP_STATISTIC"]
 
 #: Stream identifiers for :func:`derive_generator`: Poisson sampling, the gradient noise, and the
@@ -86,8 +87,8 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
 
 
 def counter_uniform(seed: int, *counters: int | Tensor, device: torch.device | str | None = None) -> Tensor:
-    """Uniform draws in (0, 1) (float64, 53-bit resolution), one per element of the broadcast ``counters``: a hash
-    of ``(seed, *counters)``, so each draw is a pure function of its own indices.
+    """Uniform draws in (0, 1) (float64, 52-bit resolution, never 0 or 1), one per element of the broadcast
+    ``counters``: a hash of ``(seed, *counters)``, so each draw is a pure function of its own indices.
 
     For PUBLIC streams only (synthetic data, the local shuffles of non-private updates at populations where one
     generator per client costs more than the round: :func:`derive_generator` takes ~10 us): a draw for client i
@@ -116,7 +117,8 @@ def counter_uniform(seed: int, *counters: int | Tensor, device: torch.device | s
                     raise ValueError(f"counter_uniform: counter {c!r} is not an integer in [0, 2^64)")
                 word = np.uint64(int(c))
             h = _splitmix64(h ^ word)
-        u = ((h >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
+        # the top 52 bits, centred in their cell: (k + 1/2) / 2^52 is exact in float64 and lies strictly in (0, 1)
+        u = ((h >> np.uint64(12)).astype(np.float64) + 0.5) * 2.0**-52
     return torch.as_tensor(np.asarray(u, dtype=np.float64)).to(dev)
 
 

@@ -13,7 +13,7 @@ import yaml
 
 from lightning_dp.flower import client as client_side
 from lightning_dp.flower import server as server_side
-from lightning_dp.flower.app import check_shareable, write_app
+from lightning_dp.flower.app import write_app
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -28,6 +28,7 @@ class MemoryGrid:
         self.contexts = {node: Context(run_id=7, node_id=node, node_config=cfg, state=RecordDict(),
                                        run_config=run_config) for node, cfg in node_configs.items()}
         self.sent: list = []
+        self.replies: list = []
 
     def get_node_ids(self):
         return list(self.contexts)
@@ -40,6 +41,7 @@ class MemoryGrid:
             reply = client_side.app(message, self.contexts[node])
             assert reply.metadata.src_node_id == node  # a reply comes from the node the message went to
             replies.append(reply)
+            self.replies.append(reply)
         return replies
 
 
@@ -105,6 +107,13 @@ def test_the_deployment_protocol_ends_with_the_simulations_model_epsilon_and_led
     if simulated.server_privacy.accountable:
         assert deployed.server_privacy.epsilon == simulated.server_privacy.epsilon
         assert deployed.server_privacy.accountant.history == simulated.server_privacy.accountant.history
+    # what the server received beside the releases: costs; no loss from sanitized releases, no counts for an
+    # unweighted aggregator, no bit unless clipping at the server's adaptive threshold (docs/federated.md)
+    for reply in grid.replies:
+        if "arrays" in reply.content:
+            stats = reply.content["arrays"].to_torch_state_dict()["stats"]
+            assert stats[:, 2].eq(1).all() and stats[:, 3].isnan().all()
+            assert stats[:, 0].isnan().all() == simulated.releases_are_sanitized()
     # what the nodes received: public state only (the server's secret seed is in no message)
     for message in grid.sent:
         content = message.content
@@ -132,23 +141,63 @@ def test_nodes_that_disagree_or_leave_clients_out_are_refused_before_training():
         server_side.plan_clients({1: report([0, 2]), 2: report([1, 3], total=5)}, 2)
 
 
-def test_a_config_with_a_secret_is_refused_and_the_app_carries_the_config_verbatim(tmp_path):
-    with pytest.raises(ValueError, match="model.init_args.noise_seed, a secret"):
-        check_shareable({"model": {"init_args": {"noise_seed": 3}}})
-    check_shareable({"model": {"init_args": {"noise_seed": None, "seed": 3}}})  # an unset secret is no secret
+@pytest.mark.parametrize("leak", [
+    "    seed: 0\n    noise_seed: 77\n",                      # the round's secret, where a config sets it
+    "    seed: 0\nmodel.init_args.noise_seed: 4242\n",        # the same as a dotted key after the block
+    "    seed: 0\n    noise_seed: 0x10\n",                    # any spelling YAML reads as an integer
+])
+def test_a_config_that_sets_a_secret_however_spelled_is_refused(leak, tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["lightning-dp"])
     leaky = tmp_path / "leaky.yaml"
-    leaky.write_text((EXAMPLES / "fl_deploy_fedavg.yaml").read_text().replace("    seed: 0\n",
-                                                                             "    seed: 0\n    noise_seed: 77\n"))
-    with pytest.raises(ValueError, match="LIGHTNING_DP_NOISE_SEED"):
+    leaky.write_text((EXAMPLES / "fl_deploy_fedavg.yaml").read_text().replace("    seed: 0\n", leak, 1))
+    with pytest.raises(ValueError, match="noise_seed, secret.*LIGHTNING_DP_NOISE_SEED") as err:
         write_app(leaky, tmp_path / "app")
+    assert "77" not in str(err.value) and "4242" not in str(err.value)  # named, never shown
+    assert not (tmp_path / "app").exists()
+
+
+def test_a_dpsgd_seed_in_the_config_is_a_secret_too(tmp_path, monkeypatch):
+    from lightning_dp.flower.build import build_from_yaml
+
+    monkeypatch.setattr(sys, "argv", ["lightning-dp"])
+    text = yaml.safe_load((EXAMPLES / "fl_deploy_fedavg.yaml").read_text())
+    text["trainer"]["logger"] = False
+    text["trainer"]["callbacks"] = [{"class_path": "lightning_dp.callbacks.DPSGD",
+                                     "init_args": {"noise_multiplier": 1.0, "seed": 5}}]
+    with pytest.raises(ValueError, match=r"trainer\.callbacks\.0\.init_args\.seed, secret"):
+        build_from_yaml(yaml.safe_dump(text))
+
+
+def test_the_app_carries_the_config_verbatim_and_refuses_a_directory_with_other_files(tmp_path, monkeypatch):
     import tomllib
 
+    monkeypatch.setattr(sys, "argv", ["lightning-dp"])
     path = write_app(EXAMPLES / "fl_deploy_personalized.yaml", tmp_path / "app", min_nodes=3, save_to="/x/final.pt")
     app = tomllib.loads(path.read_text())["tool"]["flwr"]["app"]
     assert app["components"] == {"serverapp": "lightning_dp.flower.server:app",
                                  "clientapp": "lightning_dp.flower.client:app"}
     assert app["config"]["config-yaml"] == (EXAMPLES / "fl_deploy_personalized.yaml").read_text()
     assert app["config"]["min-nodes"] == 3 and app["config"]["save-to"] == "/x/final.pt"
+    write_app(EXAMPLES / "fl_deploy_fedavg.yaml", tmp_path / "app")  # its own app: rewritten
+    (tmp_path / "app" / "other.yaml").write_text("model: {}\n")  # Flower would ship it to every node
+    with pytest.raises(ValueError, match="holds other files"):
+        write_app(EXAMPLES / "fl_deploy_fedavg.yaml", tmp_path / "app")
+
+
+def test_secrets_given_as_text_are_checked_without_being_shown():
+    from lightning_dp.federated import FederatedRound
+    from lightning_dp.federated.parts import EuclideanLaplace
+    from lightning_dp.flower.build import read_secret
+    from lightning_dp.models import LinearRegression
+
+    assert read_secret(" 42 ", "x") == 42
+    for bad in ("0x2a", "-3", "abc123"):
+        with pytest.raises(ValueError, match="not shown") as err:
+            read_secret(bad, "--node-config noise-seed")
+        assert bad not in str(err.value)
+    module = FederatedRound(LinearRegression(), sanitizer=EuclideanLaplace(2.0), seed=9)
+    with pytest.raises(ValueError, match="public seed"):
+        module.set_secret_seed(9)
 
 
 def test_the_flower_app_command_writes_the_app_and_refuses_bad_input(tmp_path, capsys):

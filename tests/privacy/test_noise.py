@@ -90,10 +90,12 @@ def test_counter_uniform_is_the_splitmix64_chain_written_out() -> None:
         h = _splitmix64(h ^ (seed >> 64))
         for c in counters:
             h = _splitmix64(h ^ c)
-        return ((h >> 11) + 0.5) * 2.0**-53
+        return ((h >> 12) + 0.5) * 2.0**-52
 
     for seed, counters in [(0, (1,)), (7, (12, 3, 0, 2**40)), (2**100 + 3, (5, 2**64 - 1)), (5, ())]:
         assert counter_uniform(seed, *counters).item() == reference(seed, *counters)
+    # the largest hash maps strictly below 1 (the normal quantile stays finite), the smallest above 0
+    assert ((2**52 - 1) + 0.5) * 2.0**-52 < 1.0 and (0 + 0.5) * 2.0**-52 > 0.0
     rows = counter_uniform(9, 4, torch.arange(3)[:, None], torch.tensor([[0, 2**33]]))
     assert rows.shape == (3, 2) and rows.dtype == torch.float64
     assert [[reference(9, 4, i, j) for j in (0, 2**33)] for i in range(3)] == rows.tolist()
