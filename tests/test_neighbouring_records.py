@@ -156,6 +156,10 @@ KINDS = [
     kind("dp-fedavg-adaptive", ["fedavg_adaptive_mnist.yaml"], [*FEDERATED, *FEDERATED_MNIST, *FEDAVG_MNIST]),
     kind("dp-fedavg-adaptive-sector", ["fl_sector_synthetic.yaml"],
          [*FEDERATED, "--trainer.max_epochs=3", "--model.init_args.server_privacy.init_args.adaptive=true"]),
+    # the deployment's DP-FedAvg config (clip sanitizer on the clients, central Gaussian) run as a simulation, at
+    # q = 0.8 (the example: 0.3); on a Flower deployment the same parts run (tests/flower/test_deployment.py)
+    kind("dp-fedavg-deploy-config", ["fl_deploy_fedavg.yaml"],
+         [*FEDERATED, "--trainer.max_epochs=3", "--model.init_args.selection.init_args.sample_rate=0.8"]),
     kind("local-dp-gaussian", ["fl_local_dp_synthetic.yaml"],
          [*FEDERATED, "--trainer.max_epochs=3", "--model.init_args.selection.init_args.clients_per_round=80"]),
     kind("local-dpsgd", ["fl_local_dpsgd_mnist.yaml"], [*FEDERATED, *FEDERATED_MNIST, *LOCAL_DPSGD], unit="example"),
@@ -182,6 +186,12 @@ KINDS = [
         "needs the CMS inpatient CSV; PersonalizedFederatedModule runs in fl-d-privacy"))),
     kind("oso-agnews", ["oso_agnews.yaml"], [], pytest.mark.skip(reason=(
         "needs the AG News CSV files and word vectors; DPSGD runs in dpsgd and the OSO strategies in oso-*"))),
+    kind("fl-deploy-d-privacy", ["fl_deploy_personalized.yaml"], [], pytest.mark.skip(reason=(
+        "PersonalizedFederatedModule on the synthetic mixture, as fl-d-privacy (this config is its deployment's, "
+        "tests/flower/test_deployment.py)"))),
+    kind("dp-fedavg-population", ["fedavg_population.yaml"], [], pytest.mark.skip(reason=(
+        "its 1,000,000 clients are generated from the public seed (no dataset to change one client of); its "
+        "parts (PoissonSelection, LocalSGD, CentralGaussian) run in dp-fedavg-poisson and dp-fedavg-deploy-config"))),
     kind("digits-nonprivate", ["digits_nonprivate.yaml"], [], pytest.mark.skip(reason=(
         "non-private baseline: it claims no DP, and its model is not a DP release"))),
     kind("lm-public-pretraining", ["lm/gpt2_public_pretrain.yaml"], [], pytest.mark.skip(reason=(

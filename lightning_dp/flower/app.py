@@ -4,39 +4,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
-__all__ = ["check_shareable", "secret_settings", "write_app"]
-
-def secret_settings(cli: Any) -> list[str]:
-    """The secret arguments a built config sets (the dotted paths; never their values): what
-    :func:`~lightning_dp.tracking.redact_secrets` would redact from the parsed config (every component's
-    ``SECRET_ARGUMENTS``: the round's ``noise_seed``, a DPSGD or audit ``seed``, however the YAML spelled them), and
-    a noise seed the round was given."""
-    from lightning_dp.tracking import redact_secrets
-
-    dump = cli.parser.dump(cli.config, skip_none=False)
-    redacted = redact_secrets(dump)
-    found = []
-    if redacted != dump:
-        line = next(row for row in redacted.splitlines() if row.startswith("# redacted"))
-        found = line.split(": ", 1)[1].split(", ")
-    if getattr(cli.model, "_noise_seed_given", False) and not any(p.endswith("noise_seed") for p in found):
-        found.append("model.init_args.noise_seed")
-    return found
-
-
-def check_shareable(cli: Any, where: str = "the config") -> None:
-    """Refuse a built config that sets a secret (:func:`secret_settings`): a Flower app's config goes to every node."""
-    found = secret_settings(cli)
-    if found:
-        raise ValueError(
-            f"{where} sets {', '.join(found)}, secret: a Flower app's config goes to the SuperLink and to every "
-            "SuperNode. Remove it; give the server its noise seed as the environment variable "
-            "LIGHTNING_DP_NOISE_SEED of the SuperLink's process, and each site its own with "
-            "flower-supernode --node-config 'noise-seed=...' (or leave both out: fresh secrets from the operating "
-            "system).")
-
+__all__ = ["write_app"]
 
 def write_app(config: str | Path, out: str | Path, *, min_nodes: int = 1, node_timeout: float = 600.0,
               name: str = "lightning-dp-round", save_to: str = "") -> Path:
@@ -53,11 +22,11 @@ def write_app(config: str | Path, out: str | Path, *, min_nodes: int = 1, node_t
             epsilon, rounds) with ``torch.save``; empty: none.
 
     Raises:
-        ValueError: If the config does not build a federated round, holds a secret (:func:`check_shareable`), ``out``
-            holds other files (Flower ships every file of the app directory to every node), or an argument is out
-            of range.
+        ValueError: If the config does not build a federated round, holds a secret
+            (:func:`~lightning_dp.flower.build.check_shareable`), ``out`` holds other files (Flower ships every file
+            of the app directory to every node), or an argument is out of range.
     """
-    from lightning_dp.flower.build import build_from_yaml
+    from lightning_dp.flower.build import build_from_yaml  # refuses a config with a secret (check_shareable)
 
     if isinstance(min_nodes, bool) or not isinstance(min_nodes, int) or min_nodes < 1:
         raise ValueError(f"min_nodes={min_nodes!r} is not allowed: pass a positive integer")

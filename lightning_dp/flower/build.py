@@ -7,15 +7,44 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["build_from_yaml", "read_secret", "refuse_unsupported"]
+__all__ = ["build_from_yaml", "check_shareable", "read_secret", "refuse_unsupported", "secret_settings"]
+
+
+def secret_settings(cli: Any) -> list[str]:
+    """The secret arguments a built config sets (the dotted paths; never their values): what
+    :func:`~lightning_dp.tracking.redact_secrets` would redact from the parsed config (every component's
+    ``SECRET_ARGUMENTS``: the round's ``noise_seed``, a DPSGD or audit ``seed``, however the YAML spelled them), and
+    a noise seed the round was given."""
+    from lightning_dp.tracking import redact_secrets
+
+    dump = cli.parser.dump(cli.config, skip_none=False)
+    redacted = redact_secrets(dump)
+    found = []
+    if redacted != dump:
+        line = next(row for row in redacted.splitlines() if row.startswith("# redacted"))
+        found = line.split(": ", 1)[1].split(", ")
+    if getattr(cli.model, "_noise_seed_given", False) and not any(p.endswith("noise_seed") for p in found):
+        found.append("model.init_args.noise_seed")
+    return found
+
+
+def check_shareable(cli: Any, where: str = "the config") -> None:
+    """Refuse a built config that sets a secret (:func:`secret_settings`): a Flower app's config goes to every node."""
+    found = secret_settings(cli)
+    if found:
+        raise ValueError(
+            f"{where} sets {', '.join(found)}, secret: a Flower app's config goes to the SuperLink and to every "
+            "SuperNode. Remove it; give the server its noise seed as the environment variable "
+            "LIGHTNING_DP_NOISE_SEED of the SuperLink's process, and each site its own with "
+            "flower-supernode --node-config 'noise-seed=...' (or leave both out: fresh secrets from the operating "
+            "system).")
 
 
 def build_from_yaml(text: str, args: Sequence[str] = (), *, where: str = "the app's config") -> Any:
     """``LightningDPCLI(run=False)`` of a config's text (plus overrides): its model must be a ``FederatedRound``,
-    and it may set no secret (:func:`~lightning_dp.flower.app.check_shareable`)."""
-    from lightning_dp.cli import LightningDPCLI
+    and it may set no secret (:func:`check_shareable`)."""
+    from lightning_dp.commands.fit import LightningDPCLI  # not lightning_dp.cli, which dispatches flower-app
     from lightning_dp.federated import FederatedRound
-    from lightning_dp.flower.app import check_shareable
 
     handle, path = tempfile.mkstemp(suffix=".yaml", prefix="lightning-dp-flower-")
     try:
