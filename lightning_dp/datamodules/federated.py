@@ -23,11 +23,11 @@ import abc
 import hashlib
 import math
 import re
-import statistics
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, TypeVar, Union, overload
 
+import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
 from torch import Tensor
@@ -197,9 +197,6 @@ class _PopulationIds(Sequence[str]):
             return [self._population.client_id(j) for j in self._index[i]]
         return self._population.client_id(self._index[i])
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Sequence) and not isinstance(other, str) and list(self) == list(other)
-
     def __repr__(self) -> str:
         return f"client ids {list(self[:3])}{'...' if len(self) > 3 else ''} ({len(self)})"
 
@@ -340,8 +337,7 @@ def _size_summary(clients: Sequence[ClientDataset]) -> dict[str, Any]:
         "samples": int(sizes.sum()),
         "samples_min": None if empty else int(sizes.min()),
         # the mean of the two middle values for an even count, as statistics.median
-        "samples_median": None if empty else float(sizes.double().quantile(0.5)) if len(sizes) <= 2**24
-        else float(statistics.median(sizes.tolist())),
+        "samples_median": None if empty else float(np.median(sizes.numpy())),
         "samples_max": None if empty else int(sizes.max()),
     }
 

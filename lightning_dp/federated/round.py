@@ -233,7 +233,6 @@ class FederatedRound(LightningModule):
         self._fit_rounds, self._fit_participants = 0, 0  # rounds and participations of this fit (end summary)
         self._split_scored = False  # pdpfl/split_accuracy is logged once, when the split is made
         self._ledgers_missing = False  # loaded from a public checkpoint without its ledgers (on_load_checkpoint)
-        self._key_width_cache: int | None = None
         #: the clients' side of a Flower deployment (:class:`lightning_dp.flower.server.NodeRound`), None in simulation
         self.remote: Any = None
 
@@ -312,19 +311,8 @@ class FederatedRound(LightningModule):
                                             f"{dm.num_classes}; the rmse loss needs class scores of >= 2 classes")
         # group fairness of the held-out clients' predictions: binary labels with sensitive groups
         self._num_groups = dm.num_groups if self._classification and dm.num_classes == 2 else None
-        self._key_width_cache = None
-
-    @property
-    def _key_width(self) -> int:
-        """The longest training client (the width of the local shuffles' key table; computed when first needed)."""
-        if self._key_width_cache is None:
-            sizes = client_sizes(self._clients["train"])
-            self._key_width_cache = int(sizes.max()) if len(sizes) else 1
-        return self._key_width_cache
-
-    @_key_width.setter
-    def _key_width(self, width: int) -> None:
-        self._key_width_cache = int(width)
+        sizes = client_sizes(self._clients["train"])  # a population's stored sizes: no client is built
+        self._key_width = int(sizes.max()) if len(sizes) else 1  # the local shuffles' key table's width
 
     def teardown(self, stage: str) -> None:
         if stage == "fit" and self._trainer is not None:
