@@ -48,6 +48,7 @@ Usage:
     python benchmarks/bench_fedavg_flower.py --engine simulation     # Flower's Ray simulation engine
     python benchmarks/bench_fedavg_flower.py --engine both --client-cpus default
     python benchmarks/bench_fedavg_flower.py --engine both --target-accuracy 0.8 --data-dir ../shared/data/mnist
+    python benchmarks/bench_fedavg_flower.py --model cifar_cnn --engine simulation --devices 2  # ours on 2 DDP ranks
 """
 
 from __future__ import annotations
@@ -134,18 +135,47 @@ class Alternate(L.Callback):
         self.times["flower"].append(self.other())
 
 
-def ours(clients, model, rounds, other, epochs, batch_size, lr, z, clip):
-    """Fit ``rounds + 1`` rounds of lightning-dp, one Flower round after each; per-round times of both."""
+def ours(clients, model, rounds, other, epochs, batch_size, lr, z, clip, devices=1):
+    """Fit ``rounds + 1`` rounds of lightning-dp, one Flower round after each; per-round times of both.
+    ``devices`` > 1: Lightning DDP over that many CPU processes of one torch thread each (the clients sharded over
+    them, the clipped sum all-reduced); run through :func:`ours_ddp`, which starts them."""
     timer = Alternate(other)
     module = FederatedRound(network(model), selection=PoissonSelection(1.0),
                             update=LocalSGD(epochs=epochs, lr=lr, batch_size=batch_size),
                             server_privacy=CentralGaussian(noise_multiplier=z, clip=clip), loss="cross_entropy",
                             seed=0, noise_seed=1, log_nonprivate_metrics=False)
+    parallel = dict(strategy="ddp", devices=devices) if devices > 1 else dict(devices=1)
     trainer = L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, accelerator="cpu", devices=1, max_epochs=rounds + 1,
-                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer])
+                        enable_model_summary=False, accelerator="cpu", max_epochs=rounds + 1,
+                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer], **parallel)
     trainer.fit(module, Clients(clients))
     return {k: v[1:] for k, v in timer.times.items()}, module  # the first round of each is the warm-up
+
+
+def ours_ddp(args, settings) -> dict:
+    """Our rounds over ``args.devices`` DDP processes: a worker process of this script (``--ours-worker``) whose
+    Trainer starts the other ranks (Lightning re-runs the worker's command line for them); rank 0 prints its times."""
+    import subprocess
+
+    command = [sys.executable, __file__, "--ours-worker", "--model", args.model, "--clients", str(args.clients),
+               "--per-client", str(args.per_client), "--epochs", str(args.epochs), "--batch-size",
+               str(args.batch_size), "--rounds", str(args.rounds), "--devices", str(args.devices)]
+    if args.data_dir:
+        command += ["--data-dir", args.data_dir]
+    out = subprocess.run(command, capture_output=True, text=True, check=False)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode or not lines:
+        raise RuntimeError(f"the DDP worker failed:\n{out.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def ours_worker(args, clients, settings) -> None:
+    torch.set_num_threads(1)
+    times, module = ours(clients, args.model, args.rounds, lambda: 0.0, **settings, devices=args.devices)
+    if module.trainer.global_rank == 0:
+        print(json.dumps({"times": times["lightning-dp"], "epsilon": module.server_privacy.epsilon,
+                          "rounds": len(module.server_privacy.accountant),
+                          "engine": module.update.resolved_engine(module.spec.numel)}), flush=True)
 
 
 def flower(clients, model, epochs, batch_size, lr, z, clip):
@@ -452,6 +482,8 @@ def run_target(args, clients, settings) -> None:
 def run_timed(args, clients, settings) -> None:
     source = (args.model, args.clients, args.per_client, args.data_dir)
     print(f"load average at start: {loadavg()}")
+    if args.devices > 1:
+        return run_timed_ddp(args, clients, settings, source)
     if args.engine == "both":
         before, _ = ours(clients, args.model, args.rounds, flower(clients, args.model, **settings), **settings)
         inprocess = before["flower"]
@@ -479,6 +511,37 @@ def run_timed(args, clients, settings) -> None:
     print(f"flower-simulation / lightning-dp = {s / a:.2f}x")
 
 
+def run_timed_ddp(args, clients, settings, source) -> None:
+    """Ours in one process, ours over DDP processes, Flower's simulation, ours over DDP again, ours in one process
+    again (no in-process Flower: it cannot alternate with rounds in other processes)."""
+    single_before, module = ours(clients, args.model, args.rounds, lambda: 0.0, **settings)
+    before = ours_ddp(args, settings)
+    sim = flower_simulation(source, args.rounds + 1, **settings, client_cpus=args.client_cpus)
+    after = ours_ddp(args, settings)
+    single_after, _ = ours(clients, args.model, args.rounds, lambda: 0.0, **settings)
+    print(f"load average at end  : {loadavg()}")
+    single = single_before["lightning-dp"] + single_after["lightning-dp"]
+    mine = before["times"] + after["times"]
+    a, s = statistics.median(mine), statistics.median(sim["round_times"][1:])
+    sizes = [len(c) for c in clients]
+    print(f"model={args.model} ({sum(p.numel() for p in network(args.model).parameters()):,} params) "
+          f"clients={len(clients)} examples/client={min(sizes)}-{max(sizes)} epochs={args.epochs} "
+          f"batch={args.batch_size} engine={before['engine']}; ours: DDP over {args.devices} processes of one thread")
+    print(f"lightning-dp     : {a * 1000:.1f} ms/round (median of {len(mine)}: "
+          f"{statistics.median(before['times']) * 1000:.1f} before the simulation, "
+          f"{statistics.median(after['times']) * 1000:.1f} after; epsilon accounted: {after['epsilon']:.3f} after "
+          f"{after['rounds']} rounds)")
+    one = statistics.median(single)
+    print(f"lightning-dp, one process of {torch.get_num_threads()} threads: {one * 1000:.1f} ms/round (median of "
+          f"{len(single)}: {statistics.median(single_before['lightning-dp']) * 1000:.1f} first, "
+          f"{statistics.median(single_after['lightning-dp']) * 1000:.1f} last)")
+    print(f"flower-simulation: {s * 1000:.1f} ms/round (median of {args.rounds}; warm-up round "
+          f"{sim['round_times'][0]:.2f} s; run_simulation wall {sim['wall']:.1f} s; "
+          f"{sim_facts(sim, clients, args.client_cpus)}; no accountant)")
+    print(f"flower-simulation / lightning-dp (DDP) = {s / a:.2f}x; flower-simulation / lightning-dp (one process) = "
+          f"{s / one:.2f}x; one process / DDP = {one / a:.2f}x")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=["logreg", "cifar_cnn"], default="logreg")
@@ -495,7 +558,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target-accuracy", type=float, default=None,
                         help="train each side until this held-out accuracy instead of timing rounds (MNIST only)")
     parser.add_argument("--max-rounds", type=int, default=100, help="rounds at most with --target-accuracy")
+    parser.add_argument("--devices", type=int, default=1,
+                        help="our rounds over this many DDP processes of one thread (with --engine simulation)")
+    parser.add_argument("--ours-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.devices > 1 and not args.ours_worker and (args.engine != "simulation" or args.target_accuracy):
+        parser.error("--devices > 1 runs with --engine simulation (Flower's in-process clients cannot alternate with "
+                     "rounds in other processes) and without --target-accuracy")
     if args.target_accuracy is not None and (args.model != "logreg" or not args.data_dir):
         parser.error("--target-accuracy needs real MNIST (--model logreg --data-dir with the t10k files): random "
                      "pixels hold no signal to learn")
@@ -506,6 +575,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(torch.get_num_threads())
     clients = make_clients(args.model, args.clients, args.per_client, args.data_dir)
     settings = dict(epochs=args.epochs, batch_size=args.batch_size, lr=0.05, z=1.0, clip=1.0)
+    if args.ours_worker:
+        return ours_worker(args, clients, settings)
     if args.target_accuracy is not None:
         return run_target(args, clients, settings)
     if args.engine != "inprocess":

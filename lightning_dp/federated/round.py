@@ -92,6 +92,9 @@ __all__ = ["FederatedRound"]
 # (secret: noise_seed, for _CLIENTS, _NOISE, _SERVER_NOISE, _SERVER_COUNT, _LOCAL_NOISE)
 _CLIENTS, _LOCAL, _NOISE, _INIT, _VAL = 11, 12, 13, 14, 15
 _SERVER_NOISE, _SERVER_COUNT, _DIAGNOSTICS, _LOCAL_NOISE = 16, 17, 18, 19
+#: releases (entries) a process holds at a time when the server's input is a sum (FederatedRound._summed_client_round):
+#: the blocks whose sums add up, as large as :func:`~lightning_dp.federated.local.row_blocks`' default
+SUM_BLOCK_ENTRIES = 2**22
 
 
 class _RoundOptimizer(torch.optim.Optimizer):
@@ -229,7 +232,8 @@ class FederatedRound(LightningModule):
         self._history: list[dict[str, Any]] = []
         self._cosines: list[tuple[int, float, float]] = []  # (round, update cosine, gradient cosine), diagnostics
         self._summary_due = False  # on_train_end ran: on_fit_end prints the summary
-        self._epsilon_written = -1  # the last round whose metrics carried privacy/epsilon
+        self._epsilon_written = -1  # the last round whose metrics carried the final privacy/epsilon
+        self._key_tables: dict[int, Tensor] | None = None  # a round's shuffle tables by epoch, while it trains blocks
         self._fit_rounds, self._fit_participants = 0, 0  # rounds and participations of this fit (end summary)
         self._split_scored = False  # pdpfl/split_accuracy is logged once, when the split is made
         self._ledgers_missing = False  # loaded from a public checkpoint without its ledgers (on_load_checkpoint)
@@ -490,8 +494,13 @@ class FederatedRound(LightningModule):
             return hashed
 
         def keys(epoch: int) -> Tensor:
-            table = torch.rand((len(clients), width), device=mask.device,
-                               generator=derive_generator(self.seed, _LOCAL, r, epoch, device=mask.device))
+            cache = self._key_tables  # the round's blocks share its tables (_summed_client_round)
+            table = None if cache is None else cache.get(epoch)
+            if table is None:
+                table = torch.rand((len(clients), width), device=mask.device,
+                                   generator=derive_generator(self.seed, _LOCAL, r, epoch, device=mask.device))
+                if cache is not None:
+                    cache[epoch] = table
             return table[rows, : mask.shape[1]]
 
         return keys
@@ -627,24 +636,36 @@ class FederatedRound(LightningModule):
         index, declined = self._sample_clients(r)  # the same on every process (seeded by round)
         metrics: dict[str, float] = {self._stat("participants"): float(len(index)),
                                      self._stat("declined"): float(declined)}
-        planned = self.trainer.max_epochs
-        last = planned is not None and planned > 0 and self.trainer.current_epoch + 1 >= planned  # ends anyway
-        # epsilon (a PLD composition) only when Lightning writes this round's metrics, or the run ends
+        epochs, steps = self.trainer.max_epochs, self.trainer.max_steps
+        last = bool((epochs is not None and epochs > 0 and self.trainer.current_epoch + 1 >= epochs)
+                    or (steps is not None and steps > 0 and self.trainer.global_step + 1 >= steps))  # ends anyway
+        # epsilon (a PLD composition) only when Lightning writes this round's metrics, or the run ends; the writes
+        # before the last from the accountants' cheaper variant (an upper bound too), the last from their own
         written = bool(getattr(self.trainer, "_logger_connector", None) is None
                        or self.trainer._logger_connector.should_update_logs)
+        report: Literal["final", "interim"] | None = "final" if last else "interim" if written else None
         if index or self.server_privacy.accountable:  # an accounted round without participants still releases noise
-            releases, stats = self._client_releases(index, r, metrics)
-            self._server_step(index, releases, stats, r, report=last or written, metrics=metrics)
+            releases, stats, sums = self._client_releases(index, r, metrics)
+            self._server_step(index, releases, stats, r, report=report, metrics=metrics, sums=sums)
         else:
             # a round without participants is still a round
             self.optimizers().step(closure=lambda: None)  # type: ignore[union-attr]  # one optimizer
         self._end_round(index, r, last=last, written=written, metrics=metrics)
 
-    def _client_releases(self, index: list[int], r: int, metrics: dict[str, float]) -> tuple[Tensor, Tensor]:
+    def _client_releases(self, index: list[int], r: int,
+                         metrics: dict[str, float]) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
         """The server's view of round ``r``: every release and its statistics, in the round's client order, on every
-        process; the clients' costs charged to their ledgers."""
+        process; the clients' costs charged to their ledgers. For a server whose input is a sum
+        (:meth:`_sums_releases`), no releases ((0, P)) but their norms and sum (:attr:`RoundReleases.sums`)."""
         hyps = self.hypotheses
-        if index:
+        sums = None
+        if self._sums_releases():
+            local_stats, local_norms, total = self._summed_client_round(index, r)
+            if self.trainer.world_size > 1:  # P floats per process instead of its (U / W, P) releases
+                torch.distributed.all_reduce(total)
+            sums = (self._gather_rows(local_norms, len(index)), total)
+            local_releases, local_diagnostics = hyps.new_zeros((0, self.spec.numel)), None
+        elif index:
             local_releases, local_stats, local_diagnostics = self._client_round(index, r)
         else:
             local_releases = hyps.new_zeros((0, self.spec.numel))
@@ -652,20 +673,58 @@ class FederatedRound(LightningModule):
             local_diagnostics = hyps.new_zeros((0, 2 * self.spec.numel)) if self.diagnostics else None
         if local_diagnostics is not None:
             self._log_cosines(r, self._gather_rows(local_diagnostics, len(index)), metrics)
-        releases = self._gather_rows(local_releases, len(index))
+        releases = local_releases if sums is not None else self._gather_rows(local_releases, len(index))
         stats = self._gather_rows(local_stats, len(index))
         if self.sanitizer.accountable:  # e.g. nu = 0, the non-private baseline: nothing to account
             for client_id, cost in zip(client_ids(self._clients["train"], index), stats[:, 1].tolist()):
                 self.ledger.charge(client_id, cost)
         self.update.charge(index)  # record-level ledger (local DP-SGD)
         if self.k == 1 and len(index):  # the released updates' norms: post-processing only of sanitized releases
-            norms = delta_norms(releases, hyps[0])
+            norms = sums[0] if sums is not None else delta_norms(releases, hyps[0])
             metrics[self._stat("update_norm_mean", of_releases=True)] = float(norms.mean())
             metrics[self._stat("update_norm_std", of_releases=True)] = float(norms.std()) if len(index) > 1 else 0.0
-        return releases, stats
+        return releases, stats, sums
 
-    def _server_step(self, index: list[int], releases: Tensor, stats: Tensor, r: int, *, report: bool,
-                     metrics: dict[str, float]) -> None:
+    def _sums_releases(self) -> bool:
+        """Whether the round sums its releases as it makes them: the server reads only their norms and a sum
+        (:attr:`~lightning_dp.federated.parts.ServerPrivacy.sums_releases`: DP-FedAvg's clipped sum), the clients
+        train here (not on a deployment's nodes), and nothing else reads the releases (diagnostics, the recorded
+        releases of a tiny model)."""
+        return (self.server_privacy.sums_releases and self.k == 1 and self.remote is None and not self.diagnostics
+                and not (self.spec.numel <= 2 and self._records_releases()))
+
+    def _summed_client_round(self, index: list[int], r: int) -> tuple[Tensor, Tensor, Tensor]:
+        """``(stats (m, 4), norms (m,), sum (P,))`` of this process's clients, trained and summed a block at a time.
+
+        A block is :func:`~lightning_dp.federated.local.row_blocks`' (2^22 entries of releases): one block when the
+        round's releases fit, so that a small round computes exactly what summing the held releases computes; a
+        round of 1,000 CNN clients holds two of their models at a time instead of 1,000. The sums of the blocks
+        add up in order (on one process, the same additions as the held releases' sum)."""
+        hyps = self.hypotheses
+        glob = hyps[0]
+        total = torch.zeros_like(glob)
+        mine = self._shard(index)
+        stats = [torch.zeros((0, 4), dtype=torch.float64, device=hyps.device)]
+        norms = [torch.zeros(0, dtype=torch.float64, device=hyps.device)]
+        per = max(1, SUM_BLOCK_ENTRIES // self.spec.numel)
+        self._key_tables = {} if len(mine) > per else None
+        try:
+            for start in range(0, len(mine), per):
+                block = mine[start:start + per]
+                x, y, mask = self._padded("train", block)
+                released, block_stats, _ = self.train_clients(block, r, x, y, mask)
+                block_norms, partial = self.server_privacy.partial_sum(released, glob)
+                total += partial
+                stats.append(block_stats)
+                norms.append(block_norms)
+                del released, x, y, mask
+        finally:
+            self._key_tables = None
+        return torch.cat(stats), torch.cat(norms), total
+
+    def _server_step(self, index: list[int], releases: Tensor, stats: Tensor, r: int, *,
+                     report: Literal["final", "interim"] | None, metrics: dict[str, float],
+                     sums: tuple[Tensor, Tensor] | None = None) -> None:
         """The server's aggregation of round ``r`` (through its privacy part) and the optimizer step to it."""
         hyps, privacy = self.hypotheses, self.server_privacy
         self.aggregator.observe(client_ids=client_ids(self._clients["train"], index),
@@ -674,7 +733,7 @@ class FederatedRound(LightningModule):
         following = self._sanitizer_follows_clip()
         held = RoundReleases(releases, hyps, weights=stats[:, 2],
                              expected_count=self.selection.expected_count(len(self._clients["train"])),
-                             update_set=self._update_set(), unclipped=stats[:, 3] if following else None)
+                             update_set=self._update_set(), unclipped=stats[:, 3] if following else None, sums=sums)
         new, assignment, privacy_metrics = privacy.aggregate(
             held, self.aggregator,
             noise_generator=derive_secret_generator(self._noise_seed, _SERVER_NOISE, r, device=hyps.device),
@@ -706,13 +765,15 @@ class FederatedRound(LightningModule):
         if (last or written) and self.update.accountable:  # per-client compositions: only when written
             metrics.update(self._record_metrics())
         self.rounds += 1
+        final = last or not privacy.accountable  # the server's spend written (if at all) from its own accountant
         if privacy.accountable and not last and not privacy.budget_left(self._update_set()) and not self.trainer.should_stop:
             metrics.update(privacy.epsilon_metrics())  # the final spend is always recorded
+            final = True
             rank_zero_info(f"{type(privacy).__name__}: stopping after round {r + 1}: the next round would exceed "
                            f"target_epsilon={privacy.target_epsilon} (spent {metrics['privacy/epsilon']:.4f}).")
             self.trainer.should_stop = True
-        if ("privacy/epsilon" in metrics or self._ledger_name("record_epsilon_max") in metrics) and written:
-            self._epsilon_written = r
+        if ("privacy/epsilon" in metrics or self._ledger_name("record_epsilon_max") in metrics) and written and final:
+            self._epsilon_written = r  # an interim write is not: on_train_end writes the final spend after it
         if not self.log_nonprivate_metrics:  # exact statistics of the clients' data, covered by no accountant
             metrics = {k: v for k, v in metrics.items() if not k.startswith("nonprivate/")}
         # float64: Lightning would store a Python float as float32 and round the spend
@@ -886,8 +947,10 @@ class FederatedRound(LightningModule):
     def on_train_end(self) -> None:
         step = int(self.trainer.global_step)
         if step > 0 and self._epsilon_written != int(self.rounds) - 1:
-            # a run ended between log writes (max_steps, max_time, an interrupt): write the final spend, at the
-            # step numbering of the round's own metrics (those of optimizer step n are written at n - 1)
+            # a run ended between log writes or after an interim one (max_time, an interrupt, another callback's
+            # stop): write the final spend from the accountants' own configuration, at the step numbering of the
+            # round's own metrics (those of optimizer step n are written at n - 1; after an interim write of the same
+            # round this one is the later, which MLflow takes as the latest)
             final = self.server_privacy.epsilon_metrics() if self.server_privacy.accountable else {}
             final.update(self._record_metrics())
             if final and self.trainer.is_global_zero:

@@ -40,8 +40,8 @@ def trainer(**kwargs):
     return L.Trainer(**defaults)
 
 
-def library_epsilon(z, q, rounds, delta=1e-5):
-    acc = dpa.pld.PLDAccountant()
+def library_epsilon(z, q, rounds, delta=1e-5, interval=1e-4):
+    acc = dpa.pld.PLDAccountant(value_discretization_interval=interval)
     acc.compose(dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(z)), rounds))
     return acc.get_epsilon(delta)
 
@@ -57,7 +57,33 @@ def test_epsilon_per_round_equals_the_library_value():
     m = fedavg(privacy, q=0.2)
     trainer(max_epochs=6, callbacks=[Capture()], log_every_n_steps=1).fit(m, SyntheticLinearMixtureDataModule(seed=0))
     assert privacy.accountant.history == [(1.3, 0.2, 6)]
-    assert epsilons == pytest.approx([library_epsilon(1.3, 0.2, r) for r in range(1, 7)], rel=1e-9)
+    # the writes before the last from the PLD at 1e-3 (an upper bound too), the last at the accountant's own 1e-4
+    assert epsilons[:-1] == pytest.approx([library_epsilon(1.3, 0.2, r, interval=1e-3) for r in range(1, 6)],
+                                          rel=1e-9)
+    assert epsilons[-1] == pytest.approx(library_epsilon(1.3, 0.2, 6), rel=1e-9)
+    for r, interim in enumerate(epsilons[:-1], start=1):  # above the optimistic estimate, a lower bound of the truth
+        optimistic = dpa.pld.privacy_loss_distribution.from_gaussian_mechanism(
+            1.3, pessimistic_estimate=False, sampling_prob=0.2).self_compose(r)
+        assert interim >= optimistic.get_epsilon_for_delta(1e-5)
+
+
+def test_a_run_stopped_after_an_interim_write_ends_with_the_final_spend():
+    """A callback's stop after a round written from the cheaper accountant: on_train_end writes the accountant's
+    own spend at that round's step, after the interim one."""
+    privacy = CentralGaussian(noise_multiplier=1.3, clip=0.5)
+    recorder = RecordingLogger()
+
+    class StopAfterThree(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 3:
+                trainer.should_stop = True
+
+    trainer(max_epochs=10, logger=recorder, log_every_n_steps=1, callbacks=[StopAfterThree()]).fit(
+        fedavg(privacy, q=0.2), SyntheticLinearMixtureDataModule(seed=0))
+    writes = [(step, m["privacy/epsilon"]) for step, m in recorder.calls if "privacy/epsilon" in m]
+    assert [step for step, _ in writes] == [0, 1, 2, 2]
+    assert writes[2][1] == pytest.approx(library_epsilon(1.3, 0.2, 3, interval=1e-3), rel=1e-9)
+    assert writes[-1][1] == pytest.approx(library_epsilon(1.3, 0.2, 3), rel=1e-9) == privacy.epsilon
 
 
 def test_calibrated_noise_meets_the_target_and_the_budget_stops_the_run():
@@ -460,3 +486,44 @@ def test_the_server_refuses_noise_from_a_public_generator():
         with pytest.raises(TypeError, match="SECRET seed"):
             privacy.aggregate(RoundReleases(glob.repeat(4, 1), glob, weights=None, expected_count=20.0), FedAvg(),
                               noise_generator=noise, count_generator=count)
+
+
+def _summed_and_held(monkeypatch, entries, **privacy):
+    """The same DP-FedAvg fit twice: the round summing its releases a block of ``entries`` at a time, and holding
+    them (the server reading the (U, P) releases, as before the sums and as for every other server)."""
+    import lightning_dp.federated.round as round_module
+
+    out = []
+    for sums in (True, False):
+        with monkeypatch.context() as patch:
+            patch.setattr(round_module, "SUM_BLOCK_ENTRIES", entries)
+            server = CentralGaussian(noise_multiplier=1.0, clip=0.3, **privacy)
+            module = fedavg(server, q=0.5, log_nonprivate_metrics=True)
+            if not sums:
+                patch.setattr(module, "_sums_releases", lambda: False)
+            assert module._sums_releases() is sums
+            recorder = RecordingLogger()
+            trainer(max_epochs=4, logger=recorder, log_every_n_steps=1).fit(module,
+                                                                           SyntheticLinearMixtureDataModule(seed=0))
+            out.append((module.hypotheses.detach().clone(), recorder, server))
+    return out
+
+
+def test_a_round_summing_its_releases_equals_one_holding_them(monkeypatch):
+    """One block (the default: the releases fit in 2^22 entries): the same additions, the same bits."""
+    (summed, rec_s, server_s), (held, rec_h, server_h) = _summed_and_held(monkeypatch, 2**22)
+    assert torch.equal(summed, held)
+    assert rec_s.calls == rec_h.calls  # every metric, update norms and clipped fraction included
+    assert server_s.accountant.history == server_h.accountant.history
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_a_round_summing_its_releases_in_blocks_equals_one_holding_them(monkeypatch, adaptive):
+    """Blocks of one to three clients: the sums add up in another order (float rounding), every client trained
+    as alone (its shuffles and noise are its own), the norms and so the adaptive threshold's count the same."""
+    privacy = {"adaptive": True, "count_noise_std": 2.0} if adaptive else {}
+    (summed, rec_s, server_s), (held, rec_h, server_h) = _summed_and_held(monkeypatch, 8, **privacy)
+    torch.testing.assert_close(summed, held, rtol=1e-6, atol=1e-7)
+    for name in ("nonprivate/update_norm_mean", "nonprivate/clipped_fraction", "privacy/epsilon"):
+        assert rec_s.series(name) == pytest.approx(rec_h.series(name), rel=1e-6), name
+    assert server_s.clip == pytest.approx(server_h.clip, rel=1e-6)

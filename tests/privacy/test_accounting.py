@@ -110,6 +110,32 @@ def test_pld_is_pessimistic_and_tighter_than_rdp():
     assert optimistic.get_epsilon_for_delta(DELTA) <= pld < rdp
 
 
+@pytest.mark.parametrize("history_id", ["homogeneous", "mixed", "mixed_with_unsampled"])
+@pytest.mark.parametrize("adjacency", ["add_remove", "replace"])
+def test_interim_epsilon_is_the_coarse_library_value_and_an_upper_bound(history_id, adjacency):
+    """The writes between a run's first and last: the library's PLD at 1e-3, above the optimistic (lower-bound)
+    estimate at the fine grid, the accountant itself unchanged."""
+    history = HISTORIES[history_id]
+    accountant = _filled("pld", {"adjacency": adjacency}, history)
+    interim = accountant.interim_epsilon(DELTA)
+    relation = accountant.neighboring_relation
+    coarse = LibraryPLDAccountant(relation, value_discretization_interval=1e-3)
+    assert interim == pytest.approx(coarse.compose(history_to_dp_event(history)).get_epsilon(DELTA), rel=1e-12)
+    optimistic = _filled("pld", {"adjacency": adjacency, "pessimistic_estimate": False}, history)  # library's
+    assert interim >= optimistic.get_epsilon(DELTA)
+    assert interim == pytest.approx(accountant.get_epsilon(DELTA), abs=2e-3)
+    assert accountant.value_discretization_interval == 1e-4 and accountant.history == history
+    assert accountant.state_dict()["value_discretization_interval"] == 1e-4
+
+
+def test_interim_epsilon_is_the_epsilon_where_there_is_no_cheaper_variant():
+    history = HISTORIES["mixed"]
+    for accountant in (_filled("rdp", {}, history), _filled("pld", FAST_PLD, history),
+                       _filled("pld", {"pessimistic_estimate": False}, history)):
+        assert accountant.interim_epsilon(DELTA) == accountant.get_epsilon(DELTA)
+    assert get_accountant("pld").interim_epsilon(DELTA) == 0.0
+
+
 # --------------------------------------------------------------------------- basic behaviour
 
 

@@ -47,7 +47,7 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -78,6 +78,10 @@ class RoundReleases:
     #: one 0/1 per release, whether the client's raw update was within the threshold it clipped at (sanitizers
     #: that follow the server's adaptive threshold); None: the server reads the norms of the releases
     unclipped: Tensor | None = None
+    #: ``(norms (U,) float64, sum (P,))`` of the releases, summed as the round made them (a server whose input is
+    #: a sum, :attr:`ServerPrivacy.sums_releases`: :meth:`CentralGaussian.partial_sum` of every block, added up
+    #: over blocks and processes); ``releases`` is then (0, P). None: the server reads ``releases``
+    sums: tuple[Tensor, Tensor] | None = None
 
 
 class ServerPrivacy(Part):
@@ -87,6 +91,10 @@ class ServerPrivacy(Part):
 
     #: True when the part accounts a client-level epsilon
     accountable = False
+    #: True when all it reads of the releases is per-release norms and :meth:`partial_sum`, a sum over releases:
+    #: the round then sums each block of clients as it is trained (and all-reduces the sums over DDP processes)
+    #: instead of holding and gathering the (U, P) releases
+    sums_releases = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -110,15 +118,25 @@ class ServerPrivacy(Part):
 
     @abc.abstractmethod
     def aggregate(self, held: RoundReleases, aggregator: Any, *, noise_generator: torch.Generator,
-                  count_generator: torch.Generator, report_epsilon: bool = True) -> tuple[Tensor, Tensor, dict[str, float]]:
+                  count_generator: torch.Generator,
+                  report_epsilon: Literal["final", "interim"] | None = "final") -> tuple[Tensor, Tensor, dict[str, float]]:
         """``(new hypotheses, assignment, metrics)`` of the round, its noise from the two secret generators.
 
-        ``report_epsilon``: include :meth:`epsilon_metrics` (the round passes False between log writes: a PLD
-        composition per round can cost more than the round).
+        ``report_epsilon``: include :meth:`epsilon_metrics`, ``"interim"`` from the accountants' cheaper variant
+        (the round passes None between log writes and "interim" at the writes before its last: a PLD composition
+        per round can cost more than the round).
         """
 
-    def epsilon_metrics(self) -> dict[str, float]:
-        """The spend so far, as metrics (``privacy/epsilon``, ...); empty when nothing is accounted."""
+    def partial_sum(self, releases: Tensor, origin: Tensor) -> tuple[Tensor, Tensor]:
+        """``(norms (m,) float64, sum (P,))`` of a block of releases around ``origin``: what :meth:`aggregate` reads
+        of them, for a part with :attr:`sums_releases` (the sums of disjoint blocks add up to the whole's)."""
+        raise NotImplementedError(f"{type(self).__name__} reads the releases themselves (sums_releases=False)")
+
+    def epsilon_metrics(self, *, interim: bool = False) -> dict[str, float]:
+        """The spend so far, as metrics (``privacy/epsilon``, ...); empty when nothing is accounted.
+
+        ``interim``: from the accountants' cheaper variant (:meth:`~lightning_dp.privacy.accounting.Accountant.
+        interim_epsilon`, also an upper bound), for the writes between a run's first and last."""
         return {}
 
     def privacy_spend(self) -> list[Any]:
@@ -130,7 +148,7 @@ class ServerPrivacy(Part):
 class NoServerPrivacy(ServerPrivacy):
     """The aggregator's result as it is."""
 
-    def aggregate(self, held, aggregator, *, noise_generator, count_generator, report_epsilon=True):
+    def aggregate(self, held, aggregator, *, noise_generator, count_generator, report_epsilon="final"):
         new, assignment = aggregator.aggregate(held.releases, held.hypotheses, held.weights)
         return new, assignment, {}
 
@@ -160,6 +178,7 @@ class CentralGaussian(ServerPrivacy):
     """
 
     accountable = True
+    sums_releases = True  # norms and the clipped sum: the plain mean of one model (problems() refuses others)
 
     def __init__(self, noise_multiplier: float | None = None, target_epsilon: float | None = None,
                  target_delta: float = 1e-5, clip: float = 1.0, adaptive: bool = False, target_quantile: float = 0.5,
@@ -270,10 +289,16 @@ class CentralGaussian(ServerPrivacy):
     @property
     def epsilon(self) -> float:
         """The spend: under replacement with a bounded update set, the smaller of the two valid bounds."""
-        spent = self.accountant.get_epsilon(self.target_delta)
-        if self.set_accountant is not None and len(self.set_accountant):
-            spent = min(spent, self.set_accountant.get_epsilon(self.target_delta))
-        return spent
+        return self._spent()[0]
+
+    def _spent(self, interim: bool = False) -> tuple[float, float, float | None]:
+        """``(spend, replace-one bound, disjoint-pair bound or None)``; ``interim``: from the cheaper accountants."""
+        def of(accountant: Any) -> float:
+            return accountant.interim_epsilon(self.target_delta) if interim else accountant.get_epsilon(self.target_delta)
+
+        one = of(self.accountant)
+        pair = of(self.set_accountant) if self.set_accountant is not None and len(self.set_accountant) else None
+        return (one if pair is None else min(one, pair)), one, pair
 
     def _calibrate_bounded(self, rounds: int, update_sets: tuple[Any, Any]) -> float:
         """The smallest z whose :meth:`planned_epsilon` meets the budget, starting from the replace-one z.
@@ -381,11 +406,12 @@ class CentralGaussian(ServerPrivacy):
         return [Spend.accounted("client", self.accountant, delta=self.target_delta,
                                 alternatives={"disjoint_pair": pair}, why=type(self).__name__)]
 
-    def epsilon_metrics(self) -> dict[str, float]:
-        out = {"privacy/epsilon": self.epsilon}
-        if self.set_accountant is not None and len(self.set_accountant):
-            out["privacy/epsilon_replace_one"] = self.accountant.get_epsilon(self.target_delta)
-            out["privacy/epsilon_disjoint_pair"] = self.set_accountant.get_epsilon(self.target_delta)
+    def epsilon_metrics(self, *, interim: bool = False) -> dict[str, float]:
+        spent, one, pair = self._spent(interim)
+        out = {"privacy/epsilon": spent}
+        if pair is not None:
+            out["privacy/epsilon_replace_one"] = one
+            out["privacy/epsilon_disjoint_pair"] = pair
         return out
 
     def budget_left(self, update_set: tuple[float, float] | None = None) -> bool:
@@ -412,7 +438,13 @@ class CentralGaussian(ServerPrivacy):
         return s, min(diameter, 2 * s)
 
     # ----------------------------------------------------------------- round
-    def aggregate(self, held, aggregator, *, noise_generator, count_generator, report_epsilon=True):
+    def partial_sum(self, releases: Tensor, origin: Tensor) -> tuple[Tensor, Tensor]:
+        """The norms of the updates ``releases - origin`` and the sum of the updates clipped at the current C."""
+        # a block of updates at a time: no (U, P) copy of the releases beside them (delta_norms)
+        norms = delta_norms(releases, origin)
+        return norms, clipped_delta_sum(releases, origin, clip_factors(norms, self.clip))
+
+    def aggregate(self, held, aggregator, *, noise_generator, count_generator, report_epsilon="final"):
         releases, hypotheses, expected_count = held.releases, held.hypotheses, held.expected_count
         update_set, unclipped = held.update_set, held.unclipped
         if hypotheses.shape[0] != 1:
@@ -423,10 +455,8 @@ class CentralGaussian(ServerPrivacy):
         require_secret(noise_generator, "CentralGaussian's noise")
         require_secret(count_generator, "CentralGaussian's count noise")
         glob = hypotheses[0]
-        # a block of updates at a time: no (U, P) copy of the releases beside them (delta_norms)
-        norms = delta_norms(releases, glob)
         clip = self.clip
-        total = clipped_delta_sum(releases, glob, clip_factors(norms, clip))
+        norms, total = held.sums if held.sums is not None else self.partial_sum(releases, glob)
         z_update = self.update_noise_multiplier
         (noise,) = gaussian_noise([glob.shape], z_update * clip, noise_generator, dtype=glob.dtype, device=glob.device)
         new = glob + (total + noise) / expected_count
@@ -444,9 +474,9 @@ class CentralGaussian(ServerPrivacy):
         self._account(update_set, metrics, clip)
         if self.allowed_rounds is not None:
             self.allowed_rounds -= 1
-        if report_epsilon:
-            metrics.update(self.epsilon_metrics())
-        assignment = torch.zeros(len(releases), dtype=torch.long, device=releases.device)
+        if report_epsilon is not None:
+            metrics.update(self.epsilon_metrics(interim=report_epsilon == "interim"))
+        assignment = torch.zeros(len(norms), dtype=torch.long, device=glob.device)
         return new[None], assignment, metrics
 
     # ----------------------------------------------------------------- state
