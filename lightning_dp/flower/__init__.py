@@ -13,8 +13,9 @@ The same YAML that ``lightning-dp fit`` runs as a simulation runs on Flower's De
   public hypotheses to the nodes of the selected clients, and aggregates their releases with its
   server privacy, accountant and ledgers, exactly as the simulation does.
 - :mod:`lightning_dp.flower.client` (the ``ClientApp``): builds the config's DataModule from its
-  own data, serves the training clients at positions ``partition-id`` (mod ``num-partitions``)
-  (its ``--node-config``), and computes their choice, local training and release with
+  own data, serves the training clients at positions ``partition-id`` (mod ``num-partitions``) of
+  a client list every site shares, or, with ``site=NAME``, all the clients of its own data (its
+  ``--node-config``), and computes their choice, local training and release with
   :meth:`~lightning_dp.federated.FederatedRound.train_clients`, its noise from its own secret
   (``--node-config noise-seed=...``, else fresh from the operating system).
 

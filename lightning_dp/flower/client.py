@@ -1,12 +1,19 @@
 """The ``ClientApp``: one site's clients on a Flower deployment (:mod:`lightning_dp.flower`).
 
-A SuperNode started with ``--node-config "partition-id=P num-partitions=K"`` builds the app's config
-(its DataModule from this site's own files) and serves the training clients at positions
-``P, P + K, P + 2K, ...`` of the DataModule's client list. ``noise-seed=S`` in the node config
-is this site's secret noise seed (its sanitizers' noise); without it, a fresh one from the
-operating system. Each TRAIN message carries the public state of a round and the positions of
-this site's selected clients; the reply holds their releases and statistics
-(:meth:`~lightning_dp.federated.FederatedRound.train_clients`).
+Two ways to serve clients, chosen by the SuperNode's ``--node-config``:
+
+- ``"partition-id=P num-partitions=K"``: every site builds the same client list (one config, the same data)
+  and serves the training clients at positions ``P, P + K, P + 2K, ...`` of it (a deployment that
+  reproduces a simulation).
+- ``"site=NAME"``: the site serves every training client of the DataModule it builds from its own
+  files (``data.data_dir=PATH``, or any ``data.ARG=VALUE``, overrides the config's DataModule argument
+  on this node only); the server numbers the clients of all sites in the order of their names.
+
+``noise-seed=S`` in the node config is this site's secret noise seed (its sanitizers' noise); without it,
+a fresh one from the operating system (with ``site``, the seed used is derived from S and the name, so
+that two sites given one seed still draw different noise). Each TRAIN message carries the public state
+of a round and the positions of this site's selected clients (in its own list); the reply holds their
+releases and statistics (:meth:`~lightning_dp.federated.FederatedRound.train_clients`).
 """
 
 from __future__ import annotations
@@ -16,9 +23,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["app", "serve_clients", "site"]
+from lightning_dp.privacy.seeds import derive_seed
+
+__all__ = ["app", "data_overrides", "serve_clients", "site"]
 
 _SITES: dict[Any, Any] = {}  # (run id, node config) -> the built site, while this process lives
+_SITE_STREAM = 31  # derive_seed's counter of a named site's noise seed
 
 
 class _Site:
@@ -27,21 +37,32 @@ class _Site:
     def __init__(self, text: str, node_config: Any) -> None:
         from lightning_dp.flower.build import build_from_yaml, read_secret, refuse_unsupported
 
-        cli = build_from_yaml(text, ["--trainer.logger=false", "--trainer.enable_checkpointing=false"])
+        self.name = str(node_config.get("site", "") or "")
+        if self.name and ({"partition-id", "num-partitions"} & set(node_config)):
+            raise ValueError(f"--node-config site={self.name!r} serves the site's own clients; partition-id and "
+                             "num-partitions split one shared client list: give one or the other")
+        overrides = data_overrides(node_config)
+        cli = build_from_yaml(text, ["--trainer.logger=false", "--trainer.enable_checkpointing=false", *overrides])
         self.module, self.data = cli.model, cli.datamodule
         refuse_unsupported(self.module)
         self.data.prepare_data()
         self.data.setup("fit")
         self.module.read_clients(self.data)
-        part, parts = int(node_config.get("partition-id", 0)), int(node_config.get("num-partitions", 1))
-        if not 0 <= part < parts:
-            raise ValueError(f"--node-config partition-id={part} num-partitions={parts}: need 0 <= partition-id < "
-                             "num-partitions")
         total = len(self.data.train_clients)
-        self.positions = list(range(part, total, parts))
+        if self.name:
+            self.positions = list(range(total))
+        else:
+            part, parts = int(node_config.get("partition-id", 0)), int(node_config.get("num-partitions", 1))
+            if not 0 <= part < parts:
+                raise ValueError(f"--node-config partition-id={part} num-partitions={parts}: need 0 <= partition-id "
+                                 "< num-partitions")
+            self.positions = list(range(part, total, parts))
         secret = node_config.get("noise-seed")
         if secret not in (None, ""):  # else the fresh secret the round drew when it was built
-            self.module.set_secret_seed(read_secret(secret, "--node-config noise-seed"))
+            seed = read_secret(secret, "--node-config noise-seed")
+            if self.name:  # the site's clients are numbered from 0 at every site: their noise must differ
+                seed = derive_seed(seed, _SITE_STREAM, *self.name.encode())
+            self.module.set_secret_seed(seed)
 
     def report(self) -> dict[str, Any]:
         from lightning_dp.datamodules.federated import client_ids, client_sizes
@@ -49,12 +70,25 @@ class _Site:
         train, data = self.data.train_clients, self.data
         # the example counts only where the aggregator weights by them (FedAvg weighted=True), else 1
         sizes = client_sizes(train) if self.module.aggregator.weights_by_counts else torch.ones(len(train))
-        return {"positions": self.positions, "ids": [str(i) for i in client_ids(train, self.positions)],
+        return {"site": self.name, "positions": self.positions, "ids": [str(i) for i in client_ids(train, self.positions)],
                 "sizes": [int(sizes[i]) for i in self.positions], "num-training-clients": len(train),
                 "numel": int(self.module.spec.numel), "task": str(data.task),
                 "num-classes": -1 if data.num_classes is None else int(data.num_classes),
                 "num-groups": -1 if data.num_groups is None else int(data.num_groups),
                 "input-shape": [int(v) for v in data.input_shape]}
+
+
+def data_overrides(node_config: Any) -> list[str]:
+    """The node config's ``data.ARG=VALUE`` entries as overrides of the config's DataModule arguments (this node's
+    files: ``data.data_dir=PATH``); nothing else of the config can be changed on a node."""
+    out = []
+    for key, value in sorted((str(k), v) for k, v in node_config.items()):
+        if key.startswith("data."):
+            name = key[len("data."):]
+            if not name.isidentifier():
+                raise ValueError(f"--node-config {key}=...: the DataModule argument {name!r} is not a name")
+            out.append(f"--data.init_args.{name}={value}")
+    return out
 
 
 def site(context: Any) -> _Site:

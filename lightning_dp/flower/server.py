@@ -60,10 +60,12 @@ class RemoteDataModule(FederatedDataModule):
 
 class NodeRound:
     """The clients' side of the round, on the nodes: what :meth:`FederatedRound._client_round` returns, computed
-    remotely. ``owners[i]`` is the node id serving training client i."""
+    remotely. ``owners[i]`` is the node id serving training client i, at position ``local[i]`` of the node's list
+    (None: i itself, one client list shared by all nodes)."""
 
-    def __init__(self, grid: Any, owners: list[int], *, timeout: float) -> None:
+    def __init__(self, grid: Any, owners: list[int], *, timeout: float, local: Optional[list[int]] = None) -> None:
         self.grid, self.owners, self.timeout = grid, owners, float(timeout)
+        self.local = local if local is not None else list(range(len(owners)))
 
     def client_round(self, module: Any, index: list[int], r: int) -> tuple[Tensor, Tensor, None]:
         from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
@@ -77,7 +79,7 @@ class NodeRound:
         follows = module._sanitizer_follows_clip()
         public = ArrayRecord({"hypotheses": hyps.detach().cpu(), "previous_step": module.previous_step.detach().cpu()})
         messages = [Message(RecordDict({"arrays": public, "config": ConfigRecord({
-            "round": int(r), "clients": positions, "seed": str(module.seed),
+            "round": int(r), "clients": [self.local[i] for i in positions], "seed": str(module.seed),
             "clip": float(module.server_privacy.clip) if follows else -1.0})}),
             message_type=MessageType.TRAIN, dst_node_id=node, group_id=str(r)) for node, positions in by_node.items()]
         replies = {reply.metadata.src_node_id: reply
@@ -131,13 +133,64 @@ def ask_nodes(grid: Any, nodes: list[int], timeout: float) -> dict[int, dict[str
     return reports
 
 
-def plan_clients(reports: dict[int, dict[str, Any]], numel: int) -> tuple[list[int], list[RemoteClient], dict]:
-    """``(owners, clients, data)`` from the nodes' reports; refuses reports that disagree or leave clients out."""
-    totals = {int(rep["num-training-clients"]) for rep in reports.values()}
+def plan_clients(reports: dict[int, dict[str, Any]], numel: int) -> tuple[list[int], list[RemoteClient], dict,
+                                                                        list[int]]:
+    """``(owners, clients, data, local)`` from the nodes' reports: training client i is served by node ``owners[i]``,
+    at position ``local[i]`` of that node's list. Refuses reports that disagree or leave clients out."""
     sizes = {int(rep["numel"]) for rep in reports.values()}
     if sizes != {numel}:
         raise RuntimeError(f"the nodes' models have {sorted(sizes)} parameters, the server's {numel}: every node must "
                            "run the same config")
+    named = {bool(rep.get("site", "")) for rep in reports.values()}
+    if named == {True, False}:
+        raise RuntimeError("some SuperNodes serve their own clients (--node-config site=NAME) and some positions of a "
+                           "shared client list (partition-id): start every node one way")
+    owners, clients, local = (_plan_sites(reports) if named == {True} else _plan_partitions(reports))
+    first = next(iter(reports.values()))
+    for node, rep in reports.items():
+        same = (rep["task"], rep["num-classes"], rep["num-groups"], list(rep["input-shape"]))
+        if same != (first["task"], first["num-classes"], first["num-groups"], list(first["input-shape"])):
+            raise RuntimeError(f"node {node}'s DataModule differs from the others' (task, classes, groups or input "
+                               "shape): every site must build the config's DataModule")
+
+    def optional(value: Any) -> Optional[int]:  # -1: None in a ConfigRecord
+        return None if int(value) < 0 else int(value)
+
+    data = {"task": str(first["task"]), "num_classes": optional(first["num-classes"]),
+            "num_groups": optional(first["num-groups"]),
+            "input_shape": tuple(int(v) for v in first["input-shape"])}
+    return owners, clients, data, local
+
+
+def _plan_sites(reports: dict[int, dict[str, Any]]) -> tuple[list[int], list[RemoteClient], list[int]]:
+    """Sites with their own clients: numbered site after site, in the order of the sites' names."""
+    by_name: dict[str, int] = {}
+    for node, rep in reports.items():
+        name = str(rep["site"])
+        if name in by_name:
+            raise RuntimeError(f"nodes {by_name[name]} and {node} both call themselves site={name!r}: give every "
+                               "SuperNode its own --node-config site=NAME")
+        by_name[name] = node
+    owners: list[int] = []
+    clients: list[RemoteClient] = []
+    local: list[int] = []
+    seen: dict[str, str] = {}  # client id -> its site
+    for name in sorted(by_name):
+        node, rep = by_name[name], reports[by_name[name]]
+        for position, cid, n in zip(rep["positions"], rep["ids"], rep["sizes"]):
+            if cid in seen:  # the ledgers and the record key clients by id
+                raise RuntimeError(f"client id {cid!r} is served by sites {seen[cid]!r} and {name!r}: client ids must "
+                                   "be unique across sites (the privacy ledgers are kept by id)")
+            seen[cid] = name
+            owners.append(node)
+            clients.append(RemoteClient(str(cid), int(n)))
+            local.append(int(position))
+    return owners, clients, local
+
+
+def _plan_partitions(reports: dict[int, dict[str, Any]]) -> tuple[list[int], list[RemoteClient], list[int]]:
+    """Sites that each serve positions of one shared client list (partition-id, num-partitions)."""
+    totals = {int(rep["num-training-clients"]) for rep in reports.values()}
     if len(totals) != 1:
         raise RuntimeError(f"the nodes' DataModules hold {sorted(totals)} training clients: every node must build the "
                            "same client list (the same config and data)")
@@ -154,14 +207,7 @@ def plan_clients(reports: dict[int, dict[str, Any]], numel: int) -> tuple[list[i
     if unserved:
         raise RuntimeError(f"{len(unserved)} of the {total} training clients have no node (first: {unserved[:5]}): "
                            "start one SuperNode per partition-id 0..num-partitions-1")
-    first = next(iter(reports.values()))
-    def optional(value: Any) -> Optional[int]:  # -1: None in a ConfigRecord
-        return None if int(value) < 0 else int(value)
-
-    data = {"task": str(first["task"]), "num_classes": optional(first["num-classes"]),
-            "num_groups": optional(first["num-groups"]),
-            "input_shape": tuple(int(v) for v in first["input-shape"])}
-    return owners, clients, data  # type: ignore[return-value]  # every entry filled (unserved refused)
+    return owners, clients, list(range(total))  # type: ignore[return-value]  # every entry filled (unserved refused)
 
 
 def main(grid: Any, context: Any) -> None:
@@ -182,8 +228,8 @@ def main(grid: Any, context: Any) -> None:
         module.set_secret_seed(read_secret(secret, f"the environment variable {NOISE_SEED_VARIABLE}"))
     timeout = float(config.get("node-timeout", 600.0))
     nodes = wait_for_nodes(grid, int(config.get("min-nodes", 1)), timeout)
-    owners, clients, data = plan_clients(ask_nodes(grid, nodes, timeout), module.spec.numel)
-    module.remote = NodeRound(grid, owners, timeout=timeout)
+    owners, clients, data, local = plan_clients(ask_nodes(grid, nodes, timeout), module.spec.numel)
+    module.remote = NodeRound(grid, owners, timeout=timeout, local=local)
     trainer.fit(module, datamodule=RemoteDataModule(clients, **data))
     save_to = str(config.get("save-to", ""))
     if save_to and trainer.is_global_zero:

@@ -55,10 +55,13 @@ def simulate(config: Path, noise_seed: int):
     return cli.model
 
 
-def deploy_in_memory(config: Path, noise_seed: int, nodes: int = 2):
-    run_config = {"config-yaml": config.read_text(), "min-nodes": nodes, "node-timeout": 60.0, "save-to": ""}
-    grid = MemoryGrid(run_config, {100 + p: {"partition-id": p, "num-partitions": nodes, "noise-seed": noise_seed}
-                                   for p in range(nodes)})
+def deploy_in_memory(config: Path, noise_seed: int, nodes: int = 2, node_configs: dict | None = None):
+    if node_configs is None:
+        node_configs = {100 + p: {"partition-id": p, "num-partitions": nodes, "noise-seed": noise_seed}
+                        for p in range(nodes)}
+    run_config = {"config-yaml": config.read_text(), "min-nodes": len(node_configs), "node-timeout": 60.0,
+                  "save-to": ""}
+    grid = MemoryGrid(run_config, node_configs)
     client_side._SITES.clear()
     from flwr.app import Context, RecordDict
 
@@ -128,8 +131,9 @@ def test_nodes_that_disagree_or_leave_clients_out_are_refused_before_training():
                 "num-training-clients": total, "numel": numel, "task": "regression", "num-classes": -1,
                 "num-groups": -1, "input-shape": [2]}
 
-    owners, clients, data = server_side.plan_clients({1: report([0, 2]), 2: report([1, 3])}, 2)
+    owners, clients, data, local = server_side.plan_clients({1: report([0, 2]), 2: report([1, 3])}, 2)
     assert owners == [1, 2, 1, 2] and [c.client_id for c in clients] == ["c0", "c1", "c2", "c3"]
+    assert local == [0, 1, 2, 3]
     assert data == {"task": "regression", "num_classes": None, "num_groups": None, "input_shape": (2,)}
     with pytest.raises(RuntimeError, match="distinct --node-config partition-id"):
         server_side.plan_clients({1: report([0, 2]), 2: report([0, 1, 3])}, 2)
@@ -220,3 +224,72 @@ def test_what_the_deployment_does_not_run_yet_is_refused_with_the_reason():
     module = FederatedRound(LinearRegression(), update=LocalDPSGD(target_epsilon=2.0), diagnostics=True)
     with pytest.raises(ValueError, match="(?s)local_dp_sgd.*diagnostics"):
         refuse_unsupported(module)
+
+
+def _site_report(site, ids, numel=2):
+    return {"site": site, "positions": list(range(len(ids))), "ids": ids, "sizes": [1] * len(ids),
+            "num-training-clients": len(ids), "numel": numel, "task": "regression", "num-classes": -1,
+            "num-groups": -1, "input-shape": [2]}
+
+
+def test_sites_with_their_own_clients_are_numbered_in_the_order_of_their_names():
+    owners, clients, _, local = server_side.plan_clients(
+        {7: _site_report("zurich", ["z1", "z2"]), 3: _site_report("boston", ["b1", "b2", "b3"])}, 2)
+    assert [c.client_id for c in clients] == ["b1", "b2", "b3", "z1", "z2"]
+    assert owners == [3, 3, 3, 7, 7] and local == [0, 1, 2, 0, 1]
+    with pytest.raises(RuntimeError, match="unique across sites"):
+        server_side.plan_clients({1: _site_report("a", ["x", "y"]), 2: _site_report("b", ["y"])}, 2)
+    with pytest.raises(RuntimeError, match="both call themselves site='a'"):
+        server_side.plan_clients({1: _site_report("a", ["x"]), 2: _site_report("a", ["y"])}, 2)
+    with pytest.raises(RuntimeError, match="start every node one way"):
+        server_side.plan_clients({1: _site_report("a", ["x"]), 2: {**_site_report("", ["y"]), "positions": [0]}}, 2)
+    with pytest.raises(RuntimeError, match="differs from the others"):
+        server_side.plan_clients({1: _site_report("a", ["x"]), 2: {**_site_report("b", ["y"]), "input-shape": [3]}},
+                                 2)
+
+
+def test_sites_with_their_own_data_train_together_and_draw_their_own_noise(tmp_path, monkeypatch):
+    """Two SuperNodes, each its own clients (a DataModule argument set by its node config), one seed given to both:
+    the server trains the union, each site is asked only for positions of its own list, the sites' noise seeds
+    differ, and the spend is the one the simulation of the same config accounts."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    monkeypatch.setattr(sys, "argv", ["lightning-dp"])
+    text = yaml.safe_load((EXAMPLES / "fl_deploy_fedavg.yaml").read_text())
+    text["trainer"]["logger"] = False
+    text["data"] = {"class_path": "tests.flower.sites.SiteMixture",
+                    "init_args": {**text["data"]["init_args"], "site": "a"}}
+    config = tmp_path / "sites.yaml"
+    config.write_text(yaml.safe_dump(text))
+    nodes = {101: {"site": "boston", "data.site": "b", "data.seed": 1, "noise-seed": 5},
+             102: {"site": "austin", "data.site": "a", "noise-seed": 5}}
+    deployed, grid = deploy_in_memory(config, 918273645, node_configs=nodes)
+    ids = [c.client_id for c in deployed.trainer.datamodule.train_clients]
+    assert ids[:40] == [f"a-{i}" for i in _mixture_ids(text)] and ids[40:] == [f"b-{i}" for i in _mixture_ids(text)]
+    for message in grid.sent:
+        if "arrays" in message.content:
+            assert all(0 <= i < 40 for i in message.content["config"]["clients"])
+    sites = {key[1]: value for key, value in client_side._SITES.items()}
+    seeds = {dict(config_items)["site"]: s.module._noise_seed for config_items, s in sites.items()}
+    assert seeds["austin"] != seeds["boston"]  # one given seed, two sites: derived per site
+    b = next(s for items, s in sites.items() if dict(items)["site"] == "boston")
+    a = next(s for items, s in sites.items() if dict(items)["site"] == "austin")
+    assert not torch.equal(a.data.train_clients[0].x, b.data.train_clients[0].x)  # data.seed=1 on boston only
+    simulated = simulate(config, 918273645)
+    assert deployed.server_privacy.epsilon == simulated.server_privacy.epsilon
+    assert int(deployed.rounds) == 3 and not torch.equal(deployed.hypotheses, simulated.hypotheses)
+
+
+def _mixture_ids(text):
+    from lightning_dp.datamodules import SyntheticLinearMixtureDataModule
+
+    dm = SyntheticLinearMixtureDataModule(**{k: v for k, v in text["data"]["init_args"].items() if k != "site"})
+    dm.setup("fit")
+    return [c.client_id for c in dm.train_clients]
+
+
+def test_a_node_config_may_set_only_the_datamodules_arguments():
+    assert client_side.data_overrides({"data.data_dir": "/site/files", "noise-seed": 3, "site": "x"}) == [
+        "--data.init_args.data_dir=/site/files"]
+    with pytest.raises(ValueError, match="is not a name"):
+        client_side.data_overrides({"data.init_args.x": 1})
