@@ -500,6 +500,8 @@ class FederatedRound(LightningModule):
                 table = torch.rand((len(clients), width), device=mask.device,
                                    generator=derive_generator(self.seed, _LOCAL, r, epoch, device=mask.device))
                 if cache is not None:
+                    if (len(cache) + 1) * table.numel() > 2**24:  # at most 2^24 keys held: then the latest only
+                        cache.clear()
                     cache[epoch] = table
             return table[rows, : mask.shape[1]]
 
@@ -662,6 +664,8 @@ class FederatedRound(LightningModule):
         if self._sums_releases():
             local_stats, local_norms, total = self._summed_client_round(index, r)
             if self.trainer.world_size > 1:  # P floats per process instead of its (U / W, P) releases
+                # gloo's and NCCL's all-reduce hand every process the same bits: every process then adds the same
+                # server noise (one secret stream) to the same sum and holds the same hypotheses
                 torch.distributed.all_reduce(total)
             sums = (self._gather_rows(local_norms, len(index)), total)
             local_releases, local_diagnostics = hyps.new_zeros((0, self.spec.numel)), None
@@ -837,47 +841,60 @@ class FederatedRound(LightningModule):
         if stage == "val" and self.val_clients_per_check is not None and self.val_clients_per_check < len(clients):
             g = derive_generator(self.seed, _VAL, int(self.rounds))
             index = torch.randperm(len(clients), generator=g)[: self.val_clients_per_check].tolist()
-        mine = self._shard(index)
         fairness = None
-        if self._num_groups is not None:
+        if self._num_groups is not None and self.remote is not None:
+            rank_zero_warn("the group-fairness metrics of a Flower deployment's evaluation are not computed: the "
+                           "nodes send sums of losses, choices and correct predictions only", category=UserWarning)
+        elif self._num_groups is not None:
             from lightning_dp.metrics import GroupFairness
 
             fairness = GroupFairness(self._num_groups).to(self.hypotheses.device)
-        if mine:
-            x, y, mask = self._padded(split, mine)
-            outputs, losses = client_outputs_and_losses(self.template, self.spec, self.hypotheses, x, y, mask,
-                                                        self.loss_name, self._forward_engine())
-            choice = losses.argmin(dim=1)
-            columns = [losses.min(dim=1).values.double(), choice.double()]
-            if self._classification:
-                chosen = outputs[torch.arange(len(mine), device=choice.device), choice]  # (C, Nmax, ...)
-                preds = predictions(chosen.flatten(0, 1), self.loss_name).view(mask.shape)
-                columns += [((preds == y.long()) & mask).sum(1).double(), mask.sum(1).double()]
-                if fairness is not None:
-                    groups = padded_sensitive([self._clients[split][i] for i in mine])
-                    if groups is None:
-                        raise MisconfigurationException(
-                            f"the DataModule declares num_groups={self._num_groups} but some {split} clients have "
-                            "no sensitive ids (ClientDataset.sensitive)")
-                    fairness.update(preds[mask], y[mask].long(), groups.to(mask.device)[mask])
-            local = torch.stack(columns, dim=1)
+        if self.remote is not None:  # the server of a deployment: the clients evaluate on their nodes
+            sums = self.remote.evaluate(self, split, index)
         else:
-            local = torch.zeros((0, 4 if self._classification else 2), dtype=torch.float64,
-                                device=self.hypotheses.device)
-        rows = self._gather_rows(local, len(index))  # every evaluated client, on every process
-        best, choice = rows[:, 0], rows[:, 1].long()
-        # identical on every process (computed from the gathered rows): sync_dist averages equal values
-        sync = self.trainer.world_size > 1
-        self.log(f"{stage}/loss", best.mean(), batch_size=1, sync_dist=sync)
+            sums = self.evaluation_sums(split, self._shard(index), fairness)
+            if self.trainer.world_size > 1:  # identical on every process afterwards
+                torch.distributed.all_reduce(sums)
+        sync = self.trainer.world_size > 1  # equal values on every process: sync_dist averages them
+        count = sums[1].clamp_min(1)
+        self.log(f"{stage}/loss", sums[0] / count, batch_size=1, sync_dist=sync)
         for j in range(self.k):
-            self.log(f"{stage}/chose_{j}", (choice == j).double().mean(), batch_size=1, sync_dist=sync)
+            self.log(f"{stage}/chose_{j}", sums[4 + j] / count, batch_size=1, sync_dist=sync)
         if self._classification:
-            self.log(f"{stage}/acc", rows[:, 2].sum() / rows[:, 3].sum().clamp_min(1), batch_size=1, sync_dist=sync)
+            self.log(f"{stage}/acc", sums[2] / sums[3].clamp_min(1), batch_size=1, sync_dist=sync)
         if fairness is not None:  # compute() sums the per-group counts over processes
             values = fairness.compute()
             # its overall accuracy is {stage}/acc (same predictions); NaN rates (absent groups) are not logged
             self.log_dict({f"{stage}/fairness/{name}": value.double() for name, value in values.items()
                            if name != "accuracy" and torch.isfinite(value)}, batch_size=1, sync_dist=sync)
+
+    def evaluation_sums(self, split: str, mine: list[int], fairness: Any = None) -> Tensor:
+        """What the logged evaluation is made of, for the clients at positions ``mine`` of ``split``: float64
+        ``[sum of their chosen hypotheses' losses, clients, correct predictions, examples, clients that chose
+        hypothesis 0, ..., k - 1]`` (correct predictions and examples 0 for regression). Sums over disjoint sets of
+        clients add up: a DDP process's, or a Flower node's reply to an evaluation (:mod:`lightning_dp.flower`).
+        ``fairness``: a :class:`~lightning_dp.metrics.GroupFairness` updated with the predictions."""
+        sums = torch.zeros(4 + self.k, dtype=torch.float64, device=self.hypotheses.device)
+        if not mine:
+            return sums
+        x, y, mask = self._padded(split, mine)
+        outputs, losses = client_outputs_and_losses(self.template, self.spec, self.hypotheses, x, y, mask,
+                                                    self.loss_name, self._forward_engine())
+        choice = losses.argmin(dim=1)
+        sums[0], sums[1] = losses.min(dim=1).values.double().sum(), float(len(mine))
+        sums[4:] = torch.bincount(choice, minlength=self.k).double()
+        if self._classification:
+            chosen = outputs[torch.arange(len(mine), device=choice.device), choice]  # (C, Nmax, ...)
+            preds = predictions(chosen.flatten(0, 1), self.loss_name).view(mask.shape)
+            sums[2], sums[3] = ((preds == y.long()) & mask).sum().double(), mask.sum().double()
+            if fairness is not None:
+                groups = padded_sensitive([self._clients[split][i] for i in mine])
+                if groups is None:
+                    raise MisconfigurationException(
+                        f"the DataModule declares num_groups={self._num_groups} but some {split} clients have "
+                        "no sensitive ids (ClientDataset.sensitive)")
+                fairness.update(preds[mask], y[mask].long(), groups.to(mask.device)[mask])
+        return sums
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self._evaluate("val", "val")
@@ -956,6 +973,10 @@ class FederatedRound(LightningModule):
             if final and self.trainer.is_global_zero:
                 for logger in self.trainer.loggers:
                     logger.log_metrics(final, step=step - 1)
+            # and where the run's summary reads the spend (RunArtifacts' summary.* tags: callback_metrics, which
+            # would otherwise hold the last value Lightning logged, an interim or an older one)
+            for name, value in final.items():
+                self.trainer.callback_metrics[name] = torch.tensor(value, dtype=torch.float64)
         # the artifacts pass the gate by their names (under nonprivate/ when the selection is secret)
         if self.trainer.is_global_zero and len(self.ledger):
             self._log_ledger_artifacts()

@@ -11,7 +11,9 @@ The same YAML that ``lightning-dp fit`` runs as a simulation runs on Flower's De
   the config (MLflow tracking as in ``lightning-dp fit``), asks every node which training clients
   it serves, then trains: each round selects clients from the server's secret seed, sends the
   public hypotheses to the nodes of the selected clients, and aggregates their releases with its
-  server privacy, accountant and ledgers, exactly as the simulation does.
+  server privacy, accountant and ledgers, exactly as the simulation does. Validation checks
+  ask the nodes of the validation clients for sums of their losses, choices and correct
+  predictions (:meth:`~lightning_dp.federated.FederatedRound.evaluation_sums`).
 - :mod:`lightning_dp.flower.client` (the ``ClientApp``): builds the config's DataModule from its
   own data, serves the training clients at positions ``partition-id`` (mod ``num-partitions``) of
   a client list every site shares, or, with ``site=NAME``, all the clients of its own data (its
@@ -22,9 +24,10 @@ The same YAML that ``lightning-dp fit`` runs as a simulation runs on Flower's De
 What each side sees (docs/federated.md, "From simulation to deployment"): the nodes see the
 config, the public hypotheses and previous step, the round number, the public seed, the
 server's current clipping threshold and which of their own clients were selected; the server
-sees each selected client's release, its privacy cost, its number of examples, its unclipped
-bit when the server clips adaptively, and its training loss only when the config logs
-``nonprivate`` metrics. The server's noise seed (selection, central noise) never leaves the
+sees each selected client's release, its privacy cost, its number of examples only for an
+aggregator that weights by it, its unclipped bit when it clipped at the server's adaptive
+threshold, its training loss only under central DP when the config logs ``nonprivate`` metrics,
+and per node the sums of an evaluation of its validation clients. The server's noise seed (selection, central noise) never leaves the
 server; a client's noise seed and data never leave its node.
 """
 

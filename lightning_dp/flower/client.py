@@ -25,7 +25,7 @@ import torch
 
 from lightning_dp.privacy.seeds import derive_seed
 
-__all__ = ["app", "data_overrides", "serve_clients", "site"]
+__all__ = ["app", "data_overrides", "evaluate_clients", "serve_clients", "site"]
 
 _SITES: dict[Any, Any] = {}  # (run id, node config) -> the built site, while this process lives
 _SITE_STREAM = 31  # derive_seed's counter of a named site's noise seed
@@ -48,15 +48,15 @@ class _Site:
         self.data.prepare_data()
         self.data.setup("fit")
         self.module.read_clients(self.data)
-        total = len(self.data.train_clients)
+        total, val = len(self.data.train_clients), len(self.data.val_clients or [])
         if self.name:
-            self.positions = list(range(total))
+            self.positions, self.val_positions = list(range(total)), list(range(val))
         else:
             part, parts = int(node_config.get("partition-id", 0)), int(node_config.get("num-partitions", 1))
             if not 0 <= part < parts:
                 raise ValueError(f"--node-config partition-id={part} num-partitions={parts}: need 0 <= partition-id "
                                  "< num-partitions")
-            self.positions = list(range(part, total, parts))
+            self.positions, self.val_positions = list(range(part, total, parts)), list(range(part, val, parts))
         secret = node_config.get("noise-seed")
         if secret not in (None, ""):  # else the fresh secret the round drew when it was built
             seed = read_secret(secret, "--node-config noise-seed")
@@ -72,6 +72,8 @@ class _Site:
         sizes = client_sizes(train) if self.module.aggregator.weights_by_counts else torch.ones(len(train))
         return {"site": self.name, "positions": self.positions, "ids": [str(i) for i in client_ids(train, self.positions)],
                 "sizes": [int(sizes[i]) for i in self.positions], "num-training-clients": len(train),
+                # validation clients: their positions only (the server evaluates through the nodes' sums)
+                "val-positions": self.val_positions, "num-val-clients": len(data.val_clients or []),
                 "numel": int(self.module.spec.numel), "task": str(data.task),
                 "num-classes": -1 if data.num_classes is None else int(data.num_classes),
                 "num-groups": -1 if data.num_groups is None else int(data.num_groups),
@@ -130,6 +132,19 @@ def serve_clients(node: _Site, positions: list[int], r: int, *, hypotheses: torc
     return released.detach(), stats
 
 
+def evaluate_clients(node: _Site, split: str, positions: list[int], *, hypotheses: torch.Tensor) -> torch.Tensor:
+    """The sums of an evaluation of the public ``hypotheses`` on this site's ``split`` clients at ``positions``
+    (:meth:`~lightning_dp.federated.FederatedRound.evaluation_sums`: losses, choices, correct predictions)."""
+    if split != "val":
+        raise ValueError(f"the server asked for an evaluation on {split!r} clients; a deployment evaluates 'val' only")
+    foreign = sorted(set(positions) - set(node.val_positions))
+    if foreign:
+        raise ValueError(f"the server asked for validation clients {foreign[:5]}, which this node does not serve")
+    with torch.no_grad():
+        node.module.hypotheses.copy_(hypotheses)
+        return node.module.evaluation_sums(split, list(positions)).detach().cpu()
+
+
 def _app() -> Any:
     try:
         from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
@@ -151,6 +166,13 @@ def _app() -> Any:
                                         hypotheses=arrays["hypotheses"], previous_step=arrays["previous_step"],
                                         seed=int(config["seed"]), clip=float(config["clip"]))
         return Message(RecordDict({"arrays": ArrayRecord({"releases": released, "stats": stats})}), reply_to=msg)
+
+    @client.evaluate()
+    def evaluate(msg: Any, context: Any) -> Any:
+        config = msg.content["config"]
+        sums = evaluate_clients(site(context), str(config["split"]), [int(i) for i in config["clients"]],
+                                hypotheses=msg.content["arrays"].to_torch_state_dict()["hypotheses"])
+        return Message(RecordDict({"arrays": ArrayRecord({"sums": sums})}), reply_to=msg)
 
     return client
 

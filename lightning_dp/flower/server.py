@@ -1,12 +1,13 @@
 """The ``ServerApp``: the round's server on a Flower deployment (:mod:`lightning_dp.flower`).
 
-``main`` builds the round and its Trainer from the app's config (``--trainer.limit_val_batches=0``:
-the server holds no data), asks every node for the training clients it serves
-(:class:`RemoteClient`: an id and a size), and fits: each round's clients are selected from the
-server's secret noise seed (``LIGHTNING_DP_NOISE_SEED`` in the server process's environment, else
-fresh), :class:`NodeRound` sends the public state to the nodes of the selected clients and
-returns their releases in the round's order, and the round aggregates, accounts and logs as in
-simulation.
+``main`` builds the round and its Trainer from the app's config, asks every node for the training
+clients it serves (:class:`RemoteClient`: an id and a size) and the positions of its validation
+clients, and fits: each round's clients are selected from the server's secret noise seed
+(``LIGHTNING_DP_NOISE_SEED`` in the server process's environment, else fresh), :class:`NodeRound`
+sends the public state to the nodes of the selected clients and returns their releases in the
+round's order, and the round aggregates, accounts and logs as in simulation. A validation check
+sends the hypotheses to the nodes of the validation clients, which reply with sums of their
+losses, choices and correct predictions (:meth:`~lightning_dp.federated.FederatedRound.evaluation_sums`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch import Tensor
 
 from lightning_dp.datamodules.federated import FederatedDataModule
 
-__all__ = ["NodeRound", "RemoteClient", "RemoteDataModule", "app", "main"]
+__all__ = ["NodeRound", "Placement", "RemoteClient", "RemoteDataModule", "app", "main", "plan_clients"]
 
 #: the server process's environment variable holding its secret noise seed (client selection, central noise)
 NOISE_SEED_VARIABLE = "LIGHTNING_DP_NOISE_SEED"
@@ -41,31 +42,72 @@ class RemoteClient:
 
 
 class RemoteDataModule(FederatedDataModule):
-    """The server's DataModule: the training clients the nodes reported, no data, no validation or test clients."""
+    """The server's DataModule: the training and validation clients the nodes reported, no data, no test clients."""
 
     def __init__(self, clients: list[RemoteClient], *, task: str, num_classes: Optional[int],
-                 num_groups: Optional[int], input_shape: tuple[int, ...]) -> None:
+                 num_groups: Optional[int], input_shape: tuple[int, ...],
+                 val: Optional[list[RemoteClient]] = None) -> None:
         super().__init__()
         self.task = task  # type: ignore[assignment]  # checked by the nodes' DataModule
         self.num_classes, self.num_groups, self.input_shape = num_classes, num_groups, tuple(input_shape)
-        self._remote_clients = clients
+        self._remote_clients, self._remote_val = clients, list(val or [])
 
     def setup(self, stage: Optional[str] = None) -> None:
         self.train_clients = self._remote_clients  # type: ignore[assignment]  # duck-typed: client_id and len
-        self.val_clients, self.test_clients = [], []
+        self.val_clients = self._remote_val  # type: ignore[assignment]
+        self.test_clients = []
 
     def padded_rows(self, split: str, index: Any, *, pad_value: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
         raise RuntimeError("the server of a Flower deployment holds no client data: its clients compute on their nodes")
 
 
 class NodeRound:
-    """The clients' side of the round, on the nodes: what :meth:`FederatedRound._client_round` returns, computed
-    remotely. ``owners[i]`` is the node id serving training client i, at position ``local[i]`` of the node's list
-    (None: i itself, one client list shared by all nodes)."""
+    """The clients' side of the round, on the nodes: what :meth:`FederatedRound._client_round` and
+    :meth:`FederatedRound.evaluation_sums` return, computed remotely, for the clients placed by ``placements``
+    (:func:`plan_clients`)."""
 
-    def __init__(self, grid: Any, owners: list[int], *, timeout: float, local: Optional[list[int]] = None) -> None:
-        self.grid, self.owners, self.timeout = grid, owners, float(timeout)
-        self.local = local if local is not None else list(range(len(owners)))
+    def __init__(self, grid: Any, placements: dict[str, Placement], *, timeout: float) -> None:
+        self.grid, self.placements, self.timeout = grid, placements, float(timeout)
+
+    def _by_node(self, split: str, index: list[int]) -> dict[int, list[int]]:
+        by_node: dict[int, list[int]] = defaultdict(list)
+        for i in index:
+            by_node[self.placements[split].owners[i]].append(i)
+        return by_node
+
+    def _replies(self, messages: list[Any], what: str) -> dict[int, Any]:
+        replies = {reply.metadata.src_node_id: reply
+                   for reply in self.grid.send_and_receive(messages, timeout=self.timeout)}
+        for message in messages:
+            node = message.metadata.dst_node_id
+            reply = replies.get(node)
+            if reply is None:
+                raise RuntimeError(f"{what}: node {node} did not reply within {self.timeout:g} s (node_timeout)")
+            if reply.has_error():
+                raise RuntimeError(f"{what}: node {node} failed: {reply.error.reason}")
+        return replies
+
+    def evaluate(self, module: Any, split: str, index: list[int]) -> Tensor:
+        """The sum of the nodes' :meth:`~lightning_dp.federated.FederatedRound.evaluation_sums` over the ``split``
+        clients at ``index``, for the current hypotheses."""
+        from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+
+        sums = torch.zeros(4 + module.k, dtype=torch.float64)
+        by_node = self._by_node(split, index)
+        if not by_node:
+            return sums.to(module.hypotheses.device)
+        local = self.placements[split].local
+        public = ArrayRecord({"hypotheses": module.hypotheses.detach().cpu()})
+        messages = [Message(RecordDict({"arrays": public, "config": ConfigRecord({
+            "split": split, "clients": [local[i] for i in positions]})}),
+            message_type=MessageType.EVALUATE, dst_node_id=node, group_id=f"{split}-{int(module.rounds)}")
+            for node, positions in by_node.items()]
+        for node, reply in self._replies(messages, f"evaluation after round {int(module.rounds)}").items():
+            part = reply.content["arrays"].to_torch_state_dict()["sums"]
+            if part.shape != sums.shape:
+                raise RuntimeError(f"node {node} replied {tuple(part.shape)} evaluation sums, not {tuple(sums.shape)}")
+            sums += part.to(torch.float64)
+        return sums.to(module.hypotheses.device)
 
     def client_round(self, module: Any, index: list[int], r: int) -> tuple[Tensor, Tensor, None]:
         from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
@@ -73,25 +115,18 @@ class NodeRound:
         hyps = module.hypotheses
         if not index:
             return hyps.new_zeros((0, module.spec.numel)), torch.zeros((0, 4), dtype=torch.float64), None
-        by_node: dict[int, list[int]] = defaultdict(list)
-        for i in index:
-            by_node[self.owners[i]].append(i)
+        by_node = self._by_node("train", index)
+        local = self.placements["train"].local
         follows = module._sanitizer_follows_clip()
         public = ArrayRecord({"hypotheses": hyps.detach().cpu(), "previous_step": module.previous_step.detach().cpu()})
         messages = [Message(RecordDict({"arrays": public, "config": ConfigRecord({
-            "round": int(r), "clients": [self.local[i] for i in positions], "seed": str(module.seed),
+            "round": int(r), "clients": [local[i] for i in positions], "seed": str(module.seed),
             "clip": float(module.server_privacy.clip) if follows else -1.0})}),
             message_type=MessageType.TRAIN, dst_node_id=node, group_id=str(r)) for node, positions in by_node.items()]
-        replies = {reply.metadata.src_node_id: reply
-                   for reply in self.grid.send_and_receive(messages, timeout=self.timeout)}
+        replies = self._replies(messages, f"round {r}")
         rows: dict[int, tuple[Tensor, Tensor]] = {}
         for node, positions in by_node.items():
-            reply = replies.get(node)
-            if reply is None:
-                raise RuntimeError(f"round {r}: node {node} did not reply within {self.timeout:g} s (node_timeout)")
-            if reply.has_error():
-                raise RuntimeError(f"round {r}: node {node} failed: {reply.error.reason}")
-            arrays = reply.content["arrays"].to_torch_state_dict()
+            arrays = replies[node].content["arrays"].to_torch_state_dict()
             released, stats = arrays["releases"], arrays["stats"]
             if released.shape != (len(positions), module.spec.numel) or stats.shape != (len(positions), 4):
                 raise RuntimeError(f"round {r}: node {node} replied {tuple(released.shape)} releases for its "
@@ -133,10 +168,19 @@ def ask_nodes(grid: Any, nodes: list[int], timeout: float) -> dict[int, dict[str
     return reports
 
 
-def plan_clients(reports: dict[int, dict[str, Any]], numel: int) -> tuple[list[int], list[RemoteClient], dict,
-                                                                        list[int]]:
-    """``(owners, clients, data, local)`` from the nodes' reports: training client i is served by node ``owners[i]``,
-    at position ``local[i]`` of that node's list. Refuses reports that disagree or leave clients out."""
+@dataclass(frozen=True)
+class Placement:
+    """Where a split's clients are: client i is served by node ``owners[i]``, at position ``local[i]`` of the
+    node's own list (``clients[i]``: its id and size as the server knows them)."""
+
+    owners: list[int]
+    clients: list[RemoteClient]
+    local: list[int]
+
+
+def plan_clients(reports: dict[int, dict[str, Any]], numel: int) -> tuple[dict[str, Placement], dict]:
+    """``({"train": ..., "val": ...}, data)`` from the nodes' reports (the DataModule's task and shape in ``data``).
+    Refuses reports that disagree, serve a client twice or leave clients out."""
     sizes = {int(rep["numel"]) for rep in reports.values()}
     if sizes != {numel}:
         raise RuntimeError(f"the nodes' models have {sorted(sizes)} parameters, the server's {numel}: every node must "
@@ -145,7 +189,8 @@ def plan_clients(reports: dict[int, dict[str, Any]], numel: int) -> tuple[list[i
     if named == {True, False}:
         raise RuntimeError("some SuperNodes serve their own clients (--node-config site=NAME) and some positions of a "
                            "shared client list (partition-id): start every node one way")
-    owners, clients, local = (_plan_sites(reports) if named == {True} else _plan_partitions(reports))
+    plan = _plan_sites if named == {True} else _plan_partitions
+    placements = {split: plan(reports, split) for split in ("train", "val")}
     first = next(iter(reports.values()))
     for node, rep in reports.items():
         same = (rep["task"], rep["num-classes"], rep["num-groups"], list(rep["input-shape"]))
@@ -159,10 +204,21 @@ def plan_clients(reports: dict[int, dict[str, Any]], numel: int) -> tuple[list[i
     data = {"task": str(first["task"]), "num_classes": optional(first["num-classes"]),
             "num_groups": optional(first["num-groups"]),
             "input_shape": tuple(int(v) for v in first["input-shape"])}
-    return owners, clients, data, local
+    return placements, data
 
 
-def _plan_sites(reports: dict[int, dict[str, Any]]) -> tuple[list[int], list[RemoteClient], list[int]]:
+def _served(rep: dict[str, Any], split: str) -> tuple[list[int], list[str], list[int], int]:
+    """``(positions, ids, sizes, total)`` of a node's report for ``split``. Validation clients are reported by
+    position only (the server evaluates through the nodes' sums): their ids here are placeholders."""
+    if split == "train":
+        return ([int(i) for i in rep["positions"]], [str(c) for c in rep["ids"]], [int(n) for n in rep["sizes"]],
+                int(rep["num-training-clients"]))
+    positions = [int(i) for i in rep.get("val-positions", [])]
+    prefix = f"{rep['site']}/" if rep.get("site") else ""
+    return positions, [f"{prefix}val-{i}" for i in positions], [1] * len(positions), int(rep.get("num-val-clients", 0))
+
+
+def _plan_sites(reports: dict[int, dict[str, Any]], split: str) -> Placement:
     """Sites with their own clients: numbered site after site, in the order of the sites' names."""
     by_name: dict[str, int] = {}
     for node, rep in reports.items():
@@ -171,43 +227,43 @@ def _plan_sites(reports: dict[int, dict[str, Any]]) -> tuple[list[int], list[Rem
             raise RuntimeError(f"nodes {by_name[name]} and {node} both call themselves site={name!r}: give every "
                                "SuperNode its own --node-config site=NAME")
         by_name[name] = node
-    owners: list[int] = []
-    clients: list[RemoteClient] = []
-    local: list[int] = []
+    placement = Placement([], [], [])
     seen: dict[str, str] = {}  # client id -> its site
     for name in sorted(by_name):
-        node, rep = by_name[name], reports[by_name[name]]
-        for position, cid, n in zip(rep["positions"], rep["ids"], rep["sizes"]):
+        node = by_name[name]
+        positions, ids, sizes, _ = _served(reports[node], split)
+        for position, cid, n in zip(positions, ids, sizes):
             if cid in seen:  # the ledgers and the record key clients by id
                 raise RuntimeError(f"client id {cid!r} is served by sites {seen[cid]!r} and {name!r}: client ids must "
                                    "be unique across sites (the privacy ledgers are kept by id)")
             seen[cid] = name
-            owners.append(node)
-            clients.append(RemoteClient(str(cid), int(n)))
-            local.append(int(position))
-    return owners, clients, local
+            placement.owners.append(node)
+            placement.clients.append(RemoteClient(cid, n))
+            placement.local.append(position)
+    return placement
 
 
-def _plan_partitions(reports: dict[int, dict[str, Any]]) -> tuple[list[int], list[RemoteClient], list[int]]:
+def _plan_partitions(reports: dict[int, dict[str, Any]], split: str) -> Placement:
     """Sites that each serve positions of one shared client list (partition-id, num-partitions)."""
-    totals = {int(rep["num-training-clients"]) for rep in reports.values()}
+    what = "training" if split == "train" else "validation"
+    totals = {_served(rep, split)[3] for rep in reports.values()}
     if len(totals) != 1:
-        raise RuntimeError(f"the nodes' DataModules hold {sorted(totals)} training clients: every node must build the "
+        raise RuntimeError(f"the nodes' DataModules hold {sorted(totals)} {what} clients: every node must build the "
                            "same client list (the same config and data)")
     total = totals.pop()
     owners: list[Optional[int]] = [None] * total
     clients: list[Optional[RemoteClient]] = [None] * total
     for node, rep in sorted(reports.items()):
-        for i, cid, n in zip(rep["positions"], rep["ids"], rep["sizes"]):
+        for i, cid, n in zip(*_served(rep, split)[:3]):
             if owners[i] is not None:
-                raise RuntimeError(f"training client {i} ({cid}) is served by nodes {owners[i]} and {node}: give the "
+                raise RuntimeError(f"{what} client {i} ({cid}) is served by nodes {owners[i]} and {node}: give the "
                                    "SuperNodes distinct --node-config partition-id values")
-            owners[i], clients[i] = node, RemoteClient(str(cid), int(n))
+            owners[i], clients[i] = node, RemoteClient(cid, n)
     unserved = [i for i, o in enumerate(owners) if o is None]
     if unserved:
-        raise RuntimeError(f"{len(unserved)} of the {total} training clients have no node (first: {unserved[:5]}): "
+        raise RuntimeError(f"{len(unserved)} of the {total} {what} clients have no node (first: {unserved[:5]}): "
                            "start one SuperNode per partition-id 0..num-partitions-1")
-    return owners, clients, list(range(total))  # type: ignore[return-value]  # every entry filled (unserved refused)
+    return Placement(owners, clients, list(range(total)))  # type: ignore[arg-type]  # every entry filled
 
 
 def main(grid: Any, context: Any) -> None:
@@ -215,8 +271,8 @@ def main(grid: Any, context: Any) -> None:
     from lightning_dp.flower.build import build_from_yaml, read_secret, refuse_unsupported
 
     config = context.run_config
-    cli = build_from_yaml(str(config["config-yaml"]), ["--trainer.limit_val_batches=0",
-                                                       "--trainer.num_sanity_val_steps=0"])
+    # validation as the config sets it (on the nodes' validation clients, NodeRound.evaluate); no sanity check
+    cli = build_from_yaml(str(config["config-yaml"]), ["--trainer.num_sanity_val_steps=0"])
     module, trainer = cli.model, cli.trainer
     refuse_unsupported(module)
     if trainer.world_size > 1:
@@ -228,9 +284,10 @@ def main(grid: Any, context: Any) -> None:
         module.set_secret_seed(read_secret(secret, f"the environment variable {NOISE_SEED_VARIABLE}"))
     timeout = float(config.get("node-timeout", 600.0))
     nodes = wait_for_nodes(grid, int(config.get("min-nodes", 1)), timeout)
-    owners, clients, data, local = plan_clients(ask_nodes(grid, nodes, timeout), module.spec.numel)
-    module.remote = NodeRound(grid, owners, timeout=timeout, local=local)
-    trainer.fit(module, datamodule=RemoteDataModule(clients, **data))
+    placements, data = plan_clients(ask_nodes(grid, nodes, timeout), module.spec.numel)
+    module.remote = NodeRound(grid, placements, timeout=timeout)
+    trainer.fit(module, datamodule=RemoteDataModule(placements["train"].clients, val=placements["val"].clients,
+                                                    **data))
     save_to = str(config.get("save-to", ""))
     if save_to and trainer.is_global_zero:
         privacy = module.server_privacy
@@ -238,7 +295,7 @@ def main(grid: Any, context: Any) -> None:
         ledger = None if module.selection_is_secret() else module.ledger.as_dict()
         torch.save({"hypotheses": module.hypotheses.detach().cpu().clone(), "rounds": int(module.rounds),
                     "epsilon": float(privacy.epsilon) if privacy.accountable else math.inf, "ledger": ledger,
-                    "nodes": len(nodes), "clients": len(clients)}, save_to)
+                    "nodes": len(nodes), "clients": len(placements["train"].clients)}, save_to)
 
 
 def _server_app() -> Any:

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import copy
 import logging
 import math
 import numbers
@@ -285,6 +286,10 @@ class Accountant(abc.ABC):
         """
         return None
 
+    def _interim_kwargs(self) -> dict[str, Any] | None:
+        """The configuration of :meth:`interim_epsilon`'s cheaper variant (an upper bound too), or ``None``."""
+        return self._coarse_kwargs()
+
     def _config_key(self) -> Hashable:
         return (self.adjacency,) + tuple((key, tuple(value) if isinstance(value, list) else value)
                                         for key, value in self._config().items())
@@ -338,12 +343,13 @@ class Accountant(abc.ABC):
         Args:
             delta: Target delta in (0, 1).
         """
-        coarse = self._coarse_kwargs()
+        coarse = self._interim_kwargs()
         if coarse is None or not self._history:
             return self.get_epsilon(delta)
-        sibling = type(self).__new__(type(self))
-        sibling.__dict__.update(self.__dict__)
-        sibling._load_config({**self._config(), **coarse})  # noqa: SLF001  (same history and adjacency)
+        sibling = copy.copy(self)  # the same history and adjacency; _load_config rebinds, never mutates, attributes
+        sibling._load_config({**self._config(), **coarse})  # noqa: SLF001
+        if not getattr(sibling, "pessimistic_estimate", True):
+            raise AssertionError("an interim epsilon must be an upper bound (a pessimistic estimate)")
         return sibling.get_epsilon(delta)
 
     def epsilon_after(
@@ -666,7 +672,11 @@ class DisjointPairPLDAccountant(PLDAccountant):
         return self._single_step_pld(sigma, q).self_compose(n)
 
     def _coarse_kwargs(self) -> dict[str, Any] | None:
-        return None
+        return None  # not in ACCOUNTANTS: calibration's coarse search builds accountants by name
+
+    def _interim_kwargs(self) -> dict[str, Any] | None:
+        # pessimistic at any discretization (its PLDs are the library's pessimistic Gaussian and identity, mixed)
+        return None if self.value_discretization_interval >= 1e-3 else {"value_discretization_interval": 1e-3}
 
 
 # --------------------------------------------------------------------------- RDP

@@ -78,12 +78,14 @@ def test_a_run_stopped_after_an_interim_write_ends_with_the_final_spend():
             if trainer.global_step == 3:
                 trainer.should_stop = True
 
-    trainer(max_epochs=10, logger=recorder, log_every_n_steps=1, callbacks=[StopAfterThree()]).fit(
-        fedavg(privacy, q=0.2), SyntheticLinearMixtureDataModule(seed=0))
+    recorder_trainer = trainer(max_epochs=10, logger=recorder, log_every_n_steps=1, callbacks=[StopAfterThree()])
+    recorder_trainer.fit(fedavg(privacy, q=0.2), SyntheticLinearMixtureDataModule(seed=0))
     writes = [(step, m["privacy/epsilon"]) for step, m in recorder.calls if "privacy/epsilon" in m]
     assert [step for step, _ in writes] == [0, 1, 2, 2]
     assert writes[2][1] == pytest.approx(library_epsilon(1.3, 0.2, 3, interval=1e-3), rel=1e-9)
     assert writes[-1][1] == pytest.approx(library_epsilon(1.3, 0.2, 3), rel=1e-9) == privacy.epsilon
+    # and the run's summary (RunArtifacts' tags read callback_metrics) sees the final value, not the interim one
+    assert float(recorder_trainer.callback_metrics["privacy/epsilon"]) == privacy.epsilon
 
 
 def test_calibrated_noise_meets_the_target_and_the_budget_stops_the_run():

@@ -64,6 +64,8 @@ def test_the_server_records_the_run_and_its_secret_stays_on_the_server(deployed)
     assert set(runs) == {"dp-fedavg", "personalized-nu5"}
     assert runs["dp-fedavg"].data.metrics["privacy/epsilon"] > 0
     assert "privacy/client_epsilon_max" in runs["personalized-nu5"].data.metrics
+    # validation on the nodes' validation clients (EVALUATE messages over real processes), logged by the server
+    assert all("val/loss" in run.data.metrics for run in runs.values())
     # the server's noise seed: in no param, tag or metric of the record, nor in what the SuperLink logged
     for run in runs.values():
         assert str(SECRET) not in repr((run.data.params, run.data.tags))

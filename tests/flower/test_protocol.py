@@ -49,7 +49,7 @@ def simulate(config: Path, noise_seed: int):
     from lightning_dp.cli import LightningDPCLI
 
     cli = LightningDPCLI(run=False, args=["--config", str(config), "--trainer.logger=false",
-                                          f"--model.init_args.noise_seed={noise_seed}", "--trainer.limit_val_batches=0",
+                                          f"--model.init_args.noise_seed={noise_seed}",
                                           "--trainer.enable_checkpointing=false"])
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     return cli.model
@@ -110,10 +110,19 @@ def test_the_deployment_protocol_ends_with_the_simulations_model_epsilon_and_led
     if simulated.server_privacy.accountable:
         assert deployed.server_privacy.epsilon == simulated.server_privacy.epsilon
         assert deployed.server_privacy.accountant.history == simulated.server_privacy.accountant.history
+    # validation on the nodes' validation clients: the simulation's metrics from the nodes' sums
+    evaluated = {k: float(v) for k, v in deployed.trainer.callback_metrics.items() if k.startswith("val/")}
+    expected = {k: float(v) for k, v in simulated.trainer.callback_metrics.items() if k.startswith("val/")}
+    assert evaluated.keys() == expected.keys() and "val/loss" in evaluated
+    assert evaluated == pytest.approx(expected, rel=1e-9)
+    evaluations = [m for m in grid.sent if m.metadata.message_type == "evaluate"]
+    assert evaluations and all(set(m.content["arrays"].keys()) == {"hypotheses"} for m in evaluations)
     # what the server received beside the releases: costs; no loss from sanitized releases, no counts for an
     # unweighted aggregator, no bit unless clipping at the server's adaptive threshold (docs/federated.md)
     for reply in grid.replies:
-        if "arrays" in reply.content:
+        if reply.metadata.message_type == "evaluate":  # sums over the node's validation clients, nothing per client
+            assert set(reply.content["arrays"].keys()) == {"sums"}
+        elif "arrays" in reply.content:
             stats = reply.content["arrays"].to_torch_state_dict()["stats"]
             assert stats[:, 2].eq(1).all() and stats[:, 3].isnan().all()
             assert stats[:, 0].isnan().all() == simulated.releases_are_sanitized()
@@ -121,7 +130,7 @@ def test_the_deployment_protocol_ends_with_the_simulations_model_epsilon_and_led
     for message in grid.sent:
         content = message.content
         assert "918273645" not in repr(dict(content["config"]))
-        if "arrays" in content:
+        if "arrays" in content and message.metadata.message_type == "train":
             assert set(content["arrays"].keys()) == {"hypotheses", "previous_step"}
 
 
@@ -131,9 +140,15 @@ def test_nodes_that_disagree_or_leave_clients_out_are_refused_before_training():
                 "num-training-clients": total, "numel": numel, "task": "regression", "num-classes": -1,
                 "num-groups": -1, "input-shape": [2]}
 
-    owners, clients, data, local = server_side.plan_clients({1: report([0, 2]), 2: report([1, 3])}, 2)
-    assert owners == [1, 2, 1, 2] and [c.client_id for c in clients] == ["c0", "c1", "c2", "c3"]
-    assert local == [0, 1, 2, 3]
+    placements, data = server_side.plan_clients({1: report([0, 2]), 2: report([1, 3])}, 2)
+    train = placements["train"]
+    assert train.owners == [1, 2, 1, 2] and [c.client_id for c in train.clients] == ["c0", "c1", "c2", "c3"]
+    assert train.local == [0, 1, 2, 3] and placements["val"].clients == []
+    with_val = {1: {**report([0, 2]), "val-positions": [0], "num-val-clients": 2},
+                2: {**report([1, 3]), "val-positions": [1], "num-val-clients": 2}}
+    assert server_side.plan_clients(with_val, 2)[0]["val"].owners == [1, 2]
+    with pytest.raises(RuntimeError, match="validation clients have no node"):
+        server_side.plan_clients({**with_val, 2: {**with_val[2], "val-positions": []}}, 2)
     assert data == {"task": "regression", "num_classes": None, "num_groups": None, "input_shape": (2,)}
     with pytest.raises(RuntimeError, match="distinct --node-config partition-id"):
         server_side.plan_clients({1: report([0, 2]), 2: report([0, 1, 3])}, 2)
@@ -233,10 +248,13 @@ def _site_report(site, ids, numel=2):
 
 
 def test_sites_with_their_own_clients_are_numbered_in_the_order_of_their_names():
-    owners, clients, _, local = server_side.plan_clients(
-        {7: _site_report("zurich", ["z1", "z2"]), 3: _site_report("boston", ["b1", "b2", "b3"])}, 2)
-    assert [c.client_id for c in clients] == ["b1", "b2", "b3", "z1", "z2"]
-    assert owners == [3, 3, 3, 7, 7] and local == [0, 1, 2, 0, 1]
+    placements, _ = server_side.plan_clients(
+        {7: {**_site_report("zurich", ["z1", "z2"]), "val-positions": [0]},
+         3: {**_site_report("boston", ["b1", "b2", "b3"]), "val-positions": [0, 1]}}, 2)
+    train, val = placements["train"], placements["val"]
+    assert [c.client_id for c in train.clients] == ["b1", "b2", "b3", "z1", "z2"]
+    assert train.owners == [3, 3, 3, 7, 7] and train.local == [0, 1, 2, 0, 1]
+    assert val.owners == [3, 3, 7] and val.local == [0, 1, 0]
     with pytest.raises(RuntimeError, match="unique across sites"):
         server_side.plan_clients({1: _site_report("a", ["x", "y"]), 2: _site_report("b", ["y"])}, 2)
     with pytest.raises(RuntimeError, match="both call themselves site='a'"):

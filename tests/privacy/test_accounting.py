@@ -128,6 +128,17 @@ def test_interim_epsilon_is_the_coarse_library_value_and_an_upper_bound(history_
     assert accountant.state_dict()["value_discretization_interval"] == 1e-4
 
 
+def test_the_disjoint_pair_bounds_interim_epsilon_at_the_coarse_grid_above_its_lower_bound():
+    from lightning_dp.privacy.accounting import DisjointPairPLDAccountant
+
+    fine, coarse = DisjointPairPLDAccountant(), DisjointPairPLDAccountant(1e-3)
+    for accountant in (fine, coarse):
+        accountant.step(noise_multiplier=2.0, sample_rate=0.05, num_steps=30)
+    assert fine.interim_epsilon(DELTA) == coarse.get_epsilon(DELTA)
+    assert fine.interim_epsilon(DELTA) == pytest.approx(fine.get_epsilon(DELTA), abs=2e-3)
+    assert fine.value_discretization_interval == 1e-4
+
+
 def test_interim_epsilon_is_the_epsilon_where_there_is_no_cheaper_variant():
     history = HISTORIES["mixed"]
     for accountant in (_filled("rdp", {}, history), _filled("pld", FAST_PLD, history),
