@@ -242,7 +242,9 @@ def client_epsilon_table(privacy: CentralGaussian, *, rounds: int, fractions: Se
     ``privacy`` is a planned :class:`~lightning_dp.federated.parts.CentralGaussian`
     (:func:`client_level_privacy`); each row is its
     :meth:`~lightning_dp.federated.parts.CentralGaussian.planned_epsilon` with no known update set (the ball
-    of radius C), which is the ``privacy/epsilon`` the run logs after that many rounds.
+    of radius C), which is the spend of the run's accountant after that many rounds: the ``privacy/epsilon`` it
+    logs at its last round (its writes before that come from the accountant's coarser variant,
+    :meth:`~lightning_dp.privacy.accounting.Accountant.interim_epsilon`, a slightly larger upper bound).
 
     Example:
         >>> privacy = client_level_privacy(client_sample_rate=0.05, rounds=100, delta=1e-5, noise_multiplier=1.0)

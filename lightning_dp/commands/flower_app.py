@@ -11,7 +11,7 @@ connected to the SuperLink, with the server's MLflow tracking, epsilon and ledge
     flower-supernode --insecure --superlink 127.0.0.1:9092 --port 9095 --node-config "partition-id=1 num-partitions=2"
     flwr run app/ <connection>
 
-Sites that each hold their own clients start with ``--node-config "site=NAME data.data_dir=/site/files"``
+Sites that each hold their own clients start with ``--node-config 'site="NAME" data.data_dir="/site/files"'``
 instead of the partition (the server numbers the sites' clients in the order of their names).
 
 The config goes to every node, so it may hold no secret (a ``noise_seed`` is refused): the

@@ -16,7 +16,7 @@ The same YAML that ``lightning-dp fit`` runs as a simulation runs on Flower's De
   predictions (:meth:`~lightning_dp.federated.FederatedRound.evaluation_sums`).
 - :mod:`lightning_dp.flower.client` (the ``ClientApp``): builds the config's DataModule from its
   own data, serves the training clients at positions ``partition-id`` (mod ``num-partitions``) of
-  a client list every site shares, or, with ``site=NAME``, all the clients of its own data (its
+  a client list every site shares, or, with ``site="NAME"``, all the clients of its own data (its
   ``--node-config``), and computes their choice, local training and release with
   :meth:`~lightning_dp.federated.FederatedRound.train_clients`, its noise from its own secret
   (``--node-config noise-seed=...``, else fresh from the operating system).

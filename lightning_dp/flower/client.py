@@ -5,9 +5,10 @@ Two ways to serve clients, chosen by the SuperNode's ``--node-config``:
 - ``"partition-id=P num-partitions=K"``: every site builds the same client list (one config, the same data)
   and serves the training clients at positions ``P, P + K, P + 2K, ...`` of it (a deployment that
   reproduces a simulation).
-- ``"site=NAME"``: the site serves every training client of the DataModule it builds from its own
-  files (``data.data_dir=PATH``, or any ``data.ARG=VALUE``, overrides the config's DataModule argument
-  on this node only); the server numbers the clients of all sites in the order of their names.
+- ``'site="NAME"'`` (node-config values are TOML: strings quoted): the site serves every training client
+  of the DataModule it builds from its own files (``data.data_dir="PATH"``, or any ``data.ARG=VALUE``,
+  overrides that argument of the config's DataModule on this node only); the server numbers the clients
+  of all sites in the order of their names.
 
 ``noise-seed=S`` in the node config is this site's secret noise seed (its sanitizers' noise); without it,
 a fresh one from the operating system (with ``site``, the seed used is derived from S and the name, so
@@ -18,14 +19,16 @@ releases and statistics (:meth:`~lightning_dp.federated.FederatedRound.train_cli
 
 from __future__ import annotations
 
+import hashlib
 import math
+import struct
 from typing import Any
 
 import torch
 
 from lightning_dp.privacy.seeds import derive_seed
 
-__all__ = ["app", "data_overrides", "evaluate_clients", "serve_clients", "site"]
+__all__ = ["app", "data_overrides", "evaluate_clients", "serve_clients", "site", "site_seed"]
 
 _SITES: dict[Any, Any] = {}  # (run id, node config) -> the built site, while this process lives
 _SITE_STREAM = 31  # derive_seed's counter of a named site's noise seed
@@ -37,7 +40,10 @@ class _Site:
     def __init__(self, text: str, node_config: Any) -> None:
         from lightning_dp.flower.build import build_from_yaml, read_secret, refuse_unsupported
 
-        self.name = str(node_config.get("site", "") or "")
+        self.name = str(node_config["site"]).strip() if "site" in node_config else ""
+        if "site" in node_config and not self.name:
+            raise ValueError('--node-config site="": give the site a name (site="NAME"), or leave site out to serve '
+                             "positions of a shared client list (partition-id, num-partitions)")
         if self.name and ({"partition-id", "num-partitions"} & set(node_config)):
             raise ValueError(f"--node-config site={self.name!r} serves the site's own clients; partition-id and "
                              "num-partitions split one shared client list: give one or the other")
@@ -58,11 +64,14 @@ class _Site:
                                  "< num-partitions")
             self.positions, self.val_positions = list(range(part, total, parts)), list(range(part, val, parts))
         secret = node_config.get("noise-seed")
+        self.given_seed: int | None = None  # the seed as given (the secret one is derived from it with a site name)
         if secret not in (None, ""):  # else the fresh secret the round drew when it was built
-            seed = read_secret(secret, "--node-config noise-seed")
-            if self.name:  # the site's clients are numbered from 0 at every site: their noise must differ
-                seed = derive_seed(seed, _SITE_STREAM, *self.name.encode())
-            self.module.set_secret_seed(seed)
+            self.given_seed = read_secret(secret, "--node-config noise-seed")
+            if self.given_seed == self.module.seed:  # before any derivation: a name is no secret
+                raise ValueError("--node-config noise-seed equals the config's public seed: the noise of this site's "
+                                 "releases would be public. Give the site another noise seed (or none: a fresh "
+                                 "secret one).")
+            self.module.set_secret_seed(site_seed(self.given_seed, self.name) if self.name else self.given_seed)
 
     def report(self) -> dict[str, Any]:
         from lightning_dp.datamodules.federated import client_ids, client_sizes
@@ -80,15 +89,28 @@ class _Site:
                 "input-shape": [int(v) for v in data.input_shape]}
 
 
+def site_seed(seed: int, name: str) -> int:
+    """The secret seed of site ``name`` given ``seed``: sites number their clients from 0, so two sites given one
+    seed must still draw different noise. The name enters through its SHA-256 (a fixed length: NumPy's SeedSequence
+    would read ``"a"`` and ``"a\\x00"`` alike)."""
+    digest = hashlib.sha256(name.encode()).digest()
+    return derive_seed(seed, _SITE_STREAM, *struct.unpack(">8I", digest))
+
+
+#: what a node config may not override: the DataModule's class or all of its arguments at once
+_NOT_ARGUMENTS = {"class_path", "init_args", "dict_kwargs", "__path__"}
+
+
 def data_overrides(node_config: Any) -> list[str]:
-    """The node config's ``data.ARG=VALUE`` entries as overrides of the config's DataModule arguments (this node's
-    files: ``data.data_dir=PATH``); nothing else of the config can be changed on a node."""
+    """The node config's ``data.ARG=VALUE`` entries as overrides of single arguments of the config's DataModule (this
+    node's files: ``data.data_dir="PATH"``); nothing else of the config can be changed on a node."""
     out = []
     for key, value in sorted((str(k), v) for k, v in node_config.items()):
         if key.startswith("data."):
             name = key[len("data."):]
-            if not name.isidentifier():
-                raise ValueError(f"--node-config {key}=...: the DataModule argument {name!r} is not a name")
+            if not name.isidentifier() or name in _NOT_ARGUMENTS:
+                raise ValueError(f"--node-config {key}=...: {name!r} is not an argument of the config's DataModule "
+                                 "(a node may set single arguments, e.g. data.data_dir, not the class or all of them)")
             out.append(f"--data.init_args.{name}={value}")
     return out
 
@@ -108,7 +130,7 @@ def serve_clients(node: _Site, positions: list[int], r: int, *, hypotheses: torc
     foreign = sorted(set(positions) - set(node.positions))
     if foreign:
         raise ValueError(f"the server asked for clients {foreign[:5]}, which this node does not serve")
-    if int(seed) == module._noise_seed:
+    if int(seed) in (module._noise_seed, node.given_seed):
         raise ValueError("the server's public seed equals this site's noise seed: the noise of its releases would be "
                          "public. Give the site another --node-config noise-seed (or none: a fresh secret one).")
     with torch.no_grad():

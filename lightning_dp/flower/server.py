@@ -102,11 +102,13 @@ class NodeRound:
             "split": split, "clients": [local[i] for i in positions]})}),
             message_type=MessageType.EVALUATE, dst_node_id=node, group_id=f"{split}-{int(module.rounds)}")
             for node, positions in by_node.items()]
-        for node, reply in self._replies(messages, f"evaluation after round {int(module.rounds)}").items():
-            part = reply.content["arrays"].to_torch_state_dict()["sums"]
-            if part.shape != sums.shape:
-                raise RuntimeError(f"node {node} replied {tuple(part.shape)} evaluation sums, not {tuple(sums.shape)}")
-            sums += part.to(torch.float64)
+        replies = self._replies(messages, f"evaluation after round {int(module.rounds)}")
+        for node, positions in by_node.items():
+            part = replies[node].content["arrays"].to_torch_state_dict()["sums"].to(torch.float64)
+            if part.shape != sums.shape or part[1] != len(positions) or part[4:].sum() != part[1]:
+                raise RuntimeError(f"node {node} replied evaluation sums {part.tolist()} for its {len(positions)} "
+                                   f"validation clients and {module.k} hypotheses")
+            sums += part
         return sums.to(module.hypotheses.device)
 
     def client_round(self, module: Any, index: list[int], r: int) -> tuple[Tensor, Tensor, None]:
@@ -187,7 +189,7 @@ def plan_clients(reports: dict[int, dict[str, Any]], numel: int) -> tuple[dict[s
                            "run the same config")
     named = {bool(rep.get("site", "")) for rep in reports.values()}
     if named == {True, False}:
-        raise RuntimeError("some SuperNodes serve their own clients (--node-config site=NAME) and some positions of a "
+        raise RuntimeError("some SuperNodes serve their own clients (--node-config 'site=\"NAME\"') and some positions of a "
                            "shared client list (partition-id): start every node one way")
     plan = _plan_sites if named == {True} else _plan_partitions
     placements = {split: plan(reports, split) for split in ("train", "val")}
@@ -225,7 +227,7 @@ def _plan_sites(reports: dict[int, dict[str, Any]], split: str) -> Placement:
         name = str(rep["site"])
         if name in by_name:
             raise RuntimeError(f"nodes {by_name[name]} and {node} both call themselves site={name!r}: give every "
-                               "SuperNode its own --node-config site=NAME")
+                               "SuperNode its own --node-config 'site=\"NAME\"'")
         by_name[name] = node
     placement = Placement([], [], [])
     seen: dict[str, str] = {}  # client id -> its site

@@ -128,10 +128,13 @@ def test_dp_fedavg_epsilon_equals_what_the_training_logs(capsys):
     privacy = CentralGaussian(noise_multiplier=1.3, clip=0.5)
     logged = _train_dp_fedavg(privacy, q=0.25, rounds=4, num_clients=40)
     assert privacy.accountant.history == [(1.3, 0.25, 4)]  # the event the calculator accounts
-    assert printed == [round(e, 4) for e in logged] and len(logged) == 4
     ours = client_epsilon_table(client_level_privacy(client_sample_rate=10 / 40, rounds=4, delta=1e-5,
                                                      noise_multiplier=1.3), rounds=4)
-    assert [e for _, e in ours] == logged and privacy.epsilon == logged[-1]  # bit-identical
+    table = [e for _, e in ours]
+    assert printed == [round(e, 4) for e in table] and len(logged) == 4
+    assert table == _accountants_epsilons("add_remove", 1.3, 0.25, 4)  # the run's accountant after each round
+    assert table[-1] == logged[-1] == privacy.epsilon  # the run's final write, bit-identical
+    assert logged[:-1] == _accountants_epsilons("add_remove", 1.3, 0.25, 3, interim=True)  # its interim writes
 
 
 def test_dp_fedavg_calibrated_z_is_the_trainings_under_replacement(capsys):
@@ -152,8 +155,23 @@ def test_dp_fedavg_calibrated_z_is_the_trainings_under_replacement(capsys):
     ours = client_level_privacy(client_sample_rate=0.3, rounds=6, delta=1e-5, target_epsilon=2.0, adjacency="replace")
     assert ours.z == privacy.z and privacy.accountant.history == [(privacy.z, 0.3, 6)]
     assert printed_z == math.ceil(privacy.z * 1e4) / 1e4  # printed rounded up
-    table = client_epsilon_table(ours, rounds=6, fractions=(1 / 6, 2 / 6, 3 / 6, 4 / 6, 5 / 6, 1))
-    assert [e for _, e in table] == logged and printed[-1] == round(logged[-1], 4) and logged[-1] <= 2.0
+    table = [e for _, e in client_epsilon_table(ours, rounds=6, fractions=(1 / 6, 2 / 6, 3 / 6, 4 / 6, 5 / 6, 1))]
+    assert table == _accountants_epsilons("replace", privacy.z, 0.3, 6)
+    assert table[-1] == logged[-1] and printed[-1] == round(logged[-1], 4) and logged[-1] <= 2.0
+    assert logged[:-1] == _accountants_epsilons("replace", privacy.z, 0.3, 5, interim=True)
+
+
+def _accountants_epsilons(adjacency, z, q, rounds, *, interim=False):
+    """The PLD accountant's epsilon after 1..rounds rounds; ``interim``: what a run writes before its last round
+    (Accountant.interim_epsilon, the coarser upper bound)."""
+    from lightning_dp.privacy.accounting import get_accountant
+
+    out = []
+    for r in range(1, rounds + 1):
+        accountant = get_accountant("pld", adjacency=adjacency)
+        accountant.step(noise_multiplier=z, sample_rate=q, num_steps=r)
+        out.append(accountant.interim_epsilon(1e-5) if interim else accountant.get_epsilon(1e-5))
+    return out
 
 
 def _library_event_epsilon(accountant, z, q, rounds, delta):

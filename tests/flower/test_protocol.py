@@ -309,5 +309,67 @@ def _mixture_ids(text):
 def test_a_node_config_may_set_only_the_datamodules_arguments():
     assert client_side.data_overrides({"data.data_dir": "/site/files", "noise-seed": 3, "site": "x"}) == [
         "--data.init_args.data_dir=/site/files"]
-    with pytest.raises(ValueError, match="is not a name"):
+    with pytest.raises(ValueError, match="not an argument of the config's DataModule"):
         client_side.data_overrides({"data.init_args.x": 1})
+
+
+def test_a_site_refuses_the_public_seed_as_its_noise_seed_before_deriving_its_own(tmp_path, monkeypatch):
+    """A site name is no secret: noise-seed equal to the config's public seed is refused in site mode too, and
+    the server's public seed is compared with the given seed as well as the derived one."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    text = (EXAMPLES / "fl_deploy_fedavg.yaml").read_text()  # public seed: 0
+    with pytest.raises(ValueError, match="equals the config's public seed"):
+        client_side._Site(text, {"site": "a", "noise-seed": 0})
+    node = client_side._Site(text, {"site": "a", "noise-seed": 5})
+    assert node.module._noise_seed == client_side.site_seed(5, "a") != 5
+    with pytest.raises(ValueError, match="public seed equals this site's noise seed"):
+        client_side.serve_clients(node, [0], 0, hypotheses=node.module.hypotheses.detach().clone(),
+                                  previous_step=node.module.previous_step.detach().clone(), seed=5, clip=-1.0)
+    with pytest.raises(ValueError, match="give the site a name"):
+        client_side._Site(text, {"site": " "})
+
+
+def test_site_seeds_differ_by_name_even_where_seed_sequences_would_not():
+    assert client_side.site_seed(5, "a") != client_side.site_seed(5, "a\x00") != client_side.site_seed(5, "b")
+    assert client_side.site_seed(5, "a") == client_side.site_seed(5, "a") != client_side.site_seed(6, "a")
+
+
+@pytest.mark.parametrize("key", ["data.class_path", "data.init_args", "data.dict_kwargs", "data.init_args.x"])
+def test_a_node_config_may_not_replace_the_datamodule(key):
+    with pytest.raises(ValueError, match="not an argument of the config's DataModule"):
+        client_side.data_overrides({key: "lightning_dp.datamodules.MNISTDataModule"})
+
+
+def test_evaluation_sums_that_do_not_add_up_are_refused(monkeypatch):
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from lightning_dp.flower.server import NodeRound, Placement, RemoteClient
+
+    for name, value in (("run_id", 7), ("node_id", 0), ("task_id", 1)):  # as a ServerApp process has them
+        monkeypatch.setattr(TaskIdentity, f"_{name}", value, raising=False)
+
+    class Reply:
+        def __init__(self, node, sums):
+            from flwr.app import ArrayRecord, RecordDict
+
+            self.metadata = type("M", (), {"src_node_id": node})()
+            self.content = RecordDict({"arrays": ArrayRecord({"sums": sums})})
+
+        def has_error(self):
+            return False
+
+    class Grid:
+        def __init__(self, sums):
+            self.sums = sums
+
+        def send_and_receive(self, messages, timeout=None):
+            return [Reply(m.metadata.dst_node_id, self.sums) for m in messages]
+
+    module = type("Module", (), {"k": 2, "rounds": 0, "hypotheses": torch.zeros(2, 3)})()
+    placements = {"val": Placement([9, 9], [RemoteClient("v0", 1), RemoteClient("v1", 1)], [0, 1])}
+    good = torch.tensor([1.0, 2, 0, 0, 1, 1], dtype=torch.float64)
+    assert torch.equal(NodeRound(Grid(good), placements, timeout=1).evaluate(module, "val", [0, 1]), good)
+    for bad in (torch.tensor([1.0, 3, 0, 0, 2, 1]), torch.tensor([1.0, 2, 0, 0, 2, 1]), torch.zeros(5)):
+        with pytest.raises(RuntimeError, match="evaluation sums"):
+            NodeRound(Grid(bad.double()), placements, timeout=1).evaluate(module, "val", [0, 1])
