@@ -72,3 +72,34 @@ def test_the_server_records_the_run_and_its_secret_stays_on_the_server(deployed)
     assert str(SECRET) not in superlink_log
     for app in ("fl_deploy_fedavg", "fl_deploy_personalized"):
         assert str(SECRET) not in (root / app / "pyproject.toml").read_text()
+
+
+def test_sites_with_their_own_data_train_together_over_processes(tmp_path_factory, monkeypatch):
+    """Two SuperNodes started as a consortium's sites are (`site="..."`, each its own data through a `data.*`
+    node-config entry, TOML-quoted as Flower reads it; one noise seed given to both): the run completes over the
+    union of their clients with the simulation's epsilon (a function of q, z and the rounds only)."""
+    import yaml
+
+    from lightning_dp.flower.app import write_app
+
+    root = tmp_path_factory.mktemp("flower-sites")
+    text = yaml.safe_load((EXAMPLES / "fl_deploy_fedavg.yaml").read_text())
+    text["data"] = {"class_path": "tests.flower.sites.SiteMixture", "init_args": {**text["data"]["init_args"]}}
+    text["trainer"]["logger"] = False
+    config = root / "sites.yaml"
+    config.write_text(yaml.safe_dump(text))
+    nodes = ['site="austin" data.site="a" noise-seed=5', 'site="boston" data.site="b" data.seed=1 noise-seed=5']
+    repo = str(Path(__file__).resolve().parents[2])  # the ServerApp and ClientApps import tests.flower.sites
+    env = {"LIGHTNING_DP_NOISE_SEED": str(SECRET), "PYTHONPATH": repo}
+    app = root / "sites"
+    with LocalDeployment(root, nodes, env=env) as deployment:
+        write_app(config, app, min_nodes=2, node_timeout=300, save_to=str(root / "sites.pt"))
+        status, log = deployment.run(app, timeout=500)
+        assert status == "finished:completed", log[-3000:] + deployment.log_tail()
+    result = torch.load(root / "sites.pt")
+    assert result["nodes"] == 2 and result["clients"] == 80 and result["rounds"] == 3
+    monkeypatch.chdir(root)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root}/mlflow.db")
+    simulated = simulate(config, SECRET)  # site "a"'s 40 clients alone: another model, the same spend
+    assert result["epsilon"] == simulated.server_privacy.epsilon
+    assert not torch.allclose(result["hypotheses"], simulated.hypotheses)
