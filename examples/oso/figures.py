@@ -2,7 +2,7 @@
 
     python examples/oso/figures.py fig3.1            # docs/figures/oso_fig3_1.{png,tsv}, about a minute
     python examples/oso/figures.py fig3.2            # docs/figures/oso_fig3_2.{png,tsv}
-    python examples/oso/figures.py fig3.10 --tracking-uri sqlite:///mlruns/oso.db   # from the budgeted grids
+    python examples/oso/figures.py fig3.10 --tracking-uri sqlite:///mlruns/oso.db   # from the budgeted grids (repeatable)
     python examples/oso/figures.py fig3.2 --replot   # redraw from the TSV (any figure)
 
 Fig. 3.10 (the plot of Table 3.11: MNIST test accuracy against epsilon, k = 5): reads the ``lightning-dp grid
@@ -177,14 +177,27 @@ THESIS_3_11 = {
 }
 
 
-def measure_fig3_10(tracking_uri: str | None = None, experiment_name: str | None = None) -> list[list]:
-    """One row per chosen run of every budgeted grid: strategy, budget, test accuracy (%). ``experiment_name``:
+def measure_fig3_10(tracking_uri: str | list[str] | None = None, experiment_name: str | None = None) -> list[list]:
+    """One row per chosen run of every budgeted grid: strategy, budget, test accuracy (%). ``tracking_uri``: one
+    MLflow store or several (grids run apart, e.g. two at once on two cores, are read together). ``experiment_name``:
     only that experiment's grids (the scaled setting's is ``oso-mnist-t10k``; grids of another setting must not be
     pooled with them)."""
     from mlflow import MlflowClient
 
-    client = MlflowClient(tracking_uri)
     rows = [["strategy", "epsilon", "run", "test_acc"]]
+    uris = tracking_uri if isinstance(tracking_uri, list) else [tracking_uri]
+    for uri in uris:
+        rows += _chosen_runs(MlflowClient(uri), experiment_name)
+    if len(rows) == 1:
+        where = ", ".join(map(str, uris)) if tracking_uri else "MLFLOW_TRACKING_URI"
+        raise SystemExit(f"no budgeted OSO grid with chosen runs in {where}: run the "
+                         "grids of docs/results_oso_mnist.md (lightning-dp grid ... --budget EPS --select val/acc "
+                         "--test) first")
+    return rows
+
+
+def _chosen_runs(client, experiment_name: str | None) -> list[list]:
+    rows = []
     experiments = [e for e in client.search_experiments() if experiment_name in (None, e.name)]
     for experiment in experiments:
         for parent in client.search_runs([experiment.experiment_id], filter_string="attributes.run_name LIKE 'grid-%'",
@@ -198,10 +211,6 @@ def measure_fig3_10(tracking_uri: str | None = None, experiment_name: str | None
                 acc = client.get_run(run_id).data.metrics.get("test/acc")
                 if acc is not None:
                     rows.append([name[1], f"{budget:g}", run_id, 100 * acc])
-    if len(rows) == 1:
-        raise SystemExit(f"no budgeted OSO grid with chosen runs in {tracking_uri or 'MLFLOW_TRACKING_URI'}: run the "
-                         "grids of docs/results_oso_mnist.md (lightning-dp grid ... --budget EPS --select val/acc "
-                         "--test) first")
     return rows
 
 
@@ -244,8 +253,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=str(ROOT / "docs" / "figures"))
     parser.add_argument("--replot", action="store_true", help="redraw the figure from its TSV in --out")
     parser.add_argument("--data-dir", default=None, help="fig3.1: the MNIST IDX files (default ../shared/data/mnist)")
-    parser.add_argument("--tracking-uri", default=None, help="fig3.10: the MLflow store of the grids "
-                                                             "(default: MLFLOW_TRACKING_URI)")
+    parser.add_argument("--tracking-uri", action="append", default=None,
+                        help="fig3.10: an MLflow store of the grids, repeatable (default: MLFLOW_TRACKING_URI)")
     parser.add_argument("--experiment", default="oso-mnist-t10k", help="fig3.10: the grids' MLflow experiment")
     args = parser.parse_args(argv)
     measure, draw = FIGURES[args.figure]
