@@ -174,8 +174,7 @@ def ours_worker(args, clients, settings) -> None:
     times, module = ours(clients, args.model, args.rounds, lambda: 0.0, **settings, devices=args.devices)
     if module.trainer.global_rank == 0:
         print(json.dumps({"times": times["lightning-dp"], "epsilon": module.server_privacy.epsilon,
-                          "rounds": len(module.server_privacy.accountant),
-                          "engine": module.update.resolved_engine(module.spec.numel)}), flush=True)
+                          "rounds": len(module.server_privacy.accountant)}), flush=True)
 
 
 def flower(clients, model, epochs, batch_size, lr, z, clip):
@@ -523,10 +522,7 @@ def run_timed_ddp(args, clients, settings, source) -> None:
     single = single_before["lightning-dp"] + single_after["lightning-dp"]
     mine = before["times"] + after["times"]
     a, s = statistics.median(mine), statistics.median(sim["round_times"][1:])
-    sizes = [len(c) for c in clients]
-    print(f"model={args.model} ({sum(p.numel() for p in network(args.model).parameters()):,} params) "
-          f"clients={len(clients)} examples/client={min(sizes)}-{max(sizes)} epochs={args.epochs} "
-          f"batch={args.batch_size} engine={before['engine']}; ours: DDP over {args.devices} processes of one thread")
+    print(f"{describe(args, clients, module)}; ours: DDP over {args.devices} processes of one thread")
     print(f"lightning-dp     : {a * 1000:.1f} ms/round (median of {len(mine)}: "
           f"{statistics.median(before['times']) * 1000:.1f} before the simulation, "
           f"{statistics.median(after['times']) * 1000:.1f} after; epsilon accounted: {after['epsilon']:.3f} after "

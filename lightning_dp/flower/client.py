@@ -123,13 +123,17 @@ def site(context: Any) -> _Site:
     return _SITES[key]
 
 
+def _check_served(positions: list[int], served: list[int], what: str) -> None:
+    foreign = sorted(set(positions) - set(served))
+    if foreign:
+        raise ValueError(f"the server asked for {what} {foreign[:5]}, which this node does not serve")
+
+
 def serve_clients(node: _Site, positions: list[int], r: int, *, hypotheses: torch.Tensor, previous_step: torch.Tensor,
                   seed: int, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(releases, stats)`` of this site's clients at ``positions`` in round ``r`` from the server's public state."""
     module = node.module
-    foreign = sorted(set(positions) - set(node.positions))
-    if foreign:
-        raise ValueError(f"the server asked for clients {foreign[:5]}, which this node does not serve")
+    _check_served(positions, node.positions, "clients")
     if int(seed) in (module._noise_seed, node.given_seed):
         raise ValueError("the server's public seed equals this site's noise seed: the noise of its releases would be "
                          "public. Give the site another --node-config noise-seed (or none: a fresh secret one).")
@@ -159,9 +163,7 @@ def evaluate_clients(node: _Site, split: str, positions: list[int], *, hypothese
     (:meth:`~lightning_dp.federated.FederatedRound.evaluation_sums`: losses, choices, correct predictions)."""
     if split != "val":
         raise ValueError(f"the server asked for an evaluation on {split!r} clients; a deployment evaluates 'val' only")
-    foreign = sorted(set(positions) - set(node.val_positions))
-    if foreign:
-        raise ValueError(f"the server asked for validation clients {foreign[:5]}, which this node does not serve")
+    _check_served(positions, node.val_positions, "validation clients")
     with torch.no_grad():
         node.module.hypotheses.copy_(hypotheses)
         return node.module.evaluation_sums(split, list(positions)).detach().cpu()
