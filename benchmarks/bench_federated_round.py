@@ -10,13 +10,15 @@ the share of it spent generating the clients' data (what reading real data would
 accounting (``privacy/epsilon`` is composed when Lightning writes metrics, every
 ``--log-every`` rounds, and at the end) and the process's peak resident memory.
 
-The client part: both run in one process on the same clients, starting points and shuffles
-(``lightning_dp.federated.local_sgd`` vs. ``local_sgd_loop``, which trains one client at a
-time with ``torch.optim.SGD``), alternating repetitions; the median is reported.
+The client part: all run in one process on the same clients, starting points and shuffles
+(``lightning_dp.federated.local_sgd`` with the dense engine's hand-written gradients where the model is a chain of
+Linear layers, with ``vmap(grad)``, and ``local_sgd_loop``, which trains one client at a time with
+``torch.optim.SGD``), alternating repetitions; the median is reported.
 
 Usage:
     python benchmarks/bench_federated_round.py                          # hospital MLP (11 params), U = 100
     python benchmarks/bench_federated_round.py --model femnist --clients 10 --samples 20,200
+    python benchmarks/bench_federated_round.py --model logreg --samples 45,82 --batch-size 16   # dense vs vmap
     python benchmarks/bench_federated_round.py --whole                  # U = 1k, 10k, 100k of N = 1M, 3 models
     python benchmarks/bench_federated_round.py --whole --models hospital --per-round 100000 --rounds 60
     python benchmarks/bench_federated_round.py --accounting             # one epsilon write, q = 0.001 .. 0.1
@@ -26,6 +28,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -42,6 +45,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_dp.federated import FlatParams, local_sgd, local_sgd_loop  # noqa: E402
+from lightning_dp.federated.dense import dense_chain  # noqa: E402
 from lightning_dp.privacy.noise import derive_generator  # noqa: E402
 
 
@@ -59,7 +63,11 @@ def make_model(name: str) -> tuple[nn.Module, tuple[int, ...], str]:
         net = nn.Sequential(nn.Conv2d(1, 32, 2), nn.ReLU(), nn.Conv2d(32, 64, 2), nn.ReLU(), nn.MaxPool2d(2),
                             nn.Flatten(), nn.Linear(64 * 13 * 13, 128), nn.ReLU(), nn.Linear(128, 62))
         return net, (1, 28, 28), "cross_entropy"
-    raise ValueError(f"unknown model {name!r}; choose hospital or femnist")
+    if name == "logreg":  # the project's multinomial logistic regression on MNIST-shaped images, 10 classes
+        from lightning_dp.models import LogisticRegression
+
+        return LogisticRegression(), (1, 28, 28), "cross_entropy"
+    raise ValueError(f"unknown model {name!r}; choose hospital, logreg or femnist")
 
 
 #: the whole-round models: (network, SyntheticPopulation task and input shape, loss, local lr)
@@ -239,12 +247,18 @@ def main(argv: list[str] | None = None) -> None:
     sizes = torch.randint(lo, hi + 1, (args.clients,), generator=g)
     nmax = int(sizes.max())
     x = torch.randn(args.clients, nmax, *shape, generator=g)
-    y = torch.randint(0, 62, (args.clients, nmax), generator=g) if loss == "cross_entropy" else \
+    classes = 10 if args.model == "logreg" else 62
+    y = torch.randint(0, classes, (args.clients, nmax), generator=g) if loss == "cross_entropy" else \
         torch.randn(args.clients, nmax, generator=g)
     mask = torch.arange(nmax).unsqueeze(0) < sizes.unsqueeze(1)
     start = spec.flatten(model).unsqueeze(0).repeat(args.clients, 1)
     kwargs = dict(epochs=args.epochs, lr=0.01, batch_size=args.batch_size, loss=loss)
     fns = {"vectorized": local_sgd, "per-client loop": local_sgd_loop}
+    chain, why = dense_chain(model, spec)
+    if chain is not None:  # the dense engine's hand-written gradients, as client_engine="auto" picks them
+        fns = {"dense": functools.partial(local_sgd, chain=chain), **fns}
+    else:
+        print(f"no dense engine for this model: {why}")
     times: dict[str, list[float]] = {k: [] for k in fns}
     for k, fn in fns.items():  # warm-up
         fn(model, spec, start, x, y, mask, generator=module_keys(args.clients, nmax), **kwargs)
@@ -259,7 +273,10 @@ def main(argv: list[str] | None = None) -> None:
           f"median of {args.repeats}")
     for k, t in med.items():
         print(f"{k:<16} {t * 1e3:10.2f} ms/round")
-    print(f"speed-up        {med['per-client loop'] / med['vectorized']:10.1f} x")
+    print(f"speed-up        {med['per-client loop'] / med['vectorized']:10.1f} x (vmap vs loop)")
+    if "dense" in med:
+        print(f"speed-up        {med['per-client loop'] / med['dense']:10.1f} x (dense vs loop), "
+              f"{med['vectorized'] / med['dense']:.2f} x (dense vs vmap)")
 
 
 if __name__ == "__main__":

@@ -85,7 +85,9 @@ class PersonalizedFederatedModule(FederatedRound):
         val_clients_per_check: evaluate a random sample of this many validation clients
             per check (default: all).
         test_every_check: as :class:`~lightning_dp.federated.FederatedRound`.
-        client_engine: ``"vmap"`` (all clients at once), ``"loop"`` (one by one) or ``"auto"``.
+        client_engine: ``"dense"`` (all clients at once, hand-written gradients of a chain of Linear layers),
+            ``"vmap"`` (all clients at once, any model), ``"loop"`` (one by one) or ``"auto"`` (as
+            :class:`~lightning_dp.federated.parts.LocalSGD`).
         min_delta_norm: the noise is calibrated to ``max(||delta||, min_delta_norm)``: a client
             whose update is (numerically) zero still releases noise of mean norm
             ``nu * min_delta_norm``, for the same cost n/nu over a neighbourhood at least as
@@ -111,7 +113,7 @@ class PersonalizedFederatedModule(FederatedRound):
         cap_policy: Literal["replace", "skip"] = "replace",
         val_clients_per_check: int | None = None,
         test_every_check: bool = False,
-        client_engine: Literal["auto", "vmap", "loop"] = "auto",
+        client_engine: Literal["auto", "dense", "vmap", "loop"] = "auto",
         min_delta_norm: float = 1e-8,
         seed: int | None = None,
         noise_seed: int | None = None,

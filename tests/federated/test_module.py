@@ -110,10 +110,11 @@ def test_needs_a_federated_datamodule_and_enough_clients():
 
 
 def test_engines_agree():
-    a, b = module(client_engine="vmap"), module(client_engine="loop")
-    for m in (a, b):
+    a, b, c = module(client_engine="vmap"), module(client_engine="loop"), module(client_engine="dense")
+    for m in (a, b, c):
         trainer(max_epochs=5).fit(m, SyntheticLinearMixtureDataModule(seed=0))
     torch.testing.assert_close(a.hypotheses, b.hypotheses, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(c.hypotheses, a.hypotheses, rtol=1e-4, atol=1e-5)
 
 
 def test_restore_best_weights_keeps_the_ledger_and_round_counter(tmp_path):

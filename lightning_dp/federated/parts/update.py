@@ -8,10 +8,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_dp.federated.budgets import ClientBudgets
-from lightning_dp.federated.local import local_sgd, local_sgd_loop
+from lightning_dp.federated.dense import dense_chain
+from lightning_dp.federated.local import FlatParams, local_sgd, local_sgd_loop
 from lightning_dp.federated.parts.registry import Combination, Part, register_part
 from lightning_dp.privacy.delta import LargeDeltaWarning, check_delta_for_size
 
@@ -100,24 +101,27 @@ class ClientUpdate(Part):
 
 @register_part("update", "local_sgd")
 class LocalSGD(ClientUpdate):
-    """E epochs of mini-batch SGD (rate s, batch B_s) per client, all clients at once (``"vmap"``) or one by one.
+    """E epochs of mini-batch SGD (rate s, batch B_s) per client, all clients at once or one by one.
 
     Args:
         epochs: E.
         lr: s.
         batch_size: B_s.
-        engine: ``"vmap"``, ``"loop"`` or ``"auto"`` (vmap up to :data:`AUTO_VMAP_MAX_PARAMETERS` parameters).
+        engine: ``"dense"`` (all clients at once, hand-written gradients for a chain of ``Linear`` layers and
+            activations, :mod:`~lightning_dp.federated.dense`), ``"vmap"`` (all clients at once, any model),
+            ``"loop"`` (one client at a time) or ``"auto"``: dense where the model is such a chain, else vmap, each
+            up to :data:`AUTO_VMAP_MAX_PARAMETERS` parameters, loop above.
     """
 
     def __init__(self, epochs: int = 1, lr: float = 0.1, batch_size: int = 10,
-                 engine: Literal["auto", "vmap", "loop"] = "auto") -> None:
+                 engine: Literal["auto", "dense", "vmap", "loop"] = "auto") -> None:
         for name, value in (("local_epochs", epochs), ("local_batch_size", batch_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} is not allowed: pass a positive integer")
         if not (float(lr) > 0 and math.isfinite(float(lr))):
             raise ValueError(f"local_lr={lr!r} is not allowed: pass a finite learning rate > 0")
-        if engine not in ("auto", "vmap", "loop"):
-            raise ValueError(f"client_engine={engine!r} is not allowed; choose 'auto', 'vmap' or 'loop'")
+        if engine not in ("auto", "dense", "vmap", "loop"):
+            raise ValueError(f"client_engine={engine!r} is not allowed; choose 'auto', 'dense', 'vmap' or 'loop'")
         self.epochs, self.lr, self.batch_size, self.engine = epochs, float(lr), batch_size, engine
 
     def hparams(self) -> dict[str, Any]:
@@ -125,12 +129,35 @@ class LocalSGD(ClientUpdate):
                 "client_engine": self.engine}
 
     def resolved_engine(self, numel: int) -> str:
-        return auto_engine(numel) if self.engine == "auto" else self.engine
+        """``"vmap"`` or ``"loop"``: the engine of a model of ``numel`` parameters where no dense chain is used
+        (``"dense"`` reads as ``"vmap"``: what :class:`LocalDPSGD`'s per-example gradients run on)."""
+        if self.engine == "auto":
+            return auto_engine(numel)
+        return "vmap" if self.engine == "dense" else self.engine
+
+    def dense_chain(self, template: nn.Module, spec: FlatParams, x: Tensor, y: Tensor, loss: str):
+        """The model's :class:`~lightning_dp.federated.dense.DenseChain` where this update trains with it, else
+        None; ``engine="dense"`` with a model or data it does not cover raises ``ValueError`` with the reason."""
+        if self.engine not in ("auto", "dense"):
+            return None
+        chain, why = dense_chain(template, spec)
+        if chain is not None:
+            why = chain.check(tuple(x.shape[2:]), tuple(y.shape[2:]), loss)
+        if self.engine == "dense":
+            if why:
+                raise ValueError(f"client_engine='dense' cannot train {type(template).__name__}: {why}. It covers "
+                                 "chains of Linear layers, ReLU/Tanh/Sigmoid, flatten and squeeze(dim); use "
+                                 "client_engine='auto' or 'vmap'")
+            return chain
+        return chain if not why and spec.numel <= AUTO_VMAP_MAX_PARAMETERS else None
 
     def train(self, template, spec, start, x, y, mask, *, loss, shuffles, clients=None, noise=None):
-        fn = local_sgd if self.resolved_engine(spec.numel) == "vmap" else local_sgd_loop
-        return fn(template, spec, start, x, y, mask, epochs=self.epochs, lr=self.lr, batch_size=self.batch_size,
-                  loss=loss, generator=shuffles)
+        chain = self.dense_chain(template, spec, x, y, loss)
+        if chain is not None or self.resolved_engine(spec.numel) == "vmap":
+            return local_sgd(template, spec, start, x, y, mask, epochs=self.epochs, lr=self.lr,
+                             batch_size=self.batch_size, loss=loss, generator=shuffles, chain=chain)
+        return local_sgd_loop(template, spec, start, x, y, mask, epochs=self.epochs, lr=self.lr,
+                              batch_size=self.batch_size, loss=loss, generator=shuffles)
 
 
 @register_part("update", "local_dp_sgd")

@@ -1,0 +1,367 @@
+"""Hand-written per-client gradients for models that are a chain of dense layers (the ``"dense"`` client engine).
+
+A round's local SGD needs, at every step, the gradient of each client's batch loss with respect to that client's
+own parameters: (C, P) gradients of C different models. ``vmap(grad(...))`` over clients
+(:func:`~lightning_dp.federated.local.local_sgd`) computes them for any model, through functorch's batching
+rules and autograd's graph of small operations. For a model that is a chain of ``Linear`` layers and elementwise
+activations the whole backward pass is two or three batched matrix products per layer, written out here and
+applied to the parameters layer by layer in place: for the project's logistic regression on MNIST about half of
+``vmap(grad)``'s time per round (``benchmarks/bench_federated_round.py --model logreg``), which is what a round
+of a small model spends its time on. Why by hand: neither functorch, Opacus (per-example gradients of one
+model) nor any FL framework (one client at a time) has a backward pass batched over models.
+
+Which models: :meth:`DenseChain.of` traces the model with ``torch.fx`` and accepts only a chain of supported
+steps (``nn.Linear``, ``nn.ReLU``/``Tanh``/``Sigmoid``/``Identity``, ``nn.Flatten``, ``flatten``,
+``squeeze(dim)`` and the functional forms of the activations), every ``Linear`` parameter trainable and used
+once, on inputs and a loss whose shapes it checks before any data is touched; anything else returns ``None``
+with the reason, and the round uses ``vmap``. The gradients are those of
+:func:`~lightning_dp.federated.local.masked_loss` (tested against ``vmap(grad)`` for every loss, in float64 to
+1e-12).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import weakref
+from dataclasses import dataclass
+from collections.abc import Iterator
+from typing import Any, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["DenseChain", "dense_chain"]
+
+_ACTIVATIONS: dict[Any, str] = {nn.ReLU: "relu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid", nn.Identity: "identity"}
+_FUNCTIONS: dict[Any, str] = {torch.relu: "relu", F.relu: "relu", torch.tanh: "tanh", torch.sigmoid: "sigmoid",
+                              F.tanh: "tanh", F.sigmoid: "sigmoid"}
+_METHODS = {"relu": "relu", "tanh": "tanh", "sigmoid": "sigmoid"}
+
+
+@dataclass(frozen=True)
+class _Linear:
+    weight: slice
+    bias: slice | None
+    out_features: int
+    in_features: int
+
+
+@dataclass(frozen=True)
+class _Activation:
+    kind: str
+
+
+@dataclass(frozen=True)
+class _Flatten:
+    start: int  # of the model's (b, ...) tensor; >= 1 (the batch dimension is never merged)
+    end: int
+
+
+@dataclass(frozen=True)
+class _Squeeze:
+    dim: int  # of the model's (b, ...) tensor, negative or >= 1
+
+
+_Step = Union[_Linear, _Activation, _Flatten, _Squeeze]
+
+
+class _NotDense(Exception):
+    pass
+
+
+def _arg(node: Any, position: int, name: str, default: Any) -> Any:
+    if len(node.args) > position:
+        return node.args[position]
+    return node.kwargs.get(name, default)
+
+
+def _dim(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _NotDense(f"{what} with a non-constant dimension {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class DenseChain:
+    """A model read as a chain of dense steps, with the offsets of its ``Linear`` parameters in the flat vector."""
+
+    steps: tuple[_Step, ...]
+    numel: int
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def of(cls, template: nn.Module, spec: Any) -> tuple[DenseChain | None, str]:
+        """``(chain, "")`` when ``template`` is a chain of dense steps whose parameters are exactly ``spec``'s
+        trainable ones, else ``(None, why not)``. ``spec`` is the model's
+        :class:`~lightning_dp.federated.local.FlatParams`."""
+        try:
+            return cls(tuple(cls._steps(template, spec)), spec.numel), ""
+        except _NotDense as why:
+            return None, str(why)
+
+    @staticmethod
+    def _steps(template: nn.Module, spec: Any) -> list[_Step]:
+        import torch.fx
+
+        if any(True for _ in template.buffers()):
+            raise _NotDense("the model has buffers")
+        try:
+            graph = torch.fx.symbolic_trace(template).graph
+        except Exception as error:  # noqa: BLE001 - any model torch.fx cannot trace is simply not a chain
+            raise _NotDense(f"torch.fx cannot trace the model ({type(error).__name__}: {error})") from None
+        offsets, start = {}, 0
+        for name, size in zip(spec.names, spec.sizes):
+            offsets[name] = slice(start, start + size)
+            start += size
+        nodes = list(graph.nodes)
+        placeholders = [n for n in nodes if n.op == "placeholder"]
+        if len(placeholders) != 1:
+            raise _NotDense(f"the model's forward takes {len(placeholders)} inputs, not one")
+        steps: list[_Step] = []
+        used: set[str] = set()
+        previous = placeholders[0]
+        for node in nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                if node.args[0] is not previous:
+                    raise _NotDense("the model's output is not the last step of a chain")
+                break
+            if len(previous.users) != 1:
+                raise _NotDense(f"{previous.name} is used by {len(previous.users)} steps (not a chain)")
+            if not node.args or node.args[0] is not previous or any(
+                    isinstance(a, torch.fx.Node) for a in (*node.args[1:], *node.kwargs.values())):
+                raise _NotDense(f"step {node.name} does not take the previous step as its only tensor input")
+            steps.append(DenseChain._step(template, node, offsets, used))
+            previous = node
+        trainable = {n for n in spec.names}
+        if used != trainable:
+            raise _NotDense(f"parameters {sorted(trainable - used)} are trained but not used by the chain")
+        if not any(isinstance(s, _Linear) for s in steps):
+            raise _NotDense("the chain has no Linear layer")
+        return steps
+
+    @staticmethod
+    def _step(template: nn.Module, node: Any, offsets: dict[str, slice], used: set[str]) -> _Step:
+        if node.op == "call_module":
+            module = template.get_submodule(node.target)
+            if type(module) in _ACTIVATIONS:
+                return _Activation(_ACTIVATIONS[type(module)])
+            if type(module) is nn.Flatten:
+                return DenseChain._flatten(module.start_dim, module.end_dim)
+            if type(module) is nn.Linear:
+                names = [f"{node.target}.weight"] + ([f"{node.target}.bias"] if module.bias is not None else [])
+                missing = [n for n in names if n not in offsets]
+                if missing:
+                    raise _NotDense(f"Linear {node.target} has frozen parameters {missing}")
+                if used.intersection(names):
+                    raise _NotDense(f"Linear {node.target} is used twice (shared weights)")
+                used.update(names)
+                return _Linear(offsets[names[0]], offsets[names[1]] if len(names) > 1 else None,
+                               module.out_features, module.in_features)
+            raise _NotDense(f"module {node.target} ({type(module).__name__}) has no dense gradient here")
+        if (node.op == "call_function" and node.target in _FUNCTIONS and len(node.args) == 1
+                and set(node.kwargs.items()) <= {("inplace", False)}):
+            return _Activation(_FUNCTIONS[node.target])
+        if node.op == "call_method" and node.target in _METHODS and len(node.args) == 1 and not node.kwargs:
+            return _Activation(_METHODS[node.target])
+        if (node.op, node.target) in (("call_method", "flatten"), ("call_function", torch.flatten)):
+            return DenseChain._flatten(_arg(node, 1, "start_dim", 0), _arg(node, 2, "end_dim", -1))
+        if (node.op, node.target) in (("call_method", "squeeze"), ("call_function", torch.squeeze)):
+            if len(node.args) < 2 and "dim" not in node.kwargs:
+                raise _NotDense("squeeze() without a dimension (it would squeeze a batch of one)")
+            dim = _dim(_arg(node, 1, "dim", None), "squeeze")
+            if dim == 0:
+                raise _NotDense("squeeze(0) squeezes the batch dimension")
+            return _Squeeze(dim)
+        if node.op == "call_function" and node.target is operator.getitem:
+            raise _NotDense(f"indexing ({node.name})")
+        raise _NotDense(f"{node.op} {getattr(node.target, '__name__', node.target)!s} has no dense gradient here")
+
+    @staticmethod
+    def _flatten(start: Any, end: Any) -> _Flatten:
+        start, end = _dim(start, "flatten"), _dim(end, "flatten")
+        if start == 0:
+            raise _NotDense("flatten from dimension 0 merges the batch")
+        return _Flatten(start, end)
+
+    # ------------------------------------------------------------------ shapes
+    def check(self, example_shape: tuple[int, ...], target_shape: tuple[int, ...], loss: str) -> str:
+        """``""`` when inputs of shape (b, *example_shape) with targets (b, *target_shape) run through the chain
+        into a loss whose gradient is written here, else why not."""
+        shape = list(example_shape)
+        for step in self.steps:
+            if isinstance(step, _Linear):
+                if not shape or shape[-1] != step.in_features:
+                    return f"a Linear of {step.in_features} inputs meets examples of shape {tuple(shape)}"
+                shape[-1] = step.out_features
+            elif isinstance(step, _Flatten):
+                dims = len(shape) + 1  # the model's tensor has the batch in front
+                start, end = step.start % dims, step.end % dims
+                if not 1 <= start <= end:
+                    return f"flatten({step.start}, {step.end}) of examples of shape {tuple(shape)}"
+                shape = shape[:start - 1] + [math.prod(shape[start - 1:end])] + shape[end:]
+            elif isinstance(step, _Squeeze):
+                dims = len(shape) + 1
+                if not -dims <= step.dim < dims or step.dim % dims == 0:
+                    return f"squeeze({step.dim}) of examples of shape {tuple(shape)}"
+                if shape[step.dim % dims - 1] == 1:
+                    del shape[step.dim % dims - 1]
+        out = tuple(shape)
+        if loss in ("cross_entropy",) or (loss == "rmse" and len(out) == 1 and out[0] > 1):
+            if len(out) != 1 or target_shape != ():
+                return f"{loss} of outputs {out} against targets {target_shape} (written for (C,) logits)"
+        elif math.prod(out) != 1 or target_shape != ():
+            return f"{loss} of outputs {out} against targets {target_shape} (written for one output per example)"
+        return ""
+
+    @property
+    def classes(self) -> int:
+        """The last ``Linear`` layer's width: the classes of a classifier."""
+        return [s for s in self.steps if isinstance(s, _Linear)][-1].out_features
+
+    def classifies(self, loss: str) -> bool:
+        """Whether ``loss`` reads the output as class scores (cross-entropy, or RMSE on more than one output)."""
+        return loss == "cross_entropy" or (loss == "rmse" and self.classes > 1)
+
+    def check_labels(self, y: Tensor, mask: Tensor) -> None:
+        """Refuse class labels outside ``[0, classes)`` among the real examples (``F.cross_entropy`` refuses them
+        on the other engines; the one-hot comparison here would silently train on a zero target)."""
+        real = y[mask]
+        if real.numel() and (bool((real < 0).any()) or bool((real >= self.classes).any())):
+            raise ValueError(f"a label outside [0, {self.classes}) among the clients' targets, and the model has "
+                             f"{self.classes} outputs: check the labels or the model's number of classes")
+
+    # ------------------------------------------------------------------ computing
+    def gradients(self, theta: Tensor, x: Tensor, y: Tensor, mask: Tensor, loss: str) -> Tensor:
+        """(C, P) gradients of every client's :func:`~lightning_dp.federated.local.masked_loss` on its batch
+        ``x[c]`` (b, ...), ``y[c]``, ``mask[c]`` at its parameters ``theta[c]``."""
+        grads = theta.new_zeros(theta.shape)
+        for step, weight, bias in self._backward(theta, x, y, mask, loss):
+            grads[:, step.weight] = weight.reshape(theta.shape[0], -1)
+            if step.bias is not None:
+                grads[:, step.bias] = bias
+        return grads
+
+    def descend(self, theta: Tensor, x: Tensor, y: Tensor, mask: Tensor, loss: str, scale: Tensor) -> None:
+        """One SGD step of every client in place: ``theta[c] += scale[c] * gradient[c]`` (``scale`` (C, 1), e.g.
+        ``-lr`` for active clients and 0 for the others), a layer at a time, without a (C, P) gradient."""
+        c = theta.shape[0]
+        for step, weight, bias in self._backward(theta, x, y, mask, loss):
+            theta[:, step.weight].view(c, step.out_features, step.in_features).addcmul_(weight, scale.view(c, 1, 1))
+            if step.bias is not None:
+                theta[:, step.bias].addcmul_(bias, scale)
+
+    def _backward(self, theta: Tensor, x: Tensor, y: Tensor, mask: Tensor,
+                  loss: str) -> Iterator[tuple[_Linear, Tensor, Tensor | None]]:
+        """Every Linear layer's (weight, bias) gradients, last layer first; each is yielded after the gradient
+        has passed through the layer's weight, so that the caller may update the layer in place."""
+        c = theta.shape[0]
+        h = x.to(theta.dtype)
+        saved: list[Tensor] = []  # saved[i]: step i's input, saved[i + 1] its output
+        for step in self.steps:
+            saved.append(h)
+            if isinstance(step, _Linear):
+                weight = theta[:, step.weight].view(c, step.out_features, step.in_features)
+                rows = h.reshape(c, -1, step.in_features)
+                # (W x^T)^T: twice as fast on CPU as x W^T or baddbmm for a few outputs (measured, 100 clients of
+                # batches of 16 MNIST images)
+                out = torch.bmm(weight, rows.transpose(1, 2)).transpose(1, 2)
+                out = out + theta[:, step.bias].unsqueeze(1) if step.bias is not None else out.contiguous()
+                h = out.reshape(*h.shape[:-1], step.out_features)
+            elif isinstance(step, _Activation):
+                h = _activate(step.kind, h)
+            elif isinstance(step, _Flatten):
+                dims = h.dim() - 1
+                h = h.flatten(step.start % dims + 1, step.end % dims + 1)
+            else:
+                dims = h.dim() - 1
+                h = h.squeeze(step.dim % dims + 1)
+        saved.append(h)
+        g = _loss_gradient(h, y, mask, loss)
+        first = min(i for i, s in enumerate(self.steps) if isinstance(s, _Linear))
+        for i in range(len(self.steps) - 1, first - 1, -1):
+            step, inp = self.steps[i], saved[i]
+            if isinstance(step, _Linear):
+                rows = inp.reshape(c, -1, step.in_features)
+                g2 = g.reshape(c, -1, step.out_features)
+                weight_grad = torch.bmm(g2.transpose(1, 2).contiguous(), rows)
+                bias_grad = g2.sum(1) if step.bias is not None else None
+                if i > first:
+                    weight = theta[:, step.weight].view(c, step.out_features, step.in_features)
+                    g = torch.bmm(g2, weight).reshape(inp.shape)
+                yield step, weight_grad, bias_grad
+            elif isinstance(step, _Activation):
+                g = _activation_gradient(step.kind, g, saved[i + 1])
+            else:
+                g = g.reshape(inp.shape)
+
+
+def _activate(kind: str, h: Tensor) -> Tensor:
+    if kind == "relu":
+        return torch.relu(h)
+    if kind == "tanh":
+        return torch.tanh(h)
+    if kind == "sigmoid":
+        return torch.sigmoid(h)
+    return h
+
+
+def _activation_gradient(kind: str, g: Tensor, out: Tensor) -> Tensor:
+    """The gradient through an activation, from its output (as autograd's relu, tanh and sigmoid backward)."""
+    if kind == "identity":
+        return g
+    if kind == "relu":
+        return torch.where(out > 0, g, torch.zeros((), dtype=g.dtype))
+    if kind == "tanh":
+        return g * (1 - out * out)
+    return g * out * (1 - out)
+
+
+def _loss_gradient(out: Tensor, y: Tensor, mask: Tensor, loss: str) -> Tensor:
+    """d masked_loss / d out for every client at once: out (C, b, ...), y (C, b), mask (C, b)."""
+    m = mask.to(out.dtype)
+    count = torch.clamp(m.sum(1), min=1.0)  # (C,)
+    weight = m / count.unsqueeze(1)  # (C, b)
+    if loss == "cross_entropy" or (loss == "rmse" and out.dim() == y.dim() + 1 and out.shape[-1] > 1):
+        labels = y.long()
+        classes = out.shape[-1]
+        # written out: torch.softmax over a last dimension of 10 took five times as long on CPU (measured)
+        exp = (out - out.amax(-1, keepdim=True)).exp()
+        probs = exp / exp.sum(-1, keepdim=True)
+        onehot = (labels.unsqueeze(-1) == torch.arange(classes, device=out.device)).to(out.dtype)
+        if loss == "cross_entropy":
+            return (probs - onehot) * weight.unsqueeze(-1)
+        diff = probs - onehot
+        mse = (diff.square().sum(-1) * weight).sum(1)  # (C,)
+        v = 2 * diff * weight.unsqueeze(-1)  # d mse / d probs
+        dz = probs * (v - (v * probs).sum(-1, keepdim=True))
+        return dz * _sqrt_factor(mse).view(-1, 1, 1)
+    values = out.reshape(y.shape)
+    if loss == "binary_cross_entropy":
+        return ((torch.sigmoid(values) - y.to(out.dtype)) * weight).reshape(out.shape)
+    diff = values - y.to(out.dtype)
+    mse = (diff.square() * weight).sum(1)
+    return (2 * diff * weight * _sqrt_factor(mse).unsqueeze(1)).reshape(out.shape)
+
+
+def _sqrt_factor(mse: Tensor) -> Tensor:
+    """d sqrt(mse) / d mse as masked_loss differentiates it: 0 where mse is 0 (or below the clamp), else
+    1 / (2 sqrt(mse))."""
+    tiny = torch.finfo(mse.dtype).tiny
+    return torch.where(mse > tiny, 0.5 / torch.sqrt(torch.clamp(mse, min=tiny)), torch.zeros_like(mse))
+
+
+_CACHE: weakref.WeakKeyDictionary[nn.Module, tuple[Any, tuple[DenseChain | None, str]]] = weakref.WeakKeyDictionary()
+
+
+def dense_chain(template: nn.Module, spec: Any) -> tuple[DenseChain | None, str]:
+    """:meth:`DenseChain.of`, traced once per (model, parameter layout)."""
+    hit = _CACHE.get(template)
+    if hit is not None and hit[0] == spec:
+        return hit[1]
+    found = DenseChain.of(template, spec)
+    _CACHE[template] = (spec, found)
+    return found
