@@ -6,7 +6,8 @@ global model, E local epochs of mini-batch SGD, then clip every update at C, ave
 Gaussian noise of std z C / 100:
 
 - lightning-dp: ``FederatedRound`` with ``PoissonSelection(1.0)`` (every client), ``LocalSGD``
-  (``engine="auto"``: vectorized over clients below 100,000 parameters, a loop above) and
+  (``engine="auto"``: all clients at once below 100,000 parameters, with hand-written gradients for the
+  logistic regression, a chain of dense layers; a loop above) and
   ``CentralGaussian`` (fixed clipping, PLD accountant), run by a Lightning ``Trainer``;
   one training step is one round (timed from batch start to batch end, so Lightning's
   per-round bookkeeping and the accountant are inside).
@@ -435,7 +436,7 @@ def describe(args, clients, module) -> str:
     sizes = [len(c) for c in clients]
     return (f"model={args.model} ({sum(p.numel() for p in network(args.model).parameters()):,} params) "
             f"clients={len(clients)} examples/client={min(sizes)}-{max(sizes)} epochs={args.epochs} "
-            f"batch={args.batch_size} engine={module.update.resolved_engine(module.spec.numel)} "
+            f"batch={args.batch_size} engine={module.update.engine_used} "
             f"threads={torch.get_num_threads()}")
 
 
@@ -582,7 +583,7 @@ def main(argv: list[str] | None = None) -> None:
     sizes = [len(c) for c in clients]
     print(f"model={args.model} ({sum(p.numel() for p in network(args.model).parameters()):,} params) "
           f"clients={len(clients)} examples/client={min(sizes)}-{max(sizes)} epochs={args.epochs} "
-          f"batch={args.batch_size} engine={module.update.resolved_engine(module.spec.numel)} threads={torch.get_num_threads()}")
+          f"batch={args.batch_size} engine={module.update.engine_used} threads={torch.get_num_threads()}")
     print(f"lightning-dp: {a * 1000:.1f} ms/round (median of {args.rounds}; epsilon accounted: "
           f"{module.server_privacy.epsilon:.3f} after {len(module.server_privacy.accountant)} rounds)")
     print(f"flower      : {b * 1000:.1f} ms/round (median of {args.rounds}; no accountant)")

