@@ -178,14 +178,14 @@ def ours_worker(args, clients, settings) -> None:
                           "rounds": len(module.server_privacy.accountant)}), flush=True)
 
 
-def flower(clients, model, epochs, batch_size, lr, z, clip):
+def flower(clients, model, epochs, batch_size, lr, z, clip, channels_last=False):
     import flwr
     from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
     from flwr.server.strategy import DifferentialPrivacyServerSideFixedClipping, FedAvg
 
     logging.getLogger("flwr").setLevel(logging.ERROR)
     torch.manual_seed(0)
-    net = network(model)
+    net = layout(network(model), channels_last)
 
     def get_weights() -> list[np.ndarray]:
         return [v.detach().cpu().numpy().copy() for v in net.state_dict().values()]
@@ -204,7 +204,7 @@ def flower(clients, model, epochs, batch_size, lr, z, clip):
             for _ in range(epochs):
                 for xb, yb in self.loader:
                     optimizer.zero_grad()
-                    torch.nn.functional.cross_entropy(net(xb), yb).backward()
+                    torch.nn.functional.cross_entropy(net(layout(xb, channels_last)), yb).backward()
                     optimizer.step()
             return get_weights(), self.n, {}
 
@@ -239,27 +239,39 @@ def flower(clients, model, epochs, batch_size, lr, z, clip):
 _SIM_CACHE: dict[tuple, tuple[list[ClientDataset], torch.nn.Module]] = {}  # per process: per Ray actor
 
 
-def local_sgd(net: torch.nn.Module, data: ClientDataset, epochs: int, batch_size: int, lr: float) -> None:
+def layout(value, channels_last: bool):
+    """``value`` (a model or a batch of images) channels-last where asked (``--flower-channels-last``: what a
+    Flower user can write by hand in a client, as our loop engine does for image models), else as it is."""
+    if not channels_last:
+        return value
+    if isinstance(value, torch.nn.Module):
+        return value.to(memory_format=torch.channels_last)
+    return value.contiguous(memory_format=torch.channels_last) if value.dim() == 4 else value
+
+
+def local_sgd(net: torch.nn.Module, data: ClientDataset, epochs: int, batch_size: int, lr: float,
+              channels_last: bool = False) -> None:
     """The in-process ``Client.fit``'s local training, for the ClientApp."""
     loader = DataLoader(TensorDataset(data.x, data.y), batch_size=batch_size, shuffle=True)
     optimizer = torch.optim.SGD(net.parameters(), lr=lr)
     for _ in range(epochs):
         for xb, yb in loader:
             optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(net(xb), yb).backward()
+            torch.nn.functional.cross_entropy(net(layout(xb, channels_last)), yb).backward()
             optimizer.step()
 
 
 def sim_train(source: tuple, training: tuple, msg, context):
     """The ClientApp's ``train``: rebuild (once per actor) the clients, train the one named by partition-id.
 
-    ``source`` is ``make_clients``' arguments and ``training`` (epochs, batch size, lr): both travel in the
+    ``source`` is ``make_clients``' arguments and ``training`` (epochs, batch size, lr, channels-last): both
+    travel in the
     pickled ClientApp; the data do not.
     """
     from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
     if source not in _SIM_CACHE:
-        _SIM_CACHE[source] = make_clients(*source), network(source[0])
+        _SIM_CACHE[source] = make_clients(*source), layout(network(source[0]), training[3])
     clients, net = _SIM_CACHE[source]
     pid = int(context.node_config["partition-id"])
     net.load_state_dict(msg.content["arrays"].to_torch_state_dict())
@@ -278,7 +290,8 @@ def _importable():
 
 
 def flower_simulation(source: tuple, rounds: int, epochs: int, batch_size: int, lr: float, z: float, clip: float,
-                      *, client_cpus: str = "1", evaluate=None, target: float | None = None) -> dict:
+                      *, client_cpus: str = "1", evaluate=None, target: float | None = None,
+                      channels_last: bool = False) -> dict:
     """Run ``rounds`` rounds (or until ``evaluate`` reaches ``target``) with ``flwr.simulation.run_simulation``.
 
     Returns the ServerApp's JSON record (per-round times, evaluations, actor facts) and the wall time of the
@@ -297,7 +310,7 @@ def flower_simulation(source: tuple, rounds: int, epochs: int, batch_size: int, 
     torch.manual_seed(0)  # the in-process Flower side's initial model
     initial = network(model).state_dict()
     client_app = ClientApp()
-    client_app.train()(functools.partial(_importable().sim_train, source, (epochs, batch_size, lr)))
+    client_app.train()(functools.partial(_importable().sim_train, source, (epochs, batch_size, lr, channels_last)))
     fd, out_path = tempfile.mkstemp(prefix="bench_fedavg_flower_sim_", suffix=".json")
     os.close(fd)
     server_app = ServerApp()
@@ -437,7 +450,8 @@ def describe(args, clients, module) -> str:
     return (f"model={args.model} ({sum(p.numel() for p in network(args.model).parameters()):,} params) "
             f"clients={len(clients)} examples/client={min(sizes)}-{max(sizes)} epochs={args.epochs} "
             f"batch={args.batch_size} engine={module.update.engine_used} "
-            f"threads={torch.get_num_threads()}")
+            f"threads={torch.get_num_threads()}"
+            + ("; Flower's clients channels-last" if args.flower_channels_last else ""))
 
 
 def loadavg() -> str:
@@ -464,6 +478,7 @@ def run_target(args, clients, settings) -> None:
                                                                  args.target_accuracy, **settings)
     if args.engine in ("simulation", "both"):
         records["flower-simulation"] = flower_simulation(source, args.max_rounds, **settings,
+                                                         channels_last=args.flower_channels_last,
                                                          client_cpus=args.client_cpus, evaluate=evaluate,
                                                          target=args.target_accuracy)
     print(f"load average at end  : {loadavg()}")
@@ -485,11 +500,13 @@ def run_timed(args, clients, settings) -> None:
     if args.devices > 1:
         return run_timed_ddp(args, clients, settings, source)
     if args.engine == "both":
-        before, _ = ours(clients, args.model, args.rounds, flower(clients, args.model, **settings), **settings)
+        other = flower(clients, args.model, **settings, channels_last=args.flower_channels_last)
+        before, _ = ours(clients, args.model, args.rounds, other, **settings)
         inprocess = before["flower"]
     else:
         before, _ = ours(clients, args.model, args.rounds, lambda: 0.0, **settings)
-    sim = flower_simulation(source, args.rounds + 1, **settings, client_cpus=args.client_cpus)
+    sim = flower_simulation(source, args.rounds + 1, **settings, client_cpus=args.client_cpus,
+                            channels_last=args.flower_channels_last)
     after, module = ours(clients, args.model, args.rounds, lambda: 0.0, **settings)
     print(f"load average at end  : {loadavg()}")
     mine = before["lightning-dp"] + after["lightning-dp"]
@@ -516,7 +533,8 @@ def run_timed_ddp(args, clients, settings, source) -> None:
     again (no in-process Flower: it cannot alternate with rounds in other processes)."""
     single_before, module = ours(clients, args.model, args.rounds, lambda: 0.0, **settings)
     before = ours_ddp(args, settings)
-    sim = flower_simulation(source, args.rounds + 1, **settings, client_cpus=args.client_cpus)
+    sim = flower_simulation(source, args.rounds + 1, **settings, client_cpus=args.client_cpus,
+                            channels_last=args.flower_channels_last)
     after = ours_ddp(args, settings)
     single_after, _ = ours(clients, args.model, args.rounds, lambda: 0.0, **settings)
     print(f"load average at end  : {loadavg()}")
@@ -555,6 +573,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target-accuracy", type=float, default=None,
                         help="train each side until this held-out accuracy instead of timing rounds (MNIST only)")
     parser.add_argument("--max-rounds", type=int, default=100, help="rounds at most with --target-accuracy")
+    parser.add_argument("--flower-channels-last", action="store_true",
+                        help="Flower's clients train image models channels-last too (as our loop engine does)")
     parser.add_argument("--devices", type=int, default=1,
                         help="our rounds over this many DDP processes of one thread (with --engine simulation)")
     parser.add_argument("--ours-worker", action="store_true", help=argparse.SUPPRESS)
@@ -578,7 +598,8 @@ def main(argv: list[str] | None = None) -> None:
         return run_target(args, clients, settings)
     if args.engine != "inprocess":
         return run_timed(args, clients, settings)
-    times, module = ours(clients, args.model, args.rounds, flower(clients, args.model, **settings), **settings)
+    other = flower(clients, args.model, **settings, channels_last=args.flower_channels_last)
+    times, module = ours(clients, args.model, args.rounds, other, **settings)
     a, b = statistics.median(times["lightning-dp"]), statistics.median(times["flower"])
     sizes = [len(c) for c in clients]
     print(f"model={args.model} ({sum(p.numel() for p in network(args.model).parameters()):,} params) "

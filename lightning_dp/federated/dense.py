@@ -200,7 +200,7 @@ class DenseChain:
             elif isinstance(step, _Flatten):
                 dims = len(shape) + 1  # the model's tensor has the batch in front
                 start, end = step.start % dims, step.end % dims
-                if not 1 <= start <= end:
+                if not (-dims <= step.start < dims and -dims <= step.end < dims and 1 <= start <= end):
                     return f"flatten({step.start}, {step.end}) of examples of shape {tuple(shape)}"
                 shape = shape[:start - 1] + [math.prod(shape[start - 1:end])] + shape[end:]
             elif isinstance(step, _Squeeze):

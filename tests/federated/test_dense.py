@@ -184,6 +184,7 @@ def test_check_reads_shapes_before_any_data():
     assert "Linear of 16 inputs" in chain.check((1, 5, 4), (), "cross_entropy")
     assert "one output per example" in chain.check((16,), (), "binary_cross_entropy")
     assert "(C,) logits" in chain.check((16,), (2,), "cross_entropy")
+    assert "flatten(1, -1) of examples of shape ()" in chain.check((), (), "cross_entropy")
     hospital = HospitalMLP()
     chain, _ = DenseChain.of(hospital, FlatParams.of(hospital))
     assert chain.check((3,), (), "rmse") == "" and "one output per example" in chain.check((3,), (2,), "rmse")
