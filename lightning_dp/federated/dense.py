@@ -107,6 +107,13 @@ class DenseChain:
 
         if any(True for _ in template.buffers()):
             raise _NotDense("the model has buffers")
+        for name, module in template.named_modules():
+            hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
+                     getattr(module, "_backward_pre_hooks", {}))
+            if any(hooks):  # torch.fx traces around hooks; functional_call (the vmap engine) runs them
+                raise _NotDense(f"module {name or type(template).__name__!r} has hooks")
+        if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+            raise _NotDense("global module hooks are registered")
         try:
             graph = torch.fx.symbolic_trace(template).graph
         except Exception as error:  # noqa: BLE001 - any model torch.fx cannot trace is simply not a chain
@@ -357,11 +364,21 @@ def _sqrt_factor(mse: Tensor) -> Tensor:
 _CACHE: weakref.WeakKeyDictionary[nn.Module, tuple[Any, tuple[DenseChain | None, str]]] = weakref.WeakKeyDictionary()
 
 
+def _signature(template: nn.Module, spec: Any) -> tuple:
+    """What a cached trace depends on: the parameter layout, every submodule (by identity and type) and its hooks
+    (a swapped layer or a hook registered after the first trace is traced again)."""
+    hooks = [(id(m), type(m), len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks))
+             for m in template.modules()]
+    return (spec, tuple(hooks), len(nn.modules.module._global_forward_hooks),
+            len(nn.modules.module._global_forward_pre_hooks))
+
+
 def dense_chain(template: nn.Module, spec: Any) -> tuple[DenseChain | None, str]:
-    """:meth:`DenseChain.of`, traced once per (model, parameter layout)."""
+    """:meth:`DenseChain.of`, traced once per (model, parameter layout, submodules and hooks)."""
+    signature = _signature(template, spec)
     hit = _CACHE.get(template)
-    if hit is not None and hit[0] == spec:
+    if hit is not None and hit[0] == signature:
         return hit[1]
     found = DenseChain.of(template, spec)
-    _CACHE[template] = (spec, found)
+    _CACHE[template] = (signature, found)
     return found

@@ -177,6 +177,14 @@ def test_models_that_are_not_dense_chains_say_why(make, reason):
     assert chain is None and reason in why
 
 
+def test_a_model_with_hooks_is_not_a_chain():
+    """torch.fx traces around hooks, which functional_call would run: such a model stays on vmap."""
+    model = HospitalMLP()
+    model.net[2].register_forward_hook(lambda module, args, out: 2 * out)
+    chain, why = DenseChain.of(model, FlatParams.of(model))
+    assert chain is None and "'net.2' has hooks" in why
+
+
 def test_check_reads_shapes_before_any_data():
     model = MLP(16, hidden=(5,), num_classes=3)
     chain, _ = DenseChain.of(model, FlatParams.of(model))
@@ -228,5 +236,12 @@ def test_the_trace_is_kept_per_model_and_layout():
     spec = FlatParams.of(model)
     first = dense_chain(model, spec)
     assert dense_chain(model, spec) is first
+    handle = model.net[1].register_forward_hook(lambda module, args, out: out)
+    assert dense_chain(model, spec)[0] is None  # a hook registered since: traced again
+    handle.remove()
+    assert dense_chain(model, spec)[0] is not None
+    model.net[1] = nn.GELU()
+    assert "GELU" in dense_chain(model, spec)[1]  # a swapped layer
+    model.net[1] = nn.ReLU()
     model.net[0].weight.requires_grad_(False)
     assert dense_chain(model, FlatParams.of(model))[0] is None  # another layout: traced again
