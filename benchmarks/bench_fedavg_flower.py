@@ -178,13 +178,13 @@ def ours_worker(args, clients, settings) -> None:
                           "rounds": len(module.server_privacy.accountant)}), flush=True)
 
 
-def flower(clients, model, epochs, batch_size, lr, z, clip, channels_last=False):
+def flower(clients, model, epochs, batch_size, lr, z, clip, channels_last=False, seed=0):
     import flwr
     from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
     from flwr.server.strategy import DifferentialPrivacyServerSideFixedClipping, FedAvg
 
     logging.getLogger("flwr").setLevel(logging.ERROR)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     net = layout(network(model), channels_last)
 
     def get_weights() -> list[np.ndarray]:
@@ -291,7 +291,7 @@ def _importable():
 
 def flower_simulation(source: tuple, rounds: int, epochs: int, batch_size: int, lr: float, z: float, clip: float,
                       *, client_cpus: str = "1", evaluate=None, target: float | None = None,
-                      channels_last: bool = False) -> dict:
+                      channels_last: bool = False, seed: int = 0) -> dict:
     """Run ``rounds`` rounds (or until ``evaluate`` reaches ``target``) with ``flwr.simulation.run_simulation``.
 
     Returns the ServerApp's JSON record (per-round times, evaluations, actor facts) and the wall time of the
@@ -307,7 +307,7 @@ def flower_simulation(source: tuple, rounds: int, epochs: int, batch_size: int, 
 
     logging.getLogger("flwr").setLevel(logging.ERROR)
     model, num_clients = source[0], source[1]
-    torch.manual_seed(0)  # the in-process Flower side's initial model
+    torch.manual_seed(seed)  # the in-process Flower side's initial model
     initial = network(model).state_dict()
     client_app = ClientApp()
     client_app.train()(functools.partial(_importable().sim_train, source, (epochs, batch_size, lr, channels_last)))
@@ -407,12 +407,12 @@ class ToTarget(L.Callback):
             trainer.should_stop = True
 
 
-def ours_to_target(clients, model, max_rounds, evaluate, target, epochs, batch_size, lr, z, clip) -> dict:
+def ours_to_target(clients, model, max_rounds, evaluate, target, epochs, batch_size, lr, z, clip, seed=0) -> dict:
     timer = ToTarget(evaluate, target)
     module = FederatedRound(network(model), selection=PoissonSelection(1.0),
                             update=LocalSGD(epochs=epochs, lr=lr, batch_size=batch_size),
                             server_privacy=CentralGaussian(noise_multiplier=z, clip=clip), loss="cross_entropy",
-                            seed=0, noise_seed=1, log_nonprivate_metrics=False)
+                            seed=seed, noise_seed=1000 + seed, log_nonprivate_metrics=False)
     trainer = L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, accelerator="cpu", devices=1, max_epochs=max_rounds,
                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer])
@@ -421,9 +421,9 @@ def ours_to_target(clients, model, max_rounds, evaluate, target, epochs, batch_s
     return {"round_times": timer.times, "evals": timer.evals, "wall": time.perf_counter() - start}
 
 
-def flower_inprocess_to_target(clients, model, max_rounds, evaluate, target, **settings) -> dict:
+def flower_inprocess_to_target(clients, model, max_rounds, evaluate, target, seed=0, **settings) -> dict:
     start = time.perf_counter()
-    one = flower(clients, model, **settings)
+    one = flower(clients, model, **settings, seed=seed)
     record: dict = {"round_times": [], "evals": []}
     for _ in range(max_rounds):
         record["round_times"].append(one())
@@ -467,31 +467,59 @@ def sim_facts(record: dict, clients, client_cpus: str) -> str:
 
 
 def run_target(args, clients, settings) -> None:
+    """Each seed: our fit, then Flower's in-process clients and/or its simulation, each until the target; then the
+    rounds and seconds of training over the seeds (mean and sample std). A seed sets our model's initialization
+    and shuffles (and our secret noise seed to 1000 + seed) and Flower's initial model and in-process shuffles;
+    Flower's server noise and its simulation's shuffles are unseeded."""
     test_x, test_y = make_test(args.clients, args.per_client, args.data_dir)
     evaluate = make_evaluate(args.model, test_x, test_y)
     source = (args.model, args.clients, args.per_client, args.data_dir)
     print(f"load average at start: {loadavg()}")
-    records = {"lightning-dp": ours_to_target(clients, args.model, args.max_rounds, evaluate, args.target_accuracy,
-                                              **settings)}
-    if args.engine in ("inprocess", "both"):
-        records["flower-inprocess"] = flower_inprocess_to_target(clients, args.model, args.max_rounds, evaluate,
-                                                                 args.target_accuracy, **settings)
-    if args.engine in ("simulation", "both"):
-        records["flower-simulation"] = flower_simulation(source, args.max_rounds, **settings,
-                                                         channels_last=args.flower_channels_last,
-                                                         client_cpus=args.client_cpus, evaluate=evaluate,
-                                                         target=args.target_accuracy)
+    seeds = [int(v) for v in args.seeds.split(",")]
+    runs: dict[str, list[dict]] = {}
+    for seed in seeds:
+        records = {"lightning-dp": ours_to_target(clients, args.model, args.max_rounds, evaluate,
+                                                  args.target_accuracy, **settings, seed=seed)}
+        if args.engine in ("inprocess", "both"):
+            records["flower-inprocess"] = flower_inprocess_to_target(clients, args.model, args.max_rounds, evaluate,
+                                                                     args.target_accuracy, seed=seed, **settings)
+        if args.engine in ("simulation", "both"):
+            records["flower-simulation"] = flower_simulation(source, args.max_rounds, **settings,
+                                                             channels_last=args.flower_channels_last,
+                                                             client_cpus=args.client_cpus, evaluate=evaluate,
+                                                             target=args.target_accuracy, seed=seed)
+        for name, record in records.items():
+            runs.setdefault(name, []).append(record)
     print(f"load average at end  : {loadavg()}")
     sizes = [len(c) for c in clients]
     print(f"target accuracy {args.target_accuracy} on {len(test_y)} held-out MNIST t10k examples; model={args.model} "
           f"clients={len(clients)} examples/client={min(sizes)}-{max(sizes)} epochs={args.epochs} "
           f"batch={args.batch_size} z={settings['z']} C={settings['clip']} lr={settings['lr']} "
-          f"max rounds={args.max_rounds}")
-    for name, record in records.items():
-        note = ""
-        if name == "flower-simulation":
-            note = f", Ray start-up and shut-down; {sim_facts(record, clients, args.client_cpus)}"
-        report_target(name, record, args.target_accuracy, note)
+          f"max rounds={args.max_rounds} seeds={seeds}")
+    for name, records_of in runs.items():
+        for seed, record in zip(seeds, records_of):
+            note = ""
+            if name == "flower-simulation":
+                note = f", Ray start-up and shut-down; {sim_facts(record, clients, args.client_cpus)}"
+            report_target(f"{name} seed {seed}", record, args.target_accuracy, note)
+    if len(seeds) > 1:
+        for name, records_of in runs.items():
+            reached = [next((i + 1 for i, (a, _) in enumerate(r["evals"]) if a >= args.target_accuracy), None)
+                       for r in records_of]
+            seconds = [sum(r["round_times"]) for r in records_of]
+            walls = [r["wall"] - sum(t for _, t in r["evals"]) for r in records_of]
+            counted = [n for n in reached if n is not None]
+            print(f"{name:<18}: reached in {len(counted)} of {len(seeds)} seeds; rounds "
+                  f"{_spread(counted)}; training {_spread(seconds, '.2f')} s; wall {_spread(walls, '.2f')} s")
+
+
+def _spread(values: list, fmt: str = ".1f") -> str:
+    """``mean +- sample std (n)`` of ``values``."""
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:{fmt}} (n = 1)"
+    return f"{statistics.mean(values):{fmt}} +- {statistics.stdev(values):{fmt}} (n = {len(values)})"
 
 
 def run_timed(args, clients, settings) -> None:
@@ -573,6 +601,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target-accuracy", type=float, default=None,
                         help="train each side until this held-out accuracy instead of timing rounds (MNIST only)")
     parser.add_argument("--max-rounds", type=int, default=100, help="rounds at most with --target-accuracy")
+    parser.add_argument("--seeds", default="0", help="--target-accuracy: comma-separated seeds, each a whole run")
     parser.add_argument("--flower-channels-last", action="store_true",
                         help="Flower's clients train image models channels-last too (as our loop engine does)")
     parser.add_argument("--devices", type=int, default=1,

@@ -108,11 +108,9 @@ class DenseChain:
         if any(True for _ in template.buffers()):
             raise _NotDense("the model has buffers")
         for name, module in template.named_modules():
-            hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
-                     getattr(module, "_backward_pre_hooks", {}))
-            if any(hooks):  # torch.fx traces around hooks; functional_call (the vmap engine) runs them
+            if any(_hooks(module)):  # torch.fx traces around hooks; functional_call (the vmap engine) runs them
                 raise _NotDense(f"module {name or type(template).__name__!r} has hooks")
-        if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+        if any(_global_hooks()):
             raise _NotDense("global module hooks are registered")
         try:
             graph = torch.fx.symbolic_trace(template).graph
@@ -195,28 +193,35 @@ class DenseChain:
         return _Flatten(start, end)
 
     # ------------------------------------------------------------------ shapes
-    def check(self, example_shape: tuple[int, ...], target_shape: tuple[int, ...], loss: str) -> str:
-        """``""`` when inputs of shape (b, *example_shape) with targets (b, *target_shape) run through the chain
-        into a loss whose gradient is written here, else why not."""
+    def output_shape(self, example_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The chain's output per example for inputs of ``example_shape``; ``ValueError`` if they do not fit."""
         shape = list(example_shape)
         for step in self.steps:
             if isinstance(step, _Linear):
                 if not shape or shape[-1] != step.in_features:
-                    return f"a Linear of {step.in_features} inputs meets examples of shape {tuple(shape)}"
+                    raise ValueError(f"a Linear of {step.in_features} inputs meets examples of shape {tuple(shape)}")
                 shape[-1] = step.out_features
             elif isinstance(step, _Flatten):
                 dims = len(shape) + 1  # the model's tensor has the batch in front
                 start, end = step.start % dims, step.end % dims
                 if not (-dims <= step.start < dims and -dims <= step.end < dims and 1 <= start <= end):
-                    return f"flatten({step.start}, {step.end}) of examples of shape {tuple(shape)}"
+                    raise ValueError(f"flatten({step.start}, {step.end}) of examples of shape {tuple(shape)}")
                 shape = shape[:start - 1] + [math.prod(shape[start - 1:end])] + shape[end:]
             elif isinstance(step, _Squeeze):
                 dims = len(shape) + 1
                 if not -dims <= step.dim < dims or step.dim % dims == 0:
-                    return f"squeeze({step.dim}) of examples of shape {tuple(shape)}"
+                    raise ValueError(f"squeeze({step.dim}) of examples of shape {tuple(shape)}")
                 if shape[step.dim % dims - 1] == 1:
                     del shape[step.dim % dims - 1]
-        out = tuple(shape)
+        return tuple(shape)
+
+    def check(self, example_shape: tuple[int, ...], target_shape: tuple[int, ...], loss: str) -> str:
+        """``""`` when inputs of shape (b, *example_shape) with targets (b, *target_shape) run through the chain
+        into a loss whose gradient is written here, else why not."""
+        try:
+            out = self.output_shape(example_shape)
+        except ValueError as why:
+            return str(why)
         if loss in ("cross_entropy",) or (loss == "rmse" and len(out) == 1 and out[0] > 1):
             if len(out) != 1 or target_shape != ():
                 return f"{loss} of outputs {out} against targets {target_shape} (written for (C,) logits)"
@@ -224,22 +229,15 @@ class DenseChain:
             return f"{loss} of outputs {out} against targets {target_shape} (written for one output per example)"
         return ""
 
-    @property
-    def classes(self) -> int:
-        """The last ``Linear`` layer's width: the classes of a classifier."""
-        return [s for s in self.steps if isinstance(s, _Linear)][-1].out_features
-
-    def classifies(self, loss: str) -> bool:
-        """Whether ``loss`` reads the output as class scores (cross-entropy, or RMSE on more than one output)."""
-        return loss == "cross_entropy" or (loss == "rmse" and self.classes > 1)
-
-    def check_labels(self, y: Tensor, mask: Tensor) -> None:
-        """Refuse class labels outside ``[0, classes)`` among the real examples (``F.cross_entropy`` refuses them
-        on the other engines; the one-hot comparison here would silently train on a zero target)."""
+    def check_labels(self, y: Tensor, mask: Tensor, example_shape: tuple[int, ...]) -> None:
+        """Refuse class labels outside ``[0, classes)`` among the real examples of a cross-entropy, ``classes`` the
+        chain's outputs per example on inputs of ``example_shape`` (``F.cross_entropy`` refuses them on the other
+        engines; the one-hot comparison here would silently train on a zero target)."""
+        classes = self.output_shape(example_shape)[-1]
         real = y[mask]
-        if real.numel() and (bool((real < 0).any()) or bool((real >= self.classes).any())):
-            raise ValueError(f"a label outside [0, {self.classes}) among the clients' targets, and the model has "
-                             f"{self.classes} outputs: check the labels or the model's number of classes")
+        if real.numel() and (bool((real < 0).any()) or bool((real >= classes).any())):
+            raise ValueError(f"a label outside [0, {classes}) among the clients' targets, and the model has "
+                             f"{classes} outputs: check the labels or the model's number of classes")
 
     # ------------------------------------------------------------------ computing
     def gradients(self, theta: Tensor, x: Tensor, y: Tensor, mask: Tensor, loss: str) -> Tensor:
@@ -257,16 +255,39 @@ class DenseChain:
         ``-lr`` for active clients and 0 for the others), a layer at a time, without a (C, P) gradient."""
         c = theta.shape[0]
         for step, weight, bias in self._backward(theta, x, y, mask, loss):
-            theta[:, step.weight].view(c, step.out_features, step.in_features).addcmul_(weight, scale.view(c, 1, 1))
+            # a product then an addition, as local_sgd's vmap path (not addcmul_, a fused multiply-add)
+            theta[:, step.weight].view(c, step.out_features, step.in_features).add_(weight * scale.view(c, 1, 1))
             if step.bias is not None:
-                theta[:, step.bias].addcmul_(bias, scale)
+                theta[:, step.bias].add_(bias * scale)
 
     def _backward(self, theta: Tensor, x: Tensor, y: Tensor, mask: Tensor,
                   loss: str) -> Iterator[tuple[_Linear, Tensor, Tensor | None]]:
         """Every Linear layer's (weight, bias) gradients, last layer first; each is yielded after the gradient
         has passed through the layer's weight, so that the caller may update the layer in place."""
+        saved = self._forward(theta, x)
         c = theta.shape[0]
-        h = x.to(theta.dtype)
+        g = _loss_gradient(saved[-1], y, mask, loss)
+        first = min(i for i, s in enumerate(self.steps) if isinstance(s, _Linear))
+        for i in range(len(self.steps) - 1, first - 1, -1):
+            step, inp = self.steps[i], saved[i]
+            if isinstance(step, _Linear):
+                rows = inp.reshape(c, -1, step.in_features)
+                g2 = g.reshape(c, -1, step.out_features)
+                weight_grad = torch.bmm(g2.transpose(1, 2).contiguous(), rows)
+                bias_grad = g2.sum(1) if step.bias is not None else None
+                if i > first:
+                    weight = theta[:, step.weight].view(c, step.out_features, step.in_features)
+                    g = torch.bmm(g2, weight).reshape(inp.shape)
+                yield step, weight_grad, bias_grad
+            elif isinstance(step, _Activation):
+                g = _activation_gradient(step.kind, g, saved[i + 1])
+            else:
+                g = g.reshape(inp.shape)
+
+    def _forward(self, theta: Tensor, x: Tensor) -> list[Tensor]:
+        """Every step's input, then the output (C, b, ...)."""
+        c = theta.shape[0]
+        h = x
         saved: list[Tensor] = []  # saved[i]: step i's input, saved[i + 1] its output
         for step in self.steps:
             saved.append(h)
@@ -287,23 +308,24 @@ class DenseChain:
                 dims = h.dim() - 1
                 h = h.squeeze(step.dim % dims + 1)
         saved.append(h)
-        g = _loss_gradient(h, y, mask, loss)
-        first = min(i for i, s in enumerate(self.steps) if isinstance(s, _Linear))
-        for i in range(len(self.steps) - 1, first - 1, -1):
-            step, inp = self.steps[i], saved[i]
-            if isinstance(step, _Linear):
-                rows = inp.reshape(c, -1, step.in_features)
-                g2 = g.reshape(c, -1, step.out_features)
-                weight_grad = torch.bmm(g2.transpose(1, 2).contiguous(), rows)
-                bias_grad = g2.sum(1) if step.bias is not None else None
-                if i > first:
-                    weight = theta[:, step.weight].view(c, step.out_features, step.in_features)
-                    g = torch.bmm(g2, weight).reshape(inp.shape)
-                yield step, weight_grad, bias_grad
-            elif isinstance(step, _Activation):
-                g = _activation_gradient(step.kind, g, saved[i + 1])
-            else:
-                g = g.reshape(inp.shape)
+        return saved
+
+    def disagrees(self, template: nn.Module, spec: Any, theta: Tensor, x: Tensor) -> str:
+        """``""`` when the chain's output equals the model's own forward (``functional_call``) at one client's
+        parameters ``theta`` (P,) on a batch ``x`` (b, ...), else how it differs: a trace that no longer describes
+        the forward (Python state it read, a patched method) is caught before it trains."""
+        from torch.func import functional_call
+
+        with torch.no_grad():
+            ours = self._forward(theta.unsqueeze(0), x.unsqueeze(0))[-1][0]
+            theirs = functional_call(template, spec.unflatten(theta), (x,))
+        if ours.shape != theirs.shape:
+            return f"the traced chain gives outputs of shape {tuple(ours.shape)}, the model {tuple(theirs.shape)}"
+        scale = float(theirs.abs().max()) if theirs.numel() else 0.0
+        if not torch.allclose(ours, theirs, rtol=1e-4, atol=1e-5 * max(1.0, scale)):
+            return (f"the traced chain's outputs differ from the model's forward by up to "
+                    f"{float((ours - theirs).abs().max()):.3g}")
+        return ""
 
 
 def _activate(kind: str, h: Tensor) -> Tensor:
@@ -364,13 +386,23 @@ def _sqrt_factor(mse: Tensor) -> Tensor:
 _CACHE: weakref.WeakKeyDictionary[nn.Module, tuple[Any, tuple[DenseChain | None, str]]] = weakref.WeakKeyDictionary()
 
 
+def _hooks(module: nn.Module) -> tuple[dict, ...]:
+    return (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
+            getattr(module, "_backward_pre_hooks", {}))
+
+
+def _global_hooks() -> tuple[dict, ...]:
+    m = nn.modules.module
+    return tuple(getattr(m, name, {}) for name in ("_global_forward_hooks", "_global_forward_pre_hooks",
+                                                    "_global_backward_hooks", "_global_backward_pre_hooks"))
+
+
 def _signature(template: nn.Module, spec: Any) -> tuple:
-    """What a cached trace depends on: the parameter layout, every submodule (by identity and type) and its hooks
-    (a swapped layer or a hook registered after the first trace is traced again)."""
-    hooks = [(id(m), type(m), len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks))
-             for m in template.modules()]
-    return (spec, tuple(hooks), len(nn.modules.module._global_forward_hooks),
-            len(nn.modules.module._global_forward_pre_hooks))
+    """What a cached trace depends on: the parameter layout, every submodule (identity, type, training mode) and
+    the hooks (a swapped layer, a mode or a hook changed since the first trace is traced again). Other Python
+    state a forward reads is not seen here: :meth:`DenseChain.disagrees` compares the outputs at every call."""
+    modules = [(id(m), type(m), m.training, *(len(h) for h in _hooks(m))) for m in template.modules()]
+    return (spec, tuple(modules), tuple(len(h) for h in _global_hooks()))
 
 
 def dense_chain(template: nn.Module, spec: Any) -> tuple[DenseChain | None, str]:

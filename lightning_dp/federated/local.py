@@ -310,8 +310,16 @@ def local_sgd(template: nn.Module, spec: FlatParams, start: Tensor, x: Tensor, y
         why = chain.check(tuple(x.shape[2:]), tuple(y.shape[2:]), loss)
         if why:
             raise ValueError(f"the dense engine cannot train on these clients: {why}; use the vmap engine")
-        if chain.classifies(loss):
-            chain.check_labels(y, mask)
+        if x.dtype != start.dtype:  # the other engines' F.linear refuses them too
+            raise ValueError(f"inputs of dtype {x.dtype} for parameters of dtype {start.dtype}: convert the inputs "
+                             "(or the model) so that both have one floating dtype")
+        if loss == "cross_entropy":
+            chain.check_labels(y, mask, tuple(x.shape[2:]))
+        if c and nmax:
+            why = chain.disagrees(template, spec, start[0], x[0, :8])
+            if why:
+                raise ValueError(f"the dense engine's chain does not describe this model's forward: {why}; use the "
+                                 "vmap engine")
     theta = start.clone()
     # a batch is gathered as rows of the flattened (C * Nmax, ...) data: index_select copies whole rows, several
     # times faster than advanced indexing x[rows, idx] for MNIST-sized examples
@@ -332,26 +340,56 @@ def local_sgd(template: nn.Module, spec: FlatParams, start: Tensor, x: Tensor, y
                 break
             xb = torch.index_select(flat_x, 0, idx, out=buffer_x[:len(idx)]).view(c, len(pos), *x.shape[2:])
             yb = torch.index_select(flat_y, 0, idx, out=buffer_y[:len(idx)]).view(c, len(pos), *y.shape[2:])
-            # theta - lr * g for the clients with examples in this batch (bit for bit that expression: the product
-            # g * -lr is exact whatever the order, and inactive clients' scale is 0)
+            # theta - lr * g for the clients with examples in this batch: g * -lr is -(lr * g) exactly and the
+            # addition is a separate one (not addcmul_, whose fused multiply-add rounds differently), so this is bit
+            # for bit the former theta - lr * g * active
             scale = (active.to(theta.dtype) * -lr).unsqueeze(1)
             if chain is not None:
                 chain.descend(theta, xb, yb, valid, loss, scale)
             else:
-                theta.addcmul_(step_grad(theta, xb, yb, valid), scale)
+                theta += step_grad(theta, xb, yb, valid) * scale
     return theta
 
 
-def _fast_layout(model: nn.Module, x: Tensor) -> torch.memory_format | None:
+def _fast_layout(model: nn.Module, x: Tensor, spec: FlatParams | None = None,
+                 start: Tensor | None = None) -> torch.memory_format | None:
     """``torch.channels_last`` for a model with 2-d convolutions or pooling trained on images (C, N, ch, H, W) on
-    CPU, else None. PyTorch's CPU max-pooling of NCHW tensors is not vectorized: in McMahan et al.'s CIFAR CNN it
-    took 22 % of an SGD step of 16 images, 14 times its channels-last time, and the whole step is 15-20 % faster
-    channels-last (measured, one thread, torch 2.13). The values are the same up to the order of the
-    convolutions' additions."""
-    if x.device.type != "cpu" or x.dim() != 5:
+    CPU, where it computes what the model computes as written, else None. PyTorch's CPU max-pooling of NCHW tensors
+    is not vectorized: in McMahan et al.'s CIFAR CNN it took 22 % of an SGD step of 16 images, 14 times its
+    channels-last time, and the whole step is 15-20 % faster channels-last (measured, one thread, torch 2.13).
+
+    A layout is no part of a model's meaning, but a forward can depend on it: ``x.view(-1, n)`` after a
+    convolution raises on channels-last tensors, and a custom operator may read memory in NCHW order. So the
+    layout is kept only when copies of the model in both layouts give the same outputs on the first client's
+    first examples (at its starting point ``start[0]``, with the same random state; 3-d weights or any error:
+    NCHW). The values then agree up to the order of the convolutions' additions."""
+    if x.device.type != "cpu" or x.dim() != 5 or not len(x) or not x.shape[1]:
         return None
-    spatial = (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)
-    return torch.channels_last if any(isinstance(m, spatial) for m in model.modules()) else None
+    if not any(isinstance(m, (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)) for m in model.modules()):
+        return None
+    import copy
+
+    try:
+        plain, fast = copy.deepcopy(model), copy.deepcopy(model)
+        if spec is not None and start is not None:
+            with torch.no_grad():
+                for twin in (plain, fast):
+                    for n, value in spec.unflatten(start[0]).items():
+                        twin.get_parameter(n).copy_(value)
+        fast = fast.to(memory_format=torch.channels_last)
+        batch = x[0, :8]
+        outputs = []
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            for twin, inputs in ((plain, batch), (fast, batch.contiguous(memory_format=torch.channels_last))):
+                torch.manual_seed(0)
+                outputs.append(twin(inputs))
+    except Exception:  # noqa: BLE001 - a forward that cannot run channels-last keeps NCHW
+        return None
+    a, b = outputs
+    if not (isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape):
+        return None
+    scale = float(a.abs().max()) if a.numel() else 0.0
+    return torch.channels_last if torch.allclose(a, b, rtol=1e-4, atol=1e-5 * max(1.0, scale)) else None
 
 
 def local_sgd_loop(template: nn.Module, spec: FlatParams, start: Tensor, x: Tensor, y: Tensor, mask: Tensor, *,
@@ -373,7 +411,7 @@ def local_sgd_loop(template: nn.Module, spec: FlatParams, start: Tensor, x: Tens
     # 1.7 M-parameter CNN)
     out = start.new_empty((c, spec.numel))
     model = copy.deepcopy(template)  # one working copy, reloaded for every client
-    layout = _fast_layout(model, x)
+    layout = _fast_layout(model, x, spec, start)
     if layout is not None:
         model = model.to(memory_format=layout)
     params = [model.get_parameter(n) for n in spec.names]

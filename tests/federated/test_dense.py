@@ -245,3 +245,76 @@ def test_the_trace_is_kept_per_model_and_layout():
     model.net[1] = nn.ReLU()
     model.net[0].weight.requires_grad_(False)
     assert dense_chain(model, FlatParams.of(model))[0] is None  # another layout: traced again
+
+
+class FlattenAfterLinear(nn.Module):
+    """A Linear per row then flatten: the classes are the flattened outputs (6), not the Linear's width (2)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.a(x).flatten(1)
+
+
+def test_the_label_check_reads_the_output_not_the_last_linear():
+    model = FlattenAfterLinear()
+    spec = FlatParams.of(model)
+    chain, _ = DenseChain.of(model, spec)
+    x, mask = torch.randn(2, 3, 3, 4), torch.ones(2, 3, dtype=torch.bool)
+    y = torch.tensor([[0, 5, 2], [3, 4, 1]])
+    runs = [local_sgd(model, spec, torch.zeros(2, spec.numel), x, y, mask, epochs=1, lr=0.1, batch_size=2,
+                      loss="cross_entropy", generator=torch.Generator().manual_seed(0), chain=c) for c in (None, chain)]
+    torch.testing.assert_close(runs[1], runs[0])
+    with pytest.raises(ValueError, match=r"label outside \[0, 6\)"):
+        local_sgd(model, spec, torch.zeros(2, spec.numel), x, y + 1, mask, epochs=1, lr=0.1, batch_size=2,
+                  loss="cross_entropy", chain=chain)
+
+
+class ModeDependent(nn.Module):
+    """A forward that branches on Python state: torch.fx records one branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.flag = False
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.flag:
+            h = torch.relu(h)
+        return self.b(h)
+
+
+def test_a_trace_that_no_longer_describes_the_forward_is_not_used():
+    """The chain's output is compared with the model's own forward before it trains: a flag changed since the
+    trace (invisible to the cache) sends auto to vmap, and dense refuses."""
+    torch.manual_seed(0)
+    model = ModeDependent()
+    spec = FlatParams.of(model)
+    x, y = torch.randn(3, 6, 3), torch.randint(0, 2, (3, 6))
+    mask = torch.ones(3, 6, dtype=torch.bool)
+    start = spec.flatten(model).repeat(3, 1)
+    auto = LocalSGD(engine="auto", batch_size=2)
+    assert auto.dense_chain(model, spec, x, y, "cross_entropy", start) is not None
+    model.flag = True
+    assert dense_chain(model, spec)[0] is not None  # the cached trace, still without the relu
+    assert auto.dense_chain(model, spec, x, y, "cross_entropy", start) is None
+    trained = auto.train(model, spec, start, x, y, mask, loss="cross_entropy", shuffles=torch.Generator())
+    assert auto.engine_used == "vmap" and torch.isfinite(trained).all()
+    with pytest.raises(ValueError, match="differ from the model's forward"):
+        LocalSGD(engine="dense").dense_chain(model, spec, x, y, "cross_entropy", start)
+
+
+def test_inputs_of_another_dtype_are_refused_as_the_other_engines_refuse_them():
+    model = LogisticRegression(4, 3)
+    spec = FlatParams.of(model)
+    x, y = torch.randn(2, 3, 4, dtype=torch.float64), torch.zeros(2, 3, dtype=torch.long)
+    start = spec.flatten(model).repeat(2, 1)
+    with pytest.raises(ValueError, match="inputs of dtype torch.float64 for parameters of dtype torch.float32"):
+        LocalSGD(engine="dense").dense_chain(model, spec, x, y, "cross_entropy", start)
+    chain, _ = DenseChain.of(model, spec)
+    with pytest.raises(ValueError, match="inputs of dtype torch.float64"):
+        local_sgd(model, spec, start, x, y, torch.ones(2, 3, dtype=torch.bool), epochs=1, lr=0.1, batch_size=2,
+                  loss="cross_entropy", chain=chain)

@@ -209,3 +209,47 @@ def test_the_loop_trains_image_models_channels_last_to_the_same_values():
     torch.testing.assert_close(looped, vectorized, rtol=1e-10, atol=1e-12)
     assert not torch.equal(looped, start)
     assert net[0].weight.is_contiguous()  # the caller's model keeps its layout
+
+
+class _ViewNet(nn.Module):
+    """Flattens with view, which channels-last convolution outputs cannot serve."""
+
+    def __init__(self):
+        super().__init__()
+        self.c, self.p, self.f = nn.Conv2d(3, 4, 3), nn.MaxPool2d(2), nn.Linear(36, 5)
+
+    def forward(self, x):
+        return self.f(self.p(self.c(x)).view(-1, 36))
+
+
+class _NCHWOrder(nn.Module):
+    """Reads the activations' memory in order, as a custom operator might: channels-last would change its values."""
+
+    def __init__(self):
+        super().__init__()
+        self.c, self.f = nn.Conv2d(2, 3, 3, padding=1), nn.Linear(3 * 4 * 4, 2)
+
+    def forward(self, x):
+        h = self.c(x)
+        flat = torch.as_strided(h, (h.shape[0], h[0].numel()), (h[0].numel(), 1))  # storage order
+        return self.f(flat)
+
+
+@pytest.mark.parametrize("make,shape", [(_ViewNet, (3, 8, 8)), (_NCHWOrder, (2, 4, 4)),
+                                        (lambda: nn.Sequential(nn.Conv3d(1, 2, 1), nn.Flatten(1, 2), nn.Conv2d(4, 2, 1),
+                                                               nn.Flatten(), nn.Linear(2 * 3 * 3, 2)), (1, 2, 3, 3))])
+def test_the_loop_keeps_nchw_where_the_forward_depends_on_it(make, shape):
+    """A view after a convolution, a forward that reads memory order, 3-d weights: trained NCHW, as written."""
+    from lightning_dp.federated.local import _fast_layout
+
+    torch.manual_seed(0)
+    net = make()
+    spec = FlatParams.of(net)
+    x = torch.randn(2, 5, *shape)
+    y = torch.randint(0, 2, (2, 5))
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    start = spec.flatten(net).repeat(2, 1)
+    assert _fast_layout(net, x, spec, start) is None
+    out = local_sgd_loop(net, spec, start, x, y, mask, epochs=1, lr=0.1, batch_size=2, loss="cross_entropy",
+                         generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(out).all() and not torch.equal(out, start)

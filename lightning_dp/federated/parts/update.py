@@ -99,6 +99,11 @@ class ClientUpdate(Part):
                          "with target_epsilon or budgets")
 
 
+def spec_dtype(start: Tensor | None, x: Tensor) -> torch.dtype:
+    """The parameters' dtype (the clients' starting points'), or the inputs' where none are given."""
+    return start.dtype if start is not None else x.dtype
+
+
 @register_part("update", "local_sgd")
 class LocalSGD(ClientUpdate):
     """E epochs of mini-batch SGD (rate s, batch B_s) per client, all clients at once or one by one.
@@ -137,14 +142,21 @@ class LocalSGD(ClientUpdate):
             return auto_engine(numel)
         return "vmap" if self.engine == "dense" else self.engine
 
-    def dense_chain(self, template: nn.Module, spec: FlatParams, x: Tensor, y: Tensor, loss: str):
+    def dense_chain(self, template: nn.Module, spec: FlatParams, x: Tensor, y: Tensor, loss: str,
+                    start: Tensor | None = None):
         """The model's :class:`~lightning_dp.federated.dense.DenseChain` where this update trains with it, else
-        None; ``engine="dense"`` with a model or data it does not cover raises ``ValueError`` with the reason."""
+        None; ``engine="dense"`` with a model or data it does not cover raises ``ValueError`` with the reason.
+        With the clients' starting points ``start`` (C, P), the chain's output is also compared with the model's
+        own forward on the first client's first examples (:meth:`~lightning_dp.federated.dense.DenseChain.disagrees`)."""
         if self.engine not in ("auto", "dense"):
             return None
         chain, why = dense_chain(template, spec)
         if chain is not None:
             why = chain.check(tuple(x.shape[2:]), tuple(y.shape[2:]), loss)
+        if chain is not None and not why and x.dtype != spec_dtype(start, x):
+            why = f"inputs of dtype {x.dtype} for parameters of dtype {spec_dtype(start, x)}"
+        if chain is not None and not why and start is not None and len(x) and x.shape[1]:
+            why = chain.disagrees(template, spec, start[0], x[0, :8])
         if self.engine == "dense":
             if why:
                 raise ValueError(f"client_engine='dense' cannot train {type(template).__name__}: {why}. It covers "
@@ -154,7 +166,7 @@ class LocalSGD(ClientUpdate):
         return chain if not why and spec.numel <= AUTO_VMAP_MAX_PARAMETERS else None
 
     def train(self, template, spec, start, x, y, mask, *, loss, shuffles, clients=None, noise=None):
-        chain = self.dense_chain(template, spec, x, y, loss)
+        chain = self.dense_chain(template, spec, x, y, loss, start)
         self.engine_used = "dense" if chain is not None else self.resolved_engine(spec.numel)
         if self.engine_used != "loop":
             return local_sgd(template, spec, start, x, y, mask, epochs=self.epochs, lr=self.lr,
