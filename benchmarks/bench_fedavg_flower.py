@@ -40,7 +40,12 @@ is reported with the ratio. Pixels are random unless ``--data-dir`` holds the of
 ``--target-accuracy A`` (MNIST only: needs ``--data-dir``) trains each selected side instead until the
 global model's accuracy on 1,000 held-out t10k examples (the ones after the clients' examples) reaches A,
 or ``--max-rounds``; the global model is evaluated centrally after every round by the same code for every
-side, and that time is reported apart, not counted as training.
+side, and that time is reported apart, not counted as training. ``--seeds 0,1,2`` repeats the whole
+comparison per seed and reports the rounds and seconds as mean and sample std.
+
+``--flower-channels-last`` makes Flower's clients train image models channels-last, as our loop engine does
+where it computes the same (PyTorch's CPU pooling is vectorized only channels-last): what a Flower user can
+write by hand, to separate Flower's overhead from the layout.
 
 Usage:
     python benchmarks/bench_fedavg_flower.py                         # logistic regression, 100 clients
@@ -50,6 +55,8 @@ Usage:
     python benchmarks/bench_fedavg_flower.py --engine both --client-cpus default
     python benchmarks/bench_fedavg_flower.py --engine both --target-accuracy 0.8 --data-dir ../shared/data/mnist
     python benchmarks/bench_fedavg_flower.py --model cifar_cnn --engine simulation --devices 2  # ours on 2 DDP ranks
+    python benchmarks/bench_fedavg_flower.py --engine both --target-accuracy 0.7 --data-dir ../shared/data/mnist \
+        --seeds 0,1,2
 """
 
 from __future__ import annotations
