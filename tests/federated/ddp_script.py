@@ -1,6 +1,7 @@
 """Run by tests/federated/test_module_ddp.py: the federated round under Lightning DDP (2 CPU processes, gloo).
 
-Usage: python tests/federated/ddp_script.py OUT_DIR DEVICES [fairness|secret|fedavg|population|local_dp_sgd|pfa]
+Usage: python tests/federated/ddp_script.py OUT_DIR DEVICES [fairness|secret|fedavg|population|local_dp_sgd|pfa|
+fail_train|fail_eval]
 Trains the synthetic personalized-FL setting for a few rounds with DEVICES processes and
 writes OUT_DIR/rank{r}.pt (hypotheses, ledger, validation loss) for the test to compare.
 With ``fairness``: the SyntheticFairnessDataModule setting (binary labels, sensitive groups), then
@@ -9,7 +10,8 @@ the synthetic setting with default seeds (drawn per process, so every process mu
 ``fedavg``: client-level DP-FedAvg (Poisson selection, adaptive clipping, central noise drawn once). With
 ``local_dp_sgd``: record-level DP-SGD inside the clients, calibrated per client, with a per-client ledger. With
 ``pfa``: per-client budgets and PFA+ with the budget-agnostic split. With ``population``: DP-FedAvg over a
-generated population (the drawn clients' rows built in each process, hashed local shuffles).
+generated population (the drawn clients' rows built in each process, hashed local shuffles). With ``fail_train``
+or ``fail_eval``: the fedavg setting, in which rank 1 raises in its clients' training or in its validation.
 """
 
 import sys
@@ -35,6 +37,21 @@ class Probe(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.train.append(float(trainer.callback_metrics["nonprivate/train_loss"]))
+
+
+def plant_failure(module, where: str) -> None:
+    """Rank 1 raises in its share of the second round's training, or of the first validation."""
+    def failing(original):
+        def call(*args, **kwargs):
+            if module.trainer.global_rank == 1 and (where == "eval" or int(module.rounds) == 1):
+                raise RuntimeError(f"planted failure in {where} on rank 1")
+            return original(*args, **kwargs)
+        return call
+
+    if where == "train":
+        module.update.train = failing(module.update.train)
+    else:
+        module.evaluation_sums = failing(module.evaluation_sums)
 
 
 def main(out: Path, devices: int, mode: str = "") -> None:
@@ -64,7 +81,7 @@ def main(out: Path, devices: int, mode: str = "") -> None:
                                 server_privacy=CentralGaussian(noise_multiplier=1.0, clip=0.5, target_delta=1e-6),
                                 **seeds)
         data = SyntheticPopulationDataModule(100_000, 5, samples=(1, 5), seed=0)
-    elif mode == "fedavg":
+    elif mode in ("fedavg", "fail_train", "fail_eval"):
         from lightning_dp.federated import FederatedRound
         from lightning_dp.federated.parts import CentralGaussian, FedAvg, LocalSGD, PoissonSelection
 
@@ -83,6 +100,8 @@ def main(out: Path, devices: int, mode: str = "") -> None:
                                              local_epochs=2, local_lr=0.1, local_batch_size=3, noise_multiplier=5.0,
                                              **seeds)
         data = SyntheticLinearMixtureDataModule(num_clients=40, num_val_clients=5, seed=0)
+    if mode in ("fail_train", "fail_eval"):  # one process raises inside the round; the others must not wait forever
+        plant_failure(module, "train" if mode == "fail_train" else "eval")
     probe = Probe()
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", max_epochs=6,
                         check_val_every_n_epoch=3, logger=False, enable_checkpointing=False,

@@ -105,3 +105,14 @@ def test_pfa_with_per_client_budgets_on_two_processes_equals_one(tmp_path_factor
     assert torch.equal(r0["hypotheses"], r1["hypotheses"])
     assert r0["update"] == r1["update"] == single["update"]
     assert r0["aggregator"]["split"] == single["aggregator"]["split"]
+
+
+def test_a_process_that_fails_in_validation_stops_the_others(tmp_path):
+    """Rank 1 raises inside its validation sums: rank 0 does not wait in the all-reduce forever, it fails too (gloo
+    closes the dead peer's connection; training fails alike, checked by hand with ``fail_train``)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "2", "fail_eval"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "planted failure in eval on rank 1" in proc.stderr
+    assert "[rank0]" in proc.stderr and "Connection closed by peer" in proc.stderr
