@@ -5,7 +5,7 @@ own parameters: (C, P) gradients of C different models. ``vmap(grad(...))`` over
 (:func:`~lightning_dp.federated.local.local_sgd`) computes them for any model, through functorch's batching
 rules and autograd's graph of small operations. For a model that is a chain of ``Linear`` layers and elementwise
 activations the whole backward pass is two or three batched matrix products per layer, written out here and
-applied to the parameters layer by layer in place: for the project's logistic regression on MNIST about half of
+applied to the parameters layer by layer in place: for the project's logistic regression on MNIST 57 % of
 ``vmap(grad)``'s time per round (``benchmarks/bench_federated_round.py --model logreg``), which is what a round
 of a small model spends its time on. Why by hand: neither functorch, Opacus (per-example gradients of one
 model) nor any FL framework (one client at a time) has a backward pass batched over models.
