@@ -246,7 +246,7 @@ class DenseChain:
         grads = theta.new_zeros(theta.shape)
         for step, weight, bias in self._backward(theta, x, y, mask, loss):
             grads[:, step.weight] = weight.reshape(theta.shape[0], -1)
-            if step.bias is not None:
+            if bias is not None:
                 grads[:, step.bias] = bias
         return grads
 
@@ -257,7 +257,7 @@ class DenseChain:
         for step, weight, bias in self._backward(theta, x, y, mask, loss):
             # a product then an addition, as local_sgd's vmap path (not addcmul_, a fused multiply-add)
             theta[:, step.weight].view(c, step.out_features, step.in_features).add_(weight * scale.view(c, 1, 1))
-            if step.bias is not None:
+            if bias is not None:
                 theta[:, step.bias].add_(bias * scale)
 
     def _backward(self, theta: Tensor, x: Tensor, y: Tensor, mask: Tensor,

@@ -376,7 +376,7 @@ def _fast_layout(model: nn.Module, x: Tensor, spec: FlatParams | None = None,
                 for twin in (plain, fast):
                     for n, value in spec.unflatten(start[0]).items():
                         twin.get_parameter(n).copy_(value)
-        fast = fast.to(memory_format=torch.channels_last)
+        fast = fast.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         batch = x[0, :8]
         outputs = []
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
@@ -413,7 +413,7 @@ def local_sgd_loop(template: nn.Module, spec: FlatParams, start: Tensor, x: Tens
     model = copy.deepcopy(template)  # one working copy, reloaded for every client
     layout = _fast_layout(model, x, spec, start)
     if layout is not None:
-        model = model.to(memory_format=layout)
+        model = model.to(memory_format=layout)  # type: ignore[call-overload]  # torch's stub lacks it
     params = [model.get_parameter(n) for n in spec.names]
     for ci in range(c):
         with torch.no_grad():
