@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_dp.federated.local import outputs_agree
+
 __all__ = ["DenseChain", "dense_chain"]
 
 _ACTIVATIONS: dict[Any, str] = {nn.ReLU: "relu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid", nn.Identity: "identity"}
@@ -88,7 +90,6 @@ class DenseChain:
     """A model read as a chain of dense steps, with the offsets of its ``Linear`` parameters in the flat vector."""
 
     steps: tuple[_Step, ...]
-    numel: int
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -97,7 +98,7 @@ class DenseChain:
         trainable ones, else ``(None, why not)``. ``spec`` is the model's
         :class:`~lightning_dp.federated.local.FlatParams`."""
         try:
-            return cls(tuple(cls._steps(template, spec)), spec.numel), ""
+            return cls(tuple(cls._steps(template, spec))), ""
         except _NotDense as why:
             return None, str(why)
 
@@ -229,6 +230,20 @@ class DenseChain:
             return f"{loss} of outputs {out} against targets {target_shape} (written for one output per example)"
         return ""
 
+    def refusal(self, template: nn.Module, spec: Any, x: Tensor, y: Tensor, loss: str,
+                start: Tensor | None = None) -> str:
+        """``""`` when the chain may train these padded clients (``x`` (C, Nmax, ...), ``y``), else why not: the
+        shapes (:meth:`check`) and, given the clients' starting points ``start`` (C, P), the inputs' dtype against
+        the parameters' and the chain's output against the model's own forward on the first client's first
+        examples (:meth:`disagrees`)."""
+        why = self.check(tuple(x.shape[2:]), tuple(y.shape[2:]), loss)
+        if why or start is None:
+            return why
+        if x.dtype != start.dtype:  # the other engines' F.linear refuses them too
+            return (f"inputs of dtype {x.dtype} for parameters of dtype {start.dtype} (convert the inputs or the "
+                    "model so that both have one floating dtype)")
+        return self.disagrees(template, spec, start[0], x[0, :8]) if len(x) and x.shape[1] else ""
+
     def check_labels(self, y: Tensor, mask: Tensor, example_shape: tuple[int, ...]) -> None:
         """Refuse class labels outside ``[0, classes)`` among the real examples of a cross-entropy, ``classes`` the
         chain's outputs per example on inputs of ``example_shape`` (``F.cross_entropy`` refuses them on the other
@@ -321,8 +336,7 @@ class DenseChain:
             theirs = functional_call(template, spec.unflatten(theta), (x,))
         if ours.shape != theirs.shape:
             return f"the traced chain gives outputs of shape {tuple(ours.shape)}, the model {tuple(theirs.shape)}"
-        scale = float(theirs.abs().max()) if theirs.numel() else 0.0
-        if not torch.allclose(ours, theirs, rtol=1e-4, atol=1e-5 * max(1.0, scale)):
+        if not outputs_agree(ours, theirs):
             return (f"the traced chain's outputs differ from the model's forward by up to "
                     f"{float((ours - theirs).abs().max()):.3g}")
         return ""

@@ -99,11 +99,6 @@ class ClientUpdate(Part):
                          "with target_epsilon or budgets")
 
 
-def spec_dtype(start: Tensor | None, x: Tensor) -> torch.dtype:
-    """The parameters' dtype (the clients' starting points'), or the inputs' where none are given."""
-    return start.dtype if start is not None else x.dtype
-
-
 @register_part("update", "local_sgd")
 class LocalSGD(ClientUpdate):
     """E epochs of mini-batch SGD (rate s, batch B_s) per client, all clients at once or one by one.
@@ -152,11 +147,7 @@ class LocalSGD(ClientUpdate):
             return None
         chain, why = dense_chain(template, spec)
         if chain is not None:
-            why = chain.check(tuple(x.shape[2:]), tuple(y.shape[2:]), loss)
-        if chain is not None and not why and x.dtype != spec_dtype(start, x):
-            why = f"inputs of dtype {x.dtype} for parameters of dtype {spec_dtype(start, x)}"
-        if chain is not None and not why and start is not None and len(x) and x.shape[1]:
-            why = chain.disagrees(template, spec, start[0], x[0, :8])
+            why = chain.refusal(template, spec, x, y, loss, start)
         if self.engine == "dense":
             if why:
                 raise ValueError(f"client_engine='dense' cannot train {type(template).__name__}: {why}. It covers "
