@@ -30,6 +30,7 @@ Opacus runs the same models with its own layers where it needs them (``DPMultihe
 Usage:
     python benchmarks/bench_dp_step.py                                  # MNIST CNN, every method
     python benchmarks/bench_dp_step.py --model transformer --rounds 5 --methods nonprivate,lightning_dp,opacus_ghost
+    python benchmarks/bench_dp_step.py --model mnist_cnn --device cuda --profile lightning_dp   # the operators' table
 """
 
 from __future__ import annotations
@@ -194,6 +195,30 @@ MODELS = {
 
 
 # ------------------------------------------------------------------------------------------ methods
+def profile(method: str, model_name: str, batch_size: int, device: str, steps: int = 5) -> None:
+    """Prints torch.profiler's operators of ``steps`` steps of ``method`` (after 3 warm-up steps), by their own CPU
+    time, and how many times the host waited for the device (``aten::_local_scalar_dense``: ``.item()``,
+    ``float(t)``, ``bool(t)``; ``cudaStreamSynchronize``)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    step = build(method, model_name, batch_size, device)
+    for _ in range(3):
+        step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    print(f"{method} on {model_name}, batch {batch_size}, device {device}, {steps} steps")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=25))
+    for name in ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaLaunchKernel", "cudaMemcpyAsync"):
+        count = sum(e.count for e in events if e.key == name)
+        print(f"{name:<28} {count / steps:8.1f} per step")
+
+
 def build(method: str, model_name: str, batch_size: int, device: str):
     """Returns a zero-argument function running one full training step of ``method`` on ``model_name``."""
     make_model, make_batch, _, per_example = MODELS[model_name]
@@ -477,8 +502,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--breakdown", action="store_true",
                         help="only: where lightning-dp's step spends its time (see breakdown())")
+    parser.add_argument("--profile", metavar="METHOD",
+                        help="only: torch.profiler's table of METHOD's step (the operators by their own CPU time, "
+                             "and the host-device synchronizations)")
     args = parser.parse_args(argv)
     batch_size = args.batch_size or MODELS[args.model][2]
+    if args.profile:
+        profile(args.profile, args.model, batch_size, args.device)
+        return
     if args.breakdown:
         parts = breakdown(args.model, batch_size, args.device)
         print(f"{args.model}, batch {batch_size}, device {args.device}, threads {torch.get_num_threads()}")

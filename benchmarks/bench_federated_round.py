@@ -19,6 +19,7 @@ Usage:
     python benchmarks/bench_federated_round.py                          # hospital MLP (11 params), U = 100
     python benchmarks/bench_federated_round.py --model femnist --clients 10 --samples 20,200
     python benchmarks/bench_federated_round.py --model logreg --samples 45,82 --batch-size 16   # dense vs vmap
+    python benchmarks/bench_federated_round.py --model cifar --samples 47,81 --batch-size 16 --device cuda
     python benchmarks/bench_federated_round.py --whole                  # U = 1k, 10k, 100k of N = 1M, 3 models
     python benchmarks/bench_federated_round.py --whole --models hospital --per-round 100000 --rounds 60
     python benchmarks/bench_federated_round.py --accounting             # one epsilon write, q = 0.001 .. 0.1
@@ -49,10 +50,10 @@ from lightning_dp.federated.dense import dense_chain  # noqa: E402
 from lightning_dp.privacy.noise import derive_generator  # noqa: E402
 
 
-def module_keys(clients: int, width: int):
+def module_keys(clients: int, width: int, device: str = "cpu"):
     """The shuffle keys as PersonalizedFederatedModule draws them: one (clients x width) table per epoch."""
     def keys(epoch: int) -> torch.Tensor:
-        return torch.rand((clients, width), generator=derive_generator(0, 12, 0, epoch))
+        return torch.rand((clients, width), generator=derive_generator(0, 12, 0, epoch)).to(device)
     return keys
 
 
@@ -67,7 +68,11 @@ def make_model(name: str) -> tuple[nn.Module, tuple[int, ...], str]:
         from lightning_dp.models import LogisticRegression
 
         return LogisticRegression(), (1, 28, 28), "cross_entropy"
-    raise ValueError(f"unknown model {name!r}; choose hospital, logreg or femnist")
+    if name == "cifar":  # the federated CIFAR-10 CNN (the Flower comparison's)
+        from lightning_dp.models.federated import CIFARConvNet
+
+        return CIFARConvNet(), (3, 32, 32), "cross_entropy"
+    raise ValueError(f"unknown model {name!r}; choose hospital, logreg, femnist or cifar")
 
 
 #: the whole-round models: (network, SyntheticPopulation task and input shape, loss, local lr)
@@ -232,6 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="the client part: cpu or cuda")
     args = parser.parse_args(argv)
     if args.whole:
         whole(args)
@@ -241,16 +247,19 @@ def main(argv: list[str] | None = None) -> None:
         return
     torch.manual_seed(0)
     model, shape, loss = make_model(args.model)
+    device = torch.device(args.device)
+    model = model.to(device)
     spec = FlatParams.of(model)
     lo, hi = (int(v) for v in args.samples.split(","))
     g = torch.Generator().manual_seed(0)
     sizes = torch.randint(lo, hi + 1, (args.clients,), generator=g)
     nmax = int(sizes.max())
     x = torch.randn(args.clients, nmax, *shape, generator=g)
-    classes = 10 if args.model == "logreg" else 62
+    classes = 62 if args.model == "femnist" else 10
     y = torch.randint(0, classes, (args.clients, nmax), generator=g) if loss == "cross_entropy" else \
         torch.randn(args.clients, nmax, generator=g)
     mask = torch.arange(nmax).unsqueeze(0) < sizes.unsqueeze(1)
+    x, y, mask = x.to(device), y.to(device), mask.to(device)
     start = spec.flatten(model).unsqueeze(0).repeat(args.clients, 1)
     kwargs = dict(epochs=args.epochs, lr=0.01, batch_size=args.batch_size, loss=loss)
     fns = {"vectorized": local_sgd, "per-client loop": local_sgd_loop}
@@ -260,17 +269,24 @@ def main(argv: list[str] | None = None) -> None:
     else:
         print(f"no dense engine for this model: {why}")
     times: dict[str, list[float]] = {k: [] for k in fns}
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
     for k, fn in fns.items():  # warm-up
-        fn(model, spec, start, x, y, mask, generator=module_keys(args.clients, nmax), **kwargs)
+        fn(model, spec, start, x, y, mask, generator=module_keys(args.clients, nmax, args.device), **kwargs)
     for _ in range(args.repeats):
         for k, fn in fns.items():
+            keys = module_keys(args.clients, nmax, args.device)
+            sync()
             t0 = time.perf_counter()
-            fn(model, spec, start, x, y, mask, generator=module_keys(args.clients, nmax), **kwargs)
+            fn(model, spec, start, x, y, mask, generator=keys, **kwargs)
+            sync()
             times[k].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"model {args.model} ({spec.numel} parameters), U={args.clients} clients, {lo}-{hi} examples each, "
           f"E={args.epochs}, B_s={args.batch_size}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"median of {args.repeats}")
+          f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, median of {args.repeats}")
     for k, t in med.items():
         print(f"{k:<16} {t * 1e3:10.2f} ms/round")
     print(f"speed-up        {med['per-client loop'] / med['vectorized']:10.1f} x (vmap vs loop)")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import mlflow
 import pytest
 
 
@@ -22,6 +21,8 @@ def workdir(tmp_path, monkeypatch) -> Path:
 def store_template(tmp_path_factory) -> Path:
     """An MLflow database created once (creating the tables takes seconds); tests start from copies
     (tests.helpers.seed_store)."""
+    import mlflow  # here, not at the top: the GPU machine runs the device tests without MLflow installed
+
     root = tmp_path_factory.mktemp("store-template").resolve()
     mlflow.MlflowClient(f"sqlite:///{root}/mlflow.db").search_experiments()
     return root / "mlflow.db"

@@ -65,6 +65,23 @@ class Classifier(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+#: The accelerators of the device-parametrized tests: the CPU, and a CUDA GPU where one is present. The GPU variants
+#: are collected only on a machine with one (the lent GPU machine: docs/gpu.md); CI has none and runs the CPU ones.
+ACCELERATORS = ["cpu"] + (["gpu"] if torch.cuda.is_available() else [])
+#: The torch device type of each accelerator.
+DEVICE = {"cpu": "cpu", "gpu": "cuda"}
+
+
+class DeviceProbe(L.Callback):
+    """The device types the module trained on (Lightning moves a module back to the CPU when its fit ends)."""
+
+    def __init__(self) -> None:
+        self.devices: set[str] = set()
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        self.devices.add(pl_module.device.type)
+
+
 def trainer(**kwargs) -> L.Trainer:
     defaults = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                     enable_progress_bar=False, enable_model_summary=False, max_epochs=1)

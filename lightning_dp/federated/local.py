@@ -424,7 +424,7 @@ def local_sgd_loop(template: nn.Module, spec: FlatParams, start: Tensor, x: Tens
             for first in range(0, n, batch_size):
                 idx = perm[first:first + batch_size]
                 opt.zero_grad()
-                ones = torch.ones(idx.numel(), dtype=torch.bool)
+                ones = torch.ones(idx.numel(), dtype=torch.bool, device=x.device)
                 xb = x[ci, idx] if layout is None else x[ci, idx].contiguous(memory_format=layout)
                 masked_loss(model(xb), y[ci, idx], ones, loss).backward()
                 opt.step()

@@ -146,7 +146,7 @@ class PersonalizedFederatedModule(FederatedRound):
 
     @property
     def engine(self) -> str:
-        return self.update.resolved_engine(self.spec.numel)
+        return self.update.resolved_engine(self.spec.numel, self.hypotheses.device)
 
     def setup(self, stage: str) -> None:
         super().setup(stage)

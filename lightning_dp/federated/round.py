@@ -428,8 +428,11 @@ class FederatedRound(LightningModule):
         return _RoundOptimizer([self.hypotheses])
 
     # ------------------------------------------------------------------ round
-    def _padded(self, split: str, index: list[int]):
-        return self._data.padded_rows(split, index)
+    def _padded(self, split: str, index: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+        """The padded data of the clients at positions ``index`` of ``split`` on the hypotheses' device (the
+        DataModule holds its clients on the CPU; a GPU round trains and evaluates them there)."""
+        device = self.hypotheses.device
+        return tuple(t.to(device, non_blocking=True) for t in self._data.padded_rows(split, index))  # type: ignore
 
     def participation_cost(self) -> float:
         """The sanitizer's cost of one participation from the current hypotheses (d-privacy: n/nu; local DP:
@@ -437,11 +440,11 @@ class FederatedRound(LightningModule):
         return self.sanitizer.participation_cost(self.spec.numel, self._choices())
 
     def _forward_engine(self) -> str:
-        """How the hypotheses' losses on the clients are computed: ``vmap`` over clients for small models,
-        a loop above ``AUTO_VMAP_MAX_PARAMETERS`` (grouped convolutions are slower on CPU)."""
+        """How the hypotheses' losses on the clients are computed: ``vmap`` over clients for small models or on a
+        GPU, a loop above ``AUTO_VMAP_MAX_PARAMETERS`` on the CPU (grouped convolutions are slower there)."""
         from lightning_dp.federated.parts.update import auto_engine
 
-        return auto_engine(self.spec.numel)
+        return auto_engine(self.spec.numel, self.hypotheses.device)
 
     def _update_set(self) -> tuple[float, float] | None:
         """The public set the next round's released updates lie in (one hypothesis; the reference is the

@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_dp.callbacks import DPSGD, OnlineSensitivity, QuantileClipping
 from lightning_dp.privacy.noise import CLIP_STATISTIC, NOISE, derive_generator
-from tests.helpers import BlobsData, Classifier, trainer
+from tests.helpers import ACCELERATORS, DEVICE, BlobsData, Classifier, trainer
 
 
 class StepProbe(L.Callback):
@@ -58,28 +58,32 @@ def library_epsilon(sigma, q, steps, delta=1e-5):
 # ----------------------------------------------------------------------------------------------- OSO
 
 
-def test_oso_steps_equal_algorithm_3_replayed_by_hand():
-    """Every released gradient, learning rate and threshold of 8 steps equals a naive replay of Algorithm 3."""
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
+def test_oso_steps_equal_algorithm_3_replayed_by_hand(accelerator):
+    """Every released gradient, learning rate and threshold of 8 steps equals a naive replay of Algorithm 3 (on a
+    GPU too: the noise there comes from the GPU's generator of the same secret streams)."""
+    device = DEVICE[accelerator]
     nu, c0, rho_c, rho_r, lr0, seed, batch = 1.0, 0.05, 0.3, 0.2, 0.5, 4, 10
     torch.manual_seed(0)
     model = Classifier(lr=lr0)
     init = copy.deepcopy(model)
     oso = OnlineSensitivity(noise_multiplier=nu, initial_clip=c0, clip_lr=rho_c, lr_lr=rho_r, seed=seed)
     probe = StepProbe()
-    trainer(max_steps=8, callbacks=[oso, probe]).fit(model, BlobsData(n=100, batch_size=batch))
+    trainer(max_steps=8, callbacks=[oso, probe], accelerator=accelerator).fit(model, BlobsData(n=100, batch_size=batch))
 
     nu_q = 7.124 * nu
     nu_g = (nu ** -2 - nu_q ** -2) ** -0.5
     clip, scale, g_prev, q_prev = c0, 1.0, None, None
     clips_used = []
     for t, ((x, y), params, got) in enumerate(zip(probe.batches, probe.params, probe.grads)):
-        per = per_example_grads(init, params, x, y).double()
+        per = per_example_grads(init, params, x.cpu(), y.cpu()).double()
+        got = got.cpu()
         norms = per.norm(dim=1)
         factors = (clip / (norms + 1e-6)).clamp(max=1)
         q_weights = torch.where(norms > clip, 1 / (norms + 1e-6), torch.zeros_like(norms))
         size = per.shape[1]
-        g_noise = torch.randn(size, generator=derive_generator(seed, NOISE, t)).double() * (nu_g * clip)
-        q_noise = torch.randn(size, generator=derive_generator(seed, CLIP_STATISTIC, t)).double() * nu_q
+        g_noise = _draw(size, seed, NOISE, t, device) * (nu_g * clip)
+        q_noise = _draw(size, seed, CLIP_STATISTIC, t, device) * nu_q
         g_tilde = ((factors[:, None] * per).sum(0) + g_noise) / batch  # expected batch size q N = 10
         q_tilde = (q_weights[:, None] * per).sum(0) + q_noise
         torch.testing.assert_close(got.double(), g_tilde, rtol=1e-5, atol=1e-6)
@@ -99,6 +103,13 @@ def test_oso_steps_equal_algorithm_3_replayed_by_hand():
         for before, after, g in zip(probe.params[t], probe.params[t + 1],
                                     torch.split(probe.grads[t], [p.numel() for p in probe.params[t]])):
             torch.testing.assert_close(after, before - probe.lrs[t] * g.view_as(before), rtol=0, atol=1e-6)
+
+
+def _draw(size, seed, stream, t, device):
+    """The float32 standard normals of ``stream`` at step ``t`` as the callbacks draw them on ``device``, in float64
+    on the CPU (on a GPU the generator is the GPU's, seeded from the same secret stream)."""
+    g = derive_generator(seed, stream, t, device=device)
+    return torch.randn(size, generator=g, device=device).double().cpu()
 
 
 def test_oso_is_accounted_as_one_gaussian_with_the_overall_multiplier():
@@ -196,7 +207,9 @@ def test_oso_refuses_a_learning_rate_scheduler_unless_lr_lr_is_zero():
 # ------------------------------------------------------------------------------------------ quantile
 
 
-def test_quantile_steps_equal_andrew_et_al_replayed_by_hand():
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
+def test_quantile_steps_equal_andrew_et_al_replayed_by_hand(accelerator):
+    device = DEVICE[accelerator]
     z, c0, gamma, eta, sigma_b, seed, batch = 1.0, 0.05, 0.3, 0.2, 2.0, 9, 10
     torch.manual_seed(0)
     model = Classifier(lr=0.5)
@@ -204,15 +217,16 @@ def test_quantile_steps_equal_andrew_et_al_replayed_by_hand():
     qc = QuantileClipping(noise_multiplier=z, initial_clip=c0, target_quantile=gamma, clip_lr=eta,
                           count_noise_std=sigma_b, seed=seed)
     probe = StepProbe()
-    trainer(max_steps=8, callbacks=[qc, probe]).fit(model, BlobsData(n=100, batch_size=batch))
+    trainer(max_steps=8, callbacks=[qc, probe], accelerator=accelerator).fit(model, BlobsData(n=100, batch_size=batch))
 
     z_delta = (z ** -2 - (2 * sigma_b) ** -2) ** -0.5
     clip = c0
     for t, ((x, y), params, got) in enumerate(zip(probe.batches, probe.params, probe.grads)):
-        per = per_example_grads(init, params, x, y).double()
+        per = per_example_grads(init, params, x.cpu(), y.cpu()).double()
+        got = got.cpu()
         norms = per.norm(dim=1)
         factors = (clip / (norms + 1e-6)).clamp(max=1)
-        g_noise = torch.randn(per.shape[1], generator=derive_generator(seed, NOISE, t)).double() * (z_delta * clip)
+        g_noise = _draw(per.shape[1], seed, NOISE, t, device) * (z_delta * clip)
         torch.testing.assert_close(got.double(), ((factors[:, None] * per).sum(0) + g_noise) / batch,
                                    rtol=1e-5, atol=1e-6)
         assert qc.clipping.trace[t][1] == pytest.approx(clip, rel=1e-12)

@@ -5,9 +5,14 @@ float32 from the same generator), so the released gradients differ only by the c
 half-precision activations. Stated tolerance: the difference of the released gradients is below 3e-2 (bfloat16)
 or 1e-2 (float16) of the norm of the float32 run's clipped mean, per step. 16-mixed needs a GradScaler on the CPU
 too; Lightning turns precision="16-mixed" into bf16-mixed on the CPU, so the tests pass its plugin explicitly.
+
+Where a CUDA GPU is present (the lent GPU machine; docs/gpu.md), every test runs there too, with Lightning's own
+"16-mixed" (a CUDA GradScaler), and the GPU's float32 run is compared with the CPU's.
 """
 
 from __future__ import annotations
+
+import math
 
 import lightning as L
 import pytest
@@ -16,7 +21,7 @@ from lightning.pytorch.plugins import MixedPrecision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_dp.callbacks import DPSGD
-from tests.helpers import BlobsData, Classifier, RecordingLogger, trainer
+from tests.helpers import ACCELERATORS, DEVICE, BlobsData, Classifier, RecordingLogger, trainer
 
 SIGMA = 1e-3  # small noise: the comparison is about the clipped sums (the noise is the same draw anyway)
 
@@ -25,38 +30,48 @@ class Released(L.Callback):
     """The gradients the optimizer receives (after the GradScaler unscaled them), and the loss scale."""
 
     def __init__(self):
-        self.grads, self.scales = [], []
+        self.grads, self.scales, self.devices = [], [], set()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.grads.append(torch.cat([p.grad.float().reshape(-1) for p in pl_module.parameters()]))
+        self.devices.add(pl_module.device.type)
+        self.grads.append(torch.cat([p.grad.float().reshape(-1) for p in pl_module.parameters()]).cpu())
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self.scales.append(None if scaler is None else scaler.get_scale())
 
 
-def _run(precision=None, plugins=None, steps=3, data=None, **dp_kwargs):
+def _run(precision=None, plugins=None, steps=3, data=None, accelerator="cpu", **dp_kwargs):
     torch.manual_seed(0)
     model = Classifier(lr=0.5)
     dp = DPSGD(noise_multiplier=SIGMA, max_grad_norm=0.5, seed=21, accountant="rdp", **dp_kwargs)
     released = Released()
     kwargs = {"plugins": plugins} if plugins is not None else {"precision": precision or "32-true"}
-    t = trainer(max_steps=steps, callbacks=[dp, released], **kwargs)
+    t = trainer(max_steps=steps, callbacks=[dp, released], accelerator=accelerator, **kwargs)
     t.fit(model, data or BlobsData(n=200, batch_size=40))
     return t, model, dp, released
 
 
-@pytest.fixture(scope="module")
-def float32():
-    return _run()
+_FLOAT32: dict = {}
 
 
-def _float16_plugin():
-    return [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
+def float32_run(accelerator):
+    """The float32 run of the seeds, once per accelerator."""
+    if accelerator not in _FLOAT32:
+        _FLOAT32[accelerator] = _run(accelerator=accelerator)
+    return _FLOAT32[accelerator]
 
 
+def _float16_plugin(accelerator="cpu"):
+    """On the CPU, Lightning's 16-mixed with a GradScaler (its precision="16-mixed" would be bf16 there); on a GPU,
+    Lightning's own precision="16-mixed" (None: no plugin)."""
+    return [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))] if accelerator == "cpu" else None
+
+
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
 @pytest.mark.parametrize("mode, tol", [("bf16-mixed", 3e-2), ("16-mixed", 1e-2), ("bf16-true", 3e-2)])
-def test_the_released_gradient_is_the_float32_one_within_the_stated_tolerance(float32, mode, tol):
-    plugins = _float16_plugin() if mode == "16-mixed" else None
-    t, model, dp, released = _run(mode if plugins is None else None, plugins)
+def test_the_released_gradient_is_the_float32_one_within_the_stated_tolerance(mode, tol, accelerator):
+    float32 = float32_run(accelerator)
+    plugins = _float16_plugin(accelerator) if mode == "16-mixed" else None
+    t, model, dp, released = _run(mode if plugins is None else None, plugins, accelerator=accelerator)
     assert str(t.precision) == mode
     assert t.global_step == dp._released == 3
     assert dp.accountant.history == float32[2].accountant.history  # same steps, same accounting
@@ -69,14 +84,15 @@ def test_the_released_gradient_is_the_float32_one_within_the_stated_tolerance(fl
         assert released.scales == [65536.0] * 3  # unscaled by the GradScaler, and the scale did not move
 
 
-def test_16_mixed_keeps_the_loss_scale_fixed_and_says_so(monkeypatch):
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
+def test_16_mixed_keeps_the_loss_scale_fixed_and_says_so(monkeypatch, accelerator):
     import lightning_dp.callbacks.dp_sgd as dp_sgd
 
     infos = []
     monkeypatch.setattr(dp_sgd, "rank_zero_info", lambda message, *args, **kwargs: infos.append(message))
-    plugins = _float16_plugin()
-    _run(plugins=plugins, steps=2)
-    scaler = plugins[0].scaler
+    plugins = _float16_plugin(accelerator)
+    t, *_ = _run("16-mixed" if plugins is None else None, plugins=plugins, steps=2, accelerator=accelerator)
+    scaler = t.precision_plugin.scaler
     assert scaler.get_growth_interval() >= 2**62 and scaler.get_backoff_factor() == 1.0
     assert any("loss scale of precision='16-mixed' stays at its initial value 65536" in m for m in infos)
 
@@ -92,7 +108,8 @@ class Overflowing(BlobsData):
         self.train_set = torch.utils.data.TensorDataset(x, y)
 
 
-def test_an_example_that_overflows_in_float16_is_dropped_and_the_step_taken_and_accounted():
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
+def test_an_example_that_overflows_in_float16_is_dropped_and_the_step_taken_and_accounted(accelerator):
     """A GradScaler would skip a step whose gradient is not finite, and lower its scale: both would reveal that
     some example of the batch overflowed. DPSGD drops the example instead (its contribution becomes 0); every step
     is taken and accounted, the scale stays, and only nonprivate/ says that an example overflowed."""
@@ -101,8 +118,9 @@ def test_an_example_that_overflows_in_float16_is_dropped_and_the_step_taken_and_
     model = Classifier(lr=0.5)
     dp = DPSGD(noise_multiplier=1.0, max_grad_norm=0.5, seed=3)
     released = Released()
-    t = trainer(max_epochs=1, callbacks=[dp, released], plugins=_float16_plugin(), logger=logger,
-                log_every_n_steps=1)
+    plugins = _float16_plugin(accelerator)
+    t = trainer(max_epochs=1, callbacks=[dp, released], logger=logger, log_every_n_steps=1, accelerator=accelerator,
+                **({"plugins": plugins} if plugins else {"precision": "16-mixed"}))
     t.fit(model, Overflowing(n=200, batch_size=20))
     assert t.global_step == dp._released == 10 and len(dp.accountant.history) == 1
     assert all(torch.isfinite(g).all() for g in released.grads)
@@ -112,9 +130,10 @@ def test_an_example_that_overflows_in_float16_is_dropped_and_the_step_taken_and_
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_virtual_batches_compose_with_bf16_mixed():
-    reference = _run("bf16-mixed", steps=4)
-    split = _run("bf16-mixed", steps=4, max_physical_batch_size=7)
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
+def test_virtual_batches_compose_with_bf16_mixed(accelerator):
+    reference = _run("bf16-mixed", steps=4, accelerator=accelerator)
+    split = _run("bf16-mixed", steps=4, max_physical_batch_size=7, accelerator=accelerator)
     for a, b in zip(reference[3].grads, split[3].grads):
         assert torch.linalg.vector_norm(a - b) <= 3e-2 * torch.linalg.vector_norm(a)
     assert split[2].accountant.history == reference[2].accountant.history
@@ -126,7 +145,8 @@ def test_unsupported_precisions_are_refused_with_the_supported_ones():
         _run("16-true")
 
 
-def test_chunks_harvested_inside_autocast_are_clipped_within_c(monkeypatch):
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
+def test_chunks_harvested_inside_autocast_are_clipped_within_c(monkeypatch, accelerator):
     """With max_physical_batch_size the backward of every chunk but the last runs inside training_step, inside
     Lightning's autocast: each example's clipped gradient must still be within C (issue 25 review: in bfloat16
     matrix products it came out up to 1.0022 C)."""
@@ -138,7 +158,7 @@ def test_chunks_harvested_inside_autocast_are_clipped_within_c(monkeypatch):
     def clipped_sum(self, factors):
         total = original(self, factors)
         if factors.numel() and float(factors.max()) <= 1.0:  # the clip factors (OSO's weights are not used here)
-            inside.append(torch.is_autocast_enabled("cpu"))
+            inside.append(torch.is_autocast_enabled(DEVICE[accelerator]))
             for b in range(factors.numel()):
                 alone = torch.zeros_like(factors)
                 alone[b] = factors[b]
@@ -147,5 +167,25 @@ def test_chunks_harvested_inside_autocast_are_clipped_within_c(monkeypatch):
         return total
 
     monkeypatch.setattr(GradSampleEngine, "clipped_sum", clipped_sum)
-    _run("bf16-mixed", steps=2, max_physical_batch_size=15)
+    _run("bf16-mixed", steps=2, max_physical_batch_size=15, accelerator=accelerator)
     assert any(inside) and max(worst) <= 1 + 1e-5
+
+
+@pytest.mark.skipif("gpu" not in ACCELERATORS, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["32-true", "bf16-mixed"])
+def test_on_a_gpu_the_released_gradient_is_the_cpus_within_rounding_and_the_same_steps_are_accounted(mode):
+    """The same seeds on the GPU and the CPU: the same Poisson batches (drawn on the CPU), noise of the same law from
+    the GPU's own generator, so the released gradients differ by rounding and by two independent noise draws. Stated
+    tolerance per step: 1e-3 (float32) or 3e-2 (bfloat16) of the CPU run's norm, plus twice the expected norm of
+    the difference of two draws, sqrt(2 P) SIGMA C / (q N) (its chi distribution exceeds twice its mean with
+    probability below 1e-30 at the P = 163 coordinates here); the accounting is equal."""
+    cpu = _run(mode)
+    gpu = _run(mode, accelerator="gpu")
+    assert gpu[0].global_step == cpu[0].global_step == 3
+    assert gpu[2].accountant.history == cpu[2].accountant.history
+    assert gpu[2].epsilon == cpu[2].epsilon
+    tol = 1e-3 if mode == "32-true" else 3e-2
+    noise = math.sqrt(2 * cpu[3].grads[0].numel()) * SIGMA * 0.5 / 40  # C = 0.5, q N = 40 (BlobsData(200, 40))
+    for a, b in zip(gpu[3].grads, cpu[3].grads):
+        assert torch.linalg.vector_norm(a - b) <= tol * torch.linalg.vector_norm(b) + 2 * noise
+    assert gpu[3].devices == {"cuda"}

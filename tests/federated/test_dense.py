@@ -10,8 +10,10 @@ from lightning_dp.federated import FlatParams, local_sgd
 from lightning_dp.federated.dense import DenseChain, dense_chain
 from lightning_dp.federated.local import forward_and_loss
 from lightning_dp.federated.parts import LocalSGD
+from lightning_dp.federated.parts.update import AUTO_VMAP_MAX_PARAMETERS
 from lightning_dp.models.federated import CIFARConvNet, HospitalMLP, LogisticRegression
 from lightning_dp.models.networks import MLP
+from tests.helpers import ACCELERATORS, DEVICE
 
 
 class FunctionalForward(nn.Module):
@@ -54,18 +56,21 @@ def clients(shape, classes, c=6, b=5, seed=0):
     return x, y, mask
 
 
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_gradients_equal_vmap_grad(case):
-    """Every loss, masked and empty batches, in float64: the hand-written gradient is autograd's to 1e-12."""
+def test_gradients_equal_vmap_grad(case, accelerator):
+    """Every loss, masked and empty batches, in float64: the hand-written gradient is autograd's to 1e-12 (on a GPU
+    too, in float64 there as well)."""
+    device = DEVICE[accelerator]
     make, shape, loss, classes = CASES[case]
     torch.manual_seed(0)
-    model = make().double()
+    model = make().double().to(device)
     spec = FlatParams.of(model)
     chain, why = DenseChain.of(model, spec)
     assert chain is not None, why
     assert chain.check(shape, (), loss) == ""
-    x, y, mask = clients(shape, classes)
-    theta = spec.flatten(model).repeat(len(x), 1) + 0.3 * torch.randn(len(x), spec.numel, dtype=torch.float64)
+    x, y, mask = (t.to(device) for t in clients(shape, classes))
+    theta = spec.flatten(model).repeat(len(x), 1) + 0.3 * torch.randn(len(x), spec.numel, dtype=torch.float64).to(device)
 
     def batch_loss(t, xb, yb, mb):
         return forward_and_loss(model, spec, t, xb, yb, mb, loss)[1]
@@ -75,7 +80,7 @@ def test_gradients_equal_vmap_grad(case):
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
     assert torch.equal(got[0], torch.zeros_like(got[0]))  # no example: no step
     # descend applies exactly theta + scale * gradient
-    scale = torch.full((len(x), 1), -0.1, dtype=torch.float64)
+    scale = torch.full((len(x), 1), -0.1, dtype=torch.float64, device=device)
     moved = theta.clone()
     chain.descend(moved, x, y, mask, loss, scale)
     torch.testing.assert_close(moved, theta + scale * expected, rtol=1e-12, atol=1e-12)
@@ -98,19 +103,21 @@ def test_exact_fit_has_zero_gradient_as_autograd():
 
 @pytest.mark.parametrize("case", ["logreg_ce", "hospital_rmse", "mlp_ce"])
 @pytest.mark.parametrize("epochs,batch_size", [(1, 4), (3, 2), (2, 50)])
-def test_local_sgd_with_the_chain_equals_vmap(case, epochs, batch_size):
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
+def test_local_sgd_with_the_chain_equals_vmap(case, epochs, batch_size, accelerator):
     """Unequal clients (1 to 13 examples), the same shuffles: the same trained models in float64."""
+    device = DEVICE[accelerator]
     make, shape, loss, classes = CASES[case]
     torch.manual_seed(1)
-    model = make().double()
+    model = make().double().to(device)
     spec = FlatParams.of(model)
     chain, _ = DenseChain.of(model, spec)
     sizes = [1, 5, 13, 7, 2]
-    x, y, _ = clients(shape, classes, c=len(sizes), b=13, seed=2)
-    mask = torch.arange(13).unsqueeze(0) < torch.tensor(sizes).unsqueeze(1)
+    x, y, _ = (t.to(device) for t in clients(shape, classes, c=len(sizes), b=13, seed=2))
+    mask = (torch.arange(13).unsqueeze(0) < torch.tensor(sizes).unsqueeze(1)).to(device)
     start = spec.flatten(model).repeat(len(sizes), 1)
     runs = [local_sgd(model, spec, start, x, y, mask, epochs=epochs, lr=0.2, batch_size=batch_size, loss=loss,
-                      generator=torch.Generator().manual_seed(5), chain=c) for c in (None, chain)]
+                      generator=torch.Generator(device).manual_seed(5), chain=c) for c in (None, chain)]
     torch.testing.assert_close(runs[1], runs[0], rtol=1e-10, atol=1e-12)
     assert not torch.equal(runs[0], start)
 
@@ -229,6 +236,12 @@ def test_the_update_chooses_its_engine():
     assert LocalSGD(engine="auto").dense_chain(logreg, spec, x[:, :, :, :10], y, "cross_entropy") is None
     with pytest.raises(ValueError, match="client_engine='gpu' is not allowed; choose 'auto', 'dense'"):
         LocalSGD(engine="gpu")
+    # without a chain: vmap up to AUTO_VMAP_MAX_PARAMETERS on the CPU, the loop above; vmap at any size on a GPU
+    big = AUTO_VMAP_MAX_PARAMETERS + 1
+    assert [LocalSGD(engine="auto").resolved_engine(n, "cpu") for n in (big - 1, big)] == ["vmap", "loop"]
+    assert LocalSGD(engine="auto").resolved_engine(big) == "loop"
+    assert LocalSGD(engine="auto").resolved_engine(big, torch.device("cuda", 0)) == "vmap"
+    assert LocalSGD(engine="loop").resolved_engine(10, "cuda") == "loop"
 
 
 def test_the_trace_is_kept_per_model_and_layout():

@@ -24,7 +24,7 @@ from lightning_dp.federated.parts import (
 )
 from lightning_dp.models import LinearRegression
 from lightning_dp.privacy.noise import SecretGenerator
-from tests.helpers import RecordingLogger
+from tests.helpers import ACCELERATORS, DeviceProbe, RecordingLogger
 
 
 def fedavg(server_privacy, *, q=0.25, k=1, aggregator=None, selection=None, **kwargs):
@@ -529,3 +529,28 @@ def test_a_round_summing_its_releases_in_blocks_equals_one_holding_them(monkeypa
     for name in ("nonprivate/update_norm_mean", "nonprivate/clipped_fraction", "privacy/epsilon"):
         assert rec_s.series(name) == pytest.approx(rec_h.series(name), rel=1e-6), name
     assert server_s.clip == pytest.approx(server_h.clip, rel=1e-6)
+
+
+@pytest.mark.skipif("gpu" not in ACCELERATORS, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("engine", ["dense", "vmap", "loop"])
+def test_on_a_gpu_a_round_selects_the_same_clients_spends_the_same_and_trains_the_same_model(engine):
+    """DP-FedAvg on the GPU and on the CPU with the same seeds: client selection is drawn on the CPU (the same
+    clients), the noise on the GPU by its own generator (negligible here: std 1e-4 C / (q N)), and so are the local
+    shuffles (full batches here, so the order does not matter), so the global models agree within rounding (stated
+    tolerance 1e-4 of their norm) and the accounting is the same."""
+    runs = []
+    for accelerator in ("cpu", "gpu"):
+        privacy = CentralGaussian(noise_multiplier=1e-4, clip=0.5, accountant="rdp")
+        m = FederatedRound(LinearRegression(), selection=PoissonSelection(0.3),
+                           update=LocalSGD(epochs=2, lr=0.1, batch_size=1000, engine=engine), aggregator=FedAvg(),
+                           server_privacy=privacy, seed=0, noise_seed=1)
+        start, probe = m.hypotheses.clone(), DeviceProbe()
+        trainer(max_epochs=6, accelerator=accelerator, callbacks=[probe]).fit(m, SyntheticLinearMixtureDataModule(seed=0))
+        runs.append((m, privacy))
+    (cpu, cpu_privacy), (gpu, gpu_privacy) = runs
+    assert probe.devices == {"cuda"} and gpu.update.engine_used == engine
+    assert gpu_privacy.accountant.history == cpu_privacy.accountant.history == [(1e-4, 0.3, 6)]
+    assert int(gpu.rounds) == int(cpu.rounds) == 6
+    assert torch.linalg.vector_norm(cpu.hypotheses - start) > 0.1  # the models trained
+    assert torch.linalg.vector_norm(gpu.hypotheses.cpu() - cpu.hypotheses) <= 1e-4 * torch.linalg.vector_norm(
+        cpu.hypotheses)

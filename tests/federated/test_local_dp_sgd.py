@@ -25,6 +25,7 @@ from lightning_dp.federated.parts import FedAvg, LocalDPSGD, UniformSelection
 from lightning_dp.models import LinearRegression
 from lightning_dp.privacy.ledger import RecordLedger
 from lightning_dp.privacy.noise import SecretGenerator
+from tests.helpers import ACCELERATORS
 from tests.privacy.reference import per_example_gradients
 
 logging.getLogger("absl").setLevel(logging.ERROR)
@@ -230,10 +231,12 @@ def test_every_participation_is_charged_at_its_clients_rate_and_steps(monkeypatc
     assert float(t.logged_metrics["privacy/record_epsilon_max"]) == pytest.approx(update.ledger.max(), rel=1e-12)
 
 
-def test_a_calibrated_client_spends_its_budget_and_no_more():
-    """target 2 over 3 full-participation rounds: every client ends within [2 / 1.1, 2] (calibration precision 1%)."""
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
+def test_a_calibrated_client_spends_its_budget_and_no_more(accelerator):
+    """target 2 over 3 full-participation rounds: every client ends within [2 / 1.1, 2] (calibration precision 1%);
+    on a GPU too (the clients' batches and noise drawn there from their secret generators)."""
     update = LocalDPSGD(epochs=1, lr=0.05, batch_size=5, target_epsilon=2.0, delta=1e-3, accountant="rdp")
-    t = _trainer(max_epochs=3)
+    t = _trainer(max_epochs=3, accelerator=accelerator)
     t.fit(_round(update), SyntheticLinearMixtureDataModule(seed=0))
     spend = update.ledger.as_dict()
     assert len(spend) == 100 and update.participations_planned == 3

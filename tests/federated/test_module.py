@@ -9,7 +9,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_dp.datamodules import SyntheticLinearMixtureDataModule
 from lightning_dp.federated import PersonalizedFederatedModule
 from lightning_dp.models import LinearRegression
-from tests.helpers import BlobsData
+from tests.helpers import ACCELERATORS, BlobsData, DeviceProbe
 
 THETAS = torch.tensor([[5.0, 6.0], [4.0, -4.5]])
 
@@ -373,3 +373,21 @@ def test_summary_of_a_resumed_and_of_a_non_private_run(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "  privacy   none: the clients' releases are not sanitized and nothing is accounted" in out
     assert "client epsilon" not in out
+
+
+@pytest.mark.skipif("gpu" not in ACCELERATORS, reason="needs a CUDA GPU")
+def test_on_a_gpu_the_personalized_round_picks_the_same_clients_and_spends_the_same():
+    """The IFCA round with d-privacy on the GPU and the CPU, the same seeds and negligible noise (nu = 1e-6): the
+    same clients (selection on the CPU), the same ledger, and hypotheses within rounding (stated tolerance 1e-4 of
+    their norm; the Laplace draws and the local shuffles come from the GPU's own generator: full local batches
+    here, so the order does not matter)."""
+    runs = []
+    for accelerator in ("cpu", "gpu"):
+        m, probe = module(noise_multiplier=1e-6, local_batch_size=1000), DeviceProbe()
+        trainer(max_epochs=12, accelerator=accelerator, callbacks=[probe]).fit(m, SyntheticLinearMixtureDataModule(seed=0))
+        runs.append(m)
+    cpu, gpu = runs
+    assert probe.devices == {"cuda"}
+    assert gpu.ledger.as_dict() == cpu.ledger.as_dict() and len(cpu.ledger) > 0
+    assert torch.linalg.vector_norm(gpu.hypotheses.cpu() - cpu.hypotheses) <= 1e-4 * torch.linalg.vector_norm(
+        cpu.hypotheses)

@@ -19,6 +19,7 @@ from lightning_dp.federated.parts import PFA, FedAvg, LocalDPSGD, UniformSelecti
 from lightning_dp.federated.pfa import pfa_combine, split_by_budgets, split_by_norms, top_subspace
 from lightning_dp.models import LinearRegression
 from lightning_dp.privacy.ledger import RecordLedger
+from tests.helpers import ACCELERATORS
 
 logging.getLogger("absl").setLevel(logging.ERROR)
 
@@ -170,10 +171,11 @@ def _data():
     return SyntheticLinearMixtureDataModule(num_clients=10, num_val_clients=2, seed=0)
 
 
-def test_each_client_spends_at_most_its_own_budget_and_equals_the_library_value():
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
+def test_each_client_spends_at_most_its_own_budget_and_equals_the_library_value(accelerator):
     m, update = _pdpfl(FedAvg())
     dm = _data()
-    _trainer(max_epochs=4).fit(m, dm)
+    _trainer(max_epochs=4, accelerator=accelerator).fit(m, dm)
     for client, budget in zip(dm.train_clients, BUDGETS):
         spent = update.ledger.spent(client.client_id)
         assert spent <= budget and spent > budget / 1.2
@@ -192,7 +194,8 @@ def test_minimum_trains_everyone_at_the_smallest_budget():
     assert len(set(update.noise_multipliers())) == 1
 
 
-def test_the_server_never_sees_a_budget_in_the_indirect_mode_and_the_split_is_scored():
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
+def test_the_server_never_sees_a_budget_in_the_indirect_mode_and_the_split_is_scored(accelerator):
     seen = []
 
     class Spy(PFA):
@@ -202,7 +205,7 @@ def test_the_server_never_sees_a_budget_in_the_indirect_mode_and_the_split_is_sc
 
     aggregator = Spy(partition="indirect")
     m, update = _pdpfl(aggregator)
-    t = _trainer(max_epochs=3)
+    t = _trainer(max_epochs=3, accelerator=accelerator)
     t.fit(m, _data())
     assert seen == [None, None, None]
     assert len(aggregator.split()) == 10

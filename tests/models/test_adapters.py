@@ -15,7 +15,7 @@ from lightning_dp.callbacks import DPSGD  # noqa: E402
 from lightning_dp.models import GPT2, CausalLanguageModel, LoRA  # noqa: E402
 from lightning_dp.models.language import load_weights  # noqa: E402
 from lightning_dp.privacy.grad_sample import GradSampleEngine  # noqa: E402
-from tests.helpers import trainer  # noqa: E402
+from tests.helpers import ACCELERATORS, DEVICE, DeviceProbe, trainer  # noqa: E402
 
 
 def _gpt2(vocab=23, **kw):
@@ -81,16 +81,18 @@ def _data(n=48, t=12, vocab=23):
     return torch.utils.data.DataLoader(torch.randint(0, vocab, (n, t), generator=g), batch_size=8)
 
 
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
 @pytest.mark.parametrize("extra", [{}, {"precision": "bf16-mixed", "accumulate_grad_batches": 2}])
-def test_dp_sgd_trains_only_the_adapters(extra):
+def test_dp_sgd_trains_only_the_adapters(extra, accelerator):
     net = LoRA(_gpt2(), rank=4, target_modules=["c_attn", "c_proj", "c_fc"])
     model = CausalLanguageModel(net, lr=0.05, optimizer="sgd")
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     dp = DPSGD(noise_multiplier=1.0, max_grad_norm=1.0, seed=0, max_physical_batch_size=5)
-    t = trainer(max_steps=3, callbacks=[dp], **extra)
+    probe = DeviceProbe()
+    t = trainer(max_steps=3, callbacks=[dp, probe], accelerator=accelerator, **extra)
     t.fit(model, train_dataloaders=_data())
-    assert t.global_step == dp._released == 3
+    assert t.global_step == dp._released == 3 and probe.devices == {DEVICE[accelerator]}
     for n, p in model.named_parameters():
         if n in frozen:
             assert torch.equal(p, frozen[n]), n

@@ -15,7 +15,7 @@ from lightning_dp.datamodules import WikiText2DataModule  # noqa: E402
 from lightning_dp.models import GPT2, CausalLanguageModel  # noqa: E402
 from lightning_dp.models.language import per_example_token_loss  # noqa: E402
 from tests.datamodules.test_wikitext import write_fixture  # noqa: E402
-from tests.helpers import trainer  # noqa: E402
+from tests.helpers import ACCELERATORS, trainer  # noqa: E402
 
 
 def test_gpt2_shapes_and_tied_embeddings():
@@ -39,14 +39,15 @@ def test_gpt2_argument_errors(kwargs, match):
         GPT2(**kwargs)
 
 
-def test_dpsgd_trains_gpt2_and_reports_perplexity_and_epsilon(tmp_path):
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
+def test_dpsgd_trains_gpt2_and_reports_perplexity_and_epsilon(tmp_path, accelerator):
     """The small GPT-2 with tied embeddings and wpe(arange(T)), under DP-SGD end to end."""
     dm = WikiText2DataModule(str(write_fixture(tmp_path)), block_size=12, vocab_size=40, batch_size=8)
     torch.manual_seed(0)
     model = CausalLanguageModel(GPT2(vocab_size=40, max_positions=16, embed_dim=16, num_layers=1, num_heads=2),
                                 lr=3e-3)
     dp = DPSGD(noise_multiplier=0.8, max_grad_norm=1.0, seed=0)
-    t = trainer(max_epochs=2, callbacks=[dp], limit_val_batches=2)
+    t = trainer(max_epochs=2, callbacks=[dp], limit_val_batches=2, accelerator=accelerator)
     t.fit(model, dm)
     assert dp.epsilon > 0 and t.global_step > 0
     ppl = float(t.callback_metrics["val/perplexity"])

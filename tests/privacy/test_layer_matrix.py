@@ -22,6 +22,7 @@ from torch import nn
 
 from lightning_dp.privacy.clipping import clip_factors
 from lightning_dp.privacy.grad_sample import GradSampleEngine, PerSampleGradientError
+from tests.helpers import ACCELERATORS, DEVICE
 from tests.privacy.reference import per_example_gradients
 
 B = 5  # also the sequence length of several cases: T == B must not confuse the engine
@@ -125,7 +126,8 @@ class Packed(nn.Module):
         self.head = nn.Linear(5 * dirs + 5 * dirs * kwargs.get("num_layers", 1), 3)
 
     def forward(self, x, lengths, hx=None):
-        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=self.enforce_sorted)
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths.cpu(), batch_first=True,  # lengths: on the CPU
+                                                   enforce_sorted=self.enforce_sorted)
         out, state = self.rnn(packed, hx)
         h = state[0] if isinstance(state, tuple) else state  # (layers * dirs, B, H)
         padded, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])
@@ -423,21 +425,30 @@ if importlib.util.find_spec("opacus") is not None:
             lambda m, b: _ce(m(b[0], b[1]), b[2]), tol=1e-4)
 
 
-def run_case(name: str, c: float = 0.5, seed: int = 0):
+def _on(batch: tuple, device: str) -> tuple:
+    return tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in batch)
+
+
+def run_case(name: str, c: float = 0.5, seed: int = 0, device: str = "cpu"):
     case = CASES[name]
     torch.manual_seed(seed)
-    model = case.make_model().double().train()
+    model = case.make_model().double().train().to(device)
     g = torch.Generator().manual_seed(seed)
-    batch = case.make_batch(B, g)
-    torch.manual_seed(1)
-    params, ref = per_example_gradients(model, case.losses(model, batch))
-    engine = GradSampleEngine(model)
+    batch = _on(case.make_batch(B, g), device)
     probe_g = torch.Generator().manual_seed(seed + 1)
     if case.nested:  # the first n examples of one batch, as DPSGD probes
         big = case.make_batch(7, probe_g)
-        probes = {n: _first(big, n) for n in (3, 5, 7)}
+        probes = {n: _on(_first(big, n), device) for n in (3, 5, 7)}
     else:
-        probes = {n: case.make_batch(n, probe_g) for n in (3, 5, 7)}
+        probes = {n: _on(case.make_batch(n, probe_g), device) for n in (3, 5, 7)}
+    with torch.device(device):  # the losses' own tensors (masks, positions) on the device too
+        return _engine_and_reference(case, model, batch, probes, c)
+
+
+def _engine_and_reference(case, model, batch, probes, c):
+    torch.manual_seed(1)
+    params, ref = per_example_gradients(model, case.losses(model, batch))
+    engine = GradSampleEngine(model)
 
     def run(n):  # deterministic, as the engine requires: the same batch and random draws for the same n
         with torch.random.fork_rng():
@@ -457,8 +468,10 @@ def run_case(name: str, c: float = 0.5, seed: int = 0):
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_layer_matrix(name):
-    norms, flat, ref = run_case(name)
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
+def test_layer_matrix(name, accelerator):
+    """On a GPU too (float64 there as well): the engine's kernels are the device's, the reference is autograd's."""
+    norms, flat, ref = run_case(name, device=DEVICE[accelerator])
     tol = CASES[name].tol
     scale = ref.norm(dim=1)
     torch.testing.assert_close(norms, scale, rtol=tol, atol=tol * 1e-3 * float(scale.max()))
@@ -548,6 +561,7 @@ def test_the_documented_custom_rule():
         engine = GradSampleEngine(CASES["custom_rule"].make_model())
         assert type(engine.layers[0].rule) is ScaledLinearRule
         engine.remove()
-        test_layer_matrix("custom_rule")
+        for accelerator in ACCELERATORS:
+            test_layer_matrix("custom_rule", accelerator)
     finally:
         del CASES["custom_rule"]

@@ -23,6 +23,7 @@ from lightning_dp.privacy.mechanisms import (
     sample_gamma,
     sanitize_update,
 )
+from tests.helpers import ACCELERATORS, DEVICE
 
 KS_ALPHA = 1e-3  # KS tests fail when p < 1e-3: false-failure rate 1e-3 each for a random seed
 
@@ -68,12 +69,15 @@ def test_sample_gamma_rejects_invalid_arguments(kwargs: dict, message: str) -> N
 # --------------------------------------------------------------------------- Euclidean Laplace
 
 
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
 @pytest.mark.parametrize("dim", [1, 2, 10, 1000])
-def test_radius_is_gamma_dim_over_epsilon(dim: int) -> None:
-    epsilon = 2.5
-    noise = euclidean_laplace(dim, epsilon, generator=_gen(1000 + dim), dtype=torch.float64, num_samples=3000)
-    assert noise.shape == (3000, dim)
-    radius = torch.linalg.vector_norm(noise, dim=1).numpy()
+def test_radius_is_gamma_dim_over_epsilon(dim: int, accelerator: str) -> None:
+    """On a GPU too, from the GPU's generator (the federated rounds draw their noise on the models' device)."""
+    epsilon, device = 2.5, DEVICE[accelerator]
+    generator = torch.Generator(device).manual_seed(1000 + dim)
+    noise = euclidean_laplace(dim, epsilon, generator=generator, dtype=torch.float64, num_samples=3000, device=device)
+    assert noise.shape == (3000, dim) and noise.device.type == device
+    radius = torch.linalg.vector_norm(noise, dim=1).cpu().numpy()
     assert stats.kstest(radius, stats.gamma(a=dim, scale=1 / epsilon).cdf).pvalue > KS_ALPHA
     if dim == 1000:  # power: a 2 % error of the scale (0.6 radius sd) would be caught
         assert stats.kstest(radius, stats.gamma(a=dim, scale=1.02 / epsilon).cdf).pvalue < 1e-6

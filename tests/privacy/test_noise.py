@@ -2,9 +2,15 @@
 SeedSequence, one number per stream within each seed, one number of counters per stream at every call site."""
 
 import ast
+import math
 from pathlib import Path
 
+import pytest
 import torch
+from scipy import stats
+
+from lightning_dp.privacy.noise import NOISE, derive_secret_generator, gaussian_noise
+from tests.helpers import ACCELERATORS, DEVICE
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_dp"
 
@@ -134,3 +140,20 @@ def test_counter_uniform_refuses_what_it_cannot_hash() -> None:
         counter_uniform(1, torch.tensor([0.5]))
     with pytest.raises(ValueError, match="integer"):
         counter_uniform(1, 1.5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
+def test_gaussian_noise_from_a_secret_generator_has_its_law_on_every_device(accelerator) -> None:
+    """DP-SGD's noise on the gradients' device (a GPU's own generator there): N(0, std^2) by a KS test on 2^20
+    draws (fails when p < 1e-3), mean within 5 standard errors, variance within 5 of its standard errors."""
+    device, std, n = DEVICE[accelerator], 0.7, 2**20
+    g = derive_secret_generator(1234, NOISE, 3, device=device)
+    (a, b) = gaussian_noise([torch.Size([n // 2]), torch.Size([n // 4, 2])], std, g, device=device)
+    assert a.device.type == b.device.type == device and a.dtype == torch.float32
+    draws = torch.cat([a.reshape(-1), b.reshape(-1)]).double().cpu().numpy()
+    assert stats.kstest(draws, stats.norm(scale=std).cdf).pvalue > 1e-3
+    assert abs(draws.mean()) <= 5 * std / math.sqrt(n)
+    assert abs(draws.var() - std**2) <= 5 * std**2 * math.sqrt(2 / n)
+    again = gaussian_noise([torch.Size([n // 2]), torch.Size([n // 4, 2])], std,
+                           derive_secret_generator(1234, NOISE, 3, device=device), device=device)
+    assert torch.equal(again[0], a) and torch.equal(again[1], b)  # a pure function of the secret stream
