@@ -42,4 +42,5 @@ def per_sample_gradients(template: nn.Module, spec: FlatParams, theta: Tensor, x
     e.g. the hypothesis its client started from). One ``vmap`` of ``grad`` over examples.
     """
     per_example = theta.dim() == 2
-    return vmap(grad(example_loss(template, spec, loss)), in_dims=(0 if per_example else None, 0, 0))(theta, x, y)
+    return vmap(grad(example_loss(template, spec, loss)), in_dims=(0 if per_example else None, 0, 0),
+                randomness="different")(theta, x, y)

@@ -159,8 +159,11 @@ def client_outputs_and_losses(template: nn.Module, spec: FlatParams, hypotheses:
     def one(theta: Tensor, xc: Tensor, yc: Tensor, mc: Tensor) -> tuple[Tensor, Tensor]:
         return forward_and_loss(template, spec, theta, xc, yc, mc, loss)
 
-    over_clients = vmap(one, in_dims=(None, 0, 0, 0))
-    return vmap(over_clients, in_dims=(0, None, None, None), out_dims=1)(hypotheses, x, y, mask)
+    # randomness="different": a model's dropout draws its own masks per client and hypothesis, as the loop does
+    # (vmap's default refuses random operations)
+    over_clients = vmap(one, in_dims=(None, 0, 0, 0), randomness="different")
+    return vmap(over_clients, in_dims=(0, None, None, None), out_dims=1, randomness="different")(
+        hypotheses, x, y, mask)
 
 
 def forward_and_loss(template: nn.Module, spec: FlatParams, theta: Tensor, x: Tensor, y: Tensor, mask: Tensor,
@@ -305,7 +308,7 @@ def local_sgd(template: nn.Module, spec: FlatParams, start: Tensor, x: Tensor, y
     def batch_loss(theta: Tensor, xb: Tensor, yb: Tensor, mb: Tensor) -> Tensor:
         return forward_and_loss(template, spec, theta, xb, yb, mb, loss)[1]
 
-    step_grad = vmap(grad(batch_loss))
+    step_grad = vmap(grad(batch_loss), randomness="different")  # dropout: each client its own masks
     if chain is not None:
         why = chain.refusal(template, spec, x, y, loss, start)
         if why:

@@ -97,7 +97,8 @@ def local_dp_sgd(template: nn.Module, spec: FlatParams, start: Tensor, x: Tensor
     for g in generators:  # the record-level accountant amplifies by these batches (and the noise hides the rest)
         require_secret(g, f"local DP-SGD's {sampling} batches")
     counts = mask.sum(1).tolist()
-    per_example = vmap(grad(example_loss(template, spec, loss)), in_dims=(None, 0, 0))
+    # randomness="different": dropout draws each example's own mask, as in a batched forward
+    per_example = vmap(grad(example_loss(template, spec, loss)), in_dims=(None, 0, 0), randomness="different")
     theta = start.clone()
     device = mask.device
     total = max((p.steps for p in plans), default=0)
@@ -133,7 +134,7 @@ def local_dp_sgd(template: nn.Module, spec: FlatParams, start: Tensor, x: Tensor
         return theta
     if engine != "vmap":
         raise ValueError(f"engine={engine!r} is not allowed; choose 'vmap' or 'loop'")
-    over_clients = vmap(per_example, in_dims=(0, 0, 0))
+    over_clients = vmap(per_example, in_dims=(0, 0, 0), randomness="different")
     for step in range(total):
         active = [ci for ci in range(c) if step < plans[ci].steps]
         batches = [_draw_batch(counts[ci], plans[ci], batch_size, step, order_for(ci, step), generators[ci], device)

@@ -146,7 +146,9 @@ class PersonalizedFederatedModule(FederatedRound):
 
     @property
     def engine(self) -> str:
-        return self.update.resolved_engine(self.spec.numel, self.hypotheses.device)
+        """The engine ``auto`` resolves to for this model on the CPU without a dense chain; the engine a fit ran
+        (dense, or vmap on a GPU) is ``update.engine_used``."""
+        return self.update.resolved_engine(self.spec.numel)
 
     def setup(self, stage: str) -> None:
         super().setup(stage)

@@ -440,11 +440,13 @@ class FederatedRound(LightningModule):
         return self.sanitizer.participation_cost(self.spec.numel, self._choices())
 
     def _forward_engine(self) -> str:
-        """How the hypotheses' losses on the clients are computed: ``vmap`` over clients for small models or on a
-        GPU, a loop above ``AUTO_VMAP_MAX_PARAMETERS`` on the CPU (grouped convolutions are slower there)."""
+        """How the hypotheses' losses on the clients are computed: ``vmap`` over clients for small models, a loop
+        above ``AUTO_VMAP_MAX_PARAMETERS`` (grouped convolutions are slower on CPU). On a GPU too: vmap's forward
+        holds every evaluated client's whole data's activations at once (100 CIFAR CNN clients of 455 images:
+        22 GiB against 0.2 GiB in the loop on an H200), where training holds one batch per client."""
         from lightning_dp.federated.parts.update import auto_engine
 
-        return auto_engine(self.spec.numel, self.hypotheses.device)
+        return auto_engine(self.spec.numel)
 
     def _update_set(self) -> tuple[float, float] | None:
         """The public set the next round's released updates lie in (one hypothesis; the reference is the
@@ -745,6 +747,11 @@ class FederatedRound(LightningModule):
             held, self.aggregator,
             noise_generator=derive_secret_generator(self._noise_seed, _SERVER_NOISE, r, device=hyps.device),
             count_generator=derive_secret_generator(self._noise_seed, _SERVER_COUNT, r), report_epsilon=report)
+        if self.trainer.world_size > 1 and hyps.device.type == "cuda":
+            # every process aggregated the same releases, but CUDA's float index_add_ (the k-means' cluster sums) is
+            # not deterministic: rank 0's result for all, so that the processes keep the same hypotheses
+            torch.distributed.broadcast(new, src=0)
+            torch.distributed.broadcast(assignment, src=0)
         if following:  # the next round's clients clip at the server's new (public) threshold
             self.sanitizer.follow_clip(privacy.clip)
         self._split_metrics(index, metrics)

@@ -145,7 +145,11 @@ def project_to_sector(delta: Tensor, reference: Tensor | None, upper: float, low
     lo, hi = lower * (1 + MARGIN), upper * (1 - MARGIN)
     if norm == 0:
         if lower > 0:
-            direction = r if r is not None else torch.zeros_like(v).index_fill_(0, torch.tensor([0]), 1.0)
+            if r is not None:
+                direction = r
+            else:  # the first axis (written in place: an index tensor would have to be on v's device)
+                direction = torch.zeros_like(v)
+                direction[0] = 1.0
             v = direction * min(lo, hi)
     elif norm > hi:
         v = v * (hi / norm)

@@ -175,17 +175,20 @@ def test_chunks_harvested_inside_autocast_are_clipped_within_c(monkeypatch, acce
 @pytest.mark.parametrize("mode", ["32-true", "bf16-mixed"])
 def test_on_a_gpu_the_released_gradient_is_the_cpus_within_rounding_and_the_same_steps_are_accounted(mode):
     """The same seeds on the GPU and the CPU: the same Poisson batches (drawn on the CPU), noise of the same law from
-    the GPU's own generator, so the released gradients differ by rounding and by two independent noise draws. Stated
-    tolerance per step: 1e-3 (float32) or 3e-2 (bfloat16) of the CPU run's norm, plus twice the expected norm of
-    the difference of two draws, sqrt(2 P) SIGMA C / (q N) (its chi distribution exceeds twice its mean with
-    probability below 1e-30 at the P = 163 coordinates here); the accounting is equal."""
+    the GPU's own generator, so the first released gradients differ by rounding and by two independent noise draws.
+    Stated tolerance for the first step: 1e-3 (float32) or 6.1e-2 (bfloat16: each run's first step is within 3e-2
+    of its float32 run's, the test above, and the two float32 runs within 1e-3) of the CPU run's norm, plus twice the expected norm of the difference of two draws,
+    sqrt(2 P) SIGMA C / (q N) (its chi distribution exceeds twice its mean with probability below 1e-30 at the
+    P = 163 coordinates here). The later steps start from parameters that moved apart by the earlier noise
+    differences (lr 0.5): checked against three times that noise term (6 instead of 2). The accounting is
+    equal."""
     cpu = _run(mode)
     gpu = _run(mode, accelerator="gpu")
     assert gpu[0].global_step == cpu[0].global_step == 3
     assert gpu[2].accountant.history == cpu[2].accountant.history
     assert gpu[2].epsilon == cpu[2].epsilon
-    tol = 1e-3 if mode == "32-true" else 3e-2
+    tol = 1e-3 if mode == "32-true" else 6.1e-2
     noise = math.sqrt(2 * cpu[3].grads[0].numel()) * SIGMA * 0.5 / 40  # C = 0.5, q N = 40 (BlobsData(200, 40))
-    for a, b in zip(gpu[3].grads, cpu[3].grads):
-        assert torch.linalg.vector_norm(a - b) <= tol * torch.linalg.vector_norm(b) + 2 * noise
+    for step, (a, b) in enumerate(zip(gpu[3].grads, cpu[3].grads)):
+        assert torch.linalg.vector_norm(a - b) <= tol * torch.linalg.vector_norm(b) + (2 if step == 0 else 6) * noise
     assert gpu[3].devices == {"cuda"}

@@ -554,3 +554,29 @@ def test_on_a_gpu_a_round_selects_the_same_clients_spends_the_same_and_trains_th
     assert torch.linalg.vector_norm(cpu.hypotheses - start) > 0.1  # the models trained
     assert torch.linalg.vector_norm(gpu.hypotheses.cpu() - cpu.hypotheses) <= 1e-4 * torch.linalg.vector_norm(
         cpu.hypotheses)
+
+
+class _DropoutNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.drop, self.b = torch.nn.Linear(2, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.b(self.drop(torch.relu(self.a(x)))).squeeze(-1)
+
+
+@pytest.mark.parametrize("update", ["vmap", "loop", "local_dp_sgd"])
+def test_a_model_with_dropout_trains_on_every_engine(update):
+    """vmap draws the dropout masks per client (and per example under local DP-SGD), as the loop does: torch.func's
+    default refuses random operations (the review of the GPU change found it: auto vmaps any model on a GPU)."""
+    from lightning_dp.federated.parts import LocalDPSGD
+
+    part = (LocalDPSGD(epochs=1, lr=0.05, batch_size=5, noise_multiplier=1.0, delta=1e-3) if update == "local_dp_sgd"
+            else LocalSGD(epochs=1, lr=0.1, batch_size=5, engine=update))
+    m = FederatedRound(_DropoutNet(), selection=UniformSelection(10), update=part, aggregator=FedAvg(), loss="rmse",
+                       seed=0, noise_seed=1)
+    start = m.hypotheses.clone()
+    t = trainer(max_epochs=2, limit_val_batches=None, num_sanity_val_steps=0)
+    t.fit(m, SyntheticLinearMixtureDataModule(seed=0))
+    assert int(m.rounds) == 2 and torch.isfinite(m.hypotheses).all() and not torch.equal(m.hypotheses, start)
+    assert math.isfinite(float(t.callback_metrics["val/loss"]))

@@ -20,6 +20,7 @@ from lightning_dp.privacy.local_dp import (
     project_to_sector,
     sector_diameter,
 )
+from tests.helpers import ACCELERATORS, DEVICE
 
 SECTORS = [(1.0, 0.0, math.pi), (1.0, 0.5, math.pi), (1.0, 0.5, 0.0), (2.0, 0.3, 0.2), (1.0, 0.9, 0.5),
            (1.0, 0.2, 1.0), (1.0, 0.0, 0.7), (1.0, 0.6, math.pi / 2), (3.0, 2.9, 1.4)]
@@ -81,6 +82,14 @@ def test_projection_lands_strictly_inside_the_sector(upper, lower, angle):
             if reference is not None and angle < math.pi:
                 cos = float(v @ ref.double() / (norm * ref.double().norm()))
                 assert math.acos(min(1.0, cos)) <= angle + 1e-6
+
+
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
+def test_a_zero_update_without_reference_goes_to_the_first_axis_at_the_lower_norm(accelerator):
+    """The first round's zero update under a lower clip: along the first axis, on the update's device."""
+    v = project_to_sector(torch.zeros(5, device=DEVICE[accelerator]), None, 1.0, 0.1)
+    assert v.device.type == DEVICE[accelerator]
+    assert v[1:].abs().max() == 0 and 0.1 < float(v[0]) < 1.0
 
 
 def test_projection_keeps_what_is_already_inside_and_keeps_the_norm_when_rotating():

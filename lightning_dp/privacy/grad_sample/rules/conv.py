@@ -50,7 +50,7 @@ def _grouped_grads(layer, x_windows: Tensor, go: Tensor, groups: int, key: str) 
 
     The windows are laid out ``(B*groups, d, T)`` (a copy: ``prod(k)`` times the input) a chunk of
     examples at a time, in one scratch buffer shared by all layers and no larger than the input
-    itself, so that the copy never holds much more memory than the activations do.
+    itself or :data:`SCRATCH_FLOOR_ELEMENTS`, whichever is larger (:func:`_chunk`).
     """
     b, c = x_windows.shape[:2]
     d = c // groups * math.prod(x_windows.shape[2:2 + (x_windows.dim() - 2) // 2])
@@ -69,7 +69,8 @@ def _grouped_grads(layer, x_windows: Tensor, go: Tensor, groups: int, key: str) 
     return out
 
 
-#: The windows' scratch buffer may always hold this many elements (64 MiB in float32): below it, splitting the batch
+#: The windows' scratch buffer may always hold this many elements (64 MiB in float32, 128 in float64; kept between
+#: steps with the engine's buffers): below it, splitting the batch
 #: saves no memory worth having and costs two kernel launches per chunk. On a GPU the step is launch-bound: the
 #: thesis' MNIST CNN at batch 256 (8 x 8 kernels: 4 examples per chunk by the input's size alone) took 80 chunks and
 #: 5.9 ms of per-sample norms per step on an H200 against 1.6 ms for the recorded forward and backward (docs/gpu.md).
