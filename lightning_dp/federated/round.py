@@ -432,7 +432,7 @@ class FederatedRound(LightningModule):
         """The padded data of the clients at positions ``index`` of ``split`` on the hypotheses' device (the
         DataModule holds its clients on the CPU; a GPU round trains and evaluates them there)."""
         device = self.hypotheses.device
-        return tuple(t.to(device, non_blocking=True) for t in self._data.padded_rows(split, index))  # type: ignore
+        return tuple(t.to(device, non_blocking=True) for t in self._data.padded_rows(split, index))
 
     def participation_cost(self) -> float:
         """The sanitizer's cost of one participation from the current hypotheses (d-privacy: n/nu; local DP:

@@ -45,7 +45,13 @@ def run_in_precision(name: str, mode: str, c: float = 0.5):
     context = (lambda: torch.autocast("cpu", dtype=autocast)) if autocast else torch.enable_grad
     torch.manual_seed(1)
     with context():
-        losses = case.losses(model, batch)
+        try:
+            losses = case.losses(model, batch)
+        except RuntimeError as e:  # the plain forward, before any engine: PyTorch's own kernels
+            if "could not create a primitive descriptor" not in str(e):
+                raise
+            # oneDNN's bfloat16 LSTM needs AVX-512 (an AMD EPYC without it fails the same nn.LSTM without DP)
+            pytest.skip(f"PyTorch cannot run {name} in {mode} on this CPU, without DP either: {str(e)[:70]}")
     params, ref = per_example_gradients(model, losses.float())
     engine = GradSampleEngine(model)
     probe_g = torch.Generator().manual_seed(1)
