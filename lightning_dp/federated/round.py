@@ -750,8 +750,11 @@ class FederatedRound(LightningModule):
         if self.trainer.world_size > 1 and hyps.device.type == "cuda":
             # every process aggregated the same releases, but CUDA's float index_add_ (the k-means' cluster sums) is
             # not deterministic: rank 0's result for all, so that the processes keep the same hypotheses
+            new = new.contiguous()
             torch.distributed.broadcast(new, src=0)
-            torch.distributed.broadcast(assignment, src=0)
+            on_device = assignment.to(hyps.device).contiguous()  # NCCL sends device tensors only
+            torch.distributed.broadcast(on_device, src=0)
+            assignment = on_device.to(assignment.device)
         if following:  # the next round's clients clip at the server's new (public) threshold
             self.sanitizer.follow_clip(privacy.clip)
         self._split_metrics(index, metrics)
