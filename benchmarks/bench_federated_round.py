@@ -269,6 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         print(f"no dense engine for this model: {why}")
     times: dict[str, list[float]] = {k: [] for k in fns}
+
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()

@@ -14,26 +14,26 @@ from __future__ import annotations
 
 import math
 
-import lightning as L
 import pytest
 import torch
 from lightning.pytorch.plugins import MixedPrecision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_dp.callbacks import DPSGD
-from tests.helpers import ACCELERATORS, DEVICE, BlobsData, Classifier, RecordingLogger, trainer
+from tests.helpers import ACCELERATORS, DEVICE, BlobsData, Classifier, DeviceProbe, RecordingLogger, trainer
 
 SIGMA = 1e-3  # small noise: the comparison is about the clipped sums (the noise is the same draw anyway)
 
 
-class Released(L.Callback):
-    """The gradients the optimizer receives (after the GradScaler unscaled them), and the loss scale."""
+class Released(DeviceProbe):
+    """The gradients the optimizer receives (after the GradScaler unscaled them), the loss scale, and the device
+    types the module trained on (:class:`~tests.helpers.DeviceProbe`)."""
 
     def __init__(self):
-        self.grads, self.scales, self.devices = [], [], set()
+        super().__init__()
+        self.grads, self.scales = [], []
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.devices.add(pl_module.device.type)
         self.grads.append(torch.cat([p.grad.float().reshape(-1) for p in pl_module.parameters()]).cpu())
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self.scales.append(None if scaler is None else scaler.get_scale())
