@@ -300,3 +300,24 @@ def test_oso_fig3_10_reads_the_budgeted_grids_from_mlflow_and_redraws(tmp_path, 
     shutil.copy(committed, tmp_path / "oso_fig3_10.tsv")
     figures.main(["fig3.10", "--out", str(tmp_path), "--replot"])
     assert (tmp_path / "oso_fig3_10.png").stat().st_size > 0
+
+
+def test_fairness_fig2_6_is_the_configs_data_and_redraws(tmp_path):
+    """examples/fairness/figures.py fig2.6: the committed table is the training data of
+    examples/fairness/synthetic.yaml (800 / 200 clients of 10 samples); it redraws from the table."""
+    import csv
+    import importlib.util
+    import shutil
+
+    spec = importlib.util.spec_from_file_location("fairness_figures", ROOT / "fairness" / "figures.py")
+    figures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(figures)
+    rows = figures.measure_fig2_6()
+    committed = ROOT.parent / "docs" / "figures" / "fairness_fig2_6.tsv"
+    with committed.open() as handle:
+        assert [list(map(str, r)) for r in rows] == list(csv.reader(handle, delimiter="\t"))
+    groups = [r[0] for r in rows[1:]]
+    assert groups.count(1) == 8000 and groups.count(2) == 2000
+    shutil.copy(committed, tmp_path / committed.name)
+    figures.main(["fig2.6", "--out", str(tmp_path), "--replot"])
+    assert (tmp_path / "fairness_fig2_6.png").stat().st_size > 0
