@@ -260,9 +260,11 @@ def test_oso_fig3_2_frontier_spends_the_same_everywhere_and_redraws(tmp_path):
         assert float(r["nu_g"]) == pytest.approx(1.01 * float(r["nu"]), rel=1e-3)
 
 
-def test_oso_fig3_10_reads_the_budgeted_grids_from_mlflow_and_redraws(tmp_path, monkeypatch):
-    """examples/oso/figures.py fig3.10: the chosen runs of every budgeted grid (a fake store of two grids), grouped by
-    strategy and budget; grids without a budget or of another config are left out; the committed table redraws."""
+def test_oso_grid_figures_read_the_budgeted_grids_from_mlflow_and_redraw(tmp_path, monkeypatch):
+    """examples/oso/figures.py fig3.10 / fig3.7: the chosen runs of every budgeted grid whose lr axis has k = 5 / 9
+    values (a fake store), grouped by strategy and budget, with the chosen point's axes; grids without a budget, of
+    another config, of another k or of another experiment are left out; the committed table redraws."""
+    import csv
     import importlib.util
     import shutil
 
@@ -275,12 +277,16 @@ def test_oso_fig3_10_reads_the_budgeted_grids_from_mlflow_and_redraws(tmp_path, 
     client = MlflowClient(uri)  # no global tracking state changed
     experiment = client.create_experiment("oso-mnist-t10k")
     client.create_run(client.create_experiment("another setting"), run_name="grid-x online")  # left out
-    for name, budget, accs in [("online", 5.0, [0.9, 0.92]), ("fixed_quantile", 7.0, [0.88]), ("other", 5.0, [0.5]),
-                               ("online", None, [0.1])]:
+    k5, k9 = "0.01,0.1,1,10,31.6", "0.003,0.01,0.03,0.1,0.3,1,3,10,31.6"
+    for name, budget, accs, lrs in [("online", 5.0, [0.9, 0.92], k5), ("fixed_quantile", 7.0, [0.88], k5),
+                                    ("other", 5.0, [0.5], k5), ("online", None, [0.1], k5),
+                                    ("fixed_threshold", 5.0, [0.81, 0.83, 0.85], k9)]:
         parent = client.create_run(experiment, run_name=f"grid-{len(accs)}{name[:3]} {name}").info.run_id
+        client.log_param(parent, "grid.lr", lrs)
         ids = []
         for acc in accs:
-            child = client.create_run(experiment, tags={"mlflow.parentRunId": parent}).info.run_id
+            child = client.create_run(experiment, tags={"mlflow.parentRunId": parent, "grid.lr": "0.1",
+                                                        "grid.max_grad_norm": "3.16228"}).info.run_id
             client.log_metric(child, "test/acc", acc)
             ids.append(child)
         if budget is not None:
@@ -291,6 +297,16 @@ def test_oso_fig3_10_reads_the_budgeted_grids_from_mlflow_and_redraws(tmp_path, 
     rows = (tmp_path / "oso_fig3_10.tsv").read_text().splitlines()[1:]
     assert sorted((r.split("\t")[0], r.split("\t")[1], round(float(r.split("\t")[3]), 3)) for r in rows) == [
         ("fixed_quantile", "7", 88.0), ("online", "5", 90.0), ("online", "5", 92.0)]
+    figures.main(["fig3.7", "--out", str(tmp_path), "--tracking-uri", uri])
+    with (tmp_path / "oso_fig3_7.tsv").open() as handle:
+        nine = list(csv.DictReader(handle, delimiter="\t"))
+    assert sorted(round(float(r["test_acc"]), 3) for r in nine) == [81.0, 83.0, 85.0]
+    assert {(r["strategy"], r["epsilon"], r["lr"], r["max_grad_norm"], r["target_quantile"]) for r in nine} == {
+        ("fixed_threshold", "5", "0.1", "3.16228", "")}
+    assert (tmp_path / "oso_fig3_7.png").stat().st_size > 0
+    with pytest.raises(SystemExit, match="no budgeted OSO grid with k = 7"):  # and no table is written
+        figures.main(["fig3.4", "--out", str(tmp_path), "--tracking-uri", uri])
+    assert not (tmp_path / "oso_fig3_4.tsv").exists()
     empty = MlflowClient(f"sqlite:///{tmp_path / 'empty.db'}")
     empty.create_experiment("oso-mnist-t10k")
     with pytest.raises(SystemExit, match="no budgeted OSO grid"):  # and the table written before is kept

@@ -1,14 +1,17 @@
-"""Thesis ch. 3 figures: Fig. 3.1 (cosine against C), Fig. 3.2 (OSO's noise frontier), Fig. 3.10 (Table 3.11).
+"""Thesis ch. 3 figures: Fig. 3.1 (cosine against C), Fig. 3.2 (OSO's noise frontier), Figs. 3.4, 3.7, 3.10 (the
+MNIST grids at k = 7, 9, 5: Tables 3.2, 3.8, 3.11).
 
     python examples/oso/figures.py fig3.1            # docs/figures/oso_fig3_1.{png,tsv}, about a minute
     python examples/oso/figures.py fig3.2            # docs/figures/oso_fig3_2.{png,tsv}
-    python examples/oso/figures.py fig3.10 --tracking-uri sqlite:///mlruns/oso.db   # from the budgeted grids (repeatable)
+    python examples/oso/figures.py fig3.10 --tracking-uri sqlite:///mlruns/oso.db   # the budgeted grids (repeatable)
     python examples/oso/figures.py fig3.2 --replot   # redraw from the TSV (any figure)
 
-Fig. 3.10 (the plot of Table 3.11: MNIST test accuracy against epsilon, k = 5): reads the ``lightning-dp grid
---budget`` runs of docs/results_oso_mnist.md from MLflow (every grid parent with ``grid/budget_epsilon``, its chosen
-runs ``grid.best_runs``, their ``test/acc``; the strategy is the config's name in the parent's run name) and draws
-their mean and sample std per budget beside the thesis' Table 3.11 (dashed).
+Figs. 3.10, 3.4 and 3.7 (MNIST test accuracy against epsilon, grids of k = 5, 7 and 9 points per range): read the
+``lightning-dp grid --budget`` runs of docs/results_oso_mnist.md from MLflow (every grid parent with
+``grid/budget_epsilon`` whose lr axis, its ``grid.lr`` param, has k values; its chosen runs ``grid.best_runs``, their
+``test/acc`` and chosen lr, C and target quantile; the strategy is the config's name in the parent's run name) and
+draw their mean and sample std per budget beside the thesis' Table 3.11 or 3.8 (dashed; Fig. 3.4's values are only
+in the thesis' plot, its Table 3.2 gives the chosen hyper-parameters).
 
 Fig. 3.1: why C matters. A CNN for character recognition is trained; at iterations t in {100, 250, 500,
 750, 950} the DP-SGD gradient of one batch (clipped at C, averaged, noised) is compared with the batch's
@@ -175,28 +178,42 @@ THESIS_3_11 = {
     "fixed_threshold": {3: (89.2, 0.39), 5: (90.9, 0.49), 7: (91.4, 0.43), 9: (91.7, 0.42)},
     "fixed_quantile": {3: (87.91, 0.62), 5: (90.71, 0.69), 7: (91.16, 0.49), 9: (91.21, 0.47)},
 }
+#: Thesis Table 3.8 (MNIST, k = 9), the same layout.
+THESIS_3_8 = {
+    "online": {3: (90.69, 0.53), 5: (91.62, 0.83), 7: (92.94, 0.90), 9: (93.62, 0.91)},
+    "adamwosm": {3: (90.62, 0.52), 5: (91.60, 0.39), 7: (92.19, 0.37), 9: (92.53, 0.33)},
+    "fixed_threshold": {3: (86.83, 0.70), 5: (88.69, 0.57), 7: (90.04, 0.49), 9: (90.72, 0.47)},
+    "fixed_quantile": {3: (85.48, 0.39), 5: (88.13, 0.59), 7: (90.73, 0.72), 9: (91.09, 0.51)},
+}
+STRATEGIES = tuple(THESIS_3_11)
+#: The grid figures: figure -> (k, the thesis' table of accuracies or None where its values are only in the plot).
+GRID_FIGURES = {"fig3.10": (5, THESIS_3_11), "fig3.4": (7, None), "fig3.7": (9, THESIS_3_8)}
+#: The chosen run's hyper-parameters in the table (the grid's tags of its axes; empty where not an axis).
+AXES = ("lr", "max_grad_norm", "target_quantile")
 
 
-def measure_fig3_10(tracking_uri: str | list[str] | None = None, experiment_name: str | None = None) -> list[list]:
-    """One row per chosen run of every budgeted grid: strategy, budget, test accuracy (%). ``tracking_uri``: one
-    MLflow store or several (grids run apart, e.g. two at once on two cores, are read together). ``experiment_name``:
-    only that experiment's grids (the scaled setting's is ``oso-mnist-t10k``; grids of another setting must not be
-    pooled with them)."""
+def measure_grids(tracking_uri: str | list[str] | None = None, experiment_name: str | None = None,
+                  k: int | None = None) -> list[list]:
+    """One row per chosen run of every budgeted grid: strategy, budget, run id, test accuracy (%) and the chosen
+    point's lr, C and target quantile. ``tracking_uri``: one MLflow store or several (grids run apart, e.g. two at
+    once on two cores, are read together). ``experiment_name``: only that experiment's grids (the scaled setting's
+    is ``oso-mnist-t10k``; grids of another setting must not be pooled with them). ``k``: only grids whose lr axis
+    has ``k`` values (the thesis' granularity; a grid's axes are its parent's ``grid.*`` params)."""
     from mlflow import MlflowClient
 
-    rows = [["strategy", "epsilon", "run", "test_acc"]]
+    rows = [["strategy", "epsilon", "run", "test_acc", *AXES]]
     uris = tracking_uri if isinstance(tracking_uri, list) else [tracking_uri]
     for uri in uris:
-        rows += _chosen_runs(MlflowClient(uri), experiment_name)
+        rows += _chosen_runs(MlflowClient(uri), experiment_name, k)
     if len(rows) == 1:
         where = ", ".join(map(str, uris)) if tracking_uri else "MLFLOW_TRACKING_URI"
-        raise SystemExit(f"no budgeted OSO grid with chosen runs in {where}: run the "
+        raise SystemExit(f"no budgeted OSO grid{f' with k = {k}' if k else ''} with chosen runs in {where}: run the "
                          "grids of docs/results_oso_mnist.md (lightning-dp grid ... --budget EPS --select val/acc "
                          "--test) first")
     return rows
 
 
-def _chosen_runs(client, experiment_name: str | None) -> list[list]:
+def _chosen_runs(client, experiment_name: str | None, k: int | None) -> list[list]:
     rows = []
     experiments = [e for e in client.search_experiments() if experiment_name in (None, e.name)]
     for experiment in experiments:
@@ -205,45 +222,80 @@ def _chosen_runs(client, experiment_name: str | None) -> list[list]:
             budget = parent.data.metrics.get("grid/budget_epsilon")
             best = parent.data.tags.get("grid.best_runs")
             name = parent.info.run_name.split(" ", 1)
-            if budget is None or not best or len(name) < 2 or name[1] not in THESIS_3_11:
+            if budget is None or not best or len(name) < 2 or name[1] not in STRATEGIES:
+                continue
+            if k is not None and len(parent.data.params.get("grid.lr", "").split(",")) != k:
                 continue
             for run_id in filter(None, best.split(",")):  # a grid point without a run id leaves an empty item
-                acc = client.get_run(run_id).data.metrics.get("test/acc")
+                run = client.get_run(run_id)
+                acc = run.data.metrics.get("test/acc")
                 if acc is not None:
-                    rows.append([name[1], f"{budget:g}", run_id, 100 * acc])
+                    rows.append([name[1], f"{budget:g}", run_id, 100 * acc,
+                                 *(run.data.tags.get(f"grid.{axis}", "") for axis in AXES)])
     return rows
 
 
-def draw_fig3_10(table: list[dict]):
+def draw_grids(table: list[dict], k: int, thesis: dict | None, number: str):
     import statistics
 
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(6.4, 4.4), layout="constrained")
     ax = fig.subplots()
-    for i, (strategy, thesis) in enumerate(THESIS_3_11.items()):
-        eps = sorted(thesis)
-        ax.errorbar([e + 0.06 * (i - 1.5) for e in eps], [thesis[e][0] for e in eps], [thesis[e][1] for e in eps],
-                    color=f"C{i}", linestyle="--", marker="x", alpha=0.6, capsize=2)
-        ours = {}
+    for i, strategy in enumerate(STRATEGIES):
+        shift = 0.06 * (i - 1.5)
+        if thesis is not None:
+            eps = sorted(thesis[strategy])
+            ax.errorbar([e + shift for e in eps], [thesis[strategy][e][0] for e in eps],
+                        [thesis[strategy][e][1] for e in eps], color=f"C{i}", linestyle="--", marker="x", alpha=0.6,
+                        capsize=2)
+        ours: dict[float, list[float]] = {}
         for r in table:
             if r["strategy"] == strategy:
                 ours.setdefault(float(r["epsilon"]), []).append(float(r["test_acc"]))
         if ours:
             xs = sorted(ours)
-            ax.errorbar([e + 0.06 * (i - 1.5) for e in xs], [statistics.mean(ours[e]) for e in xs],
+            ax.errorbar([e + shift for e in xs], [statistics.mean(ours[e]) for e in xs],
                         [statistics.stdev(ours[e]) if len(ours[e]) > 1 else 0.0 for e in xs], color=f"C{i}",
                         marker="o", capsize=2, label=f"{strategy} (ours, n = {min(len(v) for v in ours.values())})")
-    ax.plot([], [], "k--x", alpha=0.6, label="thesis Table 3.11 (n = 5)")
+    if thesis is not None:
+        ax.plot([], [], "k--x", alpha=0.6, label=f"thesis Table {number} (n = 5)")
     ax.set_xlabel("epsilon (delta 1e-5, composed over each grid)")
     ax.set_ylabel("MNIST test accuracy (%), mean and sample std")
-    ax.set_title("Thesis Fig. 3.10 (k = 5); ours: 8,000 images, 160 steps", fontsize=9)
+    figure = next(f for f, (size, _) in GRID_FIGURES.items() if size == k)
+    ax.set_title(f"Thesis Fig. {figure[3:]} (k = {k}); ours: 8,000 images, 160 steps"
+                 + ("" if thesis is not None else "; the thesis' values are only in its plot"), fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     return fig
 
 
+def measure_fig3_10(tracking_uri=None, experiment_name=None):
+    return measure_grids(tracking_uri, experiment_name, k=5)
+
+
+def measure_fig3_4(tracking_uri=None, experiment_name=None):
+    return measure_grids(tracking_uri, experiment_name, k=7)
+
+
+def measure_fig3_7(tracking_uri=None, experiment_name=None):
+    return measure_grids(tracking_uri, experiment_name, k=9)
+
+
+def draw_fig3_10(table: list[dict]):
+    return draw_grids(table, 5, THESIS_3_11, "3.11")
+
+
+def draw_fig3_4(table: list[dict]):
+    return draw_grids(table, 7, None, "3.2")
+
+
+def draw_fig3_7(table: list[dict]):
+    return draw_grids(table, 9, THESIS_3_8, "3.8")
+
+
 FIGURES = {"fig3.1": (measure_fig3_1, draw_fig3_1), "fig3.2": (measure_fig3_2, draw_fig3_2),
+           "fig3.4": (measure_fig3_4, draw_fig3_4), "fig3.7": (measure_fig3_7, draw_fig3_7),
            "fig3.10": (measure_fig3_10, draw_fig3_10)}
 
 
@@ -254,8 +306,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--replot", action="store_true", help="redraw the figure from its TSV in --out")
     parser.add_argument("--data-dir", default=None, help="fig3.1: the MNIST IDX files (default ../shared/data/mnist)")
     parser.add_argument("--tracking-uri", action="append", default=None,
-                        help="fig3.10: an MLflow store of the grids, repeatable (default: MLFLOW_TRACKING_URI)")
-    parser.add_argument("--experiment", default="oso-mnist-t10k", help="fig3.10: the grids' MLflow experiment")
+                        help="fig3.4/3.7/3.10: an MLflow store of the grids, repeatable (default: MLFLOW_TRACKING_URI)")
+    parser.add_argument("--experiment", default="oso-mnist-t10k", help="fig3.4/3.7/3.10: the grids' MLflow experiment")
     args = parser.parse_args(argv)
     measure, draw = FIGURES[args.figure]
     out = Path(args.out)
@@ -264,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     tsv = out / f"{stem}.tsv"
     if not args.replot:  # measured first: a failed measurement leaves the committed table as it was
         rows = (measure(args.data_dir) if args.figure == "fig3.1" else
-                measure(args.tracking_uri, args.experiment) if args.figure == "fig3.10" else measure())
+                measure(args.tracking_uri, args.experiment) if args.figure in GRID_FIGURES else measure())
         with tsv.open("w", newline="") as handle:
             csv.writer(handle, delimiter="\t", lineterminator="\n").writerows(rows)
     with tsv.open() as handle:
