@@ -4,6 +4,7 @@ MNIST grids at k = 7, 9, 5: Tables 3.2, 3.8, 3.11).
     python examples/oso/figures.py fig3.1            # docs/figures/oso_fig3_1.{png,tsv}, about a minute
     python examples/oso/figures.py fig3.2            # docs/figures/oso_fig3_2.{png,tsv}
     python examples/oso/figures.py fig3.10 --tracking-uri sqlite:///mlruns/oso.db   # the budgeted grids (repeatable)
+    python examples/oso/figures.py fig3.7 --tracking-uri sqlite:///a.db --tracking-uri sqlite:///b.db   # k = 9 grids
     python examples/oso/figures.py fig3.2 --replot   # redraw from the TSV (any figure)
 
 Figs. 3.10, 3.4 and 3.7 (MNIST test accuracy against epsilon, grids of k = 5, 7 and 9 points per range): read the
