@@ -245,15 +245,15 @@ def draw_grids(table: list[dict], k: int, thesis: dict | None, number: str):
     ax = fig.subplots()
     for i, strategy in enumerate(STRATEGIES):
         shift = 0.06 * (i - 1.5)
-        if thesis is not None:
-            eps = sorted(thesis[strategy])
-            ax.errorbar([e + shift for e in eps], [thesis[strategy][e][0] for e in eps],
-                        [thesis[strategy][e][1] for e in eps], color=f"C{i}", linestyle="--", marker="x", alpha=0.6,
-                        capsize=2)
         ours: dict[float, list[float]] = {}
         for r in table:
             if r["strategy"] == strategy:
                 ours.setdefault(float(r["epsilon"]), []).append(float(r["test_acc"]))
+        if thesis is not None:
+            eps = sorted(thesis[strategy])
+            ax.errorbar([e + shift for e in eps], [thesis[strategy][e][0] for e in eps],
+                        [thesis[strategy][e][1] for e in eps], color=f"C{i}", linestyle="--", marker="x", alpha=0.6,
+                        capsize=2, label=None if ours else f"{strategy} (thesis only)")
         if ours:
             xs = sorted(ours)
             ax.errorbar([e + shift for e in xs], [statistics.mean(ours[e]) for e in xs],
