@@ -14,12 +14,14 @@ not state x's distribution either (ours: ``N(0, I)``, the DataModule's default).
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "examples"))
+
+from figure_table import table_then_figure  # noqa: E402  (examples/ is on the path from here)
 
 CONFIG = ROOT / "examples" / "fairness" / "synthetic.yaml"
 
@@ -75,19 +77,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--replot", action="store_true", help="redraw the figure from its TSV in --out")
     args = parser.parse_args(argv)
     measure, draw = FIGURES[args.figure]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "fairness_" + args.figure.replace(".", "_")
-    tsv = out / f"{stem}.tsv"
-    if not args.replot:
-        rows = measure()
-        with tsv.open("w", newline="") as handle:
-            csv.writer(handle, delimiter="\t", lineterminator="\n").writerows(rows)
-    with tsv.open() as handle:
-        table = list(csv.DictReader(handle, delimiter="\t"))
-    draw(table).savefig(out / f"{stem}.png", dpi=110)
-    print(f"{'redrew' if args.replot else 'wrote'} {out / stem}.png from {tsv}")
-
+    table_then_figure(Path(args.out), "fairness_" + args.figure.replace(".", "_"), measure, draw, replot=args.replot,
+                      dpi=110)
 
 if __name__ == "__main__":
     main()

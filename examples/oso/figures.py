@@ -38,12 +38,15 @@ ONE run at delta 1e-5 with Poisson batches of expected size 512 and the PLD acco
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "examples"))
+
+from figure_table import table_then_figure  # noqa: E402  (examples/ is on the path from here)
 
 #: The setting of the curves (thesis ch. 3's MNIST: N, batch 512, 10 epochs; delta is ours): see the docstring.
 SETTING = {"dataset_size": 60_000, "batch_size": 512, "epochs": 10, "delta": 1e-5}
@@ -311,20 +314,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--experiment", default="oso-mnist-t10k", help="fig3.4/3.7/3.10: the grids' MLflow experiment")
     args = parser.parse_args(argv)
     measure, draw = FIGURES[args.figure]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "oso_" + args.figure.replace(".", "_")
-    tsv = out / f"{stem}.tsv"
-    if not args.replot:  # measured first: a failed measurement leaves the committed table as it was
-        rows = (measure(args.data_dir) if args.figure == "fig3.1" else
-                measure(args.tracking_uri, args.experiment) if args.figure in GRID_FIGURES else measure())
-        with tsv.open("w", newline="") as handle:
-            csv.writer(handle, delimiter="\t", lineterminator="\n").writerows(rows)
-    with tsv.open() as handle:
-        table = list(csv.DictReader(handle, delimiter="\t"))
-    draw(table).savefig(out / f"{stem}.png", dpi=120)
-    print(f"{'redrew' if args.replot else 'wrote'} {out / stem}.png from {tsv}")
-
+    rows = (partial(measure, args.data_dir) if args.figure == "fig3.1" else
+            partial(measure, args.tracking_uri, args.experiment) if args.figure in GRID_FIGURES else measure)
+    table_then_figure(Path(args.out), "oso_" + args.figure.replace(".", "_"), rows, draw, replot=args.replot, dpi=120)
 
 if __name__ == "__main__":
     main()
