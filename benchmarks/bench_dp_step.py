@@ -10,7 +10,9 @@ set-up (CUDA).
 
 Models (``--model``):
 
-* ``mnist_cnn``: the thesis' MNIST CNN (Table 3.5 shape), batch 256 of 1x28x28;
+* ``mnist_cnn``: Papernot et al.'s strided MNIST CNN (``MNISTConvNet``, 26,010 parameters), batch 256 of 1x28x28;
+* ``thesis_cnn``: the thesis' MNIST CNN (``MNISTConvNet(layers="thesis")``, Table 3.5's layers at Table 3.1's
+  551,322 parameters, ReLU), batch 256;
 * ``stride1_cnn``: conv 16x8x8 stride 1, max-pool 2/1, conv 32x4x4, linear 9248->32->10, batch 256;
 * ``resnet8_gn``: a ResNet-8 with GroupNorm for 3x32x32 inputs (3 stages of one basic block, 16/32/64 channels), batch 64;
 * ``transformer``: token embedding (1,000 words), 2-layer ``nn.TransformerEncoder`` (d 128, 4 heads, ff 256,
@@ -185,6 +187,8 @@ def _ce(logits, batch):
 MODELS = {
     "mnist_cnn": (lambda opacus=False: MNISTConvNet(), _images((1, 28, 28)), 256, _ce),
     "stride1_cnn": (lambda opacus=False: Stride1CNN(), _images((1, 28, 28)), 256, _ce),
+    "thesis_cnn": (lambda opacus=False: MNISTConvNet(layers="thesis", activation="relu"), _images((1, 28, 28)), 256,
+                   _ce),
     "resnet8_gn": (lambda opacus=False: ResNet8(), _images((3, 32, 32)), 64, _ce),
     "transformer": (TextTransformer, _tokens(64), 32, _ce),
     "lstm": (TextLSTM, _tokens(64), 64, _ce),

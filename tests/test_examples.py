@@ -33,7 +33,7 @@ def test_there_are_examples():
 
 
 OSO = Path(__file__).resolve().parents[1] / "examples" / "oso"
-OSO_DATA = ["mnist_t10k.yaml", "mnist.yaml", "fashion_mnist.yaml", "fashion_mnist_autoencoder.yaml", "../oso_agnews.yaml",
+OSO_DATA = ["mnist_t10k.yaml", "mnist_t10k_thesis_model.yaml", "mnist.yaml", "fashion_mnist.yaml", "fashion_mnist_autoencoder.yaml", "../oso_agnews.yaml",
             "../oso_mnist_autoencoder.yaml"]
 OSO_STRATEGIES = {"online.yaml": "OnlineSensitivity", "fixed_threshold.yaml": "DPSGD",
                   "fixed_quantile.yaml": "QuantileClipping", "adamwosm.yaml": "DPSGD"}
@@ -55,8 +55,11 @@ def test_thesis_strategy_configs_compose_with_every_dataset(data, strategy, tmp_
     assert [type(cb).__name__ for cb in dp] == [OSO_STRATEGIES[strategy]]
     assert cli.model.hparams.optimizer == ("adamwosm" if strategy == "adamwosm.yaml" else "sgd")
     assert cli.model.configure_optimizers() is not None
-    if data == "fashion_mnist_autoencoder.yaml":  # the thesis' Table 3.6 model, its Table 3.1 size
-        assert sum(p.numel() for p in cli.model.parameters()) == 48_705
+    sizes = {"fashion_mnist_autoencoder.yaml": 48_705, "mnist.yaml": 551_322, "mnist_t10k_thesis_model.yaml": 551_322, "../oso_agnews.yaml": 113_156}
+    if data in sizes:  # the thesis' Tables 3.5-3.7 models, at their Table 3.1 sizes
+        assert sum(p.numel() for p in cli.model.parameters()) == sizes[data]
+    if data == "../oso_agnews.yaml":  # the data's features are the network's inputs
+        assert cli.datamodule.input_shape == (cli.model.network.in_features,) == (750,)
 
 
 def test_pdpfl_figures_redraw_from_their_tables(tmp_path):

@@ -1,4 +1,4 @@
-"""AG News topic classification as averaged GloVe vectors (thesis chapter 3).
+"""AG News topic classification from GloVe vectors (thesis chapter 3).
 
 AG News (Zhang, Zhao and LeCun, "Character-level convolutional networks for text
 classification", NeurIPS 2015): 120,000 training and 7,600 test news articles in four
@@ -11,9 +11,15 @@ classifies them from a bag-of-words feature:
 3. map each token to its pre-trained 50-dimensional GloVe vector (Pennington, Socher
    and Manning, "GloVe: Global vectors for word representation", EMNLP 2014; the
    ``glove.6B.50d.txt`` file of https://nlp.stanford.edu/data/glove.6B.zip);
-4. the feature is the MEAN of the vectors of those of the 25 tokens that GloVe knows
-   (every occurrence counts; out-of-vocabulary tokens are skipped, they still count
-   among the 25); a text with no known token gets the zero vector.
+4. ``pooling="mean"`` (default): the feature is the MEAN of the vectors of those of the 25
+   tokens that GloVe knows (every occurrence counts; out-of-vocabulary tokens are skipped,
+   they still count among the 25); a text with no known token gets the zero vector.
+   ``pooling="concat"``: the feature is the CONCATENATION of the ``max_tokens`` vectors in
+   text order (``max_tokens * 50`` numbers), a zero vector for an unknown token and for
+   each missing token of a shorter text. The thesis' Table 3.1 model size (113,156
+   parameters for its Table 3.7 layers) implies 750 = 15 x 50 inputs, i.e. ``concat`` of
+   the first 15 tokens (see :class:`~lightning_dp.models.BagOfWordsMLP`); its text says
+   "an embedding size of 50 for up to the first 25 words" and does not name the pooling.
 
 Two sources of the texts:
 
@@ -68,6 +74,7 @@ __all__ = [
     "GLOVE_FILE",
     "GLOVE_URL",
     "load_glove",
+    "concat_embeddings",
     "mean_embeddings",
     "read_ag_news_csv",
     "tokenize",
@@ -84,6 +91,7 @@ CSV_FILES: dict[str, str] = {"train": "train.csv", "test": "test.csv"}
 FEATURES_VERSION = 1
 
 Source = Literal["csv", "huggingface"]
+Pooling = Literal["mean", "concat"]
 
 # AG News keeps HTML character references with the "&" replaced by a space, e.g.
 # "Australia #39;s first gold": numeric ones become their character, named ones a space.
@@ -271,6 +279,41 @@ def mean_embeddings(
     return features, known
 
 
+def concat_embeddings(
+    token_lists: Sequence[Sequence[str]], *, words: Sequence[str], vectors: torch.Tensor, max_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The word vectors of each token list's first ``max_tokens`` tokens, concatenated in order.
+
+    Position ``j`` of a list fills components ``j * dim`` to ``(j + 1) * dim - 1``; a token without a vector
+    and every position past the end of a shorter list are zeros (a zero vector is GloVe's "no word").
+
+    Args:
+        token_lists: One list of tokens per text (tokens past ``max_tokens`` are ignored).
+        words: The words that have a vector.
+        vectors: Their vectors, shape ``(len(words), dim)``.
+        max_tokens: Number of token positions of the feature.
+
+    Returns:
+        ``(features, known)``: float32 features of shape ``(len(token_lists), max_tokens * dim)`` and
+        the ``int64`` number of known tokens among each list's first ``max_tokens``.
+
+    Example:
+        >>> features, known = concat_embeddings([["a", "zz", "b"], ["b"]], words=["a", "b"],
+        ...                                     vectors=torch.tensor([[1.0, 0.0], [0.0, 3.0]]), max_tokens=2)
+        >>> features.tolist(), known.tolist()
+        ([[1.0, 0.0, 0.0, 0.0], [0.0, 3.0, 0.0, 0.0]], [1, 1])
+    """
+    checks.positive_int("max_tokens", max_tokens)
+    index = {word: i + 1 for i, word in enumerate(words)}  # row 0 of the padded table is the zero vector
+    ids = torch.zeros(len(token_lists), max_tokens, dtype=torch.int64)
+    for row, tokens in enumerate(token_lists):
+        ids[row, : min(len(tokens), max_tokens)] = torch.tensor(
+            [index.get(token, 0) for token in tokens[:max_tokens]], dtype=torch.int64)
+    table = torch.cat([torch.zeros(1, vectors.shape[1]), vectors.to(torch.float32)])
+    features = F.embedding(ids, table).reshape(len(token_lists), -1)
+    return features, (ids > 0).sum(dim=1)
+
+
 def _import_datasets() -> Any:
     return import_datasets("source='huggingface'",
                            f"source='csv' with the official train.csv and test.csv ({CSV_URL})")
@@ -282,7 +325,7 @@ def _file_fingerprint(path: Path) -> dict[str, Any]:
 
 
 class AGNewsDataModule(SplitDataModule):
-    """AG News as 50-d mean GloVe vectors of the first 25 tokens (thesis chapter 3).
+    """AG News as GloVe vectors of the first 25 tokens, averaged or concatenated (thesis chapter 3).
 
     See the module docstring for the features and the two sources. Splits:
 
@@ -291,11 +334,12 @@ class AGNewsDataModule(SplitDataModule):
       are held out for validation (stratified, seeded);
     - test: the official test split (or a stratified subset of ``test_subset`` rows).
 
-    Batches are ``(x, y)`` with ``x`` float32 of shape ``(B, embedding_dim)`` and ``y``
-    int64 in 0-3 (:attr:`classes`). Features are computed once in ``setup``; with
+    Batches are ``(x, y)`` with ``x`` float32 of shape :attr:`input_shape` per example,
+    ``(B, embedding_dim)`` for ``pooling="mean"`` and ``(B, max_tokens * embedding_dim)`` for
+    ``"concat"``, and ``y`` int64 in 0-3 (:attr:`classes`). Features are computed once in ``setup``; with
     ``cache=True`` they are saved as ``ag_news_features_<split>_<hash>.pt`` in
     ``data_dir`` (the hash covers the source files' path, size and modification time,
-    the GloVe file, ``max_tokens``, ``embedding_dim``, the subset size and the seed),
+    the GloVe file, ``max_tokens``, ``embedding_dim``, ``pooling``, the subset size and the seed),
     so later runs skip tokenization and the GloVe pass. A read-only ``data_dir`` only
     disables the cache, with a warning.
 
@@ -312,6 +356,9 @@ class AGNewsDataModule(SplitDataModule):
         test_subset: Use only this many test rows (stratified, seeded); ``None`` for all 7,600.
         max_tokens: Number of leading tokens of a text that enter its feature (thesis: 25).
         embedding_dim: Dimension of the GloVe vectors (thesis: 50), checked against the file.
+        pooling: ``"mean"`` (the mean of the known tokens' vectors) or ``"concat"`` (the ``max_tokens``
+            vectors side by side, zeros for unknown and missing tokens; the thesis' Table 3.1 size with
+            ``max_tokens=15``). See the module docstring.
         cache: Save and reuse the computed features in ``data_dir``.
         seed: Seed of the subsets, the validation split and the training-loader shuffling.
         num_workers: DataLoader worker processes (0: load in the main process).
@@ -343,6 +390,7 @@ class AGNewsDataModule(SplitDataModule):
         test_subset: Optional[int] = None,
         max_tokens: int = 25,
         embedding_dim: int = 50,
+        pooling: Pooling = "mean",
         cache: bool = True,
         seed: int = 0,
         num_workers: int = 0,
@@ -364,6 +412,11 @@ class AGNewsDataModule(SplitDataModule):
                 )
         checks.positive_int("max_tokens", max_tokens, owner=owner)
         checks.positive_int("embedding_dim", embedding_dim, owner=owner)
+        if pooling not in ("mean", "concat"):
+            raise ValueError(
+                f"{owner}: pooling must be 'mean' (the mean word vector, embedding_dim features) or 'concat' (the "
+                f"max_tokens vectors side by side, max_tokens * embedding_dim features), got {pooling!r}"
+            )
         checks.non_negative_int("num_workers", num_workers, owner=owner)
         if not isinstance(cache, bool):
             raise ValueError(f"{owner}: cache must be True or False, got {cache!r}")
@@ -381,6 +434,7 @@ class AGNewsDataModule(SplitDataModule):
         self.test_subset = test_subset
         self.max_tokens = max_tokens
         self.embedding_dim = embedding_dim
+        self.pooling = pooling
         self.cache = cache
         self.seed = seed
         self.num_workers = num_workers
@@ -390,8 +444,9 @@ class AGNewsDataModule(SplitDataModule):
 
     @property
     def input_shape(self) -> tuple[int]:
-        """Shape of one feature vector, ``(embedding_dim,)``."""
-        return (self.embedding_dim,)
+        """Shape of one feature vector: ``(embedding_dim,)`` (mean) or ``(max_tokens * embedding_dim,)`` (concat);
+        the ``in_features`` of the network."""
+        return (self.embedding_dim * (self.max_tokens if self.pooling == "concat" else 1),)
 
     # ----------------------------------------------------------------- files
     def missing_files(self) -> list[Path]:
@@ -512,7 +567,11 @@ class AGNewsDataModule(SplitDataModule):
         vocabulary = {token for lists in tokens.values() for token_list in lists for token in token_list}
         words, vectors = load_glove(self.glove_path, vocabulary=vocabulary, dim=self.embedding_dim)
         for split in todo:
-            features, known = mean_embeddings(tokens[split], words=words, vectors=vectors)
+            if self.pooling == "concat":
+                features, known = concat_embeddings(tokens[split], words=words, vectors=vectors,
+                                                    max_tokens=self.max_tokens)
+            else:
+                features, known = mean_embeddings(tokens[split], words=words, vectors=vectors)
             self._warn_if_uncovered(split, known)
             result[split] = (features, labels[split])
             if self.cache:
@@ -568,6 +627,8 @@ class AGNewsDataModule(SplitDataModule):
             "glove": _file_fingerprint(self.glove_path),
             "max_tokens": self.max_tokens,
             "embedding_dim": self.embedding_dim,
+            # "mean" adds nothing, so the caches written before `pooling` existed stay valid
+            **({"pooling": self.pooling} if self.pooling != "mean" else {}),
             "subset": self.train_subset if split == "train" else self.test_subset,
             "seed": self.seed,
         }

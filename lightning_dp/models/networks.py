@@ -39,52 +39,75 @@ def _activation(name: str) -> nn.Module:
 
 
 class MNISTConvNet(nn.Module):
-    """The standard DP-SGD CNN for 1x28x28 images (MNIST, Fashion-MNIST).
+    """The standard DP-SGD CNN for 1x28x28 images (MNIST, Fashion-MNIST), or the thesis' stride-1 variant.
 
-    The architecture of the TF-Privacy MNIST tutorial and of Papernot et al. 2021
-    ("Tempered sigmoid activations for deep learning with differential privacy",
-    AAAI 2021): two strided convolutions each followed by a 2x2 max-pool of stride 1, then a
-    32-unit hidden layer. The thesis' Table 3.5 lists the same layers but with stride-1
-    convolutions and ReLU, and its Table 3.1 a model of 551,322 parameters, which that list
-    does not give exactly either; this network is not the thesis' model. Shapes for a 28x28 input::
+    ``layers="papernot"`` (default): the architecture of the TF-Privacy MNIST tutorial and of Papernot et al.
+    2021 ("Tempered sigmoid activations for deep learning with differential privacy", AAAI 2021): two strided
+    convolutions each followed by a 2x2 max-pool of stride 1, then a 32-unit hidden layer, 26,010 parameters
+    for 10 classes. Shapes for a 28x28 input::
 
         Conv2d(1, 16, 8, stride=2, padding=3)  -> 16x14x14 -> act -> MaxPool2d(2, 1) -> 16x13x13
         Conv2d(16, 32, 4, stride=2)            -> 32x5x5   -> act -> MaxPool2d(2, 1) -> 32x4x4
         Flatten -> Linear(512, 32) -> act -> Linear(32, num_classes)
 
-    26,010 parameters for 10 classes.
+    ``layers="thesis"``: the MNIST model of the thesis' chapter 3 (F. Galli, "Sense and Sensitivity", Table 3.5:
+    Conv 16 8x8 stride 1, MaxPool 2x2 stride 1, Conv 32 4x4 stride 1, Linear 32, Linear 10, ReLU), with the
+    padding its Table 3.1 size fixes: 551,322 parameters (for 10 classes) is exactly the network below, the
+    Papernot layers with both strides 1 and without the second max-pool, as Table 3.5 lists them::
+
+        Conv2d(1, 16, 8, stride=1, padding=3)  -> 16x27x27 -> act -> MaxPool2d(2, 1) -> 16x26x26
+        Conv2d(16, 32, 4, stride=1)            -> 32x23x23 -> act
+        Flatten -> Linear(16928, 32) -> act -> Linear(32, num_classes)
+
+    (1,040 + 8,224 + 541,728 + 330 parameters; padding 3 on the second convolution instead of the first gives the
+    same count, the first is Papernot's.) Table 3.5 also lists a ReLU after the output layer; it is not applied
+    here: a ReLU on the logits zeroes the gradient of every negative logit, and the thesis does not say its code
+    does so. The thesis trains it with ``activation="relu"``. Its forward pass is 5.62 million multiply-adds
+    per example, 13 times the strided network's 0.42 million.
 
     Args:
         num_classes: Number of output logits.
         activation: ``"tanh"`` (Papernot et al. 2021: bounded activations keep the
-            gradient norm small, so less signal is lost to clipping) or ``"relu"``.
+            gradient norm small, so less signal is lost to clipping), ``"relu"`` (the thesis) or ``"leaky_relu"``.
+        layers: ``"papernot"`` or ``"thesis"`` (above).
 
     Raises:
-        ValueError: If ``activation`` is not one of ``"tanh"``, ``"relu"`` or
+        ValueError: If ``activation`` or ``layers`` is not one of the choices or
             ``num_classes`` is not a positive integer.
 
     Example:
         >>> import torch
         >>> MNISTConvNet(activation="relu")(torch.zeros(3, 1, 28, 28)).shape
         torch.Size([3, 10])
+        >>> sum(p.numel() for p in MNISTConvNet(layers="thesis").parameters())
+        551322
     """
 
-    def __init__(self, num_classes: int = 10, activation: str = "tanh") -> None:
+    def __init__(self, num_classes: int = 10, activation: str = "tanh",
+                 layers: Literal["papernot", "thesis"] = "papernot") -> None:
         super().__init__()
         num_classes = checks.positive_int("num_classes", num_classes)
+        if layers not in ("papernot", "thesis"):
+            raise ValueError(f"layers={layers!r} is not supported; choose 'papernot' (two strided convolutions, "
+                             "26,010 parameters, the default) or 'thesis' (thesis Table 3.5: stride-1 convolutions, "
+                             "551,322 parameters).")
         self.num_classes = num_classes
         self.activation = activation
-        self.features = nn.Sequential(
-            nn.Conv2d(1, 16, kernel_size=8, stride=2, padding=3),
+        self.layers = layers
+        stride, side = (2, 4) if layers == "papernot" else (1, 23)
+        features: list[nn.Module] = [
+            nn.Conv2d(1, 16, kernel_size=8, stride=stride, padding=3),
             _activation(activation),
             nn.MaxPool2d(kernel_size=2, stride=1),
-            nn.Conv2d(16, 32, kernel_size=4, stride=2),
+            nn.Conv2d(16, 32, kernel_size=4, stride=stride),
             _activation(activation),
-            nn.MaxPool2d(kernel_size=2, stride=1),
-        )
+        ]
+        if layers == "papernot":
+            features.append(nn.MaxPool2d(kernel_size=2, stride=1))
+        self.features = nn.Sequential(*features)
         self.classifier = nn.Sequential(
             nn.Flatten(),
-            nn.Linear(32 * 4 * 4, 32),
+            nn.Linear(32 * side * side, 32),
             _activation(activation),
             nn.Linear(32, num_classes),
         )
@@ -183,46 +206,59 @@ class MLP(nn.Module):
 
 
 class BagOfWordsMLP(nn.Module):
-    """A one-hidden-layer MLP over averaged word vectors (AG News, thesis ch. 3).
+    """An MLP over word-vector features (AG News, thesis ch. 3).
 
     The text classifier of the project's AG News runs (thesis chapter 3: Galli et al., "Online sensitivity
-    optimization in differentially private learning", AAAI 2024): the input is the feature of
-    :class:`~lightning_dp.datamodules.AGNewsDataModule`, the mean of the 50-dimensional GloVe vectors of a text's
-    first 25 tokens. Shapes::
+    optimization in differentially private learning", AAAI 2024); its input is the feature of
+    :class:`~lightning_dp.datamodules.AGNewsDataModule`. Shapes, for ``hidden = (h_1, ..., h_n)``::
 
-        Linear(in_features, hidden) -> act -> Linear(hidden, num_classes)
+        Linear(in_features, h_1) -> act -> ... -> Linear(h_{n-1}, h_n) -> act -> Linear(h_n, num_classes)
 
-    1,764 parameters with the defaults (50 -> 32 -> 4). This is not the thesis' model: its Table 3.7 has two
-    hidden layers of 128 LeakyReLU units over a bag of words, and its Table 3.1 size (113,156 parameters) implies
-    750 input features (128 x 750 + 128 + 128 x 128 + 128 + 128 x 4 + 4); which 750 words is not stated.
+    - The thesis' model (its Table 3.7, "Bag of Words - FC": Linear 128, Linear 128, Linear 4, LeakyReLU):
+      ``BagOfWordsMLP(in_features=750, hidden=(128, 128), activation="leaky_relu")``, 113,156 parameters, exactly
+      its Table 3.1 model size (128 x 750 + 128 + 128 x 128 + 128 + 128 x 4 + 4). The 750 inputs are what that
+      size implies; with the 50-d GloVe vectors the thesis names they are the concatenated vectors of 15
+      tokens (the data module's ``pooling="concat"``, ``max_tokens=15``), where its text says "up to the first 25
+      words" (25 x 50 = 1,250 inputs would make 177,156 parameters). Table 3.7 also lists a LeakyReLU after the
+      output layer; it is not applied here (logits are left linear).
+    - ``BagOfWordsMLP()`` (defaults): one hidden layer of 32 over the 50-d mean vector (``pooling="mean"``),
+      1,764 parameters, a smaller model for CPU runs.
 
     Args:
-        in_features: Dimension of the input features (the GloVe dimension, 50).
-        hidden: Width of the hidden layer.
+        in_features: Dimension of the input features (``embedding_dim`` for the mean of the vectors,
+            ``max_tokens * embedding_dim`` for their concatenation).
+        hidden: Width of the hidden layer, or a sequence of widths, one per hidden layer.
         num_classes: Number of output logits (4 AG News topics).
-        activation: ``"tanh"`` or ``"relu"``.
+        activation: ``"tanh"``, ``"relu"`` or ``"leaky_relu"``.
 
     Raises:
-        ValueError: If a width is not a positive integer or ``activation`` is unknown.
+        ValueError: If a width is not a positive integer, ``hidden`` is empty or ``activation`` is unknown.
 
     Example:
         >>> import torch
         >>> BagOfWordsMLP()(torch.zeros(3, 50)).shape
         torch.Size([3, 4])
+        >>> sum(p.numel() for p in BagOfWordsMLP(750, (128, 128), activation="leaky_relu").parameters())
+        113156
     """
 
-    def __init__(self, in_features: int = 50, hidden: int = 32, num_classes: int = 4,
+    def __init__(self, in_features: int = 50, hidden: int | Sequence[int] = 32, num_classes: int = 4,
                  activation: str = "tanh") -> None:
         super().__init__()
         self.in_features = checks.positive_int("in_features", in_features)
-        self.hidden = checks.positive_int("hidden", hidden)
+        widths = [hidden] if isinstance(hidden, int) else list(hidden)
+        if not widths:
+            raise ValueError("hidden=[] has no hidden layer; give one width (e.g. hidden=32) or one per hidden "
+                             "layer (e.g. hidden=[128, 128], the thesis' Table 3.7).")
+        for width in widths:
+            checks.positive_int("hidden", width)
+        self.hidden = widths[0] if isinstance(hidden, int) else tuple(widths)
         self.num_classes = checks.positive_int("num_classes", num_classes)
         self.activation = activation
-        self.net = nn.Sequential(
-            nn.Linear(in_features, hidden),
-            _activation(activation),
-            nn.Linear(hidden, num_classes),
-        )
+        layers: list[nn.Module] = []
+        for width_in, width_out in zip([in_features, *widths], widths):
+            layers += [nn.Linear(width_in, width_out), _activation(activation)]
+        self.net = nn.Sequential(*layers, nn.Linear(widths[-1], num_classes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return logits of shape ``(batch, num_classes)`` for features of shape ``(batch, in_features)``."""

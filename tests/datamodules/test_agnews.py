@@ -16,6 +16,7 @@ from lightning_dp.datamodules.agnews import (
     CSV_URL,
     GLOVE_FILE,
     GLOVE_URL,
+    concat_embeddings,
     load_glove,
     mean_embeddings,
     read_ag_news_csv,
@@ -177,6 +178,41 @@ def test_features_match_hand_computation(ag_dir):
     torch.testing.assert_close(x[3].double(), expected, atol=1e-6, rtol=0)
 
 
+def test_concat_features_match_hand_computation(ag_dir):
+    """pooling='concat': the vectors of the first max_tokens tokens side by side, zeros for unknown tokens and
+    past the end of a text; the thesis' Table 3.1 size needs 15 x 50 = 750 inputs."""
+    dm = AGNewsDataModule(data_dir=ag_dir, pooling="concat", max_tokens=15, cache=False)
+    assert dm.input_shape == (750,)
+    dm.setup("test")
+    x, y = dm.test_dataset.tensors
+    assert x.dtype == torch.float32 and x.shape == (20, 750)
+    vectors = glove_vectors()
+    zero = torch.zeros(DIM, dtype=torch.float64)
+    expected = torch.cat([vectors.get(token, zero) for token in REUTERS_TOKENS[:15]])
+    torch.testing.assert_close(x[0].double(), expected, atol=1e-6, rtol=0)
+    assert torch.equal(x[1], torch.zeros(750))  # no known token
+    # 'He said "hi"', "computer", then unknown tokens: "computer" fills the fourth position only
+    torch.testing.assert_close(x[2, 3 * DIM:4 * DIM].double(), vectors["computer"], atol=1e-6, rtol=0)
+    assert torch.equal(x[2, :3 * DIM], torch.zeros(3 * DIM)) and torch.equal(x[2, 4 * DIM:], torch.zeros(11 * DIM))
+    # "Game update 100 The team news said win sources": 9 tokens, then 6 positions of zeros
+    tokens = ["game", "update", "100", "the", "team", "news", "said", "win", "sources"]
+    expected = torch.cat([vectors.get(token, zero) for token in tokens] + [zero] * 6)
+    torch.testing.assert_close(x[3].double(), expected, atol=1e-6, rtol=0)
+    # the mean of the concatenated known vectors is the mean pooling of the same tokens
+    mean = AGNewsDataModule(data_dir=ag_dir, max_tokens=15, cache=False)
+    mean.setup("test")
+    known = torch.tensor([sum(t in vectors for t in tokens)]).double()
+    torch.testing.assert_close(x[3].double().reshape(15, DIM).sum(0) / known, mean.test_dataset.tensors[0][3].double(),
+                               atol=1e-6, rtol=0)
+
+
+def test_concat_embeddings_truncates_and_pads():
+    words, table = ["a", "b"], torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    features, known = concat_embeddings([["b", "a", "b"], [], ["zz", "a"]], words=words, vectors=table, max_tokens=2)
+    assert features.tolist() == [[3.0, 4.0, 1.0, 2.0], [0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 1.0, 2.0]]
+    assert known.tolist() == [2, 0, 1]
+
+
 # ---------------------------------------------------------------- splits
 def test_split_sizes_and_stratification(ag_dir):
     dm = AGNewsDataModule(data_dir=ag_dir, val_fraction=0.2, batch_size=8, cache=False)
@@ -225,6 +261,8 @@ def test_feature_cache_is_reused_and_keyed_by_settings(ag_dir, monkeypatch):
         assert all(torch.equal(s, t) for s, t in zip(a.tensors, b.tensors))
     with pytest.raises(AssertionError, match="GloVe read"):  # other settings: another cache entry
         AGNewsDataModule(data_dir=ag_dir, train_subset=20, max_tokens=5).setup("test")
+    with pytest.raises(AssertionError, match="GloVe read"):
+        AGNewsDataModule(data_dir=ag_dir, train_subset=20, pooling="concat").setup("test")
     monkeypatch.undo()
     for path in ag_dir.glob("ag_news_features_test_*.pt"):
         path.write_bytes(b"truncated")
@@ -285,6 +323,7 @@ def test_glove_of_another_dimension(ag_dir):
         ({"test_subset": 2.5}, "test_subset must be None"),
         ({"max_tokens": 0}, "max_tokens must be a positive integer"),
         ({"embedding_dim": -50}, "embedding_dim must be a positive integer"),
+        ({"pooling": "max"}, "pooling must be 'mean'.*or 'concat'"),
         ({"cache": "yes"}, "cache must be True or False"),
         ({"seed": 1.5}, "seed must be an integer"),
         ({"num_workers": -1}, "num_workers"),
@@ -298,7 +337,7 @@ def test_invalid_arguments(kwargs, message):
 def test_defaults_hparams_and_keyword_only():
     dm = AGNewsDataModule()
     assert dm.data_dir == Path("./data/ag_news") and dm.glove_path == Path("./data/ag_news") / GLOVE_FILE
-    assert dm.max_tokens == 25 and dm.embedding_dim == 50 and dm.source == "csv"
+    assert dm.max_tokens == 25 and dm.embedding_dim == 50 and dm.source == "csv" and dm.pooling == "mean"
     assert dm.hparams_initial["data/max_tokens"] == 25 and dm.hparams["train_subset"] is None
     with pytest.raises(TypeError):
         AGNewsDataModule("./data")  # type: ignore[misc]
@@ -358,3 +397,17 @@ def test_bag_of_words_mlp_trains_with_dp_sgd(ag_dir):
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     results = t.test(model, dm, verbose=False)
     assert 0.0 <= results[0]["test/acc"] <= 1.0
+
+
+def test_the_thesis_model_trains_on_concatenated_vectors(ag_dir):
+    """Table 3.7's layers over pooling='concat' of 15 tokens (750 inputs, Table 3.1's 113,156 parameters)."""
+    torch.manual_seed(0)
+    dm = AGNewsDataModule(data_dir=ag_dir, pooling="concat", max_tokens=15, val_fraction=0.2, batch_size=8,
+                          cache=False)
+    network = BagOfWordsMLP(in_features=dm.input_shape[0], hidden=(128, 128), activation="leaky_relu")
+    assert sum(p.numel() for p in network.parameters()) == 113_156
+    model = ImageClassifier(network, num_classes=4, lr=0.5)
+    dp = DPSGD(noise_multiplier=1.0, max_grad_norm=1.0, seed=0)
+    t = trainer(max_epochs=1, callbacks=[dp])
+    t.fit(model, dm)
+    assert t.global_step == 4 and torch.isfinite(t.callback_metrics["val/loss"]) and dp.epsilon > 0

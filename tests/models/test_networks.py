@@ -43,6 +43,46 @@ def test_mnist_convnet_matches_reference_architecture() -> None:
     assert shapes == [(16, 14, 14), (16, 14, 14), (16, 13, 13), (32, 5, 5), (32, 5, 5), (32, 4, 4)]
 
 
+def test_the_thesis_mnist_cnn_is_table_3_5_with_table_3_1s_size() -> None:
+    """layers='thesis': thesis Table 3.5's layers (8x8 and 4x4 convolutions of stride 1, one 2x2 max-pool of
+    stride 1, Linear 32, Linear 10) with 551,322 parameters, Table 3.1's MNIST model size."""
+    net = MNISTConvNet(layers="thesis", activation="relu")
+    # conv 16*64+16, conv 32*16*16+32, fc 32*23*23*32+32, fc 32*10+10
+    assert sum(p.numel() for p in net.parameters()) == 1040 + 8224 + 541_728 + 330 == 551_322
+    assert all(m.stride == (1, 1) for m in net.modules() if isinstance(m, nn.Conv2d))
+    assert sum(isinstance(m, nn.MaxPool2d) for m in net.modules()) == 1
+    shapes = []
+    x = torch.zeros(1, 1, 28, 28)
+    for layer in net.features:
+        x = layer(x)
+        shapes.append(tuple(x.shape[1:]))
+    assert shapes == [(16, 27, 27), (16, 27, 27), (16, 26, 26), (32, 23, 23), (32, 23, 23)]
+    assert net(torch.randn(3, 1, 28, 28)).shape == (3, 10)
+    assert sum(isinstance(m, nn.ReLU) for m in net.modules()) == 3  # none on the logits
+    # the default keeps its module names, so checkpoints of earlier runs still load
+    assert [name for name, _ in MNISTConvNet().named_parameters()] == [
+        "features.0.weight", "features.0.bias", "features.3.weight", "features.3.bias",
+        "classifier.1.weight", "classifier.1.bias", "classifier.3.weight", "classifier.3.bias"]
+    _assert_no_batch_mixing(net)
+    with pytest.raises(ValueError, match="layers='lenet' is not supported"):
+        MNISTConvNet(layers="lenet")  # type: ignore[arg-type]
+
+
+def test_the_thesis_bag_of_words_model_is_table_3_7_with_table_3_1s_size() -> None:
+    """Table 3.7 (Linear 128, Linear 128, Linear 4, LeakyReLU) over 750 inputs: 113,156 parameters, Table 3.1's
+    AG News model size; one width still means one hidden layer."""
+    net = BagOfWordsMLP(in_features=750, hidden=(128, 128), activation="leaky_relu")
+    assert sum(p.numel() for p in net.parameters()) == 128 * 750 + 128 + 128 * 128 + 128 + 128 * 4 + 4 == 113_156
+    assert [(m.in_features, m.out_features) for m in net.modules() if isinstance(m, nn.Linear)] == [
+        (750, 128), (128, 128), (128, 4)]
+    assert sum(isinstance(m, nn.LeakyReLU) for m in net.modules()) == 2 and net.hidden == (128, 128)
+    assert net(torch.randn(2, 750)).shape == (2, 4)
+    assert [(m.in_features, m.out_features) for m in BagOfWordsMLP().modules() if isinstance(m, nn.Linear)] == [
+        (50, 32), (32, 4)]
+    with pytest.raises(ValueError, match=r"hidden=\[\] has no hidden layer"):
+        BagOfWordsMLP(hidden=[])
+
+
 def test_digits_convnet_and_mlp_shapes() -> None:
     digits = DigitsConvNet(num_classes=10)
     assert digits(torch.randn(7, 1, 8, 8)).shape == (7, 10)
@@ -65,6 +105,7 @@ def test_digits_convnet_and_mlp_shapes() -> None:
         (lambda: MLP(0), r"in_features=0"),
         (lambda: MLP(4, hidden=(8, -1)), r"hidden\[1\]=-1"),
         (lambda: BagOfWordsMLP(hidden=0), r"hidden=0"),
+        (lambda: BagOfWordsMLP(hidden=(128, -1)), r"hidden=-1"),
         (lambda: BagOfWordsMLP(in_features=50.0), r"in_features=50.0"),
         (lambda: BagOfWordsMLP(activation="sigmoid"), r"activation='sigmoid'"),
         (lambda: ConvAutoencoder(activation="gelu"), r"activation='gelu'"),
@@ -131,7 +172,8 @@ def _naive_per_sample(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tenso
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("case", ["bag_of_words_mlp", "conv_autoencoder", "conv_autoencoder_sigmoid_relu"])
+@pytest.mark.parametrize("case", ["bag_of_words_mlp", "bag_of_words_mlp_thesis", "mnist_convnet_thesis",
+                                  "conv_autoencoder", "conv_autoencoder_sigmoid_relu"])
 def test_per_sample_gradients_match_naive_loop(case: str) -> None:
     """DP-SGD compatibility: the engine's per-sample norms and clipped sum equal a per-example loop (float32)."""
     g = torch.Generator().manual_seed(0)
@@ -139,6 +181,12 @@ def test_per_sample_gradients_match_naive_loop(case: str) -> None:
     if case == "bag_of_words_mlp":
         model, loss_fn = BagOfWordsMLP(), F.cross_entropy
         x, y = torch.randn(9, 50, generator=g), torch.randint(0, 4, (9,), generator=g)
+    elif case == "bag_of_words_mlp_thesis":
+        model, loss_fn = BagOfWordsMLP(750, (128, 128), activation="leaky_relu"), F.cross_entropy
+        x, y = torch.randn(6, 750, generator=g), torch.randint(0, 4, (6,), generator=g)
+    elif case == "mnist_convnet_thesis":
+        model, loss_fn = MNISTConvNet(layers="thesis", activation="relu"), F.cross_entropy
+        x, y = torch.randn(4, 1, 28, 28, generator=g), torch.randint(0, 10, (4,), generator=g)
     else:
         kwargs = {"output": "sigmoid", "activation": "relu"} if case.endswith("sigmoid_relu") else {}
         model, loss_fn = ConvAutoencoder(**kwargs), F.mse_loss
