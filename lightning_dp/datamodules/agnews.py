@@ -7,19 +7,21 @@ al., "Online sensitivity optimization in differentially private learning", AAAI 
 classifies them from a bag-of-words feature:
 
 1. text = title + ``" "`` + description;
-2. :func:`tokenize` it and keep the FIRST 25 tokens (``max_tokens``);
+2. :func:`tokenize` it and keep the first ``max_tokens`` tokens (default 25, the thesis' text);
 3. map each token to its pre-trained 50-dimensional GloVe vector (Pennington, Socher
    and Manning, "GloVe: Global vectors for word representation", EMNLP 2014; the
    ``glove.6B.50d.txt`` file of https://nlp.stanford.edu/data/glove.6B.zip);
-4. ``pooling="mean"`` (default): the feature is the MEAN of the vectors of those of the 25
-   tokens that GloVe knows (every occurrence counts; out-of-vocabulary tokens are skipped,
-   they still count among the 25); a text with no known token gets the zero vector.
+4. ``pooling="mean"`` (default): the feature is the MEAN of the vectors of those of the
+   ``max_tokens`` tokens that GloVe knows (every occurrence counts; out-of-vocabulary tokens
+   are skipped, they still count among the ``max_tokens``); a text with no known token gets
+   the zero vector.
    ``pooling="concat"``: the feature is the CONCATENATION of the ``max_tokens`` vectors in
    text order (``max_tokens * 50`` numbers), a zero vector for an unknown token and for
-   each missing token of a shorter text. The thesis' Table 3.1 model size (113,156
-   parameters for its Table 3.7 layers) implies 750 = 15 x 50 inputs, i.e. ``concat`` of
-   the first 15 tokens (see :class:`~lightning_dp.models.BagOfWordsMLP`); its text says
-   "an embedding size of 50 for up to the first 25 words" and does not name the pooling.
+   each missing token of a shorter text. The thesis' text says "an embedding size of 50 for
+   up to the first 25 words" and names no pooling; its Table 3.1 model size (113,156
+   parameters for its Table 3.7 layers) needs 750 inputs, which neither the mean (50) nor
+   25 concatenated vectors (1,250) give: ``concat`` of the first 15 tokens does, our reading
+   of the two (see :class:`~lightning_dp.models.BagOfWordsMLP`).
 
 Two sources of the texts:
 
@@ -32,7 +34,7 @@ Two sources of the texts:
   ``cache_dir=data_dir`` (optional dependency, ``pip install 'lightning-dp[hf]'``).
 
 The GloVe vectors are needed with either source; only the vectors of the words that
-occur among the corpus' first 25 tokens are read (line by line) and they are dropped
+occur among the corpus' first ``max_tokens`` tokens are read (line by line) and they are dropped
 once the features are computed.
 """
 
@@ -215,7 +217,8 @@ def load_glove(
                     raise ValueError(
                         f"{path}: the vectors have {fields} components but embedding_dim={dim}; use the "
                         f"{dim}-dimensional GloVe file (the thesis uses {GLOVE_FILE} of {GLOVE_URL}) or set "
-                        f"embedding_dim={fields} (and the network's in_features) to match this file"
+                        f"embedding_dim={fields} (and the network's in_features: embedding_dim, times max_tokens for pooling='concat') to match "
+                        "this file"
                     )
             if not needed:
                 break
@@ -285,7 +288,8 @@ def concat_embeddings(
     """The word vectors of each token list's first ``max_tokens`` tokens, concatenated in order.
 
     Position ``j`` of a list fills components ``j * dim`` to ``(j + 1) * dim - 1``; a token without a vector
-    and every position past the end of a shorter list are zeros (a zero vector is GloVe's "no word").
+    and every position past the end of a shorter list are zeros (this module's choice for "no word", as
+    :func:`mean_embeddings` gives a text without a known token the zero vector).
 
     Args:
         token_lists: One list of tokens per text (tokens past ``max_tokens`` are ignored).
@@ -309,8 +313,9 @@ def concat_embeddings(
     for row, tokens in enumerate(token_lists):
         ids[row, : min(len(tokens), max_tokens)] = torch.tensor(
             [index.get(token, 0) for token in tokens[:max_tokens]], dtype=torch.int64)
-    table = torch.cat([torch.zeros(1, vectors.shape[1]), vectors.to(torch.float32)])
-    features = F.embedding(ids, table).reshape(len(token_lists), -1)
+    dim = vectors.shape[1]
+    table = torch.cat([torch.zeros(1, dim, dtype=torch.float32), vectors.to(device="cpu", dtype=torch.float32)])
+    features = F.embedding(ids, table).reshape(len(token_lists), max_tokens * dim)
     return features, (ids > 0).sum(dim=1)
 
 
@@ -325,7 +330,7 @@ def _file_fingerprint(path: Path) -> dict[str, Any]:
 
 
 class AGNewsDataModule(SplitDataModule):
-    """AG News as GloVe vectors of the first 25 tokens, averaged or concatenated (thesis chapter 3).
+    """AG News as GloVe vectors of each text's first tokens, averaged or concatenated (thesis chapter 3).
 
     See the module docstring for the features and the two sources. Splits:
 
@@ -354,7 +359,8 @@ class AGNewsDataModule(SplitDataModule):
         train_subset: Use only this many training rows (stratified, seeded), before the
             validation split; ``None`` for all 120,000.
         test_subset: Use only this many test rows (stratified, seeded); ``None`` for all 7,600.
-        max_tokens: Number of leading tokens of a text that enter its feature (thesis: 25).
+        max_tokens: Number of leading tokens of a text that enter its feature (the thesis' text: 25; its
+            Table 3.1 model size: 15 with ``pooling="concat"``).
         embedding_dim: Dimension of the GloVe vectors (thesis: 50), checked against the file.
         pooling: ``"mean"`` (the mean of the known tokens' vectors) or ``"concat"`` (the ``max_tokens``
             vectors side by side, zeros for unknown and missing tokens; the thesis' Table 3.1 size with

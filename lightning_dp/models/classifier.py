@@ -102,6 +102,20 @@ class ImageClassifier(LightningModule):
         """Return the network's logits for ``x``."""
         return self.network(x)
 
+    def setup(self, stage: str) -> None:
+        """Refuse, before any batch, a network whose ``in_features`` differs from the width of the datamodule's
+        flat features (its ``input_shape``), e.g. ``AGNewsDataModule(pooling="concat")`` with a network built
+        for the mean vector; otherwise the first step fails with a bare shape error."""
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        shape = getattr(datamodule, "input_shape", None)
+        width = getattr(self.network, "in_features", None)
+        if isinstance(width, int) and isinstance(shape, tuple) and len(shape) == 1 and shape[0] != width:
+            raise ValueError(
+                f"{type(self).__name__}: the network takes in_features={width} but {type(datamodule).__name__} "
+                f"gives features of shape {shape}; set the network's in_features={shape[0]} (in a config: "
+                f"model.init_args.network.init_args.in_features: {shape[0]}) or change the data's settings"
+            )
+
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         """Return the batch-mean cross-entropy; log ``nonprivate/train_loss`` and ``nonprivate/train_acc``."""
         x, y = batch

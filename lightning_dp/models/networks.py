@@ -51,24 +51,25 @@ class MNISTConvNet(nn.Module):
         Flatten -> Linear(512, 32) -> act -> Linear(32, num_classes)
 
     ``layers="thesis"``: the MNIST model of the thesis' chapter 3 (F. Galli, "Sense and Sensitivity", Table 3.5:
-    Conv 16 8x8 stride 1, MaxPool 2x2 stride 1, Conv 32 4x4 stride 1, Linear 32, Linear 10, ReLU), with the
-    padding its Table 3.1 size fixes: 551,322 parameters (for 10 classes) is exactly the network below, the
-    Papernot layers with both strides 1 and without the second max-pool, as Table 3.5 lists them::
+    Conv 16 8x8 stride 1, MaxPool 2x2 stride 1, Conv 32 4x4 stride 1, Linear 32, Linear 10, ReLU) at its Table 3.1
+    size, 551,322 parameters for 10 classes: the Papernot layers with both strides 1 and without the second
+    max-pool, as Table 3.5 lists them, need a 32x23x23 last map for that size, i.e. 3 pixels of padding in all;
+    we put them on the first convolution, where Papernot's network has them::
 
         Conv2d(1, 16, 8, stride=1, padding=3)  -> 16x27x27 -> act -> MaxPool2d(2, 1) -> 16x26x26
         Conv2d(16, 32, 4, stride=1)            -> 32x23x23 -> act
         Flatten -> Linear(16928, 32) -> act -> Linear(32, num_classes)
 
-    (1,040 + 8,224 + 541,728 + 330 parameters; padding 3 on the second convolution instead of the first gives the
-    same count, the first is Papernot's.) Table 3.5 also lists a ReLU after the output layer; it is not applied
-    here: a ReLU on the logits zeroes the gradient of every negative logit, and the thesis does not say its code
-    does so. The thesis trains it with ``activation="relu"``. Its forward pass is 5.62 million multiply-adds
-    per example, 13 times the strided network's 0.42 million.
+    (1,040 + 8,224 + 541,728 + 330 parameters; paddings (0, 3), (1, 2) or (2, 1) on the two convolutions give the
+    same count.) Table 3.5 also lists a ReLU after the output layer ("Linear 10, ReLU"); we leave the logits linear,
+    a deliberate difference: a ReLU on the logits zeroes the gradient of every negative logit. Its forward pass
+    is 5.62 million multiply-adds per example, 13 times the strided network's 0.42 million.
 
     Args:
         num_classes: Number of output logits.
         activation: ``"tanh"`` (Papernot et al. 2021: bounded activations keep the
-            gradient norm small, so less signal is lost to clipping), ``"relu"`` (the thesis) or ``"leaky_relu"``.
+            gradient norm small, so less signal is lost to clipping), ``"relu"`` (the thesis) or ``"leaky_relu"``;
+            ``None`` (default): the layers' own, ``"tanh"`` for ``"papernot"``, ``"relu"`` for ``"thesis"``.
         layers: ``"papernot"`` or ``"thesis"`` (above).
 
     Raises:
@@ -83,7 +84,7 @@ class MNISTConvNet(nn.Module):
         551322
     """
 
-    def __init__(self, num_classes: int = 10, activation: str = "tanh",
+    def __init__(self, num_classes: int = 10, activation: str | None = None,
                  layers: Literal["papernot", "thesis"] = "papernot") -> None:
         super().__init__()
         num_classes = checks.positive_int("num_classes", num_classes)
@@ -91,6 +92,8 @@ class MNISTConvNet(nn.Module):
             raise ValueError(f"layers={layers!r} is not supported; choose 'papernot' (two strided convolutions, "
                              "26,010 parameters, the default) or 'thesis' (thesis Table 3.5: stride-1 convolutions, "
                              "551,322 parameters).")
+        if activation is None:
+            activation = "tanh" if layers == "papernot" else "relu"
         self.num_classes = num_classes
         self.activation = activation
         self.layers = layers
@@ -246,13 +249,13 @@ class BagOfWordsMLP(nn.Module):
                  activation: str = "tanh") -> None:
         super().__init__()
         self.in_features = checks.positive_int("in_features", in_features)
-        widths = [hidden] if isinstance(hidden, int) else list(hidden)
-        if not widths:
-            raise ValueError("hidden=[] has no hidden layer; give one width (e.g. hidden=32) or one per hidden "
-                             "layer (e.g. hidden=[128, 128], the thesis' Table 3.7).")
-        for width in widths:
-            checks.positive_int("hidden", width)
-        self.hidden = widths[0] if isinstance(hidden, int) else tuple(widths)
+        single = not isinstance(hidden, Sequence)
+        if isinstance(hidden, str) or (not single and not hidden):
+            raise ValueError(f"hidden={hidden!r} is not a width; give one positive integer (e.g. hidden=32) or one "
+                             "per hidden layer (e.g. hidden=[128, 128], the thesis' Table 3.7).")
+        widths = [checks.positive_int("hidden", hidden)] if single else [
+            checks.positive_int(f"hidden[{i}]", width) for i, width in enumerate(hidden)]  # type: ignore[arg-type]
+        self.hidden = widths[0] if single else tuple(widths)
         self.num_classes = checks.positive_int("num_classes", num_classes)
         self.activation = activation
         layers: list[nn.Module] = []

@@ -411,3 +411,16 @@ def test_the_thesis_model_trains_on_concatenated_vectors(ag_dir):
     t = trainer(max_epochs=1, callbacks=[dp])
     t.fit(model, dm)
     assert t.global_step == 4 and torch.isfinite(t.callback_metrics["val/loss"]) and dp.epsilon > 0
+
+
+def test_a_network_of_another_width_is_refused_before_any_batch(ag_dir):
+    """ImageClassifier.setup compares the network's in_features with the data's feature width: a network built
+    for the mean vector (50) on concatenated vectors (750) is refused with the fix, not a bare shape error."""
+    dm = AGNewsDataModule(data_dir=ag_dir, pooling="concat", max_tokens=15, val_fraction=0.2, batch_size=8,
+                          cache=False)
+    model = ImageClassifier(BagOfWordsMLP(in_features=50), num_classes=4, lr=0.5)
+    t = trainer(max_epochs=1, callbacks=[DPSGD(noise_multiplier=1.0, max_grad_norm=1.0, seed=0)])
+    with pytest.raises(ValueError, match=r"in_features=50 but AGNewsDataModule gives features of shape \(750,\); "
+                                         r"set the network's in_features=750"):
+        t.fit(model, dm)
+    assert t.global_step == 0

@@ -46,7 +46,7 @@ def test_mnist_convnet_matches_reference_architecture() -> None:
 def test_the_thesis_mnist_cnn_is_table_3_5_with_table_3_1s_size() -> None:
     """layers='thesis': thesis Table 3.5's layers (8x8 and 4x4 convolutions of stride 1, one 2x2 max-pool of
     stride 1, Linear 32, Linear 10) with 551,322 parameters, Table 3.1's MNIST model size."""
-    net = MNISTConvNet(layers="thesis", activation="relu")
+    net = MNISTConvNet(layers="thesis")  # ReLU, the thesis' activation, by default
     # conv 16*64+16, conv 32*16*16+32, fc 32*23*23*32+32, fc 32*10+10
     assert sum(p.numel() for p in net.parameters()) == 1040 + 8224 + 541_728 + 330 == 551_322
     assert all(m.stride == (1, 1) for m in net.modules() if isinstance(m, nn.Conv2d))
@@ -79,7 +79,7 @@ def test_the_thesis_bag_of_words_model_is_table_3_7_with_table_3_1s_size() -> No
     assert net(torch.randn(2, 750)).shape == (2, 4)
     assert [(m.in_features, m.out_features) for m in BagOfWordsMLP().modules() if isinstance(m, nn.Linear)] == [
         (50, 32), (32, 4)]
-    with pytest.raises(ValueError, match=r"hidden=\[\] has no hidden layer"):
+    with pytest.raises(ValueError, match=r"hidden=\[\] is not a width"):
         BagOfWordsMLP(hidden=[])
 
 
@@ -105,7 +105,8 @@ def test_digits_convnet_and_mlp_shapes() -> None:
         (lambda: MLP(0), r"in_features=0"),
         (lambda: MLP(4, hidden=(8, -1)), r"hidden\[1\]=-1"),
         (lambda: BagOfWordsMLP(hidden=0), r"hidden=0"),
-        (lambda: BagOfWordsMLP(hidden=(128, -1)), r"hidden=-1"),
+        (lambda: BagOfWordsMLP(hidden=(128, -1)), r"hidden\[1\]=-1"),
+        (lambda: BagOfWordsMLP(hidden="128"), r"hidden='128' is not a width"),
         (lambda: BagOfWordsMLP(in_features=50.0), r"in_features=50.0"),
         (lambda: BagOfWordsMLP(activation="sigmoid"), r"activation='sigmoid'"),
         (lambda: ConvAutoencoder(activation="gelu"), r"activation='gelu'"),
