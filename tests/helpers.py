@@ -95,6 +95,15 @@ def seed_store(template: Path, database: Path) -> None:
     shutil.copyfile(template, database)
 
 
+def output_shapes(layers: nn.Sequential, x: torch.Tensor) -> list[tuple[int, ...]]:
+    """The per-example output shape after each layer of ``layers``, fed ``x`` (one example's shape per entry)."""
+    shapes = []
+    for layer in layers:
+        x = layer(x)
+        shapes.append(tuple(x.shape[1:]))
+    return shapes
+
+
 def probe(engine, forward, *batch: torch.Tensor) -> None:
     """Establish the engine's batch dimensions by running ``forward`` on rows of ``batch`` (examples in dim 0)."""
     engine.probe(lambda n: forward(*(t[torch.arange(n) % t.shape[0]] for t in batch)))

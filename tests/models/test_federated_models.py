@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from lightning_dp.models.federated import FEMNISTConvNet, HospitalMLP, LinearRegression
+from tests.helpers import output_shapes
 
 
 def _num_parameters(module: nn.Module) -> int:
@@ -44,12 +45,8 @@ def test_femnist_convnet_matches_the_seed_architecture() -> None:
     # conv 32*1*2*2+32, conv 64*32*2*2+64, fc 64*13*13*128+128, fc 128*62+62
     assert _num_parameters(model) == 160 + 8256 + 1_384_576 + 7998 == 1_400_990
     assert _num_parameters(FEMNISTConvNet(num_classes=10)) == 1_392_992 + 129 * 10
-    shapes = []
-    x = torch.zeros(1, 1, 28, 28)
-    for layer in model.features:
-        x = layer(x)
-        shapes.append(tuple(x.shape[1:]))
-    assert shapes == [(32, 27, 27), (32, 27, 27), (64, 26, 26), (64, 26, 26), (64, 13, 13)]
+    assert output_shapes(model.features, torch.zeros(1, 1, 28, 28)) == [
+        (32, 27, 27), (32, 27, 27), (64, 26, 26), (64, 26, 26), (64, 13, 13)]
     assert model(torch.randn(3, 1, 28, 28)).shape == (3, 62)
     assert model(torch.randn(0, 1, 28, 28)).shape == (0, 62)
     _assert_no_batch_mixing(model)

@@ -10,7 +10,7 @@ from torch import nn
 from lightning_dp.models import MLP, BagOfWordsMLP, ConvAutoencoder, DigitsConvNet, MNISTConvNet
 from lightning_dp.privacy.clipping import clip_factors
 from lightning_dp.privacy.grad_sample import GradSampleEngine
-from tests.helpers import probe
+from tests.helpers import output_shapes, probe
 
 _NORMS_MIXING_EXAMPLES = (nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm)
 
@@ -35,12 +35,8 @@ def test_mnist_convnet_matches_reference_architecture() -> None:
     net = MNISTConvNet()
     # conv 16*1*8*8+16, conv 32*16*4*4+32, fc 512*32+32, fc 32*10+10 (TF-Privacy tutorial / Papernot et al. 2021)
     assert sum(p.numel() for p in net.parameters()) == 1040 + 8224 + 16416 + 330 == 26010
-    shapes = []
-    x = torch.zeros(1, 1, 28, 28)
-    for layer in net.features:
-        x = layer(x)
-        shapes.append(tuple(x.shape[1:]))
-    assert shapes == [(16, 14, 14), (16, 14, 14), (16, 13, 13), (32, 5, 5), (32, 5, 5), (32, 4, 4)]
+    assert output_shapes(net.features, torch.zeros(1, 1, 28, 28)) == [
+        (16, 14, 14), (16, 14, 14), (16, 13, 13), (32, 5, 5), (32, 5, 5), (32, 4, 4)]
 
 
 def test_the_thesis_mnist_cnn_is_table_3_5_with_table_3_1s_size() -> None:
@@ -51,12 +47,8 @@ def test_the_thesis_mnist_cnn_is_table_3_5_with_table_3_1s_size() -> None:
     assert sum(p.numel() for p in net.parameters()) == 1040 + 8224 + 541_728 + 330 == 551_322
     assert all(m.stride == (1, 1) for m in net.modules() if isinstance(m, nn.Conv2d))
     assert sum(isinstance(m, nn.MaxPool2d) for m in net.modules()) == 1
-    shapes = []
-    x = torch.zeros(1, 1, 28, 28)
-    for layer in net.features:
-        x = layer(x)
-        shapes.append(tuple(x.shape[1:]))
-    assert shapes == [(16, 27, 27), (16, 27, 27), (16, 26, 26), (32, 23, 23), (32, 23, 23)]
+    assert output_shapes(net.features, torch.zeros(1, 1, 28, 28)) == [
+        (16, 27, 27), (16, 27, 27), (16, 26, 26), (32, 23, 23), (32, 23, 23)]
     assert net(torch.randn(3, 1, 28, 28)).shape == (3, 10)
     assert sum(isinstance(m, nn.ReLU) for m in net.modules()) == 3  # none on the logits
     # the default keeps its module names, so checkpoints of earlier runs still load
