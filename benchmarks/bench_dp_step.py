@@ -10,7 +10,8 @@ set-up (CUDA).
 
 Models (``--model``):
 
-* ``mnist_cnn``: Papernot et al.'s strided MNIST CNN (``MNISTConvNet``, 26,010 parameters), batch 256 of 1x28x28;
+* ``mnist_cnn``: Papernot et al.'s strided MNIST CNN (``MNISTConvNet``, 26,010 parameters), batch 256 of
+  1x28x28;
 * ``thesis_cnn``: the thesis' MNIST CNN (``MNISTConvNet(layers="thesis")``, Table 3.5's layers at Table 3.1's
   551,322 parameters, ReLU), batch 256;
 * ``stride1_cnn``: conv 16x8x8 stride 1, max-pool 2/1, conv 32x4x4, linear 9248->32->10, batch 256;

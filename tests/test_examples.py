@@ -33,8 +33,8 @@ def test_there_are_examples():
 
 
 OSO = Path(__file__).resolve().parents[1] / "examples" / "oso"
-OSO_DATA = ["mnist_t10k.yaml", "mnist_t10k_thesis_model.yaml", "mnist.yaml", "fashion_mnist.yaml", "fashion_mnist_autoencoder.yaml", "../oso_agnews.yaml",
-            "../oso_mnist_autoencoder.yaml"]
+OSO_DATA = ["mnist_t10k.yaml", "mnist_t10k_thesis_model.yaml", "mnist.yaml", "fashion_mnist.yaml",
+            "fashion_mnist_autoencoder.yaml", "../oso_agnews.yaml", "../oso_mnist_autoencoder.yaml"]
 OSO_STRATEGIES = {"online.yaml": "OnlineSensitivity", "fixed_threshold.yaml": "DPSGD",
                   "fixed_quantile.yaml": "QuantileClipping", "adamwosm.yaml": "DPSGD"}
 
@@ -55,7 +55,8 @@ def test_thesis_strategy_configs_compose_with_every_dataset(data, strategy, tmp_
     assert [type(cb).__name__ for cb in dp] == [OSO_STRATEGIES[strategy]]
     assert cli.model.hparams.optimizer == ("adamwosm" if strategy == "adamwosm.yaml" else "sgd")
     assert cli.model.configure_optimizers() is not None
-    sizes = {"fashion_mnist_autoencoder.yaml": 48_705, "mnist.yaml": 551_322, "mnist_t10k_thesis_model.yaml": 551_322, "../oso_agnews.yaml": 113_156}
+    sizes = {"fashion_mnist_autoencoder.yaml": 48_705, "mnist.yaml": 551_322, "mnist_t10k_thesis_model.yaml": 551_322,
+             "../oso_agnews.yaml": 113_156}
     if data in sizes:  # the thesis' Tables 3.5-3.7 models, at their Table 3.1 sizes
         assert sum(p.numel() for p in cli.model.parameters()) == sizes[data]
     if data == "../oso_agnews.yaml":  # the data's features are the network's inputs

@@ -19,7 +19,8 @@ Fig. 3.1: why C matters. A CNN for character recognition is trained; at iteratio
 true mean gradient by their cosine, averaged over 20 draws of the noise
 (:func:`lightning_dp.privacy.clipping.sanitized_cosine`): small C biases the direction, large C drowns it
 in noise. The thesis states neither the training nor nu of that figure; here: MNISTConvNet (Papernot's
-strided CNN, tanh, not the thesis' Table 3.5 model) on 8,000 images of the official MNIST test split (../shared/data/mnist), plain SGD at lr 0.1
+strided CNN, tanh, not the thesis' Table 3.5 model) on 8,000 images of the official MNIST test split
+(../shared/data/mnist), plain SGD at lr 0.1
 (the trajectory is not private; only the measured release is DP-SGD's), the thesis' batch 512 (its Table
 3.1), nu = 0.788 (the multiplier of one run at epsilon 3, delta 1e-5, over the thesis' 10 epochs of
 60,000 images at batch 512).

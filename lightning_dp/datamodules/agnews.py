@@ -217,8 +217,8 @@ def load_glove(
                     raise ValueError(
                         f"{path}: the vectors have {fields} components but embedding_dim={dim}; use the "
                         f"{dim}-dimensional GloVe file (the thesis uses {GLOVE_FILE} of {GLOVE_URL}) or set "
-                        f"embedding_dim={fields} (and the network's in_features: embedding_dim, times max_tokens for pooling='concat') to match "
-                        "this file"
+                        f"embedding_dim={fields} (and the network's in_features: embedding_dim, times max_tokens "
+                        "for pooling='concat') to match this file"
                     )
             if not needed:
                 break
@@ -311,8 +311,8 @@ def concat_embeddings(
     index = {word: i + 1 for i, word in enumerate(words)}  # row 0 of the padded table is the zero vector
     ids = torch.zeros(len(token_lists), max_tokens, dtype=torch.int64)
     for row, tokens in enumerate(token_lists):
-        ids[row, : min(len(tokens), max_tokens)] = torch.tensor(
-            [index.get(token, 0) for token in tokens[:max_tokens]], dtype=torch.int64)
+        kept = [index.get(token, 0) for token in tokens[:max_tokens]]
+        ids[row, : len(kept)] = torch.tensor(kept, dtype=torch.int64)
     dim = vectors.shape[1]
     table = torch.cat([torch.zeros(1, dim, dtype=torch.float32), vectors.to(device="cpu", dtype=torch.float32)])
     features = F.embedding(ids, table).reshape(len(token_lists), max_tokens * dim)
