@@ -342,3 +342,64 @@ def test_fairness_fig2_6_is_the_configs_data_and_redraws(tmp_path):
     shutil.copy(committed, tmp_path / committed.name)
     figures.main(["fig2.6", "--out", str(tmp_path), "--replot"])
     assert (tmp_path / "fairness_fig2_6.png").stat().st_size > 0
+
+
+def test_femnist_convergence_overlay_sets_the_thesis_stopping_rule(tmp_path, monkeypatch):
+    """examples/femnist/convergence.yaml after fl_femnist.yaml: at most 500 rounds, validation every 5, patience 5
+    checks, 10% of the writers held out (the thesis' Table 2.4 setting), the base config's model and round kept."""
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    from lightning_dp.callbacks import RestoreBestWeights
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-dp"])
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    cli = LightningDPCLI(run=False, args=["--config", str(ROOT / "fl_femnist.yaml"), "--config",
+                                          str(ROOT / "femnist" / "convergence.yaml"), "--trainer.logger=false"])
+    assert (cli.trainer.max_epochs, cli.trainer.check_val_every_n_epoch) == (500, 5)
+    stops = [cb for cb in cli.trainer.callbacks if isinstance(cb, EarlyStopping)]
+    assert [(s.patience, s.monitor) for s in stops] == [(5, "val/loss")]
+    assert len([cb for cb in cli.trainer.callbacks if isinstance(cb, ModelCheckpoint)]) == 1
+    assert len([cb for cb in cli.trainer.callbacks if isinstance(cb, RestoreBestWeights)]) == 1
+    assert cli.datamodule.hparams.val_fraction == 0.1
+    assert (cli.model.hparams.num_hypotheses, cli.model.hparams.clients_per_round) == (2, 10)
+
+
+def test_femnist_table2_4_collects_summarizes_and_draws(tmp_path):
+    """examples/femnist/table2_4.py: finished runs from their JSON lines, the best check's validation accuracy from
+    the CSV log (the check with the lowest val/loss), unfinished runs kept but out of the means; sample std."""
+    import importlib.util
+    import json
+    import statistics
+
+    spec = importlib.util.spec_from_file_location("femnist_table", ROOT / "femnist" / "table2_4.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    runs = [("0", "0", 0.70), ("0", "1", 0.74), ("0", "2", 0.75), ("10", "0", 0.60)]
+    with open(tmp_path / "ce.jsonl", "w") as f:
+        for nu, seed, acc in runs:
+            f.write(json.dumps({"values": {"model.init_args.noise_multiplier": nu, "seed_everything": seed},
+                                "epochs": 30, "metrics": {"test/acc": acc},
+                                "privacy": {} if nu == "0" else {"client_epsilon_median": 7.0}}) + "\n")
+        f.write(json.dumps({"values": {"model.init_args.noise_multiplier": "10", "seed_everything": "1"},
+                            "error": "RuntimeError: x"}) + "\n")
+    for nu, seed in (("0", "0"), ("10", "2")):  # a finished run's log, and an unfinished run's (no JSON line)
+        log = tmp_path / "csv" / f"seed_everything={seed},noise_multiplier={nu}" / "version_0"
+        log.mkdir(parents=True)
+        (log / "metrics.csv").write_text("epoch,val/loss,val/acc,train\n0,,,1\n4,2.0,0.5,\n9,1.5,0.62,\n14,1.7,0.64,\n")
+    out = tmp_path / "t.tsv"
+    assert table.main(["collect", "--loss", "cross_entropy", "--jsonl", str(tmp_path / "ce.jsonl"),
+                       "--logs", str(tmp_path / "csv"), "--out", str(out)]) == 0
+    rows = table.read(str(out))
+    assert [(r["nu"], r["seed"], r["finished"]) for r in rows] == [
+        ("0", "0", "1"), ("0", "1", "1"), ("0", "2", "1"), ("10", "0", "1"), ("10", "2", "0")]
+    assert (rows[0]["best_round"], float(rows[0]["val_acc_best"]), rows[0]["rounds"]) == ("10", 0.62, "30")
+    assert rows[4]["rounds"] == "15" and rows[4]["test_acc"] == ""
+    stats = table.summary(rows)
+    mean, std, n = stats[("cross_entropy", 0.0)]["test_acc"]
+    assert (n, mean, std) == (3, statistics.mean([0.70, 0.74, 0.75]), statistics.stdev([0.70, 0.74, 0.75]))
+    assert stats[("cross_entropy", 10.0)]["test_acc"][2] == 1  # the unfinished run is not averaged
+    text = table.markdown(rows)
+    assert "| cross_entropy | 10 | 0.692 ± 0.002 | 0.600 (n = 1) | - |" in text
+    table.main(["figure", str(out), str(tmp_path / "t.png")])
+    assert (tmp_path / "t.png").stat().st_size > 10_000

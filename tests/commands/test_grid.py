@@ -408,3 +408,40 @@ def test_nonprivate_grid_totals_follow_the_runs_switch():
     off = grid.GridPoint({}, privacy={"spends": [spend], "nonprivate": False})
     assert "nonprivate/grid_client_epsilon_max" in grid.grid_privacy([on, on])
     assert grid.grid_privacy([on, off]) == {}
+
+
+def test_parallel_runner_fits_tests_and_accounts_every_point_without_mlflow(tmp_path):
+    """benchmarks/run_configs_parallel.py (the grid's points spread over processes, for machines without MLflow):
+    one JSON line per point with its values, test metrics, the restored model's validation metrics and its
+    accounted epsilon; each point its own CSV log; a failing point leaves an error line, not a lost run."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text("import sys\nsys.modules['mlflow'] = None  # not installed\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(root)])}
+    out = tmp_path / "points.jsonl"
+
+    def run(*extra):
+        cmd = [sys.executable, str(root / "benchmarks" / "run_configs_parallel.py"), "--config",
+               str(root / "examples" / "dpsgd_digits.yaml"), "--set", "model.init_args.lr=0.2,0.05", "--processes", "2",
+               "--log-dir", str(tmp_path / "csv"), "--out", str(out), "--", "--trainer.max_epochs=1", *extra]
+        done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return sorted((json.loads(line) for line in out.read_text().splitlines()),
+                      key=lambda r: r["values"]["model.init_args.lr"])
+
+    rows = run("--data.init_args.batch_size=bad")  # refused by the config parser in both points
+    assert len(rows) == 2 and all("error" in r for r in rows)
+    out.unlink()
+    rows = run()
+    assert [r["values"] for r in rows] == [{"model.init_args.lr": "0.05"}, {"model.init_args.lr": "0.2"}]
+    for r in rows:
+        assert "error" not in r, r
+        assert {"test/acc", "restored val/acc", "val/acc"} <= set(r["metrics"]) and r["epochs"] == 1
+        assert 0 < r["privacy"]["epsilon"] <= 3.0 + 1e-6 and r["device"] == "cpu"
+    assert len(list((tmp_path / "csv").glob("*/version_0/metrics.csv"))) == 2

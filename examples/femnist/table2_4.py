@@ -1,0 +1,189 @@
+"""The thesis' Table 2.4 (FEMNIST accuracy against the noise multiplier nu) beside ours: collect runs, summarize, draw.
+
+Runs come from ``benchmarks/run_configs_parallel.py`` (or ``lightning-dp grid``) on ``examples/fl_femnist.yaml``
+composed with ``examples/femnist/convergence.yaml`` (the thesis' stopping rule); see
+docs/results_femnist_noise.md, "At convergence", for the commands.
+
+    # one row per run: its JSON line (test accuracy, rounds, client epsilon) and, where its CSV log is there,
+    # the validation accuracy at the best check (the check whose weights were restored)
+    python examples/femnist/table2_4.py collect --loss cross_entropy --jsonl ce.jsonl --logs csv/ce \\
+        --out docs/figures/femnist_table2_4.tsv
+    # mean +- sample std per (loss, nu) beside the thesis' numbers, and the figure
+    python examples/femnist/table2_4.py figure docs/figures/femnist_table2_4.tsv docs/figures/femnist_table2_4.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import json
+import math
+import os
+import statistics
+import sys
+from typing import Optional
+
+#: The thesis' Table 2.4 (``../shared/papers/004_fd951d3be51f176b.txt``, about line 795): validation accuracy,
+#: mean and standard deviation over three seeds, per nu; cross-entropy and RMSE.
+PAPER = {
+    "cross_entropy": {0: (0.832, 0.012), 0.001: (0.843, 0.006), 0.01: (0.832, 0.017), 0.1: (0.834, 0.026),
+                      1: (0.834, 0.014), 3: (0.835, 0.017), 5: (0.812, 0.016), 10: (0.692, 0.002),
+                      15: (0.561, 0.005)},
+    "rmse": {0: (0.801, 0.001), 0.001: (0.813, 0.014), 0.01: (0.805, 0.008), 0.1: (0.808, 0.019),
+             1: (0.814, 0.012), 3: (0.825, 0.010), 5: (0.787, 0.003), 10: (0.687, 0.014), 15: (0.622, 0.003)},
+}
+FIELDS = ["loss", "nu", "seed", "finished", "rounds", "best_round", "val_acc_best", "test_acc", "client_epsilon_median"]
+
+
+def _name_values(name: str) -> dict[str, str]:
+    return dict(part.split("=", 1) for part in name.split(","))
+
+
+def best_check(metrics_csv: str) -> Optional[tuple[int, float, int]]:
+    """(round of the lowest val/loss, val/acc there, rounds logged) from a CSVLogger's metrics.csv."""
+    checks, last = [], 0
+    with open(metrics_csv) as f:
+        for row in csv.DictReader(f):
+            last = max(last, int(row["epoch"]) + 1)
+            if row.get("val/loss"):
+                checks.append((float(row["val/loss"]), int(row["epoch"]) + 1, float(row["val/acc"])))
+    if not checks:
+        return None
+    loss, epoch, acc = min(checks)
+    return epoch, acc, last
+
+
+def collect(loss: str, jsonl: list[str], logs: list[str]) -> list[dict]:
+    """One row per run: finished runs from their JSON lines, unfinished ones (a log, no line) marked so."""
+    rows: dict[tuple[str, str], dict] = {}
+    for path in jsonl:
+        with open(path) as f:
+            for line in f:
+                r = json.loads(line)
+                if "error" in r:
+                    continue
+                v = {k.split(".")[-1]: val for k, val in r["values"].items()}
+                rows[(v["noise_multiplier"], v["seed_everything"])] = {
+                    "loss": loss, "nu": v["noise_multiplier"], "seed": v["seed_everything"], "finished": 1,
+                    "rounds": r["epochs"], "test_acc": r["metrics"].get("test/acc"),
+                    "val_acc_best": r["metrics"].get("restored val/acc"),
+                    "client_epsilon_median": r["privacy"].get("client_epsilon_median", math.inf)}
+    for log_dir in logs:
+        for path in glob.glob(os.path.join(log_dir, "*", "version_*", "metrics.csv")):
+            v = _name_values(path.split(os.sep)[-3])
+            key = (v["noise_multiplier"], v["seed_everything"])
+            found = best_check(path)
+            if found is None:
+                continue
+            row = rows.setdefault(key, {"loss": loss, "nu": key[0], "seed": key[1], "finished": 0,
+                                        "rounds": found[2]})
+            row["best_round"] = found[0]
+            if row.get("val_acc_best") is None:
+                row["val_acc_best"] = found[1]
+    return sorted(rows.values(), key=lambda r: (float(r["nu"]), int(r["seed"])))
+
+
+def read(path: str) -> list[dict]:
+    with open(path) as f:
+        return list(csv.DictReader(f, delimiter="\t"))
+
+
+def _num(text: str) -> Optional[float]:
+    return float(text) if text not in ("", "None", None) else None
+
+
+def summary(rows: list[dict]) -> dict[tuple[str, float], dict[str, tuple[float, float, int]]]:
+    """Per (loss, nu): mean, sample std and n of the finished runs' test and best-check validation accuracies."""
+    out: dict[tuple[str, float], dict[str, tuple[float, float, int]]] = {}
+    for loss, nu in sorted({(r["loss"], float(r["nu"])) for r in rows}):
+        cell = [r for r in rows if r["loss"] == loss and float(r["nu"]) == nu and str(r["finished"]) == "1"]
+        stats = {}
+        for metric in ("test_acc", "val_acc_best"):
+            xs = [x for x in (_num(r[metric]) for r in cell) if x is not None]
+            if xs:
+                stats[metric] = (statistics.mean(xs), statistics.stdev(xs) if len(xs) > 1 else math.nan, len(xs))
+        out[(loss, nu)] = stats
+    return out
+
+
+def _fmt(stat: Optional[tuple[float, float, int]]) -> str:
+    if not stat:
+        return "-"
+    mean, std, n = stat
+    return f"{mean:.3f} ± {std:.3f} (n = {n})" if n > 1 else f"{mean:.3f} (n = 1)"
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| loss | nu | thesis (val, n = 3) | ours: test/acc | ours: val/acc at the best check |",
+             "|---|---|---|---|---|"]
+    for (loss, nu), stats in summary(rows).items():
+        paper = PAPER[loss].get(nu)
+        nu_text = f"{nu:g}"
+        lines.append(f"| {loss} | {nu_text} | {paper[0]:.3f} ± {paper[1]:.3f} | {_fmt(stats.get('test_acc'))} | "
+                     f"{_fmt(stats.get('val_acc_best'))} |" if paper else f"| {loss} | {nu_text} | - | - | - |")
+    return "\n".join(lines)
+
+
+def figure(rows: list[dict], out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stats = summary(rows)
+    losses = sorted({loss for loss, _ in stats})
+    fig, axes = plt.subplots(1, len(losses), figsize=(5.2 * len(losses), 3.8), sharey=True, squeeze=False)
+    for ax, loss in zip(axes[0], losses):
+        nus = sorted(PAPER[loss])
+        x = {nu: i for i, nu in enumerate(nus)}  # the thesis' nu values, evenly spaced (0 has no log position)
+        ax.errorbar([x[nu] for nu in nus], [PAPER[loss][nu][0] for nu in nus], [PAPER[loss][nu][1] for nu in nus],
+                    marker="s", capsize=3, label="thesis (validation)")
+        for metric, label, marker in (("test_acc", "ours: test", "o"), ("val_acc_best", "ours: validation", "^")):
+            pts = [(x[nu], s[metric]) for (lo, nu), s in stats.items() if lo == loss and metric in s and nu in x]
+            if pts:
+                errs = [0 if math.isnan(s[1]) else s[1] for _, s in pts]  # one run: no bar
+                ax.errorbar([p for p, _ in pts], [s[0] for _, s in pts], errs,
+                            marker=marker, capsize=3, linestyle="--", label=label)
+        ax.set_xticks(range(len(nus)), [f"{nu:g}" for nu in nus])
+        ax.set_xlabel("noise multiplier nu")
+        ax.set_title(f"FEMNIST, {loss.replace('_', '-')}")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("accuracy (mean ± sample std)")
+    axes[0][0].legend(loc="lower left")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("collect", help="runs -> TSV rows (appended to --out's rows of other losses)")
+    c.add_argument("--loss", required=True, choices=sorted(PAPER))
+    c.add_argument("--jsonl", action="append", default=[])
+    c.add_argument("--logs", action="append", default=[], help="CSVLogger save_dir(s) of the runs")
+    c.add_argument("--out", required=True)
+    f = sub.add_parser("figure", help="TSV -> markdown summary on stdout and the figure")
+    f.add_argument("tsv")
+    f.add_argument("png", nargs="?")
+    args = parser.parse_args(argv)
+    if args.command == "collect":
+        rows = collect(args.loss, args.jsonl, args.logs)
+        if not rows:
+            print(f"no runs found in {args.jsonl + args.logs}", file=sys.stderr)
+            return 1
+        kept = [r for r in read(args.out) if r["loss"] != args.loss] if os.path.exists(args.out) else []
+        with open(args.out, "w", newline="") as fh:
+            w = csv.DictWriter(fh, FIELDS, delimiter="\t", lineterminator="\n", restval="")
+            w.writeheader()
+            w.writerows(sorted(kept + rows, key=lambda r: (r["loss"], float(r["nu"]), int(r["seed"]))))
+        return 0
+    rows = read(args.tsv)
+    print(markdown(rows))
+    if args.png:
+        figure(rows, args.png)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
