@@ -387,9 +387,12 @@ def test_femnist_table2_4_collects_summarizes_and_draws(tmp_path):
         log = tmp_path / "csv" / f"seed_everything={seed},noise_multiplier={nu}" / "version_0"
         log.mkdir(parents=True)
         (log / "metrics.csv").write_text("epoch,val/loss,val/acc,train\n0,,,1\n4,2.0,0.5,\n9,1.5,0.62,\n14,1.7,0.64,\n")
+    cut = tmp_path / "cut" / "seed_everything=0,noise_multiplier=0" / "version_0"  # an earlier, cut attempt
+    cut.mkdir(parents=True)
+    (cut / "metrics.csv").write_text("epoch,val/loss,val/acc\n4,1.0,0.9\n")
     out = tmp_path / "t.tsv"
     assert table.main(["collect", "--loss", "cross_entropy", "--jsonl", str(tmp_path / "ce.jsonl"),
-                       "--logs", str(tmp_path / "csv"), "--out", str(out)]) == 0
+                       "--logs", str(tmp_path / "cut"), "--logs", str(tmp_path / "csv"), "--out", str(out)]) == 0
     rows = table.read(str(out))
     assert [(r["nu"], r["seed"], r["finished"]) for r in rows] == [
         ("0", "0", "1"), ("0", "1", "1"), ("0", "2", "1"), ("10", "0", "1"), ("10", "2", "0")]

@@ -69,18 +69,20 @@ def collect(loss: str, jsonl: list[str], logs: list[str]) -> list[dict]:
                     "rounds": r["epochs"], "test_acc": r["metrics"].get("test/acc"),
                     "val_acc_best": r["metrics"].get("restored val/acc"),
                     "client_epsilon_median": r["privacy"].get("client_epsilon_median", math.inf)}
+    # a point run twice (cut on one machine, finished on another) has two logs: the longer one is the run's
+    longest: dict[tuple[str, str], tuple[int, float, int]] = {}
     for log_dir in logs:
         for path in glob.glob(os.path.join(log_dir, "*", "version_*", "metrics.csv")):
             v = _name_values(path.split(os.sep)[-3])
             key = (v["noise_multiplier"], v["seed_everything"])
             found = best_check(path)
-            if found is None:
-                continue
-            row = rows.setdefault(key, {"loss": loss, "nu": key[0], "seed": key[1], "finished": 0,
-                                        "rounds": found[2]})
-            row["best_round"] = found[0]
-            if row.get("val_acc_best") is None:
-                row["val_acc_best"] = found[1]
+            if found is not None and (key not in longest or found[2] > longest[key][2]):
+                longest[key] = found
+    for key, (best_round, val_acc, logged) in longest.items():
+        row = rows.setdefault(key, {"loss": loss, "nu": key[0], "seed": key[1], "finished": 0, "rounds": logged})
+        row["best_round"] = best_round
+        if row.get("val_acc_best") is None:
+            row["val_acc_best"] = val_acc
     return sorted(rows.values(), key=lambda r: (float(r["nu"]), int(r["seed"])))
 
 
