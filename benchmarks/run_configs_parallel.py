@@ -22,6 +22,7 @@ import itertools
 import json
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -82,6 +83,15 @@ def _worker(job: tuple[list[str], dict[str, str], list[str], int, str, str]) -> 
     print(json.dumps(row, default=str), flush=True)
 
 
+def _stop(*_: Any) -> None:
+    """SIGTERM (e.g. from ``timeout``): kill the workers, then exit. Pool.terminate() is not enough: it sends
+    SIGTERM, which Lightning's trainer turns into an exception that the worker records as the point's error before
+    taking the next point, and workers of a killed parent would otherwise train on as orphans."""
+    for child in mp.active_children():
+        child.kill()
+    sys.exit(143)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     extra: list[str] = []
@@ -100,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     combos = [dict(zip(keys, vs)) for vs in itertools.product(*[v for _, v in args.sets])] or [{}]
     jobs = [(args.config, c, extra, args.threads, args.log_dir, args.out) for c in combos]
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    signal.signal(signal.SIGTERM, _stop)
     with mp.get_context("spawn").Pool(args.processes or len(jobs)) as pool:
         pool.map(_worker, jobs, chunksize=1)
     return 0
