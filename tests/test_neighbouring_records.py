@@ -180,6 +180,9 @@ KINDS = [
     kind("fl-femnist", ["fl_femnist.yaml"], [], pytest.mark.skip(reason=(
         "needs LEAF FEMNIST files; PersonalizedFederatedModule with the Euclidean Laplace sanitizer runs in "
         "fl-d-privacy and fl-fairness"))),
+    kind("fl-femnist-convergence", ["fl_femnist.yaml", "femnist/convergence.yaml"], [], pytest.mark.skip(reason=(
+        "needs LEAF FEMNIST files; the overlay changes only the stopping rule and the validation share of "
+        "fl-femnist, whose modules run in fl-d-privacy and fl-fairness"))),
     kind("fairness-femnist", ["fairness/femnist.yaml"], [], pytest.mark.skip(reason=(
         "needs LEAF FEMNIST files; its modules run in fl-fairness"))),
     kind("fl-hospital", ["fl_hospital.yaml"], [], pytest.mark.skip(reason=(
