@@ -412,8 +412,9 @@ def test_nonprivate_grid_totals_follow_the_runs_switch():
 
 def test_parallel_runner_fits_tests_and_accounts_every_point_without_mlflow(tmp_path):
     """benchmarks/run_configs_parallel.py (the grid's points spread over processes, for machines without MLflow):
-    one JSON line per point with its values, test metrics, the restored model's validation metrics and its
-    accounted epsilon; each point its own CSV log; a failing point leaves an error line, not a lost run."""
+    a point the grid would refuse stops the command before any training (exit 2, nothing written); otherwise one
+    JSON line per point with its values, test metrics, the restored model's validation metrics, its accounted
+    epsilon and its CSV log; a point that fails in fit leaves its error line, the others their rows, and exit 1."""
     import json
     import os
     import subprocess
@@ -426,22 +427,21 @@ def test_parallel_runner_fits_tests_and_accounts_every_point_without_mlflow(tmp_
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(root)])}
     out = tmp_path / "points.jsonl"
 
-    def run(*extra):
+    def run(axis):
         cmd = [sys.executable, str(root / "benchmarks" / "run_configs_parallel.py"), "--config",
-               str(root / "examples" / "dpsgd_digits.yaml"), "--set", "model.init_args.lr=0.2,0.05", "--processes", "2",
-               "--log-dir", str(tmp_path / "csv"), "--out", str(out), "--", "--trainer.max_epochs=1", *extra]
-        done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return sorted((json.loads(line) for line in out.read_text().splitlines()),
-                      key=lambda r: r["values"]["model.init_args.lr"])
+               str(root / "examples" / "dpsgd_digits.yaml"), "--set", axis, "--processes", "2",
+               "--log-dir", str(tmp_path / "csv"), "--out", str(out), "--", "--trainer.max_epochs=1"]
+        return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
 
-    rows = run("--data.init_args.batch_size=bad")  # refused by the config parser in both points
-    assert len(rows) == 2 and all("error" in r for r in rows)
-    out.unlink()
-    rows = run()
-    assert [r["values"] for r in rows] == [{"model.init_args.lr": "0.05"}, {"model.init_args.lr": "0.2"}]
-    for r in rows:
-        assert "error" not in r, r
-        assert {"test/acc", "restored val/acc", "val/acc"} <= set(r["metrics"]) and r["epochs"] == 1
-        assert 0 < r["privacy"]["epsilon"] <= 3.0 + 1e-6 and r["device"] == "cpu"
-    assert len(list((tmp_path / "csv").glob("*/version_0/metrics.csv"))) == 2
+    done = run("model.init_args.num_classes=10,2")  # the network outputs 10: refused before training
+    assert done.returncode == 2 and "num_classes=2" in done.stderr and not out.exists()
+    done = run("trainer.callbacks.init_args.target_epsilon=3,1e-9")  # the second is unreachable, found in fit
+    assert done.returncode == 1, done.stderr[-3000:]
+    rows = {str(r["values"]["trainer.callbacks.init_args.target_epsilon"]): r
+            for r in map(json.loads, out.read_text().splitlines())}
+    assert set(rows) == {"3", "1e-9"} and "unreachable" in rows["1e-9"]["error"]
+    good = rows["3"]
+    assert "error" not in good, good
+    assert {"test/acc", "restored val/acc", "val/acc"} <= set(good["metrics"]) and good["epochs"] == 1
+    assert 0 < good["privacy"]["epsilon"] <= 3.0 + 1e-6 and good["device"] == "cpu"
+    assert (Path(good["log_dir"]) / "metrics.csv").is_file() and Path(good["log_dir"]).parent.name == "target_epsilon=3"
