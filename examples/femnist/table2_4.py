@@ -41,48 +41,68 @@ def _name_values(name: str) -> dict[str, str]:
 
 
 def best_check(metrics_csv: str) -> Optional[tuple[int, float, int]]:
-    """(round of the lowest val/loss, val/acc there, rounds logged) from a CSVLogger's metrics.csv."""
-    checks, last = [], 0
+    """(round of the lowest val/loss, val/acc there, rounds trained) from a CSVLogger's metrics.csv. The rows of a
+    finished run's final validation and test come after its last round (logged at its number of rounds as epoch,
+    the test's with test/ metrics): they are not checks."""
     with open(metrics_csv) as f:
-        for row in csv.DictReader(f):
-            last = max(last, int(row["epoch"]) + 1)
-            if row.get("val/loss"):
-                checks.append((float(row["val/loss"]), int(row["epoch"]) + 1, float(row["val/acc"])))
+        table = list(csv.DictReader(f))
+    tests = [int(r["epoch"]) for r in table if any(r.get(k) for k in r if k and k.startswith("test/"))]
+    end = min(tests) if tests else None
+    trained = [r for r in table if end is None or int(r["epoch"]) < end]
+    checks = [(float(r["val/loss"]), int(r["epoch"]) + 1, float(r["val/acc"])) for r in trained if r.get("val/loss")]
     if not checks:
         return None
+    rounds = max(int(r["epoch"]) + 1 for r in trained)
     loss, epoch, acc = min(checks)
-    return epoch, acc, last
+    return epoch, acc, rounds
 
 
 def collect(loss: str, jsonl: list[str], logs: list[str]) -> list[dict]:
-    """One row per run: finished runs from their JSON lines, unfinished ones (a log, no line) marked so."""
+    """One row per run: finished runs from their JSON lines, unfinished ones (a log, no line) marked so.
+
+    A finished run's best check comes from the log its line names (``log_dir``); for lines without one, from the
+    log of the same point that trained as many rounds as the line says (a point cut on one machine and rerun on
+    another has two logs), else the longest."""
     rows: dict[tuple[str, str], dict] = {}
+    named: dict[tuple[str, str], str] = {}
     for path in jsonl:
         with open(path) as f:
             for line in f:
                 r = json.loads(line)
                 if "error" in r:
                     continue
-                v = {k.split(".")[-1]: val for k, val in r["values"].items()}
-                rows[(v["noise_multiplier"], v["seed_everything"])] = {
-                    "loss": loss, "nu": v["noise_multiplier"], "seed": v["seed_everything"], "finished": 1,
+                v = {k.split(".")[-1]: str(val) for k, val in r["values"].items()}
+                key = (v["noise_multiplier"], v["seed_everything"])
+                rows[key] = {
+                    "loss": loss, "nu": key[0], "seed": key[1], "finished": 1,
                     "rounds": r["epochs"], "test_acc": r["metrics"].get("test/acc"),
                     "val_acc_best": r["metrics"].get("restored val/acc"),
                     "client_epsilon_median": r["privacy"].get("client_epsilon_median", math.inf)}
-    # a point run twice (cut on one machine, finished on another) has two logs: the longer one is the run's
-    longest: dict[tuple[str, str], tuple[int, float, int]] = {}
+                if r.get("log_dir"):
+                    named[key] = os.path.join(r["log_dir"], "metrics.csv")
+    found: dict[tuple[str, str], list[tuple[str, tuple[int, float, int]]]] = {}
     for log_dir in logs:
         for path in glob.glob(os.path.join(log_dir, "*", "version_*", "metrics.csv")):
             v = _name_values(path.split(os.sep)[-3])
-            key = (v["noise_multiplier"], v["seed_everything"])
-            found = best_check(path)
-            if found is not None and (key not in longest or found[2] > longest[key][2]):
-                longest[key] = found
-    for key, (best_round, val_acc, logged) in longest.items():
-        row = rows.setdefault(key, {"loss": loss, "nu": key[0], "seed": key[1], "finished": 0, "rounds": logged})
-        row["best_round"] = best_round
+            check = best_check(path)
+            if check is not None:
+                found.setdefault((v["noise_multiplier"], v["seed_everything"]), []).append((path, check))
+    for key, candidates in found.items():
+        row = rows.get(key)
+        chosen = None
+        if row is not None and key in named:
+            chosen = next((c for p, c in candidates if os.path.samefile(p, named[key])), None)
+        if chosen is None and row is not None:
+            chosen = next((c for _, c in candidates if c[2] == int(row["rounds"])), None)
+        if chosen is None:
+            chosen = max((c for _, c in candidates), key=lambda c: c[2])
+            if row is not None:
+                print(f"warning: no log of {key} trained {row['rounds']} rounds; its best check is from the longest "
+                      f"({chosen[2]} rounds)", file=sys.stderr)
+        row = rows.setdefault(key, {"loss": loss, "nu": key[0], "seed": key[1], "finished": 0, "rounds": chosen[2]})
+        row["best_round"] = chosen[0]
         if row.get("val_acc_best") is None:
-            row["val_acc_best"] = val_acc
+            row["val_acc_best"] = chosen[1]
     return sorted(rows.values(), key=lambda r: (float(r["nu"]), int(r["seed"])))
 
 
@@ -122,8 +142,9 @@ def markdown(rows: list[dict]) -> str:
     for (loss, nu), stats in summary(rows).items():
         paper = PAPER[loss].get(nu)
         nu_text = f"{nu:g}"
-        lines.append(f"| {loss} | {nu_text} | {paper[0]:.3f} ± {paper[1]:.3f} | {_fmt(stats.get('test_acc'))} | "
-                     f"{_fmt(stats.get('val_acc_best'))} |" if paper else f"| {loss} | {nu_text} | - | - | - |")
+        paper_text = f"{paper[0]:.3f} ± {paper[1]:.3f}" if paper else "-"
+        lines.append(f"| {loss} | {nu_text} | {paper_text} | {_fmt(stats.get('test_acc'))} | "
+                     f"{_fmt(stats.get('val_acc_best'))} |")
     return "\n".join(lines)
 
 
@@ -135,25 +156,32 @@ def figure(rows: list[dict], out: str) -> None:
 
     stats = summary(rows)
     losses = sorted({loss for loss, _ in stats})
-    fig, axes = plt.subplots(1, len(losses), figsize=(5.2 * len(losses), 3.8), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(losses), figsize=(5.2 * len(losses), 4.2), sharey=True, squeeze=False)
     for ax, loss in zip(axes[0], losses):
-        nus = sorted(PAPER[loss])
-        x = {nu: i for i, nu in enumerate(nus)}  # the thesis' nu values, evenly spaced (0 has no log position)
-        ax.errorbar([x[nu] for nu in nus], [PAPER[loss][nu][0] for nu in nus], [PAPER[loss][nu][1] for nu in nus],
-                    marker="s", capsize=3, label="thesis (validation)")
+        ours = sorted(nu for lo, nu in stats if lo == loss)
+        nus = sorted(set(PAPER.get(loss, {})) | set(ours))
+        x = {nu: i for i, nu in enumerate(nus)}  # the nu values evenly spaced (0 has no log position)
+        paper = PAPER.get(loss, {})
+        ax.errorbar([x[nu] for nu in paper], [m for m, _ in paper.values()], [e for _, e in paper.values()],
+                    marker="s", capsize=3, label="thesis (validation, n = 3)")
         for metric, label, marker in (("test_acc", "ours: test", "o"), ("val_acc_best", "ours: validation", "^")):
-            pts = [(x[nu], s[metric]) for (lo, nu), s in stats.items() if lo == loss and metric in s and nu in x]
-            if pts:
-                errs = [0 if math.isnan(s[1]) else s[1] for _, s in pts]  # one run: no bar
-                ax.errorbar([p for p, _ in pts], [s[0] for _, s in pts], errs,
-                            marker=marker, capsize=3, linestyle="--", label=label)
+            pts = [(x[nu], stats[(loss, nu)][metric]) for nu in ours if metric in stats[(loss, nu)]]
+            if not pts:
+                continue
+            errs = [0 if math.isnan(s[1]) else s[1] for _, s in pts]  # one run: no bar
+            ax.errorbar([p for p, _ in pts], [s[0] for _, s in pts], errs, marker=marker, capsize=3,
+                        linestyle="--", label=label)
+            for p, (mean, _, n) in pts:
+                if n < 3:  # say where a point holds fewer runs than the thesis' three
+                    ax.annotate(f"n={n}", (p, mean), textcoords="offset points", xytext=(4, -10), fontsize=7)
         ax.set_xticks(range(len(nus)), [f"{nu:g}" for nu in nus])
         ax.set_xlabel("noise multiplier nu")
         ax.set_title(f"FEMNIST, {loss.replace('_', '-')}")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("accuracy (mean ± sample std)")
-    axes[0][0].legend(loc="lower left")
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(out, dpi=110)
 
 
