@@ -176,7 +176,7 @@ def figure(rows: list[dict], out: str) -> None:
                     ax.annotate(f"n={n}", (p, mean), textcoords="offset points", xytext=(4, -10), fontsize=7)
         ax.set_xticks(range(len(nus)), [f"{nu:g}" for nu in nus])
         ax.set_xlabel("noise multiplier nu")
-        ax.set_title(f"FEMNIST, {loss.replace('_', '-')}")
+        ax.set_title(f"FEMNIST, {'RMSE' if loss == 'rmse' else loss.replace('_', '-')}")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("accuracy (mean ± sample std)")
     handles, labels = axes[0][0].get_legend_handles_labels()
