@@ -416,5 +416,18 @@ def test_femnist_table2_4_collects_summarizes_and_draws(tmp_path):
     text = table.markdown(list(rows.values()))
     assert "| cross_entropy | 10 | 0.692 ± 0.002 | 0.600 (n = 1) | - |" in text
     assert "| cross_entropy | 7 | - | 0.500 (n = 1) | - |" in text  # not in the thesis' table
+    assert table.pooled(list(rows.values()), "cross_entropy", "test_acc") is None  # one finished run at nu >= 10
+    from scipy import stats as scipy_stats
+
+    low, high = [0.70, 0.74, 0.75, 0.71], [0.60, 0.66, 0.64]
+    pool = [{"loss": "rmse", "nu": nu, "finished": "1", "test_acc": str(x)}
+            for nu, xs in ((0, low[:2]), (3, low[2:]), (10, high[:2]), (15, high[2:])) for x in xs]
+    pool.append({"loss": "rmse", "nu": "0.1", "finished": "1", "test_acc": "0.1"})  # left out below
+    pool.append({"loss": "rmse", "nu": "5", "finished": "1", "test_acc": "0.9"})  # in neither side
+    p = scipy_stats.ttest_ind(low, high, equal_var=False).pvalue
+    assert table.pooled(pool, "rmse", "test_acc", exclude=(0.1,)) == (
+        f"rmse test_acc (without nu = 0.1): nu <= 3 {statistics.mean(low):.3f} ± {statistics.stdev(low):.3f} (n = 4), "
+        f"nu >= 10 {statistics.mean(high):.3f} ± {statistics.stdev(high):.3f} (n = 3): "
+        f"{statistics.mean(low) - statistics.mean(high):.3f} lower, Welch p = {p:.3f}")
     table.main(["figure", str(out), str(tmp_path / "t.png")])
     assert (tmp_path / "t.png").stat().st_size > 10_000

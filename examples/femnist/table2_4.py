@@ -8,7 +8,7 @@ docs/results_femnist_noise.md, "At convergence", for the commands.
     # the validation accuracy at the best check (the check whose weights were restored)
     python examples/femnist/table2_4.py collect --loss cross_entropy --jsonl ce.jsonl --logs csv/ce \\
         --out docs/figures/femnist_table2_4.tsv
-    # mean +- sample std per (loss, nu) beside the thesis' numbers, and the figure
+    # mean +- sample std per (loss, nu) beside the thesis' numbers, the pooled comparisons, and the figure
     python examples/femnist/table2_4.py figure docs/figures/femnist_table2_4.tsv docs/figures/femnist_table2_4.png
 """
 
@@ -148,6 +148,25 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def pooled(rows: list[dict], loss: str, metric: str, exclude: tuple[float, ...] = ()) -> Optional[str]:
+    """The finished runs of the thesis' flat range (nu <= 3) against nu >= 10, pooled over cells: mean ± sample std
+    (n) of each side, their difference and Welch's t-test p-value (a cell's three runs are too few on their own)."""
+    from scipy import stats
+
+    def side(keep) -> list[float]:
+        return [x for r in rows if r["loss"] == loss and str(r["finished"]) == "1" and keep(float(r["nu"]))
+                and float(r["nu"]) not in exclude and (x := _num(r[metric])) is not None]
+
+    low, high = side(lambda nu: nu <= 3), side(lambda nu: nu >= 10)
+    if len(low) < 2 or len(high) < 2:
+        return None
+    p = stats.ttest_ind(low, high, equal_var=False).pvalue
+    without = f" (without nu = {', '.join(f'{nu:g}' for nu in exclude)})" if exclude else ""
+    return (f"{loss} {metric}{without}: nu <= 3 {statistics.mean(low):.3f} ± {statistics.stdev(low):.3f} "
+            f"(n = {len(low)}), nu >= 10 {statistics.mean(high):.3f} ± {statistics.stdev(high):.3f} "
+            f"(n = {len(high)}): {statistics.mean(low) - statistics.mean(high):.3f} lower, Welch p = {p:.3f}")
+
+
 def figure(rows: list[dict], out: str) -> None:
     import matplotlib
 
@@ -210,6 +229,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     rows = read(args.tsv)
     print(markdown(rows))
+    for loss in sorted({r["loss"] for r in rows}):
+        for metric in ("test_acc", "val_acc_best"):
+            for exclude in ((), (0.1,)):  # 0.1: the cell of the cross-entropy run stopped at 105 rounds
+                line = pooled(rows, loss, metric, exclude)
+                if line:
+                    print(line)
     if args.png:
         figure(rows, args.png)
     return 0
