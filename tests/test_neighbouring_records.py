@@ -143,6 +143,11 @@ KINDS = [
     # 80 of the 100 clients per round (the example: 7), so that the changed client takes part (misses: 0.2^3)
     kind("fl-d-privacy", ["fl_synthetic.yaml"],
          [*FEDERATED, "--trainer.max_epochs=3", "--model.init_args.clients_per_round=80"]),
+    # IFCA's trained initialization (examples/femnist/warm_start.yaml, 20 rounds) over the synthetic round, cut to 2
+    # warm-up rounds of the 3: the public assignment, then the choice on the clients' data
+    kind("fl-d-privacy-warm-start", ["fl_synthetic.yaml", "femnist/warm_start.yaml"],
+         [*FEDERATED, "--trainer.max_epochs=3", "--model.init_args.clients_per_round=80",
+          "--model.init_args.warm_start_rounds=2"]),
     kind("fl-fairness", ["fairness/synthetic.yaml"],
          [*FEDERATED, "--trainer.max_epochs=3", "--data.init_args.num_clients=100",
           "--data.init_args.num_val_clients=20", "--data.init_args.num_test_clients=20",

@@ -27,8 +27,11 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-__all__ = ["FlatParams", "LOSSES", "check_loss", "choose_hypotheses", "client_losses", "client_outputs_and_losses",
-           "example_loss", "forward_and_loss", "row_norms", "local_sgd", "local_sgd_loop", "masked_loss", "predictions"]
+from lightning_dp.privacy.noise import counter_uniform
+
+__all__ = ["FlatParams", "LOSSES", "assigned_hypotheses", "check_loss", "choose_hypotheses", "client_losses",
+           "client_outputs_and_losses", "example_loss", "forward_and_loss", "row_norms", "local_sgd",
+           "local_sgd_loop", "masked_loss", "predictions"]
 
 #: Loss names accepted by the round; all are means over a client's (masked) batch.
 LOSSES = ("rmse", "cross_entropy", "binary_cross_entropy")
@@ -232,6 +235,26 @@ def client_losses(template: nn.Module, spec: FlatParams, hypotheses: Tensor, x: 
 def choose_hypotheses(losses: Tensor) -> Tensor:
     """Each client's argmin over hypotheses (ties go to the lowest index)."""
     return losses.argmin(dim=1)
+
+
+def assigned_hypotheses(seed: int, clients: Sequence[int] | Tensor, k: int, *, stream: int) -> Tensor:
+    """A fixed public assignment of clients to k hypotheses, the start of a warm-up round
+    (``FederatedRound(warm_start_rounds=...)``): client i gets ``floor(k u_i)`` with
+    ``u_i = counter_uniform(seed, stream, i)``, uniform over the k and independent across clients.
+
+    A pure function of the public seed and the client's position: not of its data, nor of which other clients
+    are drawn with it, in which process, nor of the population's size (IFCA's code instead splits a random
+    permutation of all clients into k equal groups, which a client's presence would change for every other).
+    Returns a (len(clients),) long tensor on the CPU.
+    """
+    k = int(k)
+    if k < 1:
+        raise ValueError(f"assigned_hypotheses: k={k} is not allowed: pass the number of hypotheses (>= 1)")
+    rows = (clients.detach().cpu().long() if isinstance(clients, Tensor)
+            else torch.tensor(list(clients), dtype=torch.long))
+    if rows.numel() == 0:
+        return torch.zeros(0, dtype=torch.long)
+    return (counter_uniform(seed, stream, rows) * k).long().clamp_max(k - 1)
 
 
 #: A function ``epoch -> keys`` giving (C, Nmax) uniform [0, 1) shuffle keys of the call's clients.

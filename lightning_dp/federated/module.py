@@ -70,6 +70,8 @@ class PersonalizedFederatedModule(FederatedRound):
     Args:
         model: the network template; k hypotheses of its shape are trained.
         num_hypotheses: k.
+        warm_start_rounds: as :class:`~lightning_dp.federated.FederatedRound` (IFCA's trained initialization:
+            the first rounds' clients train a publicly assigned hypothesis instead of choosing; default 0).
         clients_per_round: U, sampled without replacement among the training clients.
         local_epochs: E.
         local_lr: s.
@@ -102,6 +104,7 @@ class PersonalizedFederatedModule(FederatedRound):
         model: nn.Module,
         *,
         num_hypotheses: int = 2,
+        warm_start_rounds: int = 0,
         clients_per_round: int = 10,
         local_epochs: int = 1,
         local_lr: float = 0.1,
@@ -122,7 +125,7 @@ class PersonalizedFederatedModule(FederatedRound):
         check_seed(seed)
         check_seed(noise_seed, "noise_seed")
         super().__init__(
-            model, num_hypotheses=num_hypotheses,
+            model, num_hypotheses=num_hypotheses, warm_start_rounds=warm_start_rounds,
             selection=UniformSelection(clients_per_round, cap_policy),
             update=LocalSGD(local_epochs, local_lr, local_batch_size, client_engine),
             sanitizer=EuclideanLaplace(noise_multiplier, per_layer, min_delta_norm),

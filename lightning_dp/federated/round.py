@@ -66,6 +66,7 @@ from lightning_dp.datamodules.federated import (
 )
 from lightning_dp.federated.local import (
     FlatParams,
+    assigned_hypotheses,
     check_loss,
     choose_hypotheses,
     client_losses,
@@ -88,10 +89,11 @@ from lightning_dp.privacy.seeds import SECRET_KEY, check_seed, fresh_seed
 
 __all__ = ["FederatedRound"]
 
-# streams of derive_generator (public: seed, for _INIT, _LOCAL, _VAL, _DIAGNOSTICS) and of derive_secret_generator
+# streams of derive_generator and counter_uniform (public: seed, for _INIT, _LOCAL, _VAL, _DIAGNOSTICS, _WARM_START)
+# and of derive_secret_generator
 # (secret: noise_seed, for _CLIENTS, _NOISE, _SERVER_NOISE, _SERVER_COUNT, _LOCAL_NOISE)
 _CLIENTS, _LOCAL, _NOISE, _INIT, _VAL = 11, 12, 13, 14, 15
-_SERVER_NOISE, _SERVER_COUNT, _DIAGNOSTICS, _LOCAL_NOISE = 16, 17, 18, 19
+_SERVER_NOISE, _SERVER_COUNT, _DIAGNOSTICS, _LOCAL_NOISE, _WARM_START = 16, 17, 18, 19, 20
 #: releases (entries) a process holds at a time when the server's input is a sum (FederatedRound._summed_client_round):
 #: the blocks whose sums add up, as large as :func:`~lightning_dp.federated.local.row_blocks`' default
 SUM_BLOCK_ENTRIES = 2**22
@@ -114,6 +116,13 @@ class FederatedRound(LightningModule):
     Args:
         model: the network template; ``num_hypotheses`` parameter vectors of its shape are trained.
         num_hypotheses: k (1: one global model).
+        warm_start_rounds: for the first this many rounds, a training client starts from the hypothesis of a
+            fixed public assignment (:func:`~lightning_dp.federated.local.assigned_hypotheses`: a hash of ``seed``
+            and the client's position, uniform over the k) instead of its best one; afterwards it chooses as
+            usual. IFCA's "trained initialization" (Ghosh et al.'s FEMNIST code trains each hypothesis on a random
+            group of clients before the choice starts): from independent random initializations, one
+            hypothesis can win every client's first choice and the others are never trained
+            (docs/federated.md, "Starting the hypotheses apart"). 0 (default): the choice from round 0. Needs k > 1.
         selection: a :class:`~lightning_dp.federated.parts.ClientSelection` or its registered name.
         update: a :class:`~lightning_dp.federated.parts.ClientUpdate` or its name.
         sanitizer: a :class:`~lightning_dp.federated.parts.ClientSanitizer` or its name.
@@ -161,6 +170,7 @@ class FederatedRound(LightningModule):
         model: nn.Module,
         *,
         num_hypotheses: int = 1,
+        warm_start_rounds: int = 0,
         # typed so that a config (or --model.init_args.sanitizer.init_args.clip=...) can build and override them
         selection: ClientSelection | str = "uniform",
         update: ClientUpdate | str = "local_sgd",
@@ -180,6 +190,10 @@ class FederatedRound(LightningModule):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.k = checks.positive_int("num_hypotheses", num_hypotheses)
+        self.warm_start_rounds = checks.non_negative_int("warm_start_rounds", warm_start_rounds)
+        if self.warm_start_rounds and self.k == 1:
+            raise ValueError(f"warm_start_rounds={warm_start_rounds} needs num_hypotheses > 1 (with one hypothesis "
+                             "every client starts from it): pass warm_start_rounds=0, or num_hypotheses >= 2")
         self.selection = resolve_part("selection", selection)
         self.update = resolve_part("update", update)
         self.sanitizer = resolve_part("sanitizer", sanitizer)
@@ -562,7 +576,10 @@ class FederatedRound(LightningModule):
             with torch.no_grad():
                 losses = client_losses(self.template, self.spec, hyps, x, y, mask, self.loss_name,
                                        self._forward_engine())
-        choice = choose_hypotheses(losses)
+        if self.k > 1 and r < self.warm_start_rounds:  # public: the client's position and the public seed, no data
+            choice = assigned_hypotheses(self.seed, mine, self.k, stream=_WARM_START).to(losses.device)
+        else:
+            choice = choose_hypotheses(losses)
         # one hypothesis: a view, not m copies of the model (m x P floats are the round's memory traffic)
         start = hyps[choice] if self.k > 1 else hyps[0].expand(len(mine), -1)
         trained = self.update.train(
