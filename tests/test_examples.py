@@ -365,6 +365,87 @@ def test_femnist_convergence_overlay_sets_the_thesis_stopping_rule(tmp_path, mon
     assert (cli.model.hparams.num_hypotheses, cli.model.hparams.clients_per_round) == (2, 10)
 
 
+def test_femnist_warm_start_overlay_sets_the_public_warm_up(tmp_path, monkeypatch):
+    """examples/femnist/warm_start.yaml after fl_femnist.yaml (and convergence.yaml): 20 warm-up rounds, the rest of
+    the round and the stopping rule kept."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-dp"])
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    cli = LightningDPCLI(run=False, args=["--config", str(ROOT / "fl_femnist.yaml"), "--config",
+                                          str(ROOT / "femnist" / "convergence.yaml"), "--config",
+                                          str(ROOT / "femnist" / "warm_start.yaml"), "--trainer.logger=false"])
+    assert cli.model.warm_start_rounds == 20 and cli.model.hparams.warm_start_rounds == 20
+    assert (cli.model.hparams.num_hypotheses, cli.trainer.max_epochs) == (2, 500)
+
+
+def _load_example(name: str, path: Path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_femnist_split_counts_unanimous_checks_and_one_cluster_rounds(tmp_path):
+    """examples/femnist/split.py logs: a check is unanimous when one val/chose_j is 1; a round has one cluster when
+    one cluster size is non-zero (either name space); rows without them are neither."""
+    split = _load_example("femnist_split", ROOT / "femnist" / "split.py")
+    log = tmp_path / "metrics.csv"
+    log.write_text("epoch,nonprivate/cluster_size_0,nonprivate/cluster_size_1,val/chose_0,val/chose_1,step\n"
+                   "0,10.0,0.0,,,0\n0,,,1.0,0.0,0\n1,4.0,6.0,,,1\n1,,,0.3,0.7,1\n2,0.0,10.0,,,2\n2,,,0.0,1.0,2\n"
+                   "3,,,,,3\n")
+    assert split.log_split(str(log)) == {"log": str(log), "checks": 3, "unanimous_checks": 2, "rounds": 3,
+                                         "one_cluster_rounds": 2}
+    round_names = tmp_path / "round.csv"
+    round_names.write_text("epoch,round/cluster_size_0,round/cluster_size_1\n0,3.0,7.0\n1,0.0,10.0\n")
+    assert split.log_split(str(round_names))["one_cluster_rounds"] == 1
+    assert split.main(["logs", str(log), str(round_names)]) == 0
+
+
+def test_femnist_split_of_a_checkpoint_matches_a_loop_over_the_writers(tmp_path, monkeypatch):
+    """examples/femnist/split.py checkpoint: each test writer's choice (lowest cross-entropy over the checkpoint's
+    hypotheses) by rotation, and each group's accuracy with each hypothesis, against nn.Module forwards of the
+    hypotheses loaded with vector_to_parameters."""
+    import torch
+    import torch.nn.functional as F
+
+    from lightning_dp.datamodules.femnist import FEMNISTDataModule
+    from lightning_dp.models import FEMNISTConvNet
+    from tests.datamodules.test_federated_femnist import write_leaf
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    split = _load_example("femnist_split", ROOT / "femnist" / "split.py")
+    sizes = {f"f{i:04d}_{i:02d}": 4 + i % 3 for i in range(12)}
+    write_leaf(tmp_path / "leaf", train_sizes=sizes, test_sizes={w: 2 + i % 2 for i, w in enumerate(sizes)})
+    nets = []
+    for j in range(2):
+        torch.manual_seed(j)
+        nets.append(FEMNISTConvNet())
+    hypotheses = torch.stack([torch.nn.utils.parameters_to_vector(net.parameters()).detach() for net in nets])
+    torch.save({"state_dict": {"hypotheses": hypotheses}}, tmp_path / "run.ckpt")
+    data = [f"--data.init_args.data_dir={tmp_path / 'leaf'}", "--data.init_args.val_fraction=0.25"]
+    out = split.checkpoint_split(str(ROOT / "fl_femnist.yaml"), str(tmp_path / "run.ckpt"), data)
+
+    dm = FEMNISTDataModule(data_dir=str(tmp_path / "leaf"), val_fraction=0.25, seed=0)
+    dm.setup("test")
+    chose = {"upright": [0, 0], "rotated": [0, 0]}
+    correct = {"upright": [0, 0], "rotated": [0, 0]}
+    examples = {"upright": 0, "rotated": 0}
+    with torch.no_grad():
+        for client in dm.clients("test"):
+            group = "rotated" if dm.rotated[client.client_id] else "upright"
+            logits = [net(client.x) for net in nets]
+            chose[group][int(torch.tensor([F.cross_entropy(z, client.y) for z in logits]).argmin())] += 1
+            examples[group] += len(client.y)
+            for j, z in enumerate(logits):
+                correct[group][j] += int((z.argmax(1) == client.y).sum())
+    assert sum(map(sum, chose.values())) == 12 and examples["upright"] and examples["rotated"]
+    assert out["chose"] == chose
+    for group in chose:
+        assert out["accuracy"][group] == pytest.approx([c / examples[group] for c in correct[group]], abs=1e-12)
+
+
 def test_femnist_table2_4_collects_summarizes_and_draws(tmp_path):
     """examples/femnist/table2_4.py: finished runs from their JSON lines; the best check's validation accuracy from
     the run's own CSV log (the check with the lowest val/loss; the final validation and test rows are not checks),
@@ -409,6 +490,15 @@ def test_femnist_table2_4_collects_summarizes_and_draws(tmp_path):
     assert (rows[("0", "0")]["best_round"], float(rows[("0", "0")]["val_acc_best"])) == ("10", 0.62)
     assert (rows[("0", "1")]["best_round"], float(rows[("0", "1")]["val_acc_best"])) == ("10", 0.66)
     assert (rows[("10", "2")]["rounds"], rows[("10", "2")]["test_acc"]) == ("10", "")
+    # the personalization counts come from the same (chosen) log: these logs have no choices or clusters
+    assert (rows[("0", "0")]["checks"], rows[("0", "0")]["logged_rounds"]) == ("0", "0")
+    counted = [{"loss": "rmse", "checks": "4", "unanimous_checks": "3", "logged_rounds": "20",
+                "one_cluster_rounds": "18"}, {"loss": "rmse", "checks": "2", "unanimous_checks": "2",
+                                              "logged_rounds": "10", "one_cluster_rounds": "1"}, {"loss": "rmse"}]
+    assert table.personalization(counted, "rmse") == (
+        "rmse (2 logs): every validation writer chose one hypothesis at 5 of 6 checks; the k-means put a round's "
+        "releases in one cluster in 19 of 30 rounds")
+    assert table.personalization(counted, "cross_entropy") is None
     stats = table.summary(list(rows.values()))
     mean, std, n = stats[("cross_entropy", 0.0)]["test_acc"]
     assert (n, mean, std) == (3, statistics.mean([0.70, 0.74, 0.75]), statistics.stdev([0.70, 0.74, 0.75]))

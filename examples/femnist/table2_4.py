@@ -33,7 +33,8 @@ PAPER = {
     "rmse": {0: (0.801, 0.001), 0.001: (0.813, 0.014), 0.01: (0.805, 0.008), 0.1: (0.808, 0.019),
              1: (0.814, 0.012), 3: (0.825, 0.010), 5: (0.787, 0.003), 10: (0.687, 0.014), 15: (0.622, 0.003)},
 }
-FIELDS = ["loss", "nu", "seed", "finished", "rounds", "best_round", "val_acc_best", "test_acc", "client_epsilon_median"]
+FIELDS = ["loss", "nu", "seed", "finished", "rounds", "best_round", "val_acc_best", "test_acc", "client_epsilon_median",
+          "checks", "unanimous_checks", "logged_rounds", "one_cluster_rounds"]
 
 
 def _name_values(name: str) -> dict[str, str]:
@@ -89,21 +90,50 @@ def collect(loss: str, jsonl: list[str], logs: list[str]) -> list[dict]:
                 found.setdefault((v["noise_multiplier"], v["seed_everything"]), []).append((path, check))
     for key, candidates in found.items():
         row = rows.get(key)
-        chosen = None
+        picked = None
         if row is not None and key in named:
-            chosen = next((c for p, c in candidates if os.path.samefile(p, named[key])), None)
-        if chosen is None and row is not None:
-            chosen = next((c for _, c in candidates if c[2] == int(row["rounds"])), None)
-        if chosen is None:
-            chosen = max((c for _, c in candidates), key=lambda c: c[2])
+            picked = next(((p, c) for p, c in candidates if os.path.samefile(p, named[key])), None)
+        if picked is None and row is not None:
+            picked = next(((p, c) for p, c in candidates if c[2] == int(row["rounds"])), None)
+        if picked is None:
+            picked = max(candidates, key=lambda pc: pc[1][2])
             if row is not None:
                 print(f"warning: no log of {key} trained {row['rounds']} rounds; its best check is from the longest "
-                      f"({chosen[2]} rounds)", file=sys.stderr)
+                      f"({picked[1][2]} rounds)", file=sys.stderr)
+        path, chosen = picked
         row = rows.setdefault(key, {"loss": loss, "nu": key[0], "seed": key[1], "finished": 0, "rounds": chosen[2]})
         row["best_round"] = chosen[0]
         if row.get("val_acc_best") is None:
             row["val_acc_best"] = chosen[1]
+        # whether the k hypotheses personalized: split.py's counts of the same log
+        split = log_split(path)
+        row.update({"checks": split["checks"], "unanimous_checks": split["unanimous_checks"],
+                    "logged_rounds": split["rounds"], "one_cluster_rounds": split["one_cluster_rounds"]})
     return sorted(rows.values(), key=lambda r: (float(r["nu"]), int(r["seed"])))
+
+
+def log_split(metrics_csv: str) -> dict:
+    """examples/femnist/split.py's counts of one log (unanimous validation checks, one-cluster rounds)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("femnist_split", os.path.join(os.path.dirname(
+        os.path.abspath(__file__)), "split.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.log_split(metrics_csv)
+
+
+def personalization(rows: list[dict], loss: str) -> Optional[str]:
+    """Over the runs' logs (the rows that have counts): checks at which every validation writer chose the same
+    hypothesis, and rounds whose releases the k-means put in one cluster."""
+    have = [r for r in rows if r["loss"] == loss and r.get("checks") not in ("", None)]
+    if not have:
+        return None
+    total = {k: sum(int(r[k]) for r in have) for k in ("checks", "unanimous_checks", "logged_rounds",
+                                                        "one_cluster_rounds")}
+    return (f"{loss} ({len(have)} logs): every validation writer chose one hypothesis at {total['unanimous_checks']} "
+            f"of {total['checks']} checks; the k-means put a round's releases in one cluster in "
+            f"{total['one_cluster_rounds']} of {total['logged_rounds']} rounds")
 
 
 def read(path: str) -> list[dict]:
@@ -235,6 +265,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                 line = pooled(rows, loss, metric, exclude)
                 if line:
                     print(line)
+        line = personalization(rows, loss)
+        if line:
+            print(line)
     if args.png:
         figure(rows, args.png)
     return 0
