@@ -392,9 +392,10 @@ def test_femnist_split_counts_unanimous_checks_and_one_cluster_rounds(tmp_path):
     one cluster size is non-zero (either name space); rows without them are neither."""
     split = _load_example("femnist_split", ROOT / "femnist" / "split.py")
     log = tmp_path / "metrics.csv"
-    log.write_text("epoch,nonprivate/cluster_size_0,nonprivate/cluster_size_1,val/chose_0,val/chose_1,step\n"
-                   "0,10.0,0.0,,,0\n0,,,1.0,0.0,0\n1,4.0,6.0,,,1\n1,,,0.3,0.7,1\n2,0.0,10.0,,,2\n2,,,0.0,1.0,2\n"
-                   "3,,,,,3\n")
+    # rounds 0-2, a row without either, then the finished run's final validation and test (epoch 3): not checks
+    log.write_text("epoch,nonprivate/cluster_size_0,nonprivate/cluster_size_1,val/chose_0,val/chose_1,step,test/acc\n"
+                   "0,10.0,0.0,,,0,\n0,,,1.0,0.0,0,\n1,4.0,6.0,,,1,\n1,,,0.3,0.7,1,\n2,0.0,10.0,,,2,\n2,,,0.0,1.0,2,\n"
+                   "2,,,,,2,\n3,,,1.0,0.0,3,\n3,,,,,3,0.5\n")
     assert split.log_split(str(log)) == {"log": str(log), "checks": 3, "unanimous_checks": 2, "rounds": 3,
                                          "one_cluster_rounds": 2}
     round_names = tmp_path / "round.csv"
@@ -424,10 +425,16 @@ def test_femnist_split_of_a_checkpoint_matches_a_loop_over_the_writers(tmp_path,
         nets.append(FEMNISTConvNet())
     hypotheses = torch.stack([torch.nn.utils.parameters_to_vector(net.parameters()).detach() for net in nets])
     torch.save({"state_dict": {"hypotheses": hypotheses}}, tmp_path / "run.ckpt")
-    data = [f"--data.init_args.data_dir={tmp_path / 'leaf'}", "--data.init_args.val_fraction=0.25"]
-    out = split.checkpoint_split(str(ROOT / "fl_femnist.yaml"), str(tmp_path / "run.ckpt"), data)
+    # a fit's saved config (its own keys ckpt_path and weights_only beside the model's), a data seed other than 0
+    import yaml
 
-    dm = FEMNISTDataModule(data_dir=str(tmp_path / "leaf"), val_fraction=0.25, seed=0)
+    saved = yaml.safe_load((ROOT / "fl_femnist.yaml").read_text())
+    saved["data"]["init_args"].update(data_dir=str(tmp_path / "leaf"), val_fraction=0.25, seed=3)
+    saved.update(ckpt_path=None, weights_only=None)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    out = split.checkpoint_split(str(tmp_path / "config.yaml"), str(tmp_path / "run.ckpt"), [])
+
+    dm = FEMNISTDataModule(data_dir=str(tmp_path / "leaf"), val_fraction=0.25, seed=3)
     dm.setup("test")
     chose = {"upright": [0, 0], "rotated": [0, 0]}
     correct = {"upright": [0, 0], "rotated": [0, 0]}

@@ -25,15 +25,18 @@ from typing import Any, Optional
 
 
 def log_split(metrics_csv: str) -> dict[str, Any]:
-    """From one run's metrics.csv: validation checks (rows with ``val/chose_*``, the final validation included)
-    where every evaluated writer chose the same hypothesis, and training rounds whose releases the server's k-means
-    put in one cluster (``*cluster_size_*`` with one non-zero entry)."""
+    """From one run's metrics.csv: validation checks (rows with ``val/chose_*``) where every evaluated writer chose
+    the same hypothesis, and training rounds whose releases the server's k-means put in one cluster
+    (``*cluster_size_*`` with one non-zero entry). As ``table2_4.best_check``: the rows of a finished run's final
+    validation and test (from the test's epoch on) are not checks."""
     with open(metrics_csv) as f:
         table = list(csv.DictReader(f))
     if not table:
         return {"log": metrics_csv, "checks": 0, "unanimous_checks": 0, "rounds": 0, "one_cluster_rounds": 0}
-    chose = sorted(k for k in table[0] if k.startswith("val/chose_"))
-    sizes = sorted(k for k in table[0] if k.rsplit("/", 1)[-1].startswith("cluster_size_"))
+    tests = [int(r["epoch"]) for r in table if any(r.get(k) for k in r if k and k.startswith("test/"))]
+    table = [r for r in table if not tests or int(r["epoch"]) < min(tests)]
+    chose = sorted(k for k in table[0] if k.startswith("val/chose_")) if table else []
+    sizes = sorted(k for k in table[0] if k.rsplit("/", 1)[-1].startswith("cluster_size_")) if table else []
     checks = unanimous = rounds = one = 0
     for row in table:
         shares = [float(row[k]) for k in chose if row.get(k)]
@@ -54,7 +57,7 @@ def checkpoint_split(config: str, ckpt: str, extra: list[str], split: str = "tes
     import torch
 
     from lightning_dp.commands.fit import LightningDPCLI
-    from lightning_dp.federated.local import client_outputs_and_losses
+    from lightning_dp.federated.local import client_outputs_and_losses, predictions
 
     import yaml
 
@@ -79,7 +82,7 @@ def checkpoint_split(config: str, ckpt: str, extra: list[str], split: str = "tes
             table[rotated][int(losses[0].argmin())] += 1
             examples[rotated] += int(y.numel())
             for j in range(k):
-                correct[rotated][j] += int((outputs[0, j].argmax(-1) == y[0]).sum())
+                correct[rotated][j] += int((predictions(outputs[0, j], module.loss_name) == y[0]).sum())
     return {"split": split, "chose": {("rotated" if r else "upright"): table[r] for r in table},
             "accuracy": {("rotated" if r else "upright"): [c / max(examples[r], 1) for c in correct[r]]
                          for r in correct}}
@@ -92,10 +95,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     lg.add_argument("metrics", nargs="+")
     ck = sub.add_parser("checkpoint", help="a checkpoint -> rotation x choice")
     ck.add_argument("--config", required=True, help="the run's config (its log folder's config.yaml)")
-    ck.add_argument("--ckpt", required=True)
+    ck.add_argument("--ckpt", required=True, help="one checkpoint file (the run's best: checkpoints/*.ckpt)")
     ck.add_argument("--split", default="test", choices=["val", "test"])
     args, extra = parser.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
+    stray = [a for a in extra if not a.startswith("--")]
+    if stray:  # e.g. a glob that matched several checkpoints
+        parser.error(f"unexpected arguments {stray[:3]}: give one --ckpt file, and the config's overrides as "
+                     "--key=value after --")
     if args.command == "logs":
         total = {"checks": 0, "unanimous_checks": 0, "rounds": 0, "one_cluster_rounds": 0}
         for path in args.metrics:

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-from lightning_dp.privacy.noise import counter_uniform
+from lightning_dp import checks
 
 __all__ = ["FlatParams", "LOSSES", "assigned_hypotheses", "check_loss", "choose_hypotheses", "client_losses",
            "client_outputs_and_losses", "example_loss", "forward_and_loss", "row_norms", "local_sgd",
@@ -237,24 +237,26 @@ def choose_hypotheses(losses: Tensor) -> Tensor:
     return losses.argmin(dim=1)
 
 
-def assigned_hypotheses(seed: int, clients: Sequence[int] | Tensor, k: int, *, stream: int) -> Tensor:
+def assigned_hypotheses(seed: int, client_ids: Sequence[Any], k: int) -> Tensor:
     """A fixed public assignment of clients to k hypotheses, the start of a warm-up round
-    (``FederatedRound(warm_start_rounds=...)``): client i gets ``floor(k u_i)`` with
-    ``u_i = counter_uniform(seed, stream, i)``, uniform over the k and independent across clients.
+    (``FederatedRound(warm_start_rounds=...)``): client c gets ``floor(k u_c)`` with ``u_c = d / 2^63`` for
+    ``d = derived_seed(seed, "warm-start", c)`` (a hash of the public seed and the client's id), uniform over the k
+    and independent across clients.
 
-    A pure function of the public seed and the client's position: not of its data, nor of which other clients
-    are drawn with it, in which process, nor of the population's size (IFCA's code instead splits a random
-    permutation of all clients into k equal groups, which a client's presence would change for every other).
-    Returns a (len(clients),) long tensor on the CPU.
+    A pure function of the public seed and the client's id: not of its data, of its position in a client list, of
+    which other clients are drawn with it or in which process, nor of the population (IFCA's code instead splits a
+    random permutation of all clients into k equal groups, which one client's presence changes for every other).
+    Keyed by id, not position: the sites of a Flower deployment number their clients from 0 each.
+    Returns a (len(client_ids),) long tensor on the CPU.
     """
-    k = int(k)
-    if k < 1:
-        raise ValueError(f"assigned_hypotheses: k={k} is not allowed: pass the number of hypotheses (>= 1)")
-    rows = (clients.detach().cpu().long() if isinstance(clients, Tensor)
-            else torch.tensor(list(clients), dtype=torch.long))
-    if rows.numel() == 0:
-        return torch.zeros(0, dtype=torch.long)
-    return (counter_uniform(seed, stream, rows) * k).long().clamp_max(k - 1)
+    from lightning_dp.datamodules.federated import derived_seed  # the datamodules' hash (lazy: no import cycle)
+
+    k = checks.positive_int("k", k, owner="assigned_hypotheses")
+    return torch.tensor([(derived_seed(seed, _WARM_START_KEY, c) * k) >> 63 for c in client_ids], dtype=torch.long)
+
+
+#: the key of :func:`assigned_hypotheses`' hash (a public stream of the round's ``seed``)
+_WARM_START_KEY = "warm-start"
 
 
 #: A function ``epoch -> keys`` giving (C, Nmax) uniform [0, 1) shuffle keys of the call's clients.

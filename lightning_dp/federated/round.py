@@ -89,11 +89,10 @@ from lightning_dp.privacy.seeds import SECRET_KEY, check_seed, fresh_seed
 
 __all__ = ["FederatedRound"]
 
-# streams of derive_generator and counter_uniform (public: seed, for _INIT, _LOCAL, _VAL, _DIAGNOSTICS, _WARM_START)
-# and of derive_secret_generator
+# streams of derive_generator (public: seed, for _INIT, _LOCAL, _VAL, _DIAGNOSTICS) and of derive_secret_generator
 # (secret: noise_seed, for _CLIENTS, _NOISE, _SERVER_NOISE, _SERVER_COUNT, _LOCAL_NOISE)
 _CLIENTS, _LOCAL, _NOISE, _INIT, _VAL = 11, 12, 13, 14, 15
-_SERVER_NOISE, _SERVER_COUNT, _DIAGNOSTICS, _LOCAL_NOISE, _WARM_START = 16, 17, 18, 19, 20
+_SERVER_NOISE, _SERVER_COUNT, _DIAGNOSTICS, _LOCAL_NOISE = 16, 17, 18, 19
 #: releases (entries) a process holds at a time when the server's input is a sum (FederatedRound._summed_client_round):
 #: the blocks whose sums add up, as large as :func:`~lightning_dp.federated.local.row_blocks`' default
 SUM_BLOCK_ENTRIES = 2**22
@@ -118,7 +117,7 @@ class FederatedRound(LightningModule):
         num_hypotheses: k (1: one global model).
         warm_start_rounds: for the first this many rounds, a training client starts from the hypothesis of a
             fixed public assignment (:func:`~lightning_dp.federated.local.assigned_hypotheses`: a hash of ``seed``
-            and the client's position, uniform over the k) instead of its best one; afterwards it chooses as
+            and the client's id, uniform over the k) instead of its best one; afterwards it chooses as
             usual. IFCA's "trained initialization" (Ghosh et al.'s FEMNIST code trains each hypothesis on a random
             group of clients before the choice starts): from independent random initializations, one
             hypothesis can win every client's first choice and the others are never trained
@@ -570,14 +569,15 @@ class FederatedRound(LightningModule):
         from ``noise_seed``, both by client position), so a SuperNode of a Flower deployment that runs this for
         its clients computes what the simulation computes (:mod:`lightning_dp.flower`)."""
         hyps = self.hypotheses
-        if self.k == 1 and not self.log_nonprivate_metrics:  # nothing to choose, no loss to log: no forward pass
-            losses = torch.full((len(mine), 1), float("nan"), device=hyps.device)
+        warm = self.k > 1 and r < self.warm_start_rounds
+        if (self.k == 1 or warm) and not self.log_nonprivate_metrics:  # nothing to choose, no loss to log
+            losses = torch.full((len(mine), self.k), float("nan"), device=hyps.device)
         else:
             with torch.no_grad():
                 losses = client_losses(self.template, self.spec, hyps, x, y, mask, self.loss_name,
                                        self._forward_engine())
-        if self.k > 1 and r < self.warm_start_rounds:  # public: the client's position and the public seed, no data
-            choice = assigned_hypotheses(self.seed, mine, self.k, stream=_WARM_START).to(losses.device)
+        if warm:  # public: the client's id and the public seed, no data (nonprivate/train_loss: the assigned one's)
+            choice = assigned_hypotheses(self.seed, client_ids(self._clients["train"], mine), self.k).to(hyps.device)
         else:
             choice = choose_hypotheses(losses)
         # one hypothesis: a view, not m copies of the model (m x P floats are the round's memory traffic)

@@ -228,12 +228,14 @@ def clip_like(v, c):
 @pytest.mark.parametrize("sanitizer", [GaussianLocalDP(noise_multiplier=2.0, clip=0.5),
                                        SectorSanitizer(clip=0.5, lower_clip=0.2, angle=0.3, noise_multiplier=2.0),
                                        LaplaceLocalDP(noise_multiplier=4.0, clip=0.5)], ids=["gaussian", "sector", "laplace"])
-def test_with_two_hypotheses_every_release_is_charged_for_the_choice(sanitizer):
+@pytest.mark.parametrize("warm", [0, 2], ids=["choice", "warm-start"])
+def test_with_two_hypotheses_every_release_is_charged_for_the_choice(sanitizer, warm):
     """k = 2, clustered: each release costs what the sanitizer charges for the spread of the hypotheses the
-    clients chose from in that round (recomputed here from the hypotheses before each round)."""
+    clients chose from in that round (recomputed here from the hypotheses before each round); in the rounds of a
+    warm-up (``warm_start_rounds``), where the start is a public assignment, the same (never less)."""
     m = FederatedRound(LinearRegression(), num_hypotheses=2, selection=UniformSelection(30),
                        update=LocalSGD(epochs=1, lr=0.1, batch_size=10), sanitizer=sanitizer, aggregator="kmeans",
-                       seed=0, noise_seed=1)
+                       seed=0, noise_seed=1, warm_start_rounds=warm)
     expected, charged = [], []
     original = m.sanitizer.sanitize
     seen_round = []

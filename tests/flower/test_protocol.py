@@ -93,14 +93,21 @@ def deploy_in_memory(config: Path, noise_seed: int, nodes: int = 2, node_configs
     return captured["module"], grid
 
 
-@pytest.mark.parametrize("name", ["fl_deploy_fedavg.yaml", "fl_deploy_personalized.yaml"])
-def test_the_deployment_protocol_ends_with_the_simulations_model_epsilon_and_ledger(name, tmp_path, monkeypatch):
+@pytest.mark.parametrize(("name", "warm"), [("fl_deploy_fedavg.yaml", 0), ("fl_deploy_personalized.yaml", 0),
+                                            ("fl_deploy_personalized.yaml", 2)],
+                         ids=["fedavg", "personalized", "personalized-warm-start"])
+def test_the_deployment_protocol_ends_with_the_simulations_model_epsilon_and_ledger(name, warm, tmp_path,
+                                                                                   monkeypatch):
+    """Deployed (nodes run FederatedRound.train_clients) equals simulated; with warm_start_rounds, the nodes start
+    the warm-up's clients from the same public assignment as the simulation."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     monkeypatch.setattr(sys, "argv", ["lightning-dp"])
     config = tmp_path / name
     text = yaml.safe_load((EXAMPLES / name).read_text())
     text["trainer"]["logger"] = False  # the deployment's MLflow record: tests/flower/test_deployment.py
+    if warm:
+        text["model"]["init_args"]["warm_start_rounds"] = warm
     config.write_text(yaml.safe_dump(text))
     simulated = simulate(config, 918273645)
     deployed, grid = deploy_in_memory(config, 918273645)
