@@ -398,6 +398,8 @@ def test_femnist_split_counts_unanimous_checks_and_one_cluster_rounds(tmp_path):
                    "2,,,,,2,\n3,,,1.0,0.0,3,\n3,,,,,3,0.5\n")
     assert split.log_split(str(log)) == {"log": str(log), "checks": 3, "unanimous_checks": 2, "rounds": 3,
                                          "one_cluster_rounds": 2}
+    assert split.log_split(str(log), from_round=1) == {"log": str(log), "checks": 2, "unanimous_checks": 1,
+                                                       "rounds": 2, "one_cluster_rounds": 1}  # after a warm-up
     round_names = tmp_path / "round.csv"
     round_names.write_text("epoch,round/cluster_size_0,round/cluster_size_1\n0,3.0,7.0\n1,0.0,10.0\n")
     assert split.log_split(str(round_names))["one_cluster_rounds"] == 1

@@ -5,7 +5,7 @@ views, both non-private diagnostics of a finished run (run them on the machine t
 
     # per run, from its CSVLogger or MLflow-exported metrics.csv: how often every validation writer chose one
     # hypothesis, and how often the server's k-means put all of a round's releases in one cluster
-    python examples/femnist/split.py logs /work/repro/femnist_conv/csv/*/*/version_*/metrics.csv
+    python examples/femnist/split.py logs [--from-round 20] LOGS/*/version_*/metrics.csv
 
     # from a checkpoint (the run's config.yaml beside it): which hypothesis each test writer chooses, by rotation
     python examples/femnist/split.py checkpoint --config LOGDIR/config.yaml --ckpt LOGDIR/checkpoints/*.ckpt \\
@@ -24,17 +24,18 @@ import sys
 from typing import Any, Optional
 
 
-def log_split(metrics_csv: str) -> dict[str, Any]:
+def log_split(metrics_csv: str, from_round: int = 0) -> dict[str, Any]:
     """From one run's metrics.csv: validation checks (rows with ``val/chose_*``) where every evaluated writer chose
     the same hypothesis, and training rounds whose releases the server's k-means put in one cluster
     (``*cluster_size_*`` with one non-zero entry). As ``table2_4.best_check``: the rows of a finished run's final
-    validation and test (from the test's epoch on) are not checks."""
+    validation and test (from the test's epoch on) are not checks. ``from_round``: count rounds (epochs) from
+    this one on only (e.g. after a warm-up)."""
     with open(metrics_csv) as f:
         table = list(csv.DictReader(f))
     if not table:
         return {"log": metrics_csv, "checks": 0, "unanimous_checks": 0, "rounds": 0, "one_cluster_rounds": 0}
     tests = [int(r["epoch"]) for r in table if any(r.get(k) for k in r if k and k.startswith("test/"))]
-    table = [r for r in table if not tests or int(r["epoch"]) < min(tests)]
+    table = [r for r in table if (not tests or int(r["epoch"]) < min(tests)) and int(r["epoch"]) >= from_round]
     chose = sorted(k for k in table[0] if k.startswith("val/chose_")) if table else []
     sizes = sorted(k for k in table[0] if k.rsplit("/", 1)[-1].startswith("cluster_size_")) if table else []
     checks = unanimous = rounds = one = 0
@@ -93,6 +94,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     lg = sub.add_parser("logs", help="metrics.csv files -> unanimous checks and one-cluster rounds")
     lg.add_argument("metrics", nargs="+")
+    lg.add_argument("--from-round", type=int, default=0, help="count from this round on (e.g. after a warm-up)")
     ck = sub.add_parser("checkpoint", help="a checkpoint -> rotation x choice")
     ck.add_argument("--config", required=True, help="the run's config (its log folder's config.yaml)")
     ck.add_argument("--ckpt", required=True, help="one checkpoint file (the run's best: checkpoints/*.ckpt)")
@@ -106,7 +108,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.command == "logs":
         total = {"checks": 0, "unanimous_checks": 0, "rounds": 0, "one_cluster_rounds": 0}
         for path in args.metrics:
-            row = log_split(path)
+            row = log_split(path, args.from_round)
             print(json.dumps(row))
             for key in total:
                 total[key] += row[key]
