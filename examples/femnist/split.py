@@ -24,18 +24,20 @@ import sys
 from typing import Any, Optional
 
 
+def trained_rows(table: list[dict[str, str]]) -> list[dict[str, str]]:
+    """A CSVLogger metrics table without a finished run's final validation and test: those rows come after its last
+    round (logged at its number of rounds as epoch, the test's with ``test/`` metrics) and are not checks."""
+    tests = [int(r["epoch"]) for r in table if any(r.get(k) for k in r if k and k.startswith("test/"))]
+    return [r for r in table if not tests or int(r["epoch"]) < min(tests)]
+
+
 def log_split(metrics_csv: str, from_round: int = 0) -> dict[str, Any]:
     """From one run's metrics.csv: validation checks (rows with ``val/chose_*``) where every evaluated writer chose
     the same hypothesis, and training rounds whose releases the server's k-means put in one cluster
-    (``*cluster_size_*`` with one non-zero entry). As ``table2_4.best_check``: the rows of a finished run's final
-    validation and test (from the test's epoch on) are not checks. ``from_round``: count rounds (epochs) from
-    this one on only (e.g. after a warm-up)."""
+    (``*cluster_size_*`` with one non-zero entry), over :func:`trained_rows` (as ``table2_4.best_check``).
+    ``from_round``: count rounds (epochs) from this one on only (e.g. after a warm-up)."""
     with open(metrics_csv) as f:
-        table = list(csv.DictReader(f))
-    if not table:
-        return {"log": metrics_csv, "checks": 0, "unanimous_checks": 0, "rounds": 0, "one_cluster_rounds": 0}
-    tests = [int(r["epoch"]) for r in table if any(r.get(k) for k in r if k and k.startswith("test/"))]
-    table = [r for r in table if (not tests or int(r["epoch"]) < min(tests)) and int(r["epoch"]) >= from_round]
+        table = [r for r in trained_rows(list(csv.DictReader(f))) if int(r["epoch"]) >= from_round]
     chose = sorted(k for k in table[0] if k.startswith("val/chose_")) if table else []
     sizes = sorted(k for k in table[0] if k.rsplit("/", 1)[-1].startswith("cluster_size_")) if table else []
     checks = unanimous = rounds = one = 0

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import glob
 import json
 import math
 import os
 import statistics
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 #: The thesis' Table 2.4 (``../shared/papers/004_fd951d3be51f176b.txt``, about line 795): validation accuracy,
 #: mean and standard deviation over three seeds, per nu; cross-entropy and RMSE.
@@ -42,14 +43,10 @@ def _name_values(name: str) -> dict[str, str]:
 
 
 def best_check(metrics_csv: str) -> Optional[tuple[int, float, int]]:
-    """(round of the lowest val/loss, val/acc there, rounds trained) from a CSVLogger's metrics.csv. The rows of a
-    finished run's final validation and test come after its last round (logged at its number of rounds as epoch,
-    the test's with test/ metrics): they are not checks."""
+    """(round of the lowest val/loss, val/acc there, rounds trained) from a CSVLogger's metrics.csv, over
+    split.py's ``trained_rows``: a finished run's final validation and test rows are not checks."""
     with open(metrics_csv) as f:
-        table = list(csv.DictReader(f))
-    tests = [int(r["epoch"]) for r in table if any(r.get(k) for k in r if k and k.startswith("test/"))]
-    end = min(tests) if tests else None
-    trained = [r for r in table if end is None or int(r["epoch"]) < end]
+        trained = _split().trained_rows(list(csv.DictReader(f)))
     checks = [(float(r["val/loss"]), int(r["epoch"]) + 1, float(r["val/acc"])) for r in trained if r.get("val/loss")]
     if not checks:
         return None
@@ -112,15 +109,21 @@ def collect(loss: str, jsonl: list[str], logs: list[str]) -> list[dict]:
     return sorted(rows.values(), key=lambda r: (float(r["nu"]), int(r["seed"])))
 
 
-def log_split(metrics_csv: str) -> dict:
-    """examples/femnist/split.py's counts of one log (unanimous validation checks, one-cluster rounds)."""
+@functools.lru_cache(maxsize=None)
+def _split() -> Any:
+    """examples/femnist/split.py, loaded once (beside this file; run as a script or loaded by path in the tests)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("femnist_split", os.path.join(os.path.dirname(
         os.path.abspath(__file__)), "split.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.log_split(metrics_csv)
+    return module
+
+
+def log_split(metrics_csv: str) -> dict:
+    """examples/femnist/split.py's counts of one log (unanimous validation checks, one-cluster rounds)."""
+    return _split().log_split(metrics_csv)
 
 
 def personalization(rows: list[dict], loss: str) -> Optional[str]:

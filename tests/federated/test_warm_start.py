@@ -12,22 +12,15 @@ from lightning_dp.datamodules.federated import client_ids
 from lightning_dp.federated import FederatedRound, PersonalizedFederatedModule
 from lightning_dp.federated.local import assigned_hypotheses, client_losses
 from lightning_dp.models import LinearRegression
+from tests.federated.test_module import module as base_module
+from tests.helpers import trainer
 
 THETAS = [[5.0, 6.0], [4.0, -4.5]]  # SyntheticLinearMixtureDataModule's default
 
 
 def module(**kwargs):
-    defaults = dict(num_hypotheses=2, clients_per_round=7, local_epochs=1, local_lr=0.1, local_batch_size=10,
-                    noise_multiplier=5.0, loss="rmse", seed=0, noise_seed=1, warm_start_rounds=3)
-    defaults.update(kwargs)
-    return PersonalizedFederatedModule(LinearRegression(), **defaults)
-
-
-def trainer(**kwargs):
-    defaults = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                    accelerator="cpu", devices=1, max_epochs=6)
-    defaults.update(kwargs)
-    return L.Trainer(**defaults)
+    """test_module's round on the synthetic mixture, with 3 warm-up rounds unless told otherwise."""
+    return base_module(**{"warm_start_rounds": 3, **kwargs})
 
 
 def test_the_assignment_is_a_uniform_pure_function_of_the_seed_and_the_client_id():
@@ -137,9 +130,7 @@ def test_resume_across_the_end_of_the_warm_up_equals_the_uninterrupted_run(tmp_p
 def test_zero_warm_up_rounds_is_the_round_without_it():
     a = module(warm_start_rounds=0)
     trainer(max_epochs=4).fit(a, SyntheticLinearMixtureDataModule(seed=0))
-    c = PersonalizedFederatedModule(LinearRegression(), num_hypotheses=2, clients_per_round=7, local_epochs=1,
-                                    local_lr=0.1, local_batch_size=10, noise_multiplier=5.0, loss="rmse", seed=0,
-                                    noise_seed=1)
+    c = base_module()  # the round without the argument
     trainer(max_epochs=4).fit(c, SyntheticLinearMixtureDataModule(seed=0))
     assert torch.equal(a.hypotheses, c.hypotheses)
 
