@@ -3,8 +3,9 @@
 The GPU machines lent to this project have no MLflow (docs/gpu.md), so ``lightning-dp grid`` cannot run there. This
 runs a grid's points as the grid does, spread over processes: the same ``--set`` axes (``lightning_dp.grid.axes``:
 lists, ``logspace:``/``linspace:``), the same refusal of points whose privacy the grid could not compose
-(``check_points``, before any point trains), every point ``LightningDPCLI`` on the configs with its overrides and a
-fresh secret noise seed (``reseed``, as ``lightning-dp grid`` without ``--seed``), ``trainer.test`` after ``fit``.
+(``check_points``, before any point trains), every point ``LightningDPCLI`` on the configs with its overrides and its
+own noise seed (``reseed``: a fresh secret one, or with ``--seed S`` derived from S and the point's index, as
+``lightning-dp grid --seed S``, so that a point can be replayed), ``trainer.test`` after ``fit``.
 Differences: no budget planning (``--budget``) and no MLflow (each point logs to a CSVLogger under ``--log-dir``);
 after ``fit`` the restored weights are validated once more (``restored val/*``: the validation metrics of the
 model that is tested, which a table of validation accuracy needs). One JSON line per point goes to ``--out``: its
@@ -50,8 +51,8 @@ def csv_logger(log_dir: str, name: str = "point") -> list[str]:
             f"--trainer.logger.name={name}", "--trainer.logger.flush_logs_every_n_steps=10"]
 
 
-def run_point(config: list[str], values: dict[str, Any], extra: list[str], threads: int,
-              log_dir: str) -> dict[str, Any]:
+def run_point(config: list[str], values: dict[str, Any], extra: list[str], threads: int, log_dir: str,
+              index: int = 0, seed: int | None = None) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(threads)
@@ -62,7 +63,8 @@ def run_point(config: list[str], values: dict[str, Any], extra: list[str], threa
 
     class _CLI(LightningDPCLI):
         def before_fit(self) -> None:
-            reseed(self.trainer, self.model, 0, None)  # a fresh secret noise seed, as lightning-dp grid without --seed
+            # the point's own noise seed, as lightning-dp grid gives run `index`: fresh and secret when seed is None
+            reseed(self.trainer, self.model, index, seed)
             super().before_fit()
 
     args = ["fit", *run_args(config, values, [*extra, *csv_logger(log_dir, point_name(values))])]
@@ -87,9 +89,10 @@ def _worker_init() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which stops the workers
 
 
-def _worker(config: list[str], values: dict[str, Any], extra: list[str], threads: int, log_dir: str) -> dict:
+def _worker(config: list[str], values: dict[str, Any], extra: list[str], threads: int, log_dir: str, index: int,
+            seed: int | None) -> dict:
     try:
-        return run_point(config, values, extra, threads, log_dir)
+        return run_point(config, values, extra, threads, log_dir, index, seed)
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - one failed point must not lose the others' rows
         # SystemExit too: LightningCLI exits on a refused argument
         return {"values": values, "error": f"{type(exc).__name__}: {exc}"}
@@ -130,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--processes", type=_positive, default=None, help="points at once (default: all)")
     parser.add_argument("--log-dir", default="csv_logs", help="CSVLogger folder; one subfolder per point")
     parser.add_argument("--out", required=True, help="JSON lines, one per point (appended)")
+    parser.add_argument("--seed", type=int, metavar="S",
+                        help="derive every point's noise seed from (S, point index) as lightning-dp grid --seed does, "
+                             "to replay a point (default: a fresh secret seed per point); public, like this command")
     args = parser.parse_args(argv)
     missing = [c for c in args.config if not os.path.isfile(c)]
     if missing:
@@ -143,11 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, _stop)
+    print("every point draws its own noise: "
+          + (f"seeds derived from --seed {args.seed}" if args.seed is not None else "a fresh secret seed per point"),
+          flush=True)
     failed = 0
     with ProcessPoolExecutor(args.processes or len(combos), mp_context=mp.get_context("spawn"),
                              initializer=_worker_init) as pool:
-        futures = {pool.submit(_worker, args.config, values, extra, args.threads, args.log_dir): values
-                   for values in combos}
+        futures = {pool.submit(_worker, args.config, values, extra, args.threads, args.log_dir, i, args.seed): values
+                   for i, values in enumerate(combos)}
         for future in as_completed(futures):
             try:
                 row = future.result()
