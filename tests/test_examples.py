@@ -455,6 +455,57 @@ def test_femnist_split_of_a_checkpoint_matches_a_loop_over_the_writers(tmp_path,
         assert out["accuracy"][group] == pytest.approx([c / examples[group] for c in correct[group]], abs=1e-12)
 
 
+def test_femnist_clustering_compares_the_server_start_with_library_starts(tmp_path, monkeypatch):
+    """examples/femnist/clustering.py: simulated rounds from a checkpoint, every noise multiplier and clustering
+    reported; without noise the round's clustering (from the hypotheses) finds every writer's choice (two
+    initializations far apart, small local updates); the geometry is the hypotheses' distance and the updates'
+    norms; without a checkpoint the config's initial hypotheses are used; a config that is not the d-privacy round with k >= 2 is refused."""
+    import torch
+    import yaml
+
+    from lightning_dp.models import FEMNISTConvNet
+    from tests.datamodules.test_federated_femnist import write_leaf
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    clustering = _load_example("femnist_clustering", ROOT / "femnist" / "clustering.py")
+    sizes = {f"f{i:04d}_{i:02d}": 4 + i % 3 for i in range(12)}
+    write_leaf(tmp_path / "leaf", train_sizes=sizes, test_sizes={w: 2 for w in sizes})
+    nets = []
+    for j in range(2):
+        torch.manual_seed(j)
+        nets.append(FEMNISTConvNet())
+    hypotheses = torch.stack([torch.nn.utils.parameters_to_vector(net.parameters()).detach() for net in nets])
+    torch.save({"state_dict": {"hypotheses": hypotheses}, "epoch": 4}, tmp_path / "run.ckpt")
+    saved = yaml.safe_load((ROOT / "fl_femnist.yaml").read_text())
+    saved["data"]["init_args"].update(data_dir=str(tmp_path / "leaf"), val_fraction=0.25)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    out = clustering.clustering_rounds(str(tmp_path / "config.yaml"), str(tmp_path / "run.ckpt"), [], rounds=2,
+                                       noise=[0.0, 10.0], seed=0, clients=4)
+    rows = {(r["noise_multiplier"], r["clustering"]): r for r in out["results"]}
+    assert set(rows) == {(nu, m) for nu in (0.0, 10.0) for m in clustering.METHODS}
+    assert all(r["rounds"] == 2 and 0.5 <= r["agreement_mean"] <= 1 and 0 <= r["mixed_rounds"] <= 2
+               for r in rows.values())
+    assert rows[(0.0, "hypotheses")]["agreement_mean"] == 1.0 and rows[(0.0, "hypotheses")]["mixed_rounds"] == 0
+    geometry = out["geometry"]
+    assert geometry["hypothesis_distance"] == pytest.approx(float(torch.dist(hypotheses[0].double(),
+                                                                             hypotheses[1].double())))
+    assert geometry["clients_per_round"] == 4 and geometry["parameters"] == hypotheses.shape[1]
+    assert 0 < geometry["update_norm_min"] <= geometry["update_norm_median"] <= geometry["update_norm_max"]
+    assert geometry["update_norm_max"] < geometry["hypothesis_distance"] / 10
+    # without a checkpoint: the config's initial hypotheses (its model's seed), as the run's first round has them
+    from lightning_dp.commands.fit import LightningDPCLI
+
+    initial = LightningDPCLI(run=False, args=["--config", str(tmp_path / "config.yaml"), "--trainer.logger=false"])
+    start = initial.model.hypotheses.detach().double()
+    out = clustering.clustering_rounds(str(tmp_path / "config.yaml"), None, [], rounds=1, noise=[0.0], seed=0,
+                                       clients=2)
+    assert out["geometry"]["hypothesis_distance"] == pytest.approx(float(torch.dist(start[0], start[1])))
+    saved["model"]["init_args"]["num_hypotheses"] = 1
+    (tmp_path / "one.yaml").write_text(yaml.safe_dump(saved))
+    with pytest.raises(SystemExit, match="k >= 2"):
+        clustering.clustering_rounds(str(tmp_path / "one.yaml"), None, [], rounds=1, noise=[0.0], seed=0, clients=4)
+
+
 def test_femnist_table2_4_collects_summarizes_and_draws(tmp_path):
     """examples/femnist/table2_4.py: finished runs from their JSON lines; the best check's validation accuracy from
     the run's own CSV log (the check with the lowest val/loss; the final validation and test rows are not checks),

@@ -1,0 +1,175 @@
+"""Would the server's k-means keep FEMNIST's writers apart under noise if it were started elsewhere? From a checkpoint.
+
+The round's server clusters the released models with k-means started at the current hypotheses (the thesis'
+Algorithm 2; ``lightning_dp.federated.kmeans``). An implementation could instead call a library's k-means with its
+default start (scikit-learn's ``KMeans``: k-means++, 10 starts): docs/results_femnist_noise.md names that as one
+candidate cause of the thesis' drop at nu = 10. This measures it, one round at a time, from a run's checkpoint:
+each round draws m training writers (a public draw of this analysis, ``--seed``), trains them from the hypotheses
+they choose (also where the run was in a warm-up, ``warm_start_rounds``) with the run's own local update
+(``FederatedRound.train_clients``), releases each update with the run's sanitizer at every ``--noise`` nu (fresh
+noise per nu), and clusters the releases three ways: from the hypotheses (the round's ``kmeans_aggregate``),
+scikit-learn's k-means++ and its random start. Each clustering is compared with the writers' choices (the
+agreement under the best matching of clusters to hypotheses) and the round is
+called mixed where a cluster holds releases of writers who chose different hypotheses.
+
+    python examples/femnist/clustering.py --config LOGDIR/config.yaml --ckpt LOGDIR/checkpoints/X.ckpt \\
+        --rounds 20 --noise 0,3,5,10,15 [-- --data.init_args.data_dir=../shared/data/femnist]
+
+Without ``--ckpt`` the rounds start from the config's initial hypotheses (its model's ``seed``).
+
+One JSON line per nu and clustering, then the geometry: the distance between the hypotheses and the writers'
+update norms. A non-private diagnostic of a finished run (its clients' updates and choices): run it on the machine
+that trained, never upload its output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+from typing import Any, Optional
+
+#: how the releases are clustered: the round's own start, and two library starts an implementation could use
+METHODS = ("hypotheses", "k-means++", "random")
+_NOISE = 1  # the analysis' noise stream of its --seed (derive_generator's counters)
+
+
+def agreement(assignment: list[int], choice: list[int], k: int) -> float:
+    """The share of releases whose cluster is their writer's chosen hypothesis, under the best one-to-one
+    matching of clusters to hypotheses (a library's clusters are numbered arbitrarily).
+
+    >>> agreement([1, 1, 0, 0], [0, 0, 1, 1], 2), agreement([0, 1, 0, 1], [0, 0, 1, 1], 2)
+    (1.0, 0.5)
+    """
+    best = 0
+    for perm in itertools.permutations(range(k)):
+        best = max(best, sum(perm[a] == c for a, c in zip(assignment, choice)))
+    return best / max(len(choice), 1)
+
+
+def mixed(assignment: list[int], choice: list[int]) -> bool:
+    """Whether some cluster holds releases of writers who chose different hypotheses.
+
+    >>> mixed([0, 0, 1], [1, 1, 0]), mixed([0, 0, 0], [0, 1, 0])
+    (False, True)
+    """
+    chosen: dict[int, set[int]] = {}
+    for a, c in zip(assignment, choice):
+        chosen.setdefault(a, set()).add(c)
+    return any(len(s) > 1 for s in chosen.values())
+
+
+def cluster(method: str, releases: Any, hypotheses: Any, seed: int) -> list[int]:
+    """The releases' clusters by ``method`` (:data:`METHODS`)."""
+    from lightning_dp.federated.kmeans import kmeans_aggregate
+
+    if method == "hypotheses":
+        return kmeans_aggregate(releases, hypotheses)[1].tolist()
+    from sklearn.cluster import KMeans
+
+    k = hypotheses.shape[0]
+    # scikit-learn's defaults before 1.4 (n_init=10) for k-means++; the random start with as many tries
+    km = KMeans(n_clusters=k, init=method, n_init=10, random_state=seed)
+    return km.fit_predict(releases.double().numpy()).tolist()
+
+
+def clustering_rounds(config: str, ckpt: Optional[str], extra: list[str], rounds: int, noise: list[float], seed: int,
+                      clients: Optional[int] = None) -> dict[str, Any]:
+    """Cluster ``rounds`` simulated rounds' releases at every nu of ``noise`` by every method (module docstring)."""
+    import torch
+    import yaml
+
+    from lightning_dp.commands.fit import LightningDPCLI
+    from lightning_dp.federated.local import choose_hypotheses, client_losses, row_norms
+    from lightning_dp.federated.parts.sanitizers import EuclideanLaplace
+    from lightning_dp.privacy.noise import derive_generator
+
+    with open(config) as f:  # a fit's saved config: the fit subcommand's own keys are not the model's
+        settings = {key: value for key, value in yaml.safe_load(f).items() if key not in ("ckpt_path", "weights_only")}
+    cli = LightningDPCLI(run=False, args=["--config", yaml.safe_dump(settings), "--trainer.logger=false", *extra])
+    module, dm = cli.model, cli.datamodule
+    sanitizer = module.sanitizer
+    if not isinstance(sanitizer, EuclideanLaplace) or module.k < 2:
+        raise SystemExit(f"this measures the d-privacy round with k >= 2 hypotheses; the config has "
+                         f"{type(sanitizer).__name__} and k = {module.k}")
+    first = 0  # without a checkpoint: the config's initial hypotheses, before its first round
+    if ckpt is not None:
+        checkpoint = torch.load(ckpt, map_location="cpu", weights_only=False)
+        module.hypotheses.copy_(checkpoint["state_dict"]["hypotheses"])
+        first = int(checkpoint.get("epoch", -1)) + 1  # the rounds after the checkpoint's (the local shuffles' round)
+    dm.setup("fit")
+    module.read_clients(dm)
+    hyps = module.hypotheses.detach()
+    k, population = module.k, len(dm.train_clients)
+    m = clients or int(round(module.selection.expected_count(population)))
+    draw = torch.Generator().manual_seed(seed)
+    module.sanitizer = EuclideanLaplace(0.0, per_layer=sanitizer.per_layer)  # the trained models themselves
+    module.warm_start_rounds = 0  # every simulated writer chooses its start (a warm-up's assignment is not simulated)
+    rows: dict[tuple[float, str], list[tuple[float, bool]]] = {(nu, meth): [] for nu in noise for meth in METHODS}
+    norms: list[float] = []
+    for i in range(rounds):
+        r = first + i
+        mine = sorted(torch.randperm(population, generator=draw)[:m].tolist())
+        x, y, mask = dm.padded_rows("train", mine)
+        with torch.no_grad():
+            choice = choose_hypotheses(client_losses(module.template, module.spec, hyps, x, y, mask,
+                                                     module.loss_name, module._forward_engine()))
+        trained, _, _ = module.train_clients(mine, r, x, y, mask)
+        start = hyps[choice]
+        norms += row_norms(trained - start).tolist()
+        for j, nu in enumerate(noise):
+            sanitize = EuclideanLaplace(nu, per_layer=sanitizer.per_layer, min_delta_norm=sanitizer.min_delta_norm)
+            released, _, _ = sanitize.sanitize_rows(
+                trained, start, layer_sizes=module.spec.sizes, references=[None] * k, choice=choice, hypotheses=hyps,
+                generator_of=lambda c: derive_generator(seed, _NOISE, r, j, c))
+            for meth in METHODS:
+                assignment = cluster(meth, released, hyps, seed + r)
+                rows[(nu, meth)].append((agreement(assignment, choice.tolist(), k),
+                                         mixed(assignment, choice.tolist())))
+        print(f"round {i + 1}/{rounds}: chose {torch.bincount(choice, minlength=k).tolist()}", file=sys.stderr)
+    results = []
+    for (nu, meth), got in rows.items():
+        shares = [a for a, _ in got]
+        results.append({"noise_multiplier": nu, "clustering": meth, "rounds": len(got),
+                        "agreement_mean": statistics.fmean(shares),
+                        "agreement_std": statistics.stdev(shares) if len(shares) > 1 else 0.0,
+                        "mixed_rounds": sum(mix for _, mix in got)})
+    distance = float(torch.linalg.vector_norm((hyps[0] - hyps[1]).double())) if k == 2 else None
+    return {"results": results, "geometry": {
+        "parameters": module.spec.numel, "clients_per_round": m, "hypothesis_distance": distance,
+        "update_norm_median": statistics.median(norms), "update_norm_min": min(norms),
+        "update_norm_max": max(norms)}}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="the run's config (its log folder's config.yaml)")
+    parser.add_argument("--ckpt", default=None,
+                        help="one checkpoint file (default: the config's initial hypotheses, before any round)")
+    parser.add_argument("--rounds", type=int, default=20, help="simulated rounds (each draws its own writers)")
+    parser.add_argument("--noise", default="0,3,5,10,15", help="noise multipliers nu, comma separated")
+    parser.add_argument("--clients", type=int, default=None, help="writers per round (default: the config's)")
+    parser.add_argument("--seed", type=int, default=0, help="the analysis' draws: writers, noise, library starts")
+    args, extra = parser.parse_known_args(argv)
+    extra = [a for a in extra if a != "--"]
+    stray = [a for a in extra if not a.startswith("--")]
+    if stray:
+        parser.error(f"unexpected arguments {stray[:3]}: give one --ckpt file, and the config's overrides as "
+                     "--key=value after --")
+    try:
+        noise = [float(v) for v in args.noise.split(",")]
+    except ValueError:
+        parser.error(f"--noise {args.noise!r}: give numbers >= 0 separated by commas, e.g. 0,3,10")
+    if args.rounds < 1 or any(not v >= 0 for v in noise):
+        parser.error("--rounds must be >= 1 and every --noise value >= 0")
+    out = clustering_rounds(args.config, args.ckpt, extra, args.rounds, noise, args.seed, args.clients)
+    for row in out["results"]:
+        print(json.dumps(row))
+    print(json.dumps(out["geometry"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
