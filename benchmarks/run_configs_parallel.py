@@ -10,8 +10,9 @@ Differences: no budget planning (``--budget``) and no MLflow (each point logs to
 after ``fit`` the restored weights are validated once more (``restored val/*``: the validation metrics of the
 model that is tested, which a table of validation accuracy needs). One JSON line per point goes to ``--out``: its
 values, rounds or steps, metrics, privacy summary (numbers only), wall time, device and log folder; a point that
-fails writes its error instead, and the command then exits with 1. Used for the FEMNIST table at convergence
-(docs/results_femnist_noise.md):
+fails writes its error instead, and the command then exits with 1. Each line also has the point's ``index`` and
+the ``--seed`` it ran with (``null``: a fresh secret seed), with which ``--seed S`` replays it. Used for the FEMNIST
+table at convergence (docs/results_femnist_noise.md):
 
     python benchmarks/run_configs_parallel.py --config examples/fl_femnist.yaml \\
         --config examples/femnist/convergence.yaml --set model.init_args.noise_multiplier=0,10 \\
@@ -91,11 +92,13 @@ def _worker_init() -> None:
 
 def _worker(config: list[str], values: dict[str, Any], extra: list[str], threads: int, log_dir: str, index: int,
             seed: int | None) -> dict:
+    # the point's index and the public --seed (None: fresh secret seeds) replay it: run_point(..., index, seed)
+    origin = {"index": index, "seed": seed}
     try:
-        return run_point(config, values, extra, threads, log_dir, index, seed)
+        return {**run_point(config, values, extra, threads, log_dir, index, seed), **origin}
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - one failed point must not lose the others' rows
         # SystemExit too: LightningCLI exits on a refused argument
-        return {"values": values, "error": f"{type(exc).__name__}: {exc}"}
+        return {"values": values, "error": f"{type(exc).__name__}: {exc}", **origin}
 
 
 def _stop(*_: Any) -> None:
@@ -116,6 +119,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:  # as lightning-dp grid --seed
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     from lightning_dp.grid.axes import grid_points, parse_set
     from lightning_dp.grid.privacy import check_points
@@ -133,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--processes", type=_positive, default=None, help="points at once (default: all)")
     parser.add_argument("--log-dir", default="csv_logs", help="CSVLogger folder; one subfolder per point")
     parser.add_argument("--out", required=True, help="JSON lines, one per point (appended)")
-    parser.add_argument("--seed", type=int, metavar="S",
+    parser.add_argument("--seed", type=_seed, metavar="S",
                         help="derive every point's noise seed from (S, point index) as lightning-dp grid --seed does, "
                              "to replay a point (default: a fresh secret seed per point); public, like this command")
     args = parser.parse_args(argv)

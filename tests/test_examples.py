@@ -457,9 +457,12 @@ def test_femnist_split_of_a_checkpoint_matches_a_loop_over_the_writers(tmp_path,
 
 def test_femnist_clustering_compares_the_server_start_with_library_starts(tmp_path, monkeypatch):
     """examples/femnist/clustering.py: simulated rounds from a checkpoint, every noise multiplier and clustering
-    reported; without noise the round's clustering (from the hypotheses) finds every writer's choice (two
-    initializations far apart, small local updates); the geometry is the hypotheses' distance and the updates'
-    norms; without a checkpoint the config's initial hypotheses are used; a config that is not the d-privacy round with k >= 2 is refused."""
+    reported; the releases' noise is nu times the update (the sanitizer's calibration); without noise the round's
+    clustering (from the hypotheses, cluster j = hypothesis j) finds every writer's choice (two initializations far
+    apart, small local updates); the geometry is the hypotheses' distance and the updates' norms; without a
+    checkpoint the config's initial hypotheses are used (and the warm-up's assignment with ``assigned``); a config
+    that is not the d-privacy round with k >= 2 is refused, and so is one without the model's seed and no
+    checkpoint."""
     import torch
     import yaml
 
@@ -486,6 +489,9 @@ def test_femnist_clustering_compares_the_server_start_with_library_starts(tmp_pa
     assert all(r["rounds"] == 2 and 0.5 <= r["agreement_mean"] <= 1 and 0 <= r["mixed_rounds"] <= 2
                for r in rows.values())
     assert rows[(0.0, "hypotheses")]["agreement_mean"] == 1.0 and rows[(0.0, "hypotheses")]["mixed_rounds"] == 0
+    assert rows[(0.0, "random")]["noise_over_update_median"] == 0.0
+    # the noise norm is Gamma(n, nu r / n): relative spread 1 / sqrt(n) (n = 1.4 M), so 1e-2 is > 10 std
+    assert rows[(10.0, "random")]["noise_over_update_median"] == pytest.approx(10.0, rel=1e-2)
     geometry = out["geometry"]
     assert geometry["hypothesis_distance"] == pytest.approx(float(torch.dist(hypotheses[0].double(),
                                                                              hypotheses[1].double())))
@@ -498,8 +504,15 @@ def test_femnist_clustering_compares_the_server_start_with_library_starts(tmp_pa
     initial = LightningDPCLI(run=False, args=["--config", str(tmp_path / "config.yaml"), "--trainer.logger=false"])
     start = initial.model.hypotheses.detach().double()
     out = clustering.clustering_rounds(str(tmp_path / "config.yaml"), None, [], rounds=1, noise=[0.0], seed=0,
-                                       clients=2)
+                                       clients=2, assigned=True)
     assert out["geometry"]["hypothesis_distance"] == pytest.approx(float(torch.dist(start[0], start[1])))
+    assert out["geometry"]["first_round"] == 0 and out["geometry"]["starts"] == "assigned"
+    assert {r["clustering"]: r["agreement_mean"] for r in out["results"]}["hypotheses"] == 1.0
+    unseeded = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    unseeded["model"]["init_args"]["seed"] = None
+    (tmp_path / "unseeded.yaml").write_text(yaml.safe_dump(unseeded))
+    with pytest.raises(SystemExit, match="model's seed"):
+        clustering.clustering_rounds(str(tmp_path / "unseeded.yaml"), None, [], rounds=1, noise=[0.0], seed=0)
     saved["model"]["init_args"]["num_hypotheses"] = 1
     (tmp_path / "one.yaml").write_text(yaml.safe_dump(saved))
     with pytest.raises(SystemExit, match="k >= 2"):

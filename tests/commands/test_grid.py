@@ -471,8 +471,18 @@ def test_parallel_runner_seed_replays_a_point(tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
         assert f"seeds derived from --seed {seed}" in done.stdout
         (row,) = map(json.loads, out.read_text().splitlines())
+        assert row["seed"] == seed and row["index"] == 0  # what replays it
         return row["metrics"]
 
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("runner", root / "benchmarks" / "run_configs_parallel.py")
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)
+    with pytest.raises(SystemExit) as refused:  # as lightning-dp grid --seed: a seed the grid never derives from
+        runner.main(["--config", str(root / "examples" / "dpsgd_digits.yaml"), "--out", str(tmp_path / "x"),
+                     "--seed", "-1"])
+    assert refused.value.code == 2 and not (tmp_path / "x").exists()
     first, again, other = run(0, "a"), run(0, "b"), run(1, "c")
     assert first == again
     assert first["test/loss"] != other["test/loss"] and first["val/loss"] != other["val/loss"]
