@@ -513,6 +513,9 @@ def test_femnist_clustering_compares_the_server_start_with_library_starts(tmp_pa
     (tmp_path / "unseeded.yaml").write_text(yaml.safe_dump(unseeded))
     with pytest.raises(SystemExit, match="model's seed"):
         clustering.clustering_rounds(str(tmp_path / "unseeded.yaml"), None, [], rounds=1, noise=[0.0], seed=0)
+    out = clustering.clustering_rounds(str(tmp_path / "unseeded.yaml"), None, ["--model.init_args.seed=0"], rounds=1,
+                                       noise=[0.0], seed=0, clients=2, assigned=True)  # the seed given after --
+    assert out["geometry"]["hypothesis_distance"] == pytest.approx(float(torch.dist(start[0], start[1])))
     saved["model"]["init_args"]["num_hypotheses"] = 1
     (tmp_path / "one.yaml").write_text(yaml.safe_dump(saved))
     with pytest.raises(SystemExit, match="k >= 2"):

@@ -102,7 +102,7 @@ def clustering_rounds(config: str, ckpt: Optional[str], extra: list[str], rounds
         raise SystemExit(f"this measures the d-privacy round with k >= 2 hypotheses; the config has "
                          f"{type(sanitizer).__name__} and k = {module.k}")
     first = 0  # without a checkpoint: the config's initial hypotheses, before its first round
-    if ckpt is None and (settings.get("model", {}).get("init_args", {}) or {}).get("seed") is None:
+    if ckpt is None and cli.config.get("model.init_args.seed") is None:  # the config and its overrides, parsed
         raise SystemExit("without --ckpt the rounds start from the config's initial hypotheses, which a config "
                          "without the model's seed draws afresh: give --ckpt, or the run's --model.init_args.seed")
     if ckpt is not None:
