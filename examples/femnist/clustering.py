@@ -84,18 +84,22 @@ def cluster(method: str, releases: Any, hypotheses: Any, seed: int) -> list[int]
 def clustering_rounds(config: str, ckpt: Optional[str], extra: list[str], rounds: int, noise: list[float], seed: int,
                       clients: Optional[int] = None, assigned: bool = False) -> dict[str, Any]:
     """Cluster ``rounds`` simulated rounds' releases at every nu of ``noise`` by every method (module docstring)."""
-    import torch
-    import yaml
+    import importlib.util
+    import os
 
-    from lightning_dp.commands.fit import LightningDPCLI
+    import torch
+
     from lightning_dp.datamodules.federated import client_ids
     from lightning_dp.federated.local import assigned_hypotheses, choose_hypotheses, client_losses, row_norms
     from lightning_dp.federated.parts.sanitizers import EuclideanLaplace
     from lightning_dp.privacy.noise import derive_generator
 
-    with open(config) as f:  # a fit's saved config: the fit subcommand's own keys are not the model's
-        settings = {key: value for key, value in yaml.safe_load(f).items() if key not in ("ckpt_path", "weights_only")}
-    cli = LightningDPCLI(run=False, args=["--config", yaml.safe_dump(settings), "--trainer.logger=false", *extra])
+    # split.py (beside this file) builds a run's CLI from its saved config, as for its checkpoint view
+    spec = importlib.util.spec_from_file_location("femnist_split", os.path.join(os.path.dirname(
+        os.path.abspath(__file__)), "split.py"))
+    split = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(split)
+    cli = split.run_cli(config, extra)
     module, dm = cli.model, cli.datamodule
     sanitizer = module.sanitizer
     if not isinstance(sanitizer, EuclideanLaplace) or module.k < 2:

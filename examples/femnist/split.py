@@ -54,19 +54,26 @@ def log_split(metrics_csv: str, from_round: int = 0) -> dict[str, Any]:
             "one_cluster_rounds": one}
 
 
+def run_cli(config: str, extra: list[str]) -> Any:
+    """The run's ``LightningDPCLI``, not run, from its saved config (a fit's ``config.yaml``) and ``--key=value``
+    overrides, without a logger."""
+    import yaml
+
+    from lightning_dp.commands.fit import LightningDPCLI
+
+    with open(config) as f:  # a fit's saved config: the fit subcommand's own keys are not the model's
+        settings = {key: value for key, value in yaml.safe_load(f).items() if key not in ("ckpt_path", "weights_only")}
+    return LightningDPCLI(run=False, args=["--config", yaml.safe_dump(settings), "--trainer.logger=false", *extra])
+
+
 def checkpoint_split(config: str, ckpt: str, extra: list[str], split: str = "test") -> dict[str, Any]:
     """Each ``split`` writer's chosen hypothesis (lowest loss on its data, as the round's evaluation chooses) from
     the checkpoint's hypotheses, counted by rotation, and each group's accuracy with each hypothesis."""
     import torch
 
-    from lightning_dp.commands.fit import LightningDPCLI
     from lightning_dp.federated.local import client_outputs_and_losses, predictions
 
-    import yaml
-
-    with open(config) as f:  # a fit's saved config: the fit subcommand's own keys are not the model's
-        settings = {key: value for key, value in yaml.safe_load(f).items() if key not in ("ckpt_path", "weights_only")}
-    cli = LightningDPCLI(run=False, args=["--config", yaml.safe_dump(settings), "--trainer.logger=false", *extra])
+    cli = run_cli(config, extra)
     module, dm = cli.model, cli.datamodule
     state = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
     module.hypotheses.copy_(state["hypotheses"])
