@@ -410,21 +410,27 @@ def test_nonprivate_grid_totals_follow_the_runs_switch():
     assert grid.grid_privacy([on, off]) == {}
 
 
+def _without_mlflow(tmp_path, root):
+    """The environment of a subprocess that runs as on a GPU machine without MLflow (a sitecustomize hides it)."""
+    import os
+
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text("import sys\nsys.modules['mlflow'] = None  # not installed\n")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(root)])}
+
+
 def test_parallel_runner_fits_tests_and_accounts_every_point_without_mlflow(tmp_path):
     """benchmarks/run_configs_parallel.py (the grid's points spread over processes, for machines without MLflow):
     a point the grid would refuse stops the command before any training (exit 2, nothing written); otherwise one
     JSON line per point with its values, test metrics, the restored model's validation metrics, its accounted
     epsilon and its CSV log; a point that fails in fit leaves its error line, the others their rows, and exit 1."""
     import json
-    import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "sitecustomize.py").write_text("import sys\nsys.modules['mlflow'] = None  # not installed\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(root)])}
+    env = _without_mlflow(tmp_path, root)
     out = tmp_path / "points.jsonl"
 
     def run(axis):
@@ -452,15 +458,12 @@ def test_parallel_runner_seed_replays_a_point(tmp_path):
     lightning-dp grid --seed S: the same command twice gives the same metrics; another S other ones (the noise
     differs: the data, the initialization and the sampling rate stay fixed by the config)."""
     import json
-    import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "sitecustomize.py").write_text("import sys\nsys.modules['mlflow'] = None  # not installed\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(root)])}
+    env = _without_mlflow(tmp_path, root)
 
     def run(seed, name):
         out = tmp_path / f"{name}.jsonl"
