@@ -597,3 +597,32 @@ def test_femnist_table2_4_collects_summarizes_and_draws(tmp_path):
         f"{statistics.mean(low) - statistics.mean(high):.3f} lower, Welch p = {p:.3f}")
     table.main(["figure", str(out), str(tmp_path / "t.png")])
     assert (tmp_path / "t.png").stat().st_size > 10_000
+
+def test_femnist_table2_4_dimension(tmp_path):
+    """table2_4.py dimension (hypothesis 3): each thesis nu beside the nu of ours with the same noise per direction,
+    nu x sqrt(ours / theirs) with our CNN's true parameter count; the accuracy change from nu = 0 of ours where a
+    run is within 10 % of it, "not run" elsewhere; the figure."""
+    import importlib.util
+    import math
+
+    from lightning_dp.models import FEMNISTConvNet
+
+    spec = importlib.util.spec_from_file_location("femnist_table", ROOT / "femnist" / "table2_4.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    assert table.OUR_PARAMETERS == sum(p.numel() for p in FEMNISTConvNet().parameters())
+    assert table.direction_scale(206_590) == math.sqrt(1_400_990 / 206_590)
+    rows = [{"loss": "cross_entropy", "nu": str(nu), "seed": str(seed), "finished": "1", "test_acc": str(test),
+             "val_acc_best": str(val)}
+            for nu, seed, test, val in ((0, 0, 0.75, 0.70), (0, 1, 0.77, 0.72), (26, 0, 0.60, 0.55),
+                                        (26, 1, 0.62, 0.57), (15, 0, 0.70, 0.66))]
+    text = table.dimension(rows).splitlines()
+    assert "| 10 | 0.692, -0.140 | 206,590 | 26.0 (run at 26) | 0.560 ± 0.014 (n = 2), -0.150 | " \
+           "0.610 ± 0.014 (n = 2), -0.150 |" in text
+    assert "| 15 | 0.561, -0.271 | 1,206,590 | 16.2 (run at 15) | 0.660 (n = 1), -0.050 | 0.700 (n = 1), -0.060 |" \
+        in text
+    assert "| 15 | 0.561, -0.271 | 206,590 | 39.1 | not run | not run |" in text
+    tsv = tmp_path / "d.tsv"
+    tsv.write_text("\t".join(rows[0]) + "\n" + "".join("\t".join(r.values()) + "\n" for r in rows))
+    assert table.main(["dimension", str(tsv), "--png", str(tmp_path / "d.png")]) == 0
+    assert (tmp_path / "d.png").stat().st_size > 10_000

@@ -237,6 +237,87 @@ def figure(rows: list[dict], out: str) -> None:
     fig.savefig(out, dpi=110)
 
 
+#: Parameter counts: our CNN (``FEMNISTConvNet``, the paper's Table 3 layers; checked in the tests) and the two the
+#: paper states for its model (000 L189 and the thesis' 206,590; 000 L391 and the thesis L775: 1,206,590).
+OUR_PARAMETERS = 1_400_990
+PAPER_PARAMETERS = (206_590, 1_206_590)
+
+
+def direction_scale(parameters: int) -> float:
+    """The factor by which a model of ``parameters`` parameters takes more noise along any one direction than ours
+    at the same nu: the release's noise has norm about nu ||delta|| in every model (E||rho|| = n / epsilon with
+    epsilon ||delta|| = n / nu), spread over n coordinates, so its component along a direction is about
+    nu ||delta|| / sqrt(n). The thesis' nu corresponds to ours times this factor (hypothesis 3)."""
+    return math.sqrt(OUR_PARAMETERS / parameters)
+
+
+def _drop(stats: dict, loss: str, nu: float, metric: str) -> Optional[float]:
+    base, cell = stats.get((loss, 0.0), {}).get(metric), stats.get((loss, nu), {}).get(metric)
+    return None if base is None or cell is None else base[0] - cell[0]
+
+
+def dimension(rows: list[dict], loss: str = "cross_entropy") -> str:
+    """Hypothesis 3 as a table: each thesis nu beside the nu of ours that puts the same noise along a direction
+    (for each of the paper's parameter counts), the thesis' drop from nu = 0 beside ours at that nu where it was
+    run (validation accuracy at the best check, the thesis' metric, and test accuracy)."""
+    stats = summary(rows)
+    ours = {nu for lo, nu in stats if lo == loss}
+    lines = ["| thesis nu | thesis val, change from nu 0 | parameters | our nu with the same noise per direction | "
+             "ours: val at the best check, change | ours: test, change |", "|---|---|---|---|---|---|"]
+    paper = PAPER[loss]
+    for nu_t in sorted(paper):
+        if nu_t < 1:
+            continue
+        for n in PAPER_PARAMETERS:
+            nu_o = nu_t * direction_scale(n)
+            near = min(ours, key=lambda nu: abs(nu - nu_o)) if ours else None
+            run = near is not None and abs(near - nu_o) <= 0.1 * nu_o  # within 10 %: "run at" says where
+            cells = []
+            for metric in ("val_acc_best", "test_acc"):
+                stat = stats[(loss, near)].get(metric) if run else None
+                drop = _drop(stats, loss, near, metric) if run else None
+                cells.append(f"{_fmt(stat)}, {-drop:+.3f}" if stat and drop is not None
+                             else (_fmt(stat) if stat else "not run"))
+            lines.append(f"| {nu_t:g} | {paper[nu_t][0]:.3f}, {paper[nu_t][0] - paper[0][0]:+.3f} | {n:,} | "
+                         f"{nu_o:.1f}{f' (run at {near:g})' if run else ''} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
+
+
+def dimension_figure(rows: list[dict], out: str, loss: str = "cross_entropy") -> None:
+    """Accuracy lost from nu = 0 against the noise along a direction, in units of our nu: ours at their nu, the
+    thesis' at its nu times ``direction_scale`` for each of its two parameter counts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stats = summary(rows)
+    ours = sorted(nu for lo, nu in stats if lo == loss)
+    fig, ax = plt.subplots(figsize=(7.2, 4.8))
+    paper = PAPER[loss]
+    for n, marker in zip(PAPER_PARAMETERS, ("s", "D")):
+        scale = direction_scale(n)
+        ax.plot([nu * scale for nu in paper], [m - paper[0][0] for m, _ in paper.values()], marker=marker,
+                label=f"thesis, validation ({n:,} parameters: nu x {scale:.2f})")
+    for metric, label, marker in (("val_acc_best", "ours: validation at the best check", "^"),
+                                  ("test_acc", "ours: test", "o")):
+        pts = [(nu, stats[(loss, nu)][metric]) for nu in ours if metric in stats[(loss, nu)]]
+        base = stats.get((loss, 0.0), {}).get(metric)
+        if not pts or base is None:
+            continue
+        ax.errorbar([nu for nu, _ in pts], [s[0] - base[0] for _, s in pts],
+                    [0 if math.isnan(s[1]) else s[1] for _, s in pts], marker=marker, capsize=3, linestyle="--",
+                    label=f"{label} ({OUR_PARAMETERS:,} parameters)")
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xlabel("noise along a direction, in units of our nu (nu x sqrt(1,400,990 / parameters))")
+    ax.set_ylabel("accuracy minus accuracy at nu = 0")
+    ax.set_title(f"FEMNIST, {'RMSE' if loss == 'rmse' else loss.replace('_', '-')}: the dimension (hypothesis 3)")
+    ax.grid(alpha=0.3)
+    fig.legend(*ax.get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig.savefig(out, dpi=110)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -248,7 +329,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     f = sub.add_parser("figure", help="TSV -> markdown summary on stdout and the figure")
     f.add_argument("tsv")
     f.add_argument("png", nargs="?")
+    d = sub.add_parser("dimension", help="TSV(s) -> hypothesis 3's table on stdout (the thesis' nu at the same noise "
+                       "per direction) and its figure")
+    d.add_argument("tsv", nargs="+", help="collected rows (e.g. the table's and the dimension runs')")
+    d.add_argument("--loss", default="cross_entropy", choices=sorted(PAPER))
+    d.add_argument("--png")
     args = parser.parse_args(argv)
+    if args.command == "dimension":
+        rows = [r for path in args.tsv for r in read(path)]
+        print(dimension(rows, args.loss))
+        if args.png:
+            dimension_figure(rows, args.png, args.loss)
+        return 0
     if args.command == "collect":
         rows = collect(args.loss, args.jsonl, args.logs)
         if not rows:
