@@ -101,42 +101,57 @@ class HospitalMLP(nn.Module):
 
 
 class FEMNISTConvNet(nn.Module):
-    """The seed's CNN for FEMNIST (LEAF, 1x28x28 handwritten characters, 62 classes).
+    """The seed's CNN for FEMNIST (LEAF, 1x28x28 handwritten characters, 62 classes): the layers of the paper's
+    Table 3 (the thesis' Table 2.5).
 
-    Shapes for a 28x28 input::
+    Shapes for a 28x28 input with the table's 2x2 kernels (``kernel_size=2``, the default)::
 
         Conv2d(1, 32, 2)   -> 32x27x27 -> ReLU
         Conv2d(32, 64, 2)  -> 64x26x26 -> ReLU -> MaxPool2d(2) -> 64x13x13
         Flatten -> Linear(10816, 128) -> ReLU -> Linear(128, num_classes)
 
     Parameters: ``160 + 8,256 + 1,384,576 + 7,998 = 1,400,990`` for 62 classes
-    (``1,392,992 + 129 * num_classes`` in general).
+    (``1,392,992 + 129 * num_classes`` in general). The paper states 1,206,590 parameters (the thesis twice;
+    paper 000 also 206,590 once), which these layers give with 3x3 kernels and no other kernel size or padding:
+    ``kernel_size=3`` (``320 + 18,496 + 1,179,776 + 7,998``, a 64x12x12 map; the layers of PyTorch's MNIST
+    example). docs/results_femnist_noise.md, "the dimension", for why the count matters.
 
     Args:
         num_classes: Number of output logits (62 for FEMNIST's digits and letters).
+        kernel_size: Both convolutions' square kernel (stride 1, no padding); the 28x28 input must leave a
+            feature map after them and the pooling.
 
     Raises:
-        ValueError: If ``num_classes`` is not a positive integer.
+        ValueError: If ``num_classes`` is not a positive integer, or ``kernel_size`` is not an integer from 1 to
+            14.
 
     Example:
         >>> import torch
         >>> sum(p.numel() for p in FEMNISTConvNet().parameters())
         1400990
+        >>> sum(p.numel() for p in FEMNISTConvNet(kernel_size=3).parameters())
+        1206590
     """
 
-    def __init__(self, num_classes: int = 62) -> None:
+    def __init__(self, num_classes: int = 62, kernel_size: int = 2) -> None:
         super().__init__()
         self.num_classes = checks.positive_int("num_classes", num_classes)
+        kernel_size = checks.positive_int("kernel_size", kernel_size)
+        side = (28 - 2 * (kernel_size - 1)) // 2  # two valid convolutions, then a 2x2 pooling
+        if side < 1:
+            raise ValueError(f"kernel_size={kernel_size} leaves no feature map of a 28x28 image after two "
+                             f"convolutions and a 2x2 pooling; allowed: 1 to 14 (the paper's table: 2)")
+        self.kernel_size = kernel_size
         self.features = nn.Sequential(
-            nn.Conv2d(1, 32, kernel_size=2),
+            nn.Conv2d(1, 32, kernel_size=kernel_size),
             nn.ReLU(),
-            nn.Conv2d(32, 64, kernel_size=2),
+            nn.Conv2d(32, 64, kernel_size=kernel_size),
             nn.ReLU(),
             nn.MaxPool2d(kernel_size=2),
         )
         self.classifier = nn.Sequential(
             nn.Flatten(),
-            nn.Linear(64 * 13 * 13, 128),
+            nn.Linear(64 * side * side, 128),
             nn.ReLU(),
             nn.Linear(128, self.num_classes),
         )

@@ -52,6 +52,18 @@ def test_femnist_convnet_matches_the_seed_architecture() -> None:
     _assert_no_batch_mixing(model)
 
 
+def test_femnist_convnet_with_3x3_kernels_has_the_papers_stated_count() -> None:
+    """kernel_size=3: the paper's 1,206,590 parameters (conv 32*9+32, conv 64*32*9+64, fc 64*12*12*128+128,
+    fc 128*62+62); the smallest and largest kernels that leave a feature map."""
+    model = FEMNISTConvNet(kernel_size=3)
+    assert _num_parameters(model) == 320 + 18_496 + 1_179_776 + 7998 == 1_206_590
+    assert output_shapes(model.features, torch.zeros(1, 1, 28, 28))[-1] == (64, 12, 12)
+    assert model(torch.randn(3, 1, 28, 28)).shape == (3, 62)
+    _assert_no_batch_mixing(model)
+    assert output_shapes(FEMNISTConvNet(kernel_size=1).features, torch.zeros(1, 1, 28, 28))[-1] == (64, 14, 14)
+    assert output_shapes(FEMNISTConvNet(kernel_size=14).features, torch.zeros(1, 1, 28, 28))[-1] == (64, 1, 1)
+
+
 def test_per_layer_sizes_of_the_cnn_for_layerwise_sanitization() -> None:
     sizes = [p.numel() for p in FEMNISTConvNet().parameters()]
     assert sizes == [128, 32, 8192, 64, 1_384_448, 128, 7936, 62] and sum(sizes) == 1_400_990
@@ -63,6 +75,8 @@ def test_per_layer_sizes_of_the_cnn_for_layerwise_sanitization() -> None:
         (lambda: LinearRegression(in_features=0), r"in_features=0"),
         (lambda: HospitalMLP(hidden=1.5), r"hidden=1.5"),
         (lambda: FEMNISTConvNet(num_classes=0), r"num_classes=0"),
+        (lambda: FEMNISTConvNet(kernel_size=15), r"kernel_size=15 leaves no feature map.*allowed: 1 to 14"),
+        (lambda: FEMNISTConvNet(kernel_size=2.0), r"kernel_size=2.0"),
     ],
 )
 def test_invalid_arguments(build, message: str) -> None:
