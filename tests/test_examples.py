@@ -612,16 +612,20 @@ def test_femnist_table2_4_dimension(tmp_path):
     spec.loader.exec_module(table)
     assert table.OUR_PARAMETERS == sum(p.numel() for p in FEMNISTConvNet().parameters())
     assert table.direction_scale(206_590) == math.sqrt(1_400_990 / 206_590)
+    # noise drawn in 1,206,590 dimensions at the epsilon of 206,590: 5.84 times the norm, over sqrt(1,206,590)
+    assert table.direction_scale(1_206_590, 206_590) == pytest.approx(
+        1_206_590 / 206_590 * math.sqrt(1_400_990 / 1_206_590))
     rows = [{"loss": "cross_entropy", "nu": str(nu), "seed": str(seed), "finished": "1", "test_acc": str(test),
              "val_acc_best": str(val)}
             for nu, seed, test, val in ((0, 0, 0.75, 0.70), (0, 1, 0.77, 0.72), (26, 0, 0.60, 0.55),
                                         (26, 1, 0.62, 0.57), (15, 0, 0.70, 0.66))]
     text = table.dimension(rows).splitlines()
-    assert "| 10 | 0.692, -0.140 | 206,590 | 26.0 (run at 26) | 0.560 ± 0.014 (n = 2), -0.150 | " \
+    assert "| 10 | 0.692, -0.140 | 206,590 parameters | 26.0 (run at 26) | 0.560 ± 0.014 (n = 2), -0.150 | " \
            "0.610 ± 0.014 (n = 2), -0.150 |" in text
-    assert "| 15 | 0.561, -0.271 | 1,206,590 | 16.2 (run at 15) | 0.660 (n = 1), -0.050 | 0.700 (n = 1), -0.060 |" \
+    assert "| 15 | 0.561, -0.271 | 1,206,590 parameters | 16.2 (run at 15) | 0.660 (n = 1), -0.050 | 0.700 (n = 1), -0.060 |" \
         in text
-    assert "| 15 | 0.561, -0.271 | 206,590 | 39.1 | not run | not run |" in text
+    assert "| 15 | 0.561, -0.271 | 206,590 parameters | 39.1 | not run | not run |" in text
+    assert "| 10 | 0.692, -0.140 | 1,206,590 drawn, epsilon from 206,590 | 62.9 | not run | not run |" in text
     tsv = tmp_path / "d.tsv"
     tsv.write_text("\t".join(rows[0]) + "\n" + "".join("\t".join(r.values()) + "\n" for r in rows))
     assert table.main(["dimension", str(tsv), "--png", str(tmp_path / "d.png")]) == 0

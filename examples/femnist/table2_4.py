@@ -238,17 +238,28 @@ def figure(rows: list[dict], out: str) -> None:
 
 
 #: Parameter counts: our CNN (``FEMNISTConvNet``, the paper's Table 3 layers; checked in the tests) and the two the
-#: paper states for its model (000 L189 and the thesis' 206,590; 000 L391 and the thesis L775: 1,206,590).
+#: paper states for its model (000 L189 and 003 L93: 206,590, in the sentence on the leakage n / nu; 000 L391 and
+#: the thesis L703, L775: 1,206,590, Table 3's layers with 3x3 kernels).
 OUR_PARAMETERS = 1_400_990
 PAPER_PARAMETERS = (206_590, 1_206_590)
 
 
-def direction_scale(parameters: int) -> float:
-    """The factor by which a model of ``parameters`` parameters takes more noise along any one direction than ours
-    at the same nu: the release's noise has norm about nu ||delta|| in every model (E||rho|| = n / epsilon with
-    epsilon ||delta|| = n / nu), spread over n coordinates, so its component along a direction is about
-    nu ||delta|| / sqrt(n). The thesis' nu corresponds to ours times this factor (hypothesis 3)."""
-    return math.sqrt(OUR_PARAMETERS / parameters)
+def direction_scale(drawn: int, epsilon_from: Optional[int] = None) -> float:
+    """The factor by which the paper's release takes more noise along any one direction than ours at the same nu,
+    for a model of ``drawn`` parameters whose epsilon was computed from ``epsilon_from`` parameters (default: the
+    same). The noise is drawn in ``drawn`` dimensions with epsilon ||delta|| = epsilon_from / nu, so its norm is
+    about drawn / epsilon = (drawn / epsilon_from) nu ||delta|| (ours: nu ||delta||), and its component along a
+    direction that norm over sqrt(drawn): the factor is (drawn / epsilon_from) sqrt(ours / drawn). The thesis' nu
+    corresponds to ours times this factor (hypothesis 3)."""
+    return (drawn / (epsilon_from or drawn)) * math.sqrt(OUR_PARAMETERS / drawn)
+
+
+#: The readings of the paper's model that hypothesis 3 compares: (label, factor).
+READINGS = (
+    ("206,590 parameters", direction_scale(206_590)),
+    ("1,206,590 parameters", direction_scale(1_206_590)),
+    ("1,206,590 drawn, epsilon from 206,590", direction_scale(1_206_590, 206_590)),
+)
 
 
 def _drop(stats: dict, loss: str, nu: float, metric: str) -> Optional[float]:
@@ -258,18 +269,18 @@ def _drop(stats: dict, loss: str, nu: float, metric: str) -> Optional[float]:
 
 def dimension(rows: list[dict], loss: str = "cross_entropy") -> str:
     """Hypothesis 3 as a table: each thesis nu beside the nu of ours that puts the same noise along a direction
-    (for each of the paper's parameter counts), the thesis' drop from nu = 0 beside ours at that nu where it was
-    run (validation accuracy at the best check, the thesis' metric, and test accuracy)."""
+    (for each reading of the paper's model, ``READINGS``), the thesis' drop from nu = 0 beside ours at that nu
+    where it was run (validation accuracy at the best check, the thesis' metric, and test accuracy)."""
     stats = summary(rows)
     ours = {nu for lo, nu in stats if lo == loss}
-    lines = ["| thesis nu | thesis val, change from nu 0 | parameters | our nu with the same noise per direction | "
-             "ours: val at the best check, change | ours: test, change |", "|---|---|---|---|---|---|"]
+    lines = ["| thesis nu | thesis val, change from nu 0 | the paper's model | our nu with the same noise per "
+             "direction | ours: val at the best check, change | ours: test, change |", "|---|---|---|---|---|---|"]
     paper = PAPER[loss]
     for nu_t in sorted(paper):
         if nu_t < 1:
             continue
-        for n in PAPER_PARAMETERS:
-            nu_o = nu_t * direction_scale(n)
+        for label, scale in READINGS:
+            nu_o = nu_t * scale
             near = min(ours, key=lambda nu: abs(nu - nu_o)) if ours else None
             run = near is not None and abs(near - nu_o) <= 0.1 * nu_o  # within 10 %: "run at" says where
             cells = []
@@ -278,14 +289,14 @@ def dimension(rows: list[dict], loss: str = "cross_entropy") -> str:
                 drop = _drop(stats, loss, near, metric) if run else None
                 cells.append(f"{_fmt(stat)}, {-drop:+.3f}" if stat and drop is not None
                              else (_fmt(stat) if stat else "not run"))
-            lines.append(f"| {nu_t:g} | {paper[nu_t][0]:.3f}, {paper[nu_t][0] - paper[0][0]:+.3f} | {n:,} | "
+            lines.append(f"| {nu_t:g} | {paper[nu_t][0]:.3f}, {paper[nu_t][0] - paper[0][0]:+.3f} | {label} | "
                          f"{nu_o:.1f}{f' (run at {near:g})' if run else ''} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines)
 
 
 def dimension_figure(rows: list[dict], out: str, loss: str = "cross_entropy") -> None:
     """Accuracy lost from nu = 0 against the noise along a direction, in units of our nu: ours at their nu, the
-    thesis' at its nu times ``direction_scale`` for each of its two parameter counts."""
+    thesis' at its nu times the factor of each reading of its model (``READINGS``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -295,10 +306,9 @@ def dimension_figure(rows: list[dict], out: str, loss: str = "cross_entropy") ->
     ours = sorted(nu for lo, nu in stats if lo == loss)
     fig, ax = plt.subplots(figsize=(7.2, 4.8))
     paper = PAPER[loss]
-    for n, marker in zip(PAPER_PARAMETERS, ("s", "D")):
-        scale = direction_scale(n)
+    for (label, scale), marker in zip(READINGS, ("s", "D", "v")):
         ax.plot([nu * scale for nu in paper], [m - paper[0][0] for m, _ in paper.values()], marker=marker,
-                label=f"thesis, validation ({n:,} parameters: nu x {scale:.2f})")
+                label=f"thesis, validation ({label}: nu x {scale:.2f})")
     for metric, label, marker in (("val_acc_best", "ours: validation at the best check", "^"),
                                   ("test_acc", "ours: test", "o")):
         pts = [(nu, stats[(loss, nu)][metric]) for nu in ours if metric in stats[(loss, nu)]]
@@ -309,7 +319,7 @@ def dimension_figure(rows: list[dict], out: str, loss: str = "cross_entropy") ->
                     [0 if math.isnan(s[1]) else s[1] for _, s in pts], marker=marker, capsize=3, linestyle="--",
                     label=f"{label} ({OUR_PARAMETERS:,} parameters)")
     ax.axhline(0, color="grey", lw=0.8)
-    ax.set_xlabel("noise along a direction, in units of our nu (nu x sqrt(1,400,990 / parameters))")
+    ax.set_xlabel("noise along a direction, in units of our nu")
     ax.set_ylabel("accuracy minus accuracy at nu = 0")
     ax.set_title(f"FEMNIST, {'RMSE' if loss == 'rmse' else loss.replace('_', '-')}: the dimension (hypothesis 3)")
     ax.grid(alpha=0.3)
