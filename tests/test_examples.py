@@ -598,10 +598,14 @@ def test_femnist_table2_4_collects_summarizes_and_draws(tmp_path):
     table.main(["figure", str(out), str(tmp_path / "t.png")])
     assert (tmp_path / "t.png").stat().st_size > 10_000
 
-def test_femnist_table2_4_dimension(tmp_path):
-    """table2_4.py dimension (hypothesis 3): each thesis nu beside the nu of ours with the same noise per direction,
-    nu x sqrt(ours / theirs) with our CNN's true parameter count; the accuracy change from nu = 0 of ours where a
-    run is within 10 % of it, "not run" elsewhere; the figure."""
+
+def test_femnist_table2_4_dimension(tmp_path, capsys):
+    """table2_4.py dimension (hypothesis 3): each thesis nu >= 1 beside the nu of ours with the same noise per
+    direction under each reading of the paper's model (a count: nu x sqrt(ours / theirs); the larger count drawn
+    with the epsilon of the smaller: times their ratio too), with our CNN's true parameter count; the accuracy
+    change from nu = 0 of ours at the finished nu within 10 % of it, "not run" elsewhere (a nu with unfinished
+    runs only is not run), "-" for a metric the runs lack, no change without nu = 0; a run in two TSVs counts once;
+    the figure."""
     import importlib.util
     import math
 
@@ -615,18 +619,35 @@ def test_femnist_table2_4_dimension(tmp_path):
     # noise drawn in 1,206,590 dimensions at the epsilon of 206,590: 5.84 times the norm, over sqrt(1,206,590)
     assert table.direction_scale(1_206_590, 206_590) == pytest.approx(
         1_206_590 / 206_590 * math.sqrt(1_400_990 / 1_206_590))
-    rows = [{"loss": "cross_entropy", "nu": str(nu), "seed": str(seed), "finished": "1", "test_acc": str(test),
-             "val_acc_best": str(val)}
-            for nu, seed, test, val in ((0, 0, 0.75, 0.70), (0, 1, 0.77, 0.72), (26, 0, 0.60, 0.55),
-                                        (26, 1, 0.62, 0.57), (15, 0, 0.70, 0.66))]
+    with pytest.raises(ValueError, match="positive"):
+        table.direction_scale(1_206_590, 0)
+
+    def row(nu, seed, test, val, finished="1", loss="cross_entropy"):
+        return {"loss": loss, "nu": str(nu), "seed": str(seed), "finished": finished, "test_acc": str(test),
+                "val_acc_best": str(val)}
+
+    rows = [row(0, 0, 0.75, 0.70), row(0, 1, 0.77, 0.72), row(26, 0, 0.60, 0.55), row(26, 1, 0.62, 0.57),
+            row(15, 0, 0.70, 0.66), row(63, 0, "", "", finished="0")]  # nu = 63: an unfinished run only
     text = table.dimension(rows).splitlines()
     assert "| 10 | 0.692, -0.140 | 206,590 parameters | 26.0 (run at 26) | 0.560 ± 0.014 (n = 2), -0.150 | " \
            "0.610 ± 0.014 (n = 2), -0.150 |" in text
-    assert "| 15 | 0.561, -0.271 | 1,206,590 parameters | 16.2 (run at 15) | 0.660 (n = 1), -0.050 | 0.700 (n = 1), -0.060 |" \
-        in text
+    assert "| 15 | 0.561, -0.271 | 1,206,590 parameters | 16.2 (run at 15) | 0.660 (n = 1), -0.050 | " \
+           "0.700 (n = 1), -0.060 |" in text
     assert "| 15 | 0.561, -0.271 | 206,590 parameters | 39.1 | not run | not run |" in text
     assert "| 10 | 0.692, -0.140 | 1,206,590 drawn, epsilon from 206,590 | 62.9 | not run | not run |" in text
-    tsv = tmp_path / "d.tsv"
+    assert not any(line.startswith("| 0.1 |") for line in text)  # nu < 1: the flat range under every reading
+    # no nu = 0 of ours: no change; a metric the runs lack: "-"
+    lacking = [dict(row(26, 0, 0.60, 0.55), val_acc_best="")]
+    assert "| 10 | 0.692, -0.140 | 206,590 parameters | 26.0 (run at 26) | - | 0.600 (n = 1) |" in \
+        table.dimension(lacking).splitlines()
+    tsv, again = tmp_path / "d.tsv", tmp_path / "again.tsv"
     tsv.write_text("\t".join(rows[0]) + "\n" + "".join("\t".join(r.values()) + "\n" for r in rows))
+    again.write_text("\t".join(rows[0]) + "\n" + "\t".join(rows[2].values()) + "\n")  # seed 0 at 26 again
+    assert table.main(["dimension", str(tsv), str(again)]) == 0
+    assert "| 10 | 0.692, -0.140 | 206,590 parameters | 26.0 (run at 26) | 0.560 ± 0.014 (n = 2), -0.150 |" in \
+        capsys.readouterr().out
+    rmse = [row(0, 0, 0.76, 0.73, loss="rmse"), row(26, 0, 0.70, 0.68, loss="rmse")]
+    assert "| 10 | 0.687, -0.114 | 206,590 parameters | 26.0 (run at 26) | 0.680 (n = 1), -0.050 | " \
+           "0.700 (n = 1), -0.060 |" in table.dimension(rmse, "rmse").splitlines()
     assert table.main(["dimension", str(tsv), "--png", str(tmp_path / "d.png")]) == 0
     assert (tmp_path / "d.png").stat().st_size > 10_000

@@ -111,10 +111,12 @@ class FEMNISTConvNet(nn.Module):
         Flatten -> Linear(10816, 128) -> ReLU -> Linear(128, num_classes)
 
     Parameters: ``160 + 8,256 + 1,384,576 + 7,998 = 1,400,990`` for 62 classes
-    (``1,392,992 + 129 * num_classes`` in general). The paper states 1,206,590 parameters (the thesis twice;
-    paper 000 also 206,590 once), which these layers give with 3x3 kernels and no other kernel size or padding:
-    ``kernel_size=3`` (``320 + 18,496 + 1,179,776 + 7,998``, a 64x12x12 map; the layers of PyTorch's MNIST
-    example). docs/results_femnist_noise.md, "the dimension", for why the count matters.
+    (``1,392,992 + 129 * num_classes`` with 2x2 kernels; ``2,080 k^2 + 8,192 (15 - k)^2 + 224 + 129 * num_classes``
+    with ``kernel_size=k``). The papers state 1,206,590 parameters (000 L391, the thesis L703 and L775) and
+    206,590 (000 L189, 003 L93; 1,000,000 less, no variant of these layers gives it): these layers give 1,206,590
+    with 3x3 kernels, the only kernel size (one for both convolutions, any padding, PyTorch's default biases) that
+    does: ``kernel_size=3`` (``320 + 18,496 + 1,179,776 + 7,998``, a 64x12x12 map; the layers of PyTorch's MNIST
+    example). docs/results_femnist_noise.md, "The dimension (hypothesis 3)", for why the count matters.
 
     Args:
         num_classes: Number of output logits (62 for FEMNIST's digits and letters).
@@ -136,11 +138,12 @@ class FEMNISTConvNet(nn.Module):
     def __init__(self, num_classes: int = 62, kernel_size: int = 2) -> None:
         super().__init__()
         self.num_classes = checks.positive_int("num_classes", num_classes)
-        kernel_size = checks.positive_int("kernel_size", kernel_size)
+        allowed = "1 to 14 (larger leaves no feature map of a 28x28 image after two convolutions and a 2x2 " \
+                  "pooling); the paper's table: 2"
+        kernel_size = checks.positive_int("kernel_size", kernel_size, hint=f"allowed: {allowed}")
         side = (28 - 2 * (kernel_size - 1)) // 2  # two valid convolutions, then a 2x2 pooling
         if side < 1:
-            raise ValueError(f"kernel_size={kernel_size} leaves no feature map of a 28x28 image after two "
-                             f"convolutions and a 2x2 pooling; allowed: 1 to 14 (the paper's table: 2)")
+            raise ValueError(f"kernel_size={kernel_size} is not allowed: kernel_size must be {allowed}")
         self.kernel_size = kernel_size
         self.features = nn.Sequential(
             nn.Conv2d(1, 32, kernel_size=kernel_size),

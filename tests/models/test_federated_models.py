@@ -75,7 +75,8 @@ def test_per_layer_sizes_of_the_cnn_for_layerwise_sanitization() -> None:
         (lambda: LinearRegression(in_features=0), r"in_features=0"),
         (lambda: HospitalMLP(hidden=1.5), r"hidden=1.5"),
         (lambda: FEMNISTConvNet(num_classes=0), r"num_classes=0"),
-        (lambda: FEMNISTConvNet(kernel_size=15), r"kernel_size=15 leaves no feature map.*allowed: 1 to 14"),
+        (lambda: FEMNISTConvNet(kernel_size=15), r"kernel_size=15 is not allowed: kernel_size must be 1 to 14"),
+        (lambda: FEMNISTConvNet(kernel_size=0), r"kernel_size=0 is not allowed.*allowed: 1 to 14"),
         (lambda: FEMNISTConvNet(kernel_size=2.0), r"kernel_size=2.0"),
     ],
 )
