@@ -83,7 +83,7 @@ def run_point(config: list[str], values: dict[str, Any], extra: list[str], threa
     privacy = {k: v for k, v in privacy_of(cli.trainer, cli.model).items() if isinstance(v, (int, float))}
     return {"values": values, "epochs": cli.trainer.current_epoch, "fit_s": round(fit_s, 1),
             "total_s": round(time.perf_counter() - start, 1), "metrics": metrics, "privacy": privacy,
-            "device": str(cli.trainer.strategy.root_device), "log_dir": cli.trainer.logger.log_dir}
+            "device": str(cli.trainer.strategy.root_device), "log_dir": os.path.abspath(cli.trainer.logger.log_dir)}
 
 
 def _worker_init() -> None:

@@ -548,7 +548,9 @@ def test_femnist_table2_4_collects_summarizes_and_draws(tmp_path):
     log("csv", "seed_everything=2,noise_multiplier=10", "0,1,,,\n4,,2.0,0.5,\n9,,1.8,0.55,\n")  # unfinished
     log("cut", "seed_everything=1,noise_multiplier=0", "0,1,,,\n4,,1.0,0.9,\n")  # cut; its rerun has 15 rounds
     log("csv", "seed_everything=1,noise_multiplier=0", "0,1,,,\n4,,2.0,0.5,\n9,,1.6,0.66,\n14,1,,,\n15,,,,0.7\n")
-    runs = [(0, 0, 0.70, str(done)), (0, 1, 0.74, None), (0, 2, 0.75, None), (10, 0, 0.60, None), (7, 0, 0.5, None)]
+    # seed 1's line names its log relative to the runner's folder (the lines' folder here, not the test's cwd)
+    runs = [(0, 0, 0.70, str(done)), (0, 1, 0.74, "csv/seed_everything=1,noise_multiplier=0/version_0"),
+            (0, 2, 0.75, None), (10, 0, 0.60, None), (7, 0, 0.5, None)]
     with open(tmp_path / "ce.jsonl", "w") as f:
         for nu, seed, acc, log_dir in runs:
             f.write(json.dumps({"values": {"model.init_args.noise_multiplier": nu, "seed_everything": seed},

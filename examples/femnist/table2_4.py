@@ -80,7 +80,11 @@ def collect(loss: str, jsonl: list[str], logs: list[str]) -> list[dict]:
                     "val_acc_best": r["metrics"].get("restored val/acc"),
                     "client_epsilon_median": r["privacy"].get("client_epsilon_median", math.inf)}
                 if r.get("log_dir"):
-                    named[key] = os.path.join(r["log_dir"], "metrics.csv")
+                    log_dir = r["log_dir"]
+                    if not os.path.isabs(log_dir) and not os.path.exists(log_dir):
+                        # relative to where the runner ran: the JSON lines' folder, usually
+                        log_dir = os.path.join(os.path.dirname(os.path.abspath(path)), log_dir)
+                    named[key] = os.path.join(log_dir, "metrics.csv")
     found: dict[tuple[str, str], list[tuple[str, tuple[int, float, int]]]] = {}
     for log_dir in logs:
         for path in glob.glob(os.path.join(log_dir, "*", "version_*", "metrics.csv")):
@@ -92,7 +96,8 @@ def collect(loss: str, jsonl: list[str], logs: list[str]) -> list[dict]:
         row = rows.get(key)
         picked = None
         if row is not None and key in named:
-            picked = next(((p, c) for p, c in candidates if os.path.samefile(p, named[key])), None)
+            picked = next(((p, c) for p, c in candidates
+                           if os.path.exists(named[key]) and os.path.samefile(p, named[key])), None)
         if picked is None and row is not None:
             picked = next(((p, c) for p, c in candidates if c[2] == int(row["rounds"])), None)
         if picked is None:
