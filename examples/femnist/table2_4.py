@@ -95,9 +95,8 @@ def collect(loss: str, jsonl: list[str], logs: list[str]) -> list[dict]:
     for key, candidates in found.items():
         row = rows.get(key)
         picked = None
-        if row is not None and key in named:
-            picked = next(((p, c) for p, c in candidates
-                           if os.path.exists(named[key]) and os.path.samefile(p, named[key])), None)
+        if row is not None and key in named and os.path.exists(named[key]):
+            picked = next(((p, c) for p, c in candidates if os.path.samefile(p, named[key])), None)
         if picked is None and row is not None:
             picked = next(((p, c) for p, c in candidates if c[2] == int(row["rounds"])), None)
         if picked is None:
@@ -279,6 +278,12 @@ def _drop(stats: dict, loss: str, nu: float, metric: str) -> Optional[float]:
     return None if base is None or cell is None else base[0] - cell[0]
 
 
+def _finished_nus(stats: dict, loss: str) -> list[float]:
+    """The nu of ``loss`` with at least one finished run (``summary`` keeps a nu whose runs are all unfinished,
+    with no statistics)."""
+    return sorted(nu for (lo, nu), cell in stats.items() if lo == loss and cell)
+
+
 def _dedupe(rows: list[dict]) -> list[dict]:
     """One row per (loss, nu, seed) over several TSVs (a run collected into two files counts once): a finished
     row over an unfinished one, else the first."""
@@ -297,7 +302,7 @@ def dimension(rows: list[dict], loss: str = "cross_entropy") -> str:
     10 % (validation accuracy at the best check, the thesis' metric, and test accuracy; "-" for a metric the runs
     lack, no change without our nu = 0)."""
     stats = summary(rows)
-    ours = {nu for (lo, nu), cell in stats.items() if lo == loss and cell}  # finished runs only
+    ours = _finished_nus(stats, loss)
     lines = ["| thesis nu | thesis val, change from nu 0 | the paper's model | our nu with the same noise per "
              "direction | ours: val at the best check, change | ours: test, change |", "|---|---|---|---|---|---|"]
     paper = PAPER[loss]
@@ -329,7 +334,7 @@ def dimension_figure(rows: list[dict], out: str, loss: str = "cross_entropy") ->
     import matplotlib.pyplot as plt
 
     stats = summary(rows)
-    ours = sorted(nu for lo, nu in stats if lo == loss)
+    ours = _finished_nus(stats, loss)
     fig, ax = plt.subplots(figsize=(7.2, 4.8))
     paper = PAPER[loss]
     for (label, scale), marker in zip(READINGS, ("s", "D", "v")):
