@@ -378,6 +378,23 @@ def test_femnist_warm_start_overlay_sets_the_public_warm_up(tmp_path, monkeypatc
     assert (cli.model.hparams.num_hypotheses, cli.trainer.max_epochs) == (2, 500)
 
 
+def test_femnist_stated_model_overlay_builds_the_papers_parameter_count(tmp_path, monkeypatch):
+    """examples/femnist/stated_model.yaml after fl_femnist.yaml and convergence.yaml: the papers' stated 1,206,590
+    parameters (3x3 kernels), the round and the stopping rule kept; the base config alone keeps Table 3's 2x2."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-dp"])
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    configs = [str(ROOT / "fl_femnist.yaml"), str(ROOT / "femnist" / "convergence.yaml")]
+    counts = []
+    for extra in ([], [str(ROOT / "femnist" / "stated_model.yaml")]):
+        args = [a for config in configs + extra for a in ("--config", config)] + ["--trainer.logger=false"]
+        cli = LightningDPCLI(run=False, args=args)
+        counts.append(sum(p.numel() for p in cli.model.parameters()))
+        assert (cli.model.hparams.num_hypotheses, cli.model.hparams.clients_per_round) == (2, 10)
+        assert cli.trainer.max_epochs == 500
+    assert counts == [1_400_990, 1_206_590]
+
+
 def _load_example(name: str, path: Path):
     import importlib.util
 
