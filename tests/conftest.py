@@ -1,11 +1,29 @@
-"""Fixtures shared by the command-line tests (tests/test_cli.py, tests/commands/test_grid.py)."""
+"""Fixtures shared by the command-line tests (tests/test_cli.py, tests/commands/test_grid.py), and the thread share of
+a pytest-xdist worker."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (``-n N``, the README's command), give each worker its share of the cores: torch and the
+    OpenMP/MKL pools of the worker and of the subprocesses its tests start (the end-to-end CLI and deployment tests)
+    otherwise each take every core, and N workers oversubscribe the machine N times."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers is None:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    share = max(1, cores // int(workers))
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(name, str(share))
+    import torch  # here, after the environment: the pools read it when torch first starts them
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture

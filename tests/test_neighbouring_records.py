@@ -188,6 +188,9 @@ KINDS = [
     kind("fl-femnist-convergence", ["fl_femnist.yaml", "femnist/convergence.yaml"], [], pytest.mark.skip(reason=(
         "needs LEAF FEMNIST files; the overlay changes only the stopping rule and the validation share of "
         "fl-femnist, whose modules run in fl-d-privacy and fl-fairness"))),
+    kind("fl-femnist-stated-model", ["fl_femnist.yaml", "femnist/stated_model.yaml"], [], pytest.mark.skip(reason=(
+        "needs LEAF FEMNIST files; the overlay changes only the kernel size of fl-femnist's network, whose modules "
+        "run in fl-d-privacy and fl-fairness (the overlay's parameter count is checked in tests/test_examples.py)"))),
     kind("fairness-femnist", ["fairness/femnist.yaml"], [], pytest.mark.skip(reason=(
         "needs LEAF FEMNIST files; its modules run in fl-fairness"))),
     kind("fl-hospital", ["fl_hospital.yaml"], [], pytest.mark.skip(reason=(
