@@ -136,7 +136,7 @@ def test_a_name_declared_for_another_component_or_for_evaluation_is_refused_in_t
         _fit(_LogsUnder(name), RecordingLogger())
 
 
-def test_a_monitor_of_a_training_statistic_is_refused_when_training_starts():
+def test_a_monitor_of_a_training_statistic_is_refused_when_training_starts(tmp_path):
     from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
     for callback in (ModelCheckpoint(monitor="nonprivate/train_loss"), EarlyStopping(monitor="train_loss")):
@@ -146,12 +146,12 @@ def test_a_monitor_of_a_training_statistic_is_refused_when_training_starts():
         with pytest.raises(gate.UndeclaredRecordError, match="monitors"):
             trainer.fit(Classifier(), BlobsData())
     ok = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                   max_epochs=1, callbacks=[DPSGD(noise_multiplier=1.0, seed=0), ModelCheckpoint(monitor="val/acc",
-                                                                                                 mode="max")])
+                   max_epochs=1, default_root_dir=tmp_path,
+                   callbacks=[DPSGD(noise_multiplier=1.0, seed=0), ModelCheckpoint(monitor="val/acc", mode="max")])
     ok.fit(Classifier(), BlobsData())
 
 
-def test_the_progress_bar_shows_only_what_the_record_may_hold():
+def test_the_progress_bar_shows_only_what_the_record_may_hold(tmp_path):
     shown = []
 
     class Bar(L.Callback):
@@ -159,7 +159,7 @@ def test_the_progress_bar_shows_only_what_the_record_may_hold():
             shown.append(set(trainer.progress_bar_callback.get_metrics(trainer, trainer.lightning_module)))
 
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_model_summary=False, max_epochs=1,
-                        log_every_n_steps=1, enable_progress_bar=True,
+                        log_every_n_steps=1, enable_progress_bar=True, default_root_dir=tmp_path,
                         callbacks=[DPSGD(noise_multiplier=1.0, seed=0, log_nonprivate_metrics=False), Bar()])
     class OnTheBar(Classifier):
         def training_step(self, batch, batch_idx):
