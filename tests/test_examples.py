@@ -616,6 +616,19 @@ def test_femnist_table2_4_collects_summarizes_and_draws(tmp_path):
         f"{statistics.mean(low) - statistics.mean(high):.3f} lower, Welch p = {p:.3f}")
     table.main(["figure", str(out), str(tmp_path / "t.png")])
     assert (tmp_path / "t.png").stat().st_size > 10_000
+    # a point redone elsewhere: --update replaces its row and keeps the loss's other rows (their logs are not here);
+    # without it, the loss's rows are the collected ones only
+    with open(tmp_path / "redo.jsonl", "w") as f:
+        f.write(json.dumps({"values": {"model.init_args.noise_multiplier": 10, "seed_everything": 2}, "epochs": 20,
+                            "metrics": {"test/acc": 0.66}, "privacy": {"client_epsilon_median": 7.0}}) + "\n")
+    redo = ["collect", "--loss", "cross_entropy", "--jsonl", str(tmp_path / "redo.jsonl"), "--out", str(out)]
+    assert table.main(redo + ["--update"]) == 0
+    redone = {(r["nu"], r["seed"]): r for r in table.read(str(out))}
+    assert redone.keys() == rows.keys()
+    assert (redone[("10", "2")]["finished"], redone[("10", "2")]["test_acc"]) == ("1", "0.66")
+    assert all(redone[k] == rows[k] for k in rows if k != ("10", "2"))
+    assert table.main(redo) == 0
+    assert [(r["nu"], r["seed"]) for r in table.read(str(out))] == [("10", "2")]
 
 
 def test_femnist_table2_4_dimension(tmp_path, capsys):

@@ -8,6 +8,9 @@ docs/results_femnist_noise.md, "At convergence", for the commands.
     # the validation accuracy at the best check (the check whose weights were restored)
     python examples/femnist/table2_4.py collect --loss cross_entropy --jsonl ce.jsonl --logs csv/ce \\
         --out docs/figures/femnist_table2_4.tsv
+    # runs of some points redone elsewhere (their earlier rows' logs not here): --update keeps the loss's other rows
+    python examples/femnist/table2_4.py collect --loss rmse --jsonl rmse.jsonl --logs csv --update \\
+        --out docs/figures/femnist_table2_4.tsv
     # mean +- sample std per (loss, nu) beside the thesis' numbers, the pooled comparisons, and the figure
     python examples/femnist/table2_4.py figure docs/figures/femnist_table2_4.tsv docs/figures/femnist_table2_4.png
     # hypothesis 3 (the dimension): each thesis nu beside our nu with the same noise along a direction, and a figure
@@ -370,6 +373,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     c.add_argument("--jsonl", action="append", default=[])
     c.add_argument("--logs", action="append", default=[], help="CSVLogger save_dir(s) of the runs")
     c.add_argument("--out", required=True)
+    c.add_argument("--update", action="store_true", help=(
+        "replace only the collected points' rows and keep the loss's other rows in --out (runs collected from "
+        "another machine, whose logs are not here); without it, every row of --loss is replaced"))
     f = sub.add_parser("figure", help="TSV -> markdown summary on stdout and the figure")
     f.add_argument("tsv")
     f.add_argument("png", nargs="?")
@@ -390,7 +396,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not rows:
             print(f"no runs found in {args.jsonl + args.logs}", file=sys.stderr)
             return 1
-        kept = [r for r in read(args.out) if r["loss"] != args.loss] if os.path.exists(args.out) else []
+        collected = {(float(r["nu"]), int(r["seed"])) for r in rows}
+
+        def kept_row(r: dict) -> bool:
+            return r["loss"] != args.loss or (args.update and (float(r["nu"]), int(r["seed"])) not in collected)
+
+        kept = [r for r in read(args.out) if kept_row(r)] if os.path.exists(args.out) else []
         with open(args.out, "w", newline="") as fh:
             w = csv.DictWriter(fh, FIELDS, delimiter="\t", lineterminator="\n", restval="")
             w.writeheader()
