@@ -614,6 +614,10 @@ def test_femnist_table2_4_collects_summarizes_and_draws(tmp_path):
         f"rmse test_acc (without nu = 0.1): nu <= 3 {statistics.mean(low):.3f} ± {statistics.stdev(low):.3f} (n = 4), "
         f"nu >= 10 {statistics.mean(high):.3f} ± {statistics.stdev(high):.3f} (n = 3): "
         f"{statistics.mean(low) - statistics.mean(high):.3f} lower, Welch p = {p:.3f}")
+    apart = [{"loss": "rmse", "nu": nu, "finished": "1", "test_acc": str(x)}
+             for nu, x in ((0, 0.75), (0, 0.751), (3, 0.752), (10, 0.70), (10, 0.701), (15, 0.699))]
+    p = scipy_stats.ttest_ind([0.75, 0.751, 0.752], [0.70, 0.701, 0.699], equal_var=False).pvalue
+    assert p < 0.001 and table.pooled(apart, "rmse", "test_acc").endswith(f"Welch p = {p:.1e}")  # not 0.000
     table.main(["figure", str(out), str(tmp_path / "t.png")])
     assert (tmp_path / "t.png").stat().st_size > 10_000
     # a point redone elsewhere: --update replaces its row and keeps the loss's other rows (their logs are not here);

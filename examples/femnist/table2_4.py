@@ -205,9 +205,10 @@ def pooled(rows: list[dict], loss: str, metric: str, exclude: tuple[float, ...] 
         return None
     p = stats.ttest_ind(low, high, equal_var=False).pvalue
     without = f" (without nu = {', '.join(f'{nu:g}' for nu in exclude)})" if exclude else ""
+    shown = f"{p:.3f}" if p >= 0.001 else f"{p:.1e}"  # three decimals would print a tiny p as 0.000
     return (f"{loss} {metric}{without}: nu <= 3 {statistics.mean(low):.3f} ± {statistics.stdev(low):.3f} "
             f"(n = {len(low)}), nu >= 10 {statistics.mean(high):.3f} ± {statistics.stdev(high):.3f} "
-            f"(n = {len(high)}): {statistics.mean(low) - statistics.mean(high):.3f} lower, Welch p = {p:.3f}")
+            f"(n = {len(high)}): {statistics.mean(low) - statistics.mean(high):.3f} lower, Welch p = {shown}")
 
 
 def figure(rows: list[dict], out: str) -> None:
