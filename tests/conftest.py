@@ -10,17 +10,29 @@ from pathlib import Path
 import pytest
 
 
+def _usable_cores() -> int:
+    """The cores this process may run on (its affinity mask: a container's cpuset, ``taskset``), not the host's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: one worker per usable core. pytest-xdist's own count is the host's physical cores (psutil), which
+    on a machine that gives this process fewer cores starts more workers, each loading torch, than can run."""
+    return _usable_cores()
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    """Under pytest-xdist (``-n N``, the README's command), give each worker its share of the cores: torch and the
+    """Under pytest-xdist (``-n auto``, the README's command), give each worker its share of the cores: torch and the
     OpenMP/MKL pools of the worker and of the subprocesses its tests start (the end-to-end CLI and deployment tests)
-    otherwise each take every core, and N workers oversubscribe the machine N times."""
-    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
-    if workers is None:
+    otherwise each take every core, and N workers oversubscribe the machine N times. A smaller thread count already
+    set in the environment is kept."""
+    worker = getattr(config, "workerinput", None)  # set on xdist workers only (not on the controller)
+    if worker is None:
         return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    share = max(1, cores // int(workers))
+    share = max(1, _usable_cores() // int(worker["workercount"]))
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ.setdefault(name, str(share))
+        given = os.environ.get(name, "").split(",")[0].strip()
+        os.environ[name] = str(min(share, int(given)) if given.isdigit() and int(given) > 0 else share)
     import torch  # here, after the environment: the pools read it when torch first starts them
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

@@ -37,6 +37,9 @@ import mlflow
 import pytest
 import yaml
 
+# one xdist worker runs this module (--dist loadgroup, the README's command): its module fixtures are built once
+pytestmark = pytest.mark.xdist_group("browser-ui")
+
 sync_api = pytest.importorskip(
     "playwright.sync_api", reason="playwright is not installed: pip install playwright (it is in the test extra)")
 expect = sync_api.expect

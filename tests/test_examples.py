@@ -628,9 +628,14 @@ def test_femnist_table2_4_collects_summarizes_and_draws(tmp_path):
     redo = ["collect", "--loss", "cross_entropy", "--jsonl", str(tmp_path / "redo.jsonl"), "--out", str(out)]
     assert table.main(redo + ["--update"]) == 0
     redone = {(r["nu"], r["seed"]): r for r in table.read(str(out))}
-    assert redone.keys() == rows.keys()
+    assert list(redone) == list(rows)  # the same points, in the same order
     assert (redone[("10", "2")]["finished"], redone[("10", "2")]["test_acc"]) == ("1", "0.66")
     assert all(redone[k] == rows[k] for k in rows if k != ("10", "2"))
+    # a point cut here (a log, no line) does not replace its finished row
+    log("again", "seed_everything=1,noise_multiplier=0", "0,1,,,\n4,,2.0,0.5,\n")
+    assert table.main(["collect", "--loss", "cross_entropy", "--logs", str(tmp_path / "again"), "--update",
+                       "--out", str(out)]) == 0
+    assert table.read(str(out)) == list(redone.values())
     assert table.main(redo) == 0
     assert [(r["nu"], r["seed"]) for r in table.read(str(out))] == [("10", "2")]
 

@@ -376,7 +376,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     c.add_argument("--out", required=True)
     c.add_argument("--update", action="store_true", help=(
         "replace only the collected points' rows and keep the loss's other rows in --out (runs collected from "
-        "another machine, whose logs are not here); without it, every row of --loss is replaced"))
+        "another machine, whose logs are not here; a point unfinished here keeps a finished row); without it, every "
+        "row of --loss is replaced"))
     f = sub.add_parser("figure", help="TSV -> markdown summary on stdout and the figure")
     f.add_argument("tsv")
     f.add_argument("png", nargs="?")
@@ -397,12 +398,22 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not rows:
             print(f"no runs found in {args.jsonl + args.logs}", file=sys.stderr)
             return 1
+        old = {(r["loss"], float(r["nu"]), int(r["seed"])): r
+               for r in (read(args.out) if os.path.exists(args.out) else [])}
+        if args.update:
+            # a point cut here (a log, no line) does not replace a finished row collected elsewhere
+            for i, r in enumerate(rows):
+                before = old.get((args.loss, float(r["nu"]), int(r["seed"])))
+                if before is not None and str(before["finished"]) == "1" and str(r["finished"]) != "1":
+                    print(f"warning: nu = {r['nu']}, seed {r['seed']}: unfinished here, the finished row in "
+                          f"{args.out} kept", file=sys.stderr)
+                    rows[i] = before
         collected = {(float(r["nu"]), int(r["seed"])) for r in rows}
 
         def kept_row(r: dict) -> bool:
             return r["loss"] != args.loss or (args.update and (float(r["nu"]), int(r["seed"])) not in collected)
 
-        kept = [r for r in read(args.out) if kept_row(r)] if os.path.exists(args.out) else []
+        kept = [r for r in old.values() if kept_row(r)]
         with open(args.out, "w", newline="") as fh:
             w = csv.DictWriter(fh, FIELDS, delimiter="\t", lineterminator="\n", restval="")
             w.writeheader()

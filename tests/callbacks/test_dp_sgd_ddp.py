@@ -12,6 +12,9 @@ import torch
 
 from tests.helpers import blobs
 
+# one xdist worker runs this module (--dist loadgroup, the README's command): its module fixtures are built once
+pytestmark = pytest.mark.xdist_group("dp-sgd-ddp")
+
 SCRIPT = Path(__file__).with_name("ddp_script.py")
 
 

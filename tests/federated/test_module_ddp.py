@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# one xdist worker runs this module (--dist loadgroup, the README's command): its module fixtures are built once
+pytestmark = pytest.mark.xdist_group("module-ddp")
+
 SCRIPT = Path(__file__).with_name("ddp_script.py")
 
 

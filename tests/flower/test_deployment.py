@@ -14,7 +14,9 @@ import torch
 from tests.flower.localhost import LocalDeployment
 from tests.flower.test_protocol import EXAMPLES, simulate
 
-pytestmark = pytest.mark.skipif(shutil.which("flower-superlink") is None, reason="Flower's CLI is not installed")
+# one xdist worker runs this module (--dist loadgroup, the README's command): the deployment is built once
+pytestmark = [pytest.mark.skipif(shutil.which("flower-superlink") is None, reason="Flower's CLI is not installed"),
+              pytest.mark.xdist_group("flower-deployment")]
 
 SECRET = 918273645  # distinctive: searched for in what the SuperLink and MLflow hold
 CONFIGS = ["fl_deploy_fedavg.yaml", "fl_deploy_personalized.yaml"]
