@@ -15,10 +15,11 @@ def _usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     """``-n auto``: one worker per usable core. pytest-xdist's own count is the host's physical cores (psutil), which
-    on a machine that gives this process fewer cores starts more workers, each loading torch, than can run."""
-    return _usable_cores()
+    on a machine that gives this process fewer cores starts more workers, each loading torch, than can run.
+    ``PYTEST_XDIST_AUTO_NUM_WORKERS`` still decides where set (None hands the count to pytest-xdist)."""
+    return None if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS") else _usable_cores()
 
 
 def pytest_configure(config: pytest.Config) -> None:
