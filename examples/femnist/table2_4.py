@@ -398,22 +398,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not rows:
             print(f"no runs found in {args.jsonl + args.logs}", file=sys.stderr)
             return 1
-        old = {(r["loss"], float(r["nu"]), int(r["seed"])): r
-               for r in (read(args.out) if os.path.exists(args.out) else [])}
+        old = read(args.out) if os.path.exists(args.out) else []
         if args.update:
-            # a point cut here (a log, no line) does not replace a finished row collected elsewhere
-            for i, r in enumerate(rows):
-                before = old.get((args.loss, float(r["nu"]), int(r["seed"])))
-                if before is not None and str(before["finished"]) == "1" and str(r["finished"]) != "1":
+            # the collected points over their earlier rows, except that a point cut here (a log, no line) does not
+            # replace a finished row collected elsewhere: _dedupe's rule, the new rows first
+            merged = _dedupe(rows + [r for r in old if r["loss"] == args.loss])
+            for r in rows:
+                if r not in merged:
                     print(f"warning: nu = {r['nu']}, seed {r['seed']}: unfinished here, the finished row in "
                           f"{args.out} kept", file=sys.stderr)
-                    rows[i] = before
-        collected = {(float(r["nu"]), int(r["seed"])) for r in rows}
-
-        def kept_row(r: dict) -> bool:
-            return r["loss"] != args.loss or (args.update and (float(r["nu"]), int(r["seed"])) not in collected)
-
-        kept = [r for r in old.values() if kept_row(r)]
+            rows = merged
+        kept = [r for r in old if r["loss"] != args.loss]
         with open(args.out, "w", newline="") as fh:
             w = csv.DictWriter(fh, FIELDS, delimiter="\t", lineterminator="\n", restval="")
             w.writeheader()
