@@ -120,6 +120,40 @@ def test_mia_configs_instantiate(name):
     assert AUDIT.joinpath(name).read_text().startswith("#")
 
 
+def test_mia_report_pools_the_runs_of_several_stores(tmp_path, store_template, capsys, monkeypatch):
+    """examples/audit/mia_report.py with two --tracking-uri: the finished audit runs of both stores in one table (a
+    run without its target's tag, or unfinished, left out); mean and sample std over the pooled runs."""
+    import importlib.util
+
+    from mlflow import MlflowClient
+
+    from tests.helpers import seed_store
+
+    spec = importlib.util.spec_from_file_location("mia_report", AUDIT / "mia_report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    uris = []
+    for i, aucs in enumerate([[0.70], [0.80, 0.90]]):
+        seed_store(store_template, tmp_path / f"s{i}" / "mlflow.db")
+        uris.append(f"sqlite:///{tmp_path / f's{i}' / 'mlflow.db'}")
+        client = MlflowClient(uris[-1])
+        experiment = client.create_experiment("mia-lm")
+        for auc in aucs:
+            target = client.create_run(experiment).info.run_id
+            run = client.create_run(experiment, tags={"audit/target_run_id": target}).info.run_id
+            client.log_metric(run, "audit/auc/noisy", auc)
+            client.set_terminated(run)
+        client.log_metric(client.create_run(experiment).info.run_id, "audit/auc/noisy", 0.1)  # no target: left out
+        unfinished = client.create_run(experiment, tags={"audit/target_run_id": target}).info.run_id
+        client.log_metric(unfinished, "audit/auc/noisy", 0.2)  # running: left out
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    report.main(["--experiment", "mia-lm", "--tracking-uri", uris[0], "--tracking-uri", uris[1]])
+    out = capsys.readouterr().out
+    assert "| non-private | noisy | 3 | 0.800 ± 0.100 |" in out
+    report.main(["--experiment", "mia-lm", "--tracking-uri", uris[1]])
+    assert "| non-private | noisy | 2 | 0.850 ± 0.071 |" in capsys.readouterr().out
+
+
 LM = ROOT / "lm"
 
 

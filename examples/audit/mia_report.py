@@ -3,7 +3,9 @@
 Reads the audit runs written by ``lightning-dp audit mia --config examples/audit/mia_lm*.yaml`` (several
 ``--seed``) and prints a markdown table per attack (docs/results_mia.md):
 
-    python examples/audit/mia_report.py --experiment mia-lm [--tracking-uri URI]
+    python examples/audit/mia_report.py --experiment mia-lm [--tracking-uri URI ...]
+
+Several ``--tracking-uri`` pool the runs of several stores (runs made in separate stores, one per process).
 """
 
 from __future__ import annotations
@@ -29,27 +31,29 @@ def _cell(values: list[float]) -> str:
     return f"{np.mean(values):.3f} ± {np.std(values, ddof=1):.3f}"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--experiment", default="mia-lm")
-    parser.add_argument("--tracking-uri", default=None, help="default: the project's store (./mlruns)")
-    args = parser.parse_args()
+    parser.add_argument("--tracking-uri", action="append", default=None,
+                        help="a store to read (repeat to pool several); default: the project's store (./mlruns)")
+    args = parser.parse_args(argv)
     import mlflow
 
     from lightning_dp import tracking
 
-    client = mlflow.MlflowClient(args.tracking_uri or tracking.default_tracking_uri())
-    experiment = client.get_experiment_by_name(args.experiment)
-    if experiment is None:
-        raise SystemExit(f"no experiment {args.experiment!r} in {client.tracking_uri}")
     groups: dict[str, list] = defaultdict(list)
-    for run in client.search_runs([experiment.experiment_id], max_results=10_000):
-        if run.info.status != "FINISHED" or "audit/target_run_id" not in run.data.tags:
-            continue
-        target = client.get_run(run.data.tags["audit/target_run_id"])
-        eps = target.data.metrics.get("privacy/epsilon")
-        group = "non-private" if eps is None else f"DP-SGD, eps {eps:.2f}"
-        groups[group].append(run.data.metrics)
+    for uri in args.tracking_uri or [tracking.default_tracking_uri()]:
+        client = mlflow.MlflowClient(uri)
+        experiment = client.get_experiment_by_name(args.experiment)
+        if experiment is None:
+            raise SystemExit(f"no experiment {args.experiment!r} in {client.tracking_uri}")
+        for run in client.search_runs([experiment.experiment_id], max_results=10_000):
+            if run.info.status != "FINISHED" or "audit/target_run_id" not in run.data.tags:
+                continue
+            target = client.get_run(run.data.tags["audit/target_run_id"])
+            eps = target.data.metrics.get("privacy/epsilon")
+            group = "non-private" if eps is None else f"DP-SGD, eps {eps:.2f}"
+            groups[group].append(run.data.metrics)
     print("| target | attack | runs | " + " | ".join(name for _, name in COLUMNS) + " |")
     print("|---|---|---|" + "---|" * len(COLUMNS))
     for group, runs in sorted(groups.items()):
