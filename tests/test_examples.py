@@ -122,7 +122,8 @@ def test_mia_configs_instantiate(name):
 
 def test_mia_report_pools_the_runs_of_several_stores(tmp_path, store_template, capsys, monkeypatch):
     """examples/audit/mia_report.py with two --tracking-uri: the finished audit runs of both stores in one table (a
-    run without its target's tag, or unfinished, left out); mean and sample std over the pooled runs."""
+    run without its target's tag, or unfinished, left out; a run on a pool of another size in a row of its own);
+    mean and sample std over the pooled runs; --sigma-png draws one curve per run with a sigma search."""
     import importlib.util
 
     from mlflow import MlflowClient
@@ -133,25 +134,33 @@ def test_mia_report_pools_the_runs_of_several_stores(tmp_path, store_template, c
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)
     uris = []
-    for i, aucs in enumerate([[0.70], [0.80, 0.90]]):
+    for i, runs in enumerate([[(0.70, "500")], [(0.80, "500"), (0.90, "500"), (0.60, "1500")]]):
         seed_store(store_template, tmp_path / f"s{i}" / "mlflow.db")
         uris.append(f"sqlite:///{tmp_path / f's{i}' / 'mlflow.db'}")
         client = MlflowClient(uris[-1])
-        experiment = client.create_experiment("mia-lm")
-        for auc in aucs:
+        experiment = client.create_experiment("mia-lm", artifact_location=str(tmp_path / f"a{i}"))
+        for seed, (auc, pool) in enumerate(runs):
             target = client.create_run(experiment).info.run_id
             run = client.create_run(experiment, tags={"audit/target_run_id": target}).info.run_id
+            client.log_param(run, "audit/pool_size", pool)
+            client.log_param(run, "audit/seed", seed)
             client.log_metric(run, "audit/auc/noisy", auc)
+            client.log_metric(run, "audit/noisy/sigma", 0.1)
+            client.log_text(run, "sigma\tauc\n0.01\t0.6\n0.1\t0.8\n1\t0.7\n", "audit/auc_vs_sigma.tsv")
             client.set_terminated(run)
         client.log_metric(client.create_run(experiment).info.run_id, "audit/auc/noisy", 0.1)  # no target: left out
         unfinished = client.create_run(experiment, tags={"audit/target_run_id": target}).info.run_id
         client.log_metric(unfinished, "audit/auc/noisy", 0.2)  # running: left out
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    report.main(["--experiment", "mia-lm", "--tracking-uri", uris[0], "--tracking-uri", uris[1]])
+    png = tmp_path / "sigma.png"
+    report.main(["--experiment", "mia-lm", "--tracking-uri", uris[0], "--tracking-uri", uris[1], "--sigma-png",
+                 str(png)])
     out = capsys.readouterr().out
-    assert "| non-private | noisy | 3 | 0.800 ± 0.100 |" in out
+    assert "| non-private, pool 500 | noisy | 3 | 0.800 ± 0.100 |" in out
+    assert "| non-private, pool 1500 | noisy | 1 | 0.600 |" in out
+    assert "4 curves of the sigma search" in out and png.stat().st_size > 0
     report.main(["--experiment", "mia-lm", "--tracking-uri", uris[1]])
-    assert "| non-private | noisy | 2 | 0.850 ± 0.071 |" in capsys.readouterr().out
+    assert "| non-private, pool 500 | noisy | 2 | 0.850 ± 0.071 |" in capsys.readouterr().out
 
 
 LM = ROOT / "lm"

@@ -3,15 +3,18 @@
 Reads the audit runs written by ``lightning-dp audit mia --config examples/audit/mia_lm*.yaml`` (several
 ``--seed``) and prints a markdown table per attack (docs/results_mia.md):
 
-    python examples/audit/mia_report.py --experiment mia-lm [--tracking-uri URI ...]
+    python examples/audit/mia_report.py --experiment mia-lm [--tracking-uri URI ...] [--sigma-png PNG]
 
-Several ``--tracking-uri`` pool the runs of several stores (runs made in separate stores, one per process).
+Several ``--tracking-uri`` pool the runs of several stores (runs made in separate stores, one per process); runs
+on pools of different sizes (``audit/pool_size``) are separate rows. ``--sigma-png`` draws every run's sigma search.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
+import tempfile
 from collections import defaultdict
 
 import numpy as np
@@ -36,12 +39,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--experiment", default="mia-lm")
     parser.add_argument("--tracking-uri", action="append", default=None,
                         help="a store to read (repeat to pool several); default: the project's store (./mlruns)")
+    parser.add_argument("--sigma-png", default=None,
+                        help="also draw every run's calibration AUC against sigma (audit/auc_vs_sigma.tsv), one "
+                             "curve per run, its searched sigma marked, into this PNG")
     args = parser.parse_args(argv)
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one bar per downloaded table otherwise
     import mlflow
 
     from lightning_dp import tracking
 
     groups: dict[str, list] = defaultdict(list)
+    curves: list[tuple[str, np.ndarray, float]] = []
     for uri in args.tracking_uri or [tracking.default_tracking_uri()]:
         client = mlflow.MlflowClient(uri)
         experiment = client.get_experiment_by_name(args.experiment)
@@ -53,7 +61,16 @@ def main(argv: list[str] | None = None) -> None:
             target = client.get_run(run.data.tags["audit/target_run_id"])
             eps = target.data.metrics.get("privacy/epsilon")
             group = "non-private" if eps is None else f"DP-SGD, eps {eps:.2f}"
+            pool = run.data.params.get("audit/pool_size")
+            if pool is not None:  # runs on pools of other sizes are other settings: never one row
+                group += f", pool {pool}"
             groups[group].append(run.data.metrics)
+            if args.sigma_png and "audit/noisy/sigma" in run.data.metrics:
+                with tempfile.TemporaryDirectory() as tmp:
+                    path = client.download_artifacts(run.info.run_id, "audit/auc_vs_sigma.tsv", tmp)
+                    table = np.loadtxt(path, skiprows=1, ndmin=2)
+                curves.append((f"{group}, seed {run.data.params.get('audit/seed', '?')}", table,
+                               run.data.metrics["audit/noisy/sigma"]))
     print("| target | attack | runs | " + " | ".join(name for _, name in COLUMNS) + " |")
     print("|---|---|---|" + "---|" * len(COLUMNS))
     for group, runs in sorted(groups.items()):
@@ -68,6 +85,37 @@ def main(argv: list[str] | None = None) -> None:
             print(f"\n{group}: noisy / shadow AUC {_cell([r['audit/auc/noisy_over_shadow'] for r in both])}; shadow / "
                   f"noisy wall time {_cell([r['audit/cost/ratio_seconds'] for r in both])}; noisy sigma "
                   f"{_cell([r['audit/noisy/sigma'] for r in both])} ({len(both)} runs)")
+
+    if args.sigma_png:
+        _sigma_figure(sorted(curves, key=lambda c: c[0]), args.sigma_png)
+        print(f"\n{len(curves)} curves of the sigma search in {args.sigma_png}")
+
+
+def _sigma_figure(curves: list[tuple[str, np.ndarray, float]], path: str) -> None:
+    """Calibration AUC against sigma, one line per run (the search's points in sigma order), a ring at the sigma
+    the search chose."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not curves:
+        raise SystemExit("no run with a noisy-neighbour search (audit/noisy/sigma) to draw")
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for label, table, chosen in curves:
+        order = np.argsort(table[:, 0])
+        line, = ax.plot(table[order, 0], table[order, 1], marker=".", label=label)
+        best = int(np.argmin(np.abs(np.log(table[:, 0]) - math.log(chosen))))
+        ax.plot(table[best, 0], table[best, 1], "o", mfc="none", ms=10, color=line.get_color())
+    ax.set_xscale("log")
+    ax.set_xlabel("sigma (noise at the embedding output)")
+    ax.set_ylabel("AUC on the calibration split")
+    ax.set_title("noisy neighbours: the sigma search of each run (ring: chosen)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
