@@ -28,6 +28,7 @@ import contextlib
 import importlib.metadata
 import os
 import shlex
+import subprocess
 from argparse import Namespace
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -84,6 +85,10 @@ _TRACKED_DISTRIBUTIONS = (
     "numpy",
     "scikit-learn",
     "fairlearn",
+    "transformers",
+    "peft",
+    "flwr",
+    "flwr-datasets",
 )
 
 
@@ -551,9 +556,10 @@ def library_versions() -> dict[str, str]:
     """Return the installed versions of the libraries a result depends on.
 
     Returns:
-        ``{distribution name: version}`` for lightning-dp, torch, lightning,
-        torchmetrics, mlflow, dp-accounting, opacus, numpy, scikit-learn and fairlearn,
-        skipping the ones that are not installed.
+        ``{distribution name: version}`` for lightning-dp, torch, lightning, torchmetrics, mlflow, dp-accounting,
+        opacus, numpy, scikit-learn, fairlearn, transformers, peft, flwr and flwr-datasets, skipping the ones that
+        are not installed; plus ``lightning-dp-commit`` (:func:`source_commit`) when lightning-dp runs from a git
+        checkout.
     """
     versions = {}
     for name in _TRACKED_DISTRIBUTIONS:
@@ -561,7 +567,37 @@ def library_versions() -> dict[str, str]:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             continue
+    commit = source_commit()
+    if commit is not None:
+        versions["lightning-dp-commit"] = commit
     return versions
+
+
+def source_commit(root: str | os.PathLike[str] | None = None) -> Optional[str]:
+    """Return the git commit of the lightning-dp source this process runs, ``+dirty`` appended when a tracked file
+    of the package differs from it; None when the source is not a git checkout (an installed wheel, an archive) or
+    git cannot tell.
+
+    Why: ``versions/lightning-dp`` is the same for every commit of a checkout, and a result table that pools runs
+    of two versions of a command cannot be told apart from one that does not (it happened: docs/results_mia.md,
+    "Repeatability"). The commit is public: it names code, not data.
+
+    Args:
+        root: the checkout's root; None for the one holding this package.
+    """
+    root = Path(root) if root is not None else Path(__file__).resolve().parent.parent
+    if not (root / ".git").exists():  # only the package's own checkout, never a repository that contains site-packages
+        return None
+    try:
+        def git(*args: str) -> str:
+            return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10,
+                                  check=True).stdout.strip()
+
+        head = git("rev-parse", "--verify", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", "lightning_dp")
+    except (OSError, subprocess.SubprocessError):  # no git, not a repository git accepts, no commit yet
+        return None
+    return head + ("+dirty" if changed else "")
 
 
 def ui_command(tracking_uri: Optional[str] = None) -> str:

@@ -171,6 +171,37 @@ def test_plot_series_and_library_versions() -> None:
     assert all(isinstance(v, str) and v for v in versions.values())
 
 
+def test_source_commit_names_the_checkout_and_its_changes(tmp_path: Path) -> None:
+    """versions/lightning-dp-commit: the HEAD of the package's checkout, +dirty when a tracked file of the package
+    differs (an untracked file or a change outside the package does not count); None outside a git checkout."""
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    assert tracking.source_commit(tmp_path) is None  # not a checkout
+    package = tmp_path / "lightning_dp"
+    package.mkdir()
+    (package / "core.py").write_text("x = 1\n")
+    (tmp_path / "README.md").write_text("readme\n")
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    git("init", "-q")
+    assert tracking.source_commit(tmp_path) is None  # a repository without a commit
+    git("add", ".")
+    git("commit", "-q", "-m", "first")
+    head = git("rev-parse", "HEAD")
+    assert tracking.source_commit(tmp_path) == head
+    (package / "new.py").write_text("untracked\n")
+    (tmp_path / "README.md").write_text("changed outside the package\n")
+    assert tracking.source_commit(tmp_path) == head
+    (package / "core.py").write_text("x = 2\n")
+    assert tracking.source_commit(tmp_path) == head + "+dirty"
+
+
 def test_logger_rejects_bad_log_model(in_tmp: Path) -> None:
     with pytest.raises(ValueError, match="log_model='some'"):
         MLFlowLogger(log_model="some")
