@@ -144,6 +144,7 @@ def test_mia_report_pools_the_runs_of_several_stores(tmp_path, store_template, c
             run = client.create_run(experiment, tags={"audit/target_run_id": target}).info.run_id
             client.log_param(run, "audit/pool_size", pool)
             client.log_param(run, "audit/seed", seed)
+            client.log_param(run, "versions/lightning-dp-commit", f"c{i}")
             client.log_metric(run, "audit/auc/noisy", auc)
             client.log_metric(run, "audit/noisy/sigma", 0.1)
             client.log_text(run, "sigma\tauc\n0.01\t0.6\n0.1\t0.8\n1\t0.7\n", "audit/auc_vs_sigma.tsv")
@@ -159,6 +160,8 @@ def test_mia_report_pools_the_runs_of_several_stores(tmp_path, store_template, c
     assert "| non-private, pool 500 | noisy | 3 | 0.800 ± 0.100 |" in out
     assert "| non-private, pool 1500 | noisy | 1 | 0.600 |" in out
     assert "4 curves of the sigma search" in out and png.stat().st_size > 0
+    assert "Note: non-private, pool 500: pools runs of different code (lightning-dp-commit c0 / c1)." in out
+    assert "pool 1500: pools" not in out
     report.main(["--experiment", "mia-lm", "--tracking-uri", uris[1]])
     assert "| non-private, pool 500 | noisy | 2 | 0.850 ± 0.071 |" in capsys.readouterr().out
 

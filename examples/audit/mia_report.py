@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     from lightning_dp import tracking
 
     groups: dict[str, list] = defaultdict(list)
+    params: dict[str, list] = defaultdict(list)
     curves: list[tuple[str, np.ndarray, float]] = []
     for uri in args.tracking_uri or [tracking.default_tracking_uri()]:
         client = mlflow.MlflowClient(uri)
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> None:
             if pool is not None:  # runs on pools of other sizes are other settings: never one row
                 group += f", pool {pool}"
             groups[group].append(run.data.metrics)
+            params[group].append(run.data.params)
             if args.sigma_png and "audit/noisy/sigma" in run.data.metrics:
                 with tempfile.TemporaryDirectory() as tmp:
                     path = client.download_artifacts(run.info.run_id, "audit/auc_vs_sigma.tsv", tmp)
@@ -86,6 +88,10 @@ def main(argv: list[str] | None = None) -> None:
                   f"noisy wall time {_cell([r['audit/cost/ratio_seconds'] for r in both])}; noisy sigma "
                   f"{_cell([r['audit/noisy/sigma'] for r in both])} ({len(both)} runs)")
 
+    from lightning_dp.commands.compare import mixed_versions
+
+    for note in mixed_versions(dict(sorted(params.items()))):
+        print(f"\nNote: {note}.")
     if args.sigma_png:
         _sigma_figure(sorted(curves, key=lambda c: c[0]), args.sigma_png)
         print(f"\n{len(curves)} curves of the sigma search in {args.sigma_png}")

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 __all__ = ["COMPARE_TAG", "Group", "Outcome", "PRIVATE_TAG", "choose_metric", "group_outcomes", "grid_outcomes",
-           "main", "utility_figure", "utility_table"]
+           "main", "mixed_versions", "utility_figure", "utility_table"]
 
 #: Tag of every run fitted by ``lightning-dp``: "true" when a component reports a privacy spend and none releases
 #: without protection, else "false" (written by :class:`~lightning_dp.callbacks.RunArtifacts`).
@@ -238,6 +238,28 @@ def runs_outcomes(runs: Sequence[Any], metric: Optional[str] = None) -> tuple[st
     return chosen, outcomes, skipped
 
 
+def mixed_versions(groups: Mapping[str, Sequence[Mapping[str, str]]]) -> list[str]:
+    """One note per group whose runs were made by different code: ``{group: [each run's params]}`` -> notes naming
+    the ``versions/*`` parameters (the lightning-dp commit, a library's version) that differ within the group.
+
+    A group is one setting repeated over seeds; pooling runs of two versions of the code into its mean and std
+    mixes two experiments (docs/results_mia.md, "Repeatability"). A run that did not record a version is not
+    counted against it; two ``+dirty`` runs of one commit may still differ (their changes are not recorded).
+    """
+    notes = []
+    for group, runs in groups.items():
+        seen: dict[str, set[str]] = {}
+        for params in runs:
+            for key, value in params.items():
+                if key.startswith("versions/"):
+                    seen.setdefault(key[len("versions/"):], set()).add(value)
+        mixed = {name: sorted(values) for name, values in sorted(seen.items()) if len(values) > 1}
+        if mixed:
+            notes.append(f"{group}: pools runs of different code ("
+                         + "; ".join(f"{name} {' / '.join(values)}" for name, values in mixed.items()) + ")")
+    return notes
+
+
 def grid_outcomes(points: Sequence[Any], metric: Optional[str], over: Optional[str]) -> tuple[str, list[Outcome]]:
     """Outcomes of a grid's points (:class:`~lightning_dp.grid.points.GridPoint`), grouped over ``over`` (seeds).
 
@@ -319,7 +341,14 @@ def main(argv: Sequence[str]) -> int:
         parser.error(str(err))
     if not groups:
         parser.error("no run has both the metric and an epsilon (or the non-private mark): " + "; ".join(skipped))
+    params_by_id = {r.info.run_id: dict(r.data.params) for r in runs}
+    by_group: dict[str, list[Mapping[str, str]]] = {}
+    for outcome in outcomes:
+        by_group.setdefault(outcome.group, []).append(params_by_id.get(outcome.run_id, {}))
     table = utility_table(groups, metric)
+    notes = mixed_versions(by_group)
+    if notes:  # in the printed table and in its artifact: a reader of either must see it
+        table += "\n" + "".join(f"Note: {note}.\n" for note in notes)
     figure = utility_figure(groups, metric)
     print(table, end="")
     for note in skipped:

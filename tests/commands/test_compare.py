@@ -79,6 +79,32 @@ def test_compare_command_groups_seeds_draws_the_baseline_and_leaves_out_unmarked
     assert "privacy-utility" not in capsys.readouterr().out
 
 
+def test_compare_notes_a_group_that_pools_runs_of_different_code(workdir, store_template, capsys):
+    """Seeds of one setting made by two lightning-dp commits (or library versions) are one group, as before, and the
+    table (printed and the artifact) says so; runs that recorded no version, or the same, give no note."""
+    from lightning_dp.commands.compare import mixed_versions
+
+    seed_store(store_template, workdir / "mlruns" / "mlflow.db")
+    client = mlflow.MlflowClient(default_tracking_uri())
+    eid = client.create_experiment("mixed", artifact_location=(workdir / "art").as_uri())
+    for seed, commit, torch in ((0, "aaa", "2.13.0"), (1, "bbb+dirty", "2.13.0"), (2, "aaa", "2.13.0")):
+        _run(client, eid, f"dp-{seed}", {"privacy/epsilon": 2.96, "val/acc": 0.8},
+             {"target_epsilon": "3", "seed_everything": str(seed), "versions/lightning-dp-commit": commit,
+              "versions/torch": torch}, {PRIVATE_TAG: "true"})
+    for seed in (0, 1):
+        _run(client, eid, f"dp8-{seed}", {"privacy/epsilon": 7.9, "val/acc": 0.9},
+             {"target_epsilon": "8", "seed_everything": str(seed), "versions/torch": "2.13.0"}, {PRIVATE_TAG: "true"})
+    assert cli.main(["compare", "--experiment", "mixed", "--output", str(workdir / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "| target_epsilon=3 | 3 |" in out  # still one group
+    note = "Note: target_epsilon=3: pools runs of different code (lightning-dp-commit aaa / bbb+dirty)."
+    assert note in out and note in (workdir / "out" / "privacy_utility.md").read_text()
+    assert "target_epsilon=8: pools" not in out
+    assert mixed_versions({"g": [{"versions/numpy": "2.4"}, {}, {"versions/numpy": "2.5", "x": "1"}]}) == [
+        "g: pools runs of different code (numpy 2.4 / 2.5)"]
+    assert mixed_versions({"g": [{"versions/numpy": "2.4"}, {}]}) == []
+
+
 def test_compare_refuses_in_three_lines(workdir, store_template, capsys):
     with pytest.raises(SystemExit):
         cli.main(["compare", "--experiment", "nope"])
