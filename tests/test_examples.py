@@ -166,6 +166,59 @@ def test_mia_report_pools_the_runs_of_several_stores(tmp_path, store_template, c
     assert "| non-private, pool 500 | noisy | 2 | 0.850 ± 0.071 |" in capsys.readouterr().out
 
 
+def test_fl_synthetic_report_matches_hypotheses_to_thetas_and_summarizes(tmp_path, store_template, capsys,
+                                                                        monkeypatch):
+    """examples/fl_synthetic_report.py: hypotheses matched one to one to the true thetas (order free; two on one
+    theta leave the other far), the rounds, the largest client leakage and the best validation loss per run, and
+    the summary over runs; runs without data/thetas left out."""
+    import importlib.util
+
+    import numpy as np
+    import torch
+    from mlflow import MlflowClient
+
+    from tests.helpers import seed_store
+
+    spec = importlib.util.spec_from_file_location("fl_synthetic_report", ROOT / "fl_synthetic_report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    thetas = np.array([[5.0, 6.0], [4.0, -4.5]])
+    assert report.matched_distances(np.array([[4.0, -4.0], [5.0, 6.0]]), thetas) == pytest.approx([0.0, 0.5])
+    assert report.matched_distances(np.array([[5.0, 6.0], [5.0, 6.0]]), thetas).max() == pytest.approx(
+        float(np.hypot(1.0, 10.5)))
+    with pytest.raises(ValueError, match="cannot match"):
+        report.matched_distances(np.zeros((1, 2)), thetas)
+
+    seed_store(store_template, tmp_path / "mlflow.db")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("fl-synthetic", artifact_location=str(tmp_path / "art"))
+    for seed, (hyps, epoch, leak, losses) in enumerate([([[5.0, 6.0], [4.0, -4.0]], 62, 4.8, [3.0, 0.6, 0.7]),
+                                                        ([[0.0, 0.0], [5.0, 6.0]], 23, 1.6, [6.2, 6.5])]):
+        run = client.create_run(experiment, run_name="fl-synthetic-nu5").info.run_id
+        for key, value in {"data/thetas": "[[5.0, 6.0], [4.0, -4.5]]", "num_hypotheses": "2", "seed": seed}.items():
+            client.log_param(run, key, value)
+        client.log_metric(run, "epoch", epoch)
+        client.log_metric(run, "privacy/client_epsilon_max", leak)
+        for step, loss in enumerate(losses):
+            client.log_metric(run, "val/loss", loss, step=step)
+        folder = tmp_path / f"ckpt{seed}"
+        folder.mkdir()
+        torch.save({"state_dict": {"hypotheses": torch.tensor(hyps)}}, folder / "final.ckpt")
+        client.log_artifact(run, str(folder / "final.ckpt"), "model")
+        client.set_terminated(run)
+    other = client.create_run(experiment).info.run_id  # no data/thetas: left out
+    client.log_metric(other, "privacy/client_epsilon_max", 9.0)
+    client.set_terminated(other)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    report.main(["--tracking-uri", uri])
+    out = capsys.readouterr().out
+    assert "| fl-synthetic-nu5 | 1 | 24 | 1.6 | 6.2 | 0.00, 6.02 |" in out  # [0, 0] is the far one
+    assert "| fl-synthetic-nu5 | 0 | 63 | 4.8 | 0.6 | 0.00, 0.50 |" in out
+    assert "2 runs: max client leakage 3.2 ± 2.3 (range 1.6-4.8); rounds 43.5 ± 28 (range 24-63)" in out
+    assert "every theta* within 1 in 1 of 2" in out
+
+
 LM = ROOT / "lm"
 
 
