@@ -6,8 +6,8 @@ true ones, its length and its clients' largest privacy spend, one row per run an
     python examples/fl_synthetic_report.py --experiment fl-synthetic [--tracking-uri URI ...] [--within 1.0]
 
 Per finished run: rounds (the epochs run), ``privacy/client_epsilon_max`` (Fig. 2.2's largest composed leakage),
-the best validation loss (the restored check), and the distances of the released hypotheses (``model/final.ckpt``,
-the best check's, restored) to the true ``data/thetas``, hypotheses matched to thetas one to one so that the
+the best validation loss, and the distances of the released hypotheses to the true ``data/thetas``: the best
+check's (``model/best.ckpt``, which RestoreBestWeights logs and restores), else the last round's (``model/final.ckpt``), hypotheses matched to thetas one to one so that the
 farther of the matched pairs is smallest (a run whose two hypotheses sit on one theta is far from the other).
 Everything read is already released or public configuration: this costs no privacy.
 """
@@ -70,24 +70,26 @@ def main(argv: list[str] | None = None) -> None:
             metrics, params = run.data.metrics, run.data.params
             if "data/thetas" not in params or "privacy/client_epsilon_max" not in metrics:
                 continue  # another kind of run (a compare run, a non-synthetic fit)
+            logged = {a.path for a in client.list_artifacts(run.info.run_id, "model")}
+            which = "best" if "model/best.ckpt" in logged else "final"
             with tempfile.TemporaryDirectory() as tmp:
-                path = client.download_artifacts(run.info.run_id, "model/final.ckpt", tmp)
+                path = client.download_artifacts(run.info.run_id, f"model/{which}.ckpt", tmp)
                 state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
             thetas = np.asarray(json.loads(params["data/thetas"]), dtype=float)
             hypotheses = state["hypotheses"].double().numpy().reshape(int(params["num_hypotheses"]), -1)
             losses = [m.value for m in client.get_metric_history(run.info.run_id, "val/loss")]
-            rows.append({"run": run.info.run_name or run.info.run_id[:8], "seed": params.get("seed", "?"),
+            rows.append({"run": run.info.run_name or run.info.run_id[:8], "seed": params.get("seed", "?"), "which": which,
                          "rounds": int(metrics["epoch"]) + 1, "leakage": metrics["privacy/client_epsilon_max"],
                          "best_val": min(losses) if losses else math.nan,
                          "distances": matched_distances(hypotheses, thetas)})
     if not rows:
         raise SystemExit(f"no finished run of {args.experiment!r} with data/thetas and privacy/client_epsilon_max")
     rows.sort(key=lambda r: r["rounds"])
-    print("| run | seed | rounds | max client leakage | best val/loss | distance to each theta* |")
-    print("|---|---|---|---|---|---|")
+    print("| run | seed | rounds | max client leakage | best val/loss | hypotheses of | distance to each theta* |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['run']} | {r['seed']} | {r['rounds']} | {r['leakage']:.3g} | {r['best_val']:.3g} | "
-              + ", ".join(f"{d:.2f}" for d in r["distances"]) + " |")
+              f"{'best check' if r['which'] == 'best' else 'last round'} | " + ", ".join(f"{d:.2f}" for d in r["distances"]) + " |")
     farther = [float(r["distances"].max()) for r in rows]
     close = sum(f <= args.within for f in farther)
     print(f"\n{len(rows)} runs: max client leakage {_mean_std([r['leakage'] for r in rows])} "

@@ -204,6 +204,10 @@ def test_fl_synthetic_report_matches_hypotheses_to_thetas_and_summarizes(tmp_pat
             client.log_metric(run, "val/loss", loss, step=step)
         folder = tmp_path / f"ckpt{seed}"
         folder.mkdir()
+        if seed == 0:  # the best check's hypotheses are read when RestoreBestWeights logged them, not the last round's
+            torch.save({"state_dict": {"hypotheses": torch.tensor(hyps)}}, folder / "best.ckpt")
+            client.log_artifact(run, str(folder / "best.ckpt"), "model")
+            hyps = [[0.0, 0.0], [0.0, 0.0]]
         torch.save({"state_dict": {"hypotheses": torch.tensor(hyps)}}, folder / "final.ckpt")
         client.log_artifact(run, str(folder / "final.ckpt"), "model")
         client.set_terminated(run)
@@ -213,8 +217,8 @@ def test_fl_synthetic_report_matches_hypotheses_to_thetas_and_summarizes(tmp_pat
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     report.main(["--tracking-uri", uri])
     out = capsys.readouterr().out
-    assert "| fl-synthetic-nu5 | 1 | 24 | 1.6 | 6.2 | 0.00, 6.02 |" in out  # [0, 0] is the far one
-    assert "| fl-synthetic-nu5 | 0 | 63 | 4.8 | 0.6 | 0.00, 0.50 |" in out
+    assert "| fl-synthetic-nu5 | 1 | 24 | 1.6 | 6.2 | last round | 0.00, 6.02 |" in out  # [0, 0] is the far one
+    assert "| fl-synthetic-nu5 | 0 | 63 | 4.8 | 0.6 | best check | 0.00, 0.50 |" in out
     assert "2 runs: max client leakage 3.2 ± 2.3 (range 1.6-4.8); rounds 43.5 ± 28 (range 24-63)" in out
     assert "every theta* within 1 in 1 of 2" in out
 
