@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.metadata
 import os
 import shlex
@@ -575,24 +576,43 @@ def library_versions() -> dict[str, str]:
 
 def source_commit(root: str | os.PathLike[str] | None = None) -> Optional[str]:
     """Return the git commit of the lightning-dp source this process runs, ``+dirty`` appended when a tracked file
-    of the package differs from it; None when the source is not a git checkout (an installed wheel, an archive) or
-    git cannot tell.
+    of the package differs from it; None when the source is not a git checkout of lightning-dp (an installed wheel,
+    an archive, a repository that merely contains it) or git cannot tell.
 
     Why: ``versions/lightning-dp`` is the same for every commit of a checkout, and a result table that pools runs
     of two versions of a command cannot be told apart from one that does not (it happened: docs/results_mia.md,
     "Repeatability"). The commit is public: it names code, not data.
 
-    Args:
-        root: the checkout's root; None for the one holding this package.
-    """
-    root = Path(root) if root is not None else Path(__file__).resolve().parent.parent
-    if not (root / ".git").exists():  # only the package's own checkout, never a repository that contains site-packages
-        return None
-    try:
-        def git(*args: str) -> str:
-            return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10,
-                                  check=True).stdout.strip()
+    The package's own checkout (``root`` None) is read once per process, at the first call (a run's fit start):
+    the code this process loaded, not a later edit or checkout made while a grid runs.
 
+    Args:
+        root: a checkout's root to read now; None for the one holding this package.
+    """
+    if root is None:
+        return _own_commit()
+    return _checkout_commit(Path(root))
+
+
+@functools.lru_cache(maxsize=1)
+def _own_commit() -> Optional[str]:
+    return _checkout_commit(Path(__file__).resolve().parent.parent)
+
+
+def _checkout_commit(root: Path) -> Optional[str]:
+    if not (root / ".git").exists():  # the package's own checkout, never a repository that contains site-packages
+        return None
+    # a git hook's GIT_DIR / GIT_WORK_TREE would name another repository: git reads only root here
+    env = {name: value for name, value in os.environ.items() if not name.startswith("GIT_")}
+
+    def git(*args: str) -> str:
+        # --no-optional-locks: status must not refresh the index (parallel runs, DDP ranks, a user's commit)
+        done = subprocess.run(["git", "--no-optional-locks", "-C", str(root), *args], capture_output=True,
+                              timeout=10, check=True, env=env)
+        return done.stdout.decode("utf-8", "replace").strip()
+
+    try:
+        git("ls-files", "--error-unmatch", "--", "lightning_dp/__init__.py")  # lightning-dp's repository
         head = git("rev-parse", "--verify", "HEAD")
         changed = git("status", "--porcelain", "--untracked-files=no", "--", "lightning_dp")
     except (OSError, subprocess.SubprocessError):  # no git, not a repository git accepts, no commit yet

@@ -149,7 +149,9 @@ def test_mia_report_pools_the_runs_of_several_stores(tmp_path, store_template, c
             client.log_metric(run, "audit/noisy/sigma", 0.1)
             client.log_text(run, "sigma\tauc\n0.01\t0.6\n0.1\t0.8\n1\t0.7\n", "audit/auc_vs_sigma.tsv")
             client.set_terminated(run)
-        client.log_metric(client.create_run(experiment).info.run_id, "audit/auc/noisy", 0.1)  # no target: left out
+        untagged = client.create_run(experiment).info.run_id  # finished, but no target: left out
+        client.log_metric(untagged, "audit/auc/noisy", 0.1)
+        client.set_terminated(untagged)
         unfinished = client.create_run(experiment, tags={"audit/target_run_id": target}).info.run_id
         client.log_metric(unfinished, "audit/auc/noisy", 0.2)  # running: left out
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -159,6 +161,7 @@ def test_mia_report_pools_the_runs_of_several_stores(tmp_path, store_template, c
     out = capsys.readouterr().out
     assert "| non-private, pool 500 | noisy | 3 | 0.800 ± 0.100 |" in out
     assert "| non-private, pool 1500 | noisy | 1 | 0.600 |" in out
+    assert out.index("pool 500 | noisy") < out.index("pool 1500 | noisy")  # pools in numeric order
     assert "4 curves of the sigma search" in out and png.stat().st_size > 0
     assert "Note: non-private, pool 500: pools runs of different code (lightning-dp-commit c0 / c1)." in out
     assert "pool 1500: pools" not in out
@@ -170,7 +173,8 @@ def test_fl_synthetic_report_matches_hypotheses_to_thetas_and_summarizes(tmp_pat
                                                                         monkeypatch):
     """examples/fl_synthetic_report.py: hypotheses matched one to one to the true thetas (order free; two on one
     theta leave the other far), the rounds, the largest client leakage and the best validation loss per run, and
-    the summary over runs; runs without data/thetas left out."""
+    the summary per stopping rule (from config.yaml); runs without data/thetas left out, a run without its
+    checkpoint named and left out; a rule whose runs were made by two commits noted."""
     import importlib.util
 
     import numpy as np
@@ -193,17 +197,26 @@ def test_fl_synthetic_report_matches_hypotheses_to_thetas_and_summarizes(tmp_pat
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
     experiment = client.create_experiment("fl-synthetic", artifact_location=str(tmp_path / "art"))
-    for seed, (hyps, epoch, leak, losses) in enumerate([([[5.0, 6.0], [4.0, -4.0]], 62, 4.8, [3.0, 0.6, 0.7]),
-                                                        ([[0.0, 0.0], [5.0, 6.0]], 23, 1.6, [6.2, 6.5])]):
+    early_stopping = "  callbacks:\n  - class_path: lightning.pytorch.callbacks.EarlyStopping\n    init_args: {patience: 6}\n"
+    runs = [([[5.0, 6.0], [4.0, -4.0]], 62, 4.8, [3.0, 0.6, 0.7], 1, "c0"),
+            ([[0.0, 0.0], [5.0, 6.0]], 23, 1.6, [6.2, 6.5], 1, "c1"),
+            ([[5.0, 6.0], [4.0, -4.5]], 199, 8.0, [0.6], 10, "c0"),
+            (None, 50, 3.0, [1.0], 10, "c0")]  # no checkpoint: left out, named
+    for seed, (hyps, epoch, leak, losses, every, commit) in enumerate(runs):
         run = client.create_run(experiment, run_name="fl-synthetic-nu5").info.run_id
-        for key, value in {"data/thetas": "[[5.0, 6.0], [4.0, -4.5]]", "num_hypotheses": "2", "seed": seed}.items():
+        for key, value in {"data/thetas": "[[5.0, 6.0], [4.0, -4.5]]", "num_hypotheses": "2", "seed": seed,
+                           "versions/lightning-dp-commit": commit}.items():
             client.log_param(run, key, value)
+        client.log_text(run, f"trainer:\n  check_val_every_n_epoch: {every}\n{early_stopping}", "config.yaml")
         client.log_metric(run, "epoch", epoch)
         client.log_metric(run, "privacy/client_epsilon_max", leak)
         for step, loss in enumerate(losses):
             client.log_metric(run, "val/loss", loss, step=step)
         folder = tmp_path / f"ckpt{seed}"
         folder.mkdir()
+        if hyps is None:
+            client.set_terminated(run)
+            continue
         if seed == 0:  # the best check's hypotheses are read when RestoreBestWeights logged them, not the last round's
             torch.save({"state_dict": {"hypotheses": torch.tensor(hyps)}}, folder / "best.ckpt")
             client.log_artifact(run, str(folder / "best.ckpt"), "model")
@@ -217,10 +230,15 @@ def test_fl_synthetic_report_matches_hypotheses_to_thetas_and_summarizes(tmp_pat
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     report.main(["--tracking-uri", uri])
     out = capsys.readouterr().out
-    assert "| fl-synthetic-nu5 | 1 | 24 | 1.6 | 6.2 | last round | 0.00, 6.02 |" in out  # [0, 0] is the far one
-    assert "| fl-synthetic-nu5 | 0 | 63 | 4.8 | 0.6 | best check | 0.00, 0.50 |" in out
-    assert "2 runs: max client leakage 3.2 ± 2.3 (range 1.6-4.8); rounds 43.5 ± 28 (range 24-63)" in out
-    assert "every theta* within 1 in 1 of 2" in out
+    paper, example = "validate every 1 rounds, patience 6", "validate every 10 rounds, patience 6"
+    assert f"| {paper} | " in out and "| 1 | 24 | 1.6 | 6.2 | last round | 0.00, 6.02 |" in out  # [0, 0] is far
+    assert "| 0 | 63 | 4.8 | 0.6 | best check | 0.00, 0.50 |" in out
+    assert f"{paper}: 2 runs: max client leakage 3.2 ± 2.3 (range 1.6-4.8); rounds 43.5 ± 28 (range 24-63)" in out
+    assert f"{paper}: 2 runs:" in out and "every theta* within 1 in 1 of 2" in out
+    assert f"{example}: 1 runs: max client leakage 8 (range 8-8); rounds 200 (range 200-200)" in out
+    assert "left out: " in out and "MlflowException" in out
+    assert f"Note: {paper}: pools runs of different code (lightning-dp-commit c0 / c1)." in out
+    assert f"Note: {example}" not in out
 
 
 LM = ROOT / "lm"

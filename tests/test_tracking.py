@@ -171,35 +171,60 @@ def test_plot_series_and_library_versions() -> None:
     assert all(isinstance(v, str) and v for v in versions.values())
 
 
-def test_source_commit_names_the_checkout_and_its_changes(tmp_path: Path) -> None:
+def test_source_commit_names_the_checkout_and_its_changes(tmp_path: Path, monkeypatch) -> None:
     """versions/lightning-dp-commit: the HEAD of the package's checkout, +dirty when a tracked file of the package
-    differs (an untracked file or a change outside the package does not count); None outside a git checkout."""
+    differs, staged or not (an untracked file or a change outside the package does not count); None outside a git
+    checkout, for a repository without the package, and without a commit; a GIT_DIR in the environment (a git
+    hook's) names another repository and is not followed."""
+    import os
     import shutil
     import subprocess
 
     if shutil.which("git") is None:
         pytest.skip("git is not installed")
+    # git here must touch only tmp_path: no inherited GIT_* (a hook's GIT_DIR would commit into that repository), no
+    # user or system configuration (signing, hooks)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    env.update(GIT_CONFIG_GLOBAL=os.devnull, GIT_CONFIG_NOSYSTEM="1")
+
+    def git(repo: Path, *args: str) -> str:
+        return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              capture_output=True, text=True, check=True, env=env, timeout=60).stdout.strip()
+
+    def commit(repo: Path) -> str:
+        git(repo, "add", ".")
+        git(repo, "commit", "-q", "--no-verify", "--no-gpg-sign", "-m", "c")
+        return git(repo, "rev-parse", "HEAD")
+
     assert tracking.source_commit(tmp_path) is None  # not a checkout
-    package = tmp_path / "lightning_dp"
-    package.mkdir()
-    (package / "core.py").write_text("x = 1\n")
-    (tmp_path / "README.md").write_text("readme\n")
+    other = tmp_path / "other"  # a repository without lightning_dp/__init__.py
+    other.mkdir()
+    (other / "a.txt").write_text("a\n")
+    git(other, "init", "-q")
+    other_head = commit(other)
+    assert tracking.source_commit(other) is None
 
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],
-                              capture_output=True, text=True, check=True).stdout.strip()
-
-    git("init", "-q")
-    assert tracking.source_commit(tmp_path) is None  # a repository without a commit
-    git("add", ".")
-    git("commit", "-q", "-m", "first")
-    head = git("rev-parse", "HEAD")
-    assert tracking.source_commit(tmp_path) == head
+    repo = tmp_path / "repo"
+    package = repo / "lightning_dp"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("x = 1\n")
+    (repo / "README.md").write_text("readme\n")
+    git(repo, "init", "-q")
+    assert tracking.source_commit(repo) is None  # no commit yet
+    head = commit(repo)
+    assert tracking.source_commit(repo) == head
+    monkeypatch.setenv("GIT_DIR", str(other / ".git"))
+    assert tracking.source_commit(repo) == head != other_head
+    monkeypatch.delenv("GIT_DIR")
     (package / "new.py").write_text("untracked\n")
-    (tmp_path / "README.md").write_text("changed outside the package\n")
-    assert tracking.source_commit(tmp_path) == head
-    (package / "core.py").write_text("x = 2\n")
-    assert tracking.source_commit(tmp_path) == head + "+dirty"
+    (repo / "README.md").write_text("changed outside the package\n")
+    assert tracking.source_commit(repo) == head
+    (package / "__init__.py").write_text("x = 2\n")
+    assert tracking.source_commit(repo) == head + "+dirty"
+    git(repo, "add", "lightning_dp/__init__.py")  # staged, not committed: still not the commit's code
+    assert tracking.source_commit(repo) == head + "+dirty"
+    # the package's own commit is read once per process: a later edit or checkout does not change what runs record
+    assert tracking.source_commit() == tracking.source_commit()
 
 
 def test_logger_rejects_bad_log_model(in_tmp: Path) -> None:

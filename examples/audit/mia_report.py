@@ -34,6 +34,12 @@ def _cell(values: list[float]) -> str:
     return f"{np.mean(values):.3f} ± {np.std(values, ddof=1):.3f}"
 
 
+def _order(item: tuple[str, object]) -> tuple[str, int]:
+    """Rows by target, then by pool size as a number (500 before 1500)."""
+    target, _, pool = item[0].partition(", pool ")
+    return target, int(pool) if pool.isdigit() else -1
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--experiment", default="mia-lm")
@@ -47,6 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     import mlflow
 
     from lightning_dp import tracking
+
+    from mlflow.exceptions import MlflowException
 
     groups: dict[str, list] = defaultdict(list)
     params: dict[str, list] = defaultdict(list)
@@ -68,20 +76,24 @@ def main(argv: list[str] | None = None) -> None:
             groups[group].append(run.data.metrics)
             params[group].append(run.data.params)
             if args.sigma_png and "audit/noisy/sigma" in run.data.metrics:
-                with tempfile.TemporaryDirectory() as tmp:
-                    path = client.download_artifacts(run.info.run_id, "audit/auc_vs_sigma.tsv", tmp)
-                    table = np.loadtxt(path, skiprows=1, ndmin=2)
+                try:
+                    with tempfile.TemporaryDirectory() as tmp:
+                        path = client.download_artifacts(run.info.run_id, "audit/auc_vs_sigma.tsv", tmp)
+                        table = np.loadtxt(path, skiprows=1, ndmin=2)
+                except (OSError, ValueError, MlflowException) as err:
+                    print(f"left out of --sigma-png: {run.info.run_id[:8]} ({type(err).__name__}: {err})")
+                    continue
                 curves.append((f"{group}, seed {run.data.params.get('audit/seed', '?')}", table,
                                run.data.metrics["audit/noisy/sigma"]))
     print("| target | attack | runs | " + " | ".join(name for _, name in COLUMNS) + " |")
     print("|---|---|---|" + "---|" * len(COLUMNS))
-    for group, runs in sorted(groups.items()):
+    for group, runs in sorted(groups.items(), key=_order):
         for attack in ATTACKS:
             present = [r for r in runs if f"audit/auc/{attack}" in r]
             if present:
                 cells = [_cell([r.get(c.format(a=attack)) for r in present]) for c, _ in COLUMNS]
                 print(f"| {group} | {attack} | {len(present)} | " + " | ".join(cells) + " |")
-    for group, runs in sorted(groups.items()):
+    for group, runs in sorted(groups.items(), key=_order):
         both = [r for r in runs if "audit/auc/noisy_over_shadow" in r]
         if both:
             print(f"\n{group}: noisy / shadow AUC {_cell([r['audit/auc/noisy_over_shadow'] for r in both])}; shadow / "
@@ -90,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from lightning_dp.commands.compare import mixed_versions
 
-    for note in mixed_versions(dict(sorted(params.items()))):
+    for note in mixed_versions(dict(sorted(params.items(), key=_order))):
         print(f"\nNote: {note}.")
     if args.sigma_png:
         _sigma_figure(sorted(curves, key=lambda c: c[0]), args.sigma_png)

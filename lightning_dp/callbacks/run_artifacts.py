@@ -60,7 +60,8 @@ class RunArtifacts(Callback):
     """Log library versions and the final model to every MLflow run of the trainer.
 
     - At fit start: the versions of :func:`lightning_dp.tracking.library_versions` as
-      parameters ``versions/<distribution>`` (through every logger's ``log_hyperparams``).
+      parameters ``versions/<distribution>``, and ``versions/lightning-dp-commit`` from a git checkout
+      (through every logger's ``log_hyperparams``).
     - At the end of training: the artifact ``model/final.ckpt``, a PUBLIC checkpoint: the
       weights, hyperparameters and module state (``trainer.save_checkpoint(weights_only=True)``:
       no optimizer, no callback states) with every secret removed

@@ -125,7 +125,7 @@ RECORD: list[Declaration] = [
     *(Declaration(name, Kind.RELEASE, "metric", "the federated round's progress bar: short names of the round's own "
                   "metrics, shown only when those are recorded", ("FederatedRound",))
       for name in ("round", "clients", "client_eps_med", "client_eps_max", "eps", "record_eps_max")),
-    Declaration("versions/*", Kind.PUBLIC, "param", "library versions"),
+    Declaration("versions/*", Kind.PUBLIC, "param", "library versions and the lightning-dp commit"),
     Declaration("config.yaml", Kind.PUBLIC, "artifact", "the run's configuration, secrets redacted"),
     Declaration("mlflow.*", Kind.PUBLIC, "tag", "MLflow's own tags"),
     Declaration("lightning_dp.*", Kind.PUBLIC, "tag", "versions and provenance"),
