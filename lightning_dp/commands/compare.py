@@ -348,7 +348,7 @@ def main(argv: Sequence[str]) -> int:
     table = utility_table(groups, metric)
     notes = mixed_versions(by_group)
     if notes:  # in the printed table and in its artifact: a reader of either must see it
-        table += "\n" + "".join(f"Note: {note}.\n" for note in notes)
+        table += "".join(f"\nNote: {note}.\n" for note in notes)  # one Markdown paragraph each
     figure = utility_figure(groups, metric)
     print(table, end="")
     for note in skipped:
