@@ -24,6 +24,7 @@ import json
 import math
 import os
 import tempfile
+from pathlib import Path
 
 import numpy as np
 
@@ -68,7 +69,7 @@ def _run_row(client, run, torch, yaml) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         state = torch.load(client.download_artifacts(run.info.run_id, f"model/{which}.ckpt", tmp),
                            map_location="cpu", weights_only=False)["state_dict"]
-        config = yaml.safe_load(open(client.download_artifacts(run.info.run_id, "config.yaml", tmp))) or {}
+        config = yaml.safe_load(Path(client.download_artifacts(run.info.run_id, "config.yaml", tmp)).read_text()) or {}
     thetas = np.asarray(json.loads(params["data/thetas"]), dtype=float)
     hypotheses = state["hypotheses"].double().numpy().reshape(int(params["num_hypotheses"]), -1)
     losses = [m.value for m in client.get_metric_history(run.info.run_id, "val/loss")]
@@ -122,8 +123,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {r['rule']} | {r['run']} | {r['seed']} | {r['rounds']} | {r['leakage']:.3g} | {r['best_val']:.3g} | "
               f"{'best check' if r['which'] == 'best' else 'last round'} | "
               + ", ".join(f"{d:.2f}" for d in r["distances"]) + " |")
-    for rule in sorted({r["rule"] for r in rows}):
-        group = [r for r in rows if r["rule"] == rule]
+    by_rule: dict[str, list[dict]] = {}
+    for r in rows:  # rows are sorted by rule: so is this
+        by_rule.setdefault(r["rule"], []).append(r)
+    for rule, group in by_rule.items():
         farther = [float(r["distances"].max()) for r in group]
         leak, rounds = [r["leakage"] for r in group], [r["rounds"] for r in group]
         print(f"\n{rule}: {len(group)} runs: max client leakage {_mean_std(leak)} (range {min(leak):.3g}-"
@@ -131,8 +134,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{_mean_std([r['best_val'] for r in group])}; the farther hypothesis {min(farther):.2f}-"
               f"{max(farther):.2f} from its theta* (median {np.median(farther):.2f}); every theta* within "
               f"{args.within:g} in {sum(f <= args.within for f in farther)} of {len(group)}")
-    for note in mixed_versions({rule: [r["params"] for r in rows if r["rule"] == rule]
-                                for rule in sorted({r["rule"] for r in rows})}):
+    for note in mixed_versions({rule: [r["params"] for r in group] for rule, group in by_rule.items()}):
         print(f"Note: {note}.")
 
 

@@ -34,10 +34,10 @@ def _cell(values: list[float]) -> str:
     return f"{np.mean(values):.3f} ± {np.std(values, ddof=1):.3f}"
 
 
-def _order(item: tuple[str, object]) -> tuple[str, int]:
-    """Rows by target, then by pool size as a number (500 before 1500)."""
-    target, _, pool = item[0].partition(", pool ")
-    return target, int(pool) if pool.isdigit() else -1
+def _label(key: tuple[str, int]) -> str:
+    """A row's name: its target, and its pool size when the runs recorded one (-1: not recorded)."""
+    target, pool = key
+    return target if pool < 0 else f"{target}, pool {pool}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -52,12 +52,14 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one bar per downloaded table otherwise
     import mlflow
 
-    from lightning_dp import tracking
-
     from mlflow.exceptions import MlflowException
 
-    groups: dict[str, list] = defaultdict(list)
-    params: dict[str, list] = defaultdict(list)
+    from lightning_dp import tracking
+    from lightning_dp.commands.compare import mixed_versions
+
+    # keyed by (target, pool size): rows sort by target, then by pool size as a number (500 before 1500)
+    groups: dict[tuple[str, int], list] = defaultdict(list)
+    params: dict[tuple[str, int], list] = defaultdict(list)
     curves: list[tuple[str, np.ndarray, float]] = []
     for uri in args.tracking_uri or [tracking.default_tracking_uri()]:
         client = mlflow.MlflowClient(uri)
@@ -69,10 +71,8 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             target = client.get_run(run.data.tags["audit/target_run_id"])
             eps = target.data.metrics.get("privacy/epsilon")
-            group = "non-private" if eps is None else f"DP-SGD, eps {eps:.2f}"
-            pool = run.data.params.get("audit/pool_size")
-            if pool is not None:  # runs on pools of other sizes are other settings: never one row
-                group += f", pool {pool}"
+            pool = run.data.params.get("audit/pool_size")  # pools of other sizes are other settings: never one row
+            group = ("non-private" if eps is None else f"DP-SGD, eps {eps:.2f}", -1 if pool is None else int(pool))
             groups[group].append(run.data.metrics)
             params[group].append(run.data.params)
             if args.sigma_png and "audit/noisy/sigma" in run.data.metrics:
@@ -83,26 +83,24 @@ def main(argv: list[str] | None = None) -> None:
                 except (OSError, ValueError, MlflowException) as err:
                     print(f"left out of --sigma-png: {run.info.run_id[:8]} ({type(err).__name__}: {err})")
                     continue
-                curves.append((f"{group}, seed {run.data.params.get('audit/seed', '?')}", table,
+                curves.append((f"{_label(group)}, seed {run.data.params.get('audit/seed', '?')}", table,
                                run.data.metrics["audit/noisy/sigma"]))
     print("| target | attack | runs | " + " | ".join(name for _, name in COLUMNS) + " |")
     print("|---|---|---|" + "---|" * len(COLUMNS))
-    for group, runs in sorted(groups.items(), key=_order):
+    for group, runs in sorted(groups.items()):
         for attack in ATTACKS:
             present = [r for r in runs if f"audit/auc/{attack}" in r]
             if present:
                 cells = [_cell([r.get(c.format(a=attack)) for r in present]) for c, _ in COLUMNS]
-                print(f"| {group} | {attack} | {len(present)} | " + " | ".join(cells) + " |")
-    for group, runs in sorted(groups.items(), key=_order):
+                print(f"| {_label(group)} | {attack} | {len(present)} | " + " | ".join(cells) + " |")
+    for group, runs in sorted(groups.items()):
         both = [r for r in runs if "audit/auc/noisy_over_shadow" in r]
         if both:
-            print(f"\n{group}: noisy / shadow AUC {_cell([r['audit/auc/noisy_over_shadow'] for r in both])}; shadow / "
-                  f"noisy wall time {_cell([r['audit/cost/ratio_seconds'] for r in both])}; noisy sigma "
+            print(f"\n{_label(group)}: noisy / shadow AUC {_cell([r['audit/auc/noisy_over_shadow'] for r in both])}; "
+                  f"shadow / noisy wall time {_cell([r['audit/cost/ratio_seconds'] for r in both])}; noisy sigma "
                   f"{_cell([r['audit/noisy/sigma'] for r in both])} ({len(both)} runs)")
 
-    from lightning_dp.commands.compare import mixed_versions
-
-    for note in mixed_versions(dict(sorted(params.items(), key=_order))):
+    for note in mixed_versions({_label(key): runs for key, runs in sorted(params.items())}):
         print(f"\nNote: {note}.")
     if args.sigma_png:
         _sigma_figure(sorted(curves, key=lambda c: c[0]), args.sigma_png)
