@@ -16,16 +16,14 @@ Example:
 
 from __future__ import annotations
 
-import difflib
 import math
 import numbers
-from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
 
-__all__ = ["free_name", "generator", "integer", "is_real", "lookup", "non_negative_int", "non_negative_real",
-           "open_fraction", "positive_int", "positive_real", "probability"]
+__all__ = ["generator", "integer", "is_real", "non_negative_int", "non_negative_real", "open_fraction", "positive_int",
+           "positive_real", "probability"]
 
 
 def _fail(name: str, value: Any, allowed: str, owner: Optional[str], hint: Optional[str]) -> ValueError:
@@ -89,38 +87,6 @@ def probability(name: str, value: Any, *, owner: Optional[str] = None, hint: Opt
     if not is_real(value) or not 0.0 <= float(value) <= 1.0:
         raise _fail(name, value, "a probability in [0, 1]", owner, hint)
     return float(value)
-
-
-def free_name(what: str, name: str, cls: type, registered: Mapping[str, type]) -> None:
-    """Refuse registering ``cls`` as ``name`` when another class holds that name (importing a module must not replace
-    a registered part, e.g. DPSGD's ``fixed`` clipping); the same definition imported again is fine.
-
-    Raises:
-        ValueError: with the class that holds the name.
-    """
-    taken = registered.get(name)
-    if taken is not None and (taken.__module__, taken.__qualname__) != (cls.__module__, cls.__qualname__):
-        raise ValueError(f"{what} {name!r} is already registered ({taken.__module__}.{taken.__qualname__}); choose "
-                         "another name")
-
-
-def lookup(name: str, value: str, registered: Mapping[str, Any], *, what: str) -> Any:
-    """``registered[value]``, or the one refusal of an unknown name that every registry shares: the value, the
-    registered names and the closest one.
-
-    Example:
-        >>> lookup("clipping", "quantil", {"fixed": 1, "quantile": 2}, what="clipping strategy")
-        Traceback (most recent call last):
-        ...
-        ValueError: clipping='quantil' is not a registered clipping strategy; choose one of ['fixed', 'quantile']. \
-Did you mean 'quantile'?
-    """
-    if value in registered:
-        return registered[value]
-    names = sorted(registered)
-    close = difflib.get_close_matches(value, names, n=1)
-    raise ValueError(f"{name}={value!r} is not a registered {what}; choose one of {names}."
-                     + (f" Did you mean {close[0]!r}?" if close else ""))
 
 
 def generator(name: str, value: Any, *, required: bool = False, device: Any = None) -> torch.Generator:

@@ -28,43 +28,6 @@ def test_reals():
             checks.non_negative_real("x", bad)
 
 
-def test_lookup_is_the_one_refusal_of_every_registry():
-    from lightning_dp.audit.attacks import resolve_attacks
-    from lightning_dp.callbacks.clipping import resolve_clip_strategy
-    from lightning_dp.federated.parts import resolve_part
-
-    assert checks.lookup("x", "a", {"a": 1}, what="thing") == 1
-    for call, text in [(lambda: resolve_clip_strategy("quantil"), "clipping='quantil' is not a registered clipping "
-                                                                  "strategy; choose one of ['fixed', "),
-                       (lambda: resolve_attacks(["shadw"]), "--attacks='shadw' is not a registered membership attack"),
-                       (lambda: resolve_part("aggregator", "kmean"), "aggregator='kmean' is not a registered "
-                                                                     "aggregator part")]:
-        with pytest.raises(ValueError, match="Did you mean") as err:
-            call()
-        assert str(err.value).startswith(text)
-    with pytest.raises(ValueError, match="choose at least one of"):
-        resolve_attacks([])
-
-
-def test_free_name_refuses_another_class_under_a_taken_name():
-    class A:
-        pass
-
-    class B:
-        pass
-
-    checks.free_name("thing", "a", A, {"a": A})  # the same class again: fine
-    with pytest.raises(ValueError, match=r"thing 'a' is already registered \(.*A\); choose another name"):
-        checks.free_name("thing", "a", B, {"a": A})
-
-
-def test_federated_parts_cannot_replace_a_registered_one():
-    from lightning_dp.federated.parts import Aggregator, register_part
-
-    with pytest.raises(ValueError, match="aggregator part 'fedavg' is already registered"):
-        register_part("aggregator", "fedavg")(type("Impostor", (Aggregator,), {"aggregate": lambda *a, **k: None}))
-
-
 def test_generator():
     g = torch.Generator().manual_seed(0)
     assert checks.generator("g", g) is g

@@ -25,12 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from lightning_dp import checks
+from lightning_dp.privacy.registry import Registry
 
 __all__ = ["AttackScores", "AttackSetting", "MembershipAttack", "register_attack", "registered_attacks",
            "resolve_attacks"]
 
-_ATTACKS: dict[str, type[MembershipAttack]] = {}
 #: Streams of :func:`~lightning_dp.privacy.noise.derive_generator` under the experiment's seed (the command's too).
 INIT_STREAM, DATA_STREAM, NOISE_STREAM, SUBSET_STREAM, SHUFFLE_STREAM = 51, 52, 53, 54, 55
 
@@ -85,11 +84,13 @@ class MembershipAttack:
         raise NotImplementedError
 
 
+_ATTACKS: Registry[type[MembershipAttack]] = Registry("membership attack", base=MembershipAttack, argument="--attacks")
+
+
 def register_attack(name: str) -> Callable[[type[MembershipAttack]], type[MembershipAttack]]:
     """Class decorator: ``--attacks`` may name the attack."""
     def decorate(cls: type[MembershipAttack]) -> type[MembershipAttack]:
-        checks.free_name("attack", name, cls, _ATTACKS)
-        _ATTACKS[name] = cls
+        _ATTACKS.register(name, cls)
         cls.name = name
         return cls
     return decorate
@@ -101,16 +102,26 @@ def registered_attacks() -> dict[str, type[MembershipAttack]]:
 
 
 def resolve_attacks(names: list[str]) -> list[MembershipAttack]:
-    """The named attacks, in registration order.
+    """The named attacks: the registered ones in registration order, then those named by class path
+    (``my_module.Confidence``, a :class:`MembershipAttack` subclass that need not be registered) in the order given;
+    an attack named by class path is called by that path (its metrics: ``audit/auc/my_module.Confidence``).
 
     Raises:
-        ValueError: no name, or a name that is not registered (with the closest registered one).
+        ValueError: no name, a name that is not registered (with the closest registered one), or a class path that
+            does not name a MembershipAttack.
     """
     if not names:
         raise ValueError(f"--attacks={names!r}: choose at least one of {list(_ATTACKS)}")
+    chosen: dict[type[MembershipAttack], str] = {}  # class -> the first name that chose it, in the order given
     for name in names:
-        checks.lookup("--attacks", name, _ATTACKS, what="membership attack")
-    return [cls() for name, cls in _ATTACKS.items() if name in names]
+        chosen.setdefault(_ATTACKS.resolve(name), name)
+    attacks = [cls() for cls in _ATTACKS.values() if cls in chosen]  # a registered class keeps its registered name
+    for cls, path in chosen.items():
+        if cls not in _ATTACKS.values():
+            attack = cls()
+            attack.name = path
+            attacks.append(attack)
+    return attacks
 
 
 @register_attack("loss")

@@ -53,6 +53,7 @@ from lightning_dp.privacy.adaptive import (
 )
 from lightning_dp.privacy.clipping import check_max_grad_norm
 from lightning_dp.privacy.noise import derive_secret_generator
+from lightning_dp.privacy.registry import Registry
 
 __all__ = ["ClipStrategy", "FixedClip", "OnlineSensitivityClip", "QuantileClip", "Release", "StatisticStream",
            "register_clip_strategy",
@@ -62,7 +63,6 @@ __all__ = ["ClipStrategy", "FixedClip", "OnlineSensitivityClip", "QuantileClip",
 QUANTILE_CLIP_LR = 0.2
 QUANTILE_INITIAL_CLIP = 0.1
 
-_STRATEGIES: dict[str, type[ClipStrategy]] = {}
 
 
 @dataclass(frozen=True)
@@ -173,6 +173,9 @@ class ClipStrategy:
             self.trace = [(int(x[0]), float(x[1]), float(x[2])) for x in state.get("trace", [])]
 
 
+_STRATEGIES: Registry[type[ClipStrategy]] = Registry("clipping strategy", base=ClipStrategy, argument="clipping")
+
+
 def register_clip_strategy(name: str) -> Callable[[type[ClipStrategy]], type[ClipStrategy]]:
     """Class decorator: ``DPSGD(clipping=name)`` builds the strategy with its defaults.
 
@@ -180,8 +183,7 @@ def register_clip_strategy(name: str) -> Callable[[type[ClipStrategy]], type[Cli
         ValueError: the name is taken by another class (importing a module must not replace, e.g., ``fixed``).
     """
     def decorate(cls: type[ClipStrategy]) -> type[ClipStrategy]:
-        checks.free_name("clipping strategy", name, cls, _STRATEGIES)
-        _STRATEGIES[name] = cls
+        _STRATEGIES.register(name, cls)
         cls.name = name
         return cls
     return decorate
@@ -193,17 +195,19 @@ def registered_clip_strategies() -> dict[str, type[ClipStrategy]]:
 
 
 def resolve_clip_strategy(value: ClipStrategy | str) -> ClipStrategy:
-    """A strategy from an instance or a registered name.
+    """A strategy from an instance, a registered name or a class path (``my_module.Halving``), built with its
+    defaults.
 
     Raises:
-        ValueError: an unknown name (with the registered ones and the closest) or another type.
+        ValueError: an unknown name (with the registered ones and the closest), a class path that does not name a
+            ClipStrategy, or another type.
     """
     if isinstance(value, ClipStrategy):
         return value
     if isinstance(value, str):
-        return checks.lookup("clipping", value, _STRATEGIES, what="clipping strategy")()
-    raise ValueError(f"clipping={value!r} is not allowed: pass a registered name ({sorted(_STRATEGIES)}) or a "
-                     "lightning_dp.callbacks.clipping.ClipStrategy")
+        return _STRATEGIES.resolve(value)()
+    raise ValueError(f"clipping={value!r} is not allowed: pass a registered name ({sorted(_STRATEGIES)}), a class "
+                     "path or a lightning_dp.callbacks.clipping.ClipStrategy")
 
 
 @register_clip_strategy("fixed")

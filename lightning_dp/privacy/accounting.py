@@ -83,6 +83,7 @@ from dp_accounting.rdp import rdp_privacy_accountant
 
 from lightning_dp import checks
 from lightning_dp.privacy.noise import check_noise_multiplier
+from lightning_dp.privacy.registry import Registry
 from lightning_dp.privacy.sampling import check_sample_rate
 
 __all__ = [
@@ -95,6 +96,7 @@ __all__ = [
     "RDPAccountant",
     "check_adjacency",
     "check_delta",
+    "check_target_epsilon",
     "clear_caches",
     "get_accountant",
     "history_to_dp_event",
@@ -143,13 +145,20 @@ def check_delta(delta: Any, *, name: str = "delta") -> float:
     return float(delta)
 
 
-def _check_target_epsilon(target_epsilon: Any, *, name: str = "target_epsilon") -> float:
+def check_target_epsilon(target_epsilon: Any, *, name: str = "target_epsilon", finite: bool = False) -> float:
+    """``target_epsilon`` as a float > 0, else a ValueError naming ``name`` (every component's budget check);
+    ``finite``: infinity is refused too (a component whose budget is optional takes None for none)."""
     if not checks.is_real(target_epsilon) or math.isnan(target_epsilon) or target_epsilon <= 0:
         raise ValueError(
             f"{name} must be a number > 0, got {target_epsilon!r}. It is the privacy budget epsilon; "
             "common choices are 1 to 8."
         )
+    if finite and math.isinf(target_epsilon):
+        raise ValueError(f"{name} must be finite, got {target_epsilon!r}: pass None for no budget.")
     return float(target_epsilon)
+
+
+_check_target_epsilon = check_target_epsilon  # the name before it was public (lightning_dp.privacy.calibration)
 
 
 def _append(history: tuple[HistoryEntry, ...], entry: HistoryEntry) -> tuple[HistoryEntry, ...]:
@@ -780,11 +789,12 @@ def _absl_filtered(text: str) -> Iterator[None]:
 
 # --------------------------------------------------------------------------- registry
 
-ACCOUNTANTS: dict[str, type[Accountant]] = {
-    PLDAccountant.name: PLDAccountant,
-    RDPAccountant.name: RDPAccountant,
-}
-"""Registry of accountant classes by name; :func:`get_accountant` instantiates them."""
+ACCOUNTANTS: Registry[type[Accountant]] = Registry("accountant", base=Accountant, argument="accountant",
+                                                  class_paths=False)
+"""Registry of accountant classes by name (a read-only mapping; ``ACCOUNTANTS.register(name, cls)`` adds one);
+:func:`get_accountant` instantiates them. No class paths: an accountant is rebuilt from the ``name`` it saves."""
+ACCOUNTANTS.register(PLDAccountant.name, PLDAccountant)
+ACCOUNTANTS.register(RDPAccountant.name, RDPAccountant)
 
 
 def get_accountant(name: str = "pld", **kwargs: Any) -> Accountant:
@@ -799,16 +809,17 @@ def get_accountant(name: str = "pld", **kwargs: Any) -> Accountant:
         A fresh accountant with an empty history.
 
     Raises:
-        ValueError: If the name is not registered.
+        ValueError: If the name is not registered (with the registered names and the closest one).
 
     Example:
         >>> get_accountant("pld", value_discretization_interval=1e-3)
         PLDAccountant(value_discretization_interval=0.001, steps=0)
+        >>> get_accountant("prd")
+        Traceback (most recent call last):
+        ...
+        ValueError: accountant='prd' is not a registered accountant; choose one of ['pld', 'rdp']. Did you mean 'pld'? 'pld' (privacy loss distributions) is tight and the default; 'rdp' (Renyi DP) is a cheaper upper bound.
     """
-    cls = ACCOUNTANTS.get(name.lower() if isinstance(name, str) else name)
-    if cls is None:
-        raise ValueError(
-            f"Unknown accountant {name!r}; allowed names are {sorted(ACCOUNTANTS)}. "
-            "'pld' (privacy loss distributions) is tight and the default; 'rdp' (Renyi DP) is a cheaper upper bound."
-        )
+    key = name.lower() if isinstance(name, str) and name.lower() in ACCOUNTANTS else name
+    cls = ACCOUNTANTS.resolve(key, hint="'pld' (privacy loss distributions) is tight and the default; 'rdp' (Renyi "
+                                        "DP) is a cheaper upper bound.")
     return cls(**kwargs)

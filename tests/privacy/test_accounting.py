@@ -205,7 +205,8 @@ def test_get_accountant_registry():
     assert get_accountant("PLD").name == "pld"
     assert all(issubclass(cls, Accountant) and cls.name == key for key, cls in ACCOUNTANTS.items())
     assert get_accountant("pld", value_discretization_interval=1e-3).value_discretization_interval == 1e-3
-    with pytest.raises(ValueError, match=r"Unknown accountant 'prv'.*\['pld', 'rdp'\]"):
+    with pytest.raises(ValueError, match=r"accountant='prv' is not a registered accountant; choose one of "
+                                         r"\['pld', 'rdp'\]"):
         get_accountant("prv")
 
 

@@ -126,7 +126,8 @@ def test_too_loose_target_raises():
         ({"steps": 10.0}, "steps"),
         ({"tolerance": 0.0}, r"tolerance must be a number in \(0, 1\)"),
         ({"tolerance": 1.0}, "tolerance"),
-        ({"accountant": "moments"}, r"Unknown accountant 'moments'.*\['pld', 'rdp'\]"),
+        ({"accountant": "moments"}, r"accountant='moments' is not a registered accountant; choose one of "
+                                    r"\['pld', 'rdp'\]"),
         ({"accountant_kwargs": {"value_discretization_interval": -1.0}}, "value_discretization_interval"),
         ({"accountant_kwargs": [1e-3]}, "accountant_kwargs must be a dict"),
     ],

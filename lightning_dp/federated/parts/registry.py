@@ -26,12 +26,13 @@ import abc
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from lightning_dp import checks
+from lightning_dp.privacy.registry import Registry
 
 __all__ = ["KINDS", "Combination", "Part", "register_part", "registered_parts", "resolve_part"]
 
 KINDS = ("selection", "update", "sanitizer", "aggregator", "server_privacy")
-_PARTS: dict[str, dict[str, type]] = {kind: {} for kind in KINDS}
+_BASES = {"selection": "ClientSelection", "update": "ClientUpdate", "sanitizer": "ClientSanitizer",
+          "aggregator": "Aggregator", "server_privacy": "ServerPrivacy"}
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,14 @@ class Part(abc.ABC):
         return None
 
 
+def _of_kind(kind: str) -> Any:
+    return lambda obj: isinstance(obj, type) and issubclass(obj, Part) and obj.kind == kind
+
+
+_PARTS: dict[str, Registry[type]] = {kind: Registry(f"{kind} part", base=Part, accepts=_of_kind(kind), argument=kind)
+                                     for kind in KINDS}
+
+
 def register_part(kind: str, name: str):
     """Class decorator: make the part available as ``name`` for its ``kind``."""
     if kind not in KINDS:
@@ -83,10 +92,9 @@ def register_part(kind: str, name: str):
 
     def decorate(cls: type) -> type:
         if getattr(cls, "kind", None) != kind:
-            raise TypeError(f"register_part({kind!r}, {name!r}): {cls.__name__} is not a {kind} part (subclass the "
-                            f"kind's base class, e.g. lightning_dp.federated.parts.Aggregator for an aggregator)")
-        checks.free_name(f"{kind} part", name, cls, _PARTS[kind])
-        _PARTS[kind][name] = cls
+            raise TypeError(f"register_part({kind!r}, {name!r}): {cls.__name__} is not a {kind} part (subclass "
+                            f"lightning_dp.federated.parts.{_BASES[kind]})")
+        _PARTS[kind].register(name, cls)
         cls.name = name  # type: ignore[attr-defined]  # parts are Part subclasses, which declare it
         return cls
     return decorate
@@ -98,16 +106,17 @@ def registered_parts(kind: str) -> dict[str, type]:
 
 
 def resolve_part(kind: str, value: Any) -> Any:
-    """A part instance from an instance, or from a registered name (built with its defaults).
+    """A part instance from an instance, or from a registered name or a class path (``my_module.CoordinateMedian``),
+    built with its defaults.
 
     Raises:
-        ValueError: If the name is not registered (the message lists the names that are).
+        ValueError: If the name is not registered (the message lists the names that are and the closest one), or the
+            class path does not name a part of this kind.
     """
     if isinstance(value, str):
-        return checks.lookup(kind, value, _PARTS[kind], what=f"{kind} part")()
+        return _PARTS[kind].resolve(value)()
     if not (isinstance(value, Part) and type(value).kind == kind):
-        base = {"selection": "ClientSelection", "update": "ClientUpdate", "sanitizer": "ClientSanitizer",
-                "aggregator": "Aggregator", "server_privacy": "ServerPrivacy"}[kind]
+        base = _BASES[kind]
         raise ValueError(f"{kind}={value!r} is not a {base} (lightning_dp.federated.parts); pass a registered name "
-                         f"({sorted(_PARTS[kind])}) or an instance of a {base} subclass")
+                         f"({sorted(_PARTS[kind])}), a class path or an instance of a {base} subclass")
     return value

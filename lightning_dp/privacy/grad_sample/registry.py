@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_dp.privacy.registry import Registry
+
 __all__ = ["LayerRule", "PerSampleGradientError", "Record", "join_graph", "register_rule", "rule_for",
            "registered_rules"]
 
@@ -164,7 +166,8 @@ class LayerRule:
         raise NotImplementedError
 
 
-_RULES: dict[type | str, LayerRule] = {}
+#: module type (or its qualified name) -> the rule instance for it
+_RULES: Registry[LayerRule] = Registry("layer rule", base=LayerRule)
 
 
 def register_rule(*module_types: type | str) -> Callable[[type[LayerRule]], type[LayerRule]]:
@@ -172,12 +175,13 @@ def register_rule(*module_types: type | str) -> Callable[[type[LayerRule]], type
 
     A type may be given by its qualified name (``"transformers.pytorch_utils.Conv1D"``), so
     that a rule for a third-party layer does not import that library. A later registration
-    for the same type replaces the earlier one, so a user can override a built-in rule.
+    for the same type replaces the earlier one, so a user can override a built-in rule (the one
+    registry that allows it: a rule is chosen by the layer's type, never by a name in a config).
     """
     def decorate(cls: type[LayerRule]) -> type[LayerRule]:
         rule = cls()
         for t in module_types:
-            _RULES[t] = rule
+            _RULES.register(t, rule, replace=True)
         return cls
     return decorate
 
