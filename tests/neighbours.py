@@ -100,7 +100,11 @@ def _change_dataset(dataset: Any, what: str) -> str:
     raise TypeError(f"{type(dataset).__name__}: teach tests/neighbours._change_dataset this dataset")
 
 
-def change_data(datamodule: Any, unit: str = "client", split: str = "train") -> str:
+#: Non-finite neighbours (issue 49): one input feature of one example set to this (``how`` of :func:`change_data`).
+NON_FINITE = {"nan": math.nan, "inf": math.inf}
+
+
+def change_data(datamodule: Any, unit: str = "client", split: str = "train", how: str = "scale") -> str:
     """Change example 0 (or client 0) of ``split`` of a set-up DataModule in place; return what changed.
 
     Federated DataModules (``<split>_clients``): with ``unit="client"`` (client-level DP: the client is the unit of
@@ -110,10 +114,19 @@ def change_data(datamodule: Any, unit: str = "client", split: str = "train") -> 
 
     ``split`` is ``"train"`` except for commands whose private data is elsewhere (``audit dlg`` attacks releases of
     the first validation examples).
+
+    ``how="nan"`` or ``"inf"`` (:data:`NON_FINITE`): instead, the first input feature of the first example of client
+    0 (federated, any ``unit``) is set to NaN or +inf, nothing else: a neighbour whose data is broken.
     """
     if unit not in ("client", "example"):
         raise ValueError(f"unit={unit!r}: 'client' or 'example'")
+    if how != "scale" and how not in NON_FINITE:
+        raise ValueError(f"how={how!r}: 'scale', 'nan' or 'inf'")
     clients = getattr(datamodule, f"{split}_clients", None)
+    if clients and how in NON_FINITE:
+        client = clients[0]
+        client.x[(0,) * client.x.ndim] = NON_FINITE[how]
+        return f"{split} client {client.client_id!r}: example 0's first feature set to {how}"
     if clients:
         client = clients[0]
         rows = slice(None) if unit == "client" else slice(0, 1)
@@ -142,7 +155,8 @@ def _datamodule_classes() -> list[type]:
 
 
 @contextmanager
-def neighbouring(monkeypatch: pytest.MonkeyPatch, unit: str = "client", split: str = "train") -> Iterator[list[str]]:
+def neighbouring(monkeypatch: pytest.MonkeyPatch, unit: str = "client", split: str = "train",
+                 how: str = "scale") -> Iterator[list[str]]:
     """Within the block every DataModule changes its data (:func:`change_data`) when its first ``setup`` returns,
     whoever builds it (``lightning-dp fit``, ``grid``, the audit commands); yields the list of what changed (one
     entry per DataModule). A DataModule set up inside another's ``setup`` (FederatedVisionDataModule reads the files through
@@ -159,7 +173,7 @@ def neighbouring(monkeypatch: pytest.MonkeyPatch, unit: str = "client", split: s
             finally:
                 depth[0] -= 1
             if depth[0] == 0 and not self.__dict__.get("_neighbour_changed", False):
-                changed.append(change_data(self, unit, split))
+                changed.append(change_data(self, unit, split, how))
                 self._neighbour_changed = True
             return out
 

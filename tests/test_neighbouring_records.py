@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import random
 import re
 import warnings
@@ -283,11 +284,13 @@ def _printed(capfd, extra: Sequence[str]) -> str:
 
 
 def _command(command: list[str] | Callable[[], Any], uri: str, known: set[str], capfd, monkeypatch, *,
-             neighbour: bool, changes: int = 1, unit: str = "client", split: str = "train") -> tuple[list[Record], str]:
+             neighbour: bool, changes: int = 1, unit: str = "client", split: str = "train",
+             how: str = "scale") -> tuple[list[Record], str]:
     """Run one ``lightning-dp`` command (argv, or a function) on D, or on D' when ``neighbour`` (then ``changes``
-    DataModules change); return the records of the runs it created and what it printed."""
+    DataModules change, ``how``: tests/neighbours.change_data); return the records of the runs it created and what
+    it printed."""
     shown: list[str] = []
-    context = neighbouring(monkeypatch, unit, split) if neighbour else contextlib.nullcontext([])
+    context = neighbouring(monkeypatch, unit, split, how) if neighbour else contextlib.nullcontext([])
     with context as changed, _every_warning(shown):
         if callable(command):
             command()
@@ -318,6 +321,35 @@ def test_a_neighbouring_dataset_changes_only_declared_releases(configs, override
         # central DP amplifies by the secret selection: the round's counts and the statistics of its participants
         # are nonprivate/ (the table's round/* row holds only where no accountant amplifies; issue 24, item 3)
         assert not [n for r in records for n in r.metrics if n.startswith("round/")]
+
+
+#: The federated kinds (every preset of the round that runs here): their D' with one non-finite feature.
+FEDERATED_KINDS = [p for p in KINDS if any("--model.init_args.noise_seed=1" == o for o in p.values[1])
+                   and not p.marks]
+
+
+@pytest.mark.parametrize(("configs", "overrides", "unit"), FEDERATED_KINDS)
+def test_a_non_finite_feature_in_one_client_changes_only_declared_releases(configs, overrides, unit, workdir,
+                                                                           store_template, mnist_dir, capfd,
+                                                                           monkeypatch):
+    """Issue 49: one client's one feature NaN or +inf. Before, DP-FedAvg released a NaN model from that client's
+    first round on (the release told D' from D with certainty) and the personalized round stopped (the stop told
+    the same). Now its update is dropped (zero), the round is released and accounted as planned: the run ends,
+    every metric is finite, and D' differs from D only in declared releases (with nonprivate metrics off, the
+    count of dropped updates is not in the record)."""
+    uri = _store(store_template, workdir, monkeypatch)
+    argv = ["fit", *_config_args(configs, workdir), *COMMON, *(o.replace("{mnist}", str(mnist_dir)) for o in overrides)]
+    known: set[str] = set()
+    records = []
+    for neighbour, how in ((False, "scale"), (False, "scale"), (True, "nan"), (True, "inf")):
+        (record,), printed = _command(argv, uri, known, capfd, monkeypatch, neighbour=neighbour, unit=unit, how=how)
+        record.printed = printed
+        records.append(record)
+        assert record.status == "FINISHED"
+        bad = {name: values for name, values in record.metrics.items() if not all(math.isfinite(v) for _, v in values)}
+        assert bad == {}, f"{how}: metrics not finite {bad}"
+    for neighbour in records[2:]:
+        check_neighbours(*records[:2], neighbour)
 
 
 # --------------------------------------------------------------------------- lightning-dp grid

@@ -30,6 +30,7 @@ from torch.func import grad, vmap
 
 from lightning_dp.federated.local import FlatParams, check_loss, example_loss
 from lightning_dp.privacy.clipping import clip_factors
+from lightning_dp.privacy.finite import drop_non_finite
 from lightning_dp.privacy.noise import noisy_mean, require_secret
 
 __all__ = ["ClientPlan", "local_dp_sgd", "steps_per_participation"]
@@ -116,7 +117,9 @@ def local_dp_sgd(template: nn.Module, spec: FlatParams, start: Tensor, x: Tensor
                           expected_batch_size=batch_size, generator=generators[ci])[0]
 
     def clipped_sum(g: Tensor, valid: Tensor) -> Tensor:
-        """Sum over the last-but-one axis of per-example gradients clipped to C (invalid rows weigh 0)."""
+        """Sum over the last-but-one axis of per-example gradients clipped to C (invalid rows weigh 0; an example
+        whose gradient is not finite contributes 0, as in DP-SGD: :mod:`lightning_dp.privacy.finite`)."""
+        g, _ = drop_non_finite(g)
         norms = g.double().norm(dim=-1)  # float64: a rounded-down norm would let a gradient exceed C
         factors = clip_factors(norms, max_grad_norm).to(g.dtype) * valid.to(g.dtype)
         return (factors.unsqueeze(-1) * g).sum(-2)

@@ -83,6 +83,7 @@ from lightning_dp.federated.parts import (
     resolve_part,
 )
 from lightning_dp.federated.parts.server_privacy import RoundReleases
+from lightning_dp.privacy.finite import drop_non_finite
 from lightning_dp.privacy.ledger import PrivacyLedger
 from lightning_dp.privacy.noise import counter_uniform, derive_generator, derive_secret_generator
 from lightning_dp.privacy.seeds import SECRET_KEY, check_seed, fresh_seed
@@ -96,6 +97,10 @@ _SERVER_NOISE, _SERVER_COUNT, _DIAGNOSTICS, _LOCAL_NOISE = 16, 17, 18, 19
 #: releases (entries) a process holds at a time when the server's input is a sum (FederatedRound._summed_client_round):
 #: the blocks whose sums add up, as large as :func:`~lightning_dp.federated.local.row_blocks`' default
 SUM_BLOCK_ENTRIES = 2**22
+#: the columns of a round's per-client statistics (float64; NaN: not reported): the loss of the chosen hypothesis,
+#: the participation's cost, the number of examples, whether the update was within the clip (a bit), and whether
+#: it was dropped as not finite (a bit; :func:`~lightning_dp.privacy.finite.drop_non_finite`)
+STATS = ("loss", "cost", "count", "unclipped", "dropped")
 
 
 class _RoundOptimizer(torch.optim.Optimizer):
@@ -546,9 +551,9 @@ class FederatedRound(LightningModule):
     def _client_round(self, index: list[int], r: int) -> tuple[Tensor, Tensor, Tensor | None]:
         """Choice, local training and sanitization of this process's share of the round's clients.
 
-        Returns ``(releases, stats)``: (m, P) released vectors and (m, 4) float64
-        ``[loss of the chosen hypothesis, privacy cost, number of examples, unclipped bit (NaN: not reported)]``
-        for the m clients of the shard;
+        Returns ``(releases, stats)``: (m, P) released vectors and (m, 5) float64 :data:`STATS`
+        ``[loss of the chosen hypothesis, privacy cost, number of examples, unclipped bit, dropped bit]`` (NaN: not
+        reported) for the m clients of the shard;
         with ``diagnostics``, also (m, 2P) rows ``[update, per-sample gradient of one random example]``.
         """
         hyps = self.hypotheses
@@ -556,7 +561,8 @@ class FederatedRound(LightningModule):
             return self.remote.client_round(self, index, r)
         mine = self._shard(index)
         if not mine:
-            return (hyps.new_zeros((0, self.spec.numel)), torch.zeros((0, 4), dtype=torch.float64, device=hyps.device),
+            return (hyps.new_zeros((0, self.spec.numel)),
+                    torch.zeros((0, len(STATS)), dtype=torch.float64, device=hyps.device),
                     hyps.new_zeros((0, 2 * self.spec.numel)) if self.diagnostics else None)
         x, y, mask = self._padded("train", mine)
         return self.train_clients(mine, r, x, y, mask)
@@ -585,6 +591,9 @@ class FederatedRound(LightningModule):
         trained = self.update.train(
             self.template, self.spec, start, x, y, mask, loss=self.loss_name, shuffles=self._shuffle_keys(r, mine, mask),
             clients=mine, noise=lambda i: derive_secret_generator(self._noise_seed, _LOCAL_NOISE, r, i, device=x.device))
+        # a client whose update is not finite (broken data, a diverged training) contributes a zero update: it is
+        # still sanitized, released and charged as planned (a NaN release, or a stop, would tell its data apart)
+        trained, dropped = drop_non_finite(trained, start)
         # one copy per hypothesis (not per client, not a view of the buffer the round overwrites afterwards)
         references = [step.clone() if bool(step.norm() > 0) else None for step in self.previous_step]
         released, costs, bits = self.sanitizer.sanitize_rows(
@@ -592,7 +601,8 @@ class FederatedRound(LightningModule):
             hypotheses=self._choices(),
             generator_of=lambda c: derive_secret_generator(self._noise_seed, _NOISE, r, mine[c], device=x.device))
         chosen = losses.gather(1, choice[:, None]).squeeze(1).double()
-        stats = torch.stack([chosen, costs.to(chosen.device), mask.sum(1).double(), bits.to(chosen.device)], dim=1)
+        stats = torch.stack([chosen, costs.to(chosen.device), mask.sum(1).double(), bits.to(chosen.device),
+                             dropped.to(chosen.device, torch.float64)], dim=1)
         return released, stats, self._diagnostic_rows(mine, r, start, trained, x, y, mask)
 
     def _diagnostic_rows(self, mine: list[int], r: int, start: Tensor, trained: Tensor, x: Tensor, y: Tensor,
@@ -695,7 +705,7 @@ class FederatedRound(LightningModule):
             local_releases, local_stats, local_diagnostics = self._client_round(index, r)
         else:
             local_releases = hyps.new_zeros((0, self.spec.numel))
-            local_stats = torch.zeros((0, 4), dtype=torch.float64, device=hyps.device)
+            local_stats = torch.zeros((0, len(STATS)), dtype=torch.float64, device=hyps.device)
             local_diagnostics = hyps.new_zeros((0, 2 * self.spec.numel)) if self.diagnostics else None
         if local_diagnostics is not None:
             self._log_cosines(r, self._gather_rows(local_diagnostics, len(index)), metrics)
@@ -720,7 +730,7 @@ class FederatedRound(LightningModule):
                 and not (self.spec.numel <= 2 and self._records_releases()))
 
     def _summed_client_round(self, index: list[int], r: int) -> tuple[Tensor, Tensor, Tensor]:
-        """``(stats (m, 4), norms (m,), sum (P,))`` of this process's clients, trained and summed a block at a time.
+        """``(stats (m, 5), norms (m,), sum (P,))`` of this process's clients, trained and summed a block at a time.
 
         A block is :func:`~lightning_dp.federated.local.row_blocks`' (2^22 entries of releases): one block when the
         round's releases fit, so that a small round computes exactly what summing the held releases computes; a
@@ -730,7 +740,7 @@ class FederatedRound(LightningModule):
         glob = hyps[0]
         total = torch.zeros_like(glob)
         mine = self._shard(index)
-        stats = [torch.zeros((0, 4), dtype=torch.float64, device=hyps.device)]
+        stats = [torch.zeros((0, len(STATS)), dtype=torch.float64, device=hyps.device)]
         norms = [torch.zeros(0, dtype=torch.float64, device=hyps.device)]
         per = max(1, SUM_BLOCK_ENTRIES // self.spec.numel)
         self._key_tables = {} if len(mine) > per else None
@@ -780,8 +790,12 @@ class FederatedRound(LightningModule):
         metrics.update(privacy_metrics)
         sizes = torch.bincount(assignment, minlength=self.k)
         if len(index):  # the clients' private losses: covered by no accountant
-            if not bool(stats[:, 0].isnan().all()):  # the clients of a deployment withhold it (lightning_dp.flower)
-                metrics["nonprivate/train_loss"] = float(stats[:, 0].mean())
+            losses = stats[:, 0][stats[:, 0].isfinite()]  # NaN: withheld (lightning_dp.flower), or a broken client's
+            if len(losses):
+                metrics["nonprivate/train_loss"] = float(losses.mean())
+            dropped = float(stats[:, 4].nansum())  # NaN: withheld by a deployment's node (lightning_dp.flower)
+            if dropped:
+                metrics["nonprivate/dropped_updates"] = dropped
         for j in range(self.k):  # the server's clustering of the releases
             metrics[self._stat(f"cluster_size_{j}", of_releases=True)] = float(sizes[j])
         if self.spec.numel <= 2 and self._records_releases():

@@ -146,11 +146,13 @@ def serve_clients(node: _Site, positions: list[int], r: int, *, hypotheses: torc
     x, y, mask = node.data.padded_rows("train", positions)
     released, stats, _ = module.train_clients(list(positions), int(r), x, y, mask)
     stats = stats.detach().clone()
-    # what leaves the site beside the release (docs/federated.md, "What each side sees"): its exact loss only to a
-    # trusted server (the releases unsanitized, central DP) that logs nonprivate metrics; its example count only to
-    # an aggregator that weights by it; its unclipped bit only when it clipped at the server's adaptive threshold
+    # what leaves the site beside the release (docs/federated.md, "What each side sees"): its exact loss and whether
+    # it dropped a client's non-finite update only to a trusted server (the releases unsanitized, central DP) that
+    # logs nonprivate metrics; its example count only to an aggregator that weights by it; its unclipped bit only
+    # when it clipped at the server's adaptive threshold
     if module.releases_are_sanitized() or not module.log_nonprivate_metrics:
         stats[:, 0] = math.nan
+        stats[:, 4] = math.nan
     if not module.aggregator.weights_by_counts:
         stats[:, 2] = 1.0
     if not clip > 0:

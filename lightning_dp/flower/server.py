@@ -23,6 +23,8 @@ import torch
 from torch import Tensor
 
 from lightning_dp.datamodules.federated import FederatedDataModule
+from lightning_dp.federated.round import STATS
+from lightning_dp.privacy.finite import drop_non_finite
 
 __all__ = ["NodeRound", "Placement", "RemoteClient", "RemoteDataModule", "app", "main", "plan_clients"]
 
@@ -116,7 +118,7 @@ class NodeRound:
 
         hyps = module.hypotheses
         if not index:
-            return hyps.new_zeros((0, module.spec.numel)), torch.zeros((0, 4), dtype=torch.float64), None
+            return hyps.new_zeros((0, module.spec.numel)), torch.zeros((0, len(STATS)), dtype=torch.float64), None
         by_node = self._by_node("train", index)
         local = self.placements["train"].local
         follows = module._sanitizer_follows_clip()
@@ -130,13 +132,19 @@ class NodeRound:
         for node, positions in by_node.items():
             arrays = replies[node].content["arrays"].to_torch_state_dict()
             released, stats = arrays["releases"], arrays["stats"]
-            if released.shape != (len(positions), module.spec.numel) or stats.shape != (len(positions), 4):
-                raise RuntimeError(f"round {r}: node {node} replied {tuple(released.shape)} releases for its "
-                                   f"{len(positions)} clients of {module.spec.numel} parameters")
+            if released.shape != (len(positions), module.spec.numel) or stats.shape != (len(positions), len(STATS)):
+                raise RuntimeError(f"round {r}: node {node} replied {tuple(released.shape)} releases and "
+                                   f"{tuple(stats.shape)} statistics for its {len(positions)} clients of "
+                                   f"{module.spec.numel} parameters")
             for c, i in enumerate(positions):
                 rows[i] = (released[c], stats[c])
         releases = torch.stack([rows[i][0] for i in index]).to(hyps.device, hyps.dtype)
         stats = torch.stack([rows[i][1] for i in index]).to(hyps.device, torch.float64)
+        # a reply that is not finite (a node's fault: its own round drops a client's non-finite update before
+        # sanitizing) contributes nothing: the release of a zero update from the first hypothesis (the server
+        # does not know which one the client chose), counted as dropped (nonprivate/dropped_updates)
+        releases, dropped = drop_non_finite(releases, hyps[0])
+        stats[dropped, STATS.index("dropped")] = 1.0
         return releases, stats, None
 
 

@@ -380,3 +380,56 @@ def test_evaluation_sums_that_do_not_add_up_are_refused(monkeypatch):
     for bad in (torch.tensor([1.0, 3, 0, 0, 2, 1]), torch.tensor([1.0, 2, 0, 0, 2, 1]), torch.zeros(5)):
         with pytest.raises(RuntimeError, match="evaluation sums"):
             NodeRound(Grid(bad.double()), placements, timeout=1).evaluate(module, "val", [0, 1])
+
+
+class CorruptingGrid(MemoryGrid):
+    """A node whose training replies carry one NaN entry in its first client's release (a broken node: its own round
+    drops a client's non-finite update before sanitizing it, tests/federated/test_non_finite.py)."""
+
+    def __init__(self, *args, bad_node: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.bad_node, self.corrupted = bad_node, 0
+
+    def send_and_receive(self, messages, timeout=None):
+        from flwr.app import ArrayRecord
+
+        replies = super().send_and_receive(messages, timeout)
+        for reply in replies:
+            if reply.metadata.src_node_id == self.bad_node and reply.metadata.message_type == "train":
+                arrays = reply.content["arrays"].to_torch_state_dict()
+                arrays["releases"][0, 0] = float("nan")
+                reply.content["arrays"] = ArrayRecord(arrays)
+                self.corrupted += 1
+        return replies
+
+
+@pytest.mark.parametrize("name", ["fl_deploy_fedavg.yaml", "fl_deploy_personalized.yaml"],
+                         ids=["fedavg", "personalized"])
+def test_a_node_replying_nan_is_dropped_and_the_run_ends_finite(name, tmp_path, monkeypatch):
+    """Issue 49: before, one NaN entry in a node's reply made DP-FedAvg's global model NaN from that round on,
+    silently. Now the server drops the non-finite release (a zero update), still adds its noise and accounts the
+    round as planned: the run ends with finite hypotheses and the simulation's epsilon."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    monkeypatch.setattr(sys, "argv", ["lightning-dp"])
+    config = tmp_path / name
+    text = yaml.safe_load((EXAMPLES / name).read_text())
+    text["trainer"]["logger"] = False
+    config.write_text(yaml.safe_dump(text))
+    simulated = simulate(config, 918273645)
+    real = MemoryGrid.__init__
+
+    def corrupting(self, run_config, node_configs):  # deploy_in_memory builds a MemoryGrid: the corrupting one
+        self.__class__ = CorruptingGrid
+        real(self, run_config, node_configs)
+        self.bad_node, self.corrupted = 100, 0
+
+    monkeypatch.setattr(MemoryGrid, "__init__", corrupting)
+    deployed, grid = deploy_in_memory(config, 918273645)
+    assert grid.corrupted > 0  # the bad node took part
+    assert int(deployed.rounds) == int(simulated.rounds) == 3
+    assert bool(torch.isfinite(deployed.hypotheses).all())
+    assert not torch.equal(deployed.hypotheses, simulated.hypotheses)  # its client's update was dropped
+    if simulated.server_privacy.accountable:
+        assert deployed.server_privacy.epsilon == simulated.server_privacy.epsilon
+    assert deployed.ledger.as_dict() == pytest.approx(simulated.ledger.as_dict())

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from lightning_dp.privacy.batch_dims import PROBE_SIZES, AmbiguousBatchDimError, batch_dim, tensor_leaves
+from lightning_dp.privacy.finite import non_finite
 from lightning_dp.privacy.grad_sample.contributions import DEFAULT_INSTANTIATE_LIMIT, Contribution
 from lightning_dp.privacy.grad_sample.registry import LayerRule, PerSampleGradientError, Record, join_graph, rule_for
 
@@ -865,13 +866,13 @@ class GradSampleEngine:
             self._contributions = self._contributions_of_step(scale, b)
             norms = self._norms(b)
             self.dropped = 0
-            if not bool(torch.isfinite(norms).all()):
+            bad = non_finite(norms)  # the one policy for a non-finite unit (lightning_dp.privacy.finite)
+            if bool(bad.any()):
                 # An example whose gradient is not finite (an overflow in half precision, a loss of inf) is
                 # dropped: its contribution becomes 0, within any clipping bound, and its norm +inf (clipped,
                 # counted as above C). Letting it through would make the whole release non-finite (unbounded
                 # sensitivity), and an optimizer step skipped for that (GradScaler) would reveal that some
                 # example overflowed: a statistic no accountant covers.
-                bad = ~torch.isfinite(norms)
                 for contributions in self._contributions.values():
                     for c in contributions:
                         c.drop(bad)

@@ -1,0 +1,58 @@
+"""What a private computation does with a non-finite input: one policy for every unit of privacy.
+
+An example whose gradient is not finite (DP-SGD, local DP-SGD), a client whose update is not finite (the
+federated round, every engine and sanitizer), a node whose reply is not finite (a Flower deployment): its
+contribution becomes zero, the release still happens and is accounted as planned, and how many were dropped
+is an exact statistic of the data (``nonprivate/``). Letting one through would make the release non-finite
+(unbounded sensitivity: a NaN model tells D' from D with certainty); stopping the run would reveal the same
+fact through the stop. DESIGN.md, "One protocol per run".
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["drop_non_finite", "non_finite"]
+
+
+def non_finite(values: Tensor, dim: int = -1) -> Tensor:
+    """The units with an inf or NaN entry: ``values`` reduced over ``dim``.
+
+    Args:
+        values: per-unit vectors, the unit's entries along ``dim``; a 1-D tensor (per-example norms) holds one
+            entry per unit, and ``dim`` is then ignored.
+
+    Example:
+        >>> non_finite(torch.tensor([[1.0, 2.0], [float("nan"), 0.0], [float("inf"), 1.0]]))
+        tensor([False,  True,  True])
+    """
+    finite = torch.isfinite(values)
+    return ~(finite if values.ndim <= 1 else finite.all(dim=dim))
+
+
+def drop_non_finite(rows: Tensor, origin: Tensor | float = 0.0) -> tuple[Tensor, Tensor]:
+    """``rows`` with every row that has an inf or NaN entry replaced by ``origin`` (its zero contribution), and
+    the mask of the replaced rows.
+
+    Args:
+        rows: (m, ..., P) per-unit vectors along the last dimension: clients' trained models (``origin``: the
+            models they started from, (m, P) or broadcastable, so that the update is zero) or per-example
+            gradients (``origin`` 0).
+        origin: what a dropped row becomes.
+
+    Returns:
+        ``(kept, dropped)``: a new tensor (or ``rows`` itself when every row is finite) and the (m, ...) bool mask.
+
+    Example:
+        >>> kept, dropped = drop_non_finite(torch.tensor([[1.0, 2.0], [float("nan"), 0.0]]), torch.zeros(2))
+        >>> kept, dropped
+        (tensor([[1., 2.],
+                [0., 0.]]), tensor([False,  True]))
+    """
+    dropped = non_finite(rows, dim=-1) if rows.ndim > 1 else non_finite(rows)
+    if not bool(dropped.any()):
+        return rows, dropped
+    origin = torch.as_tensor(origin, dtype=rows.dtype, device=rows.device)
+    mask = dropped.unsqueeze(-1) if rows.ndim > 1 else dropped
+    return torch.where(mask, origin, rows), dropped
