@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_EXPERIMENT_NAME",
     "MLFlowLogger",
+    "PRIVATE_TAG",
     "default_artifact_location",
     "default_tracking_uri",
     "library_versions",
@@ -68,6 +69,10 @@ __all__ = [
 ]
 
 DEFAULT_EXPERIMENT_NAME = "lightning-dp"
+#: Tag of every run fitted by ``lightning-dp``: "true" when a component reports a privacy spend and none releases
+#: without protection, else "false" (written by :class:`~lightning_dp.callbacks.RunArtifacts`, read by
+#: ``lightning-dp compare`` to tell private runs from non-private baselines).
+PRIVATE_TAG = "lightning_dp.private"
 # Experiment tag read by the MLflow 3 UI to choose its view (the JS bundle's `useExperimentKind`);
 # "custom_model_development" is its classic training view ("Machine learning": runs, charts, compare).
 _EXPERIMENT_KIND_TAG = "mlflow.experimentKind"

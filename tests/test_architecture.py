@@ -1,5 +1,6 @@
-"""The package's layering, read from its source: no import circles; the functional core (``privacy/``) imports
-nothing above it but the leaf ``lightning_dp.checks``, and no Lightning (DESIGN.md, "Layers"); one home per
+"""The package's layering, read from its source: no import circles; the top layers in their order (``cli`` over
+``commands`` over ``grid``) and nothing below them importing any of the three; the functional core (``privacy/``)
+imports nothing above it but the leaf ``lightning_dp.checks``, and no Lightning (DESIGN.md, "Layers"); one home per
 argument check."""
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lightning_dp"
 
 def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
     """Module -> the package's modules it imports, at module level or inside a function (a lazy import still
-    runs), without the imports under ``if TYPE_CHECKING:`` (never run) and without the module's own parent
-    packages (Python runs them before the module whatever it imports)."""
+    runs), without the imports under ``if TYPE_CHECKING:`` (never run).
+
+    Importing ``pkg.sub.x`` also runs ``pkg/sub/__init__.py`` first: an import adds an edge to each parent package
+    of the imported module too (but the root package, and the importing module's own parents, which Python runs
+    before the module whatever it imports), so a circle through a package's ``__init__`` is found."""
     files = {}
     for path in root.rglob("*.py"):
         parts = list(path.relative_to(root.parent).with_suffix("").parts)
@@ -47,6 +51,8 @@ def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else module_of(base) for a in node.names]
             else:
                 continue
+            # the imported modules and the packages above them, which run first (not the root, not our own)
+            targets += [".".join(t.split(".")[:i]) for t in targets if t for i in range(2, t.count(".") + 1)]
             deps |= {t for t in targets if t and t != name and t not in parents}
         graph[name] = deps
     return graph
@@ -95,8 +101,83 @@ def test_the_checker_finds_a_circle_through_a_lazy_import_and_ignores_typing_onl
     assert import_circles(graph) == [["pkg.sub.a", "pkg.sub.b"]]
 
 
+def test_the_checker_finds_a_circle_through_a_parent_package_init(tmp_path):
+    """``from pkg.low.x import X`` runs ``pkg/low/__init__.py`` first: when that ``__init__`` imports a module that
+    imports the importer back (here lazily), the circle goes through the package and must be found."""
+    root = tmp_path / "pkg"
+    (root / "low").mkdir(parents=True)
+    (root / "__init__.py").write_text("")
+    (root / "low" / "__init__.py").write_text("from pkg.low.y import f\n")
+    (root / "low" / "x.py").write_text("X = 1\n")
+    (root / "low" / "y.py").write_text("def f():\n    from pkg.high import H\n    return H\n")
+    (root / "high.py").write_text("from pkg.low.x import X\nH = X\n")
+    graph = import_graph(root)
+    assert graph["pkg.high"] == {"pkg.low", "pkg.low.x"}  # the package too, not the root
+    assert graph["pkg.low.y"] == {"pkg.high"} and graph["pkg.low.x"] == set()  # not its own parents
+    assert import_circles(graph) == [["pkg.high", "pkg.low", "pkg.low.y"]]
+    (root / "low" / "__init__.py").write_text("")  # the same modules without the package's import: no circle
+    assert import_circles(import_graph(root)) == []
+
+
 def test_the_package_has_no_import_circles():
     assert import_circles(import_graph()) == []
+
+
+SHELLS = ("callbacks", "federated", "flower", "audit", "datamodules", "models", "metrics", "privacy")
+
+
+def _in(name: str, *layers: str) -> bool:
+    return any(name == layer or name.startswith(layer + ".") for layer in layers)
+
+
+def top_layer_violations(graph: dict[str, set[str]], root: str = PACKAGE.name) -> dict[str, list[str]]:
+    """Module -> the imports that break the order of the top layers: ``cli`` (and ``__main__``) over ``commands``
+    over ``grid`` over everything else, which imports none of the three."""
+    cli, commands, grid = (f"{root}.{layer}" for layer in ("cli", "commands", "grid"))
+    wrong = {}
+    for name, deps in graph.items():
+        if _in(name, f"{root}.__main__", cli):
+            forbidden: tuple[str, ...] = ()
+        elif _in(name, commands):
+            forbidden = (cli,)
+        elif _in(name, grid):
+            forbidden = (cli, commands)
+        else:
+            forbidden = (cli, commands, grid)
+        found = sorted(d for d in deps if _in(d, *forbidden))
+        if found:
+            wrong[name] = found
+    return wrong
+
+
+def test_the_top_layers_import_downwards_only():
+    """The top of the package, in order: ``cli`` (the dispatcher, and ``__main__`` above it) imports the commands; a
+    command (``commands/``) may import the grid machinery (``grid/``), never ``cli``; the grid imports neither the
+    commands nor ``cli``. Below them nothing imports any of the three, at module level or inside a function: the
+    shells (callbacks, federated, flower, audit, datamodules, models, metrics, privacy and their submodules) and the
+    modules they share (``config/``, which builds a config with LightningDPCLI for the commands, the grid and the
+    Flower apps; ``tracking``, ``gate``, ...). DESIGN.md, "One protocol per run (wave 4)"; docs/architecture.md."""
+    graph = import_graph()
+    for shell in SHELLS:
+        assert f"lightning_dp.{shell}" in graph, shell  # the rule covers real packages
+    assert top_layer_violations(graph) == {}
+    assert {n for n, deps in graph.items() if "lightning_dp.cli" in deps} == {"lightning_dp.__main__"}
+
+
+def test_the_layer_rule_sees_lazy_imports_and_the_order_of_the_top(tmp_path):
+    """A shell's import of a command inside a function breaks the rule as much as one at module level; the grid may
+    not import a command, a command may import the grid."""
+    root = tmp_path / "lightning_dp"
+    for package in ("callbacks", "commands", "grid"):
+        (root / package).mkdir(parents=True)
+        (root / package / "__init__.py").write_text("")
+    (root / "__init__.py").write_text("")
+    (root / "commands" / "fit.py").write_text("from lightning_dp.grid import run\n")
+    (root / "grid" / "run.py").write_text("def f():\n    from lightning_dp.commands import fit\n")
+    (root / "callbacks" / "tags.py").write_text("def tag():\n    from lightning_dp.commands.fit import X\n")
+    assert top_layer_violations(import_graph(root)) == {
+        "lightning_dp.callbacks.tags": ["lightning_dp.commands", "lightning_dp.commands.fit"],
+        "lightning_dp.grid.run": ["lightning_dp.commands", "lightning_dp.commands.fit"]}
 
 
 def test_the_functional_core_imports_nothing_above_it_and_no_lightning():

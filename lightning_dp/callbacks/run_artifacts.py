@@ -130,9 +130,7 @@ class RunArtifacts(Callback):
         # private: some component accounts the run and none releases without protection (NoiselessDPSGD, an
         # unsanitized round: their logged epsilon is a claim, not a guarantee); lightning-dp compare reads it
         is_private = reporting and not any(s.unsanitized for s in spends_of(components))
-        from lightning_dp.commands.compare import PRIVATE_TAG  # the tag lightning-dp compare reads
-
-        tracking.set_tags(trainer, {PRIVATE_TAG: str(is_private).lower()})
+        tracking.set_tags(trainer, {tracking.PRIVATE_TAG: str(is_private).lower()})  # lightning-dp compare reads it
         if not reporting:
             # a private component prints its own summary (DPSGD, the federated round); a run without one says so
             epochs = trainer.current_epoch

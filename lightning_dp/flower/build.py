@@ -43,7 +43,7 @@ def check_shareable(cli: Any, where: str = "the config") -> None:
 def build_from_yaml(text: str, args: Sequence[str] = (), *, where: str = "the app's config") -> Any:
     """``LightningDPCLI(run=False)`` of a config's text (plus overrides): its model must be a ``FederatedRound``,
     and it may set no secret (:func:`check_shareable`)."""
-    from lightning_dp.commands.fit import LightningDPCLI  # not lightning_dp.cli, which dispatches flower-app
+    from lightning_dp.config.lightning_cli import LightningDPCLI  # the commands (and lightning_dp.cli) are above us
     from lightning_dp.federated import FederatedRound
 
     handle, path = tempfile.mkstemp(suffix=".yaml", prefix="lightning-dp-flower-")

@@ -37,4 +37,4 @@ class GridResult:
     figure: Any = None
     """The grouped bar plot of ``plot`` (a matplotlib Figure), or None."""
     utility: Optional[tuple[str, Any]] = None
-    """The privacy-utility table and figure (:mod:`lightning_dp.commands.compare`), or None when no run has an epsilon."""
+    """The privacy-utility table and figure (:mod:`lightning_dp.grid.utility`), or None when no run has an epsilon."""

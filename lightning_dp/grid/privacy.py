@@ -54,7 +54,7 @@ def check_points(config: Sequence[str], combos: Sequence[dict[str, Any]], extra:
     Raises:
         ValueError: Naming the point and the components, or the kinds that do not compose.
     """
-    from lightning_dp.commands.fit import LightningDPCLI
+    from lightning_dp.config.lightning_cli import LightningDPCLI
     from lightning_dp.privacy.spend import compose, spends_of, unreported_components
 
     planned = []  # every point's spend before training: the kinds of its accountants and ledgers
@@ -101,7 +101,7 @@ def plan_point(config: Sequence[str], values: dict[str, Any], extra: Sequence[st
     Returns:
         ``{"plan": PlannedMechanism, "accountant": name, "accountant_kwargs": dict, "delta": target_delta}``.
     """
-    from lightning_dp.commands.fit import LightningDPCLI
+    from lightning_dp.config.lightning_cli import LightningDPCLI
 
     cli = LightningDPCLI(args=run_args(config, values, extra), run=False)
     callback = dp_callback(cli.trainer, values)

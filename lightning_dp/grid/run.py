@@ -23,6 +23,7 @@ from lightning_dp.grid.privacy import (
     reseed,
 )
 from lightning_dp.grid.report import bar_plot, default_mode, report, select_best
+from lightning_dp.grid.utility import grid_outcomes, group_outcomes, utility_figure, utility_table
 
 __all__ = ["ParentRuns", "base_name", "final_metrics", "run_grid"]
 
@@ -73,7 +74,7 @@ def run_grid(config: Sequence[str], sets: Sequence[tuple[str, list[Any]]], *, te
             draws a fresh secret seed for every run (module docstring, "Noise").
     """
     from lightning_dp import tracking
-    from lightning_dp.commands.fit import LightningDPCLI
+    from lightning_dp.config.lightning_cli import LightningDPCLI
 
     grid_id = grid_id or secrets.token_hex(4)
     combos = grid_points(sets)
@@ -170,8 +171,6 @@ def run_grid(config: Sequence[str], sets: Sequence[tuple[str, list[Any]]], *, te
 def privacy_utility(points: Sequence[GridPoint], metric: Optional[str], over: Optional[str]) -> Optional[tuple[str, Any]]:
     """The grid's privacy-utility table and figure (``select``'s metric, else the task metric; groups over the
     ``mean_over`` axis), or None when no point has both an epsilon and a task metric."""
-    from lightning_dp.commands.compare import grid_outcomes, group_outcomes, utility_figure, utility_table
-
     try:
         chosen, outcomes = grid_outcomes(points, metric, over)
         groups = group_outcomes(outcomes)
