@@ -86,7 +86,9 @@ from lightning_dp.federated.parts.server_privacy import RoundReleases
 from lightning_dp.privacy.finite import drop_non_finite
 from lightning_dp.privacy.ledger import PrivacyLedger
 from lightning_dp.privacy.noise import counter_uniform, derive_generator, derive_secret_generator
+from lightning_dp.privacy.record import RoundNames
 from lightning_dp.privacy.seeds import SECRET_KEY, check_seed, fresh_seed
+from lightning_dp.protocol import RunProtocol
 
 __all__ = ["FederatedRound"]
 
@@ -236,8 +238,8 @@ class FederatedRound(LightningModule):
         self.template = model
         self.spec = FlatParams.of(model)
         self.seed = int(seed) if seed is not None else fresh_seed()
-        self._noise_seed = int(noise_seed) if noise_seed is not None else fresh_seed()
-        self._noise_seed_given = noise_seed is not None  # a given seed wins over a checkpoint's
+        # the secret seed, the gate, the final spend, the summary (drawn now: a Flower node's round never fits)
+        self.protocol = RunProtocol(self, seed=noise_seed, seed_name="noise_seed", draw_now=True, warn_fresh=True)
         self.register_buffer("hypotheses", self._initial_hypotheses())
         # training progress, not model state: saved in checkpoint["federated"], so that restoring the
         # best weights (RestoreBestWeights, load_state_dict) does not rewind it
@@ -249,7 +251,6 @@ class FederatedRound(LightningModule):
         self.automatic_optimization = False
         self._history: list[dict[str, Any]] = []
         self._cosines: list[tuple[int, float, float]] = []  # (round, update cosine, gradient cosine), diagnostics
-        self._summary_due = False  # on_train_end ran: on_fit_end prints the summary
         self._epsilon_written = -1  # the last round whose metrics carried the final privacy/epsilon
         self._key_tables: dict[int, Tensor] | None = None  # a round's shuffle tables by epoch, while it trains blocks
         self._fit_rounds, self._fit_participants = 0, 0  # rounds and participations of this fit (end summary)
@@ -257,6 +258,15 @@ class FederatedRound(LightningModule):
         self._ledgers_missing = False  # loaded from a public checkpoint without its ledgers (on_load_checkpoint)
         #: the clients' side of a Flower deployment (:class:`lightning_dp.flower.server.NodeRound`), None in simulation
         self.remote: Any = None
+
+    @property
+    def _noise_seed(self) -> int:
+        """The secret seed of every draw an accountant relies on (:attr:`protocol`)."""
+        return self.protocol.seed
+
+    @property
+    def _noise_seed_given(self) -> bool:
+        return self.protocol.given
 
     def parts(self) -> dict[str, Any]:
         """``{kind: part}`` of the round."""
@@ -308,17 +318,10 @@ class FederatedRound(LightningModule):
                 raise MisconfigurationException(
                     f"test_every_check=True but {type(dm).__name__} has no test clients: give it some (e.g. "
                     "num_test_clients for FederatedVisionDataModule), or set test_every_check=False")
-        if self.sanitizer.accountable or self.server_privacy.accountable or self.update.accountable:
-            from lightning_dp.tracking import refuse_checkpoint_uploads
-
-            refuse_checkpoint_uploads(self.trainer, type(self).__name__)
-        if stage == "fit":
-            from lightning_dp import gate
-
-            gate.install(self.trainer, self)  # everything the run writes from now on passes the record's gate
-        if self.trainer.world_size > 1:  # default seeds are drawn per process: every process must use rank 0's
-            self.seed, self._noise_seed = (int(v) for v in self.trainer.strategy.broadcast((self.seed,
-                                                                                           self._noise_seed)))
+        if stage == "fit":  # uploads refused, the gate, the secret seed the same on every process
+            self.protocol.setup(self.trainer, refuse_uploads=self._accountable())
+        if self.trainer.world_size > 1:  # a default public seed is drawn per process: every process must use rank 0's
+            self.seed = int(self.trainer.strategy.broadcast(self.seed, src=0))
 
     def read_clients(self, dm: Any) -> None:
         """Take the clients and the task from a :class:`~lightning_dp.datamodules.federated.FederatedDataModule` that is
@@ -338,9 +341,11 @@ class FederatedRound(LightningModule):
 
     def teardown(self, stage: str) -> None:
         if stage == "fit" and self._trainer is not None:
-            from lightning_dp import gate
+            self.protocol.teardown(self.trainer)
 
-            gate.uninstall(self.trainer, self)
+    def _accountable(self) -> bool:
+        """Whether any part accounts a spend (the run claims privacy)."""
+        return bool(self.sanitizer.accountable or self.server_privacy.accountable or self.update.accountable)
 
     def _check_parts(self) -> None:
         """Refuse combinations of parts whose privacy claims would not hold, before any client trains: every part
@@ -362,10 +367,7 @@ class FederatedRound(LightningModule):
         return bool(getattr(self.server_privacy, "adaptive", False) and self.sanitizer.follows_clip)
 
     def on_train_start(self) -> None:
-        from lightning_dp import gate
-
-        gate.install(self.trainer, self)  # again: loggers (and the progress bar) added since setup
-        gate.check_monitors(self.trainer)  # no checkpoint, early stop or scheduler may select on a private statistic
+        self.protocol.start(self.trainer)
         if self._ledgers_missing:
             self._refuse_missing_ledgers()
         self._fit_rounds, self._fit_participants = 0, 0
@@ -432,13 +434,11 @@ class FederatedRound(LightningModule):
         """Replace the noise seed before ``fit`` (``lightning-dp grid`` does this, so that no two runs of a
         grid draw the same noise)."""
         seed = check_seed(seed, optional=False, name="noise_seed")
-        if seed == self.seed and (self.sanitizer.accountable or self.server_privacy.accountable
-                                  or self.update.accountable):
+        if seed == self.seed and self._accountable():
             raise ValueError("the noise seed equals the round's public seed (logged, in the uploaded checkpoint and "
                              "in every message of a deployment): anyone with the record could regenerate the noise "
                              "and recompute who took part. Use another noise seed, or none (a fresh secret one).")
-        self._noise_seed = seed
-        self._noise_seed_given = True
+        self.protocol.give_seed(seed)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         # local SGD and aggregation are the optimization; this optimizer only makes each round an
@@ -633,43 +633,22 @@ class FederatedRound(LightningModule):
         clients' data: ``nonprivate/``."""
         return bool(self.sanitizer.accountable or self.update.accountable)
 
-    def _stat(self, name: str, *, of_releases: bool = False) -> str:
-        """The recorded name of a round statistic (``round/<name>`` or ``nonprivate/<name>``): per-participant
-        counts are private when the selection is secret (:meth:`selection_is_secret`); statistics of the
-        releases also when the releases are not sanitized (:meth:`releases_are_sanitized`)."""
-        private = self.selection_is_secret() or (of_releases and not self.releases_are_sanitized())
-        return f"{'nonprivate' if private else 'round'}/{name}"
-
-    def _ledger_name(self, name: str) -> str:
-        """``privacy/<name>`` of a per-client ledger, or ``nonprivate/<name>`` when the selection is secret (a
-        client's spend shows how often it took part)."""
-        return f"{'nonprivate' if self.selection_is_secret() else 'privacy'}/{name}"
+    @property
+    def names(self) -> RoundNames:
+        """Where the round's statistics go in the record (:class:`~lightning_dp.privacy.record.RoundNames`)."""
+        return RoundNames(self.selection_is_secret(), self.releases_are_sanitized())
 
     def _record_metrics(self) -> dict[str, float]:
-        """The record-level ledger's metrics (local DP-SGD) under their recorded names (:meth:`_ledger_name`)."""
-        return {self._ledger_name(k.split("/", 1)[1]): v for k, v in self.update.privacy_metrics().items()}
-
-    def _records_releases(self) -> bool:
-        """Whether the releases themselves may go to the record (the plot ``federated/parameters.png`` of a model
-        with at most two parameters): sanitized releases of a public selection only."""
-        return self.releases_are_sanitized() and not self.selection_is_secret()
-
-    def _shown(self, name: str) -> bool:
-        """Whether the record's gate (:mod:`lightning_dp.gate`) admits the metric ``name``: the printed summary shows
-        a fact only where the record may hold it (a secret selection's counts and ledgers are ``nonprivate/``)."""
-        from lightning_dp import gate
-
-        return gate.admit(self.trainer, name, "metric")
+        """The record-level ledger's metrics (local DP-SGD) under their recorded names."""
+        return {self.names.ledger(k.split("/", 1)[1]): v for k, v in self.update.privacy_metrics().items()}
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         """One round: select, train and sanitize on the clients, aggregate (with the server's privacy), log."""
-        from lightning_dp import gate
-
-        gate.install(self.trainer, self)  # a logger added by a hook since setup (wraps only what is new)
+        self.protocol.cover(self.trainer)  # a logger added by a hook since setup
         r = int(self.rounds)
         index, declined = self._sample_clients(r)  # the same on every process (seeded by round)
-        metrics: dict[str, float] = {self._stat("participants"): float(len(index)),
-                                     self._stat("declined"): float(declined)}
+        metrics: dict[str, float] = {self.names.stat("participants"): float(len(index)),
+                                     self.names.stat("declined"): float(declined)}
         epochs, steps = self.trainer.max_epochs, self.trainer.max_steps
         last = bool((epochs is not None and epochs > 0 and self.trainer.current_epoch + 1 >= epochs)
                     or (steps is not None and steps > 0 and self.trainer.global_step + 1 >= steps))  # ends anyway
@@ -717,8 +696,8 @@ class FederatedRound(LightningModule):
         self.update.charge(index)  # record-level ledger (local DP-SGD)
         if self.k == 1 and len(index):  # the released updates' norms: post-processing only of sanitized releases
             norms = sums[0] if sums is not None else delta_norms(releases, hyps[0])
-            metrics[self._stat("update_norm_mean", of_releases=True)] = float(norms.mean())
-            metrics[self._stat("update_norm_std", of_releases=True)] = float(norms.std()) if len(index) > 1 else 0.0
+            metrics[self.names.stat("update_norm_mean", of_releases=True)] = float(norms.mean())
+            metrics[self.names.stat("update_norm_std", of_releases=True)] = float(norms.std()) if len(index) > 1 else 0.0
         return releases, stats, sums
 
     def _sums_releases(self) -> bool:
@@ -727,7 +706,7 @@ class FederatedRound(LightningModule):
         train here (not on a deployment's nodes), and nothing else reads the releases (diagnostics, the recorded
         releases of a tiny model)."""
         return (self.server_privacy.sums_releases and self.k == 1 and self.remote is None and not self.diagnostics
-                and not (self.spec.numel <= 2 and self._records_releases()))
+                and not (self.spec.numel <= 2 and self.names.records_releases))
 
     def _summed_client_round(self, index: list[int], r: int) -> tuple[Tensor, Tensor, Tensor]:
         """``(stats (m, 5), norms (m,), sum (P,))`` of this process's clients, trained and summed a block at a time.
@@ -797,8 +776,8 @@ class FederatedRound(LightningModule):
             if dropped:
                 metrics["nonprivate/dropped_updates"] = dropped
         for j in range(self.k):  # the server's clustering of the releases
-            metrics[self._stat(f"cluster_size_{j}", of_releases=True)] = float(sizes[j])
-        if self.spec.numel <= 2 and self._records_releases():
+            metrics[self.names.stat(f"cluster_size_{j}", of_releases=True)] = float(sizes[j])
+        if self.spec.numel <= 2 and self.names.records_releases:
             self._history.append({"round": r, "releases": releases.detach().cpu().clone(),
                                   "hypotheses": new.detach().cpu().clone()})
 
@@ -808,8 +787,8 @@ class FederatedRound(LightningModule):
         if self.sanitizer.accountable and self.k > 1:  # the choice's share of the cost grows as hypotheses separate
             metrics["privacy/cost_per_participation"] = self.participation_cost()
         if len(self.ledger):
-            metrics[self._ledger_name("client_epsilon_median")] = self.ledger.median()
-            metrics[self._ledger_name("client_epsilon_max")] = self.ledger.max()
+            metrics[self.names.ledger("client_epsilon_median")] = self.ledger.median()
+            metrics[self.names.ledger("client_epsilon_max")] = self.ledger.max()
         if (last or written) and self.update.accountable:  # per-client compositions: only when written
             metrics.update(self._record_metrics())
         self.rounds += 1
@@ -820,7 +799,7 @@ class FederatedRound(LightningModule):
             rank_zero_info(f"{type(privacy).__name__}: stopping after round {r + 1}: the next round would exceed "
                            f"target_epsilon={privacy.target_epsilon} (spent {metrics['privacy/epsilon']:.4f}).")
             self.trainer.should_stop = True
-        if ("privacy/epsilon" in metrics or self._ledger_name("record_epsilon_max") in metrics) and written and final:
+        if ("privacy/epsilon" in metrics or self.names.ledger("record_epsilon_max") in metrics) and written and final:
             self._epsilon_written = r  # an interim write is not: on_train_end writes the final spend after it
         if not self.log_nonprivate_metrics:  # exact statistics of the clients' data, covered by no accountant
             metrics = {k: v for k, v in metrics.items() if not k.startswith("nonprivate/")}
@@ -836,9 +815,9 @@ class FederatedRound(LightningModule):
         get the metrics under their full names): ``round`` (rounds done), ``clients`` (this round's
         participants), ``client_eps_med``/``client_eps_max`` (the per-client ledger), ``eps`` (the server's
         client-level epsilon, when written) and ``record_eps_max`` (local DP-SGD, when written)."""
-        short = {self._stat("participants"): "clients", self._ledger_name("client_epsilon_median"): "client_eps_med",
-                 self._ledger_name("client_epsilon_max"): "client_eps_max", "privacy/epsilon": "eps",
-                 self._ledger_name("record_epsilon_max"): "record_eps_max"}
+        short = {self.names.stat("participants"): "clients", self.names.ledger("client_epsilon_median"): "client_eps_med",
+                 self.names.ledger("client_epsilon_max"): "client_eps_max", "privacy/epsilon": "eps",
+                 self.names.ledger("record_epsilon_max"): "record_eps_max"}
         bar = {"round": float(self.rounds)}
         bar.update({name: metrics[key] for key, name in short.items() if key in metrics})
         self.log_dict({k: torch.tensor(v, dtype=torch.float64) for k, v in bar.items()}, prog_bar=True, logger=False,
@@ -951,7 +930,7 @@ class FederatedRound(LightningModule):
     # -------------------------------------------------------------- checkpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         parts = {kind: part.state_dict() for kind, part in self.parts().items()}
-        secret: dict[str, Any] = {"noise_seed": self._noise_seed}
+        secret: dict[str, Any] = self.protocol.state_dict()
         state = {"seed": self.seed, "rounds": int(self.rounds), "previous_step": self.previous_step.detach().cpu().clone(),
                  "split_scored": self._split_scored, "version": 4}
         if self.selection_is_secret():
@@ -986,16 +965,8 @@ class FederatedRound(LightningModule):
             parts = {**secret.get("parts", {}), **state.get("parts", {})}
             for kind, part in self.parts().items():
                 part.load_state_dict(parts.get(kind, {}))
-            if self._noise_seed_given:
-                pass  # runs branched from one checkpoint (a grid) must not continue the same noise
-            elif "noise_seed" in secret:
-                self._noise_seed = int(secret["noise_seed"])
-            else:
-                # a public checkpoint, or one from before version 3, whose noise came from the logged (public) seed:
-                # the resumed rounds draw from the fresh secret seed of __init__
-                rank_zero_warn("the checkpoint holds no secret noise seed (a public checkpoint, or one written before "
-                               "lightning-dp kept the noise seed apart from the logged seed); the resumed run draws its "
-                               "noise from a fresh secret seed.")
+            # a public checkpoint, or one from before version 3 (its noise from the logged seed): a fresh secret seed
+            self.protocol.load_state_dict(secret)
 
     def _refuse_missing_ledgers(self) -> None:
         raise MisconfigurationException(
@@ -1014,13 +985,7 @@ class FederatedRound(LightningModule):
             # round this one is the later, which MLflow takes as the latest)
             final = self.server_privacy.epsilon_metrics() if self.server_privacy.accountable else {}
             final.update(self._record_metrics())
-            if final and self.trainer.is_global_zero:
-                for logger in self.trainer.loggers:
-                    logger.log_metrics(final, step=step - 1)
-            # and where the run's summary reads the spend (RunArtifacts' summary.* tags: callback_metrics, which
-            # would otherwise hold the last value Lightning logged, an interim or an older one)
-            for name, value in final.items():
-                self.trainer.callback_metrics[name] = torch.tensor(value, dtype=torch.float64)
+            self.protocol.write_final(self.trainer, final, step)
         # the artifacts pass the gate by their names (under nonprivate/ when the selection is secret)
         if self.trainer.is_global_zero and len(self.ledger):
             self._log_ledger_artifacts()
@@ -1030,30 +995,27 @@ class FederatedRound(LightningModule):
             self._log_record_ledger()
         if self.trainer.is_global_zero and self._cosines:
             self._log_cosine_plot()
-        self._summary_due = True
+        self.protocol.end(self._summary_title, self._summary_rows)
 
     def on_fit_end(self) -> None:
-        # after Lightning closed the progress bar (on_train_end): the summary is the run's last word
-        if not self._summary_due:
-            return
-        self._summary_due = False
-        from lightning_dp.callbacks.summary import print_summary
+        self.protocol.print_summary(self.trainer)
 
+    def _summary_title(self) -> str:
         rounds = int(self.rounds)
         resumed = f", {self._fit_rounds} in this fit" if self._fit_rounds != rounds else ""
-        print_summary(self.trainer, f"{type(self).__name__}: {rounds} rounds{resumed}", self._summary_rows())
+        return f"{type(self).__name__}: {rounds} rounds{resumed}"
 
     def _summary_rows(self) -> list[tuple[str, str]]:
         """``(label, value)`` rows of the end-of-training summary (:mod:`lightning_dp.callbacks.summary`)."""
         num_train = len(self._clients["train"])
         mean = self._fit_participants / max(self._fit_rounds, 1)
-        if not self._shown(self._stat("participants")):  # the exact counts are nonprivate, and off
+        if not self.protocol.shown(self.trainer, self.names.stat("participants")):  # the exact counts are nonprivate, and off
             rows = [("clients", f"{self.selection.expected_count(num_train):.3g} expected per round ({num_train} "
                                 f"training clients, {self.selection.name} selection; who took part is secret)")]
         else:
             rows = [("clients", f"{mean:.3g} per round ({self._fit_participants} participations this fit; {num_train} "
                                 f"training clients, {self.selection.name} selection)")]
-        if len(self.ledger) and self._shown(self._ledger_name("client_epsilon_max")):
+        if len(self.ledger) and self.protocol.shown(self.trainer, self.names.ledger("client_epsilon_max")):
             cap = "" if self.client_privacy_cap is None else f", cap {self.client_privacy_cap:g}"
             rows.append(("client epsilon", f"median {self.ledger.median():.4g}, max {self.ledger.max():.4g} "
                                            f"({self.sanitizer.ledger_label}{cap})"))
@@ -1064,8 +1026,8 @@ class FederatedRound(LightningModule):
             of = "" if target is None else f" of target_epsilon {target:g}"
             rows.append(("epsilon", f"{eps:.4g}{of} at delta {getattr(privacy, 'target_delta', math.nan):g} "
                                     f"(client-level, {type(privacy).__name__})"))
-        record = self.update.privacy_metrics() if self.update.accountable and self._shown(
-            self._ledger_name("record_epsilon_max")) else {}
+        record = self.update.privacy_metrics() if self.update.accountable and self.protocol.shown(self.trainer, 
+            self.names.ledger("record_epsilon_max")) else {}
         if record:
             med, top = record["privacy/record_epsilon_median"], record["privacy/record_epsilon_max"]
             rows.append(("record epsilon", f"median {med:.4g}, max {top:.4g} (per client, {self.update.name})"))
@@ -1085,10 +1047,10 @@ class FederatedRound(LightningModule):
         values = list(self.ledger.as_dict().values())
         fig = reports.spend_histogram(values, xlabel=self.sanitizer.ledger_label,
                                       title=f"privacy spend per client, {self.sanitizer.name}, n={self.spec.numel}")
-        tracking.log_figure(self.trainer, fig, self._ledger_name("client_epsilon_hist.png"))
+        tracking.log_figure(self.trainer, fig, self.names.ledger("client_epsilon_hist.png"))
         table = reports.spend_table(clients=len(values), median=self.ledger.median(), maximum=self.ledger.max(),
                                     cost_per_participation=self.participation_cost())
-        tracking.log_text(self.trainer, table, self._ledger_name("client_epsilon.tsv"))
+        tracking.log_text(self.trainer, table, self.names.ledger("client_epsilon.tsv"))
 
     def _log_record_ledger(self) -> None:
         """``privacy/record_epsilon.tsv`` (every client's record-level epsilon, noise and participations) and its
@@ -1101,12 +1063,12 @@ class FederatedRound(LightningModule):
         table = reports.record_table(
             (client.client_id, spend.get(client.client_id, 0.0), budget, plan, ledger.participations(client.client_id))
             for client, plan, budget in zip(self._clients["train"], update.client_plans(), update.client_budgets()))
-        tracking.log_text(self.trainer, table, self._ledger_name("record_epsilon.tsv"))
+        tracking.log_text(self.trainer, table, self.names.ledger("record_epsilon.tsv"))
         fig = reports.spend_histogram(
             list(spend.values()),
             xlabel=f"record-level epsilon at delta={ledger.delta:g} ({ledger.accountant}, {ledger.adjacency})",
             title=f"local DP-SGD spend per client ({update.sampling} batches)")
-        tracking.log_figure(self.trainer, fig, self._ledger_name("record_epsilon_hist.png"))
+        tracking.log_figure(self.trainer, fig, self.names.ledger("record_epsilon_hist.png"))
 
     def _log_cosine_plot(self) -> None:
         from lightning_dp import tracking

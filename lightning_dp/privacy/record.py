@@ -15,8 +15,8 @@ reads. Everything in it must be one of four kinds (DESIGN.md, "Secrets and the r
 - anything else is undeclared: :func:`classify` returns None, and the neighbouring-record test
   (tests/test_neighbouring_records.py) fails on it.
 
-Components that choose a name by the run's setting do so in one place (the federated round's
-``_stat``: counts under central DP are ``nonprivate/``); this table states what each name is when
+Components that choose a name by the run's setting do so here (the federated round's :class:`RoundNames`:
+counts under central DP are ``nonprivate/``); this table states what each name is when
 it is written. A name is matched by its first pattern (``fnmatch``: ``*`` spans ``/``).
 
 Example:
@@ -33,7 +33,7 @@ from collections.abc import Iterable
 from fnmatch import fnmatchcase
 from typing import NamedTuple
 
-__all__ = ["Declaration", "Kind", "RECORD", "classify", "declaration", "declare", "undeclared"]
+__all__ = ["Declaration", "Kind", "RECORD", "RoundNames", "classify", "declaration", "declare", "undeclared"]
 
 
 class Kind(str, enum.Enum):
@@ -164,3 +164,38 @@ def classify(name: str, where: str = "*") -> Kind | None:
 def undeclared(names: Iterable[str], where: str = "*") -> list[str]:
     """The names the table does not declare, sorted."""
     return sorted({n for n in names if classify(n, where) is None})
+
+
+class RoundNames(NamedTuple):
+    """Where a federated round records its statistics, from two public facts of its parts (the round's half of this
+    table's naming rules; the round reads them, it does not write its own).
+
+    Example:
+        >>> central = RoundNames(selection_secret=True, releases_sanitized=False)
+        >>> central.stat("participants"), central.ledger("client_epsilon_max"), central.records_releases
+        ('nonprivate/participants', 'nonprivate/client_epsilon_max', False)
+        >>> RoundNames(False, True).stat("update_norm_mean", of_releases=True)
+        'round/update_norm_mean'
+    """
+
+    #: an accountant amplifies by the secret client selection: who took part, how many, and the per-client ledgers
+    #: (each client's participations) are ``nonprivate/``
+    selection_secret: bool
+    #: every release is itself private (a local sanitizer or local DP-SGD with a ledger): statistics of the releases
+    #: are post-processing; otherwise they are exact statistics of the clients' data
+    releases_sanitized: bool
+
+    def stat(self, name: str, *, of_releases: bool = False) -> str:
+        """``round/<name>``, or ``nonprivate/<name>`` for a per-participant count under a secret selection and for
+        a statistic of unsanitized releases (``of_releases``)."""
+        private = self.selection_secret or (of_releases and not self.releases_sanitized)
+        return f"{'nonprivate' if private else 'round'}/{name}"
+
+    def ledger(self, name: str) -> str:
+        """``privacy/<name>`` of a per-client ledger, ``nonprivate/<name>`` under a secret selection."""
+        return f"{'nonprivate' if self.selection_secret else 'privacy'}/{name}"
+
+    @property
+    def records_releases(self) -> bool:
+        """Whether the releases themselves may go to the record (sanitized, of a public selection)."""
+        return self.releases_sanitized and not self.selection_secret
