@@ -22,8 +22,8 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["generator", "integer", "is_real", "non_negative_int", "non_negative_real", "open_fraction", "positive_int",
-           "positive_real", "probability"]
+__all__ = ["generator", "integer", "is_int", "is_real", "non_negative_int", "non_negative_real", "open_fraction",
+           "positive_int", "positive_real", "probability"]
 
 
 def _fail(name: str, value: Any, allowed: str, owner: Optional[str], hint: Optional[str]) -> ValueError:
@@ -31,7 +31,8 @@ def _fail(name: str, value: Any, allowed: str, owner: Optional[str], hint: Optio
                       f"{'; ' + hint if hint else ''}")
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """Whether ``value`` is an integer (``bool`` is not)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
@@ -42,21 +43,21 @@ def is_real(value: Any) -> bool:
 
 def integer(name: str, value: Any, *, owner: Optional[str] = None, hint: Optional[str] = None) -> int:
     """``value`` as an ``int`` (``bool`` is refused)."""
-    if not _is_int(value):
+    if not is_int(value):
         raise _fail(name, value, "an integer", owner, hint)
     return int(value)
 
 
 def positive_int(name: str, value: Any, *, owner: Optional[str] = None, hint: Optional[str] = None) -> int:
     """``value`` as an ``int`` >= 1."""
-    if not _is_int(value) or value < 1:
+    if not is_int(value) or value < 1:
         raise _fail(name, value, "a positive integer", owner, hint)
     return int(value)
 
 
 def non_negative_int(name: str, value: Any, *, owner: Optional[str] = None, hint: Optional[str] = None) -> int:
     """``value`` as an ``int`` >= 0."""
-    if not _is_int(value) or value < 0:
+    if not is_int(value) or value < 0:
         raise _fail(name, value, "a non-negative integer", owner, hint)
     return int(value)
 

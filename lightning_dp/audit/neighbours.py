@@ -49,6 +49,7 @@ from torch import Tensor, nn
 
 from lightning_dp import checks
 from lightning_dp.audit.scores import _to, default_per_example_loss
+from lightning_dp.privacy.noise import check_noise_multiplier
 
 __all__ = ["EMBEDDING_NAMES", "NeighbourLosses", "SigmaSearch", "find_embedding", "neighbour_losses",
            "noisy_neighbour_scores", "search_sigma"]
@@ -136,13 +137,6 @@ class NeighbourLosses:
     def scores(self) -> np.ndarray:
         """The noisy-neighbour membership scores: mean neighbour loss minus own loss (higher = member)."""
         return self.neighbours.mean(1) - self.own
-
-
-def _check_sigma(sigma: Any) -> float:
-    if isinstance(sigma, bool) or not isinstance(sigma, numbers.Real) or not (0 <= float(sigma) < math.inf):
-        raise ValueError(f"sigma={sigma!r} must be a finite number >= 0 (the std of the noise added to the embedding "
-                         "output); find one with search_sigma")
-    return float(sigma)
 
 
 def _repeat(batch: Any, times: int) -> Any:
@@ -275,7 +269,9 @@ def neighbour_losses(model: nn.Module, batches: Iterable[Any], *, sigma: float, 
         :class:`NeighbourLosses`; its ``scores`` are :func:`noisy_neighbour_scores`.
     """
     _check_model(model)
-    sigma = _check_sigma(sigma)
+    sigma = check_noise_multiplier(sigma, name="sigma", allow_zero=True,
+                                   meaning="the std of the noise added to the embedding output",
+                                   fix="Find one with search_sigma.")
     m = checks.positive_int("num_neighbours", num_neighbours, hint="pass e.g. num_neighbours=16")
     chunk = m if chunk is None else checks.positive_int("chunk", chunk, hint="the number of neighbours per forward pass")
     own, neighbours, passes = _losses(model, batches, sigma=sigma, num_neighbours=m,

@@ -13,12 +13,13 @@ scoring a split (``pdpfl/split_accuracy``); the server never reads either in the
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from lightning_dp.privacy.accounting import check_target_epsilon
 
 __all__ = ["DISTRIBUTIONS", "ClientBudgets", "Distribution", "DistributionBudgets", "FixedBudgets"]
 
@@ -38,12 +39,6 @@ class ClientBudgets:
         return {}
 
 
-def _check_epsilon(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{where}: epsilon={value!r} is not allowed: pass a finite number > 0")
-    return float(value)
-
-
 class FixedBudgets(ClientBudgets):
     """Budgets given explicitly.
 
@@ -56,9 +51,10 @@ class FixedBudgets(ClientBudgets):
 
     def __init__(self, epsilons: Sequence[float] | dict[Any, float], public: Sequence[bool] | None = None) -> None:
         if isinstance(epsilons, dict):
-            self.epsilons: Any = {k: _check_epsilon(v, f"budgets[{k!r}]") for k, v in epsilons.items()}
+            self.epsilons: Any = {k: check_target_epsilon(v, name=f"budgets[{k!r}]", finite=True)
+                                  for k, v in epsilons.items()}
         else:
-            self.epsilons = [_check_epsilon(v, f"budgets[{i}]") for i, v in enumerate(epsilons)]
+            self.epsilons = [check_target_epsilon(v, name=f"budgets[{i}]", finite=True) for i, v in enumerate(epsilons)]
             if not self.epsilons:
                 raise ValueError("FixedBudgets needs at least one epsilon")
         self.public = None if public is None else [bool(p) for p in public]

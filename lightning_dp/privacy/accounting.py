@@ -70,7 +70,6 @@ import contextlib
 import copy
 import logging
 import math
-import numbers
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Sequence
 from typing import Any, ClassVar
@@ -123,12 +122,8 @@ def check_adjacency(adjacency: Any) -> str:
 # --------------------------------------------------------------------------- validation
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def _check_num_steps(num_steps: Any, *, name: str = "num_steps", minimum: int = 1) -> int:
-    if not _is_int(num_steps) or num_steps < minimum:
+    if not checks.is_int(num_steps) or num_steps < minimum:
         raise ValueError(
             f"{name} must be an integer >= {minimum}, got {num_steps!r}. Pass a whole number of DP-SGD steps."
         )
@@ -814,10 +809,11 @@ def get_accountant(name: str = "pld", **kwargs: Any) -> Accountant:
     Example:
         >>> get_accountant("pld", value_discretization_interval=1e-3)
         PLDAccountant(value_discretization_interval=0.001, steps=0)
-        >>> get_accountant("prd")
+        >>> get_accountant("pdl")
         Traceback (most recent call last):
         ...
-        ValueError: accountant='prd' is not a registered accountant; choose one of ['pld', 'rdp']. Did you mean 'pld'? 'pld' (privacy loss distributions) is tight and the default; 'rdp' (Renyi DP) is a cheaper upper bound.
+        ValueError: accountant='pdl' is not a registered accountant; choose one of ['pld', 'rdp']. Did you mean \
+'pld'? 'pld' (privacy loss distributions) is tight and the default; 'rdp' (Renyi DP) is a cheaper upper bound.
     """
     key = name.lower() if isinstance(name, str) and name.lower() in ACCOUNTANTS else name
     cls = ACCOUNTANTS.resolve(key, hint="'pld' (privacy loss distributions) is tight and the default; 'rdp' (Renyi "

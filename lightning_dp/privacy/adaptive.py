@@ -58,7 +58,7 @@ import torch
 from torch import Tensor
 
 from lightning_dp import checks
-from lightning_dp.privacy.clipping import NORM_EPS, clip_factors
+from lightning_dp.privacy.clipping import NORM_EPS, check_clip, clip_factors
 from lightning_dp.privacy.noise import check_noise_multiplier, gaussian_noise
 
 __all__ = [
@@ -95,9 +95,8 @@ Tensors = Tensor | Sequence[Tensor]
 
 
 def _check_clip(clip: Any) -> float:
-    return checks.positive_real(
-        "clip", clip, hint="it is the current clipping threshold C (the L2 sensitivity of one example); a "
-        "multiplicative update keeps it positive, so pass the value the previous update returned (OSO starts at 0.1)")
+    return check_clip(clip, name="clip", hint="An adaptive rule's multiplicative update keeps it positive: pass the "
+                      "value the previous update returned (OSO starts at 0.1).")
 
 
 def _as_count(value: Any, name: str) -> float:

@@ -2,26 +2,43 @@
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import torch
 from torch import Tensor
 
-__all__ = ["clip_factors", "check_max_grad_norm", "sanitized_cosine"]
+from lightning_dp import checks
+
+__all__ = ["clip_factors", "check_clip", "check_max_grad_norm", "sanitized_cosine"]
 
 #: Added to the norm so that ``factor * norm <= max_grad_norm`` holds even for tiny norms.
 NORM_EPS = 1e-6
 
 
-def check_max_grad_norm(max_grad_norm: float) -> float:
-    """Validates a clipping threshold C and returns it as a float."""
-    try:
-        value = float(max_grad_norm)
-    except (TypeError, ValueError):
-        raise ValueError(f"max_grad_norm={max_grad_norm!r} is not a number; pass a positive float such as 1.0") from None
-    if not (value > 0 and torch.isfinite(torch.tensor(value))):
-        raise ValueError(
-            f"max_grad_norm={max_grad_norm!r} is not allowed: the clipping threshold C must be a finite number "
-            "> 0 (it is the L2 sensitivity of each example's contribution). Typical values are 0.1 to 10.")
-    return value
+def check_clip(value: Any, *, name: str = "max_grad_norm", hint: Optional[str] = None) -> float:
+    """A clipping threshold C as a float: a finite number > 0 (``bool`` is not one), else a ValueError naming
+    ``name``, the value, the range and the fix (``hint``: another fix, for a threshold that an update computed). The
+    one check of every C: DP-SGD's ``max_grad_norm``, a clipping strategy's current threshold, a sanitizer's ``clip``
+    of a client's update.
+
+    Example:
+        >>> check_clip(1)
+        1.0
+        >>> check_clip(0.0, name="clip")
+        Traceback (most recent call last):
+        ...
+        ValueError: clip=0.0 is not allowed: clip must be a finite number > 0; it is the clipping threshold C, the \
+bound on the L2 norm of one contribution (an example's gradient, a client's update) that the noise is calibrated to. \
+Pass e.g. clip=1.0; typical values are 0.1 to 10.
+    """
+    return checks.positive_real(
+        name, value, hint="it is the clipping threshold C, the bound on the L2 norm of one contribution (an example's "
+        "gradient, a client's update) that the noise is calibrated to. "
+        + (hint or f"Pass e.g. {name}=1.0; typical values are 0.1 to 10."))
+
+
+#: DP-SGD's name for :func:`check_clip` (its argument is ``max_grad_norm``).
+check_max_grad_norm = check_clip
 
 
 def clip_factors(norms: Tensor, max_grad_norm: float) -> Tensor:

@@ -59,6 +59,7 @@ import torch
 from torch import Tensor
 
 from lightning_dp import checks
+from lightning_dp.privacy.noise import check_noise_multiplier
 
 __all__ = [
     "SanitizedUpdate",
@@ -82,26 +83,20 @@ def _check_dim(dim: Any, *, name: str = "dim") -> int:
     return int(dim)
 
 
-def _check_epsilon(epsilon: Any) -> float:
-    if not checks.is_real(epsilon) or not (math.isfinite(epsilon) and epsilon > 0):
-        raise ValueError(
-            f"epsilon={epsilon!r} is not allowed: the Euclidean Laplace parameter must be a finite number > 0 "
-            "(the noise norm has mean dim / epsilon; epsilon = inf would mean no noise). Pass e.g. epsilon=1.0, "
-            "or use sanitize_update(..., noise_multiplier=nu) to calibrate it as n / (nu * ||delta||)."
-        )
-    return float(epsilon)
+def _check_laplace_epsilon(epsilon: Any) -> float:
+    return checks.positive_real(
+        "epsilon", epsilon, hint="it is the Euclidean Laplace parameter (the noise norm has mean dim / epsilon; "
+        "epsilon = inf would mean no noise). Pass e.g. epsilon=1.0, or use sanitize_update(..., noise_multiplier=nu) "
+        "to calibrate it as n / (nu * ||delta||)")
 
 
 def check_metric_noise_multiplier(noise_multiplier: Any) -> float:
     """The d-privacy noise multiplier nu as a finite float >= 0, else a ValueError that says what nu is."""
-    if not checks.is_real(noise_multiplier) or not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
-        raise ValueError(
-            f"noise_multiplier={noise_multiplier!r} is not allowed: nu must be a finite number >= 0. It is the "
-            "expected noise norm over the update norm ||client - reference||, and each participation costs "
-            "n / nu; nu = 0 releases the client's model without noise (the non-private baseline). Pass e.g. "
-            "noise_multiplier=1.0."
-        )
-    return float(noise_multiplier)
+    return check_noise_multiplier(
+        noise_multiplier, allow_zero=True,
+        meaning="nu, the expected noise norm over the update norm ||client - reference||; each participation costs "
+        "n / nu, and nu = 0 releases the client's model without noise (the non-private baseline)",
+        fix="Pass a value >= 0, e.g. noise_multiplier=1.0.")
 
 
 # --------------------------------------------------------------------------- gamma radius
@@ -236,7 +231,7 @@ def euclidean_laplace(
         (torch.Size([1000]), True)
     """
     dim = _check_dim(dim)
-    epsilon = _check_epsilon(epsilon)
+    epsilon = _check_laplace_epsilon(epsilon)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype={dtype!r} must be a floating torch.dtype such as torch.float32 or torch.float64.")
     count = 1 if num_samples is None else _check_dim(num_samples, name="num_samples")
@@ -279,7 +274,7 @@ def euclidean_laplace_log_prob(noise: Tensor, epsilon: float) -> Tensor:
         >>> round(float(euclidean_laplace_log_prob(torch.zeros(1), 2.0)), 12)  # log(2 / 2), Laplace(scale 1/2)
         0.0
     """
-    epsilon = _check_epsilon(epsilon)
+    epsilon = _check_laplace_epsilon(epsilon)
     if noise.dim() < 1 or noise.shape[-1] < 1:
         raise ValueError(f"noise must have a last dimension n >= 1, got shape {tuple(noise.shape)}.")
     n = noise.shape[-1]

@@ -20,10 +20,13 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
+from typing import Any, Optional
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from lightning_dp import checks
 
 __all__ = ["check_noise_multiplier", "counter_normal", "counter_uniform", "derive_generator", "derive_secret_generator",
            "gaussian_noise", "noisy_mean",
@@ -34,20 +37,41 @@ __all__ = ["check_noise_multiplier", "counter_normal", "counter_uniform", "deriv
 SAMPLING, NOISE, CLIP_STATISTIC = 1, 2, 3
 
 
-def check_noise_multiplier(noise_multiplier: float) -> float:
-    """Validates a noise multiplier sigma (noise std / sensitivity) and returns it as a float.
+_SIGMA = ("sigma, the ratio of the Gaussian noise standard deviation to the clipping norm; sigma = 0 releases the "
+          "gradient without privacy")
+_SIGMA_FIX = ("Pass a positive value (DP-SGD typically uses 0.5 to 10), or calibrate one: target_epsilon=... in DPSGD, "
+              "or lightning_dp.privacy.calibration.calibrate_noise_multiplier.")
 
-    Used by every component that takes sigma (the DP-SGD callback, the accountants).
+
+def check_noise_multiplier(noise_multiplier: Any, *, name: str = "noise_multiplier", allow_zero: bool = False,
+                           meaning: Optional[str] = None, fix: Optional[str] = None) -> float:
+    """A noise multiplier as a float: a finite number > 0 (``>= 0`` with ``allow_zero``, where 0 means no noise;
+    ``bool`` is not a number), else a ValueError naming ``name``, the value, the range, what the value is and the
+    fix. The one check of every noise scale: DP-SGD's and the accountants' sigma (the defaults), a sanitizer's
+    multiplier, d-privacy's nu, the noisy-neighbours audit's sigma.
+
+    Args:
+        noise_multiplier: the value.
+        name: the argument's name in the message.
+        allow_zero: accept 0 (no noise: a baseline).
+        meaning: what the value is, for the message (default: DP-SGD's sigma).
+        fix: what to pass instead, for the message (default: DP-SGD's typical values and calibration).
+
+    Example:
+        >>> check_noise_multiplier(0, name="sigma", allow_zero=True, meaning="the noise std", fix="Pass e.g. 0.1.")
+        0.0
+        >>> check_noise_multiplier(-1, name="sigma", allow_zero=True, meaning="the noise std", fix="Pass e.g. 0.1.")
+        Traceback (most recent call last):
+        ...
+        ValueError: sigma must be a finite number >= 0, got -1 (sigma=-1 is not allowed). It is the noise std. Pass \
+e.g. 0.1.
     """
-    if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, numbers.Real) \
-            or not math.isfinite(noise_multiplier) or noise_multiplier <= 0:
+    value = noise_multiplier
+    if not checks.is_real(value) or not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         raise ValueError(
-            f"noise_multiplier must be a finite number > 0, got {noise_multiplier!r} (noise_multiplier="
-            f"{noise_multiplier!r} is not allowed). It is sigma, the ratio of the Gaussian noise standard deviation "
-            "to the clipping norm; sigma = 0 releases the gradient without privacy. Pass a positive value (DP-SGD "
-            "typically uses 0.5 to 10), or calibrate one: target_epsilon=... in DPSGD, or "
-            "lightning_dp.privacy.calibration.calibrate_noise_multiplier.")
-    return float(noise_multiplier)
+            f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value!r} ({name}={value!r} is "
+            f"not allowed). It is {meaning or _SIGMA}. {fix or _SIGMA_FIX}")
+    return float(value)
 
 
 def _seeded(cls: type[torch.Generator], seed: int, counters: Sequence[int], device: torch.device | str) -> torch.Generator:

@@ -279,7 +279,7 @@ def test_choices_and_weights_that_leak_records_are_refused(bad):
     (dict(), "noise_multiplier .*, target_epsilon or budgets"),
     (dict(noise_multiplier=1.0, sampling="shuffle", adjacency="add_remove"), "adjacency='replace'"),
     (dict(noise_multiplier=1.0, adjacency="replace", accountant="rdp"), "needs accountant='pld'"),
-    (dict(noise_multiplier=1.0, target_epsilon=-1.0), "target_epsilon=-1.0"),
+    (dict(noise_multiplier=1.0, target_epsilon=-1.0), "target_epsilon must be a number > 0, got -1.0"),
     (dict(noise_multiplier=1.0, participations=0), "participations=0"),
     (dict(noise_multiplier=1.0, max_grad_norm=0.0), "max_grad_norm"),
 ])

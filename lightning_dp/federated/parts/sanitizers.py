@@ -35,6 +35,7 @@ from torch import Tensor
 from lightning_dp.federated.local import row_norms
 from lightning_dp.federated.parts.registry import Combination, Part, register_part
 from lightning_dp.privacy.accounting import check_delta
+from lightning_dp.privacy.clipping import check_clip
 from lightning_dp.privacy.ledger import GaussianLedger, PrivacyLedger
 from lightning_dp.privacy.local_dp import (
     check_sector,
@@ -46,7 +47,7 @@ from lightning_dp.privacy.local_dp import (
     sector_diameter,
 )
 from lightning_dp.privacy.mechanisms import SanitizedUpdate, check_metric_noise_multiplier, sanitize_update
-from lightning_dp.privacy.noise import gaussian_noise
+from lightning_dp.privacy.noise import check_noise_multiplier, gaussian_noise
 
 __all__ = ["ClientSanitizer", "ClipSanitizer", "EuclideanLaplace", "GaussianLocalDP", "LaplaceLocalDP", "NoSanitizer",
            "SectorSanitizer", "choice_spread"]
@@ -150,18 +151,12 @@ def choice_spread(hypotheses: Tensor | None, p: float = 2.0) -> float:
 _ROUNDING = 1 + 1e-4
 
 
-def _check_clip(clip: Any) -> float:
-    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not (math.isfinite(clip) and clip > 0):
-        raise ValueError(f"clip={clip!r} is not allowed: pass a finite clipping norm C > 0")
-    return float(clip)
-
-
-def _check_multiplier(noise_multiplier: Any, *, allow_zero: bool = False) -> float:
-    if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, (int, float)) \
-            or not math.isfinite(noise_multiplier) or noise_multiplier < 0 or (noise_multiplier == 0 and not allow_zero):
-        raise ValueError(f"noise_multiplier={noise_multiplier!r} is not allowed: pass a finite number > 0"
-                         + (" (0: no local noise)" if allow_zero else ""))
-    return float(noise_multiplier)
+def _check_local_multiplier(noise_multiplier: Any, *, allow_zero: bool = False) -> float:
+    """A local DP sanitizer's multiplier: the noise scale over the clipping norm C of the client's update."""
+    meaning = "the local noise scale over the clipping norm C of the client's update"
+    return check_noise_multiplier(noise_multiplier, allow_zero=allow_zero,
+                                  meaning=meaning + (" (0: no local noise)" if allow_zero else ""),
+                                  fix="Pass e.g. noise_multiplier=1.0.")
 
 
 @register_part("sanitizer", "none")
@@ -224,14 +219,14 @@ class ClipSanitizer(ClientSanitizer):
     follows_clip = True
 
     def __init__(self, clip: float = 1.0) -> None:
-        self.clip = _check_clip(clip)
+        self.clip = check_clip(clip, name="clip")
         self.initial_clip = self.clip
 
     def hparams(self) -> dict[str, Any]:
         return {"sanitizer_clip": self.initial_clip}
 
     def follow_clip(self, clip: float) -> None:
-        self.clip = _check_clip(clip)
+        self.clip = check_clip(clip, name="clip")
 
     def update_set(self, reference_given):
         return self.clip * _ROUNDING, 2 * self.clip * _ROUNDING
@@ -275,7 +270,7 @@ class GaussianLocalDP(ClientSanitizer):
 
     def __init__(self, noise_multiplier: float = 1.0, clip: float = 1.0, target_delta: float = 1e-5,
                  accountant: str = "pld") -> None:
-        self.noise_multiplier, self.clip = _check_multiplier(noise_multiplier), _check_clip(clip)
+        self.noise_multiplier, self.clip = _check_local_multiplier(noise_multiplier), check_clip(clip, name="clip")
         self.target_delta, self.accountant = check_delta(target_delta, name="target_delta"), accountant
         self.make_ledger()  # validates the accountant
 
@@ -332,7 +327,7 @@ class LaplaceLocalDP(ClientSanitizer):
     ledger_label = "client epsilon (local DP, Laplace, pure: delta = 0)"
 
     def __init__(self, noise_multiplier: float = 1.0, clip: float = 1.0) -> None:
-        self.noise_multiplier, self.clip = _check_multiplier(noise_multiplier), _check_clip(clip)
+        self.noise_multiplier, self.clip = _check_local_multiplier(noise_multiplier), check_clip(clip, name="clip")
 
     def hparams(self) -> dict[str, Any]:
         return {"sanitizer_noise_multiplier": self.noise_multiplier, "sanitizer_clip": self.clip,
@@ -379,7 +374,7 @@ class SectorSanitizer(GaussianLocalDP):
                  noise_multiplier: float = 0.0, target_delta: float = 1e-5, accountant: str = "pld") -> None:
         self.clip, self.lower_clip, self.angle = check_sector(clip, lower_clip, angle)
         self.initial = (self.clip, self.lower_clip)
-        self.noise_multiplier = _check_multiplier(noise_multiplier, allow_zero=True)
+        self.noise_multiplier = _check_local_multiplier(noise_multiplier, allow_zero=True)
         self.target_delta, self.accountant = check_delta(target_delta, name="target_delta"), accountant
         self.accountable = self.noise_multiplier > 0
         # without local noise the server may adapt the thresholds (central DP: the clients' bits are noised there);
@@ -399,7 +394,7 @@ class SectorSanitizer(GaussianLocalDP):
         if not self.follows_clip:
             super().follow_clip(clip)
         initial_clip, initial_lower = self.initial
-        self.clip = _check_clip(clip)
+        self.clip = check_clip(clip, name="clip")
         self.lower_clip = initial_lower * self.clip / initial_clip
 
     def state_dict(self) -> dict[str, Any]:

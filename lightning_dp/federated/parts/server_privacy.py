@@ -54,10 +54,10 @@ from torch import Tensor
 
 from lightning_dp.federated.local import clipped_delta_sum, delta_norms
 from lightning_dp.federated.parts.registry import Combination, Part, register_part
-from lightning_dp.privacy.accounting import check_adjacency, get_accountant
+from lightning_dp.privacy.accounting import check_adjacency, check_delta, check_target_epsilon, get_accountant
 from lightning_dp.privacy.adaptive import default_count_noise_std, quantile_clip_update, quantile_noise_split
 from lightning_dp.privacy.calibration import calibrate_noise_multiplier
-from lightning_dp.privacy.clipping import check_max_grad_norm, clip_factors
+from lightning_dp.privacy.clipping import check_clip, clip_factors
 from lightning_dp.privacy.delta import LargeDeltaWarning, check_delta_for_size
 from lightning_dp.privacy.noise import check_noise_multiplier, gaussian_noise, require_secret
 
@@ -187,14 +187,9 @@ class CentralGaussian(ServerPrivacy):
         if noise_multiplier is None and target_epsilon is None:
             raise ValueError("CentralGaussian needs noise_multiplier=<z> or target_epsilon=<budget> (or both)")
         self.requested_z = None if noise_multiplier is None else check_noise_multiplier(noise_multiplier)
-        if target_epsilon is not None and not (float(target_epsilon) > 0 and math.isfinite(float(target_epsilon))):
-            raise ValueError(f"target_epsilon={target_epsilon!r} is not allowed: pass a finite number > 0")
-        self.target_epsilon = None if target_epsilon is None else float(target_epsilon)
-        if not 0 < float(target_delta) < 1:
-            raise ValueError(f"target_delta={target_delta!r} is not allowed: delta must be in (0, 1), well below "
-                             "1 / (number of clients)")
-        self.target_delta = float(target_delta)
-        self.clip = check_max_grad_norm(clip)
+        self.target_epsilon = None if target_epsilon is None else check_target_epsilon(target_epsilon, finite=True)
+        self.target_delta = check_delta(target_delta, name="target_delta")
+        self.clip = check_clip(clip, name="clip")
         self.initial_clip = self.clip
         self.adaptive = bool(adaptive)
         if not 0 <= float(target_quantile) <= 1:

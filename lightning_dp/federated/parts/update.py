@@ -222,7 +222,7 @@ class LocalDPSGD(ClientUpdate):
                  adjacency: Literal["add_remove", "replace"] | None = None, accountant: Literal["pld", "rdp"] = "pld",
                  participations: int | None = None, engine: Literal["auto", "vmap", "loop"] = "auto",
                  budgets: ClientBudgets | None = None, train_at: Literal["own", "minimum"] = "own") -> None:
-        from lightning_dp.privacy.accounting import check_delta, check_adjacency, get_accountant
+        from lightning_dp.privacy.accounting import check_adjacency, check_delta, check_target_epsilon, get_accountant
         from lightning_dp.privacy.clipping import check_max_grad_norm
         from lightning_dp.privacy.noise import check_noise_multiplier
 
@@ -241,10 +241,7 @@ class LocalDPSGD(ClientUpdate):
             raise ValueError("local_dp_sgd needs noise_multiplier (sigma), target_epsilon or budgets (sigma "
                              "calibrated per client); pass one of them")
         self.noise_multiplier = None if noise_multiplier is None else check_noise_multiplier(noise_multiplier)
-        if target_epsilon is not None and (isinstance(target_epsilon, bool) or not float(target_epsilon) > 0
-                                           or not math.isfinite(float(target_epsilon))):
-            raise ValueError(f"target_epsilon={target_epsilon!r} is not allowed: pass a finite number > 0 or None")
-        self.target_epsilon = None if target_epsilon is None else float(target_epsilon)
+        self.target_epsilon = None if target_epsilon is None else check_target_epsilon(target_epsilon, finite=True)
         self.delta = check_delta(delta)
         if sampling not in ("poisson", "shuffle"):
             raise ValueError(f"sampling={sampling!r} is not allowed; choose 'poisson' or 'shuffle'")
