@@ -21,7 +21,10 @@ A privacy component (:class:`~lightning_dp.callbacks.DPSGD` and its subclasses,
   on held-out data (post-processing) whatever its name. The classic case is a user's
   ``self.log("train_loss", loss)`` in ``training_step``: the exact loss of a private batch, which no
   accountant covers. Log it as ``nonprivate/train_loss``, or declare the name
-  (:func:`lightning_dp.privacy.record.declare`) if it is something else;
+  (:func:`lightning_dp.privacy.record.declare`) if it is something else. DPSGD learns every name
+  ``training_step`` logs from its batch probe and refuses all the undeclared ones in one error before the first
+  private step (:func:`check_metric_names`, the same rule and fix per name); names logged elsewhere (the module's
+  ``on_train_batch_end``, ``on_train_epoch_end``, a callback) are refused here when first written;
 - params are the run's configuration: written, unless the table says a name is a ``nonprivate/``
   statistic;
 - a metric row may hold conditions: ``round/*`` is admitted only in a run with a federated round,
@@ -47,8 +50,8 @@ from typing import Any
 
 from lightning_dp.privacy.record import Declaration, Kind, declaration
 
-__all__ = ["UndeclaredRecordError", "admit", "admit_metrics", "check_monitors", "install", "installed",
-           "nonprivate_allowed", "uninstall"]
+__all__ = ["UndeclaredRecordError", "admit", "admit_metrics", "check_metric_names", "check_monitors", "install",
+           "installed", "nonprivate_allowed", "uninstall"]
 
 _ATTRIBUTE = "_lightning_dp_gate"
 
@@ -118,26 +121,67 @@ def admit(trainer: Any, name: str, where: str) -> bool:
     row = declaration(name, where)
     if row is not None and row.kind is Kind.NONPRIVATE:
         return gate.nonprivate
+    refusal = _refusal(trainer, name, where, row, "was about to write", name)
+    if refusal is not None:
+        raise UndeclaredRecordError(f"{gate.describe()}: {refusal}")
+    return True
+
+
+def _refusal(trainer: Any, name: str, where: str, row: Declaration | None, verb: str, logged: str) -> str | None:
+    """Why the gate refuses ``name`` written as ``where`` now (``row``: its declaration), with the fix: the text of
+    :func:`admit`'s error after the components' names (``verb``: "was about to write", or "would write" for a name
+    checked ahead; ``logged``: the name the code logs, of which ``name`` may be Lightning's ``_step``/``_epoch`` form:
+    the one to rename). None: not refused (written, or a ``nonprivate/`` item the switch may drop)."""
+    rename = f"nonprivate/{logged.replace('/', '_')}"
+    if row is not None and row.kind is Kind.NONPRIVATE:
+        return None
     if row is not None and not _conditions_hold(trainer, row, where):
         condition = ("only while the trainer validates or tests" if row.evaluating
                      else f"only in a run with {' or '.join(row.owners)}")
-        raise UndeclaredRecordError(
-            f"{gate.describe()}: the run was about to write the metric {name!r}, which the record's table "
+        return (
+            f"the run {verb} the metric {name!r}, which the record's table "
             f"(lightning_dp.privacy.record) admits {condition} (its row {row.pattern!r}: {row.why}). Written here it "
-            f"may be an exact statistic of private data. Fix: log it as 'nonprivate/{name.replace('/', '_')}' if it "
+            f"may be an exact statistic of private data. Fix: log it as {rename!r} if it "
             "is a statistic of the training data, or under a name of its own that you declare: "
             "lightning_dp.privacy.record.declare(name, 'release' | 'public' | 'nonprivate', 'metric', why).")
     if row is not None or where == "param" or (where == "metric" and _evaluating(trainer)):
-        return True
-    hint = (f"log it as 'nonprivate/{name.replace('/', '_')}' (switched off by log_nonprivate_metrics=False) if it "
+        return None
+    hint = (f"log it as {rename!r} (switched off by log_nonprivate_metrics=False) if it "
             "is a statistic of the training data, or " if where in ("metric", "artifact") else "")
-    raise UndeclaredRecordError(
-        f"{gate.describe()}: the run was about to write the {where} {name!r} to the record, which the record's table "
+    return (
+        f"the run {verb} the {where} {name!r} to the record, which the record's table "
         "(lightning_dp.privacy.record) does not declare: every item of a private run must be a DP release (or "
         "computed from released values only), public configuration, or a nonprivate/ statistic. Written during "
         f"training it may be an exact statistic of private data that no accountant covers. Fix: {hint}declare it "
         f"before the run: lightning_dp.privacy.record.declare({name!r}, 'release' | 'public' | 'nonprivate', "
         f"{where!r}, why).")
+
+
+def check_metric_names(trainer: Any, names: Mapping[str, str], *, source: str) -> None:
+    """Refuse, in one error, every metric of ``names`` that :func:`admit` would refuse when the loggers write it
+    during training: a component that learns what a run will log checks it before the run trains on private data or
+    writes anything (DPSGD, with the names its batch probe saw ``training_step`` log, before the first private step;
+    the gate at each write stays the backstop for what is logged elsewhere). ``names`` maps each name, as the loggers
+    would receive it, to the name the code logs (``train_acc`` for Lightning's ``train_acc_step`` and
+    ``train_acc_epoch``: the one the fix renames); ``source`` says who logs them. Nothing is checked in a run
+    without a gate or without a logger: no metric is written there.
+
+    Raises:
+        UndeclaredRecordError: listing each refused name with :func:`admit`'s own reason and fix for it.
+    """
+    gate = installed(trainer)
+    if gate is None or not list(getattr(trainer, "loggers", None) or []):
+        return
+    refused = [(name, logged, text) for name, logged in sorted(names.items())
+               if (text := _refusal(trainer, name, "metric", declaration(name, "metric"), "would write", logged))
+               is not None]
+    if not refused:
+        return
+    lines = "\n".join(f"- {name!r}{'' if logged == name else f' (logged as {logged!r})'}: {text}"
+                       for name, logged, text in refused)
+    raise UndeclaredRecordError(
+        f"{gate.describe()}: {source} logs {len(refused)} metric(s) that the record of this private run would refuse "
+        "when written. Refused now, before the private step, each with its fix:\n" + lines)
 
 
 def admit_metrics(trainer: Any, metrics: Mapping[str, Any], where: str = "metric") -> dict[str, Any]:

@@ -184,3 +184,136 @@ def test_a_logger_added_after_setup_is_gated():
                         callbacks=[DPSGD(noise_multiplier=1.0, seed=0, log_nonprivate_metrics=False), AddLogger()])
     trainer.fit(Classifier(), BlobsData())
     assert "privacy/epsilon" in late.names() and not any(n.startswith("nonprivate/") for n in late.names())
+
+
+# ------------------------------------------------------- names checked before the first private step (issue 49)
+class _NewUser(Classifier):
+    """What a new user's module logs in ``training_step``: the loss per step, the accuracy per epoch, a dict."""
+
+    def __init__(self, loss="train_loss", acc="train_acc", extra=None):
+        super().__init__()
+        self.names, self.extra = (loss, acc), dict(extra or {})
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        loss = torch.nn.functional.cross_entropy(logits, y)
+        self.log(self.names[0], loss)
+        self.log(self.names[1], (logits.argmax(1) == y).float().mean(), on_epoch=True)
+        if self.extra:
+            self.log_dict(self.extra)
+        self.log("shown_only", 1.0, prog_bar=True, logger=False)  # reaches no logger: never written, not refused
+        return loss
+
+
+def _dpsgd_trainer(logger, **kwargs):
+    return L.Trainer(accelerator="cpu", devices=1, logger=logger, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, max_epochs=1, log_every_n_steps=1,
+                     callbacks=[DPSGD(noise_multiplier=1.0, max_grad_norm=1.0, seed=0, **kwargs)])
+
+
+def _fit_with(trainer, module, via):
+    if via == "datamodule":
+        trainer.fit(module, BlobsData())
+    else:
+        data = BlobsData()
+        data.setup("fit")
+        trainer.fit(module, train_dataloaders=data.train_dataloader())
+
+
+@pytest.mark.parametrize("via", ["datamodule", "train_dataloaders"])
+def test_every_undeclared_name_of_training_step_is_refused_in_one_error_before_the_first_private_step(via):
+    """``train_loss`` (per step) and ``train_acc`` (on_epoch=True) used to be refused one at a time, at the first write
+    (step 50, the end of epoch 0), after private steps had run. The batch probe learns them, with Lightning's
+    ``_step``/``_epoch`` names, and all are refused before the first optimizer step, each with the gate's own fix."""
+    recorder, module = RecordingLogger(), _NewUser()
+    before = [p.detach().clone() for p in module.parameters()]
+    trainer = _dpsgd_trainer(recorder)
+    with pytest.raises(gate.UndeclaredRecordError) as refused:
+        _fit_with(trainer, module, via)
+    message = str(refused.value)
+    assert "_NewUser.training_step logs 3 metric(s)" in message
+    # one line each, with the gate's fix: rename what the module logs (train_acc for Lightning's train_acc_step)
+    for name, logged in [("train_loss", "train_loss"), ("train_acc_step", "train_acc"),
+                         ("train_acc_epoch", "train_acc")]:
+        assert re.search(rf"^- '{name}'.*would write the metric '{name}'.*log it as 'nonprivate/{logged}'.*"
+                         rf"declare\('{name}'", message, re.MULTILINE)
+    assert "- 'train_acc_step' (logged as 'train_acc'): " in message
+    assert "shown_only" not in message
+    dp = trainer.callbacks[0]
+    assert trainer.global_step == 0 and len(dp.accountant.history) == 0 and dp._released == 0  # no private step
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters()))  # parameters unchanged
+    assert recorder.calls == []  # no metric written (the run's configuration, params, was)
+
+
+def test_log_dict_and_names_declared_for_others_are_refused_with_the_rest():
+    with pytest.raises(gate.UndeclaredRecordError) as refused:
+        _fit_with(_dpsgd_trainer(RecordingLogger()),
+                  _NewUser(loss="nonprivate/train_loss", acc="train_acc", extra={"val/acc": 1.0, "grad_norm": 2.0,
+                                                                                   "nonprivate/x": 3.0}), "datamodule")
+    message = str(refused.value)
+    assert "logs 4 metric(s)" in message
+    assert "- 'val/acc': the run would write the metric 'val/acc', which the record's table " in message
+    assert "admits only while the trainer validates or tests" in message
+    assert "- 'grad_norm': " in message and "- 'train_acc_epoch' (logged as 'train_acc'): " in message
+
+
+@pytest.mark.parametrize("via", ["datamodule", "train_dataloaders"])
+def test_a_module_logging_declared_and_nonprivate_names_trains_as_before(via):
+    """The names check adds nothing to the record and draws nothing: the same seed trains the same parameters as a
+    module that logs nothing, and the probe's own calls of training_step reach no logger."""
+    class Counts(_NewUser):
+        def training_step(self, batch, batch_idx):
+            self.log("nonprivate/examples", float(batch[0].shape[0]), on_step=False, on_epoch=True, reduce_fx="sum")
+            return super().training_step(batch, batch_idx)
+
+    class Silent(Classifier):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self(x), y)
+
+    class Seen(L.Callback):
+        examples = 0
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            Seen.examples += batch[0].shape[0]
+
+    trained = []
+    for module in (Counts(loss="nonprivate/train_loss", acc="nonprivate/train_acc"), Silent()):
+        torch.manual_seed(0)
+        module.net.apply(lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)
+        recorder = RecordingLogger()
+        trainer = _dpsgd_trainer(recorder)
+        trainer.callbacks.append(Seen())
+        Seen.examples = 0
+        _fit_with(trainer, module, via)
+        assert trainer.global_step == 10
+        trained.append([p.detach().clone() for p in module.parameters()])
+        if isinstance(module, Counts):
+            assert {"nonprivate/train_loss", "nonprivate/train_acc_step", "nonprivate/train_acc_epoch",
+                    "privacy/epsilon"} <= recorder.names()
+            assert recorder.series("nonprivate/examples") == [Seen.examples]  # not the probe's 3 + 5 + 7 more
+    assert all(torch.equal(a, b) for a, b in zip(*trained))
+
+
+def test_names_are_not_checked_where_nothing_is_written_or_dropped_by_the_switch():
+    trainer = _dpsgd_trainer(False)  # no logger: no metric reaches the record
+    trainer.fit(_NewUser(), BlobsData())
+    assert trainer.global_step == 10
+    trainer = _dpsgd_trainer(RecordingLogger(), log_nonprivate_metrics=False)
+    trainer.fit(_NewUser(loss="nonprivate/train_loss", acc="nonprivate/train_acc"), BlobsData())
+    assert trainer.global_step == 10
+
+
+def test_a_name_logged_in_an_epoch_end_hook_is_refused_when_written():
+    """The probe runs training_step only: a name the module logs in on_train_epoch_end is not learned before the
+    first step (its hooks act on real steps and state the probe cannot restore); the gate refuses it at its write."""
+    class AtEpochEnd(Classifier):
+        def on_train_epoch_end(self):
+            self.log("train_epoch_stat", 1.0)
+
+    recorder = RecordingLogger()
+    trainer = _dpsgd_trainer(recorder)
+    with pytest.raises(gate.UndeclaredRecordError, match="metric 'train_epoch_stat' to the record"):
+        trainer.fit(AtEpochEnd(), BlobsData())
+    assert trainer.global_step == 10 and "train_epoch_stat" not in recorder.names()

@@ -18,8 +18,10 @@ over the training loader), :mod:`~lightning_dp.callbacks.batch_probe`, :mod:`~li
 :mod:`lightning_dp.privacy.planning` (the planned length), :mod:`~lightning_dp.callbacks.dp_sgd_record` (what it
 writes); per-sample gradients by :class:`~lightning_dp.privacy.grad_sample.GradSampleEngine`, replaced in
 ``on_after_backward``. Private attributes of other libraries it relies on: Lightning's ``fit_loop._data_source``
-(checked, refused loudly if moved) and ``LightningModule._on_before_batch_transfer``, torchmetrics'
-``Metric._defaults``, ``_update_count`` and ``_computed`` (the probe restores metric states).
+(checked, refused loudly if moved), ``LightningModule._on_before_batch_transfer`` and the logger connector's
+``_FxValidator`` and ``_Metadata`` (the names ``self.log`` gives:
+:class:`~lightning_dp.callbacks.batch_probe.LoggedNames`), torchmetrics' ``Metric._defaults``, ``_update_count`` and
+``_computed`` (the probe restores metric states).
 
 The seed of the sampling and noise streams is a secret (:mod:`lightning_dp.privacy.seeds`): kept in local
 checkpoints under ``"secret"``, never logged, stripped from uploaded checkpoints.
@@ -51,7 +53,7 @@ from lightning_dp.callbacks.clipping import ClipStrategy, FixedClip, Release, St
 from lightning_dp.callbacks.release_guard import ReleaseGuard, UnprivatizedGradientError
 from lightning_dp.callbacks.run_length import Lengths
 from lightning_dp.privacy import planning
-from lightning_dp.privacy.accounting import get_accountant
+from lightning_dp.privacy.accounting import check_delta, check_target_epsilon, get_accountant
 from lightning_dp.privacy.batch_dims import split_batch
 from lightning_dp.privacy.calibration import calibrate_noise_multiplier
 from lightning_dp.privacy.clipping import check_max_grad_norm, clip_factors
@@ -89,19 +91,6 @@ class PlannedMechanism(NamedTuple):
 _STATE_VERSION = 2
 #: Trainer precisions DPSGD supports (the engine computes per-sample norms and sums in at least float32)
 _PRECISIONS = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "32", "64")
-
-
-def _target_epsilon(value: float | None) -> float | None:
-    if value is not None and not (float(value) > 0 and math.isfinite(float(value))):
-        raise ValueError(f"target_epsilon={value!r} is not allowed: pass a finite number > 0, e.g. 3.0, or None")
-    return None if value is None else float(value)
-
-
-def _target_delta(value: float) -> float:
-    if not 0 < float(value) < 1:
-        raise ValueError(f"target_delta={value!r} is not allowed: delta must be in (0, 1), and well below "
-                         "1/N for N training examples (e.g. 1e-5 for N = 60,000)")
-    return float(value)
 
 
 #: growth interval that fixes a GradScaler's scale for any run (2**62 steps)
@@ -211,8 +200,8 @@ class DPSGD(Callback):
                 "DPSGD needs noise_multiplier=<sigma> or target_epsilon=<budget> (or both): with neither there is "
                 "no noise and no budget. Example: DPSGD(target_epsilon=3.0, target_delta=1e-5, epochs=10)")
         self._requested_sigma = None if noise_multiplier is None else check_noise_multiplier(noise_multiplier)
-        self.target_epsilon = _target_epsilon(target_epsilon)
-        self.target_delta = _target_delta(target_delta)
+        self.target_epsilon = None if target_epsilon is None else check_target_epsilon(target_epsilon, finite=True)
+        self.target_delta = check_delta(target_delta, name="target_delta")
         self.clipping = self._resolve_clipping(clipping, max_grad_norm)
         self.epochs = None if epochs is None else checks.positive_int("epochs", epochs, hint="or None")
         self.max_steps = None if max_steps is None else checks.positive_int("max_steps", max_steps, hint="or None")
@@ -591,9 +580,9 @@ class DPSGD(Callback):
         """
         self._requested_sigma = check_noise_multiplier(noise_multiplier)
         self._restored_sigma = None
-        self.target_epsilon = _target_epsilon(target_epsilon)
+        self.target_epsilon = None if target_epsilon is None else check_target_epsilon(target_epsilon, finite=True)
         if target_delta is not None:
-            self.target_delta = _target_delta(target_delta)
+            self.target_delta = check_delta(target_delta, name="target_delta")
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         data = self._data  # refuses a run whose training loader DPSGD did not see
@@ -797,10 +786,22 @@ class DPSGD(Callback):
             backward=lambda loss: trainer.strategy.backward(loss / divisor, optimizer))
 
     def _probe(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Establishes where the layers and the batch hold the examples (:func:`~lightning_dp.callbacks.batch_probe.probe`)."""
+        """Establishes where the layers and the batch hold the examples
+        (:func:`~lightning_dp.callbacks.batch_probe.probe`), and refuses, in one error, every metric name ``training_step`` logs that the record would refuse: the first
+        probe runs before the first private step and before any metric is written.
+
+        Names the module logs in its other hooks (``on_train_batch_end``, ``on_train_epoch_end``) are not learned:
+        the probe does not run those hooks (they act on real steps' outputs and on state it cannot put back,
+        :mod:`~lightning_dp.callbacks.batch_probe`); the gate refuses such a name when the loggers first write it.
+        """
+        from lightning_dp import gate
+
         assert self._engine is not None and self._probe_data is not None
         training_step = self._user_training_step or pl_module.training_step  # not the chunk loop
-        self._batch_dims = batch_probe.probe(self._engine, trainer, pl_module, self._probe_data, training_step)
+        logged = batch_probe.LoggedNames()
+        self._batch_dims = batch_probe.probe(self._engine, trainer, pl_module, self._probe_data, training_step,
+                                             logged)
+        gate.check_metric_names(trainer, logged, source=f"{type(pl_module).__name__}.training_step")
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         # the module's own on_train_batch_start runs after DPSGD's: it could change the factor for this batch

@@ -197,8 +197,10 @@ def test_empty_poisson_batches_release_noise_only():
     (dict(noise_multiplier=1.0, max_grad_norm=0.0), "max_grad_norm=0.0"),
     (dict(noise_multiplier=1.0, max_grad_norm=float("inf")), "max_grad_norm=inf"),
     (dict(), "noise_multiplier=<sigma> or target_epsilon"),
-    (dict(target_epsilon=-1.0), "target_epsilon=-1.0"),
-    (dict(noise_multiplier=1.0, target_delta=1.0), "target_delta=1.0"),
+    # the accountant's own checks (lightning_dp.privacy.accounting), with the argument's name
+    (dict(target_epsilon=-1.0), "target_epsilon must be a number > 0, got -1.0"),
+    (dict(target_epsilon=float("inf")), "target_epsilon must be finite, got inf: pass None for no budget"),
+    (dict(noise_multiplier=1.0, target_delta=1.0), r"target_delta must be a number in \(0, 1\), got 1.0"),
     (dict(noise_multiplier=1.0, accountant="nope"), "nope"),
     (dict(target_epsilon=1.0, epochs=2, max_steps=3), "not both"),
     (dict(noise_multiplier=1.0, adjacency="swap"), "adjacency='swap' is not allowed"),
