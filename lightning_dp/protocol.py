@@ -104,6 +104,11 @@ class RunProtocol:
         gate.install(trainer, self.owner)
         gate.check_monitors(trainer)
 
+    def check_names(self, trainer: Any, names: Mapping[str, str], *, source: str) -> None:
+        """Refuse, in one error before the first private step, every undeclared metric name the component learned
+        its module logs (DPSGD's batch probe of ``training_step``)."""
+        gate.check_metric_names(trainer, names, source=source)
+
     def shown(self, trainer: Any, name: str) -> bool:
         """Whether the gate admits the metric ``name``: a printed summary shows a fact only where the record may
         hold it."""

@@ -73,9 +73,10 @@ from lightning_dp.privacy.sampling import (
     poisson_dataloader,
     rebuild_dataloader,
 )
-from lightning_dp.privacy.seeds import SECRET_KEY, check_seed, fresh_seed
+from lightning_dp.privacy.seeds import SECRET_KEY
 from lightning_dp.privacy.spend import Spend
 from lightning_dp.privacy.validators import describe_mixing_layers, find_mixing_layers, replace_batchnorm
+from lightning_dp.protocol import RunProtocol
 
 __all__ = ["DPSGD", "PlannedMechanism", "UnprivatizedGradientError"]
 
@@ -220,14 +221,14 @@ class DPSGD(Callback):
         if self.poisson_sampling and self.adjacency == "replace":
             self.accountant_kwargs["adjacency"] = "replace"
         self._accountant = get_accountant(accountant, **self.accountant_kwargs)  # validates the name
-        self._requested_seed = check_seed(seed)
+        # the secret seed, the gate, the final spend, the summary: the run-level protocol (lightning_dp.protocol)
+        self.protocol = RunProtocol(self, seed=seed)
         self.replace_batchnorm = bool(replace_batchnorm)
         self.log_nonprivate_metrics = bool(log_nonprivate_metrics)
         self.max_physical_batch_size = (None if max_physical_batch_size is None else
                                         checks.positive_int("max_physical_batch_size", max_physical_batch_size,
                                                             hint="or None"))
 
-        self._seed: int | None = None
         self._sigma: float | None = None
         self._restored_sigma: float | None = None
         self._sigma_source = ""  # given, calibrated for ..., from the checkpoint (for the end summary)
@@ -245,7 +246,6 @@ class DPSGD(Callback):
         self._last_stats: torch.Tensor | None = None
         self._curve: list[tuple[int, float]] = []
         self._logged_step = -1
-        self._summary_due = False  # on_train_end ran: on_fit_end prints the summary
         self._loss_checked = False
         self._batch_size: int | None = None
         self._logical = virtual_batches.LogicalStep()  # where the current logical batch stands
@@ -405,14 +405,7 @@ class DPSGD(Callback):
         if mixing:
             raise MisconfigurationException(describe_mixing_layers(mixing))
 
-        from lightning_dp import gate
-        from lightning_dp.tracking import refuse_checkpoint_uploads
-
-        refuse_checkpoint_uploads(trainer, type(self).__name__)
-        gate.install(trainer, self)  # everything the run writes from now on passes the record's gate
-        if self._seed is None:
-            seed = self._requested_seed if self._requested_seed is not None else fresh_seed()
-            self._seed = int(trainer.strategy.broadcast(seed, src=0))
+        self.protocol.setup(trainer)  # uploads refused, the gate installed, the secret seed fixed on every process
         self._engine = GradSampleEngine(pl_module)
         training_data.attach(trainer, lambda loader: self._privatize(loader, trainer), self._shadows)
         self._logical.restart()
@@ -451,14 +444,20 @@ class DPSGD(Callback):
     def set_secret_seed(self, seed: int) -> None:
         """Replace the seed of the sampling and noise streams before ``fit`` (``lightning-dp grid`` does this,
         so that no two runs of a grid draw the same noise)."""
-        self._requested_seed = check_seed(seed, optional=False)
-        self._seed = None
+        self.protocol.give_seed(seed)
+
+    @property
+    def _seed(self) -> int | None:
+        """The secret seed of the sampling and noise streams (None before ``setup``)."""
+        return self.protocol.seed_or_none
+
+    @property
+    def _requested_seed(self) -> int | None:
+        return self.protocol.requested
 
     def _drawn_seed(self) -> int:
         """The seed of the sampling and noise streams, drawn (or restored) in ``setup``."""
-        if self._seed is None:
-            raise RuntimeError("DPSGD: the noise seed is drawn in setup(), which has not run (internal)")
-        return self._seed
+        return self.protocol.seed
 
     def attach_audit(self, audit: Any) -> None:
         """Lets a one-run audit (:class:`~lightning_dp.callbacks.OneRunAudit`) into the run before training starts.
@@ -586,10 +585,8 @@ class DPSGD(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         data = self._data  # refuses a run whose training loader DPSGD did not see
-        from lightning_dp import gate
 
-        gate.install(trainer, self)  # again: loggers (and the progress bar) added since setup
-        gate.check_monitors(trainer)  # no checkpoint, early stop or scheduler may select on a private statistic
+        self.protocol.start(trainer)  # the gate over loggers added since setup; no monitor of a private statistic
         # delta >= 1/N: warned, with the wording every accountant shares (lightning_dp.privacy.delta)
         large_delta = check_delta_for_size(self.target_delta, data.dataset_size, unit="examples",
                                            who=type(self).__name__)
@@ -698,9 +695,8 @@ class DPSGD(Callback):
         # after every on_train_epoch_start (a GradientAccumulationScheduler sets the factor there) and before anything
         # of this micro-batch is computed: the factor must be the one the data was sampled for
         self._check_accumulation(trainer, f"before batch {batch_idx} of epoch {trainer.current_epoch}")
-        from lightning_dp import gate
 
-        gate.install(trainer, self)  # a logger added by a hook since (wraps only what is new: a few lookups)
+        self.protocol.cover(trainer)  # a logger added by a hook since (wraps only what is new: a few lookups)
         step = self._logical
         if step.awaiting_step:  # whatever switched accumulation on: a step was released and never applied
             raise virtual_batches.mismatch(
@@ -794,14 +790,12 @@ class DPSGD(Callback):
         the probe does not run those hooks (they act on real steps' outputs and on state it cannot put back,
         :mod:`~lightning_dp.callbacks.batch_probe`); the gate refuses such a name when the loggers first write it.
         """
-        from lightning_dp import gate
-
         assert self._engine is not None and self._probe_data is not None
         training_step = self._user_training_step or pl_module.training_step  # not the chunk loop
         logged = batch_probe.LoggedNames()
         self._batch_dims = batch_probe.probe(self._engine, trainer, pl_module, self._probe_data, training_step,
                                              logged)
-        gate.check_metric_names(trainer, logged, source=f"{type(pl_module).__name__}.training_step")
+        self.protocol.check_names(trainer, logged, source=f"{type(pl_module).__name__}.training_step")
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         # the module's own on_train_batch_start runs after DPSGD's: it could change the factor for this batch
@@ -1008,12 +1002,8 @@ class DPSGD(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         step = trainer.global_step
         if step > 0 and self._logged_step != step:
-            # Lightning writes step metrics only every log_every_n_steps: write the final spend explicitly,
-            # at Lightning's step numbering (metrics of optimizer step n are written at step n - 1)
-            metrics = self._privacy_metrics(step)
-            if trainer.is_global_zero:
-                for logger in trainer.loggers:
-                    logger.log_metrics(metrics, step=step - 1)
+            # Lightning writes step metrics only every log_every_n_steps: the final spend explicitly
+            self.protocol.write_final(trainer, self._privacy_metrics(step), step)
             self._logged_step = step
         if trainer.is_global_zero:
             from lightning_dp import tracking
@@ -1021,19 +1011,14 @@ class DPSGD(Callback):
             for fig, name in dp_sgd_record.figures(self._curve, target_delta=self.target_delta, sigma=self._sigma,
                                                    clipping=self.clipping):
                 tracking.log_figure(trainer, fig, name)
-        self._summary_due = True
+        self.protocol.end(self._summary_title, self._summary_rows)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # printed here, after Lightning closed the progress bar (on_train_end), so that the summary is the run's
-        # last word and no bar redraw cuts into it
-        if not self._summary_due:
-            return
-        self._summary_due = False
-        from lightning_dp.callbacks.summary import print_summary
+        self.protocol.print_summary(trainer)
 
+    def _summary_title(self) -> str:
         released, per_epoch = self._released, self._data.steps_per_epoch
-        print_summary(trainer, f"{type(self).__name__}: {released} private steps ({released / per_epoch:.3g} epochs of "
-                      f"{per_epoch} steps)", self._summary_rows())
+        return f"{type(self).__name__}: {released} private steps ({released / per_epoch:.3g} epochs of {per_epoch} steps)"
 
     def _summary_rows(self) -> list[tuple[str, str]]:
         """``(label, value)`` rows of the end-of-training summary (:func:`dp_sgd_record.summary_rows`)."""
@@ -1053,14 +1038,12 @@ class DPSGD(Callback):
         self._guard.remove()
         self._audits = []  # attached again by the audit's own setup in a next fit
         self._shadows.restore()
-        from lightning_dp import gate
-
-        gate.uninstall(trainer, self)
+        self.protocol.teardown(trainer)
 
     # ---------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
         # the seed regenerates every noise draw: kept under SECRET_KEY, stripped from whatever is uploaded
-        state = {"version": _STATE_VERSION, "accountant": self._accountant.state_dict(), SECRET_KEY: {"seed": self._seed},
+        state = {"version": _STATE_VERSION, "accountant": self._accountant.state_dict(), SECRET_KEY: self.protocol.state_dict(),
                  "noise_multiplier": self._sigma, "max_grad_norm": self.max_grad_norm,
                  "poisson_sampling": self.poisson_sampling, "released_steps": self._released,
                  "curve": list(self._curve),
@@ -1087,19 +1070,8 @@ class DPSGD(Callback):
                 f"the checkpoint's privacy history was recorded by the {saved.get('name')!r} accountant but this "
                 f"DPSGD uses accountant={self.accountant_name!r}; resume with accountant={saved.get('name')!r}.")
         self._accountant.load_state_dict(saved)
-        seed = state_dict.get(SECRET_KEY, {}).get("seed", state_dict.get("seed"))  # "seed": checkpoints before 0.2
-        if self._requested_seed is not None:
-            # an explicit seed (the constructor's, or one lightning-dp grid gives every run) wins: several runs
-            # branched from one checkpoint must not continue the same noise streams
-            if seed is not None and int(seed) != self._requested_seed:
-                rank_zero_info("DPSGD: resuming with the seed given to this callback, not the checkpoint's: the run "
-                               "draws new noise (its accounting continues from the checkpoint's history).")
-        elif seed is None:
-            rank_zero_info("DPSGD: the checkpoint holds no noise seed (a public checkpoint, stripped of its secrets); "
-                           "the resumed run samples and draws noise from a fresh secret seed. Its accounting continues "
-                           "from the checkpoint's history.")
-        else:
-            self._seed = int(seed)
+        # a given seed wins (runs branched from one checkpoint draw new noise); none saved: a fresh one
+        self.protocol.load_state_dict(state_dict.get(SECRET_KEY), legacy=state_dict.get("seed"))  # "seed": before 0.2
         self._restored_sigma = state_dict.get("noise_multiplier")
         self._released = int(state_dict.get("released_steps", 0))
         self._curve = [tuple(x) for x in state_dict.get("curve", [])]
