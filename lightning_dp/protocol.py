@@ -13,7 +13,8 @@ run"). Its steps:
   :data:`~lightning_dp.privacy.seeds.SECRET_KEY` only (:meth:`RunProtocol.state_dict`);
 - **the final spend**, written at the run's last step when Lightning's own writes missed it, and where the run's
   summary reads it (:meth:`RunProtocol.write_final`);
-- **the summary**, printed once when fitting ends, after the progress bar's last frame;
+- **the summary**, printed once when fitting ends, after the progress bar's last frame, in one format for every
+  mechanism (:func:`format_summary`: a title, then ``label  value`` rows);
 - **non-finite inputs**: an example, a client update or a node's reply that is not finite contributes zero
   (:mod:`lightning_dp.privacy.finite`, the functional core's one function for it: the mechanisms call it where the
   unit's contribution is formed).
@@ -30,7 +31,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_dp import gate
 from lightning_dp.privacy.seeds import SECRET_KEY, check_seed, fresh_seed
 
-__all__ = ["RunProtocol", "SECRET_KEY"]
+__all__ = ["RunProtocol", "SECRET_KEY", "format_summary", "print_summary"]
 
 
 class RunProtocol:
@@ -139,8 +140,6 @@ class RunProtocol:
             return
         title, rows = self._summary
         self._summary = None
-        from lightning_dp.callbacks.summary import print_summary
-
         print_summary(trainer, title() if callable(title) else title, rows())  # type: ignore[operator]
 
     # ------------------------------------------------------------------ checkpoints
@@ -169,3 +168,33 @@ class RunProtocol:
                 "draws its noise from a fresh secret seed. Its accounting continues from the checkpoint's history.")
         else:
             self._seed = int(seed)
+
+
+def format_summary(title: str, rows: Sequence[tuple[str, str]]) -> str:
+    """The title, then the rows as aligned ``label  value`` lines indented by two spaces.
+
+    Example:
+        >>> print(format_summary("DPSGD: 30 private steps (3 epochs)",
+        ...                      [("epsilon", "1.98 of target_epsilon 2 at delta 1e-05"), ("sample rate q", "0.1")]))
+        DPSGD: 30 private steps (3 epochs)
+          epsilon        1.98 of target_epsilon 2 at delta 1e-05
+          sample rate q  0.1
+    """
+    width = max((len(label) for label, _ in rows), default=0)
+    return "\n".join([title, *(f"  {label:<{width}}  {value}" for label, value in rows)])
+
+
+def print_summary(trainer: Any, title: str, rows: Sequence[tuple[str, str]]) -> None:
+    """Print :func:`format_summary` on global rank zero (one copy under DDP), after the progress bar's last frame.
+
+    Called from ``on_fit_end``. Lightning's Rich progress bar draws its final frame when it stops, in its
+    ``teardown`` hook, after ``on_fit_end``: in a log file that frame (with its metrics cut to the width) came
+    after the summary. The bar's own ``teardown`` is called here first (idempotent: it stops a display that
+    is running, and Lightning's later call finds it stopped), so that the summary is the run's last word.
+    """
+    if not trainer.is_global_zero:
+        return
+    bar = getattr(trainer, "progress_bar_callback", None)
+    if bar is not None and getattr(trainer, "lightning_module", None) is not None:
+        bar.teardown(trainer, trainer.lightning_module, "fit")
+    print(format_summary(title, rows), flush=True)

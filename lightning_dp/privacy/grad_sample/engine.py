@@ -9,7 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,9 +18,9 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from lightning_dp.privacy.batch_dims import PROBE_SIZES, AmbiguousBatchDimError, batch_dim, tensor_leaves
 from lightning_dp.privacy.finite import non_finite
 from lightning_dp.privacy.grad_sample.contributions import DEFAULT_INSTANTIATE_LIMIT, Contribution
+from lightning_dp.privacy.grad_sample.probing import BatchDimProbe, _Dims
 from lightning_dp.privacy.grad_sample.registry import LayerRule, PerSampleGradientError, Record, join_graph, rule_for
 
 __all__ = ["GradSampleEngine", "PerSampleGradientError", "compute_dtype", "trainable_parameters"]
@@ -78,15 +78,6 @@ class _Call:
     context: Any = None
     frozen: list[nn.Parameter] = field(default_factory=list)  # the parameters the pre-hook froze, to unfreeze
     versions: list[int | None] = field(default_factory=list)  # the input leaves' version counters after the forward
-
-
-@dataclass(frozen=True)
-class _Dims:
-    """Where one layer's calls hold the batch: per input leaf (args then kwargs) and per output leaf."""
-
-    inputs: tuple[int | None, ...]
-    outputs: tuple[int | None, ...]
-    input_ranks: tuple[int | None, ...]
 
 
 class _Layer:
@@ -159,17 +150,7 @@ def _unflatten_plain(leaves: list[Any], spec: Any) -> Any:
     return build(spec)
 
 
-def _differentiable_target(result: Any) -> Tensor | None:
-    """What the broadcast check differentiates: the first 0-dim floating tensor of ``result`` that requires grad
-    (the loss), else the sum of the first such tensor (per-example losses, logits); None when there is none."""
-    leaves = [t for t in tensor_leaves(result) if t.is_floating_point() and t.requires_grad]
-    scalar = next((t for t in leaves if t.dim() == 0), None)
-    if scalar is not None:
-        return scalar
-    return leaves[0].sum() if leaves else None
-
-
-class GradSampleEngine:
+class GradSampleEngine(BatchDimProbe):
     """Book-keeping per-sample gradient engine (see the package docstring).
 
     Args:
@@ -408,253 +389,6 @@ class GradSampleEngine:
                 return t.expand(batch, *t.shape[1:])
             return t.unsqueeze(0).expand(batch, *t.shape)
         return pytree.tree_map(expand, output)
-
-    # ------------------------------------------------------------ batch dims
-    def probe(self, run: Callable[[int], Any], sizes: Sequence[int] = PROBE_SIZES) -> None:
-        """Establishes where every hooked layer's inputs and outputs hold the batch.
-
-        Calls ``run(n)`` for every ``n`` in ``sizes``, possibly twice; each call must run the
-        forward pass of a batch of ``n`` examples exactly as training does (autograd enabled;
-        no backward pass is needed), return its result (the loss, the model's output), and be
-        deterministic: the same examples and random draws for the same ``n``. The shapes
-        seen by every layer then say which dimension follows the number of examples
-        (:func:`~lightning_dp.privacy.batch_dims.batch_dim`); per-sample gradients are
-        computed along it and every training step is checked against it.
-
-        ``run(n)`` must use the first ``n`` examples of one fixed sequence (nested batches:
-        the batch of 3 is the start of the batch of 5); the check of broadcast layers below
-        compares what the common examples receive.
-
-        A layer whose inputs have no batch dimension at all (a positional embedding of
-        ``torch.arange(T)``, shared by every example) is then tried as a *broadcast* layer:
-        its output is expanded to a batch of identical views during the forward, so that
-        each example's gradient flows through its own slice. This is accepted only if
-        (1) ``run`` returns the same result with and without the expansion, and (2) in a
-        further run with the module in eval mode (no dropout), the gradient of the result
-        that reaches slice ``b`` of the expanded output belongs to example ``b``: for the
-        examples common to all probe batches it is the same in every batch up to one factor
-        per batch (the loss's mean), and the examples only the largest batch holds receive
-        some of it. An output that is indexed (``pos[0]``), reduced (``pos.mean(0)``) or
-        computed once per example in a Python loop fails this and the layer is refused.
-
-        Must be called before :meth:`per_sample_norms`, and again after the model's
-        structure changes.
-
-        Raises:
-            PerSampleGradientError: If a layer's input has no batch dimension and cannot be
-                broadcast, the batch is folded into another dimension (``(B*T, d)``), several
-                dimensions follow the batch, or a layer's calls disagree on where the batch is.
-
-        Example:
-            >>> model = torch.nn.Linear(4, 2)
-            >>> engine = GradSampleEngine(model)
-            >>> x = torch.randn(10, 4)
-            >>> engine.probe(lambda n: model(x[:n]))
-            >>> engine.remove()
-        """
-        sizes = tuple(int(n) for n in sizes)
-        if len(set(sizes)) != len(sizes) or len(sizes) < 2 or min(sizes) < 2:
-            raise ValueError(f"sizes={sizes} must hold at least two distinct numbers of examples >= 2")
-        if self._recording:
-            raise PerSampleGradientError("probe() cannot run while a step is being recorded")
-        for layer in self.layers:
-            layer.broadcast = False
-        self._probe_half = False
-        plain = self._probe_round(run, sizes, set())
-        candidates: list[_Layer] = []
-        for layer in self.layers:
-            layer.dims = self._establish(layer, sizes)
-            if layer.dims is not None and all(d is None for d in (*layer.dims.inputs, *layer.dims.outputs)):
-                candidates.append(layer)
-        if candidates:
-            ids = {id(layer) for layer in candidates}
-            failure = ""
-            try:
-                expanded = self._probe_round(run, sizes, ids)
-            except Exception as err:  # noqa: BLE001  (the expanded output does not fit the model: not a broadcast)
-                expanded, failure = None, f" ({type(err).__name__}: {err})"
-            same = plain is not None and expanded is not None and all(
-                len(a) == len(b) and all(x.shape == y.shape and torch.allclose(x, y, rtol=1e-5, atol=1e-7)
-                                         for x, y in zip(a, b)) for a, b in zip(plain, expanded))
-            if not same:
-                self._refuse_unbatched(candidates[0], sizes, (
-                    "the model's result changes when its output is broadcast to the batch" + failure)
-                    if plain is not None else "the probe function returned nothing to compare")
-            for layer in candidates:
-                layer.broadcast = True
-                layer.dims = self._establish(layer, sizes)  # the expanded outputs now follow the batch
-            grads = self._gradient_round(run, sizes, ids)
-            for layer in candidates:
-                self._verify_broadcast(layer, sizes, grads.get(id(layer), []))
-        for layer in self.layers:
-            self._validate_dims(layer, sizes)
-            layer.probe_calls = []
-        self._probed = True
-
-    def _probe_round(self, run: Callable[[int], Any], sizes: tuple[int, ...],
-                     broadcast: set[int]) -> list[list[Tensor]] | None:
-        for layer in self.layers:
-            layer.probe_calls = []
-        results: list[list[Tensor]] | None = []
-        self._probing, self._broadcasting = True, broadcast
-        try:
-            for n in sizes:
-                for layer in self.layers:
-                    layer.probe_calls.append([])
-                self._batch = n
-                with torch.enable_grad():
-                    out = run(n)
-                leaves = [t.detach() for t in tensor_leaves(out)]
-                if not leaves or results is None:
-                    results = None
-                else:
-                    results.append(leaves)
-        finally:
-            self._probing, self._broadcasting, self._batch = False, set(), None
-        return results
-
-    def _gradient_round(self, run: Callable[[int], Any], sizes: tuple[int, ...],
-                        broadcast: set[int]) -> dict[int, list[list[list[Tensor]] | None]]:
-        """Runs the probes once more in eval mode (no dropout) with the ``broadcast`` layers expanded.
-
-        Returns, per layer id, per probe size, per call, the gradient of the probe's result
-        (:func:`_differentiable_target`) with respect to each expanded output leaf; None for a
-        size whose result cannot be differentiated.
-        """
-        modes = [(m, m.training) for m in self.module.modules()]
-        found: dict[int, list[list[list[Tensor]] | None]] = {i: [] for i in broadcast}
-        self.module.eval()
-        try:
-            for n in sizes:
-                self._captured = {i: [] for i in broadcast}
-                self._probing, self._broadcasting, self._batch = True, broadcast, n
-                try:
-                    with torch.enable_grad():
-                        target = _differentiable_target(run(n))
-                finally:
-                    self._probing, self._broadcasting, self._batch = False, set(), None
-                captured = [(i, j, k, t) for i, calls in self._captured.items() for j, leaves in enumerate(calls)
-                            for k, t in enumerate(leaves)]
-                if target is None:
-                    for i in broadcast:
-                        found[i].append(None)
-                    continue
-                grads = torch.autograd.grad(target, [t for *_, t in captured], allow_unused=True) \
-                    if captured else ()
-                for i in broadcast:
-                    found[i].append([[torch.zeros_like(t) for t in leaves] for leaves in self._captured[i]])
-                for (i, j, k, _), g in zip(captured, grads):
-                    if g is not None:
-                        found[i][-1][j][k] = g.detach()  # type: ignore[index]
-        finally:
-            self._captured = {}
-            for m, mode in modes:
-                m.training = mode
-        return found
-
-    def _verify_broadcast(self, layer: _Layer, sizes: tuple[int, ...],
-                          grads: list[list[list[Tensor]] | None]) -> None:
-        """Refuses a broadcast layer unless slice ``b`` of its expanded output carries example ``b``'s gradient.
-
-        With nested probe batches, example ``b``'s gradient does not depend on the other
-        examples (eval mode), so for the examples common to all sizes the gradients must
-        agree between sizes up to one factor per size (a batch mean), and the examples
-        only the largest batch holds must receive some gradient. Indexing (``pos[0]``),
-        reducing (``pos.mean(0)``) or a per-example loop breaks one of the two.
-        """
-        def refuse(why: str) -> None:
-            raise PerSampleGradientError(
-                f"{layer.label} computes on inputs shared by all examples (no input dimension follows the number of "
-                f"examples), and {why}. Its output is used as if it were per-batch, not broadcast to every example "
-                "alike: it is indexed (out[0]), reduced over its first dimension (out.mean(0)), or the layer runs "
-                "once per example in a Python loop (fc(x[i:i+1])). Per-sample gradients need each example's data in "
-                "its own slice of one batch dimension: call the layer on the whole batch, index a shared table with a "
-                "per-example tensor (pos = torch.arange(T).expand(B, T)), or freeze the layer (requires_grad=False).")
-
-        if any(g is None for g in grads) or len(grads) != len(sizes):
-            refuse("the probe's result (the first scalar tensor that requires grad, or the sum of the first "
-                   "tensor that does) cannot be differentiated to check that its output is broadcast")
-        counts = [len(calls) for calls in grads]  # type: ignore[arg-type]
-        if len(set(counts)) != 1:
-            refuse(f"it is called {counts} times for batches of {list(sizes)} examples")
-        common = min(sizes)
-        rows: list[Tensor] = []
-        extra: Tensor | None = None
-        for n, calls in zip(sizes, grads):
-            leaves = [g for call in calls for g in call]  # type: ignore[union-attr]
-            rows.append(torch.cat([g[:common].reshape(-1).double() for g in leaves]) if leaves else torch.zeros(0))
-            if n == max(sizes):
-                extra = torch.cat([g[common:].reshape(-1) for g in leaves]) if leaves else torch.zeros(0)
-        ref = rows[0]
-        # half precision anywhere in the model (autocast) rounds the gradients the slices receive
-        low = self._probe_half or any(g.dtype not in (torch.float32, torch.float64)
-                                      for call in grads[0] for g in call)  # type: ignore[union-attr]
-        tol = 3e-2 if low else 1e-3
-        if ref.numel() == 0 or not bool(ref.any()) or extra is None or not bool(extra.any()):
-            refuse("the probe's result does not depend on the slices of its broadcast output that belong to the "
-                   "examples beyond the first" if ref.numel() and bool(ref.any()) else
-                   "the probe's result does not depend on its output, so that it is broadcast cannot be checked")
-        for n, row in zip(sizes[1:], rows[1:]):
-            scale = torch.dot(row, ref) / torch.dot(ref, ref)
-            if float((row - scale * ref).norm()) > tol * float(row.norm()):
-                refuse(f"the gradient its output slices receive for the first {common} examples changes when the "
-                       f"batch grows from {sizes[0]} to {n} examples")
-
-    def _establish(self, layer: _Layer, sizes: tuple[int, ...]) -> _Dims | None:
-        runs = layer.probe_calls
-        if any(not calls for calls in runs):
-            return None  # not called in some probe (conditional computation): refused if called in training
-        found: list[tuple[tuple, tuple, tuple]] = []
-        for j in range(min(len(calls) for calls in runs)):
-            ins = [calls[j][0] for calls in runs]
-            outs = [calls[j][1] for calls in runs]
-            if len({len(i) for i in ins}) != 1 or len({len(o) for o in outs}) != 1:
-                raise PerSampleGradientError(f"{layer.label} is called with a different structure for different "
-                                             "batch sizes; its batch dimension cannot be established.")
-            try:
-                in_dims = tuple(None if any(s is None for s in leaf) else batch_dim(leaf, sizes) for leaf in zip(*ins))
-                out_dims = tuple(None if any(s is None for s in leaf) else batch_dim(leaf, sizes)
-                                 for leaf in zip(*outs))
-            except AmbiguousBatchDimError as err:
-                raise PerSampleGradientError(f"{layer.label}: {err}. Per-sample gradients need each example's "
-                                             "data in its own slice of one batch dimension.") from None
-            found.append((in_dims, out_dims, tuple(None if s is None else len(s) for s in ins[0])))
-        if any(f[:2] != found[0][:2] for f in found[1:]):
-            raise PerSampleGradientError(
-                f"{layer.label} is called several times per step with the batch at different dimensions "
-                f"(inputs {[f[0] for f in found]}, outputs {[f[1] for f in found]}); use one layer per layout, or "
-                "keep the batch first.")
-        if any(f != found[0] for f in found[1:]):
-            raise PerSampleGradientError(
-                f"{layer.label} is called several times per step with inputs of different ranks "
-                f"({[f[2] for f in found]}); the engine keeps one layout per layer: use one layer per input rank.")
-        return _Dims(*found[0])
-
-    def _refuse_unbatched(self, layer: _Layer, sizes: tuple[int, ...], why: str) -> None:
-        seen = {n: next((s for s in calls[0][0] if s is not None), None) for n, calls in zip(sizes, layer.probe_calls)} \
-            if layer.probe_calls and all(layer.probe_calls) else {}
-        raise PerSampleGradientError(
-            f"{layer.label} receives an input without a batch dimension (input shapes {seen} for batches of "
-            f"{list(sizes)} examples: no dimension follows the number of examples). Either its parameters act on "
-            f"something shared by all examples, such as a positional embedding of torch.arange(T) added to every "
-            f"sequence, and {why}: index it with a per-example tensor (e.g. pos = torch.arange(T).expand(B, T)) or "
-            "freeze it (requires_grad=False). Or the batch is folded into another dimension, as (B, T, d) -> "
-            "(B*T, d) does, which would clip tokens instead of examples: keep the batch dimension, e.g. apply "
-            "nn.Linear to (B, T, d).")
-
-    def _validate_dims(self, layer: _Layer, sizes: tuple[int, ...]) -> None:
-        dims = layer.dims
-        if dims is None:
-            return
-        unbatched_inputs = all(d is None for d in dims.inputs) and not layer.rule.batch_from_output
-        if not layer.broadcast and (unbatched_inputs or all(d is None for d in dims.outputs)):
-            self._refuse_unbatched(layer, sizes, "its result is reduced over the batch, not broadcast")
-        check = getattr(layer.rule, "check_dims", None)
-        if check is not None:
-            try:
-                check(layer.module, dims.inputs, dims.outputs, layer.broadcast)
-            except PerSampleGradientError as err:
-                raise PerSampleGradientError(f"{layer.label}: {err}") from None
 
     # ------------------------------------------------------------ recording
     @contextlib.contextmanager
