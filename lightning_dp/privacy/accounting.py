@@ -1,66 +1,10 @@
 """Privacy accountants for DP-SGD: thin, cached adapters over Google's ``dp_accounting``.
 
-Semantics (see ``DESIGN.md``):
-
-* Adjacency is **add/remove one example** (unbounded DP, the Abadi et al. / Opacus
-  convention) by default. For a Poisson-subsampled mechanism the privacy loss
-  distributions of the "add" and the "remove" direction differ; both accountants bound
-  the worse one. ``adjacency="replace"`` (bounded DP: one example replaced by another)
-  is the library's ``NeighboringRelation.REPLACE_ONE``: the replaced example's clipped
-  gradient moves from ``g`` to ``g'`` with ``||g - g'|| <= 2C``, twice the add/remove
-  sensitivity; with Poisson sampling the library's pair is ``q N(-C) + (1-q) N(0)`` against
-  ``q N(C) + (1-q) N(0)``. PLD supports it at every rate; RDP only without sampling
-  (``q == 1``: the Gaussian mechanism with sensitivity 2, i.e. multiplier ``sigma / 2``;
-  dp_accounting's RDP has no Poisson-sampled replacement analysis, so it is refused).
-* One DP-SGD step is the **Poisson-subsampled Gaussian mechanism**: every example is
-  in the batch independently with probability ``q = sample_rate``; the clipped sum
-  (L2 sensitivity 1 after dividing by the clipping norm) receives
-  ``N(0, noise_multiplier^2)`` noise. ``sample_rate == 1.0`` is the plain, unsampled
-  Gaussian mechanism (full-batch DP-GD).
-* The spend is a pure function of the **history**, a run-length encoded list of
-  ``(noise_multiplier, sample_rate, num_steps)`` entries. It is translated into the
-  ``dp_accounting`` event::
-
-      ComposedDpEvent([SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(sigma)), n), ...])
-
-  (``GaussianDpEvent(sigma)`` alone when ``q == 1``) and the library's mathematics
-  computes epsilon. The same history always gives the bit-identical epsilon, so a
-  checkpointed and resumed run reports exactly the number it would have reported
-  without the interruption.
-
-Accountants:
-
-* ``"pld"`` (:class:`PLDAccountant`, the default): privacy loss distributions with
-  pessimistic (upper-bounding) "connect the dots" discretization: Meiser & Mohammadi,
-  "Tight on budget?", CCS 2018; Koskela, Jalko & Honkela, "Computing tight
-  differential privacy guarantees using FFT", AISTATS 2020; Doroshenko, Ghazi, Kamath,
-  Kumar & Manurangsi, "Connect the dots: tighter discrete approximations of privacy
-  loss distributions", PETS 2022. Tight up to the discretization interval, never below
-  the true epsilon.
-* ``"rdp"`` (:class:`RDPAccountant`): Renyi DP of the sampled Gaussian mechanism
-  (Mironov, "Renyi differential privacy", CSF 2017; Mironov, Talwar & Zhang, "Renyi
-  differential privacy of the sampled Gaussian mechanism", 2019), composed additively
-  per order and converted with ``eps = min_a rdp(a) + log(1/delta)/(a-1)`` (the
-  library's ``compute_epsilon``, which uses the tighter conversion of Canonne, Kamath
-  & Steinke 2020). A looser upper bound than PLD, but cheap.
-
-Caching: the callback asks for epsilon often, so both accountants keep module-level
-LRU caches (shared by every instance, released with :func:`clear_caches`): the epsilon
-per ``(configuration, history, delta)``; for PLD the single-step privacy loss
-distribution per ``(sigma, q)`` and the composed distribution of the latest histories
-(and of their prefix without the last entry), for RDP the single-step RDP curve per
-``(sigma, q)``. The cached path performs exactly the floating-point operations the
-library accountant performs on the event above (this is tested), so caching changes
-the cost, never the number.
-
-Example:
-    >>> from lightning_dp.privacy.accounting import get_accountant
-    >>> accountant = get_accountant("rdp")
-    >>> accountant.step(noise_multiplier=1.0, sample_rate=0.01, num_steps=100)
-    >>> len(accountant), accountant.history
-    (100, [(1.0, 0.01, 100)])
-    >>> 0.0 < accountant.get_epsilon(1e-5) < 2.0
-    True
+The spend is a pure function of the run-length encoded history ``[(noise_multiplier, sample_rate, num_steps),
+...]``, translated into one ``dp_accounting`` event: ``"pld"`` (:class:`PLDAccountant`, the default, an upper
+bound) or ``"rdp"`` (:class:`RDPAccountant`). The module-level caches replay the library's exact floating-point
+operations: they change the cost, never the number. Adjacency, the event, the references and the caches:
+docs/privacy.md, "The accountants".
 """
 
 from __future__ import annotations

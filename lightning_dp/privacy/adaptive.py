@@ -1,46 +1,10 @@
 """Adaptive clipping rules: the functional core of the adaptive-clipping callbacks.
 
-Two rules that move the clipping threshold ``C`` during training, at (almost) no extra
-privacy cost, because the extra statistic they release is paid for by splitting one
-noise multiplier between two releases of the same Poisson-sampled batch:
-
-* **OSO-DPSGD** (online sensitivity optimization): Galli, Palamidessi & Cucinotta,
-  "Online sensitivity optimization in differentially private learning", AAAI 2024
-  (thesis ch. 3, Algorithm 3). ``C`` and the learning rate ``rho`` follow the sign of
-  a hypergradient (Baydin et al., "Online learning rate adaptation with hypergradient
-  descent", ICLR 2018): each step also releases the noisy sum of the unit vectors
-  ``q_i = g_i / ||g_i||`` of the clipped examples, the derivative of the clipped sum
-  with respect to ``C``. Functions :func:`oso_noise_split`, :func:`oso_statistics`,
-  :func:`oso_noisy_q_sum`, :func:`oso_update`.
-* **Quantile clipping**: Andrew, Thakkar, McMahan & Ramaswamy, "Differentially private
-  learning with adaptive clipping", NeurIPS 2021. ``C`` tracks the ``gamma``-quantile
-  of the per-example norms by a geometric step on the noisy fraction of unclipped
-  examples. Functions :func:`quantile_noise_split`, :func:`default_count_noise_std`,
-  :func:`count_unclipped`, :func:`quantile_clip_update`.
-
-:func:`composed_noise_multiplier` is the accounting rule both share: the releases of one
-step form ONE Gaussian mechanism, whose multiplier is what the accountant records.
-
-Why hand-written: no maintained library ships OSO-DPSGD. Opacus 1.6 ships quantile
-clipping only as ``AdaClipDPOptimizer`` (``PrivacyEngine(..., clipping="adaptive")``, not
-for distributed training), a ``DPOptimizer`` subclass that reads the ``grad_sample``
-attributes of an Opacus ``GradSampleModule`` and keeps the count in optimizer state, so
-it cannot serve as a pure function for our
-:class:`~lightning_dp.privacy.grad_sample.GradSampleEngine` and DDP callbacks. Its
-arithmetic also differs from Andrew et al. (and from TF Privacy's
-``QuantileEstimatorQuery``, which follows the paper): it adds
-``N(0, sigma_b^2)`` to the raw unclipped count and divides by the *realized* number of
-examples ``B``; ``(count + N) / B = (count - B/2 + N) / B + 1/2`` has the centered
-numerator of the paper, but ``B`` is data-dependent (sensitivity 1 under add/remove)
-and receives no noise, so its ``2 sigma_b`` noise split is justified only if the batch
-size is public. The paper divides by the *expected* batch size and clamps the
-estimate to ``[0, 1]`` (Opacus does not clamp it, but clamps ``C`` to
-``[min_clipbound, max_clipbound]``). Opacus also counts an example as clipped when
-``C / (||g|| + 1e-6) < 1`` rather than when ``||g|| > C``.
-TF Privacy / TF Federated implement the paper faithfully, but for TensorFlow.
-
-Adjacency is add/remove one example (see ``DESIGN.md``); every random draw takes an
-explicit ``torch.Generator``.
+OSO-DPSGD (Galli et al., AAAI 2024) and quantile clipping (Andrew et al., NeurIPS 2021) move the clipping
+threshold ``C``; the statistic each releases shares one noise multiplier with the gradient
+(:func:`composed_noise_multiplier`: one Gaussian mechanism per step). Adjacency add/remove; every draw takes an
+explicit ``torch.Generator``. The rules and why they are hand-written (Opacus' AdaClip differs):
+docs/privacy.md, "Adaptive clipping".
 
 Example:
     >>> nu_g, nu_q = oso_noise_split(1.0)

@@ -1,26 +1,9 @@
 """Which dimension of a tensor indexes the examples of a batch: established, never assumed.
 
-Per-sample clipping is only as right as its idea of "one example". Reading dimension 0
-as the batch is wrong, silently, whenever another dimension has the batch's size by
-coincidence: sequence-first layers with ``T == B``, a positional embedding of
-``torch.arange(T)`` (nanoGPT's ``wpe``) with ``T == B``, a shared ``(T, T)`` mask, data
-collated as ``(T, B)``. Shapes of one batch cannot tell these apart.
-
-What can: run the same code on batches of several sizes and see which dimension follows
-the batch. :func:`batch_dim` does this for one tensor seen at :data:`PROBE_SIZES` (the
-per-sample gradient engine records every layer's inputs and outputs during such probe
-runs); a dimension is the batch dimension when its size equals the number of examples in
-EVERY probe. Static dimensions (channels, features, a fixed sequence length) never change
-between probes and so never match all of them; only a dimension that follows the number
-of examples does. Three sizes make a coincidence with data-dependent dimensions (a
-sequence padded to the longest in the batch) negligible, and a coincidence at a training
-step is caught by the engine, which checks every recorded tensor against the step's real
-batch size.
-
-Why not autograd provenance: integer inputs (token ids) carry no autograd history, and a
-``torch.func.vmap`` trace would require every user model to be vmappable. Running the
-model on small probe batches costs a few forward passes when training starts (and when
-the set of trainable parameters changes) and works for any model.
+Shapes of one batch cannot tell a sequence-first ``(T, B, d)`` input with ``T == B`` from a batch-first one.
+:func:`batch_dim` runs the same code on batches of :data:`PROBE_SIZES` and takes the dimension whose size
+equals the number of examples in EVERY probe. Why, and why not autograd provenance: docs/privacy.md, "The
+per-sample gradient engine".
 """
 
 from __future__ import annotations

@@ -1,27 +1,16 @@
 """Noise calibration: the smallest DP-SGD noise multiplier that meets a privacy budget.
 
-The spend of ``steps`` Poisson-subsampled Gaussian steps (add/remove adjacency, see
-:mod:`lightning_dp.privacy.accounting`) decreases as the noise multiplier sigma grows.
-:func:`calibrate_noise_multiplier` brackets the target and bisects on ``log(sigma)``
-with the **same accountant class and configuration that the training callback uses**,
-and returns the upper end of the final bracket: a sigma whose spend has been
-evaluated to be ``<= target_epsilon``, so the calibrated run never reports a spend
-above its budget, while ``sigma / (1 + tolerance)`` was evaluated to exceed it (for a
-PLD finer than ``1e-3``: at ``1e-3``, where the two discretizations agree at sigma to
-within half of that excess, so that it exceeds at the requested one too). The search
-starts from a closed-form Gaussian-DP guess and narrows by false position; results are
-cached for the process: about one second on 2 CPU cores for the examples' runs
-(docs/benchmarks.md, "Calibration").
+:func:`calibrate_noise_multiplier` brackets and bisects with the **same accountant class and configuration
+that the training callback uses**, and returns a sigma whose spend was evaluated to be ``<= target_epsilon``;
+results are cached for the process. The search and its verification: docs/privacy.md, "Calibration"; its
+cost: docs/benchmarks.md, "Calibration".
 
 Example:
-    >>> from lightning_dp.privacy.calibration import calibrate_noise_multiplier, steps_for_epochs
     >>> steps = steps_for_epochs(epochs=2, sample_rate=0.01)
-    >>> steps
-    200
     >>> sigma = calibrate_noise_multiplier(
     ...     target_epsilon=3.0, target_delta=1e-5, sample_rate=0.01, steps=steps, accountant="rdp")
-    >>> 0.5 < sigma < 1.5
-    True
+    >>> steps, 0.5 < sigma < 1.5
+    (200, True)
 """
 
 from __future__ import annotations

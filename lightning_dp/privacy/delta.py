@@ -1,42 +1,9 @@
 """Whether a delta is small enough for the number of units it protects: the ``delta < 1/N`` rule.
 
-An ``(epsilon, delta)`` guarantee allows a probability ``delta`` of anything. The mechanism
-that picks one of the ``N`` protected units (examples, clients, records of a client) at
-random and publishes it whole satisfies ``(0, 1/N)``-DP: at ``delta >= 1/N`` it meets ANY
-epsilon, 0 included, while exposing someone completely with certainty (Dwork & Roth, "The
-Algorithmic Foundations of Differential Privacy", 2014, section 2.3: "values of delta on the
-order of 1/||x||_1 are very dangerous"). A reported epsilon at such a delta therefore says
-nothing (issue 24: ``CentralGaussian`` with 10 clients and delta 0.3 reported epsilon 0.0).
-The usual choice is ``delta << 1/N``.
-
-Every accountant of the project asks :func:`check_delta_for_size` once it knows ``N``, so that
-the rule and its wording live in one place:
-
-- :class:`~lightning_dp.callbacks.DPSGD`: N training examples;
-- :class:`~lightning_dp.federated.parts.CentralGaussian`: N training clients (client-level DP);
-- :class:`~lightning_dp.federated.parts.LocalDPSGD`: the ``n_c`` records of each client (its
-  :class:`~lightning_dp.privacy.ledger.RecordLedger` states one epsilon per client at one delta),
-  reported once for all clients (the exposed ones are the LARGEST: ``delta >= 1/n_c`` when ``n_c >= 1/delta``);
-- ``lightning-dp epsilon`` (:mod:`lightning_dp.commands.epsilon`) prints the message the training would give.
-
-Local DP ledgers need no check: a local release protects the client's whole data, one unit
-(``N = 1``), and their delta is already required to be below 1
-(:class:`~lightning_dp.privacy.ledger.GaussianLedger`); d-privacy ledgers
-(:class:`~lightning_dp.privacy.ledger.PrivacyLedger`) are pure epsilon.
-
-Warning, not refusal: epsilon at a large delta is still a true statement, and small
-experiments (a federation of 10 clients) may knowingly use one; so the components warn with
-:class:`LargeDeltaWarning` (the shells emit it through Lightning's ``rank_zero_warn``), as
-:class:`~lightning_dp.callbacks.DPSGD` always did. ``warnings.simplefilter("error",
-LargeDeltaWarning)`` turns it into a refusal.
-
-Example:
-    >>> print(check_delta_for_size(1e-5, 60_000))
-    None
-    >>> print(check_delta_for_size(0.3, 10, unit="clients", who="CentralGaussian"))  # doctest: +NORMALIZE_WHITESPACE
-    CentralGaussian: target_delta=0.3 is not below 1/N = 0.1 (N = 10 training clients): a mechanism that
-    publishes one random client's data whole satisfies such a delta with any epsilon, even 0, so the
-    reported epsilon does not mean privacy. Use delta << 1/N, e.g. 1e-02.
+At ``delta >= 1/N`` a mechanism that publishes one random unit whole meets any epsilon, so such an epsilon
+says nothing. Every accountant of the project asks :func:`check_delta_for_size` once it knows ``N``; the
+components warn with :class:`LargeDeltaWarning` (``warnings.simplefilter("error", LargeDeltaWarning)`` refuses).
+Who checks which ``N``, and why a warning: docs/privacy.md, "Delta and the number of protected units".
 """
 
 from __future__ import annotations

@@ -1,25 +1,15 @@
 """Per-client d-privacy accounting for personalized federated learning.
 
-Each release of a client's model by :func:`~lightning_dp.privacy.mechanisms.sanitize_update`
-costs ``n / nu`` with respect to the client's ``||delta||``-neighbourhood (Galli et al.,
-"Group privacy for personalized federated learning"). By the composition theorem of
-d-privacy (Chatzikokolakis, Andres, Bordenabe & Palamidessi, "Broadening the scope of
-differential privacy using metrics", PETS 2013: releasing an ``epsilon_1 d``-private and
-an ``epsilon_2 d``-private mechanism with independent noise is
-``(epsilon_1 + epsilon_2) d``-private), the costs of a client's participations **add
-up**: the :class:`PrivacyLedger` keeps, per client, the sum of the costs charged and the
-number of charges. The sum is the seed's per-client spend; it is data-independent
-(``n / nu`` does not depend on the update), so it may be logged and published.
+Each release by :func:`~lightning_dp.privacy.mechanisms.sanitize_update` costs ``n / nu``; by the composition
+theorem of d-privacy a client's costs **add up**, and :class:`PrivacyLedger` keeps their sum (data-independent,
+so publishable) and count per client. Background: docs/privacy.md, "The Euclidean Laplace mechanism".
 
 Example:
     >>> ledger = PrivacyLedger()
     >>> ledger.charge("alice", 5.0)
     >>> ledger.charge("alice", 5.0)
-    >>> ledger.charge(7, 5.0)
-    >>> ledger.spent("alice"), ledger.spent(7), ledger.spent("bob"), len(ledger)
-    (10.0, 5.0, 0.0, 2)
-    >>> ledger.would_exceed("alice", 5.0, cap=12.0)
-    True
+    >>> ledger.spent("alice"), ledger.spent("bob"), ledger.would_exceed("alice", 5.0, cap=12.0)
+    (10.0, 0.0, True)
 """
 
 from __future__ import annotations

@@ -1,37 +1,10 @@
 """Local differential privacy of a client's update, and the geometry of clipped updates.
 
-Local DP (each client sanitizes its own update before anything leaves it) protects a
-client's whole dataset against everyone, the server included. Its neighbouring inputs are
-*any* two datasets of the client, so the sensitivity of a clipped update is the **diameter**
-of the set the clipping maps updates into: ``2C`` for the L2 ball of radius ``C`` (L1 ball
-for Laplace noise). One release of ``clip(Delta) + N(0, (z C)^2 I)`` is therefore the
-Gaussian mechanism with multiplier ``z C / D`` (noise std over sensitivity), and a client's
-``k`` releases with multipliers ``m_1, ..., m_k`` compose *exactly* into one Gaussian
-mechanism with multiplier ``(sum_j m_j^-2)^(-1/2)`` (the privacy loss of a Gaussian
-mechanism is Gaussian and these add; the same fact as
-:func:`~lightning_dp.privacy.adaptive.composed_noise_multiplier`): the client's ledger adds
-``m_j^-2`` per participation and reports the epsilon of that one Gaussian mechanism through
-the project's accountants (:class:`~lightning_dp.privacy.ledger.GaussianLedger`).
-
-**The sector (Galli, thesis ch. 5).** Clipping from above (norm at most ``C``), from below
-(shorter updates scaled up to norm ``c``) and in direction (updates rotated to within angle
-``a`` of a public reference direction ``r``) maps every update into the hollow-sphere sector
-
-    S(C, c, a) = { v : c <= ||v|| <= C, angle(v, r) <= a }.
-
-Its diameter (:func:`sector_diameter`, dimension >= 2) is
-
-    D^2 = max( 2 C^2 (1 - cos t),  C^2 + c^2 - 2 C c cos t ),   t = min(2a, pi).
-
-Derivation: for two points at radii ``r1, r2`` and angle ``theta`` between them,
-``||u - w||^2 = r1^2 + r2^2 - 2 r1 r2 cos theta`` grows with ``theta``, and two directions
-within ``a`` of ``r`` are at most ``min(2a, pi)`` apart (reached in the plane of ``r`` for
-``2a <= pi``; for ``a >= pi/2`` two opposite directions orthogonal to ``r`` qualify, in
-dimension >= 2). For fixed ``theta`` the expression is convex in ``r1`` and in ``r2``, so its
-maximum over ``[c, C]^2`` is at a corner; ``(c, c)`` is dominated by ``(C, C)``. Hence the two
-candidates above. Consequences: without the angular constraint (``a >= pi/2``) the diameter
-is ``2C`` whatever ``c``: clipping from below alone buys nothing; with ``a = 0`` it is
-``C - c``. Tested against brute-force maximization over sampled pairs in several dimensions.
+Under local DP any two datasets of a client are neighbours, so a clipped update's sensitivity is the
+**diameter** of the clipping set (``2C`` for the L2 ball; :func:`sector_diameter` for the sector of thesis
+ch. 5); a client's Gaussian releases compose exactly into one Gaussian mechanism
+(:class:`~lightning_dp.privacy.ledger.GaussianLedger`). The composition, the sector and the derivation of
+its diameter: docs/federated.md, "Local DP" and "The sector".
 """
 
 from __future__ import annotations

@@ -1,50 +1,10 @@
 """Metric privacy (d-privacy) for released models: the Euclidean Laplace mechanism.
 
-A client of personalized federated learning releases its updated model
-``theta_client + rho`` with ``rho`` drawn from the **Euclidean Laplace** distribution
-of parameter ``epsilon`` in ``R^n``, whose density is
-
-.. math::
-
-    p_\\epsilon(z) = \\frac{\\epsilon^n\\,\\Gamma(n/2)}{2\\,\\pi^{n/2}\\,\\Gamma(n)}
-    \\exp(-\\epsilon \\lVert z \\rVert_2)
-
-(Galli, Biswas, Jung, Cucinotta & Palamidessi, "Group privacy for personalized
-federated learning", 2022/2023, the seed of this module; Fernandes, Dras & McIver,
-"Generalised differential privacy for text document processing", POST 2019, for the
-sampler). Integrating over spheres shows that the radius ``||rho||`` follows
-``Gamma(shape=n, scale=1/epsilon)`` and, by symmetry, the direction ``rho / ||rho||`` is
-uniform on the unit sphere and independent of the radius; :func:`euclidean_laplace`
-samples exactly that way.
-
-**Guarantee** (d-privacy, Chatzikokolakis, Andres, Bordenabe & Palamidessi,
-"Broadening the scope of differential privacy using metrics", PETS 2013). For every
-two inputs ``x, x'`` and every measurable set ``S`` of outputs, the mechanism
-``K(x) = x + rho`` satisfies ``P[K(x) in S] <= exp(epsilon * ||x - x'||) P[K(x') in S]``
-because ``p_eps(y - x) / p_eps(y - x') = exp(epsilon (||y - x'|| - ||y - x||))`` and the
-triangle inequality bounds the exponent by ``epsilon ||x - x'||``.
-
-**Calibration of the seed.** With ``delta = theta_client - theta_j`` (``theta_j`` the
-hypothesis the client started from) and a noise multiplier ``nu > 0``, the client uses
-``epsilon = n / (nu * ||delta||)``: the expected noise norm is ``n / epsilon =
-nu * ||delta||``, i.e. the noise is ``nu`` times as large as the update. For every
-``x'`` in the ``||delta||``-ball around the client's model the likelihood ratio is at
-most ``exp(epsilon ||delta||) = exp(n / nu)``: **each participation costs ``n / nu``
-with respect to the client's ``||delta||``-neighbourhood**, and by the composition
-theorem of d-privacy the costs of repeated participations **add up per client**
-(:class:`~lightning_dp.privacy.ledger.PrivacyLedger`).
-
-Two caveats, stated in the seed's terms:
-
-* ``epsilon`` depends on the data through ``||delta||``; the cost ``n / nu`` does not.
-  The released noise magnitude concentrates around ``nu ||delta||`` (for large ``n`` a
-  Gamma(n) radius has relative spread ``1 / sqrt(n)``), so the guarantee is the
-  *personalized* one: it protects the client's model inside a ball whose radius is
-  the (revealed) size of its own update, not inside a fixed, public ball.
-* Layer-wise sanitization (``per_layer_sizes``) is a different guarantee; see
-  :func:`sanitize_update`.
-
-Every draw comes from an explicit ``torch.Generator`` (DESIGN.md).
+A client releases ``theta_client + rho``, ``rho`` Euclidean Laplace with ``epsilon = n / (nu * ||delta||)``
+(the noise is ``nu`` times the update ``delta``); each participation costs ``n / nu`` with respect to the
+client's ``||delta||``-neighbourhood, and costs add up per client
+(:class:`~lightning_dp.privacy.ledger.PrivacyLedger`). Every draw takes an explicit ``torch.Generator``. The
+density, the sampler, the guarantee and its caveats: docs/privacy.md, "The Euclidean Laplace mechanism".
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """The Gaussian mechanism of DP-SGD: noise on the clipped sum, then the normalization.
 
-Every draw comes from an explicit ``torch.Generator``; :func:`derive_generator` makes
-the generator of one logical query from (seed, stream, counters) so that all ranks of a
-DDP job draw the *same* noise for the same step: added after the all-reduce of the
-clipped sums, it is therefore present exactly once in the aggregate.
-
-**Secret and public generators.** A draw that an accountant relies on (the noise, Poisson
-batch sampling, client selection: anything amplification by sampling assumes the adversary
-cannot predict) must come from the run's *secret* seed (:mod:`lightning_dp.privacy.seeds`).
-:func:`derive_secret_generator` makes such a generator, of the type :class:`SecretGenerator`;
-the samplers whose rate an accountant amplifies call :func:`require_secret` on the generator
-they are given and refuse a plain ``torch.Generator`` (one derived from a public seed, say the
-federated module's logged ``seed``). A new sampler therefore cannot draw from the public seed by
-mistake: it fails on its first draw, before any data is touched.
+Every draw comes from an explicit ``torch.Generator``; :func:`derive_generator` derives one per logical query
+from (seed, stream, counters), so all DDP ranks draw the *same* noise, added once after the all-reduce. Draws an
+accountant relies on come from a :class:`SecretGenerator` (:func:`derive_secret_generator`), which amplified
+samplers demand with :func:`require_secret`. Why: docs/privacy.md, "Which randomness is secret, and why".
 """
 
 from __future__ import annotations

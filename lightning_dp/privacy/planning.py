@@ -1,13 +1,8 @@
 """Planning a DP-SGD run: the facts of its training data, the event each step is accounted as, the planned length.
 
-Pure functions of public configuration (dataset size, batch size, processes, limits); DPSGD
-(:mod:`lightning_dp.callbacks.dp_sgd`) reads the facts from the training DataLoader and the limits from the Trainer.
-
-* Poisson sampling: every step is one Poisson-subsampled Gaussian mechanism, multiplier ``sigma``, rate
-  ``q = expected batch / N``.
-* Shuffled batches (``poisson_sampling=False``): the batches of an epoch partition the data, so each epoch is one
-  Gaussian mechanism; under replacement adjacency a clipped sum moves by ``2C``, so the epoch is accounted with
-  multiplier ``sigma / 2`` at rate 1.
+Pure functions of public configuration; DPSGD reads the facts from the training DataLoader and the limits from
+the Trainer. Poisson sampling: one subsampled Gaussian per step at ``q = expected batch / N``; shuffled batches:
+one Gaussian per epoch at ``sigma / 2`` (docs/privacy.md, "Shuffled batches").
 
 Example:
     >>> facts = DataFacts.of(dataset_size=1000, batch_size=50, world_size=2, parts=1, poisson_sampling=True)

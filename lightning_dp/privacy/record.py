@@ -1,23 +1,8 @@
 """What each name a run writes to the record is: one table for metrics, params, tags and artifacts.
 
-The record (MLflow: metrics, params, tags, artifacts; the printed summary) is what an attacker
-reads. Everything in it must be one of four kinds (DESIGN.md, "Secrets and the record"):
-
-- :attr:`Kind.RELEASE`: a value released through a DP mechanism and covered by an accountant
-  (an adaptive clipping threshold, a noisy count), or a value computed from released values
-  only (post-processing: the model's validation and test metrics on held-out data, the uploaded
-  model, plots of sanitized releases);
-- :attr:`Kind.PUBLIC`: public configuration, or a function of it and of public randomness alone
-  (the noise multiplier, the sample rate, the accounted epsilon: a function of the configuration
-  and of the number of steps);
-- :attr:`Kind.NONPRIVATE`: an exact statistic of the private data that no accountant covers, under
-  ``nonprivate/`` and switched off by the components' ``log_nonprivate_metrics=False``;
-- anything else is undeclared: :func:`classify` returns None, and the neighbouring-record test
-  (tests/test_neighbouring_records.py) fails on it.
-
-Components that choose a name by the run's setting do so here (the federated round's :class:`RoundNames`:
-counts under central DP are ``nonprivate/``); this table states what each name is when
-it is written. A name is matched by its first pattern (``fnmatch``: ``*`` spans ``/``).
+Every name is :attr:`Kind.RELEASE`, :attr:`Kind.PUBLIC` or :attr:`Kind.NONPRIVATE` (under ``nonprivate/``);
+:func:`classify` returns None for an undeclared one, and tests/test_neighbouring_records.py fails on it. The
+kinds and the table read family by family: docs/privacy.md, "Threat model".
 
 Example:
     >>> classify("privacy/epsilon"), classify("nonprivate/train_loss"), classify("val/acc")

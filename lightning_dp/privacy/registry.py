@@ -1,12 +1,8 @@
 """Named registries: the one way the package lets a config or a command name a part (issue 49).
 
-Five things are chosen by name: the accountants (:data:`~lightning_dp.privacy.accounting.ACCOUNTANTS`), the
-per-sample-gradient layer rules (:mod:`lightning_dp.privacy.grad_sample.registry`), DPSGD's clipping strategies
-(:mod:`lightning_dp.callbacks.clipping`), the federated round's parts (:mod:`lightning_dp.federated.parts.registry`)
-and the membership attacks (:mod:`lightning_dp.audit.attacks`). Each is a :class:`Registry`: it registers an object
-under a name (as a decorator or a plain call), refuses a name another object already holds, and resolves a name, or
-a class path ``package.module.ClassName`` for a class that is not registered, refusing an unknown name with the
-registered ones and the closest of them.
+Accountants, layer rules, clipping strategies, federated parts and membership attacks are each a
+:class:`Registry`: it registers under a name, refuses a name already held, and resolves a name or a class path
+``package.module.ClassName``, naming the closest registered name for an unknown one (docs/architecture.md).
 
 Example:
     >>> class Shape: ...
@@ -18,8 +14,7 @@ Example:
     >>> shapes.resolve("squar")
     Traceback (most recent call last):
     ...
-    ValueError: shape='squar' is not a registered shape; choose one of ['square'] or a class path \
-(package.module.ClassName). Did you mean 'square'?
+    ValueError: shape='squar' is not a registered shape; choose one of ['square'] or a class path (package.module.ClassName). Did you mean 'square'?
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """Poisson sampling of training batches, sharded over distributed ranks.
 
-Each example of the training set enters each batch independently with probability
-``q = expected_batch_size / N`` (the sampling of the Poisson-subsampled Gaussian
-analysis; Abadi et al. 2016, Mironov et al. 2019). With ``world_size`` ranks, rank r
-owns the examples ``r, r + world_size, ...`` (a partition without padding, unlike
-``DistributedSampler``, which repeats examples) and samples them at the same rate, so
-the union over ranks is exactly a Poisson sample of the whole set.
-
-Batch ``k`` of the run (counting the steps released so far, across epochs and fits) is
-drawn from a generator derived from ``(seed, SAMPLING, k, rank)``, so batches are a pure
-function of the step: a run resumed from a checkpoint samples the same batches as the
-uninterrupted run.
-
-**Virtual batches.** With ``parts=k`` every (logical) Poisson batch is yielded as ``k``
-consecutive micro-batches, a split of its indices into ``k`` runs of sizes that differ by at
-most one (some may be empty). The split is a function of the sampled batch alone, and the
-DP-SGD step releases the sum over all ``k`` parts with noise added once, so the release is
-exactly that of the unsplit batch: the parts only bound the memory of one forward/backward
-pass (Lightning's ``accumulate_grad_batches=k`` runs them and steps once).
+Every example enters every batch independently with probability ``q``; rank r owns examples ``r, r + W, ...``
+(no padding), and batch ``k`` is drawn from ``(seed, SAMPLING, k, rank)``, so a resumed run samples what the
+uninterrupted one sampled. ``parts=k`` yields each batch as ``k`` micro-batches (virtual batches). Details:
+docs/privacy.md, "Sampling" and "Virtual batches".
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
 """Secret seeds: where privacy noise comes from, and what must never leave the machine.
 
-Every random draw that protects privacy (DP-SGD's Poisson sampling and Gaussian noise,
-a client's Euclidean Laplace noise) is derived from a *secret seed*
-(:func:`~lightning_dp.privacy.noise.derive_generator`). Whoever knows that seed can
-regenerate the noise and subtract it from a released model or gradient, so:
-
-- a component draws a fresh seed from the operating system (:func:`fresh_seed`) unless
-  the user fixes one for a reproducible experiment; a fixed seed is as public as the
-  config that holds it;
-- two runs must never share a seed (the same noise twice cancels in their difference):
-  ``lightning-dp grid`` gives every run its own seed, fresh or derived from a grid seed
-  (:func:`derive_seed`);
-- the seed is kept in the component's checkpoint state under :data:`SECRET_KEY`, so a
-  local resume continues the same streams; everything that is uploaded or logged passes
-  through :func:`strip_secrets` (checkpoints) or has the component's
-  ``SECRET_ARGUMENTS`` redacted (configs), and components leave their seeds out of the
-  logged hyperparameters.
+Whoever knows a secret seed regenerates the noise and subtracts it. Seeds are fresh from the OS
+(:func:`fresh_seed`) unless fixed, never shared by two runs (:func:`derive_seed` for grids), kept in checkpoint
+state under :data:`SECRET_KEY` and removed by :func:`strip_secrets` from everything uploaded. The rules:
+docs/privacy.md, "Secrets".
 
 Example:
-    >>> state = {"accountant": {"history": []}, SECRET_KEY: {"seed": 1234}}
-    >>> strip_secrets(state)
+    >>> strip_secrets({"accountant": {"history": []}, SECRET_KEY: {"seed": 1234}})
     {'accountant': {'history': []}}
     >>> derive_seed(7, 0) == derive_seed(7, 0) != derive_seed(7, 1)
     True

@@ -1,39 +1,9 @@
 """What a run spent, in the units a grid composes: one interface for every privacy component.
 
-A grid of runs on the same data is one release of everything its runs release, so its privacy
-cost is the composition of the runs' costs (``lightning-dp grid``, :mod:`lightning_dp.grid`). Every
-component that protects a run reports what it spent through one method,
-``privacy_spend() -> list[Spend]`` (:class:`SpendReporter`): the DP-SGD callbacks
-(example-level epsilon with the accountant's history), the federated round (client-level epsilon
-of its server accountant, the clients' d-privacy or local-DP ledgers, the record-level ledgers of
-local DP-SGD, or "unsanitized: infinite" at a level it releases without protection). The grid
-composes the reports level by level with :func:`compose`; it never guesses from attributes.
-
-Levels (the unit whose neighbours the guarantee compares):
-
-- ``"example"``: one training example added or removed (or replaced), (epsilon, delta) from an
-  accountant's history (DPSGD and its subclasses);
-- ``"client"``: one client's data, (epsilon, delta) from the server's accountant (DP-FedAvg,
-  :class:`~lightning_dp.federated.parts.CentralGaussian`);
-- ``"client_ledger"``: each client's own spend of its local releases (d-privacy, or local DP with
-  the sanitizer's ledger), per client; runs add up per client as the ledger itself composes;
-- ``"record"``: each client's record-level spend of local DP-SGD, per client, from its accountant's
-  history.
-
-A level that some run of a grid reports and another does not protect (it released the same data
-unsanitized, or without that kind of guarantee) is infinite for the grid: its runs are only as
-private as the least private one.
-
-Example:
-    >>> from lightning_dp.privacy.accounting import get_accountant
-    >>> acc = get_accountant("rdp")
-    >>> acc.step(noise_multiplier=1.0, sample_rate=0.01, num_steps=100)
-    >>> run = [Spend.accounted("example", acc, delta=1e-5)]
-    >>> both = compose([run, run])
-    >>> both["grid/epsilon"] > acc.get_epsilon(1e-5), both["grid/privacy_level"]
-    (True, 'example')
-    >>> compose([run, [Spend.unprotected("example", "no DP-SGD callback")]])["grid/epsilon"]
-    inf
+Every component that protects a run reports ``privacy_spend() -> list[Spend]`` (:class:`SpendReporter`) at one
+of the levels ``"example"``, ``"client"``, ``"client_ledger"``, ``"record"``; the grid composes the reports level
+by level with :func:`compose`, and a level some run leaves unprotected is infinite for the grid. The levels and
+an example: docs/privacy.md, "What a run spent".
 """
 
 from __future__ import annotations

@@ -1,26 +1,8 @@
 """Per-sample gradients of one parameter from one layer, in the form that is cheapest to use.
 
-A layer rule does not hand back per-sample gradients as a ``(B, *shape)`` tensor when a
-cheaper form exists. Most weight gradients are sums of outer products over positions
-(tokens, pixels, time steps):
-
-    G_b = sum_t  left[b, t] (x) right[b, t]        (Linear: left = grad_output, right = input)
-
-from which the squared norms follow without ever forming ``G_b`` ("ghost" norms, Gram
-matrices of ``left`` and ``right``: Li et al. 2022, Bu et al. 2023) and the clipped sum is
-one matrix product. An embedding's gradient is the same with ``left`` one-hot rows
-(:class:`OneHotFactored`). Biases and normalization layers give small :class:`Dense`
-gradients. A parameter used by several modules (tied weights: GPT-2's token embedding and
-output layer) receives one contribution per use; its per-sample norm needs the cross
-terms ``2 <G_b, G'_b>``, which :meth:`Contribution.dot` computes from the factors as well.
-
-Example:
-    >>> import torch
-    >>> left, right = torch.randn(4, 3, 5), torch.randn(4, 3, 2)  # (B, T, p), (B, T, d)
-    >>> c = Factored(left, right, shape=(5, 2))
-    >>> dense = torch.einsum("btp,btd->bpd", left, right)
-    >>> torch.allclose(c.sq_norms(), dense.flatten(1).square().sum(1))
-    True
+:class:`Factored` (``G_b = sum_t left[b, t] (x) right[b, t]``: ghost norms from Gram matrices),
+:class:`OneHotFactored` (embeddings) and :class:`Dense`; a tied parameter gets one contribution per use, and
+:meth:`Contribution.dot` gives the cross terms of its norm. The forms and an example: docs/per_sample_gradients.md.
 """
 
 from __future__ import annotations

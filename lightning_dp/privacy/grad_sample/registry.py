@@ -1,28 +1,10 @@
 """Layer rules: how the per-sample gradients of one layer type are computed, registered by type.
 
-Every module that owns trainable parameters is handled by the rule registered for its type
-(the most specific registered base class wins, so ``nn.Linear`` also covers its
-subclasses); modules without a registered rule fall back to :class:`~lightning_dp.privacy.grad_sample.rules.functorch.FunctorchRule`
-(``torch.func``: exact, slower). A user adds a rule for their own layer with
-:func:`register_rule`; see ``docs/per_sample_gradients.md`` for a worked example.
-
-A rule sees, for each forward call of its layer during the recorded step, a :class:`Record`
-with the call's inputs and the gradients of its outputs, every batched tensor moved so that
-the examples are in dimension 0 (the engine established where each tensor holds the batch by
-probing, :mod:`lightning_dp.privacy.batch_dims`), and returns one
-:class:`~lightning_dp.privacy.grad_sample.contributions.Contribution` per trainable
-parameter.
-
-Example: a rule for a layer ``y = x * scale`` with a per-feature parameter ``scale``::
-
-    from lightning_dp.privacy.grad_sample import Dense, LayerRule, register_rule
-
-    @register_rule(Scale)
-    class ScaleRule(LayerRule):
-        def contributions(self, layer, records, batch_size):
-            grads = sum((r.args[0] * r.grad_outputs[0]).reshape(batch_size, -1, r.args[0].shape[-1]).sum(1)
-                        for r in records)
-            return {"scale": Dense(grads)}
+The most specific registered base class wins; a module without a rule falls back to
+:class:`~lightning_dp.privacy.grad_sample.rules.functorch.FunctorchRule` (``torch.func``: exact, slower). A rule
+sees one :class:`Record` per forward call (batch in dimension 0) and returns one
+:class:`~lightning_dp.privacy.grad_sample.contributions.Contribution` per trainable parameter. Your own rule
+(:func:`register_rule`): docs/per_sample_gradients.md and docs/architecture.md, "Extension points".
 """
 
 from __future__ import annotations

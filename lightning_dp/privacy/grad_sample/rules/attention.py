@@ -1,21 +1,8 @@
 """``nn.MultiheadAttention`` (batch first or not, self- or cross-attention, ``kdim``/``vdim``, masks, dropout).
 
-``nn.MultiheadAttention`` computes its projections functionally
-(``F.multi_head_attention_forward`` calls ``F.linear`` with ``in_proj_weight``, slices of
-it, and ``out_proj.weight``: ``out_proj``'s own forward never runs). The rule therefore
-claims the whole module, and while its forward runs it watches the ``F.linear`` calls
-(:class:`_LinearTap`): for each call whose weight is one of the module's parameters
-(or a slice of ``in_proj_weight``) it records the input and the gradient of the output.
-Each projection is then a linear layer seen at the sequence positions: per example
-``dW = sum_t go_t (x) x_t`` over the rows of the parameter that call used, and
-``db = sum_t go_t``. The forward itself is PyTorch's, untouched: masks, ``is_causal``,
-attention dropout and ``need_weights`` behave exactly as without privacy.
-
-Inside ``F.multi_head_attention_forward`` the projections see ``(L, N, E)`` inputs, and the
-output projection a flattened ``(L * N, E)`` with the batch index fastest; both layouts are
-read back to one row block per example (tested against per-example autograd).
-``add_bias_kv=True`` (parameters concatenated to the keys, not used through ``F.linear``)
-is refused.
+The projections run through ``F.linear`` (``out_proj``'s own forward never runs), so the rule claims the whole
+module and watches those calls (:class:`_LinearTap`); the forward stays PyTorch's. ``add_bias_kv=True`` is
+refused. How: docs/per_sample_gradients.md, "How the rules work".
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """Convolutions: ``nn.Conv1d/2d/3d`` and ``nn.ConvTranspose1d/2d/3d`` (any groups, stride, padding, dilation).
 
-A convolution's weight gradient for one example is a contraction of its input windows
-with its output gradient: ``dW[o, c, k] = sum_t go[o, t] x[c, t + k]``. ``Tensor.unfold``
-views the (padded) input as windows without copying; one copy lays them out as
-``(B*groups, d, T)`` in a work buffer and one batched matrix product with the output
-gradients gives every example's gradient (:class:`~lightning_dp.privacy.grad_sample.contributions.Dense`
-in the grouped ``(groups, d, p)`` layout). Measured faster and steadier on CPU than
-``F.unfold`` (im2col), an einsum, and a grouped weight-gradient convolution with the batch
-folded into the groups (docs/benchmarks.md). When the instantiated gradients would exceed
-the engine's ``instantiate_limit``, the ghost norm of the unfolded input and the output
-gradient is used instead (groups = 1).
-
-A transposed convolution is the input-gradient of a convolution, so its weight gradient is a
-convolution weight gradient with the roles swapped: the windows are taken of the OUTPUT
-gradient (with the layer's stride, padding and dilation) and contracted with the INPUT; the
-transposed weight's layout ``(C_in, C_out/groups, *k)`` is exactly that convolution's.
+Input windows (``Tensor.unfold``) and the output gradient, contracted by one batched matrix product per step
+(ghost norms past the engine's ``instantiate_limit``); a transposed convolution swaps the roles. Why this layout
+and the measurements: docs/per_sample_gradients.md, "How the rules work".
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
 """``nn.Embedding`` and ``nn.EmbeddingBag`` (sum and mean, with offsets or 2-D input, per-sample weights;
 ``sparse=True``; ``max_norm``).
 
-An embedding's gradient for one example adds its output gradients to the rows of the
-tokens it looked up: a :class:`~lightning_dp.privacy.grad_sample.contributions.OneHotFactored`
-contribution, whose norm uses token-equality masks and whose clipped sum is one
-``index_add``. A bag's output is the (weighted) sum or mean of its rows, so each token of
-bag b receives ``go[b]`` (times its per-sample weight, divided by the bag size for the
-mean); bags of different lengths are padded with zero rows.
-
-``sparse=True`` changes nothing here: the engine never lets autograd compute the table's batch
-gradient, and the released gradient is dense whatever the module says, because the Gaussian noise
-covers every row (a row that no example used still moves, or the release would say which rows were
-used). An optimizer that needs sparse gradients (``torch.optim.SparseAdam``) is refused by DPSGD.
-
-``max_norm``: PyTorch renormalizes, in place and during the forward, the rows that the batch looks
-up and whose norm exceeds ``max_norm``: which rows change would then depend on the private batch, a
-change of the model that no noise covers. The rule renormalizes EVERY row before each probed and
-recorded forward instead (``prepare_call``), a function of the public weights alone; the forward's
-own renormalization then finds nothing to do. Every row is used only after renormalization either
-way, so the model computes what it computes without DP; rows that no batch looks up are kept
-within ``max_norm`` too. The per-sample gradient is the embedding's (PyTorch does not differentiate
-the renormalization).
+A :class:`~lightning_dp.privacy.grad_sample.contributions.OneHotFactored` contribution per lookup. The release
+is dense whatever ``sparse`` says; with ``max_norm`` every row is renormalized before each forward
+(``prepare_call``), so which rows change does not depend on the batch. Why: docs/per_sample_gradients.md, "How
+the rules work".
 """
 
 from __future__ import annotations

@@ -1,29 +1,9 @@
 """``nn.RNN``, ``nn.LSTM`` and ``nn.GRU``: any number of layers, bidirectional, batch first or not.
 
-PyTorch runs a recurrent layer as one fused operation, so the gate pre-activations whose
-gradients make up the weight gradients are never seen. The rule replays the recurrence
-after the backward pass, step by step in plain tensor operations from the recorded input
-and initial state, and pulls the recorded output gradients (of the sequence output and of
-the final states) back through the replay to the pre-activations of every layer, direction
-and step. Then per example, as for a linear layer seen at T positions:
-
-    dW_ih = sum_t dgi_t (x) x_t,   dW_hh = sum_t dgh_t (x) h_{t-1},   db_ih = sum_t dgi_t,   db_hh = sum_t dgh_t
-
-(``gi = W_ih x + b_ih`` and ``gh = W_hh h + b_hh``; the GRU keeps them apart because its
-candidate gate multiplies ``gh`` by the reset gate). The replay costs about one more
-forward and backward of the recurrent layer.
-
-**Packed sequences** (``nn.utils.rnn.pack_padded_sequence``, sorted or not): the packed input
-has no batch dimension (its rows are the examples' time steps, interleaved), so the rule reads
-the packing itself. The replay runs on the padded batch in the packing's (length-sorted) order:
-at step ``t`` an example whose sequence is shorter than ``t + 1`` keeps its state (the forward
-direction ends at its own last step; the reverse direction starts there), so its pre-activations
-at padded steps receive no gradient and contribute nothing. The gradient of the packed output
-is padded the same way, the final states' gradients are put in the sorted order, and the
-per-example results are put back in the batch's order (``unsorted_indices``).
-
-Refused, with an alternative: dropout between layers in training (a replay cannot draw the
-same masks: stack one-layer modules with ``nn.Dropout`` between them) and ``proj_size > 0``.
+The fused kernel hides the gate pre-activations, so the rule replays the recurrence after the backward pass
+(about one more forward and backward) and pulls the recorded output gradients back through it; packed sequences
+are read from the packing. Refused: inter-layer dropout in training, ``proj_size > 0``. Details:
+docs/per_sample_gradients.md, "How the rules work".
 """
 
 from __future__ import annotations
