@@ -1,29 +1,9 @@
 """Attacks used as audits of what a private component releases.
 
-The package exports the entry points (``__all__``, 22 names); the helpers stay in their modules (image metrics
-:mod:`lightning_dp.audit.metrics`, flat parameter vectors :mod:`lightning_dp.audit._common`, the stages of LiRA and
-of noisy neighbours, the one-run bounds).
-
-DLG (torch only):
-    run_dlg_audit: Deep Leakage from Gradients against a client's release at several noise levels.
-    client_release, observed_gradient, dlg_attack: the three stages (client, attacker's estimate, attack).
-    EuclideanLaplaceSanitizer, GaussianSanitizer, Unsanitized: what a client may release, the federated round's
-        sanitizer parts behind PartRelease (any callable ``(start, trained, generator) -> released`` works);
-        make_sanitizer_factory.
-
-Membership inference: the attacks of ``lightning-dp audit mia`` as registered parts (:class:`MembershipAttack`,
-:func:`register_attack`; :mod:`lightning_dp.audit.attacks`), scores (:mod:`lightning_dp.audit.scores`, the loss attack on any module with a
-per-example loss), shadow models (:mod:`lightning_dp.audit.lira`, LiRA), noisy neighbours
-(:mod:`lightning_dp.audit.neighbours`) and statistics (:mod:`lightning_dp.audit.statistics`: ROC, AUC, TPR at
-low FPR and empirical epsilon lower bounds with Clopper-Pearson confidence).
-
-One-run audits of DP-SGD: canaries (:mod:`lightning_dp.audit.canaries`), the bounds of Steinke et al. and the
-f-DP analysis (:mod:`lightning_dp.audit.one_run`) with their ceiling (``epsilon_ceiling``: the largest bound m
-canaries can give), in a run via :class:`lightning_dp.callbacks.OneRunAudit`;
-:mod:`lightning_dp.callbacks.faults` holds a deliberately broken DPSGD that audits must catch.
-
-The command ``lightning-dp audit`` (:mod:`lightning_dp.commands.audit_dlg`) runs an audit from a
-YAML config and records it in MLflow; see docs/audit.md.
+DLG against a client's release (:func:`run_dlg_audit`, the sanitizers), membership inference (the attacks of
+``lightning-dp audit mia``: loss scores, LiRA, noisy neighbours, and their statistics) and one-run audits of
+DP-SGD (canaries and bounds, in a run via :class:`lightning_dp.callbacks.OneRunAudit`). The package exports the
+entry points (``__all__``); the helpers stay in their modules. See docs/audit.md.
 """
 
 from lightning_dp.audit.attacks import MembershipAttack, register_attack

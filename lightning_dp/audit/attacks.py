@@ -1,19 +1,8 @@
 """Membership attacks of ``lightning-dp audit mia``: one registered class each, producing a score per example.
 
-An attack gets the trained target and the split (:class:`AttackSetting`) and returns the scores of the evaluation
-members and non-members (higher: more likely a member) with what they cost (:class:`AttackScores`); the command turns
-them into ROC curves, AUC, TPR at low FPR and an empirical epsilon (:func:`lightning_dp.audit.mia.attack_result`).
-Registered, in the order they run: ``loss`` (Yeom et al. 2018), ``shadow`` (LiRA, Carlini et al. 2022), ``noisy``
-(noisy neighbours, thesis ch. 4). Adding one (docs/architecture.md)::
-
-    @register_attack("confidence")
-    class Confidence(MembershipAttack):
-        def run(self, setting):
-            scores = -setting.target_losses           # any function of the target and the examples
-            n = setting.split.members.size
-            return AttackScores(scores[:n], scores[n:], forward_passes=0, seconds=0.0, note="confidence attack")
-
-after which ``--attacks=[loss,confidence]`` runs it.
+An attack gets the target and the split (:class:`AttackSetting`) and returns the members' and non-members' scores
+with their cost (:class:`AttackScores`). Registered, in the order they run: ``loss``, ``shadow`` (LiRA), ``noisy``
+(noisy neighbours). Adding one with :func:`register_attack`: docs/architecture.md, "Extension points".
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """Canaries for the one-run audit: input canaries in the training data, and gradient canaries in the sum.
 
-Black-box (input space): ``m`` canary examples are appended to the training dataset as SLOTS; slot
-``i`` holds its canary when the audit's coin ``S_i`` says "included" and is empty otherwise. An
-empty slot drawn by Poisson sampling is dropped from the batch (:class:`DropAbsent`). The dataset's
-length is ``N + m`` whatever the coins, so DP-SGD's sampling rate ``q = B / (N + m)`` and its
-accounting do not depend on them: including or excluding canary ``i`` is exactly the add/remove
-neighbouring relation that epsilon is stated for, at a fixed q.
-
-* ``"mislabeled"``: copies of random training inputs with a random WRONG label (only learnable by
-  memorizing the example);
-* ``"random_inputs"``: inputs drawn from a Gaussian with the per-coordinate mean and std of the
-  training inputs and a random label; for token-id sequences, uniformly random token ids.
-
-White-box (gradient space, :class:`DiracCanaries`): each canary is a gradient of norm ``C`` along one
-coordinate of the flat parameter vector (a "Dirac canary", Nasr et al. 2023; Steinke et al. 2023,
-Section 7). An included canary enters each step's clipped sum with probability ``q``, like any
-example under Poisson sampling (its own draws, keyed by the step), BEFORE the noise is added; the
-auditor, who sees every released gradient, scores a canary by the sum of the released mean
-gradients at its coordinate.
+Input canaries (``"mislabeled"``, ``"random_inputs"``) are SLOTS appended to the dataset, empty when the audit's
+coin says "excluded" (:class:`DropAbsent`), so ``q = B / (N + m)`` does not depend on the coins; gradient
+canaries (:class:`DiracCanaries`) enter the clipped sum before the noise. Why this is the add/remove relation:
+docs/audit.md, "One-run audit of DP-SGD".
 """
 
 from __future__ import annotations

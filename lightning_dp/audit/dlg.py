@@ -1,27 +1,11 @@
 """Deep Leakage from Gradients (Zhu, Liu & Han, NeurIPS 2019; github.com/mit-han-lab/dlg), the attack of the DLG
 audit.
 
-Given a model and the gradient ``g`` of the loss on one private example, find a dummy ``(x', y')`` whose gradient
-matches it (their Algorithm 1), by L-BFGS from ``x', y' ~ N(0, 1)``::
-
-    x', y'  <-  argmin  sum_l || d loss(F(x'), softmax(y')) / d theta_l  -  g_l ||^2
-
-The soft label ``softmax(y')`` is optimized too; the objective is differentiated through the gradient
-(``create_graph=True``), so the model must be twice differentiable (:class:`lightning_dp.models.SigmoidLeNet`).
-In the audit, ``g`` is the attacker's estimate ``(theta_start - theta_released) / lr`` from a client's release
-(:mod:`~lightning_dp.audit.release`); the threat model is in docs/audit.md. A failed attack is evidence, not
-proof, of protection. Every draw comes from a ``torch.Generator``; no Lightning is imported.
-
-Example:
-    >>> import torch
-    >>> from torch import nn
-    >>> from lightning_dp.audit import EuclideanLaplaceSanitizer, run_dlg_audit
-    >>> model = nn.Sequential(nn.Flatten(), nn.Linear(4, 8), nn.Sigmoid(), nn.Linear(8, 3))
-    >>> x, y = torch.rand(1, 1, 2, 2), torch.tensor([2])
-    >>> out = run_dlg_audit(model, x, y, noise_multipliers=(0.0, 10.0), lr=0.1, iterations=20, seed=0,
-    ...                     sanitizer_factory=lambda nu: EuclideanLaplaceSanitizer(nu, per_layer=False))
-    >>> [row.noise_multiplier for row in out.rows]
-    [0.0, 10.0]
+L-BFGS finds a dummy ``(x', y')`` whose gradient matches the target gradient ``g``, differentiating through the
+gradient (``create_graph=True``: the model must be twice differentiable,
+:class:`lightning_dp.models.SigmoidLeNet`). In the audit, ``g`` is the attacker's estimate from a client's release
+(:mod:`~lightning_dp.audit.release`). A failed attack is evidence, not proof, of protection. The objective, the
+threat model, the API and an example: docs/audit.md.
 """
 
 from __future__ import annotations

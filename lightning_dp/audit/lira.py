@@ -1,33 +1,10 @@
 """The likelihood-ratio attack (LiRA) with shadow models (Carlini et al., "Membership inference attacks from first
 principles", IEEE S&P 2022).
 
-LiRA calibrates the membership test PER EXAMPLE. K shadow models are trained on random halves of the data
-(:func:`inclusion_masks`), so that every example is IN the training set of half of them and OUT of the other half.
-The statistic of an example under a model is a scaled confidence phi (the paper's logit scaling: the logit of the
-probability of the true label, :func:`logit_confidence`; ``-loss`` for a language model). For each example, the
-shadows' phi values IN and OUT are fitted with Gaussians N(mu_in, s_in^2) and N(mu_out, s_out^2) (the parametric
-model of Algorithm 1), and the target model's phi is scored by (:func:`lira_scores`):
-
-* online, the log likelihood ratio ``log N(phi; mu_in, s_in^2) - log N(phi; mu_out, s_out^2)`` (Algorithm 1);
-* offline (no IN shadows needed, so the shadows can be trained once, before the examples to audit are known), the
-  one-sided test of ``phi`` against the OUT Gaussian (the paper's offline variant): its statistic
-  ``Lambda = Phi((phi - mu_out) / s_out)`` is returned as ``-log(1 - Lambda)``, the minus log p-value of the test, which
-  is increasing in Lambda (the same ROC) but does not round to 0 for the members with the strongest evidence, the
-  points that decide the TPR at low FPR;
-* with ``fixed_variance=True`` one std per side shared by all examples (the pooled within-example std), which the
-  paper recommends with few shadows (e.g. fewer than 64).
-
-Every score is higher for members, the convention of :mod:`lightning_dp.audit.statistics`.
-
-:func:`train_shadow_models` is the Lightning side: it trains K fresh LightningModules on the masks' halves and returns
-the per-example losses of every example under each shadow (:func:`lightning_dp.audit.scores.per_example_losses`);
-:func:`lira_from_losses` maps losses to statistics and scores. Example (synthetic statistics)::
-
-    >>> import numpy as np
-    >>> masks = inclusion_masks(4, 8, seed=0)
-    >>> shadow = np.where(masks, 1.0, 0.0) + np.random.default_rng(1).normal(0, 0.1, masks.shape)
-    >>> lira_scores(np.array([1.0, 0.0, 1.0, 0.0]), shadow, masks).round(0)[[0, 1]] > 0
-    array([ True, False])
+K shadows are trained on random halves (:func:`inclusion_masks`, :func:`train_shadow_models`); per example, the
+shadows' statistics IN and OUT are fitted with Gaussians and the target's statistic is scored online, offline or
+with a fixed variance (:func:`lira_scores`, :func:`lira_from_losses`); higher = member. The variants and an
+example: docs/audit.md, "Shadow models: LiRA".
 """
 
 from __future__ import annotations

@@ -1,36 +1,10 @@
 """Noisy neighbours: membership inference without shadow models (Galli, Melis & Cucinotta, "Noisy neighbors:
 efficient membership inference attacks against LLMs", PrivateNLP 2024; thesis ch. 4).
 
-Write the model as ``f(x) = g(e(x))`` with ``e`` its embedding layer. A noisy neighbour of a sample x is
-``g(e(x) + rho)`` with ``rho ~ N(0, sigma^2 I)`` added to the OUTPUT of the embedding layer (one draw per token
-position and coordinate; for a token embedding of width n, a neighbour lies at expected distance about
-``sigma sqrt(n)`` from x per token). A member sits in a sharp dip of the loss that its neighbours do not share, a
-non-member's loss is about that of its neighbours, so the score
-
-    score(x) = (1/m) sum_{j=1..m} loss(g(e(x) + rho_j)) - loss(x)            (higher = member)
-
-calibrates the loss attack per sample, using only the target model in inference mode: ``(m + 1) N`` forward
-passes instead of K trained shadow models (:mod:`lightning_dp.audit.lira`).
-
-sigma matters: too small and neighbours equal x, too large and they are noise. The AUC of the scores on a labelled
-calibration split, as a function of sigma, has one sharp peak; :func:`search_sigma` brackets it on a log grid and
-refines it by golden-section search, with the same noise draws at every sigma (common random numbers) so that the
-AUC curve is smooth in sigma.
-
-The noise comes from the ``torch.Generator`` the caller passes, never from the global RNG, in a fixed order
-(batch by batch, neighbour by neighbour), so the scores do not depend on how many neighbours share a forward pass
-(``chunk``). Losses follow :mod:`lightning_dp.audit.scores` (a module's ``per_example_loss``, ``(x, y)``
-classification batches, ``(B, T)`` token-id batches scored by their mean next-token loss, or ``loss=``).
-
-Example:
-    >>> import torch
-    >>> from lightning_dp.models import GPT2, CausalLanguageModel
-    >>> lm = CausalLanguageModel(GPT2(vocab_size=30, max_positions=16, embed_dim=16, num_layers=1, num_heads=2))
-    >>> ids = torch.randint(30, (4, 16), generator=torch.Generator().manual_seed(0))
-    >>> scores = noisy_neighbour_scores(lm, [ids], sigma=0.01, num_neighbours=8,
-    ...                                 generator=torch.Generator().manual_seed(1))
-    >>> scores.shape
-    (4,)
+A sample's score is its noisy neighbours' mean loss minus its own (higher = member); the neighbours add
+``N(0, sigma^2 I)`` at the embedding layer's output, drawn from the caller's ``torch.Generator`` in an order
+that does not depend on ``chunk``, and :func:`search_sigma` finds sigma on a calibration split. The score, why it
+works, an example: docs/audit.md, "Noisy neighbours".
 """
 
 from __future__ import annotations

@@ -1,55 +1,10 @@
 """Privacy auditing with one training run: epsilon lower bounds from canary guesses.
 
-The game (Steinke, Nasr & Jagielski, "Privacy auditing with one (1) training run", NeurIPS 2023):
-``m`` canaries are each included in the training data independently with probability 1/2 (the bits
-``S_i``); after ONE training run the auditor scores every canary, guesses "included" for the ``k+``
-highest scores and "excluded" for the ``k-`` lowest, and abstains on the rest. Of its ``r = k+ + k-``
-guesses, ``v`` are correct. If training is (epsilon, delta)-DP with respect to adding or removing one
-canary, correct guesses are stochastically dominated by Binomial(r, e^eps / (1 + e^eps)) up to a
-delta term (their Theorem 3.1 / Proposition 5.7), so a large ``v`` refutes small epsilons:
-
-* :func:`steinke_p_value` is the paper's p-value of ``>= v`` correct guesses under (eps, delta)-DP
-  (their Algorithm 3, with the delta term ``2 m delta alpha``), and :func:`steinke_epsilon` the
-  largest epsilon it rejects at the given confidence (bisection).
-
-The f-DP analysis (Mahloujifar, Melis & Chaudhuri, "Auditing f-differential privacy in one run",
-2024) bounds the same game under a whole trade-off function ``f`` rather than one (eps, delta) pair,
-which is tighter when the mechanism is Gaussian-like (DP-SGD):
-
-* :func:`fdp_consistent` is their numerical test (Algorithm "audit with cap", the recursion on
-  ``r_i``, ``h_i`` with the inverse blow-up ``B^-1(x) = f(1 - x)``), following the implementation in
-  Meta's PrivacyGuard (``FDPAnalysisNode``): it says whether ``v`` correct of ``r`` guesses out of
-  ``m`` is consistent with f-DP at level ``1 - confidence``;
-* a :class:`TradeoffFamily` orders trade-off functions from weak to strong privacy;
-  :func:`fdp_epsilon` finds the strongest member that is rejected and reports its epsilon at delta.
-  :class:`GaussianFamily` is mu-GDP (Dong, Roth & Su 2022); :class:`AccountedFamily` is the run's own
-  accounted mechanism (its PLD, from dp-accounting) with every noise multiplier scaled by ``s``: the
-  audit then reads directly as "the run behaved like DP-SGD with noise at most ``s`` times the claimed".
-
-What the numbers mean. Steinke et al.'s bound is a strict statement: the run is not (eps, delta)-DP for
-any smaller eps. The f-DP bounds refute whole trade-off curves: "the run is not f_p-DP" for the curve
-``f_p`` of the family, reported as that curve's epsilon at delta (the paper's "empirical epsilon"). It
-is comparable with the accounted epsilon of the same family (``AccountedFamily``: the claim is the
-member at scale 1), but it is not a strict (eps, delta) lower bound: a mechanism with another curve
-shape may be (eps, delta)-DP and still refute ``f_p``.
-
-Choosing the number of guesses after seeing the scores would be a multiple-testing error, so
-:func:`one_run_audit` tests a list of ``(k+, k-)`` candidates fixed in advance, each at level
-``(1 - confidence) / len(candidates)`` (Bonferroni), and reports the largest bound: it holds with
-probability ``confidence``.
-
-The power of an audit. With ``m`` canaries no outcome gives more than the bound of a perfect guesser
-(every guess of every candidate correct, ``v = r``): :func:`epsilon_ceiling` evaluates exactly that, with the
-same bound functions, candidates and Bonferroni level, so that every reported bound is at most the ceiling
-(the bounds grow with ``v``). A claim at or above the ceiling cannot be refuted by this audit whatever the
-scores: "not refuted" then carries no information. E.g. Steinke et al.'s bound cannot exceed about 5.1 with
-1000 canaries, delta 1e-5 and the 12 default candidates, so it can never refute a claim of epsilon 8 there; its
-``2 m delta`` term even makes its ceiling fall beyond about 3000 canaries at that delta (docs/audit.md).
-
-These are lower bounds: a correct run's bound stays below its accounted epsilon (with probability
-``confidence``), and a bound far above the accounted epsilon is evidence of a bug (e.g. noise that
-was not added). A small bound says only that this attack found little; black-box (input canaries,
-final model only) audits of DP-SGD are known to be far from tight.
+The game of Steinke, Nasr & Jagielski (NeurIPS 2023): canaries included with probability 1/2, guessed after
+ONE run. :func:`steinke_epsilon` gives their strict (eps, delta) bound, :func:`fdp_epsilon` the f-DP bound of
+Mahloujifar et al. (2024) within a :class:`TradeoffFamily`, :func:`one_run_audit` tests fixed candidates with
+Bonferroni, and :func:`epsilon_ceiling` is the most any outcome can give. What the numbers mean, the ceilings
+and the tests: docs/audit.md, "One-run audit of DP-SGD".
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
 """Membership scores from a model's per-example loss (the loss attack; Yeom et al., CSF 2018).
 
-The simplest membership-inference attack scores an example by its loss under the trained model:
-members were fitted, so their loss tends to be lower. :func:`loss_scores` returns ``-loss`` (higher
-means "member", the convention of :mod:`lightning_dp.audit.statistics`); for a language model the
-per-example loss is the mean next-token cross-entropy of the sample, whose exponential is its
-perplexity.
-
-Any ``nn.Module`` (a LightningModule is one) can be scored:
-
-* a module with a method ``per_example_loss(batch) -> (B,)`` is asked for it (the hook for your own
-  LightningModule);
-* otherwise a batch ``(x, y)`` is scored with ``cross_entropy(model(x), y, reduction="none")``
-  (:class:`~lightning_dp.models.ImageClassifier` and friends), and a batch that is one integer tensor
-  ``(B, T)`` of token ids with the mean next-token loss of ``model(ids)``
-  (:func:`~lightning_dp.models.language.per_example_token_loss`, :class:`~lightning_dp.models.CausalLanguageModel`);
-* or pass ``loss=(model, batch) -> (B,)``.
-
-The model is evaluated in eval mode without gradients; its train/eval mode is restored afterwards.
+:func:`loss_scores` returns ``-loss`` per example (higher means "member"), in eval mode without gradients. The
+loss is the module's ``per_example_loss(batch)`` if it has one, else cross-entropy for ``(x, y)`` batches, else the
+mean next-token loss for ``(B, T)`` token ids, or ``loss=(model, batch) -> (B,)`` (docs/audit.md, "Loss scores").
 """
 
 from __future__ import annotations

@@ -1,26 +1,9 @@
 """Membership-inference statistics: ROC, AUC, TPR at low FPR, and empirical epsilon lower bounds.
 
-A membership score is higher for members (a lower loss, a calibrated likelihood ratio, ...). For a
-threshold t, the attack "member if score >= t" has a true-positive rate TPR on members and a
-false-positive rate FPR on non-members. An (epsilon, delta)-DP training run bounds every such
-attack (Kairouz, Oh & Viswanath 2015; the hypothesis-testing view used by Jagielski, Ullman & Oprea
-2020 and Nasr et al. 2021):
-
-    TPR <= e^eps FPR + delta        and        1 - FPR <= e^eps (1 - TPR) + delta,
-
-so an attack measured on finite samples gives the lower bound
-
-    eps >= max( ln((TPR_low - delta) / FPR_high), ln((1 - FPR_high - delta) / (1 - TPR_low)) )
-
-with ``TPR_low`` and ``FPR_high`` one-sided Clopper-Pearson bounds (exact binomial; scipy's beta
-quantiles), each at level ``(1 - confidence) / 2``, so that the bound holds with probability at least
-``confidence`` (union bound). The bound at ONE threshold is a valid confidence statement; the
-largest over many thresholds of the same samples is optimistic (a multiple-testing effect; with 10^6
-Gaussian-mechanism samples a side it exceeds the true epsilon): :func:`two_stage_epsilon` chooses the
-threshold on one part of the samples and bounds on the other, which is the claim to report;
-:func:`empirical_epsilon` without a threshold gives the maximum, a diagnostic.
-
-ROC and AUC come from scikit-learn (``roc_curve``, ``roc_auc_score``), not hand-written curves.
+Scores are higher for members. (epsilon, delta)-DP bounds every threshold attack's TPR and FPR; with one-sided
+Clopper-Pearson bounds this gives an epsilon lower bound. :func:`two_stage_epsilon` (threshold chosen on one
+half, bound on the other) is the claim to report; :func:`empirical_epsilon` without a threshold is optimistic, a
+diagnostic. The inequalities and the tests: docs/audit.md, "Membership-inference statistics".
 """
 
 from __future__ import annotations
