@@ -1,23 +1,9 @@
 """Parts of a federated round, registered by kind and name so that a YAML config can name them.
 
-A round (:class:`~lightning_dp.federated.round.FederatedRound`) is assembled from one part of
-each kind: ``selection`` (which clients take part), ``update`` (what a client computes from
-its starting model), ``sanitizer`` (what a client releases, and what that costs it),
-``aggregator`` (how the server combines the releases) and ``server_privacy`` (central noise
-on the aggregate, with its accountant). A part is a small object with one job; it may keep
-state (``state_dict``/``load_state_dict``, saved in the round's checkpoint) and parameters
-to log (``hparams``).
-
-Adding one is one class: subclass the kind's base class and register it::
-
-    from lightning_dp.federated.parts import Aggregator, register_part
-
-    @register_part("aggregator", "median")
-    class CoordinateMedian(Aggregator):
-        def aggregate(self, releases, hypotheses, weights=None):
-            return releases.median(dim=0).values[None], releases.new_zeros(len(releases), dtype=torch.long)
-
-after which ``aggregator: median`` (or ``class_path: my_module.CoordinateMedian``) selects it.
+A round is assembled from one part of each kind (``selection``, ``update``, ``sanitizer``, ``aggregator``,
+``server_privacy``); a part may keep state (``state_dict``) and parameters to log (``hparams``). Adding one is a
+subclass registered with :func:`register_part`: docs/federated.md, "Adding a part" (run by
+tests/federated/test_parts_docs.py).
 """
 
 from __future__ import annotations

@@ -1,25 +1,9 @@
 """Client sanitizers: what a client releases of its trained model, and what one release costs it.
 
-- ``none``: the trained model as it is;
-- ``euclidean_laplace``: metric privacy (d-privacy) of Galli et al., additive per-client costs;
-- ``clip``: the update clipped to L2 norm C, no noise (bounded updates for central DP or secure
-  aggregation; no guarantee by itself);
-- ``gaussian_ldp``: local DP, update clipped at C plus ``N(0, (z C)^2 I)``; per-client Gaussian ledger;
-- ``laplace_ldp``: local DP, update clipped to L1 norm C plus Laplace noise of scale ``lambda C``;
-  pure epsilon ``2 / lambda`` per release, added up per client;
-- ``sector``: clipped from above (C), below (c) and in direction (within angle a of the previous
-  round's released change of the model), optionally with local Gaussian noise calibrated to
-  the sector's diameter (Galli, thesis ch. 5; :mod:`lightning_dp.privacy.local_dp`).
-
-Local DP protects a client's whole dataset against everyone, the server included; its
-neighbouring inputs are any two datasets of the client, so the sensitivity of a clipped
-update is the diameter of the set clipping maps it into (2C for a ball).
-
-With k > 1 hypotheses the client's choice of its starting model is itself a function of its
-data, and the release ``start + bounded update + noise`` shows it: the sensitivity is then the
-diameter of the union of the k sets ``h_j + S_j``, at most ``max_ij ||h_i - h_j|| + 2C``
-(computed from the public hypotheses before the client sees its data, :func:`choice_spread`).
-Hypotheses that have separated make local DP releases expensive: that is what they reveal.
+``none``, ``euclidean_laplace`` (d-privacy), ``clip``, ``gaussian_ldp``, ``laplace_ldp`` and ``sector``
+(thesis ch. 5). Under local DP a clipped update's sensitivity is the diameter of its clipping set; with k > 1
+hypotheses the choice of the start adds :func:`choice_spread`. What each releases and costs: docs/federated.md,
+"Local DP" and "The sector".
 """
 
 from __future__ import annotations

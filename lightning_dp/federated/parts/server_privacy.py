@@ -1,45 +1,10 @@
 """Server privacy: central noise on the aggregate, and its client-level accountant.
 
-:class:`CentralGaussian` is client-level DP-FedAvg (McMahan, Ramage, Talwar & Zhang, "Learning
-differentially private recurrent language models", ICLR 2018): the server clips each client's
-update ``Delta_i = release_i - global`` at ``C``, sums, adds ``N(0, (z C)^2 I)`` once, and divides by
-the EXPECTED number of participants ``q N`` (data-independent), so adding or removing one client
-moves the sum by at most ``C``: one round is one Poisson-subsampled Gaussian mechanism with
-multiplier ``z`` and rate ``q``, accounted by the project's accountants (dp-accounting PLD or
-RDP) over rounds, with calibration to a target epsilon and a budget stop, as for DP-SGD.
-
-With ``adaptive=True`` the threshold follows Andrew, Thakkar, McMahan & Ramaswamy ("Differentially
-private learning with adaptive clipping", NeurIPS 2021): each round also releases the noisy count
-of unclipped updates (noise ``sigma_b``, default ``q N / 20``), ``C`` moves geometrically towards
-the ``target_quantile`` of the update norms, and the update noise uses
-``z_Delta = (z^-2 - (2 sigma_b)^-2)^(-1/2)`` so that the two releases of a round compose to ONE
-Gaussian mechanism with multiplier ``z``: the accountant records ``z``
-(:mod:`lightning_dp.privacy.adaptive`, the same functions as :class:`~lightning_dp.callbacks.QuantileClipping`
-with clients in place of examples).
-
-**Replacement.** With ``adjacency="replace"`` one client's data is replaced by another's: its
-clipped update moves from ``u`` to ``u'`` with ``||u - u'|| <= 2C``, and the round is accounted
-with dp_accounting's replace-one analysis of the Poisson-subsampled Gaussian (the pair
-``q N(-C) + (1-q) N(0)`` against ``q N(C) + (1-q) N(0)``). With adaptive clipping the count
-release is centred (``b_i - 1/2``, in ``{-1/2, 1/2}``), so in noise units a client's joint
-contribution (clipped update, centred count) lies within ``1 / z`` of 0, the contribution of
-an absent client, which is what the replace-one pair assumes: the split into ``z_Delta`` and
-``sigma_b`` still composes to one Gaussian with multiplier ``z`` under replacement.
-
-**Flower.** ``DifferentialPrivacyServerSideFixedClipping`` adds noise of std ``z C / m`` to the
-average of the ``m`` sampled clients' clipped updates: the same std as ours for the same ``z``,
-``C`` and ``m`` (tested against the installed Flower code), but Flower computes no epsilon, samples
-a fixed number of clients (no accounted amplification) and averages with the wrapped strategy's
-weights (``FedAvg`` weights by example counts, which changes the sensitivity). Its
-``...AdaptiveClipping`` uses the same ``z_Delta`` formula, but (Flower 1.41, both API versions)
-(a) counts CLIPPED updates and steps ``C <- C exp(-eta (clipped_fraction - target))``, which moves
-``C`` away from the target (more clipping than wanted shrinks ``C`` further), and (b) adds the noise
-after updating ``C``, calibrated to the new threshold while the updates were clipped at the old one
-(too little noise whenever ``C`` shrinks). We count unclipped updates as the paper does and noise
-with the threshold that clipped (docs/federated.md).
-
-The noise and the count noise are drawn from the round's SECRET noise seed, once for the whole
-aggregate (every DDP process draws the same), after the releases are gathered.
+:class:`CentralGaussian` is client-level DP-FedAvg (McMahan et al., ICLR 2018): updates clipped at ``C``, one
+``N(0, (z C)^2 I)`` on the sum, divided by the expected number of participants; each round is one
+Poisson-subsampled Gaussian with multiplier ``z``, accounted over rounds. ``adaptive=True`` adds Andrew et al.'s
+quantile clipping; the noise comes from the round's secret noise seed. Adaptive clipping, replacement, and how
+Flower's DP wrappers differ: docs/federated.md, "Client-level DP-FedAvg" and "Adjacency".
 """
 
 from __future__ import annotations
