@@ -1,33 +1,9 @@
 """``lightning-dp audit``: Deep Leakage from Gradients against a client's sanitized releases, in one MLflow run.
 
-Usage::
-
-    lightning-dp audit --config examples/dlg_digits.yaml
-    lightning-dp audit --config examples/dlg_femnist.yaml --data.init_args.data_dir=DIR --restarts=4
-    lightning-dp audit --help
-
-The config names the audited network (``model: {class_path, init_args}``, any
-``torch.nn.Module``, e.g. :class:`lightning_dp.models.SigmoidLeNet`) and a
-LightningDataModule (``data``). The private images are the first sample of each of the
-first ``num_images`` validation clients of a
-:class:`~lightning_dp.datamodules.FederatedDataModule` (one image per client), or the
-first ``num_images`` samples of an ordinary DataModule's validation loader. Each is
-released by one client (``local_steps`` SGD steps with ``lr`` from the freshly
-initialized model, seeded by ``seed``) through the ``sanitizer`` at every noise
-multiplier, and attacked with DLG (:mod:`lightning_dp.audit.dlg`).
-
-Reconstructions are compared with the images on the pixel scale [0, 1]: inputs that the
-DataModule standardized (``DigitsDataModule``, ``MNISTDataModule(normalize=True)``: its
-``mean``/``std``) are mapped back first; ``input_mean``/``input_std`` override that.
-
-One MLflow run (the project's store: ``./mlruns`` unless ``MLFLOW_TRACKING_URI`` is set,
-:mod:`lightning_dp.tracking`) records the settings as params, the resolved
-``config.yaml``, the metrics ``audit/mse``, ``audit/psnr``, ``audit/label_recovered``
-(fraction of images), ``audit/match_loss`` (median) and ``audit/noise_multiplier`` with
-``step`` = index into ``noise_multipliers`` (means over the images), the same per noise
-level as ``audit/mse/nu_<nu>`` etc., and the artifacts ``audit/dlg.tsv`` (one row per
-image and noise level), ``audit/dlg.md`` (the table) and ``audit/dlg_grid.png``
-(originals and reconstructions). The table and the run's location are printed.
+Usage: ``lightning-dp audit --config examples/dlg_digits.yaml`` (``--help`` for the options). Each private image
+is released by one client through the ``sanitizer`` at every noise multiplier and attacked with DLG
+(:mod:`lightning_dp.audit.dlg`); reconstructions are compared on the pixel scale [0, 1]. The config, the images
+and what the run records: docs/audit.md, "The command".
 """
 
 from __future__ import annotations

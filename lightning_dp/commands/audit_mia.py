@@ -1,33 +1,9 @@
 """``lightning-dp audit mia``: membership inference against a model trained here (loss, shadow/LiRA, noisy neighbours).
 
-Usage::
-
-    lightning-dp audit mia --config examples/audit/mia_lm.yaml
-    lightning-dp audit mia --config examples/audit/mia_lm.yaml --max_examples=null     # the full split (GPU)
-    lightning-dp audit mia --help
-
-The thesis' experiment (ch. 4, "Noisy neighbors"): the examples of the ``pool`` splits of ``data`` are
-cut (seeded) into members (``member_fraction``, 60 %) and non-members; a labelled ``calibration_fraction``
-of each is kept aside for tuning (the noisy-neighbour sigma). The target ``model`` is trained on the
-members by a Lightning ``Trainer(**trainer)`` with ``callbacks`` (e.g. ``DPSGD``) and logged as its own
-MLflow run. Then, on the evaluation members and non-members:
-
-* ``loss``: ``-loss`` under the target (Yeom et al. 2018; :mod:`lightning_dp.audit.scores`);
-* ``shadow``: LiRA (Carlini et al. 2022; :mod:`lightning_dp.audit.lira`): ``num_shadows`` models, trained by
-  the same Lightning code on random halves of the pool (each example IN for exactly half of them), online
-  likelihood ratio with a fixed variance;
-* ``noisy``: noisy neighbours (:mod:`lightning_dp.audit.neighbours`): ``num_neighbours`` neighbours made by
-  Gaussian noise at the output of the embedding layer; sigma found on the calibration split by the
-  bracketing search on the AUC.
-
-One MLflow audit run (experiment ``experiment_name``) records ``audit/auc/<attack>``,
-``audit/tpr_at_fpr_<f>/<attack>``, ``audit/epsilon/<attack>`` (two-stage empirical epsilon at 95 %),
-``audit/cost/forward_passes/<attack>`` and ``audit/cost/seconds/<attack>``, ``audit/noisy/sigma``,
-``audit/noisy/auc_vs_sigma`` (step = index of sigma, ascending) and ``audit/cost/ratio_*`` (shadow over
-noisy), the figures ``audit/roc.png``, ``audit/roc_loglog.png`` (Fig. 4.3a/b), ``audit/auc_vs_sigma.png``
-(Fig. 4.2) and ``audit/epsilon_vs_fpr.png`` (Fig. 4.4), the tables ``audit/mia.md``, ``audit/scores.tsv``
-and ``audit/auc_vs_sigma.tsv``, and the resolved ``config.yaml``. The audit run and the target's run are
-linked by the tags ``audit/target_run_id`` and ``audit/audit_run_id``.
+Usage: ``lightning-dp audit mia --config examples/audit/mia_lm.yaml`` (``--help`` for the options). The thesis'
+experiment (ch. 4): the target is trained on a seeded member split, then attacked by the ``loss``, ``shadow``
+and ``noisy`` attacks; one MLflow audit run records their AUC, TPR at low FPR, empirical epsilon, cost and
+figures. The split and every recorded name: docs/audit.md, "The membership-inference command".
 """
 
 from __future__ import annotations

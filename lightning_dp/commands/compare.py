@@ -1,31 +1,9 @@
 """The privacy-utility picture: a task metric against epsilon, over runs, with the non-private baseline.
 
-What a DP user came for is one picture: how much accuracy each epsilon costs. MLflow's compare view draws
-parallel coordinates of whatever the runs logged; this module draws the metric against epsilon instead:
-
-- runs are grouped by their configuration without the seeds (``seed_everything``, ``*.seed``): a group is
-  one setting repeated over seeds, drawn as its mean with sample-std error bars in both directions
-  (none for a single run);
-- a run with no private component, or one that releases without protection whatever epsilon it logs
-  (the ``lightning_dp.private = false`` tag that :class:`~lightning_dp.callbacks.RunArtifacts` sets) is a
-  non-private baseline: a horizontal line, with a band of one sample std when there are several;
-- a run that logged no epsilon and is not marked non-private is left out and named (never drawn as a
-  baseline: a private run shown without its epsilon would be misread).
-
-Everything drawn is a final metric the runs already logged (post-processing of released values), so the
-picture costs no privacy.
-
-``lightning-dp compare`` (:func:`main`) writes the figure and the table as artifacts
-``privacy_utility.png`` and ``privacy_utility.md`` of a new MLflow run, ``privacy-utility``, in the
-experiment of the runs, and prints the table::
-
-    lightning-dp compare --experiment dpsgd-digits                 # every finished run of the experiment
-    lightning-dp compare RUN_ID RUN_ID ... --metric val/acc --output figures/
-
-Every grid writes the same two artifacts to its parent run (:func:`grid_outcomes`). The picture itself (the
-outcomes, their groups, the table and the figure) is :mod:`lightning_dp.grid.utility`, which the grid draws
-without importing this command; its names are imported here as before, and so is :data:`PRIVATE_TAG`
-(:data:`lightning_dp.tracking.PRIVATE_TAG`, the tag :class:`~lightning_dp.callbacks.RunArtifacts` writes).
+``lightning-dp compare`` (:func:`main`) writes ``privacy_utility.png`` and ``privacy_utility.md`` to a new MLflow
+run, ``privacy-utility``, and prints the table. The picture itself is :mod:`lightning_dp.grid.utility`, whose names
+(and :data:`PRIVATE_TAG`) are re-exported here. How runs are grouped and what counts as a baseline:
+docs/getting_started.md, "Reading the runs in MLflow".
 """
 
 from __future__ import annotations

@@ -1,28 +1,12 @@
 """``lightning-dp epsilon``: the epsilon of a DP-SGD or DP-FedAvg run, or the noise multiplier for a target epsilon.
 
-The first question of every DP user, answered with the SAME functions the training uses
-(:func:`lightning_dp.privacy.accounting.get_accountant`,
-:func:`lightning_dp.privacy.calibration.calibrate_noise_multiplier`,
-:func:`lightning_dp.privacy.calibration.steps_for_epochs`), for Poisson-sampled DP-SGD as
-:class:`~lightning_dp.callbacks.DPSGD` runs it::
+Answered with the SAME functions the training uses (docs/getting_started.md, "Choosing epsilon"). The example
+lines and the DP-FedAvg paragraph below are also the command's ``--help``::
 
     lightning-dp epsilon --dataset-size 60000 --batch-size 256 --epochs 15 --noise-multiplier 1.1
     lightning-dp epsilon --dataset-size 60000 --batch-size 256 --epochs 15 --target-epsilon 3
     lightning-dp epsilon --sample-rate 0.01 --steps 1000 --noise-multiplier 1.0 --accountant rdp
     lightning-dp epsilon ... --adjacency replace          # bounded DP (PLD only when q < 1)
-
-It prints epsilon (or sigma) and a table of epsilon after a few fractions of the run. The dataset size
-is treated as public, as Opacus and DPSGD do; q = batch size / dataset size. When N is known
-(``--dataset-size``, ``--clients``) and delta is not below 1/N, it also prints the warning the training
-would give, from the same function (:func:`lightning_dp.privacy.delta.check_delta_for_size`).
-
-Client-level DP-FedAvg (McMahan, Ramage, Talwar & Zhang, ICLR 2018) as
-:class:`~lightning_dp.federated.FederatedRound` runs it with
-:class:`~lightning_dp.federated.parts.PoissonSelection` and
-:class:`~lightning_dp.federated.parts.CentralGaussian` (``examples/fedavg_dp_mnist.yaml``), through that
-part's own calibration (:meth:`~lightning_dp.federated.parts.CentralGaussian.plan`) and ledger
-(:meth:`~lightning_dp.federated.parts.CentralGaussian.planned_epsilon`)::
-
     lightning-dp epsilon --clients 1000 --clients-per-round 50 --rounds 100 --noise-multiplier 1.0
     lightning-dp epsilon --clients 100 --clients-per-round 20 --rounds 100 --target-epsilon 4 --delta 1e-3
     lightning-dp epsilon --client-sample-rate 0.2 --rounds 100 --noise-multiplier 1.83 --adjacency replace

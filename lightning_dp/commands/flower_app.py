@@ -1,9 +1,7 @@
 """``lightning-dp flower-app``: the Flower app of a federated config, for a real deployment.
 
-Writes the app directory that runs the config's federated round on Flower's Deployment Engine
-(:mod:`lightning_dp.flower`): ``flwr run <out> <connection>`` then trains on the SuperNodes
-connected to the SuperLink, with the server's MLflow tracking, epsilon and ledgers as
-``lightning-dp fit`` has them in simulation.
+Writes the app directory that runs the config's round on Flower's Deployment Engine (:mod:`lightning_dp.flower`);
+the config goes to every node, so it may hold no secret (a ``noise_seed`` is refused)::
 
     lightning-dp flower-app --config examples/fl_deploy_fedavg.yaml --out app/ --min-nodes 2
     flower-superlink --insecure
@@ -11,13 +9,7 @@ connected to the SuperLink, with the server's MLflow tracking, epsilon and ledge
     flower-supernode --insecure --superlink 127.0.0.1:9092 --port 9095 --node-config "partition-id=1 num-partitions=2"
     flwr run app/ <connection>
 
-Sites that each hold their own clients start with ``--node-config 'site="NAME" data.data_dir="/site/files"'``
-instead of the partition (the server numbers the sites' clients in the order of their names).
-
-The config goes to every node, so it may hold no secret (a ``noise_seed`` is refused): the
-server's noise seed is the SuperLink process's ``LIGHTNING_DP_NOISE_SEED``, each site's is its
-``--node-config noise-seed=...``; both default to fresh secrets. docs/federated.md, "From
-simulation to deployment", has the whole walk-through and what each side sees.
+Sites with their own data, the secrets, what each side sees: docs/federated.md, "From simulation to deployment".
 """
 
 from __future__ import annotations
