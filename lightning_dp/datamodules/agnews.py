@@ -1,41 +1,9 @@
 """AG News topic classification from GloVe vectors (thesis chapter 3).
 
-AG News (Zhang, Zhao and LeCun, "Character-level convolutional networks for text
-classification", NeurIPS 2015): 120,000 training and 7,600 test news articles in four
-balanced topics, World, Sports, Business and Sci/Tech. Thesis chapter 3 (Galli et
-al., "Online sensitivity optimization in differentially private learning", AAAI 2024)
-classifies them from a bag-of-words feature:
-
-1. text = title + ``" "`` + description;
-2. :func:`tokenize` it and keep the first ``max_tokens`` tokens (default 25, the thesis' text);
-3. map each token to its pre-trained 50-dimensional GloVe vector (Pennington, Socher
-   and Manning, "GloVe: Global vectors for word representation", EMNLP 2014; the
-   ``glove.6B.50d.txt`` file of https://nlp.stanford.edu/data/glove.6B.zip);
-4. ``pooling="mean"`` (default): the feature is the MEAN of the vectors of those of the
-   ``max_tokens`` tokens that GloVe knows (every occurrence counts; out-of-vocabulary tokens
-   are skipped, they still count among the ``max_tokens``); a text with no known token gets
-   the zero vector.
-   ``pooling="concat"``: the feature is the CONCATENATION of the ``max_tokens`` vectors in
-   text order (``max_tokens * 50`` numbers), a zero vector for an unknown token and for
-   each missing token of a shorter text. The thesis' text says "an embedding size of 50 for
-   up to the first 25 words" and names no pooling; its Table 3.1 model size (113,156
-   parameters for its Table 3.7 layers) needs 750 inputs, which neither the mean (50) nor
-   25 concatenated vectors (1,250) give: ``concat`` of the first 15 tokens does, our reading
-   of the two (see :class:`~lightning_dp.models.BagOfWordsMLP`).
-
-Two sources of the texts:
-
-- ``source="csv"``: the official ``train.csv`` and ``test.csv`` in ``data_dir``, e.g.
-  from https://github.com/mhjabreel/CharCnn_Keras/tree/master/data/ag_news_csv (no
-  header; columns class index 1-4, title, description; fields quoted, ``""`` for a
-  quote inside a field; a backslash marks a line break of the original article);
-- ``source="huggingface"``: :func:`datasets.load_dataset` of ``fancyzhx/ag_news``
-  (columns ``text``, already title + " " + description, and ``label`` 0-3) with
-  ``cache_dir=data_dir`` (optional dependency, ``pip install 'lightning-dp[hf]'``).
-
-The GloVe vectors are needed with either source; only the vectors of the words that
-occur among the corpus' first ``max_tokens`` tokens are read (line by line) and they are dropped
-once the features are computed.
+Each text (title + description) becomes the mean (``pooling="mean"``, default) or the concatenation
+(``pooling="concat"``) of the 50-dimensional GloVe vectors of its first ``max_tokens`` tokens; the texts come from
+the official CSVs (``source="csv"``) or Hugging Face ``fancyzhx/ag_news``, and ``glove.6B.50d.txt`` is needed with
+either. The steps, the thesis' model size and our reading of it, the formats: docs/data.md, "AG News".
 """
 
 from __future__ import annotations

@@ -1,38 +1,9 @@
 """What every DataModule does when its data is missing and cannot be fetched.
 
-One exception type, :class:`DatasetUnavailableError`, whose ``str()`` is the complete
-message for a person: which dataset, the ``data_dir`` looked in, the files expected there
-(in the official raw format the loader reads), where to get them, and, when a download was
-tried, its error in one line. The message is built in one place,
-:func:`dataset_unavailable`; a DataModule only describes itself.
-
-Downloads leave nothing half-made on disk:
-
-- :func:`download_guard` wraps a download attempt into ``data_dir``: it creates the
-  directory (and missing parents) and, if the attempt fails, removes the directories it
-  created, then raises :class:`DatasetUnavailableError` from the original error. Files
-  and directories that existed before are never touched.
-- :func:`staging_area` is a temporary directory inside ``data_dir`` to download into
-  (removed with its content, whatever happens); :func:`publish` moves a finished file
-  or folder into place with one atomic rename (never over an existing one). So a failed
-  official download leaves nothing, and a concurrent run's files are never touched.
-- :func:`download_file` fetches one official file from the first address that serves it and passes a check
-  (an md5 sum, :func:`md5_check`, or the file's layout), through a ``.part`` file renamed only after the check:
-  every downloader of the package (MNIST's IDX files, the CMS CSV) is this function with its own check.
-- :func:`load_hf_dataset` calls ``datasets.load_dataset`` under :func:`download_guard`
-  with ``sweep=True``: the ``datasets`` library writes into its cache directory itself,
-  so what appeared there during a failed call is removed.
-
-Example:
-    >>> err = dataset_unavailable("MNISTDataModule", "MNIST", data_dir="/data/mnist",
-    ...                           expected=["t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"],
-    ...                           sources=["https://ossci-datasets.s3.amazonaws.com/mnist/"],
-    ...                           error="URLError: <urlopen error [Errno -2] Name or service not known>")
-    >>> print(err)  # doctest: +NORMALIZE_WHITESPACE
-    MNISTDataModule: MNIST is not in data_dir=/data/mnist and could not be downloaded.
-      expected there: t10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz
-      get them from:  https://ossci-datasets.s3.amazonaws.com/mnist/
-      download error: URLError: <urlopen error [Errno -2] Name or service not known>
+One exception, :class:`DatasetUnavailableError`, whose ``str()`` is the whole message (built by
+:func:`dataset_unavailable`); downloads (:func:`download_file`, :func:`load_hf_dataset`) go through
+:func:`download_guard`, :func:`staging_area` and :func:`publish`, so a failed one leaves nothing half-made in
+``data_dir``. Each helper and an example: docs/data.md, "When the data is missing".
 """
 
 from __future__ import annotations
