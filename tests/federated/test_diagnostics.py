@@ -59,10 +59,10 @@ def test_the_round_logs_the_cosines_of_its_updates_and_of_per_sample_gradients()
                   accelerator="cpu", devices=1, max_epochs=3, num_sanity_val_steps=0, limit_val_batches=0,
                   log_every_n_steps=1)
     t.fit(m, SyntheticLinearMixtureDataModule(seed=0))
-    assert len(m._cosines) == 3
+    assert len(m.private_step.cosines) == 3
     assert float(t.callback_metrics["nonprivate/update_cosine"]) == pytest.approx(
         mean_pairwise_cosine(captured[-1]), rel=1e-9)
-    assert -1 <= m._cosines[-1][2] <= 1
+    assert -1 <= m.private_step.cosines[-1][2] <= 1
 
 
 def test_diagnostics_need_nonprivate_metrics():

@@ -493,17 +493,17 @@ def test_the_server_refuses_noise_from_a_public_generator():
 def _summed_and_held(monkeypatch, entries, **privacy):
     """The same DP-FedAvg fit twice: the round summing its releases a block of ``entries`` at a time, and holding
     them (the server reading the (U, P) releases, as before the sums and as for every other server)."""
-    import lightning_dp.federated.round as round_module
+    import lightning_dp.federated.clients as clients_module
 
     out = []
     for sums in (True, False):
         with monkeypatch.context() as patch:
-            patch.setattr(round_module, "SUM_BLOCK_ENTRIES", entries)
+            patch.setattr(clients_module, "SUM_BLOCK_ENTRIES", entries)
             server = CentralGaussian(noise_multiplier=1.0, clip=0.3, **privacy)
             module = fedavg(server, q=0.5, log_nonprivate_metrics=True)
             if not sums:
-                patch.setattr(module, "_sums_releases", lambda: False)
-            assert module._sums_releases() is sums
+                patch.setattr(module.private_step, "sums_releases", lambda: False)
+            assert module.private_step.sums_releases() is sums
             recorder = RecordingLogger()
             trainer(max_epochs=4, logger=recorder, log_every_n_steps=1).fit(module,
                                                                            SyntheticLinearMixtureDataModule(seed=0))

@@ -60,13 +60,13 @@ def test_uniform_selection_without_caps_is_the_permutations_head():
 
 def test_local_shuffles_of_a_population_depend_on_the_client_not_on_the_others():
     module = FederatedRound(nn.Linear(3, 1), seed=4, noise_seed=5)
-    module._clients = {"train": SyntheticPopulation(10**6, samples=(1, 4))}
-    module._key_width = 4
+    module.clients.splits = {"train": SyntheticPopulation(10**6, samples=(1, 4))}
+    module.clients.key_width = 4
     mask = torch.ones(3, 4, dtype=torch.bool)
-    a = module._shuffle_keys(2, [7, 999_999, 3], mask)(1)
-    b = module._shuffle_keys(2, [3, 7, 12], mask)(1)
+    a = module.clients.shuffle_keys(2, [7, 999_999, 3], mask)(1)
+    b = module.clients.shuffle_keys(2, [3, 7, 12], mask)(1)
     assert torch.equal(a[0], b[1]) and torch.equal(a[2], b[0]) and a.dtype == torch.float32
-    assert not torch.equal(module._shuffle_keys(2, [7], mask[:1])(0), a[:1])  # another epoch, other keys
+    assert not torch.equal(module.clients.shuffle_keys(2, [7], mask[:1])(0), a[:1])  # another epoch, other keys
 
 
 def test_dp_fedavg_on_a_population_builds_only_the_drawn_clients_and_accounts_as_the_library():

@@ -79,7 +79,7 @@ def test_warm_up_rounds_start_from_the_assignment_and_later_rounds_from_the_best
     for row in spy.rounds:
         hyps, clients = row["hypotheses"], row["clients"]
         if row["round"] < 3:
-            choice = assigned_hypotheses(m.seed, client_ids(m._clients["train"], clients), 2)
+            choice = assigned_hypotheses(m.seed, client_ids(m.clients.splits["train"], clients), 2)
             warm_choices.append(choice)
         else:
             x, y, mask = row["data"]
@@ -91,7 +91,7 @@ def test_warm_up_rounds_start_from_the_assignment_and_later_rounds_from_the_best
     late = spy.rounds[3]
     x, y, mask = late["data"]
     best = client_losses(m.template, m.spec, late["hypotheses"], x, y, mask, "rmse").argmin(dim=1)
-    assert not torch.equal(best, assigned_hypotheses(m.seed, client_ids(m._clients["train"], late["clients"]), 2))
+    assert not torch.equal(best, assigned_hypotheses(m.seed, client_ids(m.clients.splits["train"], late["clients"]), 2))
 
 
 def test_warm_up_does_not_read_the_clients_data():
