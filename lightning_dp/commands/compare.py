@@ -8,22 +8,26 @@ docs/getting_started.md, "Reading the runs in MLflow".
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from lightning_dp.grid.utility import (
     METRIC_PREFERENCE,
+    GridSpend,
     Group,
     Outcome,
     choose_metric,
+    curve_key,
     grid_outcomes,
     group_outcomes,
     utility_figure,
     utility_table,
 )
 
-__all__ = ["COMPARE_TAG", "Group", "Outcome", "PRIVATE_TAG", "choose_metric", "group_outcomes", "grid_outcomes",
-           "main", "mixed_versions", "utility_figure", "utility_table"]
+__all__ = ["COMPARE_TAG", "GridSpend", "Group", "Outcome", "PRIVATE_TAG", "choose_metric", "grid_outcomes",
+           "grid_spends", "group_labels", "group_outcomes", "is_grid_parent", "main", "mixed_versions",
+           "utility_figure", "utility_table"]
 
 #: Tag of the runs ``lightning-dp compare`` creates (never compared themselves).
 COMPARE_TAG = "lightning_dp.compare.runs"
@@ -39,17 +43,35 @@ def __getattr__(name: str) -> Any:  # PEP 562: PRIVATE_TAG is tracking's; read t
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def _short(key: str) -> str:
+    return key.rsplit("/", 1)[-1].rsplit(".", 1)[-1]
+
+
 def _labels(params: Mapping[str, Mapping[str, str]]) -> dict[str, str]:
-    """A short, unique label per group from the settings that differ between groups (``key=value, ...``)."""
+    """A short, unique label per group from the settings that differ between groups (``key=value, ...``).
+
+    A setting that some groups lack (a baseline has no ``privacy/*`` parameter) names no group by itself being
+    absent: only settings whose values differ among the groups that have them name groups, unless that leaves two
+    groups with one label.
+    """
     keys = sorted({k for p in params.values() for k in p})
-    varying = [k for k in keys if len({p.get(k) for p in params.values()}) > 1]
-    labels: dict[str, str] = {}
-    for group, p in params.items():
-        label = ", ".join(f"{k.rsplit('/', 1)[-1].rsplit('.', 1)[-1]}={p.get(k, '-')}" for k in varying)
-        labels[group] = label if len(label) <= 60 else label[:57] + "..."
-    if len(set(labels.values())) < len(labels):  # cut labels that collide: number them
-        labels = {group: f"{label} [{i + 1}]" for i, (group, label) in enumerate(labels.items())}
+    differ = [k for k in keys if len({p[k] for p in params.values() if k in p}) > 1]
+    present = [k for k in keys if k not in differ and len({p.get(k) for p in params.values()}) > 1]
+
+    def label(p: Mapping[str, str], varying: Sequence[str]) -> str:
+        return ", ".join(f"{_short(k)}={p[k]}" for k in varying if k in p)
+
+    labels = {group: label(p, differ) for group, p in params.items()}
+    if len(set(labels.values())) < len(labels) and present:
+        labels = {group: label(p, sorted(differ + present)) for group, p in params.items()}
+    if len(set(labels.values())) < len(labels):  # still equal (or empty): number them
+        labels = {group: f"{text or 'group'} [{i + 1}]" for i, (group, text) in enumerate(labels.items())}
     return labels
+
+
+def _one_name(names: set[str]) -> Optional[str]:
+    """The run name of a group whose runs share one, else None."""
+    return next(iter(names)) if len(names) == 1 else None
 
 
 def _is_seed(key: str) -> bool:
@@ -57,12 +79,37 @@ def _is_seed(key: str) -> bool:
     return leaf in ("seed", "seed_everything") or leaf.endswith("_seed")
 
 
+def group_labels(params: Mapping[str, Mapping[str, str]], names: Mapping[str, set[str]],
+                 private: Mapping[str, bool]) -> dict[str, str]:
+    """Labels of the groups (``{group: settings}``, their run names, whether private).
+
+    When every group has one run name of its own, the names (they say more than the parameters). Otherwise private
+    groups are named by the settings that differ between the private groups only, and a baseline keeps its run name
+    (when it is a single group with one name): its settings differ from every private group's anyway.
+    """
+    if len(params) == 1:
+        return {next(iter(params)): "all runs"}
+    if all(len(n) == 1 for n in names.values()) and len({next(iter(n)) for n in names.values()}) == len(names):
+        return {group: next(iter(n)) for group, n in names.items()}
+    labels: dict[str, str] = {}
+    for kind, fallback in ((True, "private"), (False, "non-private")):
+        members = {group: p for group, p in params.items() if private[group] == kind}
+        if len(members) == 1:
+            (group,) = members
+            labels[group] = _one_name(names[group]) or fallback
+        elif members:
+            labels.update(_labels(members))
+    if len(set(labels.values())) < len(labels):  # a baseline named like a private group: number them
+        labels = {group: f"{text} [{i + 1}]" for i, (group, text) in enumerate(labels.items())}
+    return labels
+
+
 def runs_outcomes(runs: Sequence[Any], metric: Optional[str] = None) -> tuple[str, list[Outcome], list[str]]:
     """Outcomes of MLflow runs (``mlflow.entities.Run``): the metric chosen, the outcomes, the runs left out (why).
 
     Runs are grouped by their parameters without the seeds (and the library versions): a group is one setting
-    repeated over seeds. A group's label is its run name when every group has one distinct name, else the
-    settings that differ between groups.
+    repeated over seeds, labelled by :func:`group_labels`. Private groups whose settings differ only in the privacy
+    axis (:data:`~lightning_dp.grid.utility.PRIVACY_AXES`) form one curve (joined by a line in the figure).
     """
     from lightning_dp.tracking import PRIVATE_TAG
 
@@ -79,23 +126,48 @@ def runs_outcomes(runs: Sequence[Any], metric: Optional[str] = None) -> tuple[st
             kept.append((r, None if private == "false" else eps))
     params: dict[str, dict[str, str]] = {}
     names: dict[str, set[str]] = {}
+    is_private: dict[str, bool] = {}
     key_of = {}
-    for r, _ in kept:
+    for r, eps in kept:
         setting = {k: v for k, v in r.data.params.items() if not _is_seed(k) and not k.startswith("versions/")}
         key = repr(sorted(setting.items()))
         params.setdefault(key, setting)
         names.setdefault(key, set()).add(r.info.run_name or r.info.run_id[:8])
+        is_private.setdefault(key, eps is not None)
         key_of[r.info.run_id] = key
-    by_name = {key: next(iter(n)) for key, n in names.items() if len(n) == 1}
-    if len(by_name) == len(params) and len(set(by_name.values())) == len(by_name):
-        labels = by_name  # one distinct run name per setting: the names say more than the parameters
-    elif len(params) == 1:
-        labels = {next(iter(params)): "all runs"}
-    else:
-        labels = _labels(params)
-    outcomes = [Outcome(r.info.run_id, labels[key_of[r.info.run_id]], eps, float(r.data.metrics[chosen]))
+    labels = group_labels(params, names, is_private)
+    outcomes = [Outcome(r.info.run_id, labels[key_of[r.info.run_id]], eps, float(r.data.metrics[chosen]),
+                        None if eps is None else curve_key(params[key_of[r.info.run_id]]))
                 for r, eps in kept]
     return chosen, outcomes, skipped
+
+
+def is_grid_parent(run: Any) -> bool:
+    """The parent run of a ``lightning-dp grid`` (tag ``grid.id``, no parent itself): the grid's record, not a
+    training run."""
+    return "grid.id" in run.data.tags and "mlflow.parentRunId" not in run.data.tags
+
+
+def grid_spends(client: Any, runs: Sequence[Any]) -> list[GridSpend]:
+    """What each grid search among ``runs`` spent in all: its parent run's ``grid/epsilon`` (per repetition of a
+    budgeted grid), ``grid/epsilon_all_repetitions``, ``grid/delta`` and ``grid/budget_epsilon``
+    (:meth:`lightning_dp.grid.run.ParentRuns.finish` logs them), one :class:`GridSpend` per grid."""
+    spends = []
+    for pid in dict.fromkeys(r.data.tags["mlflow.parentRunId"] for r in runs
+                             if "grid.id" in r.data.tags and "mlflow.parentRunId" in r.data.tags):
+        parent = client.get_run(pid)
+        metrics, tags = parent.data.metrics, parent.data.tags
+        if "grid/epsilon" in metrics:
+            epsilon = float(metrics["grid/epsilon"])
+        elif tags.get("grid/epsilon") == "inf":  # a grid with a run that released unsanitized
+            epsilon = math.inf
+        else:  # a grid that failed, or one without an example- or client-level epsilon
+            continue
+        children = client.search_runs([parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{pid}'")
+        spends.append(GridSpend(f"grid {tags.get('grid.id', pid[:8])}", epsilon, metrics.get("grid/delta"),
+                                len(children), metrics.get("grid/epsilon_all_repetitions"),
+                                metrics.get("grid/budget_epsilon")))
+    return spends
 
 
 def mixed_versions(groups: Mapping[str, Sequence[Mapping[str, str]]]) -> list[str]:
@@ -163,7 +235,7 @@ def main(argv: Sequence[str]) -> int:
                 parser.error(f"--experiment {args.experiment}: not in {uri}" + (
                     f"; did you mean {' or '.join(near)}?" if near else f"; experiments: {names}"))
             runs = [r for r in client.search_runs([experiment.experiment_id], "attributes.status = 'FINISHED'")
-                    if COMPARE_TAG not in r.data.tags]
+                    if COMPARE_TAG not in r.data.tags and not is_grid_parent(r)]
         else:
             runs = [client.get_run(run_id) for run_id in args.runs]
     except MlflowException as err:
@@ -181,11 +253,16 @@ def main(argv: Sequence[str]) -> int:
     by_group: dict[str, list[Mapping[str, str]]] = {}
     for outcome in outcomes:
         by_group.setdefault(outcome.group, []).append(params_by_id.get(outcome.run_id, {}))
-    table = utility_table(groups, metric)
+    kept_ids = {o.run_id for o in outcomes}
+    try:
+        spends = grid_spends(client, [r for r in runs if r.info.run_id in kept_ids])
+    except MlflowException as err:
+        parser.error(f"{str(err).splitlines()[0]} (tracking URI {uri})")
+    table = utility_table(groups, metric, spends)
     notes = mixed_versions(by_group)
     if notes:  # in the printed table and in its artifact: a reader of either must see it
         table += "".join(f"\nNote: {note}.\n" for note in notes)  # one Markdown paragraph each
-    figure = utility_figure(groups, metric)
+    figure = utility_figure(groups, metric, spends=spends)
     print(table, end="")
     for note in skipped:
         print(f"left out: {note}")

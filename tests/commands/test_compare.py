@@ -27,7 +27,7 @@ def test_groups_are_means_with_sample_stds_and_baselines_last():
     fig = utility_figure(groups, "val/acc")
     ax = fig.axes[0]
     assert ax.get_ylabel() == "val/acc" and ax.get_xlim()[0] == 0
-    assert any("non-private" in t.get_text() for t in ax.get_legend().get_texts())
+    assert any("non-private" in t.get_text() for t in fig.legends[0].get_texts())  # below the axes
     with pytest.raises(ValueError, match="mixes private and non-private"):
         group_outcomes([Outcome("a", "x", 1.0, 0.5), Outcome("b", "x", None, 0.6)])
 
@@ -67,7 +67,7 @@ def test_compare_command_groups_seeds_draws_the_baseline_and_leaves_out_unmarked
     assert cli.main(["compare", "--experiment", "cmp", "--output", str(workdir / "out")]) == 0
     out = capsys.readouterr().out
     assert "| target_epsilon=3 | 3 | 2.96 ± 0 | 0.82 ± 0.02 |" in out
-    assert "| target_epsilon=none | 1 | non-private | 0.95 |" in out
+    assert "| base | 1 | non-private | 0.95 |" in out  # the baseline keeps its run name
     assert "left out: old" in out and "not marked non-private" in out
     assert (workdir / "out" / "privacy_utility.png").stat().st_size > 0
     (made,) = client.search_runs([eid], "attributes.run_name = 'privacy-utility'")
@@ -155,3 +155,71 @@ def test_compare_groups_by_setting_not_by_name_and_marks_unprotected_runs(workdi
     with pytest.raises(SystemExit):
         cli.main(["compare", "--experiment", "seeds", "--metric", "nonprivate/train_loss", "--no-log"])
     assert "not covered by epsilon" in capsys.readouterr().err
+
+
+def test_compare_after_a_grid_names_groups_by_what_differs_and_shows_the_searchs_spend(workdir, store_template, capsys):
+    """Issue 50, item 7: a budgeted grid over lr (2 seeds each) beside the non-private baseline. Groups are named by
+    the settings that differ between the private groups (not every parameter the baseline lacks, cut at 60
+    characters), the baseline keeps its name, no line joins two learning rates, the legend stays off the axes, and
+    the grid's composed spend (its parent run's grid/epsilon, per repetition and over both) is in table and figure."""
+    import matplotlib.lines
+
+    seed_store(store_template, workdir / "mlruns" / "mlflow.db")
+    client = mlflow.MlflowClient(default_tracking_uri())
+    eid = client.create_experiment("dg", artifact_location=(workdir / "art").as_uri())
+    parent = client.create_run(eid, run_name="grid-abcd1234 dpsgd-digits-eps3", tags={"grid.id": "abcd1234"})
+    pid = parent.info.run_id
+    for name, value in (("grid/epsilon", 2.976), ("grid/delta", 1e-5), ("grid/budget_epsilon", 3.0),
+                        ("grid/epsilon_all_repetitions", 4.334)):
+        client.log_metric(pid, name, value)
+    client.set_terminated(pid)
+    common = {"momentum": "0.0", "privacy/accountant": "pld", "privacy/accumulate_grad_batches": "1",
+              "privacy/noise_multiplier": "1.14", "data/batch_size": "64", "versions/torch": "2.13.0"}
+    for lr, accs in (("0.2", (0.48, 0.56)), ("0.4", (0.58, 0.78))):
+        for seed, acc in enumerate(accs):
+            _run(client, eid, f"dpsgd-digits-eps3 lr={lr} seed_everything={seed}",
+                 {"privacy/epsilon": 2.074, "val/acc": acc}, {**common, "lr": lr, "seed_everything": str(seed)},
+                 {PRIVATE_TAG: "true", "grid.id": "abcd1234", "mlflow.parentRunId": pid})
+    _run(client, eid, "digits-nonprivate-baseline", {"val/acc": 0.95},
+         {"lr": "0.05", "momentum": "0.9", "data/batch_size": "64", "seed_everything": "0"}, {PRIVATE_TAG: "false"})
+    assert cli.main(["compare", "--experiment", "dg", "--no-log"]) == 0
+    out = capsys.readouterr().out
+    assert "| lr=0.2 | 2 | 2.074 ± 0 |" in out and "| lr=0.4 | 2 | 2.074 ± 0 |" in out
+    assert "| digits-nonprivate-baseline | 1 | non-private | 0.95 |" in out
+    assert "accountant" not in out and "..." not in out
+    assert "grid abcd1234 (4 runs) spent epsilon = 2.976 per repetition, 4.334 over all repetitions" in out
+    assert "epsilon column is each run's own spend" in out
+    assert "left out" not in out  # the grid's parent run is its record, not a run without val/acc
+
+    from lightning_dp.commands.compare import grid_spends, group_outcomes, runs_outcomes
+
+    runs = [r for r in client.search_runs([eid]) if "mlflow.parentRunId" in r.data.tags or "grid.id" not in r.data.tags]
+    metric, outcomes, _ = runs_outcomes(runs)
+    groups = group_outcomes(outcomes)
+    fig = utility_figure(groups, metric, spends=grid_spends(client, runs))
+    ax = fig.axes[0]
+    fig.draw_without_rendering()  # the constrained layout places the legend
+    joined = [line for line in ax.get_lines() if len(line.get_xdata()) > 1 and line.get_linestyle() == "-"]
+    assert joined == []  # two learning rates are two settings, not a privacy-utility curve
+    vertical = {round(float(line.get_xdata()[0]), 3) for line in ax.get_lines()
+                if isinstance(line, matplotlib.lines.Line2D) and line.get_label().startswith("grid abcd1234")}
+    assert vertical == {2.976, 4.334} and ax.get_xlim()[1] > 4.334
+    assert ax.get_legend() is None and len(fig.legends) == 1
+    legend = fig.legends[0].get_window_extent()
+    assert not legend.overlaps(ax.get_window_extent())  # it can cover no point
+    texts = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "digits-nonprivate-baseline: non-private (n=1)" in texts
+    assert any("the search spent 4.334 (all repetitions)" in t for t in texts)
+
+
+def test_points_of_one_setting_at_several_epsilons_are_one_curve():
+    """A line joins groups that differ only along the privacy axis (target_epsilon here), in epsilon order."""
+    from lightning_dp.grid.utility import curve_key
+
+    a, b = curve_key({"lr": "0.1", "privacy/target_epsilon": "8"}), curve_key({"lr": "0.1", "privacy/target_epsilon": "1"})
+    other = curve_key({"lr": "0.2", "privacy/target_epsilon": "3"})
+    outcomes = [Outcome("a", "eps=8", 7.9, 0.9, a), Outcome("b", "eps=1", 0.99, 0.6, b),
+                Outcome("c", "lr=0.2", 2.9, 0.7, other)]
+    ax = utility_figure(group_outcomes(outcomes), "val/acc").axes[0]
+    (joined,) = [line for line in ax.get_lines() if len(line.get_xdata()) > 1]
+    assert list(joined.get_xdata()) == [0.99, 7.9]
