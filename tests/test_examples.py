@@ -32,6 +32,28 @@ def test_there_are_examples():
     assert {"dpsgd_digits.yaml", "fl_synthetic.yaml", "fl_hospital.yaml", "fl_femnist.yaml"} <= names
 
 
+#: Pages that record how this workplace made its numbers (paths of its machines included), not steps a user follows.
+_RECORDS = ("results_", "benchmarks.md", "reproductions.md")
+
+
+def test_no_example_or_followed_page_names_the_development_layout():
+    """A user's clone has no ../shared (issue 50, item 2): every example reads ./data/<dataset> (downloaded there
+    where the dataset has an official download), and the pages a user follows say so."""
+    repo = ROOT.parent
+    pages = [repo / "README.md", *(p for p in sorted((repo / "docs").glob("*.md")) if not p.name.startswith(_RECORDS))]
+    texts = (".yaml", ".yml", ".py", ".md", ".sh", ".txt")
+    named = [str(p.relative_to(repo)) for p in [*sorted(ROOT.rglob("*")), *pages]
+             if p.is_file() and p.suffix in texts and "../shared" in p.read_text()]
+    assert named == []
+    import yaml
+
+    for name in ("fedavg_dp_mnist.yaml", "lm/gpt2_public_pretrain.yaml", "lm/dp_lora_wikitext2.yaml",
+                 "lm/dp_full_wikitext2.yaml", "dpsgd_mnist_t10k.yaml"):
+        data = yaml.safe_load((ROOT / name).read_text())["data"]["init_args"]
+        assert data["data_dir"].startswith("./data/") and data["download"] is True, name
+    assert "--data.init_args.data_dir=" in (repo / "docs" / "data.md").read_text()  # the one way to a local copy
+
+
 OSO = Path(__file__).resolve().parents[1] / "examples" / "oso"
 OSO_DATA = ["mnist_t10k.yaml", "mnist_t10k_thesis_model.yaml", "mnist.yaml", "fashion_mnist.yaml",
             "fashion_mnist_autoencoder.yaml", "../oso_agnews.yaml", "../oso_mnist_autoencoder.yaml"]

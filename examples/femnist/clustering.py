@@ -14,7 +14,7 @@ the best matching of clusters to hypotheses) and the rounds where a cluster hold
 from different hypotheses ("mixed").
 
     python examples/femnist/clustering.py --config LOGDIR/config.yaml --ckpt LOGDIR/checkpoints/X.ckpt \\
-        --rounds 20 --noise 0,3,5,10,15 [-- --data.init_args.data_dir=../shared/data/femnist]
+        --rounds 20 --noise 0,3,5,10,15 [-- --data.init_args.data_dir=DIR]
 
 Without ``--ckpt`` the rounds start from the config's initial hypotheses (its model's ``seed``).
 

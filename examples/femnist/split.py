@@ -9,7 +9,7 @@ views, both non-private diagnostics of a finished run (run them on the machine t
 
     # from a checkpoint (the run's config.yaml beside it): which hypothesis each test writer chooses, by rotation
     python examples/femnist/split.py checkpoint --config LOGDIR/config.yaml --ckpt LOGDIR/checkpoints/*.ckpt \\
-        [-- --data.init_args.data_dir=../shared/data/femnist]
+        [-- --data.init_args.data_dir=DIR]
 
 The first prints one JSON line per log and a total line; the second a rotation x choice table and each group's
 accuracy with each hypothesis (docs/results_femnist_noise.md, "Starting the hypotheses apart").

@@ -31,7 +31,7 @@ import statistics
 import sys
 from typing import Any, Optional
 
-#: The thesis' Table 2.4 (``../shared/papers/004_fd951d3be51f176b.txt``, about line 795): validation accuracy,
+#: The thesis' Table 2.4 (docs/reproductions.md lists the papers; about line 795 of its text): validation accuracy,
 #: mean and standard deviation over three seeds, per nu; cross-entropy and RMSE.
 PAPER = {
     "cross_entropy": {0: (0.832, 0.012), 0.001: (0.843, 0.006), 0.01: (0.832, 0.017), 0.1: (0.834, 0.026),

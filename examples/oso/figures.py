@@ -20,7 +20,7 @@ true mean gradient by their cosine, averaged over 20 draws of the noise
 (:func:`lightning_dp.privacy.clipping.sanitized_cosine`): small C biases the direction, large C drowns it
 in noise. The thesis states neither the training nor nu of that figure; here: MNISTConvNet (Papernot's
 strided CNN, tanh, not the thesis' Table 3.5 model) on 8,000 images of the official MNIST test split
-(../shared/data/mnist), plain SGD at lr 0.1
+(./data/mnist, downloaded there on first use; ``--data-dir`` reads a local copy), plain SGD at lr 0.1
 (the trajectory is not private; only the measured release is DP-SGD's), the thesis' batch 512 (its Table
 3.1), nu = 0.788 (the multiplier of one run at epsilon 3, delta 1e-5, over the thesis' 10 epochs of
 60,000 images at batch 512).
@@ -117,9 +117,10 @@ def measure_fig3_1(data_dir: str | None = None) -> list[list]:
     from lightning_dp.privacy.clipping import sanitized_cosine
 
     torch.manual_seed(FIG31["seed"])
-    data = MNISTDataModule(data_dir=data_dir or str((ROOT / ".." / "shared" / "data" / "mnist").resolve()),
+    data = MNISTDataModule(data_dir=data_dir or "./data/mnist", download=True,
                            subset="t10k", train_fraction=0.8, val_fraction=0.1, batch_size=FIG31["batch_size"],
                            seed=FIG31["seed"])
+    data.prepare_data()
     data.setup("fit")
     loader = data.train_dataloader()
     model = MNISTConvNet(activation="tanh")
@@ -309,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("figure", choices=sorted(FIGURES))
     parser.add_argument("--out", default=str(ROOT / "docs" / "figures"))
     parser.add_argument("--replot", action="store_true", help="redraw the figure from its TSV in --out")
-    parser.add_argument("--data-dir", default=None, help="fig3.1: the MNIST IDX files (default ../shared/data/mnist)")
+    parser.add_argument("--data-dir", default=None, help="fig3.1: the MNIST IDX files (default ./data/mnist, downloaded there on first use)")
     parser.add_argument("--tracking-uri", action="append", default=None,
                         help="fig3.4/3.7/3.10: an MLflow store of the grids, repeatable (default: MLFLOW_TRACKING_URI)")
     parser.add_argument("--experiment", default="oso-mnist-t10k", help="fig3.4/3.7/3.10: the grids' MLflow experiment")

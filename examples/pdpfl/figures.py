@@ -11,7 +11,7 @@ Every run is the config of this folder with overrides, through ``lightning-dp fi
 logged to MLflow (``MLFLOW_TRACKING_URI``, default ``sqlite:///mlruns/mlflow.db``) in the experiment
 ``pdpfl-<figure>``; the figure is drawn from the runs' metric histories and written to ``--out``
 (default ``docs/figures``) and logged as an artifact of a summary run, with a TSV of the numbers.
-``--data-dir`` points to the MNIST files (default ``../shared/data/mnist``). ``--dataset cifar10`` runs
+``--data-dir`` points to the MNIST files (default ``./data/mnist``, downloaded there on first use). ``--dataset cifar10`` runs
 the same configs on CIFAR-10 with McMahan et al.'s CNN (``--data-dir`` holding the official python
 batches; not run here: the files are not available offline).
 """
@@ -212,7 +212,7 @@ FIGURES = {"fig2": (measure_fig2, draw_fig2), "fig3": (measure_fig3, draw_fig3),
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("figure", choices=["fig2", "fig3", "fig4"])
-    parser.add_argument("--data-dir", default=None, help="default: ../shared/data/mnist, or ./data/cifar10")
+    parser.add_argument("--data-dir", default=None, help="default: ./data/mnist (downloaded on first use), or ./data/cifar10")
     parser.add_argument("--dataset", choices=["mnist", "cifar10"], default="mnist")
     parser.add_argument("--out", default=str(ROOT / "docs" / "figures"))
     parser.add_argument("--rounds", type=int, default=20)
@@ -229,8 +229,7 @@ def main(argv: list[str] | None = None) -> None:
         _DATASET_ARGS[:] = ["--data.init_args.dataset=cifar10", "--data.init_args.subset=full",
                             "--model.init_args.model=lightning_dp.models.CIFARConvNet"]
     if args.data_dir is None:
-        args.data_dir = str((ROOT / "../shared/data/mnist").resolve() if args.dataset == "mnist"
-                            else Path("data/cifar10").resolve())
+        args.data_dir = str(Path("data/mnist" if args.dataset == "mnist" else "data/cifar10").resolve())
     measure, draw = FIGURES[args.figure]
     name = _fig4_name(args) if args.figure == "fig4" else args.figure
     out = Path(args.out)
