@@ -39,10 +39,17 @@ class DataFacts:
         ``parts`` micro-batches per optimizer step (``batches_per_epoch``: the loader's length, for shuffled batches).
 
         Raises:
-            ValueError: ``parts`` is not a positive integer, or the expected batch exceeds the dataset.
+            ValueError: ``parts`` is not a positive integer, the dataset is empty, or the expected batch exceeds
+                the dataset.
         """
         if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
             raise ValueError(f"accumulate_grad_batches={parts!r} is not allowed: pass a positive integer")
+        if dataset_size < 1:  # no batch size can help: say what is wrong with the data
+            raise ValueError(
+                f"the training set is empty (N={dataset_size}): the training DataLoader's dataset has no examples, so "
+                "there is nothing to sample or train on. Give it data: check the DataModule's data_dir and files, "
+                "its split (train/val fractions that leave no training example) or a filter that removes every "
+                "example; len(train_dataloader().dataset) must be at least the batch size.")
         expected = batch_size * world_size * parts
         if expected > dataset_size:
             accumulated = f" x accumulate_grad_batches={parts}" if parts > 1 else ""

@@ -31,6 +31,14 @@ def test_data_facts_of_a_poisson_and_a_shuffled_loader():
         DataFacts.of(dataset_size=100, batch_size=4, world_size=1, parts=1, poisson_sampling=False)
 
 
+def test_an_empty_training_set_is_named_as_such_not_as_a_batch_size_to_lower():
+    """N = 0 (issue 50, item 12): no batch size can help, so the message says the data is empty and where to look."""
+    for parts in (1, 2):
+        with pytest.raises(ValueError, match=r"training set is empty \(N=0\).*check the DataModule's data_dir") as info:
+            DataFacts.of(dataset_size=0, batch_size=10, world_size=1, parts=parts, poisson_sampling=True)
+        assert "lower batch_size" not in str(info.value)
+
+
 def test_one_event_shape_for_accounting_and_calibration():
     """Poisson: one subsampled Gaussian per step; shuffled: one Gaussian per epoch at sigma / 2 (a clipped sum moves
     by 2C under replacement): a sigma calibrated for the event is sigma_event / scale."""
