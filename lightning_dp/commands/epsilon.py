@@ -1,7 +1,9 @@
 """``lightning-dp epsilon``: the epsilon of a DP-SGD or DP-FedAvg run, or the noise multiplier for a target epsilon.
 
-Answered with the SAME functions the training uses (docs/getting_started.md, "Choosing epsilon"). The example
-lines and the DP-FedAvg paragraph below are also the command's ``--help``::
+Answered with the SAME functions the training uses (docs/getting_started.md, "Choosing epsilon"). An epoch is
+``ceil(N / B)`` steps, as DPSGD trains it; Opacus counts ``int(1 / q)``, a step fewer when B does not divide N
+(``--epoch-steps floor`` counts as Opacus does). The example lines and the DP-FedAvg paragraph below are also the
+command's ``--help``::
 
     lightning-dp epsilon --dataset-size 60000 --batch-size 256 --epochs 15 --noise-multiplier 1.1
     lightning-dp epsilon --dataset-size 60000 --batch-size 256 --epochs 15 --target-epsilon 3
@@ -55,8 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--batch-size", type=int, metavar="B", help="the expected batch size B (Poisson: q = B / N)")
     size.add_argument("--sample-rate", type=float, metavar="Q", help="q, the Poisson sampling rate in (0, 1]")
     length = parser.add_argument_group("length (give --epochs or --steps)")
-    length.add_argument("--epochs", type=int, help="epochs (an epoch is ceil(1 / q) steps)")
+    length.add_argument("--epochs", type=int, help="epochs: an epoch is ceil(N / B) = ceil(1 / q) steps, as DPSGD "
+                        "trains it (Opacus counts int(1 / q): --epoch-steps floor)")
     length.add_argument("--steps", type=int, help="optimizer steps")
+    length.add_argument("--epoch-steps", choices=["ceil", "floor"], default="ceil",
+                        help="steps in an epoch: ceil(1 / q), the training's (default), or floor: int(1 / q), "
+                        "Opacus' count (N = 60000, B = 256, 60 epochs, sigma 1.1: PLD epsilon 2.3852 with ceil, "
+                        "2.3796 with floor)")
     fed = parser.add_argument_group(
         "DP-FedAvg, client-level (instead of the two groups above: --rounds with --clients and --clients-per-round, "
         "or with --client-sample-rate)")
@@ -260,11 +267,12 @@ def main(argv: Sequence[str]) -> int:
     from lightning_dp.privacy.calibration import calibrate_noise_multiplier, steps_for_epochs  # imports torch
 
     q = args.sample_rate if args.sample_rate is not None else args.batch_size / args.dataset_size
-    per_epoch = steps_for_epochs(epochs=1, sample_rate=q)  # the training's ceil(1 / q), float-safe
+    per_epoch = steps_for_epochs(epochs=1, sample_rate=q, rounding=args.epoch_steps)  # the training's ceil(1 / q)
     steps = args.steps if args.steps is not None else args.epochs * per_epoch
     kwargs = {"adjacency": args.adjacency} if args.adjacency != "add_remove" else {}
     where = (f"q = {q:.6g}" + (f" (B = {args.batch_size}, N = {args.dataset_size})" if args.sample_rate is None else "")
-             + f", {steps} steps" + (f" ({args.epochs} epochs of {per_epoch})"
+             + f", {steps} steps" + (f" ({args.epochs} epochs of {per_epoch}"
+                                     + (", Opacus' int(1 / q)" if args.epoch_steps == "floor" else "") + ")"
                                      if args.epochs else "")
              + f", delta = {args.delta:g}, {args.accountant.upper()} accountant, {args.adjacency} adjacency")
     if args.target_epsilon is not None:

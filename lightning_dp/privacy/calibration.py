@@ -420,17 +420,19 @@ def calibrate_composed_noise_multiplier(
     return _calibrate(checked, target_epsilon, target_delta, accountant, kwargs, tolerance, describe)
 
 
-def steps_for_epochs(*, epochs: int, sample_rate: float) -> int:
+def steps_for_epochs(*, epochs: int, sample_rate: float, rounding: str = "ceil") -> int:
     """Number of Poisson-sampled steps in ``epochs`` epochs: ``epochs * ceil(1 / sample_rate)``.
 
     With Poisson sampling an "epoch" is ``ceil(1 / q)`` steps (the expected number of
-    batches that cover the dataset once). ``1 / q`` within 1e-9 (relative) of an
+    batches that cover the dataset once; DPSGD's ``ceil(N / B)``). ``1 / q`` within 1e-9 (relative) of an
     integer counts as that integer, so ``q = 256 / 60000`` gives 235 steps per epoch and
-    ``q = 0.01`` exactly 100, not 101 through floating-point error.
+    ``q = 0.01`` exactly 100, not 101 through floating-point error. Opacus counts ``int(1 / q)``
+    (``rounding="floor"``: 234 for ``q = 256 / 60000``), so its epsilon for the same epochs is slightly lower.
 
     Args:
         epochs: Number of epochs (>= 1).
         sample_rate: Poisson sampling rate q in (0, 1].
+        rounding: ``"ceil"`` (the training's count) or ``"floor"`` (Opacus' ``int(1 / q)``).
 
     Returns:
         The number of steps.
@@ -438,10 +440,16 @@ def steps_for_epochs(*, epochs: int, sample_rate: float) -> int:
     Example:
         >>> steps_for_epochs(epochs=3, sample_rate=256 / 60000)
         705
+        >>> steps_for_epochs(epochs=3, sample_rate=256 / 60000, rounding="floor")
+        702
     """
     epochs = _check_num_steps(epochs, name="epochs")
     sample_rate = check_sample_rate(sample_rate)
+    if rounding not in ("ceil", "floor"):
+        raise ValueError(f"rounding={rounding!r} must be 'ceil' (the training's steps per epoch) or 'floor' "
+                         "(Opacus' int(1 / q))")
     inverse = 1.0 / sample_rate
     nearest = round(inverse)
-    per_epoch = nearest if abs(inverse - nearest) <= 1e-9 * inverse else math.ceil(inverse)
+    per_epoch = (nearest if abs(inverse - nearest) <= 1e-9 * inverse else
+                 math.ceil(inverse) if rounding == "ceil" else max(1, math.floor(inverse)))
     return epochs * int(per_epoch)

@@ -264,3 +264,20 @@ def test_the_note_on_a_delta_not_below_one_over_n_is_the_trainings_warning_and_s
                      ["--sample-rate", "0.1", "--steps", "3", "--delta", "0.5"]):  # N unknown: nothing to say
             assert cli.main(["epsilon", *args, "--noise-multiplier", "1"]) == 0
             assert "note: " not in capsys.readouterr().out
+
+
+def test_an_epoch_is_ceil_n_over_b_steps_and_opacus_count_is_one_flag_away(capsys):
+    """Issue 50, item 10: the numbers the help and docs state for N = 60000, B = 256, 60 epochs, sigma 1.1 (PLD):
+    2.3852 with the training's ceil(N / B) = 235 steps an epoch, 2.3796 with Opacus' int(1 / q) = 234."""
+    args = ["epsilon", "--dataset-size", "60000", "--batch-size", "256", "--epochs", "60", "--noise-multiplier", "1.1"]
+    assert cli.main(args) == 0
+    out, table = _printed(capsys)
+    assert "14100 steps (60 epochs of 235)" in out and f"{table[-1]:.4f}" == "2.3852"
+    assert cli.main([*args, "--epoch-steps", "floor"]) == 0
+    out, table = _printed(capsys)
+    assert "14040 steps (60 epochs of 234, Opacus' int(1 / q))" in out and f"{table[-1]:.4f}" == "2.3796"
+    with pytest.raises(SystemExit):
+        cli.main(["epsilon", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "ceil(N / B) = ceil(1 / q) steps" in help_text and "Opacus counts int(1 / q)" in help_text
+    assert "2.3852 with ceil, 2.3796 with floor" in help_text
