@@ -4,11 +4,15 @@ Writes the app directory that runs the config's round on Flower's Deployment Eng
 the config goes to every node, so it may hold no secret (a ``noise_seed`` is refused)::
 
     lightning-dp flower-app --config examples/fl_deploy_fedavg.yaml --out app/ --min-nodes 2
-    flower-superlink --insecure
-    flower-supernode --insecure --superlink 127.0.0.1:9092 --node-config "partition-id=0 num-partitions=2"
-    flower-supernode --insecure --superlink 127.0.0.1:9092 --port 9095 --node-config "partition-id=1 num-partitions=2"
-    flwr run app/ <connection>
+    flower-superlink --insecure --host <server> --port 8000 --disable-runtime-dependency-installation
+    flower-supernode --insecure --superlink <server>:8000 --port 9094 --node-config "partition-id=0 num-partitions=2"
+    flower-supernode --insecure --superlink <server>:8000 --port 9095 --node-config "partition-id=1 num-partitions=2"
+    flwr run app/ deployment --stream
 
+Flower 1.42: the SuperLink serves the nodes and flwr on one port (127.0.0.1:8000 unless --host/--port say
+otherwise); "deployment" is a connection in $FLWR_HOME/config.toml (~/.flwr): [superlink.deployment] with
+address = "<server>:8000" and insecure = true. The server's MLflow run goes to MLFLOW_TRACKING_URI of the SuperLink's
+environment, else ./mlruns where flower-superlink started; --stream prints its run id.
 Sites with their own data, the secrets, what each side sees: docs/federated.md, "From simulation to deployment".
 """
 
@@ -23,18 +27,20 @@ __all__ = ["build_parser", "main"]
 def build_parser() -> argparse.ArgumentParser:
     from lightning_dp.commands.errors import ShortArgumentParser
 
+    commands = [line.strip() for line in __doc__.splitlines()
+                if line.strip().startswith(("lightning-dp flower", "flower-", "flwr "))]
+    notes = next(part for part in __doc__.split("\n\n") if part.startswith("Flower 1.42"))
     parser = ShortArgumentParser(prog="lightning-dp flower-app", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="example:\n" + "\n".join(line.strip() for line in __doc__.splitlines()
-                                                                 if line.strip().startswith(("lightning-dp flower",
-                                                                                             "flower-", "flwr "))))
+                                 epilog="example:\n" + "\n".join(commands) + "\n\n" + notes.strip())
     parser.add_argument("--config", required=True, help="a lightning-dp fit config whose model is a FederatedRound")
     parser.add_argument("--out", required=True, help="the app directory to write (flwr run <out> <connection>)")
     parser.add_argument("--min-nodes", type=int, default=1, help="SuperNodes the server waits for (default 1)")
     parser.add_argument("--node-timeout", type=float, default=600.0,
                         help="seconds the server waits for the nodes' replies in a round (default 600)")
     parser.add_argument("--save-to", default="",
-                        help="a path on the server's machine for the final hypotheses and epsilon (torch.save)")
+                        help="a path on the server's machine for the final hypotheses and epsilon (torch.save); "
+                             "relative to the SuperLink's working directory: give an absolute one")
     return parser
 
 
@@ -53,6 +59,6 @@ def main(argv: Sequence[str]) -> int:
                          save_to=args.save_to)
     except ValueError as err:
         parser.error(str(err))
-    print(f"wrote {path}\nrun it: flwr run {Path(args.out)} <connection>  (docs/federated.md, \"From simulation to "
-          "deployment\")")
+    print(f"wrote {path}\nrun it: flwr run {Path(args.out)} <connection> --stream  (a SuperLink connection of "
+          "$FLWR_HOME/config.toml; docs/federated.md, \"From simulation to deployment\")")
     return 0

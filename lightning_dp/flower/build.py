@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 from collections.abc import Sequence
@@ -59,7 +60,32 @@ def build_from_yaml(text: str, args: Sequence[str] = (), *, where: str = "the ap
                          f"{type(cli.model).__name__}, "
                          "not a lightning_dp.federated.FederatedRound (or a preset such as "
                          "PersonalizedFederatedModule)")
+    from lightning_dp.tracking import mlflow_loggers
+
+    if mlflow_loggers(cli.trainer):  # the server's build (the nodes' have no logger): say where its record goes
+        cli.trainer.callbacks.append(_run_location_callback()())
     return cli
+
+
+@functools.cache
+def _run_location_callback() -> type:
+    """The callback class, defined on first use: Lightning is imported only by a build, not by this module."""
+    from lightning.pytorch.callbacks import Callback
+
+    class RunLocation(Callback):
+        """Prints, when fitting starts, the MLflow run of each MLflow logger and its tracking URI: on a deployment
+        the server's output is what ``flwr run --stream`` and ``flwr log`` show, and the run lands wherever the
+        SuperLink's environment points (``MLFLOW_TRACKING_URI``, else ``./mlruns`` of its working directory)."""
+
+        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+            from lightning_dp import tracking
+
+            if trainer.is_global_zero:
+                for logger in tracking.mlflow_loggers(trainer):
+                    print(tracking.run_locations(logger.run_id, logger.experiment_id, tracking.tracking_uri_of(logger),
+                                                 what="MLflow run"), flush=True)
+
+    return RunLocation
 
 
 def read_secret(value: Any, where: str) -> int:
