@@ -18,17 +18,48 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Optional
+import os
+from pathlib import Path
+from typing import Any, Optional, Union
 
 import torch
 
-__all__ = ["generator", "integer", "is_int", "is_real", "non_negative_int", "non_negative_real", "open_fraction",
-           "positive_int", "positive_real", "probability"]
+__all__ = ["MissingFileError", "existing_file", "generator", "integer", "is_int", "is_real", "non_negative_int",
+           "non_negative_real", "open_fraction", "positive_int", "positive_real", "probability"]
 
 
 def _fail(name: str, value: Any, allowed: str, owner: Optional[str], hint: Optional[str]) -> ValueError:
     return ValueError(f"{owner + ': ' if owner else ''}{name}={value!r} is not allowed: {name} must be {allowed}"
                       f"{'; ' + hint if hint else ''}")
+
+
+class MissingFileError(FileNotFoundError):
+    """A file that an argument names does not exist: a user's error, not a bug. ``lightning-dp`` prints its message
+    in a few lines and exits with status 2 (:func:`lightning_dp.config.errors.is_refusal`); a
+    :class:`FileNotFoundError`, so ``except FileNotFoundError`` still catches it."""
+
+
+def existing_file(name: str, path: Union[str, "os.PathLike[str]"], *, owner: Optional[str] = None,
+                  produced_by: str = "", hint: str = "") -> Path:
+    """``path`` (``~`` expanded) if it is a file; otherwise :class:`MissingFileError` naming the argument, the path
+    resolved to an absolute one (a relative path is read from the working directory), what produces the file and
+    the fix.
+
+    >>> existing_file("checkpoint", "no/such.ckpt", owner="GPT2", produced_by="stage 1",
+    ...               hint="run it first")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    lightning_dp.checks.MissingFileError: GPT2: checkpoint='no/such.ckpt': no such file .../no/such.ckpt ...
+    """
+    file = Path(path).expanduser()
+    if file.is_file():
+        return file
+    where = file.resolve()
+    relative = "" if file.is_absolute() else f" (relative to the working directory {Path.cwd()})"
+    text = f"{owner + ': ' if owner else ''}{name}={str(path)!r}: no such file {where}{relative}"
+    if produced_by:
+        text += f"; it is written by {produced_by}"
+    raise MissingFileError(text + (f"; {hint}" if hint else ""))
 
 
 def is_int(value: Any) -> bool:

@@ -30,9 +30,9 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import NoReturn, Optional
 
-__all__ = ["ConfigurationError", "ShortArgumentParser", "class_help_spelling", "closest", "condense", "is_refusal",
-           "is_user_error", "option_synonyms", "plain_text", "root_cause", "root_message", "short_error",
-           "show_tracebacks", "suggest"]
+__all__ = ["ConfigurationError", "ShortArgumentParser", "class_help_spelling", "closest", "condense", "config_files",
+           "is_refusal", "is_user_error", "locate_key", "option_synonyms", "plain_text", "root_cause", "root_message",
+           "short_error", "show_tracebacks", "suggest", "suggest_in_config"]
 
 TRACEBACK_ENV = "LIGHTNING_DP_TRACEBACK"
 
@@ -60,6 +60,13 @@ _NOISE = [re.compile(p) for p in (
     r"^-?\s*Expected a path but .* either not accessible or invalid",
     r"^-?\s*Not a valid path",
 )]
+#: jsonargparse's list of what a subclass value may be: noise beside an option the class does not accept.
+_SUBCLASS_NOISE = [re.compile(p) for p in (
+    r"^Not a valid subclass of ",
+    r"^Subclass types expect one of:",
+    r"^a class path \(str\)$",
+    r"^a dict with(out)? ",
+)]
 
 
 def condense(message: str) -> str:
@@ -83,6 +90,8 @@ def condense(message: str) -> str:
             kept[-1] = f"{kept[-1]} {text}"
         else:
             kept.append(text)
+    if any("is not accepted" in line for line in kept):  # the option is the problem, not the kind of value
+        kept = [line for line in kept if not any(p.search(line) for p in _SUBCLASS_NOISE)]
     body = "\n  ".join(dict.fromkeys(kept)) or message.strip()
     # a nested class (model.init_args.network) is reported under each enclosing class_path: keep the innermost
     body = re.sub(r"(?:class_path '[^']+': )+(class_path '[^']+')", r"\1", body)
@@ -114,29 +123,34 @@ def is_refusal(err: BaseException) -> bool:
     """Whether ``err`` (by its :func:`root_cause`) is a class refusing a value, not a bug to show with its traceback.
 
     Refusals: ``ValueError`` and ``TypeError`` (a bad value or argument), Lightning's
-    ``MisconfigurationException``, jsonargparse's ``ArgumentError`` and a missing optional dependency
-    (:class:`~lightning_dp.extras.MissingExtraError`). Anything else (an
-    ``AttributeError``, ``KeyError``, ``OSError``, ...) keeps its traceback.
+    ``MisconfigurationException``, jsonargparse's ``ArgumentError``, a missing optional dependency
+    (:class:`~lightning_dp.extras.MissingExtraError`) and a file an argument names that does not exist
+    (:class:`~lightning_dp.checks.MissingFileError`). Anything else (an ``AttributeError``, ``KeyError``, any other
+    ``OSError``, ...) keeps its traceback.
     """
     from jsonargparse import ArgumentError
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
+    from lightning_dp.checks import MissingFileError
     from lightning_dp.extras import MissingExtraError
 
     return isinstance(root_cause(err), (ValueError, TypeError, MisconfigurationException, ArgumentError,
-                                        MissingExtraError))
+                                        MissingExtraError, MissingFileError))
 
 
 def is_user_error(err: BaseException) -> bool:
     """Whether a command prints ``err`` as one short message: a refused config value
     (:class:`ConfigurationError`), a Lightning ``MisconfigurationException`` (our callbacks'
-    refusals before training), a missing dataset (``DatasetUnavailableError``) or a missing optional
-    dependency (:class:`~lightning_dp.extras.MissingExtraError`, which names the extra to install)."""
+    refusals before training), a missing dataset (``DatasetUnavailableError``), a missing optional
+    dependency (:class:`~lightning_dp.extras.MissingExtraError`, which names the extra to install) or a missing file
+    that an argument names (:class:`~lightning_dp.checks.MissingFileError`)."""
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
+    from lightning_dp.checks import MissingFileError
     from lightning_dp.extras import MissingExtraError
 
-    types: list[type[BaseException]] = [ConfigurationError, MisconfigurationException, MissingExtraError]
+    types: list[type[BaseException]] = [ConfigurationError, MisconfigurationException, MissingExtraError,
+                                        MissingFileError]
     try:
         from lightning_dp.datamodules import DatasetUnavailableError
     except ImportError:  # pragma: no cover - a partial install
@@ -229,6 +243,82 @@ def suggest(message: str, option_strings: Iterable[str] = (), synonyms: Optional
     if choice:
         return _did_you_mean(closest(choice[1], re.findall(r"'([^']+)'", choice[2])))
     return ""
+
+
+def config_files(argv: Sequence[str]) -> list[str]:
+    """The files named by ``--config`` / ``-c`` in ``argv``, in order."""
+    paths = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("-c", "--config")]
+    return paths + [a.split("=", 1)[1] for a in argv if a.startswith(("--config=", "-c="))]
+
+
+def locate_key(files: Sequence[str], path: Sequence[str], name: str) -> Optional[tuple[str, int]]:
+    """``(file, line)`` (1-based) of the YAML key ``name`` under the keys ``path`` (in order; lists, ``init_args``
+    and ``class_path`` levels in between are skipped) in the last of ``files`` that has it, or None.
+
+    >>> import tempfile
+    >>> with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+    ...     _ = f.write("trainer:\\n  max_epoch: 3\\n")
+    >>> locate_key([f.name], ["trainer"], "max_epoch")[1]
+    2
+    """
+    import yaml
+
+    found: Optional[tuple[str, int]] = None
+    for file in files:
+        try:
+            with open(file, encoding="utf-8") as handle:
+                root = yaml.compose(handle)
+        except (OSError, yaml.YAMLError):
+            continue
+        stack: list[tuple[yaml.Node, int]] = [(root, 0)] if root is not None else []
+        while stack:  # depth first; ``matched``: how many keys of ``path`` the way down has passed
+            node, matched = stack.pop()
+            if isinstance(node, yaml.SequenceNode):
+                stack += [(child, matched) for child in node.value]
+            elif isinstance(node, yaml.MappingNode):
+                for key, value in node.value:
+                    word = getattr(key, "value", None)
+                    if matched == len(path) and word == name:
+                        found = (file, key.start_mark.line + 1)
+                    step = matched + 1 if matched < len(path) and word == path[matched] else matched
+                    stack.append((value, step))
+    return found
+
+
+def suggest_in_config(message: str, argv: Sequence[str],
+                      option_strings: Iterable[str] = ()) -> Optional[tuple[str, str]]:
+    """For an unknown key that a ``--config`` file (not the command line) gave: ``(message, hint)`` spelled as the
+    file spells it, with the file and line (:func:`locate_key`) and "did you mean" the key; None otherwise.
+
+    Two kinds: a key the parser does not know at all (``trainer: {max_epoch: 30}``: jsonargparse's "does not accept
+    option 'trainer.max_epoch'") and an ``init_args`` key that a class does not take ("class_path 'a.B': Option
+    'lrr' is not accepted").
+    """
+    files = config_files(argv)
+    if not files:
+        return None
+    given = [a.split("=", 1)[0] for a in argv if a.startswith("--")]
+    unknown = re.search(r"does not accept option '([\w.]+)'", message)
+    if unknown:
+        key = unknown[1]
+        if f"--{key}" in given:
+            return None
+        *path, name = key.split(".")
+        keys = [o[2:] for o in option_strings if o.startswith("--" + ".".join(path) + ".")]
+        near = [k.rsplit(".", 1)[-1] for k in closest(key, keys)]
+        under = f" (under {path[-1]}:)" if path else ""
+        hint = f"did you mean {' or '.join(near[:2])}{under}?" if near else ""
+    else:
+        option = re.search(r"([\w.]+): class_path '([^']+)':? Option '([^']+)' is not accepted", message)
+        if not option or any(g.endswith(f".{option[3]}") for g in given):
+            return None
+        path, name = option[1].split("."), option[3]
+        near = closest(name, _class_parameters(option[2]))
+        hint = (f"did you mean {' or '.join(near[:2])} (init_args of {option[2].rsplit('.', 1)[-1]})?"
+                if near else "")
+    where = locate_key(files, path, name)
+    place = f"{where[0]}, line {where[1]}" if where else " / ".join(files)
+    return f"{place}: {message}", hint
 
 
 def option_synonyms(parser: argparse.ArgumentParser) -> dict[str, str]:

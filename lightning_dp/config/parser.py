@@ -16,18 +16,28 @@ from jsonargparse import ArgumentParser, DefaultHelpFormatter
 from lightning.pytorch.cli import LightningArgumentParser
 from typing_extensions import override
 
-from lightning_dp.config.errors import class_help_spelling, condense, plain_text, short_error, show_tracebacks, suggest
+from lightning_dp.config.errors import (
+    class_help_spelling,
+    condense,
+    plain_text,
+    short_error,
+    show_tracebacks,
+    suggest,
+    suggest_in_config,
+)
 
 __all__ = ["ShortErrorParser", "ShortHelpFormatter", "ShortJsonParser", "shorten_known_subclasses"]
 
 
 def _short_error(parser: Any, message: str, ex: Optional[Exception]) -> NoReturn:
     """Print a jsonargparse error as :func:`~lightning_dp.config.errors.short_error` and exit with status 2."""
+    argv = getattr(parser, "given_args", None)  # kept by the root parser (ShortJsonParser.parse_args)
     parser = getattr(ex, "subcommand_parser", None) or parser
     prog = parser.prog.replace(" [options]", "")
     text = condense(message)
     options = list(getattr(parser, "_option_string_actions", {}))
-    sys.stderr.write(short_error(prog, text, suggest(text, options)))
+    in_file = suggest_in_config(text, sys.argv[1:] if argv is None else argv, options)
+    sys.stderr.write(short_error(prog, *in_file) if in_file else short_error(prog, text, suggest(text, options)))
     sys.exit(2)
 
 
@@ -74,6 +84,13 @@ class ShortJsonParser(ArgumentParser):
     @override
     def format_help(self, formatter: Any = None) -> str:
         return class_help_spelling(plain_text(super().format_help(formatter)))
+
+    @override
+    def parse_args(self, args: Optional[Sequence[str]] = None, *pos: Any, **kwargs: Any) -> Any:
+        """jsonargparse's; the arguments are kept (``given_args``) so that an error can tell a key of a
+        ``--config`` file from one typed on the command line and name the file and line."""
+        self.given_args = list(sys.argv[1:] if args is None else args)
+        return super().parse_args(args, *pos, **kwargs)
 
     @override
     def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:

@@ -74,19 +74,19 @@ def load_weights(network: nn.Module, path: str, prefix: str = "network.") -> Non
     ``network`` (the keys under ``prefix``), or a plain state dict of ``network``. Every weight must match.
 
     Raises:
-        FileNotFoundError: no file at ``path``.
+        MissingFileError: (a :class:`FileNotFoundError`) no file at ``path``; the message names the absolute path,
+            the pretraining command that writes it and the fix.
         ValueError: weights missing or of other shapes (a checkpoint of another size or vocabulary), with the
             names.
     """
-    from pathlib import Path
+    from lightning_dp.checks import existing_file
 
-    file = Path(path).expanduser()
-    if not file.is_file():
-        hint = (" To start from random weights, set checkpoint: null in the YAML (on the command line jsonargparse "
-                "reads null as the string 'None' here)." if str(path) in ("None", "null") else "")
-        raise FileNotFoundError(f"checkpoint={path!r}: no such file. Train the base model first (for the "
-                                "examples/lm/ pipeline: lightning-dp fit --config examples/lm/gpt2_public_pretrain.yaml)."
-                                + hint)
+    null = str(path) in ("None", "null")
+    file = existing_file("checkpoint", path, owner=type(network).__name__, produced_by=(
+        "the public pretraining of examples/lm/ (lightning-dp fit --config examples/lm/gpt2_public_pretrain.yaml, "
+        "from the same working directory)"), hint=(
+        "run it first, or set checkpoint to the file's path, or to null for random weights"
+        + (" (in YAML: on the command line jsonargparse reads null as the string 'None' here)" if null else "")))
     state = torch.load(file, map_location="cpu", weights_only=True)
     weights = state.get("state_dict", state) if isinstance(state, dict) else state
     if any(k.startswith(prefix) for k in weights):

@@ -231,3 +231,38 @@ def test_class_help_spells_options_as_the_hints_do_and_shows_no_markup(capsys):
     with pytest.raises(SystemExit):
         cli.main(["epsilon", "--help"])
     assert "``" not in capsys.readouterr().out
+
+
+def test_a_missing_base_checkpoint_is_a_short_error_with_its_absolute_path_and_maker(capsys, workdir):
+    """examples/lm/dp_lora_wikitext2.yaml before its stage 1 (issue 50, item 3): three lines, status 2, the path
+    the run looked at (absolute), the command that writes it and the fix; not a 107-line traceback."""
+    pytest.importorskip("peft")
+    pytest.importorskip("transformers")
+    err = _short(capsys, ["fit", "--config", str(REPO_ROOT / "examples" / "lm" / "dp_lora_wikitext2.yaml"),
+                          "--trainer.logger=false"])
+    absolute = workdir.resolve() / "checkpoints" / "gpt2-wikitext2-public" / "base.ckpt"
+    assert f"no such file {absolute}" in err, err
+    assert "lightning-dp fit --config examples/lm/gpt2_public_pretrain.yaml" in err
+    assert "run it first, or set checkpoint to the file's path" in err
+
+
+def test_a_typo_in_a_yaml_key_names_the_file_and_line_and_the_key_as_yaml_spells_it(capsys, workdir):
+    """Issue 50, item 5: the --config file's typo gets "did you mean" as the command line's does, with the file and
+    the line, in the file's words (not a CLI flag) and without jsonargparse's list of what a subclass may be."""
+    text = Path(DIGITS).read_text()
+    trainer = workdir / "trainer_typo.yaml"
+    trainer.write_text(text.replace("  max_epochs: 30", "  max_epoch: 30"))
+    line = text.splitlines().index("  max_epochs: 30") + 1
+    err = _short(capsys, ["fit", "--config", str(trainer)])
+    assert f"error: {trainer}, line {line}: " in err and "'trainer.max_epoch'" in err, err
+    assert "did you mean max_epochs" in err and "(under trainer:)" in err
+    callback = workdir / "callback_typo.yaml"
+    callback.write_text(text.replace("max_grad_norm: 0.5", "max_grad_nrom: 0.5"))
+    line = text.splitlines().index("        max_grad_norm: 0.5") + 1
+    err = _short(capsys, ["fit", "--config", str(callback)])
+    assert f"error: {callback}, line {line}: " in err and "Option 'max_grad_nrom' is not accepted" in err, err
+    assert "did you mean max_grad_norm (init_args of DPSGD)?" in err
+    assert "Subclass types expect" not in err and "Not a valid subclass" not in err and "--trainer." not in err
+    # the same typos typed on the command line keep the command line's spelling
+    err = _short(capsys, ["fit", "--config", DIGITS, "--trainer.callbacks.init_args.max_grad_nrom=1"])
+    assert "did you mean --trainer.callbacks.init_args.max_grad_norm?" in err and ".yaml, line" not in err
