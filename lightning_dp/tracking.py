@@ -50,6 +50,7 @@ __all__ = [
     "DEFAULT_EXPERIMENT_NAME",
     "MLFlowLogger",
     "PRIVATE_TAG",
+    "artifact_location_for",
     "default_artifact_location",
     "default_tracking_uri",
     "library_versions",
@@ -115,6 +116,14 @@ def default_tracking_uri(root: str | os.PathLike[str] = "mlruns") -> str:
     folder = Path(root).expanduser().resolve()
     folder.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{(folder / _DB_FILENAME).as_posix()}"
+
+
+def artifact_location_for(tracking_uri: str) -> Optional[str]:
+    """Where a new experiment of ``tracking_uri`` keeps its artifacts, as :class:`MLFlowLogger` chooses it: the
+    ``artifacts/`` beside the SQLite database (the embedded default's ``./mlruns/artifacts``); None (the server
+    decides) for any other store."""
+    db_path = _sqlite_path(tracking_uri)
+    return None if db_path is None else (db_path.expanduser().resolve().parent / _ARTIFACTS_DIRNAME).as_uri()
 
 
 def default_artifact_location(root: str | os.PathLike[str] = "mlruns") -> Optional[str]:

@@ -288,7 +288,10 @@ def test_two_runs_of_one_experiment_compare(page, ui: str, workdir: Path, store:
 def test_the_privacy_utility_picture_is_visible_from_its_run_page(page, ui: str, store: mlflow.MlflowClient,
                                                                    shots: Path) -> None:
     """The README's job ends with ``lightning-dp compare``: accuracy against epsilon, the baseline as a line."""
-    experiment = store.get_experiment_by_name(_logger_args(README_CONFIGS[0])["experiment_name"])
+    name = _logger_args(README_CONFIGS[0])["experiment_name"]
+    trained = store.get_experiment_by_name(name)
+    assert store.search_runs([trained.experiment_id], "attributes.run_name = 'privacy-utility'") == []  # apart
+    experiment = store.get_experiment_by_name(f"{name}-compare")  # its own experiment (issue 50, item 8)
     (run,) = store.search_runs([experiment.experiment_id], filter_string="attributes.run_name = 'privacy-utility'")
     assert len(run.data.tags["lightning_dp.compare.runs"].split(",")) == 2  # the DP-SGD run and its baseline
 

@@ -1,7 +1,8 @@
 """The privacy-utility picture: a task metric against epsilon, over runs, with the non-private baseline.
 
 ``lightning-dp compare`` (:func:`main`) writes ``privacy_utility.png`` and ``privacy_utility.md`` to a new MLflow
-run, ``privacy-utility``, and prints the table. The picture itself is :mod:`lightning_dp.grid.utility`, whose names
+run, ``privacy-utility``, in the experiment ``<experiment>-compare`` (:func:`compare_experiment`), and prints the
+table. The picture itself is :mod:`lightning_dp.grid.utility`, whose names
 (and :data:`PRIVATE_TAG`) are re-exported here. How runs are grouped and what counts as a baseline:
 docs/getting_started.md, "Reading the runs in MLflow".
 """
@@ -25,12 +26,14 @@ from lightning_dp.grid.utility import (
     utility_table,
 )
 
-__all__ = ["COMPARE_TAG", "GridSpend", "Group", "Outcome", "PRIVATE_TAG", "choose_metric", "grid_outcomes",
+__all__ = ["COMPARE_SUFFIX", "COMPARE_TAG", "GridSpend", "Group", "Outcome", "PRIVATE_TAG", "choose_metric", "compare_experiment", "grid_outcomes",
            "grid_spends", "group_labels", "group_outcomes", "is_grid_parent", "main", "mixed_versions",
            "utility_figure", "utility_table"]
 
 #: Tag of the runs ``lightning-dp compare`` creates (never compared themselves).
 COMPARE_TAG = "lightning_dp.compare.runs"
+#: The experiment of the runs ``lightning-dp compare`` creates: the compared runs' experiment's name and this suffix.
+COMPARE_SUFFIX = "-compare"
 #: The epsilon of a run: its first final metric among these (example level, then a federated client's worst).
 EPSILON_METRICS = ("privacy/epsilon", "privacy/client_epsilon_max")
 
@@ -192,6 +195,20 @@ def mixed_versions(groups: Mapping[str, Sequence[Mapping[str, str]]]) -> list[st
     return notes
 
 
+def compare_experiment(client: Any, experiment_id: str, uri: str) -> str:
+    """The id of the experiment ``<name>-compare`` beside the compared runs' experiment ``<name>`` (created, tagged
+    ``lightning_dp.compare.of = <name>``, on first use): the runs ``lightning-dp compare`` makes live there, so they
+    are never listed, charted or counted among the training runs."""
+    from lightning_dp import tracking
+
+    name = client.get_experiment(experiment_id).name + COMPARE_SUFFIX
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    return client.create_experiment(name, artifact_location=tracking.artifact_location_for(uri),
+                                    tags={"lightning_dp.compare.of": name[:-len(COMPARE_SUFFIX)]})
+
+
 def main(argv: Sequence[str]) -> int:
     """Entry point of ``lightning-dp compare``; returns the exit code (2 for bad input)."""
     import os
@@ -272,7 +289,10 @@ def main(argv: Sequence[str]) -> int:
         with open(os.path.join(args.output, "privacy_utility.md"), "w", encoding="utf-8") as handle:
             handle.write(table)
     if not args.no_log:
-        experiment_id = runs[0].info.experiment_id
+        try:
+            experiment_id = compare_experiment(client, runs[0].info.experiment_id, uri)
+        except MlflowException as err:
+            parser.error(f"{str(err).splitlines()[0]} (tracking URI {uri})")
         run = client.create_run(experiment_id, run_name="privacy-utility",
                                 tags={COMPARE_TAG: ",".join(o.run_id for o in outcomes), "metric": metric})
         client.log_figure(run.info.run_id, figure, "privacy_utility.png")

@@ -70,13 +70,18 @@ def test_compare_command_groups_seeds_draws_the_baseline_and_leaves_out_unmarked
     assert "| base | 1 | non-private | 0.95 |" in out  # the baseline keeps its run name
     assert "left out: old" in out and "not marked non-private" in out
     assert (workdir / "out" / "privacy_utility.png").stat().st_size > 0
-    (made,) = client.search_runs([eid], "attributes.run_name = 'privacy-utility'")
+    assert client.search_runs([eid], "attributes.run_name = 'privacy-utility'") == []  # not among the training runs
+    own = client.get_experiment_by_name("cmp-compare")  # issue 50, item 8: its own experiment, beside them
+    assert own.tags["lightning_dp.compare.of"] == "cmp"
+    assert own.artifact_location == (workdir / "mlruns" / "artifacts").as_uri()
+    (made,) = client.search_runs([own.experiment_id], "attributes.run_name = 'privacy-utility'")
     assert len(made.data.tags[COMPARE_TAG].split(",")) == 5
     assert sorted(a.path for a in client.list_artifacts(made.info.run_id)) == ["privacy_utility.md",
                                                                               "privacy_utility.png"]
-    # a second compare leaves the first compare run out
-    assert cli.main(["compare", "--experiment", "cmp", "--no-log"]) == 0
-    assert "privacy-utility" not in capsys.readouterr().out
+    # a second compare leaves the first compare run out, and reuses the experiment
+    assert cli.main(["compare", "--experiment", "cmp"]) == 0
+    assert "| privacy-utility" not in capsys.readouterr().out
+    assert len(client.search_runs([own.experiment_id])) == 2
 
 
 def test_compare_notes_a_group_that_pools_runs_of_different_code(workdir, store_template, capsys):
