@@ -27,7 +27,7 @@ def save_state(rnd: Any, checkpoint: dict[str, Any]) -> None:
     parts = {kind: part.state_dict() for kind, part in rnd.parts().items()}
     secret: dict[str, Any] = rnd.protocol.state_dict()
     state = {"seed": rnd.seed, "rounds": int(rnd.rounds), "previous_step": rnd.previous_step.detach().cpu().clone(),
-             "split_scored": rnd.private_step.split_scored, "version": VERSION}
+             "split_scored": bool(rnd.aggregator.scored), "version": VERSION}
     if rnd.selection_is_secret():
         # the ledgers show who took part (participations per client), which the client-level accountant's
         # amplification needs kept secret: local checkpoints only, like the noise seed; the server's accountant
@@ -55,7 +55,7 @@ def load_state(rnd: Any, state: dict[str, Any]) -> None:
         rnd.ledger.load_state_dict(ledger)
     rnd.seed = int(state["seed"])
     rnd.rounds.fill_(int(state["rounds"]))
-    step.split_scored = bool(state.get("split_scored", False))
+    rnd.aggregator.scored = bool(state.get("split_scored", False))
     if state.get("previous_step") is not None:
         rnd.previous_step.copy_(state["previous_step"])
     parts = {**secret.get("parts", {}), **state.get("parts", {})}

@@ -88,7 +88,6 @@ class PrivateStep:
         cosines: ``(round, update cosine, gradient cosine)`` per round, with ``diagnostics``.
         epsilon_written: the last round whose written metrics carried the final spend.
         fit_rounds, fit_participants: rounds and participations of this fit (the end-of-fit summary).
-        split_scored: whether ``pdpfl/split_accuracy`` was logged (once, when PFA's split is made).
         ledgers_missing: loaded from a public checkpoint without its ledgers (training on is refused).
     """
 
@@ -99,7 +98,6 @@ class PrivateStep:
         self.cosines: list[tuple[int, float, float]] = []
         self.epsilon_written = -1
         self.fit_rounds, self.fit_participants = 0, 0
-        self.split_scored = False
         self.ledgers_missing = False
 
     # ------------------------------------------------------------------ what the parts say
@@ -322,7 +320,7 @@ class PrivateStep:
             assignment = on_device.to(assignment.device)
         if following:  # the next round's clients clip at the server's new (public) threshold
             parts.sanitizer.follow_clip(privacy.clip)
-        self.split_metrics(ctx, metrics)
+        metrics.update(parts.aggregator.round_metrics(parts.update, index))  # e.g. PFA's split (pdpfl/*)
         rnd.previous_step.copy_(new - hyps)
         rnd.optimizers().step(closure=lambda: hyps.copy_(new))  # one optimizer
         metrics.update(privacy_metrics)
@@ -385,20 +383,6 @@ class PrivateStep:
         bar.update({name: metrics[key] for key, name in short.items() if key in metrics})
         rnd.log_dict({k: torch.tensor(v, dtype=torch.float64) for k, v in bar.items()}, prog_bar=True, logger=False,
                      on_step=True, on_epoch=False, batch_size=1)
-
-    def split_metrics(self, ctx: RoundContext, metrics: dict[str, float]) -> None:
-        """A public/private split of the aggregator (PFA): its size per round, and once, when the split is made from
-        released updates (the warm start), its accuracy against the clients' true budget groups (a simulation
-        diagnostic: the server never sees the truth)."""
-        index, aggregator = ctx.index, ctx.parts.aggregator
-        public = aggregator.last_public
-        if not public or len(public) != len(index):
-            return
-        metrics["pdpfl/public_clients"] = float(sum(public))
-        truth = ctx.parts.update.true_public(index)
-        if truth is not None and not self.split_scored and aggregator.warm_started:
-            metrics["pdpfl/split_accuracy"] = sum(p == t for p, t in zip(public, truth)) / len(index)
-            self.split_scored = True
 
     def log_cosines(self, r: int, rows: Tensor, metrics: dict[str, float]) -> None:
         """``nonprivate/update_cosine`` and ``nonprivate/gradient_cosine`` of the round's diagnostic rows."""

@@ -31,8 +31,9 @@ class Aggregator(Part):
     needs_budgets = False
     #: whether it averages one global model only (the round refuses num_hypotheses > 1 before training)
     one_model = False
-    #: the public (True) / private split of the last aggregated releases, for aggregators that split the clients
-    last_public: list[bool] | None = None
+    #: whether a metric it reports once (:meth:`round_metrics`; PFA's split accuracy) was reported: the round keeps it
+    #: in its checkpoint (``checkpoint["federated"]["split_scored"]``), so that a resumed run does not report it again
+    scored = False
 
     @property
     def weights_by_counts(self) -> bool:
@@ -44,10 +45,12 @@ class Aggregator(Part):
         """Whether it is the plain mean of the releases (the sum whose sensitivity central DP accounts)."""
         return False
 
-    @property
-    def warm_started(self) -> bool:
-        """Whether that split is final (made from revealed budgets, or after a warm start): then it is scored once."""
-        return True
+    def round_metrics(self, update: Any, index: Sequence[int]) -> dict[str, float]:
+        """Metrics of the aggregation just made, logged with the round's (default: none). ``update`` is the round's
+        :class:`~lightning_dp.federated.parts.ClientUpdate`, ``index`` the participants (positions among the training
+        clients) in the releases' order. Their names must be declared in the record
+        (:mod:`lightning_dp.privacy.record`)."""
+        return {}
 
     def observe(self, *, client_ids: Sequence[Any], layer_sizes: list[int], round_index: int,
                 budgets: list[float] | None = None) -> None:
@@ -191,7 +194,22 @@ class PFA(Aggregator):
 
     @property
     def warm_started(self) -> bool:
+        """Whether the split is final (made from revealed budgets, or after the warm start): then it is scored once."""
         return self.partition == "direct" or bool(self._split)
+
+    def round_metrics(self, update, index):
+        """The split's size per round (``pdpfl/public_clients``), and once, when the split is made from released
+        updates (the warm start), its accuracy against the clients' true budget groups (``pdpfl/split_accuracy``: a
+        simulation diagnostic from :meth:`ClientUpdate.true_public`; the server never sees the truth)."""
+        public = self.last_public
+        if not public or len(public) != len(index):
+            return {}
+        metrics = {"pdpfl/public_clients": float(sum(public))}
+        truth = update.true_public(index)
+        if truth is not None and not self.scored and self.warm_started:
+            metrics["pdpfl/split_accuracy"] = sum(p == t for p, t in zip(public, truth)) / len(index)
+            self.scored = True
+        return metrics
 
     def aggregate(self, releases, hypotheses, weights=None):
         from lightning_dp.federated.pfa import Subspace, pfa_combine, split_by_budgets, split_by_norms
