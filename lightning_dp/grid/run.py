@@ -23,7 +23,7 @@ from lightning_dp.grid.privacy import (
     reseed,
 )
 from lightning_dp.grid.report import bar_plot, default_mode, report, select_best
-from lightning_dp.grid.utility import grid_outcomes, group_outcomes, utility_figure, utility_table
+from lightning_dp.grid.utility import GridSpend, grid_outcomes, group_outcomes, utility_figure, utility_table
 
 __all__ = ["ParentRuns", "base_name", "final_metrics", "run_grid"]
 
@@ -159,7 +159,7 @@ def run_grid(config: Sequence[str], sets: Sequence[tuple[str, list[Any]]], *, te
             if plot_x is None or plot_hue is None:
                 raise ValueError("plot needs plot_x and plot_hue: the axes of the bar groups and of the bars")
             result.figure = bar_plot(points, plot, plot_x, plot_hue, mean_over)
-        result.utility = privacy_utility(points, select, mean_over)
+        result.utility = privacy_utility(points, select, mean_over, totals=result.totals, grid_id=grid_id)
 
         parents.finish(result, config, sets, budget)
     except BaseException:
@@ -168,9 +168,12 @@ def run_grid(config: Sequence[str], sets: Sequence[tuple[str, list[Any]]], *, te
     return result
 
 
-def privacy_utility(points: Sequence[GridPoint], metric: Optional[str], over: Optional[str]) -> Optional[tuple[str, Any]]:
+def privacy_utility(points: Sequence[GridPoint], metric: Optional[str], over: Optional[str], *,
+                    totals: Optional[dict[str, float]] = None,
+                    grid_id: str = "") -> Optional[tuple[str, Any]]:
     """The grid's privacy-utility table and figure (``select``'s metric, else the task metric; groups over the
-    ``mean_over`` axis), or None when no point has both an epsilon and a task metric."""
+    ``mean_over`` axis), with the grid's composed spend (``totals``, its ``grid/*`` metrics) beside its runs' own,
+    or None when no point has both an epsilon and a task metric."""
     try:
         chosen, outcomes = grid_outcomes(points, metric, over)
         groups = group_outcomes(outcomes)
@@ -178,7 +181,12 @@ def privacy_utility(points: Sequence[GridPoint], metric: Optional[str], over: Op
         return None
     if not groups:
         return None
-    return utility_table(groups, chosen), utility_figure(groups, chosen)
+    spends = []
+    if totals and "grid/epsilon" in totals:
+        spends.append(GridSpend(f"grid {grid_id}", totals["grid/epsilon"], totals.get("grid/delta"),
+                                len(points), totals.get("grid/epsilon_all_repetitions"),
+                                totals.get("grid/budget_epsilon")))
+    return utility_table(groups, chosen, spends), utility_figure(groups, chosen, spends=spends)
 
 
 def base_name(logger: Any, config: Sequence[str]) -> str:
