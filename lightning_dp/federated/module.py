@@ -27,8 +27,8 @@ rounds).
 
 Every random draw comes from a generator derived from ``(seed, stream, round, ...)``; a
 client's shuffles and noise depend on its index, not on the other clients of its process
-(:meth:`~lightning_dp.federated.clients.RoundClients.shuffle_keys`); with the round counter and the ledger in the checkpoint, a resumed
-run equals the uninterrupted one. Two seeds: ``seed`` drives what is public (initialization,
+(:meth:`~lightning_dp.federated.clients.RoundClients.shuffle_keys`); with the round counter and the ledger in
+the checkpoint, a resumed run equals the uninterrupted one. Two seeds: ``seed`` drives what is public (initialization,
 local shuffles, the validation subsample) and is logged; ``noise_seed`` drives the sanitizers'
 noise and the client selection (:class:`~lightning_dp.federated.FederatedRound`: every selection
 draws from the secret seed, whether or not an accountant amplifies by it) and is a secret
