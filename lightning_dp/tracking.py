@@ -43,6 +43,12 @@ from lightning_dp.gate import admit, admit_metrics
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
+
+# jsonargparse runs every ``if TYPE_CHECKING:`` block of a module whose class signatures it reads (the logger's, for
+# any ``lightning-dp fit`` help or run): importing MLflow there cost 1.3-1.5 s of each ``--*.help`` on 2 shared cores
+# (docs/benchmarks.md). These are only types, so mypy reads them under another name of the same constant.
+_ANNOTATIONS_ONLY = TYPE_CHECKING
+if _ANNOTATIONS_ONLY:
     from matplotlib.figure import Figure
     from mlflow import MlflowClient
 

@@ -177,6 +177,19 @@ def test_help_version_and_argument_errors_import_no_torch_lightning_or_mlflow():
     assert "HEAVY []" in done.stdout, done.stdout + done.stderr
 
 
+def test_a_class_help_does_not_import_mlflow():
+    """`--trainer.callbacks.help DPSGD` needs Lightning, not MLflow (issue 50, item 9: 1.3-1.5 s of each class help,
+    docs/benchmarks.md; matplotlib comes with torchmetrics)."""
+    import subprocess
+    import sys
+
+    script = ("import sys\nfrom lightning_dp.cli import main\n"
+              "try:\n    main(['fit', '--trainer.callbacks.help', 'DPSGD'])\nexcept SystemExit:\n    pass\n"
+              "print('HEAVY', sorted(m for m in ('mlflow',) if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
+    assert "--trainer.callbacks.init_args.noise_multiplier" in done.stdout and "HEAVY []" in done.stdout, done.stderr
+
+
 def test_every_command_refuses_in_three_lines_with_did_you_mean(capsys, workdir):
     err = _short(capsys, ["epsilon", "--sigma", "1.1"])
     assert "unrecognized arguments: --sigma 1.1" in err and "did you mean --noise-multiplier?" in err
