@@ -1,5 +1,6 @@
 """What DPSGD writes to the run's record, as pure functions of public configuration and released values: the fixed
-privacy parameters (MLflow params), the end-of-training summary, and the spend and clipping-threshold figures.
+privacy parameters (MLflow params), the end-of-training summary, and the spend and clipping-threshold figures; and
+:class:`Record`, which logs the spend at Lightning's cadence and writes the final one.
 
 Nothing here touches data: every value is public configuration (sigma, C, q, delta, the sizes), the accountant's
 epsilon, or post-processing of released values (an adaptive C). Which of them reach the record is the gate's
@@ -8,7 +9,10 @@ decision (:mod:`lightning_dp.gate`); :class:`~lightning_dp.callbacks.DPSGD` logs
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from lightning_dp.privacy.planning import DataFacts
 
@@ -16,8 +20,9 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from lightning_dp.callbacks.clipping import ClipStrategy
+    from lightning_dp.protocol import RunProtocol
 
-__all__ = ["adjacency_label", "figures", "hyperparams", "summary_rows"]
+__all__ = ["Record", "adjacency_label", "figures", "hyperparams", "summary_rows"]
 
 
 def adjacency_label(adjacency: str) -> str:
@@ -97,3 +102,55 @@ def figures(curve: list[tuple[int, float]], *, target_delta: float, sigma: float
         fig.axes[0].set_yscale("log")
         out.append((fig, "privacy/max_grad_norm.png"))
     return out
+
+
+class Record:
+    """The spend DPSGD logs: its curve (the figure, and checkpoints) and the last step Lightning writes."""
+
+    def __init__(self) -> None:
+        self.curve: list[tuple[int, float]] = []
+        self.logged_step = -1
+
+    def metrics(self, step: int, epsilon: float, sample_rate: float | None, nonprivate: dict[str, float],
+                clipping: ClipStrategy) -> dict[str, float]:
+        """The metrics of ``step`` (the curve notes its spend): epsilon, a sample rate that varies, the
+        ``nonprivate/`` statistics, and what the clipping strategy moves (C, OSO's learning rate: post-processing)."""
+        if not self.curve or self.curve[-1][0] != step:
+            self.curve.append((step, epsilon))
+        # what is fixed for the run (delta, sigma, C, q) is a param (hyperparams); only what moves is a metric
+        metrics = {"privacy/epsilon": epsilon}
+        if sample_rate is not None:  # a reloaded loader changed q since the param was logged: chart it from then on
+            metrics["privacy/sample_rate"] = sample_rate
+        metrics.update(nonprivate)
+        metrics.update(clipping.metrics())
+        return metrics
+
+    def log(self, trainer: Any, pl_module: Any, batch_idx: int, metrics: Callable[[int], dict[str, float]]) -> None:
+        """After a released step: log its metrics where Lightning writes them (its cadence, or a stop) and at every
+        epoch end (the progress bar's epsilon); nothing is written with ``log_every_n_steps=0``."""
+        every = trainer.log_every_n_steps
+        epoch_end = batch_idx + 1 >= trainer.num_training_batches
+        written = bool(every) and (trainer.global_step % every == 0 or trainer.should_stop)
+        if not (written or epoch_end):
+            return
+        step = trainer.global_step
+        for name, value in metrics(step).items():
+            # float64 tensors: Lightning would store a Python float as float32 and round the spend
+            pl_module.log(name, torch.tensor(value, dtype=torch.float64), on_step=True, on_epoch=False,
+                          prog_bar=name == "privacy/epsilon")
+        if written:  # else it only reaches the progress bar and end() still writes the final value
+            self.logged_step = step
+
+    def end(self, trainer: Any, protocol: RunProtocol, metrics: Callable[[int], dict[str, float]], *,
+            figures: Callable[[], list[tuple[Figure, str]]]) -> None:
+        """When training ends: the final spend (Lightning writes step metrics only every ``log_every_n_steps``) and,
+        on global rank zero, the figures."""
+        step = trainer.global_step
+        if step > 0 and self.logged_step != step:
+            protocol.write_final(trainer, metrics(step), step)
+            self.logged_step = step
+        if trainer.is_global_zero:
+            from lightning_dp import tracking
+
+            for fig, name in figures():
+                tracking.log_figure(trainer, fig, name)

@@ -110,7 +110,7 @@ def check_schedule(trainer: Trainer, *, for_plan: bool = False) -> None:
         factors.append(factor)
     # Lightning reloads every n epochs counted from the last reload (from epoch 0 unless a resume moved it): a
     # change at a multiple of n is expected to find a reload; should a resume shift the reloads, the check before
-    # every micro-batch (DPSGD._check_accumulation) refuses the mismatch before anything of it is released
+    # every micro-batch (PrivateStep.check_accumulation) refuses the mismatch before anything of it is released
     every = int(getattr(trainer, "reload_dataloaders_every_n_epochs", 0) or 0)  # set by Lightning, undeclared
     for epoch, before, after in changes:
         if for_plan or not every or epoch % every:

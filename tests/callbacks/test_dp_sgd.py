@@ -377,11 +377,12 @@ def test_replacement_adjacency_is_accounted_with_the_library_replace_one_analysi
 # ----------------------------------------------- a Trainer whose length disagrees with DPSGD's epochs/max_steps
 def _infos(monkeypatch):
     """The rank-zero info lines of the callback and of its length planning."""
-    import lightning_dp.callbacks.dp_sgd as dp_sgd
+    import lightning_dp.callbacks.dp_sgd_plan as dp_sgd_plan
+    import lightning_dp.callbacks.private_step as private_step
     import lightning_dp.callbacks.run_length as run_length
 
     messages = []
-    for module in (dp_sgd, run_length):
+    for module in (dp_sgd_plan, private_step, run_length):
         monkeypatch.setattr(module, "rank_zero_info", lambda message, *args, **kwargs: messages.append(message))
     return messages
 
@@ -554,7 +555,7 @@ def test_final_epsilon_is_written_when_lightning_writes_no_step_metrics():
     dp = DPSGD(noise_multiplier=0.8, target_epsilon=2.0, target_delta=1e-3, seed=0)
     t = trainer(max_epochs=50, log_every_n_steps=0, logger=logger, callbacks=[dp])
     t.fit(Classifier(), BlobsData(n=200, batch_size=20))
-    assert dp._budget.stopped_at is not None and t.global_step < 500  # stopped by the budget
+    assert dp.calibration.budget.stopped_at is not None and t.global_step < 500  # stopped by the budget
     assert logger.series("privacy/epsilon")[-1] == pytest.approx(dp.epsilon)
 
 

@@ -86,10 +86,10 @@ def test_the_released_gradient_is_the_float32_one_within_the_stated_tolerance(mo
 
 @pytest.mark.parametrize("accelerator", ACCELERATORS)
 def test_16_mixed_keeps_the_loss_scale_fixed_and_says_so(monkeypatch, accelerator):
-    import lightning_dp.callbacks.dp_sgd as dp_sgd
+    import lightning_dp.callbacks.private_step as private_step
 
     infos = []
-    monkeypatch.setattr(dp_sgd, "rank_zero_info", lambda message, *args, **kwargs: infos.append(message))
+    monkeypatch.setattr(private_step, "rank_zero_info", lambda message, *args, **kwargs: infos.append(message))
     plugins = _float16_plugin(accelerator)
     t, *_ = _run("16-mixed" if plugins is None else None, plugins=plugins, steps=2, accelerator=accelerator)
     scaler = t.precision_plugin.scaler

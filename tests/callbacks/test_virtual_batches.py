@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from lightning_dp.callbacks import DPSGD, OnlineSensitivity, QuantileClipping
 from lightning_dp.callbacks import dp_sgd as dp_sgd_module
 from lightning_dp.callbacks import virtual_batches
+from lightning_dp.callbacks.private_step import PrivateStep
 from tests.helpers import BlobsData, Classifier, blobs, trainer
 
 N = 200
@@ -96,7 +97,7 @@ def test_max_physical_batch_size_equals_the_unsplit_step(unsplit):
 
     class Passes(L.Callback):
         def on_before_backward(self, trainer, pl_module, loss):
-            seen.append(dp._batch_size)
+            seen.append(dp.private_step.batch_size)
 
     dp = DPSGD(noise_multiplier=1.3, max_grad_norm=0.7, seed=17, max_physical_batch_size=7)
     split = _fit(40, dp=dp, callbacks=[Passes()])
@@ -208,7 +209,7 @@ def test_a_module_hook_changing_it_is_refused_before_the_backward():
 def test_an_optimizer_step_in_the_middle_of_a_logical_batch_is_refused(monkeypatch):
     """The structural line, every value check bypassed: Lightning stepping before the last micro-batch (the factor
     lowered to 1 under data sampled for 4) is refused before the step, nothing of the partial batch released."""
-    monkeypatch.setattr(DPSGD, "_check_accumulation", lambda self, trainer, when: None)
+    monkeypatch.setattr(PrivateStep, "check_accumulation", lambda self, trainer, when: None)
     reference = _epoch_zero_params()
     torch.manual_seed(0)
     model = Classifier(lr=0.3).double()
@@ -222,7 +223,7 @@ def test_an_optimizer_step_in_the_middle_of_a_logical_batch_is_refused(monkeypat
 def test_a_release_without_an_optimizer_step_is_refused_before_the_next_batch(monkeypatch):
     """The other structural line: the factor raised under data sampled for 1 micro-batch per step; the release of
     batch 0 is never applied, and the next batch is refused."""
-    monkeypatch.setattr(DPSGD, "_check_accumulation", lambda self, trainer, when: None)
+    monkeypatch.setattr(PrivateStep, "check_accumulation", lambda self, trainer, when: None)
     torch.manual_seed(0)
     model = Classifier(lr=0.3).double()
     dp = DPSGD(noise_multiplier=1.3, max_grad_norm=0.7, seed=17)
