@@ -22,6 +22,10 @@ Errors: a refused value, an unknown option, subcommand or class path prints one 
 dataset (:class:`~lightning_dp.datamodules.DatasetUnavailableError`) and a Lightning
 ``MisconfigurationException`` (our callbacks' refusals before training). ``LIGHTNING_DP_TRACEBACK=1``
 shows the full traceback instead.
+
+Threads: the training commands (:data:`TRAINING_COMMANDS`) give torch one thread per core that other jobs leave
+free and say so in one line (:mod:`lightning_dp.config.threads`); ``LIGHTNING_DP_THREADS=N`` or ``OMP_NUM_THREADS``
+choose instead.
 """
 
 from __future__ import annotations
@@ -62,6 +66,12 @@ COMMANDS: dict[str, str] = {
     "compare": "the privacy-utility picture of runs: a metric against epsilon, with the non-private baseline",
     "flower-app": "the Flower app of a federated config: the same round on a deployment (SuperLink, SuperNodes)",
 }
+
+#: The commands that train or attack a model: torch's threads are capped to the free cores when they start
+#: (:mod:`lightning_dp.config.threads`; ``LIGHTNING_DP_THREADS=N`` or ``OMP_NUM_THREADS`` choose instead). The
+#: run says so in one line when it starts (``LightningDPCLI``).
+TRAINING_COMMANDS = ("fit", "validate", "test", "grid", "audit")
+
 
 def _grid(argv: list[str]) -> Optional[int]:
     from lightning_dp.commands import grid
@@ -212,6 +222,14 @@ def main(args: Optional[Sequence[str]] = None) -> Optional[int]:
         (sys.stdout if argv else sys.stderr).write(help_text())
         return 0 if argv else 2
     command = argv[0]
+    if command in TRAINING_COMMANDS:
+        from lightning_dp.config.threads import apply_thread_policy
+
+        try:
+            apply_thread_policy()  # OMP_NUM_THREADS for torch to read; imports nothing, prints nothing
+        except ValueError as err:
+            sys.stderr.write(short_error(f"lightning-dp {command}", str(err)))
+            return 2
     if command in EXTRA_COMMANDS:
         return EXTRA_COMMANDS[command](argv[1:])
     if command not in ("fit", "validate", "test"):  # LightningDPCLI.subcommands(), without importing Lightning

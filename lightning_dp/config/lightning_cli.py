@@ -35,6 +35,7 @@ from lightning_dp import __version__, tracking
 from lightning_dp.callbacks.run_artifacts import RunArtifacts
 from lightning_dp.config.errors import ConfigurationError, is_refusal, root_message, show_tracebacks
 from lightning_dp.config.parser import ShortErrorParser
+from lightning_dp.config.threads import announce
 from lightning_dp.tracking import redact_secrets
 
 __all__ = ["DEFAULT_LOGGER", "LightningDPCLI", "MLflowSaveConfigCallback", "quiet_third_party"]
@@ -221,12 +222,23 @@ class LightningDPCLI(LightningCLI):
 
     def before_fit(self) -> None:
         """Let every callback that can refuse the fit from its settings alone (``check_fit``: DPSGD and its
-        subclasses) do so now, before any data is read, any MLflow run is started or any model summary printed."""
+        subclasses) do so now, before any data is read, any MLflow run is started or any model summary printed;
+        then say how many threads torch uses when ``lightning-dp`` capped them (:mod:`lightning_dp.config.threads`).
+        """
         ckpt_path = self.config_init[self.subcommand].get("ckpt_path") if self.subcommand else None
         for callback in self.trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning, undeclared
             check = getattr(callback, "check_fit", None)
             if callable(check):
                 check(self.trainer, self.model, ckpt_path=ckpt_path)
+        announce()
+
+    def before_validate(self) -> None:
+        """Say how many threads torch uses when ``lightning-dp`` capped them."""
+        announce()
+
+    def before_test(self) -> None:
+        """Say how many threads torch uses when ``lightning-dp`` capped them."""
+        announce()
 
     def after_fit(self) -> None:
         """Print where the run is recorded."""
