@@ -86,11 +86,12 @@ class ShortJsonParser(ArgumentParser):
         return class_help_spelling(plain_text(super().format_help(formatter)))
 
     @override
-    def parse_args(self, args: Optional[Sequence[str]] = None, *pos: Any, **kwargs: Any) -> Any:
+    def parse_args(self, *args: Any, **kwargs: Any) -> Any:
         """jsonargparse's; the arguments are kept (``given_args``) so that an error can tell a key of a
         ``--config`` file from one typed on the command line and name the file and line."""
-        self.given_args = list(sys.argv[1:] if args is None else args)
-        return super().parse_args(args, *pos, **kwargs)
+        given = args[0] if args else kwargs.get("args")
+        self.given_args = list(sys.argv[1:] if given is None else given)
+        return super().parse_args(*args, **kwargs)
 
     @override
     def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
