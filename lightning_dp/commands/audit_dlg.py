@@ -236,10 +236,12 @@ def _log_result(logger: Any, result: AuditResult, sources: Sequence[str]) -> Non
 def main(argv: Sequence[str]) -> int:
     """Entry point of ``lightning-dp audit`` (see the module docstring); returns the exit code."""
     from lightning_dp import tracking
+    from lightning_dp.config.threads import announce
     from lightning_dp.privacy.noise import derive_generator
 
     parser = build_parser()
     cfg, config_text = parser.parse_checked(argv, _settings_problems)
+    announce()  # the threads lightning-dp gave torch on a shared machine (lightning_dp.config.threads)
     # The model's initialization uses the global RNG (every nn.Module does): seed it from the audit's
     # seed inside fork_rng, so the audit is reproducible and the caller's RNG state is left untouched.
     with torch.random.fork_rng(devices=[]):

@@ -126,10 +126,12 @@ def main(argv: Sequence[str]) -> int:
     from lightning_dp.audit import lira
     from lightning_dp.audit.mia import attack_result, split_members, table
     from lightning_dp.audit.scores import per_example_losses
+    from lightning_dp.config.threads import announce
     from lightning_dp.privacy.noise import derive_generator
 
     parser = build_parser()
     cfg, config_text = parser.parse_checked(argv, _problems)
+    announce()  # the threads lightning-dp gave torch on a shared machine (lightning_dp.config.threads)
 
     def seeded(stream: int, k: int = 0) -> int:
         return int(derive_generator(cfg.seed, stream, k).initial_seed()) % 2**63
