@@ -87,8 +87,9 @@ class Lengths:
         trainer_key = "max_steps" if key == "max_steps" else "max_epochs"
         return (f"{who} plans {mine} but the Trainer runs up to {theirs}: the noise would be "
                 f"calibrated for the plan and target_epsilon={target_epsilon} would stop training there. Make them "
-                f"agree (--trainer.{trainer_key}={getattr(self, key)}, or the callback's {key}={agree}: "
-                f"--trainer.callbacks.init_args.{key}={agree} when it is the last callback), or pass "
+                f"agree (Trainer({trainer_key}={getattr(self, key)}) or {who}({key}={_py(agree)}); in lightning-dp "
+                f"--trainer.{trainer_key}={getattr(self, key)} or, for the last callback, "
+                f"--trainer.callbacks.init_args.{key}={agree}), or pass "
                 "calibrate_for='trainer' (noise for the Trainer's length) or 'callback' (stop at the plan).")
 
     def resolve(self, data: DataFacts, *, target_epsilon: float | None, who: str) -> int | None:
@@ -105,8 +106,8 @@ class Lengths:
         key = "max_steps" if self.max_steps is not None else "epochs"
         agree = self._agreeing_value(data, key)
         value = "null" if agree is None else agree  # null: no plan of its own, the Trainer's length
-        set_own = (f"DPSGD's {key}={value} (in the config's trainer.callbacks entry of DPSGD; on the command line "
-                   f"--trainer.callbacks.init_args.{key}={value} reaches it when DPSGD is the last callback)")
+        set_own = (f"DPSGD's {key}={value}: DPSGD({key}={_py(agree)}) (in lightning-dp, for the last callback, "
+                   f"--trainer.callbacks.init_args.{key}={value})")
         if self.calibrate_for == "auto" and limit > own and self.implicit_limit:
             rank_zero_info(f"DPSGD: calibrating the noise for DPSGD's plan of {mine}; the Trainer's limit is "
                            f"Lightning's default max_epochs={self.trainer_max_epochs}, so the plan ends the run.")
@@ -150,3 +151,8 @@ class Lengths:
         if max_steps is not None and max_steps > 0 and steps == max_steps:
             return f"{steps} steps (Trainer max_steps={max_steps})"
         return f"{self.trainer_max_epochs} epochs (Trainer max_epochs={self.trainer_max_epochs}, {steps} steps)"
+
+
+def _py(value: Any) -> str:
+    """A value as Python spells it (a config's null is None)."""
+    return "None" if value is None or value == "null" else str(value)

@@ -63,7 +63,7 @@ def build_from_yaml(text: str, args: Sequence[str] = (), *, where: str = "the ap
     from lightning_dp.tracking import mlflow_loggers
 
     if mlflow_loggers(cli.trainer):  # the server's build (the nodes' have no logger): say where its record goes
-        cli.trainer.callbacks.append(_run_location_callback()())
+        cli.trainer.callbacks.append(_run_location_callback()())  # type: ignore[attr-defined]  # set by Lightning
     return cli
 
 

@@ -411,7 +411,7 @@ def test_shorter_trainer_recalibrates_to_the_target_and_says_so(monkeypatch, cap
     (message,) = [m for m in infos if "the Trainer stops" in m]
     assert message.startswith("DPSGD: the Trainer stops after 2 epochs (Trainer max_epochs=2, 20 steps), DPSGD "
                               "planned 6 epochs (epochs=6, 60 steps): calibrating the noise for the Trainer's length")
-    assert "pass calibrate_for='callback'" in message and "--trainer.callbacks.init_args.epochs=2" in message
+    assert "pass calibrate_for='callback'" in message and "DPSGD(epochs=2)" in message
     out = capsys.readouterr().out
     assert "DPSGD: 20 private steps (2 epochs of 10 steps)" in out
     assert f"noise multiplier  {dp.noise_multiplier:.4g} (calibrated for 20 steps)" in out
@@ -437,11 +437,11 @@ def test_longer_trainer_is_refused_before_any_step_with_both_values_and_the_fixe
     assert probe.batches == [] and t.global_step == 0 and len(dp.accountant) == 0
     assert str(err.value) == (
         "DPSGD plans 2 epochs (epochs=2, 20 steps) but the Trainer runs up to 6 epochs (Trainer max_epochs=6, 60 "
-        "steps): the noise would be calibrated for the plan and target_epsilon=2.0 would stop training there. Make them agree "
-        "(--trainer.max_epochs=2, or the callback's epochs=6: --trainer.callbacks.init_args.epochs=6 when it is the "
-        "last callback), or pass calibrate_for='trainer' (noise for the Trainer's length) or 'callback' (stop at the "
-        "plan).")
-    assert len(str(err.value)) < 450  # was 900 characters
+        "steps): the noise would be calibrated for the plan and target_epsilon=2.0 would stop training there. Make them "
+        "agree (Trainer(max_epochs=2) or DPSGD(epochs=6); in lightning-dp --trainer.max_epochs=2 or, for the last "
+        "callback, --trainer.callbacks.init_args.epochs=6), or pass calibrate_for='trainer' (noise for the Trainer's "
+        "length) or 'callback' (stop at the plan).")
+    assert len(str(err.value)) < 480  # was 900 characters; names the fix for a script and for the command line
 
 
 def test_the_progress_bar_epsilon_is_current_at_every_epoch_end():

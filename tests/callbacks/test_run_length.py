@@ -61,7 +61,8 @@ def test_a_shorter_trainer_is_calibrated_for_and_told(infos):
     (message,) = infos
     assert message.startswith("DPSGD: the Trainer stops after 2 epochs (Trainer max_epochs=2, 20 steps), DPSGD "
                               "planned 6 epochs (epochs=6, 60 steps)")
-    assert "--trainer.callbacks.init_args.epochs=2" in message
+    # for a script and for the command line, each named as such (issue 50, item 6)
+    assert "DPSGD(epochs=2) (in lightning-dp, for the last callback, --trainer.callbacks.init_args.epochs=2)" in message
 
 
 def test_calibrating_for_the_callback_says_what_the_fit_spends(infos):
