@@ -191,7 +191,13 @@ def admit_metrics(trainer: Any, metrics: Mapping[str, Any], where: str = "metric
 
 def _shown(trainer: Any, name: str) -> bool:
     """Whether the progress bar may show ``name``: what the record may hold (an undeclared or refused name is left
-    out of the bar rather than stopping the run: the logger's write is where it is refused)."""
+    out of the bar rather than stopping the run: the logger's write is where it is refused). A release of the
+    evaluation (``val/*``, ``test/*``) stays in the bar during training: its value is the last evaluation's, which
+    the record holds (a training statistic under such a name is refused when written, and DPSGD refuses it before the
+    first step)."""
+    row = declaration(name, "metric")
+    if row is not None and row.kind is Kind.RELEASE and row.evaluating:
+        return True
     try:
         return admit(trainer, name, "metric")
     except UndeclaredRecordError:

@@ -31,7 +31,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_dp import gate
 from lightning_dp.privacy.seeds import SECRET_KEY, check_seed, fresh_seed
 
-__all__ = ["RunProtocol", "SECRET_KEY", "format_summary", "print_summary"]
+__all__ = ["RunProtocol", "SECRET_KEY", "format_summary", "print_summary", "validation_rows"]
 
 
 class RunProtocol:
@@ -140,7 +140,8 @@ class RunProtocol:
             return
         title, rows = self._summary
         self._summary = None
-        print_summary(trainer, title() if callable(title) else title, rows())  # type: ignore[operator]
+        rows_shown = [*rows(), *validation_rows(trainer.callback_metrics)]  # type: ignore[operator]
+        print_summary(trainer, title() if callable(title) else title, rows_shown)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -168,6 +169,17 @@ class RunProtocol:
                 "draws its noise from a fresh secret seed. Its accounting continues from the checkpoint's history.")
         else:
             self._seed = int(seed)
+
+
+def validation_rows(metrics: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The summary's rows of the last validation (releases: the model evaluated on held-out data), where it ran.
+
+    Example:
+        >>> validation_rows({"val/acc": 0.875, "privacy/epsilon": 2.9})
+        [('val/acc', '0.875 (last validation)')]
+    """
+    return [(name, f"{float(metrics[name]):.4g} (last validation)") for name in ("val/loss", "val/acc")
+            if name in metrics]
 
 
 def format_summary(title: str, rows: Sequence[tuple[str, str]]) -> str:

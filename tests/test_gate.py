@@ -172,6 +172,29 @@ def test_the_progress_bar_shows_only_what_the_record_may_hold(tmp_path):
     assert "nonprivate/train_loss" in trainer.progress_bar_metrics  # computed, not shown
 
 
+def test_the_last_validation_stays_on_the_bar_and_ends_the_summary(tmp_path, capsys):
+    """Issue 50, item 4: under DPSGD the bar dropped val/acc during training (the gate admits val/* only while
+    evaluating) and the summary had no validation row: the DP run's accuracy never reached the terminal."""
+    shown = []
+
+    class Bar(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            shown.append(set(trainer.progress_bar_callback.get_metrics(trainer, trainer.lightning_module)))
+
+    class AccuracyOnTheBar(Classifier):
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val/acc", (self(x).argmax(1) == y).float().mean(), prog_bar=True)
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_model_summary=False, max_epochs=2,
+                        log_every_n_steps=1, enable_progress_bar=True, default_root_dir=tmp_path,
+                        callbacks=[DPSGD(noise_multiplier=1.0, seed=0, log_nonprivate_metrics=False), Bar()])
+    trainer.fit(AccuracyOnTheBar(loss_name="nonprivate/loss"), BlobsData())
+    assert "val/acc" in shown[-1] and "privacy/epsilon" in shown[-1]  # epoch 1: epoch 0's validation on the bar
+    acc = float(trainer.callback_metrics["val/acc"])
+    assert f"  val/acc           {acc:.4g} (last validation)" in capsys.readouterr().out
+
+
 def test_a_logger_added_after_setup_is_gated():
     late = RecordingLogger()
 

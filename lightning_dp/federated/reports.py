@@ -167,8 +167,4 @@ def summary_rows(rnd: Any) -> list[tuple[str, str]]:
         rows.append(("record epsilon", f"median {med:.4g}, max {top:.4g} (per client, {rnd.update.name})"))
     if not (rnd.sanitizer.accountable or privacy.accountable or rnd.update.accountable):
         rows.append(("privacy", "none: the clients' releases are not sanitized and nothing is accounted"))
-    metrics = trainer.callback_metrics
-    for name in ("val/loss", "val/acc"):
-        if name in metrics:
-            rows.append((name, f"{float(metrics[name]):.4g} (last validation)"))
-    return rows
+    return rows  # the last validation's rows: the protocol's (lightning_dp.protocol.validation_rows)
