@@ -1,16 +1,8 @@
 """Personalized federated learning with metric privacy (Galli et al.): the round and its parts.
 
-What a user imports from here (each name loads its module on first use, so the Lightning-free parts,
-:mod:`lightning_dp.federated.parts`, can be used without Lightning, as the DLG audit does)::
-
-    from lightning_dp.federated import FederatedRound, PersonalizedFederatedModule
-
-- :class:`FederatedRound`: the round as a LightningModule, from parts (:mod:`~lightning_dp.federated.parts`,
-  registered by name).
-- :class:`PersonalizedFederatedModule`: the personalized algorithm of Galli et al. (a preset).
-- The machinery, in its modules: :mod:`~lightning_dp.federated.local` (hypothesis choice and local SGD, vectorized
-  over clients; ``FlatParams``), :mod:`~lightning_dp.federated.kmeans` (clustered averaging),
-  :mod:`~lightning_dp.federated.reports` (the round's figures and tables).
+:class:`FederatedRound` (the round, from parts) and :class:`PersonalizedFederatedModule` (the preset). Each name
+loads its module on first use, so :mod:`lightning_dp.federated.parts` works without Lightning. The modules:
+docs/federated.md, "One round, step by step".
 """
 
 from __future__ import annotations

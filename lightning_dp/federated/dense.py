@@ -1,22 +1,10 @@
 """Hand-written per-client gradients for models that are a chain of dense layers (the ``"dense"`` client engine).
 
-A round's local SGD needs, at every step, the gradient of each client's batch loss with respect to that client's
-own parameters: (C, P) gradients of C different models. ``vmap(grad(...))`` over clients
-(:func:`~lightning_dp.federated.local.local_sgd`) computes them for any model, through functorch's batching
-rules and autograd's graph of small operations. For a model that is a chain of ``Linear`` layers and elementwise
-activations the whole backward pass is two or three batched matrix products per layer, written out here and
-applied to the parameters layer by layer in place: for the project's logistic regression on MNIST 57 % of
-``vmap(grad)``'s time per round (``benchmarks/bench_federated_round.py --model logreg``), which is what a round
-of a small model spends its time on. Why by hand: neither functorch, Opacus (per-example gradients of one
-model) nor any FL framework (one client at a time) has a backward pass batched over models.
-
-Which models: :meth:`DenseChain.of` traces the model with ``torch.fx`` and accepts only a chain of supported
-steps (``nn.Linear``, ``nn.ReLU``/``Tanh``/``Sigmoid``/``Identity``, ``nn.Flatten``, ``flatten``,
-``squeeze(dim)`` and the functional forms of the activations), every ``Linear`` parameter trainable and used
-once, on inputs and a loss whose shapes it checks before any data is touched; anything else returns ``None``
-with the reason, and the round uses ``vmap``. The gradients are those of
-:func:`~lightning_dp.federated.local.masked_loss` (tested against ``vmap(grad)`` for every loss, in float64 to
-1e-12).
+The backward pass of each client's own model, as batched matrix products per layer applied in place, instead of
+``vmap(grad(...))``. :meth:`DenseChain.of` traces the model with ``torch.fx`` and accepts only a chain of
+supported steps (anything else: ``None`` with the reason, and the round uses ``vmap``); the gradients are those of
+:func:`~lightning_dp.federated.local.masked_loss` (tested against ``vmap(grad)`` in float64 to 1e-12). Which
+models, what it gains, why by hand: docs/federated.md, "How a round trains its clients".
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """Client-side computations of a round, vectorized over clients (Algorithm 1, client part).
 
-Galli et al., "Group privacy for personalized federated learning", Algorithm 1: every
-sampled client evaluates the k hypotheses on its own data, takes the one with the lowest
-loss, and runs E epochs of mini-batch SGD (learning rate s, batch size B_s) from it.
-
-All clients of a round are trained at once with ``torch.func`` (``vmap`` over clients of
-``grad`` of a functional model call). Clients hold different numbers of examples: their
-data is padded to the largest client and every batch carries a mask, so a client with
-fewer batches in an epoch simply stops moving until the next epoch. Why hand-written: no
-federated framework trains a round's clients in one vectorized call (Flower, FLSim and
-pfl-research loop over clients), and a Python loop over 100 clients of an 11-parameter
-model is dominated by interpreter overhead (see benchmarks/bench_federated_round.py).
-
-Models are handled as flat parameter vectors (:class:`FlatParams`), the form in which the
-sanitizer adds Euclidean noise and the server clusters releases.
+Each sampled client picks the hypothesis with the lowest loss on its data and runs E epochs of mini-batch SGD
+from it; all clients of a round train at once with ``torch.func`` (``vmap`` over clients of ``grad``), their data
+padded to the largest client and every batch masked. Models are flat parameter vectors (:class:`FlatParams`).
+Why hand-written: docs/federated.md, "How a round trains its clients".
 """
 
 from __future__ import annotations

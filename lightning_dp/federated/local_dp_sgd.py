@@ -1,22 +1,10 @@
 """Record-level DP-SGD inside clients (local DP-SGD), vectorized over the round's clients.
 
-Each client runs DP-SGD (Abadi et al. 2016) on its own records from its starting model:
-per step, a batch drawn by Poisson sampling at rate ``q_c = B / n_c`` (or the next ``B``
-records of a secret random permutation, ``sampling="shuffle"``), per-example gradients
-clipped to L2 norm ``C`` (:func:`~lightning_dp.privacy.clipping.clip_factors`), their sum
-plus ``N(0, (sigma_c C)^2 I)`` divided by the expected batch size ``B``
-(:func:`~lightning_dp.privacy.noise.noisy_mean`, the privacy core's formula), and a plain
-SGD step. The released model is post-processing of the noisy gradients, so it is
-``(epsilon_c, delta)``-DP for the client's records; the per-client accountant of
-:class:`~lightning_dp.federated.parts.LocalDPSGD` composes the participations.
-
-Every random draw of a client (its batches and its noise) comes from its own secret
-generator, in a fixed order (per step: the batch, then the noise), so a client's training
-does not depend on the other clients of its call and the ``"vmap"`` and ``"loop"`` engines
-draw the same numbers. Why hand-written: Opacus and the ``DPSGD`` callback privatize one
-model's optimizer; here a whole round of clients trains at once with ``torch.func``
-(``vmap`` over clients of ``vmap`` over examples of ``grad``), the batch of each client padded
-to the round's largest and masked.
+Per client and step: a Poisson (or shuffled) batch, per-example clipping at ``C``
+(:func:`~lightning_dp.privacy.clipping.clip_factors`), ``N(0, (sigma_c C)^2 I)`` noise over the expected batch size
+(:func:`~lightning_dp.privacy.noise.noisy_mean`), a plain SGD step. Each client draws from its own secret generator,
+batch then noise, so the ``"vmap"`` and ``"loop"`` engines draw the same numbers. Why hand-written and what it
+guarantees: docs/federated.md, "Record-level DP-SGD inside the clients".
 """
 
 from __future__ import annotations

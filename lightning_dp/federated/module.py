@@ -1,45 +1,10 @@
 """Personalized FL with metric privacy: a preset of the federated round (:class:`~lightning_dp.federated.FederatedRound`).
 
-Galli et al., "Group privacy for personalized federated learning" (Algorithms 1 and 2) and
-thesis chapter 2. One training step is one round:
-
-1. sample U training clients without replacement (a client whose next participation would
-   exceed ``client_privacy_cap`` declines and is replaced, or skipped: ``cap_policy``);
-2. every sampled client evaluates the k hypotheses on its own data and takes the argmin of
-   the loss, then runs E epochs of SGD (rate s, batch size B_s) from it
-   (:mod:`lightning_dp.federated.local`, vectorized over clients);
-3. every client sanitizes its model: ``delta = theta_client - theta_j``,
-   ``epsilon = n / (nu ||delta||)``, ``released = theta_client + EuclideanLaplace(n, epsilon)``
-   (per layer with ``per_layer=True``), and the per-client ledger is charged n/nu
-   (:mod:`lightning_dp.privacy.mechanisms`, :mod:`lightning_dp.privacy.ledger`);
-4. the server sees only the releases; k-means initialized at the hypotheses, each
-   hypothesis becomes the mean of its cluster, an empty cluster keeps its hypothesis
-   (:mod:`lightning_dp.federated.kmeans`).
-
-Validation clients are held out from training; each picks its best hypothesis and
-``val/loss`` is the mean of those best losses (monitor it with Lightning's
-``EarlyStopping``; validation runs every ``check_val_every_n_epoch`` rounds). Each round is
-one optimizer step for Lightning (``global_step``, ``max_steps`` and ``ModelCheckpoint``
-count rounds). The clients
-come from a :class:`~lightning_dp.datamodules.federated.FederatedDataModule`, whose loaders
-yield one item per round (one training epoch = one round: ``max_epochs`` is the number of
-rounds).
-
-Every random draw comes from a generator derived from ``(seed, stream, round, ...)``; a
-client's shuffles and noise depend on its index, not on the other clients of its process
-(:meth:`~lightning_dp.federated.clients.RoundClients.shuffle_keys`); with the round counter and the ledger in
-the checkpoint, a resumed run equals the uninterrupted one. Two seeds: ``seed`` drives what is public (initialization,
-local shuffles, the validation subsample) and is logged; ``noise_seed`` drives the sanitizers'
-noise and the client selection (:class:`~lightning_dp.federated.FederatedRound`: every selection
-draws from the secret seed, whether or not an accountant amplifies by it) and is a secret
-(:mod:`lightning_dp.privacy.seeds`): fresh from the OS by default, kept in local checkpoints
-under ``"secret"``, never logged nor uploaded.
-
-Under DDP (``strategy="ddp"``) every process samples the same clients, trains and sanitizes
-its share of them (positions rank, rank + W, ...), and the releases are all-gathered in the
-round's order; every process then runs the same k-means and charges the same ledger, so a
-run on W processes equals the run on one (tests/federated/test_module_ddp.py). Validation
-clients are sharded the same way.
+Galli et al., "Group privacy for personalized federated learning" (Algorithms 1 and 2), thesis chapter 2: U
+clients without replacement, IFCA choice among k hypotheses, local SGD, Euclidean Laplace releases charging n/nu to
+each client's ledger, k-means at the server. A client's shuffles and noise depend on its index
+(:meth:`~lightning_dp.federated.clients.RoundClients.shuffle_keys`), so resume and DDP equal the uninterrupted
+single-process run. The algorithm, seeds and DDP: docs/federated.md, "One round, step by step".
 """
 
 from __future__ import annotations

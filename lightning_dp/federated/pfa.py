@@ -1,29 +1,10 @@
 """Projected federated averaging (PFA; Liu, Lou, Xiong, Liu & Meng, VLDB 2022) and the public/private split.
 
-Clients with relaxed budgets ("public") train with little noise; their updates span a
-low-dimensional subspace in which the useful signal of every client lies. The noisy updates
-of the strict ("private") clients are projected onto that subspace, which removes the part of
-their noise orthogonal to it (most of it: ``d - k`` of ``d`` dimensions). Per layer ``l``:
-
-* the basis ``V_l`` (``d_l x k``): the top-k eigenvectors of the public updates' second-moment
-  matrix ``U_l^T U_l`` (rows of ``U_l`` are the public clients' updates of that layer), i.e. the
-  top-k right singular vectors of ``U_l``: ``torch.linalg.svd`` in float64 (a maintained routine,
-  not a power loop; the public clients are few, so the thin SVD of an ``n_pub x d_l`` matrix is
-  cheap);
-* the private mean ``m_l`` projected: ``V_l V_l^T m_l`` (projection is linear: the mean of the
-  projected updates);
-* the aggregate: ``(w_pub * mean_pub + w_priv * V V^T m_priv) / (w_pub + w_priv)`` with the group
-  sizes as weights, or, WeiPFA, each client weighted by its epsilon within and across groups.
-
-PFA+ projects the private updates on the PREVIOUS round's basis (public: derived from earlier
-public releases), so a private client can send its ``k`` coordinates instead of ``d_l`` numbers.
-
-The split (:func:`split_by_budgets`, :func:`split_by_norms`): with revealed budgets, the
-clients with the largest epsilons (a top fraction, as PFA's code, or the upper component of a
-2-component Gaussian mixture on epsilon); without (budget-agnostic), a 2-component Gaussian
-mixture (scikit-learn) on the L2 norms of the clients' noisy updates after a warm-start round:
-the noise term ``d sigma^2 C^2 / B^2`` dominates a noisy update's squared norm in high
-dimension, so the component with the larger mean norm is the private one.
+The private clients' mean is projected, per layer, on the top-k right singular vectors of the public clients'
+updates (``torch.linalg.svd`` in float64) and averaged with the public mean; PFA+ uses the previous round's
+basis. The split: :func:`split_by_budgets` (revealed budgets) or :func:`split_by_norms` (a 2-component Gaussian
+mixture on the noisy updates' norms). The formulas and why it works: docs/federated.md, "Personal budgets and
+projected averaging".
 """
 
 from __future__ import annotations

@@ -1,52 +1,10 @@
 """The federated round as a LightningModule, assembled from parts (:mod:`lightning_dp.federated.parts`).
 
-One training step is one round:
-
-1. the ``selection`` part draws the round's clients (a client whose next participation would
-   exceed ``client_privacy_cap``, or the record-level budget of a private ``update``, declines);
-2. every selected client evaluates the k hypotheses on its own data and starts from the one
-   with the lowest loss (IFCA; with k = 1 the global model), then the ``update`` part trains
-   it (local SGD, vectorized over clients or looped, :mod:`lightning_dp.federated.local`; or
-   record-level DP-SGD with a per-client accountant, :mod:`lightning_dp.federated.local_dp_sgd`);
-3. the ``sanitizer`` part turns each trained model into the client's release and says what
-   it costs (Euclidean Laplace d-privacy charges ``n / nu`` to the client's
-   :class:`~lightning_dp.privacy.ledger.PrivacyLedger`);
-4. the server sees only the releases: the ``server_privacy`` part wraps the ``aggregator``
-   (k-means per cluster, or FedAvg); :class:`~lightning_dp.federated.parts.CentralGaussian`
-   clips the updates, adds central Gaussian noise and accounts a client-level epsilon
-   (DP-FedAvg).
-
-The personalized algorithm of Galli et al. is a preset of these parts
-(:class:`~lightning_dp.federated.PersonalizedFederatedModule`); DP-FedAvg is
-``FederatedRound(model, selection=PoissonSelection(q), aggregator="fedavg",
-server_privacy=CentralGaussian(...))``. Each round is one optimizer step for Lightning
-(``global_step``, ``max_steps`` and ``ModelCheckpoint`` count rounds); one training epoch is
-one round (``max_epochs`` is the number of rounds). Validation clients are held out; each
-picks its best hypothesis and ``val/loss`` is the mean of those best losses.
-
-Every random draw comes from a generator derived from ``(seed, stream, round, ...)``; a
-client's shuffles and noise depend on its index, not on the other clients of its process;
-with the round counter, the ledger and the parts' state in the checkpoint, a resumed run
-equals the uninterrupted one. Two seeds: ``seed`` drives what is public (initialization,
-the local shuffles of non-private updates, the validation subsample, diagnostics) and is
-logged; ``noise_seed`` drives every draw an accountant relies on (client selection, whose
-Poisson rate the client-level accountant amplifies; the sanitizers' and the server's noise;
-local DP-SGD's batches) and is a secret (:mod:`lightning_dp.privacy.seeds`): fresh from the OS
-by default, kept in local checkpoints under ``"secret"``, never logged nor uploaded. Those draws
-use :func:`~lightning_dp.privacy.noise.derive_secret_generator`; the selection refuses any other
-generator.
-
-Under DDP (``strategy="ddp"``) every process selects the same clients, trains and sanitizes
-its share of them (positions rank, rank + W, ...), and the releases are all-gathered in the
-round's order; every process then aggregates the same releases with the same server noise
-and charges the same ledger, so a run on W processes equals the run on one. Validation
-clients are sharded the same way.
-
-This class is the Lightning shell: its hooks call the round's concepts, each in its own module:
-:mod:`~lightning_dp.federated.settings` (the checked arguments), :mod:`~lightning_dp.federated.clients` (the
-selection, the clients' training and releases), :mod:`~lightning_dp.federated.step` (the server's private step and
-its accounting), :mod:`~lightning_dp.federated.evaluation`, :mod:`~lightning_dp.federated.state` (the checkpoint)
-and :mod:`~lightning_dp.federated.reports` (the artifacts and the summary).
+One training step (one epoch, one optimizer step for Lightning) is one round: ``selection`` draws the clients,
+``update`` trains each from its best hypothesis, ``sanitizer`` makes its release, ``server_privacy`` wraps the
+``aggregator``. Public draws come from ``seed``; every draw an accountant relies on from the secret ``noise_seed``.
+This class is the Lightning shell; the concepts live in ``settings``, ``clients``, ``step``, ``evaluation``,
+``state`` and ``reports``. Steps, seeds, resume and DDP: docs/federated.md, "One round, step by step".
 """
 
 from __future__ import annotations
