@@ -1,18 +1,9 @@
 """OSO-DPSGD and quantile clipping as ready-made callbacks: :class:`~lightning_dp.callbacks.DPSGD` with a strategy.
 
 ``OnlineSensitivity(...)`` is ``DPSGD(clipping=OnlineSensitivityClip(...), ...)`` and ``QuantileClipping(...)`` is
-``DPSGD(clipping=QuantileClip(...), ...)``: the same clipping, noise, sampling, DDP reduction, budget and accounting
-(one copy, DPSGD's), with the strategy's arguments at the top level of the callback (the configs under
-``examples/oso/`` and ``lightning-dp grid --set trainer.callbacks.init_args.target_quantile=...`` use them). The
-rules and their formulas are in :mod:`lightning_dp.callbacks.clipping` and :mod:`lightning_dp.privacy.adaptive`.
-
-Example:
-    >>> from lightning_dp.callbacks import OnlineSensitivity, QuantileClipping
-    >>> oso = OnlineSensitivity(noise_multiplier=1.0, seed=0)
-    >>> round(oso.gradient_noise_multiplier, 3), round(oso.q_noise_multiplier, 3)
-    (1.01, 7.124)
-    >>> QuantileClipping(noise_multiplier=1.0, target_quantile=0.5).max_grad_norm
-    0.1
+``DPSGD(clipping=QuantileClip(...), ...)``, with the strategy's arguments at the top level of the callback. The rules
+(:mod:`lightning_dp.callbacks.clipping`, :mod:`lightning_dp.privacy.adaptive`) and an example: docs/privacy.md,
+"Adaptive clipping".
 """
 
 from __future__ import annotations

@@ -1,32 +1,11 @@
 """Clipping strategies of DP-SGD: how :class:`~lightning_dp.callbacks.DPSGD` chooses the threshold C of each step.
 
-DPSGD clips every example's gradient to C, adds Gaussian noise and accounts the step; the strategy decides C and
-what else a step releases. A strategy that releases a statistic of the same batch takes a share of the accounted
-multiplier (:func:`~lightning_dp.privacy.adaptive.composed_noise_multiplier`), so that the step stays ONE Gaussian
-mechanism with the overall ``noise_multiplier``; its formulas are in :mod:`lightning_dp.privacy.adaptive`.
-
-Registered by name (``DPSGD(clipping="quantile")``, or ``clipping: quantile`` in YAML):
-
-* ``fixed`` (:class:`FixedClip`): C = ``max_grad_norm`` for the whole run (Abadi et al. 2016);
-* ``online_sensitivity`` (:class:`OnlineSensitivityClip`): OSO-DPSGD (Galli et al., AAAI 2024; thesis ch. 3,
-  Algorithm 3): C and the learning rate follow the signs of two dot products of released vectors;
-* ``quantile`` (:class:`QuantileClip`): Andrew et al., NeurIPS 2021: C tracks a quantile of the gradient norms
-  from a noisy count.
-
-Adding one is one registered class (docs/architecture.md)::
-
-    @register_clip_strategy("halving")
-    class Halving(ClipStrategy):
-        adaptive = True                      # C moves: logged as a metric, plotted
-
-        def after_release(self, release):    # a public schedule: releases nothing, costs nothing
-            self.record(release.step, release.optimizer)   # the trace: the metric and the plot of C
-            if release.step % 100 == 99:
-                self.clip /= 2
-
-    DPSGD(noise_multiplier=1.0, clipping="halving")
-
-A strategy never sees the noise seed: the noise of its statistic comes from ``release.statistic_generator``.
+Registered by name (``DPSGD(clipping="quantile")``): ``fixed`` (:class:`FixedClip`), ``online_sensitivity``
+(:class:`OnlineSensitivityClip`, OSO-DPSGD) and ``quantile`` (:class:`QuantileClip`, Andrew et al. 2021). A strategy
+that releases a statistic of the batch takes a share of the accounted multiplier
+(:func:`~lightning_dp.privacy.adaptive.composed_noise_multiplier`) and draws its noise from
+``release.statistic_generator``: it never sees the noise seed. The rules: docs/privacy.md, "Adaptive clipping";
+adding one: docs/architecture.md, "Extension points".
 """
 
 from __future__ import annotations

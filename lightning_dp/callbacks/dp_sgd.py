@@ -1,15 +1,9 @@
 """DP-SGD (Abadi et al. 2016) as a Lightning callback: add it to ``Trainer(callbacks=[...])``, keep your module.
 
-Privacy semantics (docs/privacy.md): with ``poisson_sampling=True`` (default, add/remove adjacency) every example
-enters a batch with probability ``q = batch_size * world_size / N`` and each step releases
-``(sum_i clip_C(g_i) + N(0, (sigma C)^2 I)) / (q N)``, one Poisson-subsampled Gaussian mechanism; with
-``poisson_sampling=False`` each epoch's shuffled partition is one Gaussian mechanism of multiplier ``sigma / 2``
-(replacement adjacency), no amplification claimed, not under DDP.
-
-The callback is a shell: its hooks call the run-level protocol (:mod:`lightning_dp.protocol`: seed, gate, final
-spend, summary), the plan (:mod:`~lightning_dp.callbacks.dp_sgd_plan`: settings, sigma, data facts, budget), the
-private step (:mod:`~lightning_dp.callbacks.private_step`: clip, accumulate, reduce, noise, scale, account) and the
-record (:mod:`~lightning_dp.callbacks.dp_sgd_record`). The secret seed is kept in local checkpoints only.
+A shell over the run-level protocol (:mod:`lightning_dp.protocol`), the plan
+(:mod:`~lightning_dp.callbacks.dp_sgd_plan`), the private step (:mod:`~lightning_dp.callbacks.private_step`) and
+the record (:mod:`~lightning_dp.callbacks.dp_sgd_record`); the secret seed is kept in local checkpoints only.
+Privacy semantics (Poisson or shuffled batches, adjacency): docs/privacy.md, "DP-SGD".
 
 Example:
     >>> from lightning_dp.callbacks import DPSGD

@@ -1,27 +1,10 @@
 """Virtual batches for DP-SGD: one logical Poisson batch, processed in micro-batches, released once.
 
-DP-SGD needs large batches (thousands of examples) that do not fit in memory. A *logical* batch is
-Poisson-sampled at ``q = B / N`` as usual; it is then processed in *micro-batches*, each with its own
-forward and backward pass; every example is clipped, the clipped sums are added up, and the noise is
-added ONCE, when the last micro-batch is done: one optimizer step, one accounted event at ``q``. The
-release is therefore exactly that of the unsplit batch (Opacus' ``BatchMemoryManager`` does the same
-outside Lightning). Two ways to ask for it, which compose:
-
-* ``Trainer(accumulate_grad_batches=k)`` (or a ``GradientAccumulationScheduler``): the DataLoader's
-  ``batch_size`` is the expected size of one MICRO-batch; the logical batch has expected size
-  ``k x batch_size x world_size`` and is yielded in ``k`` consecutive micro-batches (a split of its
-  sampled indices, :func:`~lightning_dp.privacy.sampling.split_indices`), which Lightning's own
-  accumulation runs before stepping once. Steps, ``max_steps``, learning-rate schedulers and logging
-  count optimizer (logical) steps, as Lightning does.
-* ``DPSGD(max_physical_batch_size=M)``: a hard memory bound. A batch that holds more than ``M``
-  examples is cut into chunks of at most ``M`` inside the training step (along the batch dimensions the
-  probe established); each chunk runs ``training_step`` and a backward pass through the Trainer's
-  strategy (precision plugin, loss scaling and the ``on_before_backward``/``on_after_backward`` hooks
-  included); the step's loss is their mean, weighted by chunk size.
-
-This module holds what the callback needs for both that is not a formula: the factor Lightning will
-use, the refusals of schedules that would change it under a loader sampled for another, and the chunk
-loop. The formulas (clipping, the noisy mean, the split) are in :mod:`lightning_dp.privacy`.
+``Trainer(accumulate_grad_batches=k)`` splits a logical batch into ``k`` micro-batches;
+``DPSGD(max_physical_batch_size=M)`` cuts a batch into chunks of at most ``M`` inside the training step. Either
+way the noise is added once per logical batch: one optimizer step, one accounted event at ``q``. This module holds
+the factor Lightning will use, the refusals of schedules that would change it, and the chunk loop (the formulas are
+in :mod:`lightning_dp.privacy`). How and why: docs/fine_tuning.md, "Virtual batches".
 """
 
 from __future__ import annotations

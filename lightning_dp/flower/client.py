@@ -1,20 +1,9 @@
 """The ``ClientApp``: one site's clients on a Flower deployment (:mod:`lightning_dp.flower`).
 
-Two ways to serve clients, chosen by the SuperNode's ``--node-config``:
-
-- ``"partition-id=P num-partitions=K"``: every site builds the same client list (one config, the same data)
-  and serves the training clients at positions ``P, P + K, P + 2K, ...`` of it (a deployment that
-  reproduces a simulation).
-- ``'site="NAME"'`` (node-config values are TOML: strings quoted): the site serves every training client
-  of the DataModule it builds from its own files (``data.data_dir="PATH"``, or any ``data.ARG=VALUE``,
-  overrides that argument of the config's DataModule on this node only); the server numbers the clients
-  of all sites in the order of their names.
-
-``noise-seed=S`` in the node config is this site's secret noise seed (its sanitizers' noise); without it,
-a fresh one from the operating system (with ``site``, the seed used is derived from S and the name, so
-that two sites given one seed still draw different noise). Each TRAIN message carries the public state
-of a round and the positions of this site's selected clients (in its own list); the reply holds their
-releases and statistics (:meth:`~lightning_dp.federated.FederatedRound.train_clients`).
+The SuperNode's ``--node-config`` chooses the clients: ``"partition-id=P num-partitions=K"`` (positions ``P, P + K,
+...`` of the shared list) or ``'site="NAME"'`` (every client of the site's own data); ``noise-seed=S`` is the
+site's secret noise seed (combined with the name under ``site``). Each TRAIN message is answered with
+:meth:`~lightning_dp.federated.FederatedRound.train_clients`. docs/federated.md, "From simulation to deployment".
 """
 
 from __future__ import annotations
