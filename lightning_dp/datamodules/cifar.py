@@ -1,17 +1,8 @@
 """CIFAR-10 from its official "python version" archive, read without trusting pickle.
 
-The official archive ``cifar-10-python.tar.gz`` (Krizhevsky, 2009) holds
-``cifar-10-batches-py/data_batch_1`` .. ``data_batch_5`` (50,000 training images) and
-``test_batch`` (10,000), each a Python pickle of a dict with ``b"data"`` (uint8,
-``(10000, 3072)``: the red, green and blue 32x32 planes of each image, row-major) and
-``b"labels"`` (a list of ints in 0..9).
-
-Unpickling runs whatever the file names, so a downloaded or shared batch file is read
-with an unpickler that only builds numpy arrays, lists, dicts, bytes and numbers
-(:func:`read_cifar_batch`); anything else is refused. ``download_cifar10`` fetches the
-archive (md5-verified, through :func:`~lightning_dp.datamodules.mnist.download_resource`)
-and extracts only the batch files, into a temporary directory renamed when complete,
-so an interrupted download never leaves a half-made data directory.
+:func:`read_cifar_batch` reads a batch file with an unpickler that builds only numpy arrays, lists, dicts, bytes and
+numbers (anything else is refused); ``download_cifar10`` fetches the md5-verified archive and extracts only the
+batch files, renamed into place when complete. The layout: docs/data.md, "CIFAR-10".
 """
 
 from __future__ import annotations

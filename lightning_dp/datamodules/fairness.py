@@ -1,17 +1,9 @@
 """Federated data with a sensitive group: the fairness settings of Galli et al. (journal paper).
 
-"Advancing personalized federated learning: group privacy, fairness, and beyond": a
-privileged majority group g1 and a minority g2 whose clients need a different model. A
-global model fits the majority and serves the minority badly; personalization (k > 1
-hypotheses) should narrow the gap between the groups. Every client belongs to one group,
-and its samples carry the group id as the sensitive attribute
-(:attr:`~lightning_dp.datamodules.federated.ClientDataset.sensitive`, 0 = g1, 1 = g2),
-which is never an input of the model.
-
-- :class:`SyntheticFairnessDataModule`: 1000 clients x 10 samples, binary labels from two linear
-  models with opposite label rules.
-- :class:`FEMNISTFairnessDataModule`: FEMNIST writers, the rotated ones (20 %) form g2; the binary
-  label is the parity of the class index, flipped in g2.
+A majority group g1 and a minority g2 whose clients need a different model; every sample carries its client's
+group as :attr:`~lightning_dp.datamodules.federated.ClientDataset.sensitive` (0 = g1, 1 = g2), never an input of
+the model. :class:`SyntheticFairnessDataModule` and :class:`FEMNISTFairnessDataModule`: docs/data.md, "A sensitive
+group".
 """
 
 from __future__ import annotations

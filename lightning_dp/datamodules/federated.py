@@ -1,20 +1,9 @@
 """What every federated DataModule shares: per-client datasets, client splits, padding, loaders.
 
-In federated learning the unit of data is the *client*: a round samples clients from
-the training clients, and each sampled client trains locally on its own samples only;
-validation (and test) clients are held out *as whole clients*, never by sample. A
-:class:`FederatedDataModule` therefore yields lists of :class:`ClientDataset`:
-
-- ``train_clients``: the clients a federated round samples from;
-- ``val_clients``: held-out clients (disjoint from the training clients);
-- ``test_clients``: test data per client (may be empty; what it holds is documented
-  by each subclass, e.g. FEMNIST keeps each writer's LEAF test samples there).
-
-It is also an ordinary :class:`~lightning.pytorch.LightningDataModule`: its
-``train_dataloader``/``val_dataloader``/``test_dataloader`` iterate over the
-concatenation of a split's clients, which is what a centralized baseline trains on.
-For vectorized per-client training (one ``torch.func.vmap`` over clients of unequal
-sizes), :func:`padded` stacks clients into ``(C, Nmax, ...)`` tensors with a mask.
+A :class:`FederatedDataModule` yields lists of :class:`ClientDataset` (``train_clients``, ``val_clients`` held out
+as whole clients, ``test_clients``); its ordinary loaders iterate over the concatenation of a split's clients (a
+centralized baseline), and :func:`padded` stacks clients into ``(C, Nmax, ...)`` tensors with a mask.
+docs/data.md, "Federated data".
 """
 
 from __future__ import annotations

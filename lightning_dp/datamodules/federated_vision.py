@@ -1,27 +1,9 @@
 """MNIST, Fashion-MNIST and CIFAR-10 split into federated clients by flwr-datasets partitioners.
 
-The pool of training images (the official training split, or a stratified share of the
-official test split with ``subset="test"``) is partitioned into ``num_clients +
-num_val_clients`` clients by one of Flower's partitioners (``flwr_datasets.partitioner``,
-on a ``datasets.Dataset`` of the labels: the partitioners only see labels and indices):
-
-- ``"iid"``: a seeded shuffle cut into equal shares, the indices of
-  :class:`~flwr_datasets.partitioner.IidPartitioner` on ``datasets``' seeded shuffle, computed without either
-  library (the plain install runs it; the others need the ``fl`` extra);
-- ``"pathological"``: NIID(k), every client holds ``classes_per_client`` classes
-  (:class:`~flwr_datasets.partitioner.PathologicalPartitioner`, classes assigned at random);
-- ``"shards"``: McMahan et al. (2017): sorted by label, cut into shards of ``shard_size``, each client
-  takes ``classes_per_client`` shards (:class:`~flwr_datasets.partitioner.ShardPartitioner`);
-- ``"dirichlet"``: per class, client shares from Dirichlet(``alpha``)
-  (:class:`~flwr_datasets.partitioner.DirichletPartitioner`, at least ``min_partition_size`` images each).
-
-``num_val_clients`` of those partitions (a seeded choice) are held out whole as validation
-clients, so they follow the same distribution. The official test split (or the rest of it)
-is split IID into ``num_test_clients`` test clients. Reading is offline: the official files
-in ``data_dir`` (:mod:`lightning_dp.datamodules.mnist` for IDX, :mod:`lightning_dp.datamodules.cifar`
-for the CIFAR-10 batches); ``download=True`` fetches them first. ``source="huggingface"`` reads
-the Hub copies instead (``ylecun/mnist``, ``zalando-datasets/fashion_mnist``, ``uoft-cs/cifar10``;
-``pip install 'lightning-dp[hf]'``), cached in ``data_dir``.
+The training pool is partitioned into ``num_clients + num_val_clients`` clients (``"iid"``, ``"pathological"``,
+``"shards"`` or ``"dirichlet"``; the partitioners see only labels and indices); ``num_val_clients`` partitions are
+held out whole, and the test split is cut IID into ``num_test_clients``. Official files in ``data_dir`` or
+``source="huggingface"``. Each partitioner and the sources: docs/data.md, "Federated images".
 """
 
 from __future__ import annotations

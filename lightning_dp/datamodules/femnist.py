@@ -1,23 +1,9 @@
 """FEMNIST (LEAF): handwritten characters, one client per writer, half of the writers rotated.
 
-The FEMNIST experiment of Galli et al., "Group privacy for personalized federated
-learning" (thesis ch. 2): the writers of LEAF's Federated Extended MNIST (62 classes:
-digits, upper- and lower-case letters) are the clients, and each client's images are
-rotated by 90 degrees with probability 0.5, which creates two groups of clients that
-need different models: the setting where personalization pays off. Which clients were
-rotated is kept (:attr:`FEMNISTDataModule.rotated`) for tests and plots.
-
-Two sources:
-
-- ``source="leaf"``: LEAF's own JSON files, ``data_dir/train/*.json`` and
-  ``data_dir/test/*.json`` (keys ``users``, ``num_samples``, ``user_data``; per user
-  ``x``: lists of 784 floats in [0, 1] with a white background of 1.0, ``y``: 0..61),
-  as written by LEAF's ``preprocess.sh`` (e.g. ``-s niid --sf 0.05 -k 0 -t sample``).
-- ``source="huggingface"``: the ``flwrlabs/femnist`` dataset (one ``train`` split with
-  columns ``image``, ``writer_id``, ``character``), grouped by ``writer_id``; each
-  writer's samples are split (seeded) into its training and test samples by
-  ``hf_test_fraction``, like LEAF's ``-t sample`` split. Optional dependency:
-  ``pip install 'lightning-dp[hf]'``.
+Galli et al.'s FEMNIST experiment (thesis ch. 2): each writer is a client, and its images are rotated by 90
+degrees with probability 0.5 (which ones: :attr:`FEMNISTDataModule.rotated`). Sources ``"leaf"`` (LEAF's JSON
+files) and ``"huggingface"`` (``flwrlabs/femnist``, split per writer by ``hf_test_fraction``). The formats:
+docs/data.md, "FEMNIST".
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """CMS hospital charges (Medicare IPPS, FY2011): hospitals as clients of a federated regression.
 
-The hospital-charge experiment of Galli et al., "Group privacy for personalized
-federated learning" (thesis ch. 2): every provider (hospital) is a client; each of its
-rows (one per DRG, i.e. medical condition, that it billed) is a sample with features
-``(service index, longitude, latitude)`` and target *Average Total Payments*. Hospitals
-in similar places charge similarly, so personalized models per group of hospitals fit
-better than one global model.
-
-Source file: the CMS "Inpatient Prospective Payment System (IPPS) Provider Summary for
-the Top 100 Diagnosis-Related Groups (DRG), FY2011"
-(``Medicare_Provider_Charge_Inpatient_DRG100_FY2011.csv``, 163,065 rows, 100 DRGs), in
-its official CSV layout: 12 columns (after the 2014 update), some headers padded with
-spaces (``" Average Total Payments "``), money written as ``"$5,777.24"``, ZIP codes
-written as integers (leading zeros dropped: ``"2114"`` is ZIP 02114).
-
-ZIP codes become coordinates offline through the ``zipcodes`` package, which embeds
-its table (GeoNames coordinates) in the installed wheel: no download at run time.
+Galli et al.'s hospital experiment (thesis ch. 2): each provider is a client, each of its rows (one per DRG) a
+sample with features ``(service index, longitude, latitude)`` and target *Average Total Payments*. The official
+CSV's quirks (padded headers, ``"$5,777.24"``, ZIP codes without leading zeros) are read as they are; ZIP codes
+become coordinates offline (``zipcodes``). docs/data.md, "CMS hospital charges".
 """
 
 from __future__ import annotations

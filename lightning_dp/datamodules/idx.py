@@ -1,23 +1,8 @@
 """Reader and writer for the IDX format of the MNIST family of datasets.
 
-The IDX format (http://yann.lecun.com/exdb/mnist/, "FILE FORMATS") stores one
-n-dimensional array:
-
-- a 4-byte magic number: two zero bytes, one byte for the element type, one byte
-  for the number of dimensions;
-- one big-endian unsigned 32-bit integer per dimension (its size);
-- the elements in C order, big-endian.
-
-Element types: ``0x08`` unsigned byte, ``0x09`` signed byte, ``0x0B`` short (2
-bytes), ``0x0C`` int (4 bytes), ``0x0D`` float (4 bytes), ``0x0E`` double (8 bytes).
-The official files are distributed gzip-compressed; both forms are read here.
-
-Example:
-    >>> import tempfile, os, torch
-    >>> path = os.path.join(tempfile.mkdtemp(), "labels-idx1-ubyte.gz")
-    >>> write_idx(path, torch.tensor([7, 2, 1], dtype=torch.uint8))
-    >>> read_idx(path)
-    tensor([7, 2, 1], dtype=torch.uint8)
+:func:`read_idx` reads plain or gzip-compressed IDX files (a magic number, big-endian sizes, C-order elements) and
+:func:`write_idx` writes them; :class:`IDXFormatError` for a file that is not one. The layout, the element types
+and an example: docs/data.md, "The IDX format".
 """
 
 from __future__ import annotations

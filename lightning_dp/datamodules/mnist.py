@@ -1,24 +1,9 @@
 """MNIST and Fashion-MNIST DataModules, from the official IDX files or Hugging Face.
 
-Both datasets share one loader, :class:`MNISTFamilyDataModule`; a subclass only
-declares its constants (file mirrors, md5 sums, Hugging Face name, normalization
-statistics, class names). Two sources:
-
-- ``source="idx"``: the four official files (``train-images-idx3-ubyte``,
-  ``train-labels-idx1-ubyte``, ``t10k-images-idx3-ubyte``, ``t10k-labels-idx1-ubyte``,
-  each plain or ``.gz``) in ``data_dir``; with ``download=True``, ``prepare_data()``
-  fetches the missing ones from the official mirrors and checks their md5 sums.
-- ``source="huggingface"``: :func:`datasets.load_dataset` with ``cache_dir=data_dir``
-  (optional dependency, ``pip install 'lightning-dp[hf]'``).
-
-Two subsets:
-
-- ``subset="full"``: the official training split minus ``val_size`` images (seeded,
-  stratified) for training, those ``val_size`` images for validation, the official
-  test split (t10k) for testing.
-- ``subset="t10k"``: only the official test split (10,000 images) is needed; it is
-  split (seeded, stratified) into train/val/test by ``train_fraction`` and
-  ``val_fraction``. Useful when only the t10k files are at hand.
+Both share one loader, :class:`MNISTFamilyDataModule`; a subclass only declares its constants (mirrors, md5 sums,
+Hugging Face name, normalization statistics, class names). Sources ``"idx"`` (``download=True`` fetches and
+md5-checks the missing files) and ``"huggingface"``; subsets ``"full"`` and ``"t10k"`` (only the official test
+split, split into train/val/test). docs/data.md, "MNIST and Fashion-MNIST".
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """WikiText-2 for causal language modelling, word level, cut into fixed-length samples.
 
-WikiText-2 (Merity et al. 2016) comes tokenized: words separated by spaces, rare words
-already replaced by ``<unk>``, one paragraph per line, article titles as ``= Title =``. The
-official files are ``wiki.train.tokens``, ``wiki.valid.tokens`` and ``wiki.test.tokens``
-(in ``wikitext-2/`` of the official zip). Each line becomes its words followed by ``<eos>``;
-the vocabulary is the ``vocab_size - 2`` most frequent words of the TRAINING file (ties
-broken alphabetically; or of ``vocab_file``) plus ``<unk>`` and ``<eos>``, so nothing of the
-evaluation files leaks into it. Under DP, which words are frequent in the private training
-file is a statistic of it that no accountant covers: fine-tune with the vocabulary of a public
-file (``vocab_file``, as ``examples/lm/`` does); the token stream of each file is cut into non-overlapping samples of
-``block_size`` tokens (the remainder is dropped). A sample is one example: DP-SGD clips and
-accounts per sample, and a membership audit asks about samples.
-
-Offline machines: only the validation and test files may be at hand (as in this
-project's ``../shared/data/wikitext2``). ``train_file="valid"`` then trains on the
-validation file, ``val_fraction`` carves a held-out validation split from it (whole
-samples, seeded), and the test file stays the test split. Nothing is downloaded unless
-``download=True`` (the official zip) or ``source="huggingface"``
-(``Salesforce/wikitext``, ``wikitext-2-v1``, needs ``pip install lightning-dp[hf]``).
+Each line becomes its words and ``<eos>``; the vocabulary comes from the training file (or, under DP, a public
+``vocab_file``); each file's token stream is cut into non-overlapping samples of ``block_size`` tokens, one sample
+one example. ``train_file="valid"`` trains on the validation file where only it and the test file are at hand.
+The files, the vocabulary and why it matters under DP: docs/data.md, "WikiText-2".
 """
 
 from __future__ import annotations
