@@ -1,20 +1,10 @@
 """Group fairness of a binary classifier, with exactly fairlearn's definitions.
 
-The module has two parts:
-
-- a functional part (plain functions on tensors): :func:`binary_group_counts` turns one batch into
-  per-group confusion counts, :func:`group_rates` turns counts into per-group rates,
-  :func:`between_groups_difference` takes max - min over the groups present, and
-  :func:`group_fairness_from_counts` assembles the flat result; :func:`group_fairness` does all of it
-  for one set of tensors;
-- :class:`GroupFairness`, a ``torchmetrics.Metric`` that only holds the four count vectors (summed
-  across processes) and calls the functional part.
-
-The definitions are those of ``fairlearn.metrics`` (0.15) with ``method="between_groups"`` and, for
-equalized odds, ``agg="worst_case"``: demographic parity (Agarwal et al. 2018, "A Reductions Approach to
-Fair Classification", eq. 1), equalized odds and equal opportunity (Hardt, Price and Srebro 2016,
-"Equality of Opportunity in Supervised Learning", definitions 1 and 2), each measured as the largest
-between-group difference of the group-level rate.
+A functional part (:func:`binary_group_counts`, :func:`group_rates`, :func:`between_groups_difference`,
+:func:`group_fairness_from_counts`, :func:`group_fairness`) and :class:`GroupFairness`, a ``torchmetrics.Metric``
+that only holds the four per-group confusion counts (summed across processes, so exact under DDP) and calls it.
+The definitions are ``fairlearn.metrics`` 0.15's (``method="between_groups"``, ``agg="worst_case"``); the formulas
+and their sources: docs/fairness.md, "The GroupFairness metric".
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """The reference networks of the papers and the LightningModules that train them.
 
-Public API:
-    MNISTConvNet: the standard DP-SGD CNN for 1x28x28 images (tanh or ReLU).
-    DigitsConvNet: a small CNN for scikit-learn's 1x8x8 digits.
-    MLP: a fully connected network on flattened inputs.
-    BagOfWordsMLP: the MLP over averaged GloVe vectors of AG News (thesis ch. 3).
-    ConvAutoencoder: a convolutional autoencoder for 1x28x28 images (thesis ch. 3).
-    SigmoidLeNet: the twice-differentiable LeNet of Deep Leakage from Gradients (audits).
-    ImageClassifier: cross-entropy LightningModule around any classification network.
-    Autoencoder: mean-squared-error LightningModule around any reconstruction network.
-    LinearRegression, HospitalMLP, FEMNISTConvNet: the federated models of the seed.
-    LogisticRegression, CIFARConvNet: the DP-FedAvg models (MNIST, CIFAR-10).
-    GPT2: a small GPT-2 from a transformers config (no download); CausalLanguageModel trains it.
-    LoRA: low-rank adapters (peft) on any network; only the adapters train.
+Networks (MNIST, digits, AG News, autoencoder, DLG's LeNet, GPT-2, the federated ones), the LightningModules
+:class:`ImageClassifier`, :class:`Autoencoder` and :class:`CausalLanguageModel`, and :class:`LoRA` adapters. The
+list, with the federated networks' parameter counts: docs/api/models.md.
 """
 
 from lightning_dp.models.adapters import LoRA

@@ -1,24 +1,9 @@
 """Low-rank adapters (LoRA, Hu et al. 2022) on any network, injected by Hugging Face ``peft``.
 
-:class:`LoRA` wraps a network (a :class:`~lightning_dp.models.GPT2`, any ``torch.nn.Module``): ``peft``
-replaces every module whose name ends with one of ``target_modules`` by a LoRA layer, which adds
-``(alpha / rank) B A x`` to the frozen layer's output (``A``: ``rank x d_in``, ``B``: ``d_out x rank``,
-``B`` initialized to zero, so training starts from the network as it was); every other parameter is
-frozen. The adapters are ordinary ``nn.Linear`` layers inside peft's wrapper, so the per-sample gradient
-engine hooks exactly them (:class:`~lightning_dp.privacy.grad_sample.rules.linear.LinearRule`): the
-frozen base model gets no hooks, no records and no per-sample state, and DP-SGD's memory grows with the
-adapters and the activations they see, not with the base model (docs/benchmarks.md). Why ``peft`` and not
-our own layer: it is the library users fine-tune with, its layers merge into the base weights and save as
-adapters, and it knows the target modules of every ``transformers`` architecture.
-
-``pip install "lightning-dp[lm]"`` installs ``peft`` (and ``transformers``).
-
-Example:
-    >>> from torch import nn
-    >>> net = LoRA(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)), rank=2, target_modules=["0", "2"])
-    >>> sorted(n for n, p in net.named_parameters() if p.requires_grad)  # doctest: +NORMALIZE_WHITESPACE
-    ['network.0.lora_A.default.weight', 'network.0.lora_B.default.weight',
-     'network.2.lora_A.default.weight', 'network.2.lora_B.default.weight']
+:class:`LoRA` wraps a network: ``peft`` turns every module whose name ends with one of ``target_modules`` into a
+LoRA layer (``B`` initialized to zero) and every other parameter is frozen. The adapters are ordinary ``nn.Linear``
+layers, so the per-sample gradient engine hooks only them. Needs ``pip install "lightning-dp[lm]"``. The formula,
+why ``peft``, an example: docs/fine_tuning.md, "LoRA adapters".
 """
 
 from __future__ import annotations

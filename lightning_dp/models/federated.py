@@ -1,20 +1,9 @@
 """The networks of the personalized federated learning experiments (Galli et al., thesis ch. 2).
 
-Plain ``torch.nn.Module`` s without BatchNorm (no layer mixes the examples of a
-batch). Their parameter counts matter: the d-privacy cost of a release is ``n / nu``
-(:func:`~lightning_dp.privacy.mechanisms.sanitize_update`), so ``n`` is stated for
-each network and asserted in the tests.
-
-- :class:`LinearRegression`: the synthetic task ``y = x^T theta``, n = 2.
-- :class:`HospitalMLP`: the hospital data (3 features), n = 11.
-- :class:`FEMNISTConvNet`: FEMNIST (1x28x28, 62 classes), n = 1,400,990.
-- :class:`LogisticRegression`: MNIST-sized images, 10 classes, n = 7,850 (DP-FedAvg baseline).
-- :class:`CIFARConvNet`: McMahan et al.'s CIFAR-10 CNN, n = 1,756,426.
-
-Example:
-    >>> import torch
-    >>> FEMNISTConvNet()(torch.zeros(2, 1, 28, 28)).shape
-    torch.Size([2, 62])
+Plain ``torch.nn.Module`` s without BatchNorm. Their parameter counts ``n`` matter (a release costs ``n / nu``,
+:func:`~lightning_dp.privacy.mechanisms.sanitize_update`), so each is stated and asserted in the tests:
+:class:`LinearRegression` 2, :class:`HospitalMLP` 11, :class:`FEMNISTConvNet` 1,400,990,
+:class:`LogisticRegression` 7,850, :class:`CIFARConvNet` 1,756,426. The list: docs/api/models.md.
 """
 
 from __future__ import annotations
