@@ -14,6 +14,13 @@ holds for the probe's ``batch_idx=0``; a condition on ``global_step`` or the dat
 run by the probe: they act on the outputs of real steps and on state the probe cannot put back (a metric's
 ``compute`` and ``reset``, an appended list, a scheduler), and they run after a step has trained. The gate refuses
 such a name when the loggers first write it (every ``log_every_n_steps`` steps, or at the epoch's end).
+
+Every probe batch starts from the module as it was: the tensors ``training_step`` leaves on the module and its
+submodules (plain attributes, not parameters, buffers or torchmetrics states: :class:`ModuleState`) are put back
+after each. State that holds the batch's examples and that the next step reads (an RNN's hidden state kept on the
+module) is refused before the first step (:func:`lightning_dp.privacy.validators.find_carried_state`): one
+example would influence later steps beyond its clipped contribution. A crash of the module's own code in a probe
+batch is raised as :class:`BatchProbeError`, from the original error.
 """
 
 from __future__ import annotations
@@ -29,10 +36,27 @@ from lightning.pytorch.trainer.connectors.logger_connector.result import _Metada
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
-from lightning_dp.privacy.batch_dims import PROBE_SIZES, AmbiguousBatchDimError, batch_dim, batch_leaves, leaf_shape
-from lightning_dp.privacy.grad_sample import GradSampleEngine, PerSampleGradientError
+from torch import nn
 
-__all__ = ["LoggedNames", "examples_in", "probe", "side_effect_free"]
+from lightning_dp.privacy.batch_dims import (
+    PROBE_SIZES,
+    AmbiguousBatchDimError,
+    batch_dim,
+    batch_leaves,
+    leaf_shape,
+    tensor_leaves,
+)
+from lightning_dp.privacy.grad_sample import GradSampleEngine, PerSampleGradientError
+from lightning_dp.privacy.validators import describe_carried_state, find_carried_state
+
+__all__ = ["BatchProbeError", "LoggedNames", "ModuleState", "examples_in", "probe", "side_effect_free"]
+
+_SIZES = ", ".join(map(str, PROBE_SIZES[:-1])) + f" and {PROBE_SIZES[-1]}"
+
+
+class BatchProbeError(RuntimeError):
+    """The module's own code (``training_step``, a collate function, a batch hook) failed on a probe batch; the
+    original error is its ``__cause__``."""
 
 
 class LoggedNames(dict[str, str]):
@@ -76,8 +100,10 @@ def side_effect_free(pl_module: LightningModule, logged: LoggedNames | None = No
     ``self.log``/``log_dict`` log nothing (they only note, in ``logged`` when given, the names the loggers would
     receive: :class:`LoggedNames`; no randomness is drawn for it), torchmetrics states are restored afterwards (a
     ``self.train_acc(preds, y)`` would otherwise count the probe batches), and the torch, Python and NumPy RNGs
-    (dropout masks, random transforms) are restored. Other side effects of ``training_step`` (appending to a list, a call counter) do happen
-    for the probe batches: keep them out of ``training_step`` or tolerate three extra calls.
+    (dropout masks, random transforms) are restored. The tensors left in the module's plain attributes are put back
+    by :func:`probe` (:class:`ModuleState`); other side effects of ``training_step`` (a call counter, a list of
+    floats, a file written) do happen for the probe batches: keep them out of ``training_step`` or tolerate the extra
+    calls.
     """
     import random
 
@@ -113,7 +139,99 @@ def _copied(value: Any) -> Any:
         return value.detach().clone()
     if isinstance(value, list):
         return [_copied(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_copied(v) for v in value)
+    if type(value) is dict:
+        return {k: _copied(v) for k, v in value.items()}
     return value
+
+
+def _state_tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors an attribute holds, parameters left out (``nn.LSTM._flat_weights`` lists its own)."""
+    return [t for t in tensor_leaves(value) if not isinstance(t, nn.Parameter)]
+
+
+class ModuleState:
+    """The plain attributes of a module and its submodules (``vars()``: not parameters, buffers or submodules, nor
+    torchmetrics' states, which :func:`side_effect_free` restores), as they were when created: which attributes
+    holding tensors a ``training_step`` changed (rebound, added, or their tensors, lists or dicts changed in place),
+    and how to put them back. A copy of every such tensor is kept meanwhile, for changes in place.
+
+    Example:
+        >>> m = nn.Linear(2, 2)
+        >>> state = ModuleState(m)
+        >>> m.cache = torch.zeros(3)
+        >>> list(state.changed())
+        ['self.cache']
+        >>> state.restore(state.changed())
+        >>> hasattr(m, "cache")
+        False
+    """
+
+    _INTERNALS = frozenset({"_parameters", "_buffers", "_modules"})
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.values = self._attributes()
+        self.tensors = {name: [(t, t._version) for t in _state_tensors(v)] for name, (_, _, v) in self.values.items()}
+        self.contents = {name: (list(v) if isinstance(v, list) else dict(v))
+                         for name, (_, _, v) in self.values.items()
+                         if type(v) in (list, dict)}  # an empty list that a step appends tensors to
+        self.copies = {id(t): t.detach().clone() for held in self.tensors.values() for t, _ in held}
+
+    def _attributes(self) -> dict[str, tuple[nn.Module, str, Any]]:
+        from torchmetrics import Metric
+
+        metrics = {id(s) for m in self.module.modules() if isinstance(m, Metric) for s in m.modules()}
+        found: dict[str, tuple[nn.Module, str, Any]] = {}
+        for path, mod in self.module.named_modules():
+            if id(mod) in metrics:
+                continue
+            for key, value in vars(mod).items():
+                if key not in self._INTERNALS:
+                    found[f"self.{path}.{key}" if path else f"self.{key}"] = (mod, key, value)
+        return found
+
+    def changed(self) -> dict[str, tuple[nn.Module, str, Any]]:
+        """``name: (owner, key, value now)`` of every attribute holding tensors now or before that differs."""
+        out = {}
+        for name, (owner, key, value) in self._attributes().items():
+            now = _state_tensors(value)
+            if name not in self.values:
+                if now:
+                    out[name] = (owner, key, value)
+                continue
+            before = self.tensors[name]
+            if value is not self.values[name][2]:
+                if now or before:
+                    out[name] = (owner, key, value)
+            elif len(now) != len(before) or any(t is not b or t._version != v for t, (b, v) in zip(now, before)):
+                out[name] = (owner, key, value)
+        for name, (owner, key, _) in self.values.items():  # deleted
+            if name not in out and key not in vars(owner) and self.tensors[name]:
+                out[name] = (owner, key, None)
+        return out
+
+    def restore(self, changed: dict[str, tuple[nn.Module, str, Any]]) -> None:
+        """Puts back every attribute of ``changed`` (:meth:`changed`) as it was."""
+        for name, (owner, key, _) in changed.items():
+            if name not in self.values:
+                vars(owner).pop(key, None)
+                continue
+            original = self.values[name][2]
+            vars(owner)[key] = original
+            if name in self.contents:
+                saved = self.contents[name]
+                if isinstance(original, list):
+                    original[:] = saved
+                else:
+                    original.clear()
+                    original.update(saved)
+            with torch.no_grad():
+                for t, version in self.tensors[name]:
+                    if t._version != version:
+                        t.copy_(self.copies[id(t)])
+            self.tensors[name] = [(t, t._version) for t, _ in self.tensors[name]]
 
 
 def probe(engine: GradSampleEngine, trainer: Trainer, pl_module: LightningModule, data: tuple[Any, Any],
@@ -123,29 +241,59 @@ def probe(engine: GradSampleEngine, trainer: Trainer, pl_module: LightningModule
     ambiguous or absent). ``logged``, when given, receives the metric names ``training_step`` logs
     (:class:`LoggedNames`).
 
+    Every probe batch starts from the module's plain tensor attributes as they were (:class:`ModuleState`), and
+    they are left as they were.
+
     Raises:
-        MisconfigurationException: a layer whose per-sample gradients cannot be computed.
+        MisconfigurationException: a layer whose per-sample gradients cannot be computed, or state kept on the
+            module from one batch for the next that holds the examples and that the next step reads
+            (:func:`~lightning_dp.privacy.validators.describe_carried_state`).
+        BatchProbeError: the module's own code failed on a probe batch (the original error is its cause).
     """
     dataset, collate = data
     size = len(dataset)
     with_idx = is_param_in_hook_signature(training_step, "batch_idx", min_args=2)
     precision = trainer.precision_plugin
     shapes: dict[int, list[tuple[int, ...]]] = {}
+    state = ModuleState(pl_module)
+    left: dict[int, dict[str, Any]] = {}  # per probe size, the attributes its first run changed, as it left them
+    results: dict[int, list[torch.Tensor]] = {}
 
-    def run(n: int) -> Any:  # the first n examples, through Lightning's own batch path (precision, transfer)
-        with side_effect_free(pl_module, logged):
-            batch = collate([dataset[i % size] for i in range(n)])
-            shapes[n] = [leaf_shape(leaf) for leaf in batch_leaves(batch)]
-            batch = precision.convert_input(batch)
-            batch = pl_module._on_before_batch_transfer(batch, dataloader_idx=0)
-            batch = trainer.strategy.batch_to_device(batch, dataloader_idx=0)
-            with precision.train_step_context():
-                return training_step(batch, 0) if with_idx else training_step(batch)
+    def run(n: int, carried: dict[str, Any] | None = None) -> Any:  # the first n examples, through Lightning's own
+        # batch path (precision, transfer), from the module's state before the probe (or with ``carried`` set)
+        for owner, key, value in (carried or {}).values():
+            vars(owner)[key] = _copied(value)
+        try:
+            with side_effect_free(pl_module, logged):
+                batch = collate([dataset[i % size] for i in range(n)])
+                shapes[n] = [leaf_shape(leaf) for leaf in batch_leaves(batch)]
+                batch = precision.convert_input(batch)
+                batch = pl_module._on_before_batch_transfer(batch, dataloader_idx=0)
+                batch = trainer.strategy.batch_to_device(batch, dataloader_idx=0)
+                with precision.train_step_context():
+                    out = training_step(batch, 0) if with_idx else training_step(batch)
+        except (PerSampleGradientError, MisconfigurationException, BatchProbeError):
+            raise  # the engine's and Lightning's refusals explain themselves
+        except Exception as err:
+            raise BatchProbeError(
+                f"{type(err).__name__}: {err} -- raised by {type(pl_module).__name__}'s own code in the batch probe "
+                f"(DPSGD runs training_step on {_SIZES} examples before the first step), on a batch of {n} "
+                "examples; the error above is the original.") from err
+        finally:
+            changed = state.changed()
+            if carried is None and n not in left:
+                left[n] = {name: (owner, key, _copied(value)) for name, (owner, key, value) in changed.items()}
+            state.restore(changed)
+        if carried is None:
+            results.setdefault(n, [t.detach().clone() for t in tensor_leaves(out)])
+        return out
 
     try:
         engine.probe(run, PROBE_SIZES)
     except PerSampleGradientError as err:
+        _refuse_carried_state(pl_module, run, left, results)  # the more basic problem, when the probe saw it
         raise MisconfigurationException(f"DPSGD cannot clip per example: {err}") from None
+    _refuse_carried_state(pl_module, run, left, results)
     dims: list[int | None] = []
     if len({len(s) for s in shapes.values()}) == 1:
         for leaf in zip(*(shapes[n] for n in PROBE_SIZES)):
@@ -154,6 +302,33 @@ def probe(engine: GradSampleEngine, trainer: Trainer, pl_module: LightningModule
             except AmbiguousBatchDimError:
                 dims.append(None)
     return dims
+
+
+def _refuse_carried_state(pl_module: LightningModule, run: Any, left: dict[int, dict[str, Any]],
+                          results: dict[int, list[torch.Tensor]]) -> None:
+    """Refuses the attributes a probe batch left holding its examples that the next step reads: the smallest probe
+    batch, run again from the state its first run left in one such attribute, fails or gives another result."""
+    if any(n not in left for n in PROBE_SIZES):
+        return
+    names = set().union(*(left[n] for n in PROBE_SIZES))
+    shapes = {name: [[leaf_shape(t) for t in _state_tensors(left[n][name][2])] if name in left[n] else []
+                     for n in PROBE_SIZES] for name in names}
+    first = PROBE_SIZES[0]
+    read = []
+    for name, shape, dim in find_carried_state(shapes, PROBE_SIZES):
+        try:
+            again = [t.detach() for t in tensor_leaves(run(first, carried={name: left[first][name]}))]
+        except Exception:  # noqa: BLE001  (the step fails on the state a batch left: it reads it)
+            read.append((name, shape, dim))
+            continue
+        plain = results.get(first, [])
+        if len(again) != len(plain) or not all(
+                a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-7)
+                for a, b in zip(again, plain)):
+            read.append((name, shape, dim))
+    if read:
+        raise MisconfigurationException("DPSGD cannot clip per example: " + describe_carried_state(
+            type(pl_module).__name__, read, first))
 
 
 def examples_in(batch: Any, dims: list[int | None]) -> int | None:

@@ -4,15 +4,24 @@ Layers that mix examples of a batch (batch normalization and its variants) make 
 example's contribution depend on the other examples, so per-sample clipping no longer
 bounds the sensitivity. As Opacus' validators do, all problems are collected and then
 explained together.
+
+A module that keeps per-example state from one training batch for the next (an RNN's hidden state stored on the
+module, the classic truncated-BPTT loop) breaks the same bound across steps: :func:`find_carried_state` and
+:func:`describe_carried_state` hold the rule and its explanation; DPSGD's batch probe observes the state
+(:mod:`lightning_dp.callbacks.batch_probe`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 
 from torch import nn
 
-__all__ = ["MIXING_LAYERS", "find_mixing_layers", "replace_batchnorm", "describe_mixing_layers"]
+from lightning_dp.privacy.batch_dims import AmbiguousBatchDimError, batch_dim
+
+__all__ = ["MIXING_LAYERS", "CarriedState", "describe_carried_state", "describe_mixing_layers", "find_carried_state",
+           "find_mixing_layers", "replace_batchnorm"]
 
 #: Module types whose output for one example depends on the other examples of the batch.
 MIXING_LAYERS: tuple[type[nn.modules.batchnorm._BatchNorm], ...] = (nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm)
@@ -66,3 +75,62 @@ def replace_batchnorm(model: nn.Module, max_groups: int = 32) -> list[str]:
                 setattr(mod, child_name, gn)
                 replaced.append(f"{name}.{child_name}" if name else child_name)
     return replaced
+
+
+#: ``(attribute, shape after the smallest probe batch, dimension that holds the examples)``
+CarriedState = tuple[str, tuple[int, ...], int]
+
+
+def find_carried_state(shapes: Mapping[str, Sequence[Sequence[tuple[int, ...]]]],
+                       sizes: Sequence[int]) -> list[CarriedState]:
+    """The attributes a training step left behind that hold the examples of its batch.
+
+    Args:
+        shapes: per attribute (``"self.hidden"``), per probe batch (in the order of ``sizes``), the shapes of the
+            tensors the attribute held after the step (a tuple of tensors gives several).
+        sizes: the number of examples of each probe batch.
+
+    Returns:
+        Every attribute one of whose tensors has a dimension that follows the number of examples
+        (:func:`~lightning_dp.privacy.batch_dims.batch_dim`; two such dimensions count too), with that tensor's
+        shape after the first probe batch and the dimension. Attributes seen after fewer than two probe batches, or
+        holding a different number of tensors after each, are left out: nothing follows the batch in them.
+
+    Example:
+        >>> find_carried_state({"self.hidden": [[(2, 3, 8)], [(2, 5, 8)], [(2, 7, 8)]],
+        ...                     "self.steps": [[()], [()], [()]]}, (3, 5, 7))
+        [('self.hidden', (2, 3, 8), 1)]
+    """
+    found: list[CarriedState] = []
+    for name, per_batch in shapes.items():
+        if len(per_batch) != len(sizes) or len(sizes) < 2 or len({len(leaves) for leaves in per_batch}) != 1:
+            continue
+        for leaf in zip(*per_batch):
+            try:
+                dim = batch_dim(leaf, sizes)
+            except AmbiguousBatchDimError:
+                dim = next(d for d, n in enumerate(leaf[0]) if n == sizes[0])
+            if dim is not None:
+                found.append((name, tuple(leaf[0]), dim))
+                break
+    return found
+
+
+def describe_carried_state(owner: str, carried: Sequence[CarriedState], examples: int) -> str:
+    """Why per-example DP-SGD refuses state carried from one batch to the next, and the fix.
+
+    Args:
+        owner: the class whose ``training_step`` keeps the state (``"LightningLSTM"``).
+        carried: what :func:`find_carried_state` found (and the next step was seen to read).
+        examples: the number of examples of the batch the shapes were seen after.
+    """
+    names = "; ".join(f"{name} (holding a tensor of shape {shape} after a batch of {examples} examples, the examples "
+                      f"along dimension {dim})" for name, shape, dim in carried)
+    return (
+        f"{owner}.training_step keeps state from one batch for the next: {names}. The next training step reads "
+        "it (run again from the state a batch left, the batch's result changes). An example's gradient then "
+        "depends on the examples of earlier batches, so one example influences later steps beyond its clipped "
+        "contribution, and per-example DP-SGD does not bound that influence. Reset the state in every step: "
+        "compute the initial state inside forward or training_step (e.g. hidden = model.init_hidden(batch_size) "
+        "for each batch, as for independent sequences) instead of keeping it on the module; detaching it is not "
+        "enough, it must not be carried.")
