@@ -1,44 +1,11 @@
-"""The record's one gate: everything a private run writes passes here first.
+"""The record's one gate: everything a private run writes passes :func:`admit` first, which reads the table of
+:mod:`lightning_dp.privacy.record` (a release or public item is written, a ``nonprivate/`` one follows the switch,
+an undeclared one is refused). Installed by the run-level protocol (:mod:`lightning_dp.protocol`); what it wraps and
+what it refuses: docs/privacy.md, "The gate: where the table is enforced". A run without a privacy component is not
+gated:
 
-A privacy component (:class:`~lightning_dp.callbacks.DPSGD` and its subclasses,
-:class:`~lightning_dp.federated.FederatedRound`) installs the gate on its trainer in ``setup``
-(:func:`install`). From then on, every write to the record goes through :func:`admit`:
-
-- metrics and params through every logger of the trainer (MLflow, CSV, TensorBoard, ...: the gate
-  wraps their ``log_metrics`` and ``log_hyperparams``), whoever logs them (``self.log`` in the
-  user's module, our callbacks, Lightning itself);
-- tags and artifacts through :mod:`lightning_dp.tracking`'s helpers (``set_tags``, ``log_figure``,
-  ``log_text``, ``log_artifact``, ``log_public_checkpoint``, ``log_params``), the only way
-  lightning-dp writes them.
-
-:func:`admit` reads the table of :mod:`lightning_dp.privacy.record`:
-
-- a release or public item is written;
-- a ``nonprivate/`` item is written only if every installed component has
-  ``log_nonprivate_metrics=True``, else dropped;
-- a metric, tag or artifact the table does not declare is REFUSED (:class:`UndeclaredRecordError`),
-  except a metric written while the trainer validates or tests, which evaluates the released model
-  on held-out data (post-processing) whatever its name. The classic case is a user's
-  ``self.log("train_loss", loss)`` in ``training_step``: the exact loss of a private batch, which no
-  accountant covers. Log it as ``nonprivate/train_loss``, or declare the name
-  (:func:`lightning_dp.privacy.record.declare`) if it is something else. DPSGD learns every name
-  ``training_step`` logs from its batch probe and refuses all the undeclared ones in one error before the first
-  private step (:func:`check_metric_names`, the same rule and fix per name); names logged elsewhere (the module's
-  ``on_train_batch_end``, ``on_train_epoch_end``, a callback) are refused here when first written;
-- params are the run's configuration: written, unless the table says a name is a ``nonprivate/``
-  statistic;
-- a metric row may hold conditions: ``round/*`` is admitted only in a run with a federated round,
-  ``val/*`` and ``test/*`` only while the trainer validates or tests, OneRunAudit's ``audit/*`` only
-  with the audit;
-- the progress bar shows only what the record may hold; a callback or scheduler that monitors a
-  statistic of the training data is refused when training starts (:func:`check_monitors`).
-
-A run without a privacy component claims nothing and is not gated.
-
-Example:
     >>> from lightning.pytorch import Trainer
-    >>> trainer = Trainer(logger=False)
-    >>> admit(trainer, "my_loss", "metric")  # no privacy component installed a gate: not gated
+    >>> admit(Trainer(logger=False), "my_loss", "metric")
     True
 """
 

@@ -1,23 +1,10 @@
 """The run-level privacy protocol: what makes a run private beside its mechanism, in one place.
 
-DPSGD, the federated round (every preset, and so the Flower ``ServerApp``) and OneRunAudit each own one
-:class:`RunProtocol` and call it from their hooks; none of them repeats a step of it (DESIGN.md, "One protocol per
-run"). Its steps:
-
-- **the record's gate** (:mod:`lightning_dp.gate`): installed in ``setup`` and again when training starts (loggers
-  added in between), monitors of private statistics refused then, removed in ``teardown``;
-- **uploads** that carry secrets (a logger's ``log_model``) refused before any data is touched;
-- **the secret seed** of every draw an accountant relies on: a given seed wins (also over a checkpoint's, so that
-  runs branched from one checkpoint draw different noise), else a checkpoint's, else a fresh one from the OS;
-  under DDP every process takes rank 0's; kept in local checkpoints under
-  :data:`~lightning_dp.privacy.seeds.SECRET_KEY` only (:meth:`RunProtocol.state_dict`);
-- **the final spend**, written at the run's last step when Lightning's own writes missed it, and where the run's
-  summary reads it (:meth:`RunProtocol.write_final`);
-- **the summary**, printed once when fitting ends, after the progress bar's last frame, in one format for every
-  mechanism (:func:`format_summary`: a title, then ``label  value`` rows);
-- **non-finite inputs**: an example, a client update or a node's reply that is not finite contributes zero
-  (:mod:`lightning_dp.privacy.finite`, the functional core's one function for it: the mechanisms call it where the
-  unit's contribution is formed).
+DPSGD, the federated round (every preset, and so the Flower ``ServerApp``) each own one :class:`RunProtocol` and call
+it from their hooks: the record's gate, the refusal of uploads that carry secrets, the secret seed, the check of
+logged names, the final spend and the summary; a non-finite input is the functional core's
+(:mod:`lightning_dp.privacy.finite`). docs/architecture.md, "One protocol per run", has the table and the path of one
+step through it.
 """
 
 from __future__ import annotations
