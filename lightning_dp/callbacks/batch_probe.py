@@ -323,7 +323,7 @@ def _refuse_carried_state(pl_module: LightningModule, run: Any, left: dict[int, 
             continue
         plain = results.get(first, [])
         if len(again) != len(plain) or not all(
-                a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-7)
+                a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-7, equal_nan=True)
                 for a, b in zip(again, plain)):
             read.append((name, shape, dim))
     if read:

@@ -204,6 +204,8 @@ def compare_experiment(client: Any, experiment_id: str, uri: str) -> str:
     name = client.get_experiment(experiment_id).name + COMPARE_SUFFIX
     found = client.get_experiment_by_name(name)
     if found is not None:
+        if found.lifecycle_stage == "deleted":  # deleted in the UI: a run cannot be created in it until restored
+            client.restore_experiment(found.experiment_id)
         return found.experiment_id
     return client.create_experiment(name, artifact_location=tracking.artifact_location_for(uri),
                                     tags={"lightning_dp.compare.of": name[:-len(COMPARE_SUFFIX)]})

@@ -32,8 +32,8 @@ def non_finite(values: Tensor, dim: int = -1) -> Tensor:
 
 
 def drop_non_finite(rows: Tensor, origin: Tensor | float = 0.0) -> tuple[Tensor, Tensor]:
-    """``rows`` with every row that has an inf or NaN entry replaced by ``origin`` (its zero contribution), and
-    the mask of the replaced rows.
+    """``rows`` with every row whose contribution ``rows - origin`` has an inf or NaN entry replaced by ``origin`` (its
+    zero contribution), and the mask of the replaced rows.
 
     Args:
         rows: (m, ..., P) per-unit vectors along the last dimension: clients' trained models (``origin``: the
@@ -50,9 +50,12 @@ def drop_non_finite(rows: Tensor, origin: Tensor | float = 0.0) -> tuple[Tensor,
         (tensor([[1., 2.],
                 [0., 0.]]), tensor([False,  True]))
     """
-    dropped = non_finite(rows, dim=-1) if rows.ndim > 1 else non_finite(rows)
+    origin = torch.as_tensor(origin, dtype=rows.dtype, device=rows.device)
+    # the unit's contribution is rows - origin (a client's update): a finite model can still be an infinite step
+    # from its start (float16 or float32 near its largest value), whose clipping would give 0 * inf = NaN
+    contribution = rows if not bool(origin.any()) else rows - origin
+    dropped = non_finite(contribution, dim=-1) if rows.ndim > 1 else non_finite(contribution)
     if not bool(dropped.any()):
         return rows, dropped
-    origin = torch.as_tensor(origin, dtype=rows.dtype, device=rows.device)
     mask = dropped.unsqueeze(-1) if rows.ndim > 1 else dropped
     return torch.where(mask, origin, rows), dropped

@@ -228,3 +228,17 @@ def test_points_of_one_setting_at_several_epsilons_are_one_curve():
     ax = utility_figure(group_outcomes(outcomes), "val/acc").axes[0]
     (joined,) = [line for line in ax.get_lines() if len(line.get_xdata()) > 1]
     assert list(joined.get_xdata()) == [0.99, 7.9]
+
+
+def test_the_compare_experiment_is_restored_when_the_user_deleted_it(tmp_path):
+    """A user who deleted `<experiment>-compare` in the UI gets it back (MLflow refuses runs in a deleted one)."""
+    from lightning_dp.commands.compare import compare_experiment
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = mlflow.MlflowClient(uri)
+    training = client.create_experiment("digits")
+    first = compare_experiment(client, training, uri)
+    client.delete_experiment(first)
+    again = compare_experiment(client, training, uri)
+    assert again == first and client.get_experiment(again).lifecycle_stage == "active"
+    client.create_run(again)  # a run can be made in it

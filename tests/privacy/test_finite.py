@@ -43,3 +43,13 @@ def test_per_unit_values():
     assert non_finite(norms).tolist() == [False, True, True, False]
     kept, dropped = drop_non_finite(norms)
     assert kept.tolist() == [1.0, 0.0, 0.0, 0.0] and dropped.tolist() == [False, True, True, False]
+
+
+def test_a_finite_model_an_infinite_step_from_its_start_is_dropped():
+    """float32 near its largest value: the model is finite, the update (trained - start) is not."""
+    big = torch.finfo(torch.float32).max
+    start = torch.tensor([[-big, 0.0], [1.0, 2.0]])
+    trained = torch.tensor([[big, 0.0], [1.5, 2.5]])
+    assert bool(torch.isfinite(trained).all()) and not bool(torch.isfinite(trained - start).all())
+    kept, dropped = drop_non_finite(trained, start)
+    assert dropped.tolist() == [True, False] and torch.equal(kept[0], start[0]) and torch.equal(kept[1], trained[1])

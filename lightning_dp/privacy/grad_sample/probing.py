@@ -119,8 +119,10 @@ class BatchDimProbe:
                 expanded = self._probe_round(run, sizes, ids)
             except Exception as err:  # noqa: BLE001  (the expanded output does not fit the model: not a broadcast)
                 expanded, failure = None, f" ({type(err).__name__}: {err})"
+            # NaN where the plain run has NaN (a broken example among the probe's) is the same result
             same = plain is not None and expanded is not None and all(
-                len(a) == len(b) and all(x.shape == y.shape and torch.allclose(x, y, rtol=1e-5, atol=1e-7)
+                len(a) == len(b) and all(x.shape == y.shape
+                                         and torch.allclose(x, y, rtol=1e-5, atol=1e-7, equal_nan=True)
                                          for x, y in zip(a, b)) for a, b in zip(plain, expanded))
             if not same:
                 self._refuse_unbatched(candidates[0], sizes, (
