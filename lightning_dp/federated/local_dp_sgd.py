@@ -18,7 +18,7 @@ from torch.func import grad, vmap
 
 from lightning_dp.federated.local import FlatParams, check_loss, example_loss
 from lightning_dp.privacy.clipping import clip_factors
-from lightning_dp.privacy.finite import drop_non_finite
+from lightning_dp.privacy.finite import drop_non_finite, non_finite
 from lightning_dp.privacy.noise import noisy_mean, require_secret
 
 __all__ = ["ClientPlan", "local_dp_sgd", "steps_per_participation"]
@@ -107,8 +107,13 @@ def local_dp_sgd(template: nn.Module, spec: FlatParams, start: Tensor, x: Tensor
     def clipped_sum(g: Tensor, valid: Tensor) -> Tensor:
         """Sum over the last-but-one axis of per-example gradients clipped to C (invalid rows weigh 0; an example
         whose gradient is not finite contributes 0, as in DP-SGD: :mod:`lightning_dp.privacy.finite`)."""
-        g, _ = drop_non_finite(g)
         norms = g.double().norm(dim=-1)  # float64: a rounded-down norm would let a gradient exceed C
+        # a gradient with an inf or NaN entry has a non-finite norm (float64 cannot overflow on float32 entries): the
+        # norms the clipping needs anyway find it, as DP-SGD's engine does, without another pass over the gradients
+        bad = non_finite(norms.unsqueeze(-1))  # one unit per example, whatever the leading dims
+        if bool(bad.any()):
+            g, _ = drop_non_finite(g)
+            norms = norms.masked_fill(bad, 0.0)
         factors = clip_factors(norms, max_grad_norm).to(g.dtype) * valid.to(g.dtype)
         return (factors.unsqueeze(-1) * g).sum(-2)
 
