@@ -204,7 +204,9 @@ def _expect_plotted(card) -> None:
 def _select_rows(tab, names: list[str]) -> None:
     """Tick the row checkboxes of ``names`` in an MLflow table (experiments or runs)."""
     for name in names:
-        box = tab.get_by_role("row").filter(has_text=name).get_by_role("checkbox").first
+        # the row whose link is exactly ``name`` (``dpsgd-digits-compare``, which compare makes, contains ``dpsgd-digits``)
+        row = tab.get_by_role("row").filter(has=tab.get_by_role("link", name=name, exact=True))
+        box = row.get_by_role("checkbox").first
         box.check(force=True)  # ag-grid draws its own box over the input
         expect(box).to_be_checked()
 
