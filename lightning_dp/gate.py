@@ -171,10 +171,17 @@ def _shown(trainer: Any, name: str) -> bool:
         return False
 
 
-def _gated_bar(trainer: Any, original: Any) -> Any:
+def _gated_bar(trainer: Any, bar: Any, original: Any) -> Any:
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    rich = isinstance(bar, RichProgressBar)
+
     @functools.wraps(original)
     def get_metrics(*args: Any, **kwargs: Any) -> Any:
-        return {k: v for k, v in original(*args, **kwargs).items() if _shown(trainer, k)}
+        shown = {k: v for k, v in original(*args, **kwargs).items() if _shown(trainer, k)}
+        if rich and isinstance(shown.get("v_num"), int):  # Rich formats every number as a metric: version 1 read
+            shown["v_num"] = str(shown["v_num"])  # "v_num: 1.000"; TQDM shows the int as it is and pads a str
+        return shown
 
     return get_metrics
 
@@ -242,7 +249,7 @@ def install(trainer: Any, component: Any) -> None:
             _wrap(gate, logger, "log_hyperparams", _gated_params(trainer, logger.log_hyperparams))
     bar = getattr(trainer, "progress_bar_callback", None)
     if bar is not None and id(bar) not in wrapped:
-        _wrap(gate, bar, "get_metrics", _gated_bar(trainer, bar.get_metrics))
+        _wrap(gate, bar, "get_metrics", _gated_bar(trainer, bar, bar.get_metrics))
     if not any(c is component for c in gate.components):
         gate.components.append(component)
 

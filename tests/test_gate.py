@@ -172,6 +172,33 @@ def test_the_progress_bar_shows_only_what_the_record_may_hold(tmp_path):
     assert "nonprivate/train_loss" in trainer.progress_bar_metrics  # computed, not shown
 
 
+@pytest.mark.parametrize("bar", ["rich", "tqdm"])
+def test_the_logger_version_shows_as_an_integer(tmp_path, bar):
+    """Issue 50, item 4: Rich's bar formats every number as a metric, so a CSV or TensorBoard logger's version 1 read
+    ``v_num: 1.000``; TQDM's shows an int as it is (and pads a string of digits, so it keeps the int)."""
+    pytest.importorskip("rich")
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+    from lightning.pytorch.loggers import CSVLogger
+
+    progress = RichProgressBar() if bar == "rich" else TQDMProgressBar()
+    shown = []
+
+    class Bar(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            shown.append(trainer.progress_bar_callback.get_metrics(trainer, trainer.lightning_module)["v_num"])
+
+    CSVLogger(tmp_path, name="run").log_metrics({"x": 1.0})  # version 0 taken: the run below is version 1
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=CSVLogger(tmp_path, name="run"),
+                        enable_model_summary=False, max_epochs=1, limit_train_batches=2, limit_val_batches=0,
+                        default_root_dir=tmp_path,
+                        callbacks=[DPSGD(noise_multiplier=1.0, seed=0, log_nonprivate_metrics=False), progress, Bar()])
+    trainer.fit(Classifier(loss_name="nonprivate/loss"), BlobsData())
+    assert trainer.logger.version == 1
+    assert shown == (["1", "1"] if bar == "rich" else [1, 1])
+    if bar == "rich":
+        assert progress.train_progress_bar_id is not None  # the bar ran: its metrics column got "v_num: 1"
+
+
 def test_the_last_validation_stays_on_the_bar_and_ends_the_summary(tmp_path, capsys):
     """Issue 50, item 4: under DPSGD the bar dropped val/acc during training (the gate admits val/* only while
     evaluating) and the summary had no validation row: the DP run's accuracy never reached the terminal."""
