@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 from urllib.parse import unquote, urlparse
 
 from lightning.pytorch.loggers import MLFlowLogger as _LightningMLFlowLogger
+from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
 from lightning_dp.gate import admit, admit_metrics
@@ -71,6 +72,7 @@ __all__ = [
     "public_checkpoint",
     "refuse_checkpoint_uploads",
     "set_tags",
+    "share_table_view",
     "tracking_uri_of",
     "ui_command",
 ]
@@ -84,6 +86,15 @@ PRIVATE_TAG = "lightning_dp.private"
 # "custom_model_development" is its classic training view ("Machine learning": runs, charts, compare).
 _EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 _TRAINING_EXPERIMENT_KIND = "custom_model_development"
+# The runs table's view that ``MLFlowLogger`` shares on its experiment (the MLflow UI's "share view": the experiment
+# tag ``mlflow.sharedViewState.<key>`` holds the view as JSON, opened by ``?viewStateShareKey=<key>``; the JS bundle's
+# ``useSharedExperimentViewState``). MLflow offers no other way for a run to choose the table's columns: its default
+# table shows no metric, so a user saw neither epsilon nor validation accuracy until adding both by hand.
+SHARED_VIEW_KEY = "lightning-dp"
+_SHARED_VIEW_TAG = "mlflow.sharedViewState." + SHARED_VIEW_KEY
+#: The metrics shown as columns of the shared view, in this order, where a run of the experiment logged them.
+TABLE_METRICS = ("privacy/epsilon", "privacy/client_epsilon_max", "privacy/record_epsilon_max", "val/acc",
+                 "val/loss", "val/perplexity", "test/acc", "test/loss", "test/perplexity")
 _DB_FILENAME = "mlflow.db"
 _ARTIFACTS_DIRNAME = "artifacts"
 # Distributions reported by `library_versions`, in this order; missing ones are skipped.
@@ -158,7 +169,7 @@ def _sqlite_path(tracking_uri: str) -> Optional[Path]:
 
 @contextlib.contextmanager
 def _store_lock(tracking_uri: str) -> Iterator[None]:
-    """Serializes the creation of an SQLite store between processes.
+    """Serializes the creation of an SQLite store between processes (and the shared view's read-modify-write).
 
     Lightning's logger builds an ``MlflowClient`` in every process, and each client
     creates or migrates the SQLite schema: two DDP ranks doing it at once fail with
@@ -205,6 +216,51 @@ def _tag_training_experiment(client: MlflowClient, experiment_id: str) -> None:
         pass  # cosmetic (the UI's default view): never worth failing or warning a training run over
 
 
+def share_table_view(client: MlflowClient, experiment_id: str, metrics: Sequence[str]) -> bool:
+    """Add the :data:`TABLE_METRICS` among ``metrics`` to the columns of the experiment's shared runs-table view.
+
+    The view (tag ``mlflow.sharedViewState.lightning-dp``, opened by the link :func:`run_locations` prints) keeps the
+    columns earlier runs added, so the private run and its baseline show side by side. Its columns are these metrics
+    alone (run name, start and duration always show): the UI's default Source, Models and Dataset columns pushed
+    them out of a 1280-pixel window. It names metrics only (public names, no values). A store that refuses the tag
+    leaves the experiment as it is.
+
+    Returns:
+        Whether the experiment has the view afterwards.
+    """
+    import json
+
+    from mlflow.exceptions import MlflowException
+
+    try:
+        tags = client.get_experiment(experiment_id).tags
+        try:
+            view = json.loads(tags.get(_SHARED_VIEW_TAG, "{}"))
+            columns = list(view.get("selectedColumns", []))
+        except (ValueError, AttributeError, TypeError):  # not ours, or edited by hand: started again
+            view, columns = {}, []
+        added = [f"metrics.`{name}`" for name in TABLE_METRICS if name in metrics]
+        missing = [column for column in added if column not in columns]
+        if missing or _SHARED_VIEW_TAG not in tags:
+            view.update(selectedColumns=columns + missing, orderByKey="attributes.start_time", orderByAsc=False)
+            client.set_experiment_tag(experiment_id, _SHARED_VIEW_TAG, json.dumps(view))
+        return True
+    except MlflowException:
+        return False  # cosmetic, as _tag_training_experiment
+
+
+def has_table_view(client: MlflowClient, experiment_id: Optional[str]) -> bool:
+    """Whether ``experiment_id`` has the runs-table view :func:`share_table_view` writes."""
+    from mlflow.exceptions import MlflowException
+
+    if experiment_id is None:
+        return False
+    try:
+        return _SHARED_VIEW_TAG in client.get_experiment(experiment_id).tags
+    except MlflowException:
+        return False
+
+
 class MLFlowLogger(_LightningMLFlowLogger):
     """Lightning's ``MLFlowLogger`` with the embedded SQLite store as default.
 
@@ -234,6 +290,9 @@ class MLFlowLogger(_LightningMLFlowLogger):
       where training runs hide under "Evaluations"; a value already set is kept. Newer UIs
       (3.17) let the sidebar switch "GenAI / Model training" decide instead: choose "Model
       training", or open ``/#/experiments/<id>/runs?workflowType=machine_learning``.
+    - When the run ends, its epsilon and validation metrics (:data:`TABLE_METRICS`) are added as columns to the
+      experiment's shared runs-table view (:func:`share_table_view`), which the link that ``lightning-dp`` prints
+      opens (MLflow's default table shows no metric).
 
     In a ``lightning-dp`` config::
 
@@ -322,6 +381,23 @@ class MLFlowLogger(_LightningMLFlowLogger):
         if self._tracking_uri.startswith("file:"):
             return super().save_dir
         return self._local_dir
+
+    @override
+    @rank_zero_only
+    def finalize(self, status: str = "success") -> None:
+        """Lightning's (the run ends), then the run's :data:`TABLE_METRICS` join the experiment's shared view."""
+        super().finalize(status)
+        if not self._initialized or self.run_id is None or self._experiment_id is None:
+            return
+        from mlflow.exceptions import MlflowException
+
+        client = self._mlflow_client
+        with _store_lock(self._tracking_uri):  # runs ending together (a grid's) add their columns in turn
+            try:
+                metrics = list(client.get_run(self.run_id).data.metrics)
+            except MlflowException:
+                return
+            share_table_view(client, self._experiment_id, metrics)
 
     @override
     def log_hyperparams(self, params: Union[dict[str, Any], Namespace]) -> None:
@@ -661,9 +737,10 @@ def ui_command(tracking_uri: Optional[str] = None) -> str:
 
 
 def run_locations(run_id: Optional[str], experiment_id: Optional[str], tracking_uri: str, what: str = "MLflow run",
-                  artifacts: Sequence[str] = ()) -> str:
+                  artifacts: Sequence[str] = (), table_view: bool = False) -> str:
     """Where a run is recorded, as every command prints it: run id, tracking URI, how to browse it, and the
-    link that opens the experiment in MLflow's training view (MLflow 3 opens in its GenAI view otherwise).
+    link that opens the experiment in MLflow's training view (MLflow 3 opens in its GenAI view otherwise), with
+    the runs table's epsilon and validation columns where ``table_view`` (:func:`share_table_view`).
 
     >>> print(run_locations("abc", "1", "sqlite:////tmp/mlruns/mlflow.db"))  # doctest: +NORMALIZE_WHITESPACE
     MLflow run abc (experiment id 1)
@@ -676,7 +753,10 @@ def run_locations(run_id: Optional[str], experiment_id: Optional[str], tracking_
     lines = [f"{what} {run_id} (experiment id {experiment_id})", f"  tracking URI: {tracking_uri}"]
     if artifacts:
         lines.append(f"  artifacts:    {', '.join(artifacts)}")
+    link = f"{base}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+    if table_view:
+        link += f"&viewStateShareKey={SHARED_VIEW_KEY}"
     lines += [f"  browse runs:  {ui_command(tracking_uri)}",
-              f"  then open:    {base}/#/experiments/{experiment_id}/runs?workflowType=machine_learning  "
-              "(MLflow 3's training view)"]
+              f"  then open:    {link}  (MLflow 3's training view"
+              + (", with the epsilon and validation columns)" if table_view else ")")]
     return "\n".join(lines)

@@ -84,6 +84,7 @@ def _fit(workdir: Path, config: Path, *overrides: str) -> None:
                             cwd=workdir, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, f"lightning-dp fit --config {config.name} failed:\n{result.stdout[-3000:]}\n" \
                                    f"{result.stderr[-5000:]}"
+    (workdir / f"{config.stem}.out").write_text(result.stdout)  # what the user read, the printed link among it
 
 
 def _compare(workdir: Path, *args: str) -> None:
@@ -267,12 +268,19 @@ def test_two_runs_of_one_experiment_compare(page, ui: str, workdir: Path, store:
             if "lightning_dp.compare.runs" not in run.data.tags}
     assert set(runs) == {private["run_name"], baseline["run_name"]}
 
-    # the link `lightning-dp fit` prints opens the runs in the training view, in a browser that never chose it
+    # the link `lightning-dp fit` prints opens the runs in the training view, in a browser that never chose it,
+    # with epsilon and validation accuracy as columns (issue 50, item 8: MLflow's default table shows no metric)
+    printed = (workdir / f"{README_CONFIGS[0].stem}.out").read_text()
+    link = re.search(r"then open:\s+(\S+)", printed).group(1)
+    assert link == (f"http://127.0.0.1:5000/#/experiments/{experiment.experiment_id}/runs"
+                    "?workflowType=machine_learning&viewStateShareKey=lightning-dp"), printed
     fresh = page.context.browser.new_context(viewport={"width": 1280, "height": 800})
     tab = fresh.new_page()
-    tab.goto(f"{ui}/#/experiments/{experiment.experiment_id}/runs?workflowType=machine_learning")
+    tab.goto(link.replace("http://127.0.0.1:5000", ui))
     for name in runs:
         expect(tab.get_by_role("link", name=name, exact=True).first).to_be_visible()
+    for metric in ("privacy/epsilon", "val/acc"):
+        expect(tab.get_by_role("columnheader", name=metric).first).to_be_visible()
     tab.screenshot(path=shots / "printed_link.png")
     fresh.close()
 

@@ -251,3 +251,41 @@ def test_experiments_open_in_the_training_view_of_the_mlflow_ui(in_tmp: Path, st
     assert kinds.pop("Default", None) is None  # MLflow's own experiment is not ours to tag
     assert kinds == {"new": "custom_model_development", "untagged": "custom_model_development",
                      "chosen": "genai_development", "resumed": "custom_model_development"}
+
+
+def test_runs_add_their_epsilon_and_validation_columns_to_the_experiments_shared_view(in_tmp: Path,
+                                                                                      store_template: Path) -> None:
+    """Issue 50, item 8: MLflow's default runs table shows no metric. Each run adds the TABLE_METRICS it logged to
+    the experiment's shared view (a tag the UI reads for ?viewStateShareKey=lightning-dp); earlier columns stay,
+    a view edited into something else is started again, and the printed link opens it only where it exists."""
+    import json
+
+    _seed(store_template, in_tmp / "mlruns")
+    client = mlflow.MlflowClient(f"sqlite:///{in_tmp}/mlruns/mlflow.db")
+    tag = "mlflow.sharedViewState." + tracking.SHARED_VIEW_KEY
+
+    private = MLFlowLogger(experiment_name="views")
+    private.log_metrics({"privacy/epsilon": 1.5, "val/acc": 0.8, "nonprivate/train_loss": 0.3}, step=1)
+    assert not tracking.has_table_view(client, private.experiment_id)
+    private.finalize("success")
+    view = json.loads(client.get_experiment(private.experiment_id).tags[tag])
+    assert view["selectedColumns"] == ["metrics.`privacy/epsilon`", "metrics.`val/acc`"]
+    assert (view["orderByKey"], view["orderByAsc"]) == ("attributes.start_time", False)
+
+    baseline = MLFlowLogger(experiment_name="views")
+    baseline.log_metrics({"val/loss": 0.4, "val/acc": 0.9}, step=1)
+    baseline.finalize("success")
+    columns = json.loads(client.get_experiment(private.experiment_id).tags[tag])["selectedColumns"]
+    assert columns == ["metrics.`privacy/epsilon`", "metrics.`val/acc`", "metrics.`val/loss`"]
+    assert tracking.has_table_view(client, private.experiment_id)
+
+    client.set_experiment_tag(private.experiment_id, tag, "not json")
+    again = MLFlowLogger(experiment_name="views")
+    again.log_metrics({"test/acc": 0.7}, step=1)
+    again.finalize("success")
+    assert json.loads(client.get_experiment(private.experiment_id).tags[tag])["selectedColumns"] == [
+        "metrics.`test/acc`"]
+
+    link = tracking.run_locations("abc", private.experiment_id, private.tracking_uri, table_view=True)
+    assert f"/runs?workflowType=machine_learning&viewStateShareKey={tracking.SHARED_VIEW_KEY}  " in link
+    assert "viewStateShareKey" not in tracking.run_locations("abc", "1", private.tracking_uri)

@@ -259,5 +259,6 @@ class LightningDPCLI(LightningCLI):
         for logger in tracking.mlflow_loggers(self.trainer):
             if logger.run_id is None:
                 continue
-            print(tracking.run_locations(logger.run_id, logger.experiment_id, tracking.tracking_uri_of(logger)),
-                  flush=True)
+            view = tracking.has_table_view(logger.experiment, logger.experiment_id)
+            print(tracking.run_locations(logger.run_id, logger.experiment_id, tracking.tracking_uri_of(logger),
+                                         table_view=view), flush=True)
