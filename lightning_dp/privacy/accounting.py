@@ -36,6 +36,10 @@ __all__ = [
     "Accountant",
     "HistoryEntry",
     "PLDAccountant",
+    "USER_ACCOUNTING",
+    "binomial_sensitivities",
+    "check_examples_per_user",
+    "group_epsilon",
     "RDPAccountant",
     "check_adjacency",
     "check_delta",
@@ -61,6 +65,84 @@ def check_adjacency(adjacency: Any) -> str:
             "sensitivity of a clipped sum, a larger epsilon for the same noise)."
         )
     return str(adjacency)
+
+
+USER_ACCOUNTING = ("mixture", "group")
+"""How an accountant states a user-level spend from example-level sampling of users' bounded records
+(``examples_per_user``): ``"mixture"`` (the user's sampled records as one mixture-of-Gaussians mechanism, Charles et
+al. 2025's ELS accountant) or ``"group"`` (group privacy of the example-level guarantee, the papers' baseline)."""
+
+
+def check_examples_per_user(examples_per_user: Any, *, name: str = "examples_per_user") -> int | None:
+    """``examples_per_user`` as an int >= 1 (the most records a user contributes), or None (example-level)."""
+    if examples_per_user is None:
+        return None
+    if not checks.is_int(examples_per_user) or examples_per_user < 1:
+        raise ValueError(
+            f"{name}={examples_per_user!r} is not allowed: pass a whole number >= 1, the most records one user "
+            "contributes (a user's other records are left out before training), or None for example-level privacy.")
+    return int(examples_per_user)
+
+
+def binomial_sensitivities(examples_per_user: int, sample_rate: float) -> tuple[list[float], list[float]]:
+    """Sensitivities ``0..k`` (in units of C) and their Binomial(k, q) probabilities: how many of a user's ``k``
+    records one Poisson-sampled batch holds, each adding a clipped gradient (norm <= C) to the sum.
+
+    Example:
+        >>> binomial_sensitivities(2, 0.5)
+        ([0.0, 1.0, 2.0], [0.25, 0.5, 0.25])
+    """
+    k, q = int(examples_per_user), float(sample_rate)
+    return ([float(j) for j in range(k + 1)], [math.comb(k, j) * q**j * (1.0 - q) ** (k - j) for j in range(k + 1)])
+
+
+def group_epsilon(delta_for_epsilon: Any, group_size: int, delta: float, *, tolerance: float = 1e-6) -> float:
+    """The group-privacy epsilon of a group of ``group_size`` from an example-level privacy profile.
+
+    An ``(eps, delta_ex(eps))``-DP mechanism is ``(k eps, k e^((k-1) eps) delta_ex(eps))``-DP for neighbours that
+    differ in ``k`` examples (Dwork & Roth 2014, Theorem 2.2 with its delta term; Vadhan 2017, Lemma 2.2). The group
+    delta is not monotone in ``eps`` (``delta_ex`` falls, the factor grows; a pessimistic profile never falls below
+    its truncated mass, so a large ``eps`` fails too): the smallest ``k eps`` meeting ``delta`` is searched on a
+    geometric grid of 400 values of ``eps`` in ``[1e-4, 100]``, then refined by bisection below the first one
+    that meets it. Every value returned was evaluated to meet ``delta`` (sound whatever the profile's shape; a
+    window of ``eps`` narrower than the grid's 3.5 % steps can be missed, which over-reports); ``inf`` when no
+    grid value meets it.
+
+    Args:
+        delta_for_epsilon: ``eps -> delta_ex(eps)`` of the example-level mechanism (an upper bound), taking a
+            list of epsilons and returning their deltas.
+        group_size: ``k >= 1``.
+        delta: the group's delta.
+
+    Example:
+        >>> import math
+        >>> profile = lambda eps: [1e-6 * math.exp(-e) for e in eps]
+        >>> round(group_epsilon(profile, 1, 1e-7), 4)  # k = 1: the profile's own epsilon, ln 10
+        2.3026
+    """
+    k = int(group_size)
+    log_target = math.log(delta) - math.log(k)
+
+    def log_group_delta(epsilons: np.ndarray) -> np.ndarray:
+        with np.errstate(all="ignore"):  # the library's exp(eps) * mass at large eps; log(0) = -inf meets any delta
+            deltas = np.asarray(delta_for_epsilon(list(map(float, epsilons))), float)
+            return (k - 1) * epsilons + np.log(np.maximum(deltas, 0.0))
+
+    grid = np.concatenate([[0.0], np.geomspace(1e-4, 100.0, 400)])
+    meets = log_group_delta(grid) <= log_target
+    if not meets.any():
+        return math.inf
+    first = int(np.argmax(meets))
+    if first == 0:
+        return 0.0
+    low, high = float(grid[first - 1]), float(grid[first])
+    while high - low > tolerance * high:
+        middle = (low + high) / 2
+        if log_group_delta(np.array([middle]))[0] <= log_target:
+            high = middle
+        else:
+            low = middle
+    return k * high
 
 
 # --------------------------------------------------------------------------- validation
@@ -108,11 +190,14 @@ def _append(history: tuple[HistoryEntry, ...], entry: HistoryEntry) -> tuple[His
     return history + (entry,)
 
 
-def history_to_dp_event(history: Sequence[HistoryEntry]) -> dp_event.DpEvent:
+def history_to_dp_event(history: Sequence[HistoryEntry], examples_per_user: int | None = None) -> dp_event.DpEvent:
     """Translates a DP-SGD history into the ``dp_accounting`` event it stands for.
 
     Args:
         history: Run-length encoded ``(noise_multiplier, sample_rate, num_steps)`` entries.
+        examples_per_user: ``k`` for the user-level event of example-level sampling over users' records bounded to
+            ``k`` (ELS): each step is ``MixtureOfGaussiansDpEvent(sigma, 0..k, Binomial(k, q))``, and a full batch
+            (``q == 1``) the Gaussian mechanism with sensitivity ``k``, ``GaussianDpEvent(sigma / k)``.
 
     Returns:
         ``ComposedDpEvent`` of one ``SelfComposedDpEvent(PoissonSampledDpEvent(q,
@@ -127,6 +212,12 @@ def history_to_dp_event(history: Sequence[HistoryEntry]) -> dp_event.DpEvent:
     """
     events = []
     for sigma, q, n in history:
+        if examples_per_user is not None:
+            k = int(examples_per_user)
+            single = (dp_event.GaussianDpEvent(float(sigma) / k) if q == 1.0 else
+                      dp_event.MixtureOfGaussiansDpEvent(float(sigma), *binomial_sensitivities(k, q)))
+            events.append(dp_event.SelfComposedDpEvent(single, int(n)))
+            continue
         gaussian = dp_event.GaussianDpEvent(float(sigma))
         single = gaussian if q == 1.0 else dp_event.PoissonSampledDpEvent(float(q), gaussian)
         events.append(dp_event.SelfComposedDpEvent(single, int(n)))
@@ -197,6 +288,23 @@ class Accountant(abc.ABC):
     def __init__(self, adjacency: str = "add_remove") -> None:
         self._history: tuple[HistoryEntry, ...] = ()
         self.adjacency = check_adjacency(adjacency)
+
+    #: The most records one user contributes where the spend is stated per user (None: per example).
+    examples_per_user: int | None = None
+    #: How a user-level spend is stated (:data:`USER_ACCOUNTING`); unused per example.
+    user_accounting: str = "mixture"
+
+    @property
+    def privacy_unit(self) -> str:
+        """``"user"`` where the spend is stated per user (``examples_per_user`` set), else ``"example"``."""
+        return "example" if self.examples_per_user is None else "user"
+
+    def unit_key(self) -> tuple[Any, ...]:
+        """What the spend's neighbours are: unit, ``k``, the user-level statement and the adjacency (histories of
+        accountants with different keys measure different neighbours and do not compose)."""
+        if self.examples_per_user is None:
+            return ("example", self.adjacency)
+        return ("user", self.examples_per_user, self.user_accounting, self.adjacency)
 
     @property
     def neighboring_relation(self) -> NeighboringRelation:
@@ -467,12 +575,28 @@ class PLDAccountant(Accountant):
     name = "pld"
 
     def __init__(self, value_discretization_interval: float = 1e-4, adjacency: str = "add_remove",
-                 pessimistic_estimate: bool = True) -> None:
+                 pessimistic_estimate: bool = True, examples_per_user: int | None = None,
+                 user_accounting: str = "mixture") -> None:
         super().__init__(adjacency)
         self.value_discretization_interval = self._check_interval(value_discretization_interval)
         # False gives dp-accounting's optimistic estimate, a LOWER bound of the true epsilon: never for reporting a
         # spend, only where a lower bound is what is wanted (the epsilon of a curve an audit refuted)
         self.pessimistic_estimate = bool(pessimistic_estimate)
+        self.examples_per_user, self.user_accounting = self._check_unit(examples_per_user, user_accounting,
+                                                                        self.adjacency)
+
+    @staticmethod
+    def _check_unit(examples_per_user: Any, user_accounting: Any, adjacency: str) -> tuple[int | None, str]:
+        """The user-level configuration: ``k`` (None: example-level) and how the spend is stated."""
+        k = check_examples_per_user(examples_per_user)
+        if user_accounting not in USER_ACCOUNTING:
+            raise ValueError(f"user_accounting={user_accounting!r} is not allowed; choose 'mixture' (the user's "
+                             "sampled records as one mixture of Gaussians: tight) or 'group' (group privacy of the "
+                             "example-level guarantee: the papers' baseline, looser).")
+        if k is not None and adjacency != "add_remove":
+            raise ValueError(f"a user-level spend (examples_per_user={k}) is stated for a user added or removed "
+                             f"with all their records: adjacency={adjacency!r} is not supported; use 'add_remove'.")
+        return k, str(user_accounting)
 
     @staticmethod
     def _check_interval(value: Any) -> float:
@@ -488,6 +612,8 @@ class PLDAccountant(Accountant):
         config: dict[str, Any] = {"value_discretization_interval": self.value_discretization_interval}
         if not self.pessimistic_estimate:
             config["pessimistic_estimate"] = False
+        if self.examples_per_user is not None:  # example-level states keep their keys (checkpoints before 0.5)
+            config.update(examples_per_user=self.examples_per_user, user_accounting=self.user_accounting)
         return config
 
     def _coarse_kwargs(self) -> dict[str, Any] | None:
@@ -497,15 +623,39 @@ class PLDAccountant(Accountant):
         return {"value_discretization_interval": coarse}
 
     def _load_config(self, state: dict[str, Any]) -> None:
+        saved = (state.get("examples_per_user"), state.get("user_accounting", "mixture"))
+        mine = (self.examples_per_user, self.user_accounting)
+        if saved[0] != mine[0] or (saved[0] is not None and saved[1] != mine[1]):
+            def unit(k: Any, how: str) -> str:
+                return "example-level" if k is None else f"user-level (examples_per_user={k}, {how})"
+
+            raise ValueError(f"Cannot load a privacy history accounted {unit(*saved)} into an accountant that states "
+                             f"a {unit(*mine)} spend: the guarantee would change meaning mid-run. Resume with the "
+                             "privacy unit the run started with.")
         self.value_discretization_interval = self._check_interval(
             state.get("value_discretization_interval", self.value_discretization_interval)
         )
         self.pessimistic_estimate = bool(state.get("pessimistic_estimate", True))
 
+    @property
+    def _mixture(self) -> bool:
+        """Whether each step is the user-level mixture of Gaussians (ELS), not the example-level Gaussian."""
+        return self.examples_per_user is not None and self.user_accounting == "mixture"
+
     def _single_step_pld(self, sigma: float, q: float) -> privacy_loss_distribution.PrivacyLossDistribution:
-        # Mirrors PLDAccountant._maybe_compose for PoissonSampledDpEvent(q, GaussianDpEvent(sigma)).
-        key = (self.name, sigma, q, self.value_discretization_interval, self.adjacency, self.pessimistic_estimate)
+        # Mirrors PLDAccountant._maybe_compose for PoissonSampledDpEvent(q, GaussianDpEvent(sigma)), and for
+        # MixtureOfGaussiansDpEvent(sigma, 0..k, Binomial(k, q)) where the unit is a user (ELS).
+        key = (self.name, sigma, q, self.value_discretization_interval, self.adjacency, self.pessimistic_estimate,
+               self.examples_per_user if self._mixture else None)
         pld = _PLD_SINGLE_STEP_CACHE.get(key)
+        if pld is None and self._mixture:
+            assert self.examples_per_user is not None
+            sensitivities, probabilities = binomial_sensitivities(self.examples_per_user, q)
+            pld = privacy_loss_distribution.from_mixture_gaussian_mechanism(
+                standard_deviation=sigma, sensitivities=sensitivities, sampling_probs=probabilities,
+                pessimistic_estimate=self.pessimistic_estimate, use_connect_dots=self.pessimistic_estimate,
+                value_discretization_interval=self.value_discretization_interval)
+            _PLD_SINGLE_STEP_CACHE.put(key, pld)
         if pld is None:
             pld = privacy_loss_distribution.from_gaussian_mechanism(
                 standard_deviation=sigma,
@@ -522,9 +672,10 @@ class PLDAccountant(Accountant):
         sigma, q, n = entry
         if q == 1.0:
             # Mirrors the library's GaussianDpEvent branch: n Gaussian releases with std sigma
-            # compose exactly into one with std sigma / sqrt(n).
+            # compose exactly into one with std sigma / sqrt(n) (a user's k records: sensitivity k, sigma / k).
+            k = self.examples_per_user if self._mixture else 1
             return privacy_loss_distribution.from_gaussian_mechanism(
-                standard_deviation=sigma / math.sqrt(n),
+                standard_deviation=sigma / k / math.sqrt(n),
                 pessimistic_estimate=self.pessimistic_estimate,
                 use_connect_dots=self.pessimistic_estimate,
                 value_discretization_interval=self.value_discretization_interval,
@@ -536,7 +687,8 @@ class PLDAccountant(Accountant):
         # The library folds identity.compose(e1).compose(e2)...; a cached prefix of that
         # fold followed by the remaining composes is the same sequence of operations.
         interval = self.value_discretization_interval
-        flavour = (self.name, interval, self.adjacency, self.pessimistic_estimate)
+        flavour = (self.name, interval, self.adjacency, self.pessimistic_estimate,
+                   self.examples_per_user if self._mixture else None)
         start, pld = 0, None
         for length in range(len(history), 0, -1):
             pld = _PLD_COMPOSED_CACHE.get((*flavour, history[:length]))
@@ -554,12 +706,30 @@ class PLDAccountant(Accountant):
         return pld
 
     def _compute_epsilon(self, history: tuple[HistoryEntry, ...], delta: float) -> float:
-        return float(self._composed_pld(history).get_epsilon_for_delta(delta))
+        pld = self._composed_pld(history)
+        if self.examples_per_user is not None and self.user_accounting == "group":
+            return group_epsilon(pld.get_delta_for_epsilon, self.examples_per_user, delta)
+        return float(pld.get_epsilon_for_delta(delta))
+
+    def to_dp_event(self) -> dp_event.DpEvent:
+        """The ``dp_accounting`` event of the history; per user (``"mixture"``) the ELS mixture of Gaussians.
+
+        Raises:
+            ValueError: for ``user_accounting="group"``: group privacy is a conversion of the example-level event's
+                guarantee, not an event of its own (compose the example-level events, then convert).
+        """
+        if self.examples_per_user is not None and self.user_accounting == "group":
+            raise ValueError("a group-privacy spend has no dp_accounting event: it converts the example-level "
+                             "guarantee (group_epsilon); compose the example-level events, then convert.")
+        return history_to_dp_event(self._history, self.examples_per_user)
 
     def privacy_profile(self, epsilons: Sequence[float]) -> np.ndarray:
         """``delta(eps)`` of the whole history at every epsilon of ``epsilons`` (the PLD's hockey-stick
         divergence, pessimistic; both directions of add/remove, the larger). The one-run f-DP audit turns it
         into a trade-off function (:func:`lightning_dp.audit.one_run.tradeoff_from_profile`)."""
+        if self.examples_per_user is not None and self.user_accounting == "group":
+            raise ValueError("the privacy profile of a group-privacy spend is not computed (only its epsilon); use "
+                             "user_accounting='mixture' or the example-level accountant")
         if not self._history:
             return np.zeros(len(epsilons))
         return np.asarray(self._composed_pld(self._history).get_delta_for_epsilon(list(map(float, epsilons))),
@@ -649,9 +819,15 @@ class RDPAccountant(Accountant):
 
     name = "rdp"
 
-    def __init__(self, orders: Sequence[float] | None = None, adjacency: str = "add_remove") -> None:
+    def __init__(self, orders: Sequence[float] | None = None, adjacency: str = "add_remove",
+                 examples_per_user: int | None = None, user_accounting: str = "mixture") -> None:
         super().__init__(adjacency)
         self.orders = self._check_orders(orders)
+        if examples_per_user is not None:
+            raise ValueError(
+                f"the RDP accountant states example-level spends only (examples_per_user={examples_per_user!r} was "
+                "given): dp_accounting has no RDP bound for the mixture of Gaussians of a user's records, and RDP's "
+                "group privacy is looser than PLD's. Use accountant='pld' for a user-level spend.")
 
     def check_supported(self, sample_rate: float) -> None:
         if self.adjacency == "replace" and sample_rate != 1.0:
