@@ -92,6 +92,15 @@ class DPSGD(Callback):
             example added or removed; the default with Poisson sampling) or ``"replace"``
             (one example replaced by another: bounded DP, a larger epsilon for the same
             noise, the default and only choice of ``poisson_sampling=False``).
+        privacy_unit: what a neighbouring dataset differs in: ``"example"`` (one record, the default) or ``"user"``
+            (every record of one user; the training dataset states each example's user as ``user_ids``). A
+            user-level run keeps at most ``max_examples_per_user`` records of every user (drawn from the secret
+            seed), samples and clips examples as usual (ELS, Charles et al. 2025) and states epsilon per user:
+            docs/privacy.md, "The privacy unit".
+        max_examples_per_user: ``k``, the most records one user contributes (``privacy_unit="user"`` only).
+        user_accounting: how the user-level epsilon is stated: ``"mixture"`` (dp-accounting's mixture of
+            Gaussians over how many of a user's ``k`` records a batch holds: tight) or ``"group"`` (group privacy
+            of the example-level spend: the papers' baseline, looser).
         max_physical_batch_size: the most examples one forward/backward pass may hold (a memory
             bound; None: no bound). A batch that holds more is cut into chunks of at most this many
             examples inside the training step, each clipped after its own backward pass; the step
@@ -122,6 +131,9 @@ class DPSGD(Callback):
         log_nonprivate_metrics: bool = True,
         adjacency: str | None = None,
         max_physical_batch_size: int | None = None,
+        privacy_unit: Literal["example", "user"] = "example",
+        max_examples_per_user: int | None = None,
+        user_accounting: Literal["mixture", "group"] = "mixture",
     ) -> None:
         who = type(self).__name__
         self.settings, self.clipping, self._accountant = Settings.of(
@@ -130,7 +142,8 @@ class DPSGD(Callback):
             calibrate_for=calibrate_for, accountant=accountant, accountant_kwargs=accountant_kwargs,
             poisson_sampling=poisson_sampling, seed=seed, replace_batchnorm=replace_batchnorm,
             log_nonprivate_metrics=log_nonprivate_metrics, adjacency=adjacency,
-            max_physical_batch_size=max_physical_batch_size)
+            max_physical_batch_size=max_physical_batch_size, privacy_unit=privacy_unit,
+            max_examples_per_user=max_examples_per_user, user_accounting=user_accounting)
         # the secret seed, the gate, the final spend, the summary: the run-level protocol (lightning_dp.protocol)
         self.protocol = RunProtocol(self, seed=seed)
         self.calibration = Calibration(self.settings, self.clipping, self._accountant, who)
@@ -139,9 +152,10 @@ class DPSGD(Callback):
         self.record = Record()
 
     def privacy_spend(self) -> list[Spend]:
-        """The run's example-level spend: the accountant's history at ``target_delta`` (what ``lightning-dp grid``
+        """The run's spend at its privacy unit (example or user): the accountant's history at ``target_delta`` (what ``lightning-dp grid``
         composes over its runs, :mod:`lightning_dp.privacy.spend`). A run that took no step spent epsilon 0."""
-        return [Spend.accounted("example", self._accountant, delta=self.target_delta, why=type(self).__name__)]
+        return [Spend.accounted(self._accountant.privacy_unit, self._accountant, delta=self.target_delta,
+                                why=type(self).__name__)]
 
     # ----------------------------------------------------------- properties
     @property
@@ -355,7 +369,8 @@ class DPSGD(Callback):
             accountant=s.accountant_name, adjacency=s.adjacency, poisson_sampling=s.poisson_sampling, data=c.data,
             rate_varies=c.rate_varies, sigma=c.sigma, sigma_source=c.sigma_source, clipping=self.clipping,
             max_physical_batch_size=s.max_physical_batch_size, budget_stop=c.budget.stopped_at,
-            plan_done=c.budget.plan_done)
+            plan_done=c.budget.plan_done, max_examples_per_user=s.max_examples_per_user,
+            user_accounting=s.user_accounting)
 
     # ---------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:

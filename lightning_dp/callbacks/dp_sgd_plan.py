@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader, RandomSampler, SequentialSampler, Subset
 
 from lightning_dp import checks
 from lightning_dp.callbacks import dp_sgd_record, virtual_batches
@@ -22,7 +22,13 @@ from lightning_dp.callbacks.budget import Budget
 from lightning_dp.callbacks.clipping import ClipStrategy, FixedClip, resolve_clip_strategy
 from lightning_dp.callbacks.run_length import Lengths
 from lightning_dp.privacy import planning
-from lightning_dp.privacy.accounting import check_adjacency, check_delta, check_target_epsilon, get_accountant
+from lightning_dp.privacy.accounting import (
+    check_adjacency,
+    check_delta,
+    check_examples_per_user,
+    check_target_epsilon,
+    get_accountant,
+)
 from lightning_dp.privacy.calibration import calibrate_noise_multiplier
 from lightning_dp.privacy.delta import check_delta_for_size
 from lightning_dp.privacy.noise import check_noise_multiplier
@@ -32,8 +38,10 @@ from lightning_dp.privacy.sampling import (
     check_partition_sampler,
     poisson_dataloader,
     rebuild_dataloader,
+    with_dataset,
 )
 from lightning_dp.privacy.seeds import check_seed
+from lightning_dp.privacy.users import PRIVACY_UNITS, Contributions, bound_contributions, count_bounded, user_ids_of
 from lightning_dp.privacy.validators import describe_mixing_layers, find_mixing_layers
 
 __all__ = ["PRECISIONS", "Calibration", "PlannedMechanism", "Settings", "check_fit"]
@@ -67,13 +75,18 @@ class Settings:
     replace_batchnorm: bool
     log_nonprivate_metrics: bool
     max_physical_batch_size: int | None
+    privacy_unit: str = "example"  #: "example", or "user" (lightning_dp.privacy.users)
+    max_examples_per_user: int | None = None  #: k, the records one user keeps (privacy_unit="user")
+    user_accounting: str = "mixture"  #: how a user-level spend is stated (accounting.USER_ACCOUNTING)
 
     @classmethod
     def of(cls, who: str, *, noise_multiplier: float | None, target_epsilon: float | None, target_delta: float,
            max_grad_norm: float | None, clipping: ClipStrategy | str, epochs: int | None, max_steps: int | None,
            calibrate_for: str, accountant: str, accountant_kwargs: dict[str, Any] | None, poisson_sampling: bool,
            seed: int | None, replace_batchnorm: bool, log_nonprivate_metrics: bool, adjacency: str | None,
-           max_physical_batch_size: int | None) -> tuple[Settings, ClipStrategy, Any]:
+           max_physical_batch_size: int | None, privacy_unit: str = "example",
+           max_examples_per_user: int | None = None,
+           user_accounting: str = "mixture") -> tuple[Settings, ClipStrategy, Any]:
         """The settings, the clipping strategy and the accountant, every argument checked in the signature's order.
 
         Raises:
@@ -100,6 +113,13 @@ class Settings:
         adjacency = _resolve_adjacency(adjacency, kwargs, accountant, poisson)
         if poisson and adjacency == "replace":
             kwargs["adjacency"] = "replace"
+        k = _resolve_unit(privacy_unit, max_examples_per_user, user_accounting, poisson=poisson, adjacency=adjacency,
+                          accountant=accountant, kwargs=kwargs)
+        if k is not None and strategy.adaptive:
+            raise ValueError(
+                f"privacy_unit='user' with {strategy.name!r} clipping is not supported yet: adaptive clipping "
+                "releases further statistics of each batch (quantile counts, OSO's dot products) whose user-level "
+                "accounting is not analysed here. Use clipping='fixed' (max_grad_norm=C) for a user-level run.")
         accountant_object = get_accountant(accountant, **kwargs)  # validates the name
         check_seed(seed, "seed")  # the run-level protocol keeps it
         physical = (None if max_physical_batch_size is None else
@@ -107,8 +127,44 @@ class Settings:
         if sigma is not None:
             strategy.check_noise(sigma, None)  # what does not depend on the data, now
         settings = cls(sigma, target_epsilon, target_delta, epochs, max_steps, calibrate_for, accountant, kwargs,
-                       poisson, adjacency, bool(replace_batchnorm), bool(log_nonprivate_metrics), physical)
+                       poisson, adjacency, bool(replace_batchnorm), bool(log_nonprivate_metrics), physical,
+                       str(privacy_unit), k, str(user_accounting))
         return settings, strategy, accountant_object
+
+
+def _resolve_unit(privacy_unit: str, k: int | None, user_accounting: str, *, poisson: bool, adjacency: str,
+                  accountant: str, kwargs: dict[str, Any]) -> int | None:
+    """``k`` for a user-level run (its accountant's arguments set in ``kwargs``), None for an example-level one."""
+    if privacy_unit not in PRIVACY_UNITS:
+        raise ValueError(f"privacy_unit={privacy_unit!r} is not allowed; choose 'example' (one training example "
+                         "added or removed: the usual DP-SGD guarantee) or 'user' (every record of one user, "
+                         "with max_examples_per_user=k).")
+    if privacy_unit == "example":
+        if k is not None:
+            raise ValueError(f"max_examples_per_user={k!r} bounds a user's records for privacy_unit='user'; with "
+                             "privacy_unit='example' it has no effect. Pass privacy_unit='user' or drop it.")
+        return None
+    k = check_examples_per_user(k, name="max_examples_per_user")
+    if k is None:
+        raise ValueError("privacy_unit='user' needs max_examples_per_user=k: the most records one user contributes "
+                         "(the others are left out before training), which the user-level epsilon is stated for. "
+                         "Example: DPSGD(privacy_unit='user', max_examples_per_user=8, target_epsilon=4.0)")
+    if not poisson:
+        raise ValueError("privacy_unit='user' needs poisson_sampling=True: its accounting is Poisson sampling of "
+                         "every kept record (a mixture over how many of a user's k records a batch holds).")
+    if adjacency != "add_remove":
+        raise ValueError(f"privacy_unit='user' states a user added or removed with all their records; "
+                         f"adjacency={adjacency!r} is not supported. Use adjacency='add_remove' (the default).")
+    if str(accountant).lower() != "pld":
+        raise ValueError(f"privacy_unit='user' needs accountant='pld' (accountant={accountant!r}): dp_accounting's "
+                         "mixture of Gaussians, and the group-privacy conversion, are computed from privacy loss "
+                         "distributions.")
+    for key in ("examples_per_user", "user_accounting"):
+        if key in kwargs:
+            raise ValueError(f"accountant_kwargs[{key!r}] is set by DPSGD's privacy_unit, max_examples_per_user and "
+                             "user_accounting: pass those instead.")
+    kwargs.update(examples_per_user=k, user_accounting=user_accounting)
+    return k
 
 
 def _resolve_clipping(who: str, clipping: ClipStrategy | str, max_grad_norm: float | None) -> ClipStrategy:
@@ -198,6 +254,7 @@ class Calibration:
         self.budget = Budget()  # the events target_epsilon allows, and those taken
         self.passes = 0  # passes started over a shuffled loader; each is one accounted event
         self.charged_pass = 0
+        self.contributions: Contributions | None = None  # users and records of a user-level run's training data
 
     @property
     def epsilon(self) -> float:
@@ -236,6 +293,13 @@ class Calibration:
             raise MisconfigurationException(
                 "the training dataset has no length (an IterableDataset?); Poisson sampling needs random access "
                 "to a map-style dataset of known size N.") from None
+        if self.settings.max_examples_per_user is not None:  # N: the records the bound keeps (sizes only, no draw)
+            if extra_slots:
+                raise MisconfigurationException(
+                    f"{self.who}(privacy_unit='user') cannot take an audit's canary slots: a canary belongs to no "
+                    "user, and the audit's epsilon is stated per example. Audit an example-level run.")
+            self.contributions = self._contributions(loader.dataset)
+            n = self.contributions.kept
         if loader.batch_size is None:
             raise MisconfigurationException(
                 "the training DataLoader has batch_size=None (a custom batch_sampler?); DPSGD takes the expected "
@@ -247,9 +311,27 @@ class Calibration:
         except ValueError as err:
             raise MisconfigurationException(str(err)) from None
 
+    def _contributions(self, dataset: Any) -> Contributions:
+        k = self.settings.max_examples_per_user
+        assert k is not None
+        try:
+            return count_bounded(user_ids_of(dataset), k)
+        except ValueError as err:
+            raise MisconfigurationException(f"{self.who}: {err}") from None
+
+    def bounded(self, loader: DataLoader, seed: int) -> DataLoader:
+        """``loader`` over the records a user-level run keeps (at most ``k`` per user, drawn from the secret ``seed``:
+        :func:`~lightning_dp.privacy.users.bound_contributions`); ``loader`` itself for an example-level run."""
+        k = self.settings.max_examples_per_user
+        if k is None:
+            return loader
+        kept = bound_contributions(user_ids_of(loader.dataset), k, seed=seed)
+        return with_dataset(loader, Subset(loader.dataset, kept))
+
     def privatize(self, loader: DataLoader, data: DataFacts, trainer: Trainer, *, seed: Callable[[], int],
                   start_step: Callable[[], int]) -> DataLoader:
-        """``loader`` (of facts ``data``) Poisson-sampled from the secret ``seed``, or its shuffled passes marked."""
+        """``loader`` (of facts ``data``) Poisson-sampled from the secret ``seed``, or its shuffled passes marked; a
+        user-level run's loader holds at most ``k`` records of every user first."""
         if not self.settings.poisson_sampling:
             try:
                 check_partition_sampler(loader)
@@ -267,6 +349,7 @@ class Calibration:
         if self.logged_rate is not None and data.sample_rate != self.logged_rate:
             self.rate_varies = True  # logged as a metric from now on (the param holds the rate at fit start)
         self.update_budget(trainer)  # a reloaded loader may bring a new sampling rate
+        loader = self.bounded(loader, seed())
         return poisson_dataloader(loader, sample_rate=data.sample_rate, seed=seed(), rank=trainer.global_rank,
                                   world_size=trainer.world_size, start_step=start_step, parts=data.parts,
                                   steps_per_epoch=data.steps_per_epoch)  # the plan's count, not ceil(1/q) again
@@ -319,7 +402,10 @@ class Calibration:
         returns the run's fixed privacy parameters (:func:`~lightning_dp.callbacks.dp_sgd_record.hyperparams`)."""
         settings, data = self.settings, self.data
         # delta >= 1/N: warned, with the wording every accountant shares (lightning_dp.privacy.delta)
-        large_delta = check_delta_for_size(settings.target_delta, data.dataset_size, unit="examples", who=self.who)
+        users = self.contributions
+        large_delta = (check_delta_for_size(settings.target_delta, users.users, unit="users", who=self.who)
+                       if users is not None else
+                       check_delta_for_size(settings.target_delta, data.dataset_size, unit="examples", who=self.who))
         if large_delta is not None:
             rank_zero_warn(large_delta)
         lengths = self.lengths(trainer)
@@ -346,7 +432,9 @@ class Calibration:
             sigma=self.sigma, clipping=self.clipping, target_epsilon=settings.target_epsilon,
             target_delta=settings.target_delta, accountant=settings.accountant_name,
             poisson_sampling=settings.poisson_sampling, adjacency=settings.adjacency, data=data, planned=planned,
-            max_physical_batch_size=settings.max_physical_batch_size, strategy_params=strategy_params)
+            max_physical_batch_size=settings.max_physical_batch_size, strategy_params=strategy_params,
+            privacy_unit=settings.privacy_unit, max_examples_per_user=settings.max_examples_per_user,
+            user_accounting=settings.user_accounting)
 
     def _calibrate(self, lengths: Lengths, data: DataFacts) -> int:
         """Calibrates sigma for the planned run; returns its planned events."""

@@ -32,8 +32,10 @@ def adjacency_label(adjacency: str) -> str:
 
 def hyperparams(*, sigma: float | None, clipping: ClipStrategy, target_epsilon: float | None, target_delta: float,
                 accountant: str, poisson_sampling: bool, adjacency: str, data: DataFacts, planned: int | None,
-                max_physical_batch_size: int | None, strategy_params: dict[str, Any]) -> dict[str, Any]:
-    """The run's fixed privacy parameters, logged once per fit.
+                max_physical_batch_size: int | None, strategy_params: dict[str, Any], privacy_unit: str = "example",
+                max_examples_per_user: int | None = None, user_accounting: str = "mixture") -> dict[str, Any]:
+    """The run's fixed privacy parameters, logged once per fit: with dp-accounting, anyone recomputes
+    ``privacy/epsilon`` from them and the steps (per user: docs/privacy.md, "The privacy unit").
 
     What moves during the run is a metric instead: epsilon, an adaptive C (``privacy/max_grad_norm``; its initial C
     is the strategy's param ``privacy/initial_clip``), a sampling rate that a reloaded loader changes.
@@ -48,8 +50,12 @@ def hyperparams(*, sigma: float | None, clipping: ClipStrategy, target_epsilon: 
         "privacy/adjacency": adjacency_label(adjacency),
         "privacy/accumulate_grad_batches": data.parts,
         "privacy/max_physical_batch_size": max_physical_batch_size,
+        "privacy/privacy_unit": privacy_unit, "privacy/sampling": "example",
         **strategy_params,
     }
+    if privacy_unit == "user":
+        params.update({"privacy/max_examples_per_user": max_examples_per_user,
+                       "privacy/user_accounting": user_accounting})
     if clipping.adaptive:
         del params["privacy/max_grad_norm"]
     return params
@@ -58,7 +64,8 @@ def hyperparams(*, sigma: float | None, clipping: ClipStrategy, target_epsilon: 
 def summary_rows(*, epsilon: float, target_epsilon: float | None, target_delta: float, accountant: str,
                  adjacency: str, poisson_sampling: bool, data: DataFacts, rate_varies: bool, sigma: float | None,
                  sigma_source: str, clipping: ClipStrategy, max_physical_batch_size: int | None,
-                 budget_stop: int | None, plan_done: bool) -> list[tuple[str, str]]:
+                 budget_stop: int | None, plan_done: bool, max_examples_per_user: int | None = None,
+                 user_accounting: str = "mixture") -> list[tuple[str, str]]:
     """``(label, value)`` rows of the end-of-training summary (:mod:`lightning_dp.callbacks.summary`)."""
     if target_epsilon is None:
         spend = f"{epsilon:.4g} at delta {target_delta:g} (no target_epsilon)"
@@ -71,6 +78,10 @@ def summary_rows(*, epsilon: float, target_epsilon: float | None, target_delta: 
         batches = ("batches", f"shuffled, {data.expected_batch_size:g} of N = {data.dataset_size} (one "
                               "Gaussian mechanism per epoch)")
     rows = [("epsilon", f"{spend} ({accountant}, {adjacency_label(adjacency)} adjacency)"),
+            *([("privacy unit", f"user: at most {max_examples_per_user} records each, example-level sampling, "
+                                + ("mixture-of-Gaussians accounting (ELS)" if user_accounting == "mixture" else
+                                   "group privacy of the example-level spend"))]
+              if max_examples_per_user is not None else []),
             ("noise multiplier", f"{sigma:.4g} ({sigma_source})"),
             ("clipping norm C", clipping.describe()), batches]
     if data.parts > 1 or max_physical_batch_size is not None:

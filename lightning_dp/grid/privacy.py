@@ -32,7 +32,7 @@ def privacy_of(trainer: Any, module: Any) -> dict[str, Any]:
         if isinstance(cb, DPSGD):  # a run that took no step is private too (epsilon 0), not unprotected
             out["accountant"] = copy.deepcopy(cb.accountant)
     for s in spends:
-        if s.level in ("example", "client"):
+        if s.level in ("example", "user", "client"):
             out["epsilon"] = s.epsilon
             if s.delta is not None:
                 out["delta"] = s.delta

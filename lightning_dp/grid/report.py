@@ -20,7 +20,7 @@ def fmt(value: Any) -> str:
 #: The per-run privacy columns of the tables (``GridPoint.privacy``, :func:`~lightning_dp.grid.privacy.privacy_of`).
 PRIVACY_COLUMNS = ("epsilon", "client_epsilon_median", "client_epsilon_max", "record_epsilon_median",
                    "record_epsilon_max")
-_COLUMN_LEVEL = {"epsilon": ("example", "client"), "client_epsilon": ("client_ledger",), "record_epsilon": ("record",)}
+_COLUMN_LEVEL = {"epsilon": ("example", "user", "client"), "client_epsilon": ("client_ledger",), "record_epsilon": ("record",)}
 
 
 def privacy_value(point: GridPoint, name: str) -> Any:

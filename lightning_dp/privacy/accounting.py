@@ -673,7 +673,7 @@ class PLDAccountant(Accountant):
         if q == 1.0:
             # Mirrors the library's GaussianDpEvent branch: n Gaussian releases with std sigma
             # compose exactly into one with std sigma / sqrt(n) (a user's k records: sensitivity k, sigma / k).
-            k = self.examples_per_user if self._mixture else 1
+            k = self.examples_per_user if self._mixture and self.examples_per_user is not None else 1
             return privacy_loss_distribution.from_gaussian_mechanism(
                 standard_deviation=sigma / k / math.sqrt(n),
                 pessimistic_estimate=self.pessimistic_estimate,

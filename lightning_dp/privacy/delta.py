@@ -18,6 +18,7 @@ _UNITS = {
     "examples": ("training examples", "one random example"),
     "clients": ("training clients", "one random client's data"),
     "records": ("records of a client", "one random record of the client"),
+    "users": ("users of the training data", "every record of one random user"),
 }
 
 

@@ -1,7 +1,7 @@
 """What a run spent, in the units a grid composes: one interface for every privacy component.
 
 Every component that protects a run reports ``privacy_spend() -> list[Spend]`` (:class:`SpendReporter`) at one
-of the levels ``"example"``, ``"client"``, ``"client_ledger"``, ``"record"``; the grid composes the reports level
+of the levels ``"example"``, ``"user"``, ``"client"``, ``"client_ledger"``, ``"record"``; the grid composes the reports level
 by level with :func:`compose`, and a level some run leaves unprotected is infinite for the grid. The levels and
 an example: docs/privacy.md, "What a run spent".
 """
@@ -18,9 +18,9 @@ from typing import Any, Protocol, runtime_checkable
 __all__ = ["LEVELS", "Spend", "SpendReporter", "compose", "reporters_of", "spends_of", "unreported_components"]
 
 #: The levels a spend can be stated at (module docstring).
-LEVELS = ("example", "client", "client_ledger", "record")
+LEVELS = ("example", "user", "client", "client_ledger", "record")
 #: The (epsilon, delta) levels, of which a grid reports one as ``grid/epsilon``.
-_ACCOUNTED = ("example", "client")
+_ACCOUNTED = ("example", "user", "client")
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class Spend:
 
     Attributes:
         level: one of :data:`LEVELS`.
-        accountants: for ``"example"``/``"client"``: ``{name: accountant}``, each a valid bound of the
+        accountants: for ``"example"``/``"user"``/``"client"``: ``{name: accountant}``, each a valid bound of the
             whole run (e.g. the replace-one and the disjoint-pair bound); the spend is the smallest.
         delta: the delta the epsilon is stated at.
         ledger: for ``"client_ledger"``/``"record"``: the run's per-client ledger (a copy).
@@ -60,7 +60,7 @@ class Spend:
         """An (epsilon, delta) spend from ``accountant`` (its history is copied), and optional further accountants
         that each bound the whole run too (the smallest bound is the spend)."""
         if level not in _ACCOUNTED:
-            raise ValueError(f"an accountant's spend is stated at level 'example' or 'client', got {level!r}")
+            raise ValueError(f"an accountant's spend is stated at level 'example', 'user' or 'client', got {level!r}")
         accountants = {"main": copy.deepcopy(accountant)}
         accountants.update({k: copy.deepcopy(v) for k, v in (alternatives or {}).items() if v is not None})
         return cls(level, accountants=accountants, delta=float(delta), why=why)
@@ -135,12 +135,16 @@ def _compose_accounted(spends: Sequence[Spend]) -> tuple[float, float]:
     names = set(spends[0].accountants)
     for s in spends[1:]:
         names &= set(s.accountants)
-    kinds = {(type(s.accountants["main"]).__name__, str(getattr(s.accountants["main"], "adjacency", None)))
-             for s in spends}
+    def kind(accountant: Any) -> str:
+        unit = accountant.unit_key() if callable(getattr(accountant, "unit_key", None)) else (
+            str(getattr(accountant, "adjacency", None)),)
+        return f"{type(accountant).__name__} {unit}"
+
+    kinds = {kind(s.accountants["main"]) for s in spends}
     if len(kinds) != 1:
         raise ValueError(f"the grid's runs state {spends[0].level}-level epsilon with different accountants "
-                         f"{sorted(map(str, kinds))}; a composition needs one accountant kind and adjacency: set the "
-                         "same accountant (and adjacency) in every run.")
+                         f"{sorted(kinds)}; a composition needs one accountant kind, adjacency and privacy unit (for "
+                         "users: the same examples_per_user and user_accounting): set the same in every run.")
     delta = max(float(s.delta) for s in spends if s.delta is not None)
     bounds = []
     for name in sorted(names):
@@ -203,8 +207,9 @@ def compose(runs: Sequence[Sequence[Spend]]) -> dict[str, Any]:
     present = [level for level in LEVELS if any(by_level[level])]
     accounted = [level for level in present if level in _ACCOUNTED]
     if len(accounted) > 1:
-        raise ValueError("the grid mixes example-level (DP-SGD) and client-level (DP-FedAvg) epsilon, which measure "
-                         "different neighbours and do not compose; grid one kind of run at a time.")
+        raise ValueError(f"the grid mixes {' and '.join(accounted)}-level epsilon (example: DP-SGD per example; user: "
+                         "DP-SGD per user; client: DP-FedAvg), which measure different neighbours and do not "
+                         "compose; grid one privacy unit at a time.")
     totals: dict[str, Any] = {}
     for level in present:
         per_run = by_level[level]

@@ -73,7 +73,7 @@ def test_a_level_some_run_leaves_unprotected_is_infinite():
 def test_different_units_or_accountants_are_refused():
     example = [Spend.accounted("example", _accountant("rdp", 1.0, 0.01, 10), delta=1e-5)]
     client = [Spend.accounted("client", _accountant("rdp", 1.0, 0.1, 10), delta=1e-5)]
-    with pytest.raises(ValueError, match="mixes example-level"):
+    with pytest.raises(ValueError, match="mixes example and client-level"):
         compose([example, client])
     with pytest.raises(ValueError, match="different accountants"):
         compose([example, [Spend.accounted("example", _accountant("pld", 1.0, 0.01, 10), delta=1e-5)]])

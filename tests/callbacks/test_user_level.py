@@ -1,0 +1,219 @@
+"""DPSGD with privacy_unit="user" (issue 51, ELS and group privacy): the bound, the accounting, the record, the
+refusals, resume, and a neighbouring user trained with the same seeds."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import lightning as L
+import pytest
+import torch
+from dp_accounting import dp_event
+from dp_accounting.pld import pld_privacy_accountant
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from scipy import stats
+from torch.utils.data import DataLoader, Subset, TensorDataset
+
+from lightning_dp.callbacks import DPSGD
+from lightning_dp.privacy.accounting import group_epsilon
+from lightning_dp.privacy.users import bound_contributions, count_bounded, user_ids_of
+from tests.helpers import Classifier, RecordingLogger, blobs
+
+COARSE = {"value_discretization_interval": 1e-3}
+
+
+class UserBlobs(TensorDataset):
+    """Blobs whose examples belong to 30 users holding 1 to 9 records each (``user_ids``: one per example)."""
+
+    def __init__(self, seed: int = 0, drop_user: int | None = None, change_user: int | None = None) -> None:
+        users = [u for u in range(30) for _ in range(1 + u % 9)]  # 141 examples
+        data = blobs(len(users), seed=seed)
+        x, y = data.tensors
+        if change_user is not None:  # every record of one user changed drastically
+            rows = torch.tensor([u == change_user for u in users])
+            x, y = x.clone(), y.clone()
+            x[rows], y[rows] = -40.0 * x[rows], (y[rows] + 1) % 3
+        keep = [i for i, u in enumerate(users) if u != drop_user]
+        super().__init__(x[keep], y[keep])
+        self.user_ids = [users[i] for i in keep]
+
+
+class UserData(L.LightningDataModule):
+    def __init__(self, batch_size: int = 10, **dataset) -> None:
+        super().__init__()
+        self.batch_size, self.dataset = batch_size, dataset
+
+    def setup(self, stage: str) -> None:
+        self.train_set = UserBlobs(**self.dataset)
+
+    def train_dataloader(self):
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True)
+
+    def val_dataloader(self):
+        return DataLoader(blobs(60, seed=1), batch_size=30)
+
+
+class Batches(L.Callback):
+    """The training set's example ids of every batch (the features identify an example)."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[int]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        x, _ = batch
+        full = trainer.datamodule.train_set.tensors[0]
+        self.seen.append([int(torch.nonzero((full == row).all(1))[0]) for row in x])
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # Lightning's default_root_dir: checkpoints of the fits below
+
+
+class LossClassifier(Classifier):
+    """Also releases the validation loss (a continuous release: accuracy on 60 examples may not move)."""
+
+    def validation_step(self, batch, batch_idx):
+        super().validation_step(batch, batch_idx)
+        x, y = batch
+        self.log("val/loss", torch.nn.functional.cross_entropy(self(x), y))
+
+
+def _fit(dp: DPSGD, data: UserData, *callbacks, logger=False, **trainer) -> L.Trainer:
+    run = L.Trainer(accelerator="cpu", devices=1, logger=logger, enable_progress_bar=False,
+                    enable_model_summary=False, max_epochs=trainer.pop("max_epochs", 2), log_every_n_steps=1,
+                    callbacks=[dp, *callbacks], **trainer)
+    run.fit(LossClassifier(loss_name="nonprivate/loss"), data)
+    return run
+
+
+def _mixture_epsilon(sigma: float, k: int, q: float, steps: int, delta: float = 1e-5) -> float:
+    """dp-accounting's epsilon of the ELS event, written out here (not through lightning_dp)."""
+    accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-3)
+    mixture = dp_event.MixtureOfGaussiansDpEvent(sigma, list(range(k + 1)), list(stats.binom.pmf(range(k + 1), k, q)))
+    accountant.compose(dp_event.SelfComposedDpEvent(mixture, steps))
+    return float(accountant.get_epsilon(delta))
+
+
+def test_a_user_level_run_trains_on_at_most_k_records_per_user_and_states_the_mixtures_epsilon():
+    dp = DPSGD(privacy_unit="user", max_examples_per_user=3, noise_multiplier=1.0, seed=5,
+               accountant_kwargs=COARSE, log_nonprivate_metrics=False)
+    batches, logger = Batches(), RecordingLogger()
+    trainer = _fit(dp, UserData(), batches, logger=logger)
+    users = trainer.datamodule.train_set.user_ids
+    facts = count_bounded(users, 3)
+    assert dp.data_facts.dataset_size == facts.kept < facts.records  # N: the records kept
+    per_user = {}
+    for index in {i for batch in batches.seen for i in batch}:
+        per_user.setdefault(users[index], set()).add(index)
+    assert per_user and max(len(v) for v in per_user.values()) <= 3  # over the whole run, not per batch
+    kept = set(bound_contributions(users, 3, seed=5))
+    assert {i for batch in batches.seen for i in batch} <= kept
+
+    params = logger.params
+    assert params["privacy/privacy_unit"] == "user" and params["privacy/sampling"] == "example"
+    assert params["privacy/max_examples_per_user"] == 3 and params["privacy/user_accounting"] == "mixture"
+    steps = trainer.global_step
+    expected = _mixture_epsilon(params["privacy/noise_multiplier"], 3, params["privacy/sample_rate"], steps)
+    assert dp.epsilon == pytest.approx(expected, rel=1e-9)
+    assert dp.privacy_spend()[0].level == "user"
+
+
+def test_a_calibrated_user_level_run_meets_its_target_and_group_privacy_states_more():
+    spent = {}
+    for how in ("mixture", "group"):
+        dp = DPSGD(privacy_unit="user", max_examples_per_user=4, user_accounting=how, target_epsilon=6.0,
+                   epochs=2, seed=3, accountant_kwargs=COARSE, log_nonprivate_metrics=False)
+        _fit(dp, UserData())
+        spent[how] = (dp.epsilon, dp.noise_multiplier)
+        assert 5.0 < dp.epsilon <= 6.0
+    assert spent["group"][1] > spent["mixture"][1]  # the looser statement needs more noise for the same target
+
+    example = DPSGD(noise_multiplier=spent["group"][1], seed=3, accountant_kwargs=COARSE, epochs=2,
+                    log_nonprivate_metrics=False)
+    example.accountant.step(noise_multiplier=spent["group"][1], sample_rate=0.1, num_steps=4)
+    pld = example.accountant._composed_pld(tuple(example.accountant.history))  # noqa: SLF001
+    direct = DPSGD(privacy_unit="user", max_examples_per_user=4, user_accounting="group",
+                   noise_multiplier=spent["group"][1], accountant_kwargs=COARSE)
+    direct.accountant.step(noise_multiplier=spent["group"][1], sample_rate=0.1, num_steps=4)
+    assert direct.epsilon == group_epsilon(pld.get_delta_for_epsilon, 4, 1e-5)
+
+
+def test_the_selection_of_one_user_does_not_depend_on_the_others():
+    users = UserBlobs().user_ids
+    without = [u for u in users if u != 8]  # user 8 removed
+    keep = bound_contributions(users, 2, seed=11)
+    keep_without = bound_contributions(without, 2, seed=11)
+    mapping = [i for i, u in enumerate(users) if u != 8]  # D' index -> D index
+    assert sorted(mapping[i] for i in keep_without) == [i for i in keep if users[i] != 8]
+    assert bound_contributions(users, 2, seed=12) != keep  # the secret seed draws it
+
+
+def test_user_ids_are_found_through_subsets_and_refused_when_missing():
+    data = UserBlobs()
+    assert user_ids_of(Subset(data, [3, 0])) == [data.user_ids[3], data.user_ids[0]]
+    dp = DPSGD(privacy_unit="user", max_examples_per_user=2, noise_multiplier=1.0, epochs=1)
+
+    class Plain(UserData):
+        def setup(self, stage):
+            self.train_set = blobs(100)
+
+    with pytest.raises(MisconfigurationException, match="states none. Give it a `user_ids` attribute"):
+        _fit(dp, Plain())
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"privacy_unit": "user"}, "needs max_examples_per_user=k"),
+    ({"privacy_unit": "users", "max_examples_per_user": 2}, "privacy_unit='users' is not allowed"),
+    ({"max_examples_per_user": 2}, "with privacy_unit='example' it has no effect"),
+    ({"privacy_unit": "user", "max_examples_per_user": 2, "accountant": "rdp"}, "needs accountant='pld'"),
+    ({"privacy_unit": "user", "max_examples_per_user": 2, "poisson_sampling": False}, "needs poisson_sampling=True"),
+    ({"privacy_unit": "user", "max_examples_per_user": 2, "clipping": "quantile"}, "adaptive clipping"),
+    ({"privacy_unit": "user", "max_examples_per_user": 2, "accountant_kwargs": {"examples_per_user": 3}},
+     "set by DPSGD's privacy_unit"),
+])
+def test_what_a_user_level_dpsgd_refuses_before_any_data(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DPSGD(noise_multiplier=1.0, **kwargs)
+
+
+def test_a_user_level_run_resumes_its_history_and_refuses_another_unit(tmp_path):
+    first = DPSGD(privacy_unit="user", max_examples_per_user=3, noise_multiplier=1.0, seed=2,
+                  accountant_kwargs=COARSE, log_nonprivate_metrics=False)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    _fit(first, UserData(), checkpoints, max_epochs=1, default_root_dir=tmp_path)
+    again = DPSGD(privacy_unit="user", max_examples_per_user=3, noise_multiplier=1.0, accountant_kwargs=COARSE,
+                  log_nonprivate_metrics=False)
+    run = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                    enable_model_summary=False, max_epochs=2, callbacks=[again], default_root_dir=tmp_path)
+    run.fit(Classifier(loss_name="nonprivate/loss"), UserData(), ckpt_path=tmp_path / "last.ckpt")
+    assert len(again.accountant) == run.global_step > len(first.accountant)
+    assert again.accountant.examples_per_user == 3
+    other = DPSGD(noise_multiplier=1.0, accountant_kwargs=COARSE, log_nonprivate_metrics=False)
+    run = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                    enable_model_summary=False, max_epochs=2, callbacks=[other], default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match="change meaning mid-run"):
+        run.fit(Classifier(loss_name="nonprivate/loss"), UserData(), ckpt_path=tmp_path / "last.ckpt")
+
+
+def test_a_neighbouring_user_changes_only_releases():
+    """D and D' differ in every record of one user (changed drastically, counts kept: N and q are public here, as
+    for the example-level neighbours); trained with the same seeds, the records differ only in releases."""
+    records = {}
+    for name, change in (("D", None), ("twin", None), ("D'", 4)):
+        logger = RecordingLogger()
+        dp = DPSGD(privacy_unit="user", max_examples_per_user=3, noise_multiplier=1.0, seed=9,
+                   accountant_kwargs=COARSE, log_nonprivate_metrics=False)
+        L.seed_everything(0)
+        _fit(dp, UserData(batch_size=40, change_user=change), logger=logger, max_epochs=2)
+        records[name] = logger
+    d, twin, neighbour = records["D"], records["twin"], records["D'"]
+    assert d.params == twin.params == neighbour.params  # configuration and the accounted spend's inputs
+    assert d.calls == twin.calls
+    assert [(step, sorted(m)) for step, m in d.calls] == [(step, sorted(m)) for step, m in neighbour.calls]
+    differ = {name for (_, a), (_, b) in zip(d.calls, neighbour.calls) for name in a
+              if not math.isclose(float(a[name]), float(b[name]))}
+    assert differ and all(name.startswith("val/") for name in differ)  # the released model's evaluation only
+    assert d.series("privacy/epsilon") == neighbour.series("privacy/epsilon")
