@@ -9,6 +9,7 @@ command's ``--help``::
     lightning-dp epsilon --dataset-size 60000 --batch-size 256 --epochs 15 --target-epsilon 3
     lightning-dp epsilon --sample-rate 0.01 --steps 1000 --noise-multiplier 1.0 --accountant rdp
     lightning-dp epsilon ... --adjacency replace          # bounded DP (PLD only when q < 1)
+    lightning-dp epsilon --dataset-size 20000 --batch-size 200 --epochs 5 --noise-multiplier 1.5 --max-examples-per-user 8
     lightning-dp epsilon --clients 1000 --clients-per-round 50 --rounds 100 --noise-multiplier 1.0
     lightning-dp epsilon --clients 100 --clients-per-round 20 --rounds 100 --target-epsilon 4 --delta 1e-3
     lightning-dp epsilon --client-sample-rate 0.2 --rounds 100 --noise-multiplier 1.83 --adjacency replace
@@ -72,6 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="U, the EXPECTED number of clients per round (Poisson: q = U / N; not a fixed-size draw)")
     fed.add_argument("--client-sample-rate", type=float, help="q, the client-level Poisson sampling rate in (0, 1]")
     fed.add_argument("--rounds", type=int, help="rounds (the Trainer's max_epochs)")
+    users = parser.add_argument_group(
+        "user-level DP-SGD (DPSGD(privacy_unit='user'): at most K records per user, example-level sampling; "
+        "--dataset-size counts the records kept)")
+    users.add_argument("--max-examples-per-user", type=int, metavar="K",
+                       help="K: epsilon per user (every record of one user added or removed), not per example")
+    users.add_argument("--user-accounting", choices=["mixture", "group"], default="mixture",
+                       help="mixture: dp-accounting's mixture of Gaussians over how many of a user's K records a "
+                       "batch holds (tight, default); group: group privacy of the example-level spend (looser)")
     noise = parser.add_argument_group("noise (give --noise-multiplier, or --target-epsilon to calibrate it)")
     noise.add_argument("--noise-multiplier", type=float, metavar="SIGMA", help="sigma (DP-FedAvg: z), the noise std over the clipping norm")
     noise.add_argument("--target-epsilon", type=float, metavar="EPSILON", help="the budget: prints the smallest sigma that fits it")
@@ -145,6 +154,14 @@ def _problems(args: argparse.Namespace) -> list[str]:
         out.append(f"--target-epsilon={args.target_epsilon}: must be > 0")
     if not 0 < args.delta < 1:
         out.append(f"--delta={args.delta}: must be in (0, 1), e.g. 1e-5 (below 1/N)")
+    if args.max_examples_per_user is not None:
+        if _is_fedavg(args):
+            out.append("--max-examples-per-user is for user-level DP-SGD; DP-FedAvg's clients are its users already")
+        if args.max_examples_per_user < 1:
+            out.append(f"--max-examples-per-user={args.max_examples_per_user}: must be >= 1")
+        if args.accountant != "pld" or args.adjacency != "add_remove":
+            out.append("--max-examples-per-user needs --accountant pld and --adjacency add_remove (a user added or "
+                       "removed with all their records)")
     if args.adjacency == "replace" and args.accountant == "rdp" and _sample_rate(args) != 1:
         out.append("--adjacency replace needs --accountant pld when q < 1 (dp-accounting has no RDP bound for the "
                    "Poisson-subsampled Gaussian under replacement)")
@@ -175,9 +192,10 @@ def _dpsgd_problems(args: argparse.Namespace) -> list[str]:
 
 
 def epsilon_table(*, noise_multiplier: float, sample_rate: float, steps: int, delta: float, accountant: str = "pld",
-                  adjacency: str = "add_remove", fractions: Sequence[float] = (0.25, 0.5, 0.75, 1.0)
-                  ) -> list[tuple[int, float]]:
-    """``(steps, epsilon)`` after each fraction of the run, from the training's accountant.
+                  adjacency: str = "add_remove", fractions: Sequence[float] = (0.25, 0.5, 0.75, 1.0),
+                  accountant_kwargs: dict | None = None) -> list[tuple[int, float]]:
+    """``(steps, epsilon)`` after each fraction of the run, from the training's accountant (``accountant_kwargs``:
+    its further arguments, e.g. ``examples_per_user`` for a user-level spend).
 
     Example:
         >>> rows = epsilon_table(noise_multiplier=1.0, sample_rate=0.01, steps=1000, delta=1e-5)
@@ -188,7 +206,8 @@ def epsilon_table(*, noise_multiplier: float, sample_rate: float, steps: int, de
 
     rows = []
     for k in _points(steps, fractions):
-        acc = get_accountant(accountant, **({"adjacency": adjacency} if adjacency != "add_remove" else {}))
+        acc = get_accountant(accountant, **({"adjacency": adjacency} if adjacency != "add_remove" else {}),
+                             **(accountant_kwargs or {}))
         rows.append((k, float(acc.epsilon_after(delta, noise_multiplier=noise_multiplier, sample_rate=sample_rate,
                                                 num_steps=k))))
     return rows
@@ -270,11 +289,17 @@ def main(argv: Sequence[str]) -> int:
     per_epoch = steps_for_epochs(epochs=1, sample_rate=q, rounding=args.epoch_steps)  # the training's ceil(1 / q)
     steps = args.steps if args.steps is not None else args.epochs * per_epoch
     kwargs = {"adjacency": args.adjacency} if args.adjacency != "add_remove" else {}
+    unit = {} if args.max_examples_per_user is None else {"examples_per_user": args.max_examples_per_user,
+                                                           "user_accounting": args.user_accounting}
+    kwargs.update(unit)
     where = (f"q = {q:.6g}" + (f" (B = {args.batch_size}, N = {args.dataset_size})" if args.sample_rate is None else "")
              + f", {steps} steps" + (f" ({args.epochs} epochs of {per_epoch}"
                                      + (", Opacus' int(1 / q)" if args.epoch_steps == "floor" else "") + ")"
                                      if args.epochs else "")
-             + f", delta = {args.delta:g}, {args.accountant.upper()} accountant, {args.adjacency} adjacency")
+             + f", delta = {args.delta:g}, {args.accountant.upper()} accountant, {args.adjacency} adjacency"
+             + (f"; per user, at most {args.max_examples_per_user} records each ("
+                + ("mixture of Gaussians" if args.user_accounting == "mixture" else "group privacy") + ")"
+                if unit else ""))
     if args.target_epsilon is not None:
         try:
             sigma = calibrate_noise_multiplier(target_epsilon=args.target_epsilon, target_delta=args.delta,
@@ -286,13 +311,14 @@ def main(argv: Sequence[str]) -> int:
     else:
         sigma = args.noise_multiplier
     rows = epsilon_table(noise_multiplier=sigma, sample_rate=q, steps=steps, delta=args.delta,
-                         accountant=args.accountant, adjacency=args.adjacency)
+                         accountant=args.accountant, adjacency=args.adjacency, accountant_kwargs=unit)
     if args.target_epsilon is None:
         print(f"epsilon = {rows[-1][1]:.4f} for noise_multiplier = {sigma:g}; {where}")
     if args.dataset_size is not None:  # DPSGD's own check when training starts
         from lightning_dp.privacy.delta import check_delta_for_size
 
-        _note(check_delta_for_size(args.delta, args.dataset_size, unit="examples", who="DPSGD"))
+        if not unit:  # per user, N counts records: the users are not given here
+            _note(check_delta_for_size(args.delta, args.dataset_size, unit="examples", who="DPSGD"))
     print("\n| steps | epochs | epsilon |\n|---|---|---|")
     for k, eps in rows:
         print(f"| {k} | {k / per_epoch:.3g} | {eps:.4f} |")

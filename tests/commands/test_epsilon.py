@@ -281,3 +281,26 @@ def test_an_epoch_is_ceil_n_over_b_steps_and_opacus_count_is_one_flag_away(capsy
     help_text = " ".join(capsys.readouterr().out.split())
     assert "ceil(N / B) = ceil(1 / q) steps" in help_text and "Opacus counts int(1 / q)" in help_text
     assert "2.3852 with ceil, 2.3796 with floor" in help_text
+
+
+def test_a_user_level_epsilon_is_dp_accountings_mixture_and_group_privacy_states_more(capsys):
+    """Issue 51: --max-examples-per-user K answers per user (ELS): dp-accounting's MixtureOfGaussiansDpEvent with
+    sensitivities 0..K and Binomial(K, q) weights, written out here; --user-accounting group states more."""
+    from scipy import stats
+
+    args = ["epsilon", "--sample-rate", "0.05", "--steps", "40", "--noise-multiplier", "2.0",
+            "--max-examples-per-user", "3"]
+    assert cli.main(args) == 0
+    out, mixture = _printed(capsys)
+    event = dp_accounting.dp_event.MixtureOfGaussiansDpEvent(2.0, [0, 1, 2, 3], list(stats.binom.pmf(range(4), 3, 0.05)))
+    want = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4).compose(
+        dp_accounting.SelfComposedDpEvent(event, 40)).get_epsilon(1e-5)
+    assert "per user, at most 3 records each (mixture of Gaussians)" in out
+    assert mixture[-1] == pytest.approx(want, abs=1e-4)
+    assert cli.main([*args, "--user-accounting", "group"]) == 0
+    _, group = _printed(capsys)
+    assert group[-1] > mixture[-1]
+    with pytest.raises(SystemExit) as stop:
+        cli.main([*args, "--accountant", "rdp"])
+    assert stop.value.code == 2
+    assert "--max-examples-per-user needs --accountant pld" in capsys.readouterr().err
