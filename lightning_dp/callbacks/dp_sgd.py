@@ -98,9 +98,13 @@ class DPSGD(Callback):
             seed), samples and clips examples as usual (ELS, Charles et al. 2025) and states epsilon per user:
             docs/privacy.md, "The privacy unit".
         max_examples_per_user: ``k``, the most records one user contributes (``privacy_unit="user"`` only).
-        user_accounting: how the user-level epsilon is stated: ``"mixture"`` (dp-accounting's mixture of
-            Gaussians over how many of a user's ``k`` records a batch holds: tight) or ``"group"`` (group privacy
-            of the example-level spend: the papers' baseline, looser).
+        user_accounting: how the user-level epsilon of example-level sampling is stated: ``"mixture"`` (the
+            default: dp-accounting's mixture of Gaussians over how many of a user's ``k`` records a batch holds:
+            tight) or ``"group"`` (group privacy of the example-level spend: the papers' baseline, looser).
+        sampling: what Poisson sampling draws: ``"example"`` (records; the default) or ``"user"`` (ULS, Charles et
+            al. 2025: users drawn with their at most ``k`` records; each user's mean gradient is clipped at C as one
+            unit; the DataLoader's ``batch_size`` is then the expected number of USERS per step, and the spend is
+            the sampled Gaussian at the users' rate). ``privacy_unit="user"`` only.
         max_physical_batch_size: the most examples one forward/backward pass may hold (a memory
             bound; None: no bound). A batch that holds more is cut into chunks of at most this many
             examples inside the training step, each clipped after its own backward pass; the step
@@ -133,7 +137,8 @@ class DPSGD(Callback):
         max_physical_batch_size: int | None = None,
         privacy_unit: Literal["example", "user"] = "example",
         max_examples_per_user: int | None = None,
-        user_accounting: Literal["mixture", "group"] = "mixture",
+        user_accounting: Literal["mixture", "group"] | None = None,
+        sampling: Literal["example", "user"] = "example",
     ) -> None:
         who = type(self).__name__
         self.settings, self.clipping, self._accountant = Settings.of(
@@ -143,7 +148,7 @@ class DPSGD(Callback):
             poisson_sampling=poisson_sampling, seed=seed, replace_batchnorm=replace_batchnorm,
             log_nonprivate_metrics=log_nonprivate_metrics, adjacency=adjacency,
             max_physical_batch_size=max_physical_batch_size, privacy_unit=privacy_unit,
-            max_examples_per_user=max_examples_per_user, user_accounting=user_accounting)
+            max_examples_per_user=max_examples_per_user, user_accounting=user_accounting, sampling=sampling)
         # the secret seed, the gate, the final spend, the summary: the run-level protocol (lightning_dp.protocol)
         self.protocol = RunProtocol(self, seed=seed)
         self.calibration = Calibration(self.settings, self.clipping, self._accountant, who)

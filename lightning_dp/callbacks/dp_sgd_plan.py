@@ -38,6 +38,7 @@ from lightning_dp.privacy.sampling import (
     check_partition_sampler,
     poisson_dataloader,
     rebuild_dataloader,
+    user_poisson_dataloader,
     with_dataset,
 )
 from lightning_dp.privacy.seeds import check_seed
@@ -78,6 +79,7 @@ class Settings:
     privacy_unit: str = "example"  #: "example", or "user" (lightning_dp.privacy.users)
     max_examples_per_user: int | None = None  #: k, the records one user keeps (privacy_unit="user")
     user_accounting: str = "mixture"  #: how a user-level spend is stated (accounting.USER_ACCOUNTING)
+    sampling: str = "example"  #: what Poisson sampling draws: examples, or users with their records (ULS)
 
     @classmethod
     def of(cls, who: str, *, noise_multiplier: float | None, target_epsilon: float | None, target_delta: float,
@@ -85,8 +87,8 @@ class Settings:
            calibrate_for: str, accountant: str, accountant_kwargs: dict[str, Any] | None, poisson_sampling: bool,
            seed: int | None, replace_batchnorm: bool, log_nonprivate_metrics: bool, adjacency: str | None,
            max_physical_batch_size: int | None, privacy_unit: str = "example",
-           max_examples_per_user: int | None = None,
-           user_accounting: str = "mixture") -> tuple[Settings, ClipStrategy, Any]:
+           max_examples_per_user: int | None = None, user_accounting: str | None = None,
+           sampling: str = "example") -> tuple[Settings, ClipStrategy, Any]:
         """The settings, the clipping strategy and the accountant, every argument checked in the signature's order.
 
         Raises:
@@ -113,6 +115,7 @@ class Settings:
         adjacency = _resolve_adjacency(adjacency, kwargs, accountant, poisson)
         if poisson and adjacency == "replace":
             kwargs["adjacency"] = "replace"
+        user_accounting = _resolve_sampling(sampling, privacy_unit, user_accounting, max_physical_batch_size)
         k = _resolve_unit(privacy_unit, max_examples_per_user, user_accounting, poisson=poisson, adjacency=adjacency,
                           accountant=accountant, kwargs=kwargs)
         if k is not None and strategy.adaptive:
@@ -128,8 +131,34 @@ class Settings:
             strategy.check_noise(sigma, None)  # what does not depend on the data, now
         settings = cls(sigma, target_epsilon, target_delta, epochs, max_steps, calibrate_for, accountant, kwargs,
                        poisson, adjacency, bool(replace_batchnorm), bool(log_nonprivate_metrics), physical,
-                       str(privacy_unit), k, str(user_accounting))
+                       str(privacy_unit), k, str(user_accounting), str(sampling))
         return settings, strategy, accountant_object
+
+
+def _resolve_sampling(sampling: str, privacy_unit: str, user_accounting: str | None,
+                      max_physical_batch_size: int | None) -> str:
+    """The user-level statement that ``sampling`` implies: ``"users"`` for user sampling (ULS), else the one given
+    (default ``"mixture"``)."""
+    if sampling not in ("example", "user"):
+        raise ValueError(f"sampling={sampling!r} is not allowed; choose 'example' (Poisson sampling of records: "
+                         "DP-SGD, or ELS per user) or 'user' (Poisson sampling of users with their records, each "
+                         "user's gradient clipped as one: ULS, privacy_unit='user').")
+    if sampling == "example":
+        if user_accounting == "users":
+            raise ValueError("user_accounting='users' states the spend of user sampling: pass sampling='user'.")
+        return user_accounting or "mixture"
+    if privacy_unit != "user":
+        raise ValueError(f"sampling='user' samples users, so the guarantee is per user: pass privacy_unit='user' "
+                         f"(privacy_unit={privacy_unit!r} was given) with max_examples_per_user=k.")
+    if user_accounting not in (None, "users"):
+        raise ValueError(f"user_accounting={user_accounting!r} states example-level sampling (ELS); sampling='user' "
+                         "clips each sampled user as one unit and is accounted as the sampled Gaussian at the users' "
+                         "rate. Drop user_accounting, or pass sampling='example'.")
+    if max_physical_batch_size is not None:
+        raise ValueError(f"sampling='user' with max_physical_batch_size={max_physical_batch_size} is not supported: "
+                         "a user's records would be cut over several passes, and each user's gradient is clipped as "
+                         "one. Use Trainer(accumulate_grad_batches=n), which splits a batch between users.")
+    return "users"
 
 
 def _resolve_unit(privacy_unit: str, k: int | None, user_accounting: str, *, poisson: bool, adjacency: str,
@@ -255,6 +284,7 @@ class Calibration:
         self.passes = 0  # passes started over a shuffled loader; each is one accounted event
         self.charged_pass = 0
         self.contributions: Contributions | None = None  # users and records of a user-level run's training data
+        self.user_sampler: Any = None  # ULS: the batch sampler that says which records of a batch are one user's
 
     @property
     def epsilon(self) -> float:
@@ -299,7 +329,7 @@ class Calibration:
                     f"{self.who}(privacy_unit='user') cannot take an audit's canary slots: a canary belongs to no "
                     "user, and the audit's epsilon is stated per example. Audit an example-level run.")
             self.contributions = self._contributions(loader.dataset)
-            n = self.contributions.kept
+            n = self.contributions.users if self.settings.sampling == "user" else self.contributions.kept
         if loader.batch_size is None:
             raise MisconfigurationException(
                 "the training DataLoader has batch_size=None (a custom batch_sampler?); DPSGD takes the expected "
@@ -350,6 +380,17 @@ class Calibration:
             self.rate_varies = True  # logged as a metric from now on (the param holds the rate at fit start)
         self.update_budget(trainer)  # a reloaded loader may bring a new sampling rate
         loader = self.bounded(loader, seed())
+        if self.settings.sampling == "user":  # ULS: users drawn with their records, each user clipped as one
+            records: dict[Any, list[int]] = {}
+            for position, user in enumerate(user_ids_of(loader.dataset)):
+                records.setdefault(user, []).append(position)
+            users = list(records.values())  # in order of first record: a public order of the data's users
+            sampled = user_poisson_dataloader(loader, users=users, sample_rate=data.sample_rate, seed=seed(),
+                                              rank=trainer.global_rank, world_size=trainer.world_size,
+                                              start_step=start_step, parts=data.parts,
+                                              steps_per_epoch=data.steps_per_epoch)
+            self.user_sampler = sampled.batch_sampler
+            return sampled
         return poisson_dataloader(loader, sample_rate=data.sample_rate, seed=seed(), rank=trainer.global_rank,
                                   world_size=trainer.world_size, start_step=start_step, parts=data.parts,
                                   steps_per_epoch=data.steps_per_epoch)  # the plan's count, not ceil(1/q) again
@@ -434,7 +475,7 @@ class Calibration:
             poisson_sampling=settings.poisson_sampling, adjacency=settings.adjacency, data=data, planned=planned,
             max_physical_batch_size=settings.max_physical_batch_size, strategy_params=strategy_params,
             privacy_unit=settings.privacy_unit, max_examples_per_user=settings.max_examples_per_user,
-            user_accounting=settings.user_accounting)
+            user_accounting=settings.user_accounting, sampling=settings.sampling)
 
     def _calibrate(self, lengths: Lengths, data: DataFacts) -> int:
         """Calibrates sigma for the planned run; returns its planned events."""

@@ -33,7 +33,8 @@ def adjacency_label(adjacency: str) -> str:
 def hyperparams(*, sigma: float | None, clipping: ClipStrategy, target_epsilon: float | None, target_delta: float,
                 accountant: str, poisson_sampling: bool, adjacency: str, data: DataFacts, planned: int | None,
                 max_physical_batch_size: int | None, strategy_params: dict[str, Any], privacy_unit: str = "example",
-                max_examples_per_user: int | None = None, user_accounting: str = "mixture") -> dict[str, Any]:
+                max_examples_per_user: int | None = None, user_accounting: str = "mixture",
+                sampling: str = "example") -> dict[str, Any]:
     """The run's fixed privacy parameters, logged once per fit: with dp-accounting, anyone recomputes
     ``privacy/epsilon`` from them and the steps (per user: docs/privacy.md, "The privacy unit").
 
@@ -50,7 +51,7 @@ def hyperparams(*, sigma: float | None, clipping: ClipStrategy, target_epsilon: 
         "privacy/adjacency": adjacency_label(adjacency),
         "privacy/accumulate_grad_batches": data.parts,
         "privacy/max_physical_batch_size": max_physical_batch_size,
-        "privacy/privacy_unit": privacy_unit, "privacy/sampling": "example",
+        "privacy/privacy_unit": privacy_unit, "privacy/sampling": sampling,
         **strategy_params,
     }
     if privacy_unit == "user":
@@ -78,9 +79,10 @@ def summary_rows(*, epsilon: float, target_epsilon: float | None, target_delta: 
         batches = ("batches", f"shuffled, {data.expected_batch_size:g} of N = {data.dataset_size} (one "
                               "Gaussian mechanism per epoch)")
     rows = [("epsilon", f"{spend} ({accountant}, {adjacency_label(adjacency)} adjacency)"),
-            *([("privacy unit", f"user: at most {max_examples_per_user} records each, example-level sampling, "
-                                + ("mixture-of-Gaussians accounting (ELS)" if user_accounting == "mixture" else
-                                   "group privacy of the example-level spend"))]
+            *([("privacy unit", f"user: at most {max_examples_per_user} records each, " + {
+                "mixture": "example-level sampling, mixture-of-Gaussians accounting (ELS)",
+                "group": "example-level sampling, group privacy of the example-level spend",
+                "users": "users sampled and clipped as units (ULS)"}[user_accounting])]
               if max_examples_per_user is not None else []),
             ("noise multiplier", f"{sigma:.4g} ({sigma_source})"),
             ("clipping norm C", clipping.describe()), batches]

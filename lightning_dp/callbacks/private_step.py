@@ -358,6 +358,15 @@ class PrivateStep:
         # the loss was a mean over `seen` examples, divided by Lightning's accumulation factor, and multiplied by
         # the loss scale of 16-mixed: unscaled here, before the norms and the clipping
         norms = engine.per_sample_norms(loss_scale=seen * trainer.accumulate_grad_batches / loss_scale(trainer))
+        sampler = self.calibration.user_sampler
+        if sampler is not None:  # ULS: each sampled user's mean gradient is clipped as one unit
+            sizes = sampler.groups(self.released, self.logical.part - 1)
+            if sum(sizes) != seen:
+                raise MisconfigurationException(
+                    f"DPSGD(sampling='user'): this batch holds {seen} examples but its {len(sizes)} sampled users hold "
+                    f"{sum(sizes)} records: the DataLoader's collate_fn (or the training step) added or removed "
+                    "examples, so the records of each user cannot be found. Keep one example per record.")
+            norms = engine.group_norms(sizes)
         clip = check_max_grad_norm(self.clipping.clip)  # a strategy's C, checked at every step it clips with
         sums = [engine.clipped_sum(clip_factors(norms, clip))]
         sums += [engine.clipped_sum(w) for w in self.clipping.extra_weights(norms)]

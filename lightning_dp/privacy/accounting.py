@@ -67,10 +67,12 @@ def check_adjacency(adjacency: Any) -> str:
     return str(adjacency)
 
 
-USER_ACCOUNTING = ("mixture", "group")
-"""How an accountant states a user-level spend from example-level sampling of users' bounded records
-(``examples_per_user``): ``"mixture"`` (the user's sampled records as one mixture-of-Gaussians mechanism, Charles et
-al. 2025's ELS accountant) or ``"group"`` (group privacy of the example-level guarantee, the papers' baseline)."""
+USER_ACCOUNTING = ("mixture", "group", "users")
+"""How an accountant states a user-level spend (``examples_per_user`` set). Example-level sampling of users' bounded
+records (ELS): ``"mixture"`` (the user's sampled records as one mixture-of-Gaussians mechanism, Charles et al.
+2025's ELS accountant) or ``"group"`` (group privacy of the example-level guarantee, the papers' baseline). User-level
+sampling (ULS): ``"users"`` (users Poisson-sampled and clipped as units: each step is the Poisson-subsampled Gaussian
+at the users' rate, the example-level event with users for examples)."""
 
 
 def check_examples_per_user(examples_per_user: Any, *, name: str = "examples_per_user") -> int | None:
@@ -591,8 +593,9 @@ class PLDAccountant(Accountant):
         k = check_examples_per_user(examples_per_user)
         if user_accounting not in USER_ACCOUNTING:
             raise ValueError(f"user_accounting={user_accounting!r} is not allowed; choose 'mixture' (the user's "
-                             "sampled records as one mixture of Gaussians: tight) or 'group' (group privacy of the "
-                             "example-level guarantee: the papers' baseline, looser).")
+                             "sampled records as one mixture of Gaussians: tight), 'group' (group privacy of the "
+                             "example-level guarantee: the papers' baseline, looser), or 'users' (users sampled and "
+                             "clipped as units: the sampled Gaussian at the users' rate).")
         if k is not None and adjacency != "add_remove":
             raise ValueError(f"a user-level spend (examples_per_user={k}) is stated for a user added or removed "
                              f"with all their records: adjacency={adjacency!r} is not supported; use 'add_remove'.")
@@ -721,7 +724,7 @@ class PLDAccountant(Accountant):
         if self.examples_per_user is not None and self.user_accounting == "group":
             raise ValueError("a group-privacy spend has no dp_accounting event: it converts the example-level "
                              "guarantee (group_epsilon); compose the example-level events, then convert.")
-        return history_to_dp_event(self._history, self.examples_per_user)
+        return history_to_dp_event(self._history, self.examples_per_user if self._mixture else None)
 
     def privacy_profile(self, epsilons: Sequence[float]) -> np.ndarray:
         """``delta(eps)`` of the whole history at every epsilon of ``epsilons`` (the PLD's hockey-stick

@@ -18,8 +18,9 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, S
 
 from lightning_dp.privacy.noise import SAMPLING, derive_secret_generator
 
-__all__ = ["EmptySafeCollate", "PassMarkingBatchSampler", "PoissonBatchSampler", "check_partition_sampler",
-           "check_sample_rate", "poisson_dataloader", "rebuild_dataloader", "split_indices"]
+__all__ = ["EmptySafeCollate", "PassMarkingBatchSampler", "PoissonBatchSampler", "UserPoissonBatchSampler",
+           "check_partition_sampler", "check_sample_rate", "poisson_dataloader", "rebuild_dataloader",
+           "split_indices", "user_poisson_dataloader"]
 
 
 def check_sample_rate(sample_rate: float) -> float:
@@ -101,6 +102,74 @@ class PoissonBatchSampler(BatchSampler):
                 yield self.batch(start + k)
             else:
                 yield from split_indices(self.batch(start + k), self.parts)
+
+
+class UserPoissonBatchSampler(PoissonBatchSampler):
+    """Poisson sampling of USERS (ULS): every user enters every batch independently with probability ``q``, with
+    all of their (bounded) records, which the batch holds next to each other, user after user.
+
+    Rank r owns users ``r, r + W, ...``; batch ``k`` is drawn from ``(seed, SAMPLING, k, rank)`` as
+    :class:`PoissonBatchSampler`'s. With ``parts > 1`` the sampled users (never a user's records) are split over the
+    micro-batches. :meth:`groups` gives, for the micro-batch at global step ``k`` and part ``j``, how many records
+    each of its users holds, in order: the private step clips each user's gradient as one unit.
+
+    Args:
+        users: the dataset indices of every user's records (one list per user).
+        sample_rate: q, the inclusion probability of every user in every batch.
+        (the rest as :class:`PoissonBatchSampler`'s; ``num_samples`` is the number of users.)
+
+    Example:
+        >>> s = UserPoissonBatchSampler(None, 1, False, users=[[0, 1], [2], [3, 4, 5]], sample_rate=0.5, seed=0)
+        >>> batches = list(s)
+        >>> all(sum(s.groups(k, 0)) == len(b) for k, b in enumerate(batches))
+        True
+    """
+
+    def __init__(self, sampler: object = None, batch_size: int = 1, drop_last: bool = False, *,
+                 users: list[list[int]], sample_rate: float, seed: int, rank: int = 0, world_size: int = 1,
+                 start_step: Callable[[], int] | None = None, steps_per_epoch: int | None = None,
+                 parts: int = 1, num_samples: int | None = None) -> None:
+        super().__init__(sampler, batch_size, drop_last, num_samples=len(users), sample_rate=sample_rate, seed=seed,
+                         rank=rank, world_size=world_size, start_step=start_step, steps_per_epoch=steps_per_epoch,
+                         parts=parts)
+        self.users = [list(map(int, records)) for records in users]
+        self._groups: dict[tuple[int, int], list[int]] = {}
+
+    def _split(self, step: int) -> list[list[int]]:
+        """The users (positions in :attr:`users`) of each micro-batch of step ``step``."""
+        return split_indices(PoissonBatchSampler.batch(self, step), self.parts)
+
+    def batch(self, step: int) -> list[int]:
+        """The record indices of this rank's batch at global batch counter ``step`` (every part)."""
+        return [i for part in self._split(step) for u in part for i in self.users[u]]
+
+    def groups(self, step: int, part: int) -> list[int]:
+        """How many records each user of micro-batch ``part`` of step ``step`` holds, in the batch's order."""
+        key = (int(step), int(part))
+        if key not in self._groups:
+            self._groups[key] = [len(self.users[u]) for u in self._split(step)[part]]
+        for old in [k for k in self._groups if k[0] < step - 1]:  # steps released already
+            del self._groups[old]
+        return self._groups[key]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        start = int(self.start_step())
+        for k in range(self.steps_per_epoch):
+            for part, users in enumerate(self._split(start + k)):
+                self._groups[(start + k, part)] = [len(self.users[u]) for u in users]
+                yield [i for u in users for i in self.users[u]]
+
+
+def user_poisson_dataloader(loader: DataLoader, *, users: list[list[int]], sample_rate: float, seed: int,
+                            rank: int = 0, world_size: int = 1, start_step: Callable[[], int] | None = None,
+                            parts: int = 1, steps_per_epoch: int | None = None) -> DataLoader:
+    """A copy of ``loader`` whose batches are Poisson-sampled users with their records
+    (:class:`UserPoissonBatchSampler`)."""
+    batch_sampler = UserPoissonBatchSampler(None, loader.batch_size or 1, False, users=users, sample_rate=sample_rate,
+                                            seed=seed, rank=rank, world_size=world_size, start_step=start_step,
+                                            parts=parts, steps_per_epoch=steps_per_epoch)
+    return rebuild_dataloader(loader, batch_sampler=batch_sampler,
+                              collate_fn=EmptySafeCollate(loader.collate_fn, loader.dataset))
 
 
 def split_indices(indices: list[int], parts: int) -> list[list[int]]:

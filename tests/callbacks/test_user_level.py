@@ -198,16 +198,19 @@ def test_a_user_level_run_resumes_its_history_and_refuses_another_unit(tmp_path)
         run.fit(Classifier(loss_name="nonprivate/loss"), UserData(), ckpt_path=tmp_path / "last.ckpt")
 
 
-def test_a_neighbouring_user_changes_only_releases():
+@pytest.mark.parametrize("algorithm", [{}, {"user_accounting": "group"}, {"sampling": "user"}],
+                         ids=["els", "group", "uls"])
+def test_a_neighbouring_user_changes_only_releases(algorithm):
     """D and D' differ in every record of one user (changed drastically, counts kept: N and q are public here, as
     for the example-level neighbours); trained with the same seeds, the records differ only in releases."""
     records = {}
     for name, change in (("D", None), ("twin", None), ("D'", 4)):
         logger = RecordingLogger()
         dp = DPSGD(privacy_unit="user", max_examples_per_user=3, noise_multiplier=1.0, seed=9,
-                   accountant_kwargs=COARSE, log_nonprivate_metrics=False)
+                   accountant_kwargs=COARSE, log_nonprivate_metrics=False, **algorithm)
         L.seed_everything(0)
-        _fit(dp, UserData(batch_size=40, change_user=change), logger=logger, max_epochs=2)
+        batch = 25 if algorithm.get("sampling") == "user" else 40  # users, or records, per step
+        _fit(dp, UserData(batch_size=batch, change_user=change), logger=logger, max_epochs=2)
         records[name] = logger
     d, twin, neighbour = records["D"], records["twin"], records["D'"]
     assert d.params == twin.params == neighbour.params  # configuration and the accounted spend's inputs
@@ -217,3 +220,90 @@ def test_a_neighbouring_user_changes_only_releases():
               if not math.isclose(float(a[name]), float(b[name]))}
     assert differ and all(name.startswith("val/") for name in differ)  # the released model's evaluation only
     assert d.series("privacy/epsilon") == neighbour.series("privacy/epsilon")
+
+
+# --------------------------------------------------------------------------- ULS: users sampled and clipped as units
+
+
+class Clips(L.Callback):
+    """The number of clipping units (users) of every step, from the engine's stats."""
+
+    def __init__(self) -> None:
+        self.units: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        dp = next(cb for cb in trainer.callbacks if isinstance(cb, DPSGD))
+        if dp.private_step.logical.released_in_batch:
+            self.units.append(int(dp.private_step.last_stats[1]))
+
+
+def test_user_sampling_draws_whole_users_and_clips_each_as_one():
+    dp = DPSGD(privacy_unit="user", sampling="user", max_examples_per_user=3, noise_multiplier=1.0, seed=4,
+               log_nonprivate_metrics=False)
+    batches, units, logger = Batches(), Clips(), RecordingLogger()
+    trainer = _fit(dp, UserData(batch_size=6), batches, units, logger=logger)
+    users = trainer.datamodule.train_set.user_ids
+    kept = set(bound_contributions(users, 3, seed=4))
+    for batch, clipped in zip(batches.seen, units.units):
+        present = {users[i] for i in batch}
+        assert clipped == len(present)  # one clipping unit per user
+        for user in present:  # every kept record of a sampled user, none of the others
+            assert {i for i in batch if users[i] == user} == {i for i in kept if users[i] == user}
+    facts = dp.data_facts
+    assert facts.dataset_size == 30 and facts.expected_batch_size == 6 and facts.sample_rate == pytest.approx(0.2)
+    params = logger.params
+    assert params["privacy/sampling"] == "user" and params["privacy/user_accounting"] == "users"
+    accountant = pld_privacy_accountant.PLDAccountant()  # the sampled Gaussian at the users' rate
+    accountant.compose(dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(
+        0.2, dp_event.GaussianDpEvent(1.0)), trainer.global_step))
+    assert dp.epsilon == pytest.approx(float(accountant.get_epsilon(1e-5)), rel=1e-9)
+    assert dp.privacy_spend()[0].level == "user" and dp.accountant.unit_key()[2] == "users"
+
+
+def test_user_sampling_splits_users_not_records_over_micro_batches():
+    dp = DPSGD(privacy_unit="user", sampling="user", max_examples_per_user=3, noise_multiplier=1.0, seed=4,
+               log_nonprivate_metrics=False)
+    batches, units = Batches(), Clips()
+    trainer = _fit(dp, UserData(batch_size=4), batches, units, accumulate_grad_batches=2, limit_train_batches=4)
+    users_of = trainer.datamodule.train_set.user_ids
+    pairs = zip(batches.seen[::2], batches.seen[1::2])
+    assert units.units == [len({users_of[i] for i in a + b}) for a, b in pairs]  # units summed over both halves
+    users = trainer.datamodule.train_set.user_ids
+    seen = [{users[i] for i in batch} for batch in batches.seen]
+    for first, second in zip(seen[::2], seen[1::2]):
+        assert not first & second  # a user's records stay in one micro-batch
+    assert dp.data_facts.expected_batch_size == 8  # users per logical batch
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"sampling": "user"}, "pass privacy_unit='user'"),
+    ({"sampling": "users", "privacy_unit": "user", "max_examples_per_user": 2}, "sampling='users' is not allowed"),
+    ({"sampling": "user", "privacy_unit": "user", "max_examples_per_user": 2, "user_accounting": "group"},
+     "states example-level sampling"),
+    ({"sampling": "user", "privacy_unit": "user", "max_examples_per_user": 2, "max_physical_batch_size": 4},
+     "cut over several passes"),
+])
+def test_what_user_sampling_refuses(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DPSGD(noise_multiplier=1.0, **kwargs)
+
+
+@pytest.mark.parametrize("algorithm", [{}, {"sampling": "user"}], ids=["els", "uls"])
+def test_a_resumed_user_level_run_trains_what_the_uninterrupted_one_trains(tmp_path, algorithm):
+    def run(epochs, ckpt=None, callbacks=()):
+        L.seed_everything(0)
+        dp = DPSGD(privacy_unit="user", max_examples_per_user=3, noise_multiplier=1.0, seed=6,
+                   accountant_kwargs=COARSE, log_nonprivate_metrics=False, **algorithm)
+        trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, max_epochs=epochs, callbacks=[dp, *callbacks],
+                            default_root_dir=tmp_path)
+        module = LossClassifier(loss_name="nonprivate/loss")
+        trainer.fit(module, UserData(batch_size=5), ckpt_path=ckpt)
+        return module, dp
+
+    whole, dp_whole = run(2)
+    run(1, callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True)])
+    resumed, dp_resumed = run(2, ckpt=tmp_path / "ck" / "last.ckpt")
+    assert dp_resumed.epsilon == dp_whole.epsilon and len(dp_resumed.accountant) == len(dp_whole.accountant)
+    for a, b in zip(whole.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["Contribution", "Dense", "Factored", "OneHotFactored", "choose_layer_strategy",
+__all__ = ["Contribution", "Dense", "Factored", "Groups", "OneHotFactored", "choose_layer_strategy",
            "DEFAULT_INSTANTIATE_LIMIT"]
 
 #: Instantiated per-sample gradients larger than this (bytes, per contribution) force the ghost norm.
@@ -71,6 +71,45 @@ class Contribution:
         overflowed in half precision: a zero contribution is within any clipping bound)."""
         raise NotImplementedError
 
+    def grouped(self, groups: Groups) -> Contribution:
+        """The contribution of the groups, ``H_g = sum_{b in g} w_b G_b``, in this contribution's form (a user's
+        examples side by side: the factors' positions of its examples concatenated, :class:`Groups`)."""
+        raise NotImplementedError
+
+
+class Groups:
+    """Examples ``b = 0..B-1`` in ``count`` groups (a batch's users): ``group[b]``, the example's ``slot`` among its
+    group's (0..slots-1), and the weights ``w_b`` of :meth:`Contribution.grouped`.
+
+    Example:
+        >>> g = Groups.of_sizes([2, 1], torch.tensor([0.5, 0.5, 1.0]))
+        >>> g.group.tolist(), g.slot.tolist(), g.count, g.slots
+        ([0, 0, 1], [0, 1, 0], 2, 2)
+    """
+
+    def __init__(self, group: Tensor, slot: Tensor, count: int, slots: int, weights: Tensor) -> None:
+        self.group, self.slot, self.count, self.slots, self.weights = group, slot, count, slots, weights
+
+    @classmethod
+    def of_sizes(cls, sizes: Sequence[int], weights: Tensor) -> Groups:
+        """Groups of consecutive examples, ``sizes[g]`` in group ``g``."""
+        device = weights.device
+        group = torch.repeat_interleave(torch.arange(len(sizes), device=device),
+                                        torch.tensor(list(sizes), dtype=torch.long, device=device))
+        slot = torch.cat([torch.arange(n, device=device) for n in sizes]) if sizes else group.clone()
+        return cls(group, slot, len(sizes), max(sizes, default=1), weights)
+
+    def place(self, rows: Tensor) -> Tensor:
+        """``rows`` ``(B, T, ...)`` placed at ``(group, slot)`` of a zero ``(count, slots * T, ...)`` tensor."""
+        b, t = rows.shape[:2]
+        out = rows.new_zeros((self.count * self.slots, t, *rows.shape[2:]))
+        out.index_copy_(0, self.group * self.slots + self.slot, rows)
+        return out.reshape(self.count, self.slots * t, *rows.shape[2:])
+
+    def scaled(self, rows: Tensor) -> Tensor:
+        """``rows`` (examples first) times the weights."""
+        return rows * self.weights.to(rows.dtype).view(-1, *([1] * (rows.dim() - 1)))
+
 
 def _zero_rows(t: Tensor, examples: Tensor) -> Tensor:
     """``t`` with its rows (dimension 0) at ``examples`` set to 0, out of place (``t`` may be a shared view)."""
@@ -112,6 +151,11 @@ class Dense(Contribution):
 
     def drop(self, examples: Tensor) -> None:
         self.grads = _zero_rows(self.grads, examples)
+
+    def grouped(self, groups: Groups) -> Contribution:
+        summed = self.grads.new_zeros((groups.count, *self.grads.shape[1:]))
+        summed.index_add_(0, groups.group, groups.scaled(self.grads))
+        return Dense(summed, self.shape, self.to_param)
 
 
 class Factored(Contribution):
@@ -182,6 +226,11 @@ class Factored(Contribution):
         if self._dense is not None:
             self._dense = _zero_rows(self._dense, examples)
 
+    def grouped(self, groups: Groups) -> Contribution:
+        # a group's gradient is the sum over its examples' positions: their factors side by side (zeros pad)
+        return Factored(groups.place(groups.scaled(self.left)), groups.place(self.right), self.shape,
+                        instantiate_limit=self.instantiate_limit)
+
 
 class OneHotFactored(Contribution):
     """An embedding's ``G_b = sum_t e_{index[b, t]} (x) right[b, t]``: rows of a ``(V, d)`` table.
@@ -224,3 +273,7 @@ class OneHotFactored(Contribution):
 
     def drop(self, examples: Tensor) -> None:
         self.right = _zero_rows(self.right, examples)
+
+    def grouped(self, groups: Groups) -> Contribution:
+        # padded positions point at row 0 with a zero right factor: they contribute nothing
+        return OneHotFactored(groups.place(self.index), groups.place(groups.scaled(self.right)), self.shape)

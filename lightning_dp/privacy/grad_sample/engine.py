@@ -9,7 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from lightning_dp.privacy.finite import non_finite
-from lightning_dp.privacy.grad_sample.contributions import DEFAULT_INSTANTIATE_LIMIT, Contribution
+from lightning_dp.privacy.grad_sample.contributions import DEFAULT_INSTANTIATE_LIMIT, Contribution, Groups
 from lightning_dp.privacy.grad_sample.probing import BatchDimProbe, _Dims
 from lightning_dp.privacy.grad_sample.registry import LayerRule, PerSampleGradientError, Record, join_graph, rule_for
 
@@ -613,6 +613,24 @@ class GradSampleEngine(BatchDimProbe):
                 self.dropped = int(bad.sum())
                 norms = self._norms(b).masked_fill(bad, math.inf)
         return norms
+
+    def group_norms(self, sizes: Sequence[int]) -> Tensor:
+        """Replace the recorded examples by their groups' MEAN gradients and return the groups' norms.
+
+        The examples come in groups of consecutive examples, ``sizes[g]`` in group ``g`` (a batch of users, each
+        with its records: user-level sampling); group ``g``'s gradient is ``(1 / sizes[g]) sum_{b in g} G_b``.
+        Must follow :meth:`per_sample_norms` on the same records (an example it dropped adds zero to its group);
+        :meth:`clipped_sum` then takes one factor per group.
+        """
+        if self._contributions is None:
+            raise PerSampleGradientError("call per_sample_norms() before group_norms()")
+        p0 = self._params[0]
+        counts = torch.tensor(list(sizes), dtype=compute_dtype(p0.dtype), device=p0.device)
+        groups = Groups.of_sizes(list(sizes), torch.repeat_interleave(1.0 / counts.clamp_min(1), counts.long()))
+        with _no_autocast(p0.device):
+            self._contributions = {key: [c.grouped(groups) for c in parts]
+                                   for key, parts in self._contributions.items()}
+            return self._norms(len(sizes))
 
     def _norms(self, b: int) -> Tensor:
         p0 = self._params[0]
