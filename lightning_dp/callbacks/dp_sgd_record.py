@@ -131,7 +131,7 @@ class Record:
         if not self.curve or self.curve[-1][0] != step:
             self.curve.append((step, epsilon))
         # what is fixed for the run (delta, sigma, C, q) is a param (hyperparams); only what moves is a metric
-        metrics = {"privacy/epsilon": epsilon}
+        metrics = {"privacy/epsilon": epsilon, "privacy/steps": float(step)}
         if sample_rate is not None:  # a reloaded loader changed q since the param was logged: chart it from then on
             metrics["privacy/sample_rate"] = sample_rate
         metrics.update(nonprivate)

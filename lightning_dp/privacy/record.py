@@ -94,7 +94,8 @@ RECORD: list[Declaration] = [
     # --- the accounted spend, as metrics (each written by a privacy component)
     *(Declaration(f"privacy/{name}", Kind.PUBLIC, "metric", "the accounted spend: a function of the configuration, "
                   "the number of steps and a public (or post-processed) ledger", _PRIVATE)
-      for name in ("epsilon", "epsilon_replace_one", "epsilon_disjoint_pair", "sample_rate", "client_epsilon_median",
+      for name in ("epsilon", "steps", "epsilon_replace_one", "epsilon_disjoint_pair", "sample_rate",
+                   "client_epsilon_median",
                    "client_epsilon_max", "record_epsilon_median", "record_epsilon_max", "cost_per_participation")),
     # --- accounted spend and configuration
     Declaration("privacy/*", Kind.PUBLIC, "param", "the mechanism's configuration"),

@@ -87,7 +87,22 @@ def main(out: Path, tracking_uri: str) -> None:
         tv.fit(m, train_dataloaders=loader)
         virtual[name] = {"params": torch.cat([p.detach().reshape(-1) for p in m.parameters()]),
                          "history": cb.accountant.history, "steps": tv.global_step}
+    # 6. user-level sampling (ULS): users sharded over ranks, each user's records on one rank, clipped as one
+    x, y = blobs(141).tensors
+    users = torch.utils.data.TensorDataset(x, y)
+    users.user_ids = [u for u in range(30) for _ in range(1 + u % 9)]  # 141 records of 30 users
+    torch.manual_seed(0)
+    m = Classifier()
+    probe6 = Probe()
+    cb = DPSGD(noise_multiplier=1.0, max_grad_norm=1.0, seed=9, privacy_unit="user", sampling="user",
+               max_examples_per_user=3)
+    t6 = L.Trainer(max_epochs=1, logger=False, callbacks=[cb, probe6], **common)
+    t6.fit(m, train_dataloaders=torch.utils.data.DataLoader(users, batch_size=3))
+    rows = {tuple(r.tolist()): users.user_ids[i] for i, r in enumerate(x)}
+    uls = {"params": torch.cat([p.detach().reshape(-1) for p in m.parameters()]), "history": cb.accountant.history,
+           "users": [sorted({rows[tuple(r.tolist())] for r in b}) for b in probe6.batches], "steps": t6.global_step}
     torch.save({
+        "uls": uls,
         "virtual": virtual,
         "canary_grad": probe4.grads[0], "canary_scores": audit._gradient.scores.copy(),
         "audit_result": audit.result is not None,

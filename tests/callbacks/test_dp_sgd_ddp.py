@@ -115,3 +115,14 @@ def test_virtual_batches_release_the_unsplit_step_under_ddp(ddp_run):
         assert split["history"] == unsplit["history"] == [(1.0, 0.1, 20)]
         torch.testing.assert_close(split["params"], unsplit["params"], rtol=0, atol=1e-12)
     assert torch.equal(r0["virtual"]["split"]["params"], r1["virtual"]["split"]["params"])
+
+
+def test_user_sampling_shards_users_and_releases_one_step_on_every_rank(ddp_run):
+    """Issue 51: under DDP rank r samples users r, r + 2, ... with all their kept records; the users' clipped means
+    are summed over ranks once and every rank applies the same release."""
+    (r0, r1), _ = ddp_run
+    a, b = r0["uls"], r1["uls"]
+    assert torch.equal(a["params"], b["params"]) and a["history"] == b["history"]
+    assert a["history"] == [(1.0, 6 / 30, a["steps"])]  # 3 users per rank x 2 ranks of 30
+    assert all(u % 2 == 0 for batch in a["users"] for u in batch)
+    assert all(u % 2 == 1 for batch in b["users"] for u in batch)

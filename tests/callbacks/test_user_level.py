@@ -170,7 +170,7 @@ def test_user_ids_are_found_through_subsets_and_refused_when_missing():
     ({"max_examples_per_user": 2}, "with privacy_unit='example' it has no effect"),
     ({"privacy_unit": "user", "max_examples_per_user": 2, "accountant": "rdp"}, "needs accountant='pld'"),
     ({"privacy_unit": "user", "max_examples_per_user": 2, "poisson_sampling": False}, "needs poisson_sampling=True"),
-    ({"privacy_unit": "user", "max_examples_per_user": 2, "clipping": "quantile"}, "adaptive clipping"),
+    ({"privacy_unit": "user", "max_examples_per_user": 2, "clipping": "quantile"}, "and .quantile. clipping"),
     ({"privacy_unit": "user", "max_examples_per_user": 2, "accountant_kwargs": {"examples_per_user": 3}},
      "set by DPSGD's privacy_unit"),
 ])
@@ -307,3 +307,23 @@ def test_a_resumed_user_level_run_trains_what_the_uninterrupted_one_trains(tmp_p
     assert dp_resumed.epsilon == dp_whole.epsilon and len(dp_resumed.accountant) == len(dp_whole.accountant)
     for a, b in zip(whole.parameters(), resumed.parameters()):
         assert torch.equal(a, b)
+
+
+def test_user_sampling_runs_adaptive_clipping_per_user_and_mixed_precision():
+    """Under ULS every user is one clipping unit, so a quantile strategy's noisy count counts users (its release is
+    accounted per user as it is per example); bf16-mixed trains the same users."""
+    from lightning_dp.callbacks.clipping import QuantileClip
+
+    dp = DPSGD(privacy_unit="user", sampling="user", max_examples_per_user=3, noise_multiplier=1.0, seed=4,
+               clipping=QuantileClip(initial_clip=0.5, count_noise_std=2.0), log_nonprivate_metrics=False)
+    units, logger = Clips(), RecordingLogger()
+    _fit(dp, UserData(batch_size=6), units, logger=logger)
+    assert len(dp.clipping.trace) == len(units.units) > 0 and len(set(c for _, c, _ in dp.clipping.trace)) > 1
+    assert "privacy/max_grad_norm" in logger.names() and logger.series("privacy/steps")[-1] == len(units.units)
+    half = DPSGD(privacy_unit="user", sampling="user", max_examples_per_user=3, noise_multiplier=1.0, seed=4,
+                 log_nonprivate_metrics=False)
+    units = Clips()
+    trainer = _fit(half, UserData(batch_size=6), units, precision="bf16-mixed")
+    assert trainer.global_step == len(units.units) > 0
+    with pytest.raises(ValueError, match="Use sampling='user'"):
+        DPSGD(privacy_unit="user", max_examples_per_user=3, noise_multiplier=1.0, clipping="quantile")

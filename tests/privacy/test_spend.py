@@ -103,3 +103,26 @@ def test_ledgers_of_different_kinds_are_refused():
     with pytest.raises(ValueError, match="different kinds"):
         compose([[Spend.per_client("client_ledger", d_privacy, unit="d-privacy")],
                  [Spend.per_client("client_ledger", laplace, unit="local DP, Laplace")]])
+
+
+def test_user_level_runs_compose_per_user_and_never_with_another_unit_or_k():
+    """Issue 51: a grid of user-level runs composes their histories under the same mixture (k) statement; a grid
+    mixing example- and user-level runs, or two k, or ELS with ULS, is refused."""
+    from lightning_dp.privacy.accounting import PLDAccountant
+
+    def user(k, how="mixture", q=0.05, steps=20):
+        accountant = PLDAccountant(value_discretization_interval=1e-3, examples_per_user=k, user_accounting=how)
+        accountant.step(noise_multiplier=2.0, sample_rate=q, num_steps=steps)
+        return [Spend.accounted("user", accountant, delta=1e-5)]
+
+    totals = compose([user(3), user(3, q=0.1)])
+    both = PLDAccountant(value_discretization_interval=1e-3, examples_per_user=3)
+    both.step(noise_multiplier=2.0, sample_rate=0.05, num_steps=20)
+    both.step(noise_multiplier=2.0, sample_rate=0.1, num_steps=20)
+    assert totals["grid/privacy_level"] == "user" and totals["grid/epsilon"] == both.get_epsilon(1e-5)
+    example = [Spend.accounted("example", _accountant("pld", 1.0, 0.01, 10), delta=1e-5)]
+    with pytest.raises(ValueError, match="mixes example and user-level"):
+        compose([example, user(3)])
+    for other in (user(4), user(3, "group"), user(3, "users")):
+        with pytest.raises(ValueError, match="privacy unit"):
+            compose([user(3), other])
