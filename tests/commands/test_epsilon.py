@@ -304,3 +304,24 @@ def test_a_user_level_epsilon_is_dp_accountings_mixture_and_group_privacy_states
         cli.main([*args, "--accountant", "rdp"])
     assert stop.value.code == 2
     assert "--max-examples-per-user needs --accountant pld" in capsys.readouterr().err
+
+
+def test_the_privacy_unit_section_of_the_docs_runs_as_written(capsys):
+    """docs/privacy.md, "The privacy unit": its commands and its dp-accounting recomputation, as written."""
+    import doctest
+    import shlex
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "privacy.md").read_text()
+    section = page.split("## The privacy unit", 1)[1].split("\n## ", 1)[0]
+    commands = [line for block in re.findall(r"```bash\n(.*?)```", section, re.S) for line in block.splitlines()]
+    assert len(commands) == 2
+    printed = []
+    for command in commands:
+        argv = shlex.split(command)
+        assert argv[0] == "lightning-dp" and cli.main(argv[1:]) == 0
+        printed.append(_printed(capsys)[1][-1])
+    assert printed[0] == pytest.approx(6.69, abs=0.005) and printed[1] == pytest.approx(8.22, abs=0.005)  # the text
+    (pycon,) = re.findall(r"```pycon\n(.*?)```", section, re.S)
+    test = doctest.DocTestParser().get_doctest(pycon, {}, "privacy-unit", "docs/privacy.md", 0)
+    assert doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE).run(test).failed == 0
