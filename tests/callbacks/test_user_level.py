@@ -327,3 +327,15 @@ def test_user_sampling_runs_adaptive_clipping_per_user_and_mixed_precision():
     assert trainer.global_step == len(units.units) > 0
     with pytest.raises(ValueError, match="Use sampling='user'"):
         DPSGD(privacy_unit="user", max_examples_per_user=3, noise_multiplier=1.0, clipping="quantile")
+
+
+def test_online_sensitivity_trains_per_user_under_user_sampling():
+    """OSO's two sanitized dot products are of released vectors, its threshold clips users: it runs per user."""
+    from lightning_dp.callbacks import OnlineSensitivity
+
+    oso = OnlineSensitivity(noise_multiplier=1.0, seed=4, privacy_unit="user", sampling="user",
+                            max_examples_per_user=3, log_nonprivate_metrics=False)
+    units = Clips()
+    trainer = _fit(oso, UserData(batch_size=6), units)
+    assert trainer.global_step == len(units.units) == len(oso.clipping.trace) > 0
+    assert oso.accountant.unit_key() == ("user", 3, "users", "add_remove")
