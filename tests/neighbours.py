@@ -110,7 +110,9 @@ def change_data(datamodule: Any, unit: str = "client", split: str = "train", how
     Federated DataModules (``<split>_clients``): with ``unit="client"`` (client-level DP: the client is the unit of
     privacy) client 0's inputs times :data:`FACTOR` and its labels changed; with ``unit="example"`` (record-level DP
     inside the clients: local DP-SGD, PFA) the same for client 0's example 0 only. Centralized DataModules
-    (``<split>_dataset``): example 0 (:func:`_change_dataset`). Sizes and client counts stay.
+    (``<split>_dataset``): example 0 (:func:`_change_dataset`). A ``CentralizedView`` (a federated DataModule's
+    clients pooled for centralized training; with ``DPSGD(privacy_unit="user")`` a client is a user): its federated
+    DataModule's client 0 (or that client's example 0), as above. Sizes and client counts stay.
 
     ``split`` is ``"train"`` except for commands whose private data is elsewhere (``audit dlg`` attacks releases of
     the first validation examples).
@@ -122,6 +124,10 @@ def change_data(datamodule: Any, unit: str = "client", split: str = "train", how
         raise ValueError(f"unit={unit!r}: 'client' or 'example'")
     if how != "scale" and how not in NON_FINITE:
         raise ValueError(f"how={how!r}: 'scale', 'nan' or 'inf'")
+    from lightning_dp.datamodules import CentralizedView
+
+    if isinstance(datamodule, CentralizedView):  # pools a federated DataModule's clients: change one of those
+        datamodule = datamodule.federated
     clients = getattr(datamodule, f"{split}_clients", None)
     if clients and how in NON_FINITE:
         client = clients[0]

@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[1] / "examples"
 # whole LightningCLI configs (examples/oso holds dataset configs and strategy overlays, tested together below;
 # dlg_*.yaml are `lightning-dp audit` configs, tested in tests/audit/test_dlg.py)
 EXAMPLES = sorted(p for p in ROOT.glob("*.yaml") if not p.name.startswith("dlg_")) + sorted(
-    (ROOT / "fairness").glob("*.yaml")) + sorted((ROOT / "pdpfl").glob("*.yaml"))
+    (ROOT / "fairness").glob("*.yaml")) + sorted((ROOT / "pdpfl").glob("*.yaml")) + sorted(
+    (ROOT / "user_level").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("config", EXAMPLES, ids=[str(p.relative_to(ROOT)) for p in EXAMPLES])
@@ -30,6 +31,29 @@ def test_example_instantiates(config, tmp_path, monkeypatch):
 def test_there_are_examples():
     names = {p.name for p in EXAMPLES}
     assert {"dpsgd_digits.yaml", "fl_synthetic.yaml", "fl_hospital.yaml", "fl_femnist.yaml"} <= names
+
+
+@pytest.mark.parametrize("name", ["els_synthetic.yaml", "group_synthetic.yaml", "els_femnist.yaml"])
+def test_user_level_configs_pool_the_clients_as_users(name, tmp_path, monkeypatch):
+    """examples/user_level: DPSGD at privacy_unit 'user' (the config's last callback) over a CentralizedView of a
+    federated DataModule (its clients are the users), the mixture's PLD at the coarser 1e-3, logged to MLflow."""
+    import yaml
+
+    from lightning_dp.callbacks import DPSGD
+    from lightning_dp.datamodules import CentralizedView, FederatedDataModule
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-dp"])
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    config = ROOT / "user_level" / name
+    cli = LightningDPCLI(run=False, args=["--config", str(config), "--trainer.logger=false"])
+    assert isinstance(cli.datamodule, CentralizedView) and isinstance(cli.datamodule.federated, FederatedDataModule)
+    (dp,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, DPSGD)]
+    assert dp.settings.privacy_unit == "user"
+    assert dp.settings.user_accounting == ("group" if name.startswith("group") else "mixture")
+    raw = yaml.safe_load(config.read_text())
+    assert raw["trainer"]["logger"]["class_path"] == "lightning_dp.tracking.MLFlowLogger"
+    assert raw["trainer"]["callbacks"][-1]["init_args"]["accountant_kwargs"] == {"value_discretization_interval": 1e-3}
 
 
 #: Pages that record how this workplace made its numbers (paths of its machines included), not steps a user follows.

@@ -79,6 +79,18 @@ FEDAVG_MNIST = ["--data.init_args.num_clients=20", "--data.init_args.num_val_cli
 #: 3 epochs, 2 rounds: the changed record misses all 6 steps with probability 0.4^6 < 1 %.
 LOCAL_DPSGD = ["--trainer.max_epochs=2", "--model.init_args.update.init_args.batch_size=16",
                "--model.init_args.update.init_args.epochs=3"]
+#: User-level DP-SGD over a CentralizedView (examples/user_level): the federated DataModule's clients are the users,
+#: so D' changes one training client (unit "client"): one user, all their records. 100 generated users of 10 samples
+#: bounded to k = 4 (N = 400) in Poisson batches of 320 (q = 0.8): the changed user's 4 records all miss the 3 steps
+#: with probability 0.2^12.
+USER_SYNTHETIC = ["--data.init_args.federated.init_args.num_clients=100",
+                  "--data.init_args.federated.init_args.num_val_clients=20",
+                  "--data.init_args.federated.init_args.num_test_clients=20",
+                  "--data.init_args.federated.init_args.batch_size=320"]
+#: The same on a generated LEAF directory (:func:`femnist_dir`): 16 training writers of 10 images bounded to k = 8
+#: (N = 128), Poisson batches of 100 (q = 0.78).
+USER_FEMNIST = ["--data.init_args.federated.init_args.data_dir={femnist}",
+                "--data.init_args.federated.init_args.batch_size=100"]
 
 
 #: The fine-tuning examples start from a random base instead of lm/gpt2_public_pretrain.yaml's checkpoint (YAML null:
@@ -177,6 +189,9 @@ KINDS = [
          unit="example"),
     kind("pfa-direct", ["pdpfl/direct_mnist.yaml"], [*FEDERATED, *FEDERATED_MNIST, *LOCAL_DPSGD], unit="example"),
     kind("pfa-indirect", ["pdpfl/indirect_mnist.yaml"], [*FEDERATED, *FEDERATED_MNIST, *LOCAL_DPSGD], unit="example"),
+    kind("user-level-els-synthetic", ["user_level/els_synthetic.yaml"], [*DPSGD, *DPSGD_SHORT, *USER_SYNTHETIC]),
+    kind("user-level-group-synthetic", ["user_level/group_synthetic.yaml"], [*DPSGD, *DPSGD_SHORT, *USER_SYNTHETIC]),
+    kind("user-level-els-femnist", ["user_level/els_femnist.yaml"], [*DPSGD, *DPSGD_SHORT, *USER_FEMNIST]),
     # --- examples not run here, each with its reason (the dataset configs oso/mnist.yaml, oso/fashion_mnist.yaml and
     # oso/mnist_t10k.yaml are composed with the strategies above; dlg_digits.yaml and audit/mia_lm_dpsgd.yaml run in
     # test_an_audit_of_a_neighbouring_dataset_changes_only_declared_releases)
@@ -229,6 +244,18 @@ def mnist_dir(tmp_path_factory) -> Path:
     images = torch.randint(0, 256, (n, 28, 28), generator=g, dtype=torch.uint8)
     write_idx(directory / "t10k-images-idx3-ubyte", images)
     write_idx(directory / "t10k-labels-idx1-ubyte", labels)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def femnist_dir(tmp_path_factory) -> Path:
+    """LEAF FEMNIST's train/ and test/ JSON folders, generated (tests/datamodules/test_federated_femnist.write_leaf):
+    20 writers of 10 training and 2 test images (the examples' split: 16 training writers, 4 validation)."""
+    from tests.datamodules.test_federated_femnist import write_leaf
+
+    directory = tmp_path_factory.mktemp("femnist")
+    writers = [f"f{i:04d}_{i:02d}" for i in range(20)]
+    write_leaf(directory, train_sizes=dict.fromkeys(writers, 10), test_sizes=dict.fromkeys(writers, 2))
     return directory
 
 
@@ -306,10 +333,12 @@ def _command(command: list[str] | Callable[[], Any], uri: str, known: set[str], 
 
 @pytest.mark.parametrize(("configs", "overrides", "unit"), KINDS)
 def test_a_neighbouring_dataset_changes_only_declared_releases(configs, overrides, unit, workdir, store_template,
-                                                                 mnist_dir, wikitext_dir, capfd, monkeypatch):
+                                                                 mnist_dir, wikitext_dir, femnist_dir, capfd,
+                                                                 monkeypatch):
     uri = _store(store_template, workdir, monkeypatch)
     argv = ["fit", *_config_args(configs, workdir), *COMMON,
-            *(o.replace("{mnist}", str(mnist_dir)).replace("{wikitext}", str(wikitext_dir)) for o in overrides)]
+            *(o.replace("{mnist}", str(mnist_dir)).replace("{wikitext}", str(wikitext_dir))
+              .replace("{femnist}", str(femnist_dir)) for o in overrides)]
     known: set[str] = set()
     records = []
     for neighbour in (False, False, True):

@@ -11,9 +11,11 @@ from lightning_dp.datamodules.base import SplitDataModule, renamed, stratified_s
 from lightning_dp.datamodules.digits import DigitsDataModule
 from lightning_dp.datamodules.fairness import FEMNISTFairnessDataModule, SyntheticFairnessDataModule
 from lightning_dp.datamodules.federated import (
+    CentralizedView,
     ClientDataset,
     ClientPopulation,
     FederatedDataModule,
+    PooledClients,
     padded,
     split_clients,
 )
@@ -31,6 +33,7 @@ from lightning_dp.datamodules.wikitext import WikiText2DataModule
 __all__ = [
     "AGNewsDataModule",
     "CIFARFormatError",
+    "CentralizedView",
     "ChecksumError",
     "ClientDataset",
     "ClientPopulation",
@@ -43,6 +46,7 @@ __all__ = [
     "FederatedDataModule",
     "FederatedVisionDataModule",
     "HospitalChargesDataModule",
+    "PooledClients",
     "SyntheticFairnessDataModule",
     "SyntheticLinearMixtureDataModule",
     "SyntheticPopulationDataModule",

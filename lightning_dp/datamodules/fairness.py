@@ -62,7 +62,9 @@ class SyntheticFairnessDataModule(GeneratedClientsDataModule):
     :class:`~lightning_dp.datamodules.SyntheticLinearMixtureDataModule` (``x_distribution``).
 
     Training, validation and test clients come from independent streams derived from
-    ``seed``; client ids are ``"train-0000"``, ``"val-0000"``, ``"test-0000"``, ... After
+    ``seed``; client ids are ``"train-0000"``, ``"val-0000"``, ``"test-0000"``, ... (as users, e.g. of
+    ``DPSGD(privacy_unit="user")`` over :class:`~lightning_dp.datamodules.CentralizedView`: each generated client,
+    :meth:`concatenated`'s ``user_ids``; examples/user_level/els_synthetic.yaml). After
     ``setup()``, ``x`` is float32 ``(samples_per_client, d)``, ``y`` int64 in {0, 1},
     ``sensitive`` int64 (the client's group for every sample); :attr:`group_of` maps
     client ids to groups and :attr:`scores` to the float64 scores ``y`` before thresholding.

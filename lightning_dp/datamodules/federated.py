@@ -1,15 +1,18 @@
 """What every federated DataModule shares: per-client datasets, client splits, padding, loaders.
 
 A :class:`FederatedDataModule` yields lists of :class:`ClientDataset` (``train_clients``, ``val_clients`` held out
-as whole clients, ``test_clients``); its ordinary loaders iterate over the concatenation of a split's clients (a
-centralized baseline), and :func:`padded` stacks clients into ``(C, Nmax, ...)`` tensors with a mask.
+as whole clients, ``test_clients``); :class:`CentralizedView` batches the concatenation of a split's clients (a
+centralized baseline, or user-level DP-SGD: the pooled samples carry each one's client as ``user_ids``,
+:class:`PooledClients`), and :func:`padded` stacks clients into ``(C, Nmax, ...)`` tensors with a mask.
 docs/data.md, "Federated data".
 """
 
 from __future__ import annotations
 
 import abc
+import bisect
 import hashlib
+import itertools
 import math
 import re
 from collections.abc import Iterator, Sequence
@@ -18,6 +21,7 @@ from typing import Any, Literal, Optional, TypeVar, Union, overload
 
 import numpy as np
 import torch
+from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch import LightningDataModule
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
@@ -28,8 +32,8 @@ from lightning_dp.datamodules.base import (
     make_dataloader,
 )
 
-__all__ = ["ClientDataset", "ClientPopulation", "FederatedDataModule", "client_ids", "client_sizes", "derived_seed",
-           "padded", "padded_sensitive", "split_clients"]
+__all__ = ["CentralizedView", "ClientDataset", "ClientPopulation", "FederatedDataModule", "PooledClients",
+           "SampleClients", "client_ids", "client_sizes", "derived_seed", "padded", "padded_sensitive", "split_clients"]
 
 T = TypeVar("T")
 Task = Literal["regression", "classification"]
@@ -196,6 +200,80 @@ def client_ids(clients: Sequence[ClientDataset], index: Sequence[int]) -> Sequen
     if isinstance(clients, ClientPopulation):
         return _PopulationIds(clients, index)
     return [clients[i].client_id for i in index]
+
+
+class SampleClients(Sequence[Any]):
+    """The client id of every sample of clients pooled in order (:class:`PooledClients`), kept as one id and one
+    size per client (run lengths): it stores nothing per sample; indexing finds the run, iterating expands them.
+
+    ``ids[i]`` holds ``sizes[i]`` consecutive samples; a client of no samples holds none.
+
+    Example:
+        >>> users = SampleClients(["a", "b", "c"], [2, 0, 1])
+        >>> len(users), list(users), users[2], users[-1]
+        (3, ['a', 'a', 'c'], 'c', 'c')
+    """
+
+    def __init__(self, ids: Sequence[Any], sizes: Sequence[int]) -> None:
+        self.ids = list(ids)
+        self.sizes = [int(size) for size in sizes]
+        if len(self.ids) != len(self.sizes) or any(size < 0 for size in self.sizes):
+            raise ValueError(f"SampleClients: one non-negative size per id, got {len(self.ids)} ids and sizes "
+                             f"{self.sizes[:5]}{'...' if len(self.sizes) > 5 else ''}")
+        self._ends = list(itertools.accumulate(self.sizes))
+
+    def __len__(self) -> int:
+        return self._ends[-1] if self._ends else 0
+
+    @overload
+    def __getitem__(self, i: int) -> Any: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[Any]: ...
+
+    def __getitem__(self, i: Union[int, slice]) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if isinstance(i, bool) or not isinstance(i, int) or not -n <= i < n:
+            raise IndexError(f"sample index {i!r} out of range for {n} samples")
+        return self.ids[bisect.bisect_right(self._ends, i % n)]
+
+    def __iter__(self) -> Iterator[Any]:
+        for client, size in zip(self.ids, self.sizes):
+            yield from itertools.repeat(client, size)
+
+    def tolist(self) -> list[Any]:
+        """Every sample's client id, as a list."""
+        return list(self)
+
+    def __repr__(self) -> str:
+        return f"SampleClients({len(self)} samples of {len(self.ids)} clients)"
+
+
+class PooledClients(TensorDataset):
+    """All samples of some clients, in client order, as one :class:`~torch.utils.data.TensorDataset` of
+    ``(x, y)`` pairs (the clients' tensors concatenated), which also states the client of every sample.
+
+    Attributes:
+        user_ids: the client id of every sample, in the dataset's order (:class:`SampleClients`): what
+            DP-SGD's ``privacy_unit="user"`` reads as each example's user
+            (:func:`lightning_dp.privacy.users.user_ids_of`). What a client is depends on the data: a FEMNIST
+            writer, a CMS provider (hospital), a generated client (:meth:`FederatedDataModule.concatenated`).
+
+    Example:
+        >>> pooled = PooledClients([ClientDataset("a", torch.zeros(2, 3), torch.zeros(2)),
+        ...                         ClientDataset("b", torch.ones(1, 3), torch.ones(1))])
+        >>> len(pooled), list(pooled.user_ids), pooled[2][1].item()
+        (3, ['a', 'a', 'b'], 1.0)
+    """
+
+    def __init__(self, clients: Sequence[ClientDataset]) -> None:
+        clients = list(clients)
+        if not clients:
+            raise ValueError("PooledClients: needs at least one client")
+        super().__init__(torch.cat([client.x for client in clients]), torch.cat([client.y for client in clients]))
+        self.user_ids = SampleClients([client.client_id for client in clients], [len(client) for client in clients])
 
 
 def _block_sizes(total: int, fractions: Sequence[float]) -> list[int]:
@@ -465,11 +543,20 @@ class FederatedDataModule(DataHparamsMixin, LightningDataModule):
         return out
 
     # ----------------------------------------------------------------- centralized loaders
-    def concatenated(self, split: str) -> TensorDataset:
-        """All samples of a split's clients, in client order, as one :class:`~torch.utils.data.TensorDataset`.
+    def concatenated(self, split: str) -> PooledClients:
+        """All samples of a split's clients, in client order, as one :class:`~torch.utils.data.TensorDataset`
+        (:class:`PooledClients`) whose ``user_ids`` holds the client id of every sample.
+
+        The pooled samples are a centralized baseline's data, and, with ``user_ids``, user-level DP-SGD's
+        (``DPSGD(privacy_unit="user")``): the client is the user. What a client is depends on the data, and so
+        does what a user-level guarantee protects: a FEMNIST writer; a CMS provider (hospital) with all its rows;
+        a generated client of the synthetic data; an arbitrary partition of an image pool
+        (:class:`~lightning_dp.datamodules.FederatedVisionDataModule`, no person). Each subclass says which.
+        Built from the clients every call (the ids as one run per client: nothing per sample).
 
         Raises:
-            RuntimeError: If the split has no clients (the message names the split).
+            RuntimeError: If the split has no clients (the message names the split), or is a
+                :class:`ClientPopulation` (pooling would build every client).
         """
         clients = self.clients(split)
         if not clients:
@@ -478,7 +565,7 @@ class FederatedDataModule(DataHparamsMixin, LightningDataModule):
             raise RuntimeError(f"{type(self).__name__}: the {split} split is a population of {len(clients)} clients "
                                "built on demand; pooling all their samples would hold every client in memory. Read "
                                "its clients with padded_rows(split, index) instead.")
-        return TensorDataset(torch.cat([client.x for client in clients]), torch.cat([client.y for client in clients]))
+        return PooledClients(clients)
 
     def centralized(self) -> CentralizedView:
         """A plain LightningDataModule over the pooled samples of each split (a centralized baseline)."""
@@ -507,12 +594,64 @@ class CentralizedView(LightningDataModule):
     """Batches over all clients' samples of each split of a :class:`FederatedDataModule`.
 
     The training split is reshuffled every epoch by a generator seeded with the federated
-    DataModule's seed; validation and test keep a fixed order.
+    DataModule's seed; validation and test keep a fixed order. Every split's dataset is
+    :meth:`FederatedDataModule.concatenated`'s :class:`PooledClients`, whose ``user_ids`` is the client of every
+    sample, so ``DPSGD(privacy_unit="user")`` trains with the federated data's clients as its users.
+
+    From a ``lightning-dp fit`` config (``batch_size`` and ``seed`` are the federated DataModule's)::
+
+        data:
+          class_path: lightning_dp.datamodules.CentralizedView
+          init_args:
+            federated:
+              class_path: lightning_dp.datamodules.SyntheticFairnessDataModule
+              init_args: {num_clients: 1000, batch_size: 500, seed: 0}
+
+    ``task``, ``num_classes`` and ``input_shape`` are the federated DataModule's, and so are the hyperparameters
+    logged (``data/<name>``, plus ``data/view: centralized``).
+
+    Args:
+        federated: The federated DataModule whose clients are pooled.
+
+    Raises:
+        TypeError: If ``federated`` is not a :class:`FederatedDataModule`.
     """
 
     def __init__(self, federated: FederatedDataModule) -> None:
         super().__init__()
+        if not isinstance(federated, FederatedDataModule):
+            raise TypeError(f"CentralizedView: federated must be a FederatedDataModule (e.g. "
+                            f"SyntheticLinearMixtureDataModule), got {type(federated).__name__}")
         self.federated = federated
+        # Lightning logs a DataModule's hparams_initial only when it saved its hyperparameters: the federated one did
+        self._log_hyperparams = federated._log_hyperparams
+
+    @property
+    def task(self) -> Task:
+        """The federated DataModule's task."""
+        return self.federated.task
+
+    @property
+    def num_classes(self) -> Optional[int]:
+        """The federated DataModule's number of classes."""
+        return self.federated.num_classes
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """The shape of one sample (the federated DataModule's)."""
+        return tuple(self.federated.input_shape)
+
+    @property
+    def hparams_initial(self) -> AttributeDict:
+        """The federated DataModule's logged hyperparameters (``data/<name>``) and ``data/view: centralized``."""
+        logged = dict(self.federated.hparams_initial)
+        # LightningCLI builds the nested DataModule with the instantiator of `data`, which hands it this view's
+        # config (its own under `federated`): logged as its own arguments, as when built in Python
+        nested = logged.pop("data/federated", None)
+        if isinstance(nested, dict):
+            arguments = {**nested.get("init_args", {}), **nested.get("dict_kwargs", {})}
+            logged.update({f"data/{name}": value for name, value in arguments.items()})
+        return AttributeDict({**logged, "data/view": "centralized"})
 
     def prepare_data(self) -> None:
         self.federated.prepare_data()

@@ -85,6 +85,9 @@ def partition_labels(labels: torch.Tensor, num_partitions: int, partition: str, 
 class FederatedVisionDataModule(FederatedDataModule):
     """Image classification clients partitioned from MNIST, Fashion-MNIST or CIFAR-10 (module docstring).
 
+    The clients are partitions of an image pool, not people: :meth:`concatenated`'s ``user_ids`` (the partition of
+    every image) makes ``DPSGD(privacy_unit="user")`` protect one partition, a simulation of a user, no one's data.
+
     Args:
         dataset: ``"mnist"``, ``"fashion_mnist"`` or ``"cifar10"``.
         data_dir: the official files (default ``./data/<dataset>``).

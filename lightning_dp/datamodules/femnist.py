@@ -165,6 +165,10 @@ class FEMNISTDataModule(FederatedDataModule):
     files, or the held-out share with ``source="huggingface"``), under the same client id.
     Writers that only appear in the test files are not clients.
 
+    Users: a client is one writer (LEAF's user), so :meth:`concatenated`'s ``user_ids`` is the writer of every
+    image and ``DPSGD(privacy_unit="user")`` over :class:`~lightning_dp.datamodules.CentralizedView` protects
+    everything one writer wrote (examples/user_level/els_femnist.yaml).
+
     Rotation: every writer is rotated with probability ``rotate_probability``, decided
     by a uniform draw from a generator seeded with ``(seed, writer id)`` only, so a
     writer's draw does not depend on which other writers are loaded; all of a rotated

@@ -308,6 +308,13 @@ class HospitalChargesDataModule(FederatedDataModule):
     ``train_fraction`` training and ``1 - train_fraction`` validation clients. There are
     no test clients.
 
+    Users: the file identifies providers, not patients. A row is one provider's average over all its discharges of
+    one DRG (a patient is in it only through that average, and a patient treated at several providers is in
+    several providers' rows), so the finest unit the data offers is the provider (hospital): :meth:`concatenated`'s
+    ``user_ids`` is the provider id of every row, and ``DPSGD(privacy_unit="user")`` over
+    :class:`~lightning_dp.datamodules.CentralizedView` protects all of one provider's rows (at most one per DRG
+    chosen: ``max_examples_per_user`` equal to the number of DRGs keeps every row).
+
     Each row is one sample: ``x = (service index, longitude, latitude)``, where the
     service index is the position of the row's DRG in :attr:`selected_drgs` (0, 1, ...),
     and ``y = Average Total Payments`` in dollars. With ``scale=True`` (default) every

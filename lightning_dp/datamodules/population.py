@@ -152,7 +152,8 @@ class SyntheticPopulation(ClientPopulation):
 
 class SyntheticPopulationDataModule(FederatedDataModule):
     """A :class:`SyntheticPopulation` per split: a population of ``num_clients`` training clients at the memory
-    cost of its sizes (8 bytes per client), for the round at scale (module docstring).
+    cost of its sizes (8 bytes per client), for the round at scale (module docstring). Its splits are not pooled
+    (:meth:`concatenated` refuses a population: it would build every client), so it has no centralized view.
 
     Args:
         num_clients: training clients (e.g. 1,000,000).

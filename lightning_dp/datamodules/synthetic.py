@@ -88,6 +88,7 @@ class SyntheticLinearMixtureDataModule(GeneratedClientsDataModule):
     Training, validation and test clients are generated the same way from independent
     streams derived from ``seed`` (changing ``num_val_clients`` does not change the
     training clients). Client ids are ``"train-000"``, ``"val-000"``, ``"test-000"``, ...
+    As users (:meth:`concatenated`'s ``user_ids``, for ``DPSGD(privacy_unit="user")``): each generated client.
 
     After ``setup()``, ``x`` is float32 of shape ``(samples_per_client, d)``, ``y``
     float32 of shape ``(samples_per_client,)``; :attr:`cluster_of` maps every client id
