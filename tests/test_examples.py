@@ -33,7 +33,8 @@ def test_there_are_examples():
     assert {"dpsgd_digits.yaml", "fl_synthetic.yaml", "fl_hospital.yaml", "fl_femnist.yaml"} <= names
 
 
-@pytest.mark.parametrize("name", ["els_synthetic.yaml", "group_synthetic.yaml", "els_femnist.yaml"])
+@pytest.mark.parametrize("name", ["els_synthetic.yaml", "group_synthetic.yaml", "els_femnist.yaml",
+                                  "uls_synthetic.yaml"])
 def test_user_level_configs_pool_the_clients_as_users(name, tmp_path, monkeypatch):
     """examples/user_level: DPSGD at privacy_unit 'user' (the config's last callback) over a CentralizedView of a
     federated DataModule (its clients are the users), the mixture's PLD at the coarser 1e-3, logged to MLflow."""
@@ -50,7 +51,8 @@ def test_user_level_configs_pool_the_clients_as_users(name, tmp_path, monkeypatc
     assert isinstance(cli.datamodule, CentralizedView) and isinstance(cli.datamodule.federated, FederatedDataModule)
     (dp,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, DPSGD)]
     assert dp.settings.privacy_unit == "user"
-    assert dp.settings.user_accounting == ("group" if name.startswith("group") else "mixture")
+    assert dp.settings.user_accounting == {"group": "group", "uls": "users"}.get(name.split("_")[0], "mixture")
+    assert dp.settings.sampling == ("user" if name.startswith("uls") else "example")
     raw = yaml.safe_load(config.read_text())
     assert raw["trainer"]["logger"]["class_path"] == "lightning_dp.tracking.MLFlowLogger"
     assert raw["trainer"]["callbacks"][-1]["init_args"]["accountant_kwargs"] == {"value_discretization_interval": 1e-3}

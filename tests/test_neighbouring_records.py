@@ -192,6 +192,8 @@ KINDS = [
     kind("user-level-els-synthetic", ["user_level/els_synthetic.yaml"], [*DPSGD, *DPSGD_SHORT, *USER_SYNTHETIC]),
     kind("user-level-group-synthetic", ["user_level/group_synthetic.yaml"], [*DPSGD, *DPSGD_SHORT, *USER_SYNTHETIC]),
     kind("user-level-els-femnist", ["user_level/els_femnist.yaml"], [*DPSGD, *DPSGD_SHORT, *USER_FEMNIST]),
+    kind("user-level-uls-synthetic", ["user_level/uls_synthetic.yaml"], [*DPSGD, *DPSGD_SHORT, *USER_SYNTHETIC[:3],
+                                                                         "--data.init_args.federated.init_args.batch_size=80"]),
     # --- examples not run here, each with its reason (the dataset configs oso/mnist.yaml, oso/fashion_mnist.yaml and
     # oso/mnist_t10k.yaml are composed with the strategies above; dlg_digits.yaml and audit/mia_lm_dpsgd.yaml run in
     # test_an_audit_of_a_neighbouring_dataset_changes_only_declared_releases)

@@ -72,7 +72,10 @@ def summary_rows(*, epsilon: float, target_epsilon: float | None, target_delta: 
         spend = f"{epsilon:.4g} at delta {target_delta:g} (no target_epsilon)"
     else:
         spend = f"{epsilon:.4g} of target_epsilon {target_epsilon:g} at delta {target_delta:g}"
-    if poisson_sampling:
+    if poisson_sampling and user_accounting == "users" and max_examples_per_user is not None:  # ULS: users drawn
+        batches = ("sample rate q", f"{data.sample_rate:.4g} of users (expected {data.expected_batch_size:g} users "
+                                    f"of {data.dataset_size} per step{'; changed during the run' if rate_varies else ''})")
+    elif poisson_sampling:
         batches = ("sample rate q", f"{data.sample_rate:.4g} (expected batch {data.expected_batch_size:g} "
                                     f"of N = {data.dataset_size}{'; changed during the run' if rate_varies else ''})")
     else:

@@ -44,7 +44,7 @@ class Contributions(NamedTuple):
 
 
 def _ids(values: Any, size: int, where: str) -> list[Hashable]:
-    ids = values.tolist() if hasattr(values, "tolist") else list(values)
+    ids = _plain_ids(values)
     if len(ids) != size:
         raise ValueError(f"{where}.user_ids has {len(ids)} entries for {size} examples: it must hold one user id per "
                          "example, in the dataset's order.")
@@ -72,16 +72,28 @@ def user_ids_of(dataset: Any) -> list[Hashable]:
         "or ConcatDataset of such datasets is followed. Or train with privacy_unit='example'.")
 
 
+def _plain(user: Any) -> Hashable:
+    """A NumPy or torch scalar as the Python value it holds (``np.int64(3)``, ``tensor(3)`` and ``3``: one user)."""
+    item = getattr(user, "item", None)
+    return item() if callable(item) and not isinstance(user, (str, bytes)) else user
+
+
+def _plain_ids(user_ids: Any) -> list[Hashable]:
+    return user_ids.tolist() if hasattr(user_ids, "tolist") else [_plain(u) for u in user_ids]
+
+
 def count_bounded(user_ids: Sequence[Hashable], k: int) -> Contributions:
     """Users, records and the records kept by a bound of ``k`` per user (no randomness: the sizes only)."""
+    user_ids = _plain_ids(user_ids)
     counts = Counter(user_ids)
     return Contributions(users=len(counts), records=len(user_ids), kept=sum(min(c, k) for c in counts.values()),
                          largest=max(counts.values(), default=0))
 
 
 def _user_key(user: Hashable) -> int:
-    """A stable 64-bit key of a user id (Python's ``hash`` of a string changes from process to process)."""
-    return int.from_bytes(hashlib.blake2b(repr(user).encode(), digest_size=8).digest(), "little")
+    """A stable 64-bit key of a user id (Python's ``hash`` of a string changes from process to process); a NumPy or
+    torch scalar is keyed as the Python number it holds (``np.int64(3)`` and ``3`` are one user, one draw)."""
+    return int.from_bytes(hashlib.blake2b(repr(_plain(user)).encode(), digest_size=8).digest(), "little")
 
 
 def bound_contributions(user_ids: Sequence[Hashable], k: int, *, seed: int) -> list[int]:
@@ -94,7 +106,7 @@ def bound_contributions(user_ids: Sequence[Hashable], k: int, *, seed: int) -> l
         seed: the run's secret seed (the selection has its own stream of it).
     """
     by_user: dict[Hashable, list[int]] = defaultdict(list)
-    for index, user in enumerate(user_ids):
+    for index, user in enumerate(_plain_ids(user_ids)):
         by_user[user].append(index)
     kept: list[int] = []
     for user, indices in by_user.items():

@@ -339,3 +339,11 @@ def test_online_sensitivity_trains_per_user_under_user_sampling():
     trainer = _fit(oso, UserData(batch_size=6), units)
     assert trainer.global_step == len(units.units) == len(oso.clipping.trace) > 0
     assert oso.accountant.unit_key() == ("user", 3, "users", "add_remove")
+
+
+def test_numpy_and_python_ids_of_one_user_draw_the_same_records():
+    import numpy as np
+
+    users = [3, 3, 3, 7, 7, 7, 7]
+    assert bound_contributions([np.int64(u) for u in users], 2, seed=1) == bound_contributions(users, 2, seed=1)
+    assert bound_contributions(torch.tensor(users), 2, seed=1) == bound_contributions(users, 2, seed=1)
