@@ -254,7 +254,18 @@ class DPSGD(Callback):
         canary slots are then part of the data that N, q and the accounting see), and may add gradient
         canaries to each step's clipped sum before the noise (``add_to_sums``) and read the released gradient
         (``observe``). An audit changes what is trained on, never how it is privatized.
+
+        Raises:
+            MisconfigurationException: for a user-level run (a canary belongs to no user, and the audit's epsilon is
+                stated per example).
         """
+        if self.settings.privacy_unit == "user":
+            from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+            raise MisconfigurationException(
+                f"{type(audit).__name__} cannot audit {type(self).__name__}(privacy_unit='user'): its canaries belong "
+                "to no user and its epsilon lower bound is stated per example. Audit an example-level run "
+                "(privacy_unit='example') of the same configuration.")
         self.private_step.attach_audit(audit)
 
     def plan(self, trainer: Trainer, train_dataloader: Any) -> PlannedMechanism:

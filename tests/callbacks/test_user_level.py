@@ -347,3 +347,11 @@ def test_numpy_and_python_ids_of_one_user_draw_the_same_records():
     users = [3, 3, 3, 7, 7, 7, 7]
     assert bound_contributions([np.int64(u) for u in users], 2, seed=1) == bound_contributions(users, 2, seed=1)
     assert bound_contributions(torch.tensor(users), 2, seed=1) == bound_contributions(users, 2, seed=1)
+
+
+def test_a_one_run_audit_of_a_user_level_run_is_refused_before_any_step():
+    from lightning_dp.callbacks import OneRunAudit
+
+    dp = DPSGD(privacy_unit="user", max_examples_per_user=3, noise_multiplier=1.0, log_nonprivate_metrics=False)
+    with pytest.raises(MisconfigurationException, match="canaries belong to no user"):
+        _fit(dp, UserData(), OneRunAudit(num_canaries=10, num_classes=3, seed=1), max_epochs=1)
