@@ -42,7 +42,15 @@ from lightning_dp.privacy.sampling import (
     with_dataset,
 )
 from lightning_dp.privacy.seeds import check_seed
-from lightning_dp.privacy.users import PRIVACY_UNITS, Contributions, bound_contributions, count_bounded, user_ids_of
+from lightning_dp.privacy.users import (
+    PRIVACY_UNITS,
+    Contributions,
+    bound_contributions,
+    check_collate_keeps_order,
+    count_bounded,
+    records_by_user,
+    user_ids_of,
+)
 from lightning_dp.privacy.validators import describe_mixing_layers, find_mixing_layers
 
 __all__ = ["PRECISIONS", "Calibration", "PlannedMechanism", "Settings", "check_fit"]
@@ -115,9 +123,10 @@ class Settings:
         adjacency = _resolve_adjacency(adjacency, kwargs, accountant, poisson)
         if poisson and adjacency == "replace":
             kwargs["adjacency"] = "replace"
+        given = user_accounting is not None
         user_accounting = _resolve_sampling(sampling, privacy_unit, user_accounting, max_physical_batch_size)
         k = _resolve_unit(privacy_unit, max_examples_per_user, user_accounting, poisson=poisson, adjacency=adjacency,
-                          accountant=accountant, kwargs=kwargs)
+                          accountant=accountant, kwargs=kwargs, user_accounting_given=given)
         if k is not None and strategy.adaptive and sampling != "user":
             raise ValueError(
                 f"privacy_unit='user' with example-level sampling and {strategy.name!r} clipping is not supported: "
@@ -164,15 +173,22 @@ def _resolve_sampling(sampling: str, privacy_unit: str, user_accounting: str | N
 
 
 def _resolve_unit(privacy_unit: str, k: int | None, user_accounting: str, *, poisson: bool, adjacency: str,
-                  accountant: str, kwargs: dict[str, Any]) -> int | None:
+                  accountant: str, kwargs: dict[str, Any], user_accounting_given: bool = False) -> int | None:
     """``k`` for a user-level run (its accountant's arguments set in ``kwargs``), None for an example-level one."""
     if privacy_unit not in PRIVACY_UNITS:
         raise ValueError(f"privacy_unit={privacy_unit!r} is not allowed; choose 'example' (one training example "
                          "added or removed: the usual DP-SGD guarantee) or 'user' (every record of one user, "
                          "with max_examples_per_user=k).")
+    for key in ("examples_per_user", "user_accounting"):
+        if key in kwargs:  # an accountant that states a user-level spend for a run that bounds no user: refused
+            raise ValueError(f"accountant_kwargs[{key!r}] is set by DPSGD's privacy_unit, max_examples_per_user and "
+                             "user_accounting: pass those instead.")
     if privacy_unit == "example":
         if k is not None:
             raise ValueError(f"max_examples_per_user={k!r} bounds a user's records for privacy_unit='user'; with "
+                             "privacy_unit='example' it has no effect. Pass privacy_unit='user' or drop it.")
+        if user_accounting_given:
+            raise ValueError(f"user_accounting={user_accounting!r} states a user-level spend; with "
                              "privacy_unit='example' it has no effect. Pass privacy_unit='user' or drop it.")
         return None
     k = check_examples_per_user(k, name="max_examples_per_user")
@@ -190,10 +206,6 @@ def _resolve_unit(privacy_unit: str, k: int | None, user_accounting: str, *, poi
         raise ValueError(f"privacy_unit='user' needs accountant='pld' (accountant={accountant!r}): dp_accounting's "
                          "mixture of Gaussians, and the group-privacy conversion, are computed from privacy loss "
                          "distributions.")
-    for key in ("examples_per_user", "user_accounting"):
-        if key in kwargs:
-            raise ValueError(f"accountant_kwargs[{key!r}] is set by DPSGD's privacy_unit, max_examples_per_user and "
-                             "user_accounting: pass those instead.")
     kwargs.update(examples_per_user=k, user_accounting=user_accounting)
     return k
 
@@ -383,10 +395,11 @@ class Calibration:
         self.update_budget(trainer)  # a reloaded loader may bring a new sampling rate
         loader = self.bounded(loader, seed())
         if self.settings.sampling == "user":  # ULS: users drawn with their records, each user clipped as one
-            records: dict[Any, list[int]] = {}
-            for position, user in enumerate(user_ids_of(loader.dataset)):
-                records.setdefault(user, []).append(position)
-            users = list(records.values())  # in order of first record: a public order of the data's users
+            try:
+                check_collate_keeps_order(loader.collate_fn, loader.dataset)
+                users = list(records_by_user(user_ids_of(loader.dataset)).values())  # in order of each first record
+            except ValueError as err:
+                raise MisconfigurationException(f"{self.who}: {err}") from None
             sampled = user_poisson_dataloader(loader, users=users, sample_rate=data.sample_rate, seed=seed(),
                                               rank=trainer.global_rank, world_size=trainer.world_size,
                                               start_step=start_step, parts=data.parts,

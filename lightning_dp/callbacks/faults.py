@@ -34,4 +34,4 @@ class NoiselessDPSGD(DPSGD):
 
     def privacy_spend(self) -> list[Spend]:
         """Unsanitized: whatever epsilon the run logs, its releases carry no noise (a grid composes it as infinite)."""
-        return [Spend.unprotected("example", "NoiselessDPSGD adds no noise")]
+        return [Spend.unprotected(self.accountant.privacy_unit, "NoiselessDPSGD adds no noise")]

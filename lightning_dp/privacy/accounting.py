@@ -623,7 +623,9 @@ class PLDAccountant(Accountant):
         coarse = 1e-3
         if self.value_discretization_interval >= coarse or not self.pessimistic_estimate:
             return None
-        return {"value_discretization_interval": coarse}
+        unit = ({} if self.examples_per_user is None else
+                {"examples_per_user": self.examples_per_user, "user_accounting": self.user_accounting})
+        return {"value_discretization_interval": coarse, **unit}  # the same unit: a search that starts near
 
     def _load_config(self, state: dict[str, Any]) -> None:
         saved = (state.get("examples_per_user"), state.get("user_accounting", "mixture"))
@@ -644,6 +646,11 @@ class PLDAccountant(Accountant):
     def _mixture(self) -> bool:
         """Whether each step is the user-level mixture of Gaussians (ELS), not the example-level Gaussian."""
         return self.examples_per_user is not None and self.user_accounting == "mixture"
+
+    @property
+    def _group(self) -> bool:
+        """Whether the spend is the group-privacy conversion of the example-level one."""
+        return self.examples_per_user is not None and self.user_accounting == "group"
 
     def _single_step_pld(self, sigma: float, q: float) -> privacy_loss_distribution.PrivacyLossDistribution:
         # Mirrors PLDAccountant._maybe_compose for PoissonSampledDpEvent(q, GaussianDpEvent(sigma)), and for
@@ -710,7 +717,7 @@ class PLDAccountant(Accountant):
 
     def _compute_epsilon(self, history: tuple[HistoryEntry, ...], delta: float) -> float:
         pld = self._composed_pld(history)
-        if self.examples_per_user is not None and self.user_accounting == "group":
+        if self._group:
             return group_epsilon(pld.get_delta_for_epsilon, self.examples_per_user, delta)
         return float(pld.get_epsilon_for_delta(delta))
 
@@ -721,7 +728,7 @@ class PLDAccountant(Accountant):
             ValueError: for ``user_accounting="group"``: group privacy is a conversion of the example-level event's
                 guarantee, not an event of its own (compose the example-level events, then convert).
         """
-        if self.examples_per_user is not None and self.user_accounting == "group":
+        if self._group:
             raise ValueError("a group-privacy spend has no dp_accounting event: it converts the example-level "
                              "guarantee (group_epsilon); compose the example-level events, then convert.")
         return history_to_dp_event(self._history, self.examples_per_user if self._mixture else None)
@@ -730,7 +737,7 @@ class PLDAccountant(Accountant):
         """``delta(eps)`` of the whole history at every epsilon of ``epsilons`` (the PLD's hockey-stick
         divergence, pessimistic; both directions of add/remove, the larger). The one-run f-DP audit turns it
         into a trade-off function (:func:`lightning_dp.audit.one_run.tradeoff_from_profile`)."""
-        if self.examples_per_user is not None and self.user_accounting == "group":
+        if self._group:
             raise ValueError("the privacy profile of a group-privacy spend is not computed (only its epsilon); use "
                              "user_accounting='mixture' or the example-level accountant")
         if not self._history:

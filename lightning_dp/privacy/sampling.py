@@ -116,7 +116,8 @@ class UserPoissonBatchSampler(PoissonBatchSampler):
     Args:
         users: the dataset indices of every user's records (one list per user).
         sample_rate: q, the inclusion probability of every user in every batch.
-        (the rest as :class:`PoissonBatchSampler`'s; ``num_samples`` is the number of users.)
+        num_samples: ignored (the number of users is ``len(users)``); present for Lightning's re-instantiation.
+        (the rest as :class:`PoissonBatchSampler`'s.)
 
     Example:
         >>> s = UserPoissonBatchSampler(None, 1, False, users=[[0, 1], [2], [3, 4, 5]], sample_rate=0.5, seed=0)
@@ -147,16 +148,17 @@ class UserPoissonBatchSampler(PoissonBatchSampler):
         """How many records each user of micro-batch ``part`` of step ``step`` holds, in the batch's order."""
         key = (int(step), int(part))
         if key not in self._groups:
-            self._groups[key] = [len(self.users[u]) for u in self._split(step)[part]]
-        for old in [k for k in self._groups if k[0] < step - 1]:  # steps released already
-            del self._groups[old]
+            self._groups = {k: v for k, v in self._groups.items() if k[0] >= step}  # earlier steps are released
+            for j, users in enumerate(self._split(step)):
+                self._groups[(int(step), j)] = [len(self.users[u]) for u in users]
         return self._groups[key]
 
     def __iter__(self) -> Iterator[list[int]]:
+        # nothing is cached here: Lightning may iterate a re-instantiated copy while the private step asks another
+        # (groups() recomputes from the seed), and a cache filled here would only grow
         start = int(self.start_step())
         for k in range(self.steps_per_epoch):
-            for part, users in enumerate(self._split(start + k)):
-                self._groups[(start + k, part)] = [len(self.users[u]) for u in users]
+            for users in self._split(start + k):
                 yield [i for u in users for i in self.users[u]]
 
 

@@ -19,14 +19,15 @@ Example:
 from __future__ import annotations
 
 import hashlib
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 from torch.utils.data import ConcatDataset, Subset
 
-__all__ = ["PRIVACY_UNITS", "Contributions", "bound_contributions", "count_bounded", "user_ids_of"]
+__all__ = ["PRIVACY_UNITS", "Contributions", "bound_contributions", "check_collate_keeps_order", "count_bounded",
+           "records_by_user", "user_ids_of"]
 
 #: What one neighbouring dataset differs in: one example (record), or every record of one user.
 PRIVACY_UNITS = ("example", "user")
@@ -75,19 +76,103 @@ def user_ids_of(dataset: Any) -> list[Hashable]:
 def _plain(user: Any) -> Hashable:
     """A NumPy or torch scalar as the Python value it holds (``np.int64(3)``, ``tensor(3)`` and ``3``: one user)."""
     item = getattr(user, "item", None)
-    return item() if callable(item) and not isinstance(user, (str, bytes)) else user
+    if not callable(item) or isinstance(user, (str, bytes)):
+        return user
+    try:
+        return item()
+    except (ValueError, RuntimeError):  # an array or tensor of several values: refused by _checked
+        return user
+
+
+_ID_TYPES = (str, bytes, int, float)
+
+
+def _checked(user: Any) -> Hashable:
+    user = _plain(user)
+    if isinstance(user, tuple):
+        return tuple(_checked(part) for part in user)
+    if isinstance(user, bool) or not isinstance(user, _ID_TYPES) or (isinstance(user, float) and user != user):
+        raise ValueError(
+            f"user id {user!r} ({type(user).__name__}) is not allowed: a user id must be a string, bytes, an integer, "
+            "a finite number or a tuple of these (NaN, None and objects that compare by identity would make every "
+            "record its own user, and the bound of k records per user would do nothing). Fill missing ids, or drop "
+            "those records.")
+    return user
 
 
 def _plain_ids(user_ids: Any) -> list[Hashable]:
-    return user_ids.tolist() if hasattr(user_ids, "tolist") else [_plain(u) for u in user_ids]
+    """The ids as checked Python values (:func:`_checked`), all of one type (``"1"`` and ``1`` would be two users)."""
+    raw = user_ids.tolist() if hasattr(user_ids, "tolist") else list(user_ids)
+    ids = [_checked(u) for u in raw]
+    kinds = {type(u) for u in ids}
+    if len(kinds - {int, float}) > 1 or (kinds & {int, float} and kinds - {int, float}):
+        raise ValueError(f"user ids of several types ({', '.join(sorted(k.__name__ for k in kinds))}): the same person "
+                         "under two types (\"1\" and 1) would count as two users with k records each. Give every id "
+                         "one type.")
+    return ids
+
+
+def records_by_user(user_ids: Sequence[Hashable]) -> dict[Hashable, list[int]]:
+    """The positions of every user's records, users in the order of their first record (checked ids:
+    :func:`_plain_ids`; the one grouping every user-level step uses).
+
+    Example:
+        >>> records_by_user(["b", "a", "b"])
+        {'b': [0, 2], 'a': [1]}
+    """
+    by_user: dict[Hashable, list[int]] = defaultdict(list)
+    for index, user in enumerate(_plain_ids(user_ids)):
+        by_user[user].append(index)
+    return dict(by_user)
 
 
 def count_bounded(user_ids: Sequence[Hashable], k: int) -> Contributions:
     """Users, records and the records kept by a bound of ``k`` per user (no randomness: the sizes only)."""
-    user_ids = _plain_ids(user_ids)
-    counts = Counter(user_ids)
-    return Contributions(users=len(counts), records=len(user_ids), kept=sum(min(c, k) for c in counts.values()),
-                         largest=max(counts.values(), default=0))
+    counts = [len(records) for records in records_by_user(user_ids).values()]
+    return Contributions(users=len(counts), records=sum(counts), kept=sum(min(c, k) for c in counts),
+                         largest=max(counts, default=0))
+
+
+def check_collate_keeps_order(collate_fn: Any, dataset: Any, examples: int = 5) -> None:
+    """Refuse a ``collate_fn`` that reorders the samples it is given (a length-bucketing or sorting collate): user
+    sampling finds each user's records by their positions in the batch, so a reordered batch would clip parts of
+    two users together, and a user could move the sum by more than C.
+
+    Checked on the dataset's first ``examples`` samples given in two orders: every tensor of the batch whose first
+    dimension holds them must come back reversed (tensors of other shapes are not judged).
+
+    Raises:
+        ValueError: the collate's output does not follow its input's order.
+    """
+    import torch
+
+    n = min(int(examples), len(dataset))
+    if n < 2:
+        return
+    samples = [dataset[i] for i in range(n)]
+    forward, backward = collate_fn(samples), collate_fn(samples[::-1])
+    flat_f, flat_b = _leaves(forward), _leaves(backward)
+    same_shape = len(flat_f) == len(flat_b) and all(
+        not isinstance(a, torch.Tensor) or (isinstance(b, torch.Tensor) and a.shape == b.shape)
+        for a, b in zip(flat_f, flat_b))
+    followed = same_shape and all(
+        torch.equal(b, a.flip(0)) for a, b in zip(flat_f, flat_b)
+        if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == n)
+    if not followed:
+        raise ValueError(
+            f"sampling='user' finds each user's records by their positions in the batch, and the training "
+            f"DataLoader's collate_fn ({getattr(collate_fn, '__name__', type(collate_fn).__name__)}) does not keep "
+            "the order of the samples it receives (given the same samples reversed, its batch is not the reverse). "
+            "A sorting or length-bucketing collate would clip parts of two users together. Use a collate that "
+            "keeps the order (padding is fine), or sampling='example' (ELS).")
+
+
+def _leaves(tree: Any) -> list[Any]:
+    if isinstance(tree, dict):
+        return [leaf for key in sorted(tree, key=repr) for leaf in _leaves(tree[key])]
+    if isinstance(tree, (list, tuple)):
+        return [leaf for item in tree for leaf in _leaves(item)]
+    return [tree]
 
 
 def _user_key(user: Hashable) -> int:
@@ -105,11 +190,8 @@ def bound_contributions(user_ids: Sequence[Hashable], k: int, *, seed: int) -> l
         k: the most records one user keeps (>= 1).
         seed: the run's secret seed (the selection has its own stream of it).
     """
-    by_user: dict[Hashable, list[int]] = defaultdict(list)
-    for index, user in enumerate(_plain_ids(user_ids)):
-        by_user[user].append(index)
     kept: list[int] = []
-    for user, indices in by_user.items():
+    for user, indices in records_by_user(user_ids).items():
         if len(indices) <= k:
             kept.extend(indices)
             continue

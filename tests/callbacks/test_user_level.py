@@ -355,3 +355,59 @@ def test_a_one_run_audit_of_a_user_level_run_is_refused_before_any_step():
     dp = DPSGD(privacy_unit="user", max_examples_per_user=3, noise_multiplier=1.0, log_nonprivate_metrics=False)
     with pytest.raises(MisconfigurationException, match="canaries belong to no user"):
         _fit(dp, UserData(), OneRunAudit(num_canaries=10, num_classes=3, seed=1), max_epochs=1)
+
+
+# --------------------------------------------------------------------------- review: what must refuse
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"accountant_kwargs": {"examples_per_user": 4, "user_accounting": "users"}}, "set by DPSGD's privacy_unit"),
+    ({"accountant_kwargs": {"user_accounting": "mixture"}}, "set by DPSGD's privacy_unit"),
+    ({"user_accounting": "group"}, "with privacy_unit='example' it has no effect"),
+])
+def test_an_example_level_run_cannot_state_a_user_level_spend(kwargs, message):
+    """An accountant that states a spend per user for a run that bounds no user would under-state epsilon."""
+    with pytest.raises(ValueError, match=message):
+        DPSGD(noise_multiplier=1.0, **kwargs)
+
+
+@pytest.mark.parametrize(("ids", "message"), [
+    ([float("nan")] * 4, "NaN, None"),
+    ([None, 1, 2, 3], "NaN, None"),
+    ([torch.tensor([7, 8]), torch.tensor([7, 8]), 1, 1], "is not allowed"),
+    (["1", 1, 2, 2], "several types"),
+    ([[1], [1], [2], [2]], "list"),
+])
+def test_user_ids_that_would_make_every_record_its_own_user_are_refused(ids, message):
+    with pytest.raises(ValueError, match=message):
+        count_bounded(ids, 2)
+
+
+def test_tensor_and_numpy_scalars_are_one_user():
+    import numpy as np
+
+    ids = [torch.tensor(7), torch.tensor(7), np.int64(7), 7]
+    assert count_bounded(ids, 2).users == 1 and len(bound_contributions(ids, 2, seed=0)) == 2
+
+
+def test_user_sampling_refuses_a_collate_that_reorders_the_batch():
+    from torch.utils.data import default_collate
+
+    class Sorted(UserData):
+        def train_dataloader(self):
+            def by_label(samples):
+                return default_collate(sorted(samples, key=lambda s: int(s[1])))
+            return DataLoader(self.train_set, batch_size=self.batch_size, collate_fn=by_label)
+
+    dp = DPSGD(privacy_unit="user", sampling="user", max_examples_per_user=3, noise_multiplier=1.0,
+               log_nonprivate_metrics=False)
+    with pytest.raises(MisconfigurationException, match="does not keep the order"):
+        _fit(dp, Sorted(batch_size=6), max_epochs=1)
+
+
+def test_a_noiseless_user_level_run_is_unprotected_at_the_user_level():
+    from lightning_dp.callbacks.faults import NoiselessDPSGD
+
+    run = NoiselessDPSGD(privacy_unit="user", max_examples_per_user=2, noise_multiplier=1.0)
+    (spend,) = run.privacy_spend()
+    assert spend.level == "user" and spend.unsanitized
