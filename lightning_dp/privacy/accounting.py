@@ -717,7 +717,7 @@ class PLDAccountant(Accountant):
 
     def _compute_epsilon(self, history: tuple[HistoryEntry, ...], delta: float) -> float:
         pld = self._composed_pld(history)
-        if self._group:
+        if self._group and self.examples_per_user is not None:
             return group_epsilon(pld.get_delta_for_epsilon, self.examples_per_user, delta)
         return float(pld.get_epsilon_for_delta(delta))
 
