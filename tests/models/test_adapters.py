@@ -112,3 +112,30 @@ def test_load_weights_from_a_lightning_checkpoint_and_refuse_another_size(tmp_pa
         _gpt2(vocab=30, checkpoint=str(path))
     with pytest.raises(FileNotFoundError, match="no such file"):
         _gpt2(checkpoint=str(tmp_path / "missing.ckpt"))
+
+
+def test_user_level_dp_sgd_trains_only_the_adapters_per_user():
+    """Issue 51: LoRA under user sampling (each user's mean adapter gradient clipped as one) and under ELS."""
+
+    class Tokens(torch.utils.data.Dataset):
+        def __init__(self):
+            g = torch.Generator().manual_seed(1)
+            self.ids = torch.randint(0, 23, (40, 8), generator=g)
+            self.user_ids = [i // 4 for i in range(40)]  # 10 users of 4 sequences
+
+        def __len__(self):
+            return len(self.ids)
+
+        def __getitem__(self, i):
+            return self.ids[i]
+
+    for kwargs in ({"sampling": "user"}, {}):
+        net = LoRA(_gpt2(), rank=4, target_modules=["c_attn", "c_fc"])
+        model = CausalLanguageModel(net, lr=0.05, optimizer="sgd")
+        frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+        dp = DPSGD(noise_multiplier=1.0, max_grad_norm=1.0, seed=0, privacy_unit="user", max_examples_per_user=3,
+                   accountant_kwargs={"value_discretization_interval": 1e-3}, **kwargs)
+        t = trainer(max_steps=3, callbacks=[dp], precision="bf16-mixed")
+        t.fit(model, train_dataloaders=torch.utils.data.DataLoader(Tokens(), batch_size=4))
+        assert t.global_step == 3 and dp.accountant.privacy_unit == "user"
+        assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
