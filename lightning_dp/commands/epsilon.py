@@ -10,6 +10,7 @@ command's ``--help``::
     lightning-dp epsilon --sample-rate 0.01 --steps 1000 --noise-multiplier 1.0 --accountant rdp
     lightning-dp epsilon ... --adjacency replace          # bounded DP (PLD only when q < 1)
     lightning-dp epsilon --dataset-size 20000 --batch-size 200 --epochs 5 --noise-multiplier 1.5 --max-examples-per-user 8
+    lightning-dp epsilon --dataset-size 2500 --batch-size 25 --epochs 5 --noise-multiplier 1.5 --max-examples-per-user 8 --sampling user
     lightning-dp epsilon --clients 1000 --clients-per-round 50 --rounds 100 --noise-multiplier 1.0
     lightning-dp epsilon --clients 100 --clients-per-round 20 --rounds 100 --target-epsilon 4 --delta 1e-3
     lightning-dp epsilon --client-sample-rate 0.2 --rounds 100 --noise-multiplier 1.83 --adjacency replace
@@ -81,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     users.add_argument("--user-accounting", choices=["mixture", "group"], default="mixture",
                        help="mixture: dp-accounting's mixture of Gaussians over how many of a user's K records a "
                        "batch holds (tight, default); group: group privacy of the example-level spend (looser)")
+    users.add_argument("--sampling", choices=["example", "user"], default="example",
+                       help="example: records are sampled (ELS, default); user: users are sampled with their records "
+                       "and clipped as one (ULS, DPSGD(sampling='user')): --dataset-size counts USERS and --batch-size "
+                       "the expected users per step, and the spend is the sampled Gaussian at the users' rate")
     noise = parser.add_argument_group("noise (give --noise-multiplier, or --target-epsilon to calibrate it)")
     noise.add_argument("--noise-multiplier", type=float, metavar="SIGMA", help="sigma (DP-FedAvg: z), the noise std over the clipping norm")
     noise.add_argument("--target-epsilon", type=float, metavar="EPSILON", help="the budget: prints the smallest sigma that fits it")
@@ -154,6 +159,12 @@ def _problems(args: argparse.Namespace) -> list[str]:
         out.append(f"--target-epsilon={args.target_epsilon}: must be > 0")
     if not 0 < args.delta < 1:
         out.append(f"--delta={args.delta}: must be in (0, 1), e.g. 1e-5 (below 1/N)")
+    if args.sampling == "user" and args.max_examples_per_user is None:
+        out.append("--sampling user needs --max-examples-per-user K (the records each sampled user brings, as "
+                   "DPSGD(privacy_unit='user', sampling='user') needs)")
+    if args.sampling == "user" and args.user_accounting != "mixture":
+        out.append("--user-accounting states example-level sampling (ELS); --sampling user is accounted at the "
+                   "users' rate: drop --user-accounting")
     if args.max_examples_per_user is not None:
         if _is_fedavg(args):
             out.append("--max-examples-per-user is for user-level DP-SGD; DP-FedAvg's clients are its users already")
@@ -289,8 +300,9 @@ def main(argv: Sequence[str]) -> int:
     per_epoch = steps_for_epochs(epochs=1, sample_rate=q, rounding=args.epoch_steps)  # the training's ceil(1 / q)
     steps = args.steps if args.steps is not None else args.epochs * per_epoch
     kwargs = {"adjacency": args.adjacency} if args.adjacency != "add_remove" else {}
-    unit = {} if args.max_examples_per_user is None else {"examples_per_user": args.max_examples_per_user,
-                                                           "user_accounting": args.user_accounting}
+    uls = args.sampling == "user"
+    unit = {} if args.max_examples_per_user is None else {
+        "examples_per_user": args.max_examples_per_user, "user_accounting": "users" if uls else args.user_accounting}
     kwargs.update(unit)
     where = (f"q = {q:.6g}" + (f" (B = {args.batch_size}, N = {args.dataset_size})" if args.sample_rate is None else "")
              + f", {steps} steps" + (f" ({args.epochs} epochs of {per_epoch}"
@@ -298,7 +310,8 @@ def main(argv: Sequence[str]) -> int:
                                      if args.epochs else "")
              + f", delta = {args.delta:g}, {args.accountant.upper()} accountant, {args.adjacency} adjacency"
              + (f"; per user, at most {args.max_examples_per_user} records each ("
-                + ("mixture of Gaussians" if args.user_accounting == "mixture" else "group privacy") + ")"
+                + ("users sampled and clipped as units, N and B count users" if uls else
+                   "mixture of Gaussians" if args.user_accounting == "mixture" else "group privacy") + ")"
                 if unit else ""))
     if args.target_epsilon is not None:
         try:
@@ -317,8 +330,10 @@ def main(argv: Sequence[str]) -> int:
     if args.dataset_size is not None:  # DPSGD's own check when training starts
         from lightning_dp.privacy.delta import check_delta_for_size
 
-        if not unit:  # per user, N counts records: the users are not given here
+        if not unit:
             _note(check_delta_for_size(args.delta, args.dataset_size, unit="examples", who="DPSGD"))
+        elif uls:  # N counts users (under ELS it counts records: the users are not given there)
+            _note(check_delta_for_size(args.delta, args.dataset_size, unit="users", who="DPSGD"))
     print("\n| steps | epochs | epsilon |\n|---|---|---|")
     for k, eps in rows:
         print(f"| {k} | {k / per_epoch:.3g} | {eps:.4f} |")

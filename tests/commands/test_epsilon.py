@@ -315,13 +315,31 @@ def test_the_privacy_unit_section_of_the_docs_runs_as_written(capsys):
     page = (Path(__file__).resolve().parents[2] / "docs" / "privacy.md").read_text()
     section = page.split("## The privacy unit", 1)[1].split("\n## ", 1)[0]
     commands = [line for block in re.findall(r"```bash\n(.*?)```", section, re.S) for line in block.splitlines()]
-    assert len(commands) == 2
+    assert len(commands) == 3
     printed = []
     for command in commands:
         argv = shlex.split(command)
         assert argv[0] == "lightning-dp" and cli.main(argv[1:]) == 0
         printed.append(_printed(capsys)[1][-1])
     assert printed[0] == pytest.approx(6.69, abs=0.005) and printed[1] == pytest.approx(8.22, abs=0.005)  # the text
+    assert printed[2] == pytest.approx(0.64, abs=0.005)  # ULS: the example-level spend with users for examples
     (pycon,) = re.findall(r"```pycon\n(.*?)```", section, re.S)
     test = doctest.DocTestParser().get_doctest(pycon, {}, "privacy-unit", "docs/privacy.md", 0)
     assert doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE).run(test).failed == 0
+
+
+def test_user_sampling_is_the_sampled_gaussian_at_the_users_rate(capsys):
+    """--sampling user (ULS): the example-level event with users for examples; refused without K or with an ELS
+    statement."""
+    args = ["epsilon", "--dataset-size", "1000", "--batch-size", "50", "--steps", "30", "--noise-multiplier", "1.2"]
+    assert cli.main([*args, "--max-examples-per-user", "4", "--sampling", "user"]) == 0
+    out, users = _printed(capsys)
+    assert "users sampled and clipped as units" in out
+    want = _library(dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4), 1.2, 0.05, 30, 1e-5)
+    assert users[-1] == pytest.approx(want, abs=1e-4)
+    for extra, message in ((["--sampling", "user"], "needs --max-examples-per-user"),
+                           (["--sampling", "user", "--max-examples-per-user", "4", "--user-accounting", "group"],
+                            "drop --user-accounting")):
+        with pytest.raises(SystemExit):
+            cli.main([*args, *extra])
+        assert message in capsys.readouterr().err
