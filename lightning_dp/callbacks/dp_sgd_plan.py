@@ -127,13 +127,6 @@ class Settings:
         user_accounting = _resolve_sampling(sampling, privacy_unit, user_accounting, max_physical_batch_size)
         k = _resolve_unit(privacy_unit, max_examples_per_user, user_accounting, poisson=poisson, adjacency=adjacency,
                           accountant=accountant, kwargs=kwargs, user_accounting_given=given)
-        if k is not None and strategy.adaptive and sampling != "user":
-            raise ValueError(
-                f"privacy_unit='user' with example-level sampling and {strategy.name!r} clipping is not supported: "
-                "adaptive clipping releases further statistics of each batch (quantile counts, OSO's dot products), "
-                "to which a user's k records contribute up to k times, and their joint mixture is not analysed "
-                "here. Use sampling='user' (each user is one clipping unit, so the strategy's releases are "
-                "accounted per user exactly as per example), or clipping='fixed'.")
         accountant_object = get_accountant(accountant, **kwargs)  # validates the name
         check_seed(seed, "seed")  # the run-level protocol keeps it
         physical = (None if max_physical_batch_size is None else

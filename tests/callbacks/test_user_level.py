@@ -170,7 +170,6 @@ def test_user_ids_are_found_through_subsets_and_refused_when_missing():
     ({"max_examples_per_user": 2}, "with privacy_unit='example' it has no effect"),
     ({"privacy_unit": "user", "max_examples_per_user": 2, "accountant": "rdp"}, "needs accountant='pld'"),
     ({"privacy_unit": "user", "max_examples_per_user": 2, "poisson_sampling": False}, "needs poisson_sampling=True"),
-    ({"privacy_unit": "user", "max_examples_per_user": 2, "clipping": "quantile"}, "and .quantile. clipping"),
     ({"privacy_unit": "user", "max_examples_per_user": 2, "accountant_kwargs": {"examples_per_user": 3}},
      "set by DPSGD's privacy_unit"),
 ])
@@ -325,8 +324,18 @@ def test_user_sampling_runs_adaptive_clipping_per_user_and_mixed_precision():
     units = Clips()
     trainer = _fit(half, UserData(batch_size=6), units, precision="bf16-mixed")
     assert trainer.global_step == len(units.units) > 0
-    with pytest.raises(ValueError, match="Use sampling='user'"):
-        DPSGD(privacy_unit="user", max_examples_per_user=3, noise_multiplier=1.0, clipping="quantile")
+
+    # under ELS too: the strategy's release and the clipped sum split one Gaussian per record, so a user's j records
+    # move the joint release by at most j, and the step is the mixture of Gaussians with the accounted sigma
+    els = DPSGD(privacy_unit="user", max_examples_per_user=3, noise_multiplier=1.0, seed=4,
+                accountant_kwargs=COARSE, clipping=QuantileClip(initial_clip=0.5, count_noise_std=2.0),
+                log_nonprivate_metrics=False)
+    logger = RecordingLogger()
+    trainer = _fit(els, UserData(), logger=logger)
+    params = logger.params
+    assert len(els.clipping.trace) == trainer.global_step > 0
+    assert els.epsilon == pytest.approx(_mixture_epsilon(params["privacy/noise_multiplier"], 3,
+                                                         params["privacy/sample_rate"], trainer.global_step), rel=1e-9)
 
 
 def test_online_sensitivity_trains_per_user_under_user_sampling():
