@@ -45,10 +45,9 @@ from lightning_dp.privacy.seeds import check_seed
 from lightning_dp.privacy.users import (
     PRIVACY_UNITS,
     Contributions,
-    bound_contributions,
     check_collate_keeps_order,
     count_bounded,
-    records_by_user,
+    kept_records,
     user_ids_of,
 )
 from lightning_dp.privacy.validators import describe_mixing_layers, find_mixing_layers
@@ -356,14 +355,18 @@ class Calibration:
         except ValueError as err:
             raise MisconfigurationException(f"{self.who}: {err}") from None
 
-    def bounded(self, loader: DataLoader, seed: int) -> DataLoader:
+    def bounded(self, loader: DataLoader, seed: int) -> tuple[DataLoader, list[list[int]]]:
         """``loader`` over the records a user-level run keeps (at most ``k`` per user, drawn from the secret ``seed``:
-        :func:`~lightning_dp.privacy.users.bound_contributions`); ``loader`` itself for an example-level run."""
+        :func:`~lightning_dp.privacy.users.kept_records`), and every user's positions in it (users in the order of
+        their first record); ``loader`` itself and no users for an example-level run."""
         k = self.settings.max_examples_per_user
         if k is None:
-            return loader
-        kept = bound_contributions(user_ids_of(loader.dataset), k, seed=seed)
-        return with_dataset(loader, Subset(loader.dataset, kept))
+            return loader, []
+        users = kept_records(user_ids_of(loader.dataset), k, seed=seed)
+        kept = sorted(i for records in users for i in records)
+        position = {index: p for p, index in enumerate(kept)}
+        positions = [[position[i] for i in records] for records in sorted(users, key=lambda records: records[0])]
+        return with_dataset(loader, Subset(loader.dataset, kept)), positions
 
     def privatize(self, loader: DataLoader, data: DataFacts, trainer: Trainer, *, seed: Callable[[], int],
                   start_step: Callable[[], int]) -> DataLoader:
@@ -386,11 +389,10 @@ class Calibration:
         if self.logged_rate is not None and data.sample_rate != self.logged_rate:
             self.rate_varies = True  # logged as a metric from now on (the param holds the rate at fit start)
         self.update_budget(trainer)  # a reloaded loader may bring a new sampling rate
-        loader = self.bounded(loader, seed())
+        loader, users = self.bounded(loader, seed())
         if self.settings.sampling == "user":  # ULS: users drawn with their records, each user clipped as one
             try:
                 check_collate_keeps_order(loader.collate_fn, loader.dataset)
-                users = list(records_by_user(user_ids_of(loader.dataset)).values())  # in order of each first record
             except ValueError as err:
                 raise MisconfigurationException(f"{self.who}: {err}") from None
             sampled = user_poisson_dataloader(loader, users=users, sample_rate=data.sample_rate, seed=seed(),

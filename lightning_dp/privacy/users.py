@@ -27,7 +27,7 @@ import numpy as np
 from torch.utils.data import ConcatDataset, Subset
 
 __all__ = ["PRIVACY_UNITS", "Contributions", "bound_contributions", "check_collate_keeps_order", "count_bounded",
-           "records_by_user", "user_ids_of"]
+           "kept_records", "records_by_user", "user_ids_of"]
 
 #: What one neighbouring dataset differs in: one example (record), or every record of one user.
 PRIVACY_UNITS = ("example", "user")
@@ -181,20 +181,24 @@ def _user_key(user: Hashable) -> int:
     return int.from_bytes(hashlib.blake2b(repr(_plain(user)).encode(), digest_size=8).digest(), "little")
 
 
-def bound_contributions(user_ids: Sequence[Hashable], k: int, *, seed: int) -> list[int]:
-    """The indices of the examples kept, sorted: every record of a user with at most ``k``, else ``k`` of them drawn
-    uniformly without replacement from a generator of ``(seed, the user's id)`` only.
+def kept_records(user_ids: Sequence[Hashable], k: int, *, seed: int) -> list[list[int]]:
+    """Every user's kept record indices, sorted, users in the order of their first record: all of a user with at most
+    ``k`` records, else ``k`` drawn uniformly without replacement from a generator of ``(seed, the user's id)`` only.
 
     Args:
         user_ids: the user of every example.
         k: the most records one user keeps (>= 1).
         seed: the run's secret seed (the selection has its own stream of it).
     """
-    kept: list[int] = []
+    kept: list[list[int]] = []
     for user, indices in records_by_user(user_ids).items():
-        if len(indices) <= k:
-            kept.extend(indices)
-            continue
-        rng = np.random.default_rng([int(seed) % 2**64, _SELECTION_STREAM, _user_key(user)])
-        kept.extend(indices[int(j)] for j in rng.choice(len(indices), size=k, replace=False))
-    return sorted(kept)
+        if len(indices) > k:
+            rng = np.random.default_rng([int(seed) % 2**64, _SELECTION_STREAM, _user_key(user)])
+            indices = sorted(indices[int(j)] for j in rng.choice(len(indices), size=k, replace=False))
+        kept.append(indices)
+    return kept
+
+
+def bound_contributions(user_ids: Sequence[Hashable], k: int, *, seed: int) -> list[int]:
+    """The indices of the examples kept, sorted (:func:`kept_records`, flattened)."""
+    return sorted(i for records in kept_records(user_ids, k, seed=seed) for i in records)
