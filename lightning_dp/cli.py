@@ -65,6 +65,7 @@ COMMANDS: dict[str, str] = {
     "epsilon": "the epsilon of a DP-SGD or DP-FedAvg run for its size, batch, epochs and sigma (or sigma)",
     "compare": "the privacy-utility picture of runs: a metric against epsilon, with the non-private baseline",
     "flower-app": "the Flower app of a federated config: the same round on a deployment (SuperLink, SuperNodes)",
+    "flower-keys": "the TLS certificates and SuperNode keys of a secure Flower deployment",
 }
 
 #: The commands that train or attack a model: torch's threads are capped to the free cores when they start
@@ -107,6 +108,12 @@ def _flower_app(argv: list[str]) -> Optional[int]:
     return flower_app.main(argv)
 
 
+def _flower_keys(argv: list[str]) -> Optional[int]:
+    from lightning_dp.commands import flower_keys
+
+    return flower_keys.main(argv)
+
+
 #: Top-level commands handled outside LightningCLI: name -> function(argv) -> exit code.
 #: ``grid``: one config over a grid of overrides, with the grid's privacy cost (:mod:`lightning_dp.grid`).
 #: ``audit``: Deep Leakage from Gradients against sanitized client releases (:mod:`lightning_dp.commands.audit_dlg`);
@@ -114,9 +121,10 @@ def _flower_app(argv: list[str]) -> Optional[int]:
 #: ``epsilon``: the epsilon of a DP-SGD run, or sigma for a target epsilon (:mod:`lightning_dp.commands.epsilon`).
 #: ``compare``: a metric against epsilon over runs, with the non-private baseline (:mod:`lightning_dp.commands.compare`).
 #: ``flower-app``: the Flower app of a federated config (:mod:`lightning_dp.commands.flower_app`, :mod:`lightning_dp.flower`).
+#: ``flower-keys``: a secure deployment's certificates and keys (:mod:`lightning_dp.commands.flower_keys`).
 EXTRA_COMMANDS: dict[str, Callable[[list[str]], Optional[int]]] = {"grid": _grid, "audit": _audit,
                                                                    "epsilon": _epsilon, "compare": _compare,
-                                                                   "flower-app": _flower_app}
+                                                                   "flower-app": _flower_app, "flower-keys": _flower_keys}
 
 
 def help_text() -> str:

@@ -12,7 +12,9 @@ the config goes to every node, so it may hold no secret (a ``noise_seed`` is ref
 Flower 1.42: the SuperLink serves the nodes and flwr on one port (127.0.0.1:8000 unless --host/--port say
 otherwise); "deployment" is a connection in $FLWR_HOME/config.toml (~/.flwr): [superlink.deployment] with
 address = "<server>:8000" and insecure = true. The server's MLflow run goes to MLFLOW_TRACKING_URI of the SuperLink's
-environment, else ./mlruns where flower-superlink started; --stream prints its run id.
+environment, else ./mlruns where flower-superlink started (--tracking-uri chooses); --stream prints its run id.
+These commands run without TLS, for trials on one machine; between organisations use TLS and node keys
+(lightning-dp flower-keys --help).
 Sites with their own data, the secrets, what each side sees: docs/federated.md, "From simulation to deployment".
 """
 
@@ -41,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--save-to", default="",
                         help="a path on the server's machine for the final hypotheses and epsilon (torch.save); "
                              "relative to the SuperLink's working directory: give an absolute one")
+    parser.add_argument("--tracking-uri", default="",
+                        help="where the server records its MLflow run: a tracking server's URL or "
+                             "sqlite:////abs/path/mlflow.db on the server's machine (default: MLFLOW_TRACKING_URI of "
+                             "the SuperLink's environment, else ./mlruns where flower-superlink started); no "
+                             "credentials (the app goes to every node)")
     return parser
 
 
@@ -56,7 +63,7 @@ def main(argv: Sequence[str]) -> int:
 
     try:
         path = write_app(args.config, args.out, min_nodes=args.min_nodes, node_timeout=args.node_timeout,
-                         save_to=args.save_to)
+                         save_to=args.save_to, tracking_uri=args.tracking_uri)
     except ValueError as err:
         parser.error(str(err))
     print(f"wrote {path}\nrun it: flwr run {Path(args.out)} <connection> --stream  (a SuperLink connection of "

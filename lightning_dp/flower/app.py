@@ -5,10 +5,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["write_app"]
+__all__ = ["check_tracking_uri", "write_app"]
+
+
+def check_tracking_uri(uri: str) -> None:
+    """Refuse a tracking URI with credentials in it: the app's config is shipped to every node."""
+    from urllib.parse import urlsplit
+
+    if "@" in urlsplit(str(uri).strip()).netloc:
+        raise ValueError("--tracking-uri holds credentials (user:password@host): the app's config goes to every node. "
+                         "Give the URI without them and set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
+                         "MLFLOW_TRACKING_TOKEN) in the SuperLink's environment")
 
 def write_app(config: str | Path, out: str | Path, *, min_nodes: int = 1, node_timeout: float = 600.0,
-              name: str = "lightning-dp-round", save_to: str = "") -> Path:
+              name: str = "lightning-dp-round", save_to: str = "", tracking_uri: str = "") -> Path:
     """Write the Flower app directory that runs ``config`` on a deployment; return its ``pyproject.toml``.
 
     Args:
@@ -20,6 +30,9 @@ def write_app(config: str | Path, out: str | Path, *, min_nodes: int = 1, node_t
         name: the app's (and package's) name.
         save_to: a path on the server's machine where the server writes the final public state (hypotheses,
             epsilon, rounds) with ``torch.save``; empty: none.
+        tracking_uri: where the server records its MLflow run (a tracking server's URL, or ``sqlite:////abs/path.db``
+            on the server's machine); empty: ``MLFLOW_TRACKING_URI`` of the SuperLink's environment, else ``./mlruns``
+            of its working directory. It travels to every node with the app, so it may hold no credentials.
 
     Raises:
         ValueError: If the config does not build a federated round, holds a secret
@@ -32,6 +45,7 @@ def write_app(config: str | Path, out: str | Path, *, min_nodes: int = 1, node_t
         raise ValueError(f"min_nodes={min_nodes!r} is not allowed: pass a positive integer")
     if not float(node_timeout) > 0:
         raise ValueError(f"node_timeout={node_timeout!r} is not allowed: pass a number of seconds > 0")
+    check_tracking_uri(tracking_uri)
     text = Path(config).read_text("utf-8")
     build_from_yaml(text, ["--trainer.logger=false"], where=str(config))  # builds as the nodes will, or refuses
     out = Path(out)
@@ -74,6 +88,7 @@ config-name = {json.dumps(Path(config).name)}
 min-nodes = {min_nodes}
 node-timeout = {float(node_timeout)}
 save-to = {json.dumps(str(save_to))}
+tracking-uri = {json.dumps(str(tracking_uri).strip())}
 """
     path = out / "pyproject.toml"
     path.write_text(pyproject, "utf-8")

@@ -148,6 +148,36 @@ class NodeRound:
         return releases, stats, None
 
 
+#: what the server prints first when its SuperLink runs without TLS (what flwr run --stream and flwr log show)
+INSECURE_WARNING = (
+    "WARNING: this SuperLink runs with --insecure: no TLS, so whoever can reach or watch its port reads every "
+    "model, release and message of this run, and (without --enable-supernode-auth) can join as a node. Use it for "
+    "trials on localhost only; a consortium's deployment: docs/federated.md, \"A consortium's deployment\"")
+
+
+def insecure_superlink() -> bool:
+    """Whether this ServerApp talks to its SuperLink without TLS. Flower 1.42 starts the ServerApp process
+    (``flwr-serverapp``) with ``--insecure`` exactly when the SuperLink runs with ``--insecure`` (its SuperExec
+    passes the SuperLink's own TLS setting on, ``--root-certificates`` otherwise) and tells the app nothing else
+    about it, so the process's arguments are where the app can read it."""
+    import sys
+
+    return "--insecure" in sys.argv[1:]
+
+
+def check_tracking(trainer: Any, uri: str) -> None:
+    """Refuse a config whose MLflow logger names another tracking URI than the app's ``tracking-uri``: one of the
+    two would be silently ignored."""
+    from lightning_dp import tracking
+
+    for logger in tracking.mlflow_loggers(trainer):
+        used = tracking.tracking_uri_of(logger)
+        if used != uri:
+            raise ValueError(f"the app's tracking-uri is {uri!r} but the config's MLflow logger records to {used!r}: "
+                             "give the location once (lightning-dp flower-app --tracking-uri, or the logger's "
+                             "tracking_uri in the config)")
+
+
 def wait_for_nodes(grid: Any, count: int, timeout: float) -> list[int]:
     start = time.monotonic()
     while True:
@@ -281,8 +311,15 @@ def main(grid: Any, context: Any) -> None:
     from lightning_dp.flower.build import build_from_yaml, read_secret, refuse_unsupported
 
     config = context.run_config
+    if insecure_superlink():
+        print(INSECURE_WARNING, flush=True)
+    tracking = str(config.get("tracking-uri", "")).strip()
+    if tracking:  # the app's choice of where the server records (lightning-dp flower-app --tracking-uri)
+        os.environ["MLFLOW_TRACKING_URI"] = tracking
     # validation as the config sets it (on the nodes' validation clients, NodeRound.evaluate); no sanity check
     cli = build_from_yaml(str(config["config-yaml"]), ["--trainer.num_sanity_val_steps=0"])
+    if tracking:
+        check_tracking(cli.trainer, tracking)
     module, trainer = cli.model, cli.trainer
     refuse_unsupported(module)
     if trainer.world_size > 1:

@@ -108,6 +108,9 @@ def test_the_documented_commands_run_a_deployment_to_its_end(tmp_path):
     match = re.search(r"MLflow run ([0-9a-f]{32}) \(experiment id", streamed)
     assert match, streamed[-3000:]
     assert f"sqlite:///{tmp_path}/mlruns/mlflow.db" in streamed
+    from lightning_dp.flower.server import INSECURE_WARNING
+
+    assert INSECURE_WARNING in streamed  # the trial's --insecure, said first thing in what flwr run shows
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db")
     run = client.get_run(match.group(1))
     assert run.info.run_name == "dp-fedavg" and run.data.metrics["privacy/epsilon"] > 0
