@@ -48,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "sqlite:////abs/path/mlflow.db on the server's machine (default: MLFLOW_TRACKING_URI of "
                              "the SuperLink's environment, else ./mlruns where flower-superlink started); no "
                              "credentials (the app goes to every node)")
+    parser.add_argument("--resume-from", default="",
+                        help="a checkpoint of the server's run, on the server's machine, to resume from after a stop "
+                             "(a lost node): the run then ends as an uninterrupted one would")
+    parser.add_argument("--checkpoint-dir", default="",
+                        help="where the server writes its checkpoint after every round, on its machine (default "
+                             "lightning-dp-checkpoints/ in the SuperLink's working directory)")
     return parser
 
 
@@ -63,7 +69,8 @@ def main(argv: Sequence[str]) -> int:
 
     try:
         path = write_app(args.config, args.out, min_nodes=args.min_nodes, node_timeout=args.node_timeout,
-                         save_to=args.save_to, tracking_uri=args.tracking_uri)
+                         save_to=args.save_to, tracking_uri=args.tracking_uri,
+                         resume_from=args.resume_from, checkpoint_dir=args.checkpoint_dir)
     except ValueError as err:
         parser.error(str(err))
     print(f"wrote {path}\nrun it: flwr run {Path(args.out)} <connection> --stream  (a SuperLink connection of "

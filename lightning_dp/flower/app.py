@@ -18,7 +18,8 @@ def check_tracking_uri(uri: str) -> None:
                          "MLFLOW_TRACKING_TOKEN) in the SuperLink's environment")
 
 def write_app(config: str | Path, out: str | Path, *, min_nodes: int = 1, node_timeout: float = 600.0,
-              name: str = "lightning-dp-round", save_to: str = "", tracking_uri: str = "") -> Path:
+              name: str = "lightning-dp-round", save_to: str = "", tracking_uri: str = "",
+              resume_from: str = "", checkpoint_dir: str = "") -> Path:
     """Write the Flower app directory that runs ``config`` on a deployment; return its ``pyproject.toml``.
 
     Args:
@@ -33,6 +34,11 @@ def write_app(config: str | Path, out: str | Path, *, min_nodes: int = 1, node_t
         tracking_uri: where the server records its MLflow run (a tracking server's URL, or ``sqlite:////abs/path.db``
             on the server's machine); empty: ``MLFLOW_TRACKING_URI`` of the SuperLink's environment, else ``./mlruns``
             of its working directory. It travels to every node with the app, so it may hold no credentials.
+        resume_from: a checkpoint on the server's machine (the server's Lightning checkpoint, resume state and
+            secrets included) to resume the run from: after a stop (a node lost), the run ends with the epsilon and
+            model of an uninterrupted one. Only its path travels with the app.
+        checkpoint_dir: where the server writes its checkpoint after every round (on its machine; empty:
+            ``lightning-dp-checkpoints`` in the SuperLink's working directory).
 
     Raises:
         ValueError: If the config does not build a federated round, holds a secret
@@ -89,6 +95,8 @@ min-nodes = {min_nodes}
 node-timeout = {float(node_timeout)}
 save-to = {json.dumps(str(save_to))}
 tracking-uri = {json.dumps(str(tracking_uri).strip())}
+resume-from = {json.dumps(str(resume_from).strip())}
+checkpoint-dir = {json.dumps(str(checkpoint_dir).strip())}
 """
     path = out / "pyproject.toml"
     path.write_text(pyproject, "utf-8")

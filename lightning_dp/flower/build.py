@@ -103,10 +103,10 @@ def read_secret(value: Any, where: str) -> int:
 def refuse_unsupported(module: Any) -> None:
     """Refuse, before any node computes, what the deployment does not run yet (each with the reason)."""
     problems = []
-    if module.update.accountable:
-        problems.append(f"update {module.update.name!r}: record-level DP-SGD inside the clients plans every client's "
-                        "noise from the whole population at the start, which the server cannot do without the "
-                        "clients' data (run it in simulation)")
+    if getattr(module.update, "budgets", None) is not None:
+        problems.append(f"update {module.update.name!r} with per-client budgets: the server draws them from the "
+                        "clients' ids and they would have to reach the sites, which this deployment does not carry "
+                        "yet (target_epsilon or noise_multiplier work: each site plans and enforces its clients')")
     if module.diagnostics:
         problems.append("diagnostics=True: the cosines compare the clients' unsanitized updates, which stay on the "
                         "nodes")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +41,16 @@ class _Site:
         cli = build_from_yaml(text, ["--trainer.logger=false", "--trainer.enable_checkpointing=false", *overrides])
         self.module, self.data = cli.model, cli.datamodule
         refuse_unsupported(self.module)
+        max_epochs = cli.trainer.max_epochs
+        self.planned_rounds = max_epochs if max_epochs and max_epochs > 0 else None  # as FederatedRound plans
+        # the site's own ledger, where its releases are private by themselves (local DP, local DP-SGD): no server
+        # to trust (lightning_dp.flower.site_ledger); under central DP the server is trusted with the releases
+        self.keeps_ledger = self.module.releases_are_sanitized() or self.module.update.accountable
+        from lightning_dp.flower.site_ledger import default_path
+
+        given = str(node_config.get("ledger", "")).strip() if "ledger" in node_config else ""
+        self.ledger_path = Path(given) if given else default_path(node_config)
+        self._planned = False
         self.data.prepare_data()
         self.data.setup("fit")
         self.module.read_clients(self.data)
@@ -66,8 +77,11 @@ class _Site:
         from lightning_dp.datamodules.federated import client_ids, client_sizes
 
         train, data = self.data.train_clients, self.data
-        # the example counts only where the aggregator weights by them (FedAvg weighted=True), else 1
-        sizes = client_sizes(train) if self.module.aggregator.weights_by_counts else torch.ones(len(train))
+        # the example counts only where the aggregator weights by them (FedAvg weighted=True) or the record-level
+        # update plans each client's noise from them (local_dp_sgd: its accountant takes them as public, as the
+        # simulation's does), else 1
+        counts = self.module.aggregator.weights_by_counts or self.module.update.accountable
+        sizes = client_sizes(train) if counts else torch.ones(len(train))
         return {"site": self.name, "positions": self.positions, "ids": [str(i) for i in client_ids(train, self.positions)],
                 "sizes": [int(sizes[i]) for i in self.positions], "num-training-clients": len(train),
                 # validation clients: their positions only (the server evaluates through the nodes' sums)
@@ -76,6 +90,27 @@ class _Site:
                 "num-classes": -1 if data.num_classes is None else int(data.num_classes),
                 "num-groups": -1 if data.num_groups is None else int(data.num_groups),
                 "input-shape": [int(v) for v in data.input_shape]}
+
+    def plan(self, num_clients: int) -> None:
+        """Plan the record-level update of this site's clients as the simulation plans every client's
+        (:meth:`~lightning_dp.federated.step.PrivateStep.plan_update`): their sizes, the config's rounds and the
+        selection's inclusion rate over the ``num_clients`` training clients of the deployment (the server's
+        count; a server that misstates it changes the noise, never the budget, which the site enforces)."""
+        if self._planned:
+            return
+        from lightning_dp.datamodules.federated import client_ids, client_sizes
+
+        train = self.data.train_clients
+        if not self.name and int(num_clients) != len(train):
+            raise ValueError(f"the server counts {num_clients} training clients, this node's shared client list "
+                             f"{len(train)}: every node must build the same client list")
+        if int(num_clients) < len(train):
+            raise ValueError(f"the server counts {num_clients} training clients, fewer than this site's {len(train)}")
+        module = self.module
+        module.update.plan(client_ids(train, range(len(train))), client_sizes(train).tolist(),
+                           planned_rounds=self.planned_rounds,
+                           inclusion_rate=module.selection.expected_count(int(num_clients)) / int(num_clients))
+        self._planned = True
 
 
 def site_seed(seed: int, name: str) -> int:
@@ -119,8 +154,10 @@ def _check_served(positions: list[int], served: list[int], what: str) -> None:
 
 
 def serve_clients(node: _Site, positions: list[int], r: int, *, hypotheses: torch.Tensor, previous_step: torch.Tensor,
-                  seed: int, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(releases, stats)`` of this site's clients at ``positions`` in round ``r`` from the server's public state."""
+                  seed: int, clip: float, num_clients: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(releases, stats)`` of this site's clients at ``positions`` in round ``r`` from the server's public state.
+    Where the releases are private by themselves, the site's own ledger is charged before they leave and its
+    budgets are enforced here (:mod:`lightning_dp.flower.site_ledger`)."""
     module = node.module
     _check_served(positions, node.positions, "clients")
     if int(seed) in (module._noise_seed, node.given_seed):
@@ -132,9 +169,15 @@ def serve_clients(node: _Site, positions: list[int], r: int, *, hypotheses: torc
     module.seed = int(seed)
     if clip > 0 and module.sanitizer.follows_clip:
         module.sanitizer.follow_clip(clip)
-    x, y, mask = node.data.padded_rows("train", positions)
-    released, stats, _ = module.train_clients(list(positions), int(r), x, y, mask)
-    stats = stats.detach().clone()
+    if node.keeps_ledger:
+        from lightning_dp.flower.site_ledger import SiteLedger, input_digest
+
+        digest = input_digest(hypotheses=hypotheses, previous_step=previous_step, seed=seed, clip=clip, round=r)
+        with SiteLedger(node.ledger_path, module).open() as ledger:
+            released, stats = _release(node, ledger, positions, int(r), digest, num_clients)
+        print(ledger.summary(node.name), flush=True)  # the SuperNode's log: the site's own account
+    else:
+        released, stats = _train(node, positions, int(r))
     # what leaves the site beside the release (docs/federated.md, "What each side sees"): its exact loss and whether
     # it dropped a client's non-finite update only to a trusted server (the releases unsanitized, central DP) that
     # logs nonprivate metrics; its example count only to an aggregator that weights by it; its unclipped bit only
@@ -147,6 +190,46 @@ def serve_clients(node: _Site, positions: list[int], r: int, *, hypotheses: torc
     if not clip > 0:
         stats[:, 3] = math.nan
     return released.detach(), stats
+
+
+def _train(node: _Site, positions: list[int], r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y, mask = node.data.padded_rows("train", positions)
+    released, stats, _ = node.module.train_clients(list(positions), r, x, y, mask)
+    return released, stats.detach().clone()
+
+
+def _release(node: _Site, ledger: Any, positions: list[int], r: int, digest: str,
+             num_clients: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Train and release the clients at ``positions`` under the site's ledger: budgets checked first, costs charged
+    before the release leaves (the caller writes the ledger back when this returns)."""
+    from lightning_dp.datamodules.federated import client_ids
+
+    module = node.module
+    ids = client_ids(node.data.train_clients, positions)
+    repeat = node.given_seed is not None and ledger.repeats(ids, r, digest)
+    if module.update.accountable:
+        if num_clients is None:
+            raise ValueError("the server sent no count of training clients: local_dp_sgd plans its noise from it")
+        node.plan(num_clients)
+    if not repeat:  # the site's budgets, whatever the server asks (a repeat releases nothing new)
+        cap = module.client_privacy_cap
+        cost = module.participation_cost() if cap is not None else 0.0
+        for i, cid in zip(positions, ids):
+            if cap is not None and module.ledger.would_exceed(cid, cost, cap):
+                raise ValueError(f"round {r}: client {cid!r}'s release would take it past client_privacy_cap={cap:g} "
+                                 "in this site's ledger: not trained, nothing released")
+            if module.update.accountable and not module.update.eligible(i):
+                raise ValueError(f"round {r}: client {cid!r} has spent its record-level budget in this site's ledger: "
+                                 "not trained, nothing released")
+    released, stats = _train(node, positions, r)
+    if not repeat:
+        if module.sanitizer.accountable:
+            for cid, cost in zip(ids, stats[:, 1].tolist()):
+                module.ledger.charge(cid, cost)
+        module.update.charge(positions)
+        if node.given_seed is not None:
+            ledger.note(ids, r, digest)
+    return released, stats
 
 
 def evaluate_clients(node: _Site, split: str, positions: list[int], *, hypotheses: torch.Tensor) -> torch.Tensor:
@@ -179,7 +262,8 @@ def _app() -> Any:
         config = msg.content["config"]
         released, stats = serve_clients(site(context), [int(i) for i in config["clients"]], int(config["round"]),
                                         hypotheses=arrays["hypotheses"], previous_step=arrays["previous_step"],
-                                        seed=int(config["seed"]), clip=float(config["clip"]))
+                                        seed=int(config["seed"]), clip=float(config["clip"]),
+                                        num_clients=int(config["num-clients"]) if "num-clients" in config else None)
         return Message(RecordDict({"arrays": ArrayRecord({"releases": released, "stats": stats})}), reply_to=msg)
 
     @client.evaluate()

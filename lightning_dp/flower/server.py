@@ -70,6 +70,7 @@ class NodeRound:
 
     def __init__(self, grid: Any, placements: dict[str, Placement], *, timeout: float) -> None:
         self.grid, self.placements, self.timeout = grid, placements, float(timeout)
+        self.checkpoint: Any = None  # the server's round checkpoints (round_checkpoints), which a stop names
 
     def _by_node(self, split: str, index: list[int]) -> dict[int, list[int]]:
         by_node: dict[int, list[int]] = defaultdict(list)
@@ -78,16 +79,29 @@ class NodeRound:
         return by_node
 
     def _replies(self, messages: list[Any], what: str) -> dict[int, Any]:
+        """Every node's reply, or a loud stop. A node that does not answer (killed, disconnected: Flower declares it
+        unavailable after two missed heartbeats, about a minute) stops the run before the server aggregates or
+        accounts anything of the round; what the sites released is in their own ledgers. The run resumes exactly
+        from the server's last checkpoint (:meth:`resume_hint`)."""
         replies = {reply.metadata.src_node_id: reply
                    for reply in self.grid.send_and_receive(messages, timeout=self.timeout)}
         for message in messages:
             node = message.metadata.dst_node_id
             reply = replies.get(node)
             if reply is None:
-                raise RuntimeError(f"{what}: node {node} did not reply within {self.timeout:g} s (node_timeout)")
+                raise RuntimeError(f"{what}: node {node} did not reply within {self.timeout:g} s (node_timeout). "
+                                   + self.resume_hint())
             if reply.has_error():
-                raise RuntimeError(f"{what}: node {node} failed: {reply.error.reason}")
+                raise RuntimeError(f"{what}: node {node} failed: {reply.error.reason}. " + self.resume_hint())
         return replies
+
+    def resume_hint(self) -> str:
+        """How to go on after a stop: the server's last checkpoint (:func:`round_checkpoints`), if it has one."""
+        last = getattr(self.checkpoint, "best_model_path", "")  # monitor None, top 1: the latest round's
+        where = f"its last checkpoint is {last}" if last else "it has no checkpoint yet (start the run again)"
+        return (f"Nothing of this step was aggregated or accounted by the server; {where}. Restart the node and "
+                "resume: lightning-dp flower-app ... --resume-from CHECKPOINT, then flwr run (docs/federated.md, "
+                "\"Faults\")")
 
     def evaluate(self, module: Any, split: str, index: list[int]) -> Tensor:
         """The sum of the nodes' :meth:`~lightning_dp.federated.FederatedRound.evaluation_sums` over the ``split``
@@ -125,6 +139,7 @@ class NodeRound:
         public = ArrayRecord({"hypotheses": hyps.detach().cpu(), "previous_step": module.previous_step.detach().cpu()})
         messages = [Message(RecordDict({"arrays": public, "config": ConfigRecord({
             "round": int(r), "clients": [local[i] for i in positions], "seed": str(module.seed),
+            "num-clients": len(self.placements["train"].clients),
             "clip": float(module.server_privacy.clip) if follows else -1.0})}),
             message_type=MessageType.TRAIN, dst_node_id=node, group_id=str(r)) for node, positions in by_node.items()]
         replies = self._replies(messages, f"round {r}")
@@ -176,6 +191,21 @@ def check_tracking(trainer: Any, uri: str) -> None:
             raise ValueError(f"the app's tracking-uri is {uri!r} but the config's MLflow logger records to {used!r}: "
                              "give the location once (lightning-dp flower-app --tracking-uri, or the logger's "
                              "tracking_uri in the config)")
+
+
+def round_checkpoints(trainer: Any, folder: str, run_id: Any) -> Any:
+    """The server's checkpoint after every round, whatever the config's checkpointing: a run stopped by a lost node
+    resumes from it exactly (the round's secret state, ledgers and accountant are in it: a local file of the server's
+    machine, ``<folder>/run-<Flower run id>/epoch-<e>.ckpt`` after round e + 1, the latest kept). Returns the callback."""
+    from pathlib import Path
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    callback = ModelCheckpoint(dirpath=Path(folder or "lightning-dp-checkpoints") / f"run-{run_id}",
+                               filename="epoch-{epoch}", auto_insert_metric_name=False, save_top_k=1, every_n_epochs=1,
+                               save_on_train_epoch_end=True, enable_version_counter=False)
+    trainer.callbacks.append(callback)
+    return callback
 
 
 def wait_for_nodes(grid: Any, count: int, timeout: float) -> list[int]:
@@ -333,8 +363,12 @@ def main(grid: Any, context: Any) -> None:
     nodes = wait_for_nodes(grid, int(config.get("min-nodes", 1)), timeout)
     placements, data = plan_clients(ask_nodes(grid, nodes, timeout), module.spec.numel)
     module.remote = NodeRound(grid, placements, timeout=timeout)
+    module.remote.checkpoint = round_checkpoints(trainer, str(config.get("checkpoint-dir", "")), context.run_id)
+    resume = str(config.get("resume-from", "")).strip()
+    if resume:
+        print(f"resuming from {resume}", flush=True)
     trainer.fit(module, datamodule=RemoteDataModule(placements["train"].clients, val=placements["val"].clients,
-                                                    **data))
+                                                    **data), ckpt_path=resume or None)
     save_to = str(config.get("save-to", ""))
     if save_to and trainer.is_global_zero:
         privacy = module.server_privacy
@@ -342,6 +376,7 @@ def main(grid: Any, context: Any) -> None:
         ledger = None if module.selection_is_secret() else module.ledger.as_dict()
         torch.save({"hypotheses": module.hypotheses.detach().cpu().clone(), "rounds": int(module.rounds),
                     "epsilon": float(privacy.epsilon) if privacy.accountable else math.inf, "ledger": ledger,
+                    "record_ledger": module.update.ledger.as_dict() if module.update.accountable else None,
                     "nodes": len(nodes), "clients": len(placements["train"].clients)}, save_to)
 
 

@@ -53,12 +53,8 @@ class LocalDeployment:
         self._start("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(self.port),
                                   "--disable-runtime-dependency-installation"], self.env)
         wait_port(self.port)
-        node_env = {k: v for k, v in self.env.items() if k != "LIGHTNING_DP_NOISE_SEED"}  # the server's secret
-        for i, node_config in enumerate(self.node_configs):
-            port = free_port()
-            self._start(f"supernode{i}", ["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{self.port}",
-                                          "--host", "127.0.0.1", "--port", str(port), "--node-config", node_config],
-                        node_env)
+        for i in range(len(self.node_configs)):
+            self.start_node(i)
         end = time.monotonic() + 60
         while time.monotonic() < end:
             logs = [(self.logs / f"supernode{i}.log").read_text() for i in range(len(self.node_configs))]
@@ -69,6 +65,24 @@ class LocalDeployment:
             raise TimeoutError("the SuperNodes did not register:\n" + self.log_tail())
         return self
 
+    def start_node(self, i: int, log_name: str | None = None) -> None:
+        """Start SuperNode ``i`` (again, after :meth:`kill_node`: a new process with the same node config)."""
+        node_env = {k: v for k, v in self.env.items() if k != "LIGHTNING_DP_NOISE_SEED"}  # the server's secret
+        self.nodes = getattr(self, "nodes", {})
+        self._start(log_name or f"supernode{i}", ["flower-supernode", "--insecure", "--superlink",
+                                                  f"127.0.0.1:{self.port}", "--host", "127.0.0.1", "--port",
+                                                  str(free_port()), "--node-config", self.node_configs[i]], node_env)
+        self.nodes[i] = self.procs[-1]
+
+    def kill_node(self, i: int) -> None:
+        """SIGKILL SuperNode ``i`` and its process group (a machine that dies: no goodbye to the SuperLink)."""
+        proc = self.nodes[i]
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=15)
+
     def flwr(self, *args: str, timeout: float = 60) -> str:
         out = subprocess.run(["flwr", *args], capture_output=True, text=True, env=self.env, timeout=timeout,
                              cwd=self.root)
@@ -78,12 +92,23 @@ class LocalDeployment:
 
     def run(self, app: Path, timeout: float = 600) -> tuple[str, str]:
         """``flwr run`` the app and wait for its end: ``(status, log)``."""
-        run_id = json.loads(self.flwr("run", str(app), "local", "--format", "json"))["run-id"]
+        return self.wait(self.start_run(app), timeout)
+
+    def start_run(self, app: Path) -> int:
+        """``flwr run`` the app; its Flower run id."""
+        return int(json.loads(self.flwr("run", str(app), "local", "--format", "json"))["run-id"])
+
+    def wait(self, run_id: int, timeout: float = 600) -> tuple[str, str]:
+        """Wait for the run's end: ``(status, log)``."""
         end = time.monotonic() + timeout
         status = ""
         while time.monotonic() < end:
-            runs = json.loads(self.flwr("ls", "local", "--run-id", str(run_id), "--format", "json"))["runs"]
-            status = runs[0]["status"]
+            listed = json.loads(self.flwr("ls", "local", "--run-id", str(run_id), "--format", "json"))
+            if "runs" not in listed:  # a transient error reply of the Control API (seen under load): ask again
+                status = f"flwr ls answered {listed}"
+                time.sleep(1)
+                continue
+            status = listed["runs"][0]["status"]
             if status.startswith("finished:"):
                 break
             time.sleep(1)

@@ -59,7 +59,7 @@ def test_the_deployment_ends_with_the_simulations_model_and_epsilon(name, deploy
 def test_the_server_records_the_run_and_its_secret_stays_on_the_server(deployed):
     import mlflow
 
-    root, _, superlink_log = deployed
+    root, results, superlink_log = deployed
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{root}/server-mlflow.db")
     (experiment,) = [e for e in client.search_experiments() if e.name == "fl-deploy"]
     runs = {r.info.run_name: r for r in client.search_runs([experiment.experiment_id])}
@@ -72,6 +72,18 @@ def test_the_server_records_the_run_and_its_secret_stays_on_the_server(deployed)
     for run in runs.values():
         assert str(SECRET) not in repr((run.data.params, run.data.tags))
     assert str(SECRET) not in superlink_log
+    # the d-privacy round's releases are sanitized on the sites: each SuperNode kept its own ledger in its working
+    # directory (the central-DP run before it left none), and together they hold what the server's ledger holds
+    import json
+
+    from lightning_dp.privacy.ledger import PrivacyLedger
+
+    union: dict = {}
+    for p in range(2):
+        part = PrivacyLedger()
+        part.load_state_dict(json.loads((root / f"lightning-dp-ledger-partition-{p}.json").read_text())["client_ledger"])
+        union.update(part.as_dict())
+    assert union and union == pytest.approx(results["fl_deploy_personalized.yaml"]["ledger"])
     for app in ("fl_deploy_fedavg", "fl_deploy_personalized"):
         assert str(SECRET) not in (root / app / "pyproject.toml").read_text()
 
@@ -105,3 +117,41 @@ def test_sites_with_their_own_data_train_together_over_processes(tmp_path_factor
     simulated = simulate(config, SECRET)  # site "a"'s 40 clients alone: another model, the same spend
     assert result["epsilon"] == simulated.server_privacy.epsilon
     assert not torch.allclose(result["hypotheses"], simulated.hypotheses)
+
+
+def test_local_dp_sgd_trains_on_a_deployment_with_each_sites_own_ledger(tmp_path_factory, monkeypatch):
+    """Record-level DP-SGD inside the clients over processes (issue 52, item 3): each site plans and trains its
+    clients, charges its own ledger file (named by its node config, TOML-quoted) before its updates leave; the run
+    ends with the simulation's model and record-level ledger, which the two sites' files hold between them."""
+    import json
+
+    from lightning_dp.flower.app import write_app
+    from lightning_dp.privacy.ledger import RecordLedger
+
+    root = tmp_path_factory.mktemp("flower-local-dpsgd")
+    nodes = [f'partition-id={p} num-partitions=2 noise-seed={SECRET} ledger="{root}/site{p}/ledger.json"'
+             for p in range(2)]
+    app = root / "local-dpsgd-app"  # not "local": flwr would read the connection name as this folder
+    with LocalDeployment(root, nodes, env={"LIGHTNING_DP_NOISE_SEED": str(SECRET),
+                                           "MLFLOW_TRACKING_URI": f"sqlite:///{root}/mlflow.db"}) as deployment:
+        write_app(EXAMPLES / "fl_deploy_local_dpsgd.yaml", app, min_nodes=2, node_timeout=300,
+                  save_to=str(root / "local.pt"))
+        status, log = deployment.run(app, timeout=500)
+        assert status == "finished:completed", log[-3000:] + deployment.log_tail()
+        node_logs = [(root / "logs" / f"supernode{p}.log").read_text() for p in range(2)]
+    result = torch.load(root / "local.pt")
+    monkeypatch.chdir(tmp_path_factory.mktemp("sim"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root}/sim.db")
+    simulated = simulate(EXAMPLES / "fl_deploy_local_dpsgd.yaml", SECRET)
+    torch.testing.assert_close(result["hypotheses"], simulated.hypotheses, rtol=1e-6, atol=1e-7)
+    assert result["record_ledger"] == pytest.approx(simulated.update.ledger.as_dict())
+    union: dict = {}
+    for p in range(2):
+        state = json.loads((root / f"site{p}" / "ledger.json").read_text())
+        part = RecordLedger(simulated.update.delta, simulated.update.accountant, simulated.update.adjacency)
+        part.load_state_dict(state["record_ledger"])
+        assert not set(union) & set(part.as_dict())
+        union.update(part.as_dict())
+        assert "record-level epsilon max" in node_logs[p]  # the site reports its own account in its log
+    assert union == pytest.approx(simulated.update.ledger.as_dict())
+    assert not list(root.glob("lightning-dp-ledger-*.json"))  # the named files, not the default ones

@@ -55,13 +55,14 @@ def simulate(config: Path, noise_seed: int):
     return cli.model
 
 
-def deploy_in_memory(config: Path, noise_seed: int, nodes: int = 2, node_configs: dict | None = None):
+def deploy_in_memory(config: Path, noise_seed: int, nodes: int = 2, node_configs: dict | None = None, *,
+                     grid_class: type = MemoryGrid, resume_from: str = ""):
     if node_configs is None:
         node_configs = {100 + p: {"partition-id": p, "num-partitions": nodes, "noise-seed": noise_seed}
                         for p in range(nodes)}
     run_config = {"config-yaml": config.read_text(), "min-nodes": len(node_configs), "node-timeout": 60.0,
-                  "save-to": ""}
-    grid = MemoryGrid(run_config, node_configs)
+                  "save-to": "", "resume-from": resume_from}
+    grid = grid_class(run_config, node_configs)
     client_side._SITES.clear()
     from flwr.app import Context, RecordDict
 
@@ -94,8 +95,9 @@ def deploy_in_memory(config: Path, noise_seed: int, nodes: int = 2, node_configs
 
 
 @pytest.mark.parametrize(("name", "warm"), [("fl_deploy_fedavg.yaml", 0), ("fl_deploy_personalized.yaml", 0),
-                                            ("fl_deploy_personalized.yaml", 2)],
-                         ids=["fedavg", "personalized", "personalized-warm-start"])
+                                            ("fl_deploy_personalized.yaml", 2), ("fl_deploy_local_dp.yaml", 0),
+                                            ("fl_deploy_local_dpsgd.yaml", 0)],
+                         ids=["fedavg", "personalized", "personalized-warm-start", "local-dp", "local-dp-sgd"])
 def test_the_deployment_protocol_ends_with_the_simulations_model_epsilon_and_ledger(name, warm, tmp_path,
                                                                                    monkeypatch):
     """Deployed (nodes run FederatedRound.train_clients) equals simulated; with warm_start_rounds, the nodes start
@@ -114,6 +116,29 @@ def test_the_deployment_protocol_ends_with_the_simulations_model_epsilon_and_led
     torch.testing.assert_close(deployed.hypotheses, simulated.hypotheses, rtol=1e-6, atol=1e-7)
     assert int(deployed.rounds) == int(simulated.rounds) == 3
     assert deployed.ledger.as_dict() == pytest.approx(simulated.ledger.as_dict())
+    if simulated.update.accountable:  # local_dp_sgd: the record-level ledger, planned from the reported sizes
+        assert deployed.update.ledger.as_dict() == pytest.approx(simulated.update.ledger.as_dict())
+    # where the releases are private by themselves, each site kept its own ledger: together, the simulation's
+    site_files = sorted(tmp_path.glob("lightning-dp-ledger-*.json"))
+    if simulated.releases_are_sanitized() or simulated.update.accountable:
+        import json
+
+        assert [f.name for f in site_files] == ["lightning-dp-ledger-partition-0.json",
+                                                "lightning-dp-ledger-partition-1.json"]
+        kept = [json.loads(f.read_text()) for f in site_files]
+        key = "record_ledger" if simulated.update.accountable else "client_ledger"
+        ledger = simulated.update.ledger if simulated.update.accountable else simulated.ledger
+        union = {}
+        for state in kept:
+            part = type(ledger).__new__(type(ledger))
+            part.__dict__.update(ledger.__dict__)
+            part.load_state_dict(state[key])
+            assert not set(union) & set(part.as_dict())  # every client in one site's ledger
+            union.update(part.as_dict())
+        assert union == pytest.approx(ledger.as_dict())
+        assert all("918273645" not in f.read_text() for f in site_files)  # no seed in a ledger file
+    else:  # central DP: the server is trusted with the releases, the sites keep nothing
+        assert site_files == []
     if simulated.server_privacy.accountable:
         assert deployed.server_privacy.epsilon == simulated.server_privacy.epsilon
         assert deployed.server_privacy.accountant.history == simulated.server_privacy.accountant.history
@@ -243,9 +268,12 @@ def test_what_the_deployment_does_not_run_yet_is_refused_with_the_reason():
     from lightning_dp.flower.build import refuse_unsupported
     from lightning_dp.models import LinearRegression
 
-    module = FederatedRound(LinearRegression(), update=LocalDPSGD(target_epsilon=2.0), diagnostics=True)
-    with pytest.raises(ValueError, match="(?s)local_dp_sgd.*diagnostics"):
+    from lightning_dp.federated.budgets import FixedBudgets
+
+    module = FederatedRound(LinearRegression(), update=LocalDPSGD(budgets=FixedBudgets([1.0, 2.0])), diagnostics=True)
+    with pytest.raises(ValueError, match="(?s)local_dp_sgd.*per-client budgets.*diagnostics"):
         refuse_unsupported(module)
+    refuse_unsupported(FederatedRound(LinearRegression(), update=LocalDPSGD(target_epsilon=2.0)))  # runs (issue 52)
 
 
 def _site_report(site, ids, numel=2):
@@ -433,3 +461,168 @@ def test_a_node_replying_nan_is_dropped_and_the_run_ends_finite(name, tmp_path, 
     if simulated.server_privacy.accountable:
         assert deployed.server_privacy.epsilon == simulated.server_privacy.epsilon
     assert deployed.ledger.as_dict() == pytest.approx(simulated.ledger.as_dict())
+    if simulated.update.accountable:  # local_dp_sgd: the record-level ledger, planned from the reported sizes
+        assert deployed.update.ledger.as_dict() == pytest.approx(simulated.update.ledger.as_dict())
+    # where the releases are private by themselves, each site kept its own ledger: together, the simulation's
+    site_files = sorted(tmp_path.glob("lightning-dp-ledger-*.json"))
+    if simulated.releases_are_sanitized() or simulated.update.accountable:
+        import json
+
+        assert [f.name for f in site_files] == ["lightning-dp-ledger-partition-0.json",
+                                                "lightning-dp-ledger-partition-1.json"]
+        kept = [json.loads(f.read_text()) for f in site_files]
+        key = "record_ledger" if simulated.update.accountable else "client_ledger"
+        ledger = simulated.update.ledger if simulated.update.accountable else simulated.ledger
+        union = {}
+        for state in kept:
+            part = type(ledger).__new__(type(ledger))
+            part.__dict__.update(ledger.__dict__)
+            part.load_state_dict(state[key])
+            assert not set(union) & set(part.as_dict())  # every client in one site's ledger
+            union.update(part.as_dict())
+        assert union == pytest.approx(ledger.as_dict())
+        assert all("918273645" not in f.read_text() for f in site_files)  # no seed in a ledger file
+    else:  # central DP: the server is trusted with the releases, the sites keep nothing
+        assert site_files == []
+
+
+# ----------------------------------------------------------------------------- no server to trust (issue 52, item 3)
+def _local_site(tmp_path, monkeypatch, name="fl_deploy_local_dp.yaml", **node):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-dp"])
+    client_side._SITES.clear()
+    config = {"partition-id": 0, "num-partitions": 1, "noise-seed": 4242, **node}
+    site = client_side._Site((EXAMPLES / name).read_text(), config)
+    return site, site.module.hypotheses.detach().clone(), site.module.previous_step.detach().clone()
+
+
+def _ledger(path):
+    import json
+
+    return json.loads(path.read_text())
+
+
+def test_a_site_charges_its_own_ledger_and_never_reuses_noise_for_other_inputs(tmp_path, monkeypatch):
+    """A server that sends a round again with other hypotheses would get two releases with the same noise (the
+    site's fixed seed): refused. The same inputs again are the same release: nothing new is charged."""
+    site, hyps, prev = _local_site(tmp_path, monkeypatch)
+    path = tmp_path / "lightning-dp-ledger-partition-0.json"
+    first, _ = client_side.serve_clients(site, [0, 1], 1, hypotheses=hyps, previous_step=prev, seed=0, clip=-1.0)
+    charged = _ledger(path)["client_ledger"]
+    from lightning_dp.datamodules.federated import client_ids
+
+    ids = client_ids(site.data.train_clients, [0, 1])
+    assert [c[0] for c in charged["clients"]] == ids and [c[2] for c in charged["clients"]] == [1, 1]
+    again, _ = client_side.serve_clients(site, [0, 1], 1, hypotheses=hyps, previous_step=prev, seed=0, clip=-1.0)
+    torch.testing.assert_close(again, first, rtol=0, atol=0)  # the same release
+    assert _ledger(path)["client_ledger"] == charged  # not charged twice
+    with pytest.raises(ValueError, match="share their noise"):
+        client_side.serve_clients(site, [0, 1], 1, hypotheses=hyps + 1.0, previous_step=prev, seed=0, clip=-1.0)
+    with pytest.raises(ValueError, match="some of the requested clients"):
+        client_side.serve_clients(site, [1, 2], 1, hypotheses=hyps, previous_step=prev, seed=0, clip=-1.0)
+    assert _ledger(path)["client_ledger"] == charged
+    # a new run of the site (a new process) reads the same file: its clients' spend goes on from there
+    site2, _, _ = _local_site(tmp_path, monkeypatch)
+    client_side.serve_clients(site2, [0], 2, hypotheses=hyps, previous_step=prev, seed=0, clip=-1.0)
+    assert {c[0]: c[2] for c in _ledger(path)["client_ledger"]["clients"]} == {ids[0]: 2, ids[1]: 1}
+
+
+def test_a_site_enforces_the_cap_whatever_the_server_asks(tmp_path, monkeypatch):
+    """client_privacy_cap = 8 (epsilon at delta 1e-5 of the composed Gaussians): a server that selects one client
+    round after round is refused by the site at the release that would pass the cap, before training, and the
+    site's ledger is left as it was."""
+    site, hyps, prev = _local_site(tmp_path, monkeypatch)
+    path = tmp_path / "lightning-dp-ledger-partition-0.json"
+    before, r = None, 0
+    with pytest.raises(ValueError, match="client_privacy_cap"):
+        for r in range(1, 30):
+            before = _ledger(path) if path.exists() else None
+            client_side.serve_clients(site, [3], r, hypotheses=hyps, previous_step=prev, seed=0, clip=-1.0)
+    assert r > 2 and _ledger(path) == before
+    assert before["client_ledger"]["clients"][0][2] == r - 1
+    assert 0 < site.module.ledger.max() <= 8.0
+
+
+def test_a_site_plans_local_dp_sgd_itself_and_refuses_a_spent_client(tmp_path, monkeypatch):
+    """local_dp_sgd, epsilon 3 per record planned for ceil(3 rounds x 10/40) = 1 participation: a second
+    participation of one client is refused by the site, its record-level ledger at the planned epsilon."""
+    site, hyps, prev = _local_site(tmp_path, monkeypatch, "fl_deploy_local_dpsgd.yaml")
+    path = tmp_path / "lightning-dp-ledger-partition-0.json"
+    with pytest.raises(ValueError, match="count of training clients"):
+        client_side.serve_clients(site, [5], 1, hypotheses=hyps, previous_step=prev, seed=0, clip=-1.0)
+    with pytest.raises(ValueError, match="same client list"):
+        client_side.serve_clients(site, [5], 1, hypotheses=hyps, previous_step=prev, seed=0, clip=-1.0,
+                                  num_clients=41)
+    client_side.serve_clients(site, [5], 1, hypotheses=hyps, previous_step=prev, seed=0, clip=-1.0, num_clients=40)
+    record = _ledger(path)["record_ledger"]
+    assert len(record["clients"]) == 1 and site.module.update.ledger.max() <= 3.0 + 1e-9
+    with pytest.raises(ValueError, match="record-level budget"):
+        client_side.serve_clients(site, [5], 2, hypotheses=hyps, previous_step=prev, seed=0, clip=-1.0,
+                                  num_clients=40)
+    assert _ledger(path)["record_ledger"] == record
+
+
+def test_a_ledger_file_of_another_kind_or_unreadable_is_refused_before_training(tmp_path, monkeypatch):
+    site, hyps, prev = _local_site(tmp_path, monkeypatch)
+    client_side.serve_clients(site, [0], 1, hypotheses=hyps, previous_step=prev, seed=0, clip=-1.0)
+    other, h2, p2 = _local_site(tmp_path, monkeypatch, "fl_deploy_local_dpsgd.yaml")  # the same default file
+    with pytest.raises(ValueError, match="a ledger adds up one kind of cost"):
+        client_side.serve_clients(other, [0], 1, hypotheses=h2, previous_step=p2, seed=0, clip=-1.0, num_clients=40)
+    (tmp_path / "broken.json").write_text("{not json")
+    broken, h3, p3 = _local_site(tmp_path, monkeypatch, ledger=str(tmp_path / "broken.json"))
+    with pytest.raises(ValueError, match="cannot be read"):
+        client_side.serve_clients(broken, [0], 1, hypotheses=h3, previous_step=p3, seed=0, clip=-1.0)
+
+
+
+# ------------------------------------------------------------------------------------------ faults (issue 52, item 4)
+class LosingGrid(MemoryGrid):
+    """Node 101 stops answering in round 2 (killed): its TRAIN message of that round gets no reply; node 100's
+    reply of the same round arrives (and its site charges its own ledger)."""
+
+    def send_and_receive(self, messages, timeout=None):
+        lost = [m for m in messages if m.metadata.dst_node_id == 101 and m.metadata.message_type == "train"
+                and int(m.content["config"]["round"]) >= 2]
+        return super().send_and_receive([m for m in messages if m not in lost], timeout)
+
+
+@pytest.mark.parametrize("name", ["fl_deploy_fedavg.yaml", "fl_deploy_local_dp.yaml"])
+def test_a_lost_node_stops_the_run_loudly_and_the_resumed_run_ends_as_an_uninterrupted_one(name, tmp_path,
+                                                                                           monkeypatch):
+    """A node lost in round 2: the server stops before aggregating or accounting that round and names its last
+    checkpoint; resumed from it (the node back), the run ends with the uninterrupted run's model, epsilon and
+    ledgers, and the sites' own ledgers are charged once per release (the round asked again with the same inputs
+    is the same release under the sites' fixed noise seeds)."""
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    monkeypatch.setattr(sys, "argv", ["lightning-dp"])
+    config = tmp_path / name
+    text = yaml.safe_load((EXAMPLES / name).read_text())
+    text["trainer"]["logger"] = False
+    config.write_text(yaml.safe_dump(text))
+    with pytest.raises(RuntimeError, match=r"(?s)round 2: node 101 did not reply.*Nothing of this step was "
+                                           r"aggregated.*last checkpoint is (\S+\.ckpt)") as err:
+        deploy_in_memory(config, 918273645, grid_class=LosingGrid)
+    import re
+
+    checkpoint = re.search(r"last checkpoint is (\S+\.ckpt)\. ", str(err.value)).group(1)
+    assert Path(checkpoint).is_file() and checkpoint.endswith("run-7/epoch-1.ckpt")  # after round 2 (epoch 1)
+    resumed, _ = deploy_in_memory(config, 918273645, resume_from=checkpoint)
+    sites_after_resume = {f.name: json.loads(f.read_text()) for f in tmp_path.glob("lightning-dp-ledger-*.json")}
+    simulated = simulate(config, 918273645)
+    torch.testing.assert_close(resumed.hypotheses, simulated.hypotheses, rtol=1e-6, atol=1e-7)
+    assert int(resumed.rounds) == 3
+    assert resumed.ledger.as_dict() == pytest.approx(simulated.ledger.as_dict())
+    if simulated.server_privacy.accountable:
+        assert resumed.server_privacy.epsilon == simulated.server_privacy.epsilon
+        assert resumed.server_privacy.accountant.history == simulated.server_privacy.accountant.history
+    if simulated.releases_are_sanitized():  # the sites' ledgers: every client charged once per release
+        spent: dict = {}
+        for state in sites_after_resume.values():
+            spent.update({c[0]: c[2] for c in state["client_ledger"]["clients"]})
+        counted = {cid: simulated.ledger.participations(cid) for cid in simulated.ledger.as_dict()}
+        assert spent == counted
+    else:
+        assert sites_after_resume == {}
