@@ -94,9 +94,11 @@ class Groups:
     def of_sizes(cls, sizes: Sequence[int], weights: Tensor) -> Groups:
         """Groups of consecutive examples, ``sizes[g]`` in group ``g``."""
         device = weights.device
-        group = torch.repeat_interleave(torch.arange(len(sizes), device=device),
-                                        torch.tensor(list(sizes), dtype=torch.long, device=device))
-        slot = torch.cat([torch.arange(n, device=device) for n in sizes]) if sizes else group.clone()
+        counts = torch.tensor(list(sizes), dtype=torch.long, device=device)
+        total = int(sum(sizes))  # known on the host: repeat_interleave need not compute (or sync for) it
+        group = torch.repeat_interleave(torch.arange(len(sizes), device=device), counts, output_size=total)
+        starts = torch.cumsum(counts, 0) - counts
+        slot = torch.arange(total, device=device) - starts[group]  # position within its group
         return cls(group, slot, len(sizes), max(sizes, default=1), weights)
 
     def place(self, rows: Tensor) -> Tensor:

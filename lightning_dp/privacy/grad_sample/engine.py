@@ -626,7 +626,8 @@ class GradSampleEngine(BatchDimProbe):
             raise PerSampleGradientError("call per_sample_norms() before group_norms()")
         p0 = self._params[0]
         counts = torch.tensor(list(sizes), dtype=compute_dtype(p0.dtype), device=p0.device)
-        groups = Groups.of_sizes(list(sizes), torch.repeat_interleave(1.0 / counts.clamp_min(1), counts.long()))
+        groups = Groups.of_sizes(list(sizes), torch.repeat_interleave(1.0 / counts.clamp_min(1), counts.long(),
+                                                                      output_size=int(sum(sizes))))
         with _no_autocast(p0.device):
             self._contributions = {key: [c.grouped(groups) for c in parts]
                                    for key, parts in self._contributions.items()}
