@@ -72,6 +72,16 @@ class _Site:
                                  "releases would be public. Give the site another noise seed (or none: a fresh "
                                  "secret one).")
             self.module.set_secret_seed(site_seed(self.given_seed, self.name) if self.name else self.given_seed)
+        # which noise stream this site's releases come from, for its ledger's record of what it answered (never the
+        # seed, nor anything computed from it): a pinned seed is named by the operator's public label (a new seed, a
+        # new label), a fresh one (drawn when this process built the round) by a random id of this process
+        import uuid
+
+        label = str(node_config.get("noise-seed-label", "")).strip() if "noise-seed-label" in node_config else ""
+        if label and self.given_seed is None:
+            raise ValueError("--node-config noise-seed-label names a pinned noise seed: give noise-seed too, or "
+                             "neither (fresh noise)")
+        self.noise_stream = f"pinned:{label}" if self.given_seed is not None else f"fresh:{uuid.uuid4().hex}"
 
     def report(self) -> dict[str, Any]:
         from lightning_dp.datamodules.federated import client_ids, client_sizes
@@ -173,7 +183,7 @@ def serve_clients(node: _Site, positions: list[int], r: int, *, hypotheses: torc
         from lightning_dp.flower.site_ledger import SiteLedger, input_digest
 
         digest = input_digest(hypotheses=hypotheses, previous_step=previous_step, seed=seed, clip=clip, round=r)
-        with SiteLedger(node.ledger_path, module).open() as ledger:
+        with SiteLedger(node.ledger_path, module, node.noise_stream).open() as ledger:
             released, stats = _release(node, ledger, positions, int(r), digest, num_clients)
         print(ledger.summary(node.name), flush=True)  # the SuperNode's log: the site's own account
     else:
@@ -206,7 +216,7 @@ def _release(node: _Site, ledger: Any, positions: list[int], r: int, digest: str
 
     module = node.module
     ids = client_ids(node.data.train_clients, positions)
-    repeat = node.given_seed is not None and ledger.repeats(ids, r, digest)
+    repeat = ledger.repeats(ids, r, digest)
     if module.update.accountable:
         if num_clients is None:
             raise ValueError("the server sent no count of training clients: local_dp_sgd plans its noise from it")
@@ -227,8 +237,7 @@ def _release(node: _Site, ledger: Any, positions: list[int], r: int, digest: str
             for cid, cost in zip(ids, stats[:, 1].tolist()):
                 module.ledger.charge(cid, cost)
         module.update.charge(positions)
-        if node.given_seed is not None:
-            ledger.note(ids, r, digest)
+        ledger.note(ids, r, digest)
     return released, stats
 
 

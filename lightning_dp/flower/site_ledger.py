@@ -9,11 +9,14 @@ its record); each site keeps its own, on its own disk, and is the one that enfor
   the record-level DP-SGD steps) are written to the site's ledger file;
 - **budgets enforced by the site**: a client whose release would take it past ``client_privacy_cap``, or past its
   record-level budget under ``local_dp_sgd``, is not trained and the message is refused, whatever the server asks;
-- **no noise reused**: with a given ``noise-seed`` a site's noise is a function of (round, client), so a server
+- **no noise reused**: a site's noise is a function of its secret seed, the round and the client, so a server
   that sends the same round again with other hypotheses would learn the difference of two releases exactly. The
-  ledger keeps a digest of the public input of every (round, client) it released; the same input again is the same
-  release (no new cost), another input is refused. Without a given seed every message draws fresh noise and every
-  release is charged.
+  ledger keeps a digest of the public input of every (round, client) it released from each noise stream; the same
+  input again is the same release (no new cost), another input is refused. A stream is named without the seed: a
+  pinned ``noise-seed`` by the operator's public ``noise-seed-label`` (default empty: a new pinned seed needs a new
+  label, else the rounds it answered before are refused), a fresh seed (none given: drawn by the process that
+  builds the site, as Flower 1.42 does for every message) by a random id of that process, whose repeats are then
+  charged as the new releases they are.
 
 The file (``--node-config ledger="PATH"``, default ``lightning-dp-ledger-<site or partition-P>.json`` in the
 SuperNode's working directory) accumulates over runs: a client's spend composes across them. It holds the clients'
@@ -59,10 +62,11 @@ def input_digest(*, hypotheses: torch.Tensor, previous_step: torch.Tensor, seed:
 
 
 class SiteLedger:
-    """The site's ledger file, opened for one message: ``with SiteLedger(path, module).open() as ledger: ...``."""
+    """The site's ledger file, opened for one message: ``with SiteLedger(path, module, stream).open() as ledger:``;
+    ``stream`` names the noise the site's releases come from (``pinned:<label>`` or ``fresh:<process id>``)."""
 
-    def __init__(self, path: str | Path, module: Any) -> None:
-        self.path, self.module = Path(path), module
+    def __init__(self, path: str | Path, module: Any, stream: str) -> None:
+        self.path, self.module, self.stream = Path(path), module, str(stream)
         self.released: dict[str, str] = {}
 
     def _kinds(self) -> dict[str, Any]:
@@ -104,20 +108,25 @@ class SiteLedger:
 
     def _save(self) -> None:
         m = self.module
+        # a fresh stream's entries matter only while its process lives (its noise is gone with it): keep pinned
+        # streams' and this process's own
+        released = {k: v for k, v in self.released.items()
+                    if k.startswith("pinned:") or k.startswith(f"{self.stream}/")}
         state = {"format": _FORMAT, "kinds": self._kinds(),
                  "client_ledger": m.ledger.state_dict() if m.sanitizer.accountable else None,
                  "record_ledger": m.update.ledger.state_dict() if m.update.accountable else None,
-                 "released": self.released}
+                 "released": released}
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text(json.dumps(state), "utf-8")
         os.replace(tmp, self.path)  # atomic: a crash leaves the old or the new ledger, never half of one
 
     # ------------------------------------------------------------------ one message
     def repeats(self, client_ids: list[Any], r: int, digest: str) -> bool:
-        """Whether this message repeats one already answered with the site's given noise seed: True if every
-        client's (round, client) was released for the same input (the same release again: nothing new to charge).
-        Refuses a repeat with another input, and a message that mixes repeated and new clients."""
-        keys = [f"{int(r)}/{cid}" for cid in client_ids]
+        """Whether this message repeats one already answered from the same noise stream (the site's pinned seed, by
+        its label, or this process's fresh one): True if every client's (round, client) was released from it for
+        the same input (the same release again: nothing new to charge). Refuses a repeat with another input, and a
+        message that mixes repeated and new clients."""
+        keys = [f"{self.stream}/{int(r)}/{cid}" for cid in client_ids]
         seen = [self.released.get(k) for k in keys]
         if any(s is not None and s != digest for s in seen):
             raise ValueError(f"round {r}: the server sent clients this site already released in round {r} with "
@@ -132,8 +141,9 @@ class SiteLedger:
         return False
 
     def note(self, client_ids: list[Any], r: int, digest: str) -> None:
+        """Record that the clients' releases of round ``r`` from this noise stream answered inputs ``digest``."""
         for cid in client_ids:
-            self.released[f"{int(r)}/{cid}"] = digest
+            self.released[f"{self.stream}/{int(r)}/{cid}"] = digest
 
     def summary(self, name: str) -> str:
         m = self.module

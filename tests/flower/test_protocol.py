@@ -491,7 +491,7 @@ def _local_site(tmp_path, monkeypatch, name="fl_deploy_local_dp.yaml", **node):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["lightning-dp"])
     client_side._SITES.clear()
-    config = {"partition-id": 0, "num-partitions": 1, "noise-seed": 4242, **node}
+    config = {"partition-id": 0, "num-partitions": 1, "noise-seed": 918273645, **node}
     site = client_side._Site((EXAMPLES / name).read_text(), config)
     return site, site.module.hypotheses.detach().clone(), site.module.previous_step.detach().clone()
 
@@ -525,6 +525,36 @@ def test_a_site_charges_its_own_ledger_and_never_reuses_noise_for_other_inputs(t
     site2, _, _ = _local_site(tmp_path, monkeypatch)
     client_side.serve_clients(site2, [0], 2, hypotheses=hyps, previous_step=prev, seed=0, clip=-1.0)
     assert {c[0]: c[2] for c in _ledger(path)["client_ledger"]["clients"]} == {ids[0]: 2, ids[1]: 1}
+
+
+def test_noise_streams_are_told_apart_without_the_seed(tmp_path, monkeypatch):
+    """A fresh seed (none given) is one process's stream: its own repeats with other inputs are refused, another
+    process's release of the same round is new noise, charged. A pinned seed under a new public label is a new
+    stream. The file names streams by label or random id, never by anything computed from a seed."""
+    from lightning_dp.datamodules.federated import client_ids
+
+    site, hyps, prev = _local_site(tmp_path, monkeypatch, **{"noise-seed": ""})
+    path = tmp_path / "lightning-dp-ledger-partition-0.json"
+    cid = client_ids(site.data.train_clients, [0])[0]
+    client_side.serve_clients(site, [0], 1, hypotheses=hyps, previous_step=prev, seed=0, clip=-1.0)
+    with pytest.raises(ValueError, match="share their noise"):  # the same process: the same noise
+        client_side.serve_clients(site, [0], 1, hypotheses=hyps + 1.0, previous_step=prev, seed=0, clip=-1.0)
+    other, _, _ = _local_site(tmp_path, monkeypatch, **{"noise-seed": ""})  # a new process: fresh noise
+    client_side.serve_clients(other, [0], 1, hypotheses=hyps + 1.0, previous_step=prev, seed=0, clip=-1.0)
+    state = _ledger(path)
+    assert {c[0]: c[2] for c in state["client_ledger"]["clients"]} == {cid: 2}
+    assert all(k.startswith(other.noise_stream + "/") for k in state["released"])  # the dead process's are dropped
+    pinned, _, _ = _local_site(tmp_path, monkeypatch)  # noise-seed 918273645, label ""
+    client_side.serve_clients(pinned, [0], 1, hypotheses=hyps, previous_step=prev, seed=0, clip=-1.0)
+    with pytest.raises(ValueError, match="share their noise"):
+        client_side.serve_clients(pinned, [0], 1, hypotheses=hyps + 1.0, previous_step=prev, seed=0, clip=-1.0)
+    relabelled, _, _ = _local_site(tmp_path, monkeypatch, **{"noise-seed": 918273646, "noise-seed-label": "second"})
+    client_side.serve_clients(relabelled, [0], 1, hypotheses=hyps + 1.0, previous_step=prev, seed=0, clip=-1.0)
+    state = _ledger(path)
+    assert {c[0]: c[2] for c in state["client_ledger"]["clients"]} == {cid: 4}
+    assert "918273645" not in path.read_text() and "918273646" not in path.read_text()
+    with pytest.raises(ValueError, match="noise-seed-label names a pinned"):
+        _local_site(tmp_path, monkeypatch, **{"noise-seed": "", "noise-seed-label": "x"})
 
 
 def test_a_site_enforces_the_cap_whatever_the_server_asks(tmp_path, monkeypatch):
