@@ -112,8 +112,5 @@ def refuse_unsupported(module: Any) -> None:
                         "nodes")
     if getattr(module.aggregator, "needs_budgets", False):
         problems.append(f"aggregator {module.aggregator.name!r} with revealed budgets: not carried by the messages yet")
-    if module.test_every_check:
-        problems.append("test_every_check=True: the server holds no test clients (evaluation on the nodes is not "
-                        "built yet)")
     if problems:
         raise ValueError("not supported on a Flower deployment yet:\n  - " + "\n  - ".join(problems))

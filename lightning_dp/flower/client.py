@@ -55,14 +55,17 @@ class _Site:
         self.data.setup("fit")
         self.module.read_clients(self.data)
         total, val = len(self.data.train_clients), len(self.data.val_clients or [])
+        test = len(self.data.test_clients or [])
         if self.name:
             self.positions, self.val_positions = list(range(total)), list(range(val))
+            self.test_positions = list(range(test))
         else:
             part, parts = int(node_config.get("partition-id", 0)), int(node_config.get("num-partitions", 1))
             if not 0 <= part < parts:
                 raise ValueError(f"--node-config partition-id={part} num-partitions={parts}: need 0 <= partition-id "
                                  "< num-partitions")
             self.positions, self.val_positions = list(range(part, total, parts)), list(range(part, val, parts))
+            self.test_positions = list(range(part, test, parts))
         secret = node_config.get("noise-seed")
         self.given_seed: int | None = None  # the seed as given (the secret one is derived from it with a site name)
         if secret not in (None, ""):  # else the fresh secret the round drew when it was built
@@ -96,6 +99,7 @@ class _Site:
                 "sizes": [int(sizes[i]) for i in self.positions], "num-training-clients": len(train),
                 # validation clients: their positions only (the server evaluates through the nodes' sums)
                 "val-positions": self.val_positions, "num-val-clients": len(data.val_clients or []),
+                "test-positions": self.test_positions, "num-test-clients": len(data.test_clients or []),
                 "numel": int(self.module.spec.numel), "task": str(data.task),
                 "num-classes": -1 if data.num_classes is None else int(data.num_classes),
                 "num-groups": -1 if data.num_groups is None else int(data.num_groups),
@@ -244,9 +248,10 @@ def _release(node: _Site, ledger: Any, positions: list[int], r: int, digest: str
 def evaluate_clients(node: _Site, split: str, positions: list[int], *, hypotheses: torch.Tensor) -> torch.Tensor:
     """The sums of an evaluation of the public ``hypotheses`` on this site's ``split`` clients at ``positions``
     (:meth:`~lightning_dp.federated.FederatedRound.evaluation_sums`: losses, choices, correct predictions)."""
-    if split != "val":
-        raise ValueError(f"the server asked for an evaluation on {split!r} clients; a deployment evaluates 'val' only")
-    _check_served(positions, node.val_positions, "validation clients")
+    if split not in ("val", "test"):
+        raise ValueError(f"the server asked for an evaluation on {split!r} clients; a deployment evaluates 'val' and "
+                         "'test' clients only")
+    _check_served(positions, node.val_positions if split == "val" else node.test_positions, f"{split} clients")
     with torch.no_grad():
         node.module.hypotheses.copy_(hypotheses)
         return node.module.evaluation_sums(split, list(positions)).detach().cpu()

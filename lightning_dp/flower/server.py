@@ -44,20 +44,20 @@ class RemoteClient:
 
 
 class RemoteDataModule(FederatedDataModule):
-    """The server's DataModule: the training and validation clients the nodes reported, no data, no test clients."""
+    """The server's DataModule: the training, validation and test clients the nodes reported, no data."""
 
     def __init__(self, clients: list[RemoteClient], *, task: str, num_classes: Optional[int],
                  num_groups: Optional[int], input_shape: tuple[int, ...],
-                 val: Optional[list[RemoteClient]] = None) -> None:
+                 val: Optional[list[RemoteClient]] = None, test: Optional[list[RemoteClient]] = None) -> None:
         super().__init__()
         self.task = task  # type: ignore[assignment]  # checked by the nodes' DataModule
         self.num_classes, self.num_groups, self.input_shape = num_classes, num_groups, tuple(input_shape)
-        self._remote_clients, self._remote_val = clients, list(val or [])
+        self._remote_clients, self._remote_val, self._remote_test = clients, list(val or []), list(test or [])
 
     def setup(self, stage: Optional[str] = None) -> None:
         self.train_clients = self._remote_clients  # type: ignore[assignment]  # duck-typed: client_id and len
         self.val_clients = self._remote_val  # type: ignore[assignment]
-        self.test_clients = []
+        self.test_clients = self._remote_test  # type: ignore[assignment]  # evaluated on the nodes (test_every_check)
 
     def padded_rows(self, split: str, index: Any, *, pad_value: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
         raise RuntimeError("the server of a Flower deployment holds no client data: its clients compute on their nodes")
@@ -249,7 +249,7 @@ class Placement:
 
 
 def plan_clients(reports: dict[int, dict[str, Any]], numel: int) -> tuple[dict[str, Placement], dict]:
-    """``({"train": ..., "val": ...}, data)`` from the nodes' reports (the DataModule's task and shape in ``data``).
+    """``({"train": ..., "val": ..., "test": ...}, data)`` from the nodes' reports (the DataModule's task and shape in ``data``).
     Refuses reports that disagree, serve a client twice or leave clients out."""
     sizes = {int(rep["numel"]) for rep in reports.values()}
     if sizes != {numel}:
@@ -260,7 +260,7 @@ def plan_clients(reports: dict[int, dict[str, Any]], numel: int) -> tuple[dict[s
         raise RuntimeError("some SuperNodes serve their own clients (--node-config 'site=\"NAME\"') and some positions of a "
                            "shared client list (partition-id): start every node one way")
     plan = _plan_sites if named == {True} else _plan_partitions
-    placements = {split: plan(reports, split) for split in ("train", "val")}
+    placements = {split: plan(reports, split) for split in ("train", "val", "test")}
     first = next(iter(reports.values()))
     for node, rep in reports.items():
         same = (rep["task"], rep["num-classes"], rep["num-groups"], list(rep["input-shape"]))
@@ -279,13 +279,15 @@ def plan_clients(reports: dict[int, dict[str, Any]], numel: int) -> tuple[dict[s
 
 def _served(rep: dict[str, Any], split: str) -> tuple[list[int], list[str], list[int], int]:
     """``(positions, ids, sizes, total)`` of a node's report for ``split``. Validation clients are reported by
-    position only (the server evaluates through the nodes' sums): their ids here are placeholders."""
+    position only, test clients too (the server evaluates through the nodes' sums): their ids here are
+    placeholders."""
     if split == "train":
         return ([int(i) for i in rep["positions"]], [str(c) for c in rep["ids"]], [int(n) for n in rep["sizes"]],
                 int(rep["num-training-clients"]))
-    positions = [int(i) for i in rep.get("val-positions", [])]
+    positions = [int(i) for i in rep.get(f"{split}-positions", [])]
     prefix = f"{rep['site']}/" if rep.get("site") else ""
-    return positions, [f"{prefix}val-{i}" for i in positions], [1] * len(positions), int(rep.get("num-val-clients", 0))
+    return (positions, [f"{prefix}{split}-{i}" for i in positions], [1] * len(positions),
+            int(rep.get(f"num-{split}-clients", 0)))
 
 
 def _plan_sites(reports: dict[int, dict[str, Any]], split: str) -> Placement:
@@ -368,7 +370,7 @@ def main(grid: Any, context: Any) -> None:
     if resume:
         print(f"resuming from {resume}", flush=True)
     trainer.fit(module, datamodule=RemoteDataModule(placements["train"].clients, val=placements["val"].clients,
-                                                    **data), ckpt_path=resume or None)
+                                                    test=placements["test"].clients, **data), ckpt_path=resume or None)
     save_to = str(config.get("save-to", ""))
     if save_to and trainer.is_global_zero:
         privacy = module.server_privacy

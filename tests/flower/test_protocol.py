@@ -486,6 +486,30 @@ def test_a_node_replying_nan_is_dropped_and_the_run_ends_finite(name, tmp_path, 
         assert site_files == []
 
 
+def test_test_clients_are_evaluated_on_the_nodes_at_every_check(tmp_path, monkeypatch):
+    """test_every_check on a deployment (issue 52, item 5): the nodes evaluate their test clients and reply with
+    sums; the server logs the simulation's test/* metrics."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    monkeypatch.setattr(sys, "argv", ["lightning-dp"])
+    config = tmp_path / "test_every_check.yaml"
+    text = yaml.safe_load((EXAMPLES / "fl_deploy_personalized.yaml").read_text())
+    text["trainer"]["logger"] = False
+    text["model"]["init_args"]["test_every_check"] = True
+    text["data"]["init_args"]["num_test_clients"] = 5
+    config.write_text(yaml.safe_dump(text))
+    simulated = simulate(config, 918273645)
+    deployed, grid = deploy_in_memory(config, 918273645)
+    tested = {k: float(v) for k, v in deployed.trainer.callback_metrics.items() if k.startswith("test/")}
+    expected = {k: float(v) for k, v in simulated.trainer.callback_metrics.items() if k.startswith("test/")}
+    assert "test/loss" in expected and tested == pytest.approx(expected, rel=1e-9)
+    asked = [m for m in grid.sent if m.metadata.message_type == "evaluate" and m.content["config"]["split"] == "test"]
+    assert sorted(i for m in asked for i in m.content["config"]["clients"]) == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="'val' and 'test' clients only"):
+        client_side.evaluate_clients(client_side._SITES[next(iter(client_side._SITES))], "train", [0],
+                                     hypotheses=deployed.hypotheses.detach())
+
+
 # ----------------------------------------------------------------------------- no server to trust (issue 52, item 3)
 def _local_site(tmp_path, monkeypatch, name="fl_deploy_local_dp.yaml", **node):
     monkeypatch.chdir(tmp_path)
