@@ -107,6 +107,10 @@ class RoundClients:
         elif rnd.update.accountable:
             eligible = rnd.update.eligible
 
+        present = self.remote.present(rnd) if self.remote is not None else None
+        if present is not None:  # a Flower deployment whose nodes have not all joined: their clients decline
+            inner = eligible
+            eligible = present if inner is None else (lambda i: present(i) and inner(i))
         # secret: the client-level accountant amplifies by this draw (ClientSelection.draw refuses a public generator)
         return rnd.selection.draw(len(clients), derive_secret_generator(rnd._noise_seed, _CLIENTS, r), eligible)
 

@@ -71,12 +71,55 @@ class NodeRound:
     def __init__(self, grid: Any, placements: dict[str, Placement], *, timeout: float) -> None:
         self.grid, self.placements, self.timeout = grid, placements, float(timeout)
         self.checkpoint: Any = None  # the server's round checkpoints (round_checkpoints), which a stop names
+        self.shape: tuple[str, list[int]] = ("", [])  # the run's (task, input shape): a late node must match it
 
     def _by_node(self, split: str, index: list[int]) -> dict[int, list[int]]:
+        """The clients at ``index`` grouped by their node; clients whose node has not joined yet are left out (they
+        are never selected for training, :meth:`present`; an evaluation covers the clients that have a node)."""
         by_node: dict[int, list[int]] = defaultdict(list)
         for i in index:
-            by_node[self.placements[split].owners[i]].append(i)
+            owner = self.placements[split].owners[i]
+            if owner is not None:
+                by_node[owner].append(i)
         return by_node
+
+    def present(self, module: Any) -> Optional[Any]:
+        """Before a round's selection: None when every client has its node; else ask the nodes that joined since
+        (a late SuperNode: its clients take part from this round on) and return ``present(i)``, whether training
+        client ``i`` has a node. A client without one declines (``FederatedRound``'s selection draws it as usual:
+        under Poisson selection its inclusion probability is 0 until its node joins, q after, never more)."""
+        if all(o is not None for p in self.placements.values() for o in p.owners):
+            return None
+        known = {o for p in self.placements.values() for o in p.owners if o is not None}
+        new = sorted(set(self.grid.get_node_ids()) - known)
+        if new:
+            self.join(ask_nodes(self.grid, new, self.timeout), module)
+        owners = self.placements["train"].owners
+        return lambda i: owners[i] is not None
+
+    def join(self, reports: dict[int, dict[str, Any]], module: Any) -> None:
+        """Give late nodes the clients they serve that had none (positions of the shared client list); refuses a
+        node that disagrees with the run (another config or data) or serves clients that already have a node."""
+        for node, rep in sorted(reports.items()):
+            if rep.get("site"):
+                raise RuntimeError(f"node {node} joined the run as site {rep['site']!r}: a run of sites with their own "
+                                   "clients fixes its clients when it starts (resume the run to include a new site)")
+            if int(rep["numel"]) != module.spec.numel or (rep["task"], list(rep["input-shape"])) != self.shape:
+                raise RuntimeError(f"node {node} joined with another model or DataModule than the run's: every node "
+                                   "must run the same config")
+            for split, placement in self.placements.items():
+                positions, ids, sizes, total = _served(rep, split)
+                if total != len(placement.owners):
+                    raise RuntimeError(f"node {node} joined with {total} {split} clients, the run has "
+                                       f"{len(placement.owners)}: every node must build the same client list")
+                for i, cid, n in zip(positions, ids, sizes):
+                    if placement.owners[i] is not None:
+                        raise RuntimeError(f"node {node} joined serving {split} client {i}, which node "
+                                           f"{placement.owners[i]} serves: give it a partition-id nobody serves")
+                    placement.owners[i] = node
+                    placement.clients[i] = RemoteClient(cid, n)  # the round's client list: the same list object
+            print(f"node {node} joined: it serves {len(rep['positions'])} training clients from this round on",
+                  flush=True)
 
     def _replies(self, messages: list[Any], what: str) -> dict[int, Any]:
         """Every node's reply, or a loud stop. A node that does not answer (killed, disconnected: Flower declares it
@@ -193,6 +236,22 @@ def check_tracking(trainer: Any, uri: str) -> None:
                              "tracking_uri in the config)")
 
 
+def late_nodes(module: Any) -> str:
+    """Whether clients whose node is missing when the run starts may wait for it (``"yes: ..."``), or why not: a
+    client that declines until its node joins must leave the accounting valid. Under Poisson selection its
+    inclusion probability is then 0 and later q, as accounted; a fixed-size selection would draw the other clients
+    more often than accounted, and the record-level update and a weighted aggregator need every client's size
+    when the run starts."""
+    if module.selection.poisson_rate is None:
+        return (f"a node may join late only under Poisson selection; {type(module.selection).__name__} would draw the "
+                "others more often than its accounting says")
+    if module.update.accountable:
+        return "local_dp_sgd plans every client's noise from its size when the run starts: no node may join late"
+    if module.aggregator.weights_by_counts:
+        return "a weighted aggregator needs every client's size when the run starts: no node may join late"
+    return "yes: under Poisson selection a client declines until its node joins"
+
+
 def round_checkpoints(trainer: Any, folder: str, run_id: Any) -> Any:
     """The server's checkpoint after every round, whatever the config's checkpointing: a run stopped by a lost node
     resumes from it exactly (the round's secret state, ledgers and accountant are in it: a local file of the server's
@@ -248,9 +307,11 @@ class Placement:
     local: list[int]
 
 
-def plan_clients(reports: dict[int, dict[str, Any]], numel: int) -> tuple[dict[str, Placement], dict]:
+def plan_clients(reports: dict[int, dict[str, Any]], numel: int, *,
+                 late: str = "") -> tuple[dict[str, Placement], dict]:
     """``({"train": ..., "val": ..., "test": ...}, data)`` from the nodes' reports (the DataModule's task and shape in ``data``).
-    Refuses reports that disagree, serve a client twice or leave clients out."""
+    Refuses reports that disagree, serve a client twice or leave clients out, unless ``late`` says why clients
+    without a node may wait for it (their nodes join later: :meth:`NodeRound.present`)."""
     sizes = {int(rep["numel"]) for rep in reports.values()}
     if sizes != {numel}:
         raise RuntimeError(f"the nodes' models have {sorted(sizes)} parameters, the server's {numel}: every node must "
@@ -259,8 +320,10 @@ def plan_clients(reports: dict[int, dict[str, Any]], numel: int) -> tuple[dict[s
     if named == {True, False}:
         raise RuntimeError("some SuperNodes serve their own clients (--node-config 'site=\"NAME\"') and some positions of a "
                            "shared client list (partition-id): start every node one way")
-    plan = _plan_sites if named == {True} else _plan_partitions
-    placements = {split: plan(reports, split) for split in ("train", "val", "test")}
+    if named == {True}:
+        placements = {split: _plan_sites(reports, split) for split in ("train", "val", "test")}
+    else:
+        placements = {split: _plan_partitions(reports, split, late) for split in ("train", "val", "test")}
     first = next(iter(reports.values()))
     for node, rep in reports.items():
         same = (rep["task"], rep["num-classes"], rep["num-groups"], list(rep["input-shape"]))
@@ -315,9 +378,10 @@ def _plan_sites(reports: dict[int, dict[str, Any]], split: str) -> Placement:
     return placement
 
 
-def _plan_partitions(reports: dict[int, dict[str, Any]], split: str) -> Placement:
-    """Sites that each serve positions of one shared client list (partition-id, num-partitions)."""
-    what = "training" if split == "train" else "validation"
+def _plan_partitions(reports: dict[int, dict[str, Any]], split: str, late: str = "") -> Placement:
+    """Sites that each serve positions of one shared client list (partition-id, num-partitions). Positions without a
+    node are refused, or (``late``: the reason they may wait) held by placeholders until their node joins."""
+    what = {"train": "training", "val": "validation", "test": "test"}[split]
     totals = {_served(rep, split)[3] for rep in reports.values()}
     if len(totals) != 1:
         raise RuntimeError(f"the nodes' DataModules hold {sorted(totals)} {what} clients: every node must build the "
@@ -332,10 +396,15 @@ def _plan_partitions(reports: dict[int, dict[str, Any]], split: str) -> Placemen
                                    "SuperNodes distinct --node-config partition-id values")
             owners[i], clients[i] = node, RemoteClient(cid, n)
     unserved = [i for i, o in enumerate(owners) if o is None]
-    if unserved:
+    if unserved and not late.startswith("yes"):
         raise RuntimeError(f"{len(unserved)} of the {total} {what} clients have no node (first: {unserved[:5]}): "
-                           "start one SuperNode per partition-id 0..num-partitions-1")
-    return Placement(owners, clients, list(range(total)))  # type: ignore[arg-type]  # every entry filled
+                           "start one SuperNode per partition-id 0..num-partitions-1" + (f" ({late})" if late else ""))
+    if unserved:
+        print(f"{len(unserved)} of the {total} {what} clients have no node yet: they take part once their node joins "
+              f"({late.removeprefix('yes: ')})", flush=True)
+    for i in unserved:
+        clients[i] = RemoteClient(f"(no node yet) {split} {i}", 1)
+    return Placement(owners, clients, list(range(total)))  # type: ignore[arg-type]  # owners None: no node yet
 
 
 def main(grid: Any, context: Any) -> None:
@@ -363,8 +432,9 @@ def main(grid: Any, context: Any) -> None:
         module.set_secret_seed(read_secret(secret, f"the environment variable {NOISE_SEED_VARIABLE}"))
     timeout = float(config.get("node-timeout", 600.0))
     nodes = wait_for_nodes(grid, int(config.get("min-nodes", 1)), timeout)
-    placements, data = plan_clients(ask_nodes(grid, nodes, timeout), module.spec.numel)
+    placements, data = plan_clients(ask_nodes(grid, nodes, timeout), module.spec.numel, late=late_nodes(module))
     module.remote = NodeRound(grid, placements, timeout=timeout)
+    module.remote.shape = (data["task"], list(data["input_shape"]))
     module.remote.checkpoint = round_checkpoints(trainer, str(config.get("checkpoint-dir", "")), context.run_id)
     resume = str(config.get("resume-from", "")).strip()
     if resume:

@@ -31,8 +31,10 @@ def wait_port(port: int, timeout: float = 60.0) -> None:
 class LocalDeployment:
     """``with LocalDeployment(tmp, node_configs, env) as d: d.run(app_dir)``: the processes stop on exit."""
 
-    def __init__(self, root: Path, node_configs: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(self, root: Path, node_configs: list[str], env: dict[str, str] | None = None,
+                 started: list[int] | None = None) -> None:
         self.root, self.node_configs = Path(root), node_configs
+        self.started = list(range(len(node_configs))) if started is None else list(started)  # the others: later
         self.home = self.root / "flwr_home"
         self.logs = self.root / "logs"
         self.env = {**os.environ, "FLWR_HOME": str(self.home), "FLWR_DISABLE_UPDATE_CHECK": "1",
@@ -53,11 +55,11 @@ class LocalDeployment:
         self._start("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(self.port),
                                   "--disable-runtime-dependency-installation"], self.env)
         wait_port(self.port)
-        for i in range(len(self.node_configs)):
+        for i in self.started:
             self.start_node(i)
         end = time.monotonic() + 60
         while time.monotonic() < end:
-            logs = [(self.logs / f"supernode{i}.log").read_text() for i in range(len(self.node_configs))]
+            logs = [(self.logs / f"supernode{i}.log").read_text() for i in self.started]
             if all("SuperNode ID:" in log for log in logs):
                 break
             time.sleep(0.3)

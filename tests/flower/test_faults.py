@@ -1,7 +1,8 @@
-"""Faults on a real deployment (issue 52, item 4): a SuperNode killed mid-run (SIGKILL: no goodbye), the server's
-stop, the node restarted and the run resumed from the server's checkpoint, over processes on localhost. The
-resumed run ends with the model and epsilon of an uninterrupted one (the simulation's, for the same seeds). The
-same in one process, with the sites' own ledgers: tests/flower/test_protocol.py (a lost node)."""
+"""Faults on a real deployment (issue 52, item 4), over processes on localhost: a SuperNode killed mid-run (SIGKILL:
+no goodbye), the server's stop, the node restarted and the run resumed from the server's checkpoint, which ends with
+the model and epsilon of an uninterrupted one (the simulation's, for the same seeds); a SuperNode started after the
+run, which joins at the next round. The same in one process, with the sites' own ledgers:
+tests/flower/test_protocol.py (a lost node, a late node)."""
 
 from __future__ import annotations
 
@@ -54,3 +55,34 @@ def test_a_killed_node_stops_the_run_and_the_resumed_run_ends_as_an_uninterrupte
     assert result["rounds"] == 3
     torch.testing.assert_close(result["hypotheses"], simulated.hypotheses, rtol=1e-6, atol=1e-7)
     assert result["epsilon"] == simulated.server_privacy.epsilon
+
+
+def test_a_node_started_late_joins_at_the_next_round(tmp_path, monkeypatch):
+    """Two partitions, min-nodes 1: the run starts with SuperNode 0; SuperNode 1 is started once node 0 has
+    answered a round, is asked for its clients before a later round and trains in it. DP-FedAvg's Poisson
+    selection keeps the accounting valid (partition 1's clients declined until then): the simulation's epsilon."""
+    from lightning_dp.flower.app import write_app
+
+    nodes = [f"partition-id={p} num-partitions=2 noise-seed={SECRET}" for p in range(2)]
+    env = {"LIGHTNING_DP_NOISE_SEED": str(SECRET), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
+    with LocalDeployment(tmp_path, nodes, env=env, started=[0]) as deployment:
+        app = tmp_path / "late"
+        write_app(EXAMPLES / "fl_deploy_fedavg.yaml", app, min_nodes=1, node_timeout=300,
+                  save_to=str(tmp_path / "late.pt"))
+        run_id = deployment.start_run(app)
+        log0 = tmp_path / "logs" / "supernode0.log"
+        end = time.monotonic() + 300
+        while "Sending: train message" not in log0.read_text():
+            assert time.monotonic() < end, deployment.log_tail()
+            time.sleep(0.5)
+        deployment.start_node(1)
+        status, log = deployment.wait(run_id, timeout=500)
+        assert status == "finished:completed", log[-3000:] + deployment.log_tail()
+        late_log = (tmp_path / "logs" / "supernode1.log").read_text()
+    assert "clients have no node yet" in log and "joined: it serves 20 training clients" in log, log[-3000:]
+    assert "Receiving: train message" in late_log
+    result = torch.load(tmp_path / "late.pt")
+    assert result["rounds"] == 3
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/sim.db")
+    assert result["epsilon"] == simulate(EXAMPLES / "fl_deploy_fedavg.yaml", SECRET).server_privacy.epsilon

@@ -56,11 +56,11 @@ def simulate(config: Path, noise_seed: int):
 
 
 def deploy_in_memory(config: Path, noise_seed: int, nodes: int = 2, node_configs: dict | None = None, *,
-                     grid_class: type = MemoryGrid, resume_from: str = ""):
+                     grid_class: type = MemoryGrid, resume_from: str = "", min_nodes: int = 0):
     if node_configs is None:
         node_configs = {100 + p: {"partition-id": p, "num-partitions": nodes, "noise-seed": noise_seed}
                         for p in range(nodes)}
-    run_config = {"config-yaml": config.read_text(), "min-nodes": len(node_configs), "node-timeout": 60.0,
+    run_config = {"config-yaml": config.read_text(), "min-nodes": min_nodes or len(node_configs), "node-timeout": 60.0,
                   "save-to": "", "resume-from": resume_from}
     grid = grid_class(run_config, node_configs)
     client_side._SITES.clear()
@@ -680,3 +680,56 @@ def test_a_lost_node_stops_the_run_loudly_and_the_resumed_run_ends_as_an_uninter
         assert spent == counted
     else:
         assert sites_after_resume == {}
+
+
+
+class LateGrid(MemoryGrid):
+    """Node 101 connects only after round 1's TRAIN messages went out (a SuperNode started late)."""
+
+    def get_node_ids(self):
+        started = any(m.metadata.message_type == "train" for m in self.sent)
+        return [100, 101] if started else [100]
+
+
+def test_a_late_node_joins_at_the_next_round_under_poisson_selection(tmp_path, monkeypatch):
+    """min-nodes 1 of 2 partitions: the run starts with node 100; partition 1's clients decline (Poisson selection:
+    inclusion probability 0, then q) until node 101 connects, which is asked for its clients before the next round's
+    selection and trains from then on. The accountant's epsilon does not depend on who took part: the
+    simulation's."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    monkeypatch.setattr(sys, "argv", ["lightning-dp"])
+    config = tmp_path / "fedavg.yaml"
+    text = yaml.safe_load((EXAMPLES / "fl_deploy_fedavg.yaml").read_text())
+    text["trainer"]["logger"] = False
+    config.write_text(yaml.safe_dump(text))
+    deployed, grid = deploy_in_memory(config, 918273645, grid_class=LateGrid, min_nodes=1)
+    trains = [(int(m.content["config"]["round"]), m.metadata.dst_node_id) for m in grid.sent
+              if m.metadata.message_type == "train"]
+    first = min(r for r, _ in trains)
+    assert {n for r, n in trains if r == first} == {100}  # round 1: only the node that was there
+    assert 101 in {n for r, n in trains if r > first}  # it trains from a later round on
+    queries = [m.metadata.dst_node_id for m in grid.sent if m.metadata.message_type == "query"]
+    assert queries == [100, 101]  # each asked for its clients once
+    assert int(deployed.rounds) == 3
+    ids = [c.client_id for c in deployed.clients.splits["train"]]
+    assert not any(str(i).startswith("(no node yet)") for i in ids)  # the late node's ids replaced the placeholders
+    simulated = simulate(config, 918273645)
+    assert deployed.server_privacy.epsilon == simulated.server_privacy.epsilon
+
+
+def test_a_late_node_is_refused_where_the_accounting_would_not_hold():
+    from lightning_dp.federated import FederatedRound
+    from lightning_dp.federated.parts import LocalDPSGD, PoissonSelection, UniformSelection
+    from lightning_dp.models import LinearRegression
+
+    assert server_side.late_nodes(FederatedRound(LinearRegression(), selection=PoissonSelection(0.2))).startswith("yes")
+    for module, why in ((FederatedRound(LinearRegression(), selection=UniformSelection(3)), "Poisson selection"),
+                        (FederatedRound(LinearRegression(), selection=PoissonSelection(0.2),
+                                        update=LocalDPSGD(target_epsilon=2.0)), "local_dp_sgd")):
+        reason = server_side.late_nodes(module)
+        assert why in reason
+        report = {"positions": [0], "ids": ["c0"], "sizes": [3], "num-training-clients": 2, "numel": 2,
+                  "task": "regression", "num-classes": -1, "num-groups": -1, "input-shape": [2]}
+        with pytest.raises(RuntimeError, match=why):
+            server_side.plan_clients({1: report}, 2, late=reason)
