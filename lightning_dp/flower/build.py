@@ -8,7 +8,8 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["build_from_yaml", "check_shareable", "read_secret", "refuse_unsupported", "secret_settings"]
+__all__ = ["build_from_yaml", "check_shareable", "read_secret", "refuse_budgets_for_sites", "refuse_unsupported",
+           "secret_settings", "uses_budgets"]
 
 
 def secret_settings(cli: Any) -> list[str]:
@@ -101,16 +102,23 @@ def read_secret(value: Any, where: str) -> int:
 
 
 def refuse_unsupported(module: Any) -> None:
-    """Refuse, before any node computes, what the deployment does not run yet (each with the reason)."""
-    problems = []
-    if getattr(module.update, "budgets", None) is not None:
-        problems.append(f"update {module.update.name!r} with per-client budgets: the server draws them from the "
-                        "clients' ids and they would have to reach the sites, which this deployment does not carry "
-                        "yet (target_epsilon or noise_multiplier work: each site plans and enforces its clients')")
+    """Refuse, before any node computes, what a deployment cannot run (each with the reason)."""
     if module.diagnostics:
-        problems.append("diagnostics=True: the cosines compare the clients' unsanitized updates, which stay on the "
-                        "nodes")
-    if getattr(module.aggregator, "needs_budgets", False):
-        problems.append(f"aggregator {module.aggregator.name!r} with revealed budgets: not carried by the messages yet")
-    if problems:
-        raise ValueError("not supported on a Flower deployment yet:\n  - " + "\n  - ".join(problems))
+        raise ValueError("not supported on a Flower deployment: diagnostics=True compares the clients' unsanitized "
+                         "updates, which never leave their nodes (run the diagnostics in simulation)")
+
+
+def uses_budgets(module: Any) -> bool:
+    """Whether the round assigns per-client budgets (``local_dp_sgd`` with ``budgets``, PFA's revealed budgets):
+    the assignment is a function of the whole client list, which only nodes that serve partitions of one shared
+    list hold (:func:`refuse_budgets_for_sites`)."""
+    return getattr(module.update, "budgets", None) is not None or getattr(module.aggregator, "needs_budgets", False)
+
+
+def refuse_budgets_for_sites(module: Any) -> None:
+    """Per-client budgets are drawn over the whole client list: every node of a partitioned deployment holds it and
+    plans its clients' budgets as the server does; a site that serves only its own clients cannot."""
+    if uses_budgets(module):
+        raise ValueError("per-client budgets (local_dp_sgd budgets=..., aggregator pfa) are assigned over the whole "
+                         "client list, which no site of a deployment of sites with their own clients holds: run them "
+                         "with nodes serving partitions of one client list (partition-id, num-partitions)")

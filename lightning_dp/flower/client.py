@@ -41,6 +41,10 @@ class _Site:
         cli = build_from_yaml(text, ["--trainer.logger=false", "--trainer.enable_checkpointing=false", *overrides])
         self.module, self.data = cli.model, cli.datamodule
         refuse_unsupported(self.module)
+        if self.name:
+            from lightning_dp.flower.build import refuse_budgets_for_sites
+
+            refuse_budgets_for_sites(self.module)
         max_epochs = cli.trainer.max_epochs
         self.planned_rounds = max_epochs if max_epochs and max_epochs > 0 else None  # as FederatedRound plans
         # the site's own ledger, where its releases are private by themselves (local DP, local DP-SGD): no server

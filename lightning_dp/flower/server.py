@@ -432,7 +432,12 @@ def main(grid: Any, context: Any) -> None:
         module.set_secret_seed(read_secret(secret, f"the environment variable {NOISE_SEED_VARIABLE}"))
     timeout = float(config.get("node-timeout", 600.0))
     nodes = wait_for_nodes(grid, int(config.get("min-nodes", 1)), timeout)
-    placements, data = plan_clients(ask_nodes(grid, nodes, timeout), module.spec.numel, late=late_nodes(module))
+    reports = ask_nodes(grid, nodes, timeout)
+    if any(rep.get("site") for rep in reports.values()):
+        from lightning_dp.flower.build import refuse_budgets_for_sites
+
+        refuse_budgets_for_sites(module)
+    placements, data = plan_clients(reports, module.spec.numel, late=late_nodes(module))
     module.remote = NodeRound(grid, placements, timeout=timeout)
     module.remote.shape = (data["task"], list(data["input_shape"]))
     module.remote.checkpoint = round_checkpoints(trainer, str(config.get("checkpoint-dir", "")), context.run_id)

@@ -262,18 +262,46 @@ def test_the_flower_app_command_writes_the_app_and_refuses_bad_input(tmp_path, c
     assert err.value.code == 2 and "no such file" in capsys.readouterr().err
 
 
-def test_what_the_deployment_does_not_run_yet_is_refused_with_the_reason():
+def test_what_the_deployment_cannot_run_is_refused_with_the_reason():
     from lightning_dp.federated import FederatedRound
+    from lightning_dp.federated.budgets import FixedBudgets
     from lightning_dp.federated.parts import LocalDPSGD
-    from lightning_dp.flower.build import refuse_unsupported
+    from lightning_dp.flower.build import refuse_budgets_for_sites, refuse_unsupported
     from lightning_dp.models import LinearRegression
 
-    from lightning_dp.federated.budgets import FixedBudgets
+    with pytest.raises(ValueError, match="unsanitized updates, which never leave their nodes"):
+        refuse_unsupported(FederatedRound(LinearRegression(), diagnostics=True))
+    budgets = FederatedRound(LinearRegression(), update=LocalDPSGD(budgets=FixedBudgets([1.0, 2.0])))
+    refuse_unsupported(budgets)  # runs on partitions of one client list (issue 52, item 5)
+    refuse_unsupported(FederatedRound(LinearRegression(), update=LocalDPSGD(target_epsilon=2.0)))
+    with pytest.raises(ValueError, match="whole client list"):
+        refuse_budgets_for_sites(budgets)
 
-    module = FederatedRound(LinearRegression(), update=LocalDPSGD(budgets=FixedBudgets([1.0, 2.0])), diagnostics=True)
-    with pytest.raises(ValueError, match="(?s)local_dp_sgd.*per-client budgets.*diagnostics"):
-        refuse_unsupported(module)
-    refuse_unsupported(FederatedRound(LinearRegression(), update=LocalDPSGD(target_epsilon=2.0)))  # runs (issue 52)
+
+def test_pfa_with_personal_budgets_runs_on_partitions_as_in_simulation(tmp_path, monkeypatch):
+    """local_dp_sgd with per-client budgets and PFA's projected averaging (issue 52, item 5): every node holds the
+    shared client list and assigns the budgets as the server does; the deployment ends with the simulation's model,
+    record-level ledger and the sites' ledgers between them."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    monkeypatch.setattr(sys, "argv", ["lightning-dp"])
+    config = tmp_path / "pfa.yaml"
+    text = yaml.safe_load((EXAMPLES / "fl_deploy_local_dpsgd.yaml").read_text())
+    text["trainer"]["logger"] = False
+    update = text["model"]["init_args"]["update"]["init_args"]
+    del update["target_epsilon"]
+    update["budgets"] = {"class_path": "lightning_dp.federated.budgets.DistributionBudgets",
+                         "init_args": {"distribution": "MixGauss1", "seed": 0}}
+    text["model"]["init_args"]["aggregator"] = {
+        "class_path": "lightning_dp.federated.parts.PFA",
+        "init_args": {"partition": "direct", "rule": "top_fraction", "public_fraction": 0.2, "components": 1}}
+    config.write_text(yaml.safe_dump(text))
+    simulated = simulate(config, 918273645)
+    deployed, _ = deploy_in_memory(config, 918273645)
+    torch.testing.assert_close(deployed.hypotheses, simulated.hypotheses, rtol=1e-6, atol=1e-7)
+    assert deployed.update.client_budgets() == simulated.update.client_budgets()
+    assert deployed.update.ledger.as_dict() == pytest.approx(simulated.update.ledger.as_dict())
+    assert len(set(simulated.update.client_budgets())) > 1  # personal budgets indeed
 
 
 def _site_report(site, ids, numel=2):
