@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
@@ -51,15 +50,12 @@ def evaluate(rnd: Any, split: str, stage: str) -> None:
         g = derive_generator(rnd.seed, _VAL, int(rnd.rounds))
         index = torch.randperm(len(clients), generator=g)[:per_check].tolist()
     fairness = None
-    if side.num_groups is not None and side.remote is not None:
-        rank_zero_warn("the group-fairness metrics of a Flower deployment's evaluation are not computed: the "
-                       "nodes send sums of losses, choices and correct predictions only", category=UserWarning)
-    elif side.num_groups is not None:
+    if side.num_groups is not None:
         from lightning_dp.metrics import GroupFairness
 
         fairness = GroupFairness(side.num_groups).to(rnd.hypotheses.device)
-    if side.remote is not None:  # the server of a deployment: the clients evaluate on their nodes
-        sums = side.remote.evaluate(rnd, split, index)
+    if side.remote is not None:  # the server of a deployment: the clients evaluate on their nodes (and send their
+        sums = side.remote.evaluate(rnd, split, index, fairness)  # per-group confusion counts, which add up)
     else:
         sums = rnd.evaluation_sums(split, side.shard(index), fairness)
         if rnd.trainer.world_size > 1:  # identical on every process afterwards

@@ -249,16 +249,28 @@ def _release(node: _Site, ledger: Any, positions: list[int], r: int, digest: str
     return released, stats
 
 
-def evaluate_clients(node: _Site, split: str, positions: list[int], *, hypotheses: torch.Tensor) -> torch.Tensor:
+def evaluate_clients(node: _Site, split: str, positions: list[int], *,
+                     hypotheses: torch.Tensor) -> dict[str, torch.Tensor]:
     """The sums of an evaluation of the public ``hypotheses`` on this site's ``split`` clients at ``positions``
-    (:meth:`~lightning_dp.federated.FederatedRound.evaluation_sums`: losses, choices, correct predictions)."""
+    (:meth:`~lightning_dp.federated.FederatedRound.evaluation_sums`: losses, choices, correct predictions) under
+    ``"sums"``, and, where the clients carry sensitive groups, their per-group confusion counts (tp, fp, tn, fn rows:
+    what the server's group-fairness metrics add up) under ``"fairness"``."""
     if split not in ("val", "test"):
         raise ValueError(f"the server asked for an evaluation on {split!r} clients; a deployment evaluates 'val' and "
                          "'test' clients only")
     _check_served(positions, node.val_positions if split == "val" else node.test_positions, f"{split} clients")
+    module = node.module
+    fairness = None
+    if module.clients.num_groups is not None:
+        from lightning_dp.metrics import GroupFairness
+
+        fairness = GroupFairness(module.clients.num_groups)
     with torch.no_grad():
-        node.module.hypotheses.copy_(hypotheses)
-        return node.module.evaluation_sums(split, list(positions)).detach().cpu()
+        module.hypotheses.copy_(hypotheses)
+        out = {"sums": module.evaluation_sums(split, list(positions), fairness).detach().cpu()}
+    if fairness is not None:
+        out["fairness"] = torch.stack([fairness.tp, fairness.fp, fairness.tn, fairness.fn]).cpu()
+    return out
 
 
 def _app() -> Any:
@@ -287,9 +299,9 @@ def _app() -> Any:
     @client.evaluate()
     def evaluate(msg: Any, context: Any) -> Any:
         config = msg.content["config"]
-        sums = evaluate_clients(site(context), str(config["split"]), [int(i) for i in config["clients"]],
-                                hypotheses=msg.content["arrays"].to_torch_state_dict()["hypotheses"])
-        return Message(RecordDict({"arrays": ArrayRecord({"sums": sums})}), reply_to=msg)
+        evaluated = evaluate_clients(site(context), str(config["split"]), [int(i) for i in config["clients"]],
+                                     hypotheses=msg.content["arrays"].to_torch_state_dict()["hypotheses"])
+        return Message(RecordDict({"arrays": ArrayRecord(evaluated)}), reply_to=msg)
 
     return client
 

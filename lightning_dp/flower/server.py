@@ -146,9 +146,10 @@ class NodeRound:
                 "resume: lightning-dp flower-app ... --resume-from CHECKPOINT, then flwr run (docs/federated.md, "
                 "\"Faults\")")
 
-    def evaluate(self, module: Any, split: str, index: list[int]) -> Tensor:
+    def evaluate(self, module: Any, split: str, index: list[int], fairness: Any = None) -> Tensor:
         """The sum of the nodes' :meth:`~lightning_dp.federated.FederatedRound.evaluation_sums` over the ``split``
-        clients at ``index``, for the current hypotheses."""
+        clients at ``index``, for the current hypotheses; ``fairness`` (a
+        :class:`~lightning_dp.metrics.GroupFairness`) gets the sum of the nodes' per-group confusion counts."""
         from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 
         sums = torch.zeros(4 + module.k, dtype=torch.float64)
@@ -168,6 +169,13 @@ class NodeRound:
                 raise RuntimeError(f"node {node} replied evaluation sums {part.tolist()} for its {len(positions)} "
                                    f"validation clients and {module.k} hypotheses")
             sums += part
+            if fairness is not None:
+                counts = replies[node].content["arrays"].to_torch_state_dict().get("fairness")
+                if counts is None or tuple(counts.shape) != (4, fairness.num_groups):
+                    raise RuntimeError(f"node {node} replied no per-group counts for the {fairness.num_groups} groups of "
+                                       "its evaluation clients")
+                for row, name in zip(counts.to(fairness.tp.device, torch.long), ("tp", "fp", "tn", "fn")):
+                    setattr(fairness, name, getattr(fairness, name) + row)
         return sums.to(module.hypotheses.device)
 
     def client_round(self, module: Any, index: list[int], r: int) -> tuple[Tensor, Tensor, None]:

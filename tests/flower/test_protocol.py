@@ -538,6 +538,28 @@ def test_test_clients_are_evaluated_on_the_nodes_at_every_check(tmp_path, monkey
                                      hypotheses=deployed.hypotheses.detach())
 
 
+def test_group_fairness_of_an_evaluation_adds_up_over_the_nodes(tmp_path, monkeypatch):
+    """The journal paper's synthetic fairness clients (binary labels, two sensitive groups) on a deployment: the nodes
+    reply with per-group confusion counts beside their sums, and the server logs the simulation's val/fairness/*."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    monkeypatch.setattr(sys, "argv", ["lightning-dp"])
+    config = tmp_path / "fairness.yaml"
+    text = yaml.safe_load((EXAMPLES / "fairness" / "synthetic.yaml").read_text())
+    text["trainer"].update({"logger": False, "max_epochs": 2, "check_val_every_n_epoch": 2, "callbacks": []})
+    text["data"]["init_args"].update({"num_clients": 60, "num_val_clients": 10, "num_test_clients": 4})
+    text["model"]["init_args"]["clients_per_round"] = 10
+    config.write_text(yaml.safe_dump(text))
+    simulated = simulate(config, 918273645)
+    deployed, grid = deploy_in_memory(config, 918273645)
+    expected = {k: float(v) for k, v in simulated.trainer.callback_metrics.items() if k.startswith("val/")}
+    logged = {k: float(v) for k, v in deployed.trainer.callback_metrics.items() if k.startswith("val/")}
+    assert any(k.startswith("val/fairness/") for k in expected)
+    assert logged == pytest.approx(expected, rel=1e-9)
+    replies = [r for r in grid.replies if r.metadata.message_type == "evaluate"]
+    assert replies and all(set(r.content["arrays"].keys()) == {"sums", "fairness"} for r in replies)
+
+
 # ----------------------------------------------------------------------------- no server to trust (issue 52, item 3)
 def _local_site(tmp_path, monkeypatch, name="fl_deploy_local_dp.yaml", **node):
     monkeypatch.chdir(tmp_path)
