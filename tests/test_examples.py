@@ -34,7 +34,7 @@ def test_there_are_examples():
 
 
 @pytest.mark.parametrize("name", ["els_synthetic.yaml", "group_synthetic.yaml", "els_femnist.yaml",
-                                  "uls_synthetic.yaml"])
+                                  "uls_synthetic.yaml", "uls_femnist.yaml"])
 def test_user_level_configs_pool_the_clients_as_users(name, tmp_path, monkeypatch):
     """examples/user_level: DPSGD at privacy_unit 'user' (the config's last callback) over a CentralizedView of a
     federated DataModule (its clients are the users), the mixture's PLD at the coarser 1e-3, logged to MLflow."""
