@@ -194,6 +194,17 @@ KINDS = [
     kind("user-level-els-femnist", ["user_level/els_femnist.yaml"], [*DPSGD, *DPSGD_SHORT, *USER_FEMNIST]),
     kind("user-level-uls-synthetic", ["user_level/uls_synthetic.yaml"], [*DPSGD, *DPSGD_SHORT, *USER_SYNTHETIC[:3],
                                                                          "--data.init_args.federated.init_args.batch_size=80"]),
+    # ULS on the generated writers: about 13 of the training writers per step (q ~ 0.8)
+    kind("user-level-uls-femnist", ["user_level/uls_femnist.yaml"], [*DPSGD, *DPSGD_SHORT, USER_FEMNIST[0],
+                                                                     "--data.init_args.federated.init_args.batch_size=13"]),
+    # the deployments' local-DP configs run as simulations (on a deployment the same parts run on the nodes, each site
+    # charging its own ledger: tests/flower/test_protocol.py), 32 of the 40 clients per round so the changed one
+    # takes part
+    kind("local-dp-deploy-config", ["fl_deploy_local_dp.yaml"],
+         [*FEDERATED, "--trainer.max_epochs=3", "--model.init_args.selection.init_args.clients_per_round=32"]),
+    kind("local-dpsgd-deploy-config", ["fl_deploy_local_dpsgd.yaml"],
+         [*FEDERATED, "--trainer.max_epochs=3", "--model.init_args.selection.init_args.clients_per_round=32"],
+         unit="example"),
     # --- examples not run here, each with its reason (the dataset configs oso/mnist.yaml, oso/fashion_mnist.yaml and
     # oso/mnist_t10k.yaml are composed with the strategies above; dlg_digits.yaml and audit/mia_lm_dpsgd.yaml run in
     # test_an_audit_of_a_neighbouring_dataset_changes_only_declared_releases)
