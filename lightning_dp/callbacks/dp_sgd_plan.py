@@ -66,6 +66,10 @@ class PlannedMechanism(NamedTuple):
     multiplier_scale: float
 
 
+#: a calibrated sigma whose planned spend is below this share of the target is reported (DPSGD._calibrate)
+UNDERSHOOT = 0.75
+
+
 @dataclass
 class Settings:
     """DPSGD's constructor arguments, validated (:meth:`of`); see :class:`~lightning_dp.callbacks.DPSGD`."""
@@ -506,6 +510,16 @@ class Calibration:
         self.sigma_source = f"calibrated for {planned} {'steps' if settings.poisson_sampling else 'epochs'}"
         rank_zero_info(f"DPSGD: calibrated noise_multiplier={self.sigma:.4f} for target_epsilon="
                        f"{settings.target_epsilon}, delta={settings.target_delta}, {planned} planned steps, q={q:.4g}")
+        reached = get_accountant(settings.accountant_name, **settings.accountant_kwargs).epsilon_after(
+            settings.target_delta, noise_multiplier=sigma, sample_rate=q, num_steps=max(planned - len(self.accountant), 1))
+        if reached < UNDERSHOOT * settings.target_epsilon:
+            # sound (the run is private at `reached`) but it spends far less than it may: the accountant's bound
+            # jumps (group privacy: below some sigma its delta term exceeds the target's, epsilon becomes inf)
+            rank_zero_warn(f"DPSGD: the calibrated noise_multiplier={self.sigma:.4f} reaches epsilon={reached:.4g}, "
+                           f"well under target_epsilon={settings.target_epsilon:g}: the accountant's bound jumps to "
+                           "no finite epsilon just below this sigma (with user_accounting='group', its delta term), so "
+                           "no smaller noise fits. The run is private at the lower epsilon; user_accounting='mixture' "
+                           "states the same run tighter.", category=UserWarning)
         return planned
 
     # ------------------------------------------------------------------ the budget
