@@ -190,7 +190,8 @@ def serve_clients(node: _Site, positions: list[int], r: int, *, hypotheses: torc
     if node.keeps_ledger:
         from lightning_dp.flower.site_ledger import SiteLedger, input_digest
 
-        digest = input_digest(hypotheses=hypotheses, previous_step=previous_step, seed=seed, clip=clip, round=r)
+        digest = input_digest(hypotheses=hypotheses, previous_step=previous_step, seed=seed, clip=clip, round=r,
+                              num_clients=num_clients)
         with SiteLedger(node.ledger_path, module, node.noise_stream).open() as ledger:
             released, stats = _release(node, ledger, positions, int(r), digest, num_clients)
         print(ledger.summary(node.name), flush=True)  # the SuperNode's log: the site's own account

@@ -49,15 +49,17 @@ def default_path(node_config: Any) -> Path:
     return Path(f"lightning-dp-ledger-{safe}.json")
 
 
-def input_digest(*, hypotheses: torch.Tensor, previous_step: torch.Tensor, seed: int, clip: float,
-                 round: int) -> str:
-    """SHA-256 of everything public that a TRAIN message gives a client's computation."""
+def input_digest(*, hypotheses: torch.Tensor, previous_step: torch.Tensor, seed: int, clip: float, round: int,
+                 num_clients: int | None = None) -> str:
+    """SHA-256 of everything public that a TRAIN message gives a client's computation: the state, the public seed,
+    the clipping threshold, the round and the deployment's client count (local_dp_sgd's noise scale follows it: two
+    answers with the same noise draws at two scales would show the update)."""
     h = hashlib.sha256()
     for t in (hypotheses, previous_step):
         t = t.detach().cpu().contiguous()
         h.update(str((tuple(t.shape), str(t.dtype))).encode())
         h.update(t.numpy().tobytes())
-    h.update(json.dumps([int(seed), float(clip), int(round)]).encode())
+    h.update(json.dumps([int(seed), float(clip), int(round), -1 if num_clients is None else int(num_clients)]).encode())
     return h.hexdigest()
 
 

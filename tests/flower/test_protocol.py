@@ -659,6 +659,17 @@ def test_a_site_plans_local_dp_sgd_itself_and_refuses_a_spent_client(tmp_path, m
                                   num_clients=41)
     client_side.serve_clients(site, [5], 1, hypotheses=hyps, previous_step=prev, seed=0, clip=-1.0, num_clients=40)
     record = _ledger(path)["record_ledger"]
+    # a server that asks the round again with another client count (another noise scale over the same draws) is
+    # refused: the count is part of the inputs the ledger remembers (a site of its own clients, in a new process)
+    monkeypatch.setattr(sys, "argv", ["lightning-dp"])
+    client_side._SITES.clear()
+    named = {"site": "a", "noise-seed": 918273645, "ledger": str(tmp_path / "named.json")}
+    client_side.serve_clients(client_side._Site((EXAMPLES / "fl_deploy_local_dpsgd.yaml").read_text(), named), [5], 1,
+                              hypotheses=hyps, previous_step=prev, seed=0, clip=-1.0, num_clients=40)
+    again = client_side._Site((EXAMPLES / "fl_deploy_local_dpsgd.yaml").read_text(), named)
+    with pytest.raises(ValueError, match="share their noise"):
+        client_side.serve_clients(again, [5], 1, hypotheses=hyps, previous_step=prev, seed=0, clip=-1.0,
+                                  num_clients=80)
     assert len(record["clients"]) == 1 and site.module.update.ledger.max() <= 3.0 + 1e-9
     with pytest.raises(ValueError, match="record-level budget"):
         client_side.serve_clients(site, [5], 2, hypotheses=hyps, previous_step=prev, seed=0, clip=-1.0,
