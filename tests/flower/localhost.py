@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -26,6 +28,54 @@ def wait_port(port: int, timeout: float = 60.0) -> None:
                 return
         time.sleep(0.2)
     raise TimeoutError(f"nothing listens on port {port} after {timeout:g} s")
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def docs_section(heading: str, fill: dict[str, str]) -> tuple[list[list[str]], str]:
+    """The commands of docs/federated.md's section ``heading`` (its ``bash`` block as argv lists: continuations
+    joined, comments dropped) and its ``toml`` block, with the placeholders of ``fill`` replaced; any placeholder
+    left fails the test."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "federated.md").read_text("utf-8")
+    section = text[text.index(heading):]
+    section = section[:section.index("\n## ", 10)] if "\n## " in section[10:] else section
+    bash = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    toml = re.search(r"```toml\n(.*?)```", section, re.S).group(1)
+    for key, value in fill.items():
+        bash, toml = bash.replace(key, value), toml.replace(key, value)
+    commands = [argv for line in bash.replace("\\\n", " ").splitlines() if (argv := shlex.split(line, comments=True))]
+    leftover = re.findall(r"<[a-z-]+>", " ".join(" ".join(c) for c in commands) + toml)
+    assert not leftover, f"placeholders the test does not know how to fill: {leftover}"
+    return commands, toml
+
+
+def log_tail(logs: Path, chars: int = 3000) -> str:
+    """The end of every log file in ``logs``: what a failed assertion shows."""
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-chars:]}" for p in sorted(logs.glob("*.log")))
+
+
+def stop_processes(procs: list[subprocess.Popen]) -> None:
+    """SuperNodes first, then the SuperLink (started in that order reversed); each with its process group (Flower's
+    superexec children), SIGTERM then SIGKILL for whatever outlived its parent."""
+    for proc in reversed(procs):
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    for proc in procs:
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    time.sleep(0.5)
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 class LocalDeployment:
@@ -119,22 +169,7 @@ class LocalDeployment:
         return status, log
 
     def log_tail(self, chars: int = 4000) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text()[-chars:]}" for p in sorted(self.logs.glob("*.log")))
+        return log_tail(self.logs, chars)
 
     def __exit__(self, *exc: object) -> None:
-        for proc in reversed(self.procs):  # SuperNodes first, then the SuperLink; their process groups (superexec)
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-        time.sleep(0.5)
-        for proc in self.procs:  # children that outlived their parent (flower-superexec)
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        stop_processes(self.procs)

@@ -13,15 +13,12 @@ import os
 import re
 import shlex
 import shutil
-import signal
-import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.flower.localhost import wait_port
+from tests.flower.localhost import docs_section, log_tail, port_free, stop_processes, wait_port
 
 pytestmark = [pytest.mark.skipif(shutil.which("flower-superlink") is None, reason="Flower's CLI is not installed"),
               pytest.mark.xdist_group("flower-deployment")]
@@ -32,21 +29,8 @@ BACKGROUND = ("flower-superlink", "flower-supernode")  # the long-running proces
 
 
 def deployment_section() -> tuple[list[list[str]], str]:
-    """The section's commands (argv lists, continuations joined, comments dropped, ``<server>`` replaced) and its
-    TOML block (the connection)."""
-    text = (REPO / "docs" / "federated.md").read_text("utf-8")
-    section = text[text.index("## From simulation to deployment (Flower)"):]
-    section = section[:section.index("\n## ", 10)] if "\n## " in section[10:] else section
-    bash = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
-    toml = re.search(r"```toml\n(.*?)```", section, re.S).group(1)
-    commands = []
-    for line in bash.replace("\\\n", " ").splitlines():
-        argv = shlex.split(line.replace("<server>", SERVER), comments=True)
-        if argv:
-            commands.append(argv)
-    leftover = re.findall(r"<[a-z-]+>", " ".join(" ".join(c) for c in commands) + toml.replace("<server>", SERVER))
-    assert not leftover, f"placeholders the test does not know how to fill: {leftover}"
-    return commands, toml.replace("<server>", SERVER)
+    """The section's commands (``<server>`` replaced) and its TOML block (the connection)."""
+    return docs_section("## From simulation to deployment (Flower)", {"<server>": SERVER})
 
 
 def test_the_section_uses_flower_1_42s_ports():
@@ -60,15 +44,10 @@ def test_the_section_uses_flower_1_42s_ports():
     assert not any(old in " ".join(" ".join(c) for c in commands) + toml for old in (":9091", ":9092", ":9093"))
 
 
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex((SERVER, port)) != 0
-
-
 def test_the_documented_commands_run_a_deployment_to_its_end(tmp_path):
     commands, toml = deployment_section()
     ports = [int(c[c.index("--port") + 1]) for c in commands if c[0] in BACKGROUND]
-    taken = [p for p in ports if not _free(p)]
+    taken = [p for p in ports if not port_free(p)]
     if taken:  # the section names fixed ports (Flower's defaults); another process holds one of them here
         pytest.skip(f"ports {taken} of the documented commands are in use on this machine")
     (tmp_path / "examples").symlink_to(REPO / "examples")  # the commands name examples/... from the checkout
@@ -94,14 +73,14 @@ def test_the_documented_commands_run_a_deployment_to_its_end(tmp_path):
             else:
                 out = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=500)
                 outputs.append(out.stdout + out.stderr)
-                assert out.returncode == 0, f"{shlex.join(argv)} failed:\n{outputs[-1][-3000:]}\n{_tail(logs)}"
+                assert out.returncode == 0, f"{shlex.join(argv)} failed:\n{outputs[-1][-3000:]}\n{log_tail(logs)}"
         streamed = outputs[-1]
         listed = subprocess.run(["flwr", "ls", "deployment", "--format", "json"], capture_output=True, text=True,
                                 env=env, cwd=tmp_path, timeout=60)
         runs = json.loads(listed.stdout)["runs"]
-        assert [r["status"] for r in runs] == ["finished:completed"], streamed[-3000:] + _tail(logs)
+        assert [r["status"] for r in runs] == ["finished:completed"], streamed[-3000:] + log_tail(logs)
     finally:
-        _stop(procs)
+        stop_processes(procs)
     # the server's record: in ./mlruns of the SuperLink's working directory, its id in what flwr run --stream shows
     import mlflow
 
@@ -114,30 +93,6 @@ def test_the_documented_commands_run_a_deployment_to_its_end(tmp_path):
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlruns/mlflow.db")
     run = client.get_run(match.group(1))
     assert run.info.run_name == "dp-fedavg" and run.data.metrics["privacy/epsilon"] > 0
-
-
-def _tail(logs: Path, chars: int = 3000) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text()[-chars:]}" for p in sorted(logs.glob("*.log")))
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    """SuperNodes first, then the SuperLink; each with its process group (Flower's superexec children)."""
-    for proc in reversed(procs):
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    for proc in procs:
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-    time.sleep(0.5)
-    for proc in procs:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def test_flower_app_help_shows_the_sections_commands():

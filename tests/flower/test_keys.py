@@ -113,6 +113,7 @@ def test_the_apps_tracking_uri_is_carried_and_credentials_are_refused(tmp_path, 
         "http://mlflow.internal:5000"
     with pytest.raises(ValueError, match="credentials") as err:
         write_app(EXAMPLES / "fl_deploy_fedavg.yaml", tmp_path / "app2", tracking_uri="https://u:hunter2@host/")
+    assert "hunter2" not in str(err.value)  # the refusal does not echo the password
     assert not (tmp_path / "app2").exists()
 
 

@@ -94,6 +94,32 @@ def deploy_in_memory(config: Path, noise_seed: int, nodes: int = 2, node_configs
     return captured["module"], grid
 
 
+def assert_the_ledgers_are_the_simulations(deployed, simulated, sites: Path) -> None:
+    """The deployment's record-level ledger (local_dp_sgd: planned from the reported sizes) is the simulation's and,
+    where the releases are private by themselves, the two sites' own ledger files in ``sites`` hold the simulation's
+    ledger between them (every client in one of them, no seed in either); under central DP the sites keep none."""
+    if simulated.update.accountable:
+        assert deployed.update.ledger.as_dict() == pytest.approx(simulated.update.ledger.as_dict())
+    site_files = sorted(sites.glob("lightning-dp-ledger-*.json"))
+    if not (simulated.releases_are_sanitized() or simulated.update.accountable):
+        assert site_files == []
+        return
+    import copy
+    import json
+
+    assert [f.name for f in site_files] == ["lightning-dp-ledger-partition-0.json", "lightning-dp-ledger-partition-1.json"]
+    key = "record_ledger" if simulated.update.accountable else "client_ledger"
+    ledger = simulated.update.ledger if simulated.update.accountable else simulated.ledger
+    union: dict = {}
+    for f in site_files:
+        part = copy.copy(ledger)  # the same kind and settings; load_state_dict replaces its content
+        part.load_state_dict(json.loads(f.read_text())[key])
+        assert not set(union) & set(part.as_dict())  # every client in one site's ledger
+        union.update(part.as_dict())
+    assert union == pytest.approx(ledger.as_dict())
+    assert all("918273645" not in f.read_text() for f in site_files)  # no seed in a ledger file
+
+
 @pytest.mark.parametrize(("name", "warm"), [("fl_deploy_fedavg.yaml", 0), ("fl_deploy_personalized.yaml", 0),
                                             ("fl_deploy_personalized.yaml", 2), ("fl_deploy_local_dp.yaml", 0),
                                             ("fl_deploy_local_dpsgd.yaml", 0)],
@@ -116,29 +142,7 @@ def test_the_deployment_protocol_ends_with_the_simulations_model_epsilon_and_led
     torch.testing.assert_close(deployed.hypotheses, simulated.hypotheses, rtol=1e-6, atol=1e-7)
     assert int(deployed.rounds) == int(simulated.rounds) == 3
     assert deployed.ledger.as_dict() == pytest.approx(simulated.ledger.as_dict())
-    if simulated.update.accountable:  # local_dp_sgd: the record-level ledger, planned from the reported sizes
-        assert deployed.update.ledger.as_dict() == pytest.approx(simulated.update.ledger.as_dict())
-    # where the releases are private by themselves, each site kept its own ledger: together, the simulation's
-    site_files = sorted(tmp_path.glob("lightning-dp-ledger-*.json"))
-    if simulated.releases_are_sanitized() or simulated.update.accountable:
-        import json
-
-        assert [f.name for f in site_files] == ["lightning-dp-ledger-partition-0.json",
-                                                "lightning-dp-ledger-partition-1.json"]
-        kept = [json.loads(f.read_text()) for f in site_files]
-        key = "record_ledger" if simulated.update.accountable else "client_ledger"
-        ledger = simulated.update.ledger if simulated.update.accountable else simulated.ledger
-        union = {}
-        for state in kept:
-            part = type(ledger).__new__(type(ledger))
-            part.__dict__.update(ledger.__dict__)
-            part.load_state_dict(state[key])
-            assert not set(union) & set(part.as_dict())  # every client in one site's ledger
-            union.update(part.as_dict())
-        assert union == pytest.approx(ledger.as_dict())
-        assert all("918273645" not in f.read_text() for f in site_files)  # no seed in a ledger file
-    else:  # central DP: the server is trusted with the releases, the sites keep nothing
-        assert site_files == []
+    assert_the_ledgers_are_the_simulations(deployed, simulated, tmp_path)
     if simulated.server_privacy.accountable:
         assert deployed.server_privacy.epsilon == simulated.server_privacy.epsilon
         assert deployed.server_privacy.accountant.history == simulated.server_privacy.accountant.history
@@ -489,29 +493,7 @@ def test_a_node_replying_nan_is_dropped_and_the_run_ends_finite(name, tmp_path, 
     if simulated.server_privacy.accountable:
         assert deployed.server_privacy.epsilon == simulated.server_privacy.epsilon
     assert deployed.ledger.as_dict() == pytest.approx(simulated.ledger.as_dict())
-    if simulated.update.accountable:  # local_dp_sgd: the record-level ledger, planned from the reported sizes
-        assert deployed.update.ledger.as_dict() == pytest.approx(simulated.update.ledger.as_dict())
-    # where the releases are private by themselves, each site kept its own ledger: together, the simulation's
-    site_files = sorted(tmp_path.glob("lightning-dp-ledger-*.json"))
-    if simulated.releases_are_sanitized() or simulated.update.accountable:
-        import json
-
-        assert [f.name for f in site_files] == ["lightning-dp-ledger-partition-0.json",
-                                                "lightning-dp-ledger-partition-1.json"]
-        kept = [json.loads(f.read_text()) for f in site_files]
-        key = "record_ledger" if simulated.update.accountable else "client_ledger"
-        ledger = simulated.update.ledger if simulated.update.accountable else simulated.ledger
-        union = {}
-        for state in kept:
-            part = type(ledger).__new__(type(ledger))
-            part.__dict__.update(ledger.__dict__)
-            part.load_state_dict(state[key])
-            assert not set(union) & set(part.as_dict())  # every client in one site's ledger
-            union.update(part.as_dict())
-        assert union == pytest.approx(ledger.as_dict())
-        assert all("918273645" not in f.read_text() for f in site_files)  # no seed in a ledger file
-    else:  # central DP: the server is trusted with the releases, the sites keep nothing
-        assert site_files == []
+    assert_the_ledgers_are_the_simulations(deployed, simulated, tmp_path)
 
 
 def test_test_clients_are_evaluated_on_the_nodes_at_every_check(tmp_path, monkeypatch):

@@ -12,15 +12,12 @@ import os
 import re
 import shlex
 import shutil
-import signal
-import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.flower.localhost import wait_port
+from tests.flower.localhost import docs_section, log_tail, port_free, stop_processes, wait_port
 
 pytestmark = [pytest.mark.skipif(shutil.which("flower-superlink") is None, reason="Flower's CLI is not installed"),
               pytest.mark.xdist_group("flower-deployment")]
@@ -32,25 +29,8 @@ SECTION = "## A consortium's deployment: TLS and node authentication"
 
 
 def consortium_section(tracking_uri: str, keys: str = "/tmp/keys") -> tuple[list[list[str]], str]:
-    """The section's commands (argv lists, continuations joined, comments dropped, placeholders filled) and its TOML
-    block (the connection)."""
-    text = (REPO / "docs" / "federated.md").read_text("utf-8")
-    section = text[text.index(SECTION):]
-    section = section[:section.index("\n## ", 10)] if "\n## " in section[10:] else section
-    bash = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
-    toml = re.search(r"```toml\n(.*?)```", section, re.S).group(1)
-    fill = {"<server>": SERVER, "<tracking-uri>": tracking_uri}
-    commands = []
-    for line in bash.replace("\\\n", " ").splitlines():
-        for key, value in fill.items():
-            line = line.replace(key, value)
-        argv = shlex.split(line, comments=True)
-        if argv:
-            commands.append(argv)
-    toml = toml.replace("<server>", SERVER).replace("<keys>", keys)
-    leftover = re.findall(r"<[a-z-]+>", " ".join(" ".join(c) for c in commands) + toml)
-    assert not leftover, f"placeholders the test does not know how to fill: {leftover}"
-    return commands, toml
+    """The section's commands and its TOML block (the connection), placeholders filled."""
+    return docs_section(SECTION, {"<server>": SERVER, "<tracking-uri>": tracking_uri, "<keys>": keys})
 
 
 def test_the_section_is_secure_by_its_own_commands():
@@ -71,11 +51,6 @@ def test_the_section_is_secure_by_its_own_commands():
     assert 'root-certificates = "/tmp/keys/ca.pem"' in toml
 
 
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex((SERVER, port)) != 0
-
-
 def _start(argv: list[str], log: Path, env: dict[str, str], cwd: Path) -> subprocess.Popen:
     return subprocess.Popen(argv, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=cwd,
                             start_new_session=True)
@@ -90,7 +65,7 @@ def test_the_consortium_commands_train_and_keep_intruders_out(tmp_path):
     commands, toml = consortium_section(tracking_uri, str(tmp_path / "keys"))
     ports = [int(c[c.index("--port") + 1]) for c in commands if c[0] in BACKGROUND]
     intruder_ports = [9096, 9097]
-    taken = [p for p in ports + intruder_ports if not _free(p)]
+    taken = [p for p in ports + intruder_ports if not port_free(p)]
     if taken:  # the section names fixed ports (Flower's defaults); another process holds one of them here
         pytest.skip(f"ports {taken} of the documented commands are in use on this machine")
     (tmp_path / "examples").symlink_to(REPO / "examples")
@@ -132,14 +107,14 @@ def test_the_consortium_commands_train_and_keep_intruders_out(tmp_path):
                 assert "unavailable" in plain.stdout + plain.stderr, plain.stdout + plain.stderr
             out = run(argv, timeout=500)
             outputs.append(out.stdout + out.stderr)
-            assert out.returncode == 0, f"{shlex.join(argv)} failed:\n{outputs[-1][-3000:]}\n{_tail(logs)}"
+            assert out.returncode == 0, f"{shlex.join(argv)} failed:\n{outputs[-1][-3000:]}\n{log_tail(logs)}"
         streamed = outputs[-1]
         runs = json.loads(run(["flwr", "ls", "consortium", "--format", "json"]).stdout)["runs"]
-        assert [r["status"] for r in runs] == ["finished:completed"], streamed[-3000:] + _tail(logs)
+        assert [r["status"] for r in runs] == ["finished:completed"], streamed[-3000:] + log_tail(logs)
         nodes = json.loads(run(["flwr", "supernode", "list", "consortium", "--format", "json"]).stdout)["nodes"]
         assert len(nodes) == 2, nodes  # the two registered sites, nobody else
     finally:
-        _stop(procs)
+        stop_processes(procs)
     keyed, plain_log = (logs / "intruder-key.log").read_text(), (logs / "intruder-plain.log").read_text()
     assert "Failed to activate SuperNode" in keyed, keyed[-2000:]
     assert "Connection attempt failed" in plain_log, plain_log[-2000:]
@@ -159,27 +134,3 @@ def test_the_consortium_commands_train_and_keep_intruders_out(tmp_path):
     assert not (tmp_path / "mlruns").exists()  # nothing in the SuperLink's working directory's default store
     for secret in (tmp_path / "keys").rglob("*.key"):  # the private keys were never readable by others
         assert secret.stat().st_mode & 0o077 == 0, secret
-
-
-def _tail(logs: Path, chars: int = 3000) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text()[-chars:]}" for p in sorted(logs.glob("*.log")))
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    """SuperNodes first, then the SuperLink; each with its process group (Flower's superexec children)."""
-    for proc in reversed(procs):
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    for proc in procs:
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-    time.sleep(0.5)
-    for proc in procs:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
