@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -44,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from user_level_results import difference, mean_std, paired, per_run  # noqa: E402
+from user_level_results import difference, finished_runs, fit_and_test, mean_std, paired, per_run  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "examples" / "user_level" / "uls_femnist.yaml"
@@ -185,40 +184,18 @@ def parse_once() -> None:
 
 
 def train(out: Path, data_dir: Path, runs: list[Run]) -> None:
-    from lightning_dp.commands.fit import LightningDPCLI
-
     parse_once()
     (out / "fedavg_femnist.yaml").write_text(FEDAVG_YAML.format(data_dir=data_dir))
     os.chdir(out)  # the default MLflow store: <out>/mlruns
     for i, (algorithm, epsilon, seed) in enumerate(runs):
         args = arguments(out, data_dir, algorithm, epsilon, seed)
         print(f"[{i + 1}/{len(runs)}] lightning-dp " + " ".join(args), flush=True)
-        start = time.perf_counter()
-        cli = LightningDPCLI(args=args)
-        cli.trainer.test(cli.model, datamodule=cli.datamodule, verbose=False)
-        seconds = time.perf_counter() - start
-        for logger in cli.trainer.loggers:
-            run_id, client = getattr(logger, "run_id", None), getattr(logger, "experiment", None)
-            if run_id and client is not None:
-                client.log_metric(run_id, "results/wall_seconds", seconds)
-        print(f"    {seconds:.1f} s", flush=True)
+        print(f"    {fit_and_test(args):.1f} s", flush=True)
 
 
 def collect(out: Path) -> dict[Key, list[dict]]:
-    import mlflow
-    from mlflow.tracking import MlflowClient
-
-    mlflow.set_tracking_uri(f"sqlite:///{(out / 'mlruns' / 'mlflow.db').as_posix()}")
-    client = MlflowClient()
-    experiment = client.get_experiment_by_name(EXPERIMENT)
-    if experiment is None:
-        raise SystemExit(f"no experiment {EXPERIMENT!r} in {out / 'mlruns'}: run without --report-only first")
-    latest = {}
-    for found in client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"]):
-        if found.info.status == "FINISHED":
-            latest[found.info.run_name] = found  # a rerun of one name replaces the earlier one
     rows: dict[Key, list[dict]] = {}
-    for name, found in latest.items():
+    for name, found in finished_runs(out, EXPERIMENT).items():
         algorithm, epsilon, seed = name.split("_")
         metrics, params = found.data.metrics, found.data.params
         sigma = params.get("privacy/noise_multiplier", metrics.get("privacy/noise_multiplier"))

@@ -34,6 +34,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "examples" / "user_level"
@@ -158,40 +159,52 @@ def arguments(out: Path, algorithm: str, minority: float, epsilon: float, epochs
     return args
 
 
-def train(out: Path, runs: list[Run]) -> None:
+def fit_and_test(args: list[str]) -> float:
+    """``lightning-dp fit`` with ``args``, then a test of the trained model; the seconds both took, also logged to
+    the run as ``results/wall_seconds``. Shared with benchmarks/user_level_femnist.py."""
     from lightning_dp.commands.fit import LightningDPCLI
 
-    (out / "fedavg_synthetic.yaml").write_text(FEDAVG_YAML)
-    os.chdir(out)  # the default MLflow store: <out>/mlruns
-    for i, (algorithm, minority, epsilon, epochs, seed) in enumerate(runs):
-        args = arguments(out, algorithm, minority, epsilon, epochs, seed)
-        print(f"[{i + 1}/{len(runs)}] lightning-dp " + " ".join(args), flush=True)
-        start = time.perf_counter()
-        cli = LightningDPCLI(args=args)
-        cli.trainer.test(cli.model, datamodule=cli.datamodule, verbose=False)
-        seconds = time.perf_counter() - start
-        for logger in cli.trainer.loggers:
-            run_id, client = getattr(logger, "run_id", None), getattr(logger, "experiment", None)
-            if run_id and client is not None:
-                client.log_metric(run_id, "results/wall_seconds", seconds)
-        print(f"    {seconds:.1f} s", flush=True)
+    start = time.perf_counter()
+    cli = LightningDPCLI(args=args)
+    cli.trainer.test(cli.model, datamodule=cli.datamodule, verbose=False)
+    seconds = time.perf_counter() - start
+    for logger in cli.trainer.loggers:
+        run_id, client = getattr(logger, "run_id", None), getattr(logger, "experiment", None)
+        if run_id and client is not None:
+            client.log_metric(run_id, "results/wall_seconds", seconds)
+    return seconds
 
 
-def collect(out: Path) -> dict[Key, list[dict]]:
+def finished_runs(out: Path, experiment_name: str) -> dict[str, Any]:
+    """The latest finished MLflow run of every run name in ``experiment_name`` of ``<out>/mlruns`` (a rerun of one
+    name replaces the earlier one). Shared with benchmarks/user_level_femnist.py."""
     import mlflow
     from mlflow.tracking import MlflowClient
 
     mlflow.set_tracking_uri(f"sqlite:///{(out / 'mlruns' / 'mlflow.db').as_posix()}")
     client = MlflowClient()
-    experiment = client.get_experiment_by_name(EXPERIMENT)
+    experiment = client.get_experiment_by_name(experiment_name)
     if experiment is None:
-        raise SystemExit(f"no experiment {EXPERIMENT!r} in {out / 'mlruns'}: run without --report-only first")
-    rows: dict[Key, list[dict]] = {}
+        raise SystemExit(f"no experiment {experiment_name!r} in {out / 'mlruns'}: run without --report-only first")
     latest = {}
     for found in client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"]):
         if found.info.status == "FINISHED":
-            latest[found.info.run_name] = found  # a rerun of one name replaces the earlier one
-    for name, found in latest.items():
+            latest[found.info.run_name] = found
+    return latest
+
+
+def train(out: Path, runs: list[Run]) -> None:
+    (out / "fedavg_synthetic.yaml").write_text(FEDAVG_YAML)
+    os.chdir(out)  # the default MLflow store: <out>/mlruns
+    for i, (algorithm, minority, epsilon, epochs, seed) in enumerate(runs):
+        args = arguments(out, algorithm, minority, epsilon, epochs, seed)
+        print(f"[{i + 1}/{len(runs)}] lightning-dp " + " ".join(args), flush=True)
+        print(f"    {fit_and_test(args):.1f} s", flush=True)
+
+
+def collect(out: Path) -> dict[Key, list[dict]]:
+    rows: dict[Key, list[dict]] = {}
+    for name, found in finished_runs(out, EXPERIMENT).items():
         algorithm, minority, epsilon, epochs, seed = name.split("_")
         metrics, params = found.data.metrics, found.data.params
         key = (algorithm, float(minority.removeprefix("minority")), float(epsilon.removeprefix("eps")),
