@@ -172,8 +172,8 @@ class NodeRound:
             if fairness is not None:
                 counts = replies[node].content["arrays"].to_torch_state_dict().get("fairness")
                 if counts is None or tuple(counts.shape) != (4, fairness.num_groups):
-                    raise RuntimeError(f"node {node} replied no per-group counts for the {fairness.num_groups} groups of "
-                                       "its evaluation clients")
+                    raise RuntimeError(f"node {node} replied no per-group counts for the {fairness.num_groups} "
+                                       "groups of its evaluation clients")
                 for row, name in zip(counts.to(fairness.tp.device, torch.long), ("tp", "fp", "tn", "fn")):
                     setattr(fairness, name, getattr(fairness, name) + row)
         return sums.to(module.hypotheses.device)
@@ -244,9 +244,9 @@ def check_tracking(trainer: Any, uri: str) -> None:
                              "tracking_uri in the config)")
 
 
-def late_nodes(module: Any) -> str:
-    """Whether clients whose node is missing when the run starts may wait for it (``"yes: ..."``), or why not: a
-    client that declines until its node joins must leave the accounting valid. Under Poisson selection its
+def late_nodes(module: Any) -> Optional[str]:
+    """None if clients whose node is missing when the run starts may wait for it, else why not: a client that
+    declines until its node joins must leave the accounting valid. Under Poisson selection its
     inclusion probability is then 0 and later q, as accounted; a fixed-size selection would draw the other clients
     more often than accounted, and the record-level update and a weighted aggregator need every client's size
     when the run starts."""
@@ -257,13 +257,14 @@ def late_nodes(module: Any) -> str:
         return "local_dp_sgd plans every client's noise from its size when the run starts: no node may join late"
     if module.aggregator.weights_by_counts:
         return "a weighted aggregator needs every client's size when the run starts: no node may join late"
-    return "yes: under Poisson selection a client declines until its node joins"
+    return None
 
 
 def round_checkpoints(trainer: Any, folder: str, run_id: Any) -> Any:
     """The server's checkpoint after every round, whatever the config's checkpointing: a run stopped by a lost node
     resumes from it exactly (the round's secret state, ledgers and accountant are in it: a local file of the server's
-    machine, ``<folder>/run-<Flower run id>/epoch-<e>.ckpt`` after round e + 1, the latest kept). Returns the callback."""
+    machine, ``<folder>/run-<Flower run id>/epoch-<e>.ckpt`` after round e + 1, the latest kept). Returns the
+    callback."""
     from pathlib import Path
 
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -316,10 +317,11 @@ class Placement:
 
 
 def plan_clients(reports: dict[int, dict[str, Any]], numel: int, *,
-                 late: str = "") -> tuple[dict[str, Placement], dict]:
-    """``({"train": ..., "val": ..., "test": ...}, data)`` from the nodes' reports (the DataModule's task and shape in ``data``).
-    Refuses reports that disagree, serve a client twice or leave clients out, unless ``late`` says why clients
-    without a node may wait for it (their nodes join later: :meth:`NodeRound.present`)."""
+                 late_refused: Optional[str] = "") -> tuple[dict[str, Placement], dict]:
+    """``({"train": ..., "val": ..., "test": ...}, data)`` from the nodes' reports (the DataModule's task and shape
+    in ``data``).
+    Refuses reports that disagree, serve a client twice or leave clients out (``late_refused``: why, or None when
+    clients without a node may wait for it: their nodes join later, :meth:`NodeRound.present`)."""
     sizes = {int(rep["numel"]) for rep in reports.values()}
     if sizes != {numel}:
         raise RuntimeError(f"the nodes' models have {sorted(sizes)} parameters, the server's {numel}: every node must "
@@ -331,7 +333,7 @@ def plan_clients(reports: dict[int, dict[str, Any]], numel: int, *,
     if named == {True}:
         placements = {split: _plan_sites(reports, split) for split in ("train", "val", "test")}
     else:
-        placements = {split: _plan_partitions(reports, split, late) for split in ("train", "val", "test")}
+        placements = {split: _plan_partitions(reports, split, late_refused) for split in ("train", "val", "test")}
     first = next(iter(reports.values()))
     for node, rep in reports.items():
         same = (rep["task"], rep["num-classes"], rep["num-groups"], list(rep["input-shape"]))
@@ -386,9 +388,9 @@ def _plan_sites(reports: dict[int, dict[str, Any]], split: str) -> Placement:
     return placement
 
 
-def _plan_partitions(reports: dict[int, dict[str, Any]], split: str, late: str = "") -> Placement:
+def _plan_partitions(reports: dict[int, dict[str, Any]], split: str, late_refused: Optional[str] = "") -> Placement:
     """Sites that each serve positions of one shared client list (partition-id, num-partitions). Positions without a
-    node are refused, or (``late``: the reason they may wait) held by placeholders until their node joins."""
+    node are refused (``late_refused``: why), or (None) held by placeholders until their node joins."""
     what = {"train": "training", "val": "validation", "test": "test"}[split]
     totals = {_served(rep, split)[3] for rep in reports.values()}
     if len(totals) != 1:
@@ -404,12 +406,13 @@ def _plan_partitions(reports: dict[int, dict[str, Any]], split: str, late: str =
                                    "SuperNodes distinct --node-config partition-id values")
             owners[i], clients[i] = node, RemoteClient(cid, n)
     unserved = [i for i, o in enumerate(owners) if o is None]
-    if unserved and not late.startswith("yes"):
+    if unserved and late_refused is not None:
         raise RuntimeError(f"{len(unserved)} of the {total} {what} clients have no node (first: {unserved[:5]}): "
-                           "start one SuperNode per partition-id 0..num-partitions-1" + (f" ({late})" if late else ""))
+                           "start one SuperNode per partition-id 0..num-partitions-1"
+                           + (f" ({late_refused})" if late_refused else ""))
     if unserved:
         print(f"{len(unserved)} of the {total} {what} clients have no node yet: they take part once their node joins "
-              f"({late.removeprefix('yes: ')})", flush=True)
+              "(under Poisson selection a client declines until its node joins)", flush=True)
     for i in unserved:
         clients[i] = RemoteClient(f"(no node yet) {split} {i}", 1)
     return Placement(owners, clients, list(range(total)))  # type: ignore[arg-type]  # owners None: no node yet
@@ -445,7 +448,7 @@ def main(grid: Any, context: Any) -> None:
         from lightning_dp.flower.build import refuse_budgets_for_sites
 
         refuse_budgets_for_sites(module)
-    placements, data = plan_clients(reports, module.spec.numel, late=late_nodes(module))
+    placements, data = plan_clients(reports, module.spec.numel, late_refused=late_nodes(module))
     module.remote = NodeRound(grid, placements, timeout=timeout)
     module.remote.shape = (data["task"], list(data["input_shape"]))
     module.remote.checkpoint = round_checkpoints(trainer, str(config.get("checkpoint-dir", "")), context.run_id)

@@ -766,7 +766,7 @@ def test_a_late_node_is_refused_where_the_accounting_would_not_hold():
     from lightning_dp.federated.parts import LocalDPSGD, PoissonSelection, UniformSelection
     from lightning_dp.models import LinearRegression
 
-    assert server_side.late_nodes(FederatedRound(LinearRegression(), selection=PoissonSelection(0.2))).startswith("yes")
+    assert server_side.late_nodes(FederatedRound(LinearRegression(), selection=PoissonSelection(0.2))) is None
     for module, why in ((FederatedRound(LinearRegression(), selection=UniformSelection(3)), "Poisson selection"),
                         (FederatedRound(LinearRegression(), selection=PoissonSelection(0.2),
                                         update=LocalDPSGD(target_epsilon=2.0)), "local_dp_sgd")):
@@ -775,4 +775,4 @@ def test_a_late_node_is_refused_where_the_accounting_would_not_hold():
         report = {"positions": [0], "ids": ["c0"], "sizes": [3], "num-training-clients": 2, "numel": 2,
                   "task": "regression", "num-classes": -1, "num-groups": -1, "input-shape": [2]}
         with pytest.raises(RuntimeError, match=why):
-            server_side.plan_clients({1: report}, 2, late=reason)
+            server_side.plan_clients({1: report}, 2, late_refused=reason)
