@@ -502,16 +502,17 @@ class Calibration:
         if settings.target_epsilon is None:  # __init__/fix_noise_multiplier: no sigma given means a budget is set
             raise RuntimeError("DPSGD has neither a noise multiplier nor a target_epsilon (internal)")
         q, scale = planning.event_shape(settings.poisson_sampling, data.sample_rate)
+        steps = max(planned - len(self.accountant), 1)  # the events still to come
         sigma = calibrate_noise_multiplier(
             target_epsilon=settings.target_epsilon, target_delta=settings.target_delta, sample_rate=q,
-            steps=max(planned - len(self.accountant), 1), accountant=settings.accountant_name,
+            steps=steps, accountant=settings.accountant_name,
             accountant_kwargs=settings.accountant_kwargs)
         self.sigma = sigma / scale  # the event's multiplier is scale x sigma
         self.sigma_source = f"calibrated for {planned} {'steps' if settings.poisson_sampling else 'epochs'}"
         rank_zero_info(f"DPSGD: calibrated noise_multiplier={self.sigma:.4f} for target_epsilon="
                        f"{settings.target_epsilon}, delta={settings.target_delta}, {planned} planned steps, q={q:.4g}")
         reached = get_accountant(settings.accountant_name, **settings.accountant_kwargs).epsilon_after(
-            settings.target_delta, noise_multiplier=sigma, sample_rate=q, num_steps=max(planned - len(self.accountant), 1))
+            settings.target_delta, noise_multiplier=sigma, sample_rate=q, num_steps=steps)
         if reached < UNDERSHOOT * settings.target_epsilon:
             # sound (the run is private at `reached`) but it spends far less than it may: the accountant's bound
             # jumps (group privacy: below some sigma its delta term exceeds the target's, epsilon becomes inf)
