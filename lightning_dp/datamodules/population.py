@@ -122,32 +122,37 @@ class SyntheticPopulation(ClientPopulation):
         width = int(sizes.max())
         mask = torch.arange(width)[None] < sizes[:, None]
         features = math.prod(self.input_shape)
-        j = torch.arange(width)[None]
-        cluster = self.clusters(rows)
+        # the real samples only, in the padded layout's order: sample s is example j[s] of client who[s] (a third
+        # of the padded entries of 1-4 samples per client are padding); each draw keeps its counters, so the
+        # values are those of the padded computation, and the padding is 0
+        at, j = mask.nonzero(as_tuple=True)
+        who = rows[at]
+        cluster = self.clusters(who)
         if self.task == "image":  # noise of rank latent_dim: latent_dim hashes per sample, not one per pixel
-            z = counter_normal(*self._key, _X, rows[:, None], torch.arange(width * self.latent_dim)[None]).float()
-            label = (counter_uniform(*self._key, _LABEL, rows[:, None], j) * self.num_classes).long()
+            z = counter_normal(*self._key, _X, who[:, None],
+                               j[:, None] * self.latent_dim + torch.arange(self.latent_dim)[None]).float()
+            label = (counter_uniform(*self._key, _LABEL, who, j) * self.num_classes).long()
             label = label.clamp_max(self.num_classes - 1)
-            z = z.view(len(rows), width, self.latent_dim)
             # elementwise, one latent dimension at a time: a matmul's result depends on the batch's shape (BLAS
             # blocking), and a client's data must not depend on which clients it is drawn with
-            x = self._prototypes[cluster[:, None], label].clone()
+            flat = self._prototypes[cluster, label].clone()
             for d in range(self.latent_dim):
-                x += z[..., d, None] * self._mixing[d]
-            y: Tensor = label
+                flat += z[:, d, None] * self._mixing[d]
+            flat_y: Tensor = label
         else:  # one hash per (sample, feature) entry
-            x = counter_normal(*self._key, _X, rows[:, None], torch.arange(width * features)[None]).float()
-            x = x.view(len(rows), width, features)
-            signal = (x * self._weights[cluster][:, None]).sum(-1)
-            eps = counter_normal(*self._key, _Y, rows[:, None], j).float()
+            flat = counter_normal(*self._key, _X, who[:, None],
+                                  j[:, None] * features + torch.arange(features)[None]).float()
+            signal = (flat * self._weights[cluster]).sum(-1)
             if self.task == "regression":
-                y = signal + self.noise * eps
+                flat_y = signal + self.noise * counter_normal(*self._key, _Y, who, j).float()
             else:  # logistic: P(y = 1) = sigmoid(signal / noise), drawn by inverting a uniform
-                u = counter_uniform(*self._key, _Y, rows[:, None], j).float()
-                y = (u < torch.sigmoid(signal / self.noise)).float()
-        x = x.view(len(rows), width, *self.input_shape) * mask.view(len(rows), width, *([1] * len(self.input_shape)))
-        y = y * mask if y.dtype.is_floating_point else y.masked_fill(~mask, 0)
-        return x, y, mask
+                u = counter_uniform(*self._key, _Y, who, j).float()
+                flat_y = (u < torch.sigmoid(signal / self.noise)).float()
+        x = flat.new_zeros((len(rows), width, features))
+        x[at, j] = flat
+        y = flat_y.new_zeros((len(rows), width))
+        y[at, j] = flat_y
+        return x.view(len(rows), width, *self.input_shape), y, mask
 
 
 class SyntheticPopulationDataModule(FederatedDataModule):

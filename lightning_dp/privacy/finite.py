@@ -27,8 +27,15 @@ def non_finite(values: Tensor, dim: int = -1) -> Tensor:
         >>> non_finite(torch.tensor([[1.0, 2.0], [float("nan"), 0.0], [float("inf"), 1.0]]))
         tensor([False,  True,  True])
     """
-    finite = torch.isfinite(values)
-    return ~(finite if values.ndim <= 1 else finite.all(dim=dim))
+    if values.ndim <= 1:
+        return ~torch.isfinite(values)
+    # a unit whose sum is finite has only finite entries (inf + -inf is NaN, NaN stays NaN): one read of the values
+    # and no mask of them; only the units whose sum is not finite (a non-finite entry, or a sum of finite ones that
+    # overflows) are read entry by entry. isfinite then all() took 6 ms of a block of 534 x 7,850 (issue 53)
+    bad = ~values.sum(dim=dim).isfinite()
+    if bool(bad.any()):
+        bad[bad.clone()] = ~torch.isfinite(values.movedim(dim, -1)[bad]).all(dim=-1)
+    return bad
 
 
 def drop_non_finite(rows: Tensor, origin: Tensor | float = 0.0) -> tuple[Tensor, Tensor]:
@@ -50,10 +57,13 @@ def drop_non_finite(rows: Tensor, origin: Tensor | float = 0.0) -> tuple[Tensor,
         (tensor([[1., 2.],
                 [0., 0.]]), tensor([False,  True]))
     """
+    zero = not isinstance(origin, Tensor) and origin == 0
     origin = torch.as_tensor(origin, dtype=rows.dtype, device=rows.device)
     # the unit's contribution is rows - origin (a client's update): a finite model can still be an infinite step
     # from its start (float16 or float32 near its largest value), whose clipping would give 0 * inf = NaN
-    contribution = rows if not bool(origin.any()) else rows - origin
+    # (origin 0 given as a number: the rows themselves; x - 0 is x for every x, so a zero tensor gives the same units.
+    # origin.any() of a start expanded to (m, P) read all m x P entries)
+    contribution = rows if zero else rows - origin
     dropped = non_finite(contribution, dim=-1) if rows.ndim > 1 else non_finite(contribution)
     if not bool(dropped.any()):
         return rows, dropped

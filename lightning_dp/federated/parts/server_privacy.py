@@ -17,7 +17,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from lightning_dp.federated.local import clipped_delta_sum, delta_norms
+from lightning_dp.federated.local import delta_norms_and_sum
 from lightning_dp.federated.parts.registry import Combination, Part, register_part
 from lightning_dp.privacy.accounting import check_adjacency, check_delta, check_target_epsilon, get_accountant
 from lightning_dp.privacy.adaptive import default_count_noise_std, quantile_clip_update, quantile_noise_split
@@ -400,9 +400,10 @@ class CentralGaussian(ServerPrivacy):
     # ----------------------------------------------------------------- round
     def partial_sum(self, releases: Tensor, origin: Tensor) -> tuple[Tensor, Tensor]:
         """The norms of the updates ``releases - origin`` and the sum of the updates clipped at the current C."""
-        # a block of updates at a time: no (U, P) copy of the releases beside them (delta_norms)
-        norms = delta_norms(releases, origin)
-        return norms, clipped_delta_sum(releases, origin, clip_factors(norms, self.clip))
+        # a block of updates at a time: no (U, P) copy of the releases beside them (delta_norms), each update
+        # computed once for its norm and its clipped share of the sum
+        clip = self.clip
+        return delta_norms_and_sum(releases, origin, lambda norms: clip_factors(norms, clip))
 
     def aggregate(self, held, aggregator, *, noise_generator, count_generator, report_epsilon="final"):
         releases, hypotheses, expected_count = held.releases, held.hypotheses, held.expected_count
