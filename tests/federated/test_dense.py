@@ -135,6 +135,30 @@ def test_a_client_does_not_depend_on_its_companions():
     torch.testing.assert_close(together, alone, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("case", ["logreg_ce", "hospital_rmse", "mlp_ce"])
+def test_a_step_from_a_shared_start_is_the_step_in_place(case):
+    """The first local step (issue 53): from the round's one hypothesis expanded to the clients (stride 0, one matrix
+    product over all their examples) or from their own rows, written into a new tensor, it is descend() on a copy
+    (float64, to rounding); a client without examples in the batch (scale 0) keeps its start exactly."""
+    make, shape, loss, classes = CASES[case]
+    torch.manual_seed(3)
+    model = make().double()
+    spec = FlatParams.of(model)
+    chain, _ = DenseChain.of(model, spec)
+    x, y, mask = clients(shape, classes, c=5, b=4, seed=4)
+    x = x.double()
+    mask[2] = False
+    scale = torch.full((5, 1), -0.3, dtype=torch.float64)
+    scale[2] = 0.0
+    one = spec.flatten(model)
+    for start in (one.expand(5, -1), one.repeat(5, 1)):
+        expected = start.clone()
+        chain.descend(expected, x, y, mask, loss, scale)
+        got = chain.step_from(start, x, y, mask, loss, scale)
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
+        assert torch.equal(got[2], one) and got.data_ptr() != start.data_ptr()
+
+
 class Residual(nn.Module):
     def __init__(self):
         super().__init__()

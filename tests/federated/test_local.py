@@ -253,3 +253,23 @@ def test_the_loop_keeps_nchw_where_the_forward_depends_on_it(make, shape):
     out = local_sgd_loop(net, spec, start, x, y, mask, epochs=1, lr=0.1, batch_size=2, loss="cross_entropy",
                          generator=torch.Generator().manual_seed(0))
     assert torch.isfinite(out).all() and not torch.equal(out, start)
+
+
+@pytest.mark.parametrize("entries", [2**22, 10])
+def test_norms_and_clipped_sum_in_one_pass_equal_the_two_functions(entries, monkeypatch):
+    """delta_norms_and_sum (the server's partial sum of a block, issue 53) is delta_norms then clipped_delta_sum bit
+    for bit, in one block and in several (blocks of 2 rows)."""
+    from lightning_dp.federated import local
+    from lightning_dp.privacy.clipping import clip_factors
+
+    plain = local.row_blocks
+    monkeypatch.setattr(local, "row_blocks", lambda rows: plain(rows, entries))
+    g = torch.Generator().manual_seed(0)
+    rows, origin = torch.randn(9, 5, generator=g), torch.randn(5, generator=g)
+    norms, total = local.delta_norms_and_sum(rows, origin, lambda n: clip_factors(n, 1.5))
+    expected_norms = local.delta_norms(rows, origin)
+    assert torch.equal(norms, expected_norms)
+    assert torch.equal(total, local.clipped_delta_sum(rows, origin, clip_factors(expected_norms, 1.5)))
+    assert len(local.row_blocks(rows)) == (1 if entries > 45 else 5)
+    norms, total = local.delta_norms_and_sum(rows[:0], origin, lambda n: clip_factors(n, 1.5))
+    assert norms.shape == (0,) and torch.equal(total, torch.zeros(5))
