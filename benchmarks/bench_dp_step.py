@@ -34,6 +34,7 @@ Usage:
     python benchmarks/bench_dp_step.py                                  # MNIST CNN, every method
     python benchmarks/bench_dp_step.py --model transformer --rounds 5 --methods nonprivate,lightning_dp,opacus_ghost
     python benchmarks/bench_dp_step.py --model mnist_cnn --device cuda --profile lightning_dp   # the operators' table
+    python benchmarks/bench_dp_step.py --model digits_mlp --methods nonprivate,lightning_dp --count-ops  # + op counts
 """
 
 from __future__ import annotations
@@ -222,6 +223,50 @@ def profile(method: str, model_name: str, batch_size: int, device: str, steps: i
     for name in ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaLaunchKernel", "cudaMemcpyAsync"):
         count = sum(e.count for e in events if e.key == name)
         print(f"{name:<28} {count / steps:8.1f} per step")
+
+
+def count_ops(step, device: str, steps: int = 5) -> dict[str, float]:
+    """What one call of ``step`` costs in operations, per step (mean over ``steps`` after 2 warm-up calls):
+
+    * ``aten``: aten operator calls dispatched from outside any other aten operator (from Python, from autograd's
+      backward nodes, from the optimizer): what each pays its dispatch for, the fixed cost of a small model's step;
+    * ``aten_all``: every aten operator call, nested ones included (``to`` -> ``_to_copy`` -> ``copy_``);
+    * ``kernels`` (CUDA only): kernel launches (``cudaLaunchKernel``, ``cuLaunchKernel``, ``cudaLaunchKernelExC``);
+    * ``python``: Python function calls (cProfile's count: the Python around the operators).
+    """
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for _ in range(2):
+        step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    top = nested = launches = 0
+    for e in prof.events():
+        if e.name.startswith("aten::"):
+            nested += 1
+            parent = e.cpu_parent
+            while parent is not None and not parent.name.startswith("aten::"):
+                parent = parent.cpu_parent
+            top += parent is None
+        elif e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"):
+            launches += 1
+    calls = cProfile.Profile()
+    calls.enable()
+    for _ in range(steps):
+        step()
+    calls.disable()
+    counts = {"aten": top / steps, "aten_all": nested / steps, "python": pstats.Stats(calls).total_calls / steps}
+    if device == "cuda":
+        counts["kernels"] = launches / steps
+    return counts
 
 
 def build(method: str, model_name: str, batch_size: int, device: str):
@@ -425,7 +470,9 @@ def _try_build(method, model_name, batch_size, device):
         return None, f"{type(err).__name__}: {str(err).splitlines()[0][:150]}"
 
 
-def time_all(methods, model_name, batch_size, rounds, steps, device):
+def time_all(methods, model_name, batch_size, rounds, steps, device, counts=None):
+    """Median seconds per step of every method (interleaved rounds); with a dict ``counts``, also each method's
+    operation counts per step (:func:`count_ops`, measured after the timing, so the profiler does not slow it)."""
     built = {m: _try_build(m, model_name, batch_size, device) for m in methods}
     fns = {m: fn for m, (fn, _) in built.items() if fn is not None}
     errors = {m: err for m, (_, err) in built.items() if err is not None}
@@ -443,6 +490,9 @@ def time_all(methods, model_name, batch_size, rounds, steps, device):
             if device == "cuda":
                 torch.cuda.synchronize()
             times[m].append((time.perf_counter() - t0) / steps)
+    if counts is not None:
+        for m, fn in fns.items():
+            counts[m] = count_ops(fn, device)
     return {m: statistics.median(v) for m, v in times.items()}, errors
 
 
@@ -507,6 +557,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--breakdown", action="store_true",
                         help="only: where lightning-dp's step spends its time (see breakdown())")
+    parser.add_argument("--count-ops", action="store_true",
+                        help="also count each method's operations per step: aten operator calls on the CPU (those "
+                             "dispatched from outside another aten operator, and all), CUDA kernel launches on a "
+                             "GPU, Python function calls (see count_ops())")
     parser.add_argument("--profile", metavar="METHOD",
                         help="only: torch.profiler's table of METHOD's step (the operators by their own CPU time, "
                              "and the host-device synchronizations)")
@@ -524,22 +578,31 @@ def main(argv: list[str] | None = None) -> None:
     methods = args.methods.split(",")
     if "nonprivate" not in methods:
         methods.insert(0, "nonprivate")
-    times, errors = time_all(methods, args.model, batch_size, args.rounds, args.steps, args.device)
+    counts: dict[str, dict[str, float]] | None = {} if args.count_ops else None
+    times, errors = time_all(methods, args.model, batch_size, args.rounds, args.steps, args.device, counts)
     memory = {} if args.no_memory else {m: peak_memory(m, args.model, batch_size, args.device) for m in times}
     base = times["nonprivate"]
     print(f"{args.model}, batch {batch_size}, device {args.device}, torch {torch.__version__}, threads "
           f"{torch.get_num_threads()}, {args.rounds} rounds x {args.steps} steps")
-    print(f"{'method':<14} {'ms/step':>9} {'x non-private':>14} {'peak MiB':>9}")
+    keys = [k for k in ("aten", "aten_all", "kernels", "python") if counts and k in counts.get("nonprivate", {})]
+    header = "".join(f" {k:>9}" for k in keys)
+    print(f"{'method':<14} {'ms/step':>9} {'x non-private':>14} {'peak MiB':>9}{header}")
     for m in methods:
         if m in errors:
             print(f"{m:<14} failed: {errors[m]}")
             continue
         mem = f"{memory[m]:9.1f}" if memory.get(m) is not None else f"{'-':>9}"
-        print(f"{m:<14} {times[m] * 1e3:9.2f} {times[m] / base:14.2f} {mem}")
+        ops = "".join(f" {counts[m][k]:9.0f}" for k in keys) if counts else ""
+        print(f"{m:<14} {times[m] * 1e3:9.2f} {times[m] / base:14.2f} {mem}{ops}")
+    if keys:
+        print("per step: aten = aten operator calls not nested in another (each pays its dispatch), aten_all = all "
+              "of them" + (", kernels = CUDA kernel launches" if "kernels" in keys else "")
+              + ", python = Python function calls")
     if args.json:
         args.json.write_text(json.dumps({"model": args.model, "times_s": times, "errors": errors,
                                          "ratio": {m: t / base for m, t in times.items()},
-                                         "peak_mib": memory, "batch_size": batch_size}, indent=2))
+                                         "peak_mib": memory, "batch_size": batch_size, "op_counts": counts},
+                                        indent=2))
 
 
 if __name__ == "__main__":

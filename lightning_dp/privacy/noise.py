@@ -193,8 +193,8 @@ def gaussian_noise(shapes: Sequence[torch.Size], std: float, generator: torch.Ge
                    dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> list[Tensor]:
     """One flat draw of N(0, std^2 I), split into tensors of ``shapes``."""
     sizes = [math.prod(s) for s in shapes]
-    flat = torch.randn(sum(sizes), generator=generator, dtype=dtype, device=device) * std
-    return [chunk.view(s) for chunk, s in zip(torch.split(flat, sizes), shapes)]
+    flat = torch.randn(sum(sizes), generator=generator, dtype=dtype, device=device).mul_(std)
+    return [chunk if chunk.shape == s else chunk.view(s) for chunk, s in zip(torch.split(flat, sizes), shapes)]
 
 
 def noisy_mean(clipped_sums: Sequence[Tensor], *, noise_multiplier: float, max_grad_norm: float,
@@ -216,4 +216,7 @@ def noisy_mean(clipped_sums: Sequence[Tensor], *, noise_multiplier: float, max_g
     first = clipped_sums[0]
     noise = gaussian_noise([t.shape for t in clipped_sums], noise_multiplier * max_grad_norm, generator,
                            dtype=first.dtype, device=first.device)
-    return [(s + n) / expected_batch_size for s, n in zip(clipped_sums, noise)]
+    # two operations over all parameters (per parameter: (s + n) / (q N), the same values)
+    out = list(torch._foreach_add(list(clipped_sums), noise))
+    torch._foreach_div_(out, float(expected_batch_size))
+    return out

@@ -192,6 +192,47 @@ def test_tied_linear_weights_include_the_cross_term(limit):
     torch.testing.assert_close(flat, (factors[:, None] * ref).sum(0), rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("limit", [0, 2**40], ids=["ghost", "instantiated"])
+def test_tied_weights_and_biases_of_linear_layers_on_vectors(limit):
+    """Linear layers on (B, d) keep their factors 2-D and share the output gradient's squared norms between the weight
+    and the bias: the cross terms of a tied weight AND a tied bias still come out exact."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    b.weight, b.bias = a.weight, a.bias
+    model = nn.Sequential(a, nn.Tanh(), b, nn.Tanh(), nn.Linear(4, 3)).double()
+    x, y = torch.randn(7, 4, dtype=torch.float64), torch.randint(0, 3, (7,))
+    ref = naive_per_sample(model, F.cross_entropy, x, y)
+    model.zero_grad(set_to_none=True)
+    norms, flat = engine_result(model, F.cross_entropy, x, y, 0.5, instantiate_limit=limit)
+    torch.testing.assert_close(norms, ref.norm(dim=1), rtol=1e-9, atol=1e-12)
+    factors = clip_factors(ref.norm(dim=1), 0.5)
+    torch.testing.assert_close(flat, (factors[:, None] * ref).sum(0), rtol=1e-9, atol=1e-12)
+
+
+def test_factored_on_vectors_equals_one_position_sequences():
+    """A Factored contribution of (B, p) and (B, d) factors (kept 2-D) gives the norms, sums, dense gradients, cross
+    terms and dropped rows of the same factors as (B, 1, p) and (B, 1, d)."""
+    from lightning_dp.privacy.grad_sample.contributions import Dense, Factored
+
+    g = torch.Generator().manual_seed(3)
+    left, right = torch.randn(6, 5, generator=g, dtype=torch.float64), torch.randn(6, 3, generator=g,
+                                                                                dtype=torch.float64)
+    f = torch.rand(6, generator=g, dtype=torch.float64)
+    flat, seq = Factored(left, right, (5, 3)), Factored(left[:, None], right[:, None], (5, 3))
+    bias = Dense(left, sq_norms=flat.left_sq_norms)
+    torch.testing.assert_close(flat.sq_norms(), seq.sq_norms())
+    torch.testing.assert_close(bias.sq_norms(), left.square().sum(1))
+    torch.testing.assert_close(flat.weighted_sum(f), seq.weighted_sum(f))
+    torch.testing.assert_close(Factored(right, left, (3, 5)).weighted_sum(f), seq.weighted_sum(f).T)
+    torch.testing.assert_close(flat.dense(), seq.dense())
+    torch.testing.assert_close(flat.dot(seq), seq.sq_norms())
+    drop = torch.tensor([False, True, False, False, True, False])
+    flat.drop(drop)
+    bias.drop(drop)
+    assert float(flat.sq_norms()[1]) == 0 and float(bias.sq_norms()[4]) == 0
+    torch.testing.assert_close(flat.weighted_sum(f), seq.weighted_sum(f * ~drop))
+
+
 def test_parameter_used_outside_its_module_is_detected():
     class Leaky(nn.Module):
         def __init__(self):

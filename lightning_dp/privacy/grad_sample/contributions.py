@@ -113,6 +113,16 @@ class Groups:
         return rows * self.weights.to(rows.dtype).view(-1, *([1] * (rows.dim() - 1)))
 
 
+def _row_sq(t: Tensor) -> Tensor:
+    """``||t_b||^2`` over everything but dimension 0: two operations (``(B, d)`` and ``(B, ...)`` alike)."""
+    return t.square().sum(1) if t.dim() == 2 else t.square().reshape(t.shape[0], -1).sum(1)
+
+
+def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` in ``dtype`` (no dispatched operation when it is already)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _zero_rows(t: Tensor, examples: Tensor) -> Tensor:
     """``t`` with its rows (dimension 0) at ``examples`` set to 0, out of place (``t`` may be a shared view)."""
     return t.masked_fill(examples.view(-1, *([1] * (t.dim() - 1))), 0)
@@ -131,17 +141,32 @@ class Dense(Contribution):
     """
 
     def __init__(self, grads: Tensor, shape: Sequence[int] | None = None,
-                 to_param: Callable[[Tensor], Tensor] | None = None) -> None:
+                 to_param: Callable[[Tensor], Tensor] | None = None, *,
+                 sq_norms: Callable[[], Tensor] | None = None) -> None:
         self.shape = torch.Size(grads.shape[1:] if shape is None else shape)
         self.to_param = to_param
-        self.grads = grads if to_param is not None else grads.reshape(grads.shape[0], *self.shape)
+        if to_param is None and grads.shape[1:] != self.shape:
+            grads = grads.reshape(grads.shape[0], *self.shape)
+        self.grads = grads
+        # ||G_b||^2 computed by another contribution from the same tensor (a linear layer's bias gradient is its
+        # output gradient, whose squared norms the weight's norm needs too); forgotten when the rows change
+        self._sq_norms = sq_norms
 
     def sq_norms(self) -> Tensor:
-        return torch.linalg.vector_norm(self.grads.flatten(1), dim=1).square()
+        if self._sq_norms is not None:
+            return self._sq_norms()
+        return _row_sq(self.grads)
 
     def weighted_sum(self, factors: Tensor) -> Tensor:
-        summed = (factors.to(self.grads.dtype) @ self.grads.flatten(1)).view(self.grads.shape[1:])
-        return (summed if self.to_param is None else self.to_param(summed)).reshape(self.shape)
+        grads = self.grads
+        f = _as(factors, grads.dtype)
+        if grads.dim() == 2:  # one matrix-vector product, no reshapes
+            summed = torch.mv(grads.t(), f)
+        else:
+            summed = torch.mv(grads.reshape(grads.shape[0], -1).t(), f).view(grads.shape[1:])
+        if self.to_param is not None:
+            summed = self.to_param(summed)
+        return summed if summed.shape == self.shape else summed.reshape(self.shape)
 
     def dense(self) -> Tensor:
         return self.grads if self.to_param is None else self.to_param(self.grads).reshape(-1, *self.shape)
@@ -153,6 +178,7 @@ class Dense(Contribution):
 
     def drop(self, examples: Tensor) -> None:
         self.grads = _zero_rows(self.grads, examples)
+        self._sq_norms = None
 
     def grouped(self, groups: Groups) -> Contribution:
         summed = self.grads.new_zeros((groups.count, *self.grads.shape[1:]))
@@ -173,45 +199,90 @@ class Factored(Contribution):
 
     def __init__(self, left: Tensor, right: Tensor, shape: Sequence[int], *,
                  instantiate_limit: int = DEFAULT_INSTANTIATE_LIMIT) -> None:
-        if left.dim() == 2:
-            left, right = left.unsqueeze(1), right.unsqueeze(1)
-        self.left, self.right = left, right
+        # ``(B, p)`` and ``(B, d)`` (one position per example: a linear layer on a batch of vectors) are kept as they
+        # are: the norm is then ||left_b||^2 ||right_b||^2 and the weighted sum one matrix product, with no reshape
+        # (a small model's step is a few dozen such operations, each of which costs its dispatch)
+        self._flat = left.dim() == 2
+        self._left, self._right = left, right
         self.shape = torch.Size(shape)
         self.instantiate_limit = instantiate_limit
         self._dense: Tensor | None = None
+        self._row_sq: list[Tensor | None] = [None, None]  # ||left_b||^2, ||right_b||^2 (flat only), once per step
+
+    @property
+    def left(self) -> Tensor:
+        """``(B, T, p)``."""
+        return self._left.unsqueeze(1) if self._flat else self._left
+
+    @property
+    def right(self) -> Tensor:
+        """``(B, T, d)``."""
+        return self._right.unsqueeze(1) if self._flat else self._right
+
+    def left_sq_norms(self) -> Tensor:
+        """``||left_b||^2`` of a contribution with one position per example (a bias shares it: :class:`Dense`)."""
+        return self._factor_sq(0)
+
+    def right_sq_norms(self) -> Tensor:
+        """``||right_b||^2`` of a contribution with one position per example."""
+        return self._factor_sq(1)
+
+    def _factor_sq(self, i: int) -> Tensor:
+        if not self._flat:
+            raise ValueError("the squared norms of one factor are defined for one position per example (2-D factors)")
+        sq = self._row_sq[i]
+        if sq is None:
+            sq = self._row_sq[i] = _row_sq(self._left if i == 0 else self._right)
+        return sq
 
     @property
     def _b_t_p_d(self) -> tuple[int, int, int, int]:
-        b, t, p = self.left.shape
-        return b, t, p, self.right.shape[-1]
+        if self._flat:
+            b, p = self._left.shape
+            return b, 1, p, self._right.shape[-1]
+        b, t, p = self._left.shape
+        return b, t, p, self._right.shape[-1]
 
     def _strategy(self) -> str:
         b, t, p, d = self._b_t_p_d
-        return choose_layer_strategy(b, t, d, p, bytes_per_element=self.left.element_size(),
+        return choose_layer_strategy(b, t, d, p, bytes_per_element=self._left.element_size(),
                                      instantiate_limit=self.instantiate_limit)
 
     def sq_norms(self) -> Tensor:
+        if self._flat:
+            return self.left_sq_norms() * self.right_sq_norms()
         b, t, p, d = self._b_t_p_d
         if t == 1:
-            return self.left.square().sum((1, 2)) * self.right.square().sum((1, 2))
+            return _row_sq(self._left) * _row_sq(self._right)
         if self._strategy() == "ghost":
-            return (torch.bmm(self.left, self.left.transpose(1, 2))
-                    * torch.bmm(self.right, self.right.transpose(1, 2))).sum((1, 2))
-        grads = torch.bmm(self.left.transpose(1, 2), self.right)  # (B, p, d)
+            return (torch.bmm(self._left, self._left.transpose(1, 2))
+                    * torch.bmm(self._right, self._right.transpose(1, 2))).sum((1, 2))
+        grads = torch.bmm(self._left.transpose(1, 2), self._right)  # (B, p, d)
         if p * d <= t * (p + d):  # no larger than the factors: keep for the weighted sum
             self._dense = grads
-        return torch.linalg.vector_norm(grads.flatten(1), dim=1).square()
+        return _row_sq(grads)
 
     def dense(self) -> Tensor:
-        grads = self._dense if self._dense is not None else torch.bmm(self.left.transpose(1, 2), self.right)
+        if self._flat:
+            grads = self._left.unsqueeze(2) * self._right.unsqueeze(1)
+        else:
+            grads = self._dense if self._dense is not None else torch.bmm(self._left.transpose(1, 2), self._right)
         return grads.view(grads.shape[0], *self.shape)
 
     def weighted_sum(self, factors: Tensor) -> Tensor:
-        f = factors.to(self.left.dtype)
+        left, right = self._left, self._right
+        f = _as(factors, left.dtype)
+        if self._flat:
+            # sum_b f_b left_b (x) right_b = (left^T diag(f)) right: the factors scale the narrower side
+            if left.shape[1] <= right.shape[1]:
+                out = torch.mm(left.t() * f, right)
+            else:
+                out = torch.mm(left.t(), right * f.unsqueeze(1))
+            return out if out.shape == self.shape else out.view(self.shape)
         if self._dense is not None:
-            return (f @ self._dense.flatten(1)).view(self.shape)
+            return torch.mv(self._dense.flatten(1).t(), f).view(self.shape)
         b, t, p, d = self._b_t_p_d
-        return ((self.left * f[:, None, None]).reshape(-1, p).T @ self.right.reshape(-1, d)).view(self.shape)
+        return ((left * f[:, None, None]).reshape(-1, p).T @ right.reshape(-1, d)).view(self.shape)
 
     def dot(self, other: Contribution) -> Tensor:
         if isinstance(other, OneHotFactored):
@@ -224,7 +295,8 @@ class Factored(Contribution):
         return torch.einsum("btp,bpd,btd->b", self.left, d, self.right)
 
     def drop(self, examples: Tensor) -> None:
-        self.left, self.right = _zero_rows(self.left, examples), _zero_rows(self.right, examples)
+        self._left, self._right = _zero_rows(self._left, examples), _zero_rows(self._right, examples)
+        self._row_sq = [None, None]
         if self._dense is not None:
             self._dense = _zero_rows(self._dense, examples)
 

@@ -10,7 +10,6 @@ import collections
 import contextlib
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,7 +36,18 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
         >>> compute_dtype(torch.bfloat16), compute_dtype(torch.float64)
         (torch.float32, torch.float64)
     """
-    return torch.promote_types(dtype, torch.float32) if dtype.is_floating_point else dtype
+    found = _COMPUTE_DTYPES.get(dtype)
+    if found is None:  # torch.promote_types is a dispatched operator: computed once per dtype
+        found = _COMPUTE_DTYPES[dtype] = torch.promote_types(dtype, torch.float32) if dtype.is_floating_point else dtype
+    return found
+
+
+_COMPUTE_DTYPES: dict[torch.dtype, torch.dtype] = {}
+
+
+def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` in ``dtype`` (no dispatched operation when it is already)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _upcast(value: Any, dtype: torch.dtype) -> Any:
@@ -64,20 +74,28 @@ def _shape(value: Any) -> tuple[int, ...] | None:
     return tuple(value.shape) if isinstance(value, Tensor) else None
 
 
-@dataclass
 class _Call:
-    """What one forward call of a hooked module left behind."""
+    """What one forward call of a hooked module left behind (a plain class with slots: one is made per layer call
+    of every step)."""
 
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    leaves: list[Any] = field(default_factory=list)  # the input leaves (args then kwargs), detached
-    spec: Any = None  # their pytree structure; None: positional tensors only (the common case, no pytree needed)
-    outputs: list[Tensor | None] = field(default_factory=list)  # output leaves, as returned by the hook
-    grad_outputs: list[Tensor | None] = field(default_factory=list)
-    extra: dict[str, Any] = field(default_factory=dict)
-    context: Any = None
-    frozen: list[nn.Parameter] = field(default_factory=list)  # the parameters the pre-hook froze, to unfreeze
-    versions: list[int | None] = field(default_factory=list)  # the input leaves' version counters after the forward
+    __slots__ = ("args", "kwargs", "leaves", "spec", "outputs", "grad_outputs", "extra", "context", "frozen",
+                 "versions")
+
+    def __init__(self, frozen: list[nn.Parameter]) -> None:
+        self.args: tuple[Any, ...] = ()
+        self.kwargs: dict[str, Any] = {}
+        self.leaves: list[Any] = []  # the input leaves (args then kwargs), detached
+        self.spec: Any = None  # their pytree structure; None: positional tensors only (the common case, no pytree)
+        self.outputs: list[Tensor | None] = []  # output leaves, as returned by the hook
+        self.grad_outputs: list[Tensor | None] = []
+        self.extra: dict[str, Any] = {}
+        self.context: Any = None  # the rule's forward context while the call runs (_OPEN: the rule has none)
+        self.frozen = frozen  # the parameters the pre-hook froze, to unfreeze
+        self.versions: list[int | None] = []  # the input leaves' version counters after the forward
+
+
+#: the context of a call whose rule records nothing during the forward (LayerRule's default): nothing to enter
+_OPEN = object()
 
 
 class _Layer:
@@ -92,6 +110,10 @@ class _Layer:
         self.broadcast = False
         self.probe_calls: list[list[tuple[list, list]]] = []
         self.cache: dict[str, Any] = {}
+        # what the hooks need to know of the rule, looked up once: whether it checks or prepares calls, and whether
+        # it records anything during the forward (its own forward_context)
+        self.checks_calls = any(getattr(rule, n, None) is not None for n in ("check_call", "prepare_call"))
+        self.own_context = type(rule).forward_context is not LayerRule.forward_context
 
     @property
     def params(self) -> list[tuple[str, nn.Parameter]]:
@@ -113,7 +135,9 @@ def _input_leaves(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
 
 def _no_autocast(device: torch.device) -> Any:
     """A context in which autocast is off for ``device``'s type (and for the CPU, whose autocast applies too)."""
-    kinds = {device.type, "cpu"}
+    kinds = [kind for kind in dict.fromkeys((device.type, "cpu")) if torch.is_autocast_enabled(kind)]
+    if not kinds:  # the common case: nothing to turn off (entering autocast contexts costs microseconds each)
+        return contextlib.nullcontext()
     stack = contextlib.ExitStack()
     for kind in kinds:
         stack.enter_context(torch.autocast(device_type=kind, enabled=False))
@@ -272,16 +296,20 @@ class GradSampleEngine(BatchDimProbe):
                 return None
             if not (self._recording and torch.is_grad_enabled()):
                 return None
-            self._before_call(layer, mod, args, kwargs)
+            if layer.checks_calls:
+                self._before_call(layer, mod, args, kwargs)
             # Freeze the weights while this layer runs: autograd then computes only the
             # input gradients the chain rule needs, not the batch weight gradient that the
             # engine would throw away. Only what requires grad now is frozen and unfrozen after:
             # a parameter the user froze meanwhile stays frozen.
-            call = _Call(frozen=[p for p in layer.trainable.values() if p.requires_grad])
+            call = _Call([p for p in layer.trainable.values() if p.requires_grad])
             for p in call.frozen:
                 p.requires_grad_(False)
-            call.context = layer.rule.forward_context(mod, call.extra)
-            call.context.__enter__()
+            if layer.own_context:
+                call.context = layer.rule.forward_context(mod, call.extra)
+                call.context.__enter__()
+            else:
+                call.context = _OPEN
             layer.calls.append(call)
             return None
         return pre_hook
@@ -311,7 +339,8 @@ class GradSampleEngine(BatchDimProbe):
                     or layer.calls[-1].context is None:
                 return None
             call = layer.calls[-1]
-            call.context.__exit__(None, None, None)
+            if call.context is not _OPEN:
+                call.context.__exit__(None, None, None)
             call.context = None
             for p in call.frozen:
                 p.requires_grad_(True)
@@ -525,7 +554,7 @@ class GradSampleEngine(BatchDimProbe):
                 normalized = [self._expand(a, batch) if isinstance(a, Tensor) else a for a in inputs]
                 input_dims: list[Any] = [None] * len(inputs)
             else:
-                normalized = [a.movedim(d, 0) if d is not None and isinstance(a, Tensor) else a
+                normalized = [a.movedim(d, 0) if d and isinstance(a, Tensor) else a
                               for a, d in zip(inputs, dims.inputs)]
                 input_dims = list(dims.inputs)
             grads: list[Tensor | None] = []
@@ -544,7 +573,7 @@ class GradSampleEngine(BatchDimProbe):
                     grads.append(None)
                     continue
                 g = torch.zeros_like(o, dtype=dtype) if g is None else _upcast(g, dtype)
-                grads.append(g.movedim(d, 0) * scale)
+                grads.append((g.movedim(d, 0) if d else g) * scale)
             if spec is None:  # positional tensors only
                 args, kwargs, arg_dims, kwarg_dims = tuple(normalized), {}, tuple(input_dims), {}
                 call_args, call_kwargs = tuple(_upcast(a, dtype) for a in call.args), {}
@@ -600,8 +629,10 @@ class GradSampleEngine(BatchDimProbe):
             self._contributions = self._contributions_of_step(scale, b)
             norms = self._norms(b)
             self.dropped = 0
-            bad = non_finite(norms)  # the one policy for a non-finite unit (lightning_dp.privacy.finite)
-            if bool(bad.any()):
+            # the sum of the norms is finite exactly when every norm is (or it overflowed: then the full check below
+            # finds none): one reduction and one read in the common case
+            bad = None if math.isfinite(float(norms.sum())) else non_finite(norms)
+            if bad is not None and bool(bad.any()):
                 # An example whose gradient is not finite (an overflow in half precision, a loss of inf) is
                 # dropped: its contribution becomes 0, within any clipping bound, and its norm +inf (clipped,
                 # counted as above C). Letting it through would make the whole release non-finite (unbounded
@@ -635,15 +666,21 @@ class GradSampleEngine(BatchDimProbe):
 
     def _norms(self, b: int) -> Tensor:
         p0 = self._params[0]
-        sq = torch.zeros(b, dtype=compute_dtype(p0.dtype), device=p0.device)
+        dtype = compute_dtype(p0.dtype)
         assert self._contributions is not None
+        terms: list[Tensor] = []
         for contributions in self._contributions.values():
             for i, c in enumerate(contributions):
-                sq = sq + c.sq_norms().to(sq.dtype)
+                terms.append(_as(c.sq_norms(), dtype))
                 for other in contributions[i + 1:]:
-                    sq = sq + 2 * c.dot(other).to(sq.dtype)
-        # Gram-matrix (ghost) norms are sums of products that can round below zero in float32
-        return sq.clamp_min_(0).sqrt()
+                    terms.append(2 * _as(c.dot(other), dtype))
+        if not terms:
+            return torch.zeros(b, dtype=dtype, device=p0.device)
+        # one summation over all terms (the terms may be tensors a contribution caches: never changed in place)
+        sq = terms[0] if len(terms) == 1 else torch.stack(terms).sum(0)
+        # Gram-matrix (ghost) norms are sums of products that can round below zero in float32 (out of place: a
+        # single term may be a tensor that its contribution caches)
+        return sq.clamp_min(0).sqrt_()
 
     def clipped_sum(self, factors: Tensor) -> list[Tensor]:
         """Sum over the batch of per-sample gradients times ``factors``.
@@ -665,7 +702,8 @@ class GradSampleEngine(BatchDimProbe):
                 total = parts[0].weighted_sum(factors)
                 for c in parts[1:]:
                     total = total + c.weighted_sum(factors)
-                out.append(total.to(dtype).view(p.shape))
+                total = _as(total, dtype)
+                out.append(total if total.shape == p.shape else total.view(p.shape))
         return out
 
 

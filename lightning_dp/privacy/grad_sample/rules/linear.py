@@ -38,13 +38,25 @@ class LinearRule(LayerRule):
     transposed = False
 
     def contributions(self, layer, records, batch_size):
-        x, go = positions(records, batch_size)
+        if len(records) == 1 and records[0].input(0).dim() == 2:
+            # a batch of vectors: one position per example, the factors as they are (2-D), and the bias' gradient
+            # is the output gradient itself, whose squared norms the weight's norm computes anyway
+            x, go = records[0].input(0), records[0].grad_outputs[0]
+            assert go is not None
+        else:
+            x, go = positions(records, batch_size)
         out = {}
+        weight = None
         if "weight" in layer.trainable:
             left, right = (x, go) if self.transposed else (go, x)
-            out["weight"] = Factored(left, right, layer.module.weight.shape, instantiate_limit=layer.instantiate_limit)
+            weight = Factored(left, right, layer.module.weight.shape, instantiate_limit=layer.instantiate_limit)
+            out["weight"] = weight
         if "bias" in layer.trainable:
-            out["bias"] = Dense(go.sum(1))
+            if go.dim() == 2:
+                shared = None if weight is None else (weight.right_sq_norms if self.transposed else weight.left_sq_norms)
+                out["bias"] = Dense(go, sq_norms=shared)
+            else:
+                out["bias"] = Dense(go.sum(1))
         return out
 
 
