@@ -139,6 +139,8 @@ KINDS = [
     kind("dpsgd-virtual-batches", ["dpsgd_digits_virtual.yaml"],
          [*DPSGD, *DPSGD_SHORT, "--data.init_args.batch_size=250"]),
     kind("dpsgd-bf16-mixed", ["dpsgd_digits_bf16.yaml"], [*DPSGD, *DPSGD_SHORT, *DIGITS_BATCH]),
+    # batches of one shape (issue 53): truncated Poisson batches, padded; the padding must not move a release
+    kind("dpsgd-static-shape", ["dpsgd_digits_static.yaml"], [*DPSGD, *DPSGD_SHORT, *DIGITS_BATCH]),
     # DP fine-tuning from a random base (the real pipeline starts from lm/gpt2_public_pretrain.yaml's checkpoint):
     # LoRA adapters only, and every weight; logical batches of 80 blocks (2 micro-batches of 40) in bfloat16
     kind("dp-lora-gpt2", ["lm/dp_lora_wikitext2.yaml", RANDOM_LORA_BASE],

@@ -111,6 +111,18 @@ class DPSGD(Callback):
             releases their sum, noised once (virtual batches, :mod:`lightning_dp.callbacks.virtual_batches`).
             Composes with ``Trainer(accumulate_grad_batches=k)``, which splits every logical batch into
             ``k`` micro-batches of expected size ``batch_size``.
+        max_batch_size: batches of one shape (None: Poisson batches of varying size, the default): every step
+            holds at most this many examples, all processes and micro-batches together (a multiple of both, at
+            least the expected batch); a Poisson batch that draws more keeps a uniformly random subset, and every
+            micro-batch is padded with blank rows to ``max_batch_size / (processes x micro-batches)`` rows that
+            add nothing to the clipped sum or to any statistic. ``"auto"``: the smallest bound a process' batch
+            exceeds with probability ``batch_overflow_probability`` per step. Accounted exactly as dp-accounting's
+            ``TruncatedSubsampledGaussianDpEvent`` (``accountant="pld"``, add/remove, per example). One shape
+            lets ``torch.compile`` (and CUDA graphs) capture the step once and bounds its memory; the price is the
+            padded rows' compute and, for a bound that batches often exceed, privacy: docs/privacy.md, "Batches
+            of one shape".
+        batch_overflow_probability: ``max_batch_size="auto"``'s chance per step that a Poisson batch exceeds the
+            bound (default ``1e-6``: within 0.1 % of plain Poisson sampling's epsilon over thousands of steps).
     """
 
     #: Constructor arguments that are secrets: redacted from configs logged by ``lightning-dp``.
@@ -139,6 +151,8 @@ class DPSGD(Callback):
         max_examples_per_user: int | None = None,
         user_accounting: Literal["mixture", "group"] | None = None,
         sampling: Literal["example", "user"] = "example",
+        max_batch_size: int | Literal["auto"] | None = None,
+        batch_overflow_probability: float = 1e-6,
     ) -> None:
         who = type(self).__name__
         self.settings, self.clipping, self._accountant = Settings.of(
@@ -148,7 +162,8 @@ class DPSGD(Callback):
             poisson_sampling=poisson_sampling, seed=seed, replace_batchnorm=replace_batchnorm,
             log_nonprivate_metrics=log_nonprivate_metrics, adjacency=adjacency,
             max_physical_batch_size=max_physical_batch_size, privacy_unit=privacy_unit,
-            max_examples_per_user=max_examples_per_user, user_accounting=user_accounting, sampling=sampling)
+            max_examples_per_user=max_examples_per_user, user_accounting=user_accounting, sampling=sampling,
+            max_batch_size=max_batch_size, batch_overflow_probability=batch_overflow_probability)
         # the secret seed, the gate, the final spend, the summary: the run-level protocol (lightning_dp.protocol)
         self.protocol = RunProtocol(self, seed=seed)
         self.calibration = Calibration(self.settings, self.clipping, self._accountant, who)
@@ -259,6 +274,13 @@ class DPSGD(Callback):
             MisconfigurationException: for a user-level run (a canary belongs to no user, and the audit's epsilon is
                 stated per example).
         """
+        if self.settings.max_batch_size is not None:
+            from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+            raise MisconfigurationException(
+                f"{type(audit).__name__} cannot audit {type(self).__name__}(max_batch_size="
+                f"{self.settings.max_batch_size!r}) yet: its accounted trade-off curves are those of plain Poisson "
+                "sampling, and a truncated batch is another mechanism. Audit the same run with max_batch_size=None.")
         if self.settings.privacy_unit == "user":
             from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
@@ -386,7 +408,7 @@ class DPSGD(Callback):
             rate_varies=c.rate_varies, sigma=c.sigma, sigma_source=c.sigma_source, clipping=self.clipping,
             max_physical_batch_size=s.max_physical_batch_size, budget_stop=c.budget.stopped_at,
             plan_done=c.budget.plan_done, max_examples_per_user=s.max_examples_per_user,
-            user_accounting=s.user_accounting)
+            user_accounting=s.user_accounting, shape=c.shape)
 
     # ---------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from lightning_dp.privacy.accounting import (
 from lightning_dp.privacy.calibration import calibrate_noise_multiplier
 from lightning_dp.privacy.delta import check_delta_for_size
 from lightning_dp.privacy.noise import check_noise_multiplier
-from lightning_dp.privacy.planning import DataFacts
+from lightning_dp.privacy.planning import BatchShape, DataFacts
 from lightning_dp.privacy.sampling import (
     PassMarkingBatchSampler,
     check_partition_sampler,
@@ -91,6 +91,8 @@ class Settings:
     max_examples_per_user: int | None = None  #: k, the records one user keeps (privacy_unit="user")
     user_accounting: str = "mixture"  #: how a user-level spend is stated (accounting.USER_ACCOUNTING)
     sampling: str = "example"  #: what Poisson sampling draws: examples, or users with their records (ULS)
+    max_batch_size: int | str | None = None  #: batches of one shape: the most examples of a step, or "auto"
+    overflow_probability: float = 1e-6  #: "auto"'s chance per step that a rank's Poisson batch exceeds its bound
 
     @classmethod
     def of(cls, who: str, *, noise_multiplier: float | None, target_epsilon: float | None, target_delta: float,
@@ -99,7 +101,8 @@ class Settings:
            seed: int | None, replace_batchnorm: bool, log_nonprivate_metrics: bool, adjacency: str | None,
            max_physical_batch_size: int | None, privacy_unit: str = "example",
            max_examples_per_user: int | None = None, user_accounting: str | None = None,
-           sampling: str = "example") -> tuple[Settings, ClipStrategy, Any]:
+           sampling: str = "example", max_batch_size: int | str | None = None,
+           batch_overflow_probability: float = 1e-6) -> tuple[Settings, ClipStrategy, Any]:
         """The settings, the clipping strategy and the accountant, every argument checked in the signature's order.
 
         Raises:
@@ -134,12 +137,49 @@ class Settings:
         check_seed(seed, "seed")  # the run-level protocol keeps it
         physical = (None if max_physical_batch_size is None else
                     checks.positive_int("max_physical_batch_size", max_physical_batch_size, hint="or None"))
+        shape = _resolve_shape(max_batch_size, batch_overflow_probability, poisson=poisson, privacy_unit=privacy_unit,
+                               adjacency=adjacency, accountant=accountant, kwargs=kwargs)
         if sigma is not None:
             strategy.check_noise(sigma, None)  # what does not depend on the data, now
         settings = cls(sigma, target_epsilon, target_delta, epochs, max_steps, calibrate_for, accountant, kwargs,
                        poisson, adjacency, bool(replace_batchnorm), bool(log_nonprivate_metrics), physical,
-                       str(privacy_unit), k, str(user_accounting), str(sampling))
+                       str(privacy_unit), k, str(user_accounting), str(sampling), shape,
+                       float(batch_overflow_probability))
         return settings, strategy, accountant_object
+
+
+def _resolve_shape(max_batch_size: Any, overflow_probability: Any, *, poisson: bool, privacy_unit: str,
+                   adjacency: str, accountant: str, kwargs: dict[str, Any]) -> int | str | None:
+    """``max_batch_size`` checked (None, ``"auto"`` or a whole number >= 1) against the rest of the plan."""
+    if not checks.is_real(overflow_probability) or not 0 < overflow_probability < 1:
+        raise ValueError(f"batch_overflow_probability={overflow_probability!r} is not allowed: pass a number in (0, 1), "
+                         "the chance per step that a Poisson batch holds more than max_batch_size examples when "
+                         "max_batch_size='auto' chooses it (e.g. 1e-6).")
+    for key in ("truncated_batch_size", "dataset_size"):
+        if key in kwargs:
+            raise ValueError(f"accountant_kwargs[{key!r}] is set by DPSGD from max_batch_size and the training data: "
+                             "pass max_batch_size instead.")
+    if max_batch_size is None:
+        return None
+    if max_batch_size != "auto" and (not checks.is_int(max_batch_size) or max_batch_size < 1):
+        raise ValueError(f"max_batch_size={max_batch_size!r} is not allowed: pass a whole number >= 1 (the most "
+                         "examples of one step, all processes and micro-batches together), 'auto' (the bound that a "
+                         "Poisson batch exceeds with probability batch_overflow_probability), or None (batches of "
+                         "varying size).")
+    problems = []
+    if not poisson:
+        problems.append("poisson_sampling=False (shuffled batches have one size already)")
+    if privacy_unit != "example":
+        problems.append(f"privacy_unit={privacy_unit!r} (dp-accounting has no truncated event for a user's records)")
+    if adjacency != "add_remove":
+        problems.append(f"adjacency={adjacency!r} (the truncated event is stated for add/remove)")
+    if str(accountant).lower() != "pld":
+        problems.append(f"accountant={accountant!r} (the truncated event has a privacy loss distribution only: use "
+                        "'pld')")
+    if problems:
+        raise ValueError(f"max_batch_size={max_batch_size!r} (batches of one shape, accounted as dp-accounting's "
+                         "TruncatedSubsampledGaussianDpEvent) is not supported with " + "; ".join(problems) + ".")
+    return max_batch_size if max_batch_size == "auto" else int(max_batch_size)
 
 
 def _resolve_sampling(sampling: str, privacy_unit: str, user_accounting: str | None,
@@ -295,6 +335,8 @@ class Calibration:
         self.charged_pass = 0
         self.contributions: Contributions | None = None  # users and records of a user-level run's training data
         self.user_sampler: Any = None  # ULS: the batch sampler that says which records of a batch are one user's
+        self.shape: BatchShape | None = None  # batches of one shape (max_batch_size), once the data is known
+        self.shape_sampler: Any = None  # their batch sampler, which says how many rows of a batch are real
 
     @property
     def epsilon(self) -> float:
@@ -345,11 +387,30 @@ class Calibration:
                 "the training DataLoader has batch_size=None (a custom batch_sampler?); DPSGD takes the expected "
                 "batch size from DataLoader(batch_size=...). Pass batch_size and no batch_sampler.")
         try:
-            return DataFacts.of(dataset_size=n, batch_size=loader.batch_size, world_size=world, parts=parts,
-                                poisson_sampling=self.settings.poisson_sampling,
-                                batches_per_epoch=None if self.settings.poisson_sampling else len(loader))
+            facts = DataFacts.of(dataset_size=n, batch_size=loader.batch_size, world_size=world, parts=parts,
+                                 poisson_sampling=self.settings.poisson_sampling,
+                                 batches_per_epoch=None if self.settings.poisson_sampling else len(loader))
+            self._shape(facts, world)
         except ValueError as err:
-            raise MisconfigurationException(str(err)) from None
+            raise MisconfigurationException(f"{self.who}: {err}") from None
+        return facts
+
+    def _shape(self, facts: DataFacts, world: int) -> None:
+        """Batches of one shape for ``facts``, and the accountant's truncated event (refused where a run that took
+        steps would change it: its steps were another mechanism)."""
+        requested = self.settings.max_batch_size
+        if requested is None:
+            return
+        shape = BatchShape.of(requested, facts, world_size=world,
+                              overflow_probability=self.settings.overflow_probability)
+        self.accountant.truncate(dataset_size=shape.accounted_size, truncated_batch_size=shape.per_rank)
+        self.settings.accountant_kwargs.update(dataset_size=shape.accounted_size, truncated_batch_size=shape.per_rank)
+        if self.shape is None or self.shape != shape:
+            rank_zero_info(f"{self.who}: batches of one shape: at most {shape.max_batch_size} examples per step "
+                           f"({shape.per_rank} per process, padded), expected {facts.expected_batch_size}; a "
+                           f"process' Poisson batch exceeds it with probability {shape.overflow_probability:.2g} per "
+                           "step (accounted: dp-accounting's truncated event).")
+        self.shape = shape
 
     def _contributions(self, dataset: Any) -> Contributions:
         k = self.settings.max_examples_per_user
@@ -405,9 +466,13 @@ class Calibration:
                                               steps_per_epoch=data.steps_per_epoch)
             self.user_sampler = sampled.batch_sampler
             return sampled
-        return poisson_dataloader(loader, sample_rate=data.sample_rate, seed=seed(), rank=trainer.global_rank,
-                                  world_size=trainer.world_size, start_step=start_step, parts=data.parts,
-                                  steps_per_epoch=data.steps_per_epoch)  # the plan's count, not ceil(1/q) again
+        shape = self.shape
+        sampled = poisson_dataloader(loader, sample_rate=data.sample_rate, seed=seed(), rank=trainer.global_rank,
+                                     world_size=trainer.world_size, start_step=start_step, parts=data.parts,
+                                     steps_per_epoch=data.steps_per_epoch,  # the plan's count, not ceil(1/q) again
+                                     max_batch_size=None if shape is None else shape.per_rank)
+        self.shape_sampler = None if shape is None else sampled.batch_sampler
+        return sampled
 
     def _start_pass(self) -> None:
         self.passes += 1
@@ -489,7 +554,7 @@ class Calibration:
             poisson_sampling=settings.poisson_sampling, adjacency=settings.adjacency, data=data, planned=planned,
             max_physical_batch_size=settings.max_physical_batch_size, strategy_params=strategy_params,
             privacy_unit=settings.privacy_unit, max_examples_per_user=settings.max_examples_per_user,
-            user_accounting=settings.user_accounting, sampling=settings.sampling)
+            user_accounting=settings.user_accounting, sampling=settings.sampling, shape=self.shape)
 
     def _calibrate(self, lengths: Lengths, data: DataFacts) -> int:
         """Calibrates sigma for the planned run; returns its planned events."""
@@ -575,6 +640,12 @@ class Calibration:
             raise MisconfigurationException(
                 f"the checkpoint's privacy history was recorded by the {saved.get('name')!r} accountant but this "
                 f"DPSGD uses accountant={name!r}; resume with accountant={saved.get('name')!r}.")
+        if (self.settings.max_batch_size is not None and saved.get("truncated_batch_size") is not None
+                and getattr(self.accountant, "truncation", None) is None):
+            # restored before the training data is known: the checkpoint's truncated event, which the data's shape
+            # must then match (Calibration._shape refuses another)
+            self.accountant.truncate(dataset_size=int(saved["dataset_size"]),
+                                     truncated_batch_size=int(saved["truncated_batch_size"]))
         self.accountant.load_state_dict(saved)
         self.restored_sigma = state_dict.get("noise_multiplier")
 

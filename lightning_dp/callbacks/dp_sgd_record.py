@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_dp.privacy.planning import DataFacts
+from lightning_dp.privacy.planning import BatchShape, DataFacts
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -34,7 +34,7 @@ def hyperparams(*, sigma: float | None, clipping: ClipStrategy, target_epsilon: 
                 accountant: str, poisson_sampling: bool, adjacency: str, data: DataFacts, planned: int | None,
                 max_physical_batch_size: int | None, strategy_params: dict[str, Any], privacy_unit: str = "example",
                 max_examples_per_user: int | None = None, user_accounting: str = "mixture",
-                sampling: str = "example") -> dict[str, Any]:
+                sampling: str = "example", shape: BatchShape | None = None) -> dict[str, Any]:
     """The run's fixed privacy parameters, logged once per fit: with dp-accounting, anyone recomputes
     ``privacy/epsilon`` from them and the steps (per user: docs/privacy.md, "The privacy unit").
 
@@ -57,6 +57,11 @@ def hyperparams(*, sigma: float | None, clipping: ClipStrategy, target_epsilon: 
     if privacy_unit == "user":
         params.update({"privacy/max_examples_per_user": max_examples_per_user,
                        "privacy/user_accounting": user_accounting})
+    if shape is not None:  # the truncated event's arguments: TruncatedSubsampledGaussianDpEvent(size, q, bound, sigma)
+        params.update({"privacy/max_batch_size": shape.max_batch_size,
+                       "privacy/truncated_batch_size": shape.per_rank,
+                       "privacy/truncated_dataset_size": shape.accounted_size,
+                       "privacy/batch_overflow_probability": shape.overflow_probability})
     if clipping.adaptive:
         del params["privacy/max_grad_norm"]
     return params
@@ -66,7 +71,7 @@ def summary_rows(*, epsilon: float, target_epsilon: float | None, target_delta: 
                  adjacency: str, poisson_sampling: bool, data: DataFacts, rate_varies: bool, sigma: float | None,
                  sigma_source: str, clipping: ClipStrategy, max_physical_batch_size: int | None,
                  budget_stop: int | None, plan_done: bool, max_examples_per_user: int | None = None,
-                 user_accounting: str = "mixture") -> list[tuple[str, str]]:
+                 user_accounting: str = "mixture", shape: BatchShape | None = None) -> list[tuple[str, str]]:
     """``(label, value)`` rows of the end-of-training summary (:mod:`lightning_dp.callbacks.summary`)."""
     if target_epsilon is None:
         spend = f"{epsilon:.4g} at delta {target_delta:g} (no target_epsilon)"
@@ -92,6 +97,10 @@ def summary_rows(*, epsilon: float, target_epsilon: float | None, target_delta: 
     if data.parts > 1 or max_physical_batch_size is not None:
         bound = f", at most {max_physical_batch_size} examples per pass" if max_physical_batch_size is not None else ""
         rows.append(("virtual batches", f"{data.parts} micro-batch(es) per step{bound}; noise added once per step"))
+    if shape is not None:
+        rows.append(("batches of one shape", f"at most {shape.max_batch_size} examples per step, padded ("
+                     f"{shape.per_rank} per process, overflow probability {shape.overflow_probability:.2g} per step; "
+                     f"truncated event over {shape.accounted_size} records)"))
     if budget_stop is not None:
         rows.append(("stopped", f"after step {budget_stop}: " + (
             "DPSGD's planned length is done" if plan_done else

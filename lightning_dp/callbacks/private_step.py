@@ -103,6 +103,7 @@ class PrivateStep:
         self.user_training_step: Any = None
         self.loss_checked = False
         self.half_precision = False  # bf16-mixed, 16-mixed or bf16-true: nonprivate/overflowed_fraction is logged
+        self.real_rows: int | None = None  # batches of one shape: sampled rows of the micro-batch not yet clipped
 
     # ------------------------------------------------------------------ a fit
     def setup(self, trainer: Trainer, pl_module: LightningModule, privatize: Callable[[Any], Any]) -> None:
@@ -227,6 +228,21 @@ class PrivateStep:
                 "the dimension that followed the number of examples in the probe batches, or the batch's structure "
                 "differs from theirs. Without it, a training_step that splits or merges examples would go "
                 "unnoticed. Return batches with a tensor (or a list) holding one entry per example.")
+        self.real_rows = self._real_rows()
+
+    def _real_rows(self) -> int | None:
+        """Batches of one shape: how many of this micro-batch's rows are sampled examples (the first ones; the rest
+        are blank padding, masked out of every sum and count). None: every row is an example."""
+        sampler, shape = self.calibration.shape_sampler, self.calibration.shape
+        if sampler is None or shape is None:
+            return None
+        rows = shape.per_rank // self.logical.parts
+        if self.batch_size != rows:
+            raise MisconfigurationException(
+                f"{self.who}(max_batch_size={shape.max_batch_size}): this micro-batch holds {self.batch_size} examples, "
+                f"not the {rows} rows every padded micro-batch holds; the DataLoader's collate_fn (or a hook) added or "
+                "removed examples, so the padding cannot be told from the data. Keep one example per sample.")
+        return int(sampler.rows(self.released, self.logical.part - 1))
 
     def _begin(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """What happens once per optimizer step, before its first micro-batch: the budget, the engine, DDP."""
@@ -368,12 +384,23 @@ class PrivateStep:
                     "examples, so the records of each user cannot be found. Keep one example per record.")
             norms = engine.group_norms(sizes)
         clip = check_max_grad_norm(self.clipping.clip)  # a strategy's C, checked at every step it clips with
-        sums = [engine.clipped_sum(clip_factors(norms, clip))]
-        sums += [engine.clipped_sum(w) for w in self.clipping.extra_weights(norms)]
+        weights = [clip_factors(norms, clip), *self.clipping.extra_weights(norms)]
+        if self.real_rows is not None:
+            # batches of one shape: the pass' first `real` rows are sampled examples (a chunk takes them in order),
+            # the rest blank padding, whose weights are 0: nothing of theirs enters a sum or a count
+            real = min(self.real_rows, seen)
+            self.real_rows -= real
+            sampled = torch.arange(seen, device=norms.device) < real
+            weights = [torch.where(sampled, w, torch.zeros_like(w)) for w in weights]
+            over = (norms > clip) & sampled
+            dropped = int((torch.isinf(norms) & sampled).sum()) if engine.dropped else 0
+        else:
+            real, over, dropped = norms.numel(), norms > clip, engine.dropped
+        sums = [engine.clipped_sum(w) for w in weights]
         engine.clear()
         # clipped (dropped ones included: their norm is +inf), total, and dropped for a non-finite gradient
-        counts = torch.tensor([norms.numel(), engine.dropped], dtype=sums[0][0].dtype, device=norms.device)
-        stats = torch.cat([(norms > clip).sum().to(counts).reshape(1), counts])
+        counts = torch.tensor([real, dropped], dtype=sums[0][0].dtype, device=norms.device)
+        stats = torch.cat([over.sum().to(counts).reshape(1), counts])
         if self.logical.pending is None or self.logical.pending_stats is None:
             self.logical.pending, self.logical.pending_stats = sums, stats
             return

@@ -192,7 +192,8 @@ def _append(history: tuple[HistoryEntry, ...], entry: HistoryEntry) -> tuple[His
     return history + (entry,)
 
 
-def history_to_dp_event(history: Sequence[HistoryEntry], examples_per_user: int | None = None) -> dp_event.DpEvent:
+def history_to_dp_event(history: Sequence[HistoryEntry], examples_per_user: int | None = None,
+                        truncation: tuple[int, int] | None = None) -> dp_event.DpEvent:
     """Translates a DP-SGD history into the ``dp_accounting`` event it stands for.
 
     Args:
@@ -200,6 +201,9 @@ def history_to_dp_event(history: Sequence[HistoryEntry], examples_per_user: int 
         examples_per_user: ``k`` for the user-level event of example-level sampling over users' records bounded to
             ``k`` (ELS): each step is ``MixtureOfGaussiansDpEvent(sigma, 0..k, Binomial(k, q))``, and a full batch
             (``q == 1``) the Gaussian mechanism with sensitivity ``k``, ``GaussianDpEvent(sigma / k)``.
+        truncation: ``(dataset_size, truncated_batch_size)`` of batches of one shape (Poisson sampling truncated to
+            at most ``truncated_batch_size`` records, a uniformly random subset kept when more are drawn): each step
+            is ``TruncatedSubsampledGaussianDpEvent(dataset_size, q, truncated_batch_size, sigma)``.
 
     Returns:
         ``ComposedDpEvent`` of one ``SelfComposedDpEvent(PoissonSampledDpEvent(q,
@@ -212,8 +216,13 @@ def history_to_dp_event(history: Sequence[HistoryEntry], examples_per_user: int 
         >>> float(RdpAccountant().compose(event).get_epsilon(1e-5)) > 0
         True
     """
-    events = []
+    events: list[dp_event.DpEvent] = []
     for sigma, q, n in history:
+        if truncation is not None:
+            size, cap = truncation
+            events.append(dp_event.SelfComposedDpEvent(
+                dp_event.TruncatedSubsampledGaussianDpEvent(int(size), float(q), int(cap), float(sigma)), int(n)))
+            continue
         if examples_per_user is not None:
             k = int(examples_per_user)
             single = (dp_event.GaussianDpEvent(float(sigma) / k) if q == 1.0 else
@@ -566,6 +575,11 @@ class PLDAccountant(Accountant):
     Args:
         value_discretization_interval: Grid spacing of the privacy losses (> 0, default
             ``1e-4``, the library default). Smaller is tighter and slower. Saved in the state.
+        truncated_batch_size, dataset_size: batches of one shape (DPSGD's ``max_batch_size``): each step samples
+            every one of ``dataset_size`` records with probability q and keeps a uniformly random subset of
+            ``truncated_batch_size`` when more are drawn; accounted as dp-accounting's
+            ``TruncatedSubsampledGaussianDpEvent`` (arXiv 2508.15089: a mixture of the sampled Gaussian and, when
+            the batch overflows, a sensitivity-2 one). Add/remove, example-level only. Saved in the state.
 
     Example:
         >>> accountant = PLDAccountant(value_discretization_interval=1e-3)
@@ -578,7 +592,8 @@ class PLDAccountant(Accountant):
 
     def __init__(self, value_discretization_interval: float = 1e-4, adjacency: str = "add_remove",
                  pessimistic_estimate: bool = True, examples_per_user: int | None = None,
-                 user_accounting: str = "mixture") -> None:
+                 user_accounting: str = "mixture", truncated_batch_size: int | None = None,
+                 dataset_size: int | None = None) -> None:
         super().__init__(adjacency)
         self.value_discretization_interval = self._check_interval(value_discretization_interval)
         # False gives dp-accounting's optimistic estimate, a LOWER bound of the true epsilon: never for reporting a
@@ -586,6 +601,56 @@ class PLDAccountant(Accountant):
         self.pessimistic_estimate = bool(pessimistic_estimate)
         self.examples_per_user, self.user_accounting = self._check_unit(examples_per_user, user_accounting,
                                                                         self.adjacency)
+        self.truncation = self._check_truncation(truncated_batch_size, dataset_size)
+
+    def _check_truncation(self, truncated_batch_size: Any, dataset_size: Any) -> tuple[int, int] | None:
+        """``(dataset_size, truncated_batch_size)`` of batches of one shape, or None (plain Poisson sampling)."""
+        if truncated_batch_size is None and dataset_size is None:
+            return None
+        if truncated_batch_size is None or dataset_size is None:
+            raise ValueError(f"truncated_batch_size={truncated_batch_size!r} and dataset_size={dataset_size!r}: pass "
+                             "both (batches of one shape: Poisson sampling over dataset_size records, truncated to "
+                             "truncated_batch_size) or neither (plain Poisson sampling).")
+        for name, value in (("truncated_batch_size", truncated_batch_size), ("dataset_size", dataset_size)):
+            if not checks.is_int(value) or value < 1:
+                raise ValueError(f"{name}={value!r} is not allowed: pass a whole number >= 1.")
+        problems = []
+        if self.examples_per_user is not None:
+            problems.append(f"a user-level spend (examples_per_user={self.examples_per_user}): dp-accounting has no "
+                            "truncated event for a user's records")
+        if self.adjacency != "add_remove":
+            problems.append(f"adjacency={self.adjacency!r}: the truncated event is stated for add/remove")
+        if not self.pessimistic_estimate:
+            problems.append("pessimistic_estimate=False: dp-accounting builds the truncated event's distribution "
+                            "pessimistically only")
+        if problems:
+            raise ValueError("truncated batches (truncated_batch_size) are accounted with dp-accounting's "
+                             "TruncatedSubsampledGaussianDpEvent, which does not cover " + "; ".join(problems) + ".")
+        return int(dataset_size), int(truncated_batch_size)
+
+    def truncate(self, *, dataset_size: int, truncated_batch_size: int) -> None:
+        """From now on each step is the truncated event over ``dataset_size`` records with bound
+        ``truncated_batch_size`` (DPSGD sets it once the training data is known).
+
+        Raises:
+            ValueError: steps were recorded as another mechanism (plain Poisson batches, or another bound or
+                dataset size): one history holds one kind of step.
+        """
+        truncation = self._check_truncation(truncated_batch_size, dataset_size)
+        if self._history and truncation != self.truncation:
+            before = ("plain Poisson batches" if self.truncation is None else
+                      f"truncated_batch_size={self.truncation[1]}, dataset_size={self.truncation[0]}")
+            raise ValueError(f"this accountant recorded {len(self)} steps of {before}; its steps cannot become "
+                             f"truncated_batch_size={truncation[1] if truncation else None}, dataset_size="
+                             f"{truncation[0] if truncation else None} mid-run. Keep the training set and "
+                             "max_batch_size the run started with (or start a new run).")
+        self.truncation = truncation
+
+    def unit_key(self) -> tuple[Any, ...]:
+        """The neighbours (:meth:`Accountant.unit_key`) and, for batches of one shape, the truncation: a truncated
+        run's steps are another mechanism than plain Poisson steps at the same rate, and do not compose with them."""
+        key = super().unit_key()
+        return key if self.truncation is None else (*key, "truncated", *self.truncation)
 
     @staticmethod
     def _check_unit(examples_per_user: Any, user_accounting: Any, adjacency: str) -> tuple[int | None, str]:
@@ -617,6 +682,8 @@ class PLDAccountant(Accountant):
             config["pessimistic_estimate"] = False
         if self.examples_per_user is not None:  # example-level states keep their keys (checkpoints before 0.5)
             config.update(examples_per_user=self.examples_per_user, user_accounting=self.user_accounting)
+        if self.truncation is not None:
+            config.update(dataset_size=self.truncation[0], truncated_batch_size=self.truncation[1])
         return config
 
     def _coarse_kwargs(self) -> dict[str, Any] | None:
@@ -625,7 +692,9 @@ class PLDAccountant(Accountant):
             return None
         unit = ({} if self.examples_per_user is None else
                 {"examples_per_user": self.examples_per_user, "user_accounting": self.user_accounting})
-        return {"value_discretization_interval": coarse, **unit}  # the same unit: a search that starts near
+        if self.truncation is not None:
+            unit.update(dataset_size=self.truncation[0], truncated_batch_size=self.truncation[1])
+        return {"value_discretization_interval": coarse, **unit}  # the same unit and event: a search that starts near
 
     def _load_config(self, state: dict[str, Any]) -> None:
         saved = (state.get("examples_per_user"), state.get("user_accounting", "mixture"))
@@ -637,6 +706,16 @@ class PLDAccountant(Accountant):
             raise ValueError(f"Cannot load a privacy history accounted {unit(*saved)} into an accountant that states "
                              f"a {unit(*mine)} spend: the guarantee would change meaning mid-run. Resume with the "
                              "privacy unit the run started with.")
+        saved_truncation = (None if state.get("truncated_batch_size") is None else
+                            (int(state["dataset_size"]), int(state["truncated_batch_size"])))
+        if saved_truncation != self.truncation:
+            def shape(t: tuple[int, int] | None) -> str:
+                return ("plain Poisson batches" if t is None else
+                        f"batches of one shape (truncated_batch_size={t[1]}, dataset_size={t[0]})")
+
+            raise ValueError(f"Cannot load a privacy history accounted for {shape(saved_truncation)} into an "
+                             f"accountant of {shape(self.truncation)}: each step's mechanism would change mid-run. "
+                             "Resume with the batch shape (max_batch_size) and training set the run started with.")
         self.value_discretization_interval = self._check_interval(
             state.get("value_discretization_interval", self.value_discretization_interval)
         )
@@ -656,8 +735,16 @@ class PLDAccountant(Accountant):
         # Mirrors PLDAccountant._maybe_compose for PoissonSampledDpEvent(q, GaussianDpEvent(sigma)), and for
         # MixtureOfGaussiansDpEvent(sigma, 0..k, Binomial(k, q)) where the unit is a user (ELS).
         key = (self.name, sigma, q, self.value_discretization_interval, self.adjacency, self.pessimistic_estimate,
-               self.examples_per_user if self._mixture else None)
+               self.examples_per_user if self._mixture else None, self.truncation)
         pld = _PLD_SINGLE_STEP_CACHE.get(key)
+        if pld is None and self.truncation is not None:
+            # Mirrors the library's TruncatedSubsampledGaussianDpEvent branch (pessimistic, connect the dots)
+            size, cap = self.truncation
+            pld = privacy_loss_distribution.from_truncated_subsampled_gaussian_mechanism(
+                dataset_size=size, sampling_probability=q, truncated_batch_size=cap, noise_multiplier=sigma,
+                value_discretization_interval=self.value_discretization_interval,
+                neighboring_relation=self.neighboring_relation)
+            _PLD_SINGLE_STEP_CACHE.put(key, pld)
         if pld is None and self._mixture:
             assert self.examples_per_user is not None
             sensitivities, probabilities = binomial_sensitivities(self.examples_per_user, q)
@@ -680,7 +767,7 @@ class PLDAccountant(Accountant):
 
     def _entry_pld(self, entry: HistoryEntry) -> privacy_loss_distribution.PrivacyLossDistribution:
         sigma, q, n = entry
-        if q == 1.0:
+        if q == 1.0 and self.truncation is None:
             # Mirrors the library's GaussianDpEvent branch: n Gaussian releases with std sigma
             # compose exactly into one with std sigma / sqrt(n) (a user's k records: sensitivity k, sigma / k).
             k = self.examples_per_user if self._mixture and self.examples_per_user is not None else 1
@@ -698,7 +785,7 @@ class PLDAccountant(Accountant):
         # fold followed by the remaining composes is the same sequence of operations.
         interval = self.value_discretization_interval
         flavour = (self.name, interval, self.adjacency, self.pessimistic_estimate,
-                   self.examples_per_user if self._mixture else None)
+                   self.examples_per_user if self._mixture else None, self.truncation)
         start, pld = 0, None
         for length in range(len(history), 0, -1):
             pld = _PLD_COMPOSED_CACHE.get((*flavour, history[:length]))
@@ -731,7 +818,8 @@ class PLDAccountant(Accountant):
         if self._group:
             raise ValueError("a group-privacy spend has no dp_accounting event: it converts the example-level "
                              "guarantee (group_epsilon); compose the example-level events, then convert.")
-        return history_to_dp_event(self._history, self.examples_per_user if self._mixture else None)
+        return history_to_dp_event(self._history, self.examples_per_user if self._mixture else None,
+                                   truncation=self.truncation)
 
     def privacy_profile(self, epsilons: Sequence[float]) -> np.ndarray:
         """``delta(eps)`` of the whole history at every epsilon of ``epsilons`` (the PLD's hockey-stick

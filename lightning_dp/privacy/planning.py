@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["CALIBRATE_FOR", "DataFacts", "event_shape", "own_planned_events", "planned_events", "trainer_events",
+__all__ = ["BatchShape", "CALIBRATE_FOR", "DataFacts", "event_shape", "own_planned_events", "planned_events", "trainer_events",
            "trainer_steps"]
 
 #: Which planned length a calibrated noise multiplier is for when the callback's and the Trainer's disagree.
@@ -65,6 +65,63 @@ class DataFacts:
             steps = math.ceil(batches_per_epoch / parts)
         return cls(dataset_size=dataset_size, sample_rate=expected / dataset_size, expected_batch_size=expected,
                    steps_per_epoch=steps, parts=parts)
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """Batches of one shape: each step holds at most ``max_batch_size`` examples (``per_rank`` on each of the
+    processes, ``per_rank / parts`` rows per micro-batch, padded), accounted as dp-accounting's
+    ``TruncatedSubsampledGaussianDpEvent`` over ``accounted_size`` records with bound ``per_rank``.
+
+    ``accounted_size = ceil((N + 1) / W)``: the most records one process samples from, in the training set or in a
+    neighbour with one more record (the truncation probability grows with it). A record lives on one process, whose
+    truncated Poisson batch is the only part of the release it changes; the other processes' sums are independent
+    of it, so each step is that process' truncated event.
+
+    Example:
+        >>> facts = DataFacts.of(dataset_size=1000, batch_size=50, world_size=2, parts=1, poisson_sampling=True)
+        >>> shape = BatchShape.of(128, facts, world_size=2)
+        >>> shape.per_rank, shape.accounted_size, round(shape.overflow_probability, 4)
+        (64, 501, 0.0187)
+    """
+
+    max_batch_size: int  #: all processes and micro-batches together
+    per_rank: int  #: one process' bound (the truncated event's ``truncated_batch_size``)
+    accounted_size: int  #: the truncated event's ``dataset_size``
+    overflow_probability: float  #: the chance per step that a process' Poisson batch exceeds ``per_rank``
+
+    @classmethod
+    def of(cls, max_batch_size: int | str, facts: DataFacts, *, world_size: int,
+           overflow_probability: float = 1e-6) -> BatchShape:
+        """The shape of ``max_batch_size`` (``"auto"``: suggested for ``overflow_probability``) for ``facts``.
+
+        Raises:
+            ValueError: a bound that is not a multiple of ``world_size * parts``, or below the expected batch.
+        """
+        from scipy import stats
+
+        from lightning_dp.privacy.sampling import suggest_max_batch_size
+
+        unit = world_size * facts.parts
+        if max_batch_size == "auto":
+            max_batch_size = suggest_max_batch_size(facts.dataset_size, facts.sample_rate, world_size=world_size,
+                                                    parts=facts.parts, overflow_probability=overflow_probability)
+        size = int(max_batch_size)
+        if size % unit:
+            raise ValueError(f"max_batch_size={size} is not a multiple of {unit} ({world_size} process(es) x "
+                             f"{facts.parts} micro-batch(es) per step): every process and micro-batch holds the same "
+                             f"number of rows. Pass {-(-size // unit) * unit}.")
+        if size < facts.expected_batch_size:
+            suggested = suggest_max_batch_size(facts.dataset_size, facts.sample_rate, world_size=world_size,
+                                               parts=facts.parts)
+            raise ValueError(f"max_batch_size={size} is below the expected batch size {facts.expected_batch_size}: "
+                             "most steps would be truncated, which costs privacy (a truncated step's record can "
+                             "replace another: twice the sensitivity) and biases the gradient. Pass a bound that a "
+                             f"Poisson batch rarely exceeds, e.g. {suggested} (max_batch_size='auto').")
+        accounted = math.ceil((facts.dataset_size + 1) / world_size)
+        per_rank = size // world_size
+        overflow = float(stats.binom.sf(per_rank, accounted, facts.sample_rate))
+        return cls(size, per_rank, accounted, overflow)
 
 
 def event_shape(poisson_sampling: bool, sample_rate: float) -> tuple[float, float]:

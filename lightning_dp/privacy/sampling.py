@@ -13,14 +13,15 @@ import numbers
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler, SequentialSampler
 
 from lightning_dp.privacy.noise import SAMPLING, derive_secret_generator
 
 __all__ = ["EmptySafeCollate", "PassMarkingBatchSampler", "PoissonBatchSampler", "UserPoissonBatchSampler",
-           "check_partition_sampler", "check_sample_rate", "poisson_dataloader", "rebuild_dataloader",
-           "split_indices", "user_poisson_dataloader"]
+           "check_partition_sampler", "check_sample_rate", "PaddingCollate", "poisson_dataloader",
+           "rebuild_dataloader", "split_indices", "suggest_max_batch_size", "user_poisson_dataloader"]
 
 
 def check_sample_rate(sample_rate: float) -> float:
@@ -52,6 +53,11 @@ class PoissonBatchSampler(BatchSampler):
         steps_per_epoch: (logical) batches per epoch; default ``ceil(1 / q)``.
         parts: micro-batches per logical batch (see the module docstring); ``len()`` is
             ``steps_per_epoch * parts``.
+        max_batch_size: batches of one shape: this rank's logical batch holds at most this many examples (when
+            Poisson sampling draws more, a uniformly random subset of them, drawn from the same secret stream);
+            :class:`PaddingCollate` fills every micro-batch to ``max_batch_size / parts`` rows and :meth:`rows` says
+            how many of them are real. Accounted as dp-accounting's ``TruncatedSubsampledGaussianDpEvent``
+            (:class:`~lightning_dp.privacy.accounting.PLDAccountant`'s ``truncated_batch_size``). None: no bound.
 
     Example:
         >>> s = PoissonBatchSampler(None, 2, False, num_samples=10, sample_rate=0.2, seed=0)
@@ -65,7 +71,7 @@ class PoissonBatchSampler(BatchSampler):
     def __init__(self, sampler: object = None, batch_size: int = 1, drop_last: bool = False, *, num_samples: int,
                  sample_rate: float, seed: int, rank: int = 0, world_size: int = 1,
                  start_step: Callable[[], int] | None = None, steps_per_epoch: int | None = None,
-                 parts: int = 1) -> None:
+                 parts: int = 1, max_batch_size: int | None = None) -> None:
         if drop_last:
             raise ValueError("drop_last=True is not allowed with Poisson sampling: batch sizes are random by design")
         if not 0 <= rank < world_size:
@@ -75,6 +81,11 @@ class PoissonBatchSampler(BatchSampler):
         if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
             raise ValueError(f"parts={parts!r} must be a positive integer (micro-batches per logical batch)")
         self.parts = parts
+        if max_batch_size is not None and (isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int)
+                                           or max_batch_size < parts or max_batch_size % parts):
+            raise ValueError(f"max_batch_size={max_batch_size!r} must be a positive multiple of parts={parts} (every "
+                             "micro-batch holds max_batch_size / parts rows)")
+        self.max_batch_size = max_batch_size
         self.batch_size = batch_size
         self.drop_last = False
         self.num_samples = int(num_samples)
@@ -93,7 +104,25 @@ class PoissonBatchSampler(BatchSampler):
         # the seed is the run's secret one (DPSGD's): amplification by sampling assumes nobody can recompute the batch
         g = derive_secret_generator(self.seed, SAMPLING, step, self.rank)
         mask = torch.rand(self.indices.numel(), generator=g) < self.sample_rate
-        return self.indices[mask].tolist()
+        drawn = self.indices[mask]
+        cap = self.max_batch_size
+        if cap is not None and drawn.numel() > cap:
+            # truncation (arXiv 2508.15089): a uniformly random subset of the drawn examples, from the same secret
+            # stream, kept in index order (which examples remain must not depend on where they sit in the data)
+            keep = torch.randperm(drawn.numel(), generator=g)[:cap].sort().values
+            drawn = drawn[keep]
+        return drawn.tolist()
+
+    def rows(self, step: int, part: int) -> int:
+        """How many of the rows of micro-batch ``part`` of step ``step`` are real examples (the rest pad it to
+        ``max_batch_size / parts``); recomputed from the secret seed, as any copy of this sampler would."""
+        key = (int(step), int(part))
+        cached = getattr(self, "_rows", {})
+        if key not in cached:
+            parts = split_indices(self.batch(step), self.parts)
+            cached = {(int(step), j): len(chunk) for j, chunk in enumerate(parts)}  # only the latest step's
+            self._rows = cached
+        return cached[key]
 
     def __iter__(self) -> Iterator[list[int]]:
         start = int(self.start_step())
@@ -218,6 +247,58 @@ class EmptySafeCollate:
         return _empty_like(self.collate_fn([self.dataset[0]]))  # type: ignore[index]
 
 
+def _zero_like(sample: object) -> object:
+    """An example of ``sample``'s structure, dtypes and shapes that holds nothing: tensors and arrays of zeros,
+    numbers 0, strings empty.
+
+    Raises:
+        TypeError: a value of another kind (its content cannot be blanked).
+    """
+    if isinstance(sample, torch.Tensor):
+        return torch.zeros_like(sample)
+    if isinstance(sample, (bool, np.bool_)):
+        return type(sample)(False)
+    if isinstance(sample, numbers.Number):
+        return type(sample)(0)  # type: ignore[call-arg]
+    if isinstance(sample, (str, bytes)):
+        return type(sample)()
+    if isinstance(sample, tuple) and hasattr(sample, "_fields"):  # namedtuple
+        namedtuple_class: Any = type(sample)
+        return namedtuple_class(*(_zero_like(v) for v in sample))
+    if isinstance(sample, (list, tuple)):
+        return type(sample)(_zero_like(v) for v in sample)
+    if isinstance(sample, dict):
+        return type(sample)((k, _zero_like(v)) for k, v in sample.items())
+    if isinstance(sample, np.ndarray):
+        return np.zeros_like(sample)
+    raise TypeError(f"an example holds a {type(sample).__name__}, which cannot be blanked to pad a batch of one shape "
+                    "(tensors, arrays, numbers, strings and lists, tuples or dicts of them can).")
+
+
+class PaddingCollate:
+    """Wraps a collate function so that every batch holds exactly ``rows`` examples: the sampled ones first, then
+    blank ones (:func:`_zero_like` of example 0: its structure and shapes, none of its values) that the private step
+    masks out (:meth:`PoissonBatchSampler.rows` says how many are real). Batches of one shape let a compiled step
+    (and CUDA graphs) run every step without recompiling, with memory bounded by ``rows``.
+
+    Example:
+        >>> collate = PaddingCollate(torch.utils.data.default_collate, [torch.ones(2)], rows=3)
+        >>> collate([torch.full((2,), 5.0)])
+        tensor([[5., 5.],
+                [0., 0.],
+                [0., 0.]])
+    """
+
+    def __init__(self, collate_fn: Callable[[list[object]], object], dataset: object, rows: int) -> None:
+        self.collate_fn, self.rows = collate_fn, int(rows)
+        self.blank = _zero_like(dataset[0])  # type: ignore[index]
+
+    def __call__(self, samples: list[object]) -> object:
+        if len(samples) > self.rows:
+            raise RuntimeError(f"a batch of {len(samples)} examples exceeds max_batch_size's {self.rows} rows (internal)")
+        return self.collate_fn(list(samples) + [self.blank] * (self.rows - len(samples)))
+
+
 def rebuild_dataloader(loader: DataLoader, *, batch_sampler: Sampler[list[int]] | Iterable[list[int]],
                        collate_fn: Callable | None = None) -> DataLoader:
     """A copy of ``loader`` (same dataset, collate and worker settings) drawing batches from ``batch_sampler``."""
@@ -245,15 +326,48 @@ def with_dataset(loader: DataLoader, dataset: Dataset, *, collate_fn: Callable |
 
 def poisson_dataloader(loader: DataLoader, *, sample_rate: float, seed: int, rank: int = 0, world_size: int = 1,
                        start_step: Callable[[], int] | None = None, parts: int = 1,
-                       steps_per_epoch: int | None = None) -> DataLoader:
+                       steps_per_epoch: int | None = None, max_batch_size: int | None = None) -> DataLoader:
     """A copy of ``loader`` (same dataset, collate and worker settings) with Poisson batches, each yielded in
-    ``parts`` micro-batches (:class:`PoissonBatchSampler`)."""
+    ``parts`` micro-batches (:class:`PoissonBatchSampler`); with ``max_batch_size`` (this rank's), batches of one
+    shape: truncated to it and padded (:class:`PaddingCollate`)."""
     # a map-style dataset has __len__, which torch's Dataset does not declare
     batch_sampler = PoissonBatchSampler(None, loader.batch_size or 1, False, num_samples=len(loader.dataset),  # type: ignore[arg-type]
                                         sample_rate=sample_rate, seed=seed, rank=rank, world_size=world_size,
-                                        start_step=start_step, parts=parts, steps_per_epoch=steps_per_epoch)
-    return rebuild_dataloader(loader, batch_sampler=batch_sampler,
-                              collate_fn=EmptySafeCollate(loader.collate_fn, loader.dataset))
+                                        start_step=start_step, parts=parts, steps_per_epoch=steps_per_epoch,
+                                        max_batch_size=max_batch_size)
+    collate: Callable[[list[object]], object] = (
+        EmptySafeCollate(loader.collate_fn, loader.dataset) if max_batch_size is None else
+        PaddingCollate(loader.collate_fn, loader.dataset, rows=max_batch_size // parts))
+    return rebuild_dataloader(loader, batch_sampler=batch_sampler, collate_fn=collate)
+
+
+def suggest_max_batch_size(dataset_size: int, sample_rate: float, *, overflow_probability: float = 1e-6,
+                           world_size: int = 1, parts: int = 1) -> int:
+    """The smallest ``max_batch_size`` (all ranks together, a multiple of ``world_size * parts``) at which a rank's
+    Poisson batch overflows it with probability at most ``overflow_probability`` per step.
+
+    A rank holds at most ``n = ceil((N + 1) / W)`` examples (one more in a neighbouring dataset) and draws
+    Binomial(n, q) of them; its bound ``M_r`` is the smallest with ``P(Binomial(n, q) > M_r) <= p``. An overflow
+    costs privacy, not correctness: the truncated event's epsilon grows with the overflow probability (at
+    ``p = 1e-6`` it is within 0.1 % of plain Poisson sampling's over thousands of steps; docs/privacy.md,
+    "Batches of one shape").
+
+    Example:
+        >>> suggest_max_batch_size(60_000, 256 / 60_000)
+        335
+    """
+    from scipy import stats
+
+    if not 0 < overflow_probability < 1:
+        raise ValueError(f"overflow_probability={overflow_probability!r} must be in (0, 1): the chance per step that a "
+                         "Poisson batch holds more than max_batch_size examples (e.g. 1e-6)")
+    n = math.ceil((int(dataset_size) + 1) / int(world_size))
+    per_rank = int(stats.binom.isf(overflow_probability, n, check_sample_rate(sample_rate)))
+    while stats.binom.sf(per_rank, n, sample_rate) > overflow_probability:
+        per_rank += 1
+    per_rank = max(per_rank, 1)
+    per_rank = -(-per_rank // int(parts)) * int(parts)  # every micro-batch holds the same rows
+    return per_rank * int(world_size)
 
 
 class PassMarkingBatchSampler:

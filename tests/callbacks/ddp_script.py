@@ -77,7 +77,10 @@ def main(out: Path, tracking_uri: str) -> None:
     # unsplit DDP step (2 ranks x 10): the same logical Poisson batches, released once
     virtual = {}
     for name, batch, kwargs, dp_kwargs in (("unsplit", 10, {}, {}),
-                                           ("split", 5, {"accumulate_grad_batches": 2}, {"max_physical_batch_size": 3})):
+                                           ("split", 5, {"accumulate_grad_batches": 2}, {"max_physical_batch_size": 3}),
+                                           # batches of one shape (issue 53): 2 ranks x 2 micro-batches of 16 rows
+                                           ("static", 5, {"accumulate_grad_batches": 2},
+                                            {"max_physical_batch_size": 3, "max_batch_size": 64})):
         torch.manual_seed(0)
         m = Classifier().double()
         cb = DPSGD(noise_multiplier=1.0, max_grad_norm=1.0, seed=8, **dp_kwargs)
@@ -86,7 +89,8 @@ def main(out: Path, tracking_uri: str) -> None:
         tv = L.Trainer(max_epochs=2, logger=False, callbacks=[cb], **common, **kwargs)
         tv.fit(m, train_dataloaders=loader)
         virtual[name] = {"params": torch.cat([p.detach().reshape(-1) for p in m.parameters()]),
-                         "history": cb.accountant.history, "steps": tv.global_step}
+                         "history": cb.accountant.history, "steps": tv.global_step,
+                         "truncation": getattr(cb.accountant, "truncation", None), "epsilon": cb.epsilon}
     # 6. user-level sampling (ULS): users sharded over ranks, each user's records on one rank, clipped as one
     x, y = blobs(141).tensors
     users = torch.utils.data.TensorDataset(x, y)

@@ -117,6 +117,26 @@ def test_virtual_batches_release_the_unsplit_step_under_ddp(ddp_run):
     assert torch.equal(r0["virtual"]["split"]["params"], r1["virtual"]["split"]["params"])
 
 
+def test_batches_of_one_shape_release_the_unsplit_step_under_ddp(ddp_run):
+    """Issue 53: max_batch_size=64 on 2 ranks (32 rows per rank, 2 micro-batches of 16, chunks of 3): each rank
+    pads its shard's batch and masks the padding, so the release equals the unsplit run's (float64; no batch
+    reaches 32 of a rank's 100 at q = 0.1: P < 1e-7 per step), accounted as the truncated event over the
+    ceil(201 / 2) = 101 records a rank samples from."""
+    from dp_accounting import SelfComposedDpEvent, TruncatedSubsampledGaussianDpEvent
+    from dp_accounting.pld import PLDAccountant
+
+    (r0, r1), _ = ddp_run
+    for r in (r0, r1):
+        unsplit, static = r["virtual"]["unsplit"], r["virtual"]["static"]
+        assert static["steps"] == unsplit["steps"] == 20 and static["history"] == unsplit["history"]
+        assert static["truncation"] == (101, 32)
+        torch.testing.assert_close(static["params"], unsplit["params"], rtol=0, atol=1e-12)
+        library = PLDAccountant().compose(SelfComposedDpEvent(TruncatedSubsampledGaussianDpEvent(101, 0.1, 32, 1.0),
+                                                              20)).get_epsilon(1e-5)
+        assert static["epsilon"] == pytest.approx(library, rel=1e-9)
+    assert torch.equal(r0["virtual"]["static"]["params"], r1["virtual"]["static"]["params"])
+
+
 def test_user_sampling_shards_users_and_releases_one_step_on_every_rank(ddp_run):
     """Issue 51: under DDP rank r samples users r, r + 2, ... with all their kept records; the users' clipped means
     are summed over ranks once and every rank applies the same release."""
