@@ -92,6 +92,13 @@ CASES = {
                                                     nn.Linear(2 * 31, 2)),
                               lambda g: torch.randn(4, 2, 3, 3, 3, generator=g),
                               lambda g: torch.randint(0, 2, (4,), generator=g)),
+    # 8 and more input channels per group: the per-sample gradients are one grouped convolution backward
+    "wide_convs_grouped_backward": (
+        lambda: nn.Sequential(nn.Conv1d(8, 16, 3, padding=2, dilation=2, padding_mode="circular"), nn.Unflatten(1, (4, 4)),
+                              nn.Conv2d(4, 16, 1), nn.Conv2d(16, 16, 3, stride=2, padding=1, groups=2), nn.Tanh(),
+                              nn.Conv2d(16, 8, 2, padding="same", padding_mode="reflect", bias=False),
+                              nn.Unflatten(1, (8, 1)), nn.Conv3d(8, 4, (1, 2, 2)), nn.Flatten(), nn.Linear(4, 3)),
+        lambda g: torch.randn(5, 8, 4, generator=g), lambda g: torch.randint(0, 3, (5,), generator=g)),
     "sequence_linear": (lambda: nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Flatten(), nn.Linear(30, 2)),
                         lambda g: torch.randn(8, 5, 4, generator=g), lambda g: torch.randint(0, 2, (8,), generator=g)),
 }

@@ -114,8 +114,12 @@ class Groups:
 
 
 def _row_sq(t: Tensor) -> Tensor:
-    """``||t_b||^2`` over everything but dimension 0: two operations (``(B, d)`` and ``(B, ...)`` alike)."""
-    return t.square().sum(1) if t.dim() == 2 else t.square().reshape(t.shape[0], -1).sum(1)
+    """``||t_b||^2`` over everything but dimension 0, in two operations: squares and a sum for a small tensor (its
+    rows' widths are factors of a norm), one pass of ``vector_norm`` for a large one (per-sample gradients: no
+    temporary as large as they are)."""
+    if t.numel() <= 2**16:
+        return t.square().sum(1) if t.dim() == 2 else t.square().reshape(t.shape[0], -1).sum(1)
+    return torch.linalg.vector_norm(t.reshape(t.shape[0], -1), dim=1).square()
 
 
 def _as(t: Tensor, dtype: torch.dtype) -> Tensor:

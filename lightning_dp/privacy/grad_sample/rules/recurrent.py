@@ -108,6 +108,9 @@ class RecurrentRule(LayerRule):
             h0 = h0[order]
             c0 = c0[order] if c0 is not None else None
         steps = x.shape[1]
+        # LSTM and RNN add the two pre-activations (gi + gh) before any nonlinearity: their gradients are equal, so
+        # the recurrent weight's is read from the input's (one tensor, not one per step); GRU's differ (r * hn)
+        shared_pre = True if mode != "GRU" else None
 
         def tracked(t: Tensor) -> Tensor:  # a pre-activation whose gradient we ask for must be in the graph
             return t if t.requires_grad else t.detach().requires_grad_()
@@ -130,6 +133,10 @@ class RecurrentRule(LayerRule):
                     b_ih = getattr(m, "bias_ih" + sfx).detach().to(x.dtype) if m.bias else None
                     b_hh = getattr(m, "bias_hh" + sfx).detach().to(x.dtype) if m.bias else None
                     gi = tracked(torch.nn.functional.linear(inp, w_ih, b_ih))  # (B, T, G*H)
+                    # one view per step, taken at once: the backward of unbind stacks the steps' gradients once,
+                    # where indexing gi[:, t] at every step gave each step's gradient as a zero-filled (B, T, G*H)
+                    # tensor added into gi's (T^2 traffic: 0.5 s of a 1 s profile of three LSTM steps, issue 53)
+                    gi_steps = gi.unbind(1)
                     h = h0[:, layer_index * dirs + d]
                     c = c0[:, layer_index * dirs + d] if c0 is not None else None  # c0: LSTM only
                     # filled in time order (reversed for the backward direction)
@@ -138,8 +145,9 @@ class RecurrentRule(LayerRule):
                     prevs: list[Any] = [None] * steps
                     for t in (range(steps - 1, -1, -1) if d else range(steps)):
                         prevs[t] = h.detach()
-                        ghs[t] = tracked(torch.nn.functional.linear(h, w_hh, b_hh))
-                        h_new, c_new = _cell(mode, gi[:, t], ghs[t], h, c)
+                        gh = torch.nn.functional.linear(h, w_hh, b_hh)
+                        ghs[t] = tracked(gh) if shared_pre is None else gh
+                        h_new, c_new = _cell(mode, gi_steps[t], ghs[t], h, c)
                         if valid is not None:  # a finished (or, reversed, not yet started) sequence keeps its state
                             keep = valid[:, t:t + 1]
                             h_new = torch.where(keep, h_new, h)
@@ -153,8 +161,11 @@ class RecurrentRule(LayerRule):
                     finals_c.append(c)
                     plan.append(("weight_ih" + sfx, "bias_ih" + sfx, inp.detach(), len(pre), 0))
                     pre.append(gi)
-                    plan.append(("weight_hh" + sfx, "bias_hh" + sfx, torch.stack(prevs, 1), len(pre), steps))
-                    pre.extend(ghs)
+                    if shared_pre is None:
+                        plan.append(("weight_hh" + sfx, "bias_hh" + sfx, torch.stack(prevs, 1), len(pre), steps))
+                        pre.extend(ghs)
+                    else:  # the same pre-activation gradient as the input's (see shared_pre)
+                        plan.append(("weight_hh" + sfx, "bias_hh" + sfx, torch.stack(prevs, 1), len(pre) - 1, 0))
                 inp = torch.cat(outs, -1) if dirs > 1 else outs[0]
             outputs = [inp, torch.stack(finals_h, 1)] + ([torch.stack(finals_c, 1)] if lstm else [])
             if packed:  # output leaves: the packed output (data, batch_sizes, sorted, unsorted), h_n, c_n
