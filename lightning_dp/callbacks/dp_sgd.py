@@ -384,8 +384,9 @@ class DPSGD(Callback):
         self.calibration.stop_when_spent(trainer, batch_idx)
         self.record.log(trainer, pl_module, batch_idx, self._privacy_metrics)
 
-    def _privacy_metrics(self, step: int) -> dict[str, float]:
-        return self.record.metrics(step, self.epsilon, self.calibration.varying_rate(),
+    def _privacy_metrics(self, step: int, interim: bool = False) -> dict[str, float]:
+        epsilon = self._accountant.interim_epsilon(self.target_delta) if interim else self.epsilon
+        return self.record.metrics(step, epsilon, self.calibration.varying_rate(),
                                    self.private_step.nonprivate_metrics(), self.clipping)
 
     def _end(self, trainer: Trainer) -> None:

@@ -77,6 +77,15 @@ def test_epsilon_equals_library_value_and_is_logged():
         set(logged) | logger.metric_names)
     assert 0.0 <= logged["nonprivate/clipped_fraction"] <= 1.0
 
+    # the writes inside an epoch are the accountant's cheaper bound (the PLD at 1e-3); an epoch's end and the last
+    # write its own (1e-4)
+    series = [(step, m["privacy/epsilon"]) for step, m in logger.metrics if "privacy/epsilon" in m]
+    assert [step for step, _ in series] == list(range(20)) and series[-1][1] == pytest.approx(expected, rel=1e-9)
+    coarse = dpa.pld.PLDAccountant(value_discretization_interval=1e-3)
+    coarse.compose(dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(0.1, dpa.GaussianDpEvent(1.1)), 5))
+    assert series[4][1] == pytest.approx(coarse.get_epsilon(1e-5), rel=1e-9)
+    assert series[9][1] == pytest.approx(library_epsilon(1.1, 0.1, 10), rel=1e-9)
+
 
 def test_gradient_is_clipped_sum_over_expected_batch_size():
     """With negligible noise the released gradient equals the naive clipped sum / (q N)."""
