@@ -171,3 +171,31 @@ def test_one_run_audit_refused():
     dp = DPSGD(noise_multiplier=1.0, max_grad_norm=1.0, seed=0, max_batch_size=64)
     with pytest.raises(MisconfigurationException, match="max_batch_size=None"):
         dp.attach_audit(OneRunAudit(num_canaries=10))
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_mixed_precision_and_frozen_layers_follow_the_dynamic_release(precision):
+    """A half-precision forward and an adapter-like model (the first layer frozen): the padded step still releases
+    what the dynamic one releases (to bfloat16's rounding of the forward under bf16-mixed)."""
+    grads = {}
+    for bound in (None, 48):
+        torch.manual_seed(0)
+        model = Classifier()
+        model.net[0].requires_grad_(False)  # only the head trains, as with adapters
+        dp = DPSGD(noise_multiplier=1.1, max_grad_norm=1.0, seed=3, max_batch_size=bound)
+        seen: list[list[torch.Tensor]] = []
+
+        class HeadGrads(L.Callback):
+            def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+                assert pl_module.net[0].weight.grad is None  # frozen: never trained
+                seen.append([p.grad.clone() for p in pl_module.net[2].parameters()])
+
+        trainer(max_epochs=1, callbacks=[dp, HeadGrads()], precision=precision).fit(model,
+                                                                                     BlobsData(n=200, batch_size=20))
+        grads[bound] = seen
+    tolerance = 2e-2 if precision == "bf16-mixed" else 1e-6
+    assert len(grads[48]) == len(grads[None]) == 10
+    for g_static, g_dyn in zip(grads[48], grads[None]):
+        for a, b in zip(g_static, g_dyn):  # the head's weight and bias
+            assert torch.isfinite(a).all()
+            torch.testing.assert_close(a, b, rtol=0, atol=tolerance)
