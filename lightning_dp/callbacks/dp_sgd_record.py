@@ -158,10 +158,10 @@ class Record:
         """After a released step: log its metrics where Lightning writes them (its cadence, or a stop) and at every
         epoch end (the progress bar's epsilon); nothing is written with ``log_every_n_steps=0``.
 
-        ``metrics(step, interim)``: the writes inside an epoch before the run's last take the accountant's cheaper
-        bound (:meth:`~lightning_dp.privacy.accounting.Accountant.interim_epsilon`, an upper bound too: a PLD at 1e-3
-        instead of 1e-4, 13-16 ms instead of 80-130 ms per write); an epoch's end (the progress bar's value), the
-        last write, and :meth:`end`'s, the accountant's own.
+        ``metrics(step, interim)``: the writes before the run's last (an epoch's end, the progress bar's value,
+        included) take the accountant's cheaper bound (:meth:`~lightning_dp.privacy.accounting.Accountant.
+        interim_epsilon`, an upper bound too: a PLD at 1e-3 instead of 1e-4, 13-16 ms instead of 80-130 ms per
+        write); the last write, and :meth:`end`'s, the accountant's own.
         """
         every = trainer.log_every_n_steps
         epoch_end = batch_idx + 1 >= trainer.num_training_batches
@@ -171,7 +171,7 @@ class Record:
         step = trainer.global_step
         last = bool(trainer.should_stop) or (0 < trainer.max_steps <= step) or (
             epoch_end and trainer.max_epochs is not None and 0 <= trainer.max_epochs <= trainer.current_epoch + 1)
-        interim = not (last or epoch_end)  # an epoch's end shows the bar's epsilon: the accountant's own, once per epoch
+        interim = not last
         for name, value in metrics(step, interim).items():
             # float64 tensors: Lightning would store a Python float as float32 and round the spend
             pl_module.log(name, torch.tensor(value, dtype=torch.float64), on_step=True, on_epoch=False,
