@@ -470,9 +470,10 @@ def _try_build(method, model_name, batch_size, device):
         return None, f"{type(err).__name__}: {str(err).splitlines()[0][:150]}"
 
 
-def time_all(methods, model_name, batch_size, rounds, steps, device, counts=None):
+def time_all(methods, model_name, batch_size, rounds, steps, device, counts=None, clock=time.perf_counter):
     """Median seconds per step of every method (interleaved rounds); with a dict ``counts``, also each method's
-    operation counts per step (:func:`count_ops`, measured after the timing, so the profiler does not slow it)."""
+    operation counts per step (:func:`count_ops`, measured after the timing, so the profiler does not slow it).
+    ``clock``: ``time.perf_counter`` (wall) or ``time.thread_time`` (this thread's CPU time: one thread only)."""
     built = {m: _try_build(m, model_name, batch_size, device) for m in methods}
     fns = {m: fn for m, (fn, _) in built.items() if fn is not None}
     errors = {m: err for m, (_, err) in built.items() if err is not None}
@@ -484,12 +485,12 @@ def time_all(methods, model_name, batch_size, rounds, steps, device, counts=None
         for m, fn in fns.items():
             if device == "cuda":
                 torch.cuda.synchronize()
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(steps):
                 fn()
             if device == "cuda":
                 torch.cuda.synchronize()
-            times[m].append((time.perf_counter() - t0) / steps)
+            times[m].append((clock() - t0) / steps)
     if counts is not None:
         for m, fn in fns.items():
             counts[m] = count_ops(fn, device)
@@ -554,6 +555,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's, 2 on the CI machine)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="wall: elapsed time; cpu: the CPU time of the thread that runs the steps (needs --threads "
+                             "1 and --device cpu: on a machine shared with other work, the time the step computed "
+                             "rather than the time it waited for a core)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--breakdown", action="store_true",
                         help="only: where lightning-dp's step spends its time (see breakdown())")
@@ -565,6 +571,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="only: torch.profiler's table of METHOD's step (the operators by their own CPU time, "
                              "and the host-device synchronizations)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.clock == "cpu" and (torch.get_num_threads() != 1 or args.device != "cpu"):
+        parser.error("--clock cpu times the calling thread alone: pass --threads 1 and --device cpu")
     batch_size = args.batch_size or MODELS[args.model][2]
     if args.profile:
         profile(args.profile, args.model, batch_size, args.device)
@@ -579,11 +589,12 @@ def main(argv: list[str] | None = None) -> None:
     if "nonprivate" not in methods:
         methods.insert(0, "nonprivate")
     counts: dict[str, dict[str, float]] | None = {} if args.count_ops else None
-    times, errors = time_all(methods, args.model, batch_size, args.rounds, args.steps, args.device, counts)
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    times, errors = time_all(methods, args.model, batch_size, args.rounds, args.steps, args.device, counts, clock)
     memory = {} if args.no_memory else {m: peak_memory(m, args.model, batch_size, args.device) for m in times}
     base = times["nonprivate"]
     print(f"{args.model}, batch {batch_size}, device {args.device}, torch {torch.__version__}, threads "
-          f"{torch.get_num_threads()}, {args.rounds} rounds x {args.steps} steps")
+          f"{torch.get_num_threads()}, {args.rounds} rounds x {args.steps} steps, {args.clock} clock")
     keys = [k for k in ("aten", "aten_all", "kernels", "python") if counts and k in counts.get("nonprivate", {})]
     header = "".join(f" {k:>9}" for k in keys)
     print(f"{'method':<14} {'ms/step':>9} {'x non-private':>14} {'peak MiB':>9}{header}")

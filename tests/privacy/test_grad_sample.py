@@ -92,7 +92,8 @@ CASES = {
                                                     nn.Linear(2 * 31, 2)),
                               lambda g: torch.randn(4, 2, 3, 3, 3, generator=g),
                               lambda g: torch.randint(0, 2, (4,), generator=g)),
-    # 8 and more input channels per group: the per-sample gradients are one grouped convolution backward
+    # 8 and more input channels per group (the grouped convolution backward at 64 positions and more: see
+    # test_wide_convolutions_through_the_grouped_backward)
     "wide_convs_grouped_backward": (
         lambda: nn.Sequential(nn.Conv1d(8, 16, 3, padding=2, dilation=2, padding_mode="circular"), nn.Unflatten(1, (4, 4)),
                               nn.Conv2d(4, 16, 1), nn.Conv2d(16, 16, 3, stride=2, padding=1, groups=2), nn.Tanh(),
@@ -130,6 +131,24 @@ def test_norms_and_clipped_sum_match_naive_loop(case, c):
     assert torch.all((factors * ref.norm(dim=1)) <= c)
     # the engine restored requires_grad on every parameter
     assert all(p.requires_grad for p in model.parameters())
+
+
+@pytest.mark.parametrize("c", [1e-3, 0.5])
+def test_wide_convolutions_through_the_grouped_backward(monkeypatch, c):
+    """Convolutions with 8 and more input channels per group (circular padding and dilation, groups, reflect 'same'
+    padding, 3-D) take their per-sample gradients from one grouped convolution backward: exact against the loop."""
+    import lightning_dp.privacy.grad_sample.rules.conv as conv
+
+    monkeypatch.setattr(conv, "GROUPED_BACKWARD_MIN_POSITIONS", 1)  # the test's layers have 1 to 4 positions
+    calls = []
+    grouped = conv._grouped_conv_grads
+    monkeypatch.setattr(conv, "_grouped_conv_grads", lambda *a: calls.append(1) or grouped(*a))
+    model, x, y, ref = prepared("wide_convs_grouped_backward", seed=1)
+    norms, flat = engine_result(model, F.cross_entropy, x, y, c)
+    assert len(calls) == 4
+    torch.testing.assert_close(norms, ref.norm(dim=1), rtol=1e-9, atol=1e-12)
+    factors = clip_factors(ref.norm(dim=1), c)
+    torch.testing.assert_close(flat, (factors[:, None] * ref).sum(0), rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize("case", ["mnist_cnn", "conv_same_reflect", "text_embedding_conv1d_groupnorm"])

@@ -1,8 +1,11 @@
 """Convolutions: ``nn.Conv1d/2d/3d`` and ``nn.ConvTranspose1d/2d/3d`` (any groups, stride, padding, dilation).
 
-Input windows (``Tensor.unfold``) and the output gradient, contracted by one batched matrix product per step
-(ghost norms past the engine's ``instantiate_limit``); a transposed convolution swaps the roles. Why this layout
-and the measurements: docs/per_sample_gradients.md, "How the rules work".
+On a CPU, a convolution with :data:`GROUPED_BACKWARD_MIN_CHANNELS` or more input channels per group and
+:data:`GROUPED_BACKWARD_MIN_POSITIONS` or more output positions gets its per-sample weight gradients from one grouped
+convolution backward (the batch folded into the groups: measured only on CPUs). Otherwise: input
+windows (``Tensor.unfold``) and the output gradient, contracted by one batched matrix product per step (ghost norms
+past the engine's ``instantiate_limit``); a transposed convolution swaps the roles. Why this layout and the
+measurements: docs/per_sample_gradients.md, "How the rules work", and docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -72,13 +75,16 @@ def _chunk(batch: int, patch_elements: int, input_elements: int) -> int:
     return max(1, max(batch * input_elements, SCRATCH_FLOOR_ELEMENTS) // max(patch_elements, 1))
 
 
-#: Input channels per group from which a convolution's per-sample gradients are one grouped convolution backward
-#: (:func:`_grouped_conv_grads`) rather than windows and a batched matrix product (:func:`_grouped_grads`). Measured on
-#: 2 CPU cores (1 thread, thread CPU time, torch 2.13, one layer at a time; docs/benchmarks.md): with 16 and more
-#: channels the grouped backward took 0.4-1.1x the time of the windows (3.95 vs 9.4 ms for ResNet-8's 16 -> 16 3x3
-#: convolutions at 32 x 32, 15.5 vs 60 ms for the stride-1 CNN's 16 -> 32 4x4), with 1 or 3 channels 1.0-2.8x (5.2 vs
-#: 1.9 ms for ResNet-8's 3-channel stem).
+#: Input channels per group and output positions per example from which a convolution's per-sample gradients are one
+#: grouped convolution backward (:func:`_grouped_conv_grads`) rather than windows and a batched matrix product
+#: (:func:`_grouped_grads`). Measured on 2 CPU cores (1 thread, thread CPU time, torch 2.13; docs/benchmarks.md): one
+#: layer at a time, with 16 and more channels the grouped backward took 0.4-1.1x the time of the windows (3.95 vs 9.4
+#: ms for ResNet-8's 16 -> 16 3x3 convolutions at 32 x 32, 15.5 vs 60 ms for the stride-1 CNN's 16 -> 32 4x4), with 1
+#: or 3 channels 1.0-2.8x (5.2 vs 1.9 ms for ResNet-8's 3-channel stem); in whole steps, ResNet-8 (64 to 1,024
+#: positions) 120 vs 147 ms and the stride-1 CNN (289 and 441) 159 vs 196 ms, but the MNIST CNN's 16 -> 32 4x4 layer
+#: at 25 positions 53 vs 42 ms, though 3.5 vs 4.4 ms alone.
 GROUPED_BACKWARD_MIN_CHANNELS = 8
+GROUPED_BACKWARD_MIN_POSITIONS = 64
 
 
 def _grouped_conv_grads(m: nn.modules.conv._ConvNd, x: Tensor, go: Tensor) -> Tensor:
@@ -141,7 +147,8 @@ class ConvRule(_ConvBase):
         out = {}
         if "weight" in layer.trainable:
             if self._instantiates(layer, batch_size) and m.in_channels // m.groups >= GROUPED_BACKWARD_MIN_CHANNELS \
-                    and math.prod(m.kernel_size) > 1 and m.weight.device.type == "cpu":  # measured on CPUs only
+                    and math.prod(m.kernel_size) > 1 and m.weight.device.type == "cpu" \
+                    and math.prod(records[0].grad_outputs[0].shape[2:]) >= GROUPED_BACKWARD_MIN_POSITIONS:
                 total = None
                 for r in records:
                     g = _grouped_conv_grads(m, r.input(0), r.grad_outputs[0])
