@@ -199,3 +199,23 @@ def test_mixed_precision_and_frozen_layers_follow_the_dynamic_release(precision)
         for a, b in zip(g_static, g_dyn):  # the head's weight and bias
             assert torch.isfinite(a).all()
             torch.testing.assert_close(a, b, rtol=0, atol=tolerance)
+
+
+@pytest.mark.parametrize("strategy", ["quantile", "oso"])
+def test_adaptive_clipping_counts_and_dot_products_leave_the_padding_out(strategy):
+    """QuantileClipping's unclipped count and OSO's dot products see only the sampled rows: their released
+    thresholds follow the dynamic mode's step for step."""
+    from lightning_dp.callbacks import OnlineSensitivity, QuantileClipping
+
+    traces = {}
+    for bound in (None, 48):
+        torch.manual_seed(0)
+        cb = (QuantileClipping(noise_multiplier=1.0, count_noise_std=2.0, seed=6, max_batch_size=bound)
+              if strategy == "quantile" else
+              OnlineSensitivity(noise_multiplier=1.0, clip_lr=0.2, lr_lr=0.1, seed=5, max_batch_size=bound))
+        x, y = blobs(200).tensors
+        trainer(max_epochs=1, callbacks=[cb]).fit(Classifier().double(), train_dataloaders=DataLoader(
+            TensorDataset(x.double(), y), batch_size=20))
+        traces[bound] = [c for _, c, *_ in cb.clipping.trace]
+    assert len(traces[48]) == len(traces[None]) == 10
+    assert traces[48] == pytest.approx(traces[None], rel=1e-9)
