@@ -21,6 +21,7 @@ Usage:
     python benchmarks/bench_lightning_fit.py                   # MNIST CNN, 12,800 random images, batch 256
     python benchmarks/bench_lightning_fit.py --repeats 5 --log-every 10 --runs plain,DPSGD
     python benchmarks/bench_lightning_fit.py --model digits_mlp --runs plain,DPSGD --repeats 5
+    python benchmarks/bench_lightning_fit.py --runs plain,DPSGD,DPSGD-static   # batches of one shape (padded)
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ RUNS = {
     "plain": lambda: [],
     "DPSGD": lambda: [DPSGD(noise_multiplier=1.0, max_grad_norm=1.0, seed=0)],
     "DPSGD-unchecked": lambda: [UncheckedDPSGD(noise_multiplier=1.0, max_grad_norm=1.0, seed=0)],
+    # batches of one shape (issue 53): truncated at the bound a batch exceeds with probability 1e-6, padded
+    "DPSGD-static": lambda: [DPSGD(noise_multiplier=1.0, max_grad_norm=1.0, seed=0, max_batch_size="auto")],
     "OnlineSensitivity": lambda: [OnlineSensitivity(noise_multiplier=1.0, seed=0)],
     "QuantileClipping": lambda: [QuantileClipping(noise_multiplier=1.0, seed=0)],
 }
