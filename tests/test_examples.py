@@ -118,21 +118,26 @@ def test_pdpfl_figures_redraw_from_their_tables(tmp_path):
     spec = importlib.util.spec_from_file_location("pdpfl_figures", ROOT / "pdpfl" / "figures.py")
     figures = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(figures)
-    fig2 = [{"partition": p, "level": lvl, "round": str(r), "norm_mean": "1.5", "norm_std": "0.1"}
-            for p in figures.PARTITIONS for lvl, _, _ in figures.LEVELS for r in (1, 2)]
+    fig2 = [{"partition": p, "level": lvl, "seed": str(s), "round": str(r), "norm_mean": str(1.5 + s / 10),
+             "norm_std": "0.1"} for s in (0, 1, 2) for p in figures.PARTITIONS for lvl, _, _ in figures.LEVELS
+            for r in (1, 2)]
+    fig2_one_run = [{k: v for k, v in row.items() if k != "seed"} for row in fig2 if row["seed"] == "0"]  # before 54
     fig3 = [{"partition": p, "distribution": d, "budget_seed": str(s), "split_accuracy": "1", "public_clients": "2"}
             for p in figures.PARTITIONS for d in figures.DISTRIBUTIONS for s in (0, 1)]
     fig4 = [{"method": m, "seed": str(s), "round": str(r), "val_acc": "0.5", "test_acc": "0.4"}
             for m, _ in figures.METHODS for s in (0, 1) for r in (1, 2, 3)]
     fig4_val_only = [{k: v for k, v in row.items() if k != "test_acc"} for row in fig4]  # tables before issue 27
-    for name, table, extra in (("fig2", fig2, []), ("fig3", fig3, []), ("fig4", fig4_val_only, []),
+    (tmp_path / "one_run").mkdir()
+    for name, table, extra in (("fig2", fig2_one_run, ["--out", str(tmp_path / "one_run")]), ("fig2", fig2, []),
+                               ("fig3", fig3, []), ("fig4", fig4_val_only, []),
                                ("fig4_niid2", fig4, ["--partition", "NIID(2)"]),
                                ("fig4_shards2_pfa_regime", fig4, ["--partition", "shards(2)", "--regime", "pfa"])):
         header = list(table[0])
-        (tmp_path / f"pdpfl_{name}.tsv").write_text(
+        out = Path(extra[1]) if extra[:1] == ["--out"] else tmp_path
+        (out / f"pdpfl_{name}.tsv").write_text(
             "\t".join(header) + "\n" + "".join("\t".join(row[k] for k in header) + "\n" for row in table))
-        figures.main([name.split("_")[0], "--replot", "--out", str(tmp_path), *extra])
-        assert (tmp_path / f"pdpfl_{name}.png").stat().st_size > 10_000
+        figures.main([name.split("_")[0], "--replot", "--out", str(tmp_path), *extra])  # a later --out wins
+        assert (out / f"pdpfl_{name}.png").stat().st_size > 10_000
 
 
 AUDIT = ROOT / "audit"

@@ -1,6 +1,6 @@
 """The figures of the budget-agnostic personalized-DP FL seed, one command each, on real MNIST.
 
-    python examples/pdpfl/figures.py fig2   # update-norm mean and std per round: noise level x partition
+    python examples/pdpfl/figures.py fig2   # update-norm mean and std per round: noise level x partition, seeds 0-2
     python examples/pdpfl/figures.py fig3   # accuracy of the indirect split after the warm start
     python examples/pdpfl/figures.py fig4   # accuracy per round: PFA (direct, indirect), FedAvg, Minimum, NP
     python examples/pdpfl/figures.py fig4 --partition "NIID(2)"   # the same on label-skewed clients
@@ -78,32 +78,60 @@ METHODS = [("PFA (indirect)", "indirect_mnist.yaml"), ("PFA (direct)", "direct_m
 
 def measure_fig2(args) -> list[list]:
     """Mean and std over clients of the released update norms per round, for epsilon in {0.4, 3, 20} and
-    non-private local SGD (every client at that budget), per partition."""
-    rows = [["partition", "level", "round", "norm_mean", "norm_std"]]
-    for partition, data_args in PARTITIONS.items():
-        for label, config, update_args in LEVELS:
-            run_id = _run(config, data_args + update_args + [f"--trainer.max_epochs={args.rounds}"],
-                          data_dir=args.data_dir, experiment="pdpfl-fig2", run_name=f"{partition} {label}")
-            mean, std = _history(run_id, "round/update_norm_mean"), _history(run_id, "round/update_norm_std")
-            rows += [[partition, label, r, m, sd] for r, (m, sd) in enumerate(zip(mean, std), start=1)]
+    non-private local SGD (every client at that budget), per partition, once per seed in ``--seeds``.
+
+    Seed s overrides ``seed_everything``, the data's seed (the 80/20 pool/test split, the partition, the held-out
+    client) and the round's public seed (the initialization, the non-private local shuffles); the secret noise
+    seed (DP noise, Poisson batches) is fresh for every run. Every client takes part in every round (10 of 10),
+    so there is no selection to vary. Seed 0 is the configs' own. The seeds are the outer loop, so that an
+    interrupted measurement leaves whole seeds in MLflow."""
+    rows = [["partition", "level", "seed", "round", "norm_mean", "norm_std"]]
+    for seed in args.seeds:
+        for partition, data_args in PARTITIONS.items():
+            for label, config, update_args in LEVELS:
+                seeds = [f"--seed_everything={seed}", f"--data.init_args.seed={seed}",
+                         f"--model.init_args.seed={seed}"]
+                run_id = _run(config, data_args + update_args + seeds + [f"--trainer.max_epochs={args.rounds}"],
+                              data_dir=args.data_dir, experiment="pdpfl-fig2",
+                              run_name=f"{partition} {label} seed {seed}")
+                # the non-private releases are not sanitized: their norms are exact statistics of the clients'
+                # data, recorded under nonprivate/ (lightning_dp.privacy.record.RoundNames)
+                prefix = "nonprivate" if config == "nonprivate_mnist.yaml" else "round"
+                mean = _history(run_id, f"{prefix}/update_norm_mean")
+                std = _history(run_id, f"{prefix}/update_norm_std")
+                rows += [[partition, label, seed, r, m, sd] for r, (m, sd) in enumerate(zip(mean, std), start=1)]
     return rows
 
 
 def draw_fig2(table: list[dict]):
+    """Per round, the mean over seeds of the clients' mean norm, with the sample std over seeds as error bars
+    and the mean over seeds of the std over clients as a band (a table without a ``seed`` column, one run per
+    cell before issue 54: the std over clients as error bars)."""
+    import numpy as np
     from matplotlib.figure import Figure
 
+    seeds = sorted({r.get("seed", "0") for r in table}, key=int)
     fig = Figure(figsize=(12, 3.8))
     axes = fig.subplots(1, len(PARTITIONS), sharey=True)
     for ax, partition in zip(axes, PARTITIONS):
         for label, _, _ in LEVELS:
             points = [r for r in table if r["partition"] == partition and r["level"] == label]
-            ax.errorbar([int(r["round"]) for r in points], [float(r["norm_mean"]) for r in points],
-                        yerr=[float(r["norm_std"]) for r in points], label=label, marker=".", capsize=2)
+            rounds = sorted({int(r["round"]) for r in points})
+            means = np.array([[float(r["norm_mean"]) for r in points if int(r["round"]) == t] for t in rounds])
+            clients = np.array([[float(r["norm_std"]) for r in points if int(r["round"]) == t] for t in rounds])
+            mean = means.mean(1)
+            if len(seeds) > 1:
+                line = ax.errorbar(rounds, mean, yerr=means.std(1, ddof=1), label=label, marker=".", capsize=2)
+                ax.fill_between(rounds, mean - clients.mean(1), mean + clients.mean(1), alpha=0.15,
+                                color=line[0].get_color(), linewidth=0)
+            else:
+                ax.errorbar(rounds, mean, yerr=clients[:, 0], label=label, marker=".", capsize=2)
         ax.set_title(partition)
         ax.set_xlabel("round")
         ax.set_yscale("log")
-    axes[0].set_ylabel("update L2 norm (mean ± std)")
-    axes[-1].legend(fontsize="small")
+    axes[0].set_ylabel(f"update L2 norm (mean ± sample std\nover {len(seeds)} seeds; band: std over clients)"
+                       if len(seeds) > 1 else "update L2 norm (mean ± std over clients)", fontsize="small")
+    axes[-1].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: the bands fill the panels
     fig.suptitle("Released update norms per round: logistic regression, 10 clients, local DP-SGD (B 64, C 1, lr 0.01)")
     return fig
 
@@ -216,7 +244,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dataset", choices=["mnist", "cifar10"], default="mnist")
     parser.add_argument("--out", default=str(ROOT / "docs" / "figures"))
     parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--seeds", type=lambda s: [int(v) for v in s.split(",")], default=[0, 1, 2])
+    parser.add_argument("--seeds", type=lambda s: [int(v) for v in s.split(",")], default=[0, 1, 2],
+                        help="comma-separated: fig2 and fig4, the runs' seeds (data, initialization); fig3, the budget "
+                             "draws' seeds (default 0,1,2)")
     parser.add_argument("--replot", action="store_true", help="redraw the figure from its TSV in --out, no runs")
     parser.add_argument("--partition", choices=list(FIG4_PARTITIONS), default="IID",
                         help="fig4: the clients' partition (written to pdpfl_fig4_<partition>.*; default IID)")
