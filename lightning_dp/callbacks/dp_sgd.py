@@ -113,14 +113,15 @@ class DPSGD(Callback):
             ``k`` micro-batches of expected size ``batch_size``.
         max_batch_size: batches of one shape (None: Poisson batches of varying size, the default): every step
             holds at most this many examples, all processes and micro-batches together (a multiple of both, at
-            least the expected batch); a Poisson batch that draws more keeps a uniformly random subset, and every
-            micro-batch is padded with blank rows to ``max_batch_size / (processes x micro-batches)`` rows that
-            add nothing to the clipped sum or to any statistic. ``"auto"``: the smallest bound a process' batch
-            exceeds with probability ``batch_overflow_probability`` per step. Accounted exactly as dp-accounting's
-            ``TruncatedSubsampledGaussianDpEvent`` (``accountant="pld"``, add/remove, per example). One shape
-            lets ``torch.compile`` (and CUDA graphs) capture the step once and bounds its memory; the price is the
-            padded rows' compute and, for a bound that batches often exceed, privacy: docs/privacy.md, "Batches
-            of one shape".
+            least the expected batch); a Poisson batch (one draw over the whole set, dealt out to the processes)
+            that draws more keeps a uniformly random subset, and every micro-batch is padded with blank rows to
+            ``max_batch_size / (processes x micro-batches)`` rows that add nothing to the clipped sum or to any
+            statistic of the release (the module's own logged loss does average them in). ``"auto"``: the smallest
+            bound a Poisson batch exceeds with probability ``batch_overflow_probability`` per step. Accounted
+            exactly as dp-accounting's ``TruncatedSubsampledGaussianDpEvent`` (``accountant="pld"``, add/remove,
+            per example). One shape lets ``torch.compile`` compile the model once (and CUDA graphs capture it) and
+            bounds memory; the price is the padded rows' compute and, for a bound that batches often exceed,
+            privacy: docs/privacy.md, "Batches of one shape".
         batch_overflow_probability: ``max_batch_size="auto"``'s chance per step that a Poisson batch exceeds the
             bound (default ``1e-6``: within 0.1 % of plain Poisson sampling's epsilon over thousands of steps).
     """

@@ -59,7 +59,7 @@ def hyperparams(*, sigma: float | None, clipping: ClipStrategy, target_epsilon: 
                        "privacy/user_accounting": user_accounting})
     if shape is not None:  # the truncated event's arguments: TruncatedSubsampledGaussianDpEvent(size, q, bound, sigma)
         params.update({"privacy/max_batch_size": shape.max_batch_size,
-                       "privacy/truncated_batch_size": shape.per_rank,
+                       "privacy/truncated_batch_size": shape.max_batch_size,
                        "privacy/truncated_dataset_size": shape.accounted_size,
                        "privacy/batch_overflow_probability": shape.overflow_probability})
     if clipping.adaptive:
@@ -99,8 +99,8 @@ def summary_rows(*, epsilon: float, target_epsilon: float | None, target_delta: 
         rows.append(("virtual batches", f"{data.parts} micro-batch(es) per step{bound}; noise added once per step"))
     if shape is not None:
         rows.append(("batches of one shape", f"at most {shape.max_batch_size} examples per step, padded ("
-                     f"{shape.per_rank} per process, overflow probability {shape.overflow_probability:.2g} per step; "
-                     f"truncated event over {shape.accounted_size} records)"))
+                     f"{shape.per_rank} rows per process, overflow probability {shape.overflow_probability:.2g} per "
+                     f"step; truncated event over {shape.accounted_size} records)"))
     if budget_stop is not None:
         rows.append(("stopped", f"after step {budget_stop}: " + (
             "DPSGD's planned length is done" if plan_done else

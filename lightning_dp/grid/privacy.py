@@ -58,10 +58,13 @@ def check_points(config: Sequence[str], combos: Sequence[dict[str, Any]], extra:
     from lightning_dp.privacy.spend import compose, spends_of, unreported_components
 
     planned = []  # every point's spend before training: the kinds of its accountants and ledgers
+    shapes: dict[str, list[Any]] = {}  # DPSGD's max_batch_size per point: another shape is another mechanism
     for values in combos:
         cli = LightningDPCLI(args=run_args(config, values, extra), run=False)
         components = [*cli.trainer.callbacks, cli.model]  # type: ignore[attr-defined]  # set by Lightning, undeclared
         planned.append(spends_of(components))
+        shapes[run_name(values)] = [c.settings.max_batch_size for c in components
+                                    if hasattr(getattr(c, "settings", None), "max_batch_size")]
         missing = unreported_components(components)
         if missing:
             raise ValueError(
@@ -69,6 +72,10 @@ def check_points(config: Sequence[str], combos: Sequence[dict[str, Any]], extra:
                 "(no privacy_spend() method), so the grid cannot compose its cost and will not count it as private. "
                 "Implement privacy_spend() returning lightning_dp.privacy.spend.Spend objects (see "
                 "lightning_dp.privacy.spend), or leave the component out of the grid.")
+    if len({tuple(v) for v in shapes.values()}) > 1:
+        raise ValueError(f"the grid's points train with different batch shapes (max_batch_size per point: {shapes}): "
+                         "truncated batches are another mechanism than plain Poisson batches (and another bound "
+                         "another one), and their spends do not compose. Set the same max_batch_size in every point.")
     compose(planned)  # runs whose spends cannot compose (mixed units, accountants, ledgers) are refused now
 
 

@@ -69,26 +69,26 @@ class DataFacts:
 
 @dataclass(frozen=True)
 class BatchShape:
-    """Batches of one shape: each step holds at most ``max_batch_size`` examples (``per_rank`` on each of the
-    processes, ``per_rank / parts`` rows per micro-batch, padded), accounted as dp-accounting's
-    ``TruncatedSubsampledGaussianDpEvent`` over ``accounted_size`` records with bound ``per_rank``.
+    """Batches of one shape: each step holds at most ``max_batch_size`` examples (all processes together; ``per_rank``
+    rows on each process, ``per_rank / parts`` per micro-batch, padded), accounted as dp-accounting's
+    ``TruncatedSubsampledGaussianDpEvent(accounted_size, q, max_batch_size, sigma)``.
 
-    ``accounted_size = ceil((N + 1) / W)``: the most records one process samples from, in the training set or in a
-    neighbour with one more record (the truncation probability grows with it). A record lives on one process, whose
-    truncated Poisson batch is the only part of the release it changes; the other processes' sums are independent
-    of it, so each step is that process' truncated event.
+    The truncation is one draw over the whole training set, the same on every process, before the kept examples are
+    dealt out (:class:`~lightning_dp.privacy.sampling.PoissonBatchSampler`): the release is the one truncated Poisson
+    sample whatever the shards. ``accounted_size = N + 1``: the most records the sample is drawn from, in the training
+    set or in a neighbour with one more record (the truncation probability, and epsilon, grow with it).
 
     Example:
         >>> facts = DataFacts.of(dataset_size=1000, batch_size=50, world_size=2, parts=1, poisson_sampling=True)
         >>> shape = BatchShape.of(128, facts, world_size=2)
         >>> shape.per_rank, shape.accounted_size, round(shape.overflow_probability, 4)
-        (64, 501, 0.0187)
+        (64, 1001, 0.0132)
     """
 
-    max_batch_size: int  #: all processes and micro-batches together
-    per_rank: int  #: one process' bound (the truncated event's ``truncated_batch_size``)
+    max_batch_size: int  #: all processes and micro-batches together (the truncated event's ``truncated_batch_size``)
+    per_rank: int  #: the rows of one process' logical batch
     accounted_size: int  #: the truncated event's ``dataset_size``
-    overflow_probability: float  #: the chance per step that a process' Poisson batch exceeds ``per_rank``
+    overflow_probability: float  #: the chance per step that the Poisson batch exceeds ``max_batch_size``
 
     @classmethod
     def of(cls, max_batch_size: int | str, facts: DataFacts, *, world_size: int,
@@ -118,10 +118,9 @@ class BatchShape:
                              "most steps would be truncated, which costs privacy (a truncated step's record can "
                              "replace another: twice the sensitivity) and biases the gradient. Pass a bound that a "
                              f"Poisson batch rarely exceeds, e.g. {suggested} (max_batch_size='auto').")
-        accounted = math.ceil((facts.dataset_size + 1) / world_size)
-        per_rank = size // world_size
-        overflow = float(stats.binom.sf(per_rank, accounted, facts.sample_rate))
-        return cls(size, per_rank, accounted, overflow)
+        accounted = facts.dataset_size + 1
+        overflow = float(stats.binom.sf(size, accounted, facts.sample_rate))
+        return cls(size, size // world_size, accounted, overflow)
 
 
 def event_shape(poisson_sampling: bool, sample_rate: float) -> tuple[float, float]:

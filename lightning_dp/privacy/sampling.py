@@ -53,11 +53,16 @@ class PoissonBatchSampler(BatchSampler):
         steps_per_epoch: (logical) batches per epoch; default ``ceil(1 / q)``.
         parts: micro-batches per logical batch (see the module docstring); ``len()`` is
             ``steps_per_epoch * parts``.
-        max_batch_size: batches of one shape: this rank's logical batch holds at most this many examples (when
-            Poisson sampling draws more, a uniformly random subset of them, drawn from the same secret stream);
-            :class:`PaddingCollate` fills every micro-batch to ``max_batch_size / parts`` rows and :meth:`rows` says
-            how many of them are real. Accounted as dp-accounting's ``TruncatedSubsampledGaussianDpEvent``
-            (:class:`~lightning_dp.privacy.accounting.PLDAccountant`'s ``truncated_batch_size``). None: no bound.
+        max_batch_size: batches of one shape: the logical batch of ALL processes holds at most this many examples.
+            Every process then draws the same Poisson sample of the whole training set (one stream, without the
+            rank), keeps a uniformly random subset of ``max_batch_size`` when more are drawn, and takes every
+            ``world_size``-th of the kept examples from its rank on: at most ``max_batch_size / world_size`` rows,
+            which :class:`PaddingCollate` fills to ``max_batch_size / (world_size * parts)`` per micro-batch
+            (:meth:`rows` says how many are real). The release is then the one truncated Poisson sample of the
+            whole set, whichever process computes which example: dp-accounting's
+            ``TruncatedSubsampledGaussianDpEvent(N + 1, q, max_batch_size, sigma)`` whatever the shards (a per-process
+            truncation would depend on which records share a process, which a neighbour that shifts the shards
+            changes). None: no bound.
 
     Example:
         >>> s = PoissonBatchSampler(None, 2, False, num_samples=10, sample_rate=0.2, seed=0)
@@ -81,10 +86,11 @@ class PoissonBatchSampler(BatchSampler):
         if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
             raise ValueError(f"parts={parts!r} must be a positive integer (micro-batches per logical batch)")
         self.parts = parts
+        unit = parts * world_size
         if max_batch_size is not None and (isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int)
-                                           or max_batch_size < parts or max_batch_size % parts):
-            raise ValueError(f"max_batch_size={max_batch_size!r} must be a positive multiple of parts={parts} (every "
-                             "micro-batch holds max_batch_size / parts rows)")
+                                           or max_batch_size < unit or max_batch_size % unit):
+            raise ValueError(f"max_batch_size={max_batch_size!r} must be a positive multiple of world_size x parts = "
+                             f"{unit} (every micro-batch of every process holds max_batch_size / {unit} rows)")
         self.max_batch_size = max_batch_size
         self.batch_size = batch_size
         self.drop_last = False
@@ -102,16 +108,19 @@ class PoissonBatchSampler(BatchSampler):
     def batch(self, step: int) -> list[int]:
         """The indices of this rank's batch at global batch counter ``step``."""
         # the seed is the run's secret one (DPSGD's): amplification by sampling assumes nobody can recompute the batch
-        g = derive_secret_generator(self.seed, SAMPLING, step, self.rank)
-        mask = torch.rand(self.indices.numel(), generator=g) < self.sample_rate
-        drawn = self.indices[mask]
         cap = self.max_batch_size
-        if cap is not None and drawn.numel() > cap:
-            # truncation (arXiv 2508.15089): a uniformly random subset of the drawn examples, from the same secret
-            # stream, kept in index order (which examples remain must not depend on where they sit in the data)
-            keep = torch.randperm(drawn.numel(), generator=g)[:cap].sort().values
-            drawn = drawn[keep]
-        return drawn.tolist()
+        if cap is None:
+            g = derive_secret_generator(self.seed, SAMPLING, step, self.rank)
+            mask = torch.rand(self.indices.numel(), generator=g) < self.sample_rate
+            return self.indices[mask].tolist()
+        # batches of one shape: ONE Poisson sample of the whole set (the same stream on every process: rank 0's key,
+        # which is also a single process' own), truncated (arXiv 2508.15089) to a uniformly random subset of `cap`
+        # from the same secret stream, then dealt out to the processes (every world_size-th, in index order)
+        g = derive_secret_generator(self.seed, SAMPLING, step, 0)
+        drawn = (torch.rand(self.num_samples, generator=g) < self.sample_rate).nonzero().squeeze(1)
+        if drawn.numel() > cap:
+            drawn = drawn[torch.randperm(drawn.numel(), generator=g)[:cap].sort().values]
+        return drawn[self.rank::self.world_size].tolist()
 
     def rows(self, step: int, part: int) -> int:
         """How many of the rows of micro-batch ``part`` of step ``step`` are real examples (the rest pad it to
@@ -277,9 +286,11 @@ def _zero_like(sample: object) -> object:
 
 class PaddingCollate:
     """Wraps a collate function so that every batch holds exactly ``rows`` examples: the sampled ones first, then
-    blank ones (:func:`_zero_like` of example 0: its structure and shapes, none of its values) that the private step
-    masks out (:meth:`PoissonBatchSampler.rows` says how many are real). Batches of one shape let a compiled step
-    (and CUDA graphs) run every step without recompiling, with memory bounded by ``rows``.
+    blank ones that the private step masks out (:meth:`PoissonBatchSampler.rows` says how many are real). A blank is
+    :func:`_zero_like` of the batch's first SAMPLED example (its structure and shapes, none of its values), so a
+    collate that pads to the longest example pads as it would without the blanks; an empty batch takes example 0's
+    structure (its release is noise only, whatever the shapes). Batches of one shape let a compiled step (and CUDA
+    graphs) run every step without recompiling, with memory bounded by ``rows``.
 
     Example:
         >>> collate = PaddingCollate(torch.utils.data.default_collate, [torch.ones(2)], rows=3)
@@ -291,12 +302,14 @@ class PaddingCollate:
 
     def __init__(self, collate_fn: Callable[[list[object]], object], dataset: object, rows: int) -> None:
         self.collate_fn, self.rows = collate_fn, int(rows)
-        self.blank = _zero_like(dataset[0])  # type: ignore[index]
+        # example 0's shapes never decide a batch's (a sampled example's do): only its structure, for an empty batch
+        self.empty_blank = _zero_like(dataset[0])  # type: ignore[index]
 
     def __call__(self, samples: list[object]) -> object:
         if len(samples) > self.rows:
-            raise RuntimeError(f"a batch of {len(samples)} examples exceeds max_batch_size's {self.rows} rows (internal)")
-        return self.collate_fn(list(samples) + [self.blank] * (self.rows - len(samples)))
+            raise RuntimeError(f"a batch exceeds max_batch_size's {self.rows} rows (internal; please report)")
+        blank = _zero_like(samples[0]) if samples else self.empty_blank
+        return self.collate_fn(list(samples) + [blank] * (self.rows - len(samples)))
 
 
 def rebuild_dataloader(loader: DataLoader, *, batch_sampler: Sampler[list[int]] | Iterable[list[int]],
@@ -328,8 +341,8 @@ def poisson_dataloader(loader: DataLoader, *, sample_rate: float, seed: int, ran
                        start_step: Callable[[], int] | None = None, parts: int = 1,
                        steps_per_epoch: int | None = None, max_batch_size: int | None = None) -> DataLoader:
     """A copy of ``loader`` (same dataset, collate and worker settings) with Poisson batches, each yielded in
-    ``parts`` micro-batches (:class:`PoissonBatchSampler`); with ``max_batch_size`` (this rank's), batches of one
-    shape: truncated to it and padded (:class:`PaddingCollate`)."""
+    ``parts`` micro-batches (:class:`PoissonBatchSampler`); with ``max_batch_size`` (all processes together),
+    batches of one shape: truncated to it and padded (:class:`PaddingCollate`)."""
     # a map-style dataset has __len__, which torch's Dataset does not declare
     batch_sampler = PoissonBatchSampler(None, loader.batch_size or 1, False, num_samples=len(loader.dataset),  # type: ignore[arg-type]
                                         sample_rate=sample_rate, seed=seed, rank=rank, world_size=world_size,
@@ -337,20 +350,19 @@ def poisson_dataloader(loader: DataLoader, *, sample_rate: float, seed: int, ran
                                         max_batch_size=max_batch_size)
     collate: Callable[[list[object]], object] = (
         EmptySafeCollate(loader.collate_fn, loader.dataset) if max_batch_size is None else
-        PaddingCollate(loader.collate_fn, loader.dataset, rows=max_batch_size // parts))
+        PaddingCollate(loader.collate_fn, loader.dataset, rows=max_batch_size // (parts * world_size)))
     return rebuild_dataloader(loader, batch_sampler=batch_sampler, collate_fn=collate)
 
 
 def suggest_max_batch_size(dataset_size: int, sample_rate: float, *, overflow_probability: float = 1e-6,
                            world_size: int = 1, parts: int = 1) -> int:
-    """The smallest ``max_batch_size`` (all ranks together, a multiple of ``world_size * parts``) at which a rank's
-    Poisson batch overflows it with probability at most ``overflow_probability`` per step.
+    """The smallest ``max_batch_size`` (all processes together, a multiple of ``world_size * parts``) that a Poisson
+    batch exceeds with probability at most ``overflow_probability`` per step.
 
-    A rank holds at most ``n = ceil((N + 1) / W)`` examples (one more in a neighbouring dataset) and draws
-    Binomial(n, q) of them; its bound ``M_r`` is the smallest with ``P(Binomial(n, q) > M_r) <= p``. An overflow
-    costs privacy, not correctness: the truncated event's epsilon grows with the overflow probability (at
-    ``p = 1e-6`` it is within 0.1 % of plain Poisson sampling's over thousands of steps; docs/privacy.md,
-    "Batches of one shape").
+    The batch is drawn from at most ``N + 1`` examples (one more in a neighbouring dataset): Binomial(N + 1, q). An
+    overflow costs privacy, not correctness: the truncated event's epsilon grows with the overflow probability (at
+    ``p = 1e-6`` it is within 0.1 % of plain Poisson sampling's over thousands of steps; docs/privacy.md, "Batches
+    of one shape").
 
     Example:
         >>> suggest_max_batch_size(60_000, 256 / 60_000)
@@ -361,13 +373,11 @@ def suggest_max_batch_size(dataset_size: int, sample_rate: float, *, overflow_pr
     if not 0 < overflow_probability < 1:
         raise ValueError(f"overflow_probability={overflow_probability!r} must be in (0, 1): the chance per step that a "
                          "Poisson batch holds more than max_batch_size examples (e.g. 1e-6)")
-    n = math.ceil((int(dataset_size) + 1) / int(world_size))
-    per_rank = int(stats.binom.isf(overflow_probability, n, check_sample_rate(sample_rate)))
-    while stats.binom.sf(per_rank, n, sample_rate) > overflow_probability:
-        per_rank += 1
-    per_rank = max(per_rank, 1)
-    per_rank = -(-per_rank // int(parts)) * int(parts)  # every micro-batch holds the same rows
-    return per_rank * int(world_size)
+    n, q, unit = int(dataset_size) + 1, check_sample_rate(sample_rate), int(world_size) * int(parts)
+    bound = int(stats.binom.isf(overflow_probability, n, q))
+    while stats.binom.sf(bound, n, q) > overflow_probability:
+        bound += 1
+    return max(-(-bound // unit) * unit, unit)  # every micro-batch of every process holds the same rows
 
 
 class PassMarkingBatchSampler:

@@ -74,6 +74,7 @@ def test_a_tight_bound_truncates_to_a_uniform_subset_and_is_accounted():
     static, probe, _, _ = fit(24, epochs=2)
     real = [int((b[0].abs().sum(1) > 0).sum()) for b in probe.batches]
     assert max(real) <= 24 and len(real) == 20
+    assert real.count(24) >= 2  # truncated (P(Binomial(200, 0.1) > 24) = 0.13 per step: this seed's draws)
     assert static.epsilon == pytest.approx(truncated_epsilon(201, 0.1, 24, 1.1, 20), rel=1e-9)
 
 
@@ -219,3 +220,85 @@ def test_adaptive_clipping_counts_and_dot_products_leave_the_padding_out(strateg
         traces[bound] = [c for _, c, *_ in cb.clipping.trace]
     assert len(traces[48]) == len(traces[None]) == 10
     assert traces[48] == pytest.approx(traces[None], rel=1e-9)
+
+
+class Sequences(torch.utils.data.Dataset):
+    """Examples of different lengths: example 0 is 50 steps long, the others 5."""
+
+    def __init__(self):
+        g = torch.Generator().manual_seed(1)
+        self.x = [torch.randn(50 if i == 0 else 5, 2, generator=g, dtype=torch.float64) for i in range(200)]
+        self.y = torch.randint(0, 3, (200,), generator=g)
+
+    def __len__(self):
+        return 200
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def pad_to_longest(samples):
+    xs, ys = zip(*samples)
+    return torch.nn.utils.rnn.pad_sequence(list(xs), batch_first=True), torch.stack(list(ys))
+
+
+class MeanOverTime(Classifier):
+    """Averages over the padded time axis, so the batch's length changes every example's gradient."""
+
+    def __init__(self):
+        super().__init__(d=2)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x.mean(1)), y)
+
+
+def test_the_blank_rows_take_a_sampled_examples_shape_not_example_0s():
+    """A collate that pads to the longest example: a blank shaped like example 0 would stretch every batch to 50
+    steps whether example 0 was sampled or not (a release that depends on an unsampled record); the blanks take the
+    first sampled example's shape, so the release is the dynamic mode's."""
+    grads, lengths = {}, {}
+    for bound in (None, 48):
+        torch.manual_seed(0)
+        dp = DPSGD(noise_multiplier=1.1, max_grad_norm=1.0, seed=3, max_batch_size=bound)
+        probe = GradProbe()
+        loader = DataLoader(Sequences(), batch_size=20, collate_fn=pad_to_longest)
+        trainer(max_epochs=1, callbacks=[dp, probe]).fit(MeanOverTime().double(), train_dataloaders=loader)
+        grads[bound], lengths[bound] = probe.grads, [b[0].shape[1] for b in probe.batches]
+    assert lengths[48] == lengths[None] and 5 in lengths[48]
+    for g_static, g_dyn in zip(grads[48], grads[None]):
+        for a, b in zip(g_static, g_dyn):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+class Normalized(Classifier):
+    """Normalizes each input: a blank (all-zero) row gives 0/0, a non-finite loss and gradient."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x / x.norm(dim=1, keepdim=True)), y)
+
+
+def test_non_finite_blank_rows_are_dropped_and_masked_and_the_counts_are_the_dynamic_modes():
+    runs = {}
+    for bound in (None, 48):
+        torch.manual_seed(0)
+        dp = DPSGD(noise_multiplier=1.1, max_grad_norm=1.5, seed=3, max_batch_size=bound)
+        probe, logger = GradProbe(), ParamsLogger()
+        x, y = blobs(200).tensors
+        trainer(max_epochs=1, callbacks=[dp, probe], logger=logger, log_every_n_steps=1).fit(
+            Normalized().double(), train_dataloaders=DataLoader(TensorDataset(x.double(), y), batch_size=20))
+        runs[bound] = probe.grads, [m.get("nonprivate/clipped_fraction") for _, m in logger.metrics
+                                    if "nonprivate/clipped_fraction" in m]
+    (g_static, f_static), (g_dyn, f_dyn) = runs[48], runs[None]
+    assert f_static == f_dyn and len(f_static) == 10 and any(0 < f < 1 for f in f_static)
+    for a_step, b_step in zip(g_static, g_dyn):
+        for a, b in zip(a_step, b_step):
+            assert torch.isfinite(a).all()
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_a_bound_often_exceeded_is_warned_about():
+    dp = DPSGD(noise_multiplier=1.0, max_grad_norm=1.0, seed=0, max_batch_size=22)  # expected 20: overflow 0.28
+    with pytest.warns(UserWarning, match="exceeds the bound with probability 0.28 per step"):
+        trainer(max_steps=2, callbacks=[dp]).fit(Classifier(), BlobsData(n=200, batch_size=20))

@@ -117,24 +117,36 @@ def test_virtual_batches_release_the_unsplit_step_under_ddp(ddp_run):
     assert torch.equal(r0["virtual"]["split"]["params"], r1["virtual"]["split"]["params"])
 
 
-def test_batches_of_one_shape_release_the_unsplit_step_under_ddp(ddp_run):
-    """Issue 53: max_batch_size=64 on 2 ranks (32 rows per rank, 2 micro-batches of 16, chunks of 3): each rank
-    pads its shard's batch and masks the padding, so the release equals the unsplit run's (float64; no batch
-    reaches 32 of a rank's 100 at q = 0.1: P < 1e-7 per step), accounted as the truncated event over the
-    ceil(201 / 2) = 101 records a rank samples from."""
+def test_batches_of_one_shape_release_the_single_process_step_under_ddp(ddp_run):
+    """Issue 53: max_batch_size=64 on 2 ranks (2 micro-batches of 16 rows each, chunks of 3). The truncated Poisson
+    sample is ONE draw over the whole set, dealt out to the ranks, so the release equals a single process' with the
+    same seed (float64), whatever the shards, and is accounted as the truncated event over N + 1 = 201 records with
+    bound 64."""
     from dp_accounting import SelfComposedDpEvent, TruncatedSubsampledGaussianDpEvent
     from dp_accounting.pld import PLDAccountant
+    import lightning as L
 
+    from lightning_dp.callbacks import DPSGD
+    from tests.helpers import Classifier
+
+    torch.manual_seed(0)
+    single = Classifier().double()
+    cb = DPSGD(noise_multiplier=1.0, max_grad_norm=1.0, seed=8, max_batch_size=64)
+    x, y = blobs(200).tensors
+    L.Trainer(max_epochs=2, logger=False, callbacks=[cb], accelerator="cpu", devices=1, enable_progress_bar=False,
+              enable_model_summary=False, enable_checkpointing=False).fit(
+        single, train_dataloaders=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x.double(), y),
+                                                              batch_size=20))
+    params = torch.cat([p.detach().reshape(-1) for p in single.parameters()])
     (r0, r1), _ = ddp_run
+    library = PLDAccountant().compose(SelfComposedDpEvent(TruncatedSubsampledGaussianDpEvent(201, 0.1, 64, 1.0),
+                                                          20)).get_epsilon(1e-5)
     for r in (r0, r1):
-        unsplit, static = r["virtual"]["unsplit"], r["virtual"]["static"]
-        assert static["steps"] == unsplit["steps"] == 20 and static["history"] == unsplit["history"]
-        assert static["truncation"] == (101, 32)
-        torch.testing.assert_close(static["params"], unsplit["params"], rtol=0, atol=1e-12)
-        library = PLDAccountant().compose(SelfComposedDpEvent(TruncatedSubsampledGaussianDpEvent(101, 0.1, 32, 1.0),
-                                                              20)).get_epsilon(1e-5)
-        assert static["epsilon"] == pytest.approx(library, rel=1e-9)
-    assert torch.equal(r0["virtual"]["static"]["params"], r1["virtual"]["static"]["params"])
+        static = r["virtual"]["static"]
+        assert static["steps"] == 20 and static["history"] == r["virtual"]["unsplit"]["history"] == cb.accountant.history
+        assert static["truncation"] == cb.accountant.truncation == (201, 64)
+        torch.testing.assert_close(static["params"], params, rtol=0, atol=1e-12)
+        assert static["epsilon"] == pytest.approx(library, rel=1e-9) and cb.epsilon == static["epsilon"]
 
 
 def test_user_sampling_shards_users_and_releases_one_step_on_every_rank(ddp_run):

@@ -489,3 +489,14 @@ def test_parallel_runner_seed_replays_a_point(tmp_path):
     first, again, other = run(0, "a"), run(0, "b"), run(1, "c")
     assert first == again
     assert first["test/loss"] != other["test/loss"] and first["val/loss"] != other["val/loss"]
+
+
+def test_a_grid_of_points_with_different_batch_shapes_is_refused_before_any_run(workdir, store_template, capsys):
+    """Issue 53's review: a point with max_batch_size is another mechanism than one without (or with another
+    bound); their spends do not compose, and the grid says so before the first run trains."""
+    _seed(store_template, workdir)
+    with pytest.raises(ValueError, match="different batch shapes"):
+        grid.run_grid([str(REPO_ROOT / "examples" / "dpsgd_digits_static.yaml")],
+                      [("trainer.callbacks.init_args.max_batch_size", ["auto", "null"])],
+                      extra=["--trainer.max_epochs=1"])
+    assert "1/2" not in capsys.readouterr().out

@@ -55,9 +55,9 @@ def test_a_bound_never_reached_costs_nothing_and_an_often_reached_one_costs_much
     assert tight.get_epsilon(1e-5) > 2 * plain.get_epsilon(1e-5)
 
 
-def test_epsilon_grows_with_the_records_a_process_samples_from():
-    """BatchShape accounts ceil((N + 1) / W) records (a neighbour holds one more): valid only if epsilon does not
-    decrease with the size; checked on a grid around the bound (not a proof)."""
+def test_epsilon_grows_with_the_records_the_batch_is_drawn_from():
+    """BatchShape accounts N + 1 records (a neighbour holds one more): valid only if epsilon does not decrease with
+    the size; checked on a grid around the bound (not a proof)."""
     for q, bound, sigma, steps in [(0.01, 130, 1.0, 300), (0.05, 60, 0.8, 100), (0.1, 16, 1.5, 50)]:
         sizes = range(int(0.6 * bound / q), int(1.1 * bound / q), max(1, int(0.08 * bound / q)))
         eps = []
@@ -137,7 +137,7 @@ def test_rows_say_how_many_rows_of_each_micro_batch_are_real():
         whole = sampler.batch(k)
         assert [sampler.rows(k, j) for j in range(3)] == [len(p) for p in split_indices(whole, 3)]
         assert [len(p) for p in parts[3 * k:3 * k + 3]] == [sampler.rows(k, j) for j in range(3)]
-    with pytest.raises(ValueError, match="multiple of parts"):
+    with pytest.raises(ValueError, match="multiple of world_size x parts"):
         PoissonBatchSampler(None, 5, False, num_samples=100, sample_rate=0.1, seed=1, max_batch_size=25, parts=3)
 
 
@@ -166,10 +166,24 @@ def test_suggested_bound_meets_the_overflow_probability():
     for n, q, p, world, parts in [(60_000, 256 / 60_000, 1e-6, 1, 1), (1797, 64 / 1797, 1e-3, 2, 2),
                                   (10**6, 1e-4, 1e-9, 4, 1)]:
         m = suggest_max_batch_size(n, q, overflow_probability=p, world_size=world, parts=parts)
-        assert m % (world * parts) == 0
-        per_rank, size = m // world, math.ceil((n + 1) / world)
-        assert stats.binom.sf(per_rank, size, q) <= p
-        assert stats.binom.sf(per_rank - world * parts, size, q) > p or per_rank - parts < 1  # the smallest step
+        unit = world * parts
+        assert m % unit == 0
+        assert stats.binom.sf(m, n + 1, q) <= p < stats.binom.sf(m - unit, n + 1, q)  # the smallest multiple
+
+
+def test_processes_deal_out_one_truncated_sample():
+    """Under DDP the truncation is one draw over the whole set (a per-process truncation would depend on which
+    records share a process, which a neighbour that shifts the shards changes): the processes' batches together are
+    the single process' batch, each at most max_batch_size / world_size."""
+    one = PoissonBatchSampler(None, 5, False, num_samples=101, sample_rate=0.3, seed=4, max_batch_size=24)
+    ranks = [PoissonBatchSampler(None, 5, False, num_samples=101, sample_rate=0.3, seed=4, max_batch_size=24,
+                                 rank=r, world_size=3) for r in range(3)]
+    for k in range(50):
+        parts = [r.batch(k) for r in ranks]
+        assert sorted(i for p in parts for i in p) == one.batch(k) and max(map(len, parts)) <= 8
+    with pytest.raises(ValueError, match="multiple of world_size x parts = 6"):
+        PoissonBatchSampler(None, 5, False, num_samples=101, sample_rate=0.3, seed=4, max_batch_size=20, rank=0,
+                            world_size=3, parts=2)
 
 
 def test_batch_shape_refuses_what_cannot_be_padded_evenly_or_is_below_the_expected_batch():
@@ -179,5 +193,5 @@ def test_batch_shape_refuses_what_cannot_be_padded_evenly_or_is_below_the_expect
     with pytest.raises(ValueError, match="below the expected batch size 200"):
         BatchShape.of(196, facts, world_size=2)
     shape = BatchShape.of("auto", facts, world_size=2, overflow_probability=1e-6)
-    assert shape.per_rank * 2 == shape.max_batch_size and shape.accounted_size == 501
+    assert shape.per_rank * 2 == shape.max_batch_size and shape.accounted_size == 1001
     assert shape.overflow_probability <= 1e-6
