@@ -205,15 +205,12 @@ MODELS = {
 
 
 # ------------------------------------------------------------------------------------------ methods
-def profile(method: str, model_name: str, batch_size: int, device: str, steps: int = 5) -> None:
-    """Prints torch.profiler's operators of ``steps`` steps of ``method`` (after 3 warm-up steps), by their own CPU
-    time, and how many times the host waited for the device (``aten::_local_scalar_dense``: ``.item()``,
-    ``float(t)``, ``bool(t)``; ``cudaStreamSynchronize``)."""
+def _profiled(step, device: str, steps: int, *, warmup: int):
+    """torch.profiler over ``steps`` calls of ``step`` after ``warmup`` unprofiled ones (CPU, and CUDA on a GPU)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    step = build(method, model_name, batch_size, device)
-    for _ in range(3):
+    for _ in range(warmup):
         step()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with torch_profile(activities=activities) as prof:
@@ -221,7 +218,14 @@ def profile(method: str, model_name: str, batch_size: int, device: str, steps: i
             step()
         if device == "cuda":
             torch.cuda.synchronize()
-    events = prof.key_averages()
+    return prof
+
+
+def profile(method: str, model_name: str, batch_size: int, device: str, steps: int = 5) -> None:
+    """Prints torch.profiler's operators of ``steps`` steps of ``method`` (after 3 warm-up steps), by their own CPU
+    time, and how many times the host waited for the device (``aten::_local_scalar_dense``: ``.item()``,
+    ``float(t)``, ``bool(t)``; ``cudaStreamSynchronize``)."""
+    events = _profiled(build(method, model_name, batch_size, device), device, steps, warmup=3).key_averages()
     print(f"{method} on {model_name}, batch {batch_size}, device {device}, {steps} steps")
     print(events.table(sort_by="self_cpu_time_total", row_limit=25))
     for name in ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaLaunchKernel", "cudaMemcpyAsync"):
@@ -241,17 +245,7 @@ def count_ops(step, device: str, steps: int = 5) -> dict[str, float]:
     import cProfile
     import pstats
 
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    for _ in range(2):
-        step()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with torch_profile(activities=activities) as prof:
-        for _ in range(steps):
-            step()
-        if device == "cuda":
-            torch.cuda.synchronize()
+    prof = _profiled(step, device, steps, warmup=2)
     top = nested = launches = 0
     for e in prof.events():
         if e.name.startswith("aten::"):
