@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--dataset-size", type=int, metavar="N", help="N, the number of training examples")
     size.add_argument("--batch-size", type=int, metavar="B", help="the expected batch size B (Poisson: q = B / N)")
     size.add_argument("--sample-rate", type=float, metavar="Q", help="q, the Poisson sampling rate in (0, 1]")
+    size.add_argument("--max-batch-size", metavar="BOUND",
+                      help="batches of one shape (DPSGD(max_batch_size=BOUND)): Poisson batches truncated to at "
+                           "most BOUND examples, accounted as dp-accounting's truncated event over N + 1 records; 'auto' for the "
+                           "bound a batch exceeds with probability 1e-6 per step (needs --dataset-size/--batch-size)")
     length = parser.add_argument_group("length (give --epochs or --steps)")
     length.add_argument("--epochs", type=int, help="epochs: an epoch is ceil(N / B) = ceil(1 / q) steps, as DPSGD "
                         "trains it (Opacus counts int(1 / q): --epoch-steps floor)")
@@ -173,6 +177,19 @@ def _problems(args: argparse.Namespace) -> list[str]:
         if args.accountant != "pld" or args.adjacency != "add_remove":
             out.append("--max-examples-per-user needs --accountant pld and --adjacency add_remove (a user added or "
                        "removed with all their records)")
+    if args.max_batch_size is not None:
+        if _is_fedavg(args) or args.dataset_size is None or args.batch_size is None:
+            out.append("--max-batch-size needs --dataset-size N and --batch-size B (the truncated event is stated over "
+                       "the N + 1 records a batch is drawn from)")
+        if args.max_examples_per_user is not None or args.accountant != "pld" or args.adjacency != "add_remove":
+            out.append("--max-batch-size needs --accountant pld and --adjacency add_remove, per example (the "
+                       "truncated event dp-accounting has)")
+        if args.max_batch_size != "auto" and not (args.max_batch_size.isdigit() and int(args.max_batch_size) >= 1):
+            out.append(f"--max-batch-size={args.max_batch_size}: a whole number >= 1 or 'auto'")
+        elif (args.max_batch_size != "auto" and args.batch_size is not None
+              and int(args.max_batch_size) < args.batch_size):
+            out.append(f"--max-batch-size={args.max_batch_size} is below --batch-size={args.batch_size}, as DPSGD "
+                       "refuses (most steps would be truncated)")
     if args.adjacency == "replace" and args.accountant == "rdp" and _sample_rate(args) != 1:
         out.append("--adjacency replace needs --accountant pld when q < 1 (dp-accounting has no RDP bound for the "
                    "Poisson-subsampled Gaussian under replacement)")
@@ -304,6 +321,13 @@ def main(argv: Sequence[str]) -> int:
     unit = {} if args.max_examples_per_user is None else {
         "examples_per_user": args.max_examples_per_user, "user_accounting": "users" if uls else args.user_accounting}
     kwargs.update(unit)
+    if args.max_batch_size is not None:  # the truncated event, as DPSGD(max_batch_size=...) on one process states it
+        from lightning_dp.privacy.sampling import suggest_max_batch_size
+
+        bound = (suggest_max_batch_size(args.dataset_size, q) if args.max_batch_size == "auto"
+                 else int(args.max_batch_size))
+        unit = {"truncated_batch_size": bound, "dataset_size": args.dataset_size + 1}
+        kwargs.update(unit)
     where = (f"q = {q:.6g}" + (f" (B = {args.batch_size}, N = {args.dataset_size})" if args.sample_rate is None else "")
              + f", {steps} steps" + (f" ({args.epochs} epochs of {per_epoch}"
                                      + (", Opacus' int(1 / q)" if args.epoch_steps == "floor" else "") + ")"
@@ -312,7 +336,9 @@ def main(argv: Sequence[str]) -> int:
              + (f"; per user, at most {args.max_examples_per_user} records each ("
                 + ("users sampled and clipped as units, N and B count users" if uls else
                    "mixture of Gaussians" if args.user_accounting == "mixture" else "group privacy") + ")"
-                if unit else ""))
+                if args.max_examples_per_user is not None else "")
+             + (f"; batches of one shape, at most {unit['truncated_batch_size']} examples (truncated event over "
+                f"{unit['dataset_size']} records)" if args.max_batch_size is not None else ""))
     if args.target_epsilon is not None:
         try:
             sigma = calibrate_noise_multiplier(target_epsilon=args.target_epsilon, target_delta=args.delta,
@@ -330,7 +356,7 @@ def main(argv: Sequence[str]) -> int:
     if args.dataset_size is not None:  # DPSGD's own check when training starts
         from lightning_dp.privacy.delta import check_delta_for_size
 
-        if not unit:
+        if args.max_examples_per_user is None:
             _note(check_delta_for_size(args.delta, args.dataset_size, unit="examples", who="DPSGD"))
         elif uls:  # N counts users (under ELS it counts records: the users are not given there)
             _note(check_delta_for_size(args.delta, args.dataset_size, unit="users", who="DPSGD"))

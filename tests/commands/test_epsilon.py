@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 
 import dp_accounting
 import pytest
@@ -343,3 +344,26 @@ def test_user_sampling_is_the_sampled_gaussian_at_the_users_rate(capsys):
         with pytest.raises(SystemExit):
             cli.main([*args, *extra])
         assert message in capsys.readouterr().err
+
+
+def test_batches_of_one_shape_are_the_librarys_truncated_event(capsys):
+    """docs/privacy.md, "Batches of one shape": the command as written there."""
+    from lightning_dp.privacy.sampling import suggest_max_batch_size
+
+    command = ("lightning-dp epsilon --dataset-size 60000 --batch-size 256 --epochs 10 --noise-multiplier 1 "
+               "--max-batch-size auto")
+    assert f"`{command}`" in (Path(__file__).resolve().parents[2] / "docs" / "privacy.md").read_text()
+    assert cli.main(command.split()[1:]) == 0
+    out, table = _printed(capsys)
+    bound = suggest_max_batch_size(60000, 256 / 60000)
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.TruncatedSubsampledGaussianDpEvent(60001, 256 / 60000, bound, 1.0), 2350)
+    want = dp_accounting.pld.PLDAccountant().compose(event).get_epsilon(1e-5)
+    assert bound == 335 and f"at most {bound} examples" in out and table[-1] == pytest.approx(want, abs=1e-4)
+    with pytest.raises(SystemExit) as err:
+        cli.main(["epsilon", "--sample-rate", "0.01", "--steps", "10", "--noise-multiplier", "1", "--accountant", "rdp",
+                  "--max-batch-size", "x"])
+    assert err.value.code == 2
+    message = capsys.readouterr().err
+    assert "needs --dataset-size N and --batch-size B" in message and "--accountant pld" in message
+    assert "a whole number >= 1 or 'auto'" in message
