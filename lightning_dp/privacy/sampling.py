@@ -2,8 +2,10 @@
 
 Every example enters every batch independently with probability ``q``; rank r owns examples ``r, r + W, ...``
 (no padding), and batch ``k`` is drawn from ``(seed, SAMPLING, k, rank)``, so a resumed run samples what the
-uninterrupted one sampled. ``parts=k`` yields each batch as ``k`` micro-batches (virtual batches). Details:
-docs/privacy.md, "Sampling" and "Virtual batches".
+uninterrupted one sampled. ``parts=k`` yields each batch as ``k`` micro-batches (virtual batches). Batches of one
+shape (``max_batch_size``) are one draw over the whole set from ``(seed, SAMPLING, k, 0)`` on every rank, truncated,
+then dealt out (every ``W``-th kept example). Details: docs/privacy.md, "Sampling", "Virtual batches" and "Batches of
+one shape".
 """
 
 from __future__ import annotations
@@ -124,7 +126,8 @@ class PoissonBatchSampler(BatchSampler):
 
     def rows(self, step: int, part: int) -> int:
         """How many of the rows of micro-batch ``part`` of step ``step`` are real examples (the rest pad it to
-        ``max_batch_size / parts``); recomputed from the secret seed, as any copy of this sampler would."""
+        ``max_batch_size / (world_size * parts)``); recomputed from the secret seed, as any copy of this sampler
+        would."""
         key = (int(step), int(part))
         cached = getattr(self, "_rows", {})
         if key not in cached:
