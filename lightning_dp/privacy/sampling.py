@@ -227,18 +227,21 @@ def split_indices(indices: list[int], parts: int) -> list[list[int]]:
     return [indices[bounds[j]:bounds[j + 1]] for j in range(parts)]
 
 
+def _map_structure(obj: object, leaf: Callable[[object], object]) -> object:
+    """``obj`` with ``leaf`` applied to every value inside its (named) tuples, lists and dicts, structure kept."""
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        namedtuple_class: Any = type(obj)
+        return namedtuple_class(*(_map_structure(v, leaf) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_structure(v, leaf) for v in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _map_structure(v, leaf)) for k, v in obj.items())
+    return leaf(obj)
+
+
 def _empty_like(batch: object) -> object:
     """The batch structure with every tensor cut to length 0 along dimension 0."""
-    if isinstance(batch, torch.Tensor):
-        return batch[:0]
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        namedtuple_class: Any = type(batch)
-        return namedtuple_class(*(_empty_like(b) for b in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_empty_like(b) for b in batch)
-    if isinstance(batch, dict):
-        return type(batch)((k, _empty_like(v)) for k, v in batch.items())
-    return batch
+    return _map_structure(batch, lambda t: t[:0] if isinstance(t, torch.Tensor) else t)
 
 
 class EmptySafeCollate:
@@ -266,24 +269,22 @@ def _zero_like(sample: object) -> object:
     Raises:
         TypeError: a value of another kind (its content cannot be blanked).
     """
-    if isinstance(sample, torch.Tensor):
-        return torch.zeros_like(sample)
-    if isinstance(sample, (bool, np.bool_)):
-        return type(sample)(False)
-    if isinstance(sample, numbers.Number):
-        return type(sample)(0)  # type: ignore[call-arg]
-    if isinstance(sample, (str, bytes)):
-        return type(sample)()
-    if isinstance(sample, tuple) and hasattr(sample, "_fields"):  # namedtuple
-        namedtuple_class: Any = type(sample)
-        return namedtuple_class(*(_zero_like(v) for v in sample))
-    if isinstance(sample, (list, tuple)):
-        return type(sample)(_zero_like(v) for v in sample)
-    if isinstance(sample, dict):
-        return type(sample)((k, _zero_like(v)) for k, v in sample.items())
-    if isinstance(sample, np.ndarray):
-        return np.zeros_like(sample)
-    raise TypeError(f"an example holds a {type(sample).__name__}, which cannot be blanked to pad a batch of one shape "
+    return _map_structure(sample, _blank)
+
+
+def _blank(value: object) -> object:
+    """One value of an example (no container) with its content zeroed (:func:`_zero_like`)."""
+    if isinstance(value, torch.Tensor):
+        return torch.zeros_like(value)
+    if isinstance(value, (bool, np.bool_)):
+        return type(value)(False)
+    if isinstance(value, numbers.Number):
+        return type(value)(0)  # type: ignore[call-arg]
+    if isinstance(value, (str, bytes)):
+        return type(value)()
+    if isinstance(value, np.ndarray):
+        return np.zeros_like(value)
+    raise TypeError(f"an example holds a {type(value).__name__}, which cannot be blanked to pad a batch of one shape "
                     "(tensors, arrays, numbers, strings and lists, tuples or dicts of them can).")
 
 
