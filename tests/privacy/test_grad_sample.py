@@ -68,6 +68,15 @@ class TextNet(nn.Module):
         return self.fc(h.flatten(1))
 
 
+def assert_matches_naive(norms, flat, ref, c):
+    """The engine's norms and clipped sum at ``c`` against the naive per-example gradients ``ref`` (1e-9); returns
+    the naive clip factors."""
+    torch.testing.assert_close(norms, ref.norm(dim=1), rtol=1e-9, atol=1e-12)
+    factors = clip_factors(ref.norm(dim=1), c)
+    torch.testing.assert_close(flat, (factors[:, None] * ref).sum(0), rtol=1e-9, atol=1e-12)
+    return factors
+
+
 def mnist_cnn():
     return nn.Sequential(
         nn.Conv2d(1, 16, 8, stride=2, padding=3), nn.Tanh(), nn.MaxPool2d(2, 1),
@@ -124,9 +133,7 @@ def prepared(case, seed):
 def test_norms_and_clipped_sum_match_naive_loop(case, c):
     model, x, y, ref = prepared(case, seed=1)
     norms, flat = engine_result(model, F.cross_entropy, x, y, c)
-    torch.testing.assert_close(norms, ref.norm(dim=1), rtol=1e-9, atol=1e-12)
-    factors = clip_factors(ref.norm(dim=1), c)
-    torch.testing.assert_close(flat, (factors[:, None] * ref).sum(0), rtol=1e-9, atol=1e-12)
+    factors = assert_matches_naive(norms, flat, ref, c)
     # every clipped per-sample contribution has norm <= C
     assert torch.all((factors * ref.norm(dim=1)) <= c)
     # the engine restored requires_grad on every parameter
@@ -146,9 +153,7 @@ def test_wide_convolutions_through_the_grouped_backward(monkeypatch, c):
     model, x, y, ref = prepared("wide_convs_grouped_backward", seed=1)
     norms, flat = engine_result(model, F.cross_entropy, x, y, c)
     assert len(calls) == 4
-    torch.testing.assert_close(norms, ref.norm(dim=1), rtol=1e-9, atol=1e-12)
-    factors = clip_factors(ref.norm(dim=1), c)
-    torch.testing.assert_close(flat, (factors[:, None] * ref).sum(0), rtol=1e-9, atol=1e-12)
+    assert_matches_naive(norms, flat, ref, c)
 
 
 @pytest.mark.parametrize("case", ["mnist_cnn", "conv_same_reflect", "text_embedding_conv1d_groupnorm"])
@@ -156,9 +161,7 @@ def test_ghost_norm_path_matches_naive_loop(case):
     """instantiate_limit=0 forces the unfold + ghost-norm path for every conv and linear layer."""
     model, x, y, ref = prepared(case, seed=2)
     norms, flat = engine_result(model, F.cross_entropy, x, y, 0.3, instantiate_limit=0)
-    torch.testing.assert_close(norms, ref.norm(dim=1), rtol=1e-9, atol=1e-12)
-    factors = clip_factors(ref.norm(dim=1), 0.3)
-    torch.testing.assert_close(flat, (factors[:, None] * ref).sum(0), rtol=1e-9, atol=1e-12)
+    assert_matches_naive(norms, flat, ref, 0.3)
 
 
 @pytest.mark.parametrize("positions,d_in,d_out,expected", [(1, 512, 32, "ghost"), (25, 256, 32, "instantiate"),
@@ -213,9 +216,7 @@ def test_tied_linear_weights_include_the_cross_term(limit):
     ref = naive_per_sample(model, F.cross_entropy, x, y)
     model.zero_grad(set_to_none=True)
     norms, flat = engine_result(model, F.cross_entropy, x, y, 0.5, instantiate_limit=limit)
-    torch.testing.assert_close(norms, ref.norm(dim=1), rtol=1e-9, atol=1e-12)
-    factors = clip_factors(ref.norm(dim=1), 0.5)
-    torch.testing.assert_close(flat, (factors[:, None] * ref).sum(0), rtol=1e-9, atol=1e-12)
+    assert_matches_naive(norms, flat, ref, 0.5)
 
 
 @pytest.mark.parametrize("limit", [0, 2**40], ids=["ghost", "instantiated"])
@@ -230,9 +231,7 @@ def test_tied_weights_and_biases_of_linear_layers_on_vectors(limit):
     ref = naive_per_sample(model, F.cross_entropy, x, y)
     model.zero_grad(set_to_none=True)
     norms, flat = engine_result(model, F.cross_entropy, x, y, 0.5, instantiate_limit=limit)
-    torch.testing.assert_close(norms, ref.norm(dim=1), rtol=1e-9, atol=1e-12)
-    factors = clip_factors(ref.norm(dim=1), 0.5)
-    torch.testing.assert_close(flat, (factors[:, None] * ref).sum(0), rtol=1e-9, atol=1e-12)
+    assert_matches_naive(norms, flat, ref, 0.5)
 
 
 def test_factored_on_vectors_equals_one_position_sequences():
@@ -355,9 +354,7 @@ def test_batch_dimension_is_established_when_other_dimensions_equal_the_batch(ma
     ref = naive_per_sample(model, F.cross_entropy, x, y)
     model.zero_grad(set_to_none=True)
     norms, flat = engine_result(model, F.cross_entropy, x, y, 0.5)
-    torch.testing.assert_close(norms, ref.norm(dim=1), rtol=1e-9, atol=1e-12)
-    factors = clip_factors(ref.norm(dim=1), 0.5)
-    torch.testing.assert_close(flat, (factors[:, None] * ref).sum(0), rtol=1e-9, atol=1e-12)
+    assert_matches_naive(norms, flat, ref, 0.5)
 
 
 def test_input_without_batch_dimension_is_broadcast_to_the_batch():
