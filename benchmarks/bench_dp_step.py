@@ -36,6 +36,10 @@ Usage:
     python benchmarks/bench_dp_step.py --model mnist_cnn --device cuda --profile lightning_dp   # the operators' table
     python benchmarks/bench_dp_step.py --model digits_mlp --methods nonprivate,lightning_dp --count-ops  # + op counts
     python benchmarks/bench_dp_step.py --methods nonprivate,lightning_dp,lightning_dp_static   # batches of one shape
+    python benchmarks/bench_dp_step.py --methods nonprivate,lightning_dp_static,lightning_dp_compiled  # + compiled pass
+
+``lightning_dp_compiled`` is ``lightning_dp_static`` with the private pass (norms, clip factors, mask, clipped sums,
+counts) as one ``torch.compile`` graph, as ``DPSGD(compile_step=True)`` runs it (compiled before the timing).
 """
 
 from __future__ import annotations
@@ -59,7 +63,8 @@ from lightning_dp.models import MNISTConvNet  # noqa: E402
 from lightning_dp.privacy import GradSampleEngine, clip_factors, derive_generator, noisy_mean  # noqa: E402
 
 SIGMA, C = 1.0, 1.0
-METHODS = ["nonprivate", "lightning_dp", "lightning_dp_static", "opacus_hooks", "opacus_ghost", "torch_func"]
+METHODS = ["nonprivate", "lightning_dp", "lightning_dp_static", "lightning_dp_compiled", "opacus_hooks", "opacus_ghost",
+           "torch_func"]
 
 #: ``lightning_dp_static``: the training set the batch is a Poisson sample of (MNIST's size), for the bound
 STATIC_DATASET_SIZE = 60_000
@@ -286,10 +291,11 @@ def build(method: str, model_name: str, batch_size: int, device: str):
             opt.step()
         return step
 
-    if method in ("lightning_dp", "lightning_dp_static"):
-        static = method == "lightning_dp_static"
+    if method in ("lightning_dp", "lightning_dp_static", "lightning_dp_compiled"):
+        static = method != "lightning_dp"
+        compiled = method == "lightning_dp_compiled"
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        engine = GradSampleEngine(model, keep_buffers=static)
+        engine = GradSampleEngine(model, keep_buffers=static and not compiled)
         big = tuple(t.to(device) for t in make_batch(7, torch.Generator().manual_seed(7)))
         probes = {n: tuple(t[:n] for t in big) for n in (3, 5, 7)}  # nested, as the engine requires
 
@@ -313,13 +319,29 @@ def build(method: str, model_name: str, batch_size: int, device: str):
                          for t in batch)
             sampled = torch.arange(rows, device=device) < batch_size
 
+        if compiled:
+            from lightning_dp.callbacks.private_step import compiled_pass
+
+            class Fixed:  # a fixed threshold: no further sums
+                def extra_weights(self, norms, clip=None):
+                    return []
+
+            fused, strategy = compiled_pass({}), Fixed()
+            scale, clip, real = (torch.tensor(float(rows), dtype=torch.float64, device=device),
+                                 torch.tensor(C, dtype=torch.float64, device=device), torch.tensor(batch_size, device=device))
+
         def step():
             opt.zero_grad(set_to_none=True)
             with engine.record(batch_size=rows):
                 loss_of(model, data).backward()
-            norms = engine.per_sample_norms()
-            factors = clip_factors(norms, C)
-            sums = engine.clipped_sum(torch.where(sampled, factors, torch.zeros_like(factors)) if static else factors)
+            if compiled:
+                engine.check_inputs_unchanged()
+                _, (sums,), _ = fused(engine, strategy, scale, clip, real)
+            else:
+                norms = engine.per_sample_norms()
+                factors = clip_factors(norms, C)
+                sums = engine.clipped_sum(torch.where(sampled, factors, torch.zeros_like(factors)) if static
+                                          else factors)
             engine.clear()
             grads = noisy_mean(sums, noise_multiplier=SIGMA, max_grad_norm=C, expected_batch_size=batch_size,
                                generator=derive_generator(0, 2, next(counter), device=device))
@@ -609,14 +631,14 @@ def main(argv: list[str] | None = None) -> None:
           f"{torch.get_num_threads()}, {args.rounds} rounds x {args.steps} steps, {args.clock} clock")
     keys = [k for k in ("aten", "aten_all", "kernels", "python") if counts and k in counts.get("nonprivate", {})]
     header = "".join(f" {k:>9}" for k in keys)
-    print(f"{'method':<19} {'ms/step':>9} {'x non-private':>14} {'peak MiB':>9}{header}")
+    print(f"{'method':<21} {'ms/step':>9} {'x non-private':>14} {'peak MiB':>9}{header}")
     for m in methods:
         if m in errors:
-            print(f"{m:<19} failed: {errors[m]}")
+            print(f"{m:<21} failed: {errors[m]}")
             continue
         mem = f"{memory[m]:9.1f}" if memory.get(m) is not None else f"{'-':>9}"
         ops = "".join(f" {counts[m][k]:9.0f}" for k in keys) if counts else ""
-        print(f"{m:<19} {times[m] * 1e3:9.2f} {times[m] / base:14.2f} {mem}{ops}")
+        print(f"{m:<21} {times[m] * 1e3:9.2f} {times[m] / base:14.2f} {mem}{ops}")
     if keys:
         print("per step: aten = aten operator calls not nested in another (each pays its dispatch), aten_all = all "
               "of them" + (", kernels = CUDA kernel launches" if "kernels" in keys else "")

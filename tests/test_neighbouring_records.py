@@ -141,6 +141,9 @@ KINDS = [
     kind("dpsgd-bf16-mixed", ["dpsgd_digits_bf16.yaml"], [*DPSGD, *DPSGD_SHORT, *DIGITS_BATCH]),
     # batches of one shape (issue 53): truncated Poisson batches, padded; the padding must not move a release
     kind("dpsgd-static-shape", ["dpsgd_digits_static.yaml"], [*DPSGD, *DPSGD_SHORT, *DIGITS_BATCH]),
+    # the compiled private pass (dynamo's capture and guards, without inductor's code generation: seconds, not a minute)
+    kind("dpsgd-compiled-pass", ["dpsgd_digits_compiled.yaml"],
+         [*DPSGD, *DPSGD_SHORT, *DIGITS_BATCH, '--trainer.callbacks.init_args.compile_step={"backend": "eager"}']),
     # DP fine-tuning from a random base (the real pipeline starts from lm/gpt2_public_pretrain.yaml's checkpoint):
     # LoRA adapters only, and every weight; logical batches of 80 blocks (2 micro-batches of 40) in bfloat16
     kind("dp-lora-gpt2", ["lm/dp_lora_wikitext2.yaml", RANDOM_LORA_BASE],

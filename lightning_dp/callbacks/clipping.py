@@ -25,6 +25,7 @@ from lightning_dp.privacy.adaptive import (
     default_count_noise_std,
     oso_noise_split,
     oso_noisy_q_sum,
+    oso_q_weights,
     oso_statistics,
     oso_update,
     quantile_clip_update,
@@ -118,8 +119,9 @@ class ClipStrategy:
         self.check_noise(noise_multiplier, expected_batch_size)
         return {}
 
-    def extra_weights(self, per_sample_norms: torch.Tensor) -> list[torch.Tensor]:
-        """Per-example weights of further sums released with the clipped sum (noised by :meth:`after_release`)."""
+    def extra_weights(self, per_sample_norms: torch.Tensor, clip: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Per-example weights of further sums released with the clipped sum (noised by :meth:`after_release`);
+        ``clip``: this step's C, checked, as a tensor (a compiled pass: a changing float would recompile)."""
         return []
 
     def after_release(self, release: Release) -> None:
@@ -259,8 +261,10 @@ class OnlineSensitivityClip(ClipStrategy):
                 "privacy/clip_lr": self.clip_lr, "privacy/lr_lr": self.lr_lr,
                 "privacy/gradient_noise_multiplier": nu_g, "privacy/q_noise_multiplier": nu_q}
 
-    def extra_weights(self, per_sample_norms: torch.Tensor) -> list[torch.Tensor]:
-        return [oso_statistics(per_sample_norms, self.clip).q_weights]
+    def extra_weights(self, per_sample_norms: torch.Tensor, clip: torch.Tensor | None = None) -> list[torch.Tensor]:
+        if clip is None:
+            return [oso_statistics(per_sample_norms, self.clip).q_weights]
+        return [oso_q_weights(per_sample_norms, clip)]
 
     def trainable_changed(self) -> None:
         # the released vectors of the previous steps span the old trainable set: the next step updates nothing

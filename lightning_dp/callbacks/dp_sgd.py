@@ -124,6 +124,14 @@ class DPSGD(Callback):
             privacy: docs/privacy.md, "Batches of one shape".
         batch_overflow_probability: ``max_batch_size="auto"``'s chance per step that a Poisson batch exceeds the
             bound (default ``1e-6``: within 0.1 % of plain Poisson sampling's epsilon over thousands of steps).
+        compile_step: with ``max_batch_size``: the private pass after each backward (per-sample gradients from
+            the layers' records, norms, the drop of non-finite examples, clip factors, masks, clipped sums, counts)
+            runs as one graph of ``torch.compile(dynamic=False)``, compiled once: ``True`` (its defaults) or a dict
+            of its ``backend``, ``mode``, ``options``, ``fullgraph`` (``{"mode": "reduce-overhead"}``: CUDA
+            graphs). Compile the model's forward yourself (``torch.compile(model, dynamic=False)``). The noise stays
+            eager: it is drawn from the secret generator, which a compiled graph's random numbers are not. Same
+            release as the eager pass (to float rounding); slower on a CPU (docs/privacy.md, "A compiled private
+            pass"). Default False.
     """
 
     #: Constructor arguments that are secrets: redacted from configs logged by ``lightning-dp``.
@@ -154,6 +162,7 @@ class DPSGD(Callback):
         sampling: Literal["example", "user"] = "example",
         max_batch_size: int | Literal["auto"] | None = None,
         batch_overflow_probability: float = 1e-6,
+        compile_step: bool | dict[str, Any] = False,
     ) -> None:
         who = type(self).__name__
         self.settings, self.clipping, self._accountant = Settings.of(
@@ -164,7 +173,8 @@ class DPSGD(Callback):
             log_nonprivate_metrics=log_nonprivate_metrics, adjacency=adjacency,
             max_physical_batch_size=max_physical_batch_size, privacy_unit=privacy_unit,
             max_examples_per_user=max_examples_per_user, user_accounting=user_accounting, sampling=sampling,
-            max_batch_size=max_batch_size, batch_overflow_probability=batch_overflow_probability)
+            max_batch_size=max_batch_size, batch_overflow_probability=batch_overflow_probability,
+            compile_step=compile_step)
         # the secret seed, the gate, the final spend, the summary: the run-level protocol (lightning_dp.protocol)
         self.protocol = RunProtocol(self, seed=seed)
         self.calibration = Calibration(self.settings, self.clipping, self._accountant, who)

@@ -96,6 +96,7 @@ class Settings:
     sampling: str = "example"  #: what Poisson sampling draws: examples, or users with their records (ULS)
     max_batch_size: int | str | None = None  #: batches of one shape: the most examples of a step, or "auto"
     overflow_probability: float = 1e-6  #: "auto"'s chance per step that a rank's Poisson batch exceeds its bound
+    compile_step: dict[str, Any] | None = None  #: torch.compile's options for the private pass (None: eager)
 
     @classmethod
     def of(cls, who: str, *, noise_multiplier: float | None, target_epsilon: float | None, target_delta: float,
@@ -105,7 +106,8 @@ class Settings:
            max_physical_batch_size: int | None, privacy_unit: str = "example",
            max_examples_per_user: int | None = None, user_accounting: str | None = None,
            sampling: str = "example", max_batch_size: int | str | None = None,
-           batch_overflow_probability: float = 1e-6) -> tuple[Settings, ClipStrategy, Any]:
+           batch_overflow_probability: float = 1e-6,
+           compile_step: bool | dict[str, Any] = False) -> tuple[Settings, ClipStrategy, Any]:
         """The settings, the clipping strategy and the accountant, every argument checked in the signature's order.
 
         Raises:
@@ -142,12 +144,13 @@ class Settings:
                     checks.positive_int("max_physical_batch_size", max_physical_batch_size, hint="or None"))
         shape = _resolve_shape(max_batch_size, batch_overflow_probability, poisson=poisson, privacy_unit=privacy_unit,
                                adjacency=adjacency, accountant=accountant, kwargs=kwargs)
+        compiled = _resolve_compile(compile_step, shape)
         if sigma is not None:
             strategy.check_noise(sigma, None)  # what does not depend on the data, now
         settings = cls(sigma, target_epsilon, target_delta, epochs, max_steps, calibrate_for, accountant, kwargs,
                        poisson, adjacency, bool(replace_batchnorm), bool(log_nonprivate_metrics), physical,
                        str(privacy_unit), k, str(user_accounting), str(sampling), shape,
-                       float(batch_overflow_probability))
+                       float(batch_overflow_probability), compiled)
         return settings, strategy, accountant_object
 
 
@@ -186,6 +189,29 @@ def _resolve_shape(max_batch_size: Any, overflow_probability: Any, *, poisson: b
         raise ValueError(f"max_batch_size={max_batch_size!r} (batches of one shape, accounted as dp-accounting's "
                          "TruncatedSubsampledGaussianDpEvent) is not supported with " + "; ".join(problems) + ".")
     return max_batch_size if max_batch_size == "auto" else int(max_batch_size)
+
+
+#: the torch.compile arguments ``compile_step`` may set
+COMPILE_OPTIONS = ("backend", "mode", "options", "fullgraph")
+
+
+def _resolve_compile(compile_step: Any, shape: int | str | None) -> dict[str, Any] | None:
+    """``compile_step`` checked: None (eager) or the options of ``torch.compile`` (True: its defaults)."""
+    if compile_step is False or compile_step is None:
+        return None
+    if compile_step is True:
+        options: dict[str, Any] = {}
+    elif isinstance(compile_step, dict) and set(compile_step) <= set(COMPILE_OPTIONS):
+        options = dict(compile_step)
+    else:
+        raise ValueError(f"compile_step={compile_step!r} is not allowed: pass False (the private pass runs eagerly), "
+                         f"True (torch.compile's defaults) or a dict of torch.compile's {', '.join(COMPILE_OPTIONS)} "
+                         "(e.g. {'mode': 'reduce-overhead'} for CUDA graphs).")
+    if shape is None:
+        raise ValueError("compile_step needs batches of one shape: pass max_batch_size=<bound> or 'auto' too. With "
+                         "Poisson batches of varying size every new size compiles a new graph (and dynamo falls back "
+                         "to eager after a few).")
+    return options
 
 
 def _resolve_sampling(sampling: str, privacy_unit: str, user_accounting: str | None,

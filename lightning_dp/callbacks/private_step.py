@@ -25,11 +25,12 @@ from lightning_dp.callbacks.release_guard import ReleaseGuard
 from lightning_dp.privacy.batch_dims import split_batch
 from lightning_dp.privacy.clipping import check_max_grad_norm, clip_factors
 from lightning_dp.privacy.grad_sample import GradSampleEngine, PerSampleGradientError
+from lightning_dp.privacy.grad_sample.engine import _no_autocast
 from lightning_dp.privacy.noise import CLIP_STATISTIC, NOISE, derive_secret_generator, noisy_mean
 from lightning_dp.privacy.validators import describe_mixing_layers, find_mixing_layers, replace_batchnorm
 from lightning_dp.protocol import RunProtocol
 
-__all__ = ["PrivateStep", "loss_scale"]
+__all__ = ["PrivateStep", "compiled_pass", "fused_pass", "loss_scale", "pass_weights"]
 
 #: growth interval that fixes a GradScaler's scale for any run (2**62 steps)
 _FIXED_GROWTH_INTERVAL = 2**62
@@ -75,6 +76,61 @@ def _fix_loss_scale(trainer: Trainer) -> bool:
     return half
 
 
+def pass_weights(norms: torch.Tensor, clip: float | torch.Tensor, extra: list[torch.Tensor],
+                 real: int | torch.Tensor | None, *, dropped: int | None = None
+                 ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The per-example weights of a pass' sums (the clip factors, then a strategy's ``extra``) and its counts.
+
+    Args:
+        norms: the per-example norms, +inf for an example dropped for a non-finite gradient.
+        clip: C. extra: the strategy's further weights.
+        real: batches of one shape: the first ``real`` rows are sampled examples, the rest padding, weighted 0 and
+            counted nowhere. None: every row is an example.
+        dropped: the number of dropped examples when the caller knows it (0 in the common case: no count to take).
+
+    Returns:
+        The weights, and the counts ``[clipped (dropped ones included: their norm is +inf), examples, dropped]``.
+    """
+    weights = [clip_factors(norms, clip), *extra]
+    over = norms > clip
+    examples: int | torch.Tensor = norms.numel()
+    inf = torch.isinf(norms) if dropped is None else None
+    if real is not None:
+        sampled = torch.arange(norms.numel(), device=norms.device) < real
+        weights = [torch.where(sampled, w, torch.zeros_like(w)) for w in weights]
+        over = over & sampled
+        inf = None if inf is None else inf & sampled
+        examples = real
+    counts = [over.sum(), torch.as_tensor(examples, device=norms.device),
+              inf.sum() if inf is not None else torch.as_tensor(dropped, device=norms.device)]
+    return weights, torch.stack([c.to(norms.dtype) for c in counts])
+
+
+def fused_pass(engine: GradSampleEngine, clipping: ClipStrategy, scale: torch.Tensor, clip: torch.Tensor,
+               real: torch.Tensor) -> tuple[torch.Tensor, list[list[torch.Tensor]], torch.Tensor]:
+    """A pass' norms, sums and counts as one function of tensors, what ``DPSGD(compile_step=...)`` compiles:
+    :meth:`GradSampleEngine.fused_pass` with :func:`pass_weights` (the eager path's formulas)."""
+    found: list[torch.Tensor] = []
+
+    def weights_of(norms: torch.Tensor) -> list[torch.Tensor]:
+        weights, stats = pass_weights(norms, clip, clipping.extra_weights(norms, clip), real)
+        found.append(stats)
+        return weights
+
+    norms, sums = engine.fused_pass(scale, weights_of)
+    return norms, sums, found[0].to(sums[0][0].dtype)
+
+
+def compiled_pass(options: dict[str, Any]) -> Callable[..., Any]:
+    """:func:`fused_pass` under ``torch.compile(dynamic=False, **options)``, with a code object of its own: dynamo
+    keeps compiled graphs per code object (at most ``recompile_limit``), and a process that trains several models
+    (a grid, tests) would otherwise fill one cache and fall back to eager; this copy's graphs go with it."""
+    import types
+
+    own = types.FunctionType(fused_pass.__code__.replace(), fused_pass.__globals__, "fused_pass")
+    return torch.compile(own, dynamic=False, **options)
+
+
 class PrivateStep:
     """The private step of a DPSGD run, from the first micro-batch of a logical batch to its accounted release.
 
@@ -104,6 +160,7 @@ class PrivateStep:
         self.loss_checked = False
         self.half_precision = False  # bf16-mixed, 16-mixed or bf16-true: nonprivate/overflowed_fraction is logged
         self.real_rows: int | None = None  # batches of one shape: sampled rows of the micro-batch not yet clipped
+        self.fused: Callable[..., Any] | None = None  # the compiled pass (DPSGD(compile_step=...)), from setup
 
     # ------------------------------------------------------------------ a fit
     def setup(self, trainer: Trainer, pl_module: LightningModule, privatize: Callable[[Any], Any]) -> None:
@@ -120,6 +177,8 @@ class PrivateStep:
             raise MisconfigurationException(describe_mixing_layers(mixing))
         self.protocol.setup(trainer)  # uploads refused, the gate installed, the secret seed fixed on every process
         self.engine = self._engine(pl_module)
+        options = self.settings.compile_step
+        self.fused = None if options is None else compiled_pass(options)
         training_data.attach(trainer, privatize, self.shadows)
         self.logical.restart()
         self.user_training_step = pl_module.training_step
@@ -135,7 +194,8 @@ class PrivateStep:
     def _engine(self, pl_module: LightningModule) -> GradSampleEngine:
         """The per-sample gradient engine; with batches of one shape its work buffers are allocated once and kept
         (their size is bounded by the shape; a fresh allocation every step costs a few percent on a CPU)."""
-        return GradSampleEngine(pl_module, keep_buffers=self.settings.max_batch_size is not None)
+        return GradSampleEngine(pl_module, keep_buffers=self.settings.max_batch_size is not None
+                                and self.settings.compile_step is None)
 
     def attach_audit(self, audit: Any) -> None:
         """:meth:`DPSGD.attach_audit <lightning_dp.callbacks.DPSGD.attach_audit>`."""
@@ -378,34 +438,43 @@ class PrivateStep:
                 "under-state the sensitivity). Keep a batch dimension, e.g. apply nn.Linear to (B, T, d).")
         # the loss was a mean over `seen` examples, divided by Lightning's accumulation factor, and multiplied by
         # the loss scale of 16-mixed: unscaled here, before the norms and the clipping
-        norms = engine.per_sample_norms(loss_scale=seen * trainer.accumulate_grad_batches / loss_scale(trainer))
-        sampler = self.calibration.user_sampler
-        if sampler is not None:  # ULS: each sampled user's mean gradient is clipped as one unit
-            sizes = sampler.groups(self.released, self.logical.part - 1)
-            if sum(sizes) != seen:
-                raise MisconfigurationException(
-                    f"DPSGD(sampling='user'): this batch holds {seen} examples but its {len(sizes)} sampled users hold "
-                    f"{sum(sizes)} records: the DataLoader's collate_fn (or the training step) added or removed "
-                    "examples, so the records of each user cannot be found. Keep one example per record.")
-            norms = engine.group_norms(sizes)
+        scale = seen * trainer.accumulate_grad_batches / loss_scale(trainer)
         clip = check_max_grad_norm(self.clipping.clip)  # a strategy's C, checked at every step it clips with
-        weights = [clip_factors(norms, clip), *self.clipping.extra_weights(norms)]
+        real = None
         if self.real_rows is not None:
             # batches of one shape: the pass' first `real` rows are sampled examples (a chunk takes them in order),
             # the rest blank padding, whose weights are 0: nothing of theirs enters a sum or a count
             real = min(self.real_rows, seen)
             self.real_rows -= real
-            sampled = torch.arange(seen, device=norms.device) < real
-            weights = [torch.where(sampled, w, torch.zeros_like(w)) for w in weights]
-            over = (norms > clip) & sampled
-            dropped = int((torch.isinf(norms) & sampled).sum()) if engine.dropped else 0
+        if self.fused is not None:
+            # one captured graph (DPSGD(compile_step=...)): the checks a graph cannot make first, then norms, weights
+            # and sums with no host synchronization; the numbers (C, the scale, the rows) enter as tensors, so that a
+            # value that changes from step to step does not recompile
+            engine.check_inputs_unchanged()
+            device = engine.parameters[0].device
+            with _no_autocast(device):
+                norms, (sums, *extra_sums), stats = self.fused(
+                    engine, self.clipping, torch.tensor(scale, dtype=torch.float64, device=device),
+                    torch.tensor(clip, dtype=torch.float64, device=device), torch.tensor(real, device=device))
+            sums = [sums, *extra_sums]
         else:
-            real, over, dropped = norms.numel(), norms > clip, engine.dropped
-        sums = [engine.clipped_sum(w) for w in weights]
+            norms = engine.per_sample_norms(loss_scale=scale)
+            sampler = self.calibration.user_sampler
+            if sampler is not None:  # ULS: each sampled user's mean gradient is clipped as one unit
+                sizes = sampler.groups(self.released, self.logical.part - 1)
+                if sum(sizes) != seen:
+                    raise MisconfigurationException(
+                        f"DPSGD(sampling='user'): this batch holds {seen} examples but its {len(sizes)} sampled users "
+                        f"hold {sum(sizes)} records: the DataLoader's collate_fn (or the training step) added or "
+                        "removed examples, so the records of each user cannot be found. Keep one example per record.")
+                norms = engine.group_norms(sizes)
+            # the dropped examples: counted from the norms (+inf) only when some were dropped and padding is
+            # to be left out (a user's group norm stays finite: the engine's count of examples is the one)
+            weights, stats = pass_weights(norms, clip, self.clipping.extra_weights(norms), real,
+                                          dropped=engine.dropped if real is None or not engine.dropped else None)
+            sums = [engine.clipped_sum(w) for w in weights]
+            stats = stats.to(sums[0][0].dtype)
         engine.clear()
-        # clipped (dropped ones included: their norm is +inf), total, and dropped for a non-finite gradient
-        counts = torch.tensor([real, dropped], dtype=sums[0][0].dtype, device=norms.device)
-        stats = torch.cat([over.sum().to(counts).reshape(1), counts])
         if self.logical.pending is None or self.logical.pending_stats is None:
             self.logical.pending, self.logical.pending_stats = sums, stats
             return

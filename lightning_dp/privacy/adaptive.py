@@ -36,6 +36,7 @@ __all__ = [
     "default_count_noise_std",
     "oso_noise_split",
     "oso_noisy_q_sum",
+    "oso_q_weights",
     "oso_statistics",
     "oso_update",
     "quantile_clip_update",
@@ -197,12 +198,17 @@ def oso_statistics(per_sample_norms: Tensor, clip: float) -> OSOStatistics:
         tensor([0.0000, 0.0000, 0.5000])
     """
     clip = _check_clip(clip)
+    return OSOStatistics(clip_factors(per_sample_norms, clip), oso_q_weights(per_sample_norms, clip))
+
+
+def oso_q_weights(per_sample_norms: Tensor, clip: float | Tensor) -> Tensor:
+    """:func:`oso_statistics`' ``q`` weights with ``clip`` already checked (a tensor too: what a compiled pass
+    computes, :func:`lightning_dp.callbacks.private_step.fused_pass`)."""
     clipped = per_sample_norms > clip
     safe = torch.where(clipped, per_sample_norms, torch.ones_like(per_sample_norms))
     # 1 / (||g|| + NORM_EPS) as in clip_factors: a rounding error in the computed norm cannot push
     # ||q_i|| above 1, the sensitivity the q noise is calibrated to
-    q_weights = torch.where(clipped, (safe + NORM_EPS).reciprocal(), torch.zeros_like(per_sample_norms))
-    return OSOStatistics(clip_factors(per_sample_norms, clip), q_weights)
+    return torch.where(clipped, (safe + NORM_EPS).reciprocal(), torch.zeros_like(per_sample_norms))
 
 
 def oso_noisy_q_sum(q_sum: Sequence[Tensor], *, q_noise_multiplier: float,

@@ -41,7 +41,7 @@ Pass e.g. clip=1.0; typical values are 0.1 to 10.
 check_max_grad_norm = check_clip
 
 
-def clip_factors(norms: Tensor, max_grad_norm: float) -> Tensor:
+def clip_factors(norms: Tensor, max_grad_norm: float | Tensor) -> Tensor:
     """Per-sample scale factors ``min(1, C / (||g_i|| + 1e-6))``.
 
     Multiplying example i's gradient by its factor bounds its L2 norm by ``C`` (strictly),
@@ -49,7 +49,8 @@ def clip_factors(norms: Tensor, max_grad_norm: float) -> Tensor:
 
     Args:
         norms: per-sample gradient norms, shape ``(B,)``.
-        max_grad_norm: the clipping threshold ``C``.
+        max_grad_norm: the clipping threshold ``C`` (checked: :func:`check_max_grad_norm`); a 0-d tensor in a
+            compiled pass, where a float that changes from step to step would recompile.
 
     Example:
         >>> clip_factors(torch.tensor([0.5, 2.0]), 1.0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -531,8 +531,28 @@ class GradSampleEngine(BatchDimProbe):
                 "so their per-sample gradients cannot be recorded. Use each parameter only through its module's "
                 "forward (no F.linear(x, module.weight) in training_step), or freeze it with requires_grad=False.")
 
-    def _records(self, layer: _Layer, scale: float, batch: int) -> list[Record]:
-        """The layer's calls of the step, batch first, output gradients times ``scale``."""
+    @staticmethod
+    def _check_unchanged(layer: _Layer, call: _Call) -> None:
+        """Raises if an input of the call was modified in place after the layer used it."""
+        changed = [i for i, (a, v) in enumerate(zip(call.leaves, call.versions))
+                   if isinstance(a, Tensor) and a._version != v]
+        if changed:
+            raise PerSampleGradientError(
+                f"input {changed[0]} of {layer.label} was modified in place after the layer used it (for example "
+                "x += f(x), ids.masked_fill_(...) or an in-place activation on it), so what the layer computed with "
+                "is lost and its per-sample gradients cannot be computed. Plain autograd refuses this too when "
+                "the layer's weight is trainable. Use the out-of-place form (x = x + f(x)) or clone() the input.")
+
+    def check_inputs_unchanged(self) -> None:
+        """The in-place check of every recorded call, made before :meth:`fused_pass` (whose graph cannot read a
+        tensor's version counter)."""
+        for layer in self.layers:
+            for call in layer.calls:
+                self._check_unchanged(layer, call)
+
+    def _records(self, layer: _Layer, scale: float | Tensor, batch: int, *, checked: bool = False) -> list[Record]:
+        """The layer's calls of the step, batch first, output gradients times ``scale`` (``checked``: the in-place
+        check was made already, :meth:`check_inputs_unchanged`)."""
         dims = layer.dims
         assert dims is not None
         out = []
@@ -540,14 +560,8 @@ class GradSampleEngine(BatchDimProbe):
             if all(g is None for g in call.grad_outputs):
                 continue
             inputs, spec = call.leaves, call.spec
-            changed = [i for i, (a, v) in enumerate(zip(inputs, call.versions))
-                       if isinstance(a, Tensor) and a._version != v]
-            if changed:
-                raise PerSampleGradientError(
-                    f"input {changed[0]} of {layer.label} was modified in place after the layer used it (for example "
-                    "x += f(x), ids.masked_fill_(...) or an in-place activation on it), so what the layer computed with "
-                    "is lost and its per-sample gradients cannot be computed. Plain autograd refuses this too when "
-                    "the layer's weight is trainable. Use the out-of-place form (x = x + f(x)) or clone() the input.")
+            if not checked:
+                self._check_unchanged(layer, call)
             dtype = layer.compute_dtype
             inputs = [_upcast(a, dtype) for a in inputs]
             if layer.broadcast:
@@ -586,12 +600,13 @@ class GradSampleEngine(BatchDimProbe):
                               extra=call.extra, call_args=call_args, call_kwargs=call_kwargs, scale=scale))
         return out
 
-    def _contributions_of_step(self, scale: float, batch: int) -> dict[int, list[Contribution]]:
+    def _contributions_of_step(self, scale: float | Tensor, batch: int, *,
+                               checked: bool = False) -> dict[int, list[Contribution]]:
         found: dict[int, list[Contribution]] = {}
         for layer in self.layers:
             if not layer.calls:  # not called in this step (a branch not taken, a module defined but unused)
                 continue
-            records = self._records(layer, scale, batch)
+            records = self._records(layer, scale, batch, checked=checked)
             if not records or batch == 0:
                 continue
             with _named(layer):
@@ -664,12 +679,43 @@ class GradSampleEngine(BatchDimProbe):
                                    for key, parts in self._contributions.items()}
             return self._norms(len(sizes))
 
+    def fused_pass(self, loss_scale: Tensor, weights_of: Callable[[Tensor], list[Tensor]]
+                   ) -> tuple[Tensor, list[list[Tensor]]]:
+        """:meth:`per_sample_norms` and a :meth:`clipped_sum` per weight vector, with no host synchronization and no
+        state kept: one function of tensors that ``torch.compile`` captures as one graph (batches of one shape,
+        ``DPSGD(compile_step=...)``).
+
+        An example whose norm is not finite is dropped as :meth:`per_sample_norms` drops it (its contribution 0, its
+        norm +inf), but by masking every contribution's rows whether any is bad or not: no branch on the data. The
+        caller makes the checks a graph cannot (:meth:`check_inputs_unchanged`, :meth:`batch_size`) before, and
+        calls it outside autocast.
+
+        Args:
+            loss_scale: as :meth:`per_sample_norms`' (a tensor: a changing value does not recompile).
+            weights_of: the per-example weights of each sum, from the norms.
+
+        Returns:
+            The norms (+inf where dropped) and, per weight vector, one tensor per parameter (:attr:`parameters`).
+        """
+        b = self.batch_size()
+        contributions = self._contributions_of_step(loss_scale, b, checked=True)
+        norms = self._norms_of(contributions, b)
+        bad = torch.isinf(norms) | torch.isnan(norms)
+        for parts in contributions.values():
+            for c in parts:
+                c.drop(bad)
+        norms = norms.masked_fill(bad, math.inf)
+        return norms, [self._sums_of(contributions, w) for w in weights_of(norms)]
+
     def _norms(self, b: int) -> Tensor:
+        assert self._contributions is not None
+        return self._norms_of(self._contributions, b)
+
+    def _norms_of(self, found: dict[int, list[Contribution]], b: int) -> Tensor:
         p0 = self._params[0]
         dtype = compute_dtype(p0.dtype)
-        assert self._contributions is not None
         terms: list[Tensor] = []
-        for contributions in self._contributions.values():
+        for contributions in found.values():
             for i, c in enumerate(contributions):
                 terms.append(_as(c.sq_norms(), dtype))
                 for other in contributions[i + 1:]:
@@ -691,19 +737,22 @@ class GradSampleEngine(BatchDimProbe):
         contributions = getattr(self, "_contributions", None)
         if contributions is None:
             raise PerSampleGradientError("call per_sample_norms() before clipped_sum()")
-        out = []
         with _no_autocast(self._params[0].device):
-            for p in self._params:
-                dtype = compute_dtype(p.dtype)  # at least float32: the caller casts the released gradient to p.dtype
-                parts = contributions.get(id(p), [])
-                if not parts or factors.numel() == 0:
-                    out.append(torch.zeros(p.shape, dtype=dtype, device=p.device))
-                    continue
-                total = parts[0].weighted_sum(factors)
-                for c in parts[1:]:
-                    total = total + c.weighted_sum(factors)
-                total = _as(total, dtype)
-                out.append(total if total.shape == p.shape else total.view(p.shape))
+            return self._sums_of(contributions, factors)
+
+    def _sums_of(self, contributions: dict[int, list[Contribution]], factors: Tensor) -> list[Tensor]:
+        out = []
+        for p in self._params:
+            dtype = compute_dtype(p.dtype)  # at least float32: the caller casts the released gradient to p.dtype
+            parts = contributions.get(id(p), [])
+            if not parts or factors.numel() == 0:
+                out.append(torch.zeros(p.shape, dtype=dtype, device=p.device))
+                continue
+            total = parts[0].weighted_sum(factors)
+            for c in parts[1:]:
+                total = total + c.weighted_sum(factors)
+            total = _as(total, dtype)
+            out.append(total if total.shape == p.shape else total.view(p.shape))
         return out
 
 

@@ -87,7 +87,7 @@ class Record:
     extra: dict[str, Any] = field(default_factory=dict)
     call_args: tuple[Any, ...] = ()
     call_kwargs: dict[str, Any] = field(default_factory=dict)
-    scale: float = 1.0
+    scale: float | Tensor = 1.0
 
     def input(self, index: int = 0, name: str = "input") -> Any:
         """Positional argument ``index``, or keyword ``name`` when it was passed by keyword (batch first)."""
