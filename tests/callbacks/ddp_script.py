@@ -80,7 +80,11 @@ def main(out: Path, tracking_uri: str) -> None:
                                            ("split", 5, {"accumulate_grad_batches": 2}, {"max_physical_batch_size": 3}),
                                            # batches of one shape (issue 53): 2 ranks x 2 micro-batches of 16 rows
                                            ("static", 5, {"accumulate_grad_batches": 2},
-                                            {"max_physical_batch_size": 3, "max_batch_size": 64})):
+                                            {"max_physical_batch_size": 3, "max_batch_size": 64}),
+                                           # ... with the private pass compiled (dynamo's capture, eager backend)
+                                           ("compiled", 5, {"accumulate_grad_batches": 2},
+                                            {"max_physical_batch_size": 3, "max_batch_size": 64,
+                                             "compile_step": {"backend": "eager"}})):
         torch.manual_seed(0)
         m = Classifier().double()
         cb = DPSGD(noise_multiplier=1.0, max_grad_norm=1.0, seed=8, **dp_kwargs)

@@ -97,3 +97,71 @@ def test_a_non_finite_example_is_dropped_as_the_eager_pass_drops_it():
 def test_refused_before_any_data(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DPSGD(noise_multiplier=1.0, max_grad_norm=1.0, **kwargs)
+
+
+def test_the_whole_step_compiles_once_with_a_compiled_model():
+    """The model's forward and backward compiled by the user (torch.compile(dynamic=False)) and the private pass by
+    DPSGD: neither recompiles after the first step over two epochs; the release is the all-eager run's."""
+    import lightning as L
+    import torch.nn.functional as F
+
+    def run(compiled):
+        torch.manual_seed(0)
+        model_counter, pass_counter, seen = (CompileCounterWithBackend("aot_eager"),
+                                             CompileCounterWithBackend("eager"), [])
+
+        class Model(Classifier):
+            def __init__(self):
+                super().__init__()
+                self.forward_net = torch.compile(self.net, backend=model_counter, dynamic=False) if compiled \
+                    else self.net
+
+            def training_step(self, batch, batch_idx):
+                x, y = batch
+                return F.cross_entropy(self.forward_net(x), y)
+
+        class Count(L.Callback):
+            def on_train_batch_end(self, *args):
+                seen.append((model_counter.frame_count, pass_counter.frame_count))
+
+        model = Model().double()
+        dp = DPSGD(noise_multiplier=1.1, max_grad_norm=1.0, seed=3, max_batch_size=48,
+                   compile_step={"backend": pass_counter} if compiled else False)
+        trainer(max_epochs=2, callbacks=[dp, Count()]).fit(model, train_dataloaders=loader())
+        return model, seen
+
+    eager, _ = run(False)
+    model, seen = run(True)
+    assert len(seen) == 20 and len(set(seen)) == 1 and seen[0][0] >= 1 and seen[0][1] == 1
+    for x, y in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-12)
+
+
+def test_bf16_mixed_and_a_layer_unfrozen_mid_run():
+    """Under bf16-mixed the pass runs outside autocast (float32 norms and sums), as the eager one; a layer unfrozen
+    after the first epoch rebuilds the engine, which compiles the pass once more (a new set of parameters), and the
+    release stays the eager pass'."""
+    import lightning as L
+
+    class Unfreeze(L.Callback):
+        def on_train_start(self, trainer, module):
+            module.net[0].weight.requires_grad_(False)
+
+        def on_train_epoch_start(self, trainer, module):
+            if trainer.current_epoch == 1:
+                module.net[0].weight.requires_grad_(True)
+
+    def run(compile_step):
+        torch.manual_seed(0)
+        model = Classifier()
+        dp = DPSGD(noise_multiplier=1.1, max_grad_norm=1.0, seed=3, max_batch_size=48, compile_step=compile_step)
+        x, y = blobs(200).tensors
+        trainer(max_epochs=2, callbacks=[Unfreeze(), dp], precision="bf16-mixed").fit(
+            model, train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=20))
+        return model
+
+    counter = CompileCounterWithBackend("eager")
+    eager, compiled = run(False), run({"backend": counter})
+    assert counter.frame_count == 2
+    for x, y in zip(compiled.parameters(), eager.parameters()):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-6)

@@ -118,7 +118,8 @@ def test_virtual_batches_release_the_unsplit_step_under_ddp(ddp_run):
 
 
 def test_batches_of_one_shape_release_the_single_process_step_under_ddp(ddp_run):
-    """Issue 53: max_batch_size=64 on 2 ranks (2 micro-batches of 16 rows each, chunks of 3). The truncated Poisson
+    """Issue 53: max_batch_size=64 on 2 ranks (2 micro-batches of 16 rows each, chunks of 3), eager and with the
+    private pass compiled. The truncated Poisson
     sample is ONE draw over the whole set, dealt out to the ranks, so the release equals a single process' with the
     same seed (float64), whatever the shards, and is accounted as the truncated event over N + 1 = 201 records with
     bound 64."""
@@ -147,6 +148,10 @@ def test_batches_of_one_shape_release_the_single_process_step_under_ddp(ddp_run)
         assert static["truncation"] == cb.accountant.truncation == (201, 64)
         torch.testing.assert_close(static["params"], params, rtol=0, atol=1e-12)
         assert static["epsilon"] == pytest.approx(library, rel=1e-9) and cb.epsilon == static["epsilon"]
+        # the compiled private pass (DPSGD(compile_step=...)) releases the same steps under DDP
+        compiled = r["virtual"]["compiled"]
+        assert compiled["steps"] == 20 and compiled["history"] == static["history"]
+        torch.testing.assert_close(compiled["params"], params, rtol=0, atol=1e-12)
 
 
 def test_user_sampling_shards_users_and_releases_one_step_on_every_rank(ddp_run):
