@@ -2,6 +2,7 @@
 # The checks that need a CUDA GPU (docs/gpu.md): the device-parametrized tests (every test whose id names "gpu"),
 # then the DP step of bench_dp_step.py and the federated client part of bench_federated_round.py timed on the GPU.
 #   bash benchmarks/gpu_check.sh OUTDIR        # writes OUTDIR/tests.log, OUTDIR/bench.log, OUTDIR/dp_step_*.json
+#   SKIP_TESTS=1 NO_MEMORY_MODELS= MEMORY_MODELS= bash benchmarks/gpu_check.sh OUTDIR   # only the compiled pass' check
 # CI has no GPU: there the GPU variants are not collected and the CPU ones run with the suite.
 set -u
 out=${1:-gpu-check}
@@ -11,7 +12,7 @@ py=${PYTHON:-python3}
 nvidia-smi -L
 $py -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__, torch.cuda.get_device_name())"
 uptime
-timeout "${TEST_TIMEOUT:-330}" $py -m pytest -q -p no:cacheprovider -rs -k gpu \
+[ -z "${SKIP_TESTS:-}" ] && timeout "${TEST_TIMEOUT:-330}" $py -m pytest -q -p no:cacheprovider -rs -k gpu \
   tests/privacy/test_layer_matrix.py tests/privacy/test_noise.py tests/privacy/test_mechanisms.py \
   tests/callbacks/test_mixed_precision.py tests/callbacks/test_adaptive_clipping.py \
   tests/federated/test_dense.py tests/federated/test_dp_fedavg.py tests/federated/test_module.py \
@@ -28,6 +29,12 @@ bench() {
   done
   for m in ${MEMORY_MODELS-mnist_cnn gpt2_lora}; do  # peak memory: one fresh process per method (slower)
     timeout 100 $py benchmarks/bench_dp_step.py --model "$m" --rounds 10 --steps 3 --device cuda --json "$out/dp_step_$m.json"
+  done
+  # the private pass compiled (DPSGD(compile_step=True), issue 53): kernel launches per step (--count-ops) against the
+  # eager pass with the same padding; compilation takes tens of seconds, hence its own, longer limit
+  for m in ${COMPILED_MODELS-mnist_cnn transformer}; do
+    timeout 150 $py benchmarks/bench_dp_step.py --model "$m" --rounds 10 --steps 3 --device cuda --no-memory --count-ops \
+      --methods nonprivate,lightning_dp_static,lightning_dp_compiled --json "$out/dp_step_compiled_$m.json"
   done
   uptime
 }
