@@ -144,7 +144,7 @@ class Settings:
                     checks.positive_int("max_physical_batch_size", max_physical_batch_size, hint="or None"))
         shape = _resolve_shape(max_batch_size, batch_overflow_probability, poisson=poisson, privacy_unit=privacy_unit,
                                adjacency=adjacency, accountant=accountant, kwargs=kwargs)
-        compiled = _resolve_compile(compile_step, shape)
+        compiled = _resolve_compile(compile_step, shape, sampling)
         if sigma is not None:
             strategy.check_noise(sigma, None)  # what does not depend on the data, now
         settings = cls(sigma, target_epsilon, target_delta, epochs, max_steps, calibrate_for, accountant, kwargs,
@@ -195,7 +195,7 @@ def _resolve_shape(max_batch_size: Any, overflow_probability: Any, *, poisson: b
 COMPILE_OPTIONS = ("backend", "mode", "options", "fullgraph")
 
 
-def _resolve_compile(compile_step: Any, shape: int | str | None) -> dict[str, Any] | None:
+def _resolve_compile(compile_step: Any, shape: int | str | None, sampling: str) -> dict[str, Any] | None:
     """``compile_step`` checked: None (eager) or the options of ``torch.compile`` (True: its defaults)."""
     if compile_step is False or compile_step is None:
         return None
@@ -207,6 +207,9 @@ def _resolve_compile(compile_step: Any, shape: int | str | None) -> dict[str, An
         raise ValueError(f"compile_step={compile_step!r} is not allowed: pass False (the private pass runs eagerly), "
                          f"True (torch.compile's defaults) or a dict of torch.compile's {', '.join(COMPILE_OPTIONS)} "
                          "(e.g. {'mode': 'reduce-overhead'} for CUDA graphs).")
+    if sampling != "example":
+        raise ValueError(f"compile_step is not supported with sampling={sampling!r}: the compiled pass clips each "
+                         "example, not each sampled user's group. Pass compile_step=False.")
     if shape is None:
         raise ValueError("compile_step needs batches of one shape: pass max_batch_size=<bound> or 'auto' too. With "
                          "Poisson batches of varying size every new size compiles a new graph (and dynamo falls back "

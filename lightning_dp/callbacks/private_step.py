@@ -121,6 +121,21 @@ def fused_pass(engine: GradSampleEngine, clipping: ClipStrategy, scale: torch.Te
     return norms, sums, found[0].to(sums[0][0].dtype)
 
 
+def check_extra_weights(clipping: ClipStrategy, who: str) -> None:
+    """Refuses, before any data, a strategy whose ``extra_weights`` cannot take C as a tensor (a compiled pass
+    passes it so: a float that changes every step would recompile)."""
+    import inspect
+
+    try:
+        inspect.signature(clipping.extra_weights).bind(torch.zeros(1), torch.zeros(()))
+    except TypeError as err:
+        raise MisconfigurationException(
+            f"{who}(compile_step=...): {type(clipping).__name__}.extra_weights(per_sample_norms) takes no clip "
+            "argument; the compiled pass calls extra_weights(per_sample_norms, clip) with this step's C as a tensor. "
+            "Add `clip: torch.Tensor | None = None` to its signature (None: use self.clip), or pass "
+            "compile_step=False.") from err
+
+
 def compiled_pass(options: dict[str, Any]) -> Callable[..., Any]:
     """:func:`fused_pass` under ``torch.compile(dynamic=False, **options)``, with a code object of its own: dynamo
     keeps compiled graphs per code object (at most ``recompile_limit``), and a process that trains several models
@@ -176,8 +191,10 @@ class PrivateStep:
         if mixing:
             raise MisconfigurationException(describe_mixing_layers(mixing))
         self.protocol.setup(trainer)  # uploads refused, the gate installed, the secret seed fixed on every process
-        self.engine = self._engine(pl_module)
+        self.engine = self._engine(trainer, pl_module)
         options = self.settings.compile_step
+        if options is not None:
+            check_extra_weights(self.clipping, self.who)
         self.fused = None if options is None else compiled_pass(options)
         training_data.attach(trainer, privatize, self.shadows)
         self.logical.restart()
@@ -191,11 +208,14 @@ class PrivateStep:
 
             self.shadows.set(pl_module, "training_step", training_step)
 
-    def _engine(self, pl_module: LightningModule) -> GradSampleEngine:
-        """The per-sample gradient engine, its work buffers kept from one step to the next (grown to the largest batch
-        seen): a fresh allocation every step faults its pages in again, 6 % of the MNIST CNN's private step on a CPU,
-        and the step's peak holds them anyway (docs/privacy.md, "Memory"). A compiled pass allocates in its graph."""
-        return GradSampleEngine(pl_module, keep_buffers=self.settings.compile_step is None)
+    def _engine(self, trainer: Trainer, pl_module: LightningModule) -> GradSampleEngine:
+        """The per-sample gradient engine. Its work buffers are kept from one step to the next on a CPU (grown to the
+        largest batch seen: a fresh allocation there faults its pages in again, 6 % of the MNIST CNN's private step)
+        and with batches of one shape (their size is the shape's); on a GPU with Poisson batches they are freed, so
+        that the caching allocator lends their memory to the next forward (docs/privacy.md, "Memory"). A compiled
+        pass allocates in its graph."""
+        keep = self.settings.max_batch_size is not None or trainer.strategy.root_device.type == "cpu"
+        return GradSampleEngine(pl_module, keep_buffers=keep and self.settings.compile_step is None)
 
     def attach_audit(self, audit: Any) -> None:
         """:meth:`DPSGD.attach_audit <lightning_dp.callbacks.DPSGD.attach_audit>`."""
@@ -327,7 +347,7 @@ class PrivateStep:
             # a layer was unfrozen (BackboneFinetuning, a hook setting requires_grad) or frozen: follow it
             rank_zero_info("DPSGD: the set of trainable parameters changed; rebuilding the per-sample gradient engine.")
             self.engine.remove()
-            self.engine = self._engine(pl_module)
+            self.engine = self._engine(trainer, pl_module)
             self.clipping.trainable_changed()
         if not self.engine.probed:
             self._probe(trainer, pl_module)
@@ -450,13 +470,17 @@ class PrivateStep:
             # one captured graph (DPSGD(compile_step=...)): the checks a graph cannot make first, then norms, weights
             # and sums with no host synchronization; the numbers (C, the scale, the rows) enter as tensors, so that a
             # value that changes from step to step does not recompile
+            assert self.calibration.user_sampler is None and real is not None  # refused by Settings.of
             engine.check_inputs_unchanged()
             device = engine.parameters[0].device
             with _no_autocast(device):
                 norms, (sums, *extra_sums), stats = self.fused(
                     engine, self.clipping, torch.tensor(scale, dtype=torch.float64, device=device),
                     torch.tensor(clip, dtype=torch.float64, device=device), torch.tensor(real, device=device))
-            sums = [sums, *extra_sums]
+            # copied out of the graph's memory: under CUDA graphs (mode="reduce-overhead") the next replay (the next
+            # micro-batch's pass) overwrites its outputs, which the logical batch still accumulates into
+            sums = [[t.clone() for t in sums], *([t.clone() for t in e] for e in extra_sums)]
+            stats = stats.clone()
         else:
             norms = engine.per_sample_norms(loss_scale=scale)
             sampler = self.calibration.user_sampler

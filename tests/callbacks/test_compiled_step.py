@@ -76,17 +76,48 @@ def test_inductor_release_equals_the_eager_pass():
     assert_same_run(eager, compiled, atol=1e-10)
 
 
-def test_a_non_finite_example_is_dropped_as_the_eager_pass_drops_it():
-    """An example with an infinite feature: its gradient is not finite; the eager pass drops it after reading the
-    norms, the compiled one by masking every row whose norm is not finite: the same release and counts."""
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_a_non_finite_example_is_dropped_as_the_eager_pass_drops_it(bad):
+    """Every tenth example has a non-finite feature, so most steps sample some: the eager pass drops them after
+    reading the norms, the compiled one by masking every row whose norm is not finite: the same release and the same
+    counts of dropped examples at every step."""
+    import lightning as L
+
     x, y = blobs(200).tensors
     x = x.double()
-    x[3, 0] = float("inf")
-    data = DataLoader(TensorDataset(x, y), batch_size=20)
-    eager = fit(48, loader=data)
-    compiled = fit(48, loader=data, dp_kwargs={"compile_step": {"backend": "eager"}})
-    assert_same_run(eager, compiled, atol=1e-12)
-    assert all(torch.isfinite(p).all() for p in compiled[3].parameters())
+    x[::10, 0] = bad
+    runs = []
+    for compile_step in (False, {"backend": "eager"}):
+        dropped: list[float] = []
+
+        class Counts(L.Callback):
+            def on_train_batch_end(self, trainer, *args):
+                dropped.append(float(dp.private_step.last_stats[2]))
+
+        torch.manual_seed(0)
+        model = Classifier().double()
+        dp = DPSGD(noise_multiplier=1.1, max_grad_norm=1.0, seed=3, max_batch_size=48, compile_step=compile_step)
+        trainer(max_epochs=1, callbacks=[dp, Counts()]).fit(
+            model, train_dataloaders=DataLoader(TensorDataset(x, y), batch_size=20))
+        runs.append((model, dropped))
+    (eager, eager_dropped), (compiled, compiled_dropped) = runs
+    assert compiled_dropped == eager_dropped and sum(eager_dropped) >= 5
+    for a, b in zip(compiled.parameters(), eager.parameters()):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_a_strategy_without_the_clip_argument_is_refused_before_any_data():
+    """A user's strategy written for the eager pass (extra_weights(norms)) cannot take C as a tensor."""
+    from lightning_dp.callbacks.clipping import FixedClip
+
+    class Old(FixedClip):
+        def extra_weights(self, per_sample_norms):
+            return []
+
+    dp = DPSGD(noise_multiplier=1.0, clipping=Old(1.0), max_batch_size=48, compile_step=True)
+    with pytest.raises(MisconfigurationException, match="takes no clip argument"):
+        trainer(max_epochs=1, callbacks=[dp]).fit(Classifier().double(), train_dataloaders=loader())
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
