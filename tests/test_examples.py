@@ -866,3 +866,21 @@ def test_femnist_table2_4_dimension(tmp_path, capsys):
            "0.700 (n = 1), -0.060 |" in table.dimension(rmse, "rmse").splitlines()
     assert table.main(["dimension", str(tsv), "--png", str(tmp_path / "d.png")]) == 0
     assert (tmp_path / "d.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("script, tsv, page", [
+    ("fedavg_cosine_table.py", "fedavg_cosine_fig5_4.tsv", "results_dp_fedavg.md"),
+    ("fairness/fig2_7_table.py", "fairness_fig2_7.tsv", "results_fairness.md")])
+def test_committed_per_seed_tables_give_their_pages_numbers(script, tsv, page, capsys):
+    """The per-seed TSVs of issue 54 (thesis Figs. 5.4 and 2.7): the mean ± std table their script prints from the
+    TSV alone is the one on the results page, row for row."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(Path(script).stem, ROOT / script)
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    docs = ROOT.parent / "docs"
+    report.main(["--from-tsv", str(docs / "figures" / tsv)])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and " ± " in line]
+    text = (docs / page).read_text()
+    assert rows and [row for row in rows if row not in text] == []
