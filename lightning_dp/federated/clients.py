@@ -199,6 +199,28 @@ class RoundClients:
         """What the training clients at positions ``mine`` compute in round ``r``
         (:meth:`FederatedRound.train_clients`)."""
         rnd = self.round
+        losses, choice, start = self.starting_points(mine, r, x, y, mask)
+        trained = rnd.update.train(
+            rnd.template, rnd.spec, start, x, y, mask, loss=rnd.loss_name, shuffles=self.shuffle_keys(r, mine, mask),
+            clients=mine, noise=lambda i: derive_secret_generator(rnd._noise_seed, _LOCAL_NOISE, r, i, device=x.device))
+        # a client whose update is not finite (broken data, a diverged training) contributes a zero update: it is
+        # still sanitized, released and charged as planned (a NaN release, or a stop, would tell its data apart)
+        trained, dropped = drop_non_finite(trained, start)
+        # one copy per hypothesis (not per client, not a view of the buffer the round overwrites afterwards)
+        references = [step.clone() if bool(step.norm() > 0) else None for step in rnd.previous_step]
+        released, costs, bits = rnd.sanitizer.sanitize_rows(
+            trained, start, layer_sizes=rnd.spec.sizes, references=references, choice=choice,
+            hypotheses=self.choices(),
+            generator_of=lambda c: derive_secret_generator(rnd._noise_seed, _NOISE, r, mine[c], device=x.device))
+        stats = self.stats(losses, choice, costs, mask, bits, dropped)
+        return released, stats, self.diagnostic_rows(mine, r, start, trained, x, y, mask)
+
+    def starting_points(self, mine: list[int], r: int, x: Tensor, y: Tensor,
+                        mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``(losses (m, k), choice (m,), start (m, P))`` of the training clients at positions ``mine`` in round
+        ``r``: every hypothesis' loss on each client's data (NaN where there is nothing to choose nor to log), the
+        hypothesis each starts from, and its parameters (for one hypothesis a view, not m copies of the model)."""
+        rnd = self.round
         hyps, k = rnd.hypotheses, rnd.k
         warm = k > 1 and r < rnd.warm_start_rounds
         if (k == 1 or warm) and not rnd.log_nonprivate_metrics:  # nothing to choose, no loss to log
@@ -212,22 +234,14 @@ class RoundClients:
             choice = choose_hypotheses(losses)
         # one hypothesis: a view, not m copies of the model (m x P floats are the round's memory traffic)
         start = hyps[choice] if k > 1 else hyps[0].expand(len(mine), -1)
-        trained = rnd.update.train(
-            rnd.template, rnd.spec, start, x, y, mask, loss=rnd.loss_name, shuffles=self.shuffle_keys(r, mine, mask),
-            clients=mine, noise=lambda i: derive_secret_generator(rnd._noise_seed, _LOCAL_NOISE, r, i, device=x.device))
-        # a client whose update is not finite (broken data, a diverged training) contributes a zero update: it is
-        # still sanitized, released and charged as planned (a NaN release, or a stop, would tell its data apart)
-        trained, dropped = drop_non_finite(trained, start)
-        # one copy per hypothesis (not per client, not a view of the buffer the round overwrites afterwards)
-        references = [step.clone() if bool(step.norm() > 0) else None for step in rnd.previous_step]
-        released, costs, bits = rnd.sanitizer.sanitize_rows(
-            trained, start, layer_sizes=rnd.spec.sizes, references=references, choice=choice,
-            hypotheses=self.choices(),
-            generator_of=lambda c: derive_secret_generator(rnd._noise_seed, _NOISE, r, mine[c], device=x.device))
+        return losses, choice, start
+
+    @staticmethod
+    def stats(losses: Tensor, choice: Tensor, costs: Tensor, mask: Tensor, bits: Tensor, dropped: Tensor) -> Tensor:
+        """The clients' (m, 5) float64 :data:`STATS` rows."""
         chosen = losses.gather(1, choice[:, None]).squeeze(1).double()
-        stats = torch.stack([chosen, costs.to(chosen.device), mask.sum(1).double(), bits.to(chosen.device),
-                             dropped.to(chosen.device, torch.float64)], dim=1)
-        return released, stats, self.diagnostic_rows(mine, r, start, trained, x, y, mask)
+        return torch.stack([chosen, costs.to(chosen.device), mask.sum(1).double(), bits.to(chosen.device),
+                            dropped.to(chosen.device, torch.float64)], dim=1)
 
     def diagnostic_rows(self, mine: list[int], r: int, start: Tensor, trained: Tensor, x: Tensor, y: Tensor,
                         mask: Tensor) -> Tensor | None:
@@ -263,12 +277,65 @@ class RoundClients:
             for start in range(0, len(mine), per):
                 block = mine[start:start + per]
                 x, y, mask = self.padded("train", block)
-                released, block_stats, _ = self.round.train_clients(block, r, x, y, mask)
-                block_norms, partial = self.round.server_privacy.partial_sum(released, glob)
+                block_stats, block_norms, partial = self.summed_block(block, r, x, y, mask, glob)
                 total += partial
                 stats.append(block_stats)
                 norms.append(block_norms)
-                del released, x, y, mask
+                del x, y, mask
         finally:
             self.key_tables = None
         return torch.cat(stats), torch.cat(norms), total
+
+    def summed_block(self, mine: list[int], r: int, x: Tensor, y: Tensor, mask: Tensor,
+                     origin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``(stats (m, 5), norms (m,), sum (P,))`` of one block of clients (padded data ``x, y, mask``) around the
+        round's hypothesis ``origin``: :meth:`fused_block` where it applies, else their releases
+        (:meth:`FederatedRound.train_clients`) read by the server's :meth:`~lightning_dp.federated.parts.
+        ServerPrivacy.partial_sum`."""
+        fused = self.fused_block(mine, r, x, y, mask, origin)
+        if fused is not None:
+            return fused
+        released, stats, _ = self.round.train_clients(mine, r, x, y, mask)
+        norms, partial = self.round.server_privacy.partial_sum(released, origin)
+        return stats, norms, partial
+
+    def fused_block(self, mine: list[int], r: int, x: Tensor, y: Tensor, mask: Tensor,
+                    origin: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+        """What :meth:`summed_block` returns, computed without the (m, P) models, or None where this does not apply.
+
+        It applies when the update is one SGD step of the dense engine from the round's one hypothesis
+        (:meth:`~lightning_dp.federated.parts.ClientUpdate.one_step`: local epochs 1, every client's examples in one
+        batch), the sanitizer releases the trained models unchanged
+        (:meth:`~lightning_dp.federated.parts.ClientSanitizer.unchanged_releases`) and the server's partial sum
+        weighs each update by a function of its norm (:meth:`~lightning_dp.federated.parts.ServerPrivacy.
+        sum_weights`: DP-FedAvg's clipping): each client's step is then held as its factors
+        (:class:`~lightning_dp.federated.dense.DenseSteps`), its float64 norm comes from b x b Gram matrices and the
+        block's clipped sum is one product over all the examples. The same law as the releases' path: the same
+        clients (the draws are the round's), the same norms, clip factors and sum up to float rounding (the steps are
+        not rounded onto the models: more exact, not less), the same statistics; a client whose update is not
+        finite is dropped the same way (norm 0, no contribution, its bit set; :class:`~lightning_dp.federated.dense.
+        DenseSteps.norms` says why exactly the same clients). The local shuffle is not drawn: it orders the one
+        batch's examples, which the step sums over. A block whose steps could overflow the models' float range takes
+        the releases' path. Measured: docs/benchmarks.md, "Issue 53 (the population round".
+        """
+        rnd = self.round
+        if rnd.k != 1:
+            return None
+        marks = rnd.sanitizer.unchanged_releases(len(mine))
+        if marks is None or rnd.server_privacy.sum_weights(origin.new_zeros(0, dtype=torch.float64)) is None:
+            return None
+        steps = rnd.update.one_step(rnd.template, rnd.spec, origin.expand(len(mine), -1), x, y, mask,
+                                    loss=rnd.loss_name)
+        if steps is None:
+            return None
+        norms, bounds = steps.norms()
+        if not steps.within_limit(bounds, origin):
+            return None
+        dropped = ~norms.isfinite()  # exactly the clients whose update is not finite (DenseSteps.norms)
+        any_dropped = bool(dropped.any())
+        if any_dropped:  # a dropped client's update is zero: norm 0, and it adds nothing
+            norms = norms.masked_fill(dropped, 0.0)
+        partial = steps.weighted_sum(rnd.server_privacy.sum_weights(norms), ~dropped if any_dropped else None)
+        losses, choice, _ = self.starting_points(mine, r, x, y, mask)
+        costs, bits = marks
+        return self.stats(losses, choice, costs, mask, bits, dropped), norms, partial

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from lightning_dp.federated.local import outputs_agree
 
-__all__ = ["DenseChain", "dense_chain"]
+__all__ = ["DenseChain", "DenseSteps", "dense_chain"]
 
 _ACTIVATIONS: dict[Any, str] = {nn.ReLU: "relu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid", nn.Identity: "identity"}
 _FUNCTIONS: dict[Any, str] = {torch.relu: "relu", F.relu: "relu", torch.tanh: "tanh", torch.sigmoid: "sigmoid",
@@ -276,8 +276,7 @@ class DenseChain:
             self.descend(theta, x, y, mask, loss, scale)
             return theta
         new = start.new_empty(start.shape)  # every entry written below: the Linear layers cover the flat vector
-        for step, g2, rows in self._backward_factors(start, x, y, mask, loss):
-            scaled = g2 * scale.view(c, 1, 1)  # (C, b, out): the step's factor of each example
+        for step, scaled, rows in self._step_factors(start, x, y, mask, loss, scale):
             torch.baddbmm(start[:, step.weight].view(c, step.out_features, step.in_features),
                           scaled.transpose(1, 2), rows, out=new[:, step.weight].view(c, step.out_features,
                                                                                     step.in_features))
@@ -285,11 +284,35 @@ class DenseChain:
                 torch.add(start[:, step.bias], scaled.sum(1), out=new[:, step.bias])
         return new
 
+    def steps_from(self, start: Tensor, x: Tensor, y: Tensor, mask: Tensor, loss: str, scale: Tensor) -> DenseSteps:
+        """The steps :meth:`step_from` adds to ``start`` (C, P), ``scale[c] * gradient[c]``, as their factors
+        (:class:`DenseSteps`): never the (C, P) models, for a caller that reads only the steps' norms and a weighted
+        sum of them (the round's clipped sum, :meth:`~lightning_dp.federated.clients.RoundClients.fused_block`).
+        Needs :meth:`covers`."""
+        if not self.covers(start.shape[1]):
+            raise ValueError(f"the chain's Linear layers do not cover the {start.shape[1]} parameters")
+        layers = tuple(self._step_factors(start, x, y, mask, loss, scale))
+        return DenseSteps(layers, start.shape[1])
+
+    def factor_entries(self, width: int) -> int:
+        """The entries of one client's :class:`DenseSteps` factors over a batch of ``width`` examples: ``width``
+        times the Linear layers' inputs and outputs."""
+        return width * sum(s.in_features + s.out_features for s in self.steps if isinstance(s, _Linear))
+
     def covers(self, numel: int) -> bool:
         """Whether the Linear layers' weights and biases are the whole flat vector of ``numel`` parameters."""
         sizes = [s.out_features * s.in_features + (s.out_features if s.bias is not None else 0)
                  for s in self.steps if isinstance(s, _Linear)]
         return sum(sizes) == numel
+
+    def _step_factors(self, start: Tensor, x: Tensor, y: Tensor, mask: Tensor, loss: str,
+                      scale: Tensor) -> Iterator[tuple[_Linear, Tensor, Tensor]]:
+        """Every Linear layer's factors of one SGD step from ``start``, last layer first: ``(step, scaled (C, b, out),
+        inputs (C, b, in))``, the step ``scaled[c]^T inputs[c]`` on client c's weight and ``scaled[c].sum(0)`` on its
+        bias, ``scaled`` the layer's output gradients times ``scale[c]`` (C, 1)."""
+        c = start.shape[0]
+        for step, g2, rows in self._backward_factors(start, x, y, mask, loss):
+            yield step, g2 * scale.view(c, 1, 1), rows  # (C, b, out): the step's factor of each example
 
     def _backward(self, theta: Tensor, x: Tensor, y: Tensor, mask: Tensor,
                   loss: str) -> Iterator[tuple[_Linear, Tensor, Tensor | None]]:
@@ -374,6 +397,113 @@ class DenseChain:
             return (f"the traced chain's outputs differ from the model's forward by up to "
                     f"{float((ours - theirs).abs().max()):.3g}")
         return ""
+
+
+#: a client whose steps' entries could reach this (bounded by :meth:`DenseSteps.norms`) is not summed from the
+#: factors: the float32 models the other path writes could overflow where these float64 norms do not
+_FACTOR_LIMIT = 2.0**60
+#: float64 entries :meth:`DenseSteps.norms` works on at a time
+_CHUNK_ENTRIES = 2**18
+
+
+@dataclass(frozen=True)
+class DenseSteps:
+    """C clients' steps of one SGD step (:meth:`DenseChain.steps_from`), held as each Linear layer's factors.
+
+    Client c's step of a layer is ``scaled[c]^T inputs[c]`` (out, in) on its weight and ``scaled[c].sum(0)`` on its
+    bias: over its b examples, the layer's output gradient rows ``g_i`` of the client's loss on its batch (a mean:
+    the ``1 / b`` is in them) times the step's scale ``-lr``, and the layer's inputs ``a_i``. What the (C, P) steps
+    give is computed from these: the norms from two b x b Gram matrices per layer (or the step written out, for a
+    layer no larger than its factors),
+    ``||sum_i g_i a_i^T||^2 = sum_ij (g_i . g_j)(a_i . a_j)`` plus the bias' ``||sum_i g_i||^2``, and a weighted sum
+    over the clients as one product ``(w * g)^T a`` over all their examples (:meth:`weighted_sum`).
+
+    Attributes:
+        layers: ``(layer, scaled (C, b, out), inputs (C, b, in))`` per Linear layer, last layer first.
+        numel: P, the flat vector's length (the layers cover it).
+    """
+
+    layers: tuple[tuple[_Linear, Tensor, Tensor], ...]
+    numel: int
+
+    def norms(self) -> tuple[Tensor, Tensor]:
+        """``(norms, bounds)``, float64 (C,): the L2 norm of every client's flat step, and a bound on the magnitude
+        of every entry of it and of every partial sum that forms one (``sum_i ||g_i|| max(1, ||a_i||)``, the largest
+        over the layers).
+
+        A layer whose step has no more entries than its factors (out x in <= b (out + in): the hospital MLP's) is
+        written out in float64, per client; a larger one (a logistic regression's 10 x 784 from b <= 10 examples)
+        goes through its two Gram matrices. A norm is NaN or inf exactly where a factor of the client has a
+        non-finite entry, and then so does its step: a non-finite input ``a_ij`` makes column j of the weight's step
+        non-finite (``g_ik a_ij`` is NaN or infinite for every k, 0 included), a non-finite ``g_ik`` row k. Finite
+        float32 or float64 factors have finite float64 products below ``bounds^2``.
+        """
+        c, b = self.layers[0][1].shape[:2]
+        # float64 work of a chunk of clients at a time (at most 2^18 entries, 2 MiB): a block's float64 copy of its
+        # inputs (13 MiB for 534 clients of 4 MNIST images) was a fresh allocation whose pages faulted in every block
+        # of a round (20 ms a block instead of 3 ms)
+        per = max(1, _CHUNK_ENTRIES // max(1, max(self._work(layer, b) for layer, _, _ in self.layers)))
+        parts = [self._norms(slice(i, i + per)) for i in range(0, c, per)] or [self._norms(slice(0, 0))]
+        return torch.cat([n for n, _ in parts]), torch.cat([m for _, m in parts])
+
+    @staticmethod
+    def _written_out(layer: _Linear, b: int) -> bool:
+        """Whether a layer's step is written out (no more entries than its factors) rather than read through its Gram
+        matrices."""
+        return layer.out_features * layer.in_features <= b * (layer.out_features + layer.in_features)
+
+    def _work(self, layer: _Linear, b: int) -> int:
+        """The float64 entries :meth:`_norms` holds per client for ``layer``."""
+        factors = b * (layer.in_features + layer.out_features)
+        return factors + (b * layer.out_features * layer.in_features if self._written_out(layer, b) else 0)
+
+    def _norms(self, clients: slice) -> tuple[Tensor, Tensor]:
+        """:meth:`norms` of the clients in ``clients``."""
+        total: Tensor | None = None
+        bound: Tensor | None = None
+        for layer, scaled, rows in self.layers:
+            g, a = scaled[clients].double(), rows[clients].double()
+            if self._written_out(layer, g.shape[1]):
+                square = (g.unsqueeze(3) * a.unsqueeze(2)).sum(1).square().sum((1, 2))  # (C, b, out, in) summed
+                g_sq, a_sq = g.square().sum(2), a.square().sum(2)
+            else:
+                gram_g, gram_a = torch.bmm(g, g.transpose(1, 2)), torch.bmm(a, a.transpose(1, 2))
+                square = (gram_g * gram_a).sum((1, 2))
+                g_sq, a_sq = gram_g.diagonal(dim1=1, dim2=2), gram_a.diagonal(dim1=1, dim2=2)
+            if layer.bias is not None:
+                square = square + g.sum(1).square().sum(1)
+            size = (g_sq.sqrt() * a_sq.sqrt().clamp(min=1.0)).sum(1)
+            total = square if total is None else total + square
+            bound = size if bound is None else torch.maximum(bound, size)
+        assert total is not None and bound is not None  # a chain has a Linear layer
+        # the Gram form's sum of squares rounds to a tiny negative value only where the step is ~1e-8 of its terms
+        return total.clamp(min=0.0).sqrt(), bound
+
+    def weighted_sum(self, weights: Tensor, keep: Tensor | None = None) -> Tensor:
+        """``sum_c weights[c] * step_c`` (P,) over the clients with ``keep[c]`` (all where None), in the factors'
+        dtype; each layer's weight is one product ``(w * g)^T a`` over all the kept clients' examples. A client left
+        out contributes nothing (its factors are not read: ``0 * NaN`` would be NaN)."""
+        scaled0 = self.layers[0][1]
+        total = scaled0.new_zeros(self.numel)
+        w = weights.to(scaled0.dtype).view(-1, 1, 1)
+        for layer, scaled, rows in self.layers:
+            coef = scaled * w
+            if keep is not None:
+                coef, rows = coef[keep], rows[keep]
+            flat_g = coef.reshape(-1, layer.out_features)
+            total[layer.weight] = (flat_g.T @ rows.reshape(-1, layer.in_features)).reshape(-1)
+            if layer.bias is not None:
+                total[layer.bias] = flat_g.sum(0)
+        return total
+
+    def within_limit(self, bounds: Tensor, origin: Tensor) -> bool:
+        """Whether every client's step (``bounds`` from :meth:`norms`, NaN for a non-finite one) stays far from the
+        float range from ``origin``: then ``origin + step`` written in the factors' dtype is finite exactly where
+        the norm is."""
+        finite = bounds[bounds.isfinite()]
+        if not finite.numel():
+            return True
+        return bool(finite.max() + origin.abs().max().double() < _FACTOR_LIMIT)
 
 
 def _shared(theta: Tensor) -> bool:

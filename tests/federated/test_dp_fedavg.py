@@ -492,13 +492,16 @@ def test_the_server_refuses_noise_from_a_public_generator():
 
 def _summed_and_held(monkeypatch, entries, **privacy):
     """The same DP-FedAvg fit twice: the round summing its releases a block of ``entries`` at a time, and holding
-    them (the server reading the (U, P) releases, as before the sums and as for every other server)."""
+    them (the server reading the (U, P) releases, as before the sums and as for every other server). Both make the
+    releases: the fused one-step path, which never makes them, is compared with these in
+    tests/federated/test_fused_round.py."""
     import lightning_dp.federated.clients as clients_module
 
     out = []
     for sums in (True, False):
         with monkeypatch.context() as patch:
             patch.setattr(clients_module, "SUM_BLOCK_ENTRIES", entries)
+            patch.setattr(clients_module.RoundClients, "fused_block", lambda self, *args: None)
             server = CentralGaussian(noise_multiplier=1.0, clip=0.3, **privacy)
             module = fedavg(server, q=0.5, log_nonprivate_metrics=True)
             if not sums:

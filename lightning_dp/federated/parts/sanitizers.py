@@ -117,6 +117,13 @@ class ClientSanitizer(Part):
                 torch.zeros(0, dtype=torch.float64)
         return torch.stack(released), torch.tensor(costs, dtype=torch.float64), torch.tensor(bits, dtype=torch.float64)
 
+    def unchanged_releases(self, m: int) -> tuple[Tensor, Tensor] | None:
+        """``(costs, unclipped bits)`` of m releases, as :meth:`sanitize_rows` returns them, when this sanitizer
+        releases the trained models as they are (whatever they are); None (the default) when it changes them. The
+        round may then never hold the releases (:meth:`~lightning_dp.federated.clients.RoundClients.fused_block`):
+        a subclass that changes the releases of such a sanitizer returns None here."""
+        return None
+
 
 def choice_spread(hypotheses: Tensor | None, p: float = 2.0) -> float:
     """``max_ij ||h_i - h_j||_p``: how far apart the starting models a client chooses among are (0 for k <= 1).
@@ -151,8 +158,11 @@ class NoSanitizer(ClientSanitizer):
         return SanitizedUpdate(released=trained, epsilon=math.inf, cost=math.inf)
 
     def sanitize_rows(self, trained, start, *, generator_of, layer_sizes, references, choice, hypotheses=None):
-        m = len(trained)
-        return trained, torch.full((m,), math.inf, dtype=torch.float64), torch.full((m,), math.nan, dtype=torch.float64)
+        costs, bits = self.unchanged_releases(len(trained))
+        return trained, costs, bits
+
+    def unchanged_releases(self, m: int) -> tuple[Tensor, Tensor]:
+        return torch.full((m,), math.inf, dtype=torch.float64), torch.full((m,), math.nan, dtype=torch.float64)
 
 
 @register_part("sanitizer", "euclidean_laplace")

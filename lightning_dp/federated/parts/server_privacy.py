@@ -97,6 +97,14 @@ class ServerPrivacy(Part):
         of them, for a part with :attr:`sums_releases` (the sums of disjoint blocks add up to the whole's)."""
         raise NotImplementedError(f"{type(self).__name__} reads the releases themselves (sums_releases=False)")
 
+    def sum_weights(self, norms: Tensor) -> Tensor | None:
+        """``w(norms)`` (m,) float64 when :meth:`partial_sum` is ``(norms, sum_i w(norm_i) (release_i - origin))``
+        with ``w`` a function of each update's float64 norm only; None (the default) when it is not. The round may
+        then compute the sum from factors of the updates instead of the releases
+        (:meth:`~lightning_dp.federated.clients.RoundClients.fused_block`): a subclass that changes
+        :meth:`partial_sum` returns None here."""
+        return None
+
     def epsilon_metrics(self, *, interim: bool = False) -> dict[str, float]:
         """The spend so far, as metrics (``privacy/epsilon``, ...); empty when nothing is accounted.
 
@@ -402,8 +410,12 @@ class CentralGaussian(ServerPrivacy):
         """The norms of the updates ``releases - origin`` and the sum of the updates clipped at the current C."""
         # a block of updates at a time: no (U, P) copy of the releases beside them (delta_norms), each update
         # computed once for its norm and its clipped share of the sum
-        clip = self.clip
-        return delta_norms_and_sum(releases, origin, lambda norms: clip_factors(norms, clip))
+        return delta_norms_and_sum(releases, origin, self.sum_weights)
+
+    def sum_weights(self, norms: Tensor) -> Tensor:
+        """The clipping factors ``min(1, C / (norm + 1e-6))`` at the current C (:func:`~lightning_dp.privacy.clipping.
+        clip_factors`)."""
+        return clip_factors(norms, self.clip)
 
     def aggregate(self, held, aggregator, *, noise_generator, count_generator, report_epsilon="final"):
         releases, hypotheses, expected_count = held.releases, held.hypotheses, held.expected_count

@@ -72,6 +72,13 @@ class ClientUpdate(Part):
         """
         raise NotImplementedError
 
+    def one_step(self, template, spec, start: Tensor, x: Tensor, y: Tensor, mask: Tensor, *, loss: str) -> Any:
+        """The clients' updates as :meth:`train` would make them, held as the factors of ONE SGD step
+        (:class:`~lightning_dp.federated.dense.DenseSteps`) where that is what :meth:`train` computes, else None
+        (the default: the round then calls :meth:`train`). The trained model of client c is ``start[c]`` plus
+        its step, up to float rounding."""
+        return None
+
     def plan(self, client_ids: Sequence[Any], sizes: Sequence[int], *, planned_rounds: int | None,
              inclusion_rate: float) -> None:
         """Fix the per-client settings before training (``sizes``: records per training client, public)."""
@@ -160,6 +167,24 @@ class LocalSGD(ClientUpdate):
                                  "client_engine='auto' or 'vmap'")
             return chain
         return chain if not why and spec.numel <= AUTO_VMAP_MAX_PARAMETERS else None
+
+    def one_step(self, template, spec, start, x, y, mask, *, loss):
+        """One epoch whose one batch holds every client's examples (``epochs=1``, the padded width at most
+        ``batch_size``) on the dense engine, from a start in float32 or float64: :func:`~lightning_dp.federated.local.
+        local_sgd`'s one step, without the shuffle (it orders the examples of the batch, which a sum over them does
+        not see but for rounding), with the same checks and errors; else None. Also None where a client's factors
+        would not be smaller than its model (:meth:`~lightning_dp.federated.dense.DenseChain.factor_entries`: the
+        hospital MLP's 11 parameters from 4 examples of 3 features take 32), where writing the models is cheaper."""
+        if self.epochs != 1 or x.shape[1] > self.batch_size or start.dtype not in (torch.float32, torch.float64):
+            return None
+        chain = self.dense_chain(template, spec, x, y, loss, start)
+        if chain is None or not chain.covers(spec.numel) or chain.factor_entries(x.shape[1]) >= spec.numel:
+            return None
+        if loss == "cross_entropy":
+            chain.check_labels(y, mask, tuple(x.shape[2:]))
+        self.engine_used = "dense"
+        scale = (mask.any(dim=1).to(start.dtype) * -self.lr).unsqueeze(1)  # local_sgd's: 0 for a client without data
+        return chain.steps_from(start, x, y, mask, loss, scale)
 
     def train(self, template, spec, start, x, y, mask, *, loss, shuffles, clients=None, noise=None):
         chain = self.dense_chain(template, spec, x, y, loss, start)
