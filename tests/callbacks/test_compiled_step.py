@@ -137,6 +137,9 @@ def test_the_whole_step_compiles_once_with_a_compiled_model():
     import torch.nn.functional as F
 
     def run(compiled):
+        # a graph of nn.Sequential.forward compiled by an earlier test of this process would serve this model too
+        # (same code, shapes and structure): start from empty caches, so that the counter sees the compilation
+        torch._dynamo.reset()
         torch.manual_seed(0)
         model_counter, pass_counter, seen = (CompileCounterWithBackend("aot_eager"),
                                              CompileCounterWithBackend("eager"), [])
