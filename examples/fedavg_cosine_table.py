@@ -18,9 +18,14 @@ agreement falls later in training (update cosine, rounds 1-5 vs 41-50); Welch's 
 
 from __future__ import annotations
 
-import argparse
-import csv
+import sys
+from pathlib import Path
+
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from figure_table import finished_runs, runs_table_main  # noqa: E402  (examples/ is on the path from here)
 
 EARLY, LATE = (1, 5), (41, 50)
 COLUMNS = ["partition", "model", "seed", "update_cosine_early", "update_cosine_late", "gradient_cosine_early",
@@ -37,25 +42,18 @@ def rounds_mean(history, rounds: tuple[int, int]) -> float:
 
 
 def read_runs(uris: list[str], experiment: str) -> list[list]:
-    import mlflow
-
     rows = []
-    for uri in uris:
-        client = mlflow.MlflowClient(uri)
-        found = client.get_experiment_by_name(experiment)
-        if found is None:
-            raise SystemExit(f"no experiment {experiment!r} in {uri}")
-        for run in client.search_runs([found.experiment_id], "attributes.status = 'FINISHED'"):
-            if "nonprivate/update_cosine" not in run.data.metrics:
-                continue
-            run_id = run.info.run_id
-            model = run.data.params["model_class"].rsplit(".", 1)[-1]
-            updates = client.get_metric_history(run_id, "nonprivate/update_cosine")
-            gradients = client.get_metric_history(run_id, "nonprivate/gradient_cosine")
-            val_acc = max(client.get_metric_history(run_id, "val/acc"), key=lambda m: m.step)
-            rows.append([run.data.params["data/partition"], model, int(run.data.params["seed"]),
-                         rounds_mean(updates, EARLY), rounds_mean(updates, LATE), rounds_mean(gradients, EARLY),
-                         rounds_mean(gradients, LATE), val_acc.value, len(updates)])
+    for client, run in finished_runs(uris, experiment):
+        if "nonprivate/update_cosine" not in run.data.metrics:
+            continue
+        run_id = run.info.run_id
+        model = run.data.params["model_class"].rsplit(".", 1)[-1]
+        updates = client.get_metric_history(run_id, "nonprivate/update_cosine")
+        gradients = client.get_metric_history(run_id, "nonprivate/gradient_cosine")
+        val_acc = max(client.get_metric_history(run_id, "val/acc"), key=lambda m: m.step)
+        rows.append([run.data.params["data/partition"], model, int(run.data.params["seed"]),
+                     rounds_mean(updates, EARLY), rounds_mean(updates, LATE), rounds_mean(gradients, EARLY),
+                     rounds_mean(gradients, LATE), val_acc.value, len(updates)])
     return sorted(rows, key=lambda r: (r[0], r[1], r[2]))
 
 
@@ -89,25 +87,8 @@ def summarize(table: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tracking-uri", action="append", default=None, help="store(s) to read; repeat to pool")
-    parser.add_argument("--experiment", default="dp-fedavg-mnist")
-    parser.add_argument("--tsv", default=None, help="write the per-run table here")
-    parser.add_argument("--from-tsv", default=None, help="summarize this table instead of reading runs")
-    args = parser.parse_args(argv)
-    if args.from_tsv:
-        with open(args.from_tsv) as handle:
-            table = list(csv.DictReader(handle, delimiter="\t"))
-    else:
-        from lightning_dp import tracking
-
-        rows = read_runs(args.tracking_uri or [tracking.default_tracking_uri()], args.experiment)
-        text = [COLUMNS] + [r[:3] + [f"{v:.6g}" for v in r[3:8]] + [r[8]] for r in rows]
-        if args.tsv:
-            with open(args.tsv, "w", newline="") as handle:
-                csv.writer(handle, delimiter="\t", lineterminator="\n").writerows(text)
-        table = [dict(zip(COLUMNS, map(str, r))) for r in text[1:]]
-    print(summarize(table))
+    runs_table_main(argv, description=__doc__, experiment="dp-fedavg-mnist", columns=COLUMNS, read_runs=read_runs,
+                    as_text=lambda r: r[:3] + [f"{v:.6g}" for v in r[3:8]] + [r[8]], summarize=summarize)
 
 
 if __name__ == "__main__":

@@ -17,10 +17,14 @@ Everything read is released metrics or public configuration.
 
 from __future__ import annotations
 
-import argparse
-import csv
+import sys
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from figure_table import finished_runs, runs_table_main  # noqa: E402  (examples/ is on the path from here)
 
 GAPS = {"dp": "demographic_parity_difference", "eo": "equalized_odds_difference",
         "eopp": "equal_opportunity_difference"}
@@ -30,23 +34,16 @@ COLUMNS = (["k", "nu", "seed", "epoch", "acc", *GAPS, "client_epsilon_median"]
 
 
 def read_runs(uris: list[str], experiment: str) -> list[list]:
-    import mlflow
-
     rows = []
-    for uri in uris:
-        client = mlflow.MlflowClient(uri)
-        found = client.get_experiment_by_name(experiment)
-        if found is None:
-            raise SystemExit(f"no experiment {experiment!r} in {uri}")
-        for run in client.search_runs([found.experiment_id], "attributes.status = 'FINISHED'", max_results=5000):
-            metrics, params = run.data.metrics, run.data.params
-            if "test/acc" not in metrics:
-                continue  # a grid's parent run, or a run without --test
-            rows.append([int(params["num_hypotheses"]), float(params["noise_multiplier"]), int(params["seed"]),
-                         int(metrics["epoch"]), metrics["test/acc"],
-                         *(metrics[f"test/fairness/{name}"] for name in GAPS.values()),
-                         metrics["privacy/client_epsilon_median"],
-                         *(metrics[f"test/fairness/{rate}/group_{g}"] for rate in RATES for g in (0, 1))])
+    for _, run in finished_runs(uris, experiment, max_results=5000):
+        metrics, params = run.data.metrics, run.data.params
+        if "test/acc" not in metrics:
+            continue  # a grid's parent run, or a run without --test
+        rows.append([int(params["num_hypotheses"]), float(params["noise_multiplier"]), int(params["seed"]),
+                     int(metrics["epoch"]), metrics["test/acc"],
+                     *(metrics[f"test/fairness/{name}"] for name in GAPS.values()),
+                     metrics["privacy/client_epsilon_median"],
+                     *(metrics[f"test/fairness/{rate}/group_{g}"] for rate in RATES for g in (0, 1))])
     return sorted(rows, key=lambda r: (r[0], r[1], r[2]))
 
 
@@ -99,25 +96,9 @@ def summarize(table: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tracking-uri", action="append", default=None, help="store(s) to read; repeat to pool")
-    parser.add_argument("--experiment", default="fairness-synthetic")
-    parser.add_argument("--tsv", default=None, help="write the per-run table here")
-    parser.add_argument("--from-tsv", default=None, help="summarize this table instead of reading runs")
-    args = parser.parse_args(argv)
-    if args.from_tsv:
-        with open(args.from_tsv) as handle:
-            table = list(csv.DictReader(handle, delimiter="\t"))
-    else:
-        from lightning_dp import tracking
-
-        rows = read_runs(args.tracking_uri or [tracking.default_tracking_uri()], args.experiment)
-        text = [COLUMNS] + [[r[0], f"{r[1]:g}", *r[2:4], *(f"{v:.6g}" for v in r[4:])] for r in rows]
-        if args.tsv:
-            with open(args.tsv, "w", newline="") as handle:
-                csv.writer(handle, delimiter="\t", lineterminator="\n").writerows(text)
-        table = [dict(zip(COLUMNS, map(str, r))) for r in text[1:]]
-    print(summarize(table))
+    runs_table_main(argv, description=__doc__, experiment="fairness-synthetic", columns=COLUMNS, read_runs=read_runs,
+                    as_text=lambda r: [r[0], f"{r[1]:g}", *r[2:4], *(f"{v:.6g}" for v in r[4:])],
+                    summarize=summarize)
 
 
 if __name__ == "__main__":
