@@ -322,13 +322,10 @@ def build(method: str, model_name: str, batch_size: int, device: str):
             sampled = torch.arange(rows, device=device) < batch_size
 
         if compiled:
+            from lightning_dp.callbacks.clipping import FixedClip
             from lightning_dp.callbacks.private_step import compiled_pass
 
-            class Fixed:  # a fixed threshold: no further sums
-                def extra_weights(self, norms, clip=None):
-                    return []
-
-            fused, strategy = compiled_pass({}), Fixed()
+            fused, strategy = compiled_pass({}), FixedClip(C)
             scale, clip, real = (torch.tensor(float(rows), dtype=torch.float64, device=device),
                                  torch.tensor(C, dtype=torch.float64, device=device), torch.tensor(batch_size, device=device))
 

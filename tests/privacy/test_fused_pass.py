@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
+from lightning_dp.callbacks.clipping import FixedClip
 from lightning_dp.callbacks.private_step import compiled_pass, fused_pass
 from lightning_dp.privacy.clipping import clip_factors
 from lightning_dp.privacy.grad_sample import GradSampleEngine
@@ -39,19 +40,12 @@ for _kind in ("lstm", "transformer"):
                        lambda g: torch.randint(0, 3, (6,), generator=g))
 
 
-class Fixed:
-    """A fixed threshold's strategy: no further sums."""
-
-    def extra_weights(self, norms, clip=None):
-        return []
-
-
 def run(engine, model, x, y, fn, clip):
     with engine.record():
         F.cross_entropy(model(x), y).backward()
     engine.check_inputs_unchanged()
     b = engine.batch_size()
-    norms, (sums,), stats = fn(engine, Fixed(), torch.tensor(float(b), dtype=torch.float64),
+    norms, (sums,), stats = fn(engine, FixedClip(clip), torch.tensor(float(b), dtype=torch.float64),
                                torch.tensor(clip, dtype=torch.float64), torch.tensor(b - 1))
     engine.clear()
     return norms, sums, stats
