@@ -870,10 +870,11 @@ def test_femnist_table2_4_dimension(tmp_path, capsys):
 
 @pytest.mark.parametrize("script, tsv, page", [
     ("fedavg_cosine_table.py", "fedavg_cosine_fig5_4.tsv", "results_dp_fedavg.md"),
-    ("fairness/fig2_7_table.py", "fairness_fig2_7.tsv", "results_fairness.md")])
+    ("fairness/fig2_7_table.py", "fairness_fig2_7.tsv", "results_fairness.md"),
+    ("fl_synthetic_table.py", "fl_synthetic_fig2_1.tsv", "results_fl_synthetic.md")])
 def test_committed_per_seed_tables_give_their_pages_numbers(script, tsv, page, capsys):
-    """The per-seed TSVs of issue 54 (thesis Figs. 5.4 and 2.7): the mean ± std table their script prints from the
-    TSV alone is the one on the results page, row for row."""
+    """The per-seed TSVs of issue 54 (thesis Figs. 5.4, 2.7 and 2.1 without noise): the mean ± std table their script
+    prints from the TSV alone is the one on the results page, row for row."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(Path(script).stem, ROOT / script)
@@ -884,3 +885,23 @@ def test_committed_per_seed_tables_give_their_pages_numbers(script, tsv, page, c
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and " ± " in line]
     text = (docs / page).read_text()
     assert rows and [row for row in rows if row not in text] == []
+
+
+def test_fl_synthetic_table_places_one_hypothesis_on_the_segment_between_the_thetas():
+    """examples/fl_synthetic_table.py (thesis Fig. 2.1 without noise): FedAvg's one hypothesis is located along the
+    segment theta1* -> theta2* (0 at theta1*, 1 at theta2*), off its line, and against the nearer theta*."""
+    import importlib.util
+
+    import numpy as np
+
+    spec = importlib.util.spec_from_file_location("fl_synthetic_table", ROOT / "fl_synthetic_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    thetas = np.array([[5.0, 6.0], [4.0, -4.5]])
+    assert table.segment_geometry(thetas[0], thetas) == pytest.approx((0.0, 0.0, 0.0))
+    middle = thetas.mean(0)
+    assert table.segment_geometry(middle, thetas) == pytest.approx((0.5, 0.0, np.hypot(0.5, 5.25)))
+    normal = np.array([10.5, -1.0]) / np.hypot(10.5, 1.0)  # perpendicular to theta2* - theta1* = (-1, -10.5)
+    position, offset, _ = table.segment_geometry(middle + 0.3 * normal, thetas)
+    assert (position, offset) == pytest.approx((0.5, 0.3))
+    assert table._sig(130.2, 2) == "130" and table._sig(0.0503, 2) == "0.050" and table._sig(5.234, 3) == "5.23"
