@@ -490,3 +490,41 @@ def test_a_step_leaves_nothing_behind():
     hook.remove()
     gc.collect()
     assert refs and all(r() is None for r in refs)
+
+
+def test_the_loss_scale_is_applied_to_norms_and_weights_not_to_the_records(monkeypatch):
+    """The rules see the output gradients autograd gave (no scaled copy of each: on the MNIST CNN a fresh 3 MiB
+    tensor a step); the engine multiplies the norms by |loss_scale| and the sums' weights by it, which equals scaling
+    every per-sample gradient (each is linear in its output gradients): checked against the naive loop."""
+    from lightning_dp.privacy.grad_sample.rules.conv import ConvRule
+
+    model, x, y, ref = prepared("mnist_cnn", seed=3)
+    first = next(m for m in model.modules() if isinstance(m, nn.Conv2d))
+    engine = GradSampleEngine(model)
+    probe(engine, lambda a, b: F.cross_entropy(model(a), b), x, y)
+    given, seen = [], []
+
+    def keep_output_grad(module, args, out):
+        out.register_hook(lambda g: given.append(g.detach().clone()))
+
+    first.register_forward_hook(keep_output_grad)
+    original = ConvRule.contributions
+
+    def spy(self, layer, records, batch_size):
+        if layer.module is first:
+            seen.extend((r.grad_outputs[0].clone(), r.scale) for r in records)
+        return original(self, layer, records, batch_size)
+
+    monkeypatch.setattr(ConvRule, "contributions", spy)
+    b = len(x)
+    for scale in (b, 2.5 * b):
+        with engine.record(batch_size=b):
+            F.cross_entropy(model(x), y).backward()
+        norms = engine.per_sample_norms(loss_scale=scale)
+        torch.testing.assert_close(norms, ref.norm(dim=1) * scale / b)
+        flat = torch.cat([s.flatten() for s in engine.clipped_sum(torch.ones(b, dtype=norms.dtype))])
+        torch.testing.assert_close(flat, ref.sum(0) * scale / b)
+        engine.clear()
+    assert len(given) == len(seen) == 2 and all(s == 1.0 for _, s in seen)
+    for (g, _), autograd_g in zip(seen, given):
+        torch.testing.assert_close(g, autograd_g, rtol=0, atol=0)  # as autograd gave it, not times the batch size

@@ -62,9 +62,11 @@ class Record:
             the batch for a layer whose inputs are shared by all examples, see
             ``broadcast``); tensors are detached.
         grad_outputs: the gradient of each tensor leaf of the output (in
-            ``torch.utils._pytree`` order), batch first, times the loss scale (the batch
-            size: the loss is a batch mean); zeros for an output the loss does not use; None for
-            a leaf that is not a tensor or has no batch dimension.
+            ``torch.utils._pytree`` order), batch first, as autograd gave them (the loss
+            scale is applied by the engine to the norms and the sums' weights: a rule's
+            per-sample gradients must be linear in these, as every gradient is); zeros for an
+            output the loss does not use; None for a leaf that is not a tensor or has no batch
+            dimension.
         arg_dims, kwarg_dims, output_dims: where each tensor leaf held the batch in the
             call itself (None: no batch dimension), for rules that call the module again.
         broadcast: the layer's inputs are shared by all examples (a positional embedding
@@ -73,8 +75,9 @@ class Record:
         extra: what the rule itself recorded during the forward (see :meth:`LayerRule.forward_context`).
         call_args, call_kwargs: the arguments exactly as called (detached), for rules that
             run the module again.
-        scale: the factor already applied to ``grad_outputs``; gradients a rule records
-            itself (``extra``) must be multiplied by it.
+        scale: the factor already applied to ``grad_outputs`` (1: the engine applies the
+            loss scale after the rules); gradients a rule records itself (``extra``) must be
+            multiplied by it.
     """
 
     args: tuple[Any, ...]
@@ -104,7 +107,7 @@ class LayerRule:
         batch_from_output: accept a layer whose inputs have no batch dimension when its
             output has one.
         unbatched_outputs: hand the rule the gradients of outputs without a batch dimension
-            (as they are, times the scale) instead of refusing them.
+            (as they are) instead of refusing them.
 
     A rule may also define ``check_dims(module, input_dims, output_dims, broadcast)``,
     called after probing with the batch dimension of every input and output leaf, to
