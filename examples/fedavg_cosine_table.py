@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from figure_table import finished_runs, runs_table_main  # noqa: E402  (examples/ is on the path from here)
+from figure_table import finished_runs, mean_std, runs_table_main  # noqa: E402  (examples/ is on the path from here)
 
 EARLY, LATE = (1, 5), (41, 50)
 COLUMNS = ["partition", "model", "seed", "update_cosine_early", "update_cosine_late", "gradient_cosine_early",
@@ -67,13 +67,12 @@ def summarize(table: list[dict]) -> str:
     for key in keys:
         runs = [r for r in table if (r["partition"], r["model"]) == key]
         lines.append(f"| {NAMES.get(key[0], key[0])} | " + " | ".join(
-            f"{np.mean([float(r[c]) for r in runs]):.3f} ± {np.std([float(r[c]) for r in runs], ddof=1):.3f}"
-            for c in COLUMNS[3:8]) + " |")
+            mean_std([float(r[c]) for r in runs]) for c in COLUMNS[3:8]) + " |")
     lines.append("")
     for key in keys:
         runs = [r for r in table if (r["partition"], r["model"]) == key]
         column = {c: np.array([float(r[c]) for r in runs]) for c in COLUMNS[3:8]}
-        cells = ", ".join(f"{c} {v.mean():.3f} ± {v.std(ddof=1):.3f}" for c, v in column.items())
+        cells = ", ".join(f"{c} {mean_std(v)}" for c, v in column.items())
         lines.append(f"{NAMES.get(key[0], key[0])} ({key[1]}, n = {len(runs)}, seeds "
                      f"{','.join(str(r['seed']) for r in runs)}): {cells}")
         for label, a, b in (("update vs gradient cosine, early", "update_cosine_early", "gradient_cosine_early"),

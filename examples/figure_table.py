@@ -32,6 +32,14 @@ def table_then_figure(out: Path, stem: str, measure: Callable[[], list[list]], d
     print(f"{'redrew' if replot else 'wrote'} {out / stem}.png from {tsv}")
 
 
+def mean_std(values: Any, decimals: int = 3) -> str:
+    """``mean ± sample std`` (``ddof=1``) of ``values``, both to ``decimals`` decimals: the cell of the per-run
+    table scripts' summaries."""
+    import numpy as np
+
+    return f"{np.mean(values):.{decimals}f} ± {np.std(values, ddof=1):.{decimals}f}"
+
+
 def finished_runs(uris: list[str], experiment: str, **search: Any) -> Iterator[tuple[Any, Any]]:
     """``(client, run)`` for every finished run of ``experiment`` in each MLflow store of ``uris`` (pooled: one store
     per process of a parallel experiment); exits naming the store that lacks the experiment."""

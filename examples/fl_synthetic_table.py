@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from figure_table import finished_runs, runs_table_main  # noqa: E402  (examples/ is on the path from here)
+from figure_table import finished_runs, mean_std, runs_table_main  # noqa: E402  (examples/ is on the path from here)
 from fl_synthetic_report import matched_distances  # noqa: E402
 
 COLUMNS = ["num_hypotheses", "rule", "seed", "rounds", "best_val_loss", "farther_distance", "segment_position",
@@ -86,11 +86,6 @@ def _cell(values: list[float], digits: int = 3) -> str:
     return f"{_sig(float(np.mean(values)), digits)} ± {_sig(float(np.std(values, ddof=1)), 2)}"
 
 
-def _fixed(values: list[float]) -> str:
-    """Mean ± sample std to two decimals."""
-    return f"{np.mean(values):.2f} ± {np.std(values, ddof=1):.2f}"
-
-
 def summarize(table: list[dict]) -> str:
     """The page's table: one row per model and stopping rule, then each run's hypotheses."""
     lines = ["| model | rule | rounds | best val. RMSE | hypotheses against theta* |", "|---" * 5 + "|"]
@@ -101,8 +96,8 @@ def summarize(table: list[dict]) -> str:
         rounds = column["rounds"]
         if k == 1:
             position, near = column["segment_position"], column["nearer_distance"]
-            where = (f"at {_fixed(position)} of the segment ({min(position):.2f}-{max(position):.2f}), "
-                     f"{_fixed(column['segment_offset'])} off it; {min(near):.2f}-{max(near):.2f} from the nearer "
+            where = (f"at {mean_std(position, 2)} of the segment ({min(position):.2f}-{max(position):.2f}), "
+                     f"{mean_std(column['segment_offset'], 2)} off it; {min(near):.2f}-{max(near):.2f} from the nearer "
                      "theta*")
         else:
             farther = column["farther_distance"]

@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from figure_table import finished_runs, runs_table_main  # noqa: E402  (examples/ is on the path from here)
+from figure_table import finished_runs, mean_std, runs_table_main  # noqa: E402  (examples/ is on the path from here)
 
 GAPS = {"dp": "demographic_parity_difference", "eo": "equalized_odds_difference",
         "eopp": "equal_opportunity_difference"}
@@ -47,10 +47,6 @@ def read_runs(uris: list[str], experiment: str) -> list[list]:
     return sorted(rows, key=lambda r: (r[0], r[1], r[2]))
 
 
-def _cell(values: np.ndarray) -> str:
-    return f"{values.mean():.3f} ± {values.std(ddof=1):.3f}"
-
-
 def summarize(table: list[dict]) -> str:
     from scipy import stats
 
@@ -63,7 +59,7 @@ def summarize(table: list[dict]) -> str:
     for k, nu in cells:
         col = {name: column(k, nu, name) for name in ["acc", *GAPS, "client_epsilon_median"]}
         lines.append(f"| {k} | {nu:g} | {len(col['acc'])} | " + " | ".join(
-            _cell(col[name]) for name in ["acc", *GAPS]) + f" | {col['client_epsilon_median'].mean():.4g} |")
+            mean_std(col[name]) for name in ["acc", *GAPS]) + f" | {col['client_epsilon_median'].mean():.4g} |")
     lines += ["", "| k | selection rate g1 / g2 | TPR g1 / g2 | FPR g1 / g2 | accuracy g1 / g2 |", "|---" * 5 + "|"]
     for k in sorted({c[0] for c in cells}, key=int):
         runs = [r for r in table if r["k"] == k]
@@ -79,7 +75,7 @@ def summarize(table: list[dict]) -> str:
                 continue
             test = stats.ttest_ind(one, two, equal_var=False)
             upper = two.mean() + stats.t.ppf(0.95, len(two) - 1) * two.std(ddof=1) / np.sqrt(len(two))
-            lines.append(f"nu = {nu:g}, {gap}: k = 1 {_cell(one)} vs k = 2 {_cell(two)}; ratio "
+            lines.append(f"nu = {nu:g}, {gap}: k = 1 {mean_std(one)} vs k = 2 {mean_std(two)}; ratio "
                          f"{one.mean() / two.mean():.3g} (>= {one.mean() / upper:.3g} with k = 2 at its 95 % upper end "
                          f"{upper:.4f}); k = 2 values {', '.join(f'{v:.4f}' for v in two)}; Welch p = "
                          f"{test.pvalue:.2g} (n = {len(one)} vs {len(two)})")
@@ -89,8 +85,8 @@ def summarize(table: list[dict]) -> str:
             test = stats.ttest_ind(low, high, equal_var=False)
             runs = [r for r in table if r["k"] == "2"]
             line = stats.linregress([float(r["nu"]) for r in runs], [float(r[gap]) for r in runs])
-            lines.append(f"k = 2, {gap}: nu = {nus[0]:g} {_cell(low)} vs nu = {nus[-1]:g} {_cell(high)}; Welch p = "
-                         f"{test.pvalue:.2g} (n = {len(low)} vs {len(high)}); least-squares slope over all nu "
+            lines.append(f"k = 2, {gap}: nu = {nus[0]:g} {mean_std(low)} vs nu = {nus[-1]:g} {mean_std(high)}; "
+                         f"Welch p = {test.pvalue:.2g} (n = {len(low)} vs {len(high)}); least-squares slope over all nu "
                          f"{line.slope:.2g} per unit of nu, p = {line.pvalue:.2g} (n = {len(runs)})")
     return "\n".join(lines)
 
