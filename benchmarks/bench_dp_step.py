@@ -297,9 +297,11 @@ def build(method: str, model_name: str, batch_size: int, device: str):
         static = method != "lightning_dp"
         compiled = method == "lightning_dp_compiled"
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        # the engine DPSGD builds (callbacks/private_step.py, `_engine`): work buffers kept between steps on a CPU and
-        # with batches of one shape, not under a compiled pass
-        engine = GradSampleEngine(model, keep_buffers=(static or device == "cpu") and not compiled)
+        # the engine DPSGD builds: work buffers kept as its rule keeps them
+        from lightning_dp.callbacks.private_step import keeps_buffers
+
+        engine = GradSampleEngine(model, keep_buffers=keeps_buffers(one_shape=static, device_type=device,
+                                                                    compiled=compiled))
         big = tuple(t.to(device) for t in make_batch(7, torch.Generator().manual_seed(7)))
         probes = {n: tuple(t[:n] for t in big) for n in (3, 5, 7)}  # nested, as the engine requires
 

@@ -30,10 +30,17 @@ from lightning_dp.privacy.noise import CLIP_STATISTIC, NOISE, derive_secret_gene
 from lightning_dp.privacy.validators import describe_mixing_layers, find_mixing_layers, replace_batchnorm
 from lightning_dp.protocol import RunProtocol
 
-__all__ = ["PrivateStep", "compiled_pass", "fused_pass", "loss_scale", "pass_weights"]
+__all__ = ["PrivateStep", "compiled_pass", "fused_pass", "keeps_buffers", "loss_scale", "pass_weights"]
 
 #: growth interval that fixes a GradScaler's scale for any run (2**62 steps)
 _FIXED_GROWTH_INTERVAL = 2**62
+
+
+def keeps_buffers(*, one_shape: bool, device_type: str, compiled: bool) -> bool:
+    """Whether DPSGD's engine keeps its work buffers from one step to the next (:meth:`PrivateStep._engine`): on a
+    CPU, where a fresh allocation faults its pages in again, and with batches of one shape; not under a compiled
+    pass, which allocates in its graph."""
+    return (one_shape or device_type == "cpu") and not compiled
 
 
 def loss_scale(trainer: Trainer) -> float:
@@ -214,8 +221,10 @@ class PrivateStep:
         and with batches of one shape (their size is the shape's); on a GPU with Poisson batches they are freed, so
         that the caching allocator lends their memory to the next forward (docs/privacy.md, "Memory"). A compiled
         pass allocates in its graph."""
-        keep = self.settings.max_batch_size is not None or trainer.strategy.root_device.type == "cpu"
-        return GradSampleEngine(pl_module, keep_buffers=keep and self.settings.compile_step is None)
+        keep = keeps_buffers(one_shape=self.settings.max_batch_size is not None,
+                             device_type=trainer.strategy.root_device.type,
+                             compiled=self.settings.compile_step is not None)
+        return GradSampleEngine(pl_module, keep_buffers=keep)
 
     def attach_audit(self, audit: Any) -> None:
         """:meth:`DPSGD.attach_audit <lightning_dp.callbacks.DPSGD.attach_audit>`."""
