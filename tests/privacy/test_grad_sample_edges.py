@@ -197,11 +197,14 @@ class _Checkpointed(nn.Module):
         self.last, self.reentrant = last, reentrant
         self.pre, self.a, self.head = nn.Linear(4, 6), nn.Linear(6, 6), nn.Linear(6, 3)
         self.attn, self.ln = nn.MultiheadAttention(6, 2, batch_first=True), nn.LayerNorm(6)
+        self.lstm = nn.LSTM(6, 6, batch_first=True)
 
     def segment(self, z):
         z = torch.tanh(self.a(z))
         if self.last == "linear":
             return z
+        if self.last == "lstm":  # recorded unrolled (rules/recurrent.py), recomputed unrolled again
+            return self.lstm(z)[0]
         z = self.ln(z)
         return z if self.last == "ln" else self.attn(z, z, z)[0]
 
@@ -213,7 +216,7 @@ class _Checkpointed(nn.Module):
 
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
-@pytest.mark.parametrize("last", ["linear", "ln", "mha"])
+@pytest.mark.parametrize("last", ["linear", "ln", "mha", "lstm"])
 def test_activation_checkpointing(last, reentrant):
     """Non-reentrant checkpointing recomputes the segment during the backward pass and stops it early: the cut
     call must leave no record. Reentrant checkpointing records only in that recomputation."""
@@ -312,3 +315,70 @@ def test_split_batch_keeps_dataclass_fields_that_are_not_init_arguments():
     chunks = split_batch(b, [0, 0, 0], 2, 5)
     assert [c.x.shape[0] for c in chunks] == [2, 2, 1] and [c.mask.shape[0] for c in chunks] == [2, 2, 1]
     assert torch.equal(chunks[2].y, torch.tensor([4]))
+
+
+class _Upstream(nn.Module):
+    """A linear layer before a recurrent one: its per-sample gradients flow back through the recurrence."""
+
+    def __init__(self, cell, batch_first, **kwargs):
+        super().__init__()
+        self.batch_first = batch_first
+        self.pre = nn.Linear(3, 4)
+        self.rnn = cell(4, 5, batch_first=batch_first, **kwargs)
+        self.head = nn.Linear(5 * (2 if kwargs.get("bidirectional") else 1), 3)
+
+    def forward(self, x):  # x: (B, T, 3)
+        z = torch.tanh(self.pre(x))
+        out = self.rnn(z if self.batch_first else z.transpose(0, 1))[0]
+        return self.head(out.mean(1 if self.batch_first else 0))
+
+
+@pytest.mark.parametrize("cell, batch_first, kwargs", [
+    (nn.LSTM, True, dict(num_layers=2, bidirectional=True)), (nn.GRU, False, dict(num_layers=2)),
+    (nn.RNN, True, dict(nonlinearity="relu", bias=False))], ids=["lstm", "gru", "rnn_relu"])
+def test_a_recorded_recurrent_layer_runs_unrolled_and_needs_no_replay(cell, batch_first, kwargs, monkeypatch):
+    """The recorded forward of nn.LSTM/GRU/RNN runs the recurrence unrolled instead of the fused kernel: the
+    model's backward gives the gates' pre-activation gradients, so the rule replays nothing after it (one
+    unrolling per recorded call, none after the backward); the result is exact against per-example autograd of
+    the fused model (upstream layers included), and the recorded output equals the fused one to rounding."""
+    import lightning_dp.privacy.grad_sample.rules.recurrent as recurrent
+
+    unrolled = []
+    original = recurrent._unroll
+    monkeypatch.setattr(recurrent, "_unroll", lambda *a, **k: unrolled.append(1) or original(*a, **k))
+    model = _Upstream(cell, batch_first, **kwargs)
+    x, y = _data(T, 3)
+    _check(model, x, y)
+    assert len(unrolled) == 1  # the recorded forward; the probes ran the fused kernel, the norms replayed nothing
+
+    model = _Upstream(cell, batch_first, **kwargs)  # float32: the unrolled forward against the fused kernel
+    engine = GradSampleEngine(model)
+    engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
+    with engine.record(batch_size=B):
+        recorded = model(x[:B])
+        recorded.sum().backward()
+    engine.remove()
+    with torch.no_grad():
+        fused = model(x[:B])
+    torch.testing.assert_close(recorded.detach(), fused, rtol=1e-5, atol=1e-6)
+    assert len(unrolled) == 2
+
+
+def test_a_recurrent_layer_falls_back_to_the_replay_under_autocast(monkeypatch):
+    """Autocast (and packed inputs, other dtypes, a compiled forward) keep the fused kernel: the rule replays it
+    after the backward, as before."""
+    import lightning_dp.privacy.grad_sample.rules.recurrent as recurrent
+
+    unrolled = []
+    original = recurrent._unroll
+    monkeypatch.setattr(recurrent, "_unroll", lambda *a, **k: unrolled.append(1) or original(*a, **k))
+    model = _Upstream(nn.LSTM, True)
+    x, y = _data(T, 3)
+    engine = GradSampleEngine(model)
+    engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
+    with engine.record(batch_size=B), torch.autocast("cpu", dtype=torch.bfloat16):
+        F.cross_entropy(model(x[:B]), y[:B]).backward()
+    assert not unrolled
+    assert torch.isfinite(engine.per_sample_norms()).all()
+    assert len(unrolled) == 1  # the replay after the backward
+    engine.remove()

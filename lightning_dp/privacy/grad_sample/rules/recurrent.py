@@ -1,18 +1,24 @@
 """``nn.RNN``, ``nn.LSTM`` and ``nn.GRU``: any number of layers, bidirectional, batch first or not.
 
-The fused kernel hides the gate pre-activations, so the rule replays the recurrence after the backward pass
-(about one more forward and backward) and pulls the recorded output gradients back through it; packed sequences
-are read from the packing. Refused: inter-layer dropout in training, ``proj_size > 0``. Details:
-docs/per_sample_gradients.md, "How the rules work".
-"""
+The fused kernel hides the gate pre-activations. In a recorded step the layer's forward therefore runs the
+recurrence unrolled in plain tensor operations instead of the fused kernel (:class:`_Unrolled`), and the model's own
+backward pass gives the pre-activations' gradients. Where the fused kernel runs anyway (packed sequences, autocast,
+half precision, a compiled forward), the rule replays the recurrence after the backward pass (about one more
+forward and backward) and pulls the recorded output gradients back through it; packed sequences are read from the
+packing. Both run the same function (:func:`_unroll`). Refused: inter-layer dropout in training,
+``proj_size > 0``. Details: docs/per_sample_gradients.md, "How the rules work"."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
+from torch.overrides import TorchFunctionMode
 
 from lightning_dp.privacy.grad_sample.contributions import Dense, Factored
 from lightning_dp.privacy.grad_sample.registry import LayerRule, PerSampleGradientError, register_rule
@@ -82,9 +88,18 @@ class RecurrentRule(LayerRule):
                 out[name] = Dense(sum(a.sum(1) for a, _ in parts))
         return out
 
+    @contextlib.contextmanager
+    def forward_context(self, module: nn.Module, extra: dict[str, Any]) -> Iterator[None]:
+        # The recorded forward runs the recurrence unrolled (see _Unrolled) instead of the fused kernel
+        with _Unrolled(self.mode(module), extra):
+            yield
+
     @staticmethod
     def _replay(m, mode: str, r, batch_size: int) -> dict[str, tuple[Tensor, Tensor]]:
         """``{parameter name: (pre-activation gradients (B, T, G*H), inputs (B, T, ·))}`` of one call."""
+        unrolled = r.extra.get("unrolled")
+        if unrolled is not None:  # the forward ran unrolled: its backward left the pre-activations' gradients
+            return unrolled.found(r.scale)
         x = r.input(0)
         hx = r.args[1] if len(r.args) > 1 else r.kwargs.get("hx", r.kwargs.get("state_init"))
         lstm = mode == "LSTM"
@@ -107,85 +122,193 @@ class RecurrentRule(LayerRule):
         if order is not None:  # the initial states are given in the batch's order
             h0 = h0[order]
             c0 = c0[order] if c0 is not None else None
-        steps = x.shape[1]
-        # LSTM and RNN add the two pre-activations (gi + gh) before any nonlinearity: their gradients are equal, so
-        # the recurrent weight's is read from the input's (one tensor, not one per step); GRU's differ (r * hn)
-        shared_pre = True if mode != "GRU" else None
 
-        def tracked(t: Tensor) -> Tensor:  # a pre-activation whose gradient we ask for must be in the graph
-            return t if t.requires_grad else t.detach().requires_grad_()
+        def weights(layer_index: int, d: int) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+            sfx = f"_l{layer_index}" + ("_reverse" if d else "")
+            # in the records' dtype (at least float32, also under bf16-true weights)
+            return tuple(getattr(m, n + sfx).detach().to(x.dtype) if m.bias or n.startswith("weight") else None
+                         for n in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"))  # type: ignore[return-value]
 
-        pre: list[Tensor] = []  # every pre-activation whose gradient we need, flat
-        # (weight, bias, the input it multiplies, where its pre-activations start in `pre`, and their count: one
-        # (B, T, G*H) tensor (count 0), or one (B, G*H) per step)
-        plan: list[tuple[str, str, Tensor, int, int]] = []  # ..., start and count of its entries in `pre`
-        finals_h: list[Tensor] = []
-        finals_c: list[Any] = []  # cell states: LSTM only
-        inp = x
         with torch.enable_grad():
-            for layer_index in range(layers):
-                outs = []
-                for d in range(dirs):
-                    sfx = f"_l{layer_index}" + ("_reverse" if d else "")
-                    # in the records' dtype (at least float32, also under bf16-true weights)
-                    w_ih = getattr(m, "weight_ih" + sfx).detach().to(x.dtype)
-                    w_hh = getattr(m, "weight_hh" + sfx).detach().to(x.dtype)
-                    b_ih = getattr(m, "bias_ih" + sfx).detach().to(x.dtype) if m.bias else None
-                    b_hh = getattr(m, "bias_hh" + sfx).detach().to(x.dtype) if m.bias else None
-                    gi = tracked(torch.nn.functional.linear(inp, w_ih, b_ih))  # (B, T, G*H)
-                    # one view per step, taken at once: the backward of unbind stacks the steps' gradients once,
-                    # where indexing gi[:, t] at every step gave each step's gradient as a zero-filled (B, T, G*H)
-                    # tensor added into gi's (T^2 traffic: 0.5 s of a 1 s profile of three LSTM steps, issue 53)
-                    gi_steps = gi.unbind(1)
-                    h = h0[:, layer_index * dirs + d]
-                    c = c0[:, layer_index * dirs + d] if c0 is not None else None  # c0: LSTM only
-                    # filled in time order (reversed for the backward direction)
-                    hs: list[Any] = [None] * steps
-                    ghs: list[Any] = [None] * steps
-                    prevs: list[Any] = [None] * steps
-                    for t in (range(steps - 1, -1, -1) if d else range(steps)):
-                        prevs[t] = h.detach()
-                        gh = torch.nn.functional.linear(h, w_hh, b_hh)
-                        ghs[t] = tracked(gh) if shared_pre is None else gh
-                        h_new, c_new = _cell(mode, gi_steps[t], ghs[t], h, c)
-                        if valid is not None:  # a finished (or, reversed, not yet started) sequence keeps its state
-                            keep = valid[:, t:t + 1]
-                            h_new = torch.where(keep, h_new, h)
-                            c_new = torch.where(keep, c_new, c) if c is not None and c_new is not None else c_new
-                            hs[t] = torch.where(keep, h_new, torch.zeros_like(h_new))
-                        else:
-                            hs[t] = h_new
-                        h, c = h_new, c_new
-                    outs.append(torch.stack(hs, 1))
-                    finals_h.append(h)
-                    finals_c.append(c)
-                    plan.append(("weight_ih" + sfx, "bias_ih" + sfx, inp.detach(), len(pre), 0))
-                    pre.append(gi)
-                    if shared_pre is None:
-                        plan.append(("weight_hh" + sfx, "bias_hh" + sfx, torch.stack(prevs, 1), len(pre), steps))
-                        pre.extend(ghs)
-                    else:  # the same pre-activation gradient as the input's (see shared_pre)
-                        plan.append(("weight_hh" + sfx, "bias_hh" + sfx, torch.stack(prevs, 1), len(pre) - 1, 0))
-                inp = torch.cat(outs, -1) if dirs > 1 else outs[0]
-            outputs = [inp, torch.stack(finals_h, 1)] + ([torch.stack(finals_c, 1)] if lstm else [])
+            outputs, pre, plan = _unroll(mode, x, h0, c0, weights, layers, dirs, valid)
             if packed:  # output leaves: the packed output (data, batch_sizes, sorted, unsorted), h_n, c_n
                 g_data, g_states = r.grad_outputs[0], list(r.grad_outputs[4:])
                 g_seq = None if g_data is None else pad_packed_sequence(
-                    PackedSequence(g_data, _x_batch_sizes(r)), batch_first=True, total_length=steps)[0]
+                    PackedSequence(g_data, _x_batch_sizes(r)), batch_first=True, total_length=x.shape[1])[0]
                 given = [g_seq] + [g if g is None or order is None else g[order] for g in g_states]
             else:
                 given = list(r.grad_outputs)
             cotangents = [g if g is not None else torch.zeros_like(o) for o, g in zip(outputs, given)]
             raw_grads = torch.autograd.grad(outputs, pre, cotangents, allow_unused=True)
         grads = [torch.zeros_like(t) if g is None else g for g, t in zip(raw_grads, pre)]
-        found: dict[str, tuple[Tensor, Tensor]] = {}
-        for wname, bname, right, start, per_step in plan:
-            g = torch.stack(grads[start:start + per_step], 1) if per_step else grads[start]
-            if back is not None:  # rows in the batch's order again
-                g, right = g[back], right[back]
-            found[wname] = (g, right)
-            found[bname] = (g, right)
-        return found
+        return _found(plan, grads, back)
+
+
+#: the fused recurrent operators (``torch._VF``) nn.RNN, nn.LSTM and nn.GRU call, by name -> their mode
+_FUSED = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN_TANH", "rnn_relu": "RNN_RELU"}
+
+#: a plan entry: (weight name, bias name, the input the weight multiplies (B, T, ·), where its pre-activation
+#: gradients start in the list of pre-activations, and their count: 0 for one (B, T, G*H) tensor, T for one
+#: (B, G*H) tensor per step)
+_Plan = tuple[str, str, Tensor, int, int]
+
+
+def _unroll(mode: str, x: Tensor, h0: Tensor, c0: Tensor | None,
+            weights: Callable[[int, int], tuple[Tensor, Tensor, Tensor | None, Tensor | None]],
+            layers: int, dirs: int, valid: Tensor | None) -> tuple[list[Tensor], list[Tensor], list[_Plan]]:
+    """The recurrence in plain tensor operations: ``([output (B, T, D*H), h_n (B, L*D, H)(, c_n)], the
+    pre-activations whose gradients make up the weights', the plan that maps them to parameters)``.
+
+    ``x`` is batch first (B, T, I); ``h0`` and ``c0`` (B, L*D, H); ``valid`` (B, T) marks the steps of a padded
+    batch of unequal lengths (None: all). One function for the replay after the backward and for the unrolled
+    recorded forward, so that the two cannot differ.
+    """
+    lstm = mode == "LSTM"
+    steps = x.shape[1]
+    # LSTM and RNN add the two pre-activations (gi + gh) before any nonlinearity: their gradients are equal, so
+    # the recurrent weight's is read from the input's (one tensor, not one per step); GRU's differ (r * hn)
+    shared_pre = mode != "GRU"
+
+    def tracked(t: Tensor) -> Tensor:  # a pre-activation whose gradient we ask for must be in the graph
+        return t if t.requires_grad else t.detach().requires_grad_()
+
+    pre: list[Tensor] = []  # every pre-activation whose gradient we need, flat
+    plan: list[_Plan] = []
+    finals_h: list[Tensor] = []
+    finals_c: list[Any] = []  # cell states: LSTM only
+    inp = x
+    for layer_index in range(layers):
+        outs = []
+        for d in range(dirs):
+            sfx = f"_l{layer_index}" + ("_reverse" if d else "")
+            w_ih, w_hh, b_ih, b_hh = weights(layer_index, d)
+            gi = tracked(torch.nn.functional.linear(inp, w_ih, b_ih))  # (B, T, G*H)
+            # one view per step, taken at once: the backward of unbind stacks the steps' gradients once,
+            # where indexing gi[:, t] at every step gave each step's gradient as a zero-filled (B, T, G*H)
+            # tensor added into gi's (T^2 traffic: 0.5 s of a 1 s profile of three LSTM steps, issue 53)
+            gi_steps = gi.unbind(1)
+            h = h0[:, layer_index * dirs + d]
+            c = c0[:, layer_index * dirs + d] if c0 is not None else None  # c0: LSTM only
+            # filled in time order (reversed for the backward direction)
+            hs: list[Any] = [None] * steps
+            ghs: list[Any] = [None] * steps
+            prevs: list[Any] = [None] * steps
+            for t in (range(steps - 1, -1, -1) if d else range(steps)):
+                prevs[t] = h.detach()
+                gh = torch.nn.functional.linear(h, w_hh, b_hh)
+                ghs[t] = gh if shared_pre else tracked(gh)
+                h_new, c_new = _cell(mode, gi_steps[t], ghs[t], h, c)
+                if valid is not None:  # a finished (or, reversed, not yet started) sequence keeps its state
+                    keep = valid[:, t:t + 1]
+                    h_new = torch.where(keep, h_new, h)
+                    c_new = torch.where(keep, c_new, c) if c is not None and c_new is not None else c_new
+                    hs[t] = torch.where(keep, h_new, torch.zeros_like(h_new))
+                else:
+                    hs[t] = h_new
+                h, c = h_new, c_new
+            outs.append(torch.stack(hs, 1))
+            finals_h.append(h)
+            finals_c.append(c)
+            plan.append(("weight_ih" + sfx, "bias_ih" + sfx, inp.detach(), len(pre), 0))
+            pre.append(gi)
+            if shared_pre:  # the same pre-activation gradient as the input's (see shared_pre)
+                plan.append(("weight_hh" + sfx, "bias_hh" + sfx, torch.stack(prevs, 1), len(pre) - 1, 0))
+            else:
+                plan.append(("weight_hh" + sfx, "bias_hh" + sfx, torch.stack(prevs, 1), len(pre), steps))
+                pre.extend(ghs)
+        inp = torch.cat(outs, -1) if dirs > 1 else outs[0]
+    outputs = [inp, torch.stack(finals_h, 1)] + ([torch.stack(finals_c, 1)] if lstm else [])
+    return outputs, pre, plan
+
+
+def _found(plan: list[_Plan], grads: list[Tensor], back: Tensor | None) -> dict[str, tuple[Tensor, Tensor]]:
+    """The plan's ``{parameter name: (pre-activation gradients (B, T, G*H), inputs (B, T, ·))}``; ``back`` puts
+    rows sorted by a packing back in the batch's order."""
+    found: dict[str, tuple[Tensor, Tensor]] = {}
+    for wname, bname, right, start, per_step in plan:
+        g = torch.stack(grads[start:start + per_step], 1) if per_step else grads[start]
+        if back is not None:
+            g, right = g[back], right[back]
+        found[wname] = (g, right)
+        found[bname] = (g, right)
+    return found
+
+
+class _UnrolledCall:
+    """The pre-activations' gradients of one unrolled recorded forward, filled by tensor hooks in the backward.
+
+    Holds no tensor of the graph (only the plan's detached inputs and the gradients), so that nothing kept here
+    ties the graph to the engine's records in a reference cycle."""
+
+    def __init__(self, plan: list[_Plan], pre: list[Tensor]) -> None:
+        self.plan = plan
+        self.like = [(t.shape, t.dtype, t.device) for t in pre]
+        self.grads: list[Tensor | None] = [None] * len(pre)
+        for i, t in enumerate(pre):
+            t.register_hook(functools.partial(_UnrolledCall._store, self.grads, i))
+
+    @staticmethod
+    def _store(grads: list[Tensor | None], i: int, grad: Tensor) -> None:
+        have = grads[i]
+        grads[i] = grad if have is None else have + grad
+
+    def found(self, scale: float | Tensor) -> dict[str, tuple[Tensor, Tensor]]:
+        grads = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g
+                 for g, (shape, dtype, device) in zip(self.grads, self.like)]
+        if not (isinstance(scale, float) and scale == 1.0):
+            grads = [g * scale for g in grads]
+        return _found(self.plan, grads, None)
+
+
+class _Unrolled(TorchFunctionMode):
+    """Active while a recorded nn.RNN/LSTM/GRU runs: its fused operator (``torch._VF.lstm`` ...) is replaced by the
+    same recurrence unrolled in plain tensor operations (:func:`_unroll`), so that the model's own backward pass
+    yields the gate pre-activations' gradients (caught by tensor hooks) and the replay after the backward is not
+    needed. The fused kernel's forward and backward cost about what the replay costs (one thread, the benchmark's
+    LSTM: 35 ms of a 98 ms private step), so this saves about one forward and backward of the layer.
+
+    Only the common case is unrolled; the rest runs the fused kernel and is replayed after the backward: a packed
+    input (the other overload), dtypes other than float32 and float64 (the fused kernel's rounding in half
+    precision is not what a replay in it would give), autocast, a compiled forward (Dynamo traces the fused
+    operator), inter-layer dropout in training (refused by the rule anyway). The output is the fused kernel's up
+    to rounding (a different order of summation); gradients are exact for the computation that ran.
+    """
+
+    def __init__(self, mode: str, extra: dict[str, Any]) -> None:
+        super().__init__()
+        self.mode, self.extra = mode, extra
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _FUSED.get(getattr(func, "__name__", "")) != self.mode or kwargs or len(args) != 9 \
+                or not isinstance(args[3], bool):  # the packed overload: (data, batch_sizes, hx, params, ...)
+            return func(*args, **kwargs)
+        x, hx, params, has_biases, layers, dropout, train, bidirectional, batch_first = args
+        lstm = self.mode == "LSTM"
+        h0, c0 = hx if lstm else (hx, None)
+        tensors = [x, h0, *params] + ([c0] if lstm else [])
+        if not torch.is_grad_enabled() or (dropout > 0 and train) or torch.compiler.is_compiling() \
+                or x.dtype not in (torch.float32, torch.float64) or any(t.dtype != x.dtype for t in tensors) \
+                or torch.is_autocast_enabled(x.device.type) or torch.is_autocast_enabled("cpu"):
+            return func(*args, **kwargs)
+        if "unrolled" in self.extra:
+            raise PerSampleGradientError(f"{self.mode}'s fused operator ran twice in one call of the module; "
+                                         "call the recurrent module once per fused operator")
+        dirs = 2 if bidirectional else 1
+        stride = 4 if has_biases else 2
+
+        def weights(layer_index: int, d: int) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+            k = (layer_index * dirs + d) * stride
+            w = params[k:k + stride]
+            return (w[0], w[1], w[2], w[3]) if has_biases else (w[0], w[1], None, None)
+
+        xb = x if batch_first else x.transpose(0, 1)
+        outputs, pre, plan = _unroll(self.mode, xb, h0.transpose(0, 1), c0.transpose(0, 1) if lstm else None,
+                                     weights, layers, dirs, None)
+        self.extra["unrolled"] = _UnrolledCall(plan, pre)
+        seq = outputs[0] if batch_first else outputs[0].transpose(0, 1).contiguous()
+        states = [s.transpose(0, 1).contiguous() for s in outputs[1:]]  # (L*D, B, H), as the fused operator's
+        return (seq, *states)
 
 
 def _x_batch_sizes(r: Any) -> Tensor:
@@ -202,6 +325,8 @@ class DPRecurrentRule(RecurrentRule):
     shrinking size that no batch dimension describes."""
 
     claims_subtree = True
+    #: Opacus' cells call no fused operator: nothing to unroll, the replay after the backward runs
+    forward_context = LayerRule.forward_context
 
     @staticmethod
     def mode(module: nn.Module) -> str:
