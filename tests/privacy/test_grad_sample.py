@@ -188,6 +188,45 @@ def test_ghost_and_instantiate_agree_for_sequences():
         torch.testing.assert_close(a, b)
 
 
+def test_instantiated_gradients_larger_than_their_factors_are_kept_within_the_keep_limit(monkeypatch):
+    """Per-sample gradients instantiated for the norms and larger than their factors (a 64 x 64 weight seen at 16
+    positions) are kept for the clipped sum while the step's keep_limit has room, and released beyond it (the sum
+    then recomputed from the factors); every limit gives the same norms and sums, equal to the naive loop."""
+    from lightning_dp.privacy.grad_sample.contributions import Factored
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64)).double()
+    x = torch.randn(5, 16, 64, dtype=torch.float64)
+    each = 5 * 64 * 64 * 8  # one layer's (B, 64, 64) float64 per-sample gradients
+    kept_after: dict[int, list[bool]] = {}
+    summed = []
+    original = Factored.weighted_sum
+
+    def spy(self, factors):
+        kept_after.setdefault(limit, []).append(self._dense is not None)
+        return original(self, factors)
+
+    monkeypatch.setattr(Factored, "weighted_sum", spy)
+    for limit in (0, each, 2 * each):
+        engine = GradSampleEngine(model, keep_limit=limit)
+        probe(engine, model, x)
+        with engine.record():
+            model(x).square().mean(dim=(1, 2)).mean().backward()
+        n = engine.per_sample_norms()
+        summed.append((n, engine.clipped_sum(clip_factors(n, 0.1))))
+        engine.remove()
+    assert kept_after == {0: [False, False], each: [True, False], 2 * each: [True, True]}
+    for n, sums in summed[1:]:
+        torch.testing.assert_close(n, summed[0][0])
+        for a, b in zip(sums, summed[0][1]):
+            torch.testing.assert_close(a, b)
+    per = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+        model(x[i:i + 1]).square().mean(), list(model.parameters()))]) for i in range(5)])
+    torch.testing.assert_close(summed[0][0], per.norm(dim=1))
+    with pytest.raises(ValueError, match="keep_limit=-1 is negative"):
+        GradSampleEngine(model, keep_limit=-1)
+
+
 def test_empty_batch_gives_zero_sums():
     model = nn.Sequential(nn.Linear(3, 2))
     engine = GradSampleEngine(model)

@@ -14,10 +14,14 @@ import torch
 from torch import Tensor
 
 __all__ = ["Contribution", "Dense", "Factored", "Groups", "OneHotFactored", "choose_layer_strategy",
-           "DEFAULT_INSTANTIATE_LIMIT"]
+           "DEFAULT_INSTANTIATE_LIMIT", "DEFAULT_KEEP_LIMIT"]
 
 #: Instantiated per-sample gradients larger than this (bytes, per contribution) force the ghost norm.
 DEFAULT_INSTANTIATE_LIMIT = 512 * 2**20
+
+#: Instantiated per-sample gradients larger than their factors that one step keeps from the norms to the clipped sum
+#: (bytes, all contributions together); beyond it they are released and the sum recomputed from the factors.
+DEFAULT_KEEP_LIMIT = 64 * 2**20
 
 
 def choose_layer_strategy(batch: int, positions: int, d_in: int, d_out: int, *, bytes_per_element: int = 4,
@@ -70,6 +74,14 @@ class Contribution:
         """Sets ``G_b = 0`` for every ``b`` where the boolean ``examples`` is True (examples whose gradient
         overflowed in half precision: a zero contribution is within any clipping bound)."""
         raise NotImplementedError
+
+    def releasable_bytes(self) -> int:
+        """Bytes this contribution keeps after :meth:`sq_norms` that it can do without (per-sample gradients
+        instantiated for the norms, larger than the factors it holds anyway): 0 for most forms."""
+        return 0
+
+    def release(self) -> None:
+        """Frees what :meth:`releasable_bytes` counts; :meth:`weighted_sum` then recomputes from the factors."""
 
     def grouped(self, groups: Groups) -> Contribution:
         """The contribution of the groups, ``H_g = sum_{b in g} w_b G_b``, in this contribution's form (a user's
@@ -195,10 +207,11 @@ class Factored(Contribution):
 
     The norms use Gram matrices ("ghost") or instantiated gradients, whichever
     :func:`choose_layer_strategy` says is cheaper. Instantiated gradients are kept for
-    :meth:`weighted_sum` of the same step only when they are no larger than the factors the
-    contribution holds anyway; otherwise they are dropped after the norms and the weighted
-    sum is one matrix product of the factors (the cost of a batch weight gradient), so that
-    the engine's memory stays within twice its records (docs/benchmarks.md).
+    :meth:`weighted_sum` of the same step (one matrix-vector product instead of a matrix product
+    of the factors, the cost of a batch weight gradient). Those larger than the factors the
+    contribution holds anyway are :meth:`releasable_bytes`: the engine keeps them within its
+    ``keep_limit`` for the whole step and releases the rest, so that its memory stays within
+    twice its records plus that limit (docs/benchmarks.md).
     """
 
     def __init__(self, left: Tensor, right: Tensor, shape: Sequence[int], *,
@@ -261,10 +274,17 @@ class Factored(Contribution):
         if self._strategy() == "ghost":
             return (torch.bmm(self._left, self._left.transpose(1, 2))
                     * torch.bmm(self._right, self._right.transpose(1, 2))).sum((1, 2))
-        grads = torch.bmm(self._left.transpose(1, 2), self._right)  # (B, p, d)
-        if p * d <= t * (p + d):  # no larger than the factors: keep for the weighted sum
-            self._dense = grads
+        grads = self._dense = torch.bmm(self._left.transpose(1, 2), self._right)  # (B, p, d), for the weighted sum
         return _row_sq(grads)
+
+    def releasable_bytes(self) -> int:
+        if self._dense is None:
+            return 0
+        b, t, p, d = self._b_t_p_d
+        return 0 if p * d <= t * (p + d) else self._dense.numel() * self._dense.element_size()
+
+    def release(self) -> None:
+        self._dense = None
 
     def dense(self) -> Tensor:
         if self._flat:

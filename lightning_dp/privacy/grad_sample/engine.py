@@ -18,7 +18,8 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from lightning_dp.privacy.finite import non_finite
-from lightning_dp.privacy.grad_sample.contributions import DEFAULT_INSTANTIATE_LIMIT, Contribution, Groups
+from lightning_dp.privacy.grad_sample.contributions import (DEFAULT_INSTANTIATE_LIMIT, DEFAULT_KEEP_LIMIT,
+                                                            Contribution, Groups)
 from lightning_dp.privacy.grad_sample.probing import BatchDimProbe, _Dims
 from lightning_dp.privacy.grad_sample.registry import LayerRule, PerSampleGradientError, Record, join_graph, rule_for
 
@@ -188,15 +189,24 @@ class GradSampleEngine(BatchDimProbe):
             to the next instead of freeing them at :meth:`clear`. Faster on CPU, where a
             large fresh allocation faults in new pages every step; the memory stays taken
             between steps. Default: False.
+        keep_limit: bytes of instantiated per-sample gradients larger than their factors that a
+            step keeps from the norms to the clipped sum (the sum is then a matrix-vector product
+            of them, not a matrix product of the factors: 10-11 % of the LSTM, Transformer and
+            GPT-2 steps on a CPU, docs/benchmarks.md); the rest are released after their norms.
+            Default: 64 MiB; 0 keeps none (the memory of the records and the factors only).
     """
 
     def __init__(self, module: nn.Module, *, instantiate_limit: int = DEFAULT_INSTANTIATE_LIMIT,
-                 keep_buffers: bool = False) -> None:
+                 keep_buffers: bool = False, keep_limit: int = DEFAULT_KEEP_LIMIT) -> None:
         from lightning_dp.privacy.grad_sample.rules.functorch import FunctorchRule
 
         self.module = module
         self.instantiate_limit = int(instantiate_limit)
         self.keep_buffers = bool(keep_buffers)
+        if int(keep_limit) < 0:
+            raise ValueError(f"keep_limit={keep_limit} is negative; give the bytes of per-sample gradients a step may "
+                             "keep from the norms to the clipped sum (0 keeps none)")
+        self.keep_limit = int(keep_limit)
         self._trainable = trainable_parameters(module)
         self.layers: list[_Layer] = []
         # A parameter registered in a module and in one of its descendants (an alias, such as
@@ -724,9 +734,16 @@ class GradSampleEngine(BatchDimProbe):
         p0 = self._params[0]
         dtype = compute_dtype(p0.dtype)
         terms: list[Tensor] = []
+        room = self.keep_limit  # for per-sample gradients larger than their factors, kept for the clipped sum
         for contributions in found.values():
             for i, c in enumerate(contributions):
                 terms.append(_as(c.sq_norms(), dtype))
+                extra = c.releasable_bytes()
+                if extra:
+                    if extra <= room:
+                        room -= extra
+                    else:
+                        c.release()
                 for other in contributions[i + 1:]:
                     terms.append(2 * _as(c.dot(other), dtype))
         if not terms:

@@ -30,20 +30,22 @@ def _error(text: str):
     return PerSampleGradientError(text)
 
 
-def _cell(mode: str, gi: Tensor, gh: Tensor, h: Tensor, c: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """One step of the recurrence from the two pre-activations (PyTorch's gate order)."""
+def _cell(mode: str, gi: Tensor, gh: Tensor | None, h: Tensor, c: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """One step of the recurrence (PyTorch's gate order) from the two pre-activations, or (``gh`` None: LSTM and
+    RNN, which add them before any nonlinearity) from their sum ``gi``."""
+    pre = gi if gh is None else gi + gh
     if mode == "LSTM":
         assert c is not None  # an LSTM step always carries its cell state
-        i, f, g, o = (gi + gh).chunk(4, -1)
+        i, f, g, o = pre.chunk(4, -1)
         c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
         return torch.sigmoid(o) * torch.tanh(c), c
     if mode == "GRU":
+        assert gh is not None  # the GRU's candidate gate multiplies gh by the reset gate: the two stay apart
         ir, iz, in_ = gi.chunk(3, -1)
         hr, hz, hn = gh.chunk(3, -1)
         r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
         n = torch.tanh(in_ + r * hn)
         return (1 - z) * n + z * h, None
-    pre = gi + gh
     return (torch.tanh(pre) if mode == "RNN_TANH" else torch.relu(pre)), None
 
 
@@ -182,7 +184,12 @@ def _unroll(mode: str, x: Tensor, h0: Tensor, c0: Tensor | None,
         for d in range(dirs):
             sfx = f"_l{layer_index}" + ("_reverse" if d else "")
             w_ih, w_hh, b_ih, b_hh = weights(layer_index, d)
-            gi = tracked(torch.nn.functional.linear(inp, w_ih, b_ih))  # (B, T, G*H)
+            if shared_pre:  # both biases in gi: each step is then one addmm(gi_t, h, w_hh^T) (its gradient is gi's)
+                bias = b_ih if b_hh is None else b_hh if b_ih is None else b_ih + b_hh
+                gi = tracked(torch.nn.functional.linear(inp, w_ih, bias))  # (B, T, G*H)
+                w_hh_t = w_hh.t()
+            else:
+                gi = tracked(torch.nn.functional.linear(inp, w_ih, b_ih))
             # one view per step, taken at once: the backward of unbind stacks the steps' gradients once,
             # where indexing gi[:, t] at every step gave each step's gradient as a zero-filled (B, T, G*H)
             # tensor added into gi's (T^2 traffic: 0.5 s of a 1 s profile of three LSTM steps, issue 53)
@@ -195,9 +202,11 @@ def _unroll(mode: str, x: Tensor, h0: Tensor, c0: Tensor | None,
             prevs: list[Any] = [None] * steps
             for t in (range(steps - 1, -1, -1) if d else range(steps)):
                 prevs[t] = h.detach()
-                gh = torch.nn.functional.linear(h, w_hh, b_hh)
-                ghs[t] = gh if shared_pre else tracked(gh)
-                h_new, c_new = _cell(mode, gi_steps[t], ghs[t], h, c)
+                if shared_pre:
+                    h_new, c_new = _cell(mode, torch.addmm(gi_steps[t], h, w_hh_t), None, h, c)
+                else:
+                    ghs[t] = tracked(torch.nn.functional.linear(h, w_hh, b_hh))
+                    h_new, c_new = _cell(mode, gi_steps[t], ghs[t], h, c)
                 if valid is not None:  # a finished (or, reversed, not yet started) sequence keeps its state
                     keep = valid[:, t:t + 1]
                     h_new = torch.where(keep, h_new, h)
