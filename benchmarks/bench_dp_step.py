@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -608,7 +609,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", metavar="METHOD",
                         help="only: torch.profiler's table of METHOD's step (the operators by their own CPU time, "
                              "and the host-device synchronizations)")
+    parser.add_argument("--malloc", choices=("system", "keep"), default="system",
+                        help="system: the C allocator as it is (what a Lightning script gets); keep: glibc keeps "
+                             "freed memory for the next step, as the lightning-dp commands set it "
+                             "(lightning_dp.config.allocator; docs/benchmarks.md, '... and the C allocator')")
     args = parser.parse_args(argv)
+    if args.malloc == "keep":
+        from lightning_dp.config.allocator import keep_freed_memory
+
+        if not keep_freed_memory():
+            parser.error("--malloc keep needs glibc (Linux)")
+        # the processes this one starts (peak memory, one fresh process per method) as glibc reads it at start
+        os.environ.update(MALLOC_TRIM_THRESHOLD_=str(2**31 - 1), MALLOC_MMAP_THRESHOLD_=str(32 * 2**20))
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.clock == "cpu" and (torch.get_num_threads() != 1 or args.device != "cpu"):

@@ -28,6 +28,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -143,7 +144,18 @@ def main(argv: list[str] | None = None) -> None:
                         help="wall: time.perf_counter; cpu: the process' CPU time (time.process_time), which a shared "
                              "machine's load moves much less; meaningful with OMP_NUM_THREADS=1 (every thread's "
                              "time is summed)")
+    parser.add_argument("--malloc", choices=("system", "keep"), default="system",
+                        help="system: the C allocator as it is (what a Lightning script gets); keep: glibc keeps "
+                             "freed memory for the next step, as the lightning-dp commands set it "
+                             "(lightning_dp.config.allocator; docs/benchmarks.md, '... and the C allocator')")
     args = parser.parse_args(argv)
+    if args.malloc == "keep":
+        from lightning_dp.config.allocator import keep_freed_memory
+
+        if not keep_freed_memory():
+            parser.error("--malloc keep needs glibc (Linux)")
+        # the processes this one starts (peak memory, one fresh process per method) as glibc reads it at start
+        os.environ.update(MALLOC_TRIM_THRESHOLD_=str(2**31 - 1), MALLOC_MMAP_THRESHOLD_=str(32 * 2**20))
     runs = args.runs.split(",")
     if "plain" not in runs or any(r not in RUNS for r in runs):
         parser.error(f"--runs {args.runs}: pick from {list(RUNS)}, including plain (the baseline)")

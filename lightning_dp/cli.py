@@ -25,7 +25,8 @@ shows the full traceback instead.
 
 Threads: the training commands (:data:`TRAINING_COMMANDS`) give torch one thread per core that other jobs leave
 free and say so in one line (:mod:`lightning_dp.config.threads`); ``LIGHTNING_DP_THREADS=N`` or ``OMP_NUM_THREADS``
-choose instead.
+choose instead. Memory: with glibc they keep freed memory in the process for the next step instead of faulting it
+in again (:mod:`lightning_dp.config.allocator`); ``LIGHTNING_DP_MALLOC=system`` leaves the allocator as it is.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ COMMANDS: dict[str, str] = {
 
 #: The commands that train or attack a model: torch's threads are capped to the free cores when they start
 #: (:mod:`lightning_dp.config.threads`; ``LIGHTNING_DP_THREADS=N`` or ``OMP_NUM_THREADS`` choose instead). The
-#: run says so in one line when it starts (``LightningDPCLI``).
+#: run says so in one line when it starts (``LightningDPCLI``). The C allocator keeps freed memory for the next
+#: step (:mod:`lightning_dp.config.allocator`; ``LIGHTNING_DP_MALLOC=system`` leaves it as it is).
 TRAINING_COMMANDS = ("fit", "validate", "test", "grid", "audit")
 
 
@@ -231,10 +233,12 @@ def main(args: Optional[Sequence[str]] = None) -> Optional[int]:
         return 0 if argv else 2
     command = argv[0]
     if command in TRAINING_COMMANDS:
+        from lightning_dp.config.allocator import apply_allocator_policy
         from lightning_dp.config.threads import apply_thread_policy
 
         try:
             apply_thread_policy()  # OMP_NUM_THREADS for torch to read; imports nothing, prints nothing
+            apply_allocator_policy()  # glibc keeps freed memory for the next step (LIGHTNING_DP_MALLOC=system: not)
         except ValueError as err:
             sys.stderr.write(short_error(f"lightning-dp {command}", str(err)))
             return 2
