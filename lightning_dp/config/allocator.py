@@ -11,15 +11,17 @@ results), so it pays more: ResNet-8's private step at one thread, 1.52x its plai
 allocator").
 
 The training commands (``fit``, ``validate``, ``test``, ``grid``, ``audit``) therefore set glibc's trim threshold
-to 2 GiB and its mmap threshold to 32 MiB (``mallopt``, the most it accepts) when they start: memory a step frees
-stays in the process for the next step. The price: the process' resident memory stays near its peak instead of
-shrinking between steps. It changes how fast a run is, never what it computes, releases or records.
+to 2 GiB and its mmap threshold to 32 MiB (``mallopt``; the ceiling of glibc's own dynamic threshold) when they
+start: memory a step frees stays in the process for the next step. The price: the process' resident memory stays
+near its peak instead of shrinking between steps (DataLoader workers forked from it inherit the settings: each keeps
+what it frees). It changes how fast a run is, never what it computes, releases or records.
 
 The user's choice wins: ``LIGHTNING_DP_MALLOC=system`` leaves the allocator as it is, and so do glibc's own
-``MALLOC_TRIM_THRESHOLD_`` / ``MALLOC_MMAP_THRESHOLD_`` and an allocator preloaded with ``LD_PRELOAD`` (jemalloc,
-tcmalloc, mimalloc). Without glibc (macOS, Windows, musl) there is nothing to set. In your own process (a Lightning
-script with :class:`~lightning_dp.callbacks.DPSGD`), call :func:`keep_freed_memory` once before training: a library
-callback does not change the allocator of the process it runs in.
+``MALLOC_TRIM_THRESHOLD_`` / ``MALLOC_MMAP_THRESHOLD_``, ``GLIBC_TUNABLES`` naming ``glibc.malloc`` settings, and
+an allocator preloaded with ``LD_PRELOAD`` (jemalloc, tcmalloc, mimalloc). Without glibc (macOS, Windows, musl)
+there is nothing to set. In your own process (a Lightning script with :class:`~lightning_dp.callbacks.DPSGD`), call
+:func:`keep_freed_memory` once before training: a library callback does not change the allocator of the process it
+runs in.
 
 Standard library only (the command line's argument errors answer without torch).
 """
@@ -42,7 +44,7 @@ MALLOC_ENV = "LIGHTNING_DP_MALLOC"
 #: glibc's mallopt parameters (malloc.h) and the values set
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _TRIM_BYTES = 2**31 - 1  # mallopt takes an int: 2 GiB of free memory at the heap's top before any goes back
-_MMAP_BYTES = 32 * 2**20  # glibc refuses more (HEAP_MAX_SIZE / 2 on 64-bit): larger blocks are still mapped
+_MMAP_BYTES = 32 * 2**20  # the ceiling of glibc's own dynamic threshold (DEFAULT_MMAP_THRESHOLD_MAX, 64-bit)
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,8 @@ def allocator_policy(env: Mapping[str, str], *, glibc: bool) -> AllocatorChoice:
     for name in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_"):
         if env.get(name, "").strip():
             return AllocatorChoice(False, f"{name}={env[name].strip()}: glibc's settings as given")
+    if "glibc.malloc." in env.get("GLIBC_TUNABLES", ""):
+        return AllocatorChoice(False, "GLIBC_TUNABLES sets glibc.malloc: glibc's settings as given")
     if not glibc:
         return AllocatorChoice(False, "not glibc: nothing to set")
     return AllocatorChoice(True, "glibc: freed memory kept for the next step")

@@ -18,7 +18,7 @@ def test_glibc_keeps_freed_memory_unless_the_user_chose():
     assert allocator_policy({MALLOC_ENV: " KEEP "}, glibc=True).keep
     for env in ({MALLOC_ENV: "system"}, {"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4"},
                 {"LD_PRELOAD": "libjemalloc.so.2"}, {"MALLOC_TRIM_THRESHOLD_": "0"},
-                {"MALLOC_MMAP_THRESHOLD_": "131072"}):
+                {"MALLOC_MMAP_THRESHOLD_": "131072"}, {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}):
         choice = allocator_policy(env, glibc=True)
         assert not choice.keep and choice.reason
     assert not allocator_policy({}, glibc=False).keep  # macOS, Windows, musl: nothing to set
@@ -56,8 +56,11 @@ def test_a_command_applies_it_and_refuses_a_bad_value_before_anything_runs(monke
     monkeypatch.delenv(MALLOC_ENV, raising=False)
     monkeypatch.setenv("LIGHTNING_DP_THREADS", "auto")  # the thread policy then leaves OMP_NUM_THREADS unset
     assert apply_allocator_policy().keep and calls == [1]
+    assert main(["fit", "--config", "nowhere.yaml"]) == 2  # applied first; then the missing config is refused
+    assert calls == [1, 1]
+    assert "nowhere.yaml" in capsys.readouterr().err
     monkeypatch.setenv(MALLOC_ENV, "fast")
     assert main(["fit", "--config", "nowhere.yaml"]) == 2
     err = capsys.readouterr().err
     assert f"{MALLOC_ENV}='fast' must be 'keep'" in err
-    assert calls == [1]
+    assert calls == [1, 1]

@@ -382,3 +382,38 @@ def test_a_recurrent_layer_falls_back_to_the_replay_under_autocast(monkeypatch):
     assert torch.isfinite(engine.per_sample_norms()).all()
     assert len(unrolled) == 1  # the replay after the backward
     engine.remove()
+
+
+class _SharedSequence(nn.Module):
+    """A recurrent layer run on a sequence shared by all examples (a buffer of shape (1, T, 3)), added to each
+    example's own features: its per-example gradients come from the expanded output."""
+
+    def __init__(self, cell, train_rest):
+        super().__init__()
+        self.register_buffer("seq", torch.randn(1, T, 3, generator=torch.Generator().manual_seed(3)))
+        self.rnn, self.inp, self.head = cell(3, 5, batch_first=True), nn.Linear(3, 5), nn.Linear(5, 3)
+        for p in (*self.inp.parameters(), *self.head.parameters()):
+            p.requires_grad_(train_rest)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.inp(x) + self.rnn(self.seq)[0]).mean(1))
+
+
+@pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU], ids=["lstm", "gru"])
+@pytest.mark.parametrize("train_rest", [True, False], ids=["all_trainable", "only_the_recurrent_layer"])
+def test_a_recurrent_layer_on_a_sequence_shared_by_all_examples_is_exact(cell, train_rest):
+    """Its unrolled forward's hooks see the gradient summed over the batch (the engine expands the output after the
+    layer); the rule replays it from the expanded records instead, per example (a regression: one norm for the whole
+    batch, the batch clipped as one unit)."""
+    _check(_SharedSequence(cell, train_rest), *_data(T, 3))
+
+
+def test_a_recurrent_layer_that_sees_the_batch_on_its_time_axis_is_refused():
+    """nn.LSTM(batch_first=False) fed (B, T, I) runs its recurrence across the examples: no clipping bounds that."""
+    model = nn.Sequential(nn.LSTM(3, 5, batch_first=False))
+    x = torch.randn(7, T, 3)
+    engine = GradSampleEngine(model)
+    with pytest.raises(PerSampleGradientError, match=r"LSTM\(batch_first=False\) sees the batch at dimension 0 of "
+                                                     r"its input, not 1: its recurrence would run across examples"):
+        engine.probe(lambda n: model(x[:n])[0].sum())
+    engine.remove()

@@ -737,7 +737,12 @@ class GradSampleEngine(BatchDimProbe):
         room = self.keep_limit  # for per-sample gradients larger than their factors, kept for the clipped sum
         for contributions in found.values():
             for i, c in enumerate(contributions):
-                terms.append(_as(c.sq_norms(), dtype))
+                sq = c.sq_norms()
+                if sq.shape != (b,):  # a rule's per-example rows must be the batch's, or clipping bounds nothing
+                    raise PerSampleGradientError(
+                        f"a layer rule gave per-sample norms of shape {tuple(sq.shape)} for a batch of {b} examples; "
+                        "this is a bug of the rule (it must return one row per example); please report it")
+                terms.append(_as(sq, dtype))
                 extra = c.releasable_bytes()
                 if extra:
                     if extra <= room:

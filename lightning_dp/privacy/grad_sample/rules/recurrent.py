@@ -61,6 +61,16 @@ class RecurrentRule(LayerRule):
                          "inside the fused kernel, which the per-sample replay cannot reproduce; stack one-layer "
                          f"{type(module).__name__}s with nn.Dropout between them, or set dropout=0")
 
+    def check_dims(self, module, inputs, outputs, broadcast):
+        # the recurrence runs along the time dimension: with the batch anywhere else it would run across examples,
+        # which no per-example clipping bounds (an nn.LSTM(batch_first=False) fed (B, T, I) mixes the batch)
+        expected = 0 if getattr(module, "batch_first", False) else 1
+        if not broadcast and inputs and inputs[0] is not None and inputs[0] != expected:
+            raise _error(f"{type(module).__name__}(batch_first={getattr(module, 'batch_first', False)}) sees the "
+                         f"batch at dimension {inputs[0]} of its input, not {expected}: its recurrence would run "
+                         f"across examples. Pass batch_first={not getattr(module, 'batch_first', False)} or put the "
+                         f"batch at dimension {expected}")
+
     #: a packed input has no batch dimension (with enforce_sorted=True no input leaf has one): the final states do
     batch_from_output = True
     #: the packed output's gradient has no batch dimension either: the replay reads it through the packing
@@ -100,7 +110,10 @@ class RecurrentRule(LayerRule):
     def _replay(m, mode: str, r, batch_size: int) -> dict[str, tuple[Tensor, Tensor]]:
         """``{parameter name: (pre-activation gradients (B, T, G*H), inputs (B, T, ·))}`` of one call."""
         unrolled = r.extra.get("unrolled")
-        if unrolled is not None:  # the forward ran unrolled: its backward left the pre-activations' gradients
+        # the forward ran unrolled: its backward left the pre-activations' gradients, per example unless the layer's
+        # input is shared by all examples (its output is expanded to the batch after the layer: the gradients it
+        # saw are summed over the batch), which the replay below handles from the expanded records
+        if unrolled is not None and not r.broadcast and unrolled.batch == batch_size:
             return unrolled.found(r.scale)
         x = r.input(0)
         hx = r.args[1] if len(r.args) > 1 else r.kwargs.get("hx", r.kwargs.get("state_init"))
@@ -249,8 +262,8 @@ class _UnrolledCall:
     Holds no tensor of the graph (only the plan's detached inputs and the gradients), so that nothing kept here
     ties the graph to the engine's records in a reference cycle."""
 
-    def __init__(self, plan: list[_Plan], pre: list[Tensor]) -> None:
-        self.plan = plan
+    def __init__(self, plan: list[_Plan], pre: list[Tensor], batch: int) -> None:
+        self.plan, self.batch = plan, batch
         self.like = [(t.shape, t.dtype, t.device) for t in pre]
         self.grads: list[Tensor | None] = [None] * len(pre)
         for i, t in enumerate(pre):
@@ -278,8 +291,9 @@ class _Unrolled(TorchFunctionMode):
 
     Only the common case is unrolled; the rest runs the fused kernel and is replayed after the backward: a packed
     input (the other overload), dtypes other than float32 and float64 (the fused kernel's rounding in half
-    precision is not what a replay in it would give), autocast, a compiled forward (Dynamo traces the fused
-    operator), inter-layer dropout in training (refused by the rule anyway). The output is the fused kernel's up
+    precision is not what a replay in it would give), autocast, Dynamo tracing the layer, inter-layer dropout in
+    training (refused by the rule anyway). A layer on an input shared by all examples runs unrolled too but is
+    replayed after the backward (its hooks see the batch's summed gradient, see ``_replay``). The output is the fused kernel's up
     to rounding (a different order of summation); gradients are exact for the computation that ran.
     """
 
@@ -314,7 +328,7 @@ class _Unrolled(TorchFunctionMode):
         xb = x if batch_first else x.transpose(0, 1)
         outputs, pre, plan = _unroll(self.mode, xb, h0.transpose(0, 1), c0.transpose(0, 1) if lstm else None,
                                      weights, layers, dirs, None)
-        self.extra["unrolled"] = _UnrolledCall(plan, pre)
+        self.extra["unrolled"] = _UnrolledCall(plan, pre, xb.shape[0])
         seq = outputs[0] if batch_first else outputs[0].transpose(0, 1).contiguous()
         states = [s.transpose(0, 1).contiguous() for s in outputs[1:]]  # (L*D, B, H), as the fused operator's
         return (seq, *states)
