@@ -293,8 +293,9 @@ class _Unrolled(TorchFunctionMode):
     input (the other overload), dtypes other than float32 and float64 (the fused kernel's rounding in half
     precision is not what a replay in it would give), autocast, Dynamo tracing the layer, inter-layer dropout in
     training (refused by the rule anyway). A layer on an input shared by all examples runs unrolled too but is
-    replayed after the backward (its hooks see the batch's summed gradient, see ``_replay``). The output is the fused kernel's up
-    to rounding (a different order of summation); gradients are exact for the computation that ran.
+    replayed after the backward (its hooks see the batch's summed gradient, see ``_replay``). The output is the
+    fused kernel's up to rounding (a different order of summation); gradients are exact for the computation that
+    ran.
     """
 
     def __init__(self, mode: str, extra: dict[str, Any]) -> None:
