@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lightning_dp import checks
+from lightning_dp.models.networks import MaxPool2d
 
 
 __all__ = ["CIFARConvNet", "FEMNISTConvNet", "HospitalMLP", "LinearRegression", "LogisticRegression"]
@@ -139,7 +140,7 @@ class FEMNISTConvNet(nn.Module):
             nn.ReLU(),
             nn.Conv2d(32, 64, kernel_size=kernel_size),
             nn.ReLU(),
-            nn.MaxPool2d(kernel_size=2),
+            MaxPool2d(kernel_size=2),
         )
         self.classifier = nn.Sequential(
             nn.Flatten(),
@@ -203,8 +204,8 @@ class CIFARConvNet(nn.Module):
         super().__init__()
         self.num_classes = checks.positive_int("num_classes", num_classes)
         self.features = nn.Sequential(
-            nn.Conv2d(3, 64, kernel_size=5, padding=2), nn.ReLU(), nn.MaxPool2d(3, stride=2, padding=1),
-            nn.Conv2d(64, 64, kernel_size=5, padding=2), nn.ReLU(), nn.MaxPool2d(3, stride=2, padding=1),
+            nn.Conv2d(3, 64, kernel_size=5, padding=2), nn.ReLU(), MaxPool2d(3, stride=2, padding=1),
+            nn.Conv2d(64, 64, kernel_size=5, padding=2), nn.ReLU(), MaxPool2d(3, stride=2, padding=1),
         )
         self.classifier = nn.Sequential(
             nn.Flatten(), nn.Linear(64 * 8 * 8, 384), nn.ReLU(), nn.Linear(384, 192), nn.ReLU(),

@@ -200,3 +200,30 @@ def test_per_sample_gradients_match_naive_loop(case: str) -> None:
     order = {id(p): i for i, p in enumerate(engine.parameters)}
     flat = torch.cat([summed[order[id(p)]].reshape(-1) for p in model.parameters()])
     torch.testing.assert_close(flat, (factors[:, None] * reference).sum(0), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize(("kernel", "stride", "padding", "ceil_mode"),
+                         [(2, 1, 0, False), (3, 2, 1, False), (2, 2, 0, True)])
+def test_the_channels_last_max_pool_equals_nn_max_pool_bit_for_bit(kernel, stride, padding, ceil_mode):
+    """The models' MaxPool2d pools a CPU batch in channels-last layout (faster on torch 2.13's CPU); its output and
+    its input gradient equal nn.MaxPool2d's exactly, also where saturated tanh outputs tie; inside torch.func's
+    vmap (which cannot change a layout) it takes nn.MaxPool2d's own path."""
+    from torch.func import grad, vmap
+
+    from lightning_dp.models.networks import MaxPool2d
+
+    x = torch.tanh(torch.randn(16, 6, 13, 13, generator=torch.Generator().manual_seed(0)) * 20)  # many exact +-1
+    ours, theirs = MaxPool2d(kernel, stride, padding, ceil_mode=ceil_mode), nn.MaxPool2d(kernel, stride, padding,
+                                                                                         ceil_mode=ceil_mode)
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_a, out_b = ours(a), theirs(b)
+    assert out_a.is_contiguous() and torch.equal(out_a, out_b)
+    g = torch.randn_like(out_b)
+    out_a.backward(g)
+    out_b.backward(g)
+    assert torch.equal(a.grad, b.grad)
+    traced = torch.fx.symbolic_trace(MNISTConvNet())  # one call in the graph, not its branches
+    assert "_max_pool2d" in str(traced.graph)
+    per_example = vmap(grad(lambda t: ours(t.unsqueeze(0)).square().sum()))(x)
+    torch.testing.assert_close(per_example, vmap(grad(lambda t: theirs(t.unsqueeze(0)).square().sum()))(x),
+                               rtol=0, atol=0)
