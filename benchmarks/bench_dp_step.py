@@ -615,12 +615,12 @@ def main(argv: list[str] | None = None) -> None:
                              "(lightning_dp.config.allocator; docs/benchmarks.md, '... and the C allocator')")
     args = parser.parse_args(argv)
     if args.malloc == "keep":
-        from lightning_dp.config.allocator import keep_freed_memory
+        from lightning_dp.config.allocator import GLIBC_ENV, keep_freed_memory
 
         if not keep_freed_memory():
             parser.error("--malloc keep needs glibc (Linux)")
         # the processes this one starts (peak memory, one fresh process per method) as glibc reads it at start
-        os.environ.update(MALLOC_TRIM_THRESHOLD_=str(2**31 - 1), MALLOC_MMAP_THRESHOLD_=str(32 * 2**20))
+        os.environ.update(GLIBC_ENV)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.clock == "cpu" and (torch.get_num_threads() != 1 or args.device != "cpu"):

@@ -35,7 +35,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["MALLOC_ENV", "AllocatorChoice", "allocator_policy", "apply_allocator_policy", "keep_freed_memory"]
+__all__ = ["GLIBC_ENV", "MALLOC_ENV", "AllocatorChoice", "allocator_policy", "apply_allocator_policy",
+           "keep_freed_memory"]
 
 #: The environment variable that chooses the allocator policy of a ``lightning-dp`` command: ``keep`` (the
 #: default) or ``system``.
@@ -45,6 +46,10 @@ MALLOC_ENV = "LIGHTNING_DP_MALLOC"
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _TRIM_BYTES = 2**31 - 1  # mallopt takes an int: 2 GiB of free memory at the heap's top before any goes back
 _MMAP_BYTES = 32 * 2**20  # the ceiling of glibc's own dynamic threshold (DEFAULT_MMAP_THRESHOLD_MAX, 64-bit)
+
+#: The same settings as glibc's environment variables, which it reads when a process starts (for the processes a
+#: caller starts itself, e.g. a benchmark's one fresh process per measurement).
+GLIBC_ENV = {"MALLOC_TRIM_THRESHOLD_": str(_TRIM_BYTES), "MALLOC_MMAP_THRESHOLD_": str(_MMAP_BYTES)}
 
 
 @dataclass(frozen=True)
