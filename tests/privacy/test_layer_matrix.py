@@ -470,12 +470,14 @@ def _engine_and_reference(case, model, batch, probes, c):
 @pytest.mark.parametrize("name", [n for n in sorted(CASES) if n.startswith("conv")])
 def test_convolutions_split_into_chunks_of_examples(name, monkeypatch):
     """The window copies a few examples at a time (as for large inputs, where one example's windows hold more than
-    SCRATCH_FLOOR_ELEMENTS): with the floor at 0 every convolution case runs in several chunks, same results."""
+    SCRATCH_FLOOR_ELEMENTS, or CPU_CHUNK_BYTES on a CPU): with both at 0 every convolution case runs in several
+    chunks, same results."""
     from lightning_dp.privacy.grad_sample.rules import conv
 
     chunks = []
     original = conv._chunk
     monkeypatch.setattr(conv, "SCRATCH_FLOOR_ELEMENTS", 0)
+    monkeypatch.setattr(conv, "CPU_CHUNK_BYTES", 0)
     monkeypatch.setattr(conv, "_chunk", lambda *a: chunks.append(original(*a)) or chunks[-1])
     test_layer_matrix(name, "cpu")
     assert chunks and min(chunks) < B  # several chunks of the batch of B
