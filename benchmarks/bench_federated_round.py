@@ -22,6 +22,7 @@ Usage:
     python benchmarks/bench_federated_round.py --model cifar --samples 47,81 --batch-size 16 --device cuda
     python benchmarks/bench_federated_round.py --whole                  # U = 1k, 10k, 100k of N = 1M, 3 models
     python benchmarks/bench_federated_round.py --whole --models hospital --per-round 100000 --rounds 60
+    python benchmarks/bench_federated_round.py --whole --models logreg --per-round 100000 --malloc keep
     python benchmarks/bench_federated_round.py --accounting             # one epsilon write, q = 0.001 .. 0.1
     python benchmarks/bench_federated_round.py --whole --models hospital --devices 2   # clients over 2 DDP ranks
 """
@@ -238,7 +239,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cpu", help="the client part: cpu or cuda")
+    parser.add_argument("--malloc", choices=("system", "keep"), default="system",
+                        help="system: the C allocator as it is (what a Lightning script gets); keep: glibc keeps "
+                             "freed memory for the next block, as the lightning-dp commands set it "
+                             "(lightning_dp.config.allocator; docs/benchmarks.md, '... and the C allocator')")
     args = parser.parse_args(argv)
+    if args.malloc == "keep":
+        from lightning_dp.config.allocator import GLIBC_ENV, keep_freed_memory
+
+        if not keep_freed_memory():
+            parser.error("--malloc keep needs glibc (Linux)")
+        # --whole's fits run in processes this one starts: glibc reads the settings at their start
+        os.environ.update(GLIBC_ENV)
     if args.whole:
         whole(args)
         return

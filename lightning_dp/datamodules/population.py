@@ -45,7 +45,10 @@ class SyntheticPopulation(ClientPopulation):
     - ``"image"``: label ``y`` uniform over ``num_classes`` (int64), ``x = prototype_{c, y} + A z`` with
       ``prototype ~ N(0, I)`` of ``input_shape`` (e.g. ``(3, 32, 32)``), ``z ~ N(0, I_d)`` per sample and a fixed
       ``A ~ N(0, I / d)`` (``d = latent_dim``: each pixel's noise has variance 1, of rank d, which costs d draws
-      per sample instead of one per pixel).
+      per sample instead of one per pixel). The draws are clamped at 8 standard deviations and rounded to grids
+      (:func:`_image_grids`: for d = 16, ``z`` to 1/64, ``A`` to 1/128 of its standard deviation) on which every
+      sum forming ``x`` is exact in float32: one matrix product over a block of samples then gives each sample
+      the same bits whatever its companions (a product's rounding otherwise depends on the batch's shape).
 
     Args:
         num_clients: N.
@@ -94,11 +97,15 @@ class SyntheticPopulation(ClientPopulation):
         features = math.prod(self.input_shape)
         clusters = torch.arange(self.num_clusters)
         if task == "image":  # (clusters, classes, F): one prototype per cluster and class; the noise's mixing (d, F)
-            self._prototypes = counter_normal(self.seed, _PROTOTYPE, clusters[:, None, None],
-                                              torch.arange(self.num_classes)[None, :, None],
-                                              torch.arange(features)[None, None]).float()
-            self._mixing = counter_normal(self.seed, _MIXING, torch.arange(self.latent_dim)[:, None],
-                                          torch.arange(features)[None]).float() / math.sqrt(self.latent_dim)
+            self._z_grid, mixing_grid, sum_grid = _image_grids(self.latent_dim, owner)
+            self._prototypes = _on_grid(counter_normal(self.seed, _PROTOTYPE, clusters[:, None, None],
+                                                       torch.arange(self.num_classes)[None, :, None],
+                                                       torch.arange(features)[None, None]), 1.0, sum_grid).float()
+            sd = 1 / math.sqrt(self.latent_dim)
+            self._mixing = _on_grid(counter_normal(self.seed, _MIXING, torch.arange(self.latent_dim)[:, None],
+                                                   torch.arange(features)[None]) * sd, sd, mixing_grid).float()
+            # the prototypes as rows of one table, and a zero row last for the padding
+            self._table = torch.cat([self._prototypes.reshape(-1, features), self._prototypes.new_zeros(1, features)])
         else:  # (clusters, F), the same for every split: the val and test clients follow the training clusters
             self._weights = counter_normal(self.seed, _WEIGHTS, clusters[:, None], torch.arange(features)[None]).float()
 
@@ -129,16 +136,23 @@ class SyntheticPopulation(ClientPopulation):
         who = rows[at]
         cluster = self.clusters(who)
         if self.task == "image":  # noise of rank latent_dim: latent_dim hashes per sample, not one per pixel
-            z = counter_normal(*self._key, _X, who[:, None],
-                               j[:, None] * self.latent_dim + torch.arange(self.latent_dim)[None]).float()
+            z = _on_grid(counter_normal(*self._key, _X, who[:, None],
+                                        j[:, None] * self.latent_dim + torch.arange(self.latent_dim)[None]),
+                         1.0, self._z_grid).float()
             label = (counter_uniform(*self._key, _LABEL, who, j) * self.num_classes).long()
             label = label.clamp_max(self.num_classes - 1)
-            # elementwise, one latent dimension at a time: a matmul's result depends on the batch's shape (BLAS
-            # blocking), and a client's data must not depend on which clients it is drawn with
-            flat = self._prototypes[cluster, label].clone()
-            for d in range(self.latent_dim):
-                flat += z[:, d, None] * self._mixing[d]
-            flat_y: Tensor = label
+            # written in the padded layout at once: the padding takes the table's zero row and z = 0; the sum of the
+            # prototype and A z is exact on the grids (_image_grids), so one product over the block gives each sample
+            # the bits it has alone
+            slots = at * width + j
+            latent = z.new_zeros((len(rows) * width, self.latent_dim))
+            latent[slots] = z
+            which = torch.full((len(rows) * width,), len(self._table) - 1, dtype=torch.int64)
+            which[slots] = cluster * self.num_classes + label
+            x = torch.index_select(self._table, 0, which).addmm_(latent, self._mixing)
+            y = label.new_zeros(len(rows) * width)
+            y[slots] = label
+            return x.view(len(rows), width, *self.input_shape), y.view(len(rows), width), mask
         else:  # one hash per (sample, feature) entry
             flat = counter_normal(*self._key, _X, who[:, None],
                                   j[:, None] * features + torch.arange(features)[None]).float()
@@ -153,6 +167,43 @@ class SyntheticPopulation(ClientPopulation):
         y = flat_y.new_zeros((len(rows), width))
         y[at, j] = flat_y
         return x.view(len(rows), width, *self.input_shape), y, mask
+
+
+#: float32's significand (bits): an integer multiple of a grid step 2^-f up to 2^24 steps is exact
+_FLOAT32_BITS = 24
+#: draws are clamped at this many standard deviations (a normal quantile of a 53-bit uniform stays within 8.3)
+_CLAMP = 8.0
+#: the coarsest grid allowed for z (bits below 1: 1/16)
+_MIN_Z_BITS = 4
+
+
+def _image_grids(latent_dim: int, owner: str) -> tuple[float, float, float]:
+    """``(z grid, A grid, sum grid)`` of the ``"image"`` task with ``latent_dim`` = d: steps (powers of two) on which
+    ``prototype + A z`` is exact in float32 in any order of summation. Every term ``A_fd z_d`` and the prototype are
+    integer multiples of the sum grid ``2^-f`` (the product of the two other steps), and every partial sum is at most
+    ``8 + d * 8 * 8 / sqrt(d)`` in magnitude (the clamps), below ``2^24`` steps. The bits left are shared so that z
+    and A have about the same resolution relative to their standard deviations (1 and 1 / sqrt(d)): for d = 16, z
+    to 1/64, A to 2^-9 (1/128 of its 1/4), prototypes to 2^-15. A d so large that z's grid would be coarser than
+    1/16 is refused."""
+    bits, z_bits = _grid_bits(latent_dim)
+    if z_bits < _MIN_Z_BITS:
+        largest = max(d for d in range(1, latent_dim) if _grid_bits(d)[1] >= _MIN_Z_BITS)
+        raise ValueError(f"{owner}: latent_dim={latent_dim} is not allowed: at most {largest} (the images' noise is "
+                         "summed exactly in float32, which leaves too few bits for a larger rank)")
+    return 2.0**-z_bits, 2.0**-(bits - z_bits), 2.0**-bits
+
+
+def _grid_bits(latent_dim: int) -> tuple[int, int]:
+    """``(bits, z_bits)`` of :func:`_image_grids`: the sum grid ``2^-bits``, z's ``2^-z_bits``."""
+    bound = _CLAMP + latent_dim * _CLAMP * _CLAMP / math.sqrt(latent_dim)
+    bits = math.floor(_FLOAT32_BITS - math.log2(bound))  # bound * 2^bits <= 2^24
+    scale = math.floor(math.log2(math.sqrt(latent_dim)))  # A's standard deviation is about 2^-scale
+    return bits, (bits - scale) // 2
+
+
+def _on_grid(draws: Tensor, sd: float, step: float) -> Tensor:
+    """float64 ``draws`` of standard deviation ``sd`` clamped at :data:`_CLAMP` of it and rounded to ``step``."""
+    return (draws.clamp(-_CLAMP * sd, _CLAMP * sd) / step).round() * step
 
 
 class SyntheticPopulationDataModule(FederatedDataModule):
