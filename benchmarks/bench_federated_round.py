@@ -171,7 +171,8 @@ def whole(args: argparse.Namespace) -> None:
     """Each (model, U) in a fresh process: a markdown table of the results."""
     where = "one process" if args.devices == 1 else f"DDP over {args.devices} CPU processes of one thread"
     print(f"N = {args.population} clients, DP-FedAvg, {args.rounds} rounds per fit (median of rounds 2..), epsilon "
-          f"written every {args.log_every} rounds, {where}; torch {torch.__version__}; load {os.getloadavg()[0]:.2f}")
+          f"written every {args.log_every} rounds, {where}; torch {torch.__version__}; allocator {args.malloc}; "
+          f"load {os.getloadavg()[0]:.2f}")
     print("| model | params | U | round (median) | of which data generation | accounting, share of the fit "
           "(writes) | of which interim writes (coarse PLD) | peak memory |")
     print("|---|---|---|---|---|---|---|---|")

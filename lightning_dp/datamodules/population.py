@@ -171,7 +171,8 @@ class SyntheticPopulation(ClientPopulation):
 
 #: float32's significand (bits): an integer multiple of a grid step 2^-f up to 2^24 steps is exact
 _FLOAT32_BITS = 24
-#: draws are clamped at this many standard deviations (a normal quantile of a 53-bit uniform stays within 8.3)
+#: draws are clamped at this many standard deviations (the normal quantiles of counter_uniform's draws stay within
+#: 8.21, so the clamp moves draws of probability about 1e-15 each)
 _CLAMP = 8.0
 #: the coarsest grid allowed for z (bits below 1: 1/16)
 _MIN_Z_BITS = 4
@@ -187,7 +188,10 @@ def _image_grids(latent_dim: int, owner: str) -> tuple[float, float, float]:
     1/16 is refused."""
     bits, z_bits = _grid_bits(latent_dim)
     if z_bits < _MIN_Z_BITS:
-        largest = max(d for d in range(1, latent_dim) if _grid_bits(d)[1] >= _MIN_Z_BITS)
+        largest, above = 1, latent_dim  # z_bits does not grow with d: the largest d allowed, by bisection
+        while above - largest > 1:
+            middle = (largest + above) // 2
+            largest, above = (middle, above) if _grid_bits(middle)[1] >= _MIN_Z_BITS else (largest, middle)
         raise ValueError(f"{owner}: latent_dim={latent_dim} is not allowed: at most {largest} (the images' noise is "
                          "summed exactly in float32, which leaves too few bits for a larger rank)")
     return 2.0**-z_bits, 2.0**-(bits - z_bits), 2.0**-bits
@@ -202,8 +206,10 @@ def _grid_bits(latent_dim: int) -> tuple[int, int]:
 
 
 def _on_grid(draws: Tensor, sd: float, step: float) -> Tensor:
-    """float64 ``draws`` of standard deviation ``sd`` clamped at :data:`_CLAMP` of it and rounded to ``step``."""
-    return (draws.clamp(-_CLAMP * sd, _CLAMP * sd) / step).round() * step
+    """float64 ``draws`` of standard deviation ``sd`` rounded to ``step`` and clamped at the last step within
+    :data:`_CLAMP` of it (clamped after the rounding: a rounded value never exceeds the bound the grids assume)."""
+    limit = math.floor(_CLAMP * sd / step)
+    return (draws / step).round().clamp(-limit, limit) * step
 
 
 class SyntheticPopulationDataModule(FederatedDataModule):

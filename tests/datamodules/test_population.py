@@ -94,6 +94,23 @@ def test_images_are_exact_sums_the_same_in_any_block() -> None:
         SyntheticPopulation(10, task="image", latent_dim=1024)
 
 
+def test_the_image_grids_bound_every_partial_sum_below_float32s_significand() -> None:
+    """For every latent_dim allowed, the largest values the clamps let through (on the grids, after the rounding) sum
+    to fewer than 2^24 steps of the sum grid, and every term is a multiple of it: the proof of exactness, checked."""
+    import math
+
+    from lightning_dp.datamodules.population import _CLAMP, _image_grids, _on_grid
+
+    for d in range(1, 1024):
+        z_step, a_step, sum_step = _image_grids(d, "test")
+        assert z_step * a_step == sum_step
+        z_max = float(_on_grid(torch.tensor([1e9], dtype=torch.float64), 1.0, z_step))
+        a_max = float(_on_grid(torch.tensor([1e9], dtype=torch.float64), 1 / math.sqrt(d), a_step))
+        p_max = float(_on_grid(torch.tensor([1e9], dtype=torch.float64), 1.0, sum_step))
+        assert z_max <= _CLAMP and a_max <= _CLAMP / math.sqrt(d) and p_max <= _CLAMP
+        assert (p_max + d * z_max * a_max) / sum_step <= 2**24, d
+
+
 def test_population_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match="id_prefix"):
         from lightning_dp.datamodules.federated import ClientPopulation

@@ -480,7 +480,25 @@ def test_convolutions_split_into_chunks_of_examples(name, monkeypatch):
     monkeypatch.setattr(conv, "CPU_CHUNK_BYTES", 0)
     monkeypatch.setattr(conv, "_chunk", lambda *a: chunks.append(original(*a)) or chunks[-1])
     test_layer_matrix(name, "cpu")
-    assert chunks and min(chunks) < B  # several chunks of the batch of B
+    assert chunks and max(chunks) == 1  # one example a chunk
+    # chunks of 2 examples: the batch of B = 5 ends with a partial chunk
+    monkeypatch.setattr(conv, "_chunk", lambda *a: chunks.append(min(2, original(*a))) or chunks[-1])
+    monkeypatch.setattr(conv, "CPU_CHUNK_BYTES", 2**30)
+    test_layer_matrix(name, "cpu")
+    assert chunks[-1] == 2 and B % 2 == 1
+
+
+def test_chunks_of_windows_by_device() -> None:
+    """On a CPU a chunk holds about CPU_CHUNK_BYTES of windows; elsewhere about the batch's input, or
+    SCRATCH_FLOOR_ELEMENTS if that is more (fewer launches on a GPU); at least one example."""
+    from lightning_dp.privacy.grad_sample.rules.conv import CPU_CHUNK_BYTES, SCRATCH_FLOOR_ELEMENTS, _chunk
+
+    patch = 64 * 196  # the MNIST CNN's first layer: 64 window entries at 196 positions per example
+    assert _chunk(256, patch, 196, 4, "cpu") == CPU_CHUNK_BYTES // (patch * 4)
+    assert _chunk(256, patch, 196, 8, "cpu") == CPU_CHUNK_BYTES // (patch * 8)
+    assert _chunk(256, patch, 196, 4, "cuda") == SCRATCH_FLOOR_ELEMENTS // patch
+    assert _chunk(10**6, patch, 196, 4, "cuda") == 10**6 * 196 // patch
+    assert _chunk(1, 10**9, 1, 4, "cpu") == 1 and _chunk(1, 10**9, 1, 4, "cuda") == 1
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
