@@ -417,3 +417,18 @@ def test_a_recurrent_layer_that_sees_the_batch_on_its_time_axis_is_refused():
                                                      r"its input, not 1: its recurrence would run across examples"):
         engine.probe(lambda n: model(x[:n])[0].sum())
     engine.remove()
+
+
+@pytest.mark.parametrize("model_layout,input_layout", [(torch.channels_last, torch.channels_last),
+                                                       (torch.channels_last, torch.contiguous_format),
+                                                       (torch.contiguous_format, torch.channels_last)])
+def test_a_channels_last_cnn_is_exact(model_layout, input_layout):
+    """Weights and images in the channels-last layout (``model.to(memory_format=torch.channels_last)``, a common
+    speed-up): the windows path (3 channels; 4 channels in 2 groups, strided), the grouped backward (8 channels at
+    64 positions) and GroupNorm equal per-example autograd."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.Tanh(), nn.MaxPool2d(2),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.Tanh(), nn.Conv2d(8, 4, 3, stride=2, groups=2),
+                          nn.Flatten(), nn.Linear(36, 3)).to(memory_format=model_layout)
+    x, y = _data(3, 16, 16)
+    _check(model, x.contiguous(memory_format=input_layout), y)
+    assert model[4].weight.is_contiguous(memory_format=model_layout)
