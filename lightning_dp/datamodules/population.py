@@ -45,7 +45,7 @@ class SyntheticPopulation(ClientPopulation):
     - ``"image"``: label ``y`` uniform over ``num_classes`` (int64), ``x = prototype_{c, y} + A z`` with
       ``prototype ~ N(0, I)`` of ``input_shape`` (e.g. ``(3, 32, 32)``), ``z ~ N(0, I_d)`` per sample and a fixed
       ``A ~ N(0, I / d)`` (``d = latent_dim``: each pixel's noise has variance 1, of rank d, which costs d draws
-      per sample instead of one per pixel). The draws are clamped at 8 standard deviations and rounded to grids
+      per sample instead of one per pixel). The draws are rounded to grids and clamped at 8 standard deviations
       (:func:`_image_grids`: for d = 16, ``z`` to 1/64, ``A`` to 1/128 of its standard deviation) on which every
       sum forming ``x`` is exact in float32: one matrix product over a block of samples then gives each sample
       the same bits whatever its companions (a product's rounding otherwise depends on the batch's shape).

@@ -40,9 +40,9 @@ def _grouped_grads(layer, x_windows: Tensor, go: Tensor, groups: int, key: str) 
     """Per-example ``(B, groups, d, p)`` gradients from windows ``(B, C, *K, *T)`` and ``go`` ``(B, P, *T)``.
 
     The windows are laid out ``(B*groups, d, T)`` (a copy: ``prod(k)`` times the input) a chunk of
-    examples at a time, in one scratch buffer shared by all layers and no larger than the input
-    itself or :data:`SCRATCH_FLOOR_ELEMENTS`, whichever is larger (:func:`_chunk`); on a CPU a chunk's copy
-    holds about :data:`CPU_CHUNK_BYTES`, so that the product reads it from the cache it was just written to.
+    examples at a time, in one scratch buffer shared by all layers (:func:`_chunk`): on a CPU about
+    :data:`CPU_CHUNK_BYTES`, so that the product reads the copy from the cache it was just written to; elsewhere
+    no larger than the input itself or :data:`SCRATCH_FLOOR_ELEMENTS`, whichever is larger.
     """
     b, c = x_windows.shape[:2]
     d = c // groups * math.prod(x_windows.shape[2:2 + (x_windows.dim() - 2) // 2])
@@ -77,7 +77,7 @@ SCRATCH_FLOOR_ELEMENTS = 2**24
 CPU_CHUNK_BYTES = 2 * 2**20
 
 
-def _chunk(batch: int, patch_elements: int, input_elements: int, itemsize: int = 4, device_type: str = "cpu") -> int:
+def _chunk(batch: int, patch_elements: int, input_elements: int, itemsize: int, device_type: str) -> int:
     """Examples per chunk: on a CPU, so that the windows' copy of a chunk holds about :data:`CPU_CHUNK_BYTES`; on
     other devices about as many elements as the whole batch's input (``input_elements`` per example: channels x
     output positions), or :data:`SCRATCH_FLOOR_ELEMENTS` if that is more (fewer launches); at least one example."""
