@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
 import subprocess
@@ -615,12 +614,11 @@ def main(argv: list[str] | None = None) -> None:
                              "(lightning_dp.config.allocator; docs/benchmarks.md, '... and the C allocator')")
     args = parser.parse_args(argv)
     if args.malloc == "keep":
-        from lightning_dp.config.allocator import GLIBC_ENV, keep_freed_memory
+        from lightning_dp.config.allocator import keep_freed_memory
 
-        if not keep_freed_memory():
+        # and in the processes this one starts (peak memory, one fresh process per method)
+        if not keep_freed_memory(children=True):
             parser.error("--malloc keep needs glibc (Linux)")
-        # the processes this one starts (peak memory, one fresh process per method) as glibc reads it at start
-        os.environ.update(GLIBC_ENV)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.clock == "cpu" and (torch.get_num_threads() != 1 or args.device != "cpu"):

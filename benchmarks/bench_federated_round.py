@@ -246,12 +246,10 @@ def main(argv: list[str] | None = None) -> None:
                              "(lightning_dp.config.allocator; docs/benchmarks.md, '... and the C allocator')")
     args = parser.parse_args(argv)
     if args.malloc == "keep":
-        from lightning_dp.config.allocator import GLIBC_ENV, keep_freed_memory
+        from lightning_dp.config.allocator import keep_freed_memory
 
-        if not keep_freed_memory():
+        if not keep_freed_memory(children=True):  # --whole's fits, which run in processes this one starts, too
             parser.error("--malloc keep needs glibc (Linux)")
-        # --whole's fits run in processes this one starts: glibc reads the settings at their start
-        os.environ.update(GLIBC_ENV)
     if args.whole:
         whole(args)
         return

@@ -28,7 +28,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -150,12 +149,10 @@ def main(argv: list[str] | None = None) -> None:
                              "(lightning_dp.config.allocator; docs/benchmarks.md, '... and the C allocator')")
     args = parser.parse_args(argv)
     if args.malloc == "keep":
-        from lightning_dp.config.allocator import GLIBC_ENV, keep_freed_memory
+        from lightning_dp.config.allocator import keep_freed_memory
 
-        if not keep_freed_memory():
+        if not keep_freed_memory(children=True):  # the processes this one starts too
             parser.error("--malloc keep needs glibc (Linux)")
-        # the processes this one starts (peak memory, one fresh process per method) as glibc reads it at start
-        os.environ.update(GLIBC_ENV)
     runs = args.runs.split(",")
     if "plain" not in runs or any(r not in RUNS for r in runs):
         parser.error(f"--runs {args.runs}: pick from {list(RUNS)}, including plain (the baseline)")

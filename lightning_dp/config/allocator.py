@@ -109,16 +109,21 @@ def _libc() -> Optional[ctypes.CDLL]:
     return libc
 
 
-def keep_freed_memory() -> bool:
+def keep_freed_memory(*, children: bool = False) -> bool:
     """Keep memory freed by the C allocator in this process for later allocations (glibc; see the module
     docstring): the trim threshold at 2 GiB, the mmap threshold at 32 MiB. Returns whether it was set (False
-    without glibc). Call it once, before training; it affects the whole process, and stays."""
+    without glibc). Call it once, before training; it affects the whole process, and stays. ``children=True``:
+    where it was set, also write :data:`GLIBC_ENV` into ``os.environ``, so that the processes this one starts
+    afterwards (a benchmark's fresh process per measurement) start with the same settings."""
     libc = _libc()
     if libc is None:
         return False
     mallopt = libc.mallopt
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_BYTES)) and bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_BYTES))
+    kept = bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_BYTES)) and bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_BYTES))
+    if kept and children:
+        os.environ.update(GLIBC_ENV)
+    return kept
 
 
 def apply_allocator_policy(env: Optional[Mapping[str, str]] = None) -> AllocatorChoice:

@@ -64,3 +64,19 @@ def test_a_command_applies_it_and_refuses_a_bad_value_before_anything_runs(monke
     err = capsys.readouterr().err
     assert f"{MALLOC_ENV}='fast' must be 'keep'" in err
     assert calls == [1, 1]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux")
+def test_children_true_passes_the_settings_to_the_processes_started_afterwards():
+    """What the benchmarks' ``--malloc keep`` calls: set here, and glibc's variables for the processes it starts."""
+    from lightning_dp.config.allocator import GLIBC_ENV
+
+    env = {k: v for k, v in os.environ.items() if k not in (*GLIBC_ENV, "LD_PRELOAD")}
+    child = ("import os\nfrom lightning_dp.config.allocator import GLIBC_ENV, keep_freed_memory\n"
+             "kept = keep_freed_memory(children=True)\n"
+             "print(kept, all(os.environ.get(k) == v for k, v in GLIBC_ENV.items()))\n")
+    done = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=120,
+                          check=True)
+    if done.stdout.split()[0] == "False":
+        pytest.skip("not glibc")
+    assert done.stdout.split() == ["True", "True"]
