@@ -23,42 +23,112 @@ __all__ = ["ConvRule", "ConvTransposeRule"]
 
 
 def _windows(x: Tensor, kernel, stride, dilation, count: list[int] | None = None) -> Tensor:
-    """Strided windows of a padded ``(B, C, *S)`` tensor as a view ``(B, C, *K, *T)``."""
-    nd = len(kernel)
-    for i in range(nd):
+    """Strided windows of a padded ``(B, C, *S)`` tensor as a view ``(B, C, *T, *K)``."""
+    for i in range(len(kernel)):
         k, dil, st = kernel[i], dilation[i], stride[i]
         x = x.unfold(2 + i, (k - 1) * dil + 1, st)
         if dil > 1:
             x = x[..., ::dil]
         if count is not None:  # a transposed convolution's output_padding can add a window
             x = x.narrow(2 + i, 0, count[i])
-    # (B, C, *T, *K) -> (B, C, *K, *T): the d index runs over (c, k) as in weight[o].flatten()
-    return x.permute(0, 1, *range(2 + nd, 2 + 2 * nd), *range(2, 2 + nd))
+    return x
 
 
-def _grouped_grads(layer, x_windows: Tensor, go: Tensor, groups: int, key: str) -> Tensor:
-    """Per-example ``(B, groups, d, p)`` gradients from windows ``(B, C, *K, *T)`` and ``go`` ``(B, P, *T)``.
+#: The orders in which a chunk's windows are copied, per example and group (dimension indices of the view
+#: ``(B, groups, c, *T, *K)``, filled in by :func:`_order`): "d" rows ``(c, *K)`` by columns ``*T`` (the product gives
+#: ``(d, p)``); "t" rows ``*T`` by columns ``(c, *K)``; "tc" rows ``*T`` by columns ``(*K, c)``, copied from the input in
+#: channels-last layout (gives ``(p, *K, c)``).
+LAYOUTS = ("d", "t", "tc")
 
-    The windows are laid out ``(B*groups, d, T)`` (a copy: ``prod(k)`` times the input) a chunk of
-    examples at a time, in one scratch buffer shared by all layers (:func:`_chunk`): on a CPU about
-    :data:`CPU_CHUNK_BYTES`, so that the product reads the copy from the cache it was just written to; elsewhere
-    no larger than the input itself or :data:`SCRATCH_FLOOR_ELEMENTS`, whichever is larger.
+
+def _order(layout: str, nd: int) -> list[int]:
+    c, t, k = [2], list(range(3, 3 + nd)), list(range(3 + nd, 3 + 2 * nd))
+    return [0, 1, *{"d": c + k + t, "t": t + c + k, "tc": t + k + c}[layout]]
+
+
+def _run(view: Tensor, order: list[int]) -> int:
+    """Elements of ``view`` that lie contiguously in memory along the innermost dimensions of ``order``: what the
+    copy into that order reads in one stretch."""
+    run = 1
+    for dim in reversed(order):
+        size, stride = view.shape[dim], view.stride(dim)
+        if size == 1:
+            continue
+        if stride != run:
+            break
+        run *= size
+    return run
+
+
+def _channels_last(x: Tensor) -> Tensor:
+    """``x`` ``(B, C, *S)`` with the channels innermost in memory (the same shape; a copy unless they already are)."""
+    return x.movedim(1, -1).contiguous().movedim(-1, 1)
+
+
+def _grouped_view(w: Tensor, groups: int) -> Tensor:
+    """Windows ``(B, C, *T, *K)`` as ``(B, groups, C / groups, *T, *K)`` (a view)."""
+    return w.view(w.shape[0], groups, w.shape[1] // groups, *w.shape[2:])
+
+
+def _layout(x: Tensor, kernel, stride, dilation, count, groups: int) -> str:
+    """The order in which the windows of the padded input ``x`` are copied: the one whose innermost dimensions read
+    the longest contiguous stretch of the input. With stride 1 that is usually ``"d"`` (a row of output positions:
+    the stride-1 CNN's first layer, 21 positions), with a larger stride ``"t"`` (a row of the kernel: 8 for the
+    MNIST CNN's first layer against 1) or, with several channels, ``"tc"`` (a row of the kernel times the channels,
+    from the input in channels-last layout: 64 for the MNIST CNN's second layer against 4). An input not already in
+    that layout is converted first (one pass over it), so ``"tc"`` is taken then only for a stretch at least twice
+    as long as the others' and windows at least twice as many as the input's elements (ResNet-8's 1 x 1 stride-2
+    shortcut, a quarter: 1.55 ms converted against 0.48). Ties keep ``"d"``, as does every device but the CPU, where
+    this was measured (docs/benchmarks.md, "The windows in the order of the input")."""
+    if x.device.type != "cpu":  # measured on CPUs only; elsewhere the order before (docs/gpu.md)
+        return "d"
+    nd = len(kernel)
+    w = _grouped_view(_windows(x, kernel, stride, dilation, count), groups)
+    runs = {layout: _run(w, _order(layout, nd)) for layout in ("d", "t")}
+    if x.stride(1) == 1 or x.shape[1] == 1:
+        runs["tc"] = _run(w, _order("tc", nd))
+    elif w.numel() >= 2 * x.numel():  # as it would be after the conversion (a meta tensor: strides only, no data)
+        meta = _channels_last(torch.empty(x.shape, device="meta"))
+        converted = _run(_grouped_view(_windows(meta, kernel, stride, dilation, count), groups), _order("tc", nd))
+        runs["tc"] = converted if converted >= 2 * max(runs.values()) else 0
+    else:  # windows fewer than twice the input (a 1 x 1 kernel with stride 2: a quarter): converting costs more
+        runs["tc"] = 0
+    return max(LAYOUTS, key=lambda layout: (runs[layout], -LAYOUTS.index(layout)))
+
+
+def _grouped_grads(layer, x: Tensor, go: Tensor, groups: int, key: str, kernel, stride, dilation,
+                   count: list[int] | None = None, layout: str | None = None) -> tuple[Tensor, str]:
+    """Per-example gradients from the padded input ``x`` ``(B, C, *S)`` (its windows) and ``go`` ``(B, P, *T)``, in
+    ``layout`` (default: :func:`_layout`'s): ``(B, groups, d, p)`` for ``"d"``, ``(B, groups, p, d)`` for ``"t"``
+    and ``"tc"`` (``d`` running over ``(c, *K)``, or ``(*K, c)`` for ``"tc"``). Returns them and the layout.
+
+    The windows are copied in that order (``prod(k)`` times the input over the batch), a chunk of examples at a
+    time, into one scratch buffer shared by all layers (:func:`_chunk`): on a CPU about :data:`CPU_CHUNK_BYTES`, so
+    that the product reads the copy from the cache it was just written to; elsewhere no larger than the input itself
+    or :data:`SCRATCH_FLOOR_ELEMENTS`, whichever is larger.
     """
-    b, c = x_windows.shape[:2]
-    d = c // groups * math.prod(x_windows.shape[2:2 + (x_windows.dim() - 2) // 2])
+    layout = layout or _layout(x, kernel, stride, dilation, count, groups)
+    if layout == "tc" and x.stride(1) != 1 and x.shape[1] != 1:
+        x = _channels_last(x)
+    nd = len(kernel)
+    w = _grouped_view(_windows(x, kernel, stride, dilation, count), groups).permute(_order(layout, nd))
+    b, c = x.shape[:2]
+    d = c // groups * math.prod(kernel)
     p = go.shape[1] // groups
     t = math.prod(go.shape[2:])
-    out = layer.workspace(f"{key}:grads", (b, groups, d, p), x_windows)
+    out = layer.workspace(f"{key}:grads:{layout}", (b, groups, d, p) if layout == "d" else (b, groups, p, d), x)
     per_example = groups * d * t
-    chunk = min(b, _chunk(b, per_example, c * t, x_windows.element_size(), x_windows.device.type))
+    chunk = min(b, _chunk(b, per_example, c * t, x.element_size(), x.device.type))
     for start in range(0, b, chunk):
         n = min(chunk, b - start)
-        patches = layer.workspace("conv:patches", (n, groups, d, t), x_windows, shared=True)
-        patches.view(n, groups, c // groups, *x_windows.shape[2:]).copy_(
-            x_windows[start:start + n].reshape(n, groups, c // groups, *x_windows.shape[2:]))
-        torch.bmm(patches.view(n * groups, d, t), go[start:start + n].reshape(n * groups, p, t).transpose(1, 2),
-                  out=out[start:start + n].view(n * groups, d, p))
-    return out
+        patches = layer.workspace("conv:patches", (n, *w.shape[1:]), x, shared=True)
+        patches.copy_(w[start:start + n])
+        g = go[start:start + n].reshape(n * groups, p, t)
+        if layout == "d":
+            torch.bmm(patches.view(n * groups, d, t), g.transpose(1, 2), out=out[start:start + n].view(n * groups, d, p))
+        else:
+            torch.bmm(g, patches.view(n * groups, t, d), out=out[start:start + n].view(n * groups, p, d))
+    return out, layout
 
 
 #: The windows' scratch buffer may always hold this many elements (64 MiB in float32, 128 in float64; kept between
@@ -119,10 +189,19 @@ def _grouped_conv_grads(m: nn.modules.conv._ConvNd, x: Tensor, go: Tensor) -> Te
     return grads.view(b, *m.weight.shape)
 
 
-def _to_weight(weight_shape):
-    """(groups, d, p) per example -> the weight's layout (out, in/groups, *k), batched or not."""
+def _to_weight(weight_shape, layout: str, nd: int):
+    """Per-example gradients as :func:`_grouped_grads` lays them out, ``(groups, d, p)`` or ``(groups, p, d)``,
+    batched or not -> the weight's layout ``(groups * p, c, *k)`` (``nn.ConvTranspose``'s ``(C_in, C_out/groups, *k)``
+    is that convolution's)."""
     def convert(t: Tensor) -> Tensor:
-        return t.transpose(-1, -2).reshape(*t.shape[:-3], *weight_shape)
+        lead = t.shape[:-3]
+        if layout == "d":
+            t = t.transpose(-1, -2)
+        elif layout == "tc":  # (groups, p, *K, c) -> (groups, p, c, *K)
+            k = math.prod(weight_shape[2:])
+            t = t.reshape(*lead, t.shape[-3], t.shape[-2], k, weight_shape[1]).transpose(-1, -2)
+        return t.reshape(*lead, *weight_shape)
+    assert layout in LAYOUTS and nd == len(weight_shape) - 2
     return convert
 
 
@@ -166,12 +245,14 @@ class ConvRule(_ConvBase):
                     total = g if total is None else total + g
                 out["weight"] = Dense(total, m.weight.shape)
             elif self._instantiates(layer, batch_size):
-                total = None
-                for i, r in enumerate(records):
-                    w = _windows(self._padded(m, r.input(0)), m.kernel_size, m.stride, m.dilation)
-                    g = _grouped_grads(layer, w, r.grad_outputs[0], m.groups, f"call{i}")
+                total, layout = None, None
+                for i, r in enumerate(records):  # every call of the layer in the first call's layout
+                    g, layout = _grouped_grads(layer, self._padded(m, r.input(0)), r.grad_outputs[0], m.groups,
+                                               f"call{i}", m.kernel_size, m.stride, m.dilation, layout=layout)
                     total = g if total is None else total + g
-                out["weight"] = Dense(total, m.weight.shape, to_param=_to_weight(m.weight.shape))
+                assert layout is not None
+                out["weight"] = Dense(total, m.weight.shape, to_param=_to_weight(m.weight.shape, layout,
+                                                                                  len(m.kernel_size)))
             else:
                 out["weight"] = self._ghost(layer, records, batch_size)
         if "bias" in layer.trainable:
@@ -213,15 +294,16 @@ class ConvTransposeRule(_ConvBase):
             if not self._instantiates(layer, batch_size):
                 raise _error(f"layer {layer.name} is too large to instantiate per-sample gradients (instantiate_limit"
                              f"={layer.instantiate_limit} bytes); raise instantiate_limit or lower the batch size.")
-            total = None
-            for i, r in enumerate(records):
+            total, layout = None, None
+            for i, r in enumerate(records):  # every call of the layer in the first call's layout
                 x, go = r.input(0), r.grad_outputs[0]
                 pad = [p for q in reversed(m.padding) for p in (q, q)]
-                w = _windows(F.pad(go, pad) if any(pad) else go, m.kernel_size, m.stride, m.dilation,
-                             count=list(x.shape[2:]))
-                g = _grouped_grads(layer, w, x, m.groups, f"call{i}")
+                g, layout = _grouped_grads(layer, F.pad(go, pad) if any(pad) else go, x, m.groups, f"call{i}",
+                                           m.kernel_size, m.stride, m.dilation, count=list(x.shape[2:]), layout=layout)
                 total = g if total is None else total + g
-            out["weight"] = Dense(total, m.weight.shape, to_param=_to_weight(m.weight.shape))
+            assert layout is not None
+            out["weight"] = Dense(total, m.weight.shape, to_param=_to_weight(m.weight.shape, layout,
+                                                                              len(m.kernel_size)))
         if "bias" in layer.trainable:
             out["bias"] = Dense(sum(r.grad_outputs[0].flatten(2).sum(2) for r in records))
         return out
