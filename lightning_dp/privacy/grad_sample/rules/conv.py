@@ -108,10 +108,10 @@ def _grouped_grads(layer, x: Tensor, go: Tensor, groups: int, key: str, kernel, 
     or :data:`SCRATCH_FLOOR_ELEMENTS`, whichever is larger.
     """
     layout = layout or _layout(x, kernel, stride, dilation, count, groups)
-    if layout == "tc" and x.stride(1) != 1 and x.shape[1] != 1:
-        x = _channels_last(x)
-    nd = len(kernel)
-    w = _grouped_view(_windows(x, kernel, stride, dilation, count), groups).permute(_order(layout, nd))
+    # "tc" from an input whose channels are not innermost: each chunk's input is first copied channels-last into a
+    # scratch buffer (read back from the cache by the windows' copy)
+    convert = layout == "tc" and x.stride(1) != 1 and x.shape[1] != 1
+    order = _order(layout, len(kernel))
     b, c = x.shape[:2]
     d = c // groups * math.prod(kernel)
     p = go.shape[1] // groups
@@ -119,10 +119,18 @@ def _grouped_grads(layer, x: Tensor, go: Tensor, groups: int, key: str, kernel, 
     out = layer.workspace(f"{key}:grads:{layout}", (b, groups, d, p) if layout == "d" else (b, groups, p, d), x)
     per_example = groups * d * t
     chunk = min(b, _chunk(b, per_example, c * t, x.element_size(), x.device.type))
+    w = None if convert else _grouped_view(_windows(x, kernel, stride, dilation, count), groups).permute(order)
     for start in range(0, b, chunk):
         n = min(chunk, b - start)
-        patches = layer.workspace("conv:patches", (n, *w.shape[1:]), x, shared=True)
-        patches.copy_(w[start:start + n])
+        if w is None:
+            part = x[start:start + n]
+            cl = layer.workspace("conv:channels_last", (n, *part.shape[2:], c), x, shared=True)
+            cl.copy_(part.movedim(1, -1))
+            windows = _grouped_view(_windows(cl.movedim(-1, 1), kernel, stride, dilation, count), groups).permute(order)
+        else:
+            windows = w[start:start + n]
+        patches = layer.workspace("conv:patches", tuple(windows.shape), x, shared=True)
+        patches.copy_(windows)
         g = go[start:start + n].reshape(n * groups, p, t)
         if layout == "d":
             torch.bmm(patches.view(n * groups, d, t), g.transpose(1, 2), out=out[start:start + n].view(n * groups, d, p))
