@@ -501,46 +501,46 @@ def test_chunks_of_windows_by_device() -> None:
     assert _chunk(1, 10**9, 1, 4, "cpu") == 1 and _chunk(1, 10**9, 1, 4, "cuda") == 1
 
 
+@pytest.mark.parametrize("gathered", [False, True], ids=["copied", "gathered"])
 @pytest.mark.parametrize("layout", ["d", "t", "tc"])
 @pytest.mark.parametrize("name", [n for n in sorted(CASES) if n.startswith("conv")])
-def test_convolutions_in_every_order_of_the_windows(name, layout, monkeypatch):
-    """Every order of the windows' copy (``conv.LAYOUTS``: "tc" from a channels-last copy of the input) gives the
+def test_convolutions_in_every_layout_of_the_windows(name, layout, gathered, monkeypatch):
+    """Every layout of the windows (``conv.LAYOUTS``), copied from the strided view or gathered by index, gives the
     per-example gradients of autograd, for every convolution case (groups, stride, padding modes, dilation, 1-d
     and 3-d, transposed), in one chunk and one example a chunk."""
     from lightning_dp.privacy.grad_sample.rules import conv
 
     used = []
-    monkeypatch.setattr(conv, "_layout", lambda *a: used.append(layout) or layout)
+    monkeypatch.setattr(conv, "_plan", lambda *a: used.append(layout) or (layout, gathered))
     test_layer_matrix(name, "cpu")
     monkeypatch.setattr(conv, "CPU_CHUNK_BYTES", 0)
     test_layer_matrix(name, "cpu")
     assert used
 
 
-def test_the_order_of_the_windows_follows_the_input() -> None:
-    """:func:`conv._layout` picks the order that reads the longest contiguous stretch of the input (measured
-    geometries, docs/benchmarks.md): positions for stride 1, kernel rows for stride 2, kernel rows times channels
-    from a channels-last input when the windows outnumber the input twice; a 1 x 1 stride-2 shortcut is not
-    converted; other devices keep "d"."""
-    from lightning_dp.privacy.grad_sample.rules.conv import _layout, _run
+def test_the_layout_of_the_windows_follows_the_input() -> None:
+    """:func:`conv._plan` copies the windows in the order that reads the longest contiguous stretch of the input when
+    it is at least GATHER_BELOW_RUN long, else gathers them, in the order whose product gives (p, d) when p <= d
+    (measured geometries, docs/benchmarks.md); other devices copy in order "d"."""
+    from lightning_dp.privacy.grad_sample.rules.conv import GATHER_BELOW_RUN, _plan, _run
 
-    def layout(shape, k, s, groups=1, fmt=torch.contiguous_format, dil=1):
+    def plan(shape, k, s, p, groups=1, fmt=torch.contiguous_format, dil=1):
         x = torch.zeros(shape).contiguous(memory_format=fmt)
-        return _layout(x, (k, k), (s, s), (dil, dil), None, groups)
+        return _plan(x, (k, k), (s, s), (dil, dil), None, groups, p)
 
-    assert layout((8, 1, 34, 34), 8, 2) == "t"  # the MNIST CNN's first layer (padded): rows of 8 against 1
-    assert layout((8, 16, 13, 13), 4, 2) == "tc"  # its second: 64 (4 x 16 channels) against 4
-    assert layout((8, 16, 13, 13), 4, 2, groups=2) == "tc"  # 32 (4 x 8)
-    assert layout((8, 1, 28, 28), 8, 1) == "d"  # the stride-1 CNN's first: 21 positions against 8
-    assert layout((8, 3, 34, 34), 3, 1) == "d"  # ResNet-8's stem: 32 positions against 9
-    assert layout((8, 16, 32, 32), 1, 2) == "d"  # its 1 x 1 stride-2 shortcut: windows a quarter of the input
-    assert layout((8, 16, 32, 32), 3, 1, fmt=torch.channels_last) == "tc"  # already channels-last: 48 against 1
-    assert layout((8, 16, 27, 27), 4, 2, dil=2) == "tc"  # a dilated kernel: the 16 channels of one tap against 1
-    assert layout((8, 16, 13, 13), 4, 2, dil=2) == "d"  # the same on 13 x 13: windows 1.5 times the input
+    assert GATHER_BELOW_RUN == 16
+    assert plan((8, 1, 34, 34), 8, 2, 16) == ("t", True)  # the MNIST CNN's first layer (padded): stretches of 8
+    assert plan((8, 16, 13, 13), 4, 2, 32) == ("t", True)  # its second: 4
+    assert plan((8, 16, 13, 13), 4, 2, 16, groups=2) == ("t", True)
+    assert plan((8, 1, 28, 28), 8, 1, 16) == ("d", False)  # the stride-1 CNN's first: rows of 21 positions
+    assert plan((8, 3, 34, 34), 3, 1, 16) == ("d", False)  # ResNet-8's stem: 32
+    assert plan((8, 16, 32, 32), 1, 2, 32) == ("d", True)  # its 1 x 1 stride-2 shortcut: p = 32 > d = 16
+    assert plan((8, 16, 32, 32), 3, 1, 32, fmt=torch.channels_last) == ("tc", False)  # 3 x 16 channels: 48
+    assert plan((8, 16, 27, 27), 4, 2, 32, dil=2) == ("t", True)  # a dilated kernel: stretches of 1
     meta = torch.empty((2, 3, 4), device="meta")
     assert _run(meta, [0, 1, 2]) == 24 and _run(meta.transpose(1, 2), [0, 1, 2]) == 1
     assert _run(meta[:, :1], [0, 1, 2]) == 4  # a dimension of size 1 does not break the stretch
-    assert _layout(torch.zeros((8, 16, 13, 13), device="meta"), (4, 4), (2, 2), (1, 1), None, 1) == "d"
+    assert _plan(torch.zeros((8, 16, 13, 13), device="meta"), (4, 4), (2, 2), (1, 1), None, 1, 32) == ("d", False)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -34,11 +34,20 @@ def _windows(x: Tensor, kernel, stride, dilation, count: list[int] | None = None
     return x
 
 
-#: The orders in which a chunk's windows are copied, per example and group (dimension indices of the view
+#: The orders in which a chunk's windows are laid out, per example and group (dimension indices of the view
 #: ``(B, groups, c, *T, *K)``, filled in by :func:`_order`): "d" rows ``(c, *K)`` by columns ``*T`` (the product gives
-#: ``(d, p)``); "t" rows ``*T`` by columns ``(c, *K)``; "tc" rows ``*T`` by columns ``(*K, c)``, copied from the input in
-#: channels-last layout (gives ``(p, *K, c)``).
+#: ``(d, p)``); "t" rows ``*T`` by columns ``(c, *K)``; "tc" rows ``*T`` by columns ``(*K, c)`` (gives ``(p, *K, c)``;
+#: for an input whose channels are innermost in memory, channels-last).
 LAYOUTS = ("d", "t", "tc")
+
+#: Below this many contiguous input elements per stretch in the best order, a chunk's windows are gathered by one
+#: ``index_select`` over its flattened examples instead of copied from the strided view. On 2 CPU cores (1 thread,
+#: torch 2.13, 2026-12-06; docs/benchmarks.md, "The windows gathered"): the gather costs about 0.4 ns a window element
+#: whatever the order; the strided copy 0.1-0.2 ns with stretches of 17-64 (stride-1 layers: the stride-1 CNN's first,
+#: 21 positions, 1.41 ms copied against 2.83 gathered; ResNet-8's stem, 32: 0.19 against 0.69) and 0.6-1.8 ns with
+#: stretches of 1-8 (stride 2: the MNIST CNN's first layer, 8: 1.80 against 1.19; its second, 4 and 1: 1.41-2.94
+#: against 0.61-0.65).
+GATHER_BELOW_RUN = 16
 
 
 def _order(layout: str, nd: int) -> list[int]:
@@ -60,83 +69,88 @@ def _run(view: Tensor, order: list[int]) -> int:
     return run
 
 
-def _channels_last(x: Tensor) -> Tensor:
-    """``x`` ``(B, C, *S)`` with the channels innermost in memory (the same shape; a copy unless they already are)."""
-    return x.movedim(1, -1).contiguous().movedim(-1, 1)
-
-
 def _grouped_view(w: Tensor, groups: int) -> Tensor:
     """Windows ``(B, C, *T, *K)`` as ``(B, groups, C / groups, *T, *K)`` (a view)."""
     return w.view(w.shape[0], groups, w.shape[1] // groups, *w.shape[2:])
 
 
-def _layout(x: Tensor, kernel, stride, dilation, count, groups: int) -> str:
-    """The order in which the windows of the padded input ``x`` are copied: the one whose innermost dimensions read
-    the longest contiguous stretch of the input. With stride 1 that is usually ``"d"`` (a row of output positions:
-    the stride-1 CNN's first layer, 21 positions), with a larger stride ``"t"`` (a row of the kernel: 8 for the
-    MNIST CNN's first layer against 1) or, with several channels, ``"tc"`` (a row of the kernel times the channels,
-    from the input in channels-last layout: 64 for the MNIST CNN's second layer against 4). An input not already in
-    that layout is converted first (one pass over it), so ``"tc"`` is taken then only for a stretch at least twice
-    as long as the others' and windows at least twice as many as the input's elements (ResNet-8's 1 x 1 stride-2
-    shortcut, a quarter: 1.55 ms converted against 0.48). Ties keep ``"d"``, as does every device but the CPU, where
-    this was measured (docs/benchmarks.md, "The windows in the order of the input")."""
-    if x.device.type != "cpu":  # measured on CPUs only; elsewhere the order before (docs/gpu.md)
-        return "d"
+def _plan(x: Tensor, kernel, stride, dilation, count, groups: int, p: int) -> tuple[str, bool]:
+    """How the windows of the padded input ``x`` are laid out: ``(layout, gathered)``.
+
+    On a CPU: the order whose innermost dimensions read the longest contiguous stretch of ``x``, copied from the
+    strided view when that stretch has :data:`GATHER_BELOW_RUN` elements or more (a row of output positions with
+    stride 1: ``"d"``; a row of the kernel times the channels of a channels-last input: ``"tc"``). Otherwise they are
+    gathered (``index_select``), in the order whose batched product measured faster: ``"t"``, giving ``(p, d)``, when
+    ``p <= d``, else ``"d"`` (7 geometries, docs/benchmarks.md: the better order in 5, 0.1-0.2 ms from it in the other
+    two). Other devices: copied in order ``"d"`` (their step is launch-bound; not measured)."""
+    if x.device.type != "cpu":
+        return "d", False
     nd = len(kernel)
     w = _grouped_view(_windows(x, kernel, stride, dilation, count), groups)
-    runs = {layout: _run(w, _order(layout, nd)) for layout in ("d", "t")}
-    if x.stride(1) == 1 or x.shape[1] == 1:
-        runs["tc"] = _run(w, _order("tc", nd))
-    elif w.numel() >= 2 * x.numel():  # as it would be after the conversion (a meta tensor: strides only, no data)
-        meta = _channels_last(torch.empty(x.shape, device="meta"))
-        converted = _run(_grouped_view(_windows(meta, kernel, stride, dilation, count), groups), _order("tc", nd))
-        runs["tc"] = converted if converted >= 2 * max(runs.values()) else 0
-    else:  # windows fewer than twice the input (a 1 x 1 kernel with stride 2: a quarter): converting costs more
-        runs["tc"] = 0
-    return max(LAYOUTS, key=lambda layout: (runs[layout], -LAYOUTS.index(layout)))
+    runs = {layout: _run(w, _order(layout, nd)) for layout in LAYOUTS}
+    best = max(LAYOUTS, key=lambda layout: (runs[layout], -LAYOUTS.index(layout)))  # ties: the earlier one
+    if runs[best] >= GATHER_BELOW_RUN:
+        return best, False
+    return ("t" if p <= x.shape[1] // groups * math.prod(kernel) else "d"), True
+
+
+_GATHER_INDEX: dict[tuple, Tensor] = {}
+
+
+def _gather_index(shape: tuple[int, ...], kernel, stride, dilation, count, groups: int, layout: str) -> Tensor:
+    """Positions in one flattened example ``(C, *S)`` of its windows in ``layout``'s order (cached per geometry: a
+    few kilobytes each)."""
+    key = (shape, tuple(kernel), tuple(stride), tuple(dilation), None if count is None else tuple(count), groups, layout)
+    index = _GATHER_INDEX.get(key)
+    if index is None:
+        positions = torch.arange(math.prod(shape)).view(1, *shape)
+        index = _grouped_view(_windows(positions, kernel, stride, dilation, count), groups).permute(
+            _order(layout, len(kernel))).reshape(-1)
+        if len(_GATHER_INDEX) >= 256:
+            _GATHER_INDEX.clear()
+        _GATHER_INDEX[key] = index
+    return index
 
 
 def _grouped_grads(layer, x: Tensor, go: Tensor, groups: int, key: str, kernel, stride, dilation,
-                   count: list[int] | None = None, layout: str | None = None) -> tuple[Tensor, str]:
-    """Per-example gradients from the padded input ``x`` ``(B, C, *S)`` (its windows) and ``go`` ``(B, P, *T)``, in
-    ``layout`` (default: :func:`_layout`'s): ``(B, groups, d, p)`` for ``"d"``, ``(B, groups, p, d)`` for ``"t"``
-    and ``"tc"`` (``d`` running over ``(c, *K)``, or ``(*K, c)`` for ``"tc"``). Returns them and the layout.
+                   count: list[int] | None = None, plan: tuple[str, bool] | None = None
+                   ) -> tuple[Tensor, tuple[str, bool]]:
+    """Per-example gradients from the padded input ``x`` ``(B, C, *S)`` (its windows) and ``go`` ``(B, P, *T)``, laid
+    out as ``plan`` says (default: :func:`_plan`'s): ``(B, groups, d, p)`` for layout ``"d"``, ``(B, groups, p, d)``
+    for ``"t"`` and ``"tc"`` (``d`` running over ``(c, *K)``, or ``(*K, c)`` for ``"tc"``). Returns them and the plan.
 
-    The windows are copied in that order (``prod(k)`` times the input over the batch), a chunk of examples at a
-    time, into one scratch buffer shared by all layers (:func:`_chunk`): on a CPU about :data:`CPU_CHUNK_BYTES`, so
-    that the product reads the copy from the cache it was just written to; elsewhere no larger than the input itself
-    or :data:`SCRATCH_FLOOR_ELEMENTS`, whichever is larger.
+    The windows (``prod(k)`` times the input over the batch) are copied or gathered a chunk of examples at a time into
+    one scratch buffer shared by all layers (:func:`_chunk`): on a CPU about :data:`CPU_CHUNK_BYTES`, so that the
+    product reads them from the cache they were just written to; elsewhere no larger than the input itself or
+    :data:`SCRATCH_FLOOR_ELEMENTS`, whichever is larger.
     """
-    layout = layout or _layout(x, kernel, stride, dilation, count, groups)
-    # "tc" from an input whose channels are not innermost: each chunk's input is first copied channels-last into a
-    # scratch buffer (read back from the cache by the windows' copy)
-    convert = layout == "tc" and x.stride(1) != 1 and x.shape[1] != 1
-    order = _order(layout, len(kernel))
     b, c = x.shape[:2]
     d = c // groups * math.prod(kernel)
     p = go.shape[1] // groups
     t = math.prod(go.shape[2:])
+    layout, gathered = plan = plan or _plan(x, kernel, stride, dilation, count, groups, p)
     out = layer.workspace(f"{key}:grads:{layout}", (b, groups, d, p) if layout == "d" else (b, groups, p, d), x)
     per_example = groups * d * t
     chunk = min(b, _chunk(b, per_example, c * t, x.element_size(), x.device.type))
-    w = None if convert else _grouped_view(_windows(x, kernel, stride, dilation, count), groups).permute(order)
+    if gathered:
+        flat = x.reshape(b, -1)
+        index = _gather_index(tuple(x.shape[1:]), kernel, stride, dilation, count, groups, layout).to(x.device)
+    else:
+        windows = _grouped_view(_windows(x, kernel, stride, dilation, count), groups).permute(
+            _order(layout, len(kernel)))
     for start in range(0, b, chunk):
         n = min(chunk, b - start)
-        if w is None:
-            part = x[start:start + n]
-            cl = layer.workspace("conv:channels_last", (n, *part.shape[2:], c), x, shared=True)
-            cl.copy_(part.movedim(1, -1))
-            windows = _grouped_view(_windows(cl.movedim(-1, 1), kernel, stride, dilation, count), groups).permute(order)
+        patches = layer.workspace("conv:patches", (n, per_example), x, shared=True)
+        if gathered:
+            torch.index_select(flat[start:start + n], 1, index, out=patches)
         else:
-            windows = w[start:start + n]
-        patches = layer.workspace("conv:patches", tuple(windows.shape), x, shared=True)
-        patches.copy_(windows)
+            patches.view(n, *windows.shape[1:]).copy_(windows[start:start + n])
         g = go[start:start + n].reshape(n * groups, p, t)
         if layout == "d":
             torch.bmm(patches.view(n * groups, d, t), g.transpose(1, 2), out=out[start:start + n].view(n * groups, d, p))
         else:
             torch.bmm(g, patches.view(n * groups, t, d), out=out[start:start + n].view(n * groups, p, d))
-    return out, layout
+    return out, plan
 
 
 #: The windows' scratch buffer may always hold this many elements (64 MiB in float32, 128 in float64; kept between
@@ -253,13 +267,13 @@ class ConvRule(_ConvBase):
                     total = g if total is None else total + g
                 out["weight"] = Dense(total, m.weight.shape)
             elif self._instantiates(layer, batch_size):
-                total, layout = None, None
-                for i, r in enumerate(records):  # every call of the layer in the first call's layout
-                    g, layout = _grouped_grads(layer, self._padded(m, r.input(0)), r.grad_outputs[0], m.groups,
-                                               f"call{i}", m.kernel_size, m.stride, m.dilation, layout=layout)
+                total, plan = None, None
+                for i, r in enumerate(records):  # every call of the layer laid out as the first call's
+                    g, plan = _grouped_grads(layer, self._padded(m, r.input(0)), r.grad_outputs[0], m.groups,
+                                             f"call{i}", m.kernel_size, m.stride, m.dilation, plan=plan)
                     total = g if total is None else total + g
-                assert layout is not None
-                out["weight"] = Dense(total, m.weight.shape, to_param=_to_weight(m.weight.shape, layout,
+                assert plan is not None
+                out["weight"] = Dense(total, m.weight.shape, to_param=_to_weight(m.weight.shape, plan[0],
                                                                                   len(m.kernel_size)))
             else:
                 out["weight"] = self._ghost(layer, records, batch_size)
@@ -302,15 +316,15 @@ class ConvTransposeRule(_ConvBase):
             if not self._instantiates(layer, batch_size):
                 raise _error(f"layer {layer.name} is too large to instantiate per-sample gradients (instantiate_limit"
                              f"={layer.instantiate_limit} bytes); raise instantiate_limit or lower the batch size.")
-            total, layout = None, None
-            for i, r in enumerate(records):  # every call of the layer in the first call's layout
+            total, plan = None, None
+            for i, r in enumerate(records):  # every call of the layer laid out as the first call's
                 x, go = r.input(0), r.grad_outputs[0]
                 pad = [p for q in reversed(m.padding) for p in (q, q)]
-                g, layout = _grouped_grads(layer, F.pad(go, pad) if any(pad) else go, x, m.groups, f"call{i}",
-                                           m.kernel_size, m.stride, m.dilation, count=list(x.shape[2:]), layout=layout)
+                g, plan = _grouped_grads(layer, F.pad(go, pad) if any(pad) else go, x, m.groups, f"call{i}",
+                                         m.kernel_size, m.stride, m.dilation, count=list(x.shape[2:]), plan=plan)
                 total = g if total is None else total + g
-            assert layout is not None
-            out["weight"] = Dense(total, m.weight.shape, to_param=_to_weight(m.weight.shape, layout,
+            assert plan is not None
+            out["weight"] = Dense(total, m.weight.shape, to_param=_to_weight(m.weight.shape, plan[0],
                                                                               len(m.kernel_size)))
         if "bias" in layer.trainable:
             out["bias"] = Dense(sum(r.grad_outputs[0].flatten(2).sum(2) for r in records))
