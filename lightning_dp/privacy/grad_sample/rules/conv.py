@@ -81,7 +81,7 @@ def _plan(x: Tensor, kernel, stride, dilation, count, groups: int, p: int) -> tu
     strided view when that stretch has :data:`GATHER_BELOW_RUN` elements or more (a row of output positions with
     stride 1: ``"d"``; a row of the kernel times the channels of a channels-last input: ``"tc"``). Otherwise they are
     gathered (``index_select``), in the order whose batched product measured faster: ``"t"``, giving ``(p, d)``, when
-    ``p <= d``, else ``"d"`` (7 geometries, docs/benchmarks.md: the better order in 5, 0.1-0.2 ms from it in the other
+    ``p <= d``, else ``"d"`` (7 geometries, docs/benchmarks.md: the better order in 5, 0.1-0.25 ms from it in the other
     two). Other devices: copied in order ``"d"`` (their step is launch-bound; not measured)."""
     if x.device.type != "cpu":
         return "d", False
