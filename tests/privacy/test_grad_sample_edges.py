@@ -432,3 +432,53 @@ def test_a_channels_last_cnn_is_exact(model_layout, input_layout):
     x, y = _data(3, 16, 16)
     _check(model, x.contiguous(memory_format=input_layout), y)
     assert model[4].weight.is_contiguous(memory_format=model_layout)
+
+
+class _TwiceNorm(nn.Module):
+    """One GroupNorm applied to two tensors (two records of the layer in one step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.norm, self.head = nn.Conv1d(4, 6, 3), nn.GroupNorm(2, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.conv(x)
+        return self.head((self.norm(h) + self.norm(h.tanh() * 2 + 1)).mean(2))
+
+
+@pytest.mark.parametrize("case", ["group_1d", "group_no_positions", "instance_3d", "twice", "bias_frozen",
+                                  "weight_frozen", "channels_last", "large_mean"])
+def test_group_and_instance_norms_per_example(case):
+    """GroupNorm and InstanceNorm take every example's weight and bias gradients from PyTorch's group-norm backward
+    with the batch folded into the channels (rules/norms.py): 1-d and 3-d inputs, no positions at all, a layer used
+    twice, one of its parameters frozen, a channels-last input, inputs far from zero mean; against per-example
+    autograd."""
+    if case == "group_1d":
+        model, (x, y) = nn.Sequential(nn.Conv1d(4, 6, 3), nn.GroupNorm(3, 6), nn.Flatten(), nn.Linear(24, 3)), _data(4, 6)
+    elif case == "group_no_positions":
+        model, (x, y) = nn.Sequential(nn.Linear(5, 6), nn.GroupNorm(2, 6), nn.Tanh(), nn.Linear(6, 3)), _data(5)
+    elif case == "instance_3d":
+        model = nn.Sequential(nn.Conv3d(2, 4, 2), nn.InstanceNorm3d(4, affine=True), nn.Flatten(), nn.Linear(4 * 27, 3))
+        x, y = _data(2, 4, 4, 4)
+    elif case == "twice":
+        model, (x, y) = _TwiceNorm(), _data(4, 8)
+    elif case in ("bias_frozen", "weight_frozen"):
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.GroupNorm(2, 4), nn.Flatten(), nn.Linear(36, 3))
+        (model[1].bias if case == "bias_frozen" else model[1].weight).requires_grad_(False)
+        x, y = _data(3, 5, 5)
+    elif case == "channels_last":
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.GroupNorm(4, 8), nn.Flatten(), nn.Linear(72, 3))
+        model = model.to(memory_format=torch.channels_last)
+        x, y = _data(3, 5, 5)
+        x = x.contiguous(memory_format=torch.channels_last)
+    else:  # large_mean: a normalized input 100 standard deviations from zero
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.GroupNorm(2, 4), nn.Flatten(), nn.Linear(36, 3))
+        with torch.no_grad():
+            model[0].bias.fill_(100.0)
+        x, y = _data(3, 5, 5)
+    for m in model.modules():  # random affine parameters: the defaults (1, 0) hide a swapped weight and bias
+        if isinstance(m, (nn.GroupNorm, nn.InstanceNorm3d)):
+            with torch.no_grad():
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
+    _check(model, x, y)

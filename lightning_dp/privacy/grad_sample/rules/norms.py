@@ -2,11 +2,14 @@
 
 Each normalizes its input per example and applies an elementwise affine map
 ``y = x_hat * weight + bias``; per example ``dweight = sum go * x_hat`` and
-``dbias = sum go``, summed over the positions the parameter is shared by. ``x_hat`` is
-recomputed from the recorded input with PyTorch's own functional (``F.layer_norm``,
-``F.group_norm``, ``F.instance_norm``, ``F.rms_norm`` without affine parameters), so it
-matches the forward's numerics. Native formulas replace the ``torch.func`` fallback these
-layers used before (32 ms of a 151 ms ResNet-8 step for GroupNorm).
+``dbias = sum go``, summed over the positions the parameter is shared by. For LayerNorm and
+RMSNorm ``x_hat`` is recomputed from the recorded input with PyTorch's own functional
+(``F.layer_norm``, ``F.rms_norm`` without affine parameters), so it matches the forward's
+numerics; GroupNorm and InstanceNorm (a group per channel) take both gradients of every
+example from PyTorch's own group-norm backward with the batch folded into the channels
+(:func:`_per_channel`: the plain step's formula, no normalized input kept). Native formulas
+replace the ``torch.func`` fallback these layers used before (32 ms of a 151 ms ResNet-8 step
+for GroupNorm).
 
 BatchNorm is not here: it mixes the examples of a batch and is refused by
 :mod:`lightning_dp.privacy.validators` (InstanceNorm with ``track_running_stats=True`` too).
@@ -14,6 +17,7 @@ BatchNorm is not here: it mixes the examples of a batch and is refused by
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -65,22 +69,57 @@ class LayerNormRule(LayerRule):
                        lambda x: F.layer_norm(x, m.normalized_shape, eps=m.eps), channel_dim=None)
 
 
+def _per_channel(layer, records, batch_size: int, groups: int, eps: float) -> dict[str, Dense]:
+    """Per-sample ``dweight``/``dbias`` ``(B, C)`` of a group normalization of ``(B, C, *S)`` inputs into ``groups``
+    groups per example, from PyTorch's own group-norm backward with the batch folded into the channels: one
+    example's ``(C, *S)`` is ``C`` channels of one ``(1, B * C, *S)`` input in ``B * groups`` groups, whose weight and
+    bias gradients are then every example's (the same formula as the plain step's gradient: ``dweight = rstd *
+    (sum go x - mean sum go)`` per channel). It reads the input twice and the output gradient once and writes nothing
+    of their size but the normalization's output, against the normalized input and its product with the output
+    gradient written and read again (ResNet-8's 32 x 32 layers, cache-cold: 0.81 against 1.24 ms; docs/benchmarks.md,
+    "Group normalization from PyTorch's backward")."""
+    weight_sum, bias_sum = None, None
+    for r in records:
+        x, go = r.input(0), r.grad_outputs[0]
+        c = x.shape[1]
+        positions = x[0, 0].numel()
+        folded = x.reshape(1, batch_size * c, positions)
+        _, mean, rstd = torch.ops.aten.native_group_norm(folded, None, None, 1, batch_size * c, positions,
+                                                         batch_size * groups, eps)
+        mask = ["weight" in layer.trainable, "bias" in layer.trainable]
+        _, w, b = torch.ops.aten.native_group_norm_backward(
+            go.reshape(1, batch_size * c, positions), folded, mean, rstd, folded.new_ones(batch_size * c), 1,
+            batch_size * c, positions, batch_size * groups, [False, *mask])
+        if mask[0]:
+            weight_sum = w.view(batch_size, c) if weight_sum is None else weight_sum + w.view(batch_size, c)
+        if mask[1]:
+            bias_sum = b.view(batch_size, c) if bias_sum is None else bias_sum + b.view(batch_size, c)
+    out = {}
+    if weight_sum is not None:
+        out["weight"] = Dense(weight_sum, layer.module.weight.shape)
+    if bias_sum is not None:
+        out["bias"] = Dense(bias_sum, layer.module.bias.shape)
+    return out
+
+
 @register_rule(nn.GroupNorm)
 class GroupNormRule(LayerRule):
     check_dims = _batch_first_input
 
     def contributions(self, layer, records, batch_size):
         m = layer.module
-        return _affine(layer, records, batch_size, lambda x: F.group_norm(x, m.num_groups, eps=m.eps), channel_dim=1)
+        return _per_channel(layer, records, batch_size, m.num_groups, m.eps)
 
 
 @register_rule(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 class InstanceNormRule(LayerRule):
+    """An instance normalization is a group normalization with one channel per group."""
+
     check_dims = _batch_first_input
 
     def contributions(self, layer, records, batch_size):
         m = layer.module
-        return _affine(layer, records, batch_size, lambda x: F.instance_norm(x, eps=m.eps), channel_dim=1)
+        return _per_channel(layer, records, batch_size, records[0].input(0).shape[1], m.eps)
 
 
 if hasattr(nn, "RMSNorm"):  # torch >= 2.4
