@@ -77,3 +77,29 @@ def test_fused_pass_matches_the_naive_loop_and_compiles_once(case, monkeypatch):
     # runs nn.LSTM, which dynamo does not trace (graph breaks, each compiled once)
     assert counter.frame_count == frames
     assert frames == 1 or case == "lstm"
+
+
+def test_a_gathered_convolution_compiles_once_from_a_cold_start(monkeypatch):
+    """A strided convolution's windows are gathered through an index cached per geometry (rules/conv.py). Compiled
+    from the first pass with that cache empty (DPSGD(compile_step=...)'s first step), the pass is captured once: the
+    index is built inside the graph, not put in the cache during tracing (which failed the graph's guard on the next
+    pass and compiled it again); the same norms and sums as the eager pass."""
+    from lightning_dp.privacy.grad_sample.rules import conv
+
+    monkeypatch.setattr(conv, "_GATHER_INDEX", {})
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 8, stride=2, padding=3), nn.Tanh(), nn.Flatten(),
+                          nn.Linear(4 * 14 * 14, 3)).double()
+    x, y = torch.randn(6, 1, 28, 28, dtype=torch.float64), torch.randint(0, 3, (6,))
+    assert conv._plan(F.pad(x, (3, 3, 3, 3)), (8, 8), (2, 2), (1, 1), None, 1, 4) == ("t", True)
+    engine = GradSampleEngine(model)
+    probe(engine, model, x)
+    counter = CompileCounterWithBackend("eager")
+    compiled = compiled_pass({"backend": counter})
+    passes = [run(engine, model, x, y, compiled, 0.5) for _ in range(3)]
+    assert counter.frame_count == 1 and not conv._GATHER_INDEX
+    norms, sums, _ = run(engine, model, x, y, fused_pass, 0.5)
+    for n, s, _ in passes:
+        torch.testing.assert_close(n, norms, rtol=1e-12, atol=0)
+        for a, b in zip(s, sums):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)

@@ -482,3 +482,56 @@ def test_group_and_instance_norms_per_example(case):
                 m.weight.uniform_(0.5, 1.5)
                 m.bias.uniform_(-0.5, 0.5)
     _check(model, x, y)
+
+
+
+class _TwoSizes(nn.Module):
+    """One stride-2 convolution on an image and on its crop (two records of different sizes in one step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(3, 4, 3, stride=2), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(self.conv(x).mean((2, 3)) + self.conv(x[:, :, 1:, 2:]).tanh().mean((2, 3)))
+
+
+class _TiedConvs(nn.Module):
+    """Two convolutions sharing a weight: one on a channels-last input (windows copied channels innermost), one with
+    stride 2 on a contiguous input (windows gathered): the cross term of the norm pairs the two layouts."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Conv2d(16, 8, 3), nn.Conv2d(16, 8, 3, stride=2), nn.Linear(8, 3)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        ya = self.a(x.contiguous(memory_format=torch.channels_last))
+        return self.head(ya.tanh().mean((2, 3)) + self.b(x).sin().mean((2, 3)))
+
+
+@pytest.mark.parametrize("case", ["two_sizes_gathered", "channels_last_channels_innermost", "tied_two_layouts"])
+def test_convolution_windows_as_planned(case, monkeypatch):
+    """The convolution's windows as :func:`conv._plan` lays them out by itself (no plan forced), on the paths the
+    layer matrix does not take: a layer called on two sizes with its windows gathered (the index is per size), a
+    channels-last input with 16 channels (copied channels innermost), a weight shared by two layers laid out
+    differently; against per-example autograd."""
+    from lightning_dp.privacy.grad_sample.rules import conv
+
+    plans = []
+    plan = conv._plan
+    monkeypatch.setattr(conv, "_plan", lambda *a: plans.append(plan(*a)) or plans[-1])
+    if case == "two_sizes_gathered":
+        model, (x, y) = _TwoSizes(), _data(3, 9, 11)
+        expected = {("t", True)}
+    elif case == "channels_last_channels_innermost":
+        model = nn.Sequential(nn.Conv2d(16, 8, 3), nn.Tanh(), nn.Flatten(), nn.Linear(8 * 16, 3))
+        model = model.to(memory_format=torch.channels_last)
+        x, y = _data(16, 6, 6)
+        x = x.contiguous(memory_format=torch.channels_last)
+        expected = {("tc", False)}
+    else:
+        model, (x, y) = _TiedConvs(), _data(16, 9, 9)
+        expected = {("tc", False), ("t", True)}
+    _check(model, x, y)
+    assert set(plans) == expected

@@ -295,6 +295,10 @@ CASES: dict[str, Case] = {
     "conv2d_groups_reflect": _simple(
         lambda: Pool(nn.Conv2d(4, 6, 3, padding=1, padding_mode="reflect", groups=2), 6), 4, 7, 7),
     "conv3d_stride": _simple(lambda: Pool(nn.Conv3d(2, 3, 2, stride=2, padding=1), 3, dims=(2, 3, 4)), 2, 4, 4, 4),
+    "conv2d_depthwise_nonsquare": _simple(
+        lambda: Pool(nn.Conv2d(4, 8, (3, 5), stride=(2, 1), dilation=(1, 2), groups=4), 8), 4, 7, 11),
+    "conv_transpose3d_groups": _simple(
+        lambda: Pool(nn.ConvTranspose3d(4, 2, 2, stride=2, groups=2), 2, dims=(2, 3, 4)), 4, 3, 3, 3),
     "conv_transpose2d_stride_output_padding_groups": _simple(
         lambda: Pool(nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1, groups=2), 6), 4, 5, 5),
     "conv_transpose1d_dilation": _simple(

@@ -95,20 +95,28 @@ def _plan(x: Tensor, kernel, stride, dilation, count, groups: int, p: int) -> tu
 
 
 _GATHER_INDEX: dict[tuple, Tensor] = {}
+#: Bytes of gather indices kept (:func:`_gather_index`); past it the cache starts again.
+GATHER_CACHE_BYTES = 64 * 2**20
 
 
 def _gather_index(shape: tuple[int, ...], kernel, stride, dilation, count, groups: int, layout: str) -> Tensor:
-    """Positions in one flattened example ``(C, *S)`` of its windows in ``layout``'s order (cached per geometry: a
-    few kilobytes each)."""
+    """Positions in one flattened example ``(C, *S)`` of its windows in ``layout``'s order: int32 (int64 past 2^31
+    positions), as many entries as one example's windows (kilobytes for the models here; 7 MiB for a 7 x 7 stride-2
+    stem on 230 x 230 x 3). Cached per geometry up to :data:`GATHER_CACHE_BYTES`, except while ``torch.compile``
+    traces the pass: there the index is built in the graph (a cache filled during tracing would fail the graph's
+    guard on the next step and recompile it)."""
     key = (shape, tuple(kernel), tuple(stride), tuple(dilation), None if count is None else tuple(count), groups, layout)
-    index = _GATHER_INDEX.get(key)
+    compiling = torch.compiler.is_compiling()
+    index = None if compiling else _GATHER_INDEX.get(key)
     if index is None:
-        positions = torch.arange(math.prod(shape)).view(1, *shape)
+        n = math.prod(shape)
+        positions = torch.arange(n, dtype=torch.int32 if n < 2**31 else torch.int64).view(1, *shape)
         index = _grouped_view(_windows(positions, kernel, stride, dilation, count), groups).permute(
             _order(layout, len(kernel))).reshape(-1)
-        if len(_GATHER_INDEX) >= 256:
-            _GATHER_INDEX.clear()
-        _GATHER_INDEX[key] = index
+        if not compiling:
+            if sum(t.numel() * t.element_size() for t in _GATHER_INDEX.values()) > GATHER_CACHE_BYTES:
+                _GATHER_INDEX.clear()
+            _GATHER_INDEX[key] = index
     return index
 
 
@@ -129,11 +137,11 @@ def _grouped_grads(layer, x: Tensor, go: Tensor, groups: int, key: str, kernel, 
     p = go.shape[1] // groups
     t = math.prod(go.shape[2:])
     layout, gathered = plan = plan or _plan(x, kernel, stride, dilation, count, groups, p)
-    out = layer.workspace(f"{key}:grads:{layout}", (b, groups, d, p) if layout == "d" else (b, groups, p, d), x)
+    # one buffer whichever the layout (the same size): a plan that changes between steps keeps no second one
+    out = layer.workspace(f"{key}:grads", (b, groups, d, p) if layout == "d" else (b, groups, p, d), x)
     per_example = groups * d * t
     chunk = min(b, _chunk(b, per_example, c * t, x.element_size(), x.device.type))
     if gathered:
-        flat = x.reshape(b, -1)
         index = _gather_index(tuple(x.shape[1:]), kernel, stride, dilation, count, groups, layout).to(x.device)
     else:
         windows = _grouped_view(_windows(x, kernel, stride, dilation, count), groups).permute(
@@ -141,8 +149,8 @@ def _grouped_grads(layer, x: Tensor, go: Tensor, groups: int, key: str, kernel, 
     for start in range(0, b, chunk):
         n = min(chunk, b - start)
         patches = layer.workspace("conv:patches", (n, per_example), x, shared=True)
-        if gathered:
-            torch.index_select(flat[start:start + n], 1, index, out=patches)
+        if gathered:  # a chunk's examples flattened (a copy only where they are not contiguous: channels-last)
+            torch.index_select(x[start:start + n].reshape(n, -1), 1, index, out=patches)
         else:
             patches.view(n, *windows.shape[1:]).copy_(windows[start:start + n])
         g = go[start:start + n].reshape(n * groups, p, t)
