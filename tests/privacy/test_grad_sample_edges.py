@@ -434,6 +434,15 @@ def test_a_channels_last_cnn_is_exact(model_layout, input_layout):
     assert model[4].weight.is_contiguous(memory_format=model_layout)
 
 
+class _Sum(nn.Module):
+    def __init__(self, dims):
+        super().__init__()
+        self.dims = dims
+
+    def forward(self, h):
+        return h.sum(self.dims)
+
+
 class _TwiceNorm(nn.Module):
     """One GroupNorm applied to two tensors (two records of the layer in one step)."""
 
@@ -446,13 +455,28 @@ class _TwiceNorm(nn.Module):
         return self.head((self.norm(h) + self.norm(h.tanh() * 2 + 1)).mean(2))
 
 
+class _Then(nn.Module):
+    """``head(after(norm(before(conv(x)))))``: what surrounds a normalization decides the strides its records have."""
+
+    def __init__(self, norm, before, after, features):
+        super().__init__()
+        self.conv, self.norm, self.head = nn.Conv1d(4, 6, 3), norm, nn.Linear(features, 3)
+        self.before, self.after = before, after
+
+    def forward(self, x):
+        return self.head(self.after(self.norm(self.before(self.conv(x)))))
+
+
 @pytest.mark.parametrize("case", ["group_1d", "group_no_positions", "instance_3d", "twice", "bias_frozen",
-                                  "weight_frozen", "channels_last", "large_mean"])
+                                  "weight_frozen", "channels_last", "large_mean", "summed_after", "summed_after_2d",
+                                  "chomped_input", "strided_input"])
 def test_group_and_instance_norms_per_example(case):
     """GroupNorm and InstanceNorm take every example's weight and bias gradients from PyTorch's group-norm backward
     with the batch folded into the channels (rules/norms.py): 1-d and 3-d inputs, no positions at all, a layer used
-    twice, one of its parameters frozen, a channels-last input, inputs far from zero mean; against per-example
-    autograd."""
+    twice, one of its parameters frozen, a channels-last input, inputs far from zero mean, an output gradient
+    expanded with stride 0 (a sum right after the layer: the aten kernels read it as contiguous memory, which gave
+    wrong norms before the rule made it contiguous), inputs that are slices of a larger tensor (a causal
+    convolution's chomp, a stride); against per-example autograd."""
     if case == "group_1d":
         model, (x, y) = nn.Sequential(nn.Conv1d(4, 6, 3), nn.GroupNorm(3, 6), nn.Flatten(), nn.Linear(24, 3)), _data(4, 6)
     elif case == "group_no_positions":
@@ -471,13 +495,22 @@ def test_group_and_instance_norms_per_example(case):
         model = model.to(memory_format=torch.channels_last)
         x, y = _data(3, 5, 5)
         x = x.contiguous(memory_format=torch.channels_last)
+    elif case == "summed_after":
+        model, (x, y) = _Then(nn.GroupNorm(3, 6), nn.Identity(), lambda h: h.sum(2), 6), _data(4, 8)
+    elif case == "summed_after_2d":
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.InstanceNorm2d(4, affine=True), _Sum((2, 3)), nn.Linear(4, 3))
+        x, y = _data(3, 5, 5)
+    elif case == "chomped_input":
+        model, (x, y) = _Then(nn.GroupNorm(2, 6), lambda h: h[..., :-2], lambda h: h.flatten(1), 6 * 4), _data(4, 8)
+    elif case == "strided_input":
+        model, (x, y) = _Then(nn.GroupNorm(3, 6), lambda h: h[..., ::2], lambda h: h.flatten(1), 6 * 3), _data(4, 8)
     else:  # large_mean: a normalized input 100 standard deviations from zero
         model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.GroupNorm(2, 4), nn.Flatten(), nn.Linear(36, 3))
         with torch.no_grad():
             model[0].bias.fill_(100.0)
         x, y = _data(3, 5, 5)
     for m in model.modules():  # random affine parameters: the defaults (1, 0) hide a swapped weight and bias
-        if isinstance(m, (nn.GroupNorm, nn.InstanceNorm3d)):
+        if isinstance(m, (nn.GroupNorm, nn.InstanceNorm2d, nn.InstanceNorm3d)):
             with torch.no_grad():
                 m.weight.uniform_(0.5, 1.5)
                 m.bias.uniform_(-0.5, 0.5)

@@ -85,13 +85,16 @@ def _per_channel(layer, records, batch_size: int, groups: int, eps: float) -> di
         x, go = r.input(0), r.grad_outputs[0]
         c = x.shape[1]
         positions = math.prod(x.shape[2:])
-        folded = x.reshape(1, batch_size * c, positions)
+        # contiguous: the aten kernels read their inputs as contiguous memory without checking (an output gradient
+        # expanded with stride 0 by a sum after the layer, or a sliced input, gave wrong values or an error)
+        folded = x.reshape(1, batch_size * c, positions).contiguous()
         _, mean, rstd = torch.ops.aten.native_group_norm(folded, None, None, 1, batch_size * c, positions,
                                                          batch_size * groups, eps)
         mask = ["weight" in layer.trainable, "bias" in layer.trainable]
-        _, w, b = torch.ops.aten.native_group_norm_backward(
-            go.reshape(1, batch_size * c, positions), folded, mean, rstd, folded.new_ones(batch_size * c), 1,
-            batch_size * c, positions, batch_size * groups, [False, *mask])
+        grads = go.reshape(1, batch_size * c, positions).contiguous()
+        _, w, b = torch.ops.aten.native_group_norm_backward(grads, folded, mean, rstd, folded.new_ones(batch_size * c),
+                                                            1, batch_size * c, positions, batch_size * groups,
+                                                            [False, *mask])
         if mask[0]:
             weight_sum = w.view(batch_size, c) if weight_sum is None else weight_sum + w.view(batch_size, c)
         if mask[1]:
