@@ -74,6 +74,11 @@ def _grouped_view(w: Tensor, groups: int) -> Tensor:
     return w.view(w.shape[0], groups, w.shape[1] // groups, *w.shape[2:])
 
 
+def _laid_out(x: Tensor, kernel, stride, dilation, count, groups: int, layout: str) -> Tensor:
+    """The windows of ``x`` ``(B, C, *S)`` as a view in ``layout``'s order (:func:`_order`), examples first."""
+    return _grouped_view(_windows(x, kernel, stride, dilation, count), groups).permute(_order(layout, len(kernel)))
+
+
 def _plan(x: Tensor, kernel, stride, dilation, count, groups: int, p: int) -> tuple[str, bool]:
     """How the windows of the padded input ``x`` are laid out: ``(layout, gathered)``.
 
@@ -111,8 +116,7 @@ def _gather_index(shape: tuple[int, ...], kernel, stride, dilation, count, group
     if index is None:
         n = math.prod(shape)
         positions = torch.arange(n, dtype=torch.int32 if n < 2**31 else torch.int64).view(1, *shape)
-        index = _grouped_view(_windows(positions, kernel, stride, dilation, count), groups).permute(
-            _order(layout, len(kernel))).reshape(-1)
+        index = _laid_out(positions, kernel, stride, dilation, count, groups, layout).reshape(-1)
         if not compiling:
             if sum(t.numel() * t.element_size() for t in _GATHER_INDEX.values()) > GATHER_CACHE_BYTES:
                 _GATHER_INDEX.clear()
@@ -144,8 +148,7 @@ def _grouped_grads(layer, x: Tensor, go: Tensor, groups: int, key: str, kernel, 
     if gathered:
         index = _gather_index(tuple(x.shape[1:]), kernel, stride, dilation, count, groups, layout).to(x.device)
     else:
-        windows = _grouped_view(_windows(x, kernel, stride, dilation, count), groups).permute(
-            _order(layout, len(kernel)))
+        windows = _laid_out(x, kernel, stride, dilation, count, groups, layout)
     for start in range(0, b, chunk):
         n = min(chunk, b - start)
         patches = layer.workspace("conv:patches", (n, per_example), x, shared=True)
@@ -219,7 +222,7 @@ def _grouped_conv_grads(m: nn.modules.conv._ConvNd, x: Tensor, go: Tensor) -> Te
     return grads.view(b, *m.weight.shape)
 
 
-def _to_weight(weight_shape, layout: str, nd: int):
+def _to_weight(weight_shape, layout: str):
     """Per-example gradients as :func:`_grouped_grads` lays them out, ``(groups, d, p)`` or ``(groups, p, d)``,
     batched or not -> the weight's layout ``(groups * p, c, *k)`` (``nn.ConvTranspose``'s ``(C_in, C_out/groups, *k)``
     is that convolution's)."""
@@ -231,7 +234,7 @@ def _to_weight(weight_shape, layout: str, nd: int):
             k = math.prod(weight_shape[2:])
             t = t.reshape(*lead, t.shape[-3], t.shape[-2], k, weight_shape[1]).transpose(-1, -2)
         return t.reshape(*lead, *weight_shape)
-    assert layout in LAYOUTS and nd == len(weight_shape) - 2
+    assert layout in LAYOUTS
     return convert
 
 
@@ -281,8 +284,7 @@ class ConvRule(_ConvBase):
                                              f"call{i}", m.kernel_size, m.stride, m.dilation, plan=plan)
                     total = g if total is None else total + g
                 assert plan is not None
-                out["weight"] = Dense(total, m.weight.shape, to_param=_to_weight(m.weight.shape, plan[0],
-                                                                                  len(m.kernel_size)))
+                out["weight"] = Dense(total, m.weight.shape, to_param=_to_weight(m.weight.shape, plan[0]))
             else:
                 out["weight"] = self._ghost(layer, records, batch_size)
         if "bias" in layer.trainable:
@@ -332,8 +334,7 @@ class ConvTransposeRule(_ConvBase):
                                          m.kernel_size, m.stride, m.dilation, count=list(x.shape[2:]), plan=plan)
                 total = g if total is None else total + g
             assert plan is not None
-            out["weight"] = Dense(total, m.weight.shape, to_param=_to_weight(m.weight.shape, plan[0],
-                                                                              len(m.kernel_size)))
+            out["weight"] = Dense(total, m.weight.shape, to_param=_to_weight(m.weight.shape, plan[0]))
         if "bias" in layer.trainable:
             out["bias"] = Dense(sum(r.grad_outputs[0].flatten(2).sum(2) for r in records))
         return out

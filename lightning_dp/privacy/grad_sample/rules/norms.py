@@ -29,32 +29,31 @@ from lightning_dp.privacy.grad_sample.registry import LayerRule, PerSampleGradie
 __all__ = ["GroupNormRule", "InstanceNormRule", "LayerNormRule", "RMSNormRule"]
 
 
-def _affine(layer, records, batch_size: int, normalize, channel_dim: int | None) -> dict[str, Dense]:
-    """Per-sample ``dweight``/``dbias`` of ``y = x_hat * w + b``: summed over every dim but the batch and
-    the parameter's own (the trailing ``w.dim()`` dims, or ``channel_dim`` for per-channel parameters)."""
-    module = layer.module
-    weight_sum, bias_sum = None, None
-    for r in records:
-        go = r.grad_outputs[0]
-        if channel_dim is not None:  # (B, C, *S): per-channel parameters
-            go_c = go.reshape(batch_size, go.shape[channel_dim], -1)
-        else:  # (B, ..., *normalized_shape)
-            shape = module.weight.shape if module.weight is not None else module.bias.shape
-            go_c = go.reshape(batch_size, -1, shape.numel())
-        if "weight" in layer.trainable:
-            x_hat = normalize(r.input(0)).reshape(go_c.shape) if channel_dim is None else \
-                normalize(r.input(0)).reshape(batch_size, go.shape[channel_dim], -1)
-            w = (go_c * x_hat).sum(2 if channel_dim is not None else 1)
-            weight_sum = w if weight_sum is None else weight_sum + w
-        if "bias" in layer.trainable:
-            b = go_c.sum(2 if channel_dim is not None else 1)
-            bias_sum = b if bias_sum is None else bias_sum + b
+def _contributions(layer, weight_sum: Tensor | None, bias_sum: Tensor | None) -> dict[str, Dense]:
+    """The per-sample ``dweight``/``dbias`` (batch first) as the layer's contributions (those it trains)."""
     out = {}
     if weight_sum is not None:
-        out["weight"] = Dense(weight_sum, module.weight.shape)
+        out["weight"] = Dense(weight_sum, layer.module.weight.shape)
     if bias_sum is not None:
-        out["bias"] = Dense(bias_sum, module.bias.shape)
+        out["bias"] = Dense(bias_sum, layer.module.bias.shape)
     return out
+
+
+def _affine(layer, records, batch_size: int, normalize) -> dict[str, Dense]:
+    """Per-sample ``dweight``/``dbias`` of ``y = x_hat * w + b`` over trailing normalized dimensions (the
+    parameters' shape): summed over every dimension between the batch and them."""
+    module = layer.module
+    shape = module.weight.shape if module.weight is not None else module.bias.shape
+    weight_sum, bias_sum = None, None
+    for r in records:
+        go_c = r.grad_outputs[0].reshape(batch_size, -1, shape.numel())  # (B, ..., *normalized_shape)
+        if "weight" in layer.trainable:
+            w = (go_c * normalize(r.input(0)).reshape(go_c.shape)).sum(1)
+            weight_sum = w if weight_sum is None else weight_sum + w
+        if "bias" in layer.trainable:
+            b = go_c.sum(1)
+            bias_sum = b if bias_sum is None else bias_sum + b
+    return _contributions(layer, weight_sum, bias_sum)
 
 
 def _batch_first_input(self, module, inputs, outputs, broadcast):
@@ -68,7 +67,7 @@ class LayerNormRule(LayerRule):
     def contributions(self, layer, records, batch_size):
         m = layer.module
         return _affine(layer, records, batch_size,
-                       lambda x: F.layer_norm(x, m.normalized_shape, eps=m.eps), channel_dim=None)
+                       lambda x: F.layer_norm(x, m.normalized_shape, eps=m.eps))
 
 
 def _per_channel(layer, records, batch_size: int, groups: int, eps: float) -> dict[str, Dense]:
@@ -80,6 +79,7 @@ def _per_channel(layer, records, batch_size: int, groups: int, eps: float) -> di
     of their size but the normalization's output, against the normalized input and its product with the output
     gradient written and read again (ResNet-8's 32 x 32 layers, cache-cold: 0.81 against 1.24 ms; docs/benchmarks.md,
     "The windows gathered, in the order of the input")."""
+    mask = ["weight" in layer.trainable, "bias" in layer.trainable]
     weight_sum, bias_sum = None, None
     for r in records:
         x, go = r.input(0), r.grad_outputs[0]
@@ -90,7 +90,6 @@ def _per_channel(layer, records, batch_size: int, groups: int, eps: float) -> di
         folded = x.reshape(1, batch_size * c, positions).contiguous()
         _, mean, rstd = torch.ops.aten.native_group_norm(folded, None, None, 1, batch_size * c, positions,
                                                          batch_size * groups, eps)
-        mask = ["weight" in layer.trainable, "bias" in layer.trainable]
         grads = go.reshape(1, batch_size * c, positions).contiguous()
         _, w, b = torch.ops.aten.native_group_norm_backward(grads, folded, mean, rstd, folded.new_ones(batch_size * c),
                                                             1, batch_size * c, positions, batch_size * groups,
@@ -99,12 +98,7 @@ def _per_channel(layer, records, batch_size: int, groups: int, eps: float) -> di
             weight_sum = w.view(batch_size, c) if weight_sum is None else weight_sum + w.view(batch_size, c)
         if mask[1]:
             bias_sum = b.view(batch_size, c) if bias_sum is None else bias_sum + b.view(batch_size, c)
-    out = {}
-    if weight_sum is not None:
-        out["weight"] = Dense(weight_sum, layer.module.weight.shape)
-    if bias_sum is not None:
-        out["bias"] = Dense(bias_sum, layer.module.bias.shape)
-    return out
+    return _contributions(layer, weight_sum, bias_sum)
 
 
 @register_rule(nn.GroupNorm)
@@ -136,6 +130,6 @@ if hasattr(nn, "RMSNorm"):  # torch >= 2.4
             def normalize(x: Tensor) -> Tensor:
                 return F.rms_norm(x, m.normalized_shape, eps=m.eps)
 
-            return _affine(layer, records, batch_size, normalize, channel_dim=None)
+            return _affine(layer, records, batch_size, normalize)
 else:  # pragma: no cover
     RMSNormRule = None  # type: ignore[assignment, misc]  # torch < 2.4 has no nn.RMSNorm
