@@ -518,6 +518,66 @@ def test_group_and_instance_norms_per_example(case):
 
 
 
+class _NormalizesAnother(nn.GroupNorm):
+    """Normalizes ``2 x + 1``, whose normalized values are x's (eps 0), so the rule's formula holds; but the
+    autograd node of its output holds the moments of ``2 x + 1``, not of the recorded input ``x``."""
+
+    def forward(self, x):
+        return F.group_norm(2 * x + 1, self.num_groups, self.weight, self.bias, self.eps)
+
+
+@pytest.mark.parametrize("case,reused", [("after_conv", True), ("channels_last", True), ("twice", True),
+                                         ("first_layer", False), ("sliced_input", False),
+                                         ("normalizes_another", False), ("checkpointed", False)])
+def test_group_norm_reads_the_forward_moments_of_its_own_input_only(case, reused, monkeypatch):
+    """GroupNorm's rule takes the means and inverse deviations its forward computed (from the output's autograd
+    node, rules/norms.py: ``_forward_moments``) where that node normalized exactly the recorded input, and computes
+    them again otherwise: no node (an input that does not require grad), a contiguous copy of a sliced input, another
+    tensor than the input (which would give wrong gradients with the node's moments), saved tensors packed by
+    activation checkpointing (reading them would run the segment again inside the forward); per-example autograd
+    agrees in every case."""
+    from lightning_dp.privacy.grad_sample.rules import norms
+
+    taken = []
+    found = norms._forward_moments
+
+    def spy(*args):
+        moments = found(*args)
+        taken.append(moments is not None)
+        return moments
+
+    monkeypatch.setattr(norms, "_forward_moments", spy)
+    if case == "after_conv":
+        model, (x, y) = nn.Sequential(nn.Conv2d(3, 8, 3), nn.GroupNorm(4, 8), nn.Flatten(), nn.Linear(72, 3)), _data(3, 5, 5)
+    elif case == "channels_last":
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.GroupNorm(4, 8), nn.Flatten(), nn.Linear(72, 3))
+        model = model.to(memory_format=torch.channels_last)
+        x, y = _data(3, 5, 5)
+        x = x.contiguous(memory_format=torch.channels_last)
+    elif case == "twice":
+        model, (x, y) = _TwiceNorm(), _data(4, 8)
+    elif case == "first_layer":
+        model, (x, y) = nn.Sequential(nn.GroupNorm(2, 4), nn.Flatten(), nn.Linear(24, 3)), _data(4, 6)
+    elif case == "sliced_input":
+        model, (x, y) = _Then(nn.GroupNorm(3, 6), lambda h: h[..., ::2], lambda h: h.flatten(1), 6 * 3), _data(4, 8)
+    elif case == "checkpointed":
+        norm = nn.GroupNorm(3, 6)
+        model = _Then(nn.Identity(), lambda h: cp.checkpoint(lambda t: norm(t).tanh(), h, use_reentrant=False),
+                      lambda h: h.flatten(1), 6 * 6)
+        model.gn = norm
+        x, y = _data(4, 8)
+    else:
+        model, (x, y) = _Then(_NormalizesAnother(3, 6, eps=0.0), nn.Identity(), lambda h: h.flatten(1), 6 * 6), \
+            _data(4, 8)
+    for m in model.modules():
+        if isinstance(m, nn.GroupNorm):
+            with torch.no_grad():
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
+    _check(model, x, y)
+    assert taken and all(t == reused for t in taken), taken
+
+
 class _TwoSizes(nn.Module):
     """One stride-2 convolution on an image and on its crop (two records of different sizes in one step)."""
 

@@ -115,6 +115,7 @@ class _Layer:
         # it records anything during the forward (its own forward_context)
         self.checks_calls = any(getattr(rule, n, None) is not None for n in ("check_call", "prepare_call"))
         self.own_context = type(rule).forward_context is not LayerRule.forward_context
+        self.after_call = getattr(rule, "after_call", None)
 
     @property
     def params(self) -> list[tuple[str, nn.Parameter]]:
@@ -372,6 +373,8 @@ class GradSampleEngine(BatchDimProbe):
             # detach() shares the version counter: an in-place change of an input after this call (which plain
             # autograd refuses when it saved the input for the weight's gradient) is caught in _records
             call.versions = [a._version if isinstance(a, Tensor) else None for a in call.leaves]
+            if layer.after_call is not None and not layer.broadcast:
+                layer.after_call(mod, args, output, call.extra)
             if layer.broadcast:
                 if self._batch is None:
                     raise PerSampleGradientError(

@@ -116,7 +116,11 @@ class LayerRule:
     configurations, and ``prepare_call(module)``, called there too, to put the module in a
     state that does not depend on the batch (an embedding with ``max_norm`` renormalizes its
     whole table). A :class:`~lightning_dp.privacy.grad_sample.PerSampleGradientError` raised by
-    any of them is prefixed with the layer's path in the model.
+    any of them is prefixed with the layer's path in the model. ``after_call(module, args, output,
+    extra)``, called after every recorded forward of the module with its inputs and its output as
+    the forward returned them (before anything is detached), may keep in ``extra`` what the
+    forward computed anyway (GroupNorm: its means and inverse deviations, from the output's
+    autograd node), for the record's :attr:`Record.extra`.
     """
 
     claims_subtree: bool = False
