@@ -2,7 +2,9 @@
 
 Where ``bench_dp_step.py`` times the step alone, this includes everything a user pays for:
 the Poisson DataLoader, the hooks, the all-reduce-free single-process path, epsilon
-computed by the PLD accountant whenever Lightning writes logs, and the logging itself.
+computed by the PLD accountant whenever Lightning writes logs and at the end, and the logging itself.
+The accountant's caches are cleared before every fit (``--warm-accounting`` keeps them: the repeats after
+the first then find their epsilons computed).
 Runs alternate (plain, DPSGD, DPSGD-unchecked, OnlineSensitivity, QuantileClipping, plain, ...)
 and the median epoch time per step is reported with its ratio to the plain run.
 ``DPSGD-unchecked`` is DPSGD without the last line of defence (the check that every gradient
@@ -101,6 +103,13 @@ def _digits(batch_size: int) -> DataLoader:
 def one_fit(run: str, args: argparse.Namespace) -> tuple[float, int]:
     clock = time.process_time if getattr(args, "clock", "wall") == "cpu" else time.perf_counter
     torch.manual_seed(0)
+    if not getattr(args, "warm_accounting", False):
+        # every fit pays its accountant's work as a user's fresh process does: the caches would otherwise hand the
+        # later repeats the epsilons and privacy loss distributions of the first (the final epsilon at the PLD's
+        # 1e-4 discretization costs about 0.3 s; docs/benchmarks.md, "A second CPU")
+        from lightning_dp.privacy.accounting import clear_caches
+
+        clear_caches()
     callbacks = RUNS[run]()
     mlp = args.model == "digits_mlp"
     trainer = L.Trainer(max_epochs=3 if mlp else 1, accelerator="cpu", devices=1,
@@ -143,6 +152,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="wall: time.perf_counter; cpu: the process' CPU time (time.process_time), which a shared "
                              "machine's load moves much less; meaningful with OMP_NUM_THREADS=1 (every thread's "
                              "time is summed)")
+    parser.add_argument("--warm-accounting", action="store_true",
+                        help="keep the accountant's caches between fits (as a process that fits the same setting "
+                             "again finds them); default: cleared before every fit, which then pays its epsilons")
     parser.add_argument("--malloc", choices=("system", "keep"), default="system",
                         help="system: the C allocator as it is (what a Lightning script gets); keep: glibc keeps "
                              "freed memory for the next step, as the lightning-dp commands set it "
@@ -171,7 +183,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"Lightning fit, {what}, batch {args.batch_size or (64 if args.model == 'digits_mlp' else 256)}, "
           f"log_every_n_steps={args.log_every}, "
           f"{args.repeats} alternating repeats, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{'process CPU time' if args.clock == 'cpu' else 'wall clock'}")
+          f"{'process CPU time' if args.clock == 'cpu' else 'wall clock'}, accountant's caches "
+          f"{'kept between fits' if args.warm_accounting else 'cleared before each fit'}")
     print(f"{'run':<18} {'steps':>6} {'ms/step':>9} {'ratio':>7}")
     plain = statistics.median(times["plain"])
     for run in runs:

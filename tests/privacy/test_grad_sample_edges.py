@@ -519,23 +519,35 @@ def test_group_and_instance_norms_per_example(case):
 
 
 class _NormalizesAnother(nn.GroupNorm):
-    """Normalizes ``2 x + 1``, whose normalized values are x's (eps 0), so the rule's formula holds; but the
+    """Normalizes ``2 x + 1``, whose normalized values are x's (eps 0), so the rule's formula holds (its rule is
+    registered for it below, as a user registers a rule for a subclass that computes what the parent does); but the
     autograd node of its output holds the moments of ``2 x + 1``, not of the recorded input ``x``."""
 
     def forward(self, x):
         return F.group_norm(2 * x + 1, self.num_groups, self.weight, self.bias, self.eps)
 
 
+def _group_norm_rule_for_normalizes_another():
+    from lightning_dp.privacy.grad_sample.rules.norms import GroupNormRule
+
+    register_rule(_NormalizesAnother)(GroupNormRule)
+
+
+_group_norm_rule_for_normalizes_another()
+
+
 @pytest.mark.parametrize("case,reused", [("after_conv", True), ("channels_last", True), ("twice", True),
                                          ("first_layer", False), ("sliced_input", False),
-                                         ("normalizes_another", False), ("checkpointed", False)])
+                                         ("normalizes_another", False), ("checkpointed", False),
+                                         ("checkpointed_module", False)])
 def test_group_norm_reads_the_forward_moments_of_its_own_input_only(case, reused, monkeypatch):
     """GroupNorm's rule takes the means and inverse deviations its forward computed (from the output's autograd
     node, rules/norms.py: ``_forward_moments``) where that node normalized exactly the recorded input, and computes
     them again otherwise: no node (an input that does not require grad), a contiguous copy of a sliced input, another
     tensor than the input (which would give wrong gradients with the node's moments), saved tensors packed by
-    activation checkpointing (reading them would run the segment again inside the forward); per-example autograd
-    agrees in every case."""
+    activation checkpointing (reading them would run the segment again inside the forward; with the composable
+    ``checkpoint`` of the layer itself, whose hooks are gone when the engine's runs, a first version raised);
+    per-example autograd agrees in every case."""
     from lightning_dp.privacy.grad_sample.rules import norms
 
     taken = []
@@ -566,6 +578,14 @@ def test_group_norm_reads_the_forward_moments_of_its_own_input_only(case, reused
                       lambda h: h.flatten(1), 6 * 6)
         model.gn = norm
         x, y = _data(4, 8)
+    elif case == "checkpointed_module":
+        composable = pytest.importorskip("torch.distributed._composable")
+        model, (x, y) = _Then(nn.GroupNorm(3, 6), nn.Identity(), lambda h: h.flatten(1), 6 * 6), _data(4, 8)
+        # the reference: the same parameters without the checkpoint (which recomputes once, not per example)
+        reference = _Then(nn.GroupNorm(3, 6), nn.Identity(), lambda h: h.flatten(1), 6 * 6)
+        reference.conv, reference.head = model.conv, model.head
+        reference.norm.weight, reference.norm.bias = model.norm.weight, model.norm.bias
+        composable.checkpoint(model.norm)
     else:
         model, (x, y) = _Then(_NormalizesAnother(3, 6, eps=0.0), nn.Identity(), lambda h: h.flatten(1), 6 * 6), \
             _data(4, 8)
@@ -574,8 +594,62 @@ def test_group_norm_reads_the_forward_moments_of_its_own_input_only(case, reused
             with torch.no_grad():
                 m.weight.uniform_(0.5, 1.5)
                 m.bias.uniform_(-0.5, 0.5)
-    _check(model, x, y)
+    _check(model, x, y, reference=reference if case == "checkpointed_module" else None)
     assert taken and all(t == reused for t in taken), taken
+
+
+class _StandardizedConv(nn.Conv2d):
+    """A weight-standardized convolution: its forward normalizes the weight first."""
+
+    def forward(self, x):
+        w = self.weight
+        w = (w - w.mean((1, 2, 3), keepdim=True)) / (w.std((1, 2, 3), keepdim=True) + 1e-5)
+        return self._conv_forward(x, w, self.bias)
+
+
+class _OtherEps(nn.GroupNorm):
+    """A GroupNorm whose forward uses another eps than its attribute."""
+
+    def forward(self, x):
+        return F.group_norm(x, self.num_groups, self.weight, self.bias, 0.5)
+
+
+class _DoubledLinear(nn.Linear):
+    def forward(self, x):
+        return F.linear(x, 2 * self.weight, self.bias)
+
+
+class _PlainSubclass(nn.Linear):
+    """A subclass that keeps nn.Linear's forward: it keeps nn.Linear's rule."""
+
+
+@pytest.mark.parametrize("case", ["standardized_conv", "other_eps", "doubled_linear", "plain_subclass"])
+def test_a_subclass_that_overrides_forward_takes_the_exact_fallback(case):
+    """A subclass of a layer with a rule that overrides its forward computes something else than the formulas of
+    the parent's rule: it takes the torch.func fallback (``rule_for`` returns None), and its per-sample gradients
+    are exact. Before, the parent's rule gave the gradients of the parent's computation (wrong norms: a weight-
+    standardized convolution, a GroupNorm with another eps, a linear layer on twice its weight). A subclass that keeps
+    the forward keeps the rule."""
+    from lightning_dp.privacy.grad_sample.registry import rule_for
+    from lightning_dp.privacy.grad_sample.rules.linear import LinearRule
+
+    if case == "standardized_conv":
+        layer = _StandardizedConv(3, 4, 3)
+        model, (x, y) = nn.Sequential(layer, nn.Tanh(), nn.Flatten(), nn.Linear(36, 3)), _data(3, 5, 5)
+    elif case == "other_eps":
+        layer = _OtherEps(2, 4)
+        model, (x, y) = nn.Sequential(nn.Conv2d(3, 4, 3), layer, nn.Flatten(), nn.Linear(36, 3)), _data(3, 5, 5)
+        with torch.no_grad():
+            layer.weight.uniform_(0.5, 1.5)
+            layer.bias.uniform_(-0.5, 0.5)
+    elif case == "doubled_linear":
+        layer = _DoubledLinear(5, 6)
+        model, (x, y) = nn.Sequential(layer, nn.Tanh(), nn.Linear(6, 3)), _data(5)
+    else:
+        layer = _PlainSubclass(5, 6)
+        model, (x, y) = nn.Sequential(layer, nn.Tanh(), nn.Linear(6, 3)), _data(5)
+    _check(model, x, y)
+    assert type(rule_for(layer)) is (LinearRule if case == "plain_subclass" else type(None))
 
 
 class _TwoSizes(nn.Module):

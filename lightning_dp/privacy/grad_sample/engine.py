@@ -374,7 +374,8 @@ class GradSampleEngine(BatchDimProbe):
             # autograd refuses when it saved the input for the weight's gradient) is caught in _records
             call.versions = [a._version if isinstance(a, Tensor) else None for a in call.leaves]
             if layer.after_call is not None and not layer.broadcast:
-                layer.after_call(mod, args, output, call.extra)
+                with _named(layer):
+                    layer.after_call(mod, args, output, call.extra)
             if layer.broadcast:
                 if self._batch is None:
                     raise PerSampleGradientError(

@@ -160,7 +160,8 @@ _RULES: Registry[LayerRule] = Registry("layer rule", base=LayerRule)
 
 
 def register_rule(*module_types: type | str) -> Callable[[type[LayerRule]], type[LayerRule]]:
-    """Class decorator: use this rule for modules of ``module_types`` (and their subclasses).
+    """Class decorator: use this rule for modules of ``module_types`` (and their subclasses that keep the type's
+    ``forward``: :func:`rule_for`).
 
     A type may be given by its qualified name (``"transformers.pytorch_utils.Conv1D"``), so
     that a rule for a third-party layer does not import that library. A later registration
@@ -176,11 +177,18 @@ def register_rule(*module_types: type | str) -> Callable[[type[LayerRule]], type
 
 
 def rule_for(module: nn.Module) -> LayerRule | None:
-    """The rule of the most specific registered type in ``type(module)``'s MRO, or None."""
-    for t in type(module).__mro__:
+    """The rule of the most specific registered type in ``type(module)``'s MRO, or None.
+
+    None also where ``type(module)`` overrides that type's ``forward`` (itself or through a class between them): a
+    rule's formulas are those of the registered type's forward, and a subclass that computes otherwise (a
+    weight-standardized convolution, a GroupNorm with another eps) would get per-sample gradients of a computation
+    that did not run. Such a layer takes the exact fallback (``torch.func``); register the rule for the subclass
+    itself (``register_rule(MyConv)(ConvRule)``) where its forward computes what the parent's does."""
+    cls = type(module)
+    for t in cls.__mro__:
         rule = _RULES.get(t) or _RULES.get(f"{t.__module__}.{t.__qualname__}")
         if rule is not None:
-            return rule
+            return rule if getattr(cls, "forward", None) is getattr(t, "forward", None) else None
     return None
 
 

@@ -74,25 +74,25 @@ class LayerNormRule(LayerRule):
 def _forward_moments(output: Any, x: Any, groups: int, eps: float) -> tuple[Tensor, Tensor] | None:
     """The ``(mean, rstd)`` ``(B, groups)`` that the forward's group norm computed for exactly ``x`` (read from
     ``output``'s autograd node, which holds them for the plain backward), or None: no such node (an input that
-    does not require grad, a compiled forward, a subclass that changes the output), or one that normalized another
-    tensor (a cast or contiguous copy of ``x``: autocast, an input ``at::group_norm`` copied) or with other
-    settings, or saved tensors packed by hooks."""
+    does not require grad, a compiled forward), one that normalized another tensor (a cast or contiguous copy of
+    ``x``: autocast, a sliced input ``at::group_norm`` copied) or with other settings, or saved tensors packed by
+    hooks (activation checkpointing, offloading: reading one would unpack it, which for a checkpointed layer runs
+    it again inside the forward). Only the saved tensors' raw records are read before that is known; any failure
+    of these private autograd attributes (another PyTorch) means None, and the rule computes the moments again."""
     fn = output.grad_fn if isinstance(output, Tensor) else None
     if fn is None or type(fn).__name__ != "NativeGroupNormBackward0" or not isinstance(x, Tensor):
         return None
-    # saved tensors packed by hooks (activation checkpointing, offloading): reading one unpacks it, which for a
-    # checkpointed segment means running it again; the private function's absence counts as hooks
-    hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if hooks is None or hooks(False) is not None:
-        return None
+    names = ("input", "result1", "result2")
     try:
+        if any(getattr(fn, f"_raw_saved_{n}").unpack_hook is not None for n in names):
+            return None
         saved = fn._saved_input
         if (saved.data_ptr() != x.data_ptr() or saved.shape != x.shape or saved.stride() != x.stride()
                 or saved.dtype != x.dtype or fn._saved_group != groups or fn._saved_eps != eps
                 or fn._saved_N != x.shape[0]):
             return None
         return fn._saved_result1.detach(), fn._saved_result2.detach()
-    except RuntimeError:  # saved tensors already freed
+    except Exception:  # noqa: BLE001  (an optimization only: anything unexpected falls back to recomputing)
         return None
 
 
