@@ -448,6 +448,9 @@ class Accountant(abc.ABC):
         ``k > 0`` has been evaluated, so the spend after ``k`` steps never exceeds the
         target; unless ``k == limit``, ``k + 1`` steps were evaluated to exceed it.
         ``0`` means that not even one more step fits (or the budget is already spent).
+        Where the accountant has a cheaper variant (the PLD's coarser grid), the search runs
+        with it first, and the search at this accountant's own configuration starts from its
+        answer (the same result, from fewer of its own evaluations).
 
         Args:
             target_epsilon: The budget (> 0).
@@ -467,16 +470,46 @@ class Accountant(abc.ABC):
         def fits(k: int) -> bool:
             return self._epsilon(_append(self._history, (sigma, q, k)), delta) <= target_epsilon
 
-        if limit == 0 or not fits(1):
+        if limit == 0:
             return 0
-        good, probe = 1, 2  # invariant: fits(good); the first failing k lies above good
-        while probe < limit and fits(probe):
-            good, probe = probe, 2 * probe
-        if probe >= limit:
-            if fits(limit):
-                return limit
-            probe = limit
-        bad = probe  # not fits(bad)
+        guess = 0
+        coarse = self._coarse_kwargs()
+        if coarse is not None and limit > 2:
+            # The same search with the cheaper variant (the PLD at 1e-3: 5-10 times cheaper a query) gives a guess;
+            # the search at this accountant's own configuration then starts from it instead of from one step: two
+            # queries where the guess is the answer (k fits, k + 1 does not), a few more where the coarser grid
+            # put it a few steps short or beyond (it need not be the looser bound). The README's first fit spent
+            # 0.7 s in eleven queries here.
+            sibling = copy.copy(self)  # the same history; _load_config rebinds, never mutates, attributes
+            sibling._load_config({**self._config(), **coarse})  # noqa: SLF001
+            guess = sibling.max_steps(target_epsilon, delta, noise_multiplier=noise_multiplier,
+                                      sample_rate=sample_rate, limit=limit)
+        if guess and not fits(guess):  # down from the guess, doubling the step: the first k that fits
+            bad, step = guess, 1
+            probe = bad - step
+            while probe >= 1 and not fits(probe):
+                bad, step = probe, 2 * step
+                probe = bad - step
+            if probe < 1:
+                if not fits(1):
+                    return 0
+                probe = 1
+            good = probe
+        else:  # up from the guess (or from one step), doubling the step: the first k that does not fit
+            if not guess:
+                if not fits(1):
+                    return 0
+                guess = 1
+            good, step = guess, 1  # invariant: fits(good); the first failing k lies above good
+            probe = good + step
+            while probe < limit and fits(probe):
+                good, step = probe, 2 * step
+                probe = good + step
+            if probe >= limit:
+                if fits(limit):
+                    return limit
+                probe = limit
+            bad = probe  # not fits(bad)
         while bad - good > 1:
             middle = (good + bad) // 2
             if fits(middle):
