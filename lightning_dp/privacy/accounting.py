@@ -280,6 +280,12 @@ def clear_caches() -> None:
         cache.clear()
 
 
+def _no_coarse() -> None:
+    """``_coarse_kwargs`` of the cheaper variant inside :meth:`Accountant.max_steps`: none (a subclass whose variant
+    would have one of its own would otherwise recurse without end)."""
+    return None
+
+
 # --------------------------------------------------------------------------- base class
 
 
@@ -482,6 +488,7 @@ class Accountant(abc.ABC):
             # 0.7 s in eleven queries here.
             sibling = copy.copy(self)  # the same history; _load_config rebinds, never mutates, attributes
             sibling._load_config({**self._config(), **coarse})  # noqa: SLF001
+            sibling._coarse_kwargs = _no_coarse  # type: ignore[method-assign]  # one level: no variant of the variant
             guess = sibling.max_steps(target_epsilon, delta, noise_multiplier=noise_multiplier,
                                       sample_rate=sample_rate, limit=limit)
         if guess and not fits(guess):  # down from the guess, doubling the step: the first k that fits

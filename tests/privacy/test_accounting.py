@@ -404,6 +404,20 @@ def test_max_steps_from_a_guess_off_the_answer_is_the_search_at_its_own_grid(var
     if k < limit:
         assert guided.epsilon_after(DELTA, noise_multiplier=sigma, sample_rate=q, num_steps=k + 1) > target
 
+
+class _CoarseAllTheWay(PLDAccountant):
+    """A PLD accountant whose every variant has a cheaper one (never None): max_steps goes one level down only."""
+
+    def _coarse_kwargs(self):
+        return {"value_discretization_interval": min(0.1, 2 * self.value_discretization_interval)}
+
+
+def test_max_steps_takes_one_cheaper_variant_only():
+    accountant = _CoarseAllTheWay(value_discretization_interval=1e-3)
+    k = accountant.max_steps(1.0, DELTA, noise_multiplier=1.0, sample_rate=0.02, limit=500)
+    assert accountant.epsilon_after(DELTA, noise_multiplier=1.0, sample_rate=0.02, num_steps=k) <= 1.0
+    assert accountant.epsilon_after(DELTA, noise_multiplier=1.0, sample_rate=0.02, num_steps=k + 1) > 1.0
+
 def test_max_steps_edge_cases():
     accountant = _filled("rdp", {}, [(1.0, 0.01, 100)])
     spent = accountant.get_epsilon(DELTA)

@@ -8,6 +8,8 @@ and the reason.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -628,7 +630,8 @@ def test_a_subclass_that_overrides_forward_takes_the_exact_fallback(case):
     """A subclass of a layer with a rule that overrides its forward computes something else than the formulas of
     the parent's rule: it takes the torch.func fallback (``rule_for`` returns None), and its per-sample gradients
     are exact. Before, the parent's rule gave the gradients of the parent's computation (wrong norms: a weight-
-    standardized convolution, a GroupNorm with another eps, a linear layer on twice its weight). A subclass that keeps
+    standardized convolution, a GroupNorm with another eps, a linear layer on twice its weight). The engine warns
+    once per such layer, naming the rule to register where the forward computes the parent's. A subclass that keeps
     the forward keeps the rule."""
     from lightning_dp.privacy.grad_sample.registry import rule_for
     from lightning_dp.privacy.grad_sample.rules.linear import LinearRule
@@ -648,8 +651,15 @@ def test_a_subclass_that_overrides_forward_takes_the_exact_fallback(case):
     else:
         layer = _PlainSubclass(5, 6)
         model, (x, y) = nn.Sequential(layer, nn.Tanh(), nn.Linear(6, 3)), _data(5)
-    _check(model, x, y)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _check(model, x, y)
     assert type(rule_for(layer)) is (LinearRule if case == "plain_subclass" else type(None))
+    said = [str(w.message) for w in caught if "torch.func fallback" in str(w.message)]
+    if case == "plain_subclass":
+        assert not said
+    else:  # the engine says which layer, why, and how to opt back in
+        assert len(said) == 1 and "overrides" in said[0] and f"register_rule({type(layer).__qualname__})" in said[0]
 
 
 class _TwoSizes(nn.Module):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -21,7 +22,14 @@ from lightning_dp.privacy.finite import non_finite
 from lightning_dp.privacy.grad_sample.contributions import (DEFAULT_INSTANTIATE_LIMIT, DEFAULT_KEEP_LIMIT,
                                                             Contribution, Groups)
 from lightning_dp.privacy.grad_sample.probing import BatchDimProbe, _Dims
-from lightning_dp.privacy.grad_sample.registry import LayerRule, PerSampleGradientError, Record, join_graph, rule_for
+from lightning_dp.privacy.grad_sample.registry import (
+    LayerRule,
+    PerSampleGradientError,
+    Record,
+    join_graph,
+    rule_for,
+    withheld_rule,
+)
 
 __all__ = ["GradSampleEngine", "PerSampleGradientError", "compute_dtype", "trainable_parameters"]
 
@@ -225,7 +233,19 @@ class GradSampleEngine(BatchDimProbe):
             if id(mod) in seen_modules or any(_ancestor(c, mod_name) for c in claimed):
                 continue
             seen_modules.add(id(mod))
-            rule = rule_for(mod) or FunctorchRule()
+            rule = rule_for(mod)
+            if rule is None:
+                rule = FunctorchRule()
+                withheld = withheld_rule(mod)
+                if withheld is not None and any(p.requires_grad for p in mod.parameters(recurse=False)):
+                    parent, parent_rule = withheld[0].__name__, type(withheld[1])
+                    warnings.warn(
+                        f"layer {mod_name or type(mod).__name__} ({type(mod).__qualname__}) overrides {parent}.forward, "
+                        f"so {parent_rule.__name__}, whose formulas are those of {parent}.forward, is not used for it: "
+                        "its per-sample gradients come from the exact torch.func fallback (slower; it holds every "
+                        "example's gradient of the layer's parameters). If its forward computes what "
+                        f"{parent}.forward does, register that rule for it: register_rule({type(mod).__qualname__})"
+                        f"({parent_rule.__name__}) ({parent_rule.__module__}).", stacklevel=2)
             if rule.claims_subtree:
                 trainable = {n: p for n, p in mod.named_parameters() if p.requires_grad}
             else:

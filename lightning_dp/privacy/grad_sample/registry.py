@@ -184,12 +184,28 @@ def rule_for(module: nn.Module) -> LayerRule | None:
     weight-standardized convolution, a GroupNorm with another eps) would get per-sample gradients of a computation
     that did not run. Such a layer takes the exact fallback (``torch.func``); register the rule for the subclass
     itself (``register_rule(MyConv)(ConvRule)``) where its forward computes what the parent's does."""
-    cls = type(module)
+    found = _registered(type(module))
+    if found is None:
+        return None
+    t, rule = found
+    return rule if getattr(type(module), "forward", None) is getattr(t, "forward", None) else None
+
+
+def _registered(cls: type) -> tuple[type, LayerRule] | None:
+    """The most specific registered type in ``cls``'s MRO and its rule, or None."""
     for t in cls.__mro__:
         rule = _RULES.get(t) or _RULES.get(f"{t.__module__}.{t.__qualname__}")
         if rule is not None:
-            return rule if getattr(cls, "forward", None) is getattr(t, "forward", None) else None
+            return t, rule
     return None
+
+
+def withheld_rule(module: nn.Module) -> tuple[type, LayerRule] | None:
+    """The registered type and rule that :func:`rule_for` withholds from ``module`` because ``type(module)``
+    overrides that type's ``forward`` (None where it gives the rule, or none is registered): the engine says so when
+    it hooks the layer."""
+    found = _registered(type(module))
+    return found if found is not None and rule_for(module) is None else None
 
 
 def registered_rules() -> dict[type | str, LayerRule]:

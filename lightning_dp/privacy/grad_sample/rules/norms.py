@@ -79,7 +79,7 @@ def _forward_moments(output: Any, x: Any, groups: int, eps: float) -> tuple[Tens
     hooks (activation checkpointing, offloading: reading one would unpack it, which for a checkpointed layer runs
     it again inside the forward). Only the saved tensors' raw records are read before that is known; any failure
     of these private autograd attributes (another PyTorch) means None, and the rule computes the moments again."""
-    fn = output.grad_fn if isinstance(output, Tensor) else None
+    fn: Any = output.grad_fn if isinstance(output, Tensor) else None  # private attributes below: untyped
     if fn is None or type(fn).__name__ != "NativeGroupNormBackward0" or not isinstance(x, Tensor):
         return None
     names = ("input", "result1", "result2")
