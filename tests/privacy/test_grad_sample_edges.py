@@ -659,7 +659,32 @@ def test_a_subclass_that_overrides_forward_takes_the_exact_fallback(case):
     if case == "plain_subclass":
         assert not said
     else:  # the engine says which layer, why, and how to opt back in
-        assert len(said) == 1 and "overrides" in said[0] and f"register_rule({type(layer).__qualname__})" in said[0]
+        assert len(said) == 1 and "another forward" in said[0] and f"register_rule({type(layer).__qualname__})" in said[0]
+
+
+@pytest.mark.parametrize("case", ["replaced", "accelerate_hook"])
+def test_a_forward_set_on_the_instance_takes_the_exact_fallback(case):
+    """An ``nn.Linear`` whose forward is replaced on the instance (here computing with twice its weight) takes the
+    torch.func fallback, with a warning: its rule gave wrong norms before, and the engine's gradient check passed.
+    Accelerate's hooks, which wrap the class's own forward (kept as ``_old_forward``), keep the rule."""
+    import types
+
+    from lightning_dp.privacy.grad_sample.registry import rule_for
+    from lightning_dp.privacy.grad_sample.rules.linear import LinearRule
+
+    layer = nn.Linear(5, 6)
+    if case == "replaced":
+        layer.forward = types.MethodType(lambda self, x: F.linear(x, 2 * self.weight, self.bias), layer)
+    else:
+        hooks = pytest.importorskip("accelerate.hooks")
+        hooks.add_hook_to_module(layer, hooks.ModelHook())
+    model, (x, y) = nn.Sequential(layer, nn.Tanh(), nn.Linear(6, 3)), _data(5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _check(model, x, y)
+    said = [str(w.message) for w in caught if "torch.func fallback" in str(w.message)]
+    assert type(rule_for(layer)) is (type(None) if case == "replaced" else LinearRule)
+    assert len(said) == (1 if case == "replaced" else 0)
 
 
 class _TwoSizes(nn.Module):

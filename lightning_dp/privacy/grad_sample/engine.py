@@ -240,8 +240,9 @@ class GradSampleEngine(BatchDimProbe):
                 if withheld is not None and any(p.requires_grad for p in mod.parameters(recurse=False)):
                     parent, parent_rule = withheld[0].__name__, type(withheld[1])
                     warnings.warn(
-                        f"layer {mod_name or type(mod).__name__} ({type(mod).__qualname__}) overrides {parent}.forward, "
-                        f"so {parent_rule.__name__}, whose formulas are those of {parent}.forward, is not used for it: "
+                        f"layer {mod_name or type(mod).__name__} ({type(mod).__qualname__}) runs another forward than "
+                        f"{parent}.forward (its class overrides it, or it is set on the instance), so "
+                        f"{parent_rule.__name__}, whose formulas are those of {parent}.forward, is not used for it: "
                         "its per-sample gradients come from the exact torch.func fallback (slower; it holds every "
                         "example's gradient of the layer's parameters). If its forward computes what "
                         f"{parent}.forward does, register that rule for it: register_rule({type(mod).__qualname__})"

@@ -179,8 +179,9 @@ def register_rule(*module_types: type | str) -> Callable[[type[LayerRule]], type
 def rule_for(module: nn.Module) -> LayerRule | None:
     """The rule of the most specific registered type in ``type(module)``'s MRO, or None.
 
-    None also where ``type(module)`` overrides that type's ``forward`` (itself or through a class between them): a
-    rule's formulas are those of the registered type's forward, and a subclass that computes otherwise (a
+    None also where ``type(module)`` overrides that type's ``forward`` (itself or through a class between them), or
+    where the instance's ``forward`` is replaced (``module.forward = f``; accelerate's device hooks excepted): a
+    rule's formulas are those of the registered type's forward, and a layer that computes otherwise (a
     weight-standardized convolution, a GroupNorm with another eps) would get per-sample gradients of a computation
     that did not run. Such a layer takes the exact fallback (``torch.func``); register the rule for the subclass
     itself (``register_rule(MyConv)(ConvRule)``) where its forward computes what the parent's does."""
@@ -188,7 +189,21 @@ def rule_for(module: nn.Module) -> LayerRule | None:
     if found is None:
         return None
     t, rule = found
-    return rule if getattr(type(module), "forward", None) is getattr(t, "forward", None) else None
+    if getattr(type(module), "forward", None) is not getattr(t, "forward", None) or _forward_replaced(module):
+        return None
+    return rule
+
+
+def _forward_replaced(module: nn.Module) -> bool:
+    """Whether ``module.forward`` is replaced on the instance (``module.forward = f``: in its ``__dict__``) by
+    anything but accelerate's hooks around the class's own forward (which keep that forward, bound to the module,
+    as ``module._old_forward`` and only move tensors between devices around it)."""
+    own = vars(module)
+    if "forward" not in own:
+        return False
+    old = own.get("_old_forward")
+    return not (getattr(old, "__self__", None) is module
+                and getattr(old, "__func__", None) is getattr(type(module), "forward", None))
 
 
 def _registered(cls: type) -> tuple[type, LayerRule] | None:
@@ -201,9 +216,8 @@ def _registered(cls: type) -> tuple[type, LayerRule] | None:
 
 
 def withheld_rule(module: nn.Module) -> tuple[type, LayerRule] | None:
-    """The registered type and rule that :func:`rule_for` withholds from ``module`` because ``type(module)``
-    overrides that type's ``forward`` (None where it gives the rule, or none is registered): the engine says so when
-    it hooks the layer."""
+    """The registered type and rule that :func:`rule_for` withholds from ``module`` because its forward is not that
+    type's (None where it gives the rule, or none is registered): the engine says so when it hooks the layer."""
     found = _registered(type(module))
     return found if found is not None and rule_for(module) is None else None
 
