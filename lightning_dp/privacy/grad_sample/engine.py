@@ -239,14 +239,18 @@ class GradSampleEngine(BatchDimProbe):
                 withheld = withheld_rule(mod)
                 if withheld is not None and any(p.requires_grad for p in mod.parameters(recurse=False)):
                     parent, parent_rule = withheld[0].__name__, type(withheld[1])
+                    on_instance = getattr(type(mod), "forward", None) is getattr(withheld[0], "forward", None)
+                    remedy = (f"If its forward computes what {parent}.forward does, keep the class's own forward (do "
+                              "not replace it on the instance)" if on_instance else
+                              f"If its forward computes what {parent}.forward does, register that rule for it: "
+                              f"register_rule({type(mod).__qualname__})({parent_rule.__name__}) "
+                              f"({parent_rule.__module__})")
                     warnings.warn(
                         f"layer {mod_name or type(mod).__name__} ({type(mod).__qualname__}) runs another forward than "
-                        f"{parent}.forward (its class overrides it, or it is set on the instance), so "
+                        f"{parent}.forward ({'set on the instance' if on_instance else 'its class overrides it'}), so "
                         f"{parent_rule.__name__}, whose formulas are those of {parent}.forward, is not used for it: "
                         "its per-sample gradients come from the exact torch.func fallback (slower; it holds every "
-                        "example's gradient of the layer's parameters). If its forward computes what "
-                        f"{parent}.forward does, register that rule for it: register_rule({type(mod).__qualname__})"
-                        f"({parent_rule.__name__}) ({parent_rule.__module__}).", stacklevel=2)
+                        f"example's gradient of the layer's parameters). {remedy}.", stacklevel=2)
             if rule.claims_subtree:
                 trainable = {n: p for n, p in mod.named_parameters() if p.requires_grad}
             else:
