@@ -479,6 +479,13 @@ def test_group_and_instance_norms_per_example(case):
     expanded with stride 0 (a sum right after the layer: the aten kernels read it as contiguous memory, which gave
     wrong norms before the rule made it contiguous), inputs that are slices of a larger tensor (a causal
     convolution's chomp, a stride); against per-example autograd."""
+    model, x, y = _norm_case(case)
+    _random_affine(model)
+    _check(model, x, y)
+
+
+def _norm_case(case):
+    """``(model, x, y)`` of a normalization case of the two tests around it."""
     if case == "group_1d":
         model, (x, y) = nn.Sequential(nn.Conv1d(4, 6, 3), nn.GroupNorm(3, 6), nn.Flatten(), nn.Linear(24, 3)), _data(4, 6)
     elif case == "group_no_positions":
@@ -511,12 +518,17 @@ def test_group_and_instance_norms_per_example(case):
         with torch.no_grad():
             model[0].bias.fill_(100.0)
         x, y = _data(3, 5, 5)
-    for m in model.modules():  # random affine parameters: the defaults (1, 0) hide a swapped weight and bias
-        if isinstance(m, (nn.GroupNorm, nn.InstanceNorm2d, nn.InstanceNorm3d)):
+    return model, x, y
+
+
+def _random_affine(model):
+    """Random affine parameters for every group and instance normalization of ``model``: the defaults (1, 0) hide a
+    swapped weight and bias."""
+    for m in model.modules():
+        if isinstance(m, (nn.GroupNorm, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)):
             with torch.no_grad():
                 m.weight.uniform_(0.5, 1.5)
                 m.bias.uniform_(-0.5, 0.5)
-    _check(model, x, y)
 
 
 
@@ -539,13 +551,13 @@ _group_norm_rule_for_normalizes_another()
 
 
 @pytest.mark.parametrize("case,reused", [("after_conv", True), ("channels_last", True), ("twice", True),
-                                         ("first_layer", False), ("sliced_input", False),
+                                         ("first_layer", False), ("strided_input", False),
                                          ("normalizes_another", False), ("checkpointed", False),
                                          ("checkpointed_module", False)])
 def test_group_norm_reads_the_forward_moments_of_its_own_input_only(case, reused, monkeypatch):
     """GroupNorm's rule takes the means and inverse deviations its forward computed (from the output's autograd
     node, rules/norms.py: ``_forward_moments``) where that node normalized exactly the recorded input, and computes
-    them again otherwise: no node (an input that does not require grad), a contiguous copy of a sliced input, another
+    them again otherwise: no node (an input that does not require grad), a contiguous copy of a strided input, another
     tensor than the input (which would give wrong gradients with the node's moments), saved tensors packed by
     activation checkpointing (reading them would run the segment again inside the forward; with the composable
     ``checkpoint`` of the layer itself, whose hooks are gone when the engine's runs, a first version raised);
@@ -563,17 +575,10 @@ def test_group_norm_reads_the_forward_moments_of_its_own_input_only(case, reused
     monkeypatch.setattr(norms, "_forward_moments", spy)
     if case == "after_conv":
         model, (x, y) = nn.Sequential(nn.Conv2d(3, 8, 3), nn.GroupNorm(4, 8), nn.Flatten(), nn.Linear(72, 3)), _data(3, 5, 5)
-    elif case == "channels_last":
-        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.GroupNorm(4, 8), nn.Flatten(), nn.Linear(72, 3))
-        model = model.to(memory_format=torch.channels_last)
-        x, y = _data(3, 5, 5)
-        x = x.contiguous(memory_format=torch.channels_last)
-    elif case == "twice":
-        model, (x, y) = _TwiceNorm(), _data(4, 8)
+    elif case in ("channels_last", "twice", "strided_input"):
+        model, x, y = _norm_case(case)
     elif case == "first_layer":
         model, (x, y) = nn.Sequential(nn.GroupNorm(2, 4), nn.Flatten(), nn.Linear(24, 3)), _data(4, 6)
-    elif case == "sliced_input":
-        model, (x, y) = _Then(nn.GroupNorm(3, 6), lambda h: h[..., ::2], lambda h: h.flatten(1), 6 * 3), _data(4, 8)
     elif case == "checkpointed":
         norm = nn.GroupNorm(3, 6)
         model = _Then(nn.Identity(), lambda h: cp.checkpoint(lambda t: norm(t).tanh(), h, use_reentrant=False),
@@ -591,11 +596,7 @@ def test_group_norm_reads_the_forward_moments_of_its_own_input_only(case, reused
     else:
         model, (x, y) = _Then(_NormalizesAnother(3, 6, eps=0.0), nn.Identity(), lambda h: h.flatten(1), 6 * 6), \
             _data(4, 8)
-    for m in model.modules():
-        if isinstance(m, nn.GroupNorm):
-            with torch.no_grad():
-                m.weight.uniform_(0.5, 1.5)
-                m.bias.uniform_(-0.5, 0.5)
+    _random_affine(model)
     _check(model, x, y, reference=reference if case == "checkpointed_module" else None)
     assert taken and all(t == reused for t in taken), taken
 
@@ -642,9 +643,7 @@ def test_a_subclass_that_overrides_forward_takes_the_exact_fallback(case):
     elif case == "other_eps":
         layer = _OtherEps(2, 4)
         model, (x, y) = nn.Sequential(nn.Conv2d(3, 4, 3), layer, nn.Flatten(), nn.Linear(36, 3)), _data(3, 5, 5)
-        with torch.no_grad():
-            layer.weight.uniform_(0.5, 1.5)
-            layer.bias.uniform_(-0.5, 0.5)
+        _random_affine(model)
     elif case == "doubled_linear":
         layer = _DoubledLinear(5, 6)
         model, (x, y) = nn.Sequential(layer, nn.Tanh(), nn.Linear(6, 3)), _data(5)

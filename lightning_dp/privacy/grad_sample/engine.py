@@ -239,7 +239,7 @@ class GradSampleEngine(BatchDimProbe):
                 withheld = withheld_rule(mod)
                 if withheld is not None and any(p.requires_grad for p in mod.parameters(recurse=False)):
                     parent, parent_rule = withheld[0].__name__, type(withheld[1])
-                    on_instance = getattr(type(mod), "forward", None) is getattr(withheld[0], "forward", None)
+                    on_instance = withheld[2] == "instance"
                     remedy = (f"If its forward computes what {parent}.forward does, keep the class's own forward (do "
                               "not replace it on the instance)" if on_instance else
                               f"If its forward computes what {parent}.forward does, register that rule for it: "

@@ -185,13 +185,21 @@ def rule_for(module: nn.Module) -> LayerRule | None:
     weight-standardized convolution, a GroupNorm with another eps) would get per-sample gradients of a computation
     that did not run. Such a layer takes the exact fallback (``torch.func``); register the rule for the subclass
     itself (``register_rule(MyConv)(ConvRule)``) where its forward computes what the parent's does."""
+    found = _matched(module)
+    return found[1] if found is not None and found[2] is None else None
+
+
+def _matched(module: nn.Module) -> tuple[type, LayerRule, str | None] | None:
+    """The most specific registered type in ``type(module)``'s MRO, its rule, and why the rule is withheld (None:
+    it is not; ``"class"``: ``type(module)`` overrides the type's ``forward``; ``"instance"``: the instance's
+    ``forward`` is replaced); None where no type is registered."""
     found = _registered(type(module))
     if found is None:
         return None
     t, rule = found
-    if getattr(type(module), "forward", None) is not getattr(t, "forward", None) or _forward_replaced(module):
-        return None
-    return rule
+    if getattr(type(module), "forward", None) is not getattr(t, "forward", None):
+        return t, rule, "class"
+    return t, rule, "instance" if _forward_replaced(module) else None
 
 
 def _forward_replaced(module: nn.Module) -> bool:
@@ -215,11 +223,12 @@ def _registered(cls: type) -> tuple[type, LayerRule] | None:
     return None
 
 
-def withheld_rule(module: nn.Module) -> tuple[type, LayerRule] | None:
+def withheld_rule(module: nn.Module) -> tuple[type, LayerRule, str] | None:
     """The registered type and rule that :func:`rule_for` withholds from ``module`` because its forward is not that
-    type's (None where it gives the rule, or none is registered): the engine says so when it hooks the layer."""
-    found = _registered(type(module))
-    return found if found is not None and rule_for(module) is None else None
+    type's, and why (``"class"``: its class overrides it; ``"instance"``: it is replaced on the instance); None where
+    it gives the rule, or none is registered. The engine says so when it hooks the layer."""
+    found = _matched(module)
+    return None if found is None or found[2] is None else (found[0], found[1], found[2])
 
 
 def registered_rules() -> dict[type | str, LayerRule]:
