@@ -25,6 +25,7 @@ from dp_accounting.privacy_accountant import NeighboringRelation
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from lightning_dp import checks
+from lightning_dp.privacy.gaussian_pld import gaussian_pld, mixture_gaussian_pld, truncated_gaussian_pld
 from lightning_dp.privacy.noise import check_noise_multiplier
 from lightning_dp.privacy.registry import Registry
 from lightning_dp.privacy.sampling import check_sample_rate
@@ -780,7 +781,7 @@ class PLDAccountant(Accountant):
         if pld is None and self.truncation is not None:
             # Mirrors the library's TruncatedSubsampledGaussianDpEvent branch (pessimistic, connect the dots)
             size, cap = self.truncation
-            pld = privacy_loss_distribution.from_truncated_subsampled_gaussian_mechanism(
+            pld = truncated_gaussian_pld(
                 dataset_size=size, sampling_probability=q, truncated_batch_size=cap, noise_multiplier=sigma,
                 value_discretization_interval=self.value_discretization_interval,
                 neighboring_relation=self.neighboring_relation)
@@ -788,13 +789,13 @@ class PLDAccountant(Accountant):
         if pld is None and self._mixture:
             assert self.examples_per_user is not None
             sensitivities, probabilities = binomial_sensitivities(self.examples_per_user, q)
-            pld = privacy_loss_distribution.from_mixture_gaussian_mechanism(
+            pld = mixture_gaussian_pld(
                 standard_deviation=sigma, sensitivities=sensitivities, sampling_probs=probabilities,
                 pessimistic_estimate=self.pessimistic_estimate, use_connect_dots=self.pessimistic_estimate,
                 value_discretization_interval=self.value_discretization_interval)
             _PLD_SINGLE_STEP_CACHE.put(key, pld)
         if pld is None:
-            pld = privacy_loss_distribution.from_gaussian_mechanism(
+            pld = gaussian_pld(
                 standard_deviation=sigma,
                 pessimistic_estimate=self.pessimistic_estimate,
                 use_connect_dots=self.pessimistic_estimate,  # the library's optimistic path needs privacy buckets
@@ -811,7 +812,7 @@ class PLDAccountant(Accountant):
             # Mirrors the library's GaussianDpEvent branch: n Gaussian releases with std sigma
             # compose exactly into one with std sigma / sqrt(n) (a user's k records: sensitivity k, sigma / k).
             k = self.examples_per_user if self._mixture and self.examples_per_user is not None else 1
-            return privacy_loss_distribution.from_gaussian_mechanism(
+            return gaussian_pld(
                 standard_deviation=sigma / k / math.sqrt(n),
                 pessimistic_estimate=self.pessimistic_estimate,
                 use_connect_dots=self.pessimistic_estimate,
@@ -908,7 +909,7 @@ class DisjointPairPLDAccountant(PLDAccountant):
         key = (self.name, sigma, q, self.value_discretization_interval, self.adjacency)
         pld = _PLD_SINGLE_STEP_CACHE.get(key)
         if pld is None:
-            gaussian = privacy_loss_distribution.from_gaussian_mechanism(
+            gaussian = gaussian_pld(
                 standard_deviation=sigma, pessimistic_estimate=True,
                 value_discretization_interval=self.value_discretization_interval,
                 neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE)  # unsampled: sensitivity 1 = D
@@ -921,7 +922,7 @@ class DisjointPairPLDAccountant(PLDAccountant):
     def _entry_pld(self, entry: HistoryEntry) -> privacy_loss_distribution.PrivacyLossDistribution:
         sigma, q, n = entry
         if q == 1.0:  # the Gaussian mechanism with sensitivity D, composed exactly
-            return privacy_loss_distribution.from_gaussian_mechanism(
+            return gaussian_pld(
                 standard_deviation=sigma / math.sqrt(n), pessimistic_estimate=True,
                 value_discretization_interval=self.value_discretization_interval,
                 neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE)

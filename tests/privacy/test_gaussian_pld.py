@@ -1,0 +1,253 @@
+"""The sampled Gaussian's PLD with its divergences on arrays: bit for bit dp-accounting's, or dp-accounting's own."""
+
+import math
+
+import numpy as np
+import pytest
+from dp_accounting.pld import privacy_loss_distribution, privacy_loss_mechanism
+from dp_accounting.privacy_accountant import NeighboringRelation
+
+from lightning_dp.privacy import gaussian_pld as module
+from lightning_dp.privacy.accounting import PLDAccountant, binomial_sensitivities, clear_caches
+from lightning_dp.privacy.gaussian_pld import (
+    _ArrayGaussianPrivacyLoss,
+    _ArrayMixtureGaussianPrivacyLoss,
+    _monotone_from_the_right,
+    array_path_available,
+    gaussian_pld,
+    mixture_gaussian_pld,
+    truncated_gaussian_pld,
+)
+
+ADD, REMOVE = privacy_loss_mechanism.AdjacencyType.ADD, privacy_loss_mechanism.AdjacencyType.REMOVE
+REPLACE = privacy_loss_mechanism.AdjacencyType.REPLACE
+needs_array_path = pytest.mark.skipif(not array_path_available(), reason="the installed dp-accounting is not a "
+                                      "verified release: gaussian_pld calls from_gaussian_mechanism itself")
+
+# (sigma, q, interval): DP-SGD's regimes (small q, sigma near 1), a large and a tiny q, q = 1, a sigma so large that
+# the loss vanishes, one so small that the grid is wide
+CASES = [(1.1, 256 / 60000, 1e-3), (0.8, 64 / 1797, 1e-3), (5.0, 0.5, 1e-3), (0.5, 0.01, 1e-3), (2.0, 1.0, 1e-3),
+         (0.3, 0.999, 1e-3), (20.0, 1e-5, 1e-4), (1.1, 256 / 60000, 1e-4), (0.6, 0.3, 1e-2)]
+
+
+def _fields(pld):
+    """Every attribute of the PLD and of its two PMFs, arrays as (dtype, shape, bytes)."""
+    out = {}
+    for name, value in vars(pld).items():
+        if hasattr(value, "__dict__") and not isinstance(value, (int, float, bool)):
+            for inner, item in vars(value).items():
+                out[f"{name}.{inner}"] = ((item.dtype.str, item.shape, item.tobytes()) if isinstance(item, np.ndarray)
+                                          else item)
+            out[f"{name}.type"] = type(value).__name__
+        else:
+            out[name] = value
+    return out
+
+
+@pytest.mark.parametrize("relation", [NeighboringRelation.ADD_OR_REMOVE_ONE, NeighboringRelation.REPLACE_ONE])
+@pytest.mark.parametrize("sigma,q,interval", CASES)
+def test_the_pld_is_the_librarys_bit_for_bit(sigma, q, interval, relation):
+    mine = gaussian_pld(sigma, sampling_prob=q, value_discretization_interval=interval, neighboring_relation=relation)
+    library = privacy_loss_distribution.from_gaussian_mechanism(
+        sigma, sampling_prob=q, value_discretization_interval=interval, neighboring_relation=relation)
+    assert _fields(mine) == _fields(library)
+    for delta in (1e-5, 1e-9):
+        assert mine.get_epsilon_for_delta(delta) == library.get_epsilon_for_delta(delta)
+
+
+@needs_array_path
+@pytest.mark.parametrize("adjacency", [ADD, REMOVE, REPLACE])
+@pytest.mark.parametrize("sigma,q,interval", CASES)
+def test_the_deltas_come_from_the_array_form_and_equal_the_librarys(sigma, q, interval, adjacency):
+    mine = _ArrayGaussianPrivacyLoss(sigma, sampling_prob=q, adjacency_type=adjacency)
+    library = privacy_loss_mechanism.GaussianPrivacyLoss(sigma, sampling_prob=q, adjacency_type=adjacency)
+    bounds = library.connect_dots_bounds()
+    grid = np.arange(math.floor(bounds.epsilon_lower / interval), math.ceil(bounds.epsilon_upper / interval) + 1)
+    epsilons = grid * interval
+    expected = library.get_delta_for_epsilon(epsilons)
+    got = mine.get_delta_for_epsilon(epsilons)
+    assert mine.array_path_used and not mine._array_path_refused
+    assert got.dtype == expected.dtype and got.tobytes() == expected.tobytes()
+
+
+@needs_array_path
+@pytest.mark.parametrize("adjacency", [ADD, REMOVE, REPLACE])
+def test_the_edges_of_the_inverse_match_the_library(adjacency):
+    """Zero (log(a + c)), the bound itself and the float next to it (math.isclose), both signs near the bound,
+    and losses so small that exp(-2 a) rounds near 1 (replace's log_sinh)."""
+    q = 0.02
+    bound = -math.log(1 - q) if adjacency == ADD else math.log(1 - q)
+    inside = np.nextafter(bound, 0.0)
+    mine = _ArrayGaussianPrivacyLoss(0.9, sampling_prob=q, adjacency_type=adjacency)
+    library = privacy_loss_mechanism.GaussianPrivacyLoss(0.9, sampling_prob=q, adjacency_type=adjacency)
+    points = np.array([0.0, -0.0, bound, inside, bound * (1 - 1e-10), bound * (1 - 1e-8), 1e-300, -1e-300, 1e-15,
+                       -1e-12, 0.5 * bound, 3.0 * abs(bound) * (-1 if adjacency == ADD else 1)])
+    if adjacency == REPLACE:  # no bound: every real loss is inverted, but exp(-|loss|) == 1 fails log1p(-1)
+        for tiny in (1e-300, -1e-300):
+            with pytest.raises(ValueError):
+                library.inverse_privacy_loss(tiny)
+            with pytest.raises(ValueError):
+                _ArrayGaussianPrivacyLoss(0.9, sampling_prob=q, adjacency_type=adjacency)._inverse_privacy_losses(
+                    np.array([tiny]))
+        points = np.concatenate([points[np.abs(points) != 1e-300], [-40.0, -3.0, 3.0, 40.0]])
+    inverses = mine._inverse_privacy_losses(points)
+    assert inverses.tobytes() == np.array([library.inverse_privacy_loss(p) for p in points]).tobytes()
+    assert mine.get_delta_for_epsilon(points).tobytes() == library.get_delta_for_epsilon(points).tobytes()
+    if adjacency == REPLACE:
+        return
+    beyond = np.array([bound + (0.1 if adjacency == ADD else -0.1)])
+    with pytest.raises(ValueError):
+        library.inverse_privacy_loss(float(beyond[0]))
+    with pytest.raises(ValueError, match="beyond the bound"):
+        mine._inverse_privacy_losses(beyond)
+
+
+@needs_array_path
+def test_a_disagreement_with_the_library_takes_the_librarys_loop(monkeypatch):
+    """Were the array form one ulp off anywhere the spot checks look, the library's own loop answers."""
+    loss = _ArrayGaussianPrivacyLoss(1.1, sampling_prob=0.01, adjacency_type=REMOVE)
+    exact = loss._inverse_privacy_losses
+    monkeypatch.setattr(loss, "_inverse_privacy_losses", lambda e: np.nextafter(exact(e), np.inf))
+    epsilons = np.arange(-50, 3000) * 1e-3
+    library = privacy_loss_mechanism.GaussianPrivacyLoss(1.1, sampling_prob=0.01, adjacency_type=REMOVE)
+    assert loss.get_delta_for_epsilon(epsilons).tobytes() == library.get_delta_for_epsilon(epsilons).tobytes()
+    assert loss._array_path_refused and not loss.array_path_used
+
+
+def test_an_unverified_release_builds_with_the_library(monkeypatch):
+    array_path_available.cache_clear()
+    monkeypatch.setattr(module.metadata, "version", lambda name: "99.0.0")
+    calls = []
+    original = privacy_loss_distribution.from_gaussian_mechanism
+    monkeypatch.setattr(privacy_loss_distribution, "from_gaussian_mechanism",
+                        lambda *a, **k: calls.append(k) or original(*a, **k))
+    try:
+        assert not array_path_available()
+        pld = gaussian_pld(1.0, sampling_prob=0.02, value_discretization_interval=1e-3)
+    finally:
+        array_path_available.cache_clear()
+    assert len(calls) == 1 and calls[0]["sampling_prob"] == 0.02
+    assert _fields(pld) == _fields(original(1.0, sampling_prob=0.02, value_discretization_interval=1e-3))
+
+
+def test_the_optimistic_estimate_is_the_librarys():
+    """pessimistic_estimate=False builds by privacy buckets (no connect the dots): the library's path throughout."""
+    kwargs = dict(sampling_prob=0.05, value_discretization_interval=1e-3, pessimistic_estimate=False,
+                  use_connect_dots=False)
+    assert _fields(gaussian_pld(1.3, **kwargs)) == _fields(
+        privacy_loss_distribution.from_gaussian_mechanism(1.3, **kwargs))
+
+
+@pytest.mark.parametrize("cap,interval", [(300, 1e-3), (270, 1e-4), (10_000, 1e-3)])
+def test_the_truncated_pld_is_the_librarys_bit_for_bit(cap, interval):
+    """Batches of one shape: the sampled Gaussian mixed with a sensitivity-2 replace-one Gaussian (a cap that never
+    binds returns the first alone)."""
+    kwargs = dict(dataset_size=60_000, sampling_probability=256 / 60_000, truncated_batch_size=cap,
+                  noise_multiplier=1.1, value_discretization_interval=interval)
+    mine = truncated_gaussian_pld(**kwargs)
+    library = privacy_loss_distribution.from_truncated_subsampled_gaussian_mechanism(**kwargs)
+    assert _fields(mine) == _fields(library)
+    assert mine.get_epsilon_for_delta(1e-5) == library.get_epsilon_for_delta(1e-5)
+
+
+MIXTURES = [(2, 256 / 60000, 1.1, 1e-3), (4, 0.01, 2.0, 1e-3), (8, 0.05, 3.0, 1e-3), (3, 0.6, 4.0, 1e-3),
+            (2, 0.02, 0.9, 1e-3)]
+
+
+@pytest.mark.parametrize("k,q,sigma,interval", MIXTURES)
+def test_the_mixture_pld_is_the_librarys_bit_for_bit(k, q, sigma, interval):
+    """A user's k records (the ELS mixture over Binomial(k, q) sensitivities)."""
+    sensitivities, probabilities = binomial_sensitivities(k, q)
+    mine = mixture_gaussian_pld(sigma, sensitivities, probabilities, value_discretization_interval=interval)
+    library = privacy_loss_distribution.from_mixture_gaussian_mechanism(
+        sigma, sensitivities, probabilities, value_discretization_interval=interval)
+    assert _fields(mine) == _fields(library)
+    assert mine.get_epsilon_for_delta(1e-5) == library.get_epsilon_for_delta(1e-5)
+
+
+@needs_array_path
+@pytest.mark.parametrize("adjacency", [ADD, REMOVE])
+def test_the_mixtures_bisection_is_the_librarys_tree_walked_by_rows(adjacency):
+    """The inverses themselves, over the whole grid, a grid with NaN, ties at split points and a range already
+    within the precision."""
+    sensitivities, probabilities = binomial_sensitivities(3, 0.05)
+    mine = _ArrayMixtureGaussianPrivacyLoss(1.3, sensitivities, probabilities, adjacency_type=adjacency)
+    library = privacy_loss_mechanism.MixtureGaussianPrivacyLoss(1.3, sensitivities, probabilities,
+                                                                adjacency_type=adjacency)
+    bounds = library.connect_dots_bounds()
+    epsilons = np.arange(math.floor(bounds.epsilon_lower / 1e-3), math.ceil(bounds.epsilon_upper / 1e-3) + 1) * 1e-3
+    assert (mine.get_delta_for_epsilon(epsilons).tobytes() == library.get_delta_for_epsilon(epsilons).tobytes())
+    assert mine.array_path_used
+    search = (-3.0, 2.5)
+    at_splits = np.sort(np.array([library.privacy_loss(x) for x in (-0.25, 0.0, 1.125, -1.6875)]))
+    for losses in (np.sort(np.linspace(-0.5, 0.5, 101)), np.array([-0.1, np.nan, 0.2]), at_splits):
+        expected = library._inverse_privacy_losses_with_range(losses, search, 1e-6)
+        assert mine._inverse_privacy_losses_with_range(losses, search, 1e-6).tobytes() == expected.tobytes()
+    narrow = (0.1, 0.1 + 5e-7)
+    losses = np.array([-0.2, np.nan, 0.3])
+    assert (mine._inverse_privacy_losses_with_range(losses, narrow, 1e-6).tobytes()
+            == np.asarray(library._inverse_privacy_losses_with_range(losses, narrow, 1e-6)).tobytes())
+
+
+def _python_repair(deltas):
+    deltas = deltas.copy()
+    for i in reversed(range(deltas.shape[0] - 1)):
+        deltas[i] = max(deltas[i], deltas[i + 1])
+    return deltas
+
+
+@pytest.mark.parametrize("deltas", [
+    [0.3, 0.1, 0.2, 0.2, 0.0, 0.05], [0.0, -0.0, 0.0, -0.0], [-0.0, 0.0], [0.5], [],
+    [0.2, np.nan, 0.1, 0.3, np.nan, 0.0], [1.0, 1.0, 0.999, 1.0],
+])
+def test_the_monotone_repair_is_the_librarys_loop(deltas):
+    deltas = np.array(deltas, dtype=float)
+    assert _monotone_from_the_right(deltas.copy()).tobytes() == _python_repair(deltas).tobytes()
+
+
+def test_random_repairs_match_the_loop():
+    rng = np.random.default_rng(7)
+    for _ in range(50):
+        deltas = np.clip(np.sort(rng.uniform(0, 1, 200))[::-1] + rng.normal(0, 1e-3, 200), 0, 1)
+        assert _monotone_from_the_right(deltas.copy()).tobytes() == _python_repair(deltas).tobytes()
+
+
+@pytest.mark.parametrize("config", [{}, {"adjacency": "replace"}, {"examples_per_user": 2},
+                                    {"examples_per_user": 3, "user_accounting": "group"},
+                                    {"truncated_batch_size": 300, "dataset_size": 60_000}])
+def test_the_accountants_epsilon_is_the_librarys_events(config):
+    """The accountant, through these builders, states what dp-accounting's own PLDAccountant states for its event."""
+    from dp_accounting.pld import PLDAccountant as LibraryPLDAccountant
+
+    clear_caches()
+    accountant = PLDAccountant(value_discretization_interval=1e-3, **config)
+    accountant.step(noise_multiplier=1.1, sample_rate=256 / 60_000, num_steps=200)
+    relation = NeighboringRelation.REPLACE_ONE if config.get("adjacency") == "replace" else None
+    if config.get("user_accounting") == "group":
+        example_level = PLDAccountant(value_discretization_interval=1e-3)
+        example_level.step(noise_multiplier=1.1, sample_rate=256 / 60_000, num_steps=200)
+        event = example_level.to_dp_event()
+    else:
+        event = accountant.to_dp_event()
+    library = LibraryPLDAccountant(**({"neighboring_relation": relation} if relation else {}),
+                                   value_discretization_interval=1e-3).compose(event)
+    if config.get("user_accounting") == "group":
+        from lightning_dp.privacy.accounting import group_epsilon
+        expected = group_epsilon(library._pld.get_delta_for_epsilon, 3, 1e-5)
+    else:
+        expected = library.get_epsilon(1e-5)
+    assert accountant.get_epsilon(1e-5) == expected
+
+
+@needs_array_path
+def test_a_mixture_disagreement_takes_the_librarys_recursion(monkeypatch):
+    sensitivities, probabilities = binomial_sensitivities(2, 0.05)
+    mine = _ArrayMixtureGaussianPrivacyLoss(1.3, sensitivities, probabilities, adjacency_type=REMOVE)
+    library = privacy_loss_mechanism.MixtureGaussianPrivacyLoss(1.3, sensitivities, probabilities,
+                                                                adjacency_type=REMOVE)
+    exact = mine._privacy_losses
+    monkeypatch.setattr(mine, "_privacy_losses", lambda x: exact(x) + 1e-4)  # the splits off: other paths
+    losses = np.sort(np.linspace(-0.5, 0.5, 301))
+    expected = library._inverse_privacy_losses_with_range(losses, (-3.0, 2.5), 1e-6)
+    assert mine._inverse_privacy_losses_with_range(losses, (-3.0, 2.5), 1e-6).tobytes() == expected.tobytes()
+    assert not mine.array_path_used
