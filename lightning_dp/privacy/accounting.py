@@ -25,7 +25,12 @@ from dp_accounting.privacy_accountant import NeighboringRelation
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from lightning_dp import checks
-from lightning_dp.privacy.gaussian_pld import gaussian_pld, mixture_gaussian_pld, truncated_gaussian_pld
+from lightning_dp.privacy.gaussian_pld import (
+    epsilon_for_delta,
+    gaussian_pld,
+    mixture_gaussian_pld,
+    truncated_gaussian_pld,
+)
 from lightning_dp.privacy.noise import check_noise_multiplier
 from lightning_dp.privacy.registry import Registry
 from lightning_dp.privacy.sampling import check_sample_rate
@@ -847,7 +852,7 @@ class PLDAccountant(Accountant):
         pld = self._composed_pld(history)
         if self._group and self.examples_per_user is not None:
             return group_epsilon(pld.get_delta_for_epsilon, self.examples_per_user, delta)
-        return float(pld.get_epsilon_for_delta(delta))
+        return float(epsilon_for_delta(pld, delta))
 
     def to_dp_event(self) -> dp_event.DpEvent:
         """The ``dp_accounting`` event of the history; per user (``"mixture"``) the ELS mixture of Gaussians.

@@ -1,5 +1,6 @@
 """The sampled Gaussian's PLD with its divergences on arrays: bit for bit dp-accounting's, or dp-accounting's own."""
 
+import itertools
 import math
 
 import numpy as np
@@ -251,3 +252,57 @@ def test_a_mixture_disagreement_takes_the_librarys_recursion(monkeypatch):
     expected = library._inverse_privacy_losses_with_range(losses, (-3.0, 2.5), 1e-6)
     assert mine._inverse_privacy_losses_with_range(losses, (-3.0, 2.5), 1e-6).tobytes() == expected.tobytes()
     assert not mine.array_path_used
+
+
+def _library_epsilon(pmf, delta):
+    from dp_accounting.pld import pld_pmf
+
+    upper_loss = (pmf._lower_loss + len(pmf._probs) - 1) * pmf._discretization
+    return pld_pmf._get_epsilon_for_delta(pmf._infinity_mass, itertools.count(upper_loss, -pmf._discretization),
+                                          np.flip(pmf._probs), delta)
+
+
+def _real_plds():
+    yield gaussian_pld(1.1, sampling_prob=256 / 60000, value_discretization_interval=1e-3).self_compose(235)
+    yield gaussian_pld(0.6, sampling_prob=0.05, value_discretization_interval=1e-3).self_compose(40)
+    yield gaussian_pld(3.0, sampling_prob=1.0, value_discretization_interval=1e-3)
+    yield truncated_gaussian_pld(dataset_size=1797, sampling_probability=64 / 1797, truncated_batch_size=100,
+                                 noise_multiplier=1.0, value_discretization_interval=1e-3).self_compose(87)
+    yield mixture_gaussian_pld(1.5, *binomial_sensitivities(2, 0.02), value_discretization_interval=1e-3)
+
+
+@pytest.mark.parametrize("delta", [1e-5, 1e-9, 0.3, 0.0])
+def test_epsilon_for_delta_is_the_librarys_on_real_distributions(delta):
+    for pld in _real_plds():
+        assert module.epsilon_for_delta(pld, delta) == pld.get_epsilon_for_delta(delta)
+        for pmf in (pld._pmf_remove, pld._pmf_add):
+            assert module._pmf_epsilon_for_delta(pmf, delta) == _library_epsilon(pmf, delta)
+
+
+def _dense(probs, lower_loss, infinity_mass=0.0, discretization=1e-2):
+    from dp_accounting.pld import pld_pmf
+
+    return pld_pmf.DensePLDPmf(discretization, lower_loss, np.asarray(probs, dtype=float), infinity_mass, True)
+
+
+def test_epsilon_for_delta_edges_match_the_loop():
+    """Mass at infinity above delta, huge losses whose exp(-l) underflows (the loop's early return), a stop before
+    the first addition, an epsilon of 0, blocks past the first (4096 entries), random PMFs."""
+    rng = np.random.default_rng(3)
+    cases = [
+        (_dense([0.5, 0.5], 0, infinity_mass=0.2), 0.1),
+        (_dense([0.3, 0.3, 0.4], 100_000), 0.1),  # losses ~1000: exp(-l) = 0
+        (_dense([0.3, 0.3, 0.4], 100_000), 0.5),
+        (_dense([0.3, 0.3, 0.4], -500), 1e-5),  # all losses negative
+        (_dense([1.0], 0), 1e-5), (_dense([1e-7, 1 - 1e-7], 5), 1e-3),
+        (_dense([0.5, 0.5], -1, infinity_mass=1e-6), 1e-6),
+    ]
+    for size in (10, 5000, 20_000):
+        probs = rng.exponential(size=size)
+        cases.append((_dense(probs / probs.sum(), -size // 2, infinity_mass=1e-7, discretization=1e-3), 1e-5))
+        cases.append((_dense(probs / probs.sum(), -size // 3, discretization=1e-4), 1e-3))
+    for pmf, delta in cases:
+        with np.errstate(all="ignore"):
+            expected = _library_epsilon(pmf, delta)
+            got = module._pmf_epsilon_for_delta(pmf, delta)
+        assert got == expected or (math.isnan(got) and math.isnan(expected)), (pmf._probs[:5], delta)
