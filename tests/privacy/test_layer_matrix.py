@@ -336,6 +336,9 @@ CASES: dict[str, Case] = {
                                                                  nn.InstanceNorm2d(4, affine=True)), 4), 2, 6, 6),
     "rms_norm": _simple(lambda: nn.Sequential(nn.Linear(4, 6), nn.RMSNorm(6), nn.Linear(6, 3)), 4),
     "prelu_functorch": _simple(lambda: nn.Sequential(nn.Linear(4, 6), nn.PReLU(6), nn.Linear(6, 3)), 4),
+    # the originals of the parametrization are the parameters (more cases: tests/privacy/test_parametrized_layers.py)
+    "weight_norm_parametrized_conv": _simple(lambda: Pool(nn.utils.parametrizations.weight_norm(nn.Conv2d(2, 4, 3)),
+                                                          4), 2, 6, 6),
     "mha_batch_first_key_padding_mask": Case(
         lambda: Attention(batch_first=True),
         lambda n, g: (torch.randn(n, B, 8, generator=g, dtype=torch.float64), torch.rand(n, B, generator=g) < 0.3,

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 from torch.nn.utils.rnn import PackedSequence
 
 from lightning_dp.privacy.finite import non_finite
@@ -207,7 +208,7 @@ class GradSampleEngine(BatchDimProbe):
 
     def __init__(self, module: nn.Module, *, instantiate_limit: int = DEFAULT_INSTANTIATE_LIMIT,
                  keep_buffers: bool = False, keep_limit: int = DEFAULT_KEEP_LIMIT) -> None:
-        from lightning_dp.privacy.grad_sample.rules.functorch import FunctorchRule
+        from lightning_dp.privacy.grad_sample.rules.functorch import FunctorchRule, ParametrizedRule
 
         self.module = module
         self.instantiate_limit = int(instantiate_limit)
@@ -233,8 +234,15 @@ class GradSampleEngine(BatchDimProbe):
             if id(mod) in seen_modules or any(_ancestor(c, mod_name) for c in claimed):
                 continue
             seen_modules.add(id(mod))
-            rule = rule_for(mod)
-            if rule is None:
+            rule = None if parametrize.is_parametrized(mod) else rule_for(mod)
+            if parametrize.is_parametrized(mod):
+                # A parametrized tensor (weight_norm, spectral_norm, orthogonal, ...) is computed from the
+                # parametrization's own parameters (parametrizations.<name>.original*) whenever the forward reads
+                # it: the layer's rule would give the gradient of the computed tensor, not of those parameters,
+                # and the parametrization is called without the batch. The module with its parametrizations is
+                # one layer of the exact fallback, which replays its forward (the parametrization included).
+                rule = ParametrizedRule()
+            elif rule is None:
                 rule = FunctorchRule()
                 withheld = withheld_rule(mod)
                 if withheld is not None and any(p.requires_grad for p in mod.parameters(recurse=False)):

@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_dp.privacy.grad_sample.contributions import Dense
 from lightning_dp.privacy.grad_sample.registry import LayerRule, PerSampleGradientError
 
-__all__ = ["FunctorchRule", "per_example_grads"]
+__all__ = ["FunctorchRule", "ParametrizedRule", "per_example_grads"]
 
 
 def _unsqueeze(tree: Any, dims: Any) -> Any:
@@ -39,7 +39,10 @@ def per_example_grads(layer, records, batch_size: int) -> dict[str, Tensor]:
         state = layer.replay_state()  # every parameter and buffer in the records' dtype (float32 under bf16-true)
         params = {n: state[n] for n in layer.trainable}
         fixed = {n: t for n, t in state.items() if n not in params}
+        versions = {n: b._version for n, b in module.named_buffers()}
         for r in records:
+            kept = r.extra.get("replay_state", {})  # state a rule kept from this call's forward, as replay_state has it
+            fixed_r = {**fixed, **{n: t.to(fixed[n].dtype) if n in fixed else t for n, t in kept.items()}}
             if r.broadcast:  # shared inputs: every example calls the module on the same arguments
                 args, kwargs = r.call_args, r.call_kwargs
                 arg_dims = pytree.tree_map(lambda _: None, (args, kwargs))
@@ -49,10 +52,11 @@ def per_example_grads(layer, records, batch_size: int) -> dict[str, Tensor]:
             vmap_dims = pytree.tree_map(lambda d: None if d is None else 0, arg_dims)
             grad_dims = [None if g is None else 0 for g in r.grad_outputs]
 
-            def one(grads_i: list, args_i: tuple, kwargs_i: dict, _r=r, _dims=arg_dims) -> dict[str, Tensor]:
+            def one(grads_i: list, args_i: tuple, kwargs_i: dict, _r=r, _dims=arg_dims,
+                    _fixed=fixed_r) -> dict[str, Tensor]:
                 call_args, call_kwargs = (args_i, kwargs_i) if _r.broadcast else _unsqueeze((args_i, kwargs_i), _dims)
                 # torch.func.vjp is annotated for has_aux=True as well: a 2- or 3-tuple
-                out, pullback = vjp(lambda p: functional_call(module, {**fixed, **p}, tuple(call_args),  # type: ignore[misc]
+                out, pullback = vjp(lambda p: functional_call(module, {**_fixed, **p}, tuple(call_args),  # type: ignore[misc]
                                                               dict(call_kwargs)), params)
                 leaves, spec = pytree.tree_flatten(out)
                 cot = []
@@ -77,6 +81,14 @@ def per_example_grads(layer, records, batch_size: int) -> dict[str, Tensor]:
                     "(lightning_dp.privacy.grad_sample.register_rule).") from err
             for n, g in grads.items():
                 total[n] = g if n not in total else total[n] + g
+    changed = [n for n, b in module.named_buffers() if n in versions and b._version != versions[n]]
+    if changed:  # the replay ran state updates of the forward again (a running statistic, a counter, ...)
+        raise PerSampleGradientError(
+            f"{layer.name} ({type(module).__name__}) changes its buffers {changed} when its forward runs: the "
+            "torch.func replay that computes its per-sample gradients ran that update again, so the model's state "
+            "now differs from a non-private run, and the replayed forward may not be the one that ran. Make the "
+            "forward leave its buffers alone in training (or update them outside it), freeze this module, or "
+            "register a rule for it (lightning_dp.privacy.grad_sample.register_rule).")
     return total
 
 
@@ -85,3 +97,51 @@ class FunctorchRule(LayerRule):
 
     def contributions(self, layer, records, batch_size):
         return {n: Dense(g) for n, g in per_example_grads(layer, records, batch_size).items()}
+
+
+class ParametrizedRule(FunctorchRule):
+    """A module with parametrized tensors (``torch.nn.utils.parametrize``: ``weight_norm``, ``orthogonal``,
+    ``spectral_norm``, a user's parametrization): the fallback over the module and its parametrizations.
+
+    Its trainable parameters are the module's own and its parametrizations' (``parametrizations.weight.original0``,
+    ...), which the forward turns into the tensor it reads; the replay computes that tensor again from them, so the
+    per-sample gradients are those of the parameters the optimizer updates. ``spectral_norm`` in training mode
+    updates its power-iteration vectors in place in each forward, then divides by the norm they give: each call's
+    vectors are kept after its forward (:meth:`after_call`) and the replay of that call divides by them without
+    iterating again (the parametrization in eval mode meanwhile). Any other parametrization that changes its
+    buffers in its forward is refused by the fallback's check after the replay."""
+
+    claims_subtree = True
+
+    def after_call(self, module: nn.Module, args: Any, output: Any, extra: dict[str, Any]) -> None:
+        extra["replay_state"] = {name: buf.detach().clone() for name, buf in _power_iteration_buffers(module)}
+
+    def contributions(self, layer, records, batch_size):
+        iterating = [p for p in _spectral_norms(layer.module) if p.training]
+        for p in iterating:
+            p.train(False)
+        try:
+            return super().contributions(layer, records, batch_size)
+        finally:
+            for p in iterating:
+                p.train(True)
+
+
+def _spectral_norms(module: nn.Module) -> list[nn.Module]:
+    from torch.nn.utils.parametrizations import _SpectralNorm
+
+    return [p for plist in getattr(module, "parametrizations", {}).values() for p in plist
+            if isinstance(p, _SpectralNorm)]
+
+
+def _power_iteration_buffers(module: nn.Module) -> list[tuple[str, Tensor]]:
+    """``(name in module, buffer)`` of the power-iteration vectors of its ``spectral_norm``s in training mode."""
+    from torch.nn.utils.parametrizations import _SpectralNorm
+
+    found = []
+    for tensor_name, plist in getattr(module, "parametrizations", {}).items():
+        for i, p in enumerate(plist):
+            if isinstance(p, _SpectralNorm) and p.training:
+                found += [(f"parametrizations.{tensor_name}.{i}.{b}", getattr(p, b)) for b in ("_u", "_v")
+                          if isinstance(getattr(p, b, None), Tensor)]
+    return found

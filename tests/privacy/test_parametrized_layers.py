@@ -1,0 +1,213 @@
+"""Layers with parametrized tensors (torch.nn.utils.parametrize): per-sample gradients of the parameters the
+optimizer updates (the parametrizations' originals), exact against per-example autograd."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parametrizations, parametrize
+
+from lightning_dp.privacy.clipping import clip_factors
+from lightning_dp.privacy.grad_sample import GradSampleEngine, PerSampleGradientError
+from lightning_dp.privacy.grad_sample.rules.functorch import ParametrizedRule
+from tests.privacy.reference import per_example_gradients
+from tests.privacy.test_grad_sample_edges import _check, _data
+
+
+class _Symmetric(nn.Module):
+    def forward(self, x):
+        return x.triu() + x.triu(1).transpose(-1, -2)
+
+
+class _Scaled(nn.Module):
+    """A parametrization with a parameter of its own (a learned scale)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return self.scale * x
+
+
+def _symmetric_linear():
+    layer = nn.Linear(5, 5)
+    parametrize.register_parametrization(layer, "weight", _Symmetric())
+    return layer
+
+
+def _scaled_bias_linear():
+    layer = nn.Linear(5, 6)
+    parametrize.register_parametrization(layer, "bias", _Scaled())
+    return layer
+
+
+MODELS = {
+    "weight_norm linear": (lambda: parametrizations.weight_norm(nn.Linear(5, 6)), (5,), 6),
+    "weight_norm conv": (lambda: nn.Sequential(parametrizations.weight_norm(nn.Conv2d(2, 4, 3)), nn.Flatten()),
+                         (2, 6, 6), 64),
+    "orthogonal": (lambda: parametrizations.orthogonal(nn.Linear(5, 5)), (5,), 5),
+    "a user's parametrization": (_symmetric_linear, (5,), 5),
+    "a parametrization with a parameter": (_scaled_bias_linear, (5,), 6),
+    "spectral_norm, eval": (lambda: parametrizations.spectral_norm(nn.Linear(5, 6)).eval(), (5,), 6),
+}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_parametrized_layers_are_exact(name):
+    make, shape, width = MODELS[name]
+    torch.manual_seed(0)
+    layer = make()
+    model = nn.Sequential(layer, nn.Tanh(), nn.Linear(width, 3))
+    x, y = _data(*shape)
+    _check(model, x, y, train=name != "spectral_norm, eval")
+    engine = GradSampleEngine(model)
+    target = next(m for m in layer.modules() if parametrize.is_parametrized(m))
+    (mine,) = [found for found in engine.layers if found.module is target]
+    assert isinstance(mine.rule, ParametrizedRule)
+    trainable = set(mine.trainable)
+    assert {n for n, p in target.named_parameters()} == trainable  # the originals, not a computed tensor
+    assert any(".original" in n for n in trainable) or "parametrizations.bias.0.scale" in trainable
+    engine.remove()
+
+
+def test_a_frozen_original_is_left_out():
+    torch.manual_seed(0)
+    layer = parametrizations.weight_norm(nn.Linear(5, 6))
+    layer.parametrizations.weight.original0.requires_grad_(False)  # the norm g frozen, the direction v trained
+    x, y = _data(5)
+    _check(nn.Sequential(layer, nn.Tanh(), nn.Linear(6, 3)), x, y)
+
+
+def _randomize_power_iteration(layer):
+    sn = layer.parametrizations.weight[0]
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # far from converged: every forward's iteration changes the weight it divides
+        sn._u.copy_(F.normalize(torch.randn(sn._u.shape, generator=g, dtype=sn._u.dtype), dim=0))
+        sn._v.copy_(F.normalize(torch.randn(sn._v.shape, generator=g, dtype=sn._v.dtype), dim=0))
+    return sn
+
+
+@pytest.mark.parametrize("calls", [1, 2])
+def test_spectral_norm_in_training_replays_each_calls_own_vectors(calls):
+    """Each training forward moves spectral_norm's vectors one power iteration and divides by the norm they give.
+    The replay of each call must use that call's vectors and must not iterate again (which would change the
+    model's state against a non-private run). The reference: every example alone from the vectors the batch's
+    forward started with (the iteration does not depend on the input), so each call sees the same weight."""
+    torch.manual_seed(0)
+    layer = parametrizations.spectral_norm(nn.Linear(5, 5))
+    head = nn.Linear(5, 3)
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer, self.head = layer, head
+
+        def forward(self, x):
+            for _ in range(calls):
+                x = torch.tanh(self.layer(x))
+            return self.head(x)
+
+    model = Twice().double().train()
+    x, y = _data(5)
+    x = x.double()
+    engine = GradSampleEngine(model)
+    engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
+    sn = _randomize_power_iteration(layer)
+    start = (sn._u.clone(), sn._v.clone())
+    with engine.record(batch_size=7):
+        F.cross_entropy(model(x), y).backward()
+    after_forward = (sn._u.clone(), sn._v.clone())
+    norms = engine.per_sample_norms()
+    factors = clip_factors(norms, 0.5)
+    summed = engine.clipped_sum(factors)
+    assert torch.equal(sn._u, after_forward[0]) and torch.equal(sn._v, after_forward[1])  # no extra iteration
+    order = {id(p): i for i, p in enumerate(engine.parameters)}
+    engine.remove()
+
+    reference = copy.deepcopy(model)
+    rows = []
+    for i in range(7):
+        ref_sn = reference.layer.parametrizations.weight[0]
+        with torch.no_grad():
+            ref_sn._u.copy_(start[0])
+            ref_sn._v.copy_(start[1])
+        params, row = per_example_gradients(reference, F.cross_entropy(reference(x[i:i + 1]), y[i:i + 1],
+                                                                       reduction="none"))
+        rows.append(row[0])
+    ref = torch.stack(rows)
+    torch.testing.assert_close(norms, ref.norm(dim=1), rtol=1e-6, atol=1e-9)
+    names = dict(reference.named_parameters())
+    mine = dict(model.named_parameters())
+    flat = torch.cat([summed[order[id(mine[n])]].reshape(-1) for n, p in names.items() if p.requires_grad])
+    torch.testing.assert_close(flat, (factors[:, None] * ref).sum(0), rtol=1e-6, atol=1e-9)
+
+
+class _Counting(nn.Module):
+    """A custom layer that counts its calls in a buffer (state updated in the forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(5, 5))
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        return x @ self.weight
+
+
+class _Drifting(nn.Module):
+    """A parametrization whose forward moves a buffer (as spectral_norm does, but unknown to the engine)."""
+
+    def __init__(self, out_variant=False):
+        super().__init__()
+        self.out_variant = out_variant
+        self.register_buffer("running", torch.zeros(()))
+
+    def forward(self, w):
+        if self.training:
+            with torch.no_grad():
+                if self.out_variant:  # as spectral_norm's power iteration writes its vectors: torch.func lets it be
+                    torch.add(self.running, 1.0, out=self.running)
+                else:
+                    self.running.add_(1.0)
+        return w * (1.0 + 0.01 * self.running)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: _Counting(),
+    lambda: parametrize.register_parametrization(nn.Linear(5, 5), "weight", _Drifting()),
+    lambda: parametrize.register_parametrization(nn.Linear(5, 5), "weight", _Drifting(out_variant=True)),
+], ids=["custom layer", "parametrization", "parametrization writing with out="])
+def test_a_replay_that_moves_buffers_is_refused(make):
+    """The torch.func replay would run the forward's state update again: refused, by torch.func (an in-place
+    update of a captured tensor) or, where torch.func lets it through (an ``out=`` write), by the check that the
+    replay left every buffer as it was."""
+    torch.manual_seed(0)
+    model = nn.Sequential(make(), nn.Tanh(), nn.Linear(5, 3))
+    x, y = _data(5)
+    engine = GradSampleEngine(model)
+    engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
+    with engine.record(batch_size=7):
+        F.cross_entropy(model(x), y).backward()
+    with pytest.raises(PerSampleGradientError, match="changes its buffers|mutate a captured Tensor"):
+        engine.per_sample_norms()
+
+
+def test_dpsgd_trains_a_weight_normed_model():
+    """Through the callback: a fit of an ordinary LightningModule with weight_norm on its first layer takes its
+    steps, every gradient the optimizer uses released by DPSGD (its last line of defence checks that)."""
+    from lightning_dp import DPSGD
+    from tests.helpers import BlobsData, Classifier, trainer
+
+    module = Classifier(net=nn.Sequential(parametrizations.weight_norm(nn.Linear(6, 16)), nn.Tanh(), nn.Linear(16, 3)))
+    before = module.net[0].parametrizations.weight.original1.detach().clone()
+    fit = trainer(max_steps=3, callbacks=[DPSGD(noise_multiplier=1.0, max_grad_norm=1.0, seed=0)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fit.fit(module, datamodule=BlobsData())
+    assert fit.global_step == 3
+    assert not torch.equal(before, module.net[0].parametrizations.weight.original1)
