@@ -39,3 +39,11 @@ def test_the_profile_prints_the_operators(capsys):
     bench.profile("lightning_dp_static", "digits_mlp", 16, "cpu", steps=1)
     out = capsys.readouterr().out
     assert "lightning_dp_static on digits_mlp" in out and "aten::_local_scalar_dense" in out
+
+
+def test_the_accounting_benchmark_compares_equal_distributions(capsys):
+    """benchmarks/bench_accounting.py at a coarse grid: every case's distributions and epsilons equal (it exits
+    otherwise)."""
+    load("bench_accounting").main(["--interval", "1e-2", "--repeats", "1", "--no-fits"])
+    out = capsys.readouterr().out
+    assert out.count("equal)") == 4
