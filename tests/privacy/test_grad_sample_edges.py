@@ -661,11 +661,28 @@ def test_a_subclass_that_overrides_forward_takes_the_exact_fallback(case):
         assert len(said) == 1 and "another forward" in said[0] and f"register_rule({type(layer).__qualname__})" in said[0]
 
 
-@pytest.mark.parametrize("case", ["replaced", "accelerate_hook"])
+class _Doubling:
+    """An accelerate ModelHook of a user's whose post_forward doubles the layer's output (built on import of accelerate)."""
+
+    @staticmethod
+    def make():
+        hooks = pytest.importorskip("accelerate.hooks")
+
+        class Doubling(hooks.ModelHook):
+            def post_forward(self, module, output):
+                return 2 * output
+
+        return Doubling()
+
+
+@pytest.mark.parametrize("case", ["replaced", "accelerate_hook", "accelerate_device_hook", "accelerate_user_hook",
+                                  "accelerate_sequential_with_user_hook"])
 def test_a_forward_set_on_the_instance_takes_the_exact_fallback(case):
     """An ``nn.Linear`` whose forward is replaced on the instance (here computing with twice its weight) takes the
     torch.func fallback, with a warning: its rule gave wrong norms before, and the engine's gradient check passed.
-    Accelerate's hooks, which wrap the class's own forward (kept as ``_old_forward``), keep the rule."""
+    Accelerate's device hooks (and its no-op base hook), which wrap the class's own forward (kept as
+    ``_old_forward``), keep the rule; a user's accelerate hook that changes the output (alone or in a
+    ``SequentialHook``) takes the fallback: the rule's formulas would describe the forward without the hook."""
     import types
 
     from lightning_dp.privacy.grad_sample.registry import rule_for
@@ -676,16 +693,25 @@ def test_a_forward_set_on_the_instance_takes_the_exact_fallback(case):
         layer.forward = types.MethodType(lambda self, x: F.linear(x, 2 * self.weight, self.bias), layer)
     else:
         hooks = pytest.importorskip("accelerate.hooks")
-        hooks.add_hook_to_module(layer, hooks.ModelHook())
+        hook = {"accelerate_hook": lambda: hooks.ModelHook(),
+                "accelerate_device_hook": lambda: hooks.AlignDevicesHook(execution_device="cpu", io_same_device=True),
+                "accelerate_user_hook": _Doubling.make,
+                "accelerate_sequential_with_user_hook": lambda: hooks.SequentialHook(
+                    hooks.AlignDevicesHook(execution_device="cpu"), _Doubling.make())}[case]()
+        hooks.add_hook_to_module(layer, hook)
     model, (x, y) = nn.Sequential(layer, nn.Tanh(), nn.Linear(6, 3)), _data(5)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _check(model, x, y)
     said = [str(w.message) for w in caught if "torch.func fallback" in str(w.message)]
-    assert type(rule_for(layer)) is (type(None) if case == "replaced" else LinearRule)
-    assert len(said) == (1 if case == "replaced" else 0)
-    if said:  # registering a rule for the type would not help here: the message says what would
+    keeps = case in ("accelerate_hook", "accelerate_device_hook")
+    assert type(rule_for(layer)) is (LinearRule if keeps else type(None))
+    assert len(said) == (0 if keeps else 1)
+    if case == "replaced":  # registering a rule for the type would not help here: the message says what would
         assert "set on the instance" in said[0] and "register_rule" not in said[0]
+    elif not keeps:
+        assert "Doubling" in said[0] or "SequentialHook" in said[0]
+        assert "device hooks" in said[0] and "register_rule" not in said[0]
 
 
 class _TwoSizes(nn.Module):

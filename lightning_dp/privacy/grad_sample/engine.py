@@ -247,15 +247,23 @@ class GradSampleEngine(BatchDimProbe):
                 withheld = withheld_rule(mod)
                 if withheld is not None and any(p.requires_grad for p in mod.parameters(recurse=False)):
                     parent, parent_rule = withheld[0].__name__, type(withheld[1])
-                    on_instance = withheld[2] == "instance"
-                    remedy = (f"If its forward computes what {parent}.forward does, keep the class's own forward (do "
-                              "not replace it on the instance)" if on_instance else
-                              f"If its forward computes what {parent}.forward does, register that rule for it: "
-                              f"register_rule({type(mod).__qualname__})({parent_rule.__name__}) "
-                              f"({parent_rule.__module__})")
+                    how = withheld[2]
+                    hook = type(getattr(mod, "_hf_hook", None)).__name__
+                    remedy = {
+                        "instance": f"If its forward computes what {parent}.forward does, keep the class's own "
+                                    "forward (do not replace it on the instance)",
+                        "hook": f"If the hook only moves or casts tensors, use accelerate's device hooks "
+                                "(AlignDevicesHook, CpuOffload) on this layer instead",
+                        "class": f"If its forward computes what {parent}.forward does, register that rule for it: "
+                                 f"register_rule({type(mod).__qualname__})({parent_rule.__name__}) "
+                                 f"({parent_rule.__module__})",
+                    }[how]
+                    reason = {"instance": "set on the instance",
+                              "hook": f"wrapped by accelerate's {hook}, which may change its inputs or output",
+                              "class": "its class overrides it"}[how]
                     warnings.warn(
                         f"layer {mod_name or type(mod).__name__} ({type(mod).__qualname__}) runs another forward than "
-                        f"{parent}.forward ({'set on the instance' if on_instance else 'its class overrides it'}), so "
+                        f"{parent}.forward ({reason}), so "
                         f"{parent_rule.__name__}, whose formulas are those of {parent}.forward, is not used for it: "
                         "its per-sample gradients come from the exact torch.func fallback (slower; it holds every "
                         f"example's gradient of the layer's parameters). {remedy}.", stacklevel=2)

@@ -180,7 +180,8 @@ def rule_for(module: nn.Module) -> LayerRule | None:
     """The rule of the most specific registered type in ``type(module)``'s MRO, or None.
 
     None also where ``type(module)`` overrides that type's ``forward`` (itself or through a class between them), or
-    where the instance's ``forward`` is replaced (``module.forward = f``; accelerate's device hooks excepted): a
+    where the instance's ``forward`` is replaced (``module.forward = f``, or wrapped by an accelerate hook other
+    than its device hooks; those are excepted): a
     rule's formulas are those of the registered type's forward, and a layer that computes otherwise (a
     weight-standardized convolution, a GroupNorm with another eps) would get per-sample gradients of a computation
     that did not run. Such a layer takes the exact fallback (``torch.func``); register the rule for the subclass
@@ -192,26 +193,47 @@ def rule_for(module: nn.Module) -> LayerRule | None:
 def _matched(module: nn.Module) -> tuple[type, LayerRule, str | None] | None:
     """The most specific registered type in ``type(module)``'s MRO, its rule, and why the rule is withheld (None:
     it is not; ``"class"``: ``type(module)`` overrides the type's ``forward``; ``"instance"``: the instance's
-    ``forward`` is replaced); None where no type is registered."""
+    ``forward`` is replaced; ``"hook"``: an accelerate hook other than its device hooks wraps it); None where no
+    type is registered."""
     found = _registered(type(module))
     if found is None:
         return None
     t, rule = found
     if getattr(type(module), "forward", None) is not getattr(t, "forward", None):
         return t, rule, "class"
-    return t, rule, "instance" if _forward_replaced(module) else None
+    return t, rule, _forward_replaced(module)
 
 
-def _forward_replaced(module: nn.Module) -> bool:
-    """Whether ``module.forward`` is replaced on the instance (``module.forward = f``: in its ``__dict__``) by
-    anything but accelerate's hooks around the class's own forward (which keep that forward, bound to the module,
-    as ``module._old_forward`` and only move tensors between devices around it)."""
+#: accelerate's hooks that only move tensors between devices around a forward (or do nothing: the base class)
+_DEVICE_HOOKS = frozenset({"AlignDevicesHook", "CpuOffload", "ModelHook"})
+
+
+def _device_hooks_only(hook: Any) -> bool:
+    """Whether ``hook`` (a module's ``_hf_hook``) is one of accelerate's device hooks, or a ``SequentialHook`` of them.
+    A subclass (a user's ``ModelHook`` whose ``pre_forward``/``post_forward`` may change the inputs or the output)
+    is not: its type is matched exactly."""
+    cls = type(hook)
+    if cls.__module__ != "accelerate.hooks":
+        return False
+    if cls.__name__ == "SequentialHook":
+        return all(_device_hooks_only(h) for h in getattr(hook, "hooks", ()))
+    return cls.__name__ in _DEVICE_HOOKS
+
+
+def _forward_replaced(module: nn.Module) -> str | None:
+    """How ``module.forward`` is replaced on the instance (in its ``__dict__``), or None where it is not or only
+    accelerate's device hooks wrap the class's own forward (they keep that forward, bound to the module, as
+    ``module._old_forward`` and only move tensors between devices around it): ``"hook"`` where another accelerate
+    hook wraps it (``LayerwiseCastingHook``, a user's ``ModelHook``: its ``pre_forward``/``post_forward`` may change
+    what the layer computes), ``"instance"`` for anything else (``module.forward = f``)."""
     own = vars(module)
     if "forward" not in own:
-        return False
+        return None
     old = own.get("_old_forward")
-    return not (getattr(old, "__self__", None) is module
-                and getattr(old, "__func__", None) is getattr(type(module), "forward", None))
+    if not (getattr(old, "__self__", None) is module
+            and getattr(old, "__func__", None) is getattr(type(module), "forward", None)):
+        return "instance"
+    return None if _device_hooks_only(own.get("_hf_hook")) else "hook"
 
 
 def _registered(cls: type) -> tuple[type, LayerRule] | None:
@@ -225,7 +247,8 @@ def _registered(cls: type) -> tuple[type, LayerRule] | None:
 
 def withheld_rule(module: nn.Module) -> tuple[type, LayerRule, str] | None:
     """The registered type and rule that :func:`rule_for` withholds from ``module`` because its forward is not that
-    type's, and why (``"class"``: its class overrides it; ``"instance"``: it is replaced on the instance); None where
+    type's, and why (``"class"``: its class overrides it; ``"instance"``: it is replaced on the instance; ``"hook"``:
+    an accelerate hook other than its device hooks wraps it); None where
     it gives the rule, or none is registered. The engine says so when it hooks the layer."""
     found = _matched(module)
     return None if found is None or found[2] is None else (found[0], found[1], found[2])
