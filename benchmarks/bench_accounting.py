@@ -1,5 +1,5 @@
 """Times the accountant's privacy loss distributions: dp-accounting's builders against lightning-dp's array forms
-(``lightning_dp/privacy/gaussian_pld.py``), in one process, and checks that they are the same distribution.
+(``lightning_dp/privacy/pld_arrays.py``), in one process, and checks that they are the same distribution.
 
 Each case builds the single step's distribution with the library's function and with ours, alternating, ``--repeats``
 times (median reported), then composes it ``steps`` times and finds epsilon at delta 1e-5 with the library's
@@ -21,7 +21,7 @@ import time
 import numpy as np
 from dp_accounting.pld import privacy_loss_distribution as library
 
-from lightning_dp.privacy import gaussian_pld as ours
+from lightning_dp.privacy import pld_arrays as ours
 from lightning_dp.privacy.accounting import PLDAccountant, binomial_sensitivities, clear_caches
 
 

@@ -25,10 +25,11 @@ from dp_accounting.privacy_accountant import NeighboringRelation
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from lightning_dp import checks
-from lightning_dp.privacy.gaussian_pld import (
+from lightning_dp.privacy.pld_arrays import (
     epsilon_for_delta,
     gaussian_pld,
     mixture_gaussian_pld,
+    self_compose,
     truncated_gaussian_pld,
 )
 from lightning_dp.privacy.noise import check_noise_multiplier
@@ -824,7 +825,7 @@ class PLDAccountant(Accountant):
                 value_discretization_interval=self.value_discretization_interval,
                 neighboring_relation=self.neighboring_relation,
             )
-        return self._single_step_pld(sigma, q).self_compose(n)
+        return self_compose(self._single_step_pld(sigma, q), n)
 
     def _composed_pld(self, history: tuple[HistoryEntry, ...]) -> privacy_loss_distribution.PrivacyLossDistribution:
         # The library folds identity.compose(e1).compose(e2)...; a cached prefix of that
@@ -931,7 +932,7 @@ class DisjointPairPLDAccountant(PLDAccountant):
                 standard_deviation=sigma / math.sqrt(n), pessimistic_estimate=True,
                 value_discretization_interval=self.value_discretization_interval,
                 neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE)
-        return self._single_step_pld(sigma, q).self_compose(n)
+        return self_compose(self._single_step_pld(sigma, q), n)
 
     def _coarse_kwargs(self) -> dict[str, Any] | None:
         return None  # not in ACCOUNTANTS: calibration's coarse search builds accountants by name

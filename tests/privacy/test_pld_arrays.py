@@ -8,9 +8,9 @@ import pytest
 from dp_accounting.pld import privacy_loss_distribution, privacy_loss_mechanism
 from dp_accounting.privacy_accountant import NeighboringRelation
 
-from lightning_dp.privacy import gaussian_pld as module
+from lightning_dp.privacy import pld_arrays as module
 from lightning_dp.privacy.accounting import PLDAccountant, binomial_sensitivities, clear_caches
-from lightning_dp.privacy.gaussian_pld import (
+from lightning_dp.privacy.pld_arrays import (
     _ArrayGaussianPrivacyLoss,
     _ArrayMixtureGaussianPrivacyLoss,
     _monotone_from_the_right,
@@ -306,3 +306,35 @@ def test_epsilon_for_delta_edges_match_the_loop():
             expected = _library_epsilon(pmf, delta)
             got = module._pmf_epsilon_for_delta(pmf, delta)
         assert got == expected or (math.isnan(got) and math.isnan(expected)), (pmf._probs[:5], delta)
+
+
+@pytest.mark.parametrize("num_times", [1, 2, 87, 1000])
+def test_self_compose_is_the_librarys_bit_for_bit(num_times):
+    for pld in (gaussian_pld(1.0, sampling_prob=64 / 1797, value_discretization_interval=1e-3),
+                gaussian_pld(2.0, sampling_prob=1.0, value_discretization_interval=1e-3),
+                truncated_gaussian_pld(dataset_size=1797, sampling_probability=64 / 1797, truncated_batch_size=100,
+                                       noise_multiplier=1.0, value_discretization_interval=1e-3),
+                mixture_gaussian_pld(1.5, *binomial_sensitivities(2, 0.02), value_discretization_interval=1e-3),
+                privacy_loss_distribution.identity(value_discretization_interval=1e-3)):
+        assert _fields(module.self_compose(pld, num_times)) == _fields(pld.self_compose(num_times))
+
+
+def test_logsumexp_is_scipys_bit_for_bit():
+    from scipy import special
+
+    rng = np.random.default_rng(11)
+    cases = []
+    for n in (1, 2, 10, 4097):
+        b = rng.exponential(size=n)
+        cases += [(rng.normal(size=n) * 30, b), (np.arange(n) * 0.37, b), (np.arange(n) * -1e-3, b / b.sum())]
+    zeros = np.zeros(5)
+    cases += [(np.arange(5.0), zeros),  # every weight 0: -inf
+              (np.array([0.0, 800.0, 800.0]), np.array([1.0, 2.0, 3.0])),  # a tie at the maximum
+              (np.array([1e308, -1e308, 0.0]), np.array([1.0, 1.0, 0.0])),
+              (np.array([-np.inf, 0.0]), np.array([1.0, 1.0])), (np.array([np.inf, 0.0]), np.array([1.0, 1.0])),
+              (np.array([1.0, 2.0]), np.array([1e-320, 1e-320])), (np.array([3.0, 1.0]), np.array([0.0, -0.0]))]
+    for a, b in cases:
+        with np.errstate(all="ignore"):
+            expected = special.logsumexp(a, b=b)
+            got = module._logsumexp(a, b)
+        assert np.float64(got).tobytes() == np.float64(expected).tobytes(), (a[:3], b[:3], got, expected)

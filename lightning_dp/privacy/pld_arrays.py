@@ -1,17 +1,25 @@
-"""The sampled Gaussian's privacy loss distribution: dp-accounting's, with its divergences evaluated on arrays.
+"""dp-accounting's privacy loss distributions (PLDs), built, composed and read with their loops on arrays.
 
-dp-accounting builds the PLD of the (Poisson-sampled) Gaussian mechanism by "connect the dots": the hockey-stick
-divergence ``delta(eps)`` at every grid point ``eps`` between the truncation bounds, about 77,000 points per
-direction at the default discretization 1e-4 for q = 0.004. ``AdditiveNoisePrivacyLoss.get_delta_for_epsilon``
-inverts the privacy loss one point at a time in a Python loop (``inverse_privacy_loss`` per epsilon): 0.2-0.8 s of
-the single step's PLD, which a short fit pays once for its final epsilon and a calibration once per noise level
-tried. The library offers no array form for the Gaussian, so :class:`_ArrayGaussianPrivacyLoss` writes one: the
-same operations in the same order (``log_a_times_exp_b_plus_c``, ``_log_sub``, the isclose tests and the bounds
-that raise), on numpy arrays. The deltas, and so the PLD, are bitwise the library's: :func:`gaussian_pld` checks a
-strided sample of every array against the library's scalar inverse and takes the library's own loop on any
-difference, and it is used only with the dp-accounting release it was written against
-(:data:`VERIFIED_DP_ACCOUNTING`); any other release builds with ``from_gaussian_mechanism`` itself. Tests compare
-every field of the PLDs with the library's (tests/privacy/test_gaussian_pld.py).
+Written by hand because the library has no array form of these steps and they are a private fit's largest fixed
+cost (docs/benchmarks.md, "The accountant's distributions on arrays"): dp-accounting builds the PLD of a
+(Poisson-sampled) Gaussian by "connect the dots", the hockey-stick divergence at every grid point between the
+truncation bounds (about 77,000 points per direction at the default discretization 1e-4), and
+
+- for the Gaussian inverts the privacy loss one point at a time in a Python loop (``inverse_privacy_loss`` per
+  epsilon: 0.2-0.8 s a single step): :func:`gaussian_pld`, :func:`truncated_gaussian_pld`;
+- for a user's records (the mixture of Gaussians) bisects recursively (a million calls, 7-9 s at 1e-4):
+  :func:`mixture_gaussian_pld`;
+- finds epsilon by a Python loop over the distribution: :func:`epsilon_for_delta`;
+- composes with Chernoff bounds computed by 40 ``scipy.special.logsumexp`` calls whose dispatch outweighs their
+  arithmetic at 1e-3: :func:`self_compose`.
+
+Each function performs the library's operations in the library's order on numpy arrays (the C library's
+``math.exp``/``math.log1p`` element by element where the library calls them: numpy's differ in the last bit on a few
+percent of inputs), so every field of every distribution, and every epsilon, is bit for bit the library's
+(tests/privacy/test_pld_arrays.py compares them). They run only with the dp-accounting release they were read from
+(:data:`VERIFIED_DP_ACCOUNTING`); any other release takes the library's own functions. A strided sample of every
+inverted array is also computed by the library's own scalar inverse or recursion, whose answer stands on any
+difference.
 """
 
 from __future__ import annotations
@@ -25,10 +33,10 @@ from typing import Any
 import numpy as np
 from dp_accounting.pld import pld_pmf, privacy_loss_distribution, privacy_loss_mechanism
 from dp_accounting.privacy_accountant import NeighboringRelation
-from scipy import stats
+from scipy import fft, stats
 
 __all__ = ["VERIFIED_DP_ACCOUNTING", "array_path_available", "epsilon_for_delta", "gaussian_pld",
-           "mixture_gaussian_pld", "truncated_gaussian_pld"]
+           "mixture_gaussian_pld", "self_compose", "truncated_gaussian_pld"]
 
 VERIFIED_DP_ACCOUNTING = frozenset({"0.6.0"})
 """dp-accounting releases whose ``get_delta_for_epsilon`` and inverse privacy losses the array form reproduces
@@ -419,3 +427,88 @@ def _epsilon_from_largest_loss(infinity_mass: float, upper_loss: float, step: fl
     if upper <= lower + delta:
         return 0
     return math.log((upper - delta) / lower)
+
+
+def self_compose(pld: privacy_loss_distribution.PrivacyLossDistribution, num_times: int,
+                 tail_mass_truncation: float = 1e-15) -> privacy_loss_distribution.PrivacyLossDistribution:
+    """``pld.self_compose(num_times)``: the same distribution, its truncation bounds found without scipy's
+    per-call overhead.
+
+    ``common.self_convolve`` bounds the composed distribution's support by Chernoff bounds at 40 orders, each a
+    ``scipy.special.logsumexp`` call whose array-API dispatch costs more than its arithmetic on the few thousand
+    entries of a distribution at 1e-3 (about 6 of the 8 ms of an interim epsilon's composition). :func:`_logsumexp`
+    performs scipy's operations in its order on numpy arrays; the FFT is the library's (``scipy.fft``, as it calls
+    it). Sparse PMFs and unverified releases take the library's method."""
+    if not array_path_available():
+        return pld.self_compose(num_times, tail_mass_truncation)
+    pmf_remove = _pmf_self_compose(pld._pmf_remove, num_times, tail_mass_truncation)
+    if pld._symmetric:
+        return privacy_loss_distribution.PrivacyLossDistribution(pmf_remove)
+    return privacy_loss_distribution.PrivacyLossDistribution(
+        pmf_remove, _pmf_self_compose(pld._pmf_add, num_times, tail_mass_truncation))
+
+
+def _pmf_self_compose(pmf: Any, num_times: int, tail_mass_truncation: float) -> Any:
+    if type(pmf) is not pld_pmf.DensePLDPmf:
+        return pmf.self_compose(num_times, tail_mass_truncation)
+    # DensePLDPmf.self_compose (0.6.0), line by line
+    if num_times <= 0:
+        raise ValueError(f"num_times should be >= 1, num_times={num_times}")
+    lower_loss = pmf._lower_loss * num_times
+    truncation_lower_bound, probs = _self_convolve(pmf._probs, num_times, tail_mass_truncation)
+    lower_loss += truncation_lower_bound
+    probs = np.array(probs)
+    inf_prob = (tail_mass_truncation - math.expm1(num_times * math.log1p(-pmf._infinity_mass)))
+    return pld_pmf.DensePLDPmf(pmf._discretization, lower_loss, probs, inf_prob, pmf._pessimistic_estimate)
+
+
+def _self_convolve(input_list: np.ndarray, num_times: int, tail_mass_truncation: float) -> tuple[int, np.ndarray]:
+    # common.self_convolve (0.6.0), line by line
+    truncation_lower_bound, truncation_upper_bound = _self_convolve_bounds(input_list, num_times,
+                                                                           tail_mass_truncation)
+    output_len = truncation_upper_bound - truncation_lower_bound + 1
+    fast_len = fft.next_fast_len(max(output_len, len(input_list)))
+    truncated_convolution_output = np.real(fft.ifft(fft.fft(input_list, fast_len) ** num_times))
+    return truncation_lower_bound, np.roll(truncated_convolution_output, -truncation_lower_bound)[:output_len]
+
+
+def _self_convolve_bounds(input_list: np.ndarray, num_times: int, tail_mass_truncation: float) -> tuple[int, int]:
+    # common.compute_self_convolve_bounds (0.6.0) with its default orders, line by line
+    upper_bound = (len(input_list) - 1) * num_times
+    lower_bound = 0
+    if tail_mass_truncation == 0:
+        return lower_bound, upper_bound
+    orders = np.concatenate((np.arange(-20, 0), np.arange(1, 21))) / len(input_list)
+    index = np.arange(len(input_list))
+    log_mgfs = [_logsumexp(index * order, input_list) for order in orders]
+    for order, log_mgf_value in zip(orders, log_mgfs):
+        bound = (num_times * log_mgf_value + math.log(2 / tail_mass_truncation)) / order
+        if not math.isfinite(bound):
+            continue
+        if order > 0:
+            upper_bound = min(upper_bound, math.ceil(bound))
+        if order < 0:
+            lower_bound = max(lower_bound, math.floor(bound))
+    return lower_bound, upper_bound
+
+
+def _logsumexp(a: np.ndarray, b: np.ndarray) -> Any:
+    """``scipy.special.logsumexp(a, b=b)`` of real 1-D float64 arrays: scipy's operations (``logsumexp`` and
+    ``_logsumexp`` of scipy 1.17) in its order, with its keepdims shapes, on numpy."""
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        masked = np.where(b == 0, -np.inf, a)  # xpx.at(a, b == 0).set(-inf, copy=True)
+        a_max = np.max(masked, axis=0, keepdims=True)
+        i_max = masked == a_max
+        masked[i_max] = -np.inf
+        m = np.sum(b * i_max.astype(masked.dtype), axis=0, keepdims=True, dtype=masked.dtype)
+        exp = b * np.exp(masked - a_max)
+        s = np.sum(exp, axis=0, keepdims=True, dtype=exp.dtype)
+        s = np.where(s == 0, s, s / m)
+        sgn = np.sign(s + 1) * np.sign(m)
+        s = np.where(s < -1, -s - 2, s)
+        m = np.abs(m)
+        out = np.log1p(s) + np.log(m) + a_max
+        out[sgn < 0] = np.nan
+        if not np.isfinite(out).all():  # logsumexp's fallback: the plain sum's log where the stable form is not finite
+            out = np.where(np.isfinite(out), out, np.log(np.sum(b * np.exp(a), axis=0, keepdims=True)))
+    return out[()] if out.ndim == 0 else out[0]
