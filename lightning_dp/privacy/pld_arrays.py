@@ -263,8 +263,10 @@ class _ArrayMixtureGaussianPrivacyLoss(privacy_loss_mechanism.MixtureGaussianPri
     def _inverse_privacy_losses_with_range(self, privacy_losses: Any, bounds: tuple[float, float],
                                            precision: float = 1e-6) -> Any:
         privacy_losses = np.asarray(privacy_losses)
-        if (len(privacy_losses) == 0 or not np.isfinite(bounds).all()
+        if (len(privacy_losses) <= _SPOT_CHECKS or not np.isfinite(bounds).all()
                 or self.adjacency_type not in (_Adjacency.ADD, _Adjacency.REMOVE)):
+            # a few losses (the privacy-buckets path inverts them a few at a time): the library's recursion is
+            # as fast and needs no check
             return self._library._inverse_privacy_losses_with_range(privacy_losses, bounds, precision)
         lower = np.full(len(privacy_losses), bounds[0])
         upper = np.full(len(privacy_losses), bounds[1])

@@ -180,14 +180,19 @@ def test_the_mixtures_bisection_is_the_librarys_tree_walked_by_rows(adjacency):
     assert (mine.get_delta_for_epsilon(epsilons).tobytes() == library.get_delta_for_epsilon(epsilons).tobytes())
     assert mine.array_path_used
     search = (-3.0, 2.5)
-    at_splits = np.sort(np.array([library.privacy_loss(x) for x in (-0.25, 0.0, 1.125, -1.6875)]))
-    for losses in (np.sort(np.linspace(-0.5, 0.5, 101)), np.array([-0.1, np.nan, 0.2]), at_splits):
+    # more losses than the spot checks (fewer go to the library's recursion directly), with NaN among them and
+    # losses exactly at split points of the search
+    at_splits = np.sort(np.repeat([library.privacy_loss(x) for x in (-0.25, 0.0, 1.125, -1.6875)], 30))
+    with_nan = np.linspace(-0.4, 0.4, 100)
+    with_nan[[3, 50, 99]] = np.nan
+    for losses in (np.sort(np.linspace(-0.5, 0.5, 101)), with_nan, at_splits):
         expected = library._inverse_privacy_losses_with_range(losses, search, 1e-6)
+        mine.array_path_used = False
         assert mine._inverse_privacy_losses_with_range(losses, search, 1e-6).tobytes() == expected.tobytes()
+        assert mine.array_path_used
     narrow = (0.1, 0.1 + 5e-7)
-    losses = np.array([-0.2, np.nan, 0.3])
-    assert (mine._inverse_privacy_losses_with_range(losses, narrow, 1e-6).tobytes()
-            == np.asarray(library._inverse_privacy_losses_with_range(losses, narrow, 1e-6)).tobytes())
+    assert (mine._inverse_privacy_losses_with_range(with_nan, narrow, 1e-6).tobytes()
+            == np.asarray(library._inverse_privacy_losses_with_range(with_nan, narrow, 1e-6)).tobytes())
 
 
 def _python_repair(deltas):
