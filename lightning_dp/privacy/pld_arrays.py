@@ -154,11 +154,13 @@ class _ArrayGaussianPrivacyLoss(privacy_loss_mechanism.GaussianPrivacyLoss):
             x = -privacy_loss * std ** 2 / s / 2
         else:
             log_alpha = 0.5 * (s / std) ** 2 + math.log1p(-q) - math.log(q)
-            zero = privacy_loss == 0
-            half = np.where(zero, 1.0, np.abs(privacy_loss) / 2)  # the library returns 0.0 at 0 before log_sinh
+            half = np.abs(privacy_loss) / 2
+            vanishing = half == 0  # log_sinh(0) is 0: privacy_loss 0 (answered 0.0 below) or +-5e-324 (halved to 0)
+            half = np.where(vanishing, 1.0, half)
             with np.errstate(all="ignore"):
-                # log_sinh(a) = a + log1p(-exp(-2 a)) - log(2); a > 0 here (a == 0 is privacy_loss == 0, below)
+                # log_sinh(a) = a + log1p(-exp(-2 a)) - log(2)
                 log_sinh = (half + _math_log1p(-_math_exp(-2 * half)).astype(float)) - math.log(2)
+                log_sinh = np.where(vanishing, 0.0, log_sinh)
                 # asinh_exp(log_sinh_term, b) with b = -sign(privacy_loss): |b| = 1, log(|b| e^a) = 0.0 + a
                 log_abs_b_times_exp_a = 0.0 + (log_alpha + log_sinh)
                 asinh = np.logaddexp(0.5 * np.logaddexp(0, 2 * log_abs_b_times_exp_a), log_abs_b_times_exp_a)
@@ -410,7 +412,9 @@ def _epsilon_from_largest_loss(infinity_mass: float, upper_loss: float, step: fl
         with np.errstate(all="ignore"):
             ratio = (u_before - delta) / l_before
             # np.log and math.log may differ in the last bit: candidates with a margin, then the loop's own test
-            maybe = (u_before > delta) & (l_before > 0) & (np.log(ratio) >= losses - 1e-9 * (1.0 + np.abs(losses)))
+            # (a ratio that underflows to 0 is a candidate: the loop's math.log(0.0) raises there)
+            maybe = (u_before > delta) & (l_before > 0) & (
+                (np.log(ratio) >= losses - 1e-9 * (1.0 + np.abs(losses))) | (ratio == 0))
         for i in np.flatnonzero(maybe):
             if math.log(float(ratio[i])) >= losses[i]:
                 stop = int(i)

@@ -234,13 +234,17 @@ class GradSampleEngine(BatchDimProbe):
             if id(mod) in seen_modules or any(_ancestor(c, mod_name) for c in claimed):
                 continue
             seen_modules.add(id(mod))
-            rule = None if parametrize.is_parametrized(mod) else rule_for(mod)
-            if parametrize.is_parametrized(mod):
+            rule = rule_for(mod)
+            if parametrize.is_parametrized(mod) or (rule is not None and rule.claims_subtree and any(
+                    parametrize.is_parametrized(m) for m in mod.modules())):
                 # A parametrized tensor (weight_norm, spectral_norm, orthogonal, ...) is computed from the
                 # parametrization's own parameters (parametrizations.<name>.original*) whenever the forward reads
-                # it: the layer's rule would give the gradient of the computed tensor, not of those parameters,
-                # and the parametrization is called without the batch. The module with its parametrizations is
-                # one layer of the exact fallback, which replays its forward (the parametrization included).
+                # it: the layer's rule (or the rule of an ancestor that claims it, as MultiheadAttention's claims
+                # out_proj) would give the gradient of the computed tensor, not of those parameters, and the
+                # parametrization is called without the batch. The module with its parametrizations is one layer
+                # of the exact fallback, which replays its forward (the parametrization included).
+                with _named(f"layer {mod_name or type(mod).__name__} ({type(mod).__name__})"):
+                    ParametrizedRule.check_module(mod)
                 rule = ParametrizedRule()
             elif rule is None:
                 rule = FunctorchRule()
@@ -252,7 +256,7 @@ class GradSampleEngine(BatchDimProbe):
                     remedy = {
                         "instance": f"If its forward computes what {parent}.forward does, keep the class's own "
                                     "forward (do not replace it on the instance)",
-                        "hook": f"If the hook only moves or casts tensors, use accelerate's device hooks "
+                        "hook": "If the hook only moves tensors between devices, use accelerate's device hooks "
                                 "(AlignDevicesHook, CpuOffload) on this layer instead",
                         "class": f"If its forward computes what {parent}.forward does, register that rule for it: "
                                  f"register_rule({type(mod).__qualname__})({parent_rule.__name__}) "

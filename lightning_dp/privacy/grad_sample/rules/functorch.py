@@ -12,11 +12,14 @@ masks again.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from lightning_dp.privacy.grad_sample.contributions import Dense
 from lightning_dp.privacy.grad_sample.registry import LayerRule, PerSampleGradientError
@@ -113,6 +116,40 @@ class ParametrizedRule(FunctorchRule):
 
     claims_subtree = True
 
+    @staticmethod
+    def check_module(module: nn.Module) -> None:
+        """Refuse, before any data, what the replay cannot compute: a recurrent layer with a parametrized weight
+        (torch.func cannot replay the fused recurrence per example)."""
+        for name, m in module.named_modules():
+            if isinstance(m, nn.RNNBase) and parametrize.is_parametrized(m):
+                tensors = ", ".join(getattr(m, "parametrizations", {}))
+                raise PerSampleGradientError(
+                    f"{name or type(m).__name__} ({type(m).__name__}) has a parametrized weight "
+                    f"({tensors}): the recurrent rule computes the gradients of the weights the "
+                    "recurrence reads, not of a parametrization's parameters, and the exact torch.func fallback "
+                    "cannot replay the fused recurrence per example. Remove the parametrization, freeze its "
+                    "parameters, or apply it outside the recurrent layer.")
+
+    @contextlib.contextmanager
+    def forward_context(self, module: nn.Module, extra: dict[str, Any]) -> Iterator[None]:
+        # spectral_norm in training moves its vectors at every read of the weight: a forward that reads it twice
+        # computed with two weights, of which the replay (with the vectors after the forward) knows only the last
+        reads: dict[int, int] = {}
+        handles = [p.register_forward_hook(lambda m, args, out: reads.__setitem__(id(m), reads.get(id(m), 0) + 1))
+                   for p in _spectral_norms(module) if p.training]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+        if any(count > 1 for count in reads.values()):
+            raise PerSampleGradientError(
+                f"{type(module).__name__}'s forward read a spectral_norm-parametrized weight {max(reads.values())} "
+                "times in training mode: each read moves the power iteration, so the reads used different weights, "
+                "which the per-sample replay cannot tell apart. Read the weight once per forward (w = self.weight), "
+                "run the forward inside torch.nn.utils.parametrize.cached(), or put the parametrization in eval "
+                "mode.")
+
     def after_call(self, module: nn.Module, args: Any, output: Any, extra: dict[str, Any]) -> None:
         extra["replay_state"] = {name: buf.detach().clone() for name, buf in _power_iteration_buffers(module)}
 
@@ -120,28 +157,29 @@ class ParametrizedRule(FunctorchRule):
         iterating = [p for p in _spectral_norms(layer.module) if p.training]
         for p in iterating:
             p.train(False)
+        # inside parametrize.cached() the tensor would be read from the cache (computed from the parameters, not
+        # from each example's replayed ones): the replay computes it afresh
+        caching, parametrize._cache_enabled = parametrize._cache_enabled, 0
         try:
             return super().contributions(layer, records, batch_size)
         finally:
+            parametrize._cache_enabled = caching
             for p in iterating:
                 p.train(True)
 
 
 def _spectral_norms(module: nn.Module) -> list[nn.Module]:
+    """The ``spectral_norm`` parametrizations of ``module`` and its descendants (a claimed subtree's too)."""
     from torch.nn.utils.parametrizations import _SpectralNorm
 
-    return [p for plist in getattr(module, "parametrizations", {}).values() for p in plist
-            if isinstance(p, _SpectralNorm)]
+    return [m for m in module.modules() if isinstance(m, _SpectralNorm)]
 
 
 def _power_iteration_buffers(module: nn.Module) -> list[tuple[str, Tensor]]:
-    """``(name in module, buffer)`` of the power-iteration vectors of its ``spectral_norm``s in training mode."""
+    """``(name in module, buffer)`` of the power-iteration vectors of the ``spectral_norm``s in training mode of
+    ``module`` and its descendants."""
     from torch.nn.utils.parametrizations import _SpectralNorm
 
-    found = []
-    for tensor_name, plist in getattr(module, "parametrizations", {}).items():
-        for i, p in enumerate(plist):
-            if isinstance(p, _SpectralNorm) and p.training:
-                found += [(f"parametrizations.{tensor_name}.{i}.{b}", getattr(p, b)) for b in ("_u", "_v")
-                          if isinstance(getattr(p, b, None), Tensor)]
-    return found
+    return [(f"{name}.{b}", getattr(m, b)) for name, m in module.named_modules()
+            if isinstance(m, _SpectralNorm) and m.training for b in ("_u", "_v")
+            if isinstance(getattr(m, b, None), Tensor)]
