@@ -302,3 +302,17 @@ def test_a_parametrized_recurrent_layer_is_refused_before_any_data():
     parametrize.register_parametrization(lstm, "weight_hh_l0", _Double())
     with pytest.raises(PerSampleGradientError, match="parametrized weight \\(weight_hh_l0\\)"):
         GradSampleEngine(nn.Sequential(lstm))
+
+
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
+def test_the_deprecated_hook_based_reparametrizations_are_refused_with_the_remedy(kind):
+    """torch.nn.utils.weight_norm / spectral_norm compute the weight in a forward pre-hook, outside the recorded
+    forward: refused when the engine is built, naming the parametrizations' version that works; frozen, accepted."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's deprecation warning for weight_norm
+        layer = getattr(torch.nn.utils, kind)(nn.Linear(5, 6))
+    with pytest.raises(PerSampleGradientError, match=f"deprecated torch.nn.utils.{kind}.*parametrizations.{kind}"):
+        GradSampleEngine(nn.Sequential(layer, nn.Linear(6, 3)))
+    for p in layer.parameters():
+        p.requires_grad_(False)
+    GradSampleEngine(nn.Sequential(layer, nn.Linear(6, 3))).remove()

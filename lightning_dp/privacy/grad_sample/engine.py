@@ -135,6 +135,28 @@ class _Layer:
         return f"layer {self.name} ({type(self.module).__name__})"
 
 
+def _refuse_hook_reparametrization(mod: nn.Module, mod_name: str) -> None:
+    """Refuse the deprecated hook-based ``torch.nn.utils.weight_norm`` / ``spectral_norm`` on trainable parameters
+    (before any data): their forward pre-hook computes the weight from ``weight_g``/``weight_v`` (``weight_orig``)
+    outside the forward the engine records, so those parameters' gradients could not be split by example."""
+    import importlib
+
+    kinds = {importlib.import_module("torch.nn.utils.weight_norm").WeightNorm: "weight_norm",
+             importlib.import_module("torch.nn.utils.spectral_norm").SpectralNorm: "spectral_norm"}
+    for hook in mod._forward_pre_hooks.values():
+        kind = next((k for cls, k in kinds.items() if isinstance(hook, cls)), None)
+        if kind is None:
+            continue
+        tensor: str = getattr(hook, "name", "weight")
+        names = [n for n, p in mod.named_parameters(recurse=False) if p.requires_grad and n.startswith(tensor)]
+        if names:
+            raise PerSampleGradientError(
+                f"layer {mod_name or type(mod).__name__} ({type(mod).__name__}) uses the deprecated "
+                f"torch.nn.utils.{kind}: a forward pre-hook computes {tensor!r} from {names}, outside the forward "
+                "whose per-sample gradients are recorded. Use torch.nn.utils.parametrizations."
+                f"{kind}(module), which lightning-dp supports exactly, or freeze {names}.")
+
+
 def _ancestor(a: str, b: str) -> bool:
     """Whether module name ``a`` is a strict ancestor of ``b`` ("" is the root)."""
     return a != b and (a == "" or b.startswith(a + "."))
@@ -234,6 +256,7 @@ class GradSampleEngine(BatchDimProbe):
             if id(mod) in seen_modules or any(_ancestor(c, mod_name) for c in claimed):
                 continue
             seen_modules.add(id(mod))
+            _refuse_hook_reparametrization(mod, mod_name)
             rule = rule_for(mod)
             if parametrize.is_parametrized(mod) or (rule is not None and rule.claims_subtree and any(
                     parametrize.is_parametrized(m) for m in mod.modules())):
