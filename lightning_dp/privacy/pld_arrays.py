@@ -35,16 +35,28 @@ from dp_accounting.pld import pld_pmf, privacy_loss_distribution, privacy_loss_m
 from dp_accounting.privacy_accountant import NeighboringRelation
 from scipy import fft, stats
 
-__all__ = ["VERIFIED_DP_ACCOUNTING", "array_path_available", "epsilon_for_delta", "gaussian_pld",
+__all__ = ["VERIFIED_DP_ACCOUNTING", "VERIFIED_SCIPY", "array_path_available", "epsilon_for_delta", "gaussian_pld",
            "mixture_gaussian_pld", "self_compose", "truncated_gaussian_pld"]
 
 VERIFIED_DP_ACCOUNTING = frozenset({"0.6.0"})
 """dp-accounting releases whose ``get_delta_for_epsilon`` and inverse privacy losses the array form reproduces
 (read from their source; a new release takes the library's own path until it is read and added here)."""
 
+VERIFIED_SCIPY = frozenset({"1.17.1"})
+"""scipy releases whose ``special.logsumexp`` :func:`_logsumexp` reproduces (:func:`self_compose` uses it only with
+these; any other release composes with the library's own ``self_compose``)."""
+
 _SPOT_CHECKS = 64  # library scalar inverses compared per array: about 0.3 ms against 20-100 ms of the build
 
 _Adjacency = privacy_loss_mechanism.AdjacencyType
+
+
+@functools.cache
+def _logsumexp_verified() -> bool:
+    try:
+        return metadata.version("scipy") in VERIFIED_SCIPY
+    except metadata.PackageNotFoundError:
+        return False
 
 
 @functools.cache
@@ -444,8 +456,9 @@ def self_compose(pld: privacy_loss_distribution.PrivacyLossDistribution, num_tim
     ``scipy.special.logsumexp`` call whose array-API dispatch costs more than its arithmetic on the few thousand
     entries of a distribution at 1e-3 (about 6 of the 8 ms of an interim epsilon's composition). :func:`_logsumexp`
     performs scipy's operations in its order on numpy arrays; the FFT is the library's (``scipy.fft``, as it calls
-    it). Sparse PMFs and unverified releases take the library's method."""
-    if not array_path_available():
+    it). Sparse PMFs and unverified releases (of dp-accounting, or of scipy: :data:`VERIFIED_SCIPY`) take the
+    library's method."""
+    if not (array_path_available() and _logsumexp_verified()):
         return pld.self_compose(num_times, tail_mass_truncation)
     pmf_remove = _pmf_self_compose(pld._pmf_remove, num_times, tail_mass_truncation)
     if pld._symmetric:

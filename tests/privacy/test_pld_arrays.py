@@ -344,3 +344,17 @@ def test_logsumexp_is_scipys_bit_for_bit():
             expected = special.logsumexp(a, b=b)
             got = module._logsumexp(a, b)
         assert np.float64(got).tobytes() == np.float64(expected).tobytes(), (a[:3], b[:3], got, expected)
+
+
+def test_an_unverified_scipy_composes_with_the_library(monkeypatch):
+    """self_compose's logsumexp reproduces one scipy release: with another, the library's own self_compose."""
+    pld = gaussian_pld(1.0, sampling_prob=0.02, value_discretization_interval=1e-3)
+    module._logsumexp_verified.cache_clear()
+    monkeypatch.setattr(module.metadata, "version", lambda name: "99.0.0" if name == "scipy" else "0.6.0")
+    calls = []
+    monkeypatch.setattr(module, "_pmf_self_compose", lambda *a: calls.append(a))
+    try:
+        composed = module.self_compose(pld, 10)
+    finally:
+        module._logsumexp_verified.cache_clear()
+    assert calls == [] and _fields(composed) == _fields(pld.self_compose(10))
