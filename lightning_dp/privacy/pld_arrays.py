@@ -51,6 +51,11 @@ _SPOT_CHECKS = 64  # library scalar inverses compared per array: about 0.3 ms ag
 _Adjacency = privacy_loss_mechanism.AdjacencyType
 
 
+def _spot_picks(n: int) -> np.ndarray:
+    """Indices of a strided sample of ``n`` elements (at most :data:`_SPOT_CHECKS`, the first and last included)."""
+    return np.unique(np.linspace(0, n - 1, min(_SPOT_CHECKS, n)).astype(np.int64))
+
+
 @functools.cache
 def _logsumexp_verified() -> bool:
     try:
@@ -73,9 +78,9 @@ def array_path_available() -> bool:
 class _ArrayGaussianPrivacyLoss(privacy_loss_mechanism.GaussianPrivacyLoss):
     """The library's ``GaussianPrivacyLoss`` whose ``get_delta_for_epsilon`` inverts the privacy loss on arrays.
 
-    Add and remove adjacency (any sampling probability); the replace relation and scalar queries take the
-    library's code. ``spot_checks`` of the inverses are compared with the library's scalar ``inverse_privacy_loss``
-    (bitwise; the same NaN positions); on a difference this object answers with the library's loop from then on.
+    Add, remove and replace adjacency (any sampling probability); scalar queries take the library's code. A strided
+    sample of the inverses is compared with the library's scalar ``inverse_privacy_loss`` (bitwise; the same NaN
+    positions); on a difference this object answers with the library's loop from then on.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -112,7 +117,7 @@ class _ArrayGaussianPrivacyLoss(privacy_loss_mechanism.GaussianPrivacyLoss):
     def _agrees_with_library(self, epsilons: np.ndarray, x_cutoffs: np.ndarray) -> bool:
         if len(epsilons) == 0:
             return True
-        picks = np.unique(np.linspace(0, len(epsilons) - 1, min(_SPOT_CHECKS, len(epsilons))).astype(np.int64))
+        picks = _spot_picks(len(epsilons))
         try:
             library = np.array([self.inverse_privacy_loss(eps) for eps in epsilons[picks]], dtype=float)
         except ValueError:
@@ -155,7 +160,6 @@ class _ArrayGaussianPrivacyLoss(privacy_loss_mechanism.GaussianPrivacyLoss):
             if add:
                 x = self.sensitivity + x
         return np.where(close, -math.inf if add else math.inf, x)
-
 
     def _inverse_replace(self, privacy_loss: np.ndarray) -> np.ndarray:
         # GaussianPrivacyLoss._inverse_privacy_loss_replace with common.log_sinh and common.asinh_exp inlined. They
@@ -302,8 +306,7 @@ class _ArrayMixtureGaussianPrivacyLoss(privacy_loss_mechanism.MixtureGaussianPri
             open_[index[~(below | above)]] = False  # NaN goes to neither half: the library leaves its 0
         # An element's path down the tree does not depend on the others: the library's recursion on a strided
         # sample gives those elements' inverses; on a difference the library's recursion answers for all
-        picks = np.unique(np.linspace(0, len(privacy_losses) - 1, min(_SPOT_CHECKS, len(privacy_losses)))
-                          .astype(np.int64))
+        picks = _spot_picks(len(privacy_losses))
         expected = np.asarray(self._library._inverse_privacy_losses_with_range(privacy_losses[picks], bounds,
                                                                                precision), dtype=float)
         if not np.array_equal(expected, output[picks], equal_nan=True):

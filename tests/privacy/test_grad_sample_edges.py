@@ -661,18 +661,15 @@ def test_a_subclass_that_overrides_forward_takes_the_exact_fallback(case):
         assert len(said) == 1 and "another forward" in said[0] and f"register_rule({type(layer).__qualname__})" in said[0]
 
 
-class _Doubling:
-    """An accelerate ModelHook of a user's whose post_forward doubles the layer's output (built on import of accelerate)."""
+def _doubling_hook():
+    """An accelerate ModelHook of a user's whose post_forward doubles the layer's output."""
+    hooks = pytest.importorskip("accelerate.hooks")
 
-    @staticmethod
-    def make():
-        hooks = pytest.importorskip("accelerate.hooks")
+    class Doubling(hooks.ModelHook):
+        def post_forward(self, module, output):
+            return 2 * output
 
-        class Doubling(hooks.ModelHook):
-            def post_forward(self, module, output):
-                return 2 * output
-
-        return Doubling()
+    return Doubling()
 
 
 @pytest.mark.parametrize("case", ["replaced", "accelerate_hook", "accelerate_device_hook", "accelerate_user_hook",
@@ -695,9 +692,9 @@ def test_a_forward_set_on_the_instance_takes_the_exact_fallback(case):
         hooks = pytest.importorskip("accelerate.hooks")
         hook = {"accelerate_hook": lambda: hooks.ModelHook(),
                 "accelerate_device_hook": lambda: hooks.AlignDevicesHook(execution_device="cpu", io_same_device=True),
-                "accelerate_user_hook": _Doubling.make,
+                "accelerate_user_hook": _doubling_hook,
                 "accelerate_sequential_with_user_hook": lambda: hooks.SequentialHook(
-                    hooks.AlignDevicesHook(execution_device="cpu"), _Doubling.make())}[case]()
+                    hooks.AlignDevicesHook(execution_device="cpu"), _doubling_hook())}[case]()
         hooks.add_hook_to_module(layer, hook)
     model, (x, y) = nn.Sequential(layer, nn.Tanh(), nn.Linear(6, 3)), _data(5)
     with warnings.catch_warnings(record=True) as caught:

@@ -18,6 +18,8 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.rnn import PackedSequence
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from lightning_dp.privacy.finite import non_finite
 from lightning_dp.privacy.grad_sample.contributions import (DEFAULT_INSTANTIATE_LIMIT, DEFAULT_KEEP_LIMIT,
@@ -139,10 +141,7 @@ def _refuse_hook_reparametrization(mod: nn.Module, mod_name: str) -> None:
     """Refuse the deprecated hook-based ``torch.nn.utils.weight_norm`` / ``spectral_norm`` on trainable parameters
     (before any data): their forward pre-hook computes the weight from ``weight_g``/``weight_v`` (``weight_orig``)
     outside the forward the engine records, so those parameters' gradients could not be split by example."""
-    import importlib
-
-    kinds = {importlib.import_module("torch.nn.utils.weight_norm").WeightNorm: "weight_norm",
-             importlib.import_module("torch.nn.utils.spectral_norm").SpectralNorm: "spectral_norm"}
+    kinds = {WeightNorm: "weight_norm", SpectralNorm: "spectral_norm"}
     for hook in mod._forward_pre_hooks.values():
         kind = next((k for cls, k in kinds.items() if isinstance(hook, cls)), None)
         if kind is None:
@@ -266,9 +265,7 @@ class GradSampleEngine(BatchDimProbe):
                 # out_proj) would give the gradient of the computed tensor, not of those parameters, and the
                 # parametrization is called without the batch. The module with its parametrizations is one layer
                 # of the exact fallback, which replays its forward (the parametrization included).
-                with _named(f"layer {mod_name or type(mod).__name__} ({type(mod).__name__})"):
-                    ParametrizedRule.check_module(mod)
-                rule = ParametrizedRule()
+                rule = ParametrizedRule()  # its check refuses what the replay cannot compute
             elif rule is None:
                 rule = FunctorchRule()
                 withheld = withheld_rule(mod)

@@ -20,6 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import _SpectralNorm
 
 from lightning_dp.privacy.grad_sample.contributions import Dense
 from lightning_dp.privacy.grad_sample.registry import LayerRule, PerSampleGradientError
@@ -116,10 +117,10 @@ class ParametrizedRule(FunctorchRule):
 
     claims_subtree = True
 
-    @staticmethod
-    def check_module(module: nn.Module) -> None:
+    def check(self, module: nn.Module, trainable: dict[str, nn.Parameter]) -> None:
         """Refuse, before any data, what the replay cannot compute: a recurrent layer with a parametrized weight
         (torch.func cannot replay the fused recurrence per example)."""
+        super().check(module, trainable)
         for name, m in module.named_modules():
             if isinstance(m, nn.RNNBase) and parametrize.is_parametrized(m):
                 tensors = ", ".join(getattr(m, "parametrizations", {}))
@@ -170,16 +171,12 @@ class ParametrizedRule(FunctorchRule):
 
 def _spectral_norms(module: nn.Module) -> list[nn.Module]:
     """The ``spectral_norm`` parametrizations of ``module`` and its descendants (a claimed subtree's too)."""
-    from torch.nn.utils.parametrizations import _SpectralNorm
-
     return [m for m in module.modules() if isinstance(m, _SpectralNorm)]
 
 
 def _power_iteration_buffers(module: nn.Module) -> list[tuple[str, Tensor]]:
     """``(name in module, buffer)`` of the power-iteration vectors of the ``spectral_norm``s in training mode of
     ``module`` and its descendants."""
-    from torch.nn.utils.parametrizations import _SpectralNorm
-
     return [(f"{name}.{b}", getattr(m, b)) for name, m in module.named_modules()
             if isinstance(m, _SpectralNorm) and m.training for b in ("_u", "_v")
             if isinstance(getattr(m, b, None), Tensor)]
