@@ -40,6 +40,15 @@ Usage:
 
 ``lightning_dp_compiled`` is ``lightning_dp_static`` with the private pass (norms, clip factors, mask, clipped sums,
 counts) as one ``torch.compile`` graph, as ``DPSGD(compile_step=True)`` runs it (compiled before the timing).
+
+``handwritten`` and ``handwritten_compiled`` (the digits MLP only) are floors, not methods a user can run: the same
+DP-SGD release (:func:`handwritten_release`, equal to lightning-dp's for the same noise: tests/test_benchmarks.py)
+written out for an MLP of linear layers and ReLUs under a cross-entropy loss, with no engine, no hook and no check:
+the forward, the pre-activations' gradients by hand, the norms, clip factors, clipped sums, the secret generator's
+noise and the update. ``handwritten`` runs it as eager PyTorch operators (what any eager private step on this model
+pays at least), ``handwritten_compiled`` as one ``torch.compile`` graph (forward, backward, norms, sums together;
+the noise drawn eagerly, as the compiled private pass draws it).
+    python benchmarks/bench_dp_step.py --model digits_mlp --methods nonprivate,lightning_dp,handwritten,handwritten_compiled
 """
 
 from __future__ import annotations
@@ -55,7 +64,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -64,9 +73,10 @@ from lightning_dp.privacy import GradSampleEngine, clip_factors, derive_generato
 
 SIGMA, C = 1.0, 1.0
 METHODS = ["nonprivate", "lightning_dp", "lightning_dp_static", "lightning_dp_compiled", "opacus_hooks", "opacus_ghost",
-           "torch_func"]
-#: what runs without --methods: not the compiled pass, whose compilation takes tens of seconds per model
-DEFAULT_METHODS = [m for m in METHODS if m != "lightning_dp_compiled"]
+           "torch_func", "handwritten", "handwritten_compiled"]
+#: what runs without --methods: not the compiled pass, whose compilation takes tens of seconds per model, nor the
+#: hand-written floors, which exist for the digits MLP only
+DEFAULT_METHODS = [m for m in METHODS if m not in ("lightning_dp_compiled", "handwritten", "handwritten_compiled")]
 
 #: ``lightning_dp_static``: the training set the batch is a Poisson sample of (MNIST's size), for the bound
 STATIC_DATASET_SIZE = 60_000
@@ -274,6 +284,51 @@ def count_ops(step, device: str, steps: int = 5) -> dict[str, float]:
     return counts
 
 
+def _mlp_layers(model: nn.Module) -> list[nn.Linear]:
+    """The linear layers of a ``net = nn.Sequential(Flatten, Linear, ReLU, ..., Linear)`` model, else ValueError."""
+    net = getattr(model, "net", None)
+    mods = list(net) if isinstance(net, nn.Sequential) else []
+    ok = (len(mods) >= 2 and isinstance(mods[0], nn.Flatten) and isinstance(mods[-1], nn.Linear)
+          and all(isinstance(m, nn.Linear if i % 2 else nn.ReLU) for i, m in enumerate(mods[1:], start=1)))
+    if not ok or any(m.bias is None for m in mods[1::2]):
+        raise ValueError("the hand-written floor covers an MLP written as net = nn.Sequential(nn.Flatten(), nn.Linear, "
+                         "nn.ReLU(), ..., nn.Linear) with biases (the digits MLP); pick --model digits_mlp")
+    return mods[1::2]
+
+
+def handwritten_release(weights: list[Tensor], x: Tensor, y: Tensor, noise: Tensor, clip: float,
+                        expected_batch_size: float) -> Tensor:
+    """The DP-SGD release of an MLP (``weights``: W_1, b_1, ..., W_L, b_L; ReLU between the layers) under the mean
+    cross-entropy, written out, flat: ``(sum_i min(1, C / (||g_i|| + 1e-6)) g_i + noise) / (q N)``.
+
+    Per example, the gradient of its own loss at the logits is ``softmax - onehot``; going back through a layer it is
+    multiplied by ``W`` and masked by the ReLU's (pre-activation > 0). Layer k's weight gradient is the outer product
+    of that gradient and the layer's input, so its squared norm is ``||g||^2 (||a||^2 + 1)`` with the bias, and the
+    clipped sum of a layer is one matrix product. No autograd: a function of tensors that ``torch.compile`` captures
+    whole."""
+    acts, pres = [x.flatten(1)], []
+    n_layers = len(weights) // 2
+    for k in range(n_layers):
+        pre = torch.addmm(weights[2 * k + 1], acts[-1], weights[2 * k].t())
+        if k < n_layers - 1:
+            pres.append(pre)
+            acts.append(torch.relu(pre))
+        else:
+            logits = pre
+    g = torch.softmax(logits, 1) - F.one_hot(y, logits.shape[1]).to(logits.dtype)
+    grads = [g]
+    for k in range(n_layers - 1, 0, -1):
+        g = (g @ weights[2 * k]) * (pres[k - 1] > 0)
+        grads.insert(0, g)
+    sq = sum(gk.square().sum(1) * (a.square().sum(1) + 1) for gk, a in zip(grads, acts))
+    factors = (clip / (sq.sqrt() + 1e-6)).clamp(max=1.0)
+    sums = []
+    for gk, a in zip(grads, acts):
+        scaled = gk * factors.unsqueeze(1)
+        sums += [(scaled.t() @ a).reshape(-1), scaled.sum(0)]
+    return (torch.cat(sums) + noise) / expected_batch_size
+
+
 def build(method: str, model_name: str, batch_size: int, device: str):
     """Returns a zero-argument function running one full training step of ``method`` on ``model_name``."""
     make_model, make_batch, _, per_example = MODELS[model_name]
@@ -350,6 +405,28 @@ def build(method: str, model_name: str, batch_size: int, device: str):
                                generator=derive_generator(0, 2, next(counter), device=device))
             for p, gr in zip(params, grads):
                 p.grad = gr
+            opt.step()
+        return step
+
+    if method in ("handwritten", "handwritten_compiled"):
+        if per_example is not _ce:
+            raise ValueError("the hand-written floor is written for the cross-entropy loss (the digits MLP)")
+        layers = _mlp_layers(model)
+        params = [t for layer in layers for t in (layer.weight, layer.bias)]
+        opt = torch.optim.SGD(params, lr=0.1)
+        sizes = [p.numel() for p in params]
+        release = torch.compile(handwritten_release, dynamic=False) if method == "handwritten_compiled" \
+            else handwritten_release
+        counter = iter(range(10**9))
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            noise = torch.randn(sum(sizes), generator=derive_generator(0, 2, next(counter), device=device),
+                                device=device).mul_(SIGMA * C)
+            with torch.no_grad():
+                flat = release([p.detach() for p in params], batch[0], batch[1], noise, C, float(batch_size))
+            for p, chunk in zip(params, flat.split(sizes)):
+                p.grad = chunk.view(p.shape)
             opt.step()
         return step
 

@@ -47,3 +47,52 @@ def test_the_accounting_benchmark_compares_equal_distributions(capsys):
     load("bench_accounting").main(["--interval", "1e-2", "--repeats", "1", "--no-fits"])
     out = capsys.readouterr().out
     assert out.count("equal)") == 4
+
+
+def test_the_handwritten_floor_releases_what_lightning_dp_releases():
+    """bench_dp_step.handwritten_release (the floor of the digits MLP's private step, written out with no engine) is
+    the DP-SGD release the engine computes, for the same noise: forward, the gradients by hand, norms, clipping, sums,
+    normalization. Float64, one and two hidden layers, a clipping norm that clips some examples and not others."""
+    import torch
+    from torch import nn
+
+    from lightning_dp.privacy import GradSampleEngine, clip_factors, derive_generator, noisy_mean
+
+    bench = load("bench_dp_step")
+    torch.manual_seed(0)
+    for hidden in ([128], [32, 16]):
+        widths = [64, *hidden, 10]
+        mods: list[nn.Module] = [nn.Flatten()]
+        for i, (a, b) in enumerate(zip(widths, widths[1:])):
+            mods += [nn.Linear(a, b)] + ([nn.ReLU()] if i < len(widths) - 2 else [])
+        model = nn.Module()
+        model.net = nn.Sequential(*mods).double()
+        model.forward = model.net.forward
+        x, y = torch.randn(24, 1, 8, 8, dtype=torch.float64), torch.randint(0, 10, (24,))
+        layers = bench._mlp_layers(model)
+        params = [t for layer in layers for t in (layer.weight, layer.bias)]
+        engine = GradSampleEngine(model)
+        engine.probe(lambda n: nn.functional.cross_entropy(model(x[:n]), y[:n]))
+        with engine.record(batch_size=24):
+            nn.functional.cross_entropy(model(x), y).backward()
+        norms = engine.per_sample_norms()
+        clip = float(norms.median())  # half the examples clipped
+        sums = engine.clipped_sum(clip_factors(norms, clip))
+        expected = torch.cat([g.reshape(-1) for g in noisy_mean(
+            sums, noise_multiplier=1.5, max_grad_norm=clip, expected_batch_size=20.0,
+            generator=derive_generator(0, 2, 7))])
+        noise = torch.randn(expected.numel(), generator=derive_generator(0, 2, 7), dtype=torch.float64).mul_(1.5 * clip)
+        got = bench.handwritten_release([p.detach() for p in params], x, y, noise, clip, 20.0)
+        assert torch.allclose(got, expected, rtol=1e-10, atol=1e-12)
+        engine.remove()
+
+
+def test_the_handwritten_floors_run_for_the_digits_mlp_only(capsys, tmp_path):
+    bench = load("bench_dp_step")
+    out = tmp_path / "floor.json"
+    bench.main(["--model", "digits_mlp", "--methods", "nonprivate,handwritten,handwritten_compiled", "--rounds", "1",
+                "--steps", "1", "--no-memory", "--threads", "1", "--json", str(out)])
+    assert not json.loads(out.read_text())["errors"]
+    bench.main(["--model", "mnist_cnn", "--batch-size", "8", "--methods", "nonprivate,handwritten", "--rounds", "1",
+                "--steps", "1", "--no-memory", "--threads", "1", "--json", str(out)])
+    assert "digits MLP" in json.loads(out.read_text())["errors"]["handwritten"]
