@@ -37,6 +37,7 @@ Usage:
     python benchmarks/bench_dp_step.py --model digits_mlp --methods nonprivate,lightning_dp --count-ops  # + op counts
     python benchmarks/bench_dp_step.py --methods nonprivate,lightning_dp,lightning_dp_static   # batches of one shape
     python benchmarks/bench_dp_step.py --methods nonprivate,lightning_dp_static,lightning_dp_compiled  # + compiled pass
+    python benchmarks/bench_dp_step.py --methods nonprivate,lightning_dp --parametrize weight_norm  # weight-normed layers
 
 ``lightning_dp_compiled`` is ``lightning_dp_static`` with the private pass (norms, clip factors, mask, clipped sums,
 counts) as one ``torch.compile`` graph, as ``DPSGD(compile_step=True)`` runs it (compiled before the timing).
@@ -77,6 +78,11 @@ METHODS = ["nonprivate", "lightning_dp", "lightning_dp_static", "lightning_dp_co
 #: what runs without --methods: not the compiled pass, whose compilation takes tens of seconds per model, nor the
 #: hand-written floors, which exist for the digits MLP only
 DEFAULT_METHODS = [m for m in METHODS if m not in ("lightning_dp_compiled", "handwritten", "handwritten_compiled")]
+
+#: ``--parametrize``: every linear layer and convolution of the model parametrized (``weight_norm`` or ``spectral_norm``
+#: from ``torch.nn.utils.parametrizations``), for the private and the plain step alike
+PARAMETRIZE: str | None = None
+PARAMETRIZATIONS = ("weight_norm", "spectral_norm")
 
 #: ``lightning_dp_static``: the training set the batch is a Poisson sample of (MNIST's size), for the bound
 STATIC_DATASET_SIZE = 60_000
@@ -284,6 +290,20 @@ def count_ops(step, device: str, steps: int = 5) -> dict[str, float]:
     return counts
 
 
+def _parametrized(model: nn.Module) -> nn.Module:
+    """``model`` with :data:`PARAMETRIZE` applied to every ``nn.Linear`` and convolution (none if it is None)."""
+    if PARAMETRIZE is None:
+        return model
+    from torch.nn.utils import parametrizations
+
+    apply = getattr(parametrizations, PARAMETRIZE)
+    for name, m in list(model.named_modules()):
+        if type(m) in (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d) and m.weight.requires_grad:
+            parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+            setattr(parent, name.rpartition(".")[2], apply(m))
+    return model
+
+
 def _mlp_layers(model: nn.Module) -> list[nn.Linear]:
     """The linear layers of a ``net = nn.Sequential(Flatten, Linear, ReLU, ..., Linear)`` model, else ValueError."""
     net = getattr(model, "net", None)
@@ -333,7 +353,7 @@ def build(method: str, model_name: str, batch_size: int, device: str):
     """Returns a zero-argument function running one full training step of ``method`` on ``model_name``."""
     make_model, make_batch, _, per_example = MODELS[model_name]
     torch.manual_seed(0)
-    model = make_model(opacus=method.startswith("opacus")).to(device).train()
+    model = _parametrized(make_model(opacus=method.startswith("opacus"))).to(device).train()
     batch = tuple(t.to(device) for t in make_batch(batch_size, torch.Generator().manual_seed(0)))
 
     def loss_of(m, b):
@@ -498,7 +518,7 @@ def breakdown(model_name: str, batch_size: int, device: str, rounds: int = 15, s
     can come out slightly negative in the noise)."""
     make_model, make_batch, _, per_example = MODELS[model_name]
     torch.manual_seed(0)
-    model = make_model().to(device).train()
+    model = _parametrized(make_model()).to(device).train()
     batch = tuple(t.to(device) for t in make_batch(batch_size, torch.Generator().manual_seed(0)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
@@ -653,6 +673,7 @@ def measure_memory(method: str, model_name: str, batch_size: int, device: str) -
 
 def peak_memory(method: str, model_name: str, batch_size: int, device: str) -> float | None:
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); import bench_dp_step as b; "
+            f"b.PARAMETRIZE = {PARAMETRIZE!r}; "
             f"print(b.measure_memory({method!r}, {model_name!r}, {batch_size}, {device!r}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if out.returncode != 0:
@@ -689,7 +710,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="system: the C allocator as it is (what a Lightning script gets); keep: glibc keeps "
                              "freed memory for the next step, as the lightning-dp commands set it "
                              "(lightning_dp.config.allocator; docs/benchmarks.md, '... and the C allocator')")
+    parser.add_argument("--parametrize", choices=PARAMETRIZATIONS,
+                        help="every nn.Linear and convolution of the model parametrized by "
+                             "torch.nn.utils.parametrizations.<this>, in every method (the plain step's too)")
     args = parser.parse_args(argv)
+    global PARAMETRIZE
+    PARAMETRIZE = args.parametrize
     if args.malloc == "keep":
         from lightning_dp.config.allocator import keep_freed_memory
 
@@ -718,7 +744,8 @@ def main(argv: list[str] | None = None) -> None:
     times, errors = time_all(methods, args.model, batch_size, args.rounds, args.steps, args.device, counts, clock)
     memory = {} if args.no_memory else {m: peak_memory(m, args.model, batch_size, args.device) for m in times}
     base = times["nonprivate"]
-    print(f"{args.model}, batch {batch_size}, device {args.device}, torch {torch.__version__}, threads "
+    print(f"{args.model}{f' ({PARAMETRIZE})' if PARAMETRIZE else ''}, batch {batch_size}, device {args.device}, "
+          f"torch {torch.__version__}, threads "
           f"{torch.get_num_threads()}, {args.rounds} rounds x {args.steps} steps, {args.clock} clock")
     keys = [k for k in ("aten", "aten_all", "kernels", "python") if counts and k in counts.get("nonprivate", {})]
     header = "".join(f" {k:>9}" for k in keys)

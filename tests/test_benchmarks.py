@@ -96,3 +96,15 @@ def test_the_handwritten_floors_run_for_the_digits_mlp_only(capsys, tmp_path):
     bench.main(["--model", "mnist_cnn", "--batch-size", "8", "--methods", "nonprivate,handwritten", "--rounds", "1",
                 "--steps", "1", "--no-memory", "--threads", "1", "--json", str(out)])
     assert "digits MLP" in json.loads(out.read_text())["errors"]["handwritten"]
+
+
+def test_the_step_benchmark_parametrizes_every_layer(capsys):
+    """--parametrize: the plain and the private step on the same weight-normed model."""
+    bench = load("bench_dp_step")
+    bench.main(["--model", "digits_mlp", "--methods", "nonprivate,lightning_dp", "--rounds", "1", "--steps", "1",
+                "--no-memory", "--threads", "1", "--parametrize", "weight_norm"])
+    assert "digits_mlp (weight_norm)" in capsys.readouterr().out
+    model = bench._parametrized(bench.DigitsMLP())
+    assert [n for n, _ in model.named_parameters()] == [
+        "net.1.bias", "net.1.parametrizations.weight.original0", "net.1.parametrizations.weight.original1",
+        "net.3.bias", "net.3.parametrizations.weight.original0", "net.3.parametrizations.weight.original1"]

@@ -2,6 +2,7 @@
 optimizer updates (the parametrizations' originals), exact against per-example autograd."""
 
 import copy
+import math
 import warnings
 
 import pytest
@@ -12,7 +13,7 @@ from torch.nn.utils import parametrizations, parametrize
 
 from lightning_dp.privacy.clipping import clip_factors
 from lightning_dp.privacy.grad_sample import GradSampleEngine, PerSampleGradientError
-from lightning_dp.privacy.grad_sample.rules.functorch import ParametrizedRule
+from lightning_dp.privacy.grad_sample.rules.parametrized import ParametrizedRule
 from tests.privacy.reference import per_example_gradients
 from tests.privacy.test_grad_sample_edges import _check, _data
 
@@ -91,15 +92,16 @@ def _randomize_power_iteration(layer):
     return sn
 
 
+@pytest.mark.parametrize("conv", [False, True], ids=["linear", "conv1d"])
 @pytest.mark.parametrize("calls", [1, 2])
-def test_spectral_norm_in_training_replays_each_calls_own_vectors(calls):
+def test_spectral_norm_in_training_replays_each_calls_own_vectors(calls, conv):
     """Each training forward moves spectral_norm's vectors one power iteration and divides by the norm they give.
-    The replay of each call must use that call's vectors and must not iterate again (which would change the
-    model's state against a non-private run). The reference: every example alone from the vectors the batch's
-    forward started with (the iteration does not depend on the input), so each call sees the same weight."""
+    The pull-back (or replay) of each call must use that call's vectors and must not iterate again (which would
+    change the model's state against a non-private run). The reference: every example alone from the vectors the
+    batch's forward started with (the iteration does not depend on the input), so each call sees the same weight."""
     torch.manual_seed(0)
-    layer = parametrizations.spectral_norm(nn.Linear(5, 5))
-    head = nn.Linear(5, 3)
+    layer = parametrizations.spectral_norm(nn.Conv1d(2, 2, 3, padding=1) if conv else nn.Linear(5, 5))
+    head = nn.Sequential(nn.Flatten(), nn.Linear(10 if conv else 5, 3))
 
     class Twice(nn.Module):
         def __init__(self):
@@ -112,7 +114,7 @@ def test_spectral_norm_in_training_replays_each_calls_own_vectors(calls):
             return self.head(x)
 
     model = Twice().double().train()
-    x, y = _data(5)
+    x, y = _data(*((2, 5) if conv else (5,)))
     x = x.double()
     engine = GradSampleEngine(model)
     engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
@@ -316,3 +318,232 @@ def test_the_deprecated_hook_based_reparametrizations_are_refused_with_the_remed
     for p in layer.parameters():
         p.requires_grad_(False)
     GradSampleEngine(nn.Sequential(layer, nn.Linear(6, 3))).remove()
+
+
+class _Twice(nn.Module):
+    """One weight-normed linear layer called on two inputs (two records of one layer; its bias its own)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = parametrizations.weight_norm(nn.Linear(5, 6))
+
+    def forward(self, x):
+        return self.fc(x) + torch.tanh(self.fc(2 * x))
+
+
+def _stacked():
+    layer = parametrizations.weight_norm(nn.Linear(5, 6))
+    parametrize.register_parametrization(layer, "weight", _Scaled())  # weight_norm, then a learned scale
+    return layer
+
+
+def _bias_only():
+    layer = nn.Linear(5, 6)
+    parametrize.register_parametrization(layer, "bias", _Scaled())
+    layer.weight.requires_grad_(False)
+    return layer
+
+
+CHAINED = {
+    "weight_norm, dim=1": (lambda: parametrizations.weight_norm(nn.Linear(5, 6), dim=1), (5,), 6),
+    "weight_norm, the whole tensor": (lambda: parametrizations.weight_norm(nn.Linear(5, 6), dim=None), (5,), 6),
+    "weight_norm on positions (B, T, d)": (
+        lambda: nn.Sequential(parametrizations.weight_norm(nn.Linear(5, 6)), nn.Flatten()), (4, 5), 24),
+    "weight_norm conv1d, dim=2": (lambda: nn.Sequential(parametrizations.weight_norm(nn.Conv1d(2, 3, 3), dim=2),
+                                                        nn.Flatten()), (2, 8), 18),
+    "weight_norm transposed conv": (lambda: nn.Sequential(parametrizations.weight_norm(nn.ConvTranspose2d(2, 3, 3,
+                                                          stride=2)), nn.Flatten()), (2, 3, 3), 147),
+    "spectral_norm conv, eval": (lambda: nn.Sequential(parametrizations.spectral_norm(nn.Conv2d(2, 4, 3)).eval(),
+                                                       nn.Flatten()), (2, 6, 6), 64),
+    "orthogonal, cayley": (lambda: parametrizations.orthogonal(nn.Linear(5, 5), orthogonal_map="cayley"), (5,), 5),
+    "two parametrizations stacked": (_stacked, (5,), 6),
+    "a parametrized bias, the weight frozen": (_bias_only, (5,), 6),
+    "one layer called twice": (_Twice, (5,), 6),
+}
+
+
+@pytest.mark.parametrize("name", CHAINED)
+def test_linear_and_conv_layers_are_chained_through_their_parametrizations(name, monkeypatch):
+    """A parametrized linear layer or convolution takes its own rule's per-sample gradients of the tensor it reads,
+    pulled back through the parametrizations, not the replay of the fallback (which would fail here): exact against
+    per-example autograd, with no warning (torch's "performance drop" of a batched weight_norm backward included)."""
+    from lightning_dp.privacy.grad_sample.rules import functorch
+
+    def no_replay(*args, **kwargs):
+        raise AssertionError("the fallback replayed a layer that its rule chains")
+
+    monkeypatch.setattr(functorch, "per_example_grads", no_replay)
+    make, shape, width = CHAINED[name]
+    torch.manual_seed(0)
+    model = nn.Sequential(make(), nn.Tanh(), nn.Linear(width, 3))
+    x, y = _data(*shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _check(model, x, y, train="eval" not in name)  # spectral_norm in training: the test above
+    engine = GradSampleEngine(model)
+    rules = [layer.rule for layer in engine.layers if isinstance(layer.rule, ParametrizedRule)]
+    assert rules and all(rule.inner is not None for rule in rules)
+    engine.remove()
+
+
+def test_what_the_chain_cannot_take_falls_back_exactly(monkeypatch):
+    """A parametrized layer of a type with no chained rule (a LayerNorm) takes the exact fallback; a linear layer is
+    chained whatever the engine's instantiate_limit (its rule's ghost norms, or instantiated gradients, pulled back)."""
+    from lightning_dp.privacy.grad_sample.rules import functorch
+
+    replayed = []
+    original = functorch.per_example_grads
+    monkeypatch.setattr(functorch, "per_example_grads",
+                        lambda layer, *a, **k: (replayed.append(layer.name), original(layer, *a, **k))[1])
+    torch.manual_seed(0)
+    norm = nn.LayerNorm(6)
+    parametrize.register_parametrization(norm, "weight", _Scaled())
+    model = nn.Sequential(parametrizations.weight_norm(nn.Linear(5, 6)), norm, nn.Tanh(), nn.Linear(6, 3)).double()
+    x, y = _data(5)
+    x = x.double()
+    params, ref = per_example_gradients(model, F.cross_entropy(model(x), y, reduction="none"))
+    for limit in (2**30, 8):
+        replayed.clear()
+        engine = GradSampleEngine(model, instantiate_limit=limit)
+        engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
+        with engine.record(batch_size=7):
+            F.cross_entropy(model(x), y).backward()
+        norms = engine.per_sample_norms()
+        engine.clear()
+        engine.remove()
+        torch.testing.assert_close(norms, ref.norm(dim=1), rtol=1e-6, atol=1e-9)
+        assert sorted(set(replayed)) == ["1"]
+
+
+class _Closed(nn.Module):
+    """Every closed-form pull-back: weight_norm and spectral_norm (eval) on a linear layer of vectors (the factored
+    statistics) and on convolutions (the instantiated ones), beside a plain bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv_wn = parametrizations.weight_norm(nn.Conv1d(2, 3, 3, padding=1))
+        self.conv_sn = parametrizations.spectral_norm(nn.Conv1d(3, 3, 3, padding=1))
+        self.fc_wn = parametrizations.weight_norm(nn.Linear(15, 6))
+        self.fc_sn = parametrizations.spectral_norm(nn.Linear(6, 3))
+
+    def forward(self, x):
+        h = torch.tanh(self.conv_sn(torch.tanh(self.conv_wn(x))))
+        return self.fc_sn(torch.tanh(self.fc_wn(h.flatten(1))))
+
+
+def _closed_model():
+    torch.manual_seed(0)
+    model = _Closed().double().eval()
+    for sn in _spectral(model):
+        _randomize_power_iteration_of(sn)
+    return model
+
+
+def _spectral(model):
+    return [m for m in model.modules() if isinstance(m, parametrizations._SpectralNorm)]
+
+
+def _randomize_power_iteration_of(sn):
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        sn._u.copy_(F.normalize(torch.randn(sn._u.shape, generator=g, dtype=sn._u.dtype), dim=0))
+        sn._v.copy_(F.normalize(torch.randn(sn._v.shape, generator=g, dtype=sn._v.dtype), dim=0))
+
+
+def test_closed_form_pullbacks_take_no_batched_pull_back_and_are_exact(monkeypatch):
+    from lightning_dp.privacy.grad_sample.rules import parametrized
+
+    def no_batched(*args, **kwargs):
+        raise AssertionError("a closed-form parametrization was pulled back by torch.func")
+
+    monkeypatch.setattr(parametrized, "_pull_back", no_batched)
+    model = _closed_model()
+    x, y = _data(2, 5)
+    _check(model, x, y, train=False)
+
+
+def test_closed_form_pullbacks_of_users_equal_the_naive_per_user_means():
+    """group_norms (user-level DP-SGD): a user's gradient is the mean of its examples', pulled back likewise."""
+    from tests.privacy.test_group_norms import _check as check_groups
+
+    model = _closed_model()
+    x, _ = _data(2, 5)
+    for sizes in ([3, 1, 2, 1], [7]):
+        check_groups(model, lambda m, inputs: F.cross_entropy(m(inputs), torch.zeros(inputs.shape[0], dtype=torch.long)),
+                     x.double(), sizes)
+
+
+def test_closed_form_pullbacks_drop_a_non_finite_example():
+    """An example whose gradient is not finite: norm +inf, nothing in the clipped sum; the others exact."""
+    model = _closed_model()
+    x, y = _data(2, 5)
+    x = x.double()
+    x[3, 0, 2] = float("nan")
+    keep = [i for i in range(7) if i != 3]
+    params, ref = per_example_gradients(model, F.cross_entropy(model(x[keep]), y[keep], reduction="none"))
+    engine = GradSampleEngine(model)
+    engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
+    with engine.record(batch_size=7):
+        F.cross_entropy(model(x), y).backward()
+    norms = engine.per_sample_norms()
+    assert engine.dropped == 1 and math.isinf(norms[3])
+    factors = clip_factors(norms, 0.5)
+    summed = engine.clipped_sum(factors)
+    order = {id(p): i for i, p in enumerate(engine.parameters)}
+    engine.remove()
+    torch.testing.assert_close(norms[keep], ref.norm(dim=1), rtol=1e-6, atol=1e-9)
+    flat = torch.cat([summed[order[id(p)]].reshape(-1) for p in params])
+    torch.testing.assert_close(flat, (factors[keep, None] * ref).sum(0), rtol=1e-6, atol=1e-9)
+
+
+def test_closed_form_pullbacks_instantiate_what_autograd_gives():
+    """Pulled.dense (a tied parameter's cross terms read it): every example's gradient of every original."""
+    from lightning_dp.privacy.grad_sample.rules.parametrized import Pulled
+
+    model = _closed_model()
+    x, y = _data(2, 5)
+    x = x.double()
+    params, ref = per_example_gradients(model, F.cross_entropy(model(x), y, reduction="none"))
+    engine = GradSampleEngine(model)
+    engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
+    with engine.record(batch_size=7):
+        F.cross_entropy(model(x), y).backward()
+    engine.per_sample_norms()
+    start, checked = 0, 0
+    for p in params:
+        (c,) = engine._contributions[id(p)]
+        if isinstance(c, Pulled):
+            torch.testing.assert_close(c.dense().reshape(7, -1) * 7, ref[:, start:start + p.numel()],
+                                       rtol=1e-6, atol=1e-9)
+            checked += 1
+        start += p.numel()
+    engine.remove()
+    assert checked == 6  # g and v of two weight_norms, the original of two spectral_norms (the biases are plain)
+
+
+def test_closed_form_pullbacks_in_the_fused_pass_compile_once():
+    """The compiled private pass (DPSGD(compile_step=...)) over closed-form pull-backs: the naive sums and norms,
+    captured once over several steps."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from lightning_dp.callbacks.private_step import compiled_pass, fused_pass
+    from tests.privacy.test_fused_pass import run
+
+    model = _closed_model()
+    x, y = _data(2, 5)
+    x = x.double()
+    params, ref = per_example_gradients(model, F.cross_entropy(model(x), y, reduction="none"))
+    engine = GradSampleEngine(model)
+    engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
+    counter = CompileCounterWithBackend("eager")
+    compiled = compiled_pass({"backend": counter})
+    for step in range(3):
+        norms, sums, _ = run(engine, model, x, y, compiled if step else fused_pass, 0.5)
+        factors = clip_factors(ref.norm(dim=1), 0.5)
+        factors[-1] = 0
+        order = {id(p): i for i, p in enumerate(engine.parameters)}
+        flat = torch.cat([sums[order[id(p)]].reshape(-1) for p in params])
+        torch.testing.assert_close(norms, ref.norm(dim=1), rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(flat, (factors[:, None] * ref).sum(0), rtol=1e-9, atol=1e-12)
+    assert counter.frame_count == 1
+    engine.remove()

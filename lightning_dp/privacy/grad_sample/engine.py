@@ -229,7 +229,8 @@ class GradSampleEngine(BatchDimProbe):
 
     def __init__(self, module: nn.Module, *, instantiate_limit: int = DEFAULT_INSTANTIATE_LIMIT,
                  keep_buffers: bool = False, keep_limit: int = DEFAULT_KEEP_LIMIT) -> None:
-        from lightning_dp.privacy.grad_sample.rules.functorch import FunctorchRule, ParametrizedRule
+        from lightning_dp.privacy.grad_sample.rules.functorch import FunctorchRule
+        from lightning_dp.privacy.grad_sample.rules.parametrized import ParametrizedRule
 
         self.module = module
         self.instantiate_limit = int(instantiate_limit)
@@ -264,8 +265,11 @@ class GradSampleEngine(BatchDimProbe):
                 # it: the layer's rule (or the rule of an ancestor that claims it, as MultiheadAttention's claims
                 # out_proj) would give the gradient of the computed tensor, not of those parameters, and the
                 # parametrization is called without the batch. The module with its parametrizations is one layer
-                # of the exact fallback, which replays its forward (the parametrization included).
-                rule = ParametrizedRule()  # its check refuses what the replay cannot compute
+                # of its own: a linear layer or a convolution chained through its parametrizations (its rule's
+                # per-sample gradients of the tensor it reads, pulled back), anything else the exact fallback, which
+                # replays its forward (the parametrization included).
+                rule = ParametrizedRule(rule if parametrize.is_parametrized(mod) else None)  # its check refuses
+                # what neither can compute
             elif rule is None:
                 rule = FunctorchRule()
                 withheld = withheld_rule(mod)

@@ -7,5 +7,6 @@ from lightning_dp.privacy.grad_sample.rules import (  # noqa: F401  (registratio
     functorch,
     linear,
     norms,
+    parametrized,
     recurrent,
 )

@@ -12,20 +12,16 @@ masks again.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
-from torch.nn.utils import parametrize
-from torch.nn.utils.parametrizations import _SpectralNorm
 
 from lightning_dp.privacy.grad_sample.contributions import Dense
 from lightning_dp.privacy.grad_sample.registry import LayerRule, PerSampleGradientError
 
-__all__ = ["FunctorchRule", "ParametrizedRule", "per_example_grads"]
+__all__ = ["FunctorchRule", "check_buffers_unchanged", "per_example_grads"]
 
 
 def _unsqueeze(tree: Any, dims: Any) -> Any:
@@ -85,15 +81,21 @@ def per_example_grads(layer, records, batch_size: int) -> dict[str, Tensor]:
                     "(lightning_dp.privacy.grad_sample.register_rule).") from err
             for n, g in grads.items():
                 total[n] = g if n not in total else total[n] + g
+    check_buffers_unchanged(layer, module, versions)
+    return total
+
+
+def check_buffers_unchanged(layer: Any, module: nn.Module, versions: dict[str, int]) -> None:
+    """Raises if a buffer of ``module`` changed since ``versions`` (its buffers' version counters before a replay):
+    the replay ran state updates of the forward again (a running statistic, a counter, ...)."""
     changed = [n for n, b in module.named_buffers() if n in versions and b._version != versions[n]]
-    if changed:  # the replay ran state updates of the forward again (a running statistic, a counter, ...)
+    if changed:
         raise PerSampleGradientError(
             f"{layer.name} ({type(module).__name__}) changes its buffers {changed} when its forward runs: the "
             "torch.func replay that computes its per-sample gradients ran that update again, so the model's state "
             "now differs from a non-private run, and the replayed forward may not be the one that ran. Make the "
             "forward leave its buffers alone in training (or update them outside it), freeze this module, or "
             "register a rule for it (lightning_dp.privacy.grad_sample.register_rule).")
-    return total
 
 
 class FunctorchRule(LayerRule):
@@ -101,82 +103,3 @@ class FunctorchRule(LayerRule):
 
     def contributions(self, layer, records, batch_size):
         return {n: Dense(g) for n, g in per_example_grads(layer, records, batch_size).items()}
-
-
-class ParametrizedRule(FunctorchRule):
-    """A module with parametrized tensors (``torch.nn.utils.parametrize``: ``weight_norm``, ``orthogonal``,
-    ``spectral_norm``, a user's parametrization): the fallback over the module and its parametrizations.
-
-    Its trainable parameters are the module's own and its parametrizations' (``parametrizations.weight.original0``,
-    ...), which the forward turns into the tensor it reads; the replay computes that tensor again from them, so the
-    per-sample gradients are those of the parameters the optimizer updates. ``spectral_norm`` in training mode
-    updates its power-iteration vectors in place in each forward, then divides by the norm they give: each call's
-    vectors are kept after its forward (:meth:`after_call`) and the replay of that call divides by them without
-    iterating again (the parametrization in eval mode meanwhile). Any other parametrization that changes its
-    buffers in its forward is refused by the fallback's check after the replay."""
-
-    claims_subtree = True
-
-    def check(self, module: nn.Module, trainable: dict[str, nn.Parameter]) -> None:
-        """Refuse, before any data, what the replay cannot compute: a recurrent layer with a parametrized weight
-        (torch.func cannot replay the fused recurrence per example)."""
-        super().check(module, trainable)
-        for name, m in module.named_modules():
-            if isinstance(m, nn.RNNBase) and parametrize.is_parametrized(m):
-                tensors = ", ".join(getattr(m, "parametrizations", {}))
-                raise PerSampleGradientError(
-                    f"{name or type(m).__name__} ({type(m).__name__}) has a parametrized weight "
-                    f"({tensors}): the recurrent rule computes the gradients of the weights the "
-                    "recurrence reads, not of a parametrization's parameters, and the exact torch.func fallback "
-                    "cannot replay the fused recurrence per example. Remove the parametrization, freeze its "
-                    "parameters, or apply it outside the recurrent layer.")
-
-    @contextlib.contextmanager
-    def forward_context(self, module: nn.Module, extra: dict[str, Any]) -> Iterator[None]:
-        # spectral_norm in training moves its vectors at every read of the weight: a forward that reads it twice
-        # computed with two weights, of which the replay (with the vectors after the forward) knows only the last
-        reads: dict[int, int] = {}
-        handles = [p.register_forward_hook(lambda m, args, out: reads.__setitem__(id(m), reads.get(id(m), 0) + 1))
-                   for p in _spectral_norms(module) if p.training]
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
-        if any(count > 1 for count in reads.values()):
-            raise PerSampleGradientError(
-                f"{type(module).__name__}'s forward read a spectral_norm-parametrized weight {max(reads.values())} "
-                "times in training mode: each read moves the power iteration, so the reads used different weights, "
-                "which the per-sample replay cannot tell apart. Read the weight once per forward (w = self.weight), "
-                "run the forward inside torch.nn.utils.parametrize.cached(), or put the parametrization in eval "
-                "mode.")
-
-    def after_call(self, module: nn.Module, args: Any, output: Any, extra: dict[str, Any]) -> None:
-        extra["replay_state"] = {name: buf.detach().clone() for name, buf in _power_iteration_buffers(module)}
-
-    def contributions(self, layer, records, batch_size):
-        iterating = [p for p in _spectral_norms(layer.module) if p.training]
-        for p in iterating:
-            p.train(False)
-        # inside parametrize.cached() the tensor would be read from the cache (computed from the parameters, not
-        # from each example's replayed ones): the replay computes it afresh
-        caching, parametrize._cache_enabled = parametrize._cache_enabled, 0
-        try:
-            return super().contributions(layer, records, batch_size)
-        finally:
-            parametrize._cache_enabled = caching
-            for p in iterating:
-                p.train(True)
-
-
-def _spectral_norms(module: nn.Module) -> list[nn.Module]:
-    """The ``spectral_norm`` parametrizations of ``module`` and its descendants (a claimed subtree's too)."""
-    return [m for m in module.modules() if isinstance(m, _SpectralNorm)]
-
-
-def _power_iteration_buffers(module: nn.Module) -> list[tuple[str, Tensor]]:
-    """``(name in module, buffer)`` of the power-iteration vectors of the ``spectral_norm``s in training mode of
-    ``module`` and its descendants."""
-    return [(f"{name}.{b}", getattr(m, b)) for name, m in module.named_modules()
-            if isinstance(m, _SpectralNorm) and m.training for b in ("_u", "_v")
-            if isinstance(getattr(m, b, None), Tensor)]

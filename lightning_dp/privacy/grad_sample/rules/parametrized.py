@@ -1,0 +1,508 @@
+"""Layers with parametrized tensors (``torch.nn.utils.parametrize``: ``weight_norm``, ``spectral_norm``,
+``orthogonal``, a user's parametrization).
+
+The optimizer updates the parametrizations' originals ``theta`` (``parametrizations.weight.original0``, ...); the
+layer reads the tensor ``W = P(theta)`` they compute. Per example, ``dtheta_b = J_P(theta)^T dW_b``: the chain rule
+through a map that does not depend on the example. So a parametrized ``nn.Linear`` or convolution gets ``dW_b`` from
+its own rule (the layer's records, no replay of the layer) and pulls every example's ``dW_b`` back through ``P`` with
+one batched vector-Jacobian product of the parametrization alone (``torch.func.vmap`` over ``torch.func.vjp``):
+the layer's step at its rule's price plus one pass over the per-example gradients (written here because neither
+torch.func nor Opacus composes a layer rule with a parametrization). Any other parametrized module, and inputs
+shared by all examples, take the exact fallback over the module and its parametrizations, as before.
+
+Two parametrizations have a pull-back in closed form, which needs no per-example gradient of the originals:
+``weight_norm`` (:class:`_WeightNormPullback`) and ``spectral_norm`` (:class:`_SpectralPullback`); their per-example
+norms come from a few per-example inner products of ``dW_b`` with fixed tensors (from the layer's factors where it
+has them: no per-example gradient at all), their clipped sums from the rule's clipped sum of ``dW_b``, pulled back
+once (``J^T`` is linear).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import _SpectralNorm, _WeightNorm
+
+from lightning_dp.privacy.grad_sample.contributions import Contribution, Dense, Factored, Groups
+from lightning_dp.privacy.grad_sample.registry import LayerRule, PerSampleGradientError
+from lightning_dp.privacy.grad_sample.rules.conv import ConvRule, ConvTransposeRule
+from lightning_dp.privacy.grad_sample.rules.functorch import FunctorchRule, check_buffers_unchanged
+from lightning_dp.privacy.grad_sample.rules.linear import LinearRule, TransposedLinearRule
+
+__all__ = ["ParametrizedRule", "CHAINED_RULES"]
+
+#: The rules whose per-sample gradients of the tensors a layer reads come from the layer's records and its
+#: hyperparameters alone (never the values of its weights, which a parametrization computes): a parametrized layer
+#: of theirs is chained through its parametrizations. Exact types: a user's subclass of one may read more.
+CHAINED_RULES = (LinearRule, TransposedLinearRule, ConvRule, ConvTransposeRule)
+
+_PREFIX = "parametrizations."
+
+
+class ParametrizedRule(FunctorchRule):
+    """A module with parametrized tensors: its own rule chained through the parametrizations (``inner``: a rule of
+    :data:`CHAINED_RULES` for the module's type), else the exact fallback over the module and its parametrizations.
+
+    Its trainable parameters are the module's own and its parametrizations' (``parametrizations.weight.original0``,
+    ...), which the forward turns into the tensor it reads; the per-sample gradients are those of the parameters the
+    optimizer updates. ``spectral_norm`` in training mode updates its power-iteration vectors in place in each
+    forward, then divides by the norm they give: each call's vectors are kept after its forward (:meth:`after_call`)
+    and the pull-back (or the replay) of that call divides by them without iterating again (the parametrization in
+    eval mode meanwhile). A parametrization that changes its buffers when it runs is refused after the step's
+    computation, as the fallback refuses it."""
+
+    claims_subtree = True
+
+    def __init__(self, inner: LayerRule | None = None) -> None:
+        self.inner = inner if type(inner) in CHAINED_RULES else None
+
+    def check(self, module: nn.Module, trainable: dict[str, nn.Parameter]) -> None:
+        """Refuse, before any data, what neither path can compute: a recurrent layer with a parametrized weight
+        (the recurrent rule gives the gradient of the weight the recurrence reads; torch.func cannot replay the fused
+        recurrence per example). The chain is kept for a module whose parameters are its own and its
+        parametrizations' (nothing else in its subtree) and that its rule accepts."""
+        super().check(module, trainable)
+        for name, m in module.named_modules():
+            if isinstance(m, nn.RNNBase) and parametrize.is_parametrized(m):
+                tensors = ", ".join(getattr(m, "parametrizations", {}))
+                raise PerSampleGradientError(
+                    f"{name or type(m).__name__} ({type(m).__name__}) has a parametrized weight "
+                    f"({tensors}): the recurrent rule computes the gradients of the weights the "
+                    "recurrence reads, not of a parametrization's parameters, and the exact torch.func fallback "
+                    "cannot replay the fused recurrence per example. Remove the parametrization, freeze its "
+                    "parameters, or apply it outside the recurrent layer.")
+        if self.inner is None:
+            return
+        children = {name for name, _ in module.named_children()}
+        if not parametrize.is_parametrized(module) or children != {"parametrizations"}:
+            self.inner = None
+            return
+        try:
+            self.inner.check(module, _inner_trainable(module, trainable))
+        except PerSampleGradientError:
+            self.inner = None  # the fallback computes it, or refuses it with its own reason
+
+    def check_dims(self, module: nn.Module, inputs: Any, outputs: Any, broadcast: bool) -> None:
+        """The layouts the chained rule refuses (a convolution's batch elsewhere than dimension 0) take the
+        fallback, which handles any."""
+        check = getattr(self.inner, "check_dims", None)
+        if check is not None:
+            try:
+                check(module, inputs, outputs, broadcast)
+            except PerSampleGradientError:
+                self.inner = None
+
+    @contextlib.contextmanager
+    def forward_context(self, module: nn.Module, extra: dict[str, Any]) -> Iterator[None]:
+        # spectral_norm in training moves its vectors at every read of the weight: a forward that reads it twice
+        # computed with two weights, of which the replay (with the vectors after the forward) knows only the last
+        reads: dict[int, int] = {}
+        handles = [p.register_forward_hook(lambda m, args, out: reads.__setitem__(id(m), reads.get(id(m), 0) + 1))
+                   for p in _spectral_norms(module) if p.training]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+        if any(count > 1 for count in reads.values()):
+            raise PerSampleGradientError(
+                f"{type(module).__name__}'s forward read a spectral_norm-parametrized weight {max(reads.values())} "
+                "times in training mode: each read moves the power iteration, so the reads used different weights, "
+                "which the per-sample replay cannot tell apart. Read the weight once per forward (w = self.weight), "
+                "run the forward inside torch.nn.utils.parametrize.cached(), or put the parametrization in eval "
+                "mode.")
+
+    def after_call(self, module: nn.Module, args: Any, output: Any, extra: dict[str, Any]) -> None:
+        extra["replay_state"] = {name: buf.detach().clone() for name, buf in _power_iteration_buffers(module)}
+
+    def contributions(self, layer, records, batch_size):
+        iterating = [p for p in _spectral_norms(layer.module) if p.training]
+        for p in iterating:
+            p.train(False)
+        # inside parametrize.cached() the tensor would be read from the cache (computed from the parameters, not
+        # from each example's replayed ones): the replay computes it afresh
+        caching, parametrize._cache_enabled = parametrize._cache_enabled, 0
+        try:
+            if self._chains(layer, records, batch_size):
+                return self._chained(layer, records, batch_size)
+            return super().contributions(layer, records, batch_size)
+        finally:
+            parametrize._cache_enabled = caching
+            for p in iterating:
+                p.train(True)
+
+    def _chains(self, layer, records, batch_size: int) -> bool:
+        # inputs shared by all examples (the layer broadcast to the batch): the fallback's replay handles them. No
+        # memory bound here: where the chain instantiates per-example gradients of the computed tensor (its batched
+        # pull-back, or a closed form on a source without factors), the fallback instantiates as many
+        return self.inner is not None and not any(r.broadcast for r in records)
+
+    def _chained(self, layer, records, batch_size: int) -> dict[str, Any]:
+        module = layer.module
+        inner = self.inner
+        assert inner is not None
+        chained = _chained_tensors(layer.trainable)
+        own = {n: p for n, p in layer.trainable.items() if not n.startswith(_PREFIX)}
+        result: dict[str, Any] = {}
+        with layer.replaying():
+            state = layer.replay_state()
+            one_call = records[0].extra.get("replay_state", {}) if len(records) == 1 else {}
+            forms = {t: _closed_form(module.parametrizations[t], {**_under(state, t), **_under(one_call, t)},
+                                     len(records) == 1 or not any(_under(r.extra.get("replay_state", {}), t)
+                                                                  for r in records)) for t in chained}
+            closed = [t for t, form in forms.items() if form is not None]
+            batched = [t for t, form in forms.items() if form is None]
+            # the closed forms run no parametrization (weight_norm and spectral_norm out of training leave their
+            # buffers alone when the rule reads the tensor's shape); the batched pull-back runs the others
+            versions = {n: b._version for n, b in module.named_buffers()} if batched else None
+            with _computed_once():
+                # the module's own parameters (a bias not parametrized) and the tensors with a closed-form pull-back
+                # (the same map for every call) from all calls at once, as the rule gives them; the others call by
+                # call (spectral_norm's vectors in training differ between calls)
+                together = inner.contributions(_InnerView(layer, {**own, **{t: None for t in closed}}, "all:"),
+                                               records, batch_size) if own or closed else {}
+                parts = [inner.contributions(_InnerView(layer, {t: None for t in batched}, f"{i}:"), [r], batch_size)
+                         for i, r in enumerate(records)] if batched else []
+            for t in closed:
+                pullback = forms[t](together[t])
+                result.update({f"{_PREFIX}{t}.{n}": Pulled(pullback, n) for n in chained[t]})
+            summed: dict[str, Tensor] = {}
+            for r, part in zip(records, parts):
+                kept = r.extra.get("replay_state", {})  # this call's power-iteration vectors (spectral_norm)
+                for t in batched:
+                    pulled = _pull_back(layer, module.parametrizations[t], part[t].dense(),
+                                        {**_under(state, t), **_under(kept, t)}, chained[t])
+                    for name, grads in pulled.items():
+                        key = f"{_PREFIX}{t}.{name}"
+                        summed[key] = grads if key not in summed else summed[key] + grads
+        if versions is not None:
+            check_buffers_unchanged(layer, module, versions)
+        result.update({k: Dense(g) for k, g in summed.items()})
+        result.update({n: together[n] for n in own})
+        return result
+
+
+class _InnerView:
+    """The layer as its own rule sees it: the engine's view with the trainable tensors named as the forward reads them
+    (``weight``, not ``parametrizations.weight.original0``), and work buffers of its own (``tag``): the rule runs once
+    per call here, and a convolution's per-sample gradients live in its buffers until they are pulled back."""
+
+    def __init__(self, view: Any, trainable: dict[str, Any], tag: str) -> None:
+        self._view, self.trainable, self._tag = view, trainable, tag
+
+    def workspace(self, key: str, shape: tuple[int, ...], like: Tensor, *, shared: bool = False) -> Tensor:
+        return self._view.workspace(key if shared else self._tag + key, shape, like, shared=shared)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._view, name)
+
+
+def _chained_tensors(trainable: dict[str, Any]) -> dict[str, list[str]]:
+    """``{tensor: [names in its ParametrizationList]}`` of the parametrized tensors with a trainable parameter."""
+    found: dict[str, list[str]] = {}
+    for name in trainable:
+        if name.startswith(_PREFIX):
+            tensor, rest = name[len(_PREFIX):].split(".", 1)
+            found.setdefault(tensor, []).append(rest)
+    return found
+
+
+def _inner_trainable(module: nn.Module, trainable: dict[str, Any]) -> dict[str, Any]:
+    """The names the module's forward reads whose gradients the chain needs: its own trainable parameters and every
+    parametrized tensor with a trainable parameter."""
+    own = {n: p for n, p in trainable.items() if not n.startswith(_PREFIX)}
+    return {**own, **{t: None for t in _chained_tensors(trainable)}}
+
+
+def _under(state: dict[str, Tensor], tensor: str) -> dict[str, Tensor]:
+    """The entries of a module's state under ``parametrizations.<tensor>.``, named within that list."""
+    prefix = f"{_PREFIX}{tensor}."
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+@contextlib.contextmanager
+def _computed_once() -> Iterator[None]:
+    """The layer's rule reads its parametrized tensors (their shapes) as the forward does: computed once while it
+    runs (``parametrize.cached``'s cache, with the cache of a caller's own ``cached()`` context put aside and back)."""
+    enabled, cache = parametrize._cache_enabled, parametrize._cache
+    parametrize._cache_enabled, parametrize._cache = 1, {}
+    try:
+        yield
+    finally:
+        parametrize._cache_enabled, parametrize._cache = enabled, cache
+
+
+def _pull_back(layer: Any, plist: nn.Module, grads: Tensor, state: dict[str, Tensor],
+               names: list[str]) -> dict[str, Tensor]:
+    """``{name: (B, *shape)}``: every example's gradient ``grads[b]`` of the computed tensor pulled back to the
+    trainable entries ``names`` of the parametrization list ``plist`` (its originals, its parametrizations' own
+    parameters), at the values ``state``."""
+    from torch.func import vjp, vmap
+
+    params = {n: state[n] for n in names}
+    fixed = {n: t for n, t in state.items() if n not in params}
+    try:
+        # torch.func.vjp is annotated for has_aux=True as well: a 2- or 3-tuple
+        _, pullback = vjp(lambda p: _computed(plist, {**fixed, **p}), params)  # type: ignore[misc]
+        return vmap(lambda g: pullback(g)[0])(grads)
+    except Exception as err:  # torch.func raises many types; say what failed and why
+        raise PerSampleGradientError(
+            f"torch.func could not pull the per-sample gradients of {layer.name} ({type(layer.module).__name__}) back "
+            f"through its parametrization: {type(err).__name__}: {err}. Make the parametrization a function of its "
+            "inputs and parameters (no state updated in its forward), freeze its parameters, or remove it.") from err
+
+
+def _computed(plist: Any, state: dict[str, Tensor]) -> Tensor:
+    """``ParametrizationList.forward`` at ``state`` (its originals, its parametrizations' parameters and buffers,
+    named as in the list): the first parametrization on the originals, each next one on the result. ``weight_norm``
+    is written out (``v * (g / ||v||)``, the norms over every dimension but ``dim``): its fused operator has no
+    batching rule, so a batched pull-back through it would run example by example (torch warns)."""
+    from torch.func import functional_call
+
+    originals = [state["original"]] if plist.is_tensor else [state[f"original{i}"] for i in range(plist.ntensors)]
+    x: Tensor | None = None
+    i = 0
+    while hasattr(plist, str(i)):
+        m = getattr(plist, str(i))
+        inputs: list[Tensor] = originals if x is None else [x]
+        if type(m) is _WeightNorm and len(inputs) == 2:
+            g, v = inputs
+            dims = [d for d in range(v.dim()) if d != m.dim % max(v.dim(), 1)] if m.dim != -1 else list(range(v.dim()))
+            x = v * (g / torch.linalg.vector_norm(v, dim=dims, keepdim=True))
+        else:
+            x = functional_call(m, _under_index(state, i), tuple(inputs))
+        i += 1
+    assert x is not None
+    return x
+
+
+def _under_index(state: dict[str, Tensor], i: int) -> dict[str, Tensor]:
+    prefix = f"{i}."
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def _closed_form(plist: Any, state: dict[str, Tensor], one_map: bool) -> Any:
+    """For a parametrization list with a pull-back in closed form, a function from the source contribution (the
+    per-example gradients of the computed tensor) to its :class:`_Pullback`; else None (the batched ``torch.func``
+    pull-back). ``weight_norm`` alone; ``spectral_norm`` alone on a weight of two dimensions or more where every call
+    was pulled back by the same map (``one_map``: one call, or no call kept vectors of its own: eval mode)."""
+    if not hasattr(plist, "0") or hasattr(plist, "1"):
+        return None
+    m = plist[0]
+    if type(m) is _WeightNorm and not plist.is_tensor and plist.ntensors == 2 \
+            and (state["original1"].dim() > 1 or m.dim == -1):
+        g, v = state["original0"], state["original1"]
+        return lambda source: _WeightNormPullback(source, g, v, m.dim)
+    if type(m) is _SpectralNorm and plist.is_tensor and state["original"].dim() > 1 and one_map:
+        theta = state["original"]
+        return lambda source: _SpectralPullback(source, theta, state["0._u"], state["0._v"], m.dim)
+    return None
+
+
+class _Pullback:
+    """``J^T`` of one parametrization in closed form, applied to a source contribution's per-example gradients
+    ``dW_b`` of the tensor it computes: per-example squared norms from a few per-example statistics of ``dW_b``
+    (inner products with fixed tensors), clipped sums from the source's clipped sum (``J^T`` is linear), no per-example
+    gradient of the originals in memory. Shared by the originals' :class:`Pulled` contributions."""
+
+    def __init__(self, source: Contribution) -> None:
+        self.source = source
+        self._stats: Any = None
+        self._grouped: tuple[Groups, _Pullback] | None = None
+
+    def stats(self) -> Any:
+        if self._stats is None:
+            self._stats = self._compute_stats()
+        return self._stats
+
+    def _compute_stats(self) -> Any:
+        raise NotImplementedError
+
+    def shape_of(self, name: str) -> torch.Size:
+        """The shape of original ``name``."""
+        raise NotImplementedError
+
+    def sq_norms(self, name: str) -> Tensor:
+        raise NotImplementedError
+
+    def pulled_sum(self, name: str, summed: Tensor) -> Tensor:
+        """``J^T`` applied to ``summed`` (a tensor of the computed tensor's shape), the part of original ``name``."""
+        raise NotImplementedError
+
+    def dense(self, name: str) -> Tensor:
+        """Every example's gradient of original ``name``, ``(B, *shape)``."""
+        raise NotImplementedError
+
+    def drop(self, examples: Tensor) -> None:
+        self.source.drop(examples)  # zero rows: once or twice (one call per original) is the same
+        self._stats = None
+
+    def grouped(self, groups: Groups) -> _Pullback:
+        if self._grouped is None or self._grouped[0] is not groups:
+            self._grouped = (groups, self._with(self.source.grouped(groups)))
+        return self._grouped[1]
+
+    def _with(self, source: Contribution) -> _Pullback:
+        raise NotImplementedError
+
+
+def _rows(t: Tensor, dim: int, lead: int = 0) -> Tensor:
+    """``t`` (``lead`` leading dimensions, then a weight's) as rows along the weight's dimension ``dim`` (-1: one row
+    of everything): ``(*lead, R, rest)``."""
+    if dim == -1:
+        return t.reshape(*t.shape[:lead], 1, -1)
+    return t.movedim(lead + dim, lead).flatten(lead + 1)
+
+
+class _WeightNormPullback(_Pullback):
+    """``W = v g / ||v||`` (``weight_norm``; norms of the rows along ``dim``, or of the whole tensor for -1). Per row
+    ``o``, with ``vhat = v / ||v||`` and ``s = g / ||v||``: ``dg = <dW, vhat>``, ``dv = s (dW - <dW, vhat> vhat)``;
+    so ``||dg_b||^2 = sum_o d_bo^2`` and ``||dv_b||^2 = sum_o s_o^2 (||dW_bo||^2 - d_bo^2)`` with
+    ``d_bo = <dW_bo, vhat_o>``: one product with ``vhat`` and the rows' squared norms. A linear layer on a batch of
+    vectors (``dW_b = go_b (x) x_b``, rows along dimension 0): ``d_b = go_b * (x_b vhat^T)``, ``||dW_bo||^2 =
+    go_bo^2 ||x_b||^2``, one matrix product of the batch's inputs."""
+
+    def __init__(self, source: Contribution, g: Tensor, v: Tensor, dim: int) -> None:
+        super().__init__(source)
+        self.g, self.v, self.dim = g, v, (dim if dim == -1 else dim % v.dim())
+        norm = torch.linalg.vector_norm(_rows(v, self.dim), dim=1)  # (R,)
+        self.vhat = _rows(v, self.dim) / norm[:, None]  # (R, rest)
+        self.s = _rows(g, self.dim).reshape(-1) / norm  # (R,)
+
+    def _with(self, source: Contribution) -> _Pullback:
+        return _WeightNormPullback(source, self.g, self.v, self.dim)
+
+    def shape_of(self, name: str) -> torch.Size:
+        return self.g.shape if name == "original0" else self.v.shape
+
+    def _compute_stats(self) -> tuple[Tensor, Tensor]:
+        src = self.source
+        if isinstance(src, Factored) and src._flat and self.dim == 0:
+            left, right = src._left, src._right  # (B, p), (B, d): dW_b = left_b (x) right_b, rows p
+            d = left * (right @ self.vhat.t())
+            n = left.square() * right.square().sum(1, keepdim=True)
+        else:
+            rows = _rows(src.dense(), self.dim, lead=1)  # (B, R, rest)
+            d = (rows * self.vhat).sum(2)
+            n = rows.square().sum(2)
+        return d, n
+
+    def sq_norms(self, name: str) -> Tensor:
+        d, n = self.stats()
+        if name == "original0":
+            return d.square().sum(1)
+        return (self.s.square() * (n - d.square()).clamp_min(0)).sum(1)
+
+    def pulled_sum(self, name: str, summed: Tensor) -> Tensor:
+        rows = _rows(summed, self.dim)  # (R, rest)
+        d = (rows * self.vhat).sum(1)
+        if name == "original0":
+            return d.reshape(self.g.shape)
+        return self._unrows(self.s[:, None] * (rows - d[:, None] * self.vhat))
+
+    def dense(self, name: str) -> Tensor:
+        rows = _rows(self.source.dense(), self.dim, lead=1)  # (B, R, rest)
+        d = (rows * self.vhat).sum(2)
+        if name == "original0":
+            return d.reshape(-1, *self.g.shape)
+        return self._unrows(self.s[:, None] * (rows - d[..., None] * self.vhat), lead=1)
+
+    def _unrows(self, rows: Tensor, lead: int = 0) -> Tensor:
+        """:func:`_rows` undone for ``v``'s shape."""
+        shape = self.v.shape
+        if self.dim == -1:
+            return rows.reshape(*rows.shape[:lead], *shape)
+        moved = (shape[self.dim], *shape[:self.dim], *shape[self.dim + 1:])
+        return rows.reshape(*rows.shape[:lead], *moved).movedim(lead, lead + self.dim)
+
+
+class _SpectralPullback(_Pullback):
+    """``W = theta / sigma`` with ``sigma = u^T M(theta) v`` (``spectral_norm``; ``M`` the weight as a matrix, rows
+    along ``dim``; ``u``, ``v`` the forward's power-iteration vectors, fixed). ``J^T dW = dW / sigma - (<theta, dW> /
+    sigma^2) M^-1(u v^T)``, so ``||J^T dW_b||^2 = n_b / sigma^2 - 2 a_b c_b / sigma^3 + a_b^2 ||u||^2 ||v||^2 /
+    sigma^4`` with ``n_b = ||dW_b||^2``, ``a_b = <theta, dW_b>``, ``c_b = u^T M(dW_b) v``. A linear layer on a batch
+    of vectors: ``n_b = ||go_b||^2 ||x_b||^2``, ``a_b = go_b^T theta x_b``, ``c_b = (u . go_b)(x_b . v)``."""
+
+    def __init__(self, source: Contribution, theta: Tensor, u: Tensor, v: Tensor, dim: int) -> None:
+        super().__init__(source)
+        self.theta, self.u, self.v, self.dim = theta, u, v, dim
+        self.sigma = torch.vdot(u, torch.mv(_rows(theta, dim), v))
+        outer = torch.outer(u, v)  # M(uv^T) back in the weight's shape
+        shape = theta.shape
+        moved = (shape[dim], *shape[:dim], *shape[dim + 1:])
+        self.uv = outer.reshape(moved).movedim(0, dim)
+
+    def _with(self, source: Contribution) -> _Pullback:
+        return _SpectralPullback(source, self.theta, self.u, self.v, self.dim)
+
+    def shape_of(self, name: str) -> torch.Size:
+        return self.theta.shape
+
+    def _compute_stats(self) -> tuple[Tensor, Tensor, Tensor]:
+        src = self.source
+        if isinstance(src, Factored) and src._flat and self.dim == 0 and self.theta.dim() == 2:
+            left, right = src._left, src._right
+            n = left.square().sum(1) * right.square().sum(1)
+            a = ((left @ self.theta) * right).sum(1)
+            c = (left @ self.u) * (right @ self.v)
+        else:
+            dense = src.dense().flatten(1)  # (B, numel) in the weight's layout
+            n = dense.square().sum(1)
+            a = dense @ self.theta.reshape(-1)
+            c = dense @ self.uv.reshape(-1)
+        return n, a, c
+
+    def sq_norms(self, name: str) -> Tensor:
+        n, a, c = self.stats()
+        sigma = self.sigma
+        uv2 = self.u.square().sum() * self.v.square().sum()
+        return n / sigma**2 - 2 * a * c / sigma**3 + a.square() * uv2 / sigma**4
+
+    def pulled_sum(self, name: str, summed: Tensor) -> Tensor:
+        return summed / self.sigma - ((self.theta * summed).sum() / self.sigma**2) * self.uv
+
+    def dense(self, name: str) -> Tensor:
+        dense = self.source.dense()
+        a = (dense.flatten(1) @ self.theta.reshape(-1)).view(-1, *([1] * self.theta.dim()))
+        return dense / self.sigma - (a / self.sigma**2) * self.uv
+
+
+class Pulled(Contribution):
+    """The per-example gradients of one original of a parametrization, ``J^T dW_b`` (:class:`_Pullback`)."""
+
+    def __init__(self, pullback: _Pullback, name: str) -> None:
+        self.pullback, self.name = pullback, name
+        self.shape = pullback.shape_of(name)
+
+    def sq_norms(self) -> Tensor:
+        return self.pullback.sq_norms(self.name)
+
+    def weighted_sum(self, factors: Tensor) -> Tensor:
+        return self.pullback.pulled_sum(self.name, self.pullback.source.weighted_sum(factors))
+
+    def dense(self) -> Tensor:
+        return self.pullback.dense(self.name)
+
+    def drop(self, examples: Tensor) -> None:
+        self.pullback.drop(examples)
+
+    def grouped(self, groups: Groups) -> Contribution:
+        return Pulled(self.pullback.grouped(groups), self.name)
+
+
+def _spectral_norms(module: nn.Module) -> list[nn.Module]:
+    """The ``spectral_norm`` parametrizations of ``module`` and its descendants (a claimed subtree's too)."""
+    return [m for m in module.modules() if isinstance(m, _SpectralNorm)]
+
+
+def _power_iteration_buffers(module: nn.Module) -> list[tuple[str, Tensor]]:
+    """``(name in module, buffer)`` of the power-iteration vectors of the ``spectral_norm``s in training mode of
+    ``module`` and its descendants."""
+    return [(f"{name}.{b}", getattr(m, b)) for name, m in module.named_modules()
+            if isinstance(m, _SpectralNorm) and m.training for b in ("_u", "_v")
+            if isinstance(getattr(m, b, None), Tensor)]
