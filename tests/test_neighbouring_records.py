@@ -139,6 +139,8 @@ KINDS = [
     kind("dpsgd-virtual-batches", ["dpsgd_digits_virtual.yaml"],
          [*DPSGD, *DPSGD_SHORT, "--data.init_args.batch_size=250"]),
     kind("dpsgd-bf16-mixed", ["dpsgd_digits_bf16.yaml"], [*DPSGD, *DPSGD_SHORT, *DIGITS_BATCH]),
+    # weight-normalized layers (lightning_dp.models.Parametrized): the originals' gradients pulled back per example
+    kind("dpsgd-weight-norm", ["dpsgd_digits_weight_norm.yaml"], [*DPSGD, *DPSGD_SHORT, *DIGITS_BATCH]),
     # batches of one shape (issue 53): truncated Poisson batches, padded; the padding must not move a release
     kind("dpsgd-static-shape", ["dpsgd_digits_static.yaml"], [*DPSGD, *DPSGD_SHORT, *DIGITS_BATCH]),
     # the compiled private pass (dynamo's capture and guards, without inductor's code generation: seconds, not a minute)

@@ -761,3 +761,45 @@ def test_convolution_windows_as_planned(case, monkeypatch):
         expected = {("tc", False), ("t", True)}
     _check(model, x, y)
     assert set(plans) == expected
+
+
+@pytest.mark.parametrize("hook, refused", [
+    (lambda m, args, out: out * 2, True),  # another output: the rule's formula would give half the gradient
+    (lambda m, args, out: out.mul_(2), True),  # the output changed in place
+    (lambda m, args, out: None, False),  # an observer: the output as the forward returned it
+])
+def test_a_forward_hook_that_changes_a_layers_output_is_refused(hook, refused):
+    """A user's forward hook runs before the engine's and while the layer's weights are frozen: a change of the
+    output it makes is outside the rule's formula (norms too low by the factor, silently, before this check)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+    model[0].register_forward_hook(hook)
+    x, y = _data(5)
+    if not refused:
+        _check(model, x, y)
+        return
+    engine = GradSampleEngine(model)
+    engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
+    with pytest.raises(PerSampleGradientError, match="a forward hook on it changed its output"):
+        with engine.record(batch_size=7):
+            F.cross_entropy(model(x), y).backward()
+    engine.remove()
+
+
+def test_a_forward_hook_added_after_the_engine_is_differentiated_through():
+    """A hook registered after the engine's runs after it: the engine records the layer's own output, whose
+    gradient autograd carries through the hook's change; exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    x, y = _data(5)
+    x = x.double()
+    engine = GradSampleEngine(model)
+    engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
+    handle = model[0].register_forward_hook(lambda m, args, out: out * 2)
+    params, ref = per_example_gradients(model, F.cross_entropy(model(x), y, reduction="none"))
+    with engine.record(batch_size=7):
+        F.cross_entropy(model(x), y).backward()
+    norms = engine.per_sample_norms()
+    engine.remove()
+    handle.remove()
+    torch.testing.assert_close(norms, ref.norm(dim=1), rtol=1e-6, atol=1e-9)

@@ -547,3 +547,104 @@ def test_closed_form_pullbacks_in_the_fused_pass_compile_once():
         torch.testing.assert_close(flat, (factors[:, None] * ref).sum(0), rtol=1e-9, atol=1e-12)
     assert counter.frame_count == 1
     engine.remove()
+
+
+def _crafted(kind):
+    """A float32 layer with one output and one example whose input lies along the weight's direction, up to a small
+    perpendicular part: the parametrization's pull-back removes the large part, so its norm is a difference of large
+    terms (a review found closed forms giving 0 for a gradient of 59 C)."""
+    torch.manual_seed(0)
+    layer = nn.Linear(16, 1, bias=False)
+    if kind == "spectral_norm":
+        layer = parametrizations.spectral_norm(layer).eval()
+    else:
+        layer = parametrizations.weight_norm(layer)
+        layer.parametrizations.weight.original0.requires_grad_(False)  # only the direction trains: all cancels
+    direction = layer.weight.detach().double()[0]
+    direction = direction / direction.norm()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 16, dtype=torch.float64, generator=g)
+    perp = torch.randn(16, dtype=torch.float64, generator=g)
+    perp -= (perp @ direction) * direction
+    x[0] = 3e5 * direction + 3e1 * perp / perp.norm()
+    return nn.Sequential(layer), x.float(), torch.zeros(8)
+
+
+@pytest.mark.parametrize("kind", ["spectral_norm", "weight_norm"])
+def test_a_norm_that_cancels_is_never_underestimated(kind):
+    """The engine's norm of the crafted example is at least its true norm, and its clipped contribution (the clipped
+    sum with only it weighted) stays within C."""
+    model, x, y = _crafted(kind)
+
+    def loss(out, target):
+        return F.binary_cross_entropy_with_logits(out.squeeze(-1), target, reduction="none")
+
+    reference = copy.deepcopy(model).double()
+    (theta,) = [p for p in reference.parameters() if p.requires_grad]
+    true = torch.autograd.grad(loss(reference(x[:1].double()), y[:1]).sum(), theta)[0].norm()
+    engine = GradSampleEngine(model)
+    engine.probe(lambda n: loss(model(x[:n]), y[:n]).mean())
+    with engine.record(batch_size=8):
+        loss(model(x), y).mean().backward()
+    norms = engine.per_sample_norms()
+    factors = clip_factors(norms, 1.0)
+    only = torch.zeros_like(factors)
+    only[0] = factors[0]
+    released = torch.cat([t.reshape(-1) for t in engine.clipped_sum(only)]).norm()
+    engine.remove()
+    assert true > 10 and norms[0] >= true * (1 - 1e-6)
+    assert released <= 1.0 + 1e-4
+
+
+def test_weight_norm_of_a_bias_divides_each_entry_by_its_own_size():
+    """weight_norm on a 1-D tensor along its dimension (dim=0): every entry is its own row (|v_i|), as torch's
+    norm_except_dim computes it; the batched pull-back must not normalize the whole vector."""
+    torch.manual_seed(0)
+    layer = parametrizations.weight_norm(nn.Linear(5, 6), name="bias", dim=0)
+    model = nn.Sequential(layer, nn.Tanh(), nn.Linear(6, 3))
+    _check(model, *_data(5))
+
+
+class _DropConnect(nn.Module):
+    def forward(self, w):
+        return w * (torch.rand_like(w) > 0.5) * 2 if self.training else w
+
+
+def test_a_parametrization_that_draws_random_numbers_is_refused():
+    torch.manual_seed(0)
+    layer = nn.Linear(5, 6)
+    parametrize.register_parametrization(layer, "weight", _DropConnect())
+    model = nn.Sequential(layer, nn.Tanh(), nn.Linear(6, 3))
+    x, y = _data(5)
+    engine = GradSampleEngine(model)
+    engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
+    with engine.record(batch_size=7):
+        F.cross_entropy(model(x), y).backward()
+    with pytest.raises(PerSampleGradientError, match="draws random numbers"):
+        engine.per_sample_norms()
+    engine.remove()
+
+
+def test_a_hooked_parametrized_layer_is_replayed_with_its_hook():
+    """A forward hook of the user's that changes the layer's output (reading its weight) is outside the layer's
+    formula: the layer is replayed, hook included, exactly, rather than chained."""
+    torch.manual_seed(0)
+    layer = parametrizations.weight_norm(nn.Linear(5, 6))
+    layer.register_forward_hook(lambda m, args, out: out * m.weight.sum())
+    model = nn.Sequential(layer, nn.Tanh(), nn.Linear(6, 3))
+    _check(model, *_data(5))
+    engine = GradSampleEngine(model)
+    assert engine.layers[0].rule.inner is None
+    engine.remove()
+
+
+def test_a_scalar_parameter_shared_by_two_layers():
+    """One parametrization with a learned scale on two layers: the scalar's per-example gradient is the sum of two
+    contributions, with their cross term."""
+    torch.manual_seed(0)
+    scale = _Scaled()
+    a, b = nn.Linear(5, 5), nn.Linear(5, 5)
+    parametrize.register_parametrization(a, "weight", scale)
+    parametrize.register_parametrization(b, "weight", scale)
+    model = nn.Sequential(a, nn.Tanh(), b, nn.Tanh(), nn.Linear(5, 3))
+    _check(model, *_data(5))

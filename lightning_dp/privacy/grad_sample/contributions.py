@@ -68,7 +68,8 @@ class Contribution:
 
     def dot(self, other: Contribution) -> Tensor:
         """``<G_b, G'_b>`` per example, shape ``(B,)`` (the cross term of tied parameters)."""
-        return (self.dense().flatten(1) * other.dense().flatten(1)).sum(1)
+        mine, theirs = self.dense(), other.dense()  # (B, *shape); a scalar parameter's is (B,)
+        return (mine.reshape(mine.shape[0], -1) * theirs.reshape(theirs.shape[0], -1)).sum(1)
 
     def drop(self, examples: Tensor) -> None:
         """Sets ``G_b = 0`` for every ``b`` where the boolean ``examples`` is True (examples whose gradient

@@ -91,7 +91,7 @@ class _Call:
     of every step)."""
 
     __slots__ = ("args", "kwargs", "leaves", "spec", "outputs", "grad_outputs", "extra", "context", "frozen",
-                 "versions")
+                 "versions", "raw")
 
     def __init__(self, frozen: list[nn.Parameter]) -> None:
         self.args: tuple[Any, ...] = ()
@@ -104,6 +104,7 @@ class _Call:
         self.context: Any = None  # the rule's forward context while the call runs (_OPEN: the rule has none)
         self.frozen = frozen  # the parameters the pre-hook froze, to unfreeze
         self.versions: list[int | None] = []  # the input leaves' version counters after the forward
+        self.raw: list[tuple[Tensor, int]] | None = None  # the forward's own output tensors and versions (watched)
 
 
 #: the context of a call whose rule records nothing during the forward (LayerRule's default): nothing to enter
@@ -127,6 +128,8 @@ class _Layer:
         self.checks_calls = any(getattr(rule, n, None) is not None for n in ("check_call", "prepare_call"))
         self.own_context = type(rule).forward_context is not LayerRule.forward_context
         self.after_call = getattr(rule, "after_call", None)
+        #: whether the layer's output is watched for a change by another forward hook (:meth:`GradSampleEngine._watch`)
+        self.watched = False
 
     @property
     def params(self) -> list[tuple[str, nn.Parameter]]:
@@ -379,6 +382,8 @@ class GradSampleEngine(BatchDimProbe):
                 return None
             if layer.checks_calls:
                 self._before_call(layer, mod, args, kwargs)
+            if not layer.watched and len(mod._forward_hooks) > 1:  # another forward hook than the engine's
+                self._watch(layer)
             # Freeze the weights while this layer runs: autograd then computes only the
             # input gradients the chain rule needs, not the batch weight gradient that the
             # engine would throw away. Only what requires grad now is frozen and unfrozen after:
@@ -425,6 +430,8 @@ class GradSampleEngine(BatchDimProbe):
             call.context = None
             for p in call.frozen:
                 p.requires_grad_(True)
+            if call.raw is not None and output is not None:
+                self._check_raw(layer, call, output)
             if output is None:
                 # The forward raised (always_call) and the exception propagates; or it was cut short on purpose,
                 # as torch.utils.checkpoint(use_reentrant=False) does when it recomputes a segment during the
@@ -480,6 +487,36 @@ class GradSampleEngine(BatchDimProbe):
                 return leaves[0] if spec is None else pytree.tree_unflatten(leaves, spec)
             return None
         return hook
+
+    def _watch(self, layer: _Layer) -> None:
+        """Another forward hook sits on the layer (the user's: it runs before the engine's, which is registered last,
+        and while the layer's weights are frozen). If it returns another output, or changes the output in place, the
+        layer computed something else than its rule's formula (``o * 2``, ``o * m.weight.sum()``: norms too low by
+        that factor, silently). A hook put first keeps the forward's own output of each call, which the engine's hook
+        compares with the output it receives (:meth:`_check_raw`); a rule that runs the module again, its hooks
+        included (the ``torch.func`` fallback), needs no watch."""
+        layer.watched = True
+        if layer.rule.runs_module_hooks:
+            return
+
+        def raw(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            if self._recording and not self._probing and torch.is_grad_enabled() and layer.calls \
+                    and layer.calls[-1].context is not None:
+                layer.calls[-1].raw = [(t, t._version) for t in pytree.tree_leaves(output) if isinstance(t, Tensor)]
+
+        self._handles.append(layer.module.register_forward_hook(raw, with_kwargs=True, prepend=True))
+
+    @staticmethod
+    def _check_raw(layer: _Layer, call: _Call, output: Any) -> None:
+        raw, call.raw = call.raw, None
+        assert raw is not None
+        final = [t for t in pytree.tree_leaves(output) if isinstance(t, Tensor)]
+        if len(final) != len(raw) or any(f is not t or t._version != v for f, (t, v) in zip(final, raw)):
+            raise PerSampleGradientError(
+                f"{layer.label}: a forward hook on it changed its output (returned another one, or changed it in "
+                f"place), so the output the loss depends on is not what {type(layer.rule).__name__}'s formula "
+                "computes and its per-sample gradients would be wrong. Apply the change in the model's forward (or in "
+                "a module of its own after the layer), or make the hook return None and leave the output alone.")
 
     @staticmethod
     def _before_call(layer: _Layer, mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

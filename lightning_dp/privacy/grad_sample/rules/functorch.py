@@ -101,5 +101,7 @@ def check_buffers_unchanged(layer: Any, module: nn.Module, versions: dict[str, i
 class FunctorchRule(LayerRule):
     """Any module: ``vmap`` over the per-example ``vjp`` of the module alone."""
 
+    runs_module_hooks = True
+
     def contributions(self, layer, records, batch_size):
         return {n: Dense(g) for n, g in per_example_grads(layer, records, batch_size).items()}

@@ -61,6 +61,11 @@ class ParametrizedRule(FunctorchRule):
     def __init__(self, inner: LayerRule | None = None) -> None:
         self.inner = inner if type(inner) in CHAINED_RULES else None
 
+    @property
+    def runs_module_hooks(self) -> bool:  # type: ignore[override]
+        """The replay runs the module's hooks; the chain uses the layer's own formula."""
+        return self.inner is None
+
     def check(self, module: nn.Module, trainable: dict[str, nn.Parameter]) -> None:
         """Refuse, before any data, what neither path can compute: a recurrent layer with a parametrized weight
         (the recurrent rule gives the gradient of the weight the recurrence reads; torch.func cannot replay the fused
@@ -79,7 +84,10 @@ class ParametrizedRule(FunctorchRule):
         if self.inner is None:
             return
         children = {name for name, _ in module.named_children()}
-        if not parametrize.is_parametrized(module) or children != {"parametrizations"}:
+        # a forward hook or pre-hook of the user's on the layer (checked before the engine adds its own) may change
+        # what the layer computes, which the layer's rule would not see: the replay runs the module, hooks included
+        hooked = bool(module._forward_hooks or module._forward_pre_hooks)
+        if not parametrize.is_parametrized(module) or children != {"parametrizations"} or hooked:
             self.inner = None
             return
         try:
@@ -158,8 +166,11 @@ class ParametrizedRule(FunctorchRule):
             closed = [t for t, form in forms.items() if form is not None]
             batched = [t for t, form in forms.items() if form is None]
             # the closed forms run no parametrization (weight_norm and spectral_norm out of training leave their
-            # buffers alone when the rule reads the tensor's shape); the batched pull-back runs the others
+            # buffers alone when the rule reads the tensor's shape); the batched pull-back runs the others, which
+            # must neither change their buffers nor draw random numbers (a DropConnect mask drawn again would not be
+            # the forward's): both checked after it
             versions = {n: b._version for n, b in module.named_buffers()} if batched else None
+            rng = _rng_states(module) if batched else None
             with _computed_once():
                 # the module's own parameters (a bias not parametrized) and the tensors with a closed-form pull-back
                 # (the same map for every call) from all calls at once, as the rule gives them; the others call by
@@ -182,6 +193,12 @@ class ParametrizedRule(FunctorchRule):
                         summed[key] = grads if key not in summed else summed[key] + grads
         if versions is not None:
             check_buffers_unchanged(layer, module, versions)
+        if rng is not None and any(not torch.equal(a, b) for a, b in zip(rng, _rng_states(module))):
+            raise PerSampleGradientError(
+                f"{layer.name} ({type(module).__name__}): a parametrization of it draws random numbers when it runs "
+                "(a mask on the weights, DropConnect?): its per-sample gradients would be pulled back through another "
+                "draw than the forward's. Apply the randomness outside the parametrization (dropout on the layer's "
+                "input or output), or freeze its parameters.")
         result.update({k: Dense(g) for k, g in summed.items()})
         result.update({n: together[n] for n in own})
         return result
@@ -223,6 +240,15 @@ def _under(state: dict[str, Tensor], tensor: str) -> dict[str, Tensor]:
     """The entries of a module's state under ``parametrizations.<tensor>.``, named within that list."""
     prefix = f"{_PREFIX}{tensor}."
     return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def _rng_states(module: nn.Module) -> list[Tensor]:
+    """The states of the default generators a parametrization on ``module``'s device could draw from."""
+    states = [torch.random.get_rng_state()]
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
 
 
 @contextlib.contextmanager
@@ -273,7 +299,10 @@ def _computed(plist: Any, state: dict[str, Tensor]) -> Tensor:
         if type(m) is _WeightNorm and len(inputs) == 2:
             g, v = inputs
             dims = [d for d in range(v.dim()) if d != m.dim % max(v.dim(), 1)] if m.dim != -1 else list(range(v.dim()))
-            x = v * (g / torch.linalg.vector_norm(v, dim=dims, keepdim=True))
+            # no dimension left to reduce (a 1-D tensor along its dimension): every entry its own norm, as torch's
+            # norm_except_dim gives it (vector_norm over dim=[] would reduce over everything)
+            norm = torch.linalg.vector_norm(v, dim=dims, keepdim=True) if dims else v.abs()
+            x = v * (g / norm)
         else:
             x = functional_call(m, _under_index(state, i), tuple(inputs))
         i += 1
@@ -304,11 +333,21 @@ def _closed_form(plist: Any, state: dict[str, Tensor], one_map: bool) -> Any:
     return None
 
 
+#: Where a closed form's squared norm is a difference of larger terms (``||dW||^2 - <dW, vhat>^2``; the three terms
+#: of ``spectral_norm``'s), it is computed in float64 from the float32 factors (relative errors about 1e-13) and
+#: trusted only above this fraction of the terms' size; below it, where rounding could hide most of the norm (an input
+#: nearly along the weight's direction, which an attacker can craft: a norm of 0 for a gradient of 59 C, found by a
+#: review), the norm is replaced by its upper bound ``||J^T||^2 ||dW||^2``: that example is clipped more, never less.
+CANCELLATION = 1e-6
+
+
 class _Pullback:
     """``J^T`` of one parametrization in closed form, applied to a source contribution's per-example gradients
     ``dW_b`` of the tensor it computes: per-example squared norms from a few per-example statistics of ``dW_b``
-    (inner products with fixed tensors), clipped sums from the source's clipped sum (``J^T`` is linear), no per-example
-    gradient of the originals in memory. Shared by the originals' :class:`Pulled` contributions."""
+    (inner products with fixed tensors; from a linear layer's factors, in float64 and guarded against cancellation,
+    :data:`CANCELLATION`) or from the per-example gradients ``J^T dW_b`` themselves where the source instantiates
+    ``dW_b`` anyway (a convolution's), clipped sums from the source's clipped sum (``J^T`` is linear). Shared by the
+    originals' :class:`Pulled` contributions."""
 
     def __init__(self, source: Contribution) -> None:
         self.source = source
@@ -381,22 +420,30 @@ class _WeightNormPullback(_Pullback):
         return self.g.shape if name == "original0" else self.v.shape
 
     def _compute_stats(self) -> tuple[Tensor, Tensor]:
+        """``(||dg_b||^2, ||dv_b||^2)``."""
         src = self.source
+        dtype = self.v.dtype
         if isinstance(src, Factored) and src._flat and self.dim == 0:
-            left, right = src._left, src._right  # (B, p), (B, d): dW_b = left_b (x) right_b, rows p
-            d = left * (right @ self.vhat.t())
-            n = left.square() * right.square().sum(1, keepdim=True)
-        else:
-            rows = _rows(src.dense(), self.dim, lead=1)  # (B, R, rest)
-            d = (rows * self.vhat).sum(2)
-            n = rows.square().sum(2)
-        return d, n
+            # dW_b = left_b (x) right_b, rows p: d_bo = left_bo (right_b . vhat_o), and ||dW_bo||^2 - d_bo^2 =
+            # left_bo^2 (||right_b||^2 - (right_b . vhat_o)^2), a difference computed in float64 and guarded
+            f64 = torch.float64
+            left, right, vhat = src._left.to(f64), src._right.to(f64), self.vhat.to(f64)
+            proj = right @ vhat.t()  # (B, p)
+            size = right.square().sum(1, keepdim=True)  # (B, 1)
+            perp = size - proj.square()
+            perp = torch.where(perp < CANCELLATION * size, size, perp)  # the bound where rounding could hide it
+            g2 = left.square()
+            dg2 = (g2 * proj.square()).sum(1)
+            dv2 = (self.s.to(f64).square() * g2 * perp).sum(1)
+            return dg2.to(dtype), dv2.to(dtype)
+        rows = _rows(src.dense(), self.dim, lead=1)  # (B, R, rest): instantiated by the source anyway
+        d = (rows * self.vhat).sum(2)
+        resid = rows - d[..., None] * self.vhat  # the direction's part removed explicitly: no cancellation
+        return d.square().sum(1), (self.s.square() * resid.square().sum(2)).sum(1)
 
     def sq_norms(self, name: str) -> Tensor:
-        d, n = self.stats()
-        if name == "original0":
-            return d.square().sum(1)
-        return (self.s.square() * (n - d.square()).clamp_min(0)).sum(1)
+        dg2, dv2 = self.stats()
+        return dg2 if name == "original0" else dv2
 
     def pulled_sum(self, name: str, summed: Tensor) -> Tensor:
         rows = _rows(summed, self.dim)  # (R, rest)
@@ -443,25 +490,27 @@ class _SpectralPullback(_Pullback):
     def shape_of(self, name: str) -> torch.Size:
         return self.theta.shape
 
-    def _compute_stats(self) -> tuple[Tensor, Tensor, Tensor]:
+    def _compute_stats(self) -> Tensor:
+        """``||J^T dW_b||^2``."""
         src = self.source
         if isinstance(src, Factored) and src._flat and self.dim == 0 and self.theta.dim() == 2:
-            left, right = src._left, src._right
+            # three terms of which the norm is the difference: float64, guarded (CANCELLATION)
+            f64 = torch.float64
+            left, right, theta = src._left.to(f64), src._right.to(f64), self.theta.to(f64)
+            u, v, sigma = self.u.to(f64), self.v.to(f64), self.sigma.to(f64)
             n = left.square().sum(1) * right.square().sum(1)
-            a = ((left @ self.theta) * right).sum(1)
-            c = (left @ self.u) * (right @ self.v)
-        else:
-            dense = src.dense().flatten(1)  # (B, numel) in the weight's layout
-            n = dense.square().sum(1)
-            a = dense @ self.theta.reshape(-1)
-            c = dense @ self.uv.reshape(-1)
-        return n, a, c
+            a = ((left @ theta) * right).sum(1)
+            c = (left @ u) * (right @ v)
+            uv2 = u.square().sum() * v.square().sum()
+            value = n / sigma**2 - 2 * a * c / sigma**3 + a.square() * uv2 / sigma**4
+            # ||J^T||: at most 1 / |sigma| + ||theta|| ||u|| ||v|| / sigma^2
+            bound = n * (1 / sigma.abs() + torch.linalg.vector_norm(theta) * uv2.sqrt() / sigma**2) ** 2
+            return torch.where(value < CANCELLATION * bound, bound, value).to(self.theta.dtype)
+        dense = self.dense("original")  # the source instantiates dW_b anyway: J^T dW_b explicitly
+        return dense.reshape(dense.shape[0], -1).square().sum(1)
 
     def sq_norms(self, name: str) -> Tensor:
-        n, a, c = self.stats()
-        sigma = self.sigma
-        uv2 = self.u.square().sum() * self.v.square().sum()
-        return n / sigma**2 - 2 * a * c / sigma**3 + a.square() * uv2 / sigma**4
+        return self.stats()
 
     def pulled_sum(self, name: str, summed: Tensor) -> Tensor:
         return summed / self.sigma - ((self.theta * summed).sum() / self.sigma**2) * self.uv
