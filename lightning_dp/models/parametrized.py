@@ -40,8 +40,8 @@ class Parametrized(nn.Module):
             ``nn.Linear``, ``Conv{1,2,3}d`` and ``ConvTranspose{1,2,3}d`` whose weight is trainable.
 
     Raises:
-        ValueError: an unknown parametrization, target modules that match nothing or match a layer of another type,
-            or a network with no layer to parametrize.
+        ValueError: an unknown parametrization, target modules that are not a list of names, name nothing, match
+            nothing or match a layer of another type, or a network with no layer to parametrize.
 
     Example:
         >>> from lightning_dp.models import DigitsConvNet
@@ -69,6 +69,13 @@ class Parametrized(nn.Module):
                 raise ValueError(f"Parametrized: {type(network).__name__} has no nn.Linear or convolution with a "
                                  "trainable weight to parametrize")
         else:
+            if isinstance(target_modules, str) or not all(isinstance(t, str) for t in target_modules):
+                raise ValueError(f"Parametrized: target_modules={target_modules!r} must be a list of names (suffixes "
+                                 "of module names, e.g. ['classifier.1']), or None for every linear layer and "
+                                 "convolution")
+            if not target_modules:
+                raise ValueError("Parametrized: target_modules=[] names no layer; give the names of the layers to "
+                                 "parametrize, or None for every linear layer and convolution")
             chosen = []
             for target in target_modules:
                 found = [n for n in named if n == target or n.endswith("." + target)]

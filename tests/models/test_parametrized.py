@@ -47,6 +47,8 @@ def test_a_frozen_weight_is_left_alone():
     ({"parametrization": "weight_standardization"}, "is not one of"),
     ({"target_modules": ["nope"]}, "matches no module"),
     ({"target_modules": ["features"]}, "not a linear layer or convolution"),
+    ({"target_modules": []}, "names no layer"),
+    ({"target_modules": "classifier.1"}, "a list of names"),
 ])
 def test_bad_arguments_say_what_is_allowed(kwargs, match):
     with pytest.raises(ValueError, match=match):

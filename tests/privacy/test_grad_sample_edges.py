@@ -763,17 +763,33 @@ def test_convolution_windows_as_planned(case, monkeypatch):
     assert set(plans) == expected
 
 
+class _Scale(nn.Module):
+    """A layer without a rule (the torch.func fallback replays it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 6))
+
+    def forward(self, x):
+        return x * self.w
+
+
+@pytest.mark.parametrize("layer", [lambda: nn.Linear(6, 6), _Scale],
+                         ids=["a rule", "the replay"])
 @pytest.mark.parametrize("hook, refused", [
     (lambda m, args, out: out * 2, True),  # another output: the rule's formula would give half the gradient
     (lambda m, args, out: out.mul_(2), True),  # the output changed in place
     (lambda m, args, out: None, False),  # an observer: the output as the forward returned it
-])
-def test_a_forward_hook_that_changes_a_layers_output_is_refused(hook, refused):
-    """A user's forward hook runs before the engine's and while the layer's weights are frozen: a change of the
-    output it makes is outside the rule's formula (norms too low by the factor, silently, before this check)."""
+    (lambda m, args, out: out, False),  # the same tensor back
+], ids=["scaled", "in place", "observer", "same"])
+def test_a_forward_hook_that_changes_a_layers_output_is_refused(layer, hook, refused):
+    """A user's forward hook registered before the engine runs before the engine's and while the layer's weights
+    are frozen: a change of the output it makes is outside the rule's formula and outside the replay (which runs the
+    forward alone): norms too low by the factor, silently, before this check."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
-    model[0].register_forward_hook(hook)
+    first = layer()
+    model = nn.Sequential(nn.Linear(5, 6), first, nn.Tanh(), nn.Linear(6, 3))
+    first.register_forward_hook(hook)
     x, y = _data(5)
     if not refused:
         _check(model, x, y)
@@ -786,16 +802,86 @@ def test_a_forward_hook_that_changes_a_layers_output_is_refused(hook, refused):
     engine.remove()
 
 
-def test_a_forward_hook_added_after_the_engine_is_differentiated_through():
-    """A hook registered after the engine's runs after it: the engine records the layer's own output, whose
-    gradient autograd carries through the hook's change; exact."""
+@pytest.mark.parametrize("hook, refused", [(lambda m, args, out: out * 2, True), (lambda m, args, out: None, False)],
+                         ids=["scaled", "observer"])
+def test_a_global_forward_hook_is_watched(hook, refused):
+    """Global forward hooks (register_module_forward_hook) run before every module's hooks: the engine keeps the
+    forward's own output ahead of them."""
+    from torch.nn.modules.module import register_module_forward_hook
+
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+    x, y = _data(5)
+    handle = register_module_forward_hook(lambda m, args, out: hook(m, args, out) if m is model[0] else None)
+    try:
+        if not refused:
+            _check(model, x, y)
+            return
+        engine = GradSampleEngine(model)
+        engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
+        with pytest.raises(PerSampleGradientError, match="a forward hook on it changed its output"):
+            with engine.record(batch_size=7):
+                F.cross_entropy(model(x), y).backward()
+        engine.remove()
+    finally:
+        handle.remove()
+
+
+def _recorded(model, x, y):
+    engine = GradSampleEngine(model)
+    engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
+    return engine
+
+
+def test_hooks_put_ahead_of_the_engine_later_are_caught():
+    """A prepend forward hook added after the engine's watch is armed runs before it: put back first. A forward
+    pre-hook added after the engine would run with the weights frozen (a use of them would escape): refused."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+    x, y = _data(5)
+    model[0].register_forward_hook(lambda m, args, out: None)  # an observer arms the watch
+    engine = _recorded(model, x, y)
+    with engine.record(batch_size=7):
+        F.cross_entropy(model(x), y).backward()
+    engine.clear()
+    model[0].register_forward_hook(lambda m, args, out: out * 2, prepend=True)
+    with pytest.raises(PerSampleGradientError, match="a forward hook on it changed its output"):
+        with engine.record(batch_size=7):
+            F.cross_entropy(model(x), y).backward()
+    engine.remove()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+    engine = _recorded(model, x, y)
+    model[0].register_forward_pre_hook(lambda m, args: (args[0] * m.weight.sum(),))
+    with pytest.raises(PerSampleGradientError, match="a forward pre-hook was registered on it after the engine"):
+        with engine.record(batch_size=7):
+            F.cross_entropy(model(x), y).backward()
+    engine.remove()
+
+
+def test_a_replayed_layer_sees_its_pre_hooks_once():
+    """The replay runs the layer's forward on the inputs the forward received (after its pre-hooks), not the module
+    with its hooks (which applied a pre-hook twice: norms off by up to 30 %, silently)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), _Scale(), nn.Tanh(), nn.Linear(6, 3))
+    model[1].register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    _check(model, *_data(5))
+
+
+@pytest.mark.parametrize("replayed", [False, True], ids=["a rule", "the replay"])
+def test_a_forward_hook_added_after_the_engine_is_differentiated_through(replayed):
+    """A hook registered after the engine's runs after it: the engine records the layer's own output, whose
+    gradient autograd carries through the hook's change; exact (the replay runs the forward alone, not the hook)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), _Scale() if replayed else nn.Identity(), nn.Tanh(),
+                          nn.Linear(6, 3)).double()
+    hooked = model[1] if replayed else model[0]
     x, y = _data(5)
     x = x.double()
     engine = GradSampleEngine(model)
     engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
-    handle = model[0].register_forward_hook(lambda m, args, out: out * 2)
+    handle = hooked.register_forward_hook(lambda m, args, out: out * 2)
     params, ref = per_example_gradients(model, F.cross_entropy(model(x), y, reduction="none"))
     with engine.record(batch_size=7):
         F.cross_entropy(model(x), y).backward()

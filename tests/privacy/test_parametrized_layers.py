@@ -625,16 +625,39 @@ def test_a_parametrization_that_draws_random_numbers_is_refused():
     engine.remove()
 
 
-def test_a_hooked_parametrized_layer_is_replayed_with_its_hook():
-    """A forward hook of the user's that changes the layer's output (reading its weight) is outside the layer's
-    formula: the layer is replayed, hook included, exactly, rather than chained."""
+def test_hooks_on_a_parametrized_layer():
+    """An observer on a parametrized layer keeps the chain; a hook of the user's on the parametrization (it runs when
+    the forward reads the tensor) sends the layer to the replay, which runs it, exactly; a hook changing the layer's
+    output is refused (the engine's watch, as for any layer)."""
     torch.manual_seed(0)
     layer = parametrizations.weight_norm(nn.Linear(5, 6))
-    layer.register_forward_hook(lambda m, args, out: out * m.weight.sum())
+    seen = []
+    layer.register_forward_hook(lambda m, args, out: seen.append(out.shape))
+    model = nn.Sequential(layer, nn.Tanh(), nn.Linear(6, 3))
+    _check(model, *_data(5))
+    engine = GradSampleEngine(model)
+    assert engine.layers[0].rule.inner is not None and seen
+    engine.remove()
+
+    torch.manual_seed(0)
+    layer = parametrizations.weight_norm(nn.Linear(5, 6))
+    layer.parametrizations.weight.register_forward_hook(lambda m, args, out: out * 2)
     model = nn.Sequential(layer, nn.Tanh(), nn.Linear(6, 3))
     _check(model, *_data(5))
     engine = GradSampleEngine(model)
     assert engine.layers[0].rule.inner is None
+    engine.remove()
+
+    torch.manual_seed(0)
+    layer = parametrizations.weight_norm(nn.Linear(5, 6))
+    layer.register_forward_hook(lambda m, args, out: out * m.weight.sum())
+    model = nn.Sequential(layer, nn.Tanh(), nn.Linear(6, 3))
+    x, y = _data(5)
+    engine = GradSampleEngine(model)
+    engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
+    with pytest.raises(PerSampleGradientError, match="a forward hook on it changed its output"):
+        with engine.record(batch_size=7):
+            F.cross_entropy(model(x), y).backward()
     engine.remove()
 
 

@@ -10,12 +10,14 @@ import collections
 import contextlib
 import math
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
+from torch.nn.modules.module import _global_forward_hooks, register_module_forward_hook
 from torch.nn.utils import parametrize
 from torch.nn.utils.rnn import PackedSequence
 from torch.nn.utils.spectral_norm import SpectralNorm
@@ -128,8 +130,10 @@ class _Layer:
         self.checks_calls = any(getattr(rule, n, None) is not None for n in ("check_call", "prepare_call"))
         self.own_context = type(rule).forward_context is not LayerRule.forward_context
         self.after_call = getattr(rule, "after_call", None)
-        #: whether the layer's output is watched for a change by another forward hook (:meth:`GradSampleEngine._watch`)
-        self.watched = False
+        #: the ids of the engine's forward pre-hook on the module, and of the hook that keeps the forward's own output
+        #: while another forward hook sits on it (:meth:`GradSampleEngine._watch`)
+        self.pre_id: int | None = None
+        self.raw_id: int | None = None
 
     @property
     def params(self) -> list[tuple[str, nn.Parameter]]:
@@ -335,8 +339,12 @@ class GradSampleEngine(BatchDimProbe):
         self._anchor = torch.zeros((), requires_grad=True)
         self._buffers: dict[tuple[int | None, str], Tensor] = {}
         self._handles: list[Any] = []
+        self._global_raw: Any = None  # the global hook that keeps the forward's own outputs (under global hooks)
+        self._by_module: dict[int, _Layer] = {id(layer.module): layer for layer in self.layers}
         for layer in self.layers:
-            self._handles.append(layer.module.register_forward_pre_hook(self._make_pre_hook(layer), with_kwargs=True))
+            handle = layer.module.register_forward_pre_hook(self._make_pre_hook(layer), with_kwargs=True)
+            layer.pre_id = handle.id
+            self._handles.append(handle)
             self._handles.append(layer.module.register_forward_hook(self._make_hook(layer), with_kwargs=True,
                                                                     always_call=True))
 
@@ -382,7 +390,13 @@ class GradSampleEngine(BatchDimProbe):
                 return None
             if layer.checks_calls:
                 self._before_call(layer, mod, args, kwargs)
-            if not layer.watched and len(mod._forward_hooks) > 1:  # another forward hook than the engine's
+            if next(reversed(mod._forward_pre_hooks)) != layer.pre_id:
+                raise PerSampleGradientError(
+                    f"{layer.label}: a forward pre-hook was registered on it after the engine's: it runs after the "
+                    "engine froze the layer's weights for the forward, so a use of the weights in it would escape the "
+                    "per-sample gradients. Register the hook before training starts (before DPSGD builds its engine), "
+                    "or do its work in the model's forward.")
+            if len(mod._forward_hooks) > 1 or _global_forward_hooks:  # another forward hook than the engine's
                 self._watch(layer)
             # Freeze the weights while this layer runs: autograd then computes only the
             # input gradients the chain rule needs, not the batch weight gradient that the
@@ -489,22 +503,35 @@ class GradSampleEngine(BatchDimProbe):
         return hook
 
     def _watch(self, layer: _Layer) -> None:
-        """Another forward hook sits on the layer (the user's: it runs before the engine's, which is registered last,
-        and while the layer's weights are frozen). If it returns another output, or changes the output in place, the
-        layer computed something else than its rule's formula (``o * 2``, ``o * m.weight.sum()``: norms too low by
-        that factor, silently). A hook put first keeps the forward's own output of each call, which the engine's hook
-        compares with the output it receives (:meth:`_check_raw`); a rule that runs the module again, its hooks
-        included (the ``torch.func`` fallback), needs no watch."""
-        layer.watched = True
-        if layer.rule.runs_module_hooks:
+        """Another forward hook runs on the layer before the engine's (the user's, registered before it, or a global
+        one, which runs before every module's), while the layer's weights are frozen. If it returns another output,
+        or changes the output in place, the layer computed something else than its rule's formula, or its replay
+        (``o * 2``, ``o * m.weight.sum()``: norms too low by that factor, silently). A hook run first keeps the
+        forward's own output of each call, which the engine's hook compares with the output it receives
+        (:meth:`_check_raw`): first among the module's hooks (put back first if a ``prepend`` hook came later), and,
+        while global forward hooks exist, first among them."""
+        hooks = cast("OrderedDict[int, Any]", layer.module._forward_hooks)  # an OrderedDict (torch annotates a dict)
+        if layer.raw_id is None:
+            handle = layer.module.register_forward_hook(self._raw_hook, with_kwargs=True, prepend=True)
+            layer.raw_id = handle.id
+            self._handles.append(handle)
+        elif next(iter(hooks)) != layer.raw_id:
+            hooks.move_to_end(layer.raw_id, last=False)
+        if _global_forward_hooks:
+            if self._global_raw is None:
+                self._global_raw = register_module_forward_hook(self._raw_hook)
+                self._handles.append(self._global_raw)
+            if next(iter(_global_forward_hooks)) != self._global_raw.id:
+                cast("OrderedDict[int, Any]", _global_forward_hooks).move_to_end(self._global_raw.id, last=False)
+
+    def _raw_hook(self, mod: nn.Module, args: tuple[Any, ...], *rest: Any) -> None:
+        """Keeps a recorded call's output as the forward returned it (the first capture of the call wins)."""
+        output = rest[-1]  # (kwargs, output) as a module hook with kwargs, (output,) as a global hook
+        layer = self._by_module.get(id(mod))
+        if layer is None or not (self._recording and not self._probing and torch.is_grad_enabled()) \
+                or not layer.calls or layer.calls[-1].context is None or layer.calls[-1].raw is not None:
             return
-
-        def raw(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            if self._recording and not self._probing and torch.is_grad_enabled() and layer.calls \
-                    and layer.calls[-1].context is not None:
-                layer.calls[-1].raw = [(t, t._version) for t in pytree.tree_leaves(output) if isinstance(t, Tensor)]
-
-        self._handles.append(layer.module.register_forward_hook(raw, with_kwargs=True, prepend=True))
+        layer.calls[-1].raw = [(t, t._version) for t in pytree.tree_leaves(output) if isinstance(t, Tensor)]
 
     @staticmethod
     def _check_raw(layer: _Layer, call: _Call, output: Any) -> None:

@@ -129,10 +129,6 @@ class LayerRule:
     #: the rule reads the gradients of outputs without a batch dimension itself (a recurrent layer's packed
     #: output): they reach it as they are (times the scale) instead of being refused
     unbatched_outputs: bool = False
-    #: the rule computes by running the module again (``torch.func``), forward hooks included: a user's forward hook
-    #: that changes the layer's output is part of what it differentiates (other rules see the layer's own formula and
-    #: refuse such a hook, :class:`~lightning_dp.privacy.grad_sample.GradSampleEngine`)
-    runs_module_hooks: bool = False
 
     def check(self, module: nn.Module, trainable: dict[str, nn.Parameter]) -> None:
         """Raise :class:`~lightning_dp.privacy.grad_sample.PerSampleGradientError` for configurations the rule

@@ -29,11 +29,31 @@ def _unsqueeze(tree: Any, dims: Any) -> Any:
                            tree, dims)
 
 
+class _Forward(nn.Module):
+    """``module.forward`` alone, without the module's own hooks: a replay computes what the forward computed from the
+    inputs it received (after the forward pre-hooks) up to the output the engine recorded, before any forward hook
+    that changes it (which the engine refuses) and before the hooks registered after the engine's (which autograd
+    carries from the recorded output). Calling the module would run its pre-hooks on inputs they already changed."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module.forward(*args, **kwargs)
+
+
+def _prefixed(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A module's state named as :class:`_Forward` holds it."""
+    return {f"module.{name}": t for name, t in state.items()}
+
+
 def per_example_grads(layer, records, batch_size: int) -> dict[str, Tensor]:
     """``{name: (B, *shape)}`` per-sample gradients of ``layer``'s trainable parameters, summed over its calls."""
     from torch.func import functional_call, vjp, vmap
 
     module = layer.module
+    forward = _Forward(module)
     total: dict[str, Tensor] = {}
     with layer.replaying():
         state = layer.replay_state()  # every parameter and buffer in the records' dtype (float32 under bf16-true)
@@ -56,8 +76,8 @@ def per_example_grads(layer, records, batch_size: int) -> dict[str, Tensor]:
                     _fixed=fixed_r) -> dict[str, Tensor]:
                 call_args, call_kwargs = (args_i, kwargs_i) if _r.broadcast else _unsqueeze((args_i, kwargs_i), _dims)
                 # torch.func.vjp is annotated for has_aux=True as well: a 2- or 3-tuple
-                out, pullback = vjp(lambda p: functional_call(module, {**_fixed, **p}, tuple(call_args),  # type: ignore[misc]
-                                                              dict(call_kwargs)), params)
+                out, pullback = vjp(lambda p: functional_call(forward, _prefixed({**_fixed, **p}),  # type: ignore[misc]
+                                                              tuple(call_args), dict(call_kwargs)), params)
                 leaves, spec = pytree.tree_flatten(out)
                 cot = []
                 for leaf, g, d in zip(leaves, grads_i, _r.output_dims):
@@ -100,8 +120,6 @@ def check_buffers_unchanged(layer: Any, module: nn.Module, versions: dict[str, i
 
 class FunctorchRule(LayerRule):
     """Any module: ``vmap`` over the per-example ``vjp`` of the module alone."""
-
-    runs_module_hooks = True
 
     def contributions(self, layer, records, batch_size):
         return {n: Dense(g) for n, g in per_example_grads(layer, records, batch_size).items()}

@@ -61,11 +61,6 @@ class ParametrizedRule(FunctorchRule):
     def __init__(self, inner: LayerRule | None = None) -> None:
         self.inner = inner if type(inner) in CHAINED_RULES else None
 
-    @property
-    def runs_module_hooks(self) -> bool:  # type: ignore[override]
-        """The replay runs the module's hooks; the chain uses the layer's own formula."""
-        return self.inner is None
-
     def check(self, module: nn.Module, trainable: dict[str, nn.Parameter]) -> None:
         """Refuse, before any data, what neither path can compute: a recurrent layer with a parametrized weight
         (the recurrent rule gives the gradient of the weight the recurrence reads; torch.func cannot replay the fused
@@ -84,9 +79,11 @@ class ParametrizedRule(FunctorchRule):
         if self.inner is None:
             return
         children = {name for name, _ in module.named_children()}
-        # a forward hook or pre-hook of the user's on the layer (checked before the engine adds its own) may change
-        # what the layer computes, which the layer's rule would not see: the replay runs the module, hooks included
-        hooked = bool(module._forward_hooks or module._forward_pre_hooks)
+        # a hook on a parametrization (or on its list) runs when the forward reads the tensor, as part of what it
+        # computes: the pull-back calls the parametrizations' functions, the replay runs the forward (hooks included).
+        # The layer's own hooks are the engine's to watch, chained or replayed alike (GradSampleEngine._watch)
+        lists = getattr(module, "parametrizations", None)
+        hooked = isinstance(lists, nn.Module) and any(m._forward_hooks or m._forward_pre_hooks for m in lists.modules())
         if not parametrize.is_parametrized(module) or children != {"parametrizations"} or hooked:
             self.inner = None
             return
