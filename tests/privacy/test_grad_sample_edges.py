@@ -860,6 +860,44 @@ def test_hooks_put_ahead_of_the_engine_later_are_caught():
     engine.remove()
 
 
+def test_a_replayed_layer_sees_global_pre_hooks_once():
+    """Global forward pre-hooks too: the replay runs the forward alone, no module call (306 % off before)."""
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), _Scale(), nn.Tanh(), nn.Linear(6, 3))
+    handle = register_module_forward_pre_hook(lambda m, args: (args[0] + 1,) if m is model[1] else None)
+    try:
+        _check(model, *_data(5))
+    finally:
+        handle.remove()
+
+
+def test_an_engine_dropped_without_remove_is_freed_under_global_hooks():
+    """The engine's global capture hook holds it weakly: an engine and model dropped without remove() go (the model's
+    hooks and the engine hold each other, a cycle the collector frees), the engine's global hook with them."""
+    import gc
+    import weakref
+
+    from torch.nn.modules.module import _global_forward_hooks, register_module_forward_hook
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+    x, y = _data(5)
+    handle = register_module_forward_hook(lambda m, args, out: None)
+    try:
+        engine = _recorded(model, x, y)
+        with engine.record(batch_size=7):
+            F.cross_entropy(model(x), y).backward()
+        assert len(_global_forward_hooks) == 2  # the user's and the engine's
+        alive = weakref.ref(engine)
+        del engine, model
+        gc.collect()
+        assert alive() is None and len(_global_forward_hooks) == 1
+    finally:
+        handle.remove()
+
+
 def test_a_replayed_layer_sees_its_pre_hooks_once():
     """The replay runs the layer's forward on the inputs the forward received (after its pre-hooks), not the module
     with its hooks (which applied a pre-hook twice: norms off by up to 30 %, silently)."""

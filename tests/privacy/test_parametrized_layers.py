@@ -639,14 +639,37 @@ def test_hooks_on_a_parametrized_layer():
     assert engine.layers[0].rule.inner is not None and seen
     engine.remove()
 
-    torch.manual_seed(0)
-    layer = parametrizations.weight_norm(nn.Linear(5, 6))
-    layer.parametrizations.weight.register_forward_hook(lambda m, args, out: out * 2)
-    model = nn.Sequential(layer, nn.Tanh(), nn.Linear(6, 3))
-    _check(model, *_data(5))
-    engine = GradSampleEngine(model)
-    assert engine.layers[0].rule.inner is None
-    engine.remove()
+    from lightning_dp.privacy.grad_sample.rules import functorch
+
+    replayed = []
+    original = functorch.per_example_grads
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(functorch, "per_example_grads",
+                      lambda layer, *a, **k: (replayed.append(layer.name), original(layer, *a, **k))[1])
+        for where in ("the list", "a parametrization", "after the engine", "a global hook"):
+            torch.manual_seed(0)
+            layer = parametrizations.weight_norm(nn.Linear(5, 6))
+            model = nn.Sequential(layer, nn.Tanh(), nn.Linear(6, 3))
+            scale = (lambda m, args, out: out * 1.5 if m is layer.parametrizations.weight[0] else None)
+            handle = None
+            if where == "the list":
+                layer.parametrizations.weight.register_forward_hook(scale)
+            elif where == "a parametrization":
+                layer.parametrizations.weight[0].register_forward_hook(scale)
+            elif where == "a global hook":
+                from torch.nn.modules.module import register_module_forward_hook
+
+                handle = register_module_forward_hook(scale)
+            replayed.clear()
+            try:
+                if where == "after the engine":  # the hook comes while the engine exists: checked every step
+                    _check_hooked_later(model, layer, scale)
+                else:
+                    _check(model, *_data(5))
+            finally:
+                if handle is not None:
+                    handle.remove()
+            assert replayed == ["0"], where
 
     torch.manual_seed(0)
     layer = parametrizations.weight_norm(nn.Linear(5, 6))
@@ -659,6 +682,22 @@ def test_hooks_on_a_parametrized_layer():
         with engine.record(batch_size=7):
             F.cross_entropy(model(x), y).backward()
     engine.remove()
+
+
+def _check_hooked_later(model, layer, hook):
+    """The engine built and probed, then a hook put on the parametrization, then a step: exact."""
+    model = model.double()
+    x, y = _data(5)
+    x = x.double()
+    engine = GradSampleEngine(model)
+    engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
+    layer.parametrizations.weight[0].register_forward_hook(hook)
+    params, ref = per_example_gradients(model, F.cross_entropy(model(x), y, reduction="none"))
+    with engine.record(batch_size=7):
+        F.cross_entropy(model(x), y).backward()
+    norms = engine.per_sample_norms()
+    engine.remove()
+    torch.testing.assert_close(norms, ref.norm(dim=1), rtol=1e-6, atol=1e-9)
 
 
 def test_a_scalar_parameter_shared_by_two_layers():

@@ -10,6 +10,7 @@ import collections
 import contextlib
 import math
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
@@ -396,8 +397,12 @@ class GradSampleEngine(BatchDimProbe):
                     "engine froze the layer's weights for the forward, so a use of the weights in it would escape the "
                     "per-sample gradients. Register the hook before training starts (before DPSGD builds its engine), "
                     "or do its work in the model's forward.")
-            if len(mod._forward_hooks) > 1 or _global_forward_hooks:  # another forward hook than the engine's
-                self._watch(layer)
+            others = len(_global_forward_hooks) - (self._global_raw is not None)  # global hooks but the engine's
+            if len(mod._forward_hooks) > 1 or others:  # another forward hook than the engine's
+                self._watch(layer, others > 0)
+            elif self._global_raw is not None:  # the user's global hooks are gone: so is the engine's
+                self._global_raw.remove()
+                self._global_raw = None
             # Freeze the weights while this layer runs: autograd then computes only the
             # input gradients the chain rule needs, not the batch weight gradient that the
             # engine would throw away. Only what requires grad now is frozen and unfrozen after:
@@ -502,7 +507,7 @@ class GradSampleEngine(BatchDimProbe):
             return None
         return hook
 
-    def _watch(self, layer: _Layer) -> None:
+    def _watch(self, layer: _Layer, global_hooks: bool) -> None:
         """Another forward hook runs on the layer before the engine's (the user's, registered before it, or a global
         one, which runs before every module's), while the layer's weights are frozen. If it returns another output,
         or changes the output in place, the layer computed something else than its rule's formula, or its replay
@@ -517,10 +522,19 @@ class GradSampleEngine(BatchDimProbe):
             self._handles.append(handle)
         elif next(iter(hooks)) != layer.raw_id:
             hooks.move_to_end(layer.raw_id, last=False)
-        if _global_forward_hooks:
+        if global_hooks:
             if self._global_raw is None:
-                self._global_raw = register_module_forward_hook(self._raw_hook)
-                self._handles.append(self._global_raw)
+                # through a weak reference: a global hook holding the engine would keep it and its model alive for
+                # the whole process if the engine were dropped without remove(); removed with the engine
+                engine = weakref.ref(self)
+
+                def capture(mod: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+                    alive = engine()
+                    if alive is not None:
+                        alive._raw_hook(mod, args, output)
+
+                self._global_raw = register_module_forward_hook(capture)
+                weakref.finalize(self, self._global_raw.remove)
             if next(iter(_global_forward_hooks)) != self._global_raw.id:
                 cast("OrderedDict[int, Any]", _global_forward_hooks).move_to_end(self._global_raw.id, last=False)
 
@@ -614,6 +628,9 @@ class GradSampleEngine(BatchDimProbe):
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self._global_raw is not None:
+            self._global_raw.remove()
+            self._global_raw = None
 
     # ------------------------------------------------------------ computation
     def batch_size(self) -> int:

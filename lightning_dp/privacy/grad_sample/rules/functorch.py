@@ -29,31 +29,25 @@ def _unsqueeze(tree: Any, dims: Any) -> Any:
                            tree, dims)
 
 
-class _Forward(nn.Module):
-    """``module.forward`` alone, without the module's own hooks: a replay computes what the forward computed from the
-    inputs it received (after the forward pre-hooks) up to the output the engine recorded, before any forward hook
-    that changes it (which the engine refuses) and before the hooks registered after the engine's (which autograd
-    carries from the recorded output). Calling the module would run its pre-hooks on inputs they already changed."""
+def _forward_at(module: nn.Module, state: dict[str, Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``module.forward(*args, **kwargs)`` with its parameters and buffers taken from ``state``, without the hooks
+    a call of the module runs (its own and the global ones): a replay computes what the forward computed from the
+    inputs it received (after the forward pre-hooks) up to the output the engine recorded (before any forward hook
+    that changes it, which the engine refuses, and before the hooks registered after the engine's, which autograd
+    carries from the recorded output). ``torch.func.functional_call`` calls the module, so it would run its
+    pre-hooks again on inputs they already changed: its own context manager is used around ``forward`` instead (a
+    private torch function, as functional_call itself uses it; tied names bound together as functional_call does)."""
+    from torch.nn.utils.stateless import _reparametrize_module
 
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module.forward(*args, **kwargs)
-
-
-def _prefixed(state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """A module's state named as :class:`_Forward` holds it."""
-    return {f"module.{name}": t for name, t in state.items()}
+    with _reparametrize_module(module, state, tie_weights=True):
+        return module.forward(*args, **kwargs)
 
 
 def per_example_grads(layer, records, batch_size: int) -> dict[str, Tensor]:
     """``{name: (B, *shape)}`` per-sample gradients of ``layer``'s trainable parameters, summed over its calls."""
-    from torch.func import functional_call, vjp, vmap
+    from torch.func import vjp, vmap
 
     module = layer.module
-    forward = _Forward(module)
     total: dict[str, Tensor] = {}
     with layer.replaying():
         state = layer.replay_state()  # every parameter and buffer in the records' dtype (float32 under bf16-true)
@@ -76,8 +70,8 @@ def per_example_grads(layer, records, batch_size: int) -> dict[str, Tensor]:
                     _fixed=fixed_r) -> dict[str, Tensor]:
                 call_args, call_kwargs = (args_i, kwargs_i) if _r.broadcast else _unsqueeze((args_i, kwargs_i), _dims)
                 # torch.func.vjp is annotated for has_aux=True as well: a 2- or 3-tuple
-                out, pullback = vjp(lambda p: functional_call(forward, _prefixed({**_fixed, **p}),  # type: ignore[misc]
-                                                              tuple(call_args), dict(call_kwargs)), params)
+                out, pullback = vjp(lambda p: _forward_at(module, {**_fixed, **p}, tuple(call_args),  # type: ignore[misc]
+                                                          dict(call_kwargs)), params)
                 leaves, spec = pytree.tree_flatten(out)
                 cot = []
                 for leaf, g, d in zip(leaves, grads_i, _r.output_dims):

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import _SpectralNorm, _WeightNorm
 
@@ -79,12 +80,7 @@ class ParametrizedRule(FunctorchRule):
         if self.inner is None:
             return
         children = {name for name, _ in module.named_children()}
-        # a hook on a parametrization (or on its list) runs when the forward reads the tensor, as part of what it
-        # computes: the pull-back calls the parametrizations' functions, the replay runs the forward (hooks included).
-        # The layer's own hooks are the engine's to watch, chained or replayed alike (GradSampleEngine._watch)
-        lists = getattr(module, "parametrizations", None)
-        hooked = isinstance(lists, nn.Module) and any(m._forward_hooks or m._forward_pre_hooks for m in lists.modules())
-        if not parametrize.is_parametrized(module) or children != {"parametrizations"} or hooked:
+        if not parametrize.is_parametrized(module) or children != {"parametrizations"}:
             self.inner = None
             return
         try:
@@ -142,10 +138,19 @@ class ParametrizedRule(FunctorchRule):
                 p.train(True)
 
     def _chains(self, layer, records, batch_size: int) -> bool:
-        # inputs shared by all examples (the layer broadcast to the batch): the fallback's replay handles them. No
-        # memory bound here: where the chain instantiates per-example gradients of the computed tensor (its batched
-        # pull-back, or a closed form on a source without factors), the fallback instantiates as many
-        return self.inner is not None and not any(r.broadcast for r in records)
+        """Whether this step's records take the chain. Not with inputs shared by all examples (the layer broadcast
+        to the batch). Not while a hook sits on a parametrization or its list, or any global forward hook or
+        pre-hook exists (checked every step: they may come and go): it runs when the forward reads the tensor, as
+        part of what it computes, which the chain's formulas do not see and the replay (the layer's forward,
+        reading the tensor through its parametrizations) runs. No memory bound here: where the chain instantiates
+        per-example gradients of the computed tensor (its batched pull-back, or a closed form on a source without
+        factors), the replay instantiates as many."""
+        if self.inner is None or any(r.broadcast for r in records):
+            return False
+        if _global_forward_hooks or _global_forward_pre_hooks:
+            return False
+        return not any(m._forward_hooks or m._forward_pre_hooks
+                       for m in layer.module.parametrizations.modules())
 
     def _chained(self, layer, records, batch_size: int) -> dict[str, Any]:
         module = layer.module
