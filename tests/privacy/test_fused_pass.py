@@ -17,6 +17,7 @@ from lightning_dp.privacy.clipping import clip_factors
 from lightning_dp.privacy.grad_sample import GradSampleEngine
 from tests.helpers import probe
 from tests.privacy.test_grad_sample import CASES, prepared
+from tests.privacy.test_grad_sample_edges import _Scale
 
 
 class SequenceModel(nn.Module):
@@ -34,19 +35,9 @@ class SequenceModel(nn.Module):
         return self.head((h[0] if isinstance(h, tuple) else h).mean(1))
 
 
-class _Scaled(nn.Module):
-    """A layer without a rule: the torch.func fallback, in the compiled pass too."""
-
-    def __init__(self):
-        super().__init__()
-        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 6))
-
-    def forward(self, x):
-        return x * self.w
-
-
 FAMILIES = dict(CASES)
-FAMILIES["fallback"] = (lambda: nn.Sequential(nn.Linear(4, 6), _Scaled(), nn.Tanh(), nn.Linear(6, 3)),
+# a layer without a rule: the torch.func fallback, in the compiled pass too
+FAMILIES["fallback"] = (lambda: nn.Sequential(nn.Linear(4, 6), _Scale(), nn.Tanh(), nn.Linear(6, 3)),
                         lambda g: torch.randn(6, 4, generator=g), lambda g: torch.randint(0, 3, (6,), generator=g))
 for _kind in ("lstm", "transformer"):
     FAMILIES[_kind] = (lambda kind=_kind: SequenceModel(kind), lambda g: torch.randint(0, 11, (6, 7), generator=g),

@@ -774,6 +774,23 @@ class _Scale(nn.Module):
         return x * self.w
 
 
+def _recorded(model, x, y):
+    """An engine on ``model``, probed on nested batches of ``x``."""
+    engine = GradSampleEngine(model)
+    engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
+    return engine
+
+
+def _refused_when_recorded(model, x, y, match, engine=None):
+    """The recorded forward and backward of ``model`` on ``x`` raise a PerSampleGradientError matching ``match``
+    (with ``engine``, or a new one, removed after)."""
+    engine = engine or _recorded(model, x, y)
+    with pytest.raises(PerSampleGradientError, match=match):
+        with engine.record(batch_size=x.shape[0]):
+            F.cross_entropy(model(x), y).backward()
+    engine.remove()
+
+
 @pytest.mark.parametrize("layer", [lambda: nn.Linear(6, 6), _Scale],
                          ids=["a rule", "the replay"])
 @pytest.mark.parametrize("hook, refused", [
@@ -794,12 +811,7 @@ def test_a_forward_hook_that_changes_a_layers_output_is_refused(layer, hook, ref
     if not refused:
         _check(model, x, y)
         return
-    engine = GradSampleEngine(model)
-    engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
-    with pytest.raises(PerSampleGradientError, match="a forward hook on it changed its output"):
-        with engine.record(batch_size=7):
-            F.cross_entropy(model(x), y).backward()
-    engine.remove()
+    _refused_when_recorded(model, x, y, "a forward hook on it changed its output")
 
 
 @pytest.mark.parametrize("hook, refused", [(lambda m, args, out: out * 2, True), (lambda m, args, out: None, False)],
@@ -817,20 +829,11 @@ def test_a_global_forward_hook_is_watched(hook, refused):
         if not refused:
             _check(model, x, y)
             return
-        engine = GradSampleEngine(model)
-        engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
-        with pytest.raises(PerSampleGradientError, match="a forward hook on it changed its output"):
-            with engine.record(batch_size=7):
-                F.cross_entropy(model(x), y).backward()
-        engine.remove()
+        _refused_when_recorded(model, x, y, "a forward hook on it changed its output")
     finally:
         handle.remove()
 
 
-def _recorded(model, x, y):
-    engine = GradSampleEngine(model)
-    engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
-    return engine
 
 
 def test_hooks_put_ahead_of_the_engine_later_are_caught():
@@ -845,19 +848,13 @@ def test_hooks_put_ahead_of_the_engine_later_are_caught():
         F.cross_entropy(model(x), y).backward()
     engine.clear()
     model[0].register_forward_hook(lambda m, args, out: out * 2, prepend=True)
-    with pytest.raises(PerSampleGradientError, match="a forward hook on it changed its output"):
-        with engine.record(batch_size=7):
-            F.cross_entropy(model(x), y).backward()
-    engine.remove()
+    _refused_when_recorded(model, x, y, "a forward hook on it changed its output", engine)
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
     engine = _recorded(model, x, y)
     model[0].register_forward_pre_hook(lambda m, args: (args[0] * m.weight.sum(),))
-    with pytest.raises(PerSampleGradientError, match="a forward pre-hook was registered on it after the engine"):
-        with engine.record(batch_size=7):
-            F.cross_entropy(model(x), y).backward()
-    engine.remove()
+    _refused_when_recorded(model, x, y, "a forward pre-hook was registered on it after the engine", engine)
 
 
 def test_a_replayed_layer_sees_global_pre_hooks_once():

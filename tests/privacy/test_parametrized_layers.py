@@ -15,7 +15,7 @@ from lightning_dp.privacy.clipping import clip_factors
 from lightning_dp.privacy.grad_sample import GradSampleEngine, PerSampleGradientError
 from lightning_dp.privacy.grad_sample.rules.parametrized import ParametrizedRule
 from tests.privacy.reference import per_example_gradients
-from tests.privacy.test_grad_sample_edges import _check, _data
+from tests.privacy.test_grad_sample_edges import _check, _data, _refused_when_recorded
 
 
 class _Symmetric(nn.Module):
@@ -675,13 +675,7 @@ def test_hooks_on_a_parametrized_layer():
     layer = parametrizations.weight_norm(nn.Linear(5, 6))
     layer.register_forward_hook(lambda m, args, out: out * m.weight.sum())
     model = nn.Sequential(layer, nn.Tanh(), nn.Linear(6, 3))
-    x, y = _data(5)
-    engine = GradSampleEngine(model)
-    engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
-    with pytest.raises(PerSampleGradientError, match="a forward hook on it changed its output"):
-        with engine.record(batch_size=7):
-            F.cross_entropy(model(x), y).backward()
-    engine.remove()
+    _refused_when_recorded(model, *_data(5), "a forward hook on it changed its output")
 
 
 def _check_hooked_later(model, layer, hook):

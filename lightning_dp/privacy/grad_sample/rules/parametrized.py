@@ -84,7 +84,7 @@ class ParametrizedRule(FunctorchRule):
             self.inner = None
             return
         try:
-            self.inner.check(module, _inner_trainable(module, trainable))
+            self.inner.check(module, _inner_trainable(trainable))
         except PerSampleGradientError:
             self.inner = None  # the fallback computes it, or refuses it with its own reason
 
@@ -231,17 +231,21 @@ def _chained_tensors(trainable: dict[str, Any]) -> dict[str, list[str]]:
     return found
 
 
-def _inner_trainable(module: nn.Module, trainable: dict[str, Any]) -> dict[str, Any]:
+def _inner_trainable(trainable: dict[str, Any]) -> dict[str, Any]:
     """The names the module's forward reads whose gradients the chain needs: its own trainable parameters and every
     parametrized tensor with a trainable parameter."""
     own = {n: p for n, p in trainable.items() if not n.startswith(_PREFIX)}
     return {**own, **{t: None for t in _chained_tensors(trainable)}}
 
 
+def _within(state: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
+    """The entries of ``state`` whose names start with ``prefix``, named without it."""
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+
 def _under(state: dict[str, Tensor], tensor: str) -> dict[str, Tensor]:
     """The entries of a module's state under ``parametrizations.<tensor>.``, named within that list."""
-    prefix = f"{_PREFIX}{tensor}."
-    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    return _within(state, f"{_PREFIX}{tensor}.")
 
 
 def _rng_states(module: nn.Module) -> list[Tensor]:
@@ -306,15 +310,10 @@ def _computed(plist: Any, state: dict[str, Tensor]) -> Tensor:
             norm = torch.linalg.vector_norm(v, dim=dims, keepdim=True) if dims else v.abs()
             x = v * (g / norm)
         else:
-            x = functional_call(m, _under_index(state, i), tuple(inputs))
+            x = functional_call(m, _within(state, f"{i}."), tuple(inputs))
         i += 1
     assert x is not None
     return x
-
-
-def _under_index(state: dict[str, Tensor], i: int) -> dict[str, Tensor]:
-    prefix = f"{i}."
-    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
 
 
 def _closed_form(plist: Any, state: dict[str, Tensor], one_map: bool) -> Any:
@@ -355,6 +354,7 @@ class _Pullback:
         self.source = source
         self._stats: Any = None
         self._grouped: tuple[Groups, _Pullback] | None = None
+        self._summed: tuple[Tensor, Tensor] | None = None  # (factors, the source's weighted sum): once for all originals
 
     def stats(self) -> Any:
         if self._stats is None:
@@ -379,9 +379,16 @@ class _Pullback:
         """Every example's gradient of original ``name``, ``(B, *shape)``."""
         raise NotImplementedError
 
+    def source_sum(self, factors: Tensor) -> Tensor:
+        """The source's weighted sum by ``factors``, computed once for the originals that share this pull-back (the
+        engine weights every parameter with the same tensor)."""
+        if self._summed is None or self._summed[0] is not factors:
+            self._summed = (factors, self.source.weighted_sum(factors))
+        return self._summed[1]
+
     def drop(self, examples: Tensor) -> None:
         self.source.drop(examples)  # zero rows: once or twice (one call per original) is the same
-        self._stats = None
+        self._stats = self._summed = None
 
     def grouped(self, groups: Groups) -> _Pullback:
         if self._grouped is None or self._grouped[0] is not groups:
@@ -534,7 +541,7 @@ class Pulled(Contribution):
         return self.pullback.sq_norms(self.name)
 
     def weighted_sum(self, factors: Tensor) -> Tensor:
-        return self.pullback.pulled_sum(self.name, self.pullback.source.weighted_sum(factors))
+        return self.pullback.pulled_sum(self.name, self.pullback.source_sum(factors))
 
     def dense(self) -> Tensor:
         return self.pullback.dense(self.name)
