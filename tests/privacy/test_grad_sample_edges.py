@@ -366,6 +366,41 @@ def test_a_recorded_recurrent_layer_runs_unrolled_and_needs_no_replay(cell, batc
     assert len(unrolled) == 2
 
 
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_lstm_scan_equals_autograd_on_the_same_recurrence(reverse, dtype):
+    """_LSTMScan (one LSTM direction as one autograd node, its backward written out) against autograd's operators
+    on the same recurrence: the outputs, h_n and c_n, and the gradients of all four inputs (the input
+    pre-activations, whose gradient the per-sample gradients are made of, h0, c0 and the recurrent weight) under
+    cotangents on all three outputs; also with h_n and c_n unused (their gradients materialized as zeros)."""
+    from lightning_dp.privacy.grad_sample.rules.recurrent import _LSTMScan
+
+    gen = torch.Generator().manual_seed(11)
+    b, steps, n = 5, 7, 4
+    leaves = [torch.randn(b, steps, 4 * n, generator=gen, dtype=dtype), torch.randn(b, n, generator=gen, dtype=dtype),
+              torch.randn(b, n, generator=gen, dtype=dtype), torch.randn(4 * n, n, generator=gen, dtype=dtype) / 2]
+    ours = [t.clone().requires_grad_() for t in leaves]
+    ref = [t.clone().requires_grad_() for t in leaves]
+    out, h_n, c_n = _LSTMScan.apply(*ours, reverse)
+    gi, h, c, w = ref
+    seq = [None] * steps
+    for t in (range(steps - 1, -1, -1) if reverse else range(steps)):
+        i, f, g, o = (gi[:, t] + h @ w.t()).chunk(4, -1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        h = torch.sigmoid(o) * torch.tanh(c)
+        seq[t] = h
+    expected = (torch.stack(seq, 1), h, c)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    for a, e in zip((out, h_n, c_n), expected):
+        torch.testing.assert_close(a, e, **tol)
+    for used in (3, 1):
+        cot = [torch.randn(t.shape, generator=gen, dtype=dtype) for t in expected[:used]]
+        got = torch.autograd.grad([out, h_n, c_n][:used], ours, cot, retain_graph=True)
+        want = torch.autograd.grad(expected[:used], ref, cot, retain_graph=True)
+        for a, e in zip(got, want):
+            torch.testing.assert_close(a, e, **tol)
+
+
 def test_a_recurrent_layer_falls_back_to_the_replay_under_autocast(monkeypatch):
     """Autocast (and packed inputs, other dtypes, a compiled forward) keep the fused kernel: the rule replays it
     after the backward, as before."""

@@ -114,6 +114,21 @@ class Recurrent(nn.Module):
         return self.head(out[:, -1] if self.batch_first else out[-1])
 
 
+class StateFromLayer(nn.Module):
+    """A bidirectional LSTM whose initial states come from a trainable layer and whose loss reads only the final
+    states h_n and c_n: the gradients of h0, c0 and of the final states through the recurrence."""
+
+    def __init__(self):
+        super().__init__()
+        self.init, self.rnn, self.head = nn.Linear(4, 20), nn.LSTM(4, 5, batch_first=True, bidirectional=True), \
+            nn.Linear(20, 3)
+
+    def forward(self, x):  # (n, T, 4)
+        states = torch.tanh(self.init(x[:, 0])).view(x.shape[0], 4, 5).transpose(0, 1)
+        _, (h_n, c_n) = self.rnn(x, (states[:2].contiguous(), states[2:].contiguous()))
+        return self.head(torch.cat([h_n.transpose(0, 1).flatten(1), c_n.transpose(0, 1).flatten(1)], 1))
+
+
 class Packed(nn.Module):
     """A recurrent layer fed a PackedSequence of sequences of unequal lengths; the loss reads the padded output at
     each sequence's last step (batch first) and the final hidden states."""
@@ -377,6 +392,10 @@ CASES: dict[str, Case] = {
                       torch.randn(1, n, 5, generator=g, dtype=torch.float64),
                       torch.randn(1, n, 5, generator=g, dtype=torch.float64), _labels(n, g)),
         lambda m, b: _ce(m(b[0], (b[1], b[2])), b[3])),
+    "lstm_bidirectional_state_from_a_layer_final_states": Case(
+        StateFromLayer,
+        lambda n, g: (torch.randn(n, B, 4, generator=g, dtype=torch.float64), _labels(n, g)),
+        lambda m, b: _ce(m(b[0]), b[1])),
     "gru_bidirectional_sequence_first": Case(
         lambda: Recurrent(nn.GRU, False, bidirectional=True, num_layers=2),
         lambda n, g: (torch.randn(B, n, 4, generator=g, dtype=torch.float64), _labels(n, g)),

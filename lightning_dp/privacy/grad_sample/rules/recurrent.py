@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
+from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
 
 from lightning_dp.privacy.grad_sample.contributions import Dense, Factored
@@ -88,6 +89,7 @@ class RecurrentRule(LayerRule):
             for name, (left, right) in self._replay(m, self.mode(m), r, batch_size).items():
                 totals.setdefault(name, []).append((left, right))
         out = {}
+        sums: dict[tuple[int, ...], Tensor] = {}  # LSTM and RNN: bias_ih and bias_hh share their gradients
         for name, p in layer.trainable.items():
             parts = totals.get(name)
             if not parts:
@@ -97,7 +99,10 @@ class RecurrentRule(LayerRule):
                 right = torch.cat([b for _, b in parts], 1) if len(parts) > 1 else parts[0][1]
                 out[name] = Factored(left, right, p.shape, instantiate_limit=layer.instantiate_limit)
             else:
-                out[name] = Dense(sum(a.sum(1) for a, _ in parts))
+                key = tuple(id(a) for a, _ in parts)
+                if key not in sums:
+                    sums[key] = sum(a.sum(1) for a, _ in parts)
+                out[name] = Dense(sums[key])
         return out
 
     @contextlib.contextmanager
@@ -206,9 +211,23 @@ def _unroll(mode: str, x: Tensor, h0: Tensor, c0: Tensor | None,
             # one view per step, taken at once: the backward of unbind stacks the steps' gradients once,
             # where indexing gi[:, t] at every step gave each step's gradient as a zero-filled (B, T, G*H)
             # tensor added into gi's (T^2 traffic: 0.5 s of a 1 s profile of three LSTM steps, issue 53)
-            gi_steps = gi.unbind(1)
             h = h0[:, layer_index * dirs + d]
             c = c0[:, layer_index * dirs + d] if c0 is not None else None  # c0: LSTM only
+            if lstm and valid is None and steps and not torch.compiler.is_compiling():
+                # the common case: the whole direction as one autograd node (_LSTMScan: issue 53)
+                assert c is not None
+                seq, h, c = _LSTMScan.apply(gi, h, c, w_hh, bool(d))
+                outs.append(seq)
+                finals_h.append(h)
+                finals_c.append(c)
+                start = h0[:, layer_index * dirs + d, None].detach()
+                done = seq.detach()
+                prev = torch.cat([done[:, 1:], start] if d else [start, done[:, :-1]], 1)  # h before each step
+                plan.append(("weight_ih" + sfx, "bias_ih" + sfx, inp.detach(), len(pre), 0))
+                plan.append(("weight_hh" + sfx, "bias_hh" + sfx, prev, len(pre), 0))
+                pre.append(gi)
+                continue
+            gi_steps = gi.unbind(1)
             # filled in time order (reversed for the backward direction)
             hs: list[Any] = [None] * steps
             ghs: list[Any] = [None] * steps
@@ -241,6 +260,96 @@ def _unroll(mode: str, x: Tensor, h0: Tensor, c0: Tensor | None,
         inp = torch.cat(outs, -1) if dirs > 1 else outs[0]
     outputs = [inp, torch.stack(finals_h, 1)] + ([torch.stack(finals_c, 1)] if lstm else [])
     return outputs, pre, plan
+
+
+class _LSTMScan(torch.autograd.Function):
+    """One direction of one LSTM layer over all its steps, from the input pre-activations ``gi`` (B, T, 4H), both
+    biases in them: ``(output (B, T, H), h_n (B, H), c_n (B, H))``; the backward gives the gradient of ``gi``, the
+    gates' pre-activation gradients the per-sample gradients are made of (see :func:`_unroll`).
+
+    Written by hand because the fused kernel (oneDNN's on a CPU) does not expose the gates' gradients, and the same
+    recurrence in autograd's operators records about twenty nodes a step. Here a forward step is one matrix product
+    and eight elementwise operators into buffers allocated once; the backward first forms, for all steps at once,
+    what multiplies ``dc`` or ``dh`` into each gate's gradient (``g s_i'``, ``c_{t-1} s_f'``, ``i tanh'(g)``,
+    ``tanh(c) s_o'``, and ``o tanh'(c)``: a few operators over the whole sequence, cheaper than the same arithmetic
+    a step at a time, where each operator costs its dispatch), then runs one matrix product and four elementwise
+    operators a step. PyTorch's gate order (i, f, g, o). Tests compare the outputs and all four gradients with
+    autograd on the same recurrence (tests/privacy/test_grad_sample_edges.py); measured in docs/benchmarks.md.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, gi: Tensor, h0: Tensor, c0: Tensor, w_hh: Tensor, reverse: bool
+                ) -> tuple[Tensor, Tensor, Tensor]:
+        b, steps, g4 = gi.shape
+        n = g4 // 4
+        act = gi.new_empty(steps, b, g4)  # the gates' activations, time-major (one step's rows contiguous)
+        cs = gi.new_empty(steps, b, n)  # the cell states
+        tcs = gi.new_empty(steps, b, n)  # tanh of the cell states
+        out = gi.new_empty(b, steps, n)
+        w_t = w_hh.t()
+        # every step's views taken at once (one call each instead of a dozen slicings a step)
+        gates, sig_if, cell, sig_o = (act.unbind(0), act[..., :2 * n].unbind(0), act[..., 2 * n:3 * n].unbind(0),
+                                      act[..., 3 * n:].unbind(0))
+        in_gate, forget = act[..., :n].unbind(0), act[..., n:2 * n].unbind(0)
+        inputs, c_steps, tc_steps, h_steps = gi.unbind(1), cs.unbind(0), tcs.unbind(0), out.unbind(1)
+        h, c = h0, c0
+        for t in (range(steps - 1, -1, -1) if reverse else range(steps)):
+            torch.addmm(inputs[t], h, w_t, out=gates[t])
+            sig_if[t].sigmoid_()
+            cell[t].tanh_()
+            sig_o[t].sigmoid_()
+            c = torch.mul(forget[t], c, out=c_steps[t]).addcmul_(in_gate[t], cell[t])
+            h = torch.mul(sig_o[t], torch.tanh(c, out=tc_steps[t]), out=h_steps[t])
+        ctx.save_for_backward(act, cs, tcs, out, h0, c0, w_hh)
+        ctx.reverse = reverse
+        return out, h.clone(), c.clone()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, d_out: Tensor, d_hn: Tensor, d_cn: Tensor) -> tuple[Tensor | None, ...]:
+        act, cs, tcs, out, h0, c0, w_hh = ctx.saved_tensors
+        steps, b, g4 = act.shape
+        n = g4 // 4
+        reverse = ctx.reverse
+        # k: what multiplies dc (i, f, g) or dh (o) into each gate's pre-activation gradient
+        k = torch.addcmul(act, act, act, value=-1.0)  # s (1 - s): the sigmoids' derivative
+        g = act[..., 2 * n:3 * n]
+        k[..., 2 * n:3 * n].sub_(g).add_(1.0)  # there g - g^2: - g + 1 makes tanh's derivative 1 - g^2
+        k[..., :n].mul_(g)
+        before = slice(1, None) if not reverse else slice(None, -1)  # the steps that have a previous cell state
+        after = slice(None, -1) if not reverse else slice(1, None)
+        k[before, :, n:2 * n].mul_(cs[after])
+        k[0 if not reverse else -1, :, n:2 * n].mul_(c0)
+        k[..., 2 * n:3 * n].mul_(act[..., :n])
+        k[..., 3 * n:].mul_(tcs)
+        o = act[..., 3 * n:]
+        otd = torch.addcmul(o, o, tcs * tcs, value=-1.0)  # o tanh'(c): dh's share of dc
+        d_pre = k.new_empty(b, steps, g4)  # batch first, as gi
+        dh, dc = k.new_empty(b, n), k.new_empty(b, n)
+        k_c, k_h = k[..., :3 * n].view(steps, b, 3, n).unbind(0), k[..., 3 * n:].unbind(0)
+        f_steps, otd_steps, d_out_steps = act[..., n:2 * n].unbind(0), otd.unbind(0), d_out.unbind(1)
+        pre_steps = d_pre.unbind(1)
+        pre_c, pre_h = d_pre[..., :3 * n].view(b, steps, 3, n).unbind(1), d_pre[..., 3 * n:].unbind(1)
+        dc_next = d_cn
+        last = None
+        for t in (range(steps) if reverse else range(steps - 1, -1, -1)):
+            if last is None:
+                torch.add(d_out_steps[t], d_hn, out=dh)
+            else:
+                torch.addmm(d_out_steps[t], last, w_hh, out=dh)
+            torch.addcmul(dc_next, dh, otd_steps[t], out=dc)
+            torch.mul(k_c[t], dc.unsqueeze(1), out=pre_c[t])
+            torch.mul(k_h[t], dh, out=pre_h[t])
+            dc_next = dc * f_steps[t]
+            last = pre_steps[t]
+        d_h0 = last @ w_hh if ctx.needs_input_grad[1] and last is not None else None
+        d_c0 = dc_next if ctx.needs_input_grad[2] else None
+        d_w = None
+        if ctx.needs_input_grad[3]:
+            start = h0.unsqueeze(1)
+            prev = torch.cat([out[:, 1:], start] if reverse else [start, out[:, :-1]], 1)
+            d_w = d_pre.reshape(-1, g4).t() @ prev.reshape(-1, n)
+        return d_pre, d_h0, d_c0, d_w, None
 
 
 def _found(plan: list[_Plan], grads: list[Tensor], back: Tensor | None) -> dict[str, tuple[Tensor, Tensor]]:
