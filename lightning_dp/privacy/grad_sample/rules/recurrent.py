@@ -300,14 +300,20 @@ class _LSTMScan(torch.autograd.Function):
             sig_o[t].sigmoid_()
             c = torch.mul(forget[t], c, out=c_steps[t]).addcmul_(in_gate[t], cell[t])
             h = torch.mul(sig_o[t], torch.tanh(c, out=tc_steps[t]), out=h_steps[t])
-        ctx.save_for_backward(act, cs, tcs, out, h0, c0, w_hh)
+        # the states before each step only where the recurrent weight's gradient is asked for (not in a recorded
+        # step, whose weights are frozen): saving the output itself would refuse an in-place operation on it
+        prev = None
+        if ctx.needs_input_grad[3]:
+            start = h0.unsqueeze(1)
+            prev = torch.cat([out[:, 1:], start] if reverse else [start, out[:, :-1]], 1)
+        ctx.save_for_backward(act, cs, tcs, c0, w_hh, prev)
         ctx.reverse = reverse
         return out, h.clone(), c.clone()
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, d_out: Tensor, d_hn: Tensor, d_cn: Tensor) -> tuple[Tensor | None, ...]:
-        act, cs, tcs, out, h0, c0, w_hh = ctx.saved_tensors
+        act, cs, tcs, c0, w_hh, prev = ctx.saved_tensors
         steps, b, g4 = act.shape
         n = g4 // 4
         reverse = ctx.reverse
@@ -344,11 +350,7 @@ class _LSTMScan(torch.autograd.Function):
             last = pre_steps[t]
         d_h0 = last @ w_hh if ctx.needs_input_grad[1] and last is not None else None
         d_c0 = dc_next if ctx.needs_input_grad[2] else None
-        d_w = None
-        if ctx.needs_input_grad[3]:
-            start = h0.unsqueeze(1)
-            prev = torch.cat([out[:, 1:], start] if reverse else [start, out[:, :-1]], 1)
-            d_w = d_pre.reshape(-1, g4).t() @ prev.reshape(-1, n)
+        d_w = d_pre.reshape(-1, g4).t() @ prev.reshape(-1, n) if prev is not None else None
         return d_pre, d_h0, d_c0, d_w, None
 
 
