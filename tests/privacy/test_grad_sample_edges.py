@@ -366,37 +366,65 @@ def test_a_recorded_recurrent_layer_runs_unrolled_and_needs_no_replay(cell, batc
     assert len(unrolled) == 2
 
 
+def _scan_reference(mode, gi, probe, h, c, w, bias, reverse):
+    """The recurrence in autograd's operators, for the scans' tests: (output, h_n[, c_n])."""
+    seq = [None] * gi.shape[1]
+    for t in (range(gi.shape[1] - 1, -1, -1) if reverse else range(gi.shape[1])):
+        if mode == "LSTM":
+            i, f, g, o = (gi[:, t] + h @ w.t()).chunk(4, -1)
+            c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+            h = torch.sigmoid(o) * torch.tanh(c)
+        else:
+            ir, iz, in_ = gi[:, t].chunk(3, -1)
+            hr, hz, hn = (h @ w.t() + (0 if bias is None else bias) + probe[:, t]).chunk(3, -1)
+            r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
+            n = torch.tanh(in_ + r * hn)
+            h = (1 - z) * n + z * h
+        seq[t] = h
+    return (torch.stack(seq, 1), h) + ((c,) if mode == "LSTM" else ())
+
+
+@pytest.mark.parametrize("mode, bias", [("LSTM", False), ("GRU", True), ("GRU", False)],
+                         ids=["lstm", "gru", "gru_no_bias"])
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_the_lstm_scan_equals_autograd_on_the_same_recurrence(reverse, dtype):
-    """_LSTMScan (one LSTM direction as one autograd node, its backward written out) against autograd's operators
-    on the same recurrence: the outputs, h_n and c_n, and the gradients of all four inputs (the input
-    pre-activations, whose gradient the per-sample gradients are made of, h0, c0 and the recurrent weight) under
-    cotangents on all three outputs; also with h_n and c_n unused (their gradients materialized as zeros)."""
-    from lightning_dp.privacy.grad_sample.rules.recurrent import _LSTMScan
+def test_the_recurrent_scans_equal_autograd_on_the_same_recurrence(mode, bias, reverse, dtype):
+    """_LSTMScan and _GRUScan (one direction as one autograd node, its backward written out) against autograd's
+    operators on the same recurrence: the outputs and final states, and the gradients of every input (the input
+    pre-activations, whose gradient the per-sample gradients are made of; the GRU's probe, whose gradient is the
+    recurrent pre-activations'; the initial states; the recurrent weight and bias) under cotangents on all
+    outputs, and with only the sequence used (the final states' gradients materialized as zeros)."""
+    from lightning_dp.privacy.grad_sample.rules.recurrent import _GRUScan, _LSTMScan
 
     gen = torch.Generator().manual_seed(11)
     b, steps, n = 5, 7, 4
-    leaves = [torch.randn(b, steps, 4 * n, generator=gen, dtype=dtype), torch.randn(b, n, generator=gen, dtype=dtype),
-              torch.randn(b, n, generator=gen, dtype=dtype), torch.randn(4 * n, n, generator=gen, dtype=dtype) / 2]
-    ours = [t.clone().requires_grad_() for t in leaves]
-    ref = [t.clone().requires_grad_() for t in leaves]
-    out, h_n, c_n = _LSTMScan.apply(*ours, reverse)
-    gi, h, c, w = ref
-    seq = [None] * steps
-    for t in (range(steps - 1, -1, -1) if reverse else range(steps)):
-        i, f, g, o = (gi[:, t] + h @ w.t()).chunk(4, -1)
-        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-        h = torch.sigmoid(o) * torch.tanh(c)
-        seq[t] = h
-    expected = (torch.stack(seq, 1), h, c)
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen, dtype=dtype) * scale
+
+    if mode == "LSTM":
+        leaves = [rand(b, steps, 4 * n), rand(b, n), rand(b, n), rand(4 * n, n, scale=0.5)]
+    else:
+        leaves = [rand(b, steps, 3 * n), torch.zeros(b, steps, 3 * n, dtype=dtype), rand(b, n),
+                  rand(3 * n, n, scale=0.5)] + ([rand(3 * n)] if bias else [None])
+    ours = [t if t is None else t.clone().requires_grad_() for t in leaves]
+    ref = [t if t is None else t.clone().requires_grad_() for t in leaves]
+    if mode == "LSTM":
+        got_out = _LSTMScan.apply(*ours, reverse)
+        expected = _scan_reference(mode, ref[0], None, ref[1], ref[2], ref[3], None, reverse)
+    else:
+        got_out = _GRUScan.apply(*ours, reverse)
+        expected = _scan_reference(mode, ref[0], ref[1], ref[2], None, ref[3], ref[4], reverse)
     tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
-    for a, e in zip((out, h_n, c_n), expected):
+    assert got_out[0].shape == (b, steps, n) and len(got_out) == len(expected)
+    for a, e in zip(got_out, expected):
         torch.testing.assert_close(a, e, **tol)
-    for used in (3, 1):
-        cot = [torch.randn(t.shape, generator=gen, dtype=dtype) for t in expected[:used]]
-        got = torch.autograd.grad([out, h_n, c_n][:used], ours, cot, retain_graph=True)
-        want = torch.autograd.grad(expected[:used], ref, cot, retain_graph=True)
+    inputs = [t for t in ours if t is not None]
+    ref_inputs = [t for t in ref if t is not None]
+    for used in (len(expected), 1):
+        cot = [rand(*t.shape) for t in expected[:used]]
+        got = torch.autograd.grad(got_out[:used], inputs, cot, retain_graph=True)
+        want = torch.autograd.grad(expected[:used], ref_inputs, cot, retain_graph=True)
         for a, e in zip(got, want):
             torch.testing.assert_close(a, e, **tol)
 

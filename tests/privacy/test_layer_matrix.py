@@ -115,18 +115,24 @@ class Recurrent(nn.Module):
 
 
 class StateFromLayer(nn.Module):
-    """A bidirectional LSTM whose initial states come from a trainable layer and whose loss reads only the final
-    states h_n and c_n: the gradients of h0, c0 and of the final states through the recurrence."""
+    """A bidirectional LSTM or GRU whose initial states come from a trainable layer and whose loss reads only the
+    final states (h_n, and the LSTM's c_n): the gradients of h0 (c0) and of the final states through the
+    recurrence."""
 
-    def __init__(self):
+    def __init__(self, cell):
         super().__init__()
-        self.init, self.rnn, self.head = nn.Linear(4, 20), nn.LSTM(4, 5, batch_first=True, bidirectional=True), \
-            nn.Linear(20, 3)
+        self.lstm = cell is nn.LSTM
+        width = 20 if self.lstm else 10
+        self.init, self.rnn, self.head = nn.Linear(4, width), cell(4, 5, batch_first=True, bidirectional=True), \
+            nn.Linear(width, 3)
 
     def forward(self, x):  # (n, T, 4)
-        states = torch.tanh(self.init(x[:, 0])).view(x.shape[0], 4, 5).transpose(0, 1)
-        _, (h_n, c_n) = self.rnn(x, (states[:2].contiguous(), states[2:].contiguous()))
-        return self.head(torch.cat([h_n.transpose(0, 1).flatten(1), c_n.transpose(0, 1).flatten(1)], 1))
+        states = torch.tanh(self.init(x[:, 0])).view(x.shape[0], -1, 5).transpose(0, 1)
+        if self.lstm:
+            _, (h_n, c_n) = self.rnn(x, (states[:2].contiguous(), states[2:].contiguous()))
+            return self.head(torch.cat([h_n.transpose(0, 1).flatten(1), c_n.transpose(0, 1).flatten(1)], 1))
+        _, h_n = self.rnn(x, states.contiguous())
+        return self.head(h_n.transpose(0, 1).flatten(1))
 
 
 class Packed(nn.Module):
@@ -393,7 +399,11 @@ CASES: dict[str, Case] = {
                       torch.randn(1, n, 5, generator=g, dtype=torch.float64), _labels(n, g)),
         lambda m, b: _ce(m(b[0], (b[1], b[2])), b[3])),
     "lstm_bidirectional_state_from_a_layer_final_states": Case(
-        StateFromLayer,
+        lambda: StateFromLayer(nn.LSTM),
+        lambda n, g: (torch.randn(n, B, 4, generator=g, dtype=torch.float64), _labels(n, g)),
+        lambda m, b: _ce(m(b[0]), b[1])),
+    "gru_bidirectional_state_from_a_layer_final_state": Case(
+        lambda: StateFromLayer(nn.GRU),
         lambda n, g: (torch.randn(n, B, 4, generator=g, dtype=torch.float64), _labels(n, g)),
         lambda m, b: _ce(m(b[0]), b[1])),
     "gru_bidirectional_sequence_first": Case(

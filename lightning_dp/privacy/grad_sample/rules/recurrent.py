@@ -5,7 +5,9 @@ recurrence unrolled in plain tensor operations instead of the fused kernel (:cla
 backward pass gives the pre-activations' gradients. Where the fused kernel runs anyway (packed sequences, autocast,
 half precision, a compiled forward), the rule replays the recurrence after the backward pass (about one more
 forward and backward) and pulls the recorded output gradients back through it; packed sequences are read from the
-packing. Both run the same function (:func:`_unroll`). Refused: inter-layer dropout in training,
+packing. Both run the same function (:func:`_unroll`), which runs an LSTM or GRU direction on an unpacked sequence
+as one autograd node with its backward written out (:class:`_LSTMScan`, :class:`_GRUScan`) and anything else in
+autograd's operators. Refused: inter-layer dropout in training,
 ``proj_size > 0``. Details: docs/per_sample_gradients.md, "How the rules work"."""
 
 from __future__ import annotations
@@ -227,6 +229,22 @@ def _unroll(mode: str, x: Tensor, h0: Tensor, c0: Tensor | None,
                 plan.append(("weight_hh" + sfx, "bias_hh" + sfx, prev, len(pre), 0))
                 pre.append(gi)
                 continue
+            if mode == "GRU" and valid is None and steps and not torch.compiler.is_compiling():
+                # the common case: the whole direction as one autograd node (_GRUScan); the gradient of the
+                # zeros `probe` is the recurrent pre-activations' (gh, kept apart from gi: see shared_pre)
+                # (a view of a scalar leaf, not a leaf itself: autograd would copy the gradient into .grad)
+                probe = gi.new_zeros((), requires_grad=True).expand(gi.shape)
+                seq, h = _GRUScan.apply(gi, probe, h, w_hh, b_hh, bool(d))
+                outs.append(seq)
+                finals_h.append(h)
+                finals_c.append(None)
+                start = h0[:, layer_index * dirs + d, None].detach()
+                done = seq.detach()
+                prev = torch.cat([done[:, 1:], start] if d else [start, done[:, :-1]], 1)  # h before each step
+                plan.append(("weight_ih" + sfx, "bias_ih" + sfx, inp.detach(), len(pre), 0))
+                plan.append(("weight_hh" + sfx, "bias_hh" + sfx, prev, len(pre) + 1, 0))
+                pre.extend([gi, probe])
+                continue
             gi_steps = gi.unbind(1)
             # filled in time order (reversed for the backward direction)
             hs: list[Any] = [None] * steps
@@ -352,6 +370,99 @@ class _LSTMScan(torch.autograd.Function):
         d_c0 = dc_next if ctx.needs_input_grad[2] else None
         d_w = d_pre.reshape(-1, g4).t() @ prev.reshape(-1, n) if prev is not None else None
         return d_pre, d_h0, d_c0, d_w, None
+
+
+class _GRUScan(torch.autograd.Function):
+    """One direction of one GRU layer over all its steps (as :class:`_LSTMScan` for the LSTM), from the input
+    pre-activations ``gi`` (B, T, 3H) with ``b_ih`` in them: ``(output (B, T, H), h_n (B, H))``. ``probe`` is a
+    zero tensor shaped as ``gi`` that the forward does not read: its gradient is the recurrent pre-activations'
+    (``gh = W_hh h + b_hh``), which the GRU keeps apart from ``gi``'s because the candidate gate multiplies ``gh_n``
+    by the reset gate. A forward step is one matrix product and six elementwise operators; the backward forms each
+    gate's factor for all steps at once (``dgi = dh' [K_r, K_z, K_n]``, ``dgh = dh' [K_r, K_z, K_n r]``), then
+    runs one product and four elementwise operators a step. Tests: as the LSTM's."""
+
+    @staticmethod
+    def forward(ctx: Any, gi: Tensor, probe: Tensor, h0: Tensor, w_hh: Tensor, b_hh: Tensor | None, reverse: bool
+                ) -> tuple[Tensor, Tensor]:
+        b, steps, g3 = gi.shape
+        n = g3 // 3
+        gates = gi.new_empty(steps, b, g3)  # r, z (activations) and n, time-major
+        gh_n = gi.new_empty(steps, b, n)  # W_hn h + b_hn, which the reset gate multiplies
+        out = gi.new_empty(b, steps, n)
+        gh = gi.new_empty(b, g3)
+        diff = gi.new_empty(b, n)
+        w_t = w_hh.t()
+        rz_steps, r_steps, z_steps, n_steps = (gates[..., :2 * n].unbind(0), gates[..., :n].unbind(0),
+                                               gates[..., n:2 * n].unbind(0), gates[..., 2 * n:].unbind(0))
+        inputs, h_steps, ghn_steps = gi.unbind(1), out.unbind(1), gh_n.unbind(0)
+        gh_rz, gh_last = gh[:, :2 * n], gh[:, 2 * n:]
+        h = h0
+        for t in (range(steps - 1, -1, -1) if reverse else range(steps)):
+            if b_hh is None:
+                torch.mm(h, w_t, out=gh)
+            else:
+                torch.addmm(b_hh, h, w_t, out=gh)
+            x = inputs[t]
+            torch.add(x[:, :2 * n], gh_rz, out=rz_steps[t]).sigmoid_()
+            ghn_steps[t].copy_(gh_last)
+            cand = torch.addcmul(x[:, 2 * n:], r_steps[t], gh_last, out=n_steps[t]).tanh_()
+            torch.sub(h, cand, out=diff)
+            h = torch.addcmul(cand, z_steps[t], diff, out=h_steps[t])
+        prev = None
+        if ctx.needs_input_grad[3]:  # the states before each step: for the recurrent weight's gradient only
+            start = h0.unsqueeze(1)
+            prev = torch.cat([out[:, 1:], start] if reverse else [start, out[:, :-1]], 1)
+        # the states before each step, time-major, for the update gate's factor (h - n)
+        before = gi.new_empty(steps, b, n)
+        done = out.transpose(0, 1)
+        if reverse:
+            before[:-1] = done[1:]
+            before[-1] = h0
+        else:
+            before[1:] = done[:-1]
+            before[0] = h0
+        ctx.save_for_backward(gates, gh_n, before, w_hh, prev)
+        ctx.reverse, ctx.has_bias = reverse, b_hh is not None
+        return out, h.clone()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, d_out: Tensor, d_hn: Tensor) -> tuple[Tensor | None, ...]:
+        gates, gh_n, before, w_hh, prev = ctx.saved_tensors
+        steps, b, g3 = gates.shape
+        n = g3 // 3
+        reverse = ctx.reverse
+        r, z, cand = gates[..., :n], gates[..., n:2 * n], gates[..., 2 * n:]
+        k = torch.empty_like(gates)  # dgi = dh' k, dh' the gradient of the step's new state
+        k_r, k_z, k_n = k[..., :n], k[..., n:2 * n], k[..., 2 * n:]
+        torch.mul(cand, cand, out=k_n).neg_().add_(1.0).mul_(1.0 - z)  # (1 - z)(1 - n^2)
+        torch.addcmul(z, z, z, value=-1.0, out=k_z).mul_(before - cand)  # z (1 - z)(h - n)
+        torch.addcmul(r, r, r, value=-1.0, out=k_r).mul_(gh_n).mul_(k_n)  # r (1 - r) gh_n (1 - z)(1 - n^2)
+        k_h = k.clone()  # dgh = dh' [k_r, k_z, k_n r]
+        k_h[..., 2 * n:].mul_(r)
+        d_gi = k.new_empty(b, steps, g3)
+        d_gh = k.new_empty(b, steps, g3)
+        k_steps, kh_steps = k.view(steps, b, 3, n).unbind(0), k_h.view(steps, b, 3, n).unbind(0)
+        gi_steps, gh_steps = d_gi.view(b, steps, 3, n).unbind(1), d_gh.view(b, steps, 3, n).unbind(1)
+        flat_gh, z_steps, d_out_steps = d_gh.unbind(1), z.unbind(0), d_out.unbind(1)
+        buffers = (k.new_empty(b, n), k.new_empty(b, n))  # dh' of this step and of the one processed before
+        dh = d_hn
+        last = None
+        for j, t in enumerate(range(steps) if reverse else range(steps - 1, -1, -1)):
+            cur = buffers[j % 2]
+            if last is None:
+                torch.add(d_out_steps[t], d_hn, out=cur)
+            else:  # the next step read this one's state through gh (W_hh) and through z h
+                torch.addmm(d_out_steps[t], flat_gh[last], w_hh, out=cur).addcmul_(z_steps[last], dh)
+            torch.mul(k_steps[t], cur.unsqueeze(1), out=gi_steps[t])
+            torch.mul(kh_steps[t], cur.unsqueeze(1), out=gh_steps[t])
+            dh, last = cur, t
+        d_h0 = None
+        if ctx.needs_input_grad[2] and last is not None:
+            d_h0 = torch.addcmul(flat_gh[last] @ w_hh, z_steps[last], dh)
+        d_w = d_gh.reshape(-1, g3).t() @ prev.reshape(-1, n) if prev is not None else None
+        d_b = d_gh.sum((0, 1)) if ctx.has_bias and ctx.needs_input_grad[4] else None
+        return d_gi, d_gh, d_h0, d_w, d_b, None
 
 
 def _found(plan: list[_Plan], grads: list[Tensor], back: Tensor | None) -> dict[str, tuple[Tensor, Tensor]]:
