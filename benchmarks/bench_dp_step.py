@@ -19,7 +19,7 @@ Models (``--model``):
 * ``transformer``: token embedding (1,000 words), 2-layer ``nn.TransformerEncoder`` (d 128, 4 heads, ff 256,
   dropout 0.1, batch first), mean-pooled classifier; 32 sequences of 64 tokens;
 * ``lstm``: token embedding (1,000 words, d 64), ``nn.LSTM`` (128 units), classifier of the last state; 64
-  sequences of 64 tokens;
+  sequences of 64 tokens; ``gru``: the same with ``nn.GRU`` (not one of the eight rows of docs/benchmarks.md);
 * ``gpt2``: a Hugging Face GPT-2 from a config (vocabulary 1,000, d 128, 2 layers, 4 heads, tied embeddings), next-token
   loss; 16 sequences of 64 tokens.
 * ``digits_mlp``: the new user's model: an MLP on scikit-learn's 8x8 digits as one writes it (flatten, 64 -> 128 ->
@@ -28,7 +28,8 @@ Models (``--model``):
   ``c_fc``), everything else frozen; 16 sequences of 64 tokens.
 
 Opacus runs the same models with its own layers where it needs them (``DPMultiheadAttention`` in the transformer,
-``DPLSTM`` for the LSTM); a method that cannot run a model is reported as failed, with the reason.
+``DPLSTM`` for the LSTM, ``DPGRU`` for the GRU); a method that cannot run a model is reported as failed, with the
+reason.
 
 Usage:
     python benchmarks/bench_dp_step.py                                  # MNIST CNN, every method
@@ -144,19 +145,27 @@ class TextTransformer(nn.Module):
 
 
 class TextLSTM(nn.Module):
+    cell, opacus_cell = "LSTM", "DPLSTM"
+
     def __init__(self, opacus: bool = False):
         super().__init__()
         self.emb = nn.Embedding(VOCAB, 64)
         if opacus:
-            from opacus.layers import DPLSTM
+            import opacus.layers
 
-            self.lstm = DPLSTM(64, 128, batch_first=True)
+            self.lstm = getattr(opacus.layers, self.opacus_cell)(64, 128, batch_first=True)
         else:
-            self.lstm = nn.LSTM(64, 128, batch_first=True)
+            self.lstm = getattr(nn, self.cell)(64, 128, batch_first=True)
         self.fc = nn.Linear(128, 2)
 
     def forward(self, ids):
         return self.fc(self.lstm(self.emb(ids))[0][:, -1])
+
+
+class TextGRU(TextLSTM):
+    """The LSTM classifier with an ``nn.GRU`` (Opacus: ``DPGRU``) in the LSTM's place."""
+
+    cell, opacus_cell = "GRU", "DPGRU"
 
 
 class GPT2LM(nn.Module):
@@ -221,6 +230,7 @@ MODELS = {
     "resnet8_gn": (lambda opacus=False: ResNet8(), _images((3, 32, 32)), 64, _ce),
     "transformer": (TextTransformer, _tokens(64), 32, _ce),
     "lstm": (TextLSTM, _tokens(64), 64, _ce),
+    "gru": (TextGRU, _tokens(64), 64, _ce),
     "gpt2": (GPT2LM, _tokens(64), 16, _lm_loss),
     "digits_mlp": (DigitsMLP, _images((1, 8, 8)), 64, _ce),
     "gpt2_lora": (GPT2LoRA, _tokens(64), 16, _lm_loss),

@@ -108,3 +108,13 @@ def test_the_step_benchmark_parametrizes_every_layer(capsys):
     assert [n for n, _ in model.named_parameters()] == [
         "net.1.bias", "net.1.parametrizations.weight.original0", "net.1.parametrizations.weight.original1",
         "net.3.bias", "net.3.parametrizations.weight.original0", "net.3.parametrizations.weight.original1"]
+
+
+def test_the_step_benchmark_runs_the_gru(tmp_path):
+    """--model gru: the LSTM classifier with nn.GRU (Opacus: DPGRU), every method reporting a time."""
+    bench = load("bench_dp_step")
+    out = tmp_path / "gru.json"
+    bench.main(["--model", "gru", "--batch-size", "4", "--methods", "nonprivate,lightning_dp,opacus_hooks", "--rounds",
+                "1", "--steps", "1", "--no-memory", "--threads", "1", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert not result["errors"] and set(result["ratio"]) == {"nonprivate", "lightning_dp", "opacus_hooks"}

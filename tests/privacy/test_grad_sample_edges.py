@@ -987,3 +987,48 @@ def test_a_forward_hook_added_after_the_engine_is_differentiated_through(replaye
     engine.remove()
     handle.remove()
     torch.testing.assert_close(norms, ref.norm(dim=1), rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("second", ["create_graph", "autograd_grad_first", "backward_twice"])
+def test_a_recorded_forward_is_differentiated_once(second):
+    """A gradient penalty (create_graph=True), torch.autograd.grad before loss.backward() and two backward passes
+    through one forward are refused: the hooks cannot tell a diagnostic autograd.grad (which adds nothing to .grad)
+    from a backward, and a double backward's dependence on the weights reaches no output gradient (norms 5x off,
+    silently, before the refusal). One backward of the summed losses is what the step supports."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+    engine = GradSampleEngine(model)
+    engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
+    xs = x.clone().requires_grad_()
+    with pytest.raises(PerSampleGradientError, match="once per step"):
+        with engine.record(batch_size=8):
+            loss = F.cross_entropy(model(xs), y)
+            if second == "create_graph":
+                (g,) = torch.autograd.grad(loss, xs, create_graph=True)
+                (loss + g.square().sum()).backward()
+            elif second == "autograd_grad_first":
+                torch.autograd.grad(loss, xs, retain_graph=True)
+                loss.backward()
+            else:
+                loss.backward(retain_graph=True)
+                loss.backward()
+    engine.clear()
+    with engine.record(batch_size=8):  # the engine still records a plain step afterwards
+        (F.cross_entropy(model(x), y) + 0.5 * F.cross_entropy(model(x), y)).backward()
+    assert engine.per_sample_norms().shape == (8,)
+    engine.remove()
+
+
+def test_a_backward_pass_that_skips_every_recorded_layer_is_refused():
+    """loss.backward(inputs=params) prunes the recorded layers' outputs (the weights were frozen during the forward):
+    no hook fires, and every per-sample gradient would be 0, the step releasing noise alone. Refused when the norms
+    are asked for."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+    engine = GradSampleEngine(model)
+    engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
+    with engine.record(batch_size=8):
+        F.cross_entropy(model(x), y).backward(inputs=list(model.parameters()))
+    with pytest.raises(PerSampleGradientError, match="no output gradient reached any recorded layer"):
+        engine.per_sample_norms()
+    engine.remove()

@@ -94,7 +94,7 @@ class _Call:
     of every step)."""
 
     __slots__ = ("args", "kwargs", "leaves", "spec", "outputs", "grad_outputs", "extra", "context", "frozen",
-                 "versions", "raw")
+                 "versions", "raw", "task")
 
     def __init__(self, frozen: list[nn.Parameter]) -> None:
         self.args: tuple[Any, ...] = ()
@@ -108,10 +108,41 @@ class _Call:
         self.frozen = frozen  # the parameters the pre-hook froze, to unfreeze
         self.versions: list[int | None] = []  # the input leaves' version counters after the forward
         self.raw: list[tuple[Tensor, int]] | None = None  # the forward's own output tensors and versions (watched)
+        self.task: int | None = None  # the backward pass (autograd's graph task) that brought its output gradients
 
 
 #: the context of a call whose rule records nothing during the forward (LayerRule's default): nothing to enter
 _OPEN = object()
+
+_DIFFERENTIATE_ONCE = (
+    "Differentiate a recorded forward once per step, with one backward pass of its loss (sum several losses before "
+    "it); take other gradients (an input-gradient penalty, a saliency map, torch.autograd.grad for a diagnostic) "
+    "outside the recorded step: in a forward of their own while the engine is stopped (engine.stop()), or on a "
+    "detached copy of the model.")
+
+
+def _one_backward(layer: _Layer, call: _Call) -> None:
+    """Refuses a second backward pass through a recorded call, or one that builds a graph of the gradient.
+
+    The output gradients the engine's tensor hooks catch become the call's per-sample gradients. A second pass (a
+    ``torch.autograd.grad`` before ``loss.backward()``, two backward calls through one forward) would add its
+    output gradients to the first's, though ``torch.autograd.grad`` adds nothing to ``.grad``: the hooks cannot
+    tell the two kinds apart. A pass with ``create_graph=True`` (a gradient penalty) differentiates the backward
+    pass itself, whose dependence on the weights no output gradient carries: per-sample norms 5x off in a
+    review's test, silently. Both are refused here, before anything is released."""
+    if torch.is_grad_enabled():
+        raise PerSampleGradientError(
+            f"{layer.label}: a backward pass with create_graph=True (a gradient penalty, double backward) ran through "
+            "a recorded step; per-sample gradients hold the loss's first-order gradient only, so they would miss "
+            f"the penalty's dependence on the weights. {_DIFFERENTIATE_ONCE}")
+    task = torch._C._current_graph_task_id()
+    if call.task is None:
+        call.task = task
+    elif call.task != task:
+        raise PerSampleGradientError(
+            f"{layer.label}: a second backward pass reached a recorded call (torch.autograd.grad before "
+            "loss.backward(), or backward(retain_graph=True) twice through one forward); the per-sample gradients "
+            f"would add the passes, though torch.autograd.grad adds nothing to .grad. {_DIFFERENTIATE_ONCE}")
 
 
 class _Layer:
@@ -497,9 +528,9 @@ class GradSampleEngine(BatchDimProbe):
                 call.outputs.append(leaf.detach())
                 call.grad_outputs.append(None)
 
-                def save_grad(grad: Tensor, call: _Call = call, i: int = i) -> None:
-                    have = call.grad_outputs[i]
-                    call.grad_outputs[i] = grad if have is None else have + grad
+                def save_grad(grad: Tensor, call: _Call = call, i: int = i, layer: _Layer = layer) -> None:
+                    _one_backward(layer, call)
+                    call.grad_outputs[i] = grad
 
                 leaf.register_hook(save_grad)
             if changed or layer.broadcast:
@@ -773,9 +804,12 @@ class GradSampleEngine(BatchDimProbe):
     def _contributions_of_step(self, batch: int, *, checked: bool = False) -> dict[int, list[Contribution]]:
         """Every layer's contributions, from output gradients as recorded (unscaled: :meth:`_records`)."""
         found: dict[int, list[Contribution]] = {}
+        called = reached = False
         for layer in self.layers:
             if not layer.calls:  # not called in this step (a branch not taken, a module defined but unused)
                 continue
+            called = True
+            reached = reached or any(g is not None for call in layer.calls for g in call.grad_outputs)
             records = self._records(layer, batch, checked=checked)
             if not records or batch == 0:
                 continue
@@ -792,6 +826,13 @@ class GradSampleEngine(BatchDimProbe):
             # now, not at the end of the step, so that a convolution's inputs and output gradients free early
             del records
             layer.calls.clear()
+        if called and not reached and batch:
+            # the hooks never fired: every per-sample gradient would be 0 and the step would release noise alone
+            raise PerSampleGradientError(
+                "no output gradient reached any recorded layer: the backward pass skipped them (loss.backward(inputs="
+                "...) or torch.autograd.grad of other tensors, which the engine's hooks never see), no backward pass "
+                "ran after the recorded forward, or the loss does not depend on the model's trainable layers. Call "
+                "loss.backward() without inputs= once after the recorded forward.")
         return found
 
     def per_sample_norms(self, *, loss_scale: float | None = None) -> Tensor:
