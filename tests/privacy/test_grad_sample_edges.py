@@ -473,6 +473,34 @@ def test_a_recurrent_layer_on_a_sequence_shared_by_all_examples_is_exact(cell, t
     _check(_SharedSequence(cell, train_rest), *_data(T, 3))
 
 
+@pytest.mark.parametrize("kwargs", [dict(num_layers=2), dict(bidirectional=True)], ids=["two_layers", "bidirectional"])
+def test_a_stacked_recurrent_layer_on_a_shared_sequence_is_refused(kwargs):
+    """Several layers or directions on a shared sequence: their final states (L*D, 1, H) would be expanded with the
+    batch at dimension 0, which the replay reads at dimension 1 (a shape error in the backward before); refused at the
+    probe with the fix (expand the sequence to the batch), which is then exact."""
+    model = _SharedSequence(nn.LSTM, True)
+    model.rnn = nn.LSTM(3, 5, batch_first=True, **kwargs)
+    width = 10 if kwargs.get("bidirectional") else 5
+    model.inp, model.head = nn.Linear(3, width), nn.Linear(width, 3)
+    x, y = _data(T, 3)
+    engine = GradSampleEngine(model)
+    with pytest.raises(PerSampleGradientError, match=r"sequence shared by all examples.*seq.expand\(B, -1, -1\)"):
+        engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
+    engine.remove()
+
+    class Expanded(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            m = self.inner
+            seq = m.seq.expand(x.shape[0], -1, -1)
+            return m.head(torch.tanh(m.inp(x) + m.rnn(seq)[0]).mean(1))
+
+    _check(Expanded(model), x, y)
+
+
 def test_a_recurrent_layer_that_sees_the_batch_on_its_time_axis_is_refused():
     """nn.LSTM(batch_first=False) fed (B, T, I) runs its recurrence across the examples: no clipping bounds that."""
     model = nn.Sequential(nn.LSTM(3, 5, batch_first=False))

@@ -68,6 +68,13 @@ class RecurrentRule(LayerRule):
         # the recurrence runs along the time dimension: with the batch anywhere else it would run across examples,
         # which no per-example clipping bounds (an nn.LSTM(batch_first=False) fed (B, T, I) mixes the batch)
         expected = 0 if getattr(module, "batch_first", False) else 1
+        if broadcast and module.num_layers * (2 if module.bidirectional else 1) > 1:
+            # the engine gives the shared output's final states (layers * directions, 1, H) the batch at dimension 0,
+            # where the replay reads them with the batch at dimension 1: one layer of one direction only
+            raise _error(f"{type(module).__name__}(num_layers={module.num_layers}, bidirectional="
+                         f"{module.bidirectional}) runs on a sequence shared by all examples, which is supported for "
+                         "one unidirectional layer; expand the sequence to the batch first (seq.expand(B, -1, -1)), "
+                         "or stack one-layer, one-direction layers")
         if not broadcast and inputs and inputs[0] is not None and inputs[0] != expected:
             raise _error(f"{type(module).__name__}(batch_first={getattr(module, 'batch_first', False)}) sees the "
                          f"batch at dimension {inputs[0]} of its input, not {expected}: its recurrence would run "
