@@ -1060,3 +1060,65 @@ def test_a_backward_pass_that_skips_every_recorded_layer_is_refused():
     with pytest.raises(PerSampleGradientError, match="no output gradient reached any recorded layer"):
         engine.per_sample_norms()
     engine.remove()
+
+
+def _mixing_losses():
+    def info_nce(model, x, y):  # each example's negatives are the batch's other examples
+        z = F.normalize(model(x), dim=1)
+        z2 = F.normalize(model(x + 0.1), dim=1)
+        return F.cross_entropy(z @ z2.T / 0.1, torch.arange(x.shape[0]))
+
+    def centred(model, x, y):  # logits centred on the batch mean
+        logits = model(x)
+        return F.cross_entropy(logits - logits.mean(0), y)
+
+    def centred_between_layers(model, x, y):
+        h = model[0](x)
+        return F.cross_entropy(model[2](torch.tanh(h - h.mean(0))), y)
+
+    return {"info_nce": info_nce, "centred_logits": centred, "centred_between_layers": centred_between_layers}
+
+
+@pytest.mark.parametrize("loss", list(_mixing_losses()))
+def test_a_loss_that_mixes_the_examples_is_refused_at_the_probe(loss):
+    """A loss (or an operation between layers) that mixes the batch's examples makes example b's row depend on the
+    others: moving one example changed every other row (a review's test, InfoNCE: row 0 10.6 -> 7.2), each clipped
+    to C, so one example's influence was about 2 B C, silently. The probe compares, in eval mode, the gradients
+    reaching the first examples' output slices across nested batches: refused, with what to do instead."""
+    fn = _mixing_losses()[loss]
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 4)).double()
+    x, y = torch.randn(10, 5, dtype=torch.float64), torch.randint(0, 4, (10,))
+    engine = GradSampleEngine(model)
+    with pytest.raises(PerSampleGradientError, match="mixes the examples of the batch.*Compute each example's loss"):
+        engine.probe(lambda n: fn(model, x[:n], y[:n]))
+    engine.remove()
+
+
+def test_per_example_losses_pass_the_probe_whatever_their_reduction():
+    """The check allows one factor per batch size: a mean, a sum, a weighted mean normalized by the batch's total
+    weight, and a loss whose layers' gradients cancel to rounding noise (a normalization summed out after them)."""
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 4)).double()
+    x, y = torch.randn(10, 5, dtype=torch.float64), torch.randint(0, 4, (10,))
+    w = torch.rand(10, dtype=torch.float64)
+    for fn in (lambda n: F.cross_entropy(model(x[:n]), y[:n]),
+               lambda n: F.cross_entropy(model(x[:n]), y[:n], reduction="sum"),
+               lambda n: (w[:n] * F.cross_entropy(model(x[:n]), y[:n], reduction="none")).sum() / w[:n].sum()):
+        engine = GradSampleEngine(model)
+        engine.probe(fn)
+        engine.remove()
+
+
+def test_a_batch_split_across_forwards_in_one_recorded_step_is_refused():
+    """record(batch_size=6) around two forwards of 3 examples: each layer's two calls are read as the same 3
+    examples, so examples i and i + 3 shared one row, clipped together (a review's test: norms ||g_i + g_{i+3}||,
+    silently). The layers' batch size is now compared with the one the step was recorded with."""
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    engine = GradSampleEngine(model)
+    engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
+    with engine.record(batch_size=6):
+        (F.cross_entropy(model(x[:3]), y[:3], reduction="sum") + F.cross_entropy(model(x[3:6]), y[3:6],
+                                                                               reduction="sum")).backward()
+    with pytest.raises(PerSampleGradientError, match=r"recorded with batch_size=6, but its layers saw 3 examples"):
+        engine.per_sample_norms()
+    engine.remove()

@@ -55,11 +55,9 @@ def run_in_precision(name: str, mode: str, c: float = 0.5):
     params, ref = per_example_gradients(model, losses.float())
     engine = GradSampleEngine(model)
     probe_g = torch.Generator().manual_seed(1)
-    if case.nested:
-        big = _cast(case.make_batch(7, probe_g), data)
-        probes = {n: _first(big, n) for n in (3, 5, 7)}
-    else:
-        probes = {n: _cast(case.make_batch(n, probe_g), data) for n in (3, 5, 7)}
+    big = _cast(case.make_batch(7, probe_g), data)  # the first n examples of one batch, as DPSGD probes
+    first = case.nested if callable(case.nested) else _first
+    probes = {n: first(big, n) for n in (3, 5, 7)}
 
     def run(n):
         with torch.random.fork_rng(), context():

@@ -33,9 +33,9 @@ class Case:
     make_model: Callable[[], nn.Module]
     make_batch: Callable[[int, torch.Generator], tuple]
     losses: Callable[[nn.Module, tuple], torch.Tensor]  # per-example losses (n,) of a batched forward
-    # probe with the first n examples of one batch (what DPSGD does; needed by broadcast layers). False for
-    # batches that cannot be sliced by example (flat EmbeddingBag ids with offsets): independent probe batches
-    nested: bool = True
+    # probe with the first n examples of one batch (what DPSGD does; the engine's probe needs it), sliced by _first
+    # or, for batches that one dimension does not slice by example (flat EmbeddingBag ids with offsets), by this
+    nested: bool | Callable[[tuple, int], tuple] = True
     # relative tolerance (the absolute one is this x 1e-3 of the largest value): 1e-6 unless the model itself
     # rounds somewhere (Opacus' packed recurrent layers put their final states in float32 zeros)
     tol: float = 1e-6
@@ -50,6 +50,15 @@ def _first(batch: tuple, n: int, big: int = 7) -> tuple:
         assert len(dims) == 1, f"cannot tell the batch dimension of a tensor of shape {tuple(t.shape)}"
         out.append(t.narrow(dims[0], 0, n))
     return tuple(out)
+
+
+def _first_bags(batch: tuple, n: int) -> tuple:
+    """The first ``n`` bags of ``(ids, offsets, [per_sample_weights,] labels)`` (offsets of the bags' starts, with
+    the end appended when ``include_last_offset``)."""
+    ids, offsets, *rest, labels = batch
+    last = offsets.numel() == labels.numel() + 1
+    end = int(offsets[n]) if n < offsets.numel() else ids.numel()
+    return (ids[:end], offsets[:n + 1] if last else offsets[:n], *(w[:end] for w in rest), labels[:n])
 
 
 def _ce(logits, y):
@@ -338,7 +347,7 @@ CASES: dict[str, Case] = {
         lambda m, b: _ce(m(b[0]), b[1])),
     "embedding_bag_sum_offsets": Case(
         lambda: Bag(mode="sum"), lambda n, g: (*_bags_with_offsets(n, g), _labels(n, g)),
-        lambda m, b: _ce(m(b[0], b[1]), b[2]), nested=False),
+        lambda m, b: _ce(m(b[0], b[1]), b[2]), nested=_first_bags),
     "embedding_bag_mean_2d_padding_idx": Case(
         lambda: Bag(mode="mean", padding_idx=0), lambda n, g: (torch.randint(0, 11, (n, 4), generator=g),
                                                                _labels(n, g)),
@@ -348,7 +357,7 @@ CASES: dict[str, Case] = {
         lambda n, g: (*(lambda ids, off: (ids, torch.cat([off, torch.tensor([ids.numel()])]),
                                           torch.rand(ids.numel(), generator=g, dtype=torch.float64)))(
             *_bags_with_offsets(n, g)), _labels(n, g)),
-        lambda m, b: _ce(m(b[0], b[1], per_sample_weights=b[2]), b[3]), nested=False),
+        lambda m, b: _ce(m(b[0], b[1], per_sample_weights=b[2]), b[3]), nested=_first_bags),
     "layer_norm": _simple(lambda: nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 3)), 4),
     "layer_norm_2d_shape_no_bias": _simple(lambda: nn.Sequential(nn.LayerNorm((3, 4), bias=False), nn.Flatten(),
                                                                   nn.Linear(12, 3)), 3, 4),
@@ -418,7 +427,7 @@ CASES: dict[str, Case] = {
         lambda: Packed(nn.LSTM, True),
         lambda n, g: (torch.randn(n, B + 1, 4, generator=g, dtype=torch.float64), _lengths(n, g, sort=True),
                       _labels(n, g)),
-        lambda m, b: _ce(m(b[0], b[1]), b[2]), nested=False),
+        lambda m, b: _ce(m(b[0], b[1]), b[2])),
     "lstm_packed_unsorted_two_layers_bidirectional": Case(
         lambda: Packed(nn.LSTM, False, num_layers=2, bidirectional=True),
         lambda n, g: (torch.randn(n, B + 1, 4, generator=g, dtype=torch.float64), _lengths(n, g), _labels(n, g)),
@@ -472,11 +481,9 @@ def run_case(name: str, c: float = 0.5, seed: int = 0, device: str = "cpu"):
     g = torch.Generator().manual_seed(seed)
     batch = _on(case.make_batch(B, g), device)
     probe_g = torch.Generator().manual_seed(seed + 1)
-    if case.nested:  # the first n examples of one batch, as DPSGD probes
-        big = case.make_batch(7, probe_g)
-        probes = {n: _on(_first(big, n), device) for n in (3, 5, 7)}
-    else:
-        probes = {n: _on(case.make_batch(n, probe_g), device) for n in (3, 5, 7)}
+    big = case.make_batch(7, probe_g)  # the first n examples of one batch, as DPSGD probes
+    first = case.nested if callable(case.nested) else _first
+    probes = {n: _on(first(big, n), device) for n in (3, 5, 7)}
     with torch.device(device):  # the losses' own tensors (masks, positions) on the device too
         return _engine_and_reference(case, model, batch, probes, c)
 

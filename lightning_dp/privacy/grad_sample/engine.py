@@ -366,7 +366,7 @@ class GradSampleEngine(BatchDimProbe):
         #: examples of the last step whose half-precision gradient overflowed and was dropped (per_sample_norms)
         self.dropped = 0
         self._broadcasting: set[int] = set()  # layers whose outputs the probe expands (id of _Layer)
-        self._captured: dict[int, list[list[Tensor]]] = {}  # their expanded outputs, per call (checking round)
+        self._captured: dict[int, list[list[tuple[int, Tensor]]]] = {}  # outputs per call (gradient round)
         self._batch: int | None = None
         self._anchor = torch.zeros((), requires_grad=True)
         self._buffers: dict[tuple[int | None, str], Tensor] = {}
@@ -457,9 +457,9 @@ class GradSampleEngine(BatchDimProbe):
                 out = self._expand(output, batch) if id(layer) in self._broadcasting and batch is not None else output
                 inputs, _ = _input_leaves(args, kwargs)
                 outputs = pytree.tree_leaves(out)
-                if id(layer) in self._captured:
-                    self._captured[id(layer)].append([o for o in outputs if isinstance(o, Tensor) and o.requires_grad
-                                                      and o.is_floating_point()])
+                if id(layer) in self._captured:  # (the output leaf's index, the leaf) of those that carry a gradient
+                    self._captured[id(layer)].append([(k, o) for k, o in enumerate(outputs) if isinstance(o, Tensor)
+                                                      and o.requires_grad and o.is_floating_point()])
                 # a PackedSequence's batch_sizes counts the sequences at each step: its length is the longest
                 # sequence's, never the number of examples, even where the two coincide in every probe
                 counts = {id(p.batch_sizes) for p in _packed((args, kwargs, out))}
@@ -694,7 +694,16 @@ class GradSampleEngine(BatchDimProbe):
             raise PerSampleGradientError(
                 f"the layers saw different batch sizes at their established batch dimensions ({sizes}); the step's "
                 "structure differs from the probe's. Keep one batch dimension per layer.")
-        return sizes.popitem()[0]
+        size = sizes.popitem()[0]
+        if self._batch is not None and size != self._batch:
+            # two forwards of part of the batch each (or a part run without gradients) would put two examples in
+            # one row, clipped together: an example's influence up to 2 C
+            raise PerSampleGradientError(
+                f"the step was recorded with batch_size={self._batch}, but its layers saw {size} examples: the batch "
+                "was split across several forward passes in one recorded step (each layer's calls are then taken "
+                "as the same examples), or part of it ran without gradients. Run the whole batch in one forward "
+                "pass per recorded step (record each part as a step of its own), or pass its true size.")
+        return size
 
     @staticmethod
     def _call_sizes(layer: _Layer, call: _Call) -> list[int]:
