@@ -1122,3 +1122,63 @@ def test_a_batch_split_across_forwards_in_one_recorded_step_is_refused():
     with pytest.raises(PerSampleGradientError, match=r"recorded with batch_size=6, but its layers saw 3 examples"):
         engine.per_sample_norms()
     engine.remove()
+
+
+@pytest.mark.parametrize("how", ["functional_call", "replaced"])
+def test_a_parameter_swapped_out_of_its_layer_is_refused(how):
+    """torch.func.functional_call with other tensors, or a new Parameter assigned after the engine was built: the
+    rules would compute gradients for tensors that are not the ones released (a review's test: norms 1.2-2.9 for a
+    gradient of 0; a replaced weight's plain .grad left unclipped). Refused at the recorded call."""
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    engine = GradSampleEngine(model)
+    engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
+    if how == "replaced":
+        model[2].weight = nn.Parameter(torch.randn(3, 8))
+    first = "0" if how == "functional_call" else "2"  # functional_call swaps every layer's; the first is refused
+    with pytest.raises(PerSampleGradientError, match=rf"layer {first} \(Linear\): its parameter 'weight' is not the"):
+        with engine.record(batch_size=8):
+            if how == "functional_call":
+                params = {k: v.detach() * 2 for k, v in model.named_parameters()}
+                out = torch.func.functional_call(model, params, (x,))
+            else:
+                out = model(x)
+            F.cross_entropy(out, y).backward()
+    engine.remove()
+
+
+def test_a_weight_used_in_a_forward_hook_is_refused():
+    """A forward hook registered before the engine that uses the layer's weight (a regularizer kept for the loss)
+    ran while the engine had frozen the weight: the term's gradient was silently dropped. The weights are now
+    trainable again for the hooks that run after the layer's forward, so the term gives the weight an autograd
+    gradient, which check_parameter_gradients refuses (DPSGD calls it every step)."""
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    model[2].register_forward_hook(lambda mod, inp, out: setattr(mod, "reg", mod.weight.square().sum()))
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    engine = GradSampleEngine(model)
+    engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
+    with engine.record(batch_size=8):
+        (F.cross_entropy(model(x), y) + 0.5 * model[2].reg).backward()
+    with pytest.raises(PerSampleGradientError, match=r"no use of module.weight in a forward hook"):
+        engine.check_parameter_gradients()
+    engine.remove()
+
+
+@pytest.mark.parametrize("hook", [lambda g: -g, lambda g: 3 * g], ids=["reversal", "scale"])
+def test_a_tensor_hook_on_a_layer_output_reaches_the_layer(hook):
+    """A user's tensor hook on a layer's output that changes its gradient (a gradient reversal layer, a scale) runs
+    after the engine's capture was registered; the capture took the gradient before it, so the layer's own
+    per-sample gradients missed the change (a review's test: x2 on a linear layer, norms 24 % low), silently. The
+    engine now takes it in a pre-hook of the output's autograd node, after every tensor hook: exact."""
+    class Hooked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 3)
+
+        def forward(self, x):
+            h = self.a(x)
+            if h.requires_grad:
+                h.register_hook(hook)
+            return self.b(torch.tanh(h))
+
+    _check(Hooked(), *_data(3))

@@ -166,6 +166,21 @@ class _Layer:
         #: while another forward hook sits on it (:meth:`GradSampleEngine._watch`)
         self.pre_id: int | None = None
         self.raw_id: int | None = None
+        #: where each trainable parameter sits: (its owner's ``_parameters``, its name there, the parameter), so that
+        #: each recorded call checks it is still the one the rule's gradients are for (:meth:`swapped`)
+        self.slots: list[tuple[dict[str, Any], str, nn.Parameter]] = []
+        for name, p in trainable.items():
+            *path, attr = name.split(".")
+            owner = module.get_submodule(".".join(path)) if path else module
+            self.slots.append((owner._parameters, attr, p))
+
+    def swapped(self) -> str | None:
+        """The name of a trainable parameter that the module no longer holds (another Parameter assigned in its
+        place, or a tensor swapped in by ``torch.func.functional_call``), else None."""
+        for params, attr, p in self.slots:
+            if params.get(attr) is not p:
+                return attr
+        return None
 
     @property
     def params(self) -> list[tuple[str, nn.Parameter]]:
@@ -422,6 +437,15 @@ class GradSampleEngine(BatchDimProbe):
                 return None
             if layer.checks_calls:
                 self._before_call(layer, mod, args, kwargs)
+            swapped = layer.swapped()
+            if swapped is not None:
+                raise PerSampleGradientError(
+                    f"{layer.label}: its parameter {swapped!r} is not the one the engine was built for: another "
+                    "Parameter was assigned in its place, or torch.func.functional_call (stateless "
+                    "reparametrization) swapped a tensor in. The per-sample gradients would be computed for the "
+                    "other tensor while the released ones go to the original. Call the model with its own "
+                    "parameters in a recorded step, and build the engine again after replacing a parameter (DPSGD "
+                    "does when training starts).")
             if next(reversed(mod._forward_pre_hooks)) != layer.pre_id:
                 raise PerSampleGradientError(
                     f"{layer.label}: a forward pre-hook was registered on it after the engine's: it runs after the "
@@ -528,11 +552,27 @@ class GradSampleEngine(BatchDimProbe):
                 call.outputs.append(leaf.detach())
                 call.grad_outputs.append(None)
 
-                def save_grad(grad: Tensor, call: _Call = call, i: int = i, layer: _Layer = layer) -> None:
-                    _one_backward(layer, call)
-                    call.grad_outputs[i] = grad
+                node = leaf.grad_fn
+                if node is None:  # a leaf tensor returned as the output (an identity on a leaf that requires grad)
+                    def save_grad(grad: Tensor, call: _Call = call, i: int = i, layer: _Layer = layer) -> None:
+                        _one_backward(layer, call)
+                        call.grad_outputs[i] = grad
 
-                leaf.register_hook(save_grad)
+                    leaf.register_hook(save_grad)
+                    continue
+
+                # a pre-hook of the node that made the output: it runs after the output's tensor hooks, so it takes
+                # the gradient the layer's own backward receives, after a hook of the user's that changes it
+                # (h.register_hook(lambda g: -g), a gradient reversal; a tensor hook registered first would take
+                # it before, and the layer's per-sample gradients would miss the change, silently)
+                def save_grads(grads: tuple[Tensor | None, ...], call: _Call = call, i: int = i,
+                               nr: int = leaf.output_nr, layer: _Layer = layer) -> None:
+                    grad = grads[nr]
+                    if grad is not None:
+                        _one_backward(layer, call)
+                        call.grad_outputs[i] = grad
+
+                node.register_prehook(save_grads)
             if changed or layer.broadcast:
                 return leaves[0] if spec is None else pytree.tree_unflatten(leaves, spec)
             return None
@@ -576,7 +616,13 @@ class GradSampleEngine(BatchDimProbe):
         if layer is None or not (self._recording and not self._probing and torch.is_grad_enabled()) \
                 or not layer.calls or layer.calls[-1].context is None or layer.calls[-1].raw is not None:
             return
-        layer.calls[-1].raw = [(t, t._version) for t in pytree.tree_leaves(output) if isinstance(t, Tensor)]
+        call = layer.calls[-1]
+        call.raw = [(t, t._version) for t in pytree.tree_leaves(output) if isinstance(t, Tensor)]
+        # the weights were frozen for the layer's own forward only: the hooks that run after it (the user's) see them
+        # trainable, so that a use of them there (a regularizer computed in a forward hook) gives them an autograd
+        # gradient, which check_parameter_gradients refuses, instead of a term silently left out
+        for p in call.frozen:
+            p.requires_grad_(True)
 
     @staticmethod
     def _check_raw(layer: _Layer, call: _Call, output: Any) -> None:
@@ -734,7 +780,8 @@ class GradSampleEngine(BatchDimProbe):
             raise PerSampleGradientError(
                 f"parameters {sorted(set(bad))} received gradients outside the forward of the module that owns them, "
                 "so their per-sample gradients cannot be recorded. Use each parameter only through its module's "
-                "forward (no F.linear(x, module.weight) in training_step), or freeze it with requires_grad=False.")
+                "forward (no F.linear(x, module.weight) in training_step, no use of module.weight in a forward hook), "
+                "or freeze it with requires_grad=False.")
 
     @staticmethod
     def _check_unchanged(layer: _Layer, call: _Call) -> None:
