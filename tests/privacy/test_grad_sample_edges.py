@@ -1079,32 +1079,23 @@ def _mixing_losses():
     return {"info_nce": info_nce, "centred_logits": centred, "centred_between_layers": centred_between_layers}
 
 
+@pytest.mark.xfail(strict=True, reason="known hole (docs/per_sample_gradients.md, 'What the engine does not check'): "
+                   "a loss that mixes the batch's examples is not detected")
 @pytest.mark.parametrize("loss", list(_mixing_losses()))
-def test_a_loss_that_mixes_the_examples_is_refused_at_the_probe(loss):
+def test_a_loss_that_mixes_the_examples_is_refused(loss):
     """A loss (or an operation between layers) that mixes the batch's examples makes example b's row depend on the
-    others: moving one example changed every other row (a review's test, InfoNCE: row 0 10.6 -> 7.2), each clipped
-    to C, so one example's influence was about 2 B C, silently. The probe compares, in eval mode, the gradients
-    reaching the first examples' output slices across nested batches: refused, with what to do instead."""
+    others: moving one example changed another's row (a review's test, InfoNCE: row 0 10.6 -> 7.2), each clipped
+    to C, so one example's influence is about 2 B C. Not refused yet: a check comparing the probe's nested batches
+    refused models that draw random numbers in training_step (draws of another shape for another batch size) and
+    losses of two reductions; it needs probe batches of one size that differ in their later examples only."""
     fn = _mixing_losses()[loss]
     model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 4)).double()
     x, y = torch.randn(10, 5, dtype=torch.float64), torch.randint(0, 4, (10,))
     engine = GradSampleEngine(model)
-    with pytest.raises(PerSampleGradientError, match="mixes the examples of the batch.*Compute each example's loss"):
-        engine.probe(lambda n: fn(model, x[:n], y[:n]))
-    engine.remove()
-
-
-def test_per_example_losses_pass_the_probe_whatever_their_reduction():
-    """The check allows one factor per batch size: a mean, a sum, a weighted mean normalized by the batch's total
-    weight, and a loss whose layers' gradients cancel to rounding noise (a normalization summed out after them)."""
-    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 4)).double()
-    x, y = torch.randn(10, 5, dtype=torch.float64), torch.randint(0, 4, (10,))
-    w = torch.rand(10, dtype=torch.float64)
-    for fn in (lambda n: F.cross_entropy(model(x[:n]), y[:n]),
-               lambda n: F.cross_entropy(model(x[:n]), y[:n], reduction="sum"),
-               lambda n: (w[:n] * F.cross_entropy(model(x[:n]), y[:n], reduction="none")).sum() / w[:n].sum()):
-        engine = GradSampleEngine(model)
-        engine.probe(fn)
+    try:
+        with pytest.raises(PerSampleGradientError, match="mixes the examples"):
+            engine.probe(lambda n: fn(model, x[:n], y[:n]))
+    finally:
         engine.remove()
 
 
@@ -1182,3 +1173,26 @@ def test_a_tensor_hook_on_a_layer_output_reaches_the_layer(hook):
             return self.b(torch.tanh(h))
 
     _check(Hooked(), *_data(3))
+
+
+def test_a_layer_output_view_changed_in_place_is_refused():
+    """nn.Linear on (B, T, d) returns a view; nn.ReLU(inplace=True) after it rebases the view, and the layer's
+    output gradient never reaches the engine: before, the layer got no per-sample gradient and silently never
+    trained (a review's test; the bound held). Refused now, with the out-of-place form, which is exact."""
+    x, y = torch.randn(8, 4, 6), torch.randint(0, 3, (8,))
+    for inplace in (True, False):
+        model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(inplace=inplace), nn.Linear(16, 3))
+
+        def loss(n, model=model):
+            return F.cross_entropy(model(x[:n]).mean(1), y[:n])
+
+        engine = GradSampleEngine(model)
+        engine.probe(loss)
+        with engine.record(batch_size=8):
+            loss(8).backward()
+        if inplace:
+            with pytest.raises(PerSampleGradientError, match=r"layer 0 \(Linear\): its output was changed in place"):
+                engine.per_sample_norms()
+        else:
+            assert torch.isfinite(engine.per_sample_norms()).all()
+        engine.remove()

@@ -94,7 +94,7 @@ class _Call:
     of every step)."""
 
     __slots__ = ("args", "kwargs", "leaves", "spec", "outputs", "grad_outputs", "extra", "context", "frozen",
-                 "versions", "raw", "task")
+                 "versions", "raw", "task", "out_versions")
 
     def __init__(self, frozen: list[nn.Parameter]) -> None:
         self.args: tuple[Any, ...] = ()
@@ -109,6 +109,7 @@ class _Call:
         self.versions: list[int | None] = []  # the input leaves' version counters after the forward
         self.raw: list[tuple[Tensor, int]] | None = None  # the forward's own output tensors and versions (watched)
         self.task: int | None = None  # the backward pass (autograd's graph task) that brought its output gradients
+        self.out_versions: list[int] = []  # the output leaves' version counters when the forward returned them
 
 
 #: the context of a call whose rule records nothing during the forward (LayerRule's default): nothing to enter
@@ -551,6 +552,7 @@ class GradSampleEngine(BatchDimProbe):
                 # a cycle through autograd's C++ graph that Python's collector cannot see (a leak per step)
                 call.outputs.append(leaf.detach())
                 call.grad_outputs.append(None)
+                call.out_versions.append(leaf._version)
 
                 node = leaf.grad_fn
                 if node is None:  # a leaf tensor returned as the output (an identity on a leaf that requires grad)
@@ -814,6 +816,14 @@ class GradSampleEngine(BatchDimProbe):
         assert dims is not None
         out = []
         for call in layer.calls:
+            lost = [o for o, g, v in zip((o for o in call.outputs if o is not None), (g for o, g in zip(
+                call.outputs, call.grad_outputs) if o is not None), call.out_versions) if g is None and o._version != v]
+            if lost:
+                raise PerSampleGradientError(
+                    f"{layer.label}: its output was changed in place after the layer returned it and no gradient "
+                    "reached it (an in-place operation on a view of it, such as nn.ReLU(inplace=True) on a linear "
+                    "layer's (B, T, d) output): its per-sample gradients are lost. Use the out-of-place form "
+                    "(nn.ReLU(), x = x * m) after the layer.")
             if all(g is None for g in call.grad_outputs):
                 continue
             inputs, spec = call.leaves, call.spec

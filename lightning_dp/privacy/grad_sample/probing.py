@@ -131,20 +131,12 @@ class BatchDimProbe:
             for layer in candidates:
                 layer.broadcast = True
                 layer.dims = self._establish(layer, sizes)  # the expanded outputs now follow the batch
-        ids = {id(layer) for layer in candidates}
-        grads = self._gradient_round(run, sizes, ids, {id(layer) for layer in self.layers})
-        for layer in candidates:
-            self._verify_broadcast(layer, sizes, grads.get(id(layer), []))
+            grads = self._gradient_round(run, sizes, ids, ids)
+            for layer in candidates:
+                self._verify_broadcast(layer, sizes, grads.get(id(layer), []))
         for layer in self.layers:
             self._validate_dims(layer, sizes)
             layer.probe_calls = []
-        # gradients far below the model's largest are rounding noise (a layer whose output the loss reads through a
-        # normalization that cancels it): compared to this, not to their own size
-        floor = 1e-6 * max((float(g.detach().double().norm()) for calls in grads.values() for size in calls if size
-                            for call in size for _, g in call), default=0.0)
-        for layer in self.layers:
-            if id(layer) not in ids:
-                self._verify_per_example(layer, sizes, grads.get(id(layer), []), floor)
         self._probed = True
 
     def _probe_round(self, run: Callable[[int], Any], sizes: tuple[int, ...],
@@ -196,17 +188,8 @@ class BatchDimProbe:
                     for i in captured_ids:
                         found[i].append(None)
                     continue
-                try:
-                    grads = torch.autograd.grad(target, [t for *_, t in captured], allow_unused=True) \
-                        if captured else ()
-                except RuntimeError:
-                    if broadcast:  # a broadcast layer must be checked: as before, the error stands
-                        raise
-                    # torch.utils.checkpoint(use_reentrant=True) refuses autograd.grad: the per-example check
-                    # (_verify_per_example) is then not made
-                    for i in captured_ids:
-                        found[i].append(None)
-                    continue
+                grads = torch.autograd.grad(target, [t for *_, t in captured], allow_unused=True) \
+                    if captured else ()
                 for i in captured_ids:
                     found[i].append([[(o, torch.zeros_like(t)) for o, t in leaves] for leaves in self._captured[i]])
                 for (i, j, k, _), g in zip(captured, grads):
@@ -265,52 +248,6 @@ class BatchDimProbe:
             if float((row - scale * ref).norm()) > tol * float(row.norm()):
                 refuse(f"the gradient its output slices receive for the first {common} examples changes when the "
                        f"batch grows from {sizes[0]} to {n} examples")
-
-    def _verify_per_example(self, layer: _Layer, sizes: tuple[int, ...],
-                            grads: list[list[list[tuple[int, Tensor]]] | None], floor: float = 0.0) -> None:
-        """Refuses a layer whose output gradient for an example depends on the other examples of the batch.
-
-        DP-SGD clips each example's gradient of a loss that is a sum (or a mean) of per-example losses; a loss or
-        an operation after the layer that mixes examples (a contrastive loss over the batch's other examples,
-        logits centred on the batch mean, ``h - h.mean(0)``) makes the row of example ``b`` depend on the others, so
-        that one example moves every row, each clipped to C: a sensitivity up to about ``2 B C``, silently. With
-        nested probe batches in eval mode (no dropout), the gradients that reach the first examples' slices of the
-        layer's output must agree between batch sizes up to one factor per size (the loss's mean), as
-        :meth:`_verify_broadcast` checks for a broadcast layer. Not checked: a size whose result cannot be
-        differentiated, a layer not called the same number of times in every probe. ``floor``: differences below
-        it are rounding (a millionth of the largest output gradient of the model's layers)."""
-        dims = layer.dims
-        if dims is None or not grads or any(g is None for g in grads) or len(grads) != len(sizes) \
-                or len({len(calls) for calls in grads}) != 1:  # type: ignore[arg-type]
-            return
-        common = min(sizes)
-        rows = []
-        for calls in grads:
-            parts = [g.movedim(d, 0)[:common].reshape(-1).double()
-                     for call in calls for k, g in call  # type: ignore[union-attr]
-                     if k < len(dims.outputs) and (d := dims.outputs[k]) is not None and g.dim() > d]
-            rows.append(torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64))
-        ref = rows[0]
-        if not ref.numel() or any(row.shape != ref.shape for row in rows):
-            return
-        low = self._probe_half or any(g.dtype not in (torch.float32, torch.float64)
-                                      for call in grads[0] for _, g in call)  # type: ignore[union-attr]
-        tol = 3e-2 if low else 1e-3
-        ref_sq = float(torch.dot(ref, ref))
-        for n, row in zip(sizes[1:], rows[1:]):
-            scale = float(torch.dot(row, ref)) / ref_sq if ref_sq > 0 else 0.0
-            if float((row - scale * ref).norm()) > tol * float(row.norm()) + floor:
-                raise PerSampleGradientError(
-                    f"{layer.label}: the gradient that reaches the first {common} examples' slices of its output "
-                    f"changes when the batch grows from {sizes[0]} to {n} examples (in eval mode, beyond the loss's "
-                    "mean): the loss, or an operation after this layer, mixes the examples of the batch (a "
-                    "contrastive loss over the batch's other examples, outputs centred on the batch mean, "
-                    "x - x.mean(0), batch-level normalization; also refused: a gradient hook whose change is not "
-                    "linear, such as a clamp, which the loss's mean cannot be told apart from). DP-SGD clips each example's gradient of a sum or "
-                    "mean of per-example losses; with examples mixed, one example moves every example's gradient, "
-                    "and the clipping bounds nothing. Compute each example's loss from its own data only (negatives "
-                    "from a fixed public set or from the same example's views, per-example normalization such as "
-                    "nn.LayerNorm or nn.GroupNorm).")
 
     def _establish(self, layer: _Layer, sizes: tuple[int, ...]) -> _Dims | None:
         runs = layer.probe_calls
