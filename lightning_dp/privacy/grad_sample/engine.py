@@ -125,7 +125,7 @@ _DIFFERENTIATE_ONCE = (
 def _one_backward(layer: _Layer, call: _Call) -> None:
     """Refuses a second backward pass through a recorded call, or one that builds a graph of the gradient.
 
-    The output gradients the engine's tensor hooks catch become the call's per-sample gradients. A second pass (a
+    The output gradients the engine's hooks catch become the call's per-sample gradients. A second pass (a
     ``torch.autograd.grad`` before ``loss.backward()``, two backward calls through one forward) would add its
     output gradients to the first's, though ``torch.autograd.grad`` adds nothing to ``.grad``: the hooks cannot
     tell the two kinds apart. A pass with ``create_graph=True`` (a gradient penalty) differentiates the backward
@@ -816,9 +816,8 @@ class GradSampleEngine(BatchDimProbe):
         assert dims is not None
         out = []
         for call in layer.calls:
-            lost = [o for o, g, v in zip((o for o in call.outputs if o is not None), (g for o, g in zip(
-                call.outputs, call.grad_outputs) if o is not None), call.out_versions) if g is None and o._version != v]
-            if lost:
+            live = [(o, g) for o, g in zip(call.outputs, call.grad_outputs) if o is not None]  # as out_versions
+            if any(g is None and o._version != v for (o, g), v in zip(live, call.out_versions)):
                 raise PerSampleGradientError(
                     f"{layer.label}: its output was changed in place after the layer returned it and no gradient "
                     "reached it (an in-place operation on a view of it, such as nn.ReLU(inplace=True) on a linear "
