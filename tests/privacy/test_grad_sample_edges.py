@@ -1025,8 +1025,7 @@ def test_a_recorded_forward_is_differentiated_once(second):
     silently, before the refusal). One backward of the summed losses is what the step supports."""
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
     x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
-    engine = GradSampleEngine(model)
-    engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
+    engine = _recorded(model, x, y)
     xs = x.clone().requires_grad_()
     with pytest.raises(PerSampleGradientError, match="once per step"):
         with engine.record(batch_size=8):
@@ -1053,8 +1052,7 @@ def test_a_backward_pass_that_skips_every_recorded_layer_is_refused():
     are asked for."""
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
     x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
-    engine = GradSampleEngine(model)
-    engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
+    engine = _recorded(model, x, y)
     with engine.record(batch_size=8):
         F.cross_entropy(model(x), y).backward(inputs=list(model.parameters()))
     with pytest.raises(PerSampleGradientError, match="no output gradient reached any recorded layer"):
@@ -1105,8 +1103,7 @@ def test_a_batch_split_across_forwards_in_one_recorded_step_is_refused():
     silently). The layers' batch size is now compared with the one the step was recorded with."""
     model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
     x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
-    engine = GradSampleEngine(model)
-    engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
+    engine = _recorded(model, x, y)
     with engine.record(batch_size=6):
         (F.cross_entropy(model(x[:3]), y[:3], reduction="sum") + F.cross_entropy(model(x[3:6]), y[3:6],
                                                                                reduction="sum")).backward()
@@ -1122,8 +1119,7 @@ def test_a_parameter_swapped_out_of_its_layer_is_refused(how):
     gradient of 0; a replaced weight's plain .grad left unclipped). Refused at the recorded call."""
     model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
     x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
-    engine = GradSampleEngine(model)
-    engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
+    engine = _recorded(model, x, y)
     if how == "replaced":
         model[2].weight = nn.Parameter(torch.randn(3, 8))
     first = "0" if how == "functional_call" else "2"  # functional_call swaps every layer's; the first is refused
@@ -1146,8 +1142,7 @@ def test_a_weight_used_in_a_forward_hook_is_refused():
     model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
     model[2].register_forward_hook(lambda mod, inp, out: setattr(mod, "reg", mod.weight.square().sum()))
     x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
-    engine = GradSampleEngine(model)
-    engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
+    engine = _recorded(model, x, y)
     with engine.record(batch_size=8):
         (F.cross_entropy(model(x), y) + 0.5 * model[2].reg).backward()
     with pytest.raises(PerSampleGradientError, match=r"no use of module.weight in a forward hook"):

@@ -217,41 +217,32 @@ def _unroll(mode: str, x: Tensor, h0: Tensor, c0: Tensor | None,
                 w_hh_t = w_hh.t()
             else:
                 gi = tracked(torch.nn.functional.linear(inp, w_ih, b_ih))
-            # one view per step, taken at once: the backward of unbind stacks the steps' gradients once,
-            # where indexing gi[:, t] at every step gave each step's gradient as a zero-filled (B, T, G*H)
-            # tensor added into gi's (T^2 traffic: 0.5 s of a 1 s profile of three LSTM steps, issue 53)
             h = h0[:, layer_index * dirs + d]
             c = c0[:, layer_index * dirs + d] if c0 is not None else None  # c0: LSTM only
-            if lstm and valid is None and steps and not torch.compiler.is_compiling():
-                # the common case: the whole direction as one autograd node (_LSTMScan: issue 53)
-                assert c is not None
-                seq, h, c = _LSTMScan.apply(gi, h, c, w_hh, bool(d))
+            if mode in ("LSTM", "GRU") and valid is None and steps and not torch.compiler.is_compiling():
+                # the common case: the whole direction as one autograd node (_LSTMScan, _GRUScan: issue 53)
+                if lstm:
+                    assert c is not None
+                    seq, h, c = _LSTMScan.apply(gi, h, c, w_hh, bool(d))
+                    grads_of = [gi]  # both weights' pre-activation gradient (see shared_pre)
+                else:
+                    # the gradient of the zeros `probe` is the recurrent pre-activations' (gh, kept apart from gi:
+                    # see shared_pre); a view of a scalar leaf, not a leaf itself: autograd would copy the gradient
+                    # into .grad
+                    probe = gi.new_zeros((), requires_grad=True).expand(gi.shape)
+                    seq, h = _GRUScan.apply(gi, probe, h, w_hh, b_hh, bool(d))
+                    grads_of = [gi, probe]
                 outs.append(seq)
                 finals_h.append(h)
                 finals_c.append(c)
-                start = h0[:, layer_index * dirs + d, None].detach()
-                done = seq.detach()
-                prev = torch.cat([done[:, 1:], start] if d else [start, done[:, :-1]], 1)  # h before each step
+                prev = _states_before(seq.detach(), h0[:, layer_index * dirs + d].detach(), bool(d))
                 plan.append(("weight_ih" + sfx, "bias_ih" + sfx, inp.detach(), len(pre), 0))
-                plan.append(("weight_hh" + sfx, "bias_hh" + sfx, prev, len(pre), 0))
-                pre.append(gi)
+                plan.append(("weight_hh" + sfx, "bias_hh" + sfx, prev, len(pre) + len(grads_of) - 1, 0))
+                pre.extend(grads_of)
                 continue
-            if mode == "GRU" and valid is None and steps and not torch.compiler.is_compiling():
-                # the common case: the whole direction as one autograd node (_GRUScan); the gradient of the
-                # zeros `probe` is the recurrent pre-activations' (gh, kept apart from gi: see shared_pre)
-                # (a view of a scalar leaf, not a leaf itself: autograd would copy the gradient into .grad)
-                probe = gi.new_zeros((), requires_grad=True).expand(gi.shape)
-                seq, h = _GRUScan.apply(gi, probe, h, w_hh, b_hh, bool(d))
-                outs.append(seq)
-                finals_h.append(h)
-                finals_c.append(None)
-                start = h0[:, layer_index * dirs + d, None].detach()
-                done = seq.detach()
-                prev = torch.cat([done[:, 1:], start] if d else [start, done[:, :-1]], 1)  # h before each step
-                plan.append(("weight_ih" + sfx, "bias_ih" + sfx, inp.detach(), len(pre), 0))
-                plan.append(("weight_hh" + sfx, "bias_hh" + sfx, prev, len(pre) + 1, 0))
-                pre.extend([gi, probe])
-                continue
+            # one view per step, taken at once: the backward of unbind stacks the steps' gradients once,
+            # where indexing gi[:, t] at every step gave each step's gradient as a zero-filled (B, T, G*H)
+            # tensor added into gi's (T^2 traffic: 0.5 s of a 1 s profile of three LSTM steps, issue 53)
             gi_steps = gi.unbind(1)
             # filled in time order (reversed for the backward direction)
             hs: list[Any] = [None] * steps
@@ -285,6 +276,13 @@ def _unroll(mode: str, x: Tensor, h0: Tensor, c0: Tensor | None,
         inp = torch.cat(outs, -1) if dirs > 1 else outs[0]
     outputs = [inp, torch.stack(finals_h, 1)] + ([torch.stack(finals_c, 1)] if lstm else [])
     return outputs, pre, plan
+
+
+def _states_before(seq: Tensor, h0: Tensor, reverse: bool) -> Tensor:
+    """The hidden state before each step of one direction, batch first (B, T, H), from its outputs ``seq`` (B, T, H)
+    and initial state ``h0`` (B, H): what the recurrent weight multiplies at each step."""
+    start = h0.unsqueeze(1)
+    return torch.cat([seq[:, 1:], start] if reverse else [start, seq[:, :-1]], 1)
 
 
 class _LSTMScan(torch.autograd.Function):
@@ -327,10 +325,7 @@ class _LSTMScan(torch.autograd.Function):
             h = torch.mul(sig_o[t], torch.tanh(c, out=tc_steps[t]), out=h_steps[t])
         # the states before each step only where the recurrent weight's gradient is asked for (not in a recorded
         # step, whose weights are frozen): saving the output itself would refuse an in-place operation on it
-        prev = None
-        if ctx.needs_input_grad[3]:
-            start = h0.unsqueeze(1)
-            prev = torch.cat([out[:, 1:], start] if reverse else [start, out[:, :-1]], 1)
+        prev = _states_before(out, h0, reverse) if ctx.needs_input_grad[3] else None
         ctx.save_for_backward(act, cs, tcs, c0, w_hh, prev)
         ctx.reverse = reverse
         return out, h.clone(), c.clone()
@@ -415,27 +410,15 @@ class _GRUScan(torch.autograd.Function):
             cand = torch.addcmul(x[:, 2 * n:], r_steps[t], gh_last, out=n_steps[t]).tanh_()
             torch.sub(h, cand, out=diff)
             h = torch.addcmul(cand, z_steps[t], diff, out=h_steps[t])
-        prev = None
-        if ctx.needs_input_grad[3]:  # the states before each step: for the recurrent weight's gradient only
-            start = h0.unsqueeze(1)
-            prev = torch.cat([out[:, 1:], start] if reverse else [start, out[:, :-1]], 1)
-        # the states before each step, time-major, for the update gate's factor (h - n)
-        before = gi.new_empty(steps, b, n)
-        done = out.transpose(0, 1)
-        if reverse:
-            before[:-1] = done[1:]
-            before[-1] = h0
-        else:
-            before[1:] = done[:-1]
-            before[0] = h0
-        ctx.save_for_backward(gates, gh_n, before, w_hh, prev)
+        # the states before each step: the update gate's factor (h - n), and the recurrent weight's gradient
+        ctx.save_for_backward(gates, gh_n, _states_before(out, h0, reverse), w_hh)
         ctx.reverse, ctx.has_bias = reverse, b_hh is not None
         return out, h.clone()
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, d_out: Tensor, d_hn: Tensor) -> tuple[Tensor | None, ...]:
-        gates, gh_n, before, w_hh, prev = ctx.saved_tensors
+        gates, gh_n, prev, w_hh = ctx.saved_tensors  # prev: (B, T, H), the states before each step
         steps, b, g3 = gates.shape
         n = g3 // 3
         reverse = ctx.reverse
@@ -443,7 +426,7 @@ class _GRUScan(torch.autograd.Function):
         k = torch.empty_like(gates)  # dgi = dh' k, dh' the gradient of the step's new state
         k_r, k_z, k_n = k[..., :n], k[..., n:2 * n], k[..., 2 * n:]
         torch.mul(cand, cand, out=k_n).neg_().add_(1.0).mul_(1.0 - z)  # (1 - z)(1 - n^2)
-        torch.addcmul(z, z, z, value=-1.0, out=k_z).mul_(before - cand)  # z (1 - z)(h - n)
+        torch.addcmul(z, z, z, value=-1.0, out=k_z).mul_(prev.transpose(0, 1) - cand)  # z (1 - z)(h - n)
         torch.addcmul(r, r, r, value=-1.0, out=k_r).mul_(gh_n).mul_(k_n)  # r (1 - r) gh_n (1 - z)(1 - n^2)
         k_h = k.clone()  # dgh = dh' [k_r, k_z, k_n r]
         k_h[..., 2 * n:].mul_(r)
@@ -467,7 +450,7 @@ class _GRUScan(torch.autograd.Function):
         d_h0 = None
         if ctx.needs_input_grad[2] and last is not None:
             d_h0 = torch.addcmul(flat_gh[last] @ w_hh, z_steps[last], dh)
-        d_w = d_gh.reshape(-1, g3).t() @ prev.reshape(-1, n) if prev is not None else None
+        d_w = d_gh.reshape(-1, g3).t() @ prev.reshape(-1, n) if ctx.needs_input_grad[3] else None
         d_b = d_gh.sum((0, 1)) if ctx.has_bias and ctx.needs_input_grad[4] else None
         return d_gi, d_gh, d_h0, d_w, d_b, None
 
