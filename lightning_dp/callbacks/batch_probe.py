@@ -2,8 +2,11 @@
 
 When training starts (and whenever the set of trainable parameters changes) DPSGD runs ``training_step`` on three
 small probe batches (3, 5 and 7 examples of the training set, :data:`~lightning_dp.privacy.batch_dims.PROBE_SIZES`)
-through Lightning's own batch path (precision, transfer). Nothing is logged, metric states and the RNGs are
-restored, nothing is released. The engine learns each layer's batch dimension; the batch's own tensors tell how many
+through Lightning's own batch path (precision, transfer), then on two batches of 7 that share their first three
+examples (:data:`~lightning_dp.privacy.grad_sample.probing.INDEPENDENCE_PROBE`), each from the same random state.
+Nothing is logged, metric states and the RNGs are restored, nothing is released. The engine learns each layer's
+batch dimension and checks that no example's gradient depends on the batch's other examples (a loss that mixes
+them is refused: :meth:`~lightning_dp.privacy.grad_sample.GradSampleEngine.probe`); the batch's own tensors tell how many
 examples a later batch holds (:func:`examples_in`); and the names ``training_step`` passes to ``self.log`` and
 ``self.log_dict`` are noted as the loggers would receive them (:class:`LoggedNames`), so that DPSGD can refuse every
 undeclared one before the first private step (:func:`lightning_dp.gate.check_metric_names`).
@@ -47,6 +50,7 @@ from lightning_dp.privacy.batch_dims import (
     tensor_leaves,
 )
 from lightning_dp.privacy.grad_sample import GradSampleEngine, PerSampleGradientError
+from lightning_dp.privacy.grad_sample.probing import INDEPENDENT_COMMON
 from lightning_dp.privacy.validators import describe_carried_state, find_carried_state
 
 __all__ = ["BatchProbeError", "LoggedNames", "ModuleState", "examples_in", "probe", "side_effect_free"]
@@ -132,6 +136,26 @@ def side_effect_free(pl_module: LightningModule, logged: LoggedNames | None = No
             if count is not None:
                 m._update_count = count
             m._computed = computed
+
+
+class _Buffers:
+    """The module's buffers as they are now (each tensor, where it is registered, and a copy of its values), to be
+    put back, rebound or changed in place, before each probe batch and after the probe: a spectral norm's power
+    iteration moves its vectors in place on every training forward. Not after each batch: the probe differentiates
+    a batch's result after it ran, and a buffer saved for the backward pass must not have changed by then."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.held = [(owner, name, b, b._version) for owner in module.modules()
+                     for name, b in owner._buffers.items() if b is not None]
+        self.copies = {id(b): b.detach().clone() for _, _, b, _ in self.held}
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for owner, name, b, version in self.held:
+                if owner._buffers.get(name) is not b:
+                    owner._buffers[name] = b
+                if b._version != version:
+                    b.copy_(self.copies[id(b)])
 
 
 def _copied(value: Any) -> Any:
@@ -256,17 +280,25 @@ def probe(engine: GradSampleEngine, trainer: Trainer, pl_module: LightningModule
     precision = trainer.precision_plugin
     shapes: dict[int, list[tuple[int, ...]]] = {}
     state = ModuleState(pl_module)
+    buffers = _Buffers(pl_module)
     left: dict[int, dict[str, Any]] = {}  # per probe size, the attributes its first run changed, as it left them
     results: dict[int, list[torch.Tensor]] = {}
 
-    def run(n: int, carried: dict[str, Any] | None = None) -> Any:  # the first n examples, through Lightning's own
-        # batch path (precision, transfer), from the module's state before the probe (or with ``carried`` set)
+    def run(n: int, carried: dict[str, Any] | None = None) -> Any:  # the first n examples
+        return examples(list(range(n)), carried, nested=True)
+
+    def examples(indices: list[int], carried: dict[str, Any] | None = None, nested: bool = False) -> Any:
+        # these examples, through Lightning's own batch path (precision, transfer), from the module's state before
+        # the probe (or with ``carried`` set) and the same random state; only the nested batches are noted
+        n = len(indices)
+        buffers.restore()
         for owner, key, value in (carried or {}).values():
             vars(owner)[key] = _copied(value)
         try:
             with side_effect_free(pl_module, logged):
-                batch = collate([dataset[i % size] for i in range(n)])
-                shapes[n] = [leaf_shape(leaf) for leaf in batch_leaves(batch)]
+                batch = collate([dataset[i % size] for i in indices])
+                if nested:
+                    shapes[n] = [leaf_shape(leaf) for leaf in batch_leaves(batch)]
                 batch = precision.convert_input(batch)
                 batch = pl_module._on_before_batch_transfer(batch, dataloader_idx=0)
                 batch = trainer.strategy.batch_to_device(batch, dataloader_idx=0)
@@ -278,22 +310,26 @@ def probe(engine: GradSampleEngine, trainer: Trainer, pl_module: LightningModule
             raise BatchProbeError(
                 f"{type(err).__name__}: {err} -- raised by {type(pl_module).__name__}'s own code in the batch probe "
                 f"(DPSGD runs training_step on {_SIZES} examples before the first step), on a batch of {n} "
-                "examples; the error above is the original.") from err
+                f"examples{'' if nested else f' (the training set examples {indices})'}; the error above is the "
+                "original.") from err
         finally:
             changed = state.changed()
-            if carried is None and n not in left:
+            if nested and carried is None and n not in left:
                 left[n] = {name: (owner, key, _copied(value)) for name, (owner, key, value) in changed.items()}
             state.restore(changed)
-        if carried is None:
+        if nested and carried is None:
             results.setdefault(n, [t.detach().clone() for t in tensor_leaves(out)])
         return out
 
     try:
-        engine.probe(run, PROBE_SIZES)
-    except PerSampleGradientError as err:
-        _refuse_carried_state(pl_module, run, left, results)  # the more basic problem, when the probe saw it
-        raise MisconfigurationException(f"DPSGD cannot clip per example: {err}") from None
-    _refuse_carried_state(pl_module, run, left, results)
+        try:
+            engine.probe(run, PROBE_SIZES, examples=examples if size > INDEPENDENT_COMMON else None)
+        except PerSampleGradientError as err:
+            _refuse_carried_state(pl_module, run, left, results)  # the more basic problem, when the probe saw it
+            raise MisconfigurationException(f"DPSGD cannot clip per example: {err}") from None
+        _refuse_carried_state(pl_module, run, left, results)
+    finally:
+        buffers.restore()  # as the module had them: the first step starts from there
     dims: list[int | None] = []
     if len({len(s) for s in shapes.values()}) == 1:
         for leaf in zip(*(shapes[n] for n in PROBE_SIZES)):

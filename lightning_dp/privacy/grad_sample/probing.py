@@ -20,7 +20,13 @@ from lightning_dp.privacy.grad_sample.registry import PerSampleGradientError
 if TYPE_CHECKING:
     from lightning_dp.privacy.grad_sample.engine import _Layer
 
-__all__ = ["BatchDimProbe"]
+__all__ = ["INDEPENDENCE_PROBE", "BatchDimProbe"]
+
+#: The two probe batches of :meth:`BatchDimProbe.probe`'s independence check: the indices of the examples of one
+#: fixed sequence each holds. One size, so that every random draw of the step has one shape; the first
+#: :data:`INDEPENDENT_COMMON` examples in both, the others different.
+INDEPENDENCE_PROBE: tuple[tuple[int, ...], tuple[int, ...]] = ((0, 1, 2, 3, 4, 5, 6), (0, 1, 2, 7, 8, 9, 10))
+INDEPENDENT_COMMON = 3
 
 
 @dataclass(frozen=True)
@@ -55,7 +61,8 @@ class BatchDimProbe:
     _captured: dict[int, list[list[tuple[int, Tensor]]]]
     _batch: int | None
 
-    def probe(self, run: Callable[[int], Any], sizes: Sequence[int] = PROBE_SIZES) -> None:
+    def probe(self, run: Callable[[int], Any], sizes: Sequence[int] = PROBE_SIZES,
+              examples: Callable[[list[int]], Any] | None = None) -> None:
         """Establishes where every hooked layer's inputs and outputs hold the batch.
 
         Calls ``run(n)`` for every ``n`` in ``sizes``, possibly twice; each call must run the
@@ -82,13 +89,24 @@ class BatchDimProbe:
         some of it. An output that is indexed (``pos[0]``), reduced (``pos.mean(0)``) or
         computed once per example in a Python loop fails this and the layer is refused.
 
+        ``examples(indices)``, when given, runs the same forward pass on the examples of
+        those indices of the same fixed sequence, in the order given (``run(n)`` is
+        ``examples(list(range(n)))``). The probe then also checks that no example's gradient
+        depends on the other examples of its batch (:meth:`_check_independent`): it runs the
+        two batches of :data:`INDEPENDENCE_PROBE` (one size, the first three examples in both)
+        from the same random state, and the gradient of the result with respect to each
+        layer's output must be the same for the three common examples in both, up to one
+        factor per batch (a mean's, a weighted mean's). A loss that mixes the examples (an
+        in-batch contrastive loss, logits centred on the batch mean, mixup) fails this.
+
         Must be called before :meth:`per_sample_norms`, and again after the model's
         structure changes.
 
         Raises:
             PerSampleGradientError: If a layer's input has no batch dimension and cannot be
                 broadcast, the batch is folded into another dimension (``(B*T, d)``), several
-                dimensions follow the batch, or a layer's calls disagree on where the batch is.
+                dimensions follow the batch, a layer's calls disagree on where the batch is, or
+                (with ``examples``) an example's gradient depends on the batch's other examples.
 
         Example:
             >>> from lightning_dp.privacy.grad_sample import GradSampleEngine
@@ -137,6 +155,8 @@ class BatchDimProbe:
         for layer in self.layers:
             self._validate_dims(layer, sizes)
             layer.probe_calls = []
+        if examples is not None:
+            self._check_independent(examples)
         self._probed = True
 
     def _probe_round(self, run: Callable[[int], Any], sizes: tuple[int, ...],
@@ -200,6 +220,88 @@ class BatchDimProbe:
             for m, mode in modes:
                 m.training = mode
         return found
+
+    def _output_rows(self, examples: Callable[[list[int]], Any], indices: list[int]) -> dict[tuple[int, int, int], Tensor] | None:
+        """Runs ``examples(indices)`` as training does (the module's own mode) and returns, per ``(layer, call,
+        output leaf)`` whose dimension of the examples is known, the gradient of the result
+        (:func:`_differentiable_target`) with respect to that output for the first :data:`INDEPENDENT_COMMON`
+        examples, the examples first; None when the result cannot be differentiated."""
+        layers = [layer for layer in self.layers if layer.dims is not None]
+        for layer in self.layers:
+            layer.probe_calls = [[]]
+        self._captured = {id(layer): [] for layer in layers}
+        self._probing, self._batch = True, len(indices)
+        self._broadcasting = {id(layer) for layer in layers if layer.broadcast}
+        try:
+            with torch.enable_grad():
+                target = _differentiable_target(examples(list(indices)))
+            captured = [(i, j, k, t) for i, calls in self._captured.items() for j, leaves in enumerate(calls)
+                        for k, t in leaves]
+        finally:
+            self._probing, self._broadcasting, self._batch, self._captured = False, set(), None, {}
+            for layer in self.layers:
+                layer.probe_calls = []
+        if target is None:
+            return None
+        dims = {id(layer): layer.dims.outputs for layer in layers}  # type: ignore[union-attr]
+        captured = [c for c in captured if c[2] < len(dims[c[0]]) and dims[c[0]][c[2]] is not None]
+        grads = torch.autograd.grad(target, [t for *_, t in captured], allow_unused=True) if captured else ()
+        rows: dict[tuple[int, int, int], Tensor] = {}
+        for (i, j, k, t), g in zip(captured, grads):
+            d = dims[i][k]
+            g = torch.zeros_like(t) if g is None else g.detach()
+            rows[(i, j, k)] = g.movedim(d, 0)[:INDEPENDENT_COMMON].double()  # type: ignore[arg-type]
+        return rows
+
+    def _check_independent(self, examples: Callable[[list[int]], Any]) -> None:
+        """Refuses a step in which an example's gradient depends on the other examples of its batch.
+
+        Per-sample clipping bounds one example's influence only if each row of the clipped sum is a function of
+        that example alone (and of the shared parameters and public configuration). The two batches of
+        :data:`INDEPENDENCE_PROBE` hold the same first examples and different later ones, and have one size: with
+        the same random state (the caller's ``examples`` restores it: the probe's contract), every random draw
+        (dropout, noise augmentation, a VAE's sampling) is the same for the common examples. Their gradients with
+        respect to each layer's output must then agree up to one factor per batch (a mean over the batch's
+        non-ignored tokens, a weighted mean: a batch-level scalar, a documented hole of its own). A layer whose
+        output has another shape in the two batches (padding to the batch's longest sequence) is not compared.
+        """
+        first, second = ([int(i) for i in idx] for idx in INDEPENDENCE_PROBE)
+        rows = [self._output_rows(examples, idx) for idx in (first, second)]
+        if rows[0] is None or rows[1] is None:
+            return  # nothing to differentiate: the broadcast check and the step's own checks say so where it matters
+        keys = [k for k in rows[0] if k in rows[1] and rows[0][k].shape == rows[1][k].shape]
+        if not keys:
+            return
+        a = torch.cat([rows[0][k].reshape(-1) for k in keys])
+        b = torch.cat([rows[1][k].reshape(-1) for k in keys])
+        low = self._probe_half or any(rows[0][k].dtype not in (torch.float32, torch.float64) for k in keys)
+        tol = 3e-2 if low else 1e-3
+        floor = 1e-6 * max(float(a.norm()), float(b.norm()))  # a layer whose gradient is rounding noise
+        aa = float(torch.dot(a, a))
+        scale = float(torch.dot(b, a)) / aa if aa > 0 else 0.0
+        by_id = {id(layer): layer for layer in self.layers}
+        failing: list[str] = []
+        for k in keys:
+            x, y = rows[0][k].reshape(-1), rows[1][k].reshape(-1)
+            off = float((y - scale * x).norm())
+            if off > floor and off > tol * max(float(y.norm()), abs(scale) * float(x.norm())):
+                label = by_id[k[0]].label
+                if label not in failing:
+                    failing.append(label)
+        if failing:
+            shown = ", ".join(failing[:3]) + (f" and {len(failing) - 3} more" if len(failing) > 3 else "")
+            raise PerSampleGradientError(
+                f"the loss mixes the examples of the batch: the gradient reaching the output of {shown} for the "
+                f"first {INDEPENDENT_COMMON} examples of a batch changed when the batch's other examples were "
+                f"replaced (two probe batches of {len(first)} examples, indices {first} and {second}, run from the "
+                "same random state). Per-sample clipping bounds an example's influence only if its gradient depends "
+                "on that example alone: with an in-batch contrastive loss (negatives taken from the other examples), "
+                "logits or features centred or normalized on the batch (h - h.mean(0)), mixup, or hard-example "
+                "mining over the batch, one example moves every other example's clipped gradient. Use a sum or mean "
+                "of per-example losses: negatives from a fixed public set or from the example's own views, "
+                "per-example normalization (nn.LayerNorm, nn.GroupNorm). If the step draws random numbers whose "
+                "count depends on the data (torch.randint(V, (int(mask.sum()),))), draw them in the batch's shape "
+                "instead (torch.randint(V, mask.shape)), so that each example's draws do not depend on the others.")
 
     def _verify_broadcast(self, layer: _Layer, sizes: tuple[int, ...],
                           grads: list[list[list[tuple[int, Tensor]]] | None]) -> None:

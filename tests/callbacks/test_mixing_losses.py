@@ -1,0 +1,160 @@
+"""A loss that mixes the batch's examples is refused before the first step; steps that only look like it are not.
+
+DPSGD's batch probe runs ``training_step`` on two batches of 7 training examples that share their first three,
+from the same random state (:meth:`lightning_dp.privacy.grad_sample.GradSampleEngine.probe`, ``examples``): the
+three's gradients at every layer's output must agree. An in-batch contrastive loss or mixup fails; random draws in
+the step, dropout, random transforms of the dataset, padding to the batch's longest sequence, a mean over the
+batch's non-ignored tokens and a branch on ``self.training`` pass.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_dp.callbacks import DPSGD
+from tests.helpers import BlobsData, Classifier, trainer
+
+
+class InfoNCE(Classifier):
+    """SimCLR-style: two noisy views of each example, each view's negatives the batch's other examples."""
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        z1 = F.normalize(self(x + 0.1 * torch.randn_like(x)), dim=1)
+        z2 = F.normalize(self(x + 0.1 * torch.randn_like(x)), dim=1)
+        return F.cross_entropy(z1 @ z2.T / 0.5, torch.arange(len(x)))
+
+
+class Mixup(Classifier):
+    """mixup across the batch: each example is blended with another example of it."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        lam, perm = 0.7, torch.randperm(len(x))
+        logits = self(lam * x + (1 - lam) * x[perm])
+        return lam * F.cross_entropy(logits, y) + (1 - lam) * F.cross_entropy(logits, y[perm])
+
+
+@pytest.mark.parametrize("module", [InfoNCE, Mixup])
+def test_a_loss_that_mixes_the_examples_is_refused_before_any_step(module):
+    model = module()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    fit = trainer(max_steps=2, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)])
+    with pytest.raises(MisconfigurationException, match=r"DPSGD cannot clip per example: the loss mixes the examples "
+                                                        r"of the batch: the gradient reaching the output of layer net\.0 \(Linear\)"):
+        fit.fit(model, BlobsData())
+    assert fit.global_step == 0
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+class Augmented(Classifier):
+    """Random draws of every kind in the step: noise on the inputs, dropout, a random branch; a mean plus a sum."""
+
+    def __init__(self):
+        super().__init__(net=nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.3), nn.Linear(16, 3)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if torch.rand(()) < 0.5:
+            x = x.flip(1)
+        logits = self(x + 0.2 * torch.randn_like(x))
+        return F.cross_entropy(logits, y) + 0.01 * F.cross_entropy(logits, y, reduction="sum")
+
+
+class Noisy(Dataset):
+    """Random per-example transforms in ``__getitem__`` (torch's generator, as a transform pipeline draws)."""
+
+    def __init__(self, n: int = 60):
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i] + 0.3 * torch.randn(6), self.y[i]
+
+
+def test_random_draws_dropout_and_random_transforms_are_not_refused():
+    fit = trainer(max_steps=3, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)])
+    fit.fit(Augmented(), DataLoader(Noisy(), batch_size=10))
+    assert fit.global_step == 3
+
+
+VOCAB = 30
+
+
+class Padded(Dataset):
+    """Token sequences of 2 to 9 tokens: the collate pads each batch to its longest, so that the two probe batches
+    have other lengths (their layers' outputs are not compared; nothing is refused)."""
+
+    def __init__(self, n: int = 40):
+        g = torch.Generator().manual_seed(0)
+        lengths = torch.randint(2, 10, (n,), generator=g)
+        self.seqs = [torch.randint(1, VOCAB, (int(t),), generator=g) for t in lengths]
+
+    def __len__(self):
+        return len(self.seqs)
+
+    def __getitem__(self, i):
+        return self.seqs[i]
+
+
+def pad(seqs):
+    ids = nn.utils.rnn.pad_sequence(seqs, batch_first=True)
+    return ids[:, :-1], torch.where(ids[:, 1:] == 0, -100, ids[:, 1:])
+
+
+class TokenModel(Classifier):
+    """Next-token prediction, mean over the batch's non-ignored tokens; a branch on ``self.training``."""
+
+    def __init__(self):
+        super().__init__(net=nn.Sequential(nn.Embedding(VOCAB, 8), nn.Tanh(), nn.Linear(8, VOCAB)))
+
+    def forward(self, ids):
+        h = self.net[1](self.net[0](ids))
+        if not self.training:
+            h = h * 0.0  # a branch eval mode takes: the probe runs the step as training does
+        return self.net[2](h)
+
+    def training_step(self, batch, batch_idx):
+        ids, targets = batch
+        return F.cross_entropy(self(ids).flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+
+@pytest.mark.parametrize("same_length", [False, True])
+def test_padding_ignored_tokens_and_an_eval_branch_are_not_refused(same_length):
+    data = Padded()
+    if same_length:
+        data.seqs = [torch.cat([s, torch.zeros(9 - len(s), dtype=s.dtype)]) for s in data.seqs]  # shapes agree
+    fit = trainer(max_steps=3, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)])
+    fit.fit(TokenModel(), DataLoader(data, batch_size=8, collate_fn=pad))
+    assert fit.global_step == 3
+
+
+def test_the_probe_puts_back_buffers_a_training_forward_moves():
+    """A spectral norm's power iteration moves its vectors in place on every training forward: the two batches of
+    the independence check must start from the same ones (else their gradients differ without any mixing), and the
+    first step from those the module had."""
+    import lightning as L
+
+    net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    nn.utils.parametrizations.spectral_norm(net[0])
+    model = Classifier(net=net)
+    u = net[0].parametrizations.weight[0]._u
+    before = u.clone()
+    seen = {}
+
+    class AfterProbe(L.Callback):  # after DPSGD's on_train_batch_start, where the probe runs
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.setdefault("u", net[0].parametrizations.weight[0]._u.clone())
+
+    fit = trainer(max_steps=1, callbacks=[DPSGD(noise_multiplier=1.0, seed=0), AfterProbe()])
+    fit.fit(model, BlobsData())
+    assert torch.equal(seen["u"], before)
+    assert not torch.equal(u, before)  # the step's own forward moved it
