@@ -51,12 +51,26 @@ def loss_scale(trainer: Trainer) -> float:
     return float(scaler.get_scale())
 
 
-def _ends_with_sum(loss: torch.Tensor) -> bool:
-    """Whether the loss' last operation, looking through Lightning's scaling, is a sum (a heuristic)."""
+_SUM_REDUCTION = 2  # torch's reduction enum (at::Reduction::Sum), saved by the loss functions' autograd nodes
+
+
+def _ends_with_sum(loss: torch.Tensor, batch_size: int | None = None) -> bool:
+    """Whether the loss' last operation, looking through Lightning's scaling, is a sum: ``.sum()``, or a loss
+    function with ``reduction="sum"`` (its node saves the reduction); not when the scaling on the way divides by
+    ``batch_size`` (``F.binary_cross_entropy(..., reduction="sum") / len(x)`` is a mean). A heuristic: a sum of two
+    summed terms is not seen."""
     fn = loss.grad_fn
+    divisors: list[float] = []
     while fn is not None and type(fn).__name__ in ("DivBackward0", "DivBackward1", "MulBackward0", "MulBackward1"):
+        other = getattr(fn, "_saved_other", None)
+        if isinstance(other, torch.Tensor) and other.numel() == 1:
+            other = float(other)
+        if isinstance(other, (int, float)) and other != 0:
+            divisors.append(float(other) if type(fn).__name__.startswith("Div") else 1.0 / float(other))
         fn = fn.next_functions[0][0] if fn.next_functions else None
-    return fn is not None and type(fn).__name__.startswith("SumBackward")
+    summed = fn is not None and (type(fn).__name__.startswith("SumBackward")
+                                 or getattr(fn, "_saved_reduction", None) == _SUM_REDUCTION)
+    return summed and not (batch_size and any(math.isclose(d, batch_size, rel_tol=1e-6) for d in divisors))
 
 
 def _fix_loss_scale(trainer: Trainer) -> bool:
@@ -419,11 +433,14 @@ class PrivateStep:
             raise MisconfigurationException(
                 f"training_step returned a loss of shape {tuple(loss.shape)}; DPSGD needs the scalar batch MEAN of "
                 "per-example losses (e.g. F.cross_entropy(logits, y) with reduction='mean').")
-        if _ends_with_sum(loss):
+        if _ends_with_sum(loss, self.batch_size):
             raise MisconfigurationException(
-                "training_step returned a summed loss (its last operation is a sum); DPSGD needs the batch MEAN of "
-                "per-example losses, because per-sample gradients are recovered as batch_size x the recorded ones. "
-                "Use .mean() or reduction='mean'.")
+                "training_step returned a summed loss (its last operation is a sum: .sum() or reduction='sum'); "
+                "DPSGD needs the batch MEAN of per-example losses, because per-sample gradients are recovered as "
+                "batch_size x the recorded ones (a sum would scale every example's gradient by the batch size "
+                "before clipping). Use .mean() or reduction='mean', or divide the sum by the batch size; a weighted "
+                "mean (w * l).sum() / w.sum() is refused too (one example's weight would scale every other's "
+                "gradient): use (w * l).mean().")
         self.loss_checked = True
 
     # ------------------------------------------------------------------ after a pass: clip, accumulate, release

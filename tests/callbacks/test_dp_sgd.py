@@ -279,16 +279,36 @@ def test_model_without_trainable_parameters_refused():
         trainer(max_steps=1, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)]).fit(model, BlobsData())
 
 
-@pytest.mark.parametrize("reduce,match", [("none", "shape"), ("sum", "summed loss")])
+@pytest.mark.parametrize("reduce,match", [("none", "shape"), ("sum", "summed loss"), ("reduction=sum", "summed loss"),
+                                          ("mse reduction=sum", "summed loss")])
 def test_loss_must_be_scalar_mean(reduce, match):
     class Bad(Classifier):
         def training_step(self, batch, batch_idx):
             x, y = batch
+            if reduce == "reduction=sum":
+                return F.cross_entropy(self(x), y, reduction="sum") / 2  # through a scaling
+            if reduce == "mse reduction=sum":
+                return F.mse_loss(self(x), F.one_hot(y, 3).float(), reduction="sum")
             return F.cross_entropy(self(x), y, reduction="none") if reduce == "none" else \
                 F.cross_entropy(self(x), y, reduction="none").sum()
 
     with pytest.raises(MisconfigurationException, match=match):
         trainer(max_steps=1, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)]).fit(Bad(), BlobsData())
+
+
+@pytest.mark.parametrize("mean", ["sum / len", "reduction=sum / len", "sum * (1 / len)"])
+def test_a_sum_divided_by_the_batch_size_is_a_mean(mean):
+    class HandMean(Classifier):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            if mean == "reduction=sum / len":
+                return F.cross_entropy(self(x), y, reduction="sum") / len(x)
+            total = F.cross_entropy(self(x), y, reduction="none").sum()
+            return total / x.shape[0] if mean == "sum / len" else total * (1 / len(x))
+
+    t = trainer(max_steps=2, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)])
+    t.fit(HandMean(), BlobsData())
+    assert t.global_step == 2
 
 
 def test_from_datasets_datamodule_works():
