@@ -138,6 +138,33 @@ def side_effect_free(pl_module: LightningModule, logged: LoggedNames | None = No
             m._computed = computed
 
 
+class _RandomStates:
+    """The torch (CPU, and the module's CUDA device), Python and NumPy random states as they are now, to be set
+    again."""
+
+    def __init__(self, module: nn.Module) -> None:
+        import random
+
+        import numpy as np
+
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        self.cuda = device if device.type == "cuda" else None
+        self.torch = torch.get_rng_state()
+        self.torch_cuda = torch.cuda.get_rng_state(self.cuda) if self.cuda is not None else None
+        self.python, self.numpy = random.getstate(), np.random.get_state()
+
+    def restore(self) -> None:
+        import random
+
+        import numpy as np
+
+        torch.set_rng_state(self.torch)
+        if self.cuda is not None and self.torch_cuda is not None:
+            torch.cuda.set_rng_state(self.torch_cuda, self.cuda)
+        random.setstate(self.python)
+        np.random.set_state(self.numpy)
+
+
 class _Buffers:
     """The module's buffers as they are now (each tensor, where it is registered, and a copy of its values), to be
     put back, rebound or changed in place, before each probe batch and after the probe: a spectral norm's power
@@ -265,8 +292,10 @@ def probe(engine: GradSampleEngine, trainer: Trainer, pl_module: LightningModule
     ambiguous or absent). ``logged``, when given, receives the metric names ``training_step`` logs
     (:class:`LoggedNames`).
 
-    Every probe batch starts from the module's plain tensor attributes as they were (:class:`ModuleState`), and
-    they are left as they were.
+    Every probe batch starts from the module's plain tensor attributes and buffers as they were
+    (:class:`ModuleState`, :class:`_Buffers`; put back before each batch, not after it, since the engine
+    differentiates a batch's result after it ran), and they are left as they were. Its ``training_step`` starts
+    from the random state the batch's collation started from (:class:`_RandomStates`).
 
     Raises:
         MisconfigurationException: a layer whose per-sample gradients cannot be computed, or state kept on the
@@ -291,12 +320,16 @@ def probe(engine: GradSampleEngine, trainer: Trainer, pl_module: LightningModule
         # these examples, through Lightning's own batch path (precision, transfer), from the module's state before
         # the probe (or with ``carried`` set) and the same random state; only the nested batches are noted
         n = len(indices)
-        buffers.restore()
+        buffers.restore()  # what the last batch changed, put back only now: its result has been differentiated
+        state.restore(state.changed())
         for owner, key, value in (carried or {}).values():
             vars(owner)[key] = _copied(value)
         try:
             with side_effect_free(pl_module, logged):
+                draws = _RandomStates(pl_module)
                 batch = collate([dataset[i % size] for i in indices])
+                draws.restore()  # a dataset's transforms drew as many numbers as its examples needed: training_step
+                # starts from the same random state for every probe batch
                 if nested:
                     shapes[n] = [leaf_shape(leaf) for leaf in batch_leaves(batch)]
                 batch = precision.convert_input(batch)
@@ -313,10 +346,8 @@ def probe(engine: GradSampleEngine, trainer: Trainer, pl_module: LightningModule
                 f"examples{'' if nested else f' (the training set examples {indices})'}; the error above is the "
                 "original.") from err
         finally:
-            changed = state.changed()
             if nested and carried is None and n not in left:
-                left[n] = {name: (owner, key, _copied(value)) for name, (owner, key, value) in changed.items()}
-            state.restore(changed)
+                left[n] = {name: (owner, key, _copied(value)) for name, (owner, key, value) in state.changed().items()}
         if nested and carried is None:
             results.setdefault(n, [t.detach().clone() for t in tensor_leaves(out)])
         return out
@@ -328,8 +359,9 @@ def probe(engine: GradSampleEngine, trainer: Trainer, pl_module: LightningModule
             _refuse_carried_state(pl_module, run, left, results)  # the more basic problem, when the probe saw it
             raise MisconfigurationException(f"DPSGD cannot clip per example: {err}") from None
         _refuse_carried_state(pl_module, run, left, results)
-    finally:
-        buffers.restore()  # as the module had them: the first step starts from there
+    finally:  # the module as it was: the first step starts from there
+        buffers.restore()
+        state.restore(state.changed())
     dims: list[int | None] = []
     if len({len(s) for s in shapes.values()}) == 1:
         for leaf in zip(*(shapes[n] for n in PROBE_SIZES)):

@@ -40,13 +40,36 @@ class Mixup(Classifier):
         return lam * F.cross_entropy(logits, y) + (1 - lam) * F.cross_entropy(logits, y[perm])
 
 
-@pytest.mark.parametrize("module", [InfoNCE, Mixup])
+class CentredCritic(Classifier):
+    """A linear critic on batch-centred inputs, its loss linear in the score (a review's case): the gradient reaching
+    the layer's output is each example's own, its input (x_i - mean(x)) is not. Seen at the layer's inputs."""
+
+    def __init__(self):
+        super().__init__(net=nn.Sequential(nn.Linear(6, 1)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return (self(x - x.mean(0)).squeeze(1) * ((y == 0).float() * 2 - 1)).mean()
+
+
+class InfoNCEWithAux(InfoNCE):
+    """The loss Lightning trains on is the dict's "loss", not its first scalar (a review's case: the check
+    differentiated "align", which mixes nothing)."""
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        z1 = F.normalize(self(x + 0.1 * torch.randn_like(x)), dim=1)
+        z2 = F.normalize(self(x + 0.1 * torch.randn_like(x)), dim=1)
+        return {"align": (z1 * z2).sum(1).mean(), "loss": F.cross_entropy(z1 @ z2.T / 0.5, torch.arange(len(x)))}
+
+
+@pytest.mark.parametrize("module", [InfoNCE, Mixup, CentredCritic, InfoNCEWithAux])
 def test_a_loss_that_mixes_the_examples_is_refused_before_any_step(module):
     model = module()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     fit = trainer(max_steps=2, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)])
     with pytest.raises(MisconfigurationException, match=r"DPSGD cannot clip per example: the loss mixes the examples "
-                                                        r"of the batch: the gradient reaching the output of layer net\.0 \(Linear\)"):
+                                                        r"of the batch: the inputs of layer net\.0 \(Linear\)"):
         fit.fit(model, BlobsData())
     assert fit.global_step == 0
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
@@ -158,3 +181,92 @@ def test_the_probe_puts_back_buffers_a_training_forward_moves():
     fit.fit(model, BlobsData())
     assert torch.equal(seen["u"], before)
     assert not torch.equal(u, before)  # the step's own forward moved it
+
+
+class Masked(Dataset):
+    """BERT-style masking in ``__getitem__``: one random draw per token of sequences of different lengths, padded to
+    a fixed length (a review's case: the dataset drew a data-dependent count of numbers, so the step's dropout masks
+    differed between the probe batches; the step now starts from the random state the collation started from)."""
+
+    def __init__(self, n: int = 40, length: int = 12):
+        g = torch.Generator().manual_seed(0)
+        self.length = length
+        self.seqs = [torch.randint(2, VOCAB, (int(t),), generator=g) for t in torch.randint(3, length + 1, (n,),
+                                                                                           generator=g)]
+
+    def __len__(self):
+        return len(self.seqs)
+
+    def __getitem__(self, i):
+        s = self.seqs[i]
+        m = torch.rand(len(s)) < 0.3
+        pad = self.length - len(s)
+        return F.pad(torch.where(m, torch.ones_like(s), s), (0, pad)), F.pad(torch.where(m, s, -100), (0, pad),
+                                                                            value=-100)
+
+
+class MaskedModel(Classifier):
+    def __init__(self):
+        super().__init__(net=nn.Sequential(nn.Embedding(VOCAB, 16), nn.Tanh(), nn.Dropout(0.1),
+                                           nn.Linear(16, VOCAB)))
+        self.temperature = torch.tensor(2.0)  # annealed in place, used in the graph (a review's case: put back
+        # in place before the probe differentiated the batch's result, it failed autograd's version check)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.temperature.mul_(0.999)
+        per = F.cross_entropy(self(x).flatten(0, 1) / self.temperature, y.flatten(), ignore_index=-100,
+                              reduction="none").view(len(x), -1)
+        return per.sum(1).mean()
+
+
+def test_draws_of_the_dataset_and_a_tensor_changed_in_place_are_not_refused():
+    model = MaskedModel()
+    fit = trainer(max_steps=2, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)])
+    fit.fit(model, DataLoader(Masked(), batch_size=8))
+    assert fit.global_step == 2
+    assert torch.allclose(model.temperature, torch.tensor(2.0 * 0.999 ** 2))  # the probe's changes undone
+
+
+class PackedRNN(Classifier):
+    """An LSTM on a PackedSequence of unequal lengths: the packed tensors (tokens sorted by length, the order) are
+    not per example, and are not compared."""
+
+    def __init__(self):
+        super().__init__(net=nn.Sequential(nn.Embedding(VOCAB, 8, padding_idx=0), nn.LSTM(8, 8, batch_first=True),
+                                           nn.Linear(8, 3)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        lengths = (x != 0).sum(1).clamp(min=1)
+        packed = nn.utils.rnn.pack_padded_sequence(self.net[0](x), lengths, batch_first=True, enforce_sorted=False)
+        _, (h, _) = self.net[1](packed)
+        return F.cross_entropy(self.net[2](h[-1]), y % 3)
+
+
+def test_a_packed_sequence_is_not_refused():
+    fit = trainer(max_steps=2, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)])
+    data = Padded()
+    data.seqs = [torch.cat([s, torch.zeros(9 - len(s), dtype=s.dtype)]) for s in data.seqs]
+    fit.fit(PackedRNN(), DataLoader([(s, s[0]) for s in data.seqs], batch_size=8))
+    assert fit.global_step == 2
+
+
+class TokenMeanPlusAux(TokenModel):
+    """A mean over the batch's non-ignored tokens plus a second term (a z-loss): two batch-level factors, so the
+    common examples' gradients are no longer proportional. Refused, with that cause named."""
+
+    def training_step(self, batch, batch_idx):
+        ids, targets = batch
+        logits = self(ids)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100) + \
+            1e-2 * (logits.logsumexp(-1) ** 2).mean()
+
+
+def test_a_token_mean_with_another_term_is_refused_with_its_cause():
+    data = Padded()
+    data.seqs = [torch.cat([s, torch.zeros(9 - len(s), dtype=s.dtype)]) for s in data.seqs]
+    fit = trainer(max_steps=2, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)])
+    with pytest.raises(MisconfigurationException, match=r"a batch-level scalar in one of several terms of the loss "
+                                                        r"\(a mean over the batch's non-ignored tokens plus another"):
+        fit.fit(TokenMeanPlusAux(), DataLoader(data, batch_size=8, collate_fn=pad))

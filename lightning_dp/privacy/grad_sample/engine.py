@@ -383,6 +383,10 @@ class GradSampleEngine(BatchDimProbe):
         self.dropped = 0
         self._broadcasting: set[int] = set()  # layers whose outputs the probe expands (id of _Layer)
         self._captured: dict[int, list[list[tuple[int, Tensor]]]] = {}  # outputs per call (gradient round)
+        #: per layer id, per call, the first ``_inputs_rows`` examples of each input leaf that holds the examples
+        #: (``(leaf index, rows)``, the examples first; the independence check of :meth:`probe`)
+        self._captured_inputs: dict[int, list[list[tuple[int, Tensor]]]] = {}
+        self._inputs_rows = 0
         self._batch: int | None = None
         self._anchor = torch.zeros((), requires_grad=True)
         self._buffers: dict[tuple[int | None, str], Tensor] = {}
@@ -485,6 +489,13 @@ class GradSampleEngine(BatchDimProbe):
                 if id(layer) in self._captured:  # (the output leaf's index, the leaf) of those that carry a gradient
                     self._captured[id(layer)].append([(k, o) for k, o in enumerate(outputs) if isinstance(o, Tensor)
                                                       and o.requires_grad and o.is_floating_point()])
+                if id(layer) in self._captured_inputs and layer.dims is not None:  # copies: changed in place later
+                    # a PackedSequence holds the batch's tokens sorted by length, and its order: not per example
+                    packed = {id(t) for p in _packed((args, kwargs)) for t in p if isinstance(t, Tensor)}
+                    self._captured_inputs[id(layer)].append([
+                        (k, a.detach().movedim(d, 0)[:self._inputs_rows].clone())
+                        for k, (a, d) in enumerate(zip(inputs, layer.dims.inputs))
+                        if isinstance(a, Tensor) and d is not None and a.dim() > d and id(a) not in packed])
                 # a PackedSequence's batch_sizes counts the sequences at each step: its length is the longest
                 # sequence's, never the number of examples, even where the two coincide in every probe
                 counts = {id(p.batch_sizes) for p in _packed((args, kwargs, out))}

@@ -7,7 +7,7 @@ shared by all examples only as a checked broadcast, and refuses what cannot be c
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,8 +39,12 @@ class _Dims:
 
 
 def _differentiable_target(result: Any) -> Tensor | None:
-    """What the broadcast check differentiates: the first 0-dim floating tensor of ``result`` that requires grad
-    (the loss), else the sum of the first such tensor (per-example losses, logits); None when there is none."""
+    """What the probe's gradient checks differentiate: a mapping's ``"loss"`` entry when it has one (what Lightning
+    trains on when ``training_step`` returns a dict), else the first 0-dim floating tensor of ``result`` that
+    requires grad (the loss), else the sum of the first such tensor (per-example losses, logits); None when there
+    is none."""
+    if isinstance(result, Mapping) and isinstance(result.get("loss"), Tensor):
+        result = result["loss"]
     leaves = [t for t in tensor_leaves(result) if t.is_floating_point() and t.requires_grad]
     scalar = next((t for t in leaves if t.dim() == 0), None)
     if scalar is not None:
@@ -59,6 +63,8 @@ class BatchDimProbe:
     _probe_half: bool
     _broadcasting: set[int]
     _captured: dict[int, list[list[tuple[int, Tensor]]]]
+    _captured_inputs: dict[int, list[list[tuple[int, Tensor]]]]
+    _inputs_rows: int
     _batch: int | None
 
     def probe(self, run: Callable[[int], Any], sizes: Sequence[int] = PROBE_SIZES,
@@ -221,15 +227,17 @@ class BatchDimProbe:
                 m.training = mode
         return found
 
-    def _output_rows(self, examples: Callable[[list[int]], Any], indices: list[int]) -> dict[tuple[int, int, int], Tensor] | None:
-        """Runs ``examples(indices)`` as training does (the module's own mode) and returns, per ``(layer, call,
-        output leaf)`` whose dimension of the examples is known, the gradient of the result
-        (:func:`_differentiable_target`) with respect to that output for the first :data:`INDEPENDENT_COMMON`
-        examples, the examples first; None when the result cannot be differentiated."""
+    def _common_rows(self, examples: Callable[[list[int]], Any], indices: list[int]) -> tuple[dict, dict] | None:
+        """Runs ``examples(indices)`` as training does (the module's own mode) and returns, for the first
+        :data:`INDEPENDENT_COMMON` examples (the examples first), per ``(layer, call, leaf)`` whose dimension of the
+        examples is known: the layer's inputs, and the gradients of the result (:func:`_differentiable_target`) with
+        respect to its outputs; None when the result cannot be differentiated."""
         layers = [layer for layer in self.layers if layer.dims is not None]
         for layer in self.layers:
             layer.probe_calls = [[]]
         self._captured = {id(layer): [] for layer in layers}
+        self._captured_inputs = {id(layer): [] for layer in layers}
+        self._inputs_rows = INDEPENDENT_COMMON
         self._probing, self._batch = True, len(indices)
         self._broadcasting = {id(layer) for layer in layers if layer.broadcast}
         try:
@@ -237,8 +245,11 @@ class BatchDimProbe:
                 target = _differentiable_target(examples(list(indices)))
             captured = [(i, j, k, t) for i, calls in self._captured.items() for j, leaves in enumerate(calls)
                         for k, t in leaves]
+            inputs = {(i, j, k): rows for i, calls in self._captured_inputs.items() for j, leaves in enumerate(calls)
+                      for k, rows in leaves}
         finally:
             self._probing, self._broadcasting, self._batch, self._captured = False, set(), None, {}
+            self._captured_inputs, self._inputs_rows = {}, 0
             for layer in self.layers:
                 layer.probe_calls = []
         if target is None:
@@ -246,62 +257,72 @@ class BatchDimProbe:
         dims = {id(layer): layer.dims.outputs for layer in layers}  # type: ignore[union-attr]
         captured = [c for c in captured if c[2] < len(dims[c[0]]) and dims[c[0]][c[2]] is not None]
         grads = torch.autograd.grad(target, [t for *_, t in captured], allow_unused=True) if captured else ()
-        rows: dict[tuple[int, int, int], Tensor] = {}
+        outputs: dict[tuple[int, int, int], Tensor] = {}
         for (i, j, k, t), g in zip(captured, grads):
-            d = dims[i][k]
             g = torch.zeros_like(t) if g is None else g.detach()
-            rows[(i, j, k)] = g.movedim(d, 0)[:INDEPENDENT_COMMON].double()  # type: ignore[arg-type]
-        return rows
+            outputs[(i, j, k)] = g.movedim(dims[i][k], 0)[:INDEPENDENT_COMMON]  # type: ignore[arg-type]
+        return inputs, outputs
 
     def _check_independent(self, examples: Callable[[list[int]], Any]) -> None:
         """Refuses a step in which an example's gradient depends on the other examples of its batch.
 
         Per-sample clipping bounds one example's influence only if each row of the clipped sum is a function of
-        that example alone (and of the shared parameters and public configuration). The two batches of
-        :data:`INDEPENDENCE_PROBE` hold the same first examples and different later ones, and have one size: with
-        the same random state (the caller's ``examples`` restores it: the probe's contract), every random draw
-        (dropout, noise augmentation, a VAE's sampling) is the same for the common examples. Their gradients with
-        respect to each layer's output must then agree up to one factor per batch (a mean over the batch's
-        non-ignored tokens, a weighted mean: a batch-level scalar, a documented hole of its own). A layer whose
-        output has another shape in the two batches (padding to the batch's longest sequence) is not compared.
+        that example alone (and of the shared parameters and public configuration). A layer's per-example gradient
+        is built from its inputs and the gradient reaching its outputs, example by example. The two batches of
+        :data:`INDEPENDENCE_PROBE` hold the same first examples and different later ones, and have one size: from
+        the same random state (``examples`` starts the step from it: the probe's contract), every random draw
+        (dropout, noise augmentation, a VAE's sampling) is the same for the common examples. So each layer's inputs
+        must be the same for them in both batches, and the gradients reaching its outputs the same up to one factor
+        per batch (a mean over the batch's non-ignored tokens, a weighted mean: a batch-level scalar, a documented
+        hole of its own). A leaf of another shape in the two batches (padding to the batch's longest sequence) is
+        not compared.
         """
         first, second = ([int(i) for i in idx] for idx in INDEPENDENCE_PROBE)
-        rows = [self._output_rows(examples, idx) for idx in (first, second)]
-        if rows[0] is None or rows[1] is None:
+        one, two = (self._common_rows(examples, idx) for idx in (first, second))
+        if one is None or two is None:
             return  # nothing to differentiate: the broadcast check and the step's own checks say so where it matters
-        keys = [k for k in rows[0] if k in rows[1] and rows[0][k].shape == rows[1][k].shape]
-        if not keys:
-            return
-        a = torch.cat([rows[0][k].reshape(-1) for k in keys])
-        b = torch.cat([rows[1][k].reshape(-1) for k in keys])
-        low = self._probe_half or any(rows[0][k].dtype not in (torch.float32, torch.float64) for k in keys)
-        tol = 3e-2 if low else 1e-3
-        floor = 1e-6 * max(float(a.norm()), float(b.norm()))  # a layer whose gradient is rounding noise
-        aa = float(torch.dot(a, a))
-        scale = float(torch.dot(b, a)) / aa if aa > 0 else 0.0
-        by_id = {id(layer): layer for layer in self.layers}
-        failing: list[str] = []
-        for k in keys:
-            x, y = rows[0][k].reshape(-1), rows[1][k].reshape(-1)
-            off = float((y - scale * x).norm())
-            if off > floor and off > tol * max(float(y.norm()), abs(scale) * float(x.norm())):
-                label = by_id[k[0]].label
-                if label not in failing:
-                    failing.append(label)
+        failed: set[int] = set()  # the layers' ids
+
+        def pairs(a: dict, b: dict) -> tuple[list[tuple[int, Tensor, Tensor]], bool]:
+            """(layer id, rows of one, rows of two) where both have the leaf in one shape; whether any is half."""
+            keys = [k for k in a if k in b and a[k].shape == b[k].shape]
+            half = any(a[k].dtype in (torch.float16, torch.bfloat16) for k in keys)
+            return [(k[0], a[k].double(), b[k].double()) for k in keys], half
+
+        inputs, half_in = pairs(one[0], two[0])  # the same values
+        grads, half_out = pairs(one[1], two[1])  # the same up to one factor per batch
+        tol = 3e-2 if self._probe_half or half_in or half_out else 1e-3
+        for layer_id, x, y in inputs:
+            off = float((y - x).norm())
+            if off > tol * max(float(x.norm()), float(y.norm())) and off > 1e-12:
+                failed.add(layer_id)
+        if grads:
+            a = torch.cat([x.reshape(-1) for _, x, _ in grads])
+            b = torch.cat([y.reshape(-1) for _, _, y in grads])
+            floor = 1e-6 * max(float(a.norm()), float(b.norm()))  # a layer whose gradient is rounding noise
+            aa = float(torch.dot(a, a))
+            scale = float(torch.dot(b, a)) / aa if aa > 0 else 0.0
+            for layer_id, x, y in grads:
+                off = float((y - scale * x).norm())
+                if off > floor and off > tol * max(float(y.norm()), abs(scale) * float(x.norm())):
+                    failed.add(layer_id)
+        failing = [layer.label for layer in self.layers if id(layer) in failed]  # in the model's order
         if failing:
             shown = ", ".join(failing[:3]) + (f" and {len(failing) - 3} more" if len(failing) > 3 else "")
             raise PerSampleGradientError(
-                f"the loss mixes the examples of the batch: the gradient reaching the output of {shown} for the "
-                f"first {INDEPENDENT_COMMON} examples of a batch changed when the batch's other examples were "
-                f"replaced (two probe batches of {len(first)} examples, indices {first} and {second}, run from the "
-                "same random state). Per-sample clipping bounds an example's influence only if its gradient depends "
-                "on that example alone: with an in-batch contrastive loss (negatives taken from the other examples), "
-                "logits or features centred or normalized on the batch (h - h.mean(0)), mixup, or hard-example "
-                "mining over the batch, one example moves every other example's clipped gradient. Use a sum or mean "
-                "of per-example losses: negatives from a fixed public set or from the example's own views, "
-                "per-example normalization (nn.LayerNorm, nn.GroupNorm). If the step draws random numbers whose "
-                "count depends on the data (torch.randint(V, (int(mask.sum()),))), draw them in the batch's shape "
-                "instead (torch.randint(V, mask.shape)), so that each example's draws do not depend on the others.")
+                f"the loss mixes the examples of the batch: the inputs of {shown}, or the gradient reaching its "
+                f"outputs, changed for the first {INDEPENDENT_COMMON} examples of a batch when the batch's other "
+                f"examples were replaced (two probe batches of {len(first)} examples, indices {first} and {second}, "
+                "run from the same random state). Per-sample clipping bounds an example's influence only if its "
+                "gradient depends on that example alone: with an in-batch contrastive loss (negatives taken from the "
+                "other examples), logits or features centred or normalized on the batch (h - h.mean(0)), mixup, or "
+                "hard-example mining over the batch, one example moves every other example's clipped gradient; so "
+                "does a batch-level scalar in one of several terms of the loss (a mean over the batch's non-ignored "
+                "tokens plus another term). Use a sum or mean of per-example losses: negatives from a fixed public "
+                "set or from the example's own views, per-example normalization (nn.LayerNorm, nn.GroupNorm), each "
+                "example's own token mean. If the step draws random numbers whose count depends on the data "
+                "(torch.randint(V, (int(mask.sum()),))), draw them in the batch's shape instead "
+                "(torch.randint(V, mask.shape)), so that each example's draws do not depend on the others.")
 
     def _verify_broadcast(self, layer: _Layer, sizes: tuple[int, ...],
                           grads: list[list[list[tuple[int, Tensor]]] | None]) -> None:
