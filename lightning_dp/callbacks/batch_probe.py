@@ -29,11 +29,12 @@ batch is raised as :class:`BatchProbeError`, from the original error.
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer.connectors.logger_connector.fx_validator import _FxValidator
 from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -104,10 +105,10 @@ def side_effect_free(pl_module: LightningModule, logged: LoggedNames | None = No
     ``self.log``/``log_dict`` log nothing (they only note, in ``logged`` when given, the names the loggers would
     receive: :class:`LoggedNames`; no randomness is drawn for it), torchmetrics states are restored afterwards (a
     ``self.train_acc(preds, y)`` would otherwise count the probe batches), and the torch, Python and NumPy RNGs
-    (dropout masks, random transforms) are restored. The tensors left in the module's plain attributes are put back
-    by :func:`probe` (:class:`ModuleState`); other side effects of ``training_step`` (a call counter, a list of
-    floats, a file written) do happen for the probe batches: keep them out of ``training_step`` or tolerate the extra
-    calls.
+    (dropout masks, random transforms) are restored. The tensors and Python numbers left in the module's plain
+    attributes are put back by :func:`probe` (:class:`ModuleState`), as are its buffers and the generators the data
+    and the module hold; other side effects of ``training_step`` (a list of floats appended to, a global counter, a
+    file written) do happen for the probe batches: keep them out of ``training_step`` or tolerate the extra calls.
     """
     import random
 
@@ -165,6 +166,65 @@ class _RandomStates:
         np.random.set_state(self.numpy)
 
 
+class _Generators:
+    """The random generators held by the training data and the module, outside the global ones (a dataset's
+    ``np.random.default_rng(0)`` or ``torch.Generator``, a ``random.Random``, a transform's), with their states now,
+    to be set again before each probe batch and after the probe: a per-example augmentation drawn from one gives
+    the probe's common examples the same draws in every batch, and the probe draws nothing the training sees.
+
+    Found in the objects' attributes, their items and their attributes' attributes, a few levels deep and a bounded
+    number of objects (a dataset holding a list of a million examples is not walked through); a generator held
+    deeper, or in a closure, is not found.
+    """
+
+    _DEPTH, _ITEMS, _OBJECTS = 4, 64, 4096
+
+    def __init__(self, *roots: Any) -> None:
+        import random
+
+        import numpy as np
+
+        self.held: list[tuple[Any, Any]] = []
+        seen: set[int] = set()
+        stack = [(r, 0) for r in roots]
+        while stack and len(seen) < self._OBJECTS:
+            obj, depth = stack.pop()
+            if id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int, float, bool, torch.Tensor,
+                                                                     np.ndarray, type, types.ModuleType, Trainer,
+                                                                     Callback)):
+                continue  # not the trainer's world (its callbacks hold the run's secret generators)
+            seen.add(id(obj))
+            if isinstance(obj, torch.Generator):
+                self.held.append((obj, obj.get_state()))
+            elif isinstance(obj, np.random.Generator):
+                self.held.append((obj, obj.bit_generator.state))
+            elif isinstance(obj, (np.random.RandomState, random.Random)):
+                self.held.append((obj, obj.get_state() if isinstance(obj, np.random.RandomState) else obj.getstate()))
+            elif depth < self._DEPTH:
+                if isinstance(obj, dict):
+                    children = list(obj.values())[:self._ITEMS]
+                elif isinstance(obj, (list, tuple)):
+                    children = list(obj[:self._ITEMS])
+                else:
+                    children = list(getattr(obj, "__dict__", {}).values())
+                stack.extend((c, depth + 1) for c in children)
+
+    def restore(self) -> None:
+        import random
+
+        import numpy as np
+
+        for gen, saved in self.held:
+            if isinstance(gen, torch.Generator):
+                gen.set_state(saved)
+            elif isinstance(gen, np.random.Generator):
+                gen.bit_generator.state = saved
+            elif isinstance(gen, np.random.RandomState):
+                gen.set_state(saved)
+            elif isinstance(gen, random.Random):
+                gen.setstate(saved)
+
+
 class _Buffers:
     """The module's buffers as they are now (each tensor, where it is registered, and a copy of its values), to be
     put back, rebound or changed in place, before each probe batch and after the probe: a spectral norm's power
@@ -183,6 +243,12 @@ class _Buffers:
                     owner._buffers[name] = b
                 if b._version != version:
                     b.copy_(self.copies[id(b)])
+
+
+def _is_number(value: Any) -> bool:
+    """An int or a float (a step counter, a schedule's value); not a bool (a module's ``training`` flag, which the
+    probe itself sets for dropout modules)."""
+    return type(value) in (int, float)
 
 
 def _copied(value: Any) -> Any:
@@ -206,7 +272,7 @@ class ModuleState:
     """The plain attributes of a module and its submodules (``vars()``: not parameters, buffers or submodules, nor
     torchmetrics' states, which :func:`side_effect_free` restores), as they were when created: which attributes
     holding tensors a ``training_step`` changed (rebound, added, or their tensors, lists or dicts changed in place),
-    and how to put them back. A copy of every such tensor is kept meanwhile, for changes in place.
+    and which holding a Python number (a step counter), and how to put them back. A copy of every such tensor is kept meanwhile, for changes in place.
 
     Example:
         >>> m = nn.Linear(2, 2)
@@ -244,22 +310,23 @@ class ModuleState:
         return found
 
     def changed(self) -> dict[str, tuple[nn.Module, str, Any]]:
-        """``name: (owner, key, value now)`` of every attribute holding tensors now or before that differs."""
+        """``name: (owner, key, value now)`` of every attribute holding tensors, or a Python number (a step counter),
+        now or before that differs."""
         out = {}
         for name, (owner, key, value) in self._attributes().items():
             now = _state_tensors(value)
             if name not in self.values:
-                if now:
+                if now or _is_number(value):
                     out[name] = (owner, key, value)
                 continue
-            before = self.tensors[name]
-            if value is not self.values[name][2]:
-                if now or before:
+            before, original = self.tensors[name], self.values[name][2]
+            if value is not original:
+                if now or before or ((_is_number(value) or _is_number(original)) and value != original):
                     out[name] = (owner, key, value)
             elif len(now) != len(before) or any(t is not b or t._version != v for t, (b, v) in zip(now, before)):
                 out[name] = (owner, key, value)
-        for name, (owner, key, _) in self.values.items():  # deleted
-            if name not in out and key not in vars(owner) and self.tensors[name]:
+        for name, (owner, key, original) in self.values.items():  # deleted
+            if name not in out and key not in vars(owner) and (self.tensors[name] or _is_number(original)):
                 out[name] = (owner, key, None)
         return out
 
@@ -310,8 +377,10 @@ def probe(engine: GradSampleEngine, trainer: Trainer, pl_module: LightningModule
     shapes: dict[int, list[tuple[int, ...]]] = {}
     state = ModuleState(pl_module)
     buffers = _Buffers(pl_module)
+    generators = _Generators(dataset, collate, pl_module)
     left: dict[int, dict[str, Any]] = {}  # per probe size, the attributes its first run changed, as it left them
     results: dict[int, list[torch.Tensor]] = {}
+    common: list[list[Any]] = []  # the batch leaves' rows of the independence check's common examples, per batch
 
     def run(n: int, carried: dict[str, Any] | None = None) -> Any:  # the first n examples
         return examples(list(range(n)), carried, nested=True)
@@ -322,6 +391,7 @@ def probe(engine: GradSampleEngine, trainer: Trainer, pl_module: LightningModule
         n = len(indices)
         buffers.restore()  # what the last batch changed, put back only now: its result has been differentiated
         state.restore(state.changed())
+        generators.restore()
         for owner, key, value in (carried or {}).values():
             vars(owner)[key] = _copied(value)
         try:
@@ -330,6 +400,11 @@ def probe(engine: GradSampleEngine, trainer: Trainer, pl_module: LightningModule
                 batch = collate([dataset[i % size] for i in indices])
                 draws.restore()  # a dataset's transforms drew as many numbers as its examples needed: training_step
                 # starts from the same random state for every probe batch
+                if not nested:
+                    common.append(_first_rows(batch, _leaf_dims(shapes), INDEPENDENT_COMMON))
+                    if len(common) > 1 and not _same_rows(common[0], common[-1]):
+                        return None  # the collation moved the common examples (sorted the batch), changed them or
+                        # padded the batches to other lengths: not compared (docs/per_sample_gradients.md)
                 if nested:
                     shapes[n] = [leaf_shape(leaf) for leaf in batch_leaves(batch)]
                 batch = precision.convert_input(batch)
@@ -359,17 +434,50 @@ def probe(engine: GradSampleEngine, trainer: Trainer, pl_module: LightningModule
             _refuse_carried_state(pl_module, run, left, results)  # the more basic problem, when the probe saw it
             raise MisconfigurationException(f"DPSGD cannot clip per example: {err}") from None
         _refuse_carried_state(pl_module, run, left, results)
-    finally:  # the module as it was: the first step starts from there
+    finally:  # the module, and the generators, as they were: the first step starts from there
         buffers.restore()
         state.restore(state.changed())
+        generators.restore()
+    return _leaf_dims(shapes)
+
+
+def _leaf_dims(shapes: dict[int, list[tuple[int, ...]]]) -> list[int | None]:
+    """For every leaf of the batch, the dimension that holds the examples, from its shapes in the nested probe
+    batches (None: ambiguous or absent; an empty list when the batches' structures differ)."""
     dims: list[int | None] = []
-    if len({len(s) for s in shapes.values()}) == 1:
+    if all(n in shapes for n in PROBE_SIZES) and len({len(shapes[n]) for n in PROBE_SIZES}) == 1:
         for leaf in zip(*(shapes[n] for n in PROBE_SIZES)):
             try:
                 dims.append(batch_dim(leaf, PROBE_SIZES))
             except AmbiguousBatchDimError:
                 dims.append(None)
     return dims
+
+
+def _first_rows(batch: Any, dims: list[int | None], k: int) -> list[Any]:
+    """The first ``k`` examples of each leaf of a collated batch whose batch dimension is known, the examples first
+    (the whole leaf where it is not known)."""
+    leaves = batch_leaves(batch)
+    if len(leaves) != len(dims):
+        return [None]
+    return [leaf.detach().movedim(d, 0)[:k] if isinstance(leaf, torch.Tensor) and d is not None and leaf.dim() > d
+            else list(leaf[:k]) if d == 0 and isinstance(leaf, (list, tuple)) else leaf
+            for leaf, d in zip(leaves, dims)]
+
+
+def _same_rows(a: list[Any], b: list[Any]) -> bool:
+    """Whether two batches hold the same first examples (:func:`_first_rows`): the collation kept them in place."""
+    if len(a) != len(b) or a == [None]:
+        return False
+    for x, y in zip(a, b):
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            # another shape (padded to each batch's longest sequence): the step's random draws would have another
+            # layout, and its layers' outputs other shapes
+            if x.shape != y.shape or not torch.equal(x, y):
+                return False
+        elif x != y:
+            return False
+    return True
 
 
 def _refuse_carried_state(pl_module: LightningModule, run: Any, left: dict[int, dict[str, Any]],

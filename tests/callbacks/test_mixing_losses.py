@@ -9,6 +9,8 @@ batch's non-ignored tokens and a branch on ``self.training`` pass.
 
 from __future__ import annotations
 
+import lightning as L
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -69,7 +71,7 @@ def test_a_loss_that_mixes_the_examples_is_refused_before_any_step(module):
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     fit = trainer(max_steps=2, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)])
     with pytest.raises(MisconfigurationException, match=r"DPSGD cannot clip per example: the loss mixes the examples "
-                                                        r"of the batch: the inputs of layer net\.0 \(Linear\)"):
+                                                        r"of the batch: what layer net\.0 \(Linear\)"):
         fit.fit(model, BlobsData())
     assert fit.global_step == 0
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
@@ -164,8 +166,6 @@ def test_the_probe_puts_back_buffers_a_training_forward_moves():
     """A spectral norm's power iteration moves its vectors in place on every training forward: the two batches of
     the independence check must start from the same ones (else their gradients differ without any mixing), and the
     first step from those the module had."""
-    import lightning as L
-
     net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
     nn.utils.parametrizations.spectral_norm(net[0])
     model = Classifier(net=net)
@@ -270,3 +270,149 @@ def test_a_token_mean_with_another_term_is_refused_with_its_cause():
     with pytest.raises(MisconfigurationException, match=r"a batch-level scalar in one of several terms of the loss "
                                                         r"\(a mean over the batch's non-ignored tokens plus another"):
         fit.fit(TokenMeanPlusAux(), DataLoader(data, batch_size=8, collate_fn=pad))
+
+
+def sorted_pad(seqs):
+    """Pads the batch and sorts it by length, longest first (pack_padded_sequence(enforce_sorted=True) needs it):
+    the collation moves the examples, so the check has no common rows to compare and is skipped."""
+    seqs = sorted(seqs, key=len, reverse=True)
+    lengths = torch.tensor([len(s) for s in seqs])
+    ids = nn.utils.rnn.pad_sequence(seqs, batch_first=True)
+    return ids, lengths
+
+
+class SortedRNN(Classifier):
+    def __init__(self):
+        super().__init__(net=nn.Sequential(nn.Embedding(VOCAB, 8, padding_idx=0), nn.GRU(8, 8, batch_first=True),
+                                           nn.Linear(8, 3)))
+
+    def training_step(self, batch, batch_idx):
+        ids, lengths = batch
+        packed = nn.utils.rnn.pack_padded_sequence(self.net[0](ids), lengths, batch_first=True)
+        _, h = self.net[1](packed)
+        return F.cross_entropy(self.net[2](h[-1]), ids[:, 0] % 3)
+
+
+def test_a_collation_that_sorts_the_batch_is_not_refused():
+    fit = trainer(max_steps=2, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)])
+    fit.fit(SortedRNN(), DataLoader(Padded(), batch_size=8, collate_fn=sorted_pad))
+    assert fit.global_step == 2
+
+
+class Diagnosed(Classifier):
+    """A diagnostic forward under no_grad on the batch reordered (a review's case): no gradient comes from it, and
+    its inputs are not compared."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        with torch.no_grad():
+            self.log("nonprivate/sorted_logit_mean", self(x[torch.argsort(y, stable=True)]).mean())
+        return loss
+
+
+class DroppedTokens(TokenModel):
+    """Dropout on (B, T, d) with padding to the batch's longest sequence (a review's case: the mask's layout follows
+    the batch's longest sequence). Dropout modules are off for the check, and batches of other shapes not compared."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, ids):
+        return self.net[2](self.drop(self.net[1](self.net[0](ids))))
+
+
+class StackedPacked(Classifier):
+    """Two one-layer LSTMs with nn.Dropout between them on a PackedSequence: what the refusal of LSTM(dropout=p)
+    advises (a review's case: the packed tokens are sorted by length, so which dropout draws an example gets
+    depends on the others' lengths)."""
+
+    def __init__(self):
+        super().__init__(net=nn.ModuleList([nn.Embedding(VOCAB, 8, padding_idx=0), nn.LSTM(8, 8, batch_first=True),
+                                            nn.Dropout(0.3), nn.LSTM(8, 8, batch_first=True), nn.Linear(8, 3)]))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        embed, first, drop, second, out = self.net
+        lengths = (x != 0).sum(1).clamp(min=1)
+        packed = nn.utils.rnn.pack_padded_sequence(embed(x), lengths, batch_first=True, enforce_sorted=False)
+        h, _ = first(packed)
+        _, (h, _) = second(h._replace(data=drop(h.data)))
+        return F.cross_entropy(out(h[-1]), y % 3)
+
+
+class OwnGenerators(Dataset):
+    """Per-example noise from generators of the dataset's own (NumPy's default_rng, a torch.Generator) and of the
+    module (a review's case: the probe reset only the global ones)."""
+
+    def __init__(self, n: int = 40):
+        self.data = Noisy(n)
+        self.rng, self.gen = np.random.default_rng(0), torch.Generator().manual_seed(0)
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        x, y = self.data.x[i], self.data.y[i]
+        noise = torch.as_tensor(self.rng.normal(size=tuple(x.shape)), dtype=x.dtype)
+        return x + 0.1 * noise + 0.1 * torch.randn(x.shape, generator=self.gen), y
+
+
+class OwnGenerator(Classifier):
+    def __init__(self):
+        super().__init__()
+        self.gen = torch.Generator().manual_seed(1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x + 0.1 * torch.randn(x.shape, generator=self.gen)), y)
+
+
+class Scheduled(Classifier):
+    """A step counter of its own feeding a public schedule (a review's case: the probe did not put Python numbers
+    back, so the two probe batches ran at other points of the schedule)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.calls += 1
+        return F.cross_entropy(self(x * (1.0 + 0.5 / self.calls)), y)
+
+
+@pytest.mark.parametrize("case", ["no_grad", "dropout_padded", "dropout_packed", "own_generators", "counter"])
+def test_what_a_review_found_refused_is_not(case):
+    data = Padded()
+    fixed = [torch.cat([s, torch.zeros(9 - len(s), dtype=s.dtype)]) for s in data.seqs]
+    model, loader = {
+        "no_grad": lambda: (Diagnosed(), DataLoader(Noisy(), batch_size=8)),
+        "dropout_padded": lambda: (DroppedTokens(), DataLoader(data, batch_size=8, collate_fn=pad)),
+        "dropout_packed": lambda: (StackedPacked(), DataLoader([(s, s[0]) for s in fixed], batch_size=8)),
+        "own_generators": lambda: (OwnGenerator(), DataLoader(OwnGenerators(), batch_size=8)),
+        "counter": lambda: (Scheduled(), DataLoader(Noisy(), batch_size=8)),
+    }[case]()
+    states = [g.bit_generator.state if isinstance(g, np.random.Generator) else g.get_state()
+              for g in ([loader.dataset.rng, loader.dataset.gen, model.gen] if case == "own_generators" else [])]
+    fit = trainer(max_steps=2, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)], num_sanity_val_steps=0)
+    if case == "own_generators":  # the probe leaves them as they were: compared before the first step
+        seen = {}
+
+        class AfterProbe(L.Callback):
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                seen.setdefault("model", model.gen.get_state())
+
+        fit.callbacks.append(AfterProbe())
+    fit.fit(model, loader)
+    assert fit.global_step == 2
+    if case == "counter":
+        assert model.calls == 2
+    if case == "own_generators":
+        assert torch.equal(seen["model"], states[2])
+
+
+def test_the_refusal_says_what_changed():
+    with pytest.raises(MisconfigurationException, match=r"what layer net\.0 \(Linear\) \(inputs\) received changed"):
+        trainer(max_steps=1, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)]).fit(CentredCritic(), BlobsData())

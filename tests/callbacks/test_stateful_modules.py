@@ -154,10 +154,11 @@ def test_module_state_puts_back_rebound_added_and_in_place_changed_tensors():
     m.count += 1
     m.items.append(torch.ones(1))
     m.added = (torch.ones(2), torch.ones(2))
-    m.plain = 3  # no tensor: not the probe's business
+    m.plain = 3  # a Python number (a step counter): put back too; a string or a bool is not the probe's business
+    m.label, m.flag = "x", True
     changed = state.changed()
-    assert sorted(changed) == ["self.added", "self.count", "self.items", "self.kept"]
+    assert sorted(changed) == ["self.added", "self.count", "self.items", "self.kept", "self.plain"]
     state.restore(changed)
     assert m.kept is kept and float(m.count) == 0 and len(m.items) == 1 and not hasattr(m, "added")
+    assert not hasattr(m, "plain") and m.label == "x" and m.flag is True
     assert state.changed() == {}
-    assert m.plain == 3

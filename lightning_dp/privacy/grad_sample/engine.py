@@ -489,13 +489,16 @@ class GradSampleEngine(BatchDimProbe):
                 if id(layer) in self._captured:  # (the output leaf's index, the leaf) of those that carry a gradient
                     self._captured[id(layer)].append([(k, o) for k, o in enumerate(outputs) if isinstance(o, Tensor)
                                                       and o.requires_grad and o.is_floating_point()])
-                if id(layer) in self._captured_inputs and layer.dims is not None:  # copies: changed in place later
-                    # a PackedSequence holds the batch's tokens sorted by length, and its order: not per example
+                if id(layer) in self._captured_inputs and layer.dims is not None and torch.is_grad_enabled():
+                    # copies (changed in place later); not a call without autograd, which no gradient comes from (a
+                    # diagnostic forward under no_grad), nor a PackedSequence's tensors (the batch's tokens sorted by
+                    # length, and its order: not per example), nor sparse or nested ones
                     packed = {id(t) for p in _packed((args, kwargs)) for t in p if isinstance(t, Tensor)}
                     self._captured_inputs[id(layer)].append([
                         (k, a.detach().movedim(d, 0)[:self._inputs_rows].clone())
                         for k, (a, d) in enumerate(zip(inputs, layer.dims.inputs))
-                        if isinstance(a, Tensor) and d is not None and a.dim() > d and id(a) not in packed])
+                        if isinstance(a, Tensor) and d is not None and a.dim() > d and id(a) not in packed
+                        and a.layout == torch.strided and not a.is_nested])
                 # a PackedSequence's batch_sizes counts the sequences at each step: its length is the longest
                 # sequence's, never the number of examples, even where the two coincide in every probe
                 counts = {id(p.batch_sizes) for p in _packed((args, kwargs, out))}

@@ -240,6 +240,12 @@ class BatchDimProbe:
         self._inputs_rows = INDEPENDENT_COMMON
         self._probing, self._batch = True, len(indices)
         self._broadcasting = {id(layer) for layer in layers if layer.broadcast}
+        # dropout modules off: which of their independent draws an example gets may depend on the batch's other
+        # examples (the batch's longest sequence sets the mask's layout, a PackedSequence orders its tokens by
+        # length), which is no dependence on their data; the rest of the model stays in its training mode
+        dropouts = [m for m in self.module.modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.training]
+        for m in dropouts:
+            m.training = False
         try:
             with torch.enable_grad():
                 target = _differentiable_target(examples(list(indices)))
@@ -252,6 +258,8 @@ class BatchDimProbe:
             self._captured_inputs, self._inputs_rows = {}, 0
             for layer in self.layers:
                 layer.probe_calls = []
+            for m in dropouts:
+                m.training = True
         if target is None:
             return None
         dims = {id(layer): layer.dims.outputs for layer in layers}  # type: ignore[union-attr]
@@ -271,7 +279,9 @@ class BatchDimProbe:
         is built from its inputs and the gradient reaching its outputs, example by example. The two batches of
         :data:`INDEPENDENCE_PROBE` hold the same first examples and different later ones, and have one size: from
         the same random state (``examples`` starts the step from it: the probe's contract), every random draw
-        (dropout, noise augmentation, a VAE's sampling) is the same for the common examples. So each layer's inputs
+        (noise augmentation, a VAE's sampling) is the same for the common examples; dropout modules are off for
+        these two runs (the layout of their draws may follow the batch's longest sequence or a PackedSequence's
+        order: a dependence on the other examples' lengths, not their data). So each layer's inputs
         must be the same for them in both batches, and the gradients reaching its outputs the same up to one factor
         per batch (a mean over the batch's non-ignored tokens, a weighted mean: a batch-level scalar, a documented
         hole of its own). A leaf of another shape in the two batches (padding to the batch's longest sequence) is
@@ -281,7 +291,7 @@ class BatchDimProbe:
         one, two = (self._common_rows(examples, idx) for idx in (first, second))
         if one is None or two is None:
             return  # nothing to differentiate: the broadcast check and the step's own checks say so where it matters
-        failed: set[int] = set()  # the layers' ids
+        failed: dict[int, set[str]] = {}  # the layers' ids: what differed
 
         def pairs(a: dict, b: dict) -> tuple[list[tuple[int, Tensor, Tensor]], bool]:
             """(layer id, rows of one, rows of two) where both have the leaf in one shape; whether any is half."""
@@ -295,7 +305,7 @@ class BatchDimProbe:
         for layer_id, x, y in inputs:
             off = float((y - x).norm())
             if off > tol * max(float(x.norm()), float(y.norm())) and off > 1e-12:
-                failed.add(layer_id)
+                failed.setdefault(layer_id, set()).add("inputs")
         if grads:
             a = torch.cat([x.reshape(-1) for _, x, _ in grads])
             b = torch.cat([y.reshape(-1) for _, _, y in grads])
@@ -305,15 +315,17 @@ class BatchDimProbe:
             for layer_id, x, y in grads:
                 off = float((y - scale * x).norm())
                 if off > floor and off > tol * max(float(y.norm()), abs(scale) * float(x.norm())):
-                    failed.add(layer_id)
-        failing = [layer.label for layer in self.layers if id(layer) in failed]  # in the model's order
+                    failed.setdefault(layer_id, set()).add("output gradients")
+        failing = [f"{layer.label} ({' and '.join(sorted(failed[id(layer)]))})" for layer in self.layers
+                   if id(layer) in failed]  # in the model's order
         if failing:
             shown = ", ".join(failing[:3]) + (f" and {len(failing) - 3} more" if len(failing) > 3 else "")
             raise PerSampleGradientError(
-                f"the loss mixes the examples of the batch: the inputs of {shown}, or the gradient reaching its "
-                f"outputs, changed for the first {INDEPENDENT_COMMON} examples of a batch when the batch's other "
-                f"examples were replaced (two probe batches of {len(first)} examples, indices {first} and {second}, "
-                "run from the same random state). Per-sample clipping bounds an example's influence only if its "
+                f"the loss mixes the examples of the batch: what {shown} received changed for the first "
+                f"{INDEPENDENT_COMMON} examples of a batch when the batch's other examples were replaced (two probe "
+                f"batches of {len(first)} examples, indices {first} and {second}, each step from the same random "
+                "state, dropout modules off; a layer's inputs must stay the same, the gradients reaching its outputs "
+                "the same up to one factor per batch). Per-sample clipping bounds an example's influence only if its "
                 "gradient depends on that example alone: with an in-batch contrastive loss (negatives taken from the "
                 "other examples), logits or features centred or normalized on the batch (h - h.mean(0)), mixup, or "
                 "hard-example mining over the batch, one example moves every other example's clipped gradient; so "
@@ -322,7 +334,9 @@ class BatchDimProbe:
                 "set or from the example's own views, per-example normalization (nn.LayerNorm, nn.GroupNorm), each "
                 "example's own token mean. If the step draws random numbers whose count depends on the data "
                 "(torch.randint(V, (int(mask.sum()),))), draw them in the batch's shape instead "
-                "(torch.randint(V, mask.shape)), so that each example's draws do not depend on the others.")
+                "(torch.randint(V, mask.shape)), so that each example's draws do not depend on the others; and draw "
+                "from torch's, Python's or NumPy's global generators or from a generator held by the dataset or the "
+                "module (the probe sets them back for each batch), not from one it cannot find.")
 
     def _verify_broadcast(self, layer: _Layer, sizes: tuple[int, ...],
                           grads: list[list[list[tuple[int, Tensor]]] | None]) -> None:
