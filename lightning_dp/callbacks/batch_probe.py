@@ -37,6 +37,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer.connectors.logger_connector.fx_validator import _FxValidator
 from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
@@ -172,14 +173,16 @@ class _Generators:
     to be set again before each probe batch and after the probe: a per-example augmentation drawn from one gives
     the probe's common examples the same draws in every batch, and the probe draws nothing the training sees.
 
-    Found in the objects' attributes, their items and their attributes' attributes, a few levels deep and a bounded
-    number of objects (a dataset holding a list of a million examples is not walked through); a generator held
-    deeper, or in a closure, is not found.
+    Found in the attributes of the dataset, the collate function and every submodule, their items (of plain lists,
+    tuples and dicts) and their attributes' attributes, a few levels deep and a bounded number of objects (a dataset
+    holding a list of a million examples is not walked through); a generator held deeper, in a closure, or whose
+    state cannot be read (``random.SystemRandom``) is not found.
     """
 
     _DEPTH, _ITEMS, _OBJECTS = 4, 64, 4096
 
     def __init__(self, *roots: Any) -> None:
+        import itertools
         import random
 
         import numpy as np
@@ -194,20 +197,28 @@ class _Generators:
                                                                      Callback)):
                 continue  # not the trainer's world (its callbacks hold the run's secret generators)
             seen.add(id(obj))
-            if isinstance(obj, torch.Generator):
-                self.held.append((obj, obj.get_state()))
-            elif isinstance(obj, np.random.Generator):
-                self.held.append((obj, obj.bit_generator.state))
-            elif isinstance(obj, (np.random.RandomState, random.Random)):
-                self.held.append((obj, obj.get_state() if isinstance(obj, np.random.RandomState) else obj.getstate()))
-            elif depth < self._DEPTH:
-                if isinstance(obj, dict):
-                    children = list(obj.values())[:self._ITEMS]
-                elif isinstance(obj, (list, tuple)):
-                    children = list(obj[:self._ITEMS])
-                else:
-                    children = list(getattr(obj, "__dict__", {}).values())
-                stack.extend((c, depth + 1) for c in children)
+            try:
+                if isinstance(obj, torch.Generator):
+                    self.held.append((obj, obj.get_state()))
+                elif isinstance(obj, np.random.Generator):
+                    self.held.append((obj, obj.bit_generator.state))
+                elif isinstance(obj, np.random.RandomState):
+                    self.held.append((obj, obj.get_state()))
+                elif isinstance(obj, random.Random):
+                    self.held.append((obj, obj.getstate()))
+                elif depth < self._DEPTH:
+                    # only plain containers are walked through their items (a list subclass's __getitem__ is user
+                    # code); any other object through its own __dict__, read without its __getattr__
+                    if type(obj) is dict:
+                        children = list(itertools.islice(obj.values(), self._ITEMS))
+                    elif type(obj) in (list, tuple):
+                        children = list(itertools.islice(obj, self._ITEMS))
+                    else:
+                        held = object.__getattribute__(obj, "__dict__")
+                        children = list(held.values()) if type(held) is dict else []
+                    stack.extend((c, depth + 1) for c in children)
+            except Exception:  # noqa: BLE001  (no state to read: random.SystemRandom; no __dict__: __slots__)
+                continue
 
     def restore(self) -> None:
         import random
@@ -321,7 +332,8 @@ class ModuleState:
                 continue
             before, original = self.tensors[name], self.values[name][2]
             if value is not original:
-                if now or before or ((_is_number(value) or _is_number(original)) and value != original):
+                if now or before or ((_is_number(value) or _is_number(original))
+                                     and not (_is_number(value) and _is_number(original) and value == original)):
                     out[name] = (owner, key, value)
             elif len(now) != len(before) or any(t is not b or t._version != v for t, (b, v) in zip(now, before)):
                 out[name] = (owner, key, value)
@@ -377,7 +389,7 @@ def probe(engine: GradSampleEngine, trainer: Trainer, pl_module: LightningModule
     shapes: dict[int, list[tuple[int, ...]]] = {}
     state = ModuleState(pl_module)
     buffers = _Buffers(pl_module)
-    generators = _Generators(dataset, collate, pl_module)
+    generators = _Generators(dataset, collate, *pl_module.modules())
     left: dict[int, dict[str, Any]] = {}  # per probe size, the attributes its first run changed, as it left them
     results: dict[int, list[torch.Tensor]] = {}
     common: list[list[Any]] = []  # the batch leaves' rows of the independence check's common examples, per batch
@@ -401,10 +413,17 @@ def probe(engine: GradSampleEngine, trainer: Trainer, pl_module: LightningModule
                 draws.restore()  # a dataset's transforms drew as many numbers as its examples needed: training_step
                 # starts from the same random state for every probe batch
                 if not nested:
-                    common.append(_first_rows(batch, _leaf_dims(shapes), INDEPENDENT_COMMON))
-                    if len(common) > 1 and not _same_rows(common[0], common[-1]):
-                        return None  # the collation moved the common examples (sorted the batch), changed them or
-                        # padded the batches to other lengths: not compared (docs/per_sample_gradients.md)
+                    common.append(_example_rows(batch, _leaf_dims(shapes)))
+                    why = _collation_differs(common[0], common[-1], INDEPENDENT_COMMON) if len(common) > 1 else None
+                    if why is not None:
+                        rank_zero_warn(
+                            f"DPSGD could not check that {type(pl_module).__name__}'s loss keeps the examples apart "
+                            f"(the batch probe's two batches with the same first {INDEPENDENT_COMMON} examples "
+                            f"{why}); a loss that mixes the examples (an in-batch contrastive loss, mixup) would "
+                            "not be refused. Pad to a fixed length and keep the batch's order in the collate "
+                            "function to have it checked (docs/per_sample_gradients.md, 'What the engine does not "
+                            "check').")
+                        return None  # nothing the engine compares
                 if nested:
                     shapes[n] = [leaf_shape(leaf) for leaf in batch_leaves(batch)]
                 batch = precision.convert_input(batch)
@@ -454,30 +473,53 @@ def _leaf_dims(shapes: dict[int, list[tuple[int, ...]]]) -> list[int | None]:
     return dims
 
 
-def _first_rows(batch: Any, dims: list[int | None], k: int) -> list[Any]:
-    """The first ``k`` examples of each leaf of a collated batch whose batch dimension is known, the examples first
-    (the whole leaf where it is not known)."""
+def _example_rows(batch: Any, dims: list[int | None]) -> list[Any]:
+    """Each leaf of a collated batch with its examples first, where its batch dimension is known (a list of
+    non-tensors as it is; None where the dimension is not known, or the batch's structure is not the probe's)."""
     leaves = batch_leaves(batch)
     if len(leaves) != len(dims):
-        return [None]
-    return [leaf.detach().movedim(d, 0)[:k] if isinstance(leaf, torch.Tensor) and d is not None and leaf.dim() > d
-            else list(leaf[:k]) if d == 0 and isinstance(leaf, (list, tuple)) else leaf
+        return []
+    return [leaf.detach().movedim(d, 0) if isinstance(leaf, torch.Tensor) and d is not None and leaf.dim() > d
+            else list(leaf) if d == 0 and isinstance(leaf, (list, tuple)) else None
             for leaf, d in zip(leaves, dims)]
 
 
-def _same_rows(a: list[Any], b: list[Any]) -> bool:
-    """Whether two batches hold the same first examples (:func:`_first_rows`): the collation kept them in place."""
-    if len(a) != len(b) or a == [None]:
-        return False
-    for x, y in zip(a, b):
-        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
-            # another shape (padded to each batch's longest sequence): the step's random draws would have another
-            # layout, and its layers' outputs other shapes
-            if x.shape != y.shape or not torch.equal(x, y):
-                return False
-        elif x != y:
+def _equal(x: Any, y: Any) -> bool:
+    """Whether two examples' parts of a batch are equal (NaN equal to NaN); parts that cannot be compared are."""
+    import numpy as np
+
+    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+        if x.shape != y.shape or x.dtype != y.dtype:
             return False
-    return True
+        same = x == y
+        if x.is_floating_point() or x.is_complex():
+            same |= x.isnan() & y.isnan()
+        return bool(same.all())
+    try:
+        if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
+            return bool(np.array_equal(x, y, equal_nan=x.dtype.kind in "fc" if isinstance(x, np.ndarray) else False))
+        return bool(x == y)
+    except Exception:  # noqa: BLE001  (an object without a comparison: not what tells the examples apart)
+        return True
+
+
+def _collation_differs(first: list[Any], second: list[Any], k: int) -> str | None:
+    """Why the engine cannot compare two probe batches that hold the same first ``k`` examples (:func:`_example_rows`
+    of each), or None where it can: their collated leaves have other shapes (padded to each batch's longest
+    sequence), or the first ``k`` rows differ but ``k`` of the first batch's rows are in the second (the collate
+    sorted the batch). Rows that differ otherwise (a collate that changes the examples by the batch, an augmentation
+    from a generator the probe does not find) are left to the check, which compares what each layer receives."""
+    if len(first) != len(second):
+        return "were collated into batches of other structures"
+    pairs = [(x, y) for x, y in zip(first, second) if x is not None and y is not None]
+    if any(isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape[1:] != y.shape[1:]
+           for x, y in pairs):
+        return "were collated into tensors of other shapes, padded to each batch's longest sequence"
+    if all(all(_equal(a, b) for a, b in zip(x[:k], y[:k])) for x, y in pairs):
+        return None
+    if pairs and all(sum(any(_equal(a, b) for b in y) for a in x) >= k for x, y in pairs):
+        return "hold them in other rows: the collate function reorders the batch"
+    return None
 
 
 def _refuse_carried_state(pl_module: LightningModule, run: Any, left: dict[int, dict[str, Any]],
