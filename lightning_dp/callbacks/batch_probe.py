@@ -173,31 +173,37 @@ class _Generators:
     to be set again before each probe batch and after the probe: a per-example augmentation drawn from one gives
     the probe's common examples the same draws in every batch, and the probe draws nothing the training sees.
 
-    Found in the attributes of the dataset, the collate function and every submodule, their items (of plain lists,
-    tuples and dicts) and their attributes' attributes, a few levels deep and a bounded number of objects (a dataset
-    holding a list of a million examples is not walked through); a generator held deeper, in a closure, or whose
+    Found in the attributes of the dataset, the collate function and every submodule (each with its own bound),
+    their items (of plain lists, tuples and dicts) and their attributes' attributes, a few levels deep and a bounded
+    number of objects (a dataset holding a list of a million examples is not walked through); a generator held deeper, in a closure, or whose
     state cannot be read (``random.SystemRandom``) is not found.
     """
 
-    _DEPTH, _ITEMS, _OBJECTS = 4, 64, 4096
+    _DEPTH, _ITEMS, _OBJECTS = 4, 64, 1024
 
     def __init__(self, *roots: Any) -> None:
+        self.held: list[tuple[Any, Any]] = []
+        seen: set[int] = set()
+        for root in roots:  # each with its own budget: a model of thousands of modules does not crowd the data out
+            self._walk(root, seen)
+
+    def _walk(self, root: Any, seen: set[int]) -> None:
         import itertools
         import random
 
         import numpy as np
 
-        self.held: list[tuple[Any, Any]] = []
-        seen: set[int] = set()
-        stack = [(r, 0) for r in roots]
-        while stack and len(seen) < self._OBJECTS:
+        stack, visited = [(root, 0)], 0
+        while stack and visited < self._OBJECTS:
             obj, depth = stack.pop()
-            if id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int, float, bool, torch.Tensor,
-                                                                     np.ndarray, type, types.ModuleType, Trainer,
-                                                                     Callback)):
-                continue  # not the trainer's world (its callbacks hold the run's secret generators)
-            seen.add(id(obj))
             try:
+                if id(obj) in seen or obj is None or isinstance(obj, (
+                        str, bytes, int, float, bool, torch.Tensor, np.ndarray, type, types.ModuleType, Trainer,
+                        Callback)) or (isinstance(obj, nn.Module) and obj is not root):
+                    continue  # not the trainer's world (its callbacks hold the run's secret generators); a
+                    # submodule is a root of its own
+                seen.add(id(obj))
+                visited += 1
                 if isinstance(obj, torch.Generator):
                     self.held.append((obj, obj.get_state()))
                 elif isinstance(obj, np.random.Generator):
@@ -217,8 +223,8 @@ class _Generators:
                         held = object.__getattribute__(obj, "__dict__")
                         children = list(held.values()) if type(held) is dict else []
                     stack.extend((c, depth + 1) for c in children)
-            except Exception:  # noqa: BLE001  (no state to read: random.SystemRandom; no __dict__: __slots__)
-                continue
+            except Exception:  # noqa: BLE001  (no state to read: random.SystemRandom; no __dict__: __slots__; a
+                continue  # proxy whose attributes raise)
 
     def restore(self) -> None:
         import random
@@ -392,7 +398,7 @@ def probe(engine: GradSampleEngine, trainer: Trainer, pl_module: LightningModule
     generators = _Generators(dataset, collate, *pl_module.modules())
     left: dict[int, dict[str, Any]] = {}  # per probe size, the attributes its first run changed, as it left them
     results: dict[int, list[torch.Tensor]] = {}
-    common: list[list[Any]] = []  # the batch leaves' rows of the independence check's common examples, per batch
+    common: list[list[Any] | None] = []  # the batch leaves' rows of the independence check's common examples, per batch
 
     def run(n: int, carried: dict[str, Any] | None = None) -> Any:  # the first n examples
         return examples(list(range(n)), carried, nested=True)
@@ -473,19 +479,24 @@ def _leaf_dims(shapes: dict[int, list[tuple[int, ...]]]) -> list[int | None]:
     return dims
 
 
-def _example_rows(batch: Any, dims: list[int | None]) -> list[Any]:
+def _example_rows(batch: Any, dims: list[int | None]) -> list[Any] | None:
     """Each leaf of a collated batch with its examples first, where its batch dimension is known (a list of
-    non-tensors as it is; None where the dimension is not known, or the batch's structure is not the probe's)."""
+    non-tensors as it is; None for a leaf whose dimension is not known, or a sparse tensor); None when the batch's
+    structure is not the one the nested probe batches had."""
     leaves = batch_leaves(batch)
-    if len(leaves) != len(dims):
-        return []
+    if not dims or len(leaves) != len(dims):
+        return None
     return [leaf.detach().movedim(d, 0) if isinstance(leaf, torch.Tensor) and d is not None and leaf.dim() > d
+            and leaf.layout == torch.strided and leaf.device.type != "meta"
             else list(leaf) if d == 0 and isinstance(leaf, (list, tuple)) else None
             for leaf, d in zip(leaves, dims)]
 
 
 def _equal(x: Any, y: Any) -> bool:
-    """Whether two examples' parts of a batch are equal (NaN equal to NaN); parts that cannot be compared are."""
+    """Whether two examples' parts of a batch are equal (NaN equal to NaN); parts that cannot be compared (objects
+    without an equality of their own, comparisons that fail) are."""
+    import math
+
     import numpy as np
 
     if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
@@ -498,28 +509,40 @@ def _equal(x: Any, y: Any) -> bool:
     try:
         if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
             return bool(np.array_equal(x, y, equal_nan=x.dtype.kind in "fc" if isinstance(x, np.ndarray) else False))
+        if isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y):
+            return True
+        if type(x) is type(y) and type(x).__eq__ is object.__eq__:
+            return True  # identity is all such an object compares: it says nothing of the example
         return bool(x == y)
-    except Exception:  # noqa: BLE001  (an object without a comparison: not what tells the examples apart)
+    except Exception:  # noqa: BLE001  (a comparison that fails: not what tells the examples apart)
         return True
 
 
-def _collation_differs(first: list[Any], second: list[Any], k: int) -> str | None:
+def _collation_differs(first: list[Any] | None, second: list[Any] | None, k: int) -> str | None:
     """Why the engine cannot compare two probe batches that hold the same first ``k`` examples (:func:`_example_rows`
-    of each), or None where it can: their collated leaves have other shapes (padded to each batch's longest
-    sequence), or the first ``k`` rows differ but ``k`` of the first batch's rows are in the second (the collate
-    sorted the batch). Rows that differ otherwise (a collate that changes the examples by the batch, an augmentation
-    from a generator the probe does not find) are left to the check, which compares what each layer receives."""
-    if len(first) != len(second):
-        return "were collated into batches of other structures"
+    of each), or None where it can: the batches' structure is not the nested probe batches' (the examples cannot be
+    found in them), their collated leaves have other shapes (padded to each batch's longest sequence), or the first
+    ``k`` examples differ but ``k`` whole examples of the first batch (every leaf of one row) are in the second, each
+    matched once (the collate reordered the batch). Examples that differ otherwise (a collate that changes them by
+    the batch, an augmentation from a generator the probe does not find) are left to the check, which compares what
+    each layer receives."""
+    if first is None or second is None or len(first) != len(second):
+        return "were collated into batches whose examples the probe cannot find"
     pairs = [(x, y) for x, y in zip(first, second) if x is not None and y is not None]
     if any(isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape[1:] != y.shape[1:]
            for x, y in pairs):
         return "were collated into tensors of other shapes, padded to each batch's longest sequence"
-    if all(all(_equal(a, b) for a, b in zip(x[:k], y[:k])) for x, y in pairs):
+    rows = min((len(x) for x, _ in pairs), default=0)
+    if rows < k or all(_equal(x[i], y[i]) for x, y in pairs for i in range(k)):
         return None
-    if pairs and all(sum(any(_equal(a, b) for b in y) for a in x) >= k for x, y in pairs):
-        return "hold them in other rows: the collate function reorders the batch"
-    return None
+    unmatched = list(range(min(len(y) for _, y in pairs)))
+    found = 0
+    for i in range(rows):
+        j = next((j for j in unmatched if all(_equal(x[i], y[j]) for x, y in pairs)), None)
+        if j is not None:
+            unmatched.remove(j)
+            found += 1
+    return "hold them in other rows: the collate function reorders the batch" if found >= k else None
 
 
 def _refuse_carried_state(pl_module: LightningModule, run: Any, left: dict[int, dict[str, Any]],

@@ -517,3 +517,59 @@ def test_a_collation_that_sorts_the_batch_is_skipped_with_a_warning():
                                          r"batch probe's two batches with the same first 3 examples hold them in "
                                          r"other rows: the collate function reorders the batch\)"):
         fit.fit(SortedRNN(), DataLoader(Padded(), batch_size=8, collate_fn=sorted_pad))
+
+
+# ------------------------------------------------------------------ a fourth review's cases
+class Deep(Classifier):
+    """Hundreds of modules (a ResNet-101's count) besides the dataset's generator: each is walked with its own bound
+    (a review's case: one shared bound ran out on the modules before the dataset, whose noise then differed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.idle = nn.Sequential(*(nn.Identity() for _ in range(500)))
+
+
+def rank_collate(items):
+    """Keeps the batch's order and adds each example's rank in the batch (a listwise loss would read it): a leaf
+    that changes with the other examples, which matched by chance and read as a reordering (a review's case)."""
+    xs, ys = zip(*items)
+    x = torch.stack(xs)
+    return x, torch.stack(ys), x[:, 1].argsort().argsort()
+
+
+class RankedInfoNCE(InfoNCE):
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch[:2], batch_idx)
+
+
+class Meta:
+    """Per-example metadata without an equality of its own: compared by identity, which says nothing."""
+
+    def __init__(self, i):
+        self.i = i
+
+
+def sorted_with_meta(seqs):
+    ids, lengths = sorted_pad(seqs)
+    return ids, lengths, [Meta(int(n)) for n in lengths]
+
+
+class SortedRNNMeta(SortedRNN):
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch[:2], batch_idx)
+
+
+def test_a_fourth_reviews_cases():
+    fit = trainer(max_steps=1, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)])
+    fit.fit(Deep(), DataLoader(OwnGenerators(), batch_size=8))  # the dataset's generators found and set back
+    assert fit.global_step == 1
+
+    torch.manual_seed(0)
+    fit = trainer(max_steps=1, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)])
+    with pytest.raises(MisconfigurationException, match="the loss mixes the examples"):  # checked, not skipped
+        fit.fit(RankedInfoNCE(), DataLoader(list(zip(Noisy().x, Noisy().y)), batch_size=8, collate_fn=rank_collate))
+
+    fit = trainer(max_steps=1, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)])
+    with pytest.warns(UserWarning, match="the collate function reorders the batch"):  # skipped, not refused
+        fit.fit(SortedRNNMeta(), DataLoader(Padded(), batch_size=8, collate_fn=sorted_with_meta))
+    assert fit.global_step == 1
