@@ -179,29 +179,36 @@ class _Generators:
     state cannot be read (``random.SystemRandom``) is not found.
     """
 
-    _DEPTH, _ITEMS, _OBJECTS = 4, 64, 1024
+    _DEPTH, _ITEMS = 4, 64
+    _DATA_OBJECTS, _MODULE_OBJECTS = 4096, 1024  # per root
 
-    def __init__(self, *roots: Any) -> None:
+    def __init__(self, data: tuple[Any, ...], module: nn.Module) -> None:
         self.held: list[tuple[Any, Any]] = []
         seen: set[int] = set()
-        for root in roots:  # each with its own budget: a model of thousands of modules does not crowd the data out
-            self._walk(root, seen)
+        modules = list(module.modules())
+        self.roots = {id(m) for m in modules}  # walked from themselves, not again from their parents
+        for root in data:
+            self._walk(root, seen, self._DATA_OBJECTS)
+        for root in modules:  # each with its own bound: a model of thousands of modules does not crowd out the data
+            self._walk(root, seen, self._MODULE_OBJECTS)
 
-    def _walk(self, root: Any, seen: set[int]) -> None:
+    def _walk(self, root: Any, seen: set[int], bound: int) -> None:
+        """Breadth first from ``root``: an attribute of the root is found before its neighbours' items."""
+        import collections
         import itertools
         import random
 
         import numpy as np
 
-        stack, visited = [(root, 0)], 0
-        while stack and visited < self._OBJECTS:
-            obj, depth = stack.pop()
+        queue, visited = collections.deque([(root, 0)]), 0
+        while queue and visited < bound:
+            obj, depth = queue.popleft()
             try:
                 if id(obj) in seen or obj is None or isinstance(obj, (
                         str, bytes, int, float, bool, torch.Tensor, np.ndarray, type, types.ModuleType, Trainer,
-                        Callback)) or (isinstance(obj, nn.Module) and obj is not root):
-                    continue  # not the trainer's world (its callbacks hold the run's secret generators); a
-                    # submodule is a root of its own
+                        Callback)) or (obj is not root and id(obj) in self.roots):
+                    continue  # not the trainer's world (its callbacks hold the run's secret generators); the
+                    # model's submodules are roots of their own
                 seen.add(id(obj))
                 visited += 1
                 if isinstance(obj, torch.Generator):
@@ -222,7 +229,7 @@ class _Generators:
                     else:
                         held = object.__getattribute__(obj, "__dict__")
                         children = list(held.values()) if type(held) is dict else []
-                    stack.extend((c, depth + 1) for c in children)
+                    queue.extend((c, depth + 1) for c in children)
             except Exception:  # noqa: BLE001  (no state to read: random.SystemRandom; no __dict__: __slots__; a
                 continue  # proxy whose attributes raise)
 
@@ -395,7 +402,7 @@ def probe(engine: GradSampleEngine, trainer: Trainer, pl_module: LightningModule
     shapes: dict[int, list[tuple[int, ...]]] = {}
     state = ModuleState(pl_module)
     buffers = _Buffers(pl_module)
-    generators = _Generators(dataset, collate, *pl_module.modules())
+    generators = _Generators((dataset, collate), pl_module)
     left: dict[int, dict[str, Any]] = {}  # per probe size, the attributes its first run changed, as it left them
     results: dict[int, list[torch.Tensor]] = {}
     common: list[list[Any] | None] = []  # the batch leaves' rows of the independence check's common examples, per batch
@@ -493,8 +500,8 @@ def _example_rows(batch: Any, dims: list[int | None]) -> list[Any] | None:
 
 
 def _equal(x: Any, y: Any) -> bool:
-    """Whether two examples' parts of a batch are equal (NaN equal to NaN); parts that cannot be compared (objects
-    without an equality of their own, comparisons that fail) are."""
+    """Whether two examples' parts of a batch are equal (NaN equal to NaN; objects without an equality of their own
+    by identity); parts whose comparison fails are."""
     import math
 
     import numpy as np
@@ -511,11 +518,16 @@ def _equal(x: Any, y: Any) -> bool:
             return bool(np.array_equal(x, y, equal_nan=x.dtype.kind in "fc" if isinstance(x, np.ndarray) else False))
         if isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y):
             return True
-        if type(x) is type(y) and type(x).__eq__ is object.__eq__:
-            return True  # identity is all such an object compares: it says nothing of the example
-        return bool(x == y)
+        return bool(x == y)  # identity, for an object without an equality of its own (_collation_differs)
     except Exception:  # noqa: BLE001  (a comparison that fails: not what tells the examples apart)
         return True
+
+
+def _by_identity(leaf: Any) -> bool:
+    """Whether a leaf is a list of objects that compare only by identity (no equality of their own)."""
+    return isinstance(leaf, list) and bool(leaf) and all(
+        not isinstance(v, (torch.Tensor, str, bytes, int, float, complex)) and type(v).__eq__ is object.__eq__
+        for v in leaf)
 
 
 def _collation_differs(first: list[Any] | None, second: list[Any] | None, k: int) -> str | None:
@@ -528,7 +540,10 @@ def _collation_differs(first: list[Any] | None, second: list[Any] | None, k: int
     each layer receives."""
     if first is None or second is None or len(first) != len(second):
         return "were collated into batches whose examples the probe cannot find"
-    pairs = [(x, y) for x, y in zip(first, second) if x is not None and y is not None]
+    # a list of objects compared only by identity says something only where the dataset returns the same objects
+    # each time (its stored records): not where __getitem__ makes fresh ones
+    pairs = [(x, y) for x, y in zip(first, second) if x is not None and y is not None
+             and not (_by_identity(x) and not any(a is b for a in x for b in y))]
     if any(isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape[1:] != y.shape[1:]
            for x, y in pairs):
         return "were collated into tensors of other shapes, padded to each batch's longest sequence"

@@ -573,3 +573,58 @@ def test_a_fourth_reviews_cases():
     with pytest.warns(UserWarning, match="the collate function reorders the batch"):  # skipped, not refused
         fit.fit(SortedRNNMeta(), DataLoader(Padded(), batch_size=8, collate_fn=sorted_with_meta))
     assert fit.global_step == 1
+
+
+# ------------------------------------------------------------------ a fifth review's cases
+class ModuleTransformed(Dataset):
+    """A dataset whose transform is an nn.Module holding its own generator, not a submodule of the model (a
+    review's case: the walk skipped every module but the model's own), and a large attribute before its NumPy
+    generator (a review's case: depth first, the bound ran out in it; breadth first, the generator is found)."""
+
+    def __init__(self):
+        self.meta = {f"s{i}": [(f"p{i}_{j}", "tag") for j in range(40)] for i in range(40)}
+        self.data = Noisy()
+        self.transform = nn.Sequential(NoiseLayer())
+        self.rng = np.random.default_rng(0)
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        x = self.transform(self.data.x[i]) + torch.as_tensor(self.rng.normal(size=6), dtype=torch.float32)
+        return x, self.data.y[i]
+
+
+class Record:
+    """A stored example record without an equality of its own: the same object on every access."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+
+class Records(Dataset):
+    def __init__(self):
+        self.items = [Record(x, y) for x, y in zip(Noisy().x, Noisy().y)]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+class RecordsClassifier(Classifier):
+    def training_step(self, batch, batch_idx):
+        return super().training_step((torch.stack([r.x for r in batch]), torch.stack([r.y for r in batch])), 0)
+
+
+def test_a_fifth_reviews_cases():
+    fit = trainer(max_steps=1, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)])
+    fit.fit(Classifier(), DataLoader(ModuleTransformed(), batch_size=8))
+    assert fit.global_step == 1
+
+    fit = trainer(max_steps=1, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)])
+    with pytest.warns(UserWarning, match="the collate function reorders the batch"):  # the records by identity
+        fit.fit(RecordsClassifier(), DataLoader(Records(), batch_size=8,
+                                                collate_fn=lambda rs: sorted(rs, key=lambda r: float(r.x[0]))))
+    assert fit.global_step == 1
