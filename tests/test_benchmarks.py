@@ -118,3 +118,8 @@ def test_the_step_benchmark_runs_the_gru(tmp_path):
                 "1", "--steps", "1", "--no-memory", "--threads", "1", "--json", str(out)])
     result = json.loads(out.read_text())
     assert not result["errors"] and set(result["ratio"]) == {"nonprivate", "lightning_dp", "opacus_hooks"}
+
+
+def test_bench_probe_times_the_batch_probe():
+    """benchmarks/bench_probe.py: the batch probe ran in each of the three fits (no time is asserted)."""
+    assert load("bench_probe").main(["digits_mlp"])["digits_mlp"] > 0
