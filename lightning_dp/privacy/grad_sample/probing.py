@@ -99,11 +99,14 @@ class BatchDimProbe:
         those indices of the same fixed sequence, in the order given (``run(n)`` is
         ``examples(list(range(n)))``). The probe then also checks that no example's gradient
         depends on the other examples of its batch (:meth:`_check_independent`): it runs the
-        two batches of :data:`INDEPENDENCE_PROBE` (one size, the first three examples in both)
-        from the same random state, and the gradient of the result with respect to each
-        layer's output must be the same for the three common examples in both, up to one
-        factor per batch (a mean's, a weighted mean's). A loss that mixes the examples (an
-        in-batch contrastive loss, logits centred on the batch mean, mixup) fails this.
+        two batches of :data:`INDEPENDENCE_PROBE` (one size, the first three examples in both),
+        which ``examples`` must run from the same random state, with the dropout modules off;
+        for the three common examples each layer's inputs must be the same in both, and the
+        gradients of the result (a dict's ``"loss"``) with respect to each layer's outputs the
+        same up to one factor per batch (a mean's, a weighted mean's). A loss that mixes the
+        examples (an in-batch contrastive loss, logits centred on the batch mean, mixup) fails
+        this. ``examples`` may return None to have the check skipped (DPSGD's does where the
+        collated batches cannot be compared).
 
         Must be called before :meth:`per_sample_norms`, and again after the model's
         structure changes.
