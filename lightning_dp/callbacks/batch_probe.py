@@ -6,8 +6,8 @@ through Lightning's own batch path (precision, transfer), then on two batches of
 examples (:data:`~lightning_dp.privacy.grad_sample.probing.INDEPENDENCE_PROBE`), each from the same random state.
 Nothing is logged, metric states and the RNGs are restored, nothing is released. The engine learns each layer's
 batch dimension and checks that no example's gradient depends on the batch's other examples (a loss that mixes
-them is refused: :meth:`~lightning_dp.privacy.grad_sample.GradSampleEngine.probe`); the batch's own tensors tell how many
-examples a later batch holds (:func:`examples_in`); and the names ``training_step`` passes to ``self.log`` and
+them is refused: :meth:`~lightning_dp.privacy.grad_sample.GradSampleEngine.probe`); the batch's own tensors tell
+how many examples a later batch holds (:func:`examples_in`); and the names ``training_step`` passes to ``self.log`` and
 ``self.log_dict`` are noted as the loggers would receive them (:class:`LoggedNames`), so that DPSGD can refuse every
 undeclared one before the first private step (:func:`lightning_dp.gate.check_metric_names`).
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -100,7 +100,7 @@ class LoggedNames(dict[str, str]):
 
 
 @contextlib.contextmanager
-def side_effect_free(pl_module: LightningModule, logged: LoggedNames | None = None) -> Iterator[None]:
+def side_effect_free(pl_module: LightningModule, logged: LoggedNames | None = None) -> Iterator[Callable[[], None]]:
     """Runs ``training_step`` for the probe without leaving a trace.
 
     ``self.log``/``log_dict`` log nothing (they only note, in ``logged`` when given, the names the loggers would
@@ -110,6 +110,7 @@ def side_effect_free(pl_module: LightningModule, logged: LoggedNames | None = No
     attributes are put back by :func:`probe` (:class:`ModuleState`), as are its buffers and the generators the data
     and the module hold; other side effects of ``training_step`` (a list of floats appended to, a global counter, a
     file written) do happen for the probe batches: keep them out of ``training_step`` or tolerate the extra calls.
+    It yields a function that sets the torch, Python and NumPy RNGs back to where they were on entry.
     """
     import random
 
@@ -126,7 +127,17 @@ def side_effect_free(pl_module: LightningModule, logged: LoggedNames | None = No
     pl_module.log_dict = names.log_dict  # type: ignore[method-assign]
     try:
         with torch.random.fork_rng(devices=devices):
-            yield
+            torch_rng = torch.get_rng_state()
+            cuda_rng = [torch.cuda.get_rng_state(d) for d in devices]
+
+            def rewind() -> None:  # every generator back to where the probe batch started
+                torch.set_rng_state(torch_rng)
+                for d, state in zip(devices, cuda_rng):
+                    torch.cuda.set_rng_state(state, d)
+                random.setstate(python_rng)
+                np.random.set_state(numpy_rng)
+
+            yield rewind
     finally:
         random.setstate(python_rng)
         np.random.set_state(numpy_rng)
@@ -140,33 +151,6 @@ def side_effect_free(pl_module: LightningModule, logged: LoggedNames | None = No
             m._computed = computed
 
 
-class _RandomStates:
-    """The torch (CPU, and the module's CUDA device), Python and NumPy random states as they are now, to be set
-    again."""
-
-    def __init__(self, module: nn.Module) -> None:
-        import random
-
-        import numpy as np
-
-        device = next((p.device for p in module.parameters()), torch.device("cpu"))
-        self.cuda = device if device.type == "cuda" else None
-        self.torch = torch.get_rng_state()
-        self.torch_cuda = torch.cuda.get_rng_state(self.cuda) if self.cuda is not None else None
-        self.python, self.numpy = random.getstate(), np.random.get_state()
-
-    def restore(self) -> None:
-        import random
-
-        import numpy as np
-
-        torch.set_rng_state(self.torch)
-        if self.cuda is not None and self.torch_cuda is not None:
-            torch.cuda.set_rng_state(self.torch_cuda, self.cuda)
-        random.setstate(self.python)
-        np.random.set_state(self.numpy)
-
-
 class _Generators:
     """The random generators held by the training data and the module, outside the global ones (a dataset's
     ``np.random.default_rng(0)`` or ``torch.Generator``, a ``random.Random``, a transform's), with their states now,
@@ -175,8 +159,8 @@ class _Generators:
 
     Found in the attributes of the dataset, the collate function and every submodule (each with its own bound),
     their items (of plain lists, tuples and dicts) and their attributes' attributes, a few levels deep and a bounded
-    number of objects (a dataset holding a list of a million examples is not walked through); a generator held deeper, in a closure, or whose
-    state cannot be read (``random.SystemRandom``) is not found.
+    number of objects (a dataset holding a list of a million examples is not walked through); a generator held
+    deeper, in a closure, or whose state cannot be read (``random.SystemRandom``) is not found.
     """
 
     _DEPTH, _ITEMS = 4, 64
@@ -296,7 +280,8 @@ class ModuleState:
     """The plain attributes of a module and its submodules (``vars()``: not parameters, buffers or submodules, nor
     torchmetrics' states, which :func:`side_effect_free` restores), as they were when created: which attributes
     holding tensors a ``training_step`` changed (rebound, added, or their tensors, lists or dicts changed in place),
-    and which holding a Python number (a step counter), and how to put them back. A copy of every such tensor is kept meanwhile, for changes in place.
+    and which holding a Python number (a step counter), and how to put them back. A copy of every such tensor is
+    kept meanwhile, for changes in place.
 
     Example:
         >>> m = nn.Linear(2, 2)
@@ -387,7 +372,7 @@ def probe(engine: GradSampleEngine, trainer: Trainer, pl_module: LightningModule
     Every probe batch starts from the module's plain tensor attributes and buffers as they were
     (:class:`ModuleState`, :class:`_Buffers`; put back before each batch, not after it, since the engine
     differentiates a batch's result after it ran), and they are left as they were. Its ``training_step`` starts
-    from the random state the batch's collation started from (:class:`_RandomStates`).
+    from the random state the batch's collation started from (:func:`side_effect_free`).
 
     Raises:
         MisconfigurationException: a layer whose per-sample gradients cannot be computed, or state kept on the
@@ -405,7 +390,7 @@ def probe(engine: GradSampleEngine, trainer: Trainer, pl_module: LightningModule
     generators = _Generators((dataset, collate), pl_module)
     left: dict[int, dict[str, Any]] = {}  # per probe size, the attributes its first run changed, as it left them
     results: dict[int, list[torch.Tensor]] = {}
-    common: list[list[Any] | None] = []  # the batch leaves' rows of the independence check's common examples, per batch
+    common: list[list[Any] | None] = []  # per batch of the independence check, its leaves' rows (_example_rows)
 
     def run(n: int, carried: dict[str, Any] | None = None) -> Any:  # the first n examples
         return examples(list(range(n)), carried, nested=True)
@@ -420,10 +405,9 @@ def probe(engine: GradSampleEngine, trainer: Trainer, pl_module: LightningModule
         for owner, key, value in (carried or {}).values():
             vars(owner)[key] = _copied(value)
         try:
-            with side_effect_free(pl_module, logged):
-                draws = _RandomStates(pl_module)
+            with side_effect_free(pl_module, logged) as rewind:
                 batch = collate([dataset[i % size] for i in indices])
-                draws.restore()  # a dataset's transforms drew as many numbers as its examples needed: training_step
+                rewind()  # a dataset's transforms drew as many numbers as its examples needed: training_step
                 # starts from the same random state for every probe batch
                 if not nested:
                     common.append(_example_rows(batch, _leaf_dims(shapes)))
