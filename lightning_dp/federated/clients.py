@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 
 from lightning_dp.datamodules.federated import ClientDataset, ClientPopulation, client_ids, client_sizes
+from lightning_dp.federated.dense import CANCELLATION_LIMIT
 from lightning_dp.federated.local import assigned_hypotheses, choose_hypotheses, client_losses
 from lightning_dp.federated.streams import _CLIENTS, _DIAGNOSTICS, _LOCAL, _LOCAL_NOISE, _NOISE
 from lightning_dp.privacy.finite import drop_non_finite
@@ -32,6 +33,17 @@ SUM_BLOCK_ENTRIES = 2**22
 #: the participation's cost, the number of examples, whether the update was within the clip (a bit), and whether
 #: it was dropped as not finite (a bit; :func:`~lightning_dp.privacy.finite.drop_non_finite`)
 STATS = ("loss", "cost", "count", "unclipped", "dropped")
+
+
+def _same_owner(part: Any, gate: str, bypassed: str) -> bool:
+    """Whether ``part``'s method ``gate`` (which lets the fused round skip ``bypassed``) comes from the class that
+    defines the ``bypassed`` method it runs: a subclass that overrides ``bypassed`` alone (a sanitizer's releases
+    changed, weight decay in a client's training, another partial sum) inherits a gate written for its parent's
+    method, which the fused round would then skip silently."""
+    def owner(name: str) -> type | None:
+        return next((c for c in type(part).__mro__ if name in vars(c)), None)
+
+    return owner(gate) is owner(bypassed)
 
 
 class RoundClients:
@@ -319,7 +331,9 @@ class RoundClients:
         the releases' path. Measured: docs/benchmarks.md, "Issue 53 (the population round".
         """
         rnd = self.round
-        if rnd.k != 1:
+        if rnd.k != 1 or not all(_same_owner(part, gate, bypassed) for part, gate, bypassed in (
+                (rnd.sanitizer, "unchanged_releases", "sanitize_rows"), (rnd.update, "one_step", "train"),
+                (rnd.server_privacy, "sum_weights", "partial_sum"))):
             return None
         marks = rnd.sanitizer.unchanged_releases(len(mine))
         if marks is None or rnd.server_privacy.sum_weights(origin.new_zeros(0, dtype=torch.float64)) is None:
@@ -328,14 +342,21 @@ class RoundClients:
                                     loss=rnd.loss_name)
         if steps is None:
             return None
-        norms, bounds = steps.norms()
+        norms, bounds, sizes, total = steps.clipped(rnd.server_privacy.sum_weights)
         if not steps.within_limit(bounds, origin):
             return None
-        dropped = ~norms.isfinite()  # exactly the clients whose update is not finite (DenseSteps.norms)
-        any_dropped = bool(dropped.any())
-        if any_dropped:  # a dropped client's update is zero: norm 0, and it adds nothing
-            norms = norms.masked_fill(dropped, 0.0)
-        partial = steps.weighted_sum(rnd.server_privacy.sum_weights(norms), ~dropped if any_dropped else None)
+        dropped = ~norms.isfinite()
+        if origin.dtype != torch.float32 and bool(dropped.any()) and bool(steps.finite_factors(dropped).any()):
+            # from float64 factors a norm's float64 squares can overflow where the step itself is finite (an input
+            # of 1e160): the releases' path clips that step; from float32 factors a norm is not finite exactly where
+            # a factor, and so the step, is not (DenseSteps.norms)
+            return None
+        if steps.cancellation(norms, sizes) > CANCELLATION_LIMIT:
+            # a client's terms cancel to a step far smaller than they are: its influence would be their rounding
+            # (DenseSteps.clipped); the releases' path clips the step as written
+            return None
+        norms = norms.masked_fill(dropped, 0.0)  # a dropped client's update is zero: norm 0, and it adds nothing
+        partial = total.to(origin.dtype)
         losses, choice, _ = self.starting_points(mine, r, x, y, mask)
         costs, bits = marks
         return self.stats(losses, choice, costs, mask, bits, dropped), norms, partial

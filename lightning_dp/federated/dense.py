@@ -13,7 +13,7 @@ import math
 import operator
 import weakref
 from dataclasses import dataclass
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Union
 
 import torch
@@ -404,6 +404,26 @@ class DenseChain:
 _FACTOR_LIMIT = 2.0**60
 #: float64 entries :meth:`DenseSteps.norms` works on at a time
 _CHUNK_ENTRIES = 2**18
+#: The fused round sums a block's steps from their factors only where no client's terms exceed its step's norm by
+#: more than this (:meth:`DenseSteps.cancellation`); beyond, the block takes the releases' path, which clips each
+#: step as it is written. Below it the float64 rounding of the Gram norm (relative ``~ 1e3 u K^2``, u = 1.1e-16: 1e-7
+#: at K = 2^10) and of the float64 product such a client's terms go into (``~ n u K`` of its clipped step over n
+#: examples) stay below the float32 rounding of the releases' path; an honest client's steps cancel that much only
+#: when its examples nearly repeat with opposite gradients (an attacker's do at will: a review's client of two
+#: examples moved its neighbour's sum by 63 C in float32 before this limit).
+CANCELLATION_LIMIT = 2.0**10
+#: A client's terms go into the block's product in the models' dtype where they are at most this many times its
+#: step's norm (:meth:`DenseSteps.clipped`), else into one in float64: float32 rounding then moves the release by at
+#: most about ``n u`` times 4 times the client's clipped step (n examples in the product, u = 6e-8), the order of the
+#: releases' path's own float32 sum of the clipped steps.
+LOOSE_CANCELLATION = 4.0
+
+
+def _ratios(norms: Tensor, sizes: Tensor) -> Tensor:
+    """``sizes / norms`` per client (1 where sizes is 0, inf where only the norm is: terms cancelled to nothing, or
+    where sizes overflowed beside a finite norm)."""
+    return torch.where(sizes > 0, sizes / norms, torch.ones_like(sizes)).nan_to_num(nan=math.inf)
+
 
 
 @dataclass(frozen=True)
@@ -438,12 +458,7 @@ class DenseSteps:
         non-finite (``g_ik a_ij`` is NaN or infinite for every k, 0 included), a non-finite ``g_ik`` row k. Finite
         float32 or float64 factors have finite float64 products below ``bounds^2``.
         """
-        c, b = self.layers[0][1].shape[:2]
-        # float64 work of a chunk of clients at a time (at most 2^18 entries, 2 MiB): a block's float64 copy of its
-        # inputs (13 MiB for 534 clients of 4 MNIST images) was a fresh allocation whose pages faulted in every block
-        # of a round (20 ms a block instead of 3 ms)
-        per = max(1, _CHUNK_ENTRIES // max(1, max(self._work(layer, b) for layer, _, _ in self.layers)))
-        parts = [self._norms(slice(i, i + per)) for i in range(0, c, per)] or [self._norms(slice(0, 0))]
+        parts = [self._norms(clients)[:2] for clients in self._chunks()]
         return torch.cat([n for n, _ in parts]), torch.cat([m for _, m in parts])
 
     @staticmethod
@@ -457,10 +472,64 @@ class DenseSteps:
         factors = b * (layer.in_features + layer.out_features)
         return factors + (b * layer.out_features * layer.in_features if self._written_out(layer, b) else 0)
 
-    def _norms(self, clients: slice) -> tuple[Tensor, Tensor]:
-        """:meth:`norms` of the clients in ``clients``."""
+    def _chunks(self) -> list[slice]:
+        """The clients a chunk at a time: float64 work on at most ``_CHUNK_ENTRIES`` entries (2 MiB). A block's
+        float64 copy of its inputs at once (13 MiB for 534 clients of 4 MNIST images) was a fresh allocation whose
+        pages faulted in every block of a round (20 ms a block instead of 3 ms)."""
+        c, b = self.layers[0][1].shape[:2]
+        per = max(1, _CHUNK_ENTRIES // max(1, max(self._work(layer, b) for layer, _, _ in self.layers)))
+        return [slice(i, min(i + per, c)) for i in range(0, c, per)] or [slice(0, 0)]
+
+    def clipped(self, weights_of: Callable[[Tensor], Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``(norms, bounds, sizes, total)``: :meth:`norms`' two, each client's float64 ``sizes`` (``sum_i ||g_i||
+        ||a_i||`` over every layer, ``+ ||g_i||`` for a bias: the magnitude of the terms its step is summed from),
+        and ``sum_c weights_of(norms)[c] * step_c`` (P,) in the factors' dtype over the clients whose norm is finite
+        (the others add nothing: their factors are not read, ``0 * NaN`` would be NaN). ``weights_of`` maps norms to
+        weights elementwise (DP-FedAvg's clip factors; a dropped client's norm is given as 0).
+
+        A client's step is the sum of its examples' terms ``g_i a_i^T``, each as large as its ``||g_i|| ||a_i||``;
+        where they cancel (the step much smaller than its ``sizes``), a product in float32 rounds the other clients'
+        sum at the scale of those terms (``(S + X) - X``), and that rounding, not the clipped step, is the client's
+        influence on the release. So a client's terms go into the block's product in the factors' dtype only where
+        they are at most :data:`LOOSE_CANCELLATION` times its step (every client measured on honest data: 1.6-3.5);
+        the others' into a product in float64. :meth:`cancellation` says how far they go; the caller refuses the
+        block beyond :data:`CANCELLATION_LIMIT`."""
+        parts = [self._norms(clients) for clients in self._chunks()]
+        norms, bounds, sizes = (torch.cat([p[i] for p in parts]) for i in range(3))
+        keep = norms.isfinite()
+        weights = weights_of(norms.masked_fill(~keep, 0.0))
+        loose = keep & (_ratios(norms, sizes) <= LOOSE_CANCELLATION)
+        total = self.weighted_sum(weights, None if bool(loose.all()) else loose)
+        tight = keep & ~loose
+        if bool(tight.any()):
+            exact = self.weighted_sum(weights, tight, dtype=torch.float64)
+            total = (total.double() + exact).to(total.dtype)
+        return norms, bounds, sizes, total
+
+    def finite_factors(self, clients: Tensor) -> Tensor:
+        """Whether every factor entry of each client selected by the boolean mask ``clients`` is finite."""
+        out: Tensor | None = None
+        for _, scaled, rows in self.layers:
+            ok = scaled[clients].isfinite().flatten(1).all(1) & rows[clients].isfinite().flatten(1).all(1)
+            out = ok if out is None else out & ok
+        assert out is not None
+        return out
+
+    @staticmethod
+    def cancellation(norms: Tensor, sizes: Tensor) -> float:
+        """The largest ``sizes / norms`` over the clients with a finite norm (1 where none; inf where a client's
+        terms cancel to a step of 0, or its sizes overflowed): how much larger the terms a client's step is summed
+        from are than the step."""
+        finite = norms.isfinite()
+        if not bool(finite.any()):
+            return 1.0
+        return float(_ratios(norms[finite], sizes[finite]).max())
+
+    def _norms(self, clients: slice) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`norms` of the clients in ``clients`` and their :meth:`clipped` sizes."""
         total: Tensor | None = None
         bound: Tensor | None = None
+        magnitude: Tensor | None = None
         for layer, scaled, rows in self.layers:
             g, a = scaled[clients].double(), rows[clients].double()
             if self._written_out(layer, g.shape[1]):
@@ -470,28 +539,35 @@ class DenseSteps:
                 gram_g, gram_a = torch.bmm(g, g.transpose(1, 2)), torch.bmm(a, a.transpose(1, 2))
                 square = (gram_g * gram_a).sum((1, 2))
                 g_sq, a_sq = gram_g.diagonal(dim1=1, dim2=2), gram_a.diagonal(dim1=1, dim2=2)
+            g_norm, a_norm = g_sq.sqrt(), a_sq.sqrt()
+            terms = (g_norm * a_norm).sum(1)
             if layer.bias is not None:
                 square = square + g.sum(1).square().sum(1)
-            size = (g_sq.sqrt() * a_sq.sqrt().clamp(min=1.0)).sum(1)
+                terms = terms + g_norm.sum(1)
+            size = (g_norm * a_norm.clamp(min=1.0)).sum(1)
             total = square if total is None else total + square
             bound = size if bound is None else torch.maximum(bound, size)
-        assert total is not None and bound is not None  # a chain has a Linear layer
+            magnitude = terms if magnitude is None else magnitude + terms
+        assert total is not None and bound is not None and magnitude is not None  # a chain has a Linear layer
         # the Gram form's sum of squares rounds to a tiny negative value only where the step is ~1e-8 of its terms
-        return total.clamp(min=0.0).sqrt(), bound
+        return total.clamp(min=0.0).sqrt(), bound, magnitude
 
-    def weighted_sum(self, weights: Tensor, keep: Tensor | None = None) -> Tensor:
-        """``sum_c weights[c] * step_c`` (P,) over the clients with ``keep[c]`` (all where None), in the factors'
-        dtype; each layer's weight is one product ``(w * g)^T a`` over all the kept clients' examples. A client left
-        out contributes nothing (its factors are not read: ``0 * NaN`` would be NaN)."""
-        scaled0 = self.layers[0][1]
-        total = scaled0.new_zeros(self.numel)
-        w = weights.to(scaled0.dtype).view(-1, 1, 1)
+    def weighted_sum(self, weights: Tensor, keep: Tensor | None = None, *,
+                     dtype: torch.dtype | None = None) -> Tensor:
+        """``sum_c weights[c] * step_c`` (P,) over the clients with ``keep[c]`` (all where None), in ``dtype`` (the
+        factors' where None); each layer's weight is one product ``(w * g)^T a`` over all the kept clients'
+        examples. A client left out contributes nothing (its factors are not read: ``0 * NaN`` would be NaN)."""
+        first = self.layers[0][1]
+        dtype = dtype or first.dtype
+        total = torch.zeros(self.numel, dtype=dtype, device=first.device)
+        w = weights.to(dtype)
+        if keep is not None:
+            w = w[keep]
         for layer, scaled, rows in self.layers:
-            coef = scaled * w
             if keep is not None:
-                coef, rows = coef[keep], rows[keep]
-            flat_g = coef.reshape(-1, layer.out_features)
-            total[layer.weight] = (flat_g.T @ rows.reshape(-1, layer.in_features)).reshape(-1)
+                scaled, rows = scaled[keep], rows[keep]
+            flat_g = (scaled.to(dtype) * w.view(-1, 1, 1)).reshape(-1, layer.out_features)
+            total[layer.weight] = (flat_g.T @ rows.to(dtype).reshape(-1, layer.in_features)).reshape(-1)
             if layer.bias is not None:
                 total[layer.bias] = flat_g.sum(0)
         return total

@@ -12,6 +12,7 @@ import lightning_dp.federated.clients as clients_module
 from lightning_dp.datamodules.population import SyntheticPopulationDataModule
 from lightning_dp.federated import FederatedRound
 from lightning_dp.federated.parts import CentralGaussian, ClipSanitizer, LocalSGD, PoissonSelection
+from lightning_dp.federated.parts.sanitizers import NoSanitizer
 from lightning_dp.models import LogisticRegression
 from tests.federated.test_dp_fedavg import trainer
 from tests.helpers import RecordingLogger
@@ -116,6 +117,10 @@ def test_fused_steps_are_the_dense_engines_steps_in_float64(monkeypatch, chunk):
     assert bool((bounds >= steps.abs().amax(dim=1)).all())
     weights = torch.rand(len(x), dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(held.weighted_sum(weights), weights @ steps, rtol=1e-10, atol=1e-12)
+    c_norms, c_bounds, sizes, total = held.clipped(lambda n: 1 / (1 + n))  # weights from each client's norm
+    assert torch.equal(c_norms, norms) and torch.equal(c_bounds, bounds)
+    torch.testing.assert_close(total, (1 / (1 + norms)) @ steps, rtol=1e-10, atol=1e-12)
+    assert bool((sizes >= norms * (1 - 1e-12)).all())  # the terms' magnitudes bound the steps' norms
 
 
 @pytest.mark.parametrize("case", ["two local epochs", "two batches", "vmap engine", "clip sanitizer", "tiny model"])
@@ -145,6 +150,129 @@ def test_a_block_whose_steps_could_overflow_the_models_takes_the_releases_path()
     x[7, 0, 0, 0] = 1e30
     fused, _ = both_paths(rnd, x, y, mask)
     assert fused is None
+
+
+def summed(rnd: FederatedRound, x, y, mask):
+    """The round's own entry point for one block of all the clients: ``(stats, norms, sum)``."""
+    rnd.clients.splits = {"train": list(range(len(x)))}
+    rnd.clients.key_width = x.shape[1]
+    rnd.clients.key_tables = None
+    return rnd.clients.summed_block(list(range(len(x))), 0, x, y, mask, rnd.hypotheses[0])
+
+
+def regression_round(dtype: torch.dtype, **parts) -> FederatedRound:
+    torch.manual_seed(0)
+    rnd = FederatedRound(nn.Sequential(nn.Linear(40, 16), nn.ReLU(), nn.Linear(16, 1)).to(dtype),
+                         selection=PoissonSelection(0.5), update=parts.pop("update", None) or LocalSGD(
+                             epochs=1, lr=0.5, batch_size=6), server_privacy=parts.pop("server_privacy", None) or
+                         CentralGaussian(noise_multiplier=1.0, clip=1.0), loss="rmse", seed=0, noise_seed=1, **parts)
+    rnd.hypotheses = rnd.hypotheses.to(dtype)
+    rnd.previous_step = rnd.previous_step.to(dtype)
+    return rnd
+
+
+@pytest.mark.parametrize("dtype, scale, label", [(torch.float32, 1e9, 2.0**63), (torch.float32, 3e10, 2.0**63),
+                                                 (torch.float64, 8e17, 1e150)])
+def test_a_client_whose_steps_cancel_moves_the_sum_by_at_most_its_clip(dtype, scale, label):
+    """A review's attack on the fused round: a client's two examples with one huge input and labels +-L make
+    opposite steps, so its update is 0 (its clip factor 1), but summed from the factors in the models' dtype
+    their terms' rounding moved the block's clipped sum of its neighbour by up to 63 C (float32) and 4.6 C
+    (float64). The block now takes the releases' path (DenseSteps.cancellation above CANCELLATION_LIMIT), which
+    clips the update as written: the sums of the two neighbouring blocks differ by at most C."""
+    rnd = regression_round(dtype)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(20, 2, 40, generator=g, dtype=dtype), torch.randn(20, 2, generator=g, dtype=dtype)
+    mask = torch.ones(20, 2, dtype=torch.bool)
+    x[-1] = scale * torch.ones(40, dtype=dtype) / 40**0.5
+    y[-1, 0], y[-1, 1] = label, -label
+    rnd.clients.splits = {"train": list(range(20))}
+    rnd.clients.key_width = 2
+    assert rnd.clients.fused_block(list(range(20)), 0, x, y, mask, rnd.hypotheses[0]) is None
+    assert rnd.clients.fused_block(list(range(19)), 0, x[:-1], y[:-1], mask[:-1], rnd.hypotheses[0]) is not None
+    with_client, without = summed(rnd, x, y, mask), summed(rnd, x[:-1], y[:-1], mask[:-1])
+    assert float((with_client[2] - without[2]).double().norm()) <= 1.0 + 1e-6
+
+
+def test_nearly_cancelling_steps_are_summed_in_float64_within_their_clip():
+    """Steps that nearly cancel (three examples of one input near 1e4, labels +-1e6, one of them off by 1e-7 to
+    1e-1 relative), below the cancellation limit, stay fused: a lone client's clipped contribution is within 1e-7
+    of C (the product in float32 reached 1.00004 C)."""
+    rnd = regression_round(torch.float32)
+    g = torch.Generator().manual_seed(1)
+    fused = 0
+    for _ in range(60):
+        b = int(torch.randint(2, 5, (), generator=g))
+        size = float(10 ** torch.empty(()).uniform_(2, 5, generator=g))
+        off = float(10 ** torch.empty(()).uniform_(-7, -1, generator=g))
+        x = (size * (1 + torch.rand(1, 1, 40, generator=g))).expand(1, b, 40).clone()
+        y = torch.full((1, b), 1e6)
+        y[0, b // 2:] = -1e6
+        y[0, -1] *= 1 - off
+        mask = torch.ones(1, b, dtype=torch.bool)
+        rnd.clients.splits = {"train": [0]}
+        rnd.clients.key_width = b
+        out = rnd.clients.fused_block([0], 0, x, y, mask, rnd.hypotheses[0])
+        if out is not None:
+            fused += 1
+            assert float(out[2].double().norm()) <= 1.0 + 1e-7
+    assert fused > 20
+
+
+def test_a_float64_norm_that_overflows_takes_the_releases_path():
+    """From float64 factors a norm's squares overflow where the step is finite (an input of 1e160): the releases'
+    path clips that step and keeps the client (a review found the fused path dropping it: another dropped count
+    and norm in the record)."""
+    rnd = block_round(logreg(), torch.float64, 1.0)
+    x, y, mask = block(torch.float64)
+    x[7, 0, 0, 0] = 1e160
+    fused, expected = both_paths(rnd, x, y, mask)
+    assert fused is None
+    got = summed(rnd, x, y, mask)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=0.0, atol=0.0, equal_nan=True)
+    assert not bool(got[0][7, 4])  # not dropped
+
+
+class _ClippedReleases(NoSanitizer):
+    """Changes the releases (each update clipped to norm 0.01) but keeps NoSanitizer's gate."""
+
+    def sanitize_rows(self, trained, start, **kwargs):
+        released, costs, bits = super().sanitize_rows(trained, start, **kwargs)
+        d = released - start
+        return start + d * torch.clamp(0.01 / (d.norm(dim=1, keepdim=True) + 1e-12), max=1.0), costs, bits
+
+
+class _DecayedSGD(LocalSGD):
+    """Weight decay in train(), LocalSGD's one_step kept."""
+
+    def train(self, template, spec, start, x, y, mask, **kwargs):
+        return super().train(template, spec, start, x, y, mask, **kwargs) - 0.5 * self.lr * start
+
+
+class _HalvedSum(CentralGaussian):
+    """Another partial sum, CentralGaussian's sum_weights kept."""
+
+    def partial_sum(self, releases, origin):
+        norms, total = super().partial_sum(releases, origin)
+        return norms, total / 2
+
+
+@pytest.mark.parametrize("part", ["sanitizer", "update", "server_privacy"])
+def test_a_subclass_that_overrides_what_the_fused_round_skips_is_not_fused(part):
+    """A subclass that overrides the method the fused round skips (the sanitizer's releases, the clients' training,
+    the server's partial sum) but inherits the gate written for its parent's method is not fused: the releases'
+    path runs its code (a review found the fused path silently skipping it)."""
+    parts = {"sanitizer": {"sanitizer": _ClippedReleases()},
+             "update": {"update": _DecayedSGD(epochs=1, lr=0.5, batch_size=6)},
+             "server_privacy": {"server_privacy": _HalvedSum(noise_multiplier=1.0, clip=100.0)}}[part]
+    rnd = regression_round(torch.float32, **parts)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(6, 3, 40, generator=g), torch.randn(6, 3, generator=g)
+    mask = torch.ones(6, 3, dtype=torch.bool)
+    fused, expected = both_paths(rnd, x, y, mask)
+    assert fused is None
+    for a, b in zip(summed(rnd, x, y, mask), expected):
+        torch.testing.assert_close(a, b, rtol=0.0, atol=0.0, equal_nan=True)
 
 
 def population_fit(monkeypatch, *, fused: bool, epochs: int = 1):
