@@ -76,6 +76,15 @@ class Contribution:
         overflowed in half precision: a zero contribution is within any clipping bound)."""
         raise NotImplementedError
 
+    def margin(self) -> Tensor | None:
+        """Per example (float64), a bound on how much larger the norm of this contribution's share of
+        :meth:`weighted_sum` (its row for a factor of 1) can be than ``sqrt(sq_norms())`` through floating point,
+        where the per-sample gradient is summed from terms that can cancel (positions of a sequence: a Gram matrix's
+        sums, a product over every example's positions): :func:`cancellation_margin`. None where the norm is that
+        of the per-sample gradient as it is summed (instantiated, or one term per example). Asked for after
+        :meth:`release`, which changes it."""
+        return None
+
     def releasable_bytes(self) -> int:
         """Bytes this contribution keeps after :meth:`sq_norms` that it can do without (per-sample gradients
         instantiated for the norms, larger than the factors it holds anyway): 0 for most forms."""
@@ -143,6 +152,44 @@ def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
 def _zero_rows(t: Tensor, examples: Tensor) -> Tensor:
     """``t`` with its rows (dimension 0) at ``examples`` set to 0, out of place (``t`` may be a shared view)."""
     return t.masked_fill(examples.view(-1, *([1] * (t.dim() - 1))), 0)
+
+
+def _gamma(n: int, dtype: torch.dtype) -> float:
+    """``gamma_n = n u / (1 - n u)``: the relative bound on the rounding of a sum of ``n`` terms in ``dtype``
+    (Higham, "Accuracy and Stability of Numerical Algorithms", 3.1), whatever the order of the summation."""
+    u = torch.finfo(dtype).eps / 2
+    nu = n * u
+    return nu / (1 - nu) if nu < 0.5 else math.inf
+
+
+def _term_norms(t: Tensor) -> Tensor:
+    """``||t[b, i]||`` over the last dimension, float64 ``(B, T)``."""
+    return torch.linalg.vector_norm(t, dim=-1, dtype=torch.float64)
+
+
+#: A per-sample gradient summed from terms whose magnitudes add up to more than this many times its norm gets the
+#: margin of :func:`cancellation_margin` (below, floating point moves its share of a sum by at most this many times
+#: the rounding of a sum of already clipped gradients, which no margin covers anywhere: not amplified). Random
+#: positions give about ``sqrt(T)`` times: the tests' sequences stay below it.
+CANCELLATION_RATIO = 8.0
+
+
+def cancellation_margin(sq: Tensor, sizes: Tensor, gram: float, summed: float) -> Tensor:
+    """``sqrt(sq + gram sizes^2) - sqrt(sq) + summed sizes`` where ``sizes > CANCELLATION_RATIO * sqrt(sq)``, else 0
+    (float64).
+
+    A per-example gradient ``G_b = sum_t l_bt (x) r_bt`` assembled from terms whose magnitudes add up to
+    ``sizes[b]`` (``sum_t ||l_bt|| ||r_bt||``) has a norm of at most ``sqrt(sq[b] + gram sizes[b]^2)``, ``sq`` the
+    square its Gram matrices give (their rounding is at most ``gram sizes[b]^2``), and its share of a sum over the
+    batch's terms is within ``summed sizes[b]`` of ``G_b`` (``summed``: the relative bound of that sum's
+    rounding). Added to the norm, it makes the clipping bound hold for what floating point sums, not only for
+    ``G_b``: where the terms cancel (two positions with one huge input and opposite gradients: ``G_b`` small,
+    ``sizes[b]`` huge) the norm rounded to 0 for a gradient of 2e4 C and the sum carried that gradient unclipped (a
+    review; docs/per_sample_gradients.md, "Floating point")."""
+    square = sq.double().clamp_min(0)
+    norms = square.sqrt()
+    bound = (square + gram * sizes.square()).sqrt() - norms + summed * sizes
+    return torch.where(sizes > CANCELLATION_RATIO * norms, bound, torch.zeros_like(sizes))
 
 
 class Dense(Contribution):
@@ -226,6 +273,7 @@ class Factored(Contribution):
         self.instantiate_limit = instantiate_limit
         self._dense: Tensor | None = None
         self._row_sq: list[Tensor | None] = [None, None]  # ||left_b||^2, ||right_b||^2 (flat only), once per step
+        self._sq: Tensor | None = None  # the squared norms sq_norms() gave (for margin())
 
     @property
     def left(self) -> Tensor:
@@ -273,10 +321,34 @@ class Factored(Contribution):
         if t == 1:
             return _row_sq(self._left) * _row_sq(self._right)
         if self._strategy() == "ghost":
-            return (torch.bmm(self._left, self._left.transpose(1, 2))
-                    * torch.bmm(self._right, self._right.transpose(1, 2))).sum((1, 2))
-        grads = self._dense = torch.bmm(self._left.transpose(1, 2), self._right)  # (B, p, d), for the weighted sum
-        return _row_sq(grads)
+            # in float64: the Gram form sums terms that can be far larger than the norm (cancelling positions), and
+            # its rounding is bounded in margin()
+            left, right = self._left.double(), self._right.double()
+            sq = (torch.bmm(left, left.transpose(1, 2)) * torch.bmm(right, right.transpose(1, 2))).sum((1, 2))
+        else:
+            grads = self._dense = torch.bmm(self._left.transpose(1, 2), self._right)  # (B, p, d), for the sum
+            sq = _row_sq(grads)
+        self._sq = sq
+        return sq
+
+    def margin(self) -> Tensor | None:
+        if self._flat:
+            return None
+        b, t, p, d = self._b_t_p_d
+        if t == 1:
+            return None  # one term per example: its norm is the product of the factors' norms
+        if self._dense is not None:
+            return None  # the norm is the instantiated gradient's, which the weighted sum sums
+        if self._sq is None:
+            return None  # no norm asked for yet
+        sizes = (_term_norms(self._left) * _term_norms(self._right)).sum(1)
+        dtype = self._left.dtype
+        if self._strategy() == "ghost":  # the norm from float64 Gram matrices, the sum a product over all positions
+            gram = _gamma(p + 1, torch.float64) + _gamma(d + 1, torch.float64) + _gamma(t * t + 1, torch.float64)
+            return cancellation_margin(self._sq, sizes, gram, _gamma(b * t, dtype))
+        # released: the norm was the instantiated gradient's (a sum over t positions in the factors' dtype), the
+        # weighted sum a product over all positions
+        return cancellation_margin(self._sq, sizes, 0.0, _gamma(t, dtype) + _gamma(b * t, dtype))
 
     def releasable_bytes(self) -> int:
         if self._dense is None:
@@ -313,8 +385,8 @@ class Factored(Contribution):
         if isinstance(other, OneHotFactored):
             return other.dot(self)
         if isinstance(other, Factored):
-            return (torch.bmm(self.left, other.left.transpose(1, 2))
-                    * torch.bmm(self.right, other.right.transpose(1, 2))).sum((1, 2))
+            left, right, o_left, o_right = self.left.double(), self.right.double(), other.left.double(), other.right.double()
+            return (torch.bmm(left, o_left.transpose(1, 2)) * torch.bmm(right, o_right.transpose(1, 2))).sum((1, 2))
         # Dense: <sum_t l_t r_t^T, D> = sum_t l_t^T D r_t
         d = other.dense().reshape(self.left.shape[0], self.left.shape[-1], self.right.shape[-1])
         return torch.einsum("btp,bpd,btd->b", self.left, d, self.right)
@@ -322,6 +394,8 @@ class Factored(Contribution):
     def drop(self, examples: Tensor) -> None:
         self._left, self._right = _zero_rows(self._left, examples), _zero_rows(self._right, examples)
         self._row_sq = [None, None]
+        if self._sq is not None:
+            self._sq = _zero_rows(self._sq, examples)
         if self._dense is not None:
             self._dense = _zero_rows(self._dense, examples)
 
@@ -343,10 +417,25 @@ class OneHotFactored(Contribution):
             index, right = index.unsqueeze(1), right.unsqueeze(1)
         self.index, self.right = index, right
         self.shape = torch.Size(shape)
+        self._sq: Tensor | None = None  # the squared norms sq_norms() gave (for margin())
 
     def sq_norms(self) -> Tensor:
-        same = (self.index.unsqueeze(2) == self.index.unsqueeze(1)).to(self.right.dtype)  # (B, T, T)
-        return (same * torch.bmm(self.right, self.right.transpose(1, 2))).sum((1, 2))
+        # in float64: positions of one token whose gradients cancel make the Gram form's terms far larger than the
+        # norm (margin() bounds the rounding)
+        right = self.right.double()
+        same = (self.index.unsqueeze(2) == self.index.unsqueeze(1)).to(right.dtype)  # (B, T, T)
+        self._sq = (same * torch.bmm(right, right.transpose(1, 2))).sum((1, 2))
+        return self._sq
+
+    def margin(self) -> Tensor | None:
+        b, t, d = self.right.shape
+        if t == 1:
+            return None
+        gram = _gamma(d + 1, torch.float64) + _gamma(t * t + 1, torch.float64)
+        # the weighted sum adds every position's row into the table: at most b * t rows into one
+        if self._sq is None:
+            return None  # no norm asked for yet
+        return cancellation_margin(self._sq, _term_norms(self.right).sum(1), gram, _gamma(b * t, self.right.dtype))
 
     def weighted_sum(self, factors: Tensor) -> Tensor:
         weighted = (self.right * factors.to(self.right.dtype)[:, None, None]).reshape(-1, self.right.shape[-1])
@@ -360,18 +449,22 @@ class OneHotFactored(Contribution):
         return out.view(b, *self.shape)
 
     def dot(self, other: Contribution) -> Tensor:
+        # in float64, as the squared norms (a tied parameter's cross term can cancel them)
         if isinstance(other, OneHotFactored):
-            same = (self.index.unsqueeze(2) == other.index.unsqueeze(1)).to(self.right.dtype)
-            return (same * torch.bmm(self.right, other.right.transpose(1, 2))).sum((1, 2))
+            same = (self.index.unsqueeze(2) == other.index.unsqueeze(1)).to(torch.float64)
+            return (same * torch.bmm(self.right.double(), other.right.double().transpose(1, 2))).sum((1, 2))
         if isinstance(other, Factored) and other.left.shape[-1] == self.shape[0]:
             # <e_i (x) r_t, l_s (x) r'_s> = l_s[i] (r_t . r'_s): gather the rows of `left` at our indices
             b, t = self.index.shape
             picked = other.left.gather(2, self.index.unsqueeze(1).expand(b, other.left.shape[1], t))  # (B, S, T)
-            return (picked.transpose(1, 2) * torch.bmm(self.right, other.right.transpose(1, 2))).sum((1, 2))
+            return (picked.transpose(1, 2).double()
+                    * torch.bmm(self.right.double(), other.right.double().transpose(1, 2))).sum((1, 2))
         return super().dot(other)
 
     def drop(self, examples: Tensor) -> None:
         self.right = _zero_rows(self.right, examples)
+        if self._sq is not None:
+            self._sq = _zero_rows(self._sq, examples)
 
     def grouped(self, groups: Groups) -> Contribution:
         # padded positions point at row 0 with a zero right factor: they contribute nothing
