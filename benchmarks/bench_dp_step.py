@@ -605,6 +605,77 @@ def breakdown(model_name: str, batch_size: int, device: str, rounds: int = 15, s
             "noise, normalization, update": t["full"] - t["sums"], "lightning-dp step": t["full"]}
 
 
+def layer_breakdown(model_name: str, batch_size: int, device: str, rounds: int = 9,
+                    clock_fn=time.perf_counter) -> list[dict[str, object]]:
+    """Per recorded layer of one step, in ms (median of ``rounds``, each part timed alone on that step's records,
+    so cache-warm): ``plain``, the layer's backward for its trainable parameters alone (its forward run again on the
+    recorded inputs outside the engine, then ``torch.autograd.grad`` of its outputs for its parameters: what the
+    plain step's backward spends on that layer's weight gradients, as the input gradient, which both steps compute,
+    is left out); ``private``, what lightning-dp's step spends on the layer's per-sample gradients instead (its rule's
+    contributions from the records, their squared norms and one clipped sum). The difference is what the private
+    step adds at that layer beyond the recorded forward and backward (see breakdown())."""
+    from lightning_dp.privacy.grad_sample.engine import _LayerView
+
+    make_model, make_batch, _, per_example = MODELS[model_name]
+    torch.manual_seed(0)
+    model = _parametrized(make_model()).to(device).train()
+    batch = tuple(t.to(device) for t in make_batch(batch_size, torch.Generator().manual_seed(0)))
+    engine = GradSampleEngine(model)
+    big = tuple(t.to(device) for t in make_batch(7, torch.Generator().manual_seed(7)))
+    probes = {n: tuple(t[:n] for t in big) for n in (3, 5, 7)}
+    engine.probe(lambda n: per_example(model(probes[n][0]), probes[n]).mean())
+    with engine.record(batch_size=batch_size):
+        per_example(model(batch[0]), batch).mean().backward()
+    b = engine.batch_size()
+    factors = torch.rand(b, device=device)
+
+    def clock(fn) -> float:
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = clock_fn()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return (clock_fn() - t0) * 1e3
+
+    rows = []
+    for layer in engine.layers:
+        if not layer.calls:
+            continue
+        records = engine._records(layer, b)
+        view = _LayerView(engine, layer)
+
+        def private(layer=layer, records=records, view=view):
+            for c in layer.rule.contributions(view, records, b).values():
+                c.sq_norms()
+                c.weighted_sum(factors)
+
+        params = list(layer.trainable.values())
+        with view.replaying(), torch.enable_grad():
+            outs = []
+            for r in records:  # the module's own forward (fused kernels and all) on the recorded call
+                out = layer.module(*r.call_args, **r.call_kwargs)
+                outs += [o for o in torch.utils._pytree.tree_leaves(out)
+                         if isinstance(o, Tensor) and o.requires_grad and o.is_floating_point()]
+        grads = [torch.randn_like(o) for o in outs]
+
+        def plain(outs=outs, grads=grads, params=params):
+            torch.autograd.grad(outs, params, grads, retain_graph=True, allow_unused=True)
+
+        for fn in (private, plain):
+            fn()
+        times: dict[str, list[float]] = {"private": [], "plain": []}
+        for _ in range(rounds):
+            times["private"].append(clock(private))
+            times["plain"].append(clock(plain))
+        rows.append({"layer": layer.name or "(model)", "type": type(layer.module).__name__,
+                     "rule": type(layer.rule).__name__,
+                     "plain": statistics.median(times["plain"]), "private": statistics.median(times["private"])})
+    engine.clear()
+    engine.remove()
+    return rows
+
+
 def _try_build(method, model_name, batch_size, device):
     try:
         fn = build(method, model_name, batch_size, device)
@@ -709,6 +780,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--breakdown", action="store_true",
                         help="only: where lightning-dp's step spends its time (see breakdown())")
+    parser.add_argument("--layers", action="store_true",
+                        help="only: per recorded layer, the plain step's weight gradient against lightning-dp's "
+                             "per-sample gradients, norms and clipped sum (see layer_breakdown())")
     parser.add_argument("--count-ops", action="store_true",
                         help="also count each method's operations per step: aten operator calls on the CPU (those "
                              "dispatched from outside another aten operator, and all), CUDA kernel launches on a "
@@ -739,6 +813,21 @@ def main(argv: list[str] | None = None) -> None:
     batch_size = args.batch_size or MODELS[args.model][2]
     if args.profile:
         profile(args.profile, args.model, batch_size, args.device)
+        return
+    if args.layers:
+        clock_name = "thread CPU time" if args.clock == "cpu" else "wall clock"
+        print(f"{args.model}, batch {batch_size}, device {args.device}, threads {torch.get_num_threads()}; per layer, ms "
+              f"(median, {clock_name}): the plain step's weight gradients / lightning-dp's per-sample gradients, norms "
+              "and clipped sum")
+        rows = layer_breakdown(args.model, batch_size, args.device,
+                               clock_fn=time.thread_time if args.clock == "cpu" else time.perf_counter)
+        width = max(len(str(r["layer"])) for r in rows) + 2
+        for r in rows:
+            print(f"{str(r['layer']):<{width}} {str(r['type']):<18} {r['plain']:8.2f} {r['private']:8.2f}  "
+                  f"+{r['private'] - r['plain']:.2f}  ({r['rule']})")
+        total_plain, total_private = sum(r["plain"] for r in rows), sum(r["private"] for r in rows)
+        print(f"{'all layers':<{width}} {'':<18} {total_plain:8.2f} {total_private:8.2f}  "
+              f"+{total_private - total_plain:.2f}")
         return
     if args.breakdown:
         parts = breakdown(args.model, batch_size, args.device)

@@ -110,6 +110,17 @@ def test_the_step_benchmark_parametrizes_every_layer(capsys):
         "net.3.bias", "net.3.parametrizations.weight.original0", "net.3.parametrizations.weight.original1"]
 
 
+def test_the_layer_breakdown_times_every_recorded_layer(capsys):
+    """--layers: per recorded layer, the plain weight gradient and the private per-sample work (a convolution, a
+    linear layer, an LSTM whose module returns a tuple, an embedding)."""
+    bench = load("bench_dp_step")
+    rows = bench.layer_breakdown("mnist_cnn", 8, "cpu", rounds=1) + bench.layer_breakdown("lstm", 4, "cpu", rounds=1)
+    assert [r["type"] for r in rows] == ["Conv2d", "Conv2d", "Linear", "Linear", "Embedding", "LSTM", "Linear"]
+    assert all(r["plain"] > 0 and r["private"] > 0 for r in rows)
+    bench.main(["--model", "digits_mlp", "--layers", "--threads", "1", "--clock", "cpu"])
+    assert "all layers" in capsys.readouterr().out
+
+
 def test_the_step_benchmark_runs_the_gru(tmp_path):
     """--model gru: the LSTM classifier with nn.GRU (Opacus: DPGRU), every method reporting a time."""
     bench = load("bench_dp_step")
