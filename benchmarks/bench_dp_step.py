@@ -613,7 +613,8 @@ def layer_breakdown(model_name: str, batch_size: int, device: str, rounds: int =
     plain step's backward spends on that layer's weight gradients, as the input gradient, which both steps compute,
     is left out); ``private``, what lightning-dp's step spends on the layer's per-sample gradients instead (its rule's
     contributions from the records, their squared norms and one clipped sum). The difference is what the private
-    step adds at that layer beyond the recorded forward and backward (see breakdown())."""
+    step adds at that layer beyond the recorded forward and backward (see breakdown()). A fused recurrent kernel
+    (oneDNN's LSTM) computes every gradient of its backward at once: its ``plain`` is the layer's whole backward."""
     from lightning_dp.privacy.grad_sample.engine import _LayerView
 
     make_model, make_batch, _, per_example = MODELS[model_name]
