@@ -76,15 +76,6 @@ class Contribution:
         overflowed in half precision: a zero contribution is within any clipping bound)."""
         raise NotImplementedError
 
-    def margin(self) -> Tensor | None:
-        """Per example (float64), a bound on how much larger the norm of this contribution's share of
-        :meth:`weighted_sum` (its row for a factor of 1) can be than ``sqrt(sq_norms())`` through floating point,
-        where the per-sample gradient is summed from terms that can cancel (positions of a sequence: a Gram matrix's
-        sums, a product over every example's positions): :func:`cancellation_margin`. None where the norm is that
-        of the per-sample gradient as it is summed (instantiated, or one term per example). Asked for after
-        :meth:`release`, which changes it."""
-        return None
-
     def releasable_bytes(self) -> int:
         """Bytes this contribution keeps after :meth:`sq_norms` that it can do without (per-sample gradients
         instantiated for the norms, larger than the factors it holds anyway): 0 for most forms."""
@@ -154,42 +145,35 @@ def _zero_rows(t: Tensor, examples: Tensor) -> Tensor:
     return t.masked_fill(examples.view(-1, *([1] * (t.dim() - 1))), 0)
 
 
-def _gamma(n: int, dtype: torch.dtype) -> float:
-    """``gamma_n = n u / (1 - n u)``: the relative bound on the rounding of a sum of ``n`` terms in ``dtype``
-    (Higham, "Accuracy and Stability of Numerical Algorithms", 3.1), whatever the order of the summation."""
-    u = torch.finfo(dtype).eps / 2
-    nu = n * u
-    return nu / (1 - nu) if nu < 0.5 else math.inf
-
-
 def _term_norms(t: Tensor) -> Tensor:
     """``||t[b, i]||`` over the last dimension, float64 ``(B, T)``."""
     return torch.linalg.vector_norm(t, dim=-1, dtype=torch.float64)
 
 
-#: A per-sample gradient summed from terms whose magnitudes add up to more than this many times its norm gets the
-#: margin of :func:`cancellation_margin` (below, floating point moves its share of a sum by at most this many times
-#: the rounding of a sum of already clipped gradients, which no margin covers anywhere: not amplified). Random
-#: positions give about ``sqrt(T)`` times: the tests' sequences stay below it.
+#: A per-sample gradient summed from positions' terms whose magnitudes add up to more than this many times its norm,
+#: or more than twice the square root of its number of positions times it, if that is larger, is summed from its own
+#: instantiated gradient, not from the factors (:meth:`Factored.sq_norms`). Random positions give about the square
+#: root of their number: such examples keep the factors' path.
 CANCELLATION_RATIO = 8.0
 
 
-def cancellation_margin(sq: Tensor, sizes: Tensor, gram: float, summed: float) -> Tensor:
-    """``sqrt(sq + gram sizes^2) - sqrt(sq) + summed sizes`` where ``sizes > CANCELLATION_RATIO * sqrt(sq)``, else 0
-    (float64).
+def cancelling(sq: Tensor, left: Tensor, right: Tensor) -> Tensor:
+    """``(B,)`` bool: the examples of ``G_b = sum_t left[b, t] (x) right[b, t]`` whose terms cancel, ``sum_t
+    ||left_bt|| ||right_bt||`` above ``max(CANCELLATION_RATIO, 2 sqrt(T_b))`` times ``sqrt(sq[b])`` (``T_b`` the
+    example's nonzero terms). Each example's own numbers only: what other examples a batch holds, and how far it is
+    padded, changes nothing.
 
-    A per-example gradient ``G_b = sum_t l_bt (x) r_bt`` assembled from terms whose magnitudes add up to
-    ``sizes[b]`` (``sum_t ||l_bt|| ||r_bt||``) has a norm of at most ``sqrt(sq[b] + gram sizes[b]^2)``, ``sq`` the
-    square its Gram matrices give (their rounding is at most ``gram sizes[b]^2``), and its share of a sum over the
-    batch's terms is within ``summed sizes[b]`` of ``G_b`` (``summed``: the relative bound of that sum's
-    rounding). Added to the norm, it makes the clipping bound hold for what floating point sums, not only for
-    ``G_b``: where the terms cancel (two positions with one huge input and opposite gradients: ``G_b`` small,
-    ``sizes[b]`` huge) the norm rounded to 0 for a gradient of 2e4 C and the sum carried that gradient unclipped (a
-    review; docs/per_sample_gradients.md, "Floating point")."""
-    square = sq.double().clamp_min(0)
-    norms = square.sqrt()
-    bound = (square + gram * sizes.square()).sqrt() - norms + summed * sizes
-    return torch.where(sizes > CANCELLATION_RATIO * norms, bound, torch.zeros_like(sizes))
+    Where the terms cancel (two positions of one huge input with opposite output gradients: ``G_b`` small, its terms
+    huge), floating point follows the terms, not ``G_b``: the Gram form rounded such a norm to 0 for a gradient of
+    2e4 C, and a product over the batch's positions carried that gradient unclipped (a review;
+    docs/per_sample_gradients.md, "Floating point"). Below the ratio, an example's terms are at most that many
+    times its clipped gradient, and floating point moves its share of a sum by at most that many times the rounding
+    of any sum of clipped gradients."""
+    terms = _term_norms(left) * _term_norms(right)
+    sizes = terms.sum(1)
+    count = (terms > 0).sum(1).to(torch.float64)
+    limit = torch.clamp(2 * count.sqrt(), min=CANCELLATION_RATIO)
+    return sizes > limit * sq.double().clamp_min(0).sqrt()
 
 
 class Dense(Contribution):
@@ -273,7 +257,9 @@ class Factored(Contribution):
         self.instantiate_limit = instantiate_limit
         self._dense: Tensor | None = None
         self._row_sq: list[Tensor | None] = [None, None]  # ||left_b||^2, ||right_b||^2 (flat only), once per step
-        self._sq: Tensor | None = None  # the squared norms sq_norms() gave (for margin())
+        #: the examples whose terms cancel (cancelling()) and their instantiated gradients: the weighted sum adds
+        #: those, not their factors
+        self._exact: tuple[Tensor, Tensor] | None = None
 
     @property
     def left(self) -> Tensor:
@@ -320,43 +306,41 @@ class Factored(Contribution):
         b, t, p, d = self._b_t_p_d
         if t == 1:
             return _row_sq(self._left) * _row_sq(self._right)
-        if self._strategy() == "ghost":
-            # in float64: the Gram form sums terms that can be far larger than the norm (cancelling positions), and
-            # its rounding is bounded in margin()
+        if self._strategy() == "ghost" and not torch.compiler.is_compiling():
+            # in float64 (the Gram form's terms can be far larger than the norm), then the examples whose terms
+            # cancel summed from their own gradient (cancelling()), instantiated in float64
             left, right = self._left.double(), self._right.double()
             sq = (torch.bmm(left, left.transpose(1, 2)) * torch.bmm(right, right.transpose(1, 2))).sum((1, 2))
-        else:
-            grads = self._dense = torch.bmm(self._left.transpose(1, 2), self._right)  # (B, p, d), for the sum
-            sq = _row_sq(grads)
-        self._sq = sq
-        return sq
-
-    def margin(self) -> Tensor | None:
-        if self._flat:
-            return None
-        b, t, p, d = self._b_t_p_d
-        if t == 1:
-            return None  # one term per example: its norm is the product of the factors' norms
-        if self._dense is not None:
-            return None  # the norm is the instantiated gradient's, which the weighted sum sums
-        if self._sq is None:
-            return None  # no norm asked for yet
-        sizes = (_term_norms(self._left) * _term_norms(self._right)).sum(1)
-        dtype = self._left.dtype
-        if self._strategy() == "ghost":  # the norm from float64 Gram matrices, the sum a product over all positions
-            gram = _gamma(p + 1, torch.float64) + _gamma(d + 1, torch.float64) + _gamma(t * t + 1, torch.float64)
-            return cancellation_margin(self._sq, sizes, gram, _gamma(b * t, dtype))
-        # released: the norm was the instantiated gradient's (a sum over t positions in the factors' dtype), the
-        # weighted sum a product over all positions
-        return cancellation_margin(self._sq, sizes, 0.0, _gamma(t, dtype) + _gamma(b * t, dtype))
+            rows = cancelling(sq, self._left, self._right).nonzero().flatten()
+            if rows.numel():
+                grads = torch.bmm(left[rows].transpose(1, 2), right[rows])
+                self._exact = (rows, grads)
+                sq = sq.index_put((rows,), _row_sq(grads))
+            return sq
+        # instantiated: the norms are those of the gradients the weighted sum sums (also in a compiled pass, whose
+        # shapes cannot follow which examples cancel); within instantiate_limit, else refused there
+        if torch.compiler.is_compiling() and self._strategy() == "ghost" and b * p * d * self._left.element_size() \
+                > self.instantiate_limit:
+            raise RuntimeError(
+                f"a compiled private pass instantiates per-sample gradients of every layer on positions; this one's "
+                f"({b} x {p} x {d}) exceed instantiate_limit={self.instantiate_limit} bytes: raise instantiate_limit or "
+                "run the pass eagerly (compile_step=False)")
+        grads = self._dense = torch.bmm(self._left.transpose(1, 2), self._right)  # (B, p, d), for the weighted sum
+        return _row_sq(grads)
 
     def releasable_bytes(self) -> int:
-        if self._dense is None:
+        if self._dense is None or torch.compiler.is_compiling():
             return 0
         b, t, p, d = self._b_t_p_d
         return 0 if p * d <= t * (p + d) else self._dense.numel() * self._dense.element_size()
 
     def release(self) -> None:
+        # the examples whose terms cancel keep their instantiated gradient: the weighted sum adds it as it is, the
+        # gradient its norm was taken of (cancelling())
+        dense = self._dense
+        if dense is not None:
+            rows = cancelling(_row_sq(dense), self._left, self._right).nonzero().flatten()
+            self._exact = (rows, dense[rows]) if rows.numel() else None
         self._dense = None
 
     def dense(self) -> Tensor:
@@ -364,6 +348,9 @@ class Factored(Contribution):
             grads = self._left.unsqueeze(2) * self._right.unsqueeze(1)
         else:
             grads = self._dense if self._dense is not None else torch.bmm(self._left.transpose(1, 2), self._right)
+            if self._dense is None and self._exact is not None:
+                rows, exact = self._exact
+                grads = grads.index_copy(0, rows, exact.to(grads.dtype))
         return grads.view(grads.shape[0], *self.shape)
 
     def weighted_sum(self, factors: Tensor) -> Tensor:
@@ -379,7 +366,14 @@ class Factored(Contribution):
         if self._dense is not None:
             return torch.mv(self._dense.flatten(1).t(), f).view(self.shape)
         b, t, p, d = self._b_t_p_d
-        return ((left * f[:, None, None]).reshape(-1, p).T @ right.reshape(-1, d)).view(self.shape)
+        exact = self._exact
+        if exact is not None:  # those examples from their instantiated gradients, not from the factors
+            rows, grads = exact
+            f = f.index_fill(0, rows, 0)
+        out = ((left * f[:, None, None]).reshape(-1, p).T @ right.reshape(-1, d))
+        if exact is not None:
+            out = out + torch.mv(grads.flatten(1).t(), _as(factors, grads.dtype)[rows]).view(p, d).to(out.dtype)
+        return out.view(self.shape)
 
     def dot(self, other: Contribution) -> Tensor:
         if isinstance(other, OneHotFactored):
@@ -394,8 +388,9 @@ class Factored(Contribution):
     def drop(self, examples: Tensor) -> None:
         self._left, self._right = _zero_rows(self._left, examples), _zero_rows(self._right, examples)
         self._row_sq = [None, None]
-        if self._sq is not None:
-            self._sq = _zero_rows(self._sq, examples)
+        if self._exact is not None:
+            rows, grads = self._exact
+            self._exact = (rows, _zero_rows(grads, examples[rows]))
         if self._dense is not None:
             self._dense = _zero_rows(self._dense, examples)
 
@@ -408,8 +403,11 @@ class Factored(Contribution):
 class OneHotFactored(Contribution):
     """An embedding's ``G_b = sum_t e_{index[b, t]} (x) right[b, t]``: rows of a ``(V, d)`` table.
 
-    Positions whose ``right`` is zero (padding) contribute nothing. Norms use the
-    token-equality Gram matrix, never a ``(B, V, d)`` tensor.
+    Positions whose ``right`` is zero (padding) contribute nothing. Each example's rows are summed per token first
+    (at the token's first position in the example: a ``(B, T, d)`` tensor, never ``(B, V, d)``), and its norm is
+    theirs: the clipped sum adds the same rows, so the norm is that of what is summed even where one token's
+    positions have opposite gradients (a review found the token-equality Gram form rounding such a norm to 0 in
+    float32, and the sum carrying the gradient unclipped).
     """
 
     def __init__(self, index: Tensor, right: Tensor, shape: Sequence[int]) -> None:
@@ -417,28 +415,27 @@ class OneHotFactored(Contribution):
             index, right = index.unsqueeze(1), right.unsqueeze(1)
         self.index, self.right = index, right
         self.shape = torch.Size(shape)
-        self._sq: Tensor | None = None  # the squared norms sq_norms() gave (for margin())
+        self._rows: Tensor | None = None  # (B, T, d): each example's rows per token, at the token's first position
+
+    def _per_token(self) -> Tensor:
+        rows = self._rows
+        if rows is None:
+            b, t, d = self.right.shape
+            if t == 1:
+                rows = self.right
+            else:
+                same = self.index.unsqueeze(2) == self.index.unsqueeze(1)  # (B, T, T)
+                first = same.to(torch.uint8).argmax(dim=2)  # the first position of each position's token
+                rows = torch.zeros_like(self.right).scatter_add_(1, first.unsqueeze(-1).expand(b, t, d), self.right)
+            self._rows = rows
+        return rows
 
     def sq_norms(self) -> Tensor:
-        # in float64: positions of one token whose gradients cancel make the Gram form's terms far larger than the
-        # norm (margin() bounds the rounding)
-        right = self.right.double()
-        same = (self.index.unsqueeze(2) == self.index.unsqueeze(1)).to(right.dtype)  # (B, T, T)
-        self._sq = (same * torch.bmm(right, right.transpose(1, 2))).sum((1, 2))
-        return self._sq
-
-    def margin(self) -> Tensor | None:
-        b, t, d = self.right.shape
-        if t == 1:
-            return None
-        gram = _gamma(d + 1, torch.float64) + _gamma(t * t + 1, torch.float64)
-        # the weighted sum adds every position's row into the table: at most b * t rows into one
-        if self._sq is None:
-            return None  # no norm asked for yet
-        return cancellation_margin(self._sq, _term_norms(self.right).sum(1), gram, _gamma(b * t, self.right.dtype))
+        return _row_sq(self._per_token())
 
     def weighted_sum(self, factors: Tensor) -> Tensor:
-        weighted = (self.right * factors.to(self.right.dtype)[:, None, None]).reshape(-1, self.right.shape[-1])
+        rows = self._per_token()  # a token's later positions hold zeros
+        weighted = (rows * factors.to(rows.dtype)[:, None, None]).reshape(-1, rows.shape[-1])
         out = torch.zeros(self.shape[0], math.prod(self.shape[1:]), dtype=self.right.dtype, device=self.right.device)
         return out.index_add_(0, self.index.reshape(-1), weighted).view(self.shape)
 
@@ -463,8 +460,8 @@ class OneHotFactored(Contribution):
 
     def drop(self, examples: Tensor) -> None:
         self.right = _zero_rows(self.right, examples)
-        if self._sq is not None:
-            self._sq = _zero_rows(self._sq, examples)
+        if self._rows is not None:
+            self._rows = _zero_rows(self._rows, examples)
 
     def grouped(self, groups: Groups) -> Contribution:
         # padded positions point at row 0 with a zero right factor: they contribute nothing

@@ -1008,7 +1008,6 @@ class GradSampleEngine(BatchDimProbe):
         p0 = self._params[0]
         dtype = compute_dtype(p0.dtype)
         terms: list[Tensor] = []
-        margins: list[Tensor] = []
         crossed = False
         room = self.keep_limit  # for per-sample gradients larger than their factors, kept for the clipped sum
         for contributions in found.values():
@@ -1018,16 +1017,13 @@ class GradSampleEngine(BatchDimProbe):
                     raise PerSampleGradientError(
                         f"a layer rule gave per-sample norms of shape {tuple(sq.shape)} for a batch of {b} examples; "
                         "this is a bug of the rule (it must return one row per example); please report it")
-                terms.append(_as(sq, dtype))
+                terms.append(sq)
                 extra = c.releasable_bytes()
                 if extra:
                     if extra <= room:
                         room -= extra
                     else:
                         c.release()
-                margin = c.margin()  # after the release: a released contribution is summed from its factors
-                if margin is not None:
-                    margins.append(margin)
                 for other in contributions[i + 1:]:
                     # a tied parameter's cross terms can cancel its squares: those are summed in float64 below
                     crossed = True
@@ -1038,16 +1034,10 @@ class GradSampleEngine(BatchDimProbe):
         if crossed:
             sq = torch.stack([t.double() for t in terms]).sum(0)
         else:
-            sq = terms[0] if len(terms) == 1 else torch.stack(terms).sum(0)
+            sq = _as(terms[0], dtype) if len(terms) == 1 else torch.stack([_as(t, dtype) for t in terms]).sum(0)
         # Gram-matrix (ghost) norms are sums of products that can round below zero (out of place: a single term
         # may be a tensor that its contribution caches)
         norms = sq.clamp_min(0).sqrt_()
-        if margins:
-            # what floating point can add where a per-sample gradient is summed from cancelling terms
-            # (Contribution.margin), added in float64 and rounded up onto the norms' dtype
-            total = margins[0] if len(margins) == 1 else torch.stack(margins).sum(0)
-            up = 1 + 4 * torch.finfo(dtype).eps  # the cast to dtype and the multiplication by the scale below
-            norms = torch.where(total > 0, (norms.double() + total) * up, norms.double())
         return _as(norms, dtype).mul_(scale.abs() if isinstance(scale, Tensor) else abs(scale))
 
     def clipped_sum(self, factors: Tensor) -> list[Tensor]:
