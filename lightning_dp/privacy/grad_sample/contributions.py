@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["Contribution", "Dense", "Factored", "Groups", "OneHotFactored", "choose_layer_strategy",
+__all__ = ["Contribution", "Dense", "Factored", "Groups", "OneHotFactored", "choose_layer_strategy", "term_floor",
            "DEFAULT_INSTANTIATE_LIMIT", "DEFAULT_KEEP_LIMIT"]
 
 #: Instantiated per-sample gradients larger than this (bytes, per contribution) force the ghost norm.
@@ -146,8 +146,11 @@ def _zero_rows(t: Tensor, examples: Tensor) -> Tensor:
 
 
 def _term_norms(t: Tensor) -> Tensor:
-    """``||t[b, i]||`` over the last dimension, float64 ``(B, T)``."""
-    return torch.linalg.vector_norm(t, dim=-1, dtype=torch.float64)
+    """``||t[b, i]||`` over the last dimension, ``(B, T)``, computed in ``t``'s dtype (a float64 pass cost the
+    Transformer's step 4 ms) and returned in float64: an entry beyond 1.8e19 in float32 overflows it to inf, and the
+    example's norm with it (:func:`floored`): the engine then drops the example (a zero contribution, counted as
+    clipped), as it drops any example whose norm is not finite."""
+    return torch.linalg.vector_norm(t, dim=-1).double()
 
 
 #: A per-sample gradient summed from positions' terms whose magnitudes add up to more than this many times its norm,
@@ -169,11 +172,27 @@ def cancelling(sq: Tensor, left: Tensor, right: Tensor) -> Tensor:
     docs/per_sample_gradients.md, "Floating point"). Below the ratio, an example's terms are at most that many
     times its clipped gradient, and floating point moves its share of a sum by at most that many times the rounding
     of any sum of clipped gradients."""
-    terms = _term_norms(left) * _term_norms(right)
-    sizes = terms.sum(1)
+    floor = term_floor(_term_norms(left) * _term_norms(right))
+    return floor > sq.double().clamp_min(0).sqrt()
+
+
+def term_floor(terms: Tensor) -> Tensor:
+    """``sum_t terms[b, t] / max(CANCELLATION_RATIO, 2 sqrt(T_b))`` (float64 ``(B,)``; ``terms`` the magnitudes of
+    an example's terms, ``T_b`` the nonzero ones): the least norm an example's gradient is clipped as (:func:`floored`).
+
+    An example's float32 gradient moves with the batch through rounding (a mean loss divides every output gradient
+    by the batch size), by a fraction of its terms' magnitude; clipped as if its norm were at least this, its clipped
+    share moves by at most about ``max(8, 2 sqrt(T_b))`` times that fraction of C, however much its terms cancel
+    (a review: 1,023 identical examples whose terms cancel 1e6 times moved neighbouring sums 27 C apart without it;
+    docs/per_sample_gradients.md, "Floating point")."""
+    terms = terms.double()
     count = (terms > 0).sum(1).to(torch.float64)
-    limit = torch.clamp(2 * count.sqrt(), min=CANCELLATION_RATIO)
-    return sizes > limit * sq.double().clamp_min(0).sqrt()
+    return terms.sum(1) / torch.clamp(2 * count.sqrt(), min=CANCELLATION_RATIO)
+
+
+def floored(sq: Tensor, floor: Tensor) -> Tensor:
+    """``max(sq, floor^2)`` in float64: squared norms no smaller than :func:`term_floor`'s."""
+    return torch.maximum(sq.double(), floor.square())
 
 
 class Dense(Contribution):
@@ -190,7 +209,7 @@ class Dense(Contribution):
 
     def __init__(self, grads: Tensor, shape: Sequence[int] | None = None,
                  to_param: Callable[[Tensor], Tensor] | None = None, *,
-                 sq_norms: Callable[[], Tensor] | None = None) -> None:
+                 sq_norms: Callable[[], Tensor] | None = None, floor: Tensor | None = None) -> None:
         self.shape = torch.Size(grads.shape[1:] if shape is None else shape)
         self.to_param = to_param
         if to_param is None and grads.shape[1:] != self.shape:
@@ -199,11 +218,14 @@ class Dense(Contribution):
         # ||G_b||^2 computed by another contribution from the same tensor (a linear layer's bias gradient is its
         # output gradient, whose squared norms the weight's norm needs too); forgotten when the rows change
         self._sq_norms = sq_norms
+        #: term_floor() of a gradient summed over positions (a linear layer's bias on a sequence), or None
+        self.floor = floor
 
     def sq_norms(self) -> Tensor:
         if self._sq_norms is not None:
             return self._sq_norms()
-        return _row_sq(self.grads)
+        sq = _row_sq(self.grads)
+        return sq if self.floor is None else floored(sq, self.floor)
 
     def weighted_sum(self, factors: Tensor) -> Tensor:
         grads = self.grads
@@ -227,6 +249,8 @@ class Dense(Contribution):
     def drop(self, examples: Tensor) -> None:
         self.grads = _zero_rows(self.grads, examples)
         self._sq_norms = None
+        if self.floor is not None:
+            self.floor = _zero_rows(self.floor, examples)
 
     def grouped(self, groups: Groups) -> Contribution:
         summed = self.grads.new_zeros((groups.count, *self.grads.shape[1:]))
@@ -310,13 +334,16 @@ class Factored(Contribution):
             # in float64 (the Gram form's terms can be far larger than the norm), then the examples whose terms
             # cancel summed from their own gradient (cancelling()), instantiated in float64
             left, right = self._left.double(), self._right.double()
-            sq = (torch.bmm(left, left.transpose(1, 2)) * torch.bmm(right, right.transpose(1, 2))).sum((1, 2))
-            rows = cancelling(sq, self._left, self._right).nonzero().flatten()
+            gram_l, gram_r = torch.bmm(left, left.transpose(1, 2)), torch.bmm(right, right.transpose(1, 2))
+            sq = (gram_l * gram_r).sum((1, 2))
+            # the terms' magnitudes from the Gram matrices' diagonals: ||l_t||^2 ||r_t||^2
+            floor = term_floor((gram_l.diagonal(dim1=1, dim2=2) * gram_r.diagonal(dim1=1, dim2=2)).sqrt())
+            rows = (floor > sq.clamp_min(0).sqrt()).nonzero().flatten()  # cancelling()
             if rows.numel():
                 grads = torch.bmm(left[rows].transpose(1, 2), right[rows])
                 self._exact = (rows, grads)
                 sq = sq.index_put((rows,), _row_sq(grads))
-            return sq
+            return floored(sq, floor)
         # instantiated: the norms are those of the gradients the weighted sum sums (also in a compiled pass, whose
         # shapes cannot follow which examples cancel); within instantiate_limit, else refused there
         if torch.compiler.is_compiling() and self._strategy() == "ghost" and b * p * d * self._left.element_size() \
@@ -326,7 +353,7 @@ class Factored(Contribution):
                 f"({b} x {p} x {d}) exceed instantiate_limit={self.instantiate_limit} bytes: raise instantiate_limit or "
                 "run the pass eagerly (compile_step=False)")
         grads = self._dense = torch.bmm(self._left.transpose(1, 2), self._right)  # (B, p, d), for the weighted sum
-        return _row_sq(grads)
+        return floored(_row_sq(grads), term_floor(_term_norms(self._left) * _term_norms(self._right)))
 
     def releasable_bytes(self) -> int:
         if self._dense is None or torch.compiler.is_compiling():
@@ -431,7 +458,7 @@ class OneHotFactored(Contribution):
         return rows
 
     def sq_norms(self) -> Tensor:
-        return _row_sq(self._per_token())
+        return floored(_row_sq(self._per_token()), term_floor(_term_norms(self.right)))
 
     def weighted_sum(self, factors: Tensor) -> Tensor:
         rows = self._per_token()  # a token's later positions hold zeros

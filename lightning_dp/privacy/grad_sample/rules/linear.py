@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lightning_dp.privacy.grad_sample.contributions import Dense, Factored
+from lightning_dp.privacy.grad_sample.contributions import Dense, Factored, term_floor
 from lightning_dp.privacy.grad_sample.registry import LayerRule, Record, register_rule
 
 __all__ = ["LinearRule", "TransposedLinearRule", "positions"]
@@ -55,8 +55,8 @@ class LinearRule(LayerRule):
             if go.dim() == 2:
                 shared = None if weight is None else (weight.right_sq_norms if self.transposed else weight.left_sq_norms)
                 out["bias"] = Dense(go, sq_norms=shared)
-            else:
-                out["bias"] = Dense(go.sum(1))
+            else:  # summed over positions: clipped as at least term_floor() of them (floating point, contributions.py)
+                out["bias"] = Dense(go.sum(1), floor=term_floor(torch.linalg.vector_norm(go, dim=-1)))
         return out
 
 
