@@ -196,3 +196,17 @@ def test_identical_cancelling_examples_do_not_move_together_with_the_batch_size(
     with_it = clipped(*batch(True), instantiate_limit=0)[1]
     without = clipped(*batch(False), instantiate_limit=0)[1]
     assert float((with_it - without).double().norm()) <= 1.0 + 1e-6
+
+
+def test_a_users_bias_keeps_its_records_floors():
+    """Dense.grouped (user-level): a group's floor is the sum of its records' (weighted) floors, and a dropped
+    record's floor is 0."""
+    from lightning_dp.privacy.grad_sample.contributions import Dense, Groups
+
+    grads = torch.tensor([[1e-3, 0.0], [0.0, 1e-3], [2e-3, 0.0]])
+    dense = Dense(grads, floor=torch.tensor([5.0, 1.0, 2.0], dtype=torch.float64))
+    grouped = dense.grouped(Groups.of_sizes([2, 1], torch.tensor([0.5, 0.5, 1.0])))
+    assert grouped.floor.tolist() == [3.0, 2.0]
+    assert grouped.sq_norms().tolist() == [9.0, 4.0]
+    dense.drop(torch.tensor([True, False, False]))
+    assert dense.floor.tolist() == [0.0, 1.0, 2.0]

@@ -255,7 +255,10 @@ class Dense(Contribution):
     def grouped(self, groups: Groups) -> Contribution:
         summed = self.grads.new_zeros((groups.count, *self.grads.shape[1:]))
         summed.index_add_(0, groups.group, groups.scaled(self.grads))
-        return Dense(summed, self.shape, self.to_param)
+        floor = None
+        if self.floor is not None:  # a group's terms are its examples': the sum of their floors (a larger floor)
+            floor = self.floor.new_zeros(groups.count).index_add_(0, groups.group, groups.scaled(self.floor).abs())
+        return Dense(summed, self.shape, self.to_param, floor=floor)
 
 
 class Factored(Contribution):
