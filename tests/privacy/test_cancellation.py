@@ -198,15 +198,20 @@ def test_identical_cancelling_examples_do_not_move_together_with_the_batch_size(
     assert float((with_it - without).double().norm()) <= 1.0 + 1e-6
 
 
-def test_a_users_bias_keeps_its_records_floors():
-    """Dense.grouped (user-level): a group's floor is the sum of its records' (weighted) floors, and a dropped
-    record's floor is 0."""
-    from lightning_dp.privacy.grad_sample.contributions import Dense, Groups
+def test_a_users_bias_floor_is_that_of_all_its_records_terms():
+    """Dense.grouped (user-level): a group's terms are its records' (weighted sums of magnitudes, counts added), so
+    its floor is divided once by max(8, 2 sqrt(all its terms)): summing the records' floors instead overestimated an
+    honest user's norm up to sqrt(k) times for k records (a review: 2x at 16 records); a dropped record's terms are
+    0."""
+    from lightning_dp.privacy.grad_sample.contributions import Dense, Groups, floor_of
 
     grads = torch.tensor([[1e-3, 0.0], [0.0, 1e-3], [2e-3, 0.0]])
-    dense = Dense(grads, floor=torch.tensor([5.0, 1.0, 2.0], dtype=torch.float64))
+    sizes, counts = torch.tensor([40.0, 8.0, 16.0], dtype=torch.float64), torch.tensor([16.0, 16.0, 4.0],
+                                                                                       dtype=torch.float64)
+    dense = Dense(grads, terms=(sizes, counts))
     grouped = dense.grouped(Groups.of_sizes([2, 1], torch.tensor([0.5, 0.5, 1.0])))
-    assert grouped.floor.tolist() == [3.0, 2.0]
-    assert grouped.sq_norms().tolist() == [9.0, 4.0]
+    assert grouped.terms[0].tolist() == [24.0, 16.0] and grouped.terms[1].tolist() == [32.0, 4.0]
+    torch.testing.assert_close(grouped.sq_norms(), floor_of(torch.tensor([24.0, 16.0], dtype=torch.float64),
+                                                            torch.tensor([32.0, 4.0], dtype=torch.float64)).square())
     dense.drop(torch.tensor([True, False, False]))
-    assert dense.floor.tolist() == [0.0, 1.0, 2.0]
+    assert dense.terms[0].tolist() == [0.0, 8.0, 16.0] and dense.terms[1].tolist() == [0.0, 16.0, 4.0]

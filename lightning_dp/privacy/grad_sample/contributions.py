@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["Contribution", "Dense", "Factored", "Groups", "OneHotFactored", "choose_layer_strategy", "term_floor",
+__all__ = ["Contribution", "Dense", "Factored", "Groups", "OneHotFactored", "choose_layer_strategy", "term_floor", "floor_of",
            "DEFAULT_INSTANTIATE_LIMIT", "DEFAULT_KEEP_LIMIT"]
 
 #: Instantiated per-sample gradients larger than this (bytes, per contribution) force the ghost norm.
@@ -186,8 +186,13 @@ def term_floor(terms: Tensor) -> Tensor:
     (a review: 1,023 identical examples whose terms cancel 1e6 times moved neighbouring sums 27 C apart without it;
     docs/per_sample_gradients.md, "Floating point")."""
     terms = terms.double()
-    count = (terms > 0).sum(1).to(torch.float64)
-    return terms.sum(1) / torch.clamp(2 * count.sqrt(), min=CANCELLATION_RATIO)
+    return floor_of(terms.sum(1), (terms > 0).sum(1).to(torch.float64))
+
+
+def floor_of(sizes: Tensor, counts: Tensor) -> Tensor:
+    """:func:`term_floor` from each example's sum of term magnitudes and its count of nonzero terms (which add up
+    over the records of a user: :meth:`Dense.grouped`)."""
+    return sizes / torch.clamp(2 * counts.sqrt(), min=CANCELLATION_RATIO)
 
 
 def floored(sq: Tensor, floor: Tensor) -> Tensor:
@@ -209,7 +214,7 @@ class Dense(Contribution):
 
     def __init__(self, grads: Tensor, shape: Sequence[int] | None = None,
                  to_param: Callable[[Tensor], Tensor] | None = None, *,
-                 sq_norms: Callable[[], Tensor] | None = None, floor: Tensor | None = None) -> None:
+                 sq_norms: Callable[[], Tensor] | None = None, terms: tuple[Tensor, Tensor] | None = None) -> None:
         self.shape = torch.Size(grads.shape[1:] if shape is None else shape)
         self.to_param = to_param
         if to_param is None and grads.shape[1:] != self.shape:
@@ -218,14 +223,15 @@ class Dense(Contribution):
         # ||G_b||^2 computed by another contribution from the same tensor (a linear layer's bias gradient is its
         # output gradient, whose squared norms the weight's norm needs too); forgotten when the rows change
         self._sq_norms = sq_norms
-        #: term_floor() of a gradient summed over positions (a linear layer's bias on a sequence), or None
-        self.floor = floor
+        #: for a gradient summed over positions (a linear layer's bias on a sequence): each example's sum of its
+        #: terms' magnitudes and count of nonzero terms (float64), whose floor_of() its norm is at least; or None
+        self.terms = terms
 
     def sq_norms(self) -> Tensor:
         if self._sq_norms is not None:
             return self._sq_norms()
         sq = _row_sq(self.grads)
-        return sq if self.floor is None else floored(sq, self.floor)
+        return sq if self.terms is None else floored(sq, floor_of(*self.terms))
 
     def weighted_sum(self, factors: Tensor) -> Tensor:
         grads = self.grads
@@ -249,16 +255,18 @@ class Dense(Contribution):
     def drop(self, examples: Tensor) -> None:
         self.grads = _zero_rows(self.grads, examples)
         self._sq_norms = None
-        if self.floor is not None:
-            self.floor = _zero_rows(self.floor, examples)
+        if self.terms is not None:
+            self.terms = (_zero_rows(self.terms[0], examples), _zero_rows(self.terms[1], examples))
 
     def grouped(self, groups: Groups) -> Contribution:
         summed = self.grads.new_zeros((groups.count, *self.grads.shape[1:]))
         summed.index_add_(0, groups.group, groups.scaled(self.grads))
-        floor = None
-        if self.floor is not None:  # a group's terms are its examples': the sum of their floors (a larger floor)
-            floor = self.floor.new_zeros(groups.count).index_add_(0, groups.group, groups.scaled(self.floor).abs())
-        return Dense(summed, self.shape, self.to_param, floor=floor)
+        terms = None
+        if self.terms is not None:  # a group's terms are its examples' (weighted): their sums and counts add up
+            sizes, counts = self.terms
+            terms = (sizes.new_zeros(groups.count).index_add_(0, groups.group, groups.scaled(sizes).abs()),
+                     counts.new_zeros(groups.count).index_add_(0, groups.group, counts))
+        return Dense(summed, self.shape, self.to_param, terms=terms)
 
 
 class Factored(Contribution):
@@ -451,7 +459,7 @@ class OneHotFactored(Contribution):
         rows = self._rows
         if rows is None:
             b, t, d = self.right.shape
-            if t == 1:
+            if t <= 1:  # one position (or none: an empty sequence)
                 rows = self.right
             else:
                 same = self.index.unsqueeze(2) == self.index.unsqueeze(1)  # (B, T, T)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lightning_dp.privacy.grad_sample.contributions import Dense, Factored, term_floor
+from lightning_dp.privacy.grad_sample.contributions import Dense, Factored
 from lightning_dp.privacy.grad_sample.registry import LayerRule, Record, register_rule
 
 __all__ = ["LinearRule", "TransposedLinearRule", "positions"]
@@ -56,7 +56,8 @@ class LinearRule(LayerRule):
                 shared = None if weight is None else (weight.right_sq_norms if self.transposed else weight.left_sq_norms)
                 out["bias"] = Dense(go, sq_norms=shared)
             else:  # summed over positions: clipped as at least term_floor() of them (floating point, contributions.py)
-                out["bias"] = Dense(go.sum(1), floor=term_floor(torch.linalg.vector_norm(go, dim=-1)))
+                norms = torch.linalg.vector_norm(go, dim=-1).double()
+                out["bias"] = Dense(go.sum(1), terms=(norms.sum(1), (norms > 0).sum(1).to(torch.float64)))
         return out
 
 
