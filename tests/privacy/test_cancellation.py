@@ -152,7 +152,8 @@ def test_one_ordinary_example_does_not_move_the_others_clip_factors(layer_kind):
         y, mask = torch.zeros(n, t, 8), torch.zeros(n, t)
         y[:31, 0], y[:31, 1], mask[:31, :2] = base + 1e3 * v, base - 1e3 * v + v, 1
         if long:
-            x[31] = torch.randn(t, 8, generator=g) if layer_kind == "linear" else torch.randint(0, 10, (t,), generator=g)
+            x[31] = (torch.randn(t, 8, generator=g) if layer_kind == "linear"
+                     else torch.randint(0, 10, (t,), generator=g))
             y[31], mask[31] = torch.randn(t, 8, generator=g), 1
         return model, x, y, mask
 

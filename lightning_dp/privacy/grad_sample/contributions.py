@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["Contribution", "Dense", "Factored", "Groups", "OneHotFactored", "choose_layer_strategy", "term_floor", "floor_of",
-           "DEFAULT_INSTANTIATE_LIMIT", "DEFAULT_KEEP_LIMIT"]
+__all__ = ["Contribution", "Dense", "Factored", "Groups", "OneHotFactored", "choose_layer_strategy", "term_floor",
+           "floor_of", "DEFAULT_INSTANTIATE_LIMIT", "DEFAULT_KEEP_LIMIT"]
 
 #: Instantiated per-sample gradients larger than this (bytes, per contribution) force the ghost norm.
 DEFAULT_INSTANTIATE_LIMIT = 512 * 2**20
@@ -361,7 +361,8 @@ class Factored(Contribution):
                 > self.instantiate_limit:
             raise RuntimeError(
                 f"a compiled private pass instantiates per-sample gradients of every layer on positions; this one's "
-                f"({b} x {p} x {d}) exceed instantiate_limit={self.instantiate_limit} bytes: raise instantiate_limit or "
+                f"({b} x {p} x {d}) exceed instantiate_limit={self.instantiate_limit} bytes: raise instantiate_limit "
+                "or "
                 "run the pass eagerly (compile_step=False)")
         grads = self._dense = torch.bmm(self._left.transpose(1, 2), self._right)  # (B, p, d), for the weighted sum
         return floored(_row_sq(grads), term_floor(_term_norms(self._left) * _term_norms(self._right)))
@@ -417,7 +418,8 @@ class Factored(Contribution):
         if isinstance(other, OneHotFactored):
             return other.dot(self)
         if isinstance(other, Factored):
-            left, right, o_left, o_right = self.left.double(), self.right.double(), other.left.double(), other.right.double()
+            left, right = self.left.double(), self.right.double()
+            o_left, o_right = other.left.double(), other.right.double()
             return (torch.bmm(left, o_left.transpose(1, 2)) * torch.bmm(right, o_right.transpose(1, 2))).sum((1, 2))
         # Dense: <sum_t l_t r_t^T, D> = sum_t l_t^T D r_t
         d = other.dense().reshape(self.left.shape[0], self.left.shape[-1], self.right.shape[-1])
