@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["Contribution", "Dense", "Factored", "Groups", "OneHotFactored", "choose_layer_strategy", "term_floor",
-           "floor_of", "DEFAULT_INSTANTIATE_LIMIT", "DEFAULT_KEEP_LIMIT"]
+           "term_norms", "floor_of", "DEFAULT_INSTANTIATE_LIMIT", "DEFAULT_KEEP_LIMIT"]
 
 #: Instantiated per-sample gradients larger than this (bytes, per contribution) force the ghost norm.
 DEFAULT_INSTANTIATE_LIMIT = 512 * 2**20
@@ -145,7 +145,7 @@ def _zero_rows(t: Tensor, examples: Tensor) -> Tensor:
     return t.masked_fill(examples.view(-1, *([1] * (t.dim() - 1))), 0)
 
 
-def _term_norms(t: Tensor) -> Tensor:
+def term_norms(t: Tensor) -> Tensor:
     """``||t[b, i]||`` over the last dimension, ``(B, T)``, computed in ``t``'s dtype (a float64 pass cost the
     Transformer's step 4 ms) and returned in float64: an entry beyond 1.8e19 in float32 overflows it to inf, and the
     example's norm with it (:func:`floored`): the engine then drops the example (a zero contribution, counted as
@@ -155,8 +155,9 @@ def _term_norms(t: Tensor) -> Tensor:
 
 #: A per-sample gradient summed from positions' terms whose magnitudes add up to more than this many times its norm,
 #: or more than twice the square root of its number of positions times it, if that is larger, is summed from its own
-#: instantiated gradient, not from the factors (:meth:`Factored.sq_norms`). Random positions give about the square
-#: root of their number: such examples keep the factors' path.
+#: instantiated gradient, not from the factors (:meth:`Factored.sq_norms`), and clipped as if its norm were that sum
+#: over the ratio (:func:`term_floor`). Random positions give about the square root of their number: such examples
+#: keep the factors' path and their norms.
 CANCELLATION_RATIO = 8.0
 
 
@@ -172,7 +173,7 @@ def cancelling(sq: Tensor, left: Tensor, right: Tensor) -> Tensor:
     docs/per_sample_gradients.md, "Floating point"). Below the ratio, an example's terms are at most that many
     times its clipped gradient, and floating point moves its share of a sum by at most that many times the rounding
     of any sum of clipped gradients."""
-    floor = term_floor(_term_norms(left) * _term_norms(right))
+    floor = term_floor(term_norms(left) * term_norms(right))
     return floor > sq.double().clamp_min(0).sqrt()
 
 
@@ -282,7 +283,8 @@ class Factored(Contribution):
     """
 
     def __init__(self, left: Tensor, right: Tensor, shape: Sequence[int], *,
-                 instantiate_limit: int = DEFAULT_INSTANTIATE_LIMIT) -> None:
+                 instantiate_limit: int = DEFAULT_INSTANTIATE_LIMIT,
+                 factor_norms: tuple[Tensor | None, Tensor | None] = (None, None)) -> None:
         # ``(B, p)`` and ``(B, d)`` (one position per example: a linear layer on a batch of vectors) are kept as they
         # are: the norm is then ||left_b||^2 ||right_b||^2 and the weighted sum one matrix product, with no reshape
         # (a small model's step is a few dozen such operations, each of which costs its dispatch)
@@ -295,6 +297,12 @@ class Factored(Contribution):
         #: the examples whose terms cancel (cancelling()) and their instantiated gradients: the weighted sum adds
         #: those, not their factors
         self._exact: tuple[Tensor, Tensor] | None = None
+        #: :func:`term_norms` of the factors where the rule has them already (a linear layer's bias needs its output
+        #: gradient's), else computed when asked for
+        self._factor_norms = factor_norms
+        #: the norms' :func:`term_floor` and the instantiated gradients' squared norms (sq_norms), for release()
+        self._floor: Tensor | None = None
+        self._dense_sq: Tensor | None = None
 
     @property
     def left(self) -> Tensor:
@@ -348,7 +356,8 @@ class Factored(Contribution):
             gram_l, gram_r = torch.bmm(left, left.transpose(1, 2)), torch.bmm(right, right.transpose(1, 2))
             sq = (gram_l * gram_r).sum((1, 2))
             # the terms' magnitudes from the Gram matrices' diagonals: ||l_t||^2 ||r_t||^2
-            floor = term_floor((gram_l.diagonal(dim1=1, dim2=2) * gram_r.diagonal(dim1=1, dim2=2)).sqrt())
+            floor = self._floor = term_floor((gram_l.diagonal(dim1=1, dim2=2)
+                                              * gram_r.diagonal(dim1=1, dim2=2)).sqrt())
             rows = (floor > sq.clamp_min(0).sqrt()).nonzero().flatten()  # cancelling()
             if rows.numel():
                 grads = torch.bmm(left[rows].transpose(1, 2), right[rows])
@@ -361,11 +370,14 @@ class Factored(Contribution):
                 > self.instantiate_limit:
             raise RuntimeError(
                 f"a compiled private pass instantiates per-sample gradients of every layer on positions; this one's "
-                f"({b} x {p} x {d}) exceed instantiate_limit={self.instantiate_limit} bytes: raise instantiate_limit "
-                "or "
-                "run the pass eagerly (compile_step=False)")
+                f"({b} x {p} x {d}) exceed instantiate_limit={self.instantiate_limit} bytes: raise "
+                "instantiate_limit or run the pass eagerly (compile_step=False)")
         grads = self._dense = torch.bmm(self._left.transpose(1, 2), self._right)  # (B, p, d), for the weighted sum
-        return floored(_row_sq(grads), term_floor(_term_norms(self._left) * _term_norms(self._right)))
+        given_left, given_right = self._factor_norms
+        left_norms = term_norms(self._left) if given_left is None else given_left
+        right_norms = term_norms(self._right) if given_right is None else given_right
+        self._floor, self._dense_sq = term_floor(left_norms * right_norms), _row_sq(grads)
+        return floored(self._dense_sq, self._floor)
 
     def releasable_bytes(self) -> int:
         if self._dense is None or torch.compiler.is_compiling():
@@ -378,7 +390,8 @@ class Factored(Contribution):
         # gradient its norm was taken of (cancelling())
         dense = self._dense
         if dense is not None:
-            rows = cancelling(_row_sq(dense), self._left, self._right).nonzero().flatten()
+            assert self._floor is not None and self._dense_sq is not None  # sq_norms() instantiated it
+            rows = (self._floor > self._dense_sq.double().clamp_min(0).sqrt()).nonzero().flatten()  # cancelling()
             self._exact = (rows, dense[rows]) if rows.numel() else None
         self._dense = None
 
@@ -428,6 +441,8 @@ class Factored(Contribution):
     def drop(self, examples: Tensor) -> None:
         self._left, self._right = _zero_rows(self._left, examples), _zero_rows(self._right, examples)
         self._row_sq = [None, None]
+        self._factor_norms = tuple(None if n is None else _zero_rows(n, examples)  # type: ignore[assignment]
+                                   for n in self._factor_norms)
         if self._exact is not None:
             rows, grads = self._exact
             self._exact = (rows, _zero_rows(grads, examples[rows]))
@@ -471,7 +486,7 @@ class OneHotFactored(Contribution):
         return rows
 
     def sq_norms(self) -> Tensor:
-        return floored(_row_sq(self._per_token()), term_floor(_term_norms(self.right)))
+        return floored(_row_sq(self._per_token()), term_floor(term_norms(self.right)))
 
     def weighted_sum(self, factors: Tensor) -> Tensor:
         rows = self._per_token()  # a token's later positions hold zeros

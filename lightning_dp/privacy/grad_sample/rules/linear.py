@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lightning_dp.privacy.grad_sample.contributions import Dense, Factored
+from lightning_dp.privacy.grad_sample.contributions import Dense, Factored, term_norms
 from lightning_dp.privacy.grad_sample.registry import LayerRule, Record, register_rule
 
 __all__ = ["LinearRule", "TransposedLinearRule", "positions"]
@@ -47,17 +47,20 @@ class LinearRule(LayerRule):
             x, go = positions(records, batch_size)
         out = {}
         weight = None
+        # the output gradient's norms per position, where the bias's floor needs them: the weight's rule reuses them
+        go_norms = term_norms(go) if "bias" in layer.trainable and go.dim() > 2 else None
         if "weight" in layer.trainable:
             left, right = (x, go) if self.transposed else (go, x)
-            weight = Factored(left, right, layer.module.weight.shape, instantiate_limit=layer.instantiate_limit)
+            weight = Factored(left, right, layer.module.weight.shape, instantiate_limit=layer.instantiate_limit,
+                              factor_norms=(None, go_norms) if self.transposed else (go_norms, None))
             out["weight"] = weight
         if "bias" in layer.trainable:
             if go.dim() == 2:
                 shared = None if weight is None else (weight.right_sq_norms if self.transposed else weight.left_sq_norms)
                 out["bias"] = Dense(go, sq_norms=shared)
             else:  # summed over positions: clipped as at least term_floor() of them (floating point, contributions.py)
-                norms = torch.linalg.vector_norm(go, dim=-1).double()
-                out["bias"] = Dense(go.sum(1), terms=(norms.sum(1), (norms > 0).sum(1).to(torch.float64)))
+                assert go_norms is not None
+                out["bias"] = Dense(go.sum(1), terms=(go_norms.sum(1), (go_norms > 0).sum(1).to(torch.float64)))
         return out
 
 
