@@ -73,6 +73,26 @@ def _ends_with_sum(loss: torch.Tensor, batch_size: int | None = None) -> bool:
     return summed and not (batch_size and any(math.isclose(d, batch_size, rel_tol=1e-6) for d in divisors))
 
 
+def exact_seed(examples: int, accumulate: int) -> tuple[float, int]:
+    """The factor DPSGD multiplies a pass' backward seed by, and the power of two its examples' gradients then carry:
+    ``(n / 2^k, k)`` for ``n = examples x accumulate`` and ``k = ceil(log2 n)``.
+
+    The loss is a mean over the pass' examples, divided by Lightning's accumulation factor: every example's gradient
+    is scaled by ``1 / n``, rounded, and its float32 rounding from there on depends on that number's mantissa, so on
+    the batch's size. An example whose terms cancel amplifies that rounding, and many identical such examples move
+    together: one example added to the batch moved neighbouring clipped sums 50 C apart (1,023 copies; convolutions,
+    norm layers, recurrent and attention biases, parametrizations; docs/per_sample_gradients.md, "Floating point").
+    Seeded with ``n / 2^k`` (exact: ``n`` below 2^24), the division by the accumulation factor and the mean's by the
+    examples (``F.cross_entropy``, ``F.nll_loss``, ``.mean()``, ``.sum() / n``) are exact, and every example's
+    gradient is its own times ``2^-k`` (within a factor 2 of ``1 / n``: no new overflow under float16): the same
+    numbers, up to a power of two, whatever the batch's size. Losses whose backward multiplies by a rounded
+    reciprocal (``F.mse_loss``, ``F.binary_cross_entropy_with_logits``, label smoothing) keep a rounding that
+    depends on it; the floors of the rules (``term_floor``) bound what it moves."""
+    n = max(1, examples * accumulate)
+    k = math.ceil(math.log2(n))
+    return n / 2.0 ** k, k
+
+
 def _fix_loss_scale(trainer: Trainer) -> bool:
     """16-mixed: the GradScaler's scale stays where it starts; returns whether the run is in half precision.
 
@@ -194,6 +214,9 @@ class PrivateStep:
         self.probe_data: tuple[Any, Any] | None = None  # (dataset, collate_fn) of the probe batches
         self.user_training_step: Any = None
         self.loss_checked = False
+        # the pass' exact seed (exact_seed): its power of two, and whether the backward ran through the hook
+        self.seed_exponent: int | None = None
+        self.seed_fired = False
         self.half_precision = False  # bf16-mixed, 16-mixed or bf16-true: nonprivate/overflowed_fraction is logged
         self.real_rows: int | None = None  # batches of one shape: sampled rows of the micro-batch not yet clipped
         self.fused: Callable[..., Any] | None = None  # the compiled pass (DPSGD(compile_step=...)), from setup
@@ -427,8 +450,21 @@ class PrivateStep:
         # the module's own on_train_batch_start runs after DPSGD's: it could change the factor for this batch
         self.check_accumulation(trainer, f"before a backward in epoch {trainer.current_epoch}")
         self.logical.backward_seen = True
-        if self.loss_checked or self.engine is None or self.batch_size == 0:
+        self.seed_exponent, self.seed_fired = None, False
+        if self.engine is None or not self.batch_size:
             return  # an empty Poisson batch says nothing about the reduction
+        if loss.requires_grad and loss.dim() == 0 and loss.dtype in (torch.float32, torch.float64):
+            # every example's gradient exact up to a power of two, whatever the batch's size (exact_seed); a loss in
+            # a half dtype cannot hold the factor exactly and keeps the mean's rounding
+            factor, self.seed_exponent = exact_seed(self.batch_size, trainer.accumulate_grad_batches)
+
+            def seed(grad: torch.Tensor) -> torch.Tensor:
+                self.seed_fired = True
+                return grad * factor
+
+            loss.register_hook(seed)
+        if self.loss_checked:
+            return
         if loss.dim() != 0:
             raise MisconfigurationException(
                 f"training_step returned a loss of shape {tuple(loss.shape)}; DPSGD needs the scalar batch MEAN of "
@@ -483,8 +519,10 @@ class PrivateStep:
                 "dimension (a model that flattens (B, T, d) to (B*T, d) would clip tokens, not examples, and "
                 "under-state the sensitivity). Keep a batch dimension, e.g. apply nn.Linear to (B, T, d).")
         # the loss was a mean over `seen` examples, divided by Lightning's accumulation factor, and multiplied by
-        # the loss scale of 16-mixed: unscaled here, before the norms and the clipping
-        scale = seen * trainer.accumulate_grad_batches / loss_scale(trainer)
+        # the loss scale of 16-mixed: unscaled here, before the norms and the clipping; seeded exactly (exact_seed),
+        # every example's gradient carries 2^-k instead of 1 / (seen x accumulation)
+        exponent = self.seed_exponent if self.seed_fired else None
+        scale = (seen * trainer.accumulate_grad_batches if exponent is None else 2.0 ** exponent) / loss_scale(trainer)
         clip = check_max_grad_norm(self.clipping.clip)  # a strategy's C, checked at every step it clips with
         real = None
         if self.real_rows is not None:

@@ -9,6 +9,8 @@ let one ordinary example move the others' clip factors: 20 C (a review)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -216,3 +218,249 @@ def test_a_users_bias_floor_is_that_of_all_its_records_terms():
                                                             torch.tensor([32.0, 4.0], dtype=torch.float64)).square())
     dense.drop(torch.tensor([True, False, False]))
     assert dense.terms[0].tolist() == [0.0, 8.0, 16.0] and dense.terms[1].tolist() == [0.0, 16.0, 4.0]
+
+
+#: C, and what 255 floored copies may move together: at most the ratio (8) times float32's rounding of C each
+TOLERANCE = 1.0 + 255 * 8 * 2.0**-24
+
+
+def _conv_batch(kind: str, copies: int, extra: bool, bias: bool):
+    """``copies`` identical examples whose two positions' terms cancel 1e6 times for a 1 x 1 convolution of 8
+    channels (one input at both positions, regression targets +-L), and one ordinary example if ``extra``."""
+    torch.manual_seed(0)
+    c = 8
+    layer = {"conv1d": nn.Conv1d(c, c, 1, bias=bias), "conv2d": nn.Conv2d(c, c, 1, bias=bias),
+             "transposed": nn.ConvTranspose1d(c, c, 1, bias=bias)}[kind]
+    g = torch.Generator().manual_seed(1)
+    u, v = torch.randn(c, generator=g), torch.randn(c, generator=g)
+    u, v = u / u.norm(), v / v.norm()
+    n = copies + extra
+    x, y = torch.zeros(n, 2, c), torch.zeros(n, 2, c)
+    with torch.no_grad():
+        base = layer(u.view(1, c, *([1] * (layer.weight.dim() - 2)))).flatten()
+    x[:copies] = u
+    y[:copies, 0], y[:copies, 1] = base + 1e6 * v, base - 1e6 * v + v
+    if extra:
+        x[copies], y[copies] = torch.randn(2, c, generator=g), torch.randn(2, c, generator=g)
+    x, y = x.transpose(1, 2).contiguous(), y.transpose(1, 2).contiguous()
+    if kind == "conv2d":
+        x, y = x.unsqueeze(-1), y.unsqueeze(-1)
+    return layer, x, y
+
+
+def _conv_clipped(layer, x, y):
+    dims = tuple(range(1, x.dim()))
+    engine = GradSampleEngine(layer)
+    engine.probe(lambda n: ((layer(x[:n]) - y[:n]) ** 2).sum(dims).mean())
+    with engine.record(batch_size=x.shape[0]):
+        ((layer(x) - y) ** 2).sum(dims).mean().backward()
+    total = engine.clipped_sum(clip_factors(engine.per_sample_norms(), 1.0))
+    engine.remove()
+    return torch.cat([t.reshape(-1) for t in total])
+
+
+@pytest.mark.parametrize("kind", ["conv1d", "conv2d", "transposed"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_convolutions_cancelling_examples_do_not_move_together_with_the_batch_size(kind, bias):
+    """The third review's neighbours for a convolution's instantiated per-sample gradients, weight and bias
+    (:func:`conv._position_terms`): 255 copies moved the sums 10-12 C apart (1,023: 40-50 C) before the floor."""
+    with_it = _conv_clipped(*_conv_batch(kind, 255, True, bias))
+    without = _conv_clipped(*_conv_batch(kind, 255, False, bias))
+    assert float((with_it - without).double().norm()) <= TOLERANCE
+
+
+def test_the_grouped_backwards_cancelling_examples_do_not_move_together(monkeypatch):
+    """The same through the grouped convolution backward (8 channels, a kernel of 2 over 3 positions, each window
+    the same input: the two output positions' terms cancel)."""
+    import lightning_dp.privacy.grad_sample.rules.conv as conv
+
+    monkeypatch.setattr(conv, "GROUPED_BACKWARD_MIN_POSITIONS", 1)
+    calls = []
+    grouped = conv._grouped_conv_grads
+    monkeypatch.setattr(conv, "_grouped_conv_grads", lambda *a: calls.append(1) or grouped(*a))
+    sums = []
+    for extra in (True, False):
+        torch.manual_seed(0)
+        layer = nn.Conv1d(8, 8, 2)
+        g = torch.Generator().manual_seed(1)
+        u, v = torch.randn(8, generator=g), torch.randn(8, generator=g)
+        u, v = u / u.norm(), v / v.norm()
+        n = 255 + extra
+        x, y = torch.zeros(n, 8, 3), torch.zeros(n, 8, 2)
+        x[:255] = u[:, None]
+        with torch.no_grad():
+            base = layer(x[:1])[0, :, 0]
+        y[:255, :, 0], y[:255, :, 1] = base + 1e6 * v, base - 1e6 * v + v
+        if extra:
+            x[255], y[255] = torch.randn(8, 3, generator=g), torch.randn(8, 2, generator=g)
+        sums.append(_conv_clipped(layer, x, y))
+    assert calls
+    assert float((sums[0] - sums[1]).double().norm()) <= TOLERANCE
+
+
+@pytest.mark.parametrize("geometry", [
+    dict(kind=2, c_in=4, c_out=6, kernel=(3, 2), stride=(2, 1), dilation=(1, 2), padding=(1, 0), groups=2,
+         mode="zeros"),
+    dict(kind=2, c_in=3, c_out=3, kernel=(3, 3), stride=(1, 1), dilation=(1, 1), padding=(1, 1), groups=3,
+         mode="reflect"),
+    dict(kind=1, c_in=2, c_out=4, kernel=(3,), stride=(2,), dilation=(2,), padding=(2,), groups=1, mode="circular"),
+    dict(kind=3, c_in=2, c_out=2, kernel=(2, 1, 2), stride=(1, 2, 1), dilation=(1, 1, 1), padding=(0, 1, 0), groups=1,
+         mode="zeros"),
+])
+def test_position_terms_are_the_windows_norms(geometry):
+    """:func:`conv._position_terms` (the windows' squared norms as a depthwise convolution of the squares) against a
+    loop over the windows: each example's sum of ``sqrt(sum_g ||go_g,t||^2 ||window_g,t||^2)`` and its count."""
+    from lightning_dp.privacy.grad_sample.rules.conv import ConvRule, _position_terms, _windows
+
+    gm = dict(geometry)
+    nd = gm.pop("kind")
+    conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[nd - 1](gm["c_in"], gm["c_out"], gm["kernel"], stride=gm["stride"],
+                                                      dilation=gm["dilation"], padding=gm["padding"],
+                                                      groups=gm["groups"], padding_mode=gm["mode"]).double()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, gm["c_in"], *([7] * nd), generator=g, dtype=torch.float64)
+    go = torch.randn_like(conv(x))
+    go[1] = 0  # an example without terms: a count of 0
+    sq, (sizes, counts) = _position_terms(x, go, conv.groups, conv.kernel_size, conv.stride, conv.dilation,
+                                          conv._reversed_padding_repeated_twice, conv.padding_mode)
+    windows = _windows(ConvRule._padded(conv, x), conv.kernel_size, conv.stride, conv.dilation)  # (B, C, *T, *K)
+    groups, b = conv.groups, x.shape[0]
+    w = windows.reshape(b, groups, gm["c_in"] // groups, *windows.shape[2:2 + nd], -1)
+    wsq = w.square().sum((2, -1)).reshape(b, groups, -1)  # (B, groups, T)
+    osq = go.reshape(b, groups, gm["c_out"] // groups, -1).square().sum(2)
+    terms = (wsq * osq).sum(1).sqrt()
+    torch.testing.assert_close(sizes, terms.sum(1))
+    torch.testing.assert_close(counts, (terms > 0).sum(1).double())
+    torch.testing.assert_close(sq.reshape(b, -1), go.square().sum(1).reshape(b, -1))
+    assert counts[1] == 0 and sizes[1] == 0
+
+
+# ---------------------------------------------------------------- every rule: a null vector of the Jacobian
+def _null_space_targets(build, xa: torch.Tensor, scale: float):
+    """The targets of a squared loss that make one example's output gradient ``scale`` times a unit vector that the
+    transposed Jacobian of its output (float64, over the trainable parameters) sends to zero, plus a unit residual:
+    a per-sample gradient of norm about 1 summed from terms about ``scale`` large, whatever the layer."""
+    torch.manual_seed(0)
+    module = build()
+    names = [n for n, p in module.named_parameters() if p.requires_grad]
+    m64 = copy.deepcopy(module).double()
+    trained = {n: p.detach() for n, p in m64.named_parameters() if n in names}
+    fixed = {n: p.detach() for n, p in m64.named_parameters() if n not in names}
+
+    def out(params):
+        o = torch.func.functional_call(m64, {**params, **fixed}, (xa[None].double(),))
+        return (o[0] if isinstance(o, tuple) else o)[0].flatten()
+
+    jac = torch.func.jacrev(out)(trained)
+    jt = torch.cat([jac[n].reshape(jac[n].shape[0], -1) for n in names], 1)
+    u, s, _ = torch.linalg.svd(jt, full_matrices=True)
+    null = u[:, int((s > s.max() * 1e-10).sum()):]
+    g = torch.Generator().manual_seed(3)
+    v = null @ torch.randn(null.shape[1], generator=g, dtype=torch.float64)
+    r = torch.randn(jt.shape[0], generator=g, dtype=torch.float64)
+    grad = scale * v / v.norm() + r / r.norm()
+    with torch.no_grad():
+        o = module(xa[None])
+        o = (o[0] if isinstance(o, tuple) else o)[0]
+    return (o.double() - grad.reshape(o.shape) / 2).float()
+
+
+def _neighbouring_sums(build, xa, xo, yo, copies: int, scale: float = 1e6):
+    ya = _null_space_targets(build, xa, scale)
+    sums = []
+    for extra in (True, False):
+        n = copies + extra
+        x = torch.stack([xa] * copies + ([xo] if extra else []))
+        y = torch.stack([ya] * copies + ([yo] if extra else []))
+        torch.manual_seed(0)
+        module = build()
+
+        def loss(k, module=module, x=x, y=y):
+            o = module(x[:k])
+            o = o[0] if isinstance(o, tuple) else o
+            return ((o - y[:k]) ** 2).flatten(1).sum(1).mean()
+
+        engine = GradSampleEngine(module)
+        engine.probe(loss)
+        with engine.record(batch_size=n):
+            loss(n).backward()
+        total = engine.clipped_sum(clip_factors(engine.per_sample_norms(), 1.0))
+        engine.remove()
+        sums.append(torch.cat([t.double().reshape(-1) for t in total]))
+    return float((sums[0] - sums[1]).norm())
+
+
+class _Attention(nn.Module):
+    def __init__(self, biases_only: bool):
+        super().__init__()
+        self.m = nn.MultiheadAttention(8, 2, batch_first=True)
+        for name, p in self.m.named_parameters():
+            p.requires_grad_(name.endswith("bias") or not biases_only)
+
+    def forward(self, x):
+        return self.m(x, x, x, need_weights=False)[0]
+
+
+def _biases_only(module: nn.Module) -> nn.Module:
+    for name, p in module.named_parameters():
+        p.requires_grad_("bias" in name)
+    return module
+
+
+def _weights_frozen_bias(module: nn.Module) -> nn.Module:
+    module.bias.requires_grad_(False)
+    return module
+
+
+class _Affine(nn.Module):
+    """No rule of its own: the torch.func fallback."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.randn(d)), nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        return x * self.weight + self.bias
+
+
+_G = torch.Generator().manual_seed(11)
+
+
+def _rn(*shape):
+    return torch.randn(*shape, generator=_G)
+
+
+RULES = {  # name: (build, attacker's input, the ordinary example's input and target)
+    "layer_norm": (lambda: nn.LayerNorm(8), _rn(4, 8), _rn(4, 8), _rn(4, 8)),
+    "layer_norm_weight_only": (lambda: _weights_frozen_bias(nn.LayerNorm(8)), _rn(4, 8), _rn(4, 8), _rn(4, 8)),
+    "rms_norm": (lambda: nn.RMSNorm(8), _rn(4, 8), _rn(4, 8), _rn(4, 8)),
+    "group_norm": (lambda: nn.GroupNorm(2, 4), _rn(4, 8), _rn(4, 8), _rn(4, 8)),
+    "instance_norm": (lambda: nn.InstanceNorm1d(4, affine=True), _rn(4, 8), _rn(4, 8), _rn(4, 8)),
+    "rnn_biases": (lambda: _biases_only(nn.RNN(4, 4, batch_first=True)), _rn(4, 4), _rn(4, 4), _rn(4, 4)),
+    "lstm_biases": (lambda: _biases_only(nn.LSTM(4, 4, batch_first=True)), _rn(8, 4), _rn(8, 4), _rn(8, 4)),
+    "gru_biases": (lambda: _biases_only(nn.GRU(4, 4, batch_first=True)), _rn(8, 4), _rn(8, 4), _rn(8, 4)),
+    "attention_biases": (lambda: _Attention(True), _rn(8, 8), _rn(8, 8), _rn(8, 8)),
+    "attention_input_zero": (lambda: _Attention(False), torch.zeros(4, 8), _rn(4, 8), _rn(4, 8)),
+}
+#: no floor: the exact seed of DPSGD covers them under the usual losses (docs/per_sample_gradients.md, "What the
+#: engine does not check"); strict, so that a fix shows
+UNCOVERED = {
+    "weight_norm": (lambda: torch.nn.utils.parametrizations.weight_norm(nn.Linear(8, 8, bias=False)), _rn(16, 8),
+                    _rn(16, 8), _rn(16, 8)),
+    "torch_func_fallback": (lambda: _Affine(8), _rn(4, 8), _rn(4, 8), _rn(4, 8)),
+}
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_every_rule_on_positions_keeps_cancelling_copies_within_c(rule):
+    """A review's attack on every rule that sums a parameter's gradient over positions (norm layers, recurrent and
+    attention biases): 255 copies whose terms cancel about 1e6 times, under a mean loss, and one ordinary example
+    added; before the floors the sums were 4.5-25 C apart (1,023 copies: 24-73 C). The floors of their positions'
+    terms (``Dense(terms=...)``) keep them within C."""
+    assert _neighbouring_sums(*RULES[rule], copies=255) <= TOLERANCE
+
+
+@pytest.mark.xfail(strict=True, reason="no floor for parametrizations or the torch.func fallback yet")
+@pytest.mark.parametrize("rule", sorted(UNCOVERED))
+def test_layers_without_a_floor_still_move_together(rule):
+    assert _neighbouring_sums(*UNCOVERED[rule], copies=255) <= TOLERANCE

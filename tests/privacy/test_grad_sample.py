@@ -129,6 +129,7 @@ def prepared(case, seed):
     return model, x, y, ref
 
 
+@pytest.mark.usefixtures("exact_norms")
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("c", [1e-3, 0.5, 1e6])
 def test_norms_and_clipped_sum_match_naive_loop(case, c):
@@ -157,6 +158,7 @@ def test_wide_convolutions_through_the_grouped_backward(monkeypatch, c):
     assert_matches_naive(norms, flat, ref, c)
 
 
+@pytest.mark.usefixtures("exact_norms")
 @pytest.mark.parametrize("case", ["mnist_cnn", "conv_same_reflect", "text_embedding_conv1d_groupnorm"])
 def test_ghost_norm_path_matches_naive_loop(case):
     """instantiate_limit=0 forces the unfold + ghost-norm path for every conv and linear layer."""

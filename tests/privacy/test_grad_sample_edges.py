@@ -512,6 +512,7 @@ def test_a_recurrent_layer_that_sees_the_batch_on_its_time_axis_is_refused():
     engine.remove()
 
 
+@pytest.mark.usefixtures("exact_norms")
 @pytest.mark.parametrize("model_layout,input_layout", [(torch.channels_last, torch.channels_last),
                                                        (torch.channels_last, torch.contiguous_format),
                                                        (torch.contiguous_format, torch.channels_last)])
@@ -560,6 +561,7 @@ class _Then(nn.Module):
         return self.head(self.after(self.norm(self.before(self.conv(x)))))
 
 
+@pytest.mark.usefixtures("exact_norms")
 @pytest.mark.parametrize("case", ["group_1d", "group_no_positions", "instance_3d", "twice", "bias_frozen",
                                   "weight_frozen", "channels_last", "large_mean", "summed_after", "summed_after_2d",
                                   "chomped_input", "strided_input"])
@@ -641,6 +643,7 @@ def _group_norm_rule_for_normalizes_another():
 _group_norm_rule_for_normalizes_another()
 
 
+@pytest.mark.usefixtures("exact_norms")
 @pytest.mark.parametrize("case,reused", [("after_conv", True), ("channels_last", True), ("twice", True),
                                          ("first_layer", False), ("strided_input", False),
                                          ("normalizes_another", False), ("checkpointed", False),
@@ -717,6 +720,7 @@ class _PlainSubclass(nn.Linear):
     """A subclass that keeps nn.Linear's forward: it keeps nn.Linear's rule."""
 
 
+@pytest.mark.usefixtures("exact_norms")
 @pytest.mark.parametrize("case", ["standardized_conv", "other_eps", "doubled_linear", "plain_subclass"])
 def test_a_subclass_that_overrides_forward_takes_the_exact_fallback(case):
     """A subclass of a layer with a rule that overrides its forward computes something else than the formulas of

@@ -57,6 +57,7 @@ MODELS = {
 }
 
 
+@pytest.mark.usefixtures("exact_norms")
 @pytest.mark.parametrize("name", MODELS)
 def test_parametrized_layers_are_exact(name):
     make, shape, width = MODELS[name]

@@ -196,6 +196,18 @@ def floor_of(sizes: Tensor, counts: Tensor) -> Tensor:
     return sizes / torch.clamp(2 * counts.sqrt(), min=CANCELLATION_RATIO)
 
 
+def position_terms(norms: Tensor) -> tuple[Tensor, Tensor]:
+    """``(sizes, counts)`` for :class:`Dense`'s ``terms`` from the magnitudes of each example's positions' terms
+    ``(B, T)`` (:func:`term_norms`): their sum and the count of nonzero ones, float64 ``(B,)``."""
+    norms = norms.double()
+    return norms.sum(1), (norms > 0).sum(1).to(torch.float64)
+
+
+def add_terms(a: tuple[Tensor, Tensor] | None, b: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """The ``terms`` of a gradient summed from two sets of terms (two calls of a layer, two uses of a bias)."""
+    return b if a is None else (a[0] + b[0], a[1] + b[1])
+
+
 def floored(sq: Tensor, floor: Tensor) -> Tensor:
     """``max(sq, floor^2)`` in float64: squared norms no smaller than :func:`term_floor`'s."""
     return torch.maximum(sq.double(), floor.square())

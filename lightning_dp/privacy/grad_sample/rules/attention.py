@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_dp.privacy.grad_sample.contributions import Dense, Factored
+from lightning_dp.privacy.grad_sample.contributions import Dense, Factored, add_terms, position_terms, term_norms
 from lightning_dp.privacy.grad_sample.registry import LayerRule, PerSampleGradientError, join_graph, register_rule
 
 __all__ = ["MultiheadAttentionRule"]
@@ -118,7 +118,7 @@ class MultiheadAttentionRule(LayerRule):
 
     def contributions(self, layer, records, batch_size):
         blocks: dict[str, list[tuple[int, Tensor, Tensor]]] = {}  # weight name -> (first row, go, x) per call
-        biases: dict[str, list[tuple[int, Tensor]]] = {}
+        biases: dict[str, list[tuple[int, Tensor, tuple[Tensor, Tensor]]]] = {}
         for r in records:
             if not r.extra["linear_calls"]:
                 raise _error("nn.MultiheadAttention ran without its F.linear projections (a fused path this rule "
@@ -133,7 +133,7 @@ class MultiheadAttentionRule(LayerRule):
                 blocks.setdefault(name, []).append((row, go, x))
                 if call["bias"] is not None:
                     bname, brow = call["bias"]
-                    biases.setdefault(bname, []).append((brow, go.sum(1)))
+                    biases.setdefault(bname, []).append((brow, go.sum(1), position_terms(term_norms(go))))
         out = {}
         for name, p in layer.trainable.items():
             if p.dim() == 2:
@@ -156,9 +156,11 @@ class MultiheadAttentionRule(LayerRule):
                 if not parts:
                     continue
                 total = parts[0][1].new_zeros(batch_size, p.shape[0])
-                for row, g in parts:
+                terms = None  # each call's positions' terms (docs/per_sample_gradients.md, "Floating point")
+                for row, g, t in parts:
                     total[:, row:row + g.shape[-1]] += g
-                out[name] = Dense(total)
+                    terms = add_terms(terms, t)
+                out[name] = Dense(total, terms=terms)
         return out
 
     @staticmethod

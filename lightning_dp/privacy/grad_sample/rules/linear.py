@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lightning_dp.privacy.grad_sample.contributions import Dense, Factored, term_norms
+from lightning_dp.privacy.grad_sample.contributions import Dense, Factored, position_terms, term_norms
 from lightning_dp.privacy.grad_sample.registry import LayerRule, Record, register_rule
 
 __all__ = ["LinearRule", "TransposedLinearRule", "positions"]
@@ -60,7 +60,7 @@ class LinearRule(LayerRule):
                 out["bias"] = Dense(go, sq_norms=shared)
             else:  # summed over positions: clipped as at least term_floor() of them (floating point, contributions.py)
                 assert go_norms is not None
-                out["bias"] = Dense(go.sum(1), terms=(go_norms.sum(1), (go_norms > 0).sum(1).to(torch.float64)))
+                out["bias"] = Dense(go.sum(1), terms=position_terms(go_norms))
         return out
 
 

@@ -24,37 +24,44 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_dp.privacy.grad_sample.contributions import Dense
+from lightning_dp.privacy.grad_sample.contributions import Dense, add_terms, position_terms, term_norms
 from lightning_dp.privacy.grad_sample.registry import LayerRule, PerSampleGradientError, register_rule
 
 __all__ = ["GroupNormRule", "InstanceNormRule", "LayerNormRule", "RMSNormRule"]
 
 
-def _contributions(layer, weight_sum: Tensor | None, bias_sum: Tensor | None) -> dict[str, Dense]:
-    """The per-sample ``dweight``/``dbias`` (batch first) as the layer's contributions (those it trains)."""
+def _contributions(layer, weight_sum: Tensor | None, bias_sum: Tensor | None,
+                   terms: dict[str, tuple[Tensor, Tensor] | None]) -> dict[str, Dense]:
+    """The per-sample ``dweight``/``dbias`` (batch first) as the layer's contributions (those it trains), each with
+    its positions' terms (``Dense(terms=...)``: docs/per_sample_gradients.md, "Floating point")."""
     out = {}
     if weight_sum is not None:
-        out["weight"] = Dense(weight_sum, layer.module.weight.shape)
+        out["weight"] = Dense(weight_sum, layer.module.weight.shape, terms=terms["weight"])
     if bias_sum is not None:
-        out["bias"] = Dense(bias_sum, layer.module.bias.shape)
+        out["bias"] = Dense(bias_sum, layer.module.bias.shape, terms=terms["bias"])
     return out
 
 
 def _affine(layer, records, batch_size: int, normalize) -> dict[str, Dense]:
     """Per-sample ``dweight``/``dbias`` of ``y = x_hat * w + b`` over trailing normalized dimensions (the
-    parameters' shape): summed over every dimension between the batch and them."""
+    parameters' shape): summed over every dimension between the batch and them, whose terms (``go_t * x_hat_t``,
+    ``go_t``) are floored as a linear layer's on positions."""
     module = layer.module
     shape = module.weight.shape if module.weight is not None else module.bias.shape
     weight_sum, bias_sum = None, None
+    terms: dict[str, tuple[Tensor, Tensor] | None] = {"weight": None, "bias": None}
     for r in records:
         go_c = r.grad_outputs[0].reshape(batch_size, -1, shape.numel())  # (B, ..., *normalized_shape)
         if "weight" in layer.trainable:
-            w = (go_c * normalize(r.input(0)).reshape(go_c.shape)).sum(1)
+            prod = go_c * normalize(r.input(0)).reshape(go_c.shape)
+            w = prod.sum(1)
             weight_sum = w if weight_sum is None else weight_sum + w
+            terms["weight"] = add_terms(terms["weight"], position_terms(term_norms(prod)))
         if "bias" in layer.trainable:
             b = go_c.sum(1)
             bias_sum = b if bias_sum is None else bias_sum + b
-    return _contributions(layer, weight_sum, bias_sum)
+            terms["bias"] = add_terms(terms["bias"], position_terms(term_norms(go_c)))
+    return _contributions(layer, weight_sum, bias_sum, terms)
 
 
 def _batch_first_input(self, module, inputs, outputs, broadcast):
@@ -107,6 +114,7 @@ def _per_channel(layer, records, batch_size: int, groups: int, eps: float) -> di
     "The windows gathered, in the order of the input")."""
     mask = ["weight" in layer.trainable, "bias" in layer.trainable]
     weight_sum, bias_sum = None, None
+    terms: dict[str, tuple[Tensor, Tensor] | None] = {"weight": None, "bias": None}
     for r in records:
         x, go = r.input(0), r.grad_outputs[0]
         c = x.shape[1]
@@ -122,6 +130,16 @@ def _per_channel(layer, records, batch_size: int, groups: int, eps: float) -> di
             _, mean, rstd = torch.ops.aten.native_group_norm(folded, None, None, 1, batch_size * c, positions,
                                                              batch_size * groups, eps)
         grads = go.reshape(1, batch_size * c, positions).contiguous()
+        # the positions' terms (docs/per_sample_gradients.md, "Floating point"): go_s * x_hat_s and go_s over the
+        # channels at each position s; x_hat from the moments, one pass over the input
+        by_group = grads.view(batch_size, groups, c // groups, positions)
+        if mask[0]:
+            x_hat = (folded.view(batch_size, groups, c // groups, positions) - mean.view(batch_size, groups, 1, 1)) \
+                * rstd.view(batch_size, groups, 1, 1)
+            t = (by_group * x_hat).square().sum((1, 2)).sqrt()
+            terms["weight"] = add_terms(terms["weight"], position_terms(t))
+        if mask[1]:
+            terms["bias"] = add_terms(terms["bias"], position_terms(by_group.square().sum((1, 2)).sqrt()))
         _, w, b = torch.ops.aten.native_group_norm_backward(grads, folded, mean, rstd, folded.new_ones(batch_size * c),
                                                             1, batch_size * c, positions, batch_size * groups,
                                                             [False, *mask])
@@ -129,7 +147,7 @@ def _per_channel(layer, records, batch_size: int, groups: int, eps: float) -> di
             weight_sum = w.view(batch_size, c) if weight_sum is None else weight_sum + w.view(batch_size, c)
         if mask[1]:
             bias_sum = b.view(batch_size, c) if bias_sum is None else bias_sum + b.view(batch_size, c)
-    return _contributions(layer, weight_sum, bias_sum)
+    return _contributions(layer, weight_sum, bias_sum, terms)
 
 
 @register_rule(nn.GroupNorm)

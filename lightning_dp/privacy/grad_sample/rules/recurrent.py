@@ -23,7 +23,7 @@ from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
 
-from lightning_dp.privacy.grad_sample.contributions import Dense, Factored
+from lightning_dp.privacy.grad_sample.contributions import Dense, Factored, add_terms, position_terms, term_norms
 from lightning_dp.privacy.grad_sample.registry import LayerRule, PerSampleGradientError, register_rule
 
 __all__ = ["RecurrentRule"]
@@ -98,7 +98,7 @@ class RecurrentRule(LayerRule):
             for name, (left, right) in self._replay(m, self.mode(m), r, batch_size).items():
                 totals.setdefault(name, []).append((left, right))
         out = {}
-        sums: dict[tuple[int, ...], Tensor] = {}  # LSTM and RNN: bias_ih and bias_hh share their gradients
+        sums: dict[tuple[int, ...], tuple[Tensor, Any]] = {}  # LSTM and RNN: bias_ih and bias_hh share their gradients
         for name, p in layer.trainable.items():
             parts = totals.get(name)
             if not parts:
@@ -110,8 +110,14 @@ class RecurrentRule(LayerRule):
             else:
                 key = tuple(id(a) for a, _ in parts)
                 if key not in sums:
-                    sums[key] = sum(a.sum(1) for a, _ in parts)
-                out[name] = Dense(sums[key])
+                    # the time steps' terms are the pre-activation gradients (docs/per_sample_gradients.md,
+                    # "Floating point")
+                    terms = None
+                    for a, _ in parts:
+                        terms = add_terms(terms, position_terms(term_norms(a)))
+                    sums[key] = (sum(a.sum(1) for a, _ in parts), terms)
+                total, terms = sums[key]
+                out[name] = Dense(total, terms=terms)
         return out
 
     @contextlib.contextmanager
