@@ -199,8 +199,7 @@ def floor_of(sizes: Tensor, counts: Tensor) -> Tensor:
 def position_terms(norms: Tensor) -> tuple[Tensor, Tensor]:
     """``(sizes, counts)`` for :class:`Dense`'s ``terms`` from the magnitudes of each example's positions' terms
     ``(B, T)`` (:func:`term_norms`): their sum and the count of nonzero ones, float64 ``(B,)``."""
-    norms = norms.double()
-    return norms.sum(1), (norms > 0).sum(1).to(torch.float64)
+    return norms.sum(1, dtype=torch.float64), torch.count_nonzero(norms, dim=1).to(torch.float64)
 
 
 def add_terms(a: tuple[Tensor, Tensor] | None, b: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:

@@ -255,19 +255,28 @@ def _position_terms(windowed: Tensor, other: Tensor, groups: int, kernel, stride
     b, nd = windowed.shape[0], len(kernel)
 
     def per_group(t: Tensor) -> Tensor:  # (B, C, *S) -> squares summed over each group's channels, (B, groups, *S)
-        sq = t.square()
+        sq = t * t  # (torch.linalg.vector_norm over the channels: 40 times slower, a reduction over a strided dimension)
         return sq if t.shape[1] == groups else sq.unflatten(1, (groups, t.shape[1] // groups)).sum(2)
 
     wsq = per_group(windowed)
     if any(pad):
         wsq = F.pad(wsq, pad, mode="constant" if mode == "zeros" else mode)
-    ones = wsq.new_ones(groups, 1, *kernel)
-    wsq = (F.conv1d, F.conv2d, F.conv3d)[nd - 1](wsq, ones, stride=stride, dilation=dilation, groups=groups)
+    # the window sums as one depthwise convolution with the batch folded into its channels (ResNet-8's 3 x 3 at 32 x 32:
+    # 0.08 ms against 0.19 with the groups' channels alone; the MNIST CNN's 8 x 8: 0.14 against 0.56)
+    channels = b * groups
+    ones = wsq.new_ones(1, 1, *kernel).expand(channels, 1, *kernel)
+    wsq = (F.conv1d, F.conv2d, F.conv3d)[nd - 1](wsq.reshape(1, channels, *wsq.shape[2:]), ones, stride=stride,
+                                                 dilation=dilation, groups=channels)
+    wsq = wsq.view(b, groups, *wsq.shape[2:])
     if count is not None:  # a transposed convolution's output_padding can add a window
         for i in range(nd):
             wsq = wsq.narrow(2 + i, 0, count[i])
     osq = per_group(other)
-    return osq.sum(1), position_terms((osq.double() * wsq.double().clamp_min(0)).sum(1).sqrt().reshape(b, -1))
+    if groups == 1:  # the roots first: a term overflows float32 only where it is beyond float32's range itself
+        terms = osq.sqrt().mul_(wsq.clamp_min(0).sqrt_())
+    else:
+        terms = (osq.double() * wsq.double().clamp_min(0)).sum(1).sqrt()
+    return osq.sum(1), position_terms(terms.reshape(b, -1))
 
 
 def _bias(records_sq: list[Tensor]) -> tuple[Tensor, Tensor]:
