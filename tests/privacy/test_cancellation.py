@@ -464,3 +464,42 @@ def test_every_rule_on_positions_keeps_cancelling_copies_within_c(rule):
 @pytest.mark.parametrize("rule", sorted(UNCOVERED))
 def test_layers_without_a_floor_still_move_together(rule):
     assert _neighbouring_sums(*UNCOVERED[rule], copies=255) <= TOLERANCE
+
+
+class _Tied(nn.Module):
+    """Two linear layers sharing one weight, each on one position of a (B, 2, 8) input."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return torch.stack([self.a(x[:, 0]), self.b(x[:, 1])], 1)
+
+
+def test_a_tied_parameters_cancelling_uses_are_floored_by_all_their_terms():
+    """A review (2026-12-07): the same cancelling example as the linear layer on positions, as two layers sharing
+    one weight. The cross term (in float64) cancelled the uses' squares to a norm of 0, and each use's share, summed
+    on its own in float32, carried its rounding unclipped: 7 such examples' clipped sum had norm 14.9 C, and 255
+    copies' neighbouring sums were 634 C apart. Floored by both uses' terms (``Contribution.term_sizes``), the
+    copies' norms are large and the sums within C."""
+    sums = []
+    for extra in (True, False):
+        model = _Tied()
+        g = torch.Generator().manual_seed(1)
+        u, v = torch.randn(8, generator=g), torch.randn(8, generator=g)
+        u, v = u / u.norm(), v / v.norm()
+        n = 255 + extra
+        x, y = torch.zeros(n, 2, 8), torch.zeros(n, 2, 8)
+        base = model.a(u).detach()
+        x[:255] = u
+        y[:255, 0], y[:255, 1] = base + 1e6 * v, base - 1e6 * v + v
+        if extra:
+            x[255], y[255] = torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)
+        norms, total = clipped(model, x, y)
+        assert float(norms[0]) > 1e4  # floored: (sum of the terms) / max(8, 2 sqrt(2))
+        assert float(total.double().norm()) <= n * (1 + 1e-6)
+        sums.append(total)
+    assert float((sums[0] - sums[1]).double().norm()) <= TOLERANCE

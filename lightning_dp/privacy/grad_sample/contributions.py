@@ -76,6 +76,14 @@ class Contribution:
         overflowed in half precision: a zero contribution is within any clipping bound)."""
         raise NotImplementedError
 
+    def term_sizes(self) -> tuple[Tensor, Tensor]:
+        """``(sizes, counts)`` float64 ``(B,)``: the sum of the magnitudes of the terms ``G_b`` is summed from, and
+        how many are nonzero (:func:`position_terms`); after :meth:`sq_norms`. A tied parameter's uses add theirs,
+        and the parameter's norm, cross terms included, is floored by them (the engine's ``_norms_of``). Here: the
+        gradient as one term, ``(||G_b||, 1)``, for a form without positions."""
+        sq = self.sq_norms().double()
+        return sq.clamp_min(0).sqrt(), (sq > 0).to(torch.float64)
+
     def releasable_bytes(self) -> int:
         """Bytes this contribution keeps after :meth:`sq_norms` that it can do without (per-sample gradients
         instantiated for the norms, larger than the factors it holds anyway): 0 for most forms."""
@@ -245,6 +253,9 @@ class Dense(Contribution):
         sq = _row_sq(self.grads)
         return sq if self.terms is None else floored(sq, floor_of(*self.terms))
 
+    def term_sizes(self) -> tuple[Tensor, Tensor]:
+        return super().term_sizes() if self.terms is None else self.terms
+
     def weighted_sum(self, factors: Tensor) -> Tensor:
         grads = self.grads
         f = _as(factors, grads.dtype)
@@ -314,6 +325,8 @@ class Factored(Contribution):
         #: the norms' :func:`term_floor` and the instantiated gradients' squared norms (sq_norms), for release()
         self._floor: Tensor | None = None
         self._dense_sq: Tensor | None = None
+        #: the terms' (sizes, counts) behind the floor (term_sizes), for a tied parameter's
+        self._sizes: tuple[Tensor, Tensor] | None = None
 
     @property
     def left(self) -> Tensor:
@@ -367,8 +380,8 @@ class Factored(Contribution):
             gram_l, gram_r = torch.bmm(left, left.transpose(1, 2)), torch.bmm(right, right.transpose(1, 2))
             sq = (gram_l * gram_r).sum((1, 2))
             # the terms' magnitudes from the Gram matrices' diagonals: ||l_t||^2 ||r_t||^2
-            floor = self._floor = term_floor((gram_l.diagonal(dim1=1, dim2=2)
-                                              * gram_r.diagonal(dim1=1, dim2=2)).sqrt())
+            self._sizes = position_terms((gram_l.diagonal(dim1=1, dim2=2) * gram_r.diagonal(dim1=1, dim2=2)).sqrt())
+            floor = self._floor = floor_of(*self._sizes)
             rows = (floor > sq.clamp_min(0).sqrt()).nonzero().flatten()  # cancelling()
             if rows.numel():
                 grads = torch.bmm(left[rows].transpose(1, 2), right[rows])
@@ -387,8 +400,14 @@ class Factored(Contribution):
         given_left, given_right = self._factor_norms
         left_norms = term_norms(self._left) if given_left is None else given_left
         right_norms = term_norms(self._right) if given_right is None else given_right
-        self._floor, self._dense_sq = term_floor(left_norms * right_norms), _row_sq(grads)
+        self._sizes = position_terms(left_norms * right_norms)
+        self._floor, self._dense_sq = floor_of(*self._sizes), _row_sq(grads)
         return floored(self._dense_sq, self._floor)
+
+    def term_sizes(self) -> tuple[Tensor, Tensor]:
+        if self._sizes is None:  # one position per example (or not yet asked: sq_norms computes them)
+            self.sq_norms()
+        return super().term_sizes() if self._sizes is None else self._sizes
 
     def releasable_bytes(self) -> int:
         if self._dense is None or torch.compiler.is_compiling():
@@ -452,6 +471,7 @@ class Factored(Contribution):
     def drop(self, examples: Tensor) -> None:
         self._left, self._right = _zero_rows(self._left, examples), _zero_rows(self._right, examples)
         self._row_sq = [None, None]
+        self._sizes = None  # sq_norms() computes them again
         self._factor_norms = tuple(None if n is None else _zero_rows(n, examples)  # type: ignore[assignment]
                                    for n in self._factor_norms)
         if self._exact is not None:
@@ -497,7 +517,10 @@ class OneHotFactored(Contribution):
         return rows
 
     def sq_norms(self) -> Tensor:
-        return floored(_row_sq(self._per_token()), term_floor(term_norms(self.right)))
+        return floored(_row_sq(self._per_token()), floor_of(*self.term_sizes()))
+
+    def term_sizes(self) -> tuple[Tensor, Tensor]:
+        return position_terms(term_norms(self.right))
 
     def weighted_sum(self, factors: Tensor) -> Tensor:
         rows = self._per_token()  # a token's later positions hold zeros

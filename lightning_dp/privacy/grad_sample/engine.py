@@ -26,7 +26,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from lightning_dp.privacy.finite import non_finite
 from lightning_dp.privacy.grad_sample.contributions import (DEFAULT_INSTANTIATE_LIMIT, DEFAULT_KEEP_LIMIT,
-                                                            Contribution, Groups)
+                                                            Contribution, Groups, floor_of, floored)
 from lightning_dp.privacy.grad_sample.probing import BatchDimProbe, _Dims
 from lightning_dp.privacy.grad_sample.registry import (
     LayerRule,
@@ -1011,13 +1011,14 @@ class GradSampleEngine(BatchDimProbe):
         crossed = False
         room = self.keep_limit  # for per-sample gradients larger than their factors, kept for the clipped sum
         for contributions in found.values():
+            tied: list[Tensor] = []  # a parameter used by several layers: its squares and cross terms
             for i, c in enumerate(contributions):
                 sq = c.sq_norms()
                 if sq.shape != (b,):  # a rule's per-example rows must be the batch's, or clipping bounds nothing
                     raise PerSampleGradientError(
                         f"a layer rule gave per-sample norms of shape {tuple(sq.shape)} for a batch of {b} examples; "
                         "this is a bug of the rule (it must return one row per example); please report it")
-                terms.append(sq)
+                (tied if len(contributions) > 1 else terms).append(sq)
                 extra = c.releasable_bytes()
                 if extra:
                     if extra <= room:
@@ -1025,9 +1026,17 @@ class GradSampleEngine(BatchDimProbe):
                     else:
                         c.release()
                 for other in contributions[i + 1:]:
-                    # a tied parameter's cross terms can cancel its squares: those are summed in float64 below
-                    crossed = True
-                    terms.append(2 * c.dot(other).double())
+                    # a tied parameter's cross terms can cancel its squares: summed in float64
+                    tied.append(2 * c.dot(other).double())
+            if tied:
+                # and floored by all its uses' terms (docs/per_sample_gradients.md, "Floating point"): two uses
+                # whose huge gradients cancel (a Siamese pair on one input) made a norm of 0, and each use's share,
+                # summed on its own in float32, carried its rounding unclipped (a review: 7 such examples' clipped
+                # sum 14.9 C, 255 copies' neighbouring sums 634 C apart)
+                crossed = True
+                sizes = [c.term_sizes() for c in contributions]
+                terms.append(floored(torch.stack([t.double() for t in tied]).sum(0),
+                                     floor_of(sum(z[0] for z in sizes), sum(z[1] for z in sizes))))
         if not terms:
             return torch.zeros(b, dtype=dtype, device=p0.device)
         # one summation over all terms (the terms may be tensors a contribution caches: never changed in place)
