@@ -1034,9 +1034,9 @@ class GradSampleEngine(BatchDimProbe):
                 # summed on its own in float32, carried its rounding unclipped (a review: 7 such examples' clipped
                 # sum 14.9 C, 255 copies' neighbouring sums 634 C apart)
                 crossed = True
-                sizes = [c.term_sizes() for c in contributions]
+                sizes, counts = zip(*(c.term_sizes() for c in contributions))
                 terms.append(floored(torch.stack([t.double() for t in tied]).sum(0),
-                                     floor_of(sum(z[0] for z in sizes), sum(z[1] for z in sizes))))
+                                     floor_of(torch.stack(sizes).sum(0), torch.stack(counts).sum(0))))
         if not terms:
             return torch.zeros(b, dtype=dtype, device=p0.device)
         # one summation over all terms (the terms may be tensors a contribution caches: never changed in place)
