@@ -256,7 +256,8 @@ def _position_terms(windowed: Tensor, other: Tensor, groups: int, kernel, stride
     b, nd = windowed.shape[0], len(kernel)
 
     def per_group(t: Tensor) -> Tensor:  # (B, C, *S) -> squares summed over each group's channels, (B, groups, *S)
-        sq = t * t  # (torch.linalg.vector_norm over the channels: 40 times slower, a reduction over a strided dimension)
+        # (torch.linalg.vector_norm over the channels: 40 times slower, a reduction over a strided dimension)
+        sq = t * t
         return sq if t.shape[1] == groups else sq.unflatten(1, (groups, t.shape[1] // groups)).sum(2)
 
     wsq = per_group(windowed)
@@ -394,8 +395,8 @@ class ConvTransposeRule(_ConvBase):
                                          m.kernel_size, m.stride, m.dilation, count=list(x.shape[2:]), plan=plan)
                 total = g if total is None else total + g
                 # the roles swapped: the output gradient's windows, one per input position
-                terms = add_terms(terms, _position_terms(go, x, m.groups, m.kernel_size, m.stride, m.dilation, pad, "zeros",
-                                                    count=list(x.shape[2:]))[1])
+                terms = add_terms(terms, _position_terms(go, x, m.groups, m.kernel_size, m.stride, m.dilation, pad,
+                                                         "zeros", count=list(x.shape[2:]))[1])
             assert plan is not None and terms is not None
             out["weight"] = Dense(total, m.weight.shape, to_param=_to_weight(m.weight.shape, plan[0]), terms=terms)
         if "bias" in layer.trainable:

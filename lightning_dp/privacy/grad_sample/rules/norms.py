@@ -133,7 +133,7 @@ def _per_channel(layer, records, batch_size: int, groups: int, eps: float) -> di
         # the positions' terms (docs/per_sample_gradients.md, "Floating point"): go_s * x_hat_s and go_s over the
         # channels at each position s; x_hat from the moments, one pass over the input
         by_group = grads.view(batch_size, groups, c // groups, positions)
-        if mask[0]:  # ||go_s * x_hat_s||^2 = sum_g rstd_g^2 ||go_g,s * (x_g,s - mean_g)||^2: two passes written, one read
+        if mask[0]:  # ||go_s * x_hat_s||^2 = sum_g rstd_g^2 ||go_g,s * (x_g,s - mean_g)||^2: two passes written
             d = folded.view(batch_size, groups, c // groups, positions) - mean.view(batch_size, groups, 1, 1)
             d.mul_(by_group).square_()
             # (a sum over a group of one channel took 1.5 ms for ResNet-8's stem: the channel itself)
