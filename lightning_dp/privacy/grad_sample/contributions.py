@@ -194,8 +194,7 @@ def term_floor(terms: Tensor) -> Tensor:
     share moves by at most about ``max(8, 2 sqrt(T_b))`` times that fraction of C, however much its terms cancel
     (a review: 1,023 identical examples whose terms cancel 1e6 times moved neighbouring sums 27 C apart without it;
     docs/per_sample_gradients.md, "Floating point")."""
-    terms = terms.double()
-    return floor_of(terms.sum(1), (terms > 0).sum(1).to(torch.float64))
+    return floor_of(*position_terms(terms))
 
 
 def floor_of(sizes: Tensor, counts: Tensor) -> Tensor:
@@ -503,6 +502,7 @@ class OneHotFactored(Contribution):
         self.index, self.right = index, right
         self.shape = torch.Size(shape)
         self._rows: Tensor | None = None  # (B, T, d): each example's rows per token, at the token's first position
+        self._sizes: tuple[Tensor, Tensor] | None = None  # term_sizes(), for sq_norms and a tied parameter's floor
 
     def _per_token(self) -> Tensor:
         rows = self._rows
@@ -521,7 +521,9 @@ class OneHotFactored(Contribution):
         return floored(_row_sq(self._per_token()), floor_of(*self.term_sizes()))
 
     def term_sizes(self) -> tuple[Tensor, Tensor]:
-        return position_terms(term_norms(self.right))
+        if self._sizes is None:
+            self._sizes = position_terms(term_norms(self.right))
+        return self._sizes
 
     def weighted_sum(self, factors: Tensor) -> Tensor:
         rows = self._per_token()  # a token's later positions hold zeros
@@ -550,6 +552,7 @@ class OneHotFactored(Contribution):
 
     def drop(self, examples: Tensor) -> None:
         self.right = _zero_rows(self.right, examples)
+        self._sizes = None
         if self._rows is not None:
             self._rows = _zero_rows(self._rows, examples)
 
