@@ -17,6 +17,11 @@ from lightning_dp.privacy.grad_sample.rules.parametrized import ParametrizedRule
 from tests.privacy.reference import per_example_gradients
 from tests.privacy.test_grad_sample_edges import _check, _data, _refused_when_recorded
 
+#: these tests compare the chain's per-sample gradients with autograd's: without the floors (a pull-back's floor is its
+#: source's terms times a bound on J^T, which an honest example reaches where the parametrization shrinks its gradient;
+#: what they are for, and what they cost honest examples: tests/privacy/test_cancellation.py)
+pytestmark = pytest.mark.usefixtures("exact_norms")
+
 
 class _Symmetric(nn.Module):
     def forward(self, x):
@@ -57,7 +62,6 @@ MODELS = {
 }
 
 
-@pytest.mark.usefixtures("exact_norms")
 @pytest.mark.parametrize("name", MODELS)
 def test_parametrized_layers_are_exact(name):
     make, shape, width = MODELS[name]

@@ -20,6 +20,7 @@ once (``J^T`` is linear).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,9 +28,10 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 from torch.nn.utils import parametrize
-from torch.nn.utils.parametrizations import _SpectralNorm, _WeightNorm
+from torch.nn.utils.parametrizations import _Orthogonal, _OrthMaps, _SpectralNorm, _WeightNorm
 
-from lightning_dp.privacy.grad_sample.contributions import Contribution, Dense, Factored, Groups
+from lightning_dp.privacy.grad_sample.contributions import (Contribution, Dense, Factored, Groups, add_terms, floor_of,
+                                                            floored)
 from lightning_dp.privacy.grad_sample.registry import LayerRule, PerSampleGradientError
 from lightning_dp.privacy.grad_sample.rules.conv import ConvRule, ConvTransposeRule
 from lightning_dp.privacy.grad_sample.rules.functorch import FunctorchRule, check_buffers_unchanged
@@ -164,7 +166,7 @@ class ParametrizedRule(FunctorchRule):
             one_call = records[0].extra.get("replay_state", {}) if len(records) == 1 else {}
             forms = {t: _closed_form(module.parametrizations[t], {**_under(state, t), **_under(one_call, t)},
                                      len(records) == 1 or not any(_under(r.extra.get("replay_state", {}), t)
-                                                                  for r in records)) for t in chained}
+                                                                  for r in records), chained[t]) for t in chained}
             closed = [t for t, form in forms.items() if form is not None]
             batched = [t for t, form in forms.items() if form is None]
             # the closed forms run no parametrization (weight_norm and spectral_norm out of training leave their
@@ -185,14 +187,23 @@ class ParametrizedRule(FunctorchRule):
                 pullback = forms[t](together[t])
                 result.update({f"{_PREFIX}{t}.{n}": Pulled(pullback, n) for n in chained[t]})
             summed: dict[str, Tensor] = {}
+            # each original's floor: the source's terms times the bound on its pull-back (None: no bound known)
+            terms: dict[str, tuple[Tensor, Tensor] | None] = {}
             for r, part in zip(records, parts):
                 kept = r.extra.get("replay_state", {})  # this call's power-iteration vectors (spectral_norm)
                 for t in batched:
-                    pulled = _pull_back(layer, module.parametrizations[t], part[t].dense(),
-                                        {**_under(state, t), **_under(kept, t)}, chained[t])
+                    at = {**_under(state, t), **_under(kept, t)}
+                    pulled = _pull_back(layer, module.parametrizations[t], part[t].dense(), at, chained[t])
+                    bounds = _lipschitz(module.parametrizations[t], at, chained[t]) or {}
+                    source = part[t].term_sizes() if any(b is not None for b in bounds.values()) else None
                     for name, grads in pulled.items():
                         key = f"{_PREFIX}{t}.{name}"
                         summed[key] = grads if key not in summed else summed[key] + grads
+                        bound = bounds.get(name)
+                        if source is None or bound is None or (key in terms and terms[key] is None):
+                            terms[key] = None  # no bound known, or its share carried by another original
+                        else:
+                            terms[key] = add_terms(terms.get(key), (source[0] * bound, source[1]))
         if versions is not None:
             check_buffers_unchanged(layer, module, versions)
         if rng is not None and any(not torch.equal(a, b) for a, b in zip(rng, _rng_states(module))):
@@ -201,7 +212,7 @@ class ParametrizedRule(FunctorchRule):
                 "(a mask on the weights, DropConnect?): its per-sample gradients would be pulled back through another "
                 "draw than the forward's. Apply the randomness outside the parametrization (dropout on the layer's "
                 "input or output), or freeze its parameters.")
-        result.update({k: Dense(g) for k, g in summed.items()})
+        result.update({k: Dense(g, terms=terms[k]) for k, g in summed.items()})
         result.update({n: together[n] for n in own})
         return result
 
@@ -316,7 +327,7 @@ def _computed(plist: Any, state: dict[str, Tensor]) -> Tensor:
     return x
 
 
-def _closed_form(plist: Any, state: dict[str, Tensor], one_map: bool) -> Any:
+def _closed_form(plist: Any, state: dict[str, Tensor], one_map: bool, names: list[str]) -> Any:
     """For a parametrization list with a pull-back in closed form, a function from the source contribution (the
     per-example gradients of the computed tensor) to its :class:`_Pullback`; else None (the batched ``torch.func``
     pull-back). ``weight_norm`` alone; ``spectral_norm`` alone on a weight of two dimensions or more where every call
@@ -327,11 +338,94 @@ def _closed_form(plist: Any, state: dict[str, Tensor], one_map: bool) -> Any:
     if type(m) is _WeightNorm and not plist.is_tensor and plist.ntensors == 2 \
             and (state["original1"].dim() > 1 or m.dim == -1):
         g, v = state["original0"], state["original1"]
-        return lambda source: _WeightNormPullback(source, g, v, m.dim)
+        return lambda source: _WeightNormPullback(source, g, v, m.dim, names)
     if type(m) is _SpectralNorm and plist.is_tensor and state["original"].dim() > 1 and one_map:
         theta = state["original"]
         return lambda source: _SpectralPullback(source, theta, state["0._u"], state["0._v"], m.dim)
     return None
+
+
+def _weight_norm_bounds(g: Tensor, v: Tensor, dim: int, names: Any) -> dict[str, Tensor | None]:
+    """``weight_norm``'s bounds for :func:`_lipschitz`, float64 scalars, for the trainable originals ``names`` of
+    ``g`` (``original0``) and ``v`` (``original1``). Per row ``o`` (:func:`_rows`), ``dg_o = <dW_o, vhat_o>`` and
+    ``dv_o = s_o (dW_o - dg_o vhat_o)`` (``s_o = g_o / ||v_o||``): orthogonal parts of ``dW_o`` scaled by 1 and
+    ``|s_o|``, so ``||(dg, dv)|| <= max(1, max_o |s_o|) ||dW||``, ``||dg|| <= ||dW||``, ``||dv|| <= max_o |s_o|
+    ||dW||`` (the last also what bounds the rounding of ``v``'s pull-back where ``v`` is 1-D along its dimension,
+    whose exact pull-back is 0). Both trained: the pair's bound goes to ``v`` and None (no floor) to ``g``, whose
+    gradient (one
+    direction of each row) is often near an eighth of ``dW``'s: floored on its own by ``||dW|| / 8`` it raised
+    every honest example's norm 0.2-3 % (a batch of 32, 3 seeds); ``max(||dv||^2, F^2) + ||dg||^2`` is at least
+    ``max(||(dg, dv)||^2, F^2)``, the floor of the pair."""
+    return _weight_norm_bounds_of(_row_scales(g.detach(), v.detach(), dim), names)
+
+
+def _row_scales(g: Tensor, v: Tensor, dim: int) -> Tensor:
+    """``s_o = g_o / ||v_o||`` per row of ``weight_norm`` (:func:`_rows`; a 1-D tensor along its dimension: every
+    entry its own row)."""
+    rows = _rows(v, dim) if v.dim() > 1 or dim == -1 else v.reshape(-1, 1)
+    return g.reshape(-1) / torch.linalg.vector_norm(rows, dim=1)
+
+
+def _weight_norm_bounds_of(s: Tensor, names: Any) -> dict[str, Tensor | None]:
+    """:func:`_weight_norm_bounds` from the rows' scales ``s``."""
+    s = s.abs().max().double()
+    one = torch.ones((), dtype=torch.float64, device=s.device)
+    if "original0" in names and "original1" in names:
+        return {"original0": None, "original1": torch.maximum(s, one)}
+    return {"original0": one} if "original0" in names else {"original1": s}
+
+
+def _spectral_bound(theta: Tensor, u: Tensor, v: Tensor, eps: float) -> Tensor:
+    """The operator norm of ``spectral_norm``'s pull-back at ``theta`` (float64 scalar). A matrix: ``J^T dW = (dW -
+    a <z, dW>) / sigma`` with ``a = M^-1(u v^T)`` and ``z = theta / sigma``, ``<z, a> = 1``: ``I - a z^T`` is a
+    projection, whose norm is ``||a|| ||z||`` (that of ``a z^T``: any projection other than 0 and I has the norm of
+    its complement), so ``||u|| ||v|| ||theta|| / sigma^2``. A vector (``F.normalize``): ``1 / max(||theta||,
+    eps)``."""
+    f64 = torch.float64
+    norm = torch.linalg.vector_norm(theta.detach().double())
+    if theta.dim() == 1:
+        return 1 / norm.clamp_min(eps)
+    # sigma as the forward computes it, from M(theta) (``theta`` given with the rows' dimension first)
+    sigma = torch.vdot(u.double(), torch.mv(theta.detach().double().flatten(1), v.double()))
+    return torch.linalg.vector_norm(u.to(f64)) * torch.linalg.vector_norm(v.to(f64)) * norm / sigma.square()
+
+
+def _lipschitz(plist: Any, state: dict[str, Tensor], names: list[str]) -> dict[str, Tensor | None] | None:
+    """``{name: bound}``: for each trainable entry ``names`` of the parametrization list ``plist`` at ``state``, a
+    bound (float64 scalar) on the operator norm of the pull-back from the computed tensor to it, or None for an entry
+    whose share of the floor another entry carries (weight_norm's ``g``); the whole is None where a bound is not
+    known. A pulled-back gradient moves by at most that times what its source's rounding moves, so its floor
+    (docs/per_sample_gradients.md, "Floating point") is its source's terms times it (:class:`Pulled`).
+
+    Known, for a list of one parametrization on its originals: ``weight_norm`` (:func:`_weight_norm_bounds`),
+    ``spectral_norm`` (:func:`_spectral_bound`), ``orthogonal`` by the matrix exponential or the Cayley map on a
+    real tensor (``sqrt(2) ||base||_2``: ``X -> A = tril(X) - tril(X)^T`` at most doubles a square, both maps'
+    derivatives at a skew-symmetric ``A`` are at most 1 in the Frobenius norm (the exponential's an average of
+    rotations ``e^{sA} dA e^{(1-s)A}``; the Cayley map's ``(I - A/2)^-1 (dA / 2) (Q + I)``, whose outer factors are
+    at most 1 and 2), and the columns kept, the transpose and ``base @`` are at most 1 and ``||base||_2``). Not for
+    ``orthogonal``'s Householder map, stacked parametrizations, a parametrization's own parameters or your own:
+    those keep no floor (docs/per_sample_gradients.md, "What the engine does not check")."""
+    if not hasattr(plist, "0") or hasattr(plist, "1"):
+        return None
+    m = plist[0]
+    if type(m) is _WeightNorm and not plist.is_tensor and plist.ntensors == 2:
+        v = state["original1"]
+        dim = m.dim if m.dim == -1 else m.dim % max(v.dim(), 1)
+        bounds = _weight_norm_bounds(state["original0"], v, dim, names)
+    elif type(m) is _SpectralNorm and plist.is_tensor:
+        theta = state["original"]
+        if theta.dim() > 1:  # M(theta) with rows along dim
+            theta = theta.movedim(m.dim, 0)
+        bounds = {"original": _spectral_bound(theta, state.get("0._u", theta.new_ones(1)),
+                                              state.get("0._v", theta.new_ones(1)), m.eps)}
+    elif (type(m) is _Orthogonal and plist.is_tensor and not state["original"].is_complex()
+          and m.orthogonal_map in (_OrthMaps.matrix_exp, _OrthMaps.cayley)):
+        base = state.get("0.base")
+        scale = torch.linalg.matrix_norm(base.detach().double(), 2).amax() if base is not None else 1.0
+        bounds = {"original": math.sqrt(2) * torch.as_tensor(scale, dtype=torch.float64)}
+    else:
+        return None
+    return bounds if all(n in bounds for n in names) else None
 
 
 #: Where a closed form's squared norm is a difference of larger terms (``||dW||^2 - <dW, vhat>^2``; the three terms
@@ -355,6 +449,7 @@ class _Pullback:
         self._stats: Any = None
         self._grouped: tuple[Groups, _Pullback] | None = None
         self._summed: tuple[Tensor, Tensor] | None = None  # (factors, the source's weighted sum): once for all originals
+        self._terms: tuple[Tensor, Tensor] | None = None  # the source's term_sizes(): once for all originals
 
     def stats(self) -> Any:
         if self._stats is None:
@@ -369,6 +464,11 @@ class _Pullback:
         raise NotImplementedError
 
     def sq_norms(self, name: str) -> Tensor:
+        raise NotImplementedError
+
+    def bound(self, name: str) -> Tensor | None:
+        """A bound on the operator norm of ``J^T`` to original ``name``, or None where another original carries its
+        share of the floor (:func:`_lipschitz`)."""
         raise NotImplementedError
 
     def pulled_sum(self, name: str, summed: Tensor) -> Tensor:
@@ -386,9 +486,15 @@ class _Pullback:
             self._summed = (factors, self.source.weighted_sum(factors))
         return self._summed[1]
 
+    def source_terms(self) -> tuple[Tensor, Tensor]:
+        """The source's ``term_sizes()``, computed once for the originals that share this pull-back."""
+        if self._terms is None:
+            self._terms = self.source.term_sizes()
+        return self._terms
+
     def drop(self, examples: Tensor) -> None:
         self.source.drop(examples)  # zero rows: once or twice (one call per original) is the same
-        self._stats = self._summed = None
+        self._stats = self._summed = self._terms = None
 
     def grouped(self, groups: Groups) -> _Pullback:
         if self._grouped is None or self._grouped[0] is not groups:
@@ -415,15 +521,21 @@ class _WeightNormPullback(_Pullback):
     vectors (``dW_b = go_b (x) x_b``, rows along dimension 0): ``d_b = go_b * (x_b vhat^T)``, ``||dW_bo||^2 =
     go_bo^2 ||x_b||^2``, one matrix product of the batch's inputs."""
 
-    def __init__(self, source: Contribution, g: Tensor, v: Tensor, dim: int) -> None:
+    def __init__(self, source: Contribution, g: Tensor, v: Tensor, dim: int, names: list[str]) -> None:
         super().__init__(source)
-        self.g, self.v, self.dim = g, v, (dim if dim == -1 else dim % v.dim())
+        self.g, self.v, self.dim, self.names = g, v, (dim if dim == -1 else dim % v.dim()), names
         norm = torch.linalg.vector_norm(_rows(v, self.dim), dim=1)  # (R,)
         self.vhat = _rows(v, self.dim) / norm[:, None]  # (R, rest)
-        self.s = _rows(g, self.dim).reshape(-1) / norm  # (R,)
+        self.s = _row_scales(g, v, self.dim)  # (R,)
+        self._bounds: dict[str, Tensor | None] | None = None
 
     def _with(self, source: Contribution) -> _Pullback:
-        return _WeightNormPullback(source, self.g, self.v, self.dim)
+        return _WeightNormPullback(source, self.g, self.v, self.dim, self.names)
+
+    def bound(self, name: str) -> Tensor | None:
+        if self._bounds is None:
+            self._bounds = _weight_norm_bounds_of(self.s, self.names)
+        return self._bounds[name]
 
     def shape_of(self, name: str) -> torch.Size:
         return self.g.shape if name == "original0" else self.v.shape
@@ -487,6 +599,7 @@ class _SpectralPullback(_Pullback):
     def __init__(self, source: Contribution, theta: Tensor, u: Tensor, v: Tensor, dim: int) -> None:
         super().__init__(source)
         self.theta, self.u, self.v, self.dim = theta, u, v, dim
+        self._bound: Tensor | None = None
         self.sigma = torch.vdot(u, torch.mv(_rows(theta, dim), v))
         outer = torch.outer(u, v)  # M(uv^T) back in the weight's shape
         shape = theta.shape
@@ -495,6 +608,11 @@ class _SpectralPullback(_Pullback):
 
     def _with(self, source: Contribution) -> _Pullback:
         return _SpectralPullback(source, self.theta, self.u, self.v, self.dim)
+
+    def bound(self, name: str) -> Tensor:
+        if self._bound is None:
+            self._bound = _spectral_bound(self.theta.movedim(self.dim, 0), self.u, self.v, 0.0)
+        return self._bound
 
     def shape_of(self, name: str) -> torch.Size:
         return self.theta.shape
@@ -538,7 +656,18 @@ class Pulled(Contribution):
         self.shape = pullback.shape_of(name)
 
     def sq_norms(self) -> Tensor:
-        return self.pullback.sq_norms(self.name)
+        """Floored by the source's terms times the pull-back's bound (:func:`_lipschitz`): where the source's terms
+        cancel, or its gradient lies where ``J^T`` sends it near 0 (spectral_norm's ``u v^T``, weight_norm's
+        ``vhat``), the pulled gradient is the rounding of larger numbers, and moves with the batch as they do."""
+        sq = self.pullback.sq_norms(self.name)
+        return sq if self.pullback.bound(self.name) is None else floored(sq, floor_of(*self.term_sizes()))
+
+    def term_sizes(self) -> tuple[Tensor, Tensor]:
+        bound = self.pullback.bound(self.name)
+        if bound is None:  # its share of the floor is another original's: itself as one term
+            return super().term_sizes()
+        sizes, counts = self.pullback.source_terms()
+        return sizes * bound, counts
 
     def weighted_sum(self, factors: Tensor) -> Tensor:
         return self.pullback.pulled_sum(self.name, self.pullback.source_sum(factors))
