@@ -402,9 +402,13 @@ def _lipschitz(plist: Any, state: dict[str, Tensor], names: list[str]) -> dict[s
     real tensor (``sqrt(2) ||base||_2``: ``X -> A = tril(X) - tril(X)^T`` at most doubles a square, both maps'
     derivatives at a skew-symmetric ``A`` are at most 1 in the Frobenius norm (the exponential's an average of
     rotations ``e^{sA} dA e^{(1-s)A}``; the Cayley map's ``(I - A/2)^-1 (dA / 2) (Q + I)``, whose outer factors are
-    at most 1 and 2), and the columns kept, the transpose and ``base @`` are at most 1 and ``||base||_2``). Not for
-    ``orthogonal``'s Householder map, stacked parametrizations, a parametrization's own parameters or your own:
-    those keep no floor (docs/per_sample_gradients.md, "What the engine does not check")."""
+    at most 1 and 2), and the columns kept, the transpose and ``base @`` are at most 1 and ``||base||_2``); by the
+    Householder map ``2 sqrt(2 k) ||base||_2`` for ``k`` columns (``Q`` the first ``k`` columns of ``H_1 ... H_k``,
+    ``H_i`` the exact reflection along ``v_i = e_i + a_i``, ``a_i`` column ``i`` of ``tril(X, -1)``, ``||v_i|| >= 1``:
+    ``||dH_i||_F = 2 sqrt(2) ||d vhat_i|| <= 2 sqrt(2) ||da_i||``, the other factors orthogonal, and ``sum_i ||da_i||
+    <= sqrt(k) ||dX||``; the columns' signs are not differentiated). Not for stacked parametrizations, a
+    parametrization's own parameters or your own: those keep no floor (docs/per_sample_gradients.md, "What the engine
+    does not check")."""
     if not hasattr(plist, "0") or hasattr(plist, "1"):
         return None
     m = plist[0]
@@ -418,11 +422,13 @@ def _lipschitz(plist: Any, state: dict[str, Tensor], names: list[str]) -> dict[s
             theta = theta.movedim(m.dim, 0)
         bounds = {"original": _spectral_bound(theta, state.get("0._u", theta.new_ones(1)),
                                               state.get("0._v", theta.new_ones(1)), m.eps)}
-    elif (type(m) is _Orthogonal and plist.is_tensor and not state["original"].is_complex()
-          and m.orthogonal_map in (_OrthMaps.matrix_exp, _OrthMaps.cayley)):
+    elif type(m) is _Orthogonal and plist.is_tensor and not state["original"].is_complex():
         base = state.get("0.base")
         scale = torch.linalg.matrix_norm(base.detach().double(), 2).amax() if base is not None else 1.0
-        bounds = {"original": math.sqrt(2) * torch.as_tensor(scale, dtype=torch.float64)}
+        # the Householder map: sqrt(2 k) times 2 for k columns (a tall matrix's, after the transpose)
+        factor = 1.0 if m.orthogonal_map in (_OrthMaps.matrix_exp, _OrthMaps.cayley) \
+            else 2 * math.sqrt(min(state["original"].shape[-2:]))
+        bounds = {"original": factor * math.sqrt(2) * torch.as_tensor(scale, dtype=torch.float64)}
     else:
         return None
     return bounds if all(n in bounds for n in names) else None
