@@ -81,8 +81,7 @@ class Contribution:
         how many are nonzero (:func:`position_terms`); after :meth:`sq_norms`. A tied parameter's uses add theirs,
         and the parameter's norm, cross terms included, is floored by them (the engine's ``_norms_of``). Here: the
         gradient as one term, ``(||G_b||, 1)``, for a form without positions."""
-        sq = self.sq_norms().double()
-        return sq.clamp_min(0).sqrt(), (sq > 0).to(torch.float64)
+        return _one_term(self.sq_norms())
 
     def releasable_bytes(self) -> int:
         """Bytes this contribution keeps after :meth:`sq_norms` that it can do without (per-sample gradients
@@ -132,6 +131,12 @@ class Groups:
     def scaled(self, rows: Tensor) -> Tensor:
         """``rows`` (examples first) times the weights."""
         return rows * self.weights.to(rows.dtype).view(-1, *([1] * (rows.dim() - 1)))
+
+
+def _one_term(sq: Tensor) -> tuple[Tensor, Tensor]:
+    """:meth:`Contribution.term_sizes` of gradients of squared norms ``sq`` that are one term each."""
+    sq = sq.double()
+    return sq.clamp_min(0).sqrt(), (sq > 0).to(torch.float64)
 
 
 def _row_sq(t: Tensor) -> Tensor:
@@ -405,9 +410,11 @@ class Factored(Contribution):
         return floored(self._dense_sq, self._floor)
 
     def term_sizes(self) -> tuple[Tensor, Tensor]:
-        if self._sizes is None:  # one position per example (or not yet asked: sq_norms computes them)
-            self.sq_norms()
-        return super().term_sizes() if self._sizes is None else self._sizes
+        if self._sizes is None:  # not yet asked (sq_norms computes them), or one position per example
+            sq = self.sq_norms()
+            if self._sizes is None:
+                return _one_term(sq)
+        return self._sizes
 
     def releasable_bytes(self) -> int:
         if self._dense is None or torch.compiler.is_compiling():

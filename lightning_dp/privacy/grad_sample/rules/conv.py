@@ -282,9 +282,14 @@ def _position_terms(windowed: Tensor, other: Tensor, groups: int, kernel, stride
     return (osq.squeeze(1) if groups == 1 else osq.sum(1)), position_terms(terms.reshape(b, -1))
 
 
-def _bias(records_sq: list[Tensor]) -> tuple[Tensor, Tensor]:
-    """A bias's ``(sizes, counts)`` from each record's squared norms of its output gradient per position."""
-    return position_terms(torch.cat([sq.reshape(sq.shape[0], -1) for sq in records_sq], 1).double().sqrt())
+def _bias(records, records_sq: list[Tensor] | None = None) -> Dense:
+    """A convolution's bias gradient (the output gradient summed over positions, over every call) with its terms:
+    each record's output gradient per position, whose squared norms ``records_sq`` the weight's terms computed
+    already (:func:`_position_terms`), or None (the bias trained alone)."""
+    if records_sq is None:
+        records_sq = [r.grad_outputs[0].square().sum(1) for r in records]
+    terms = position_terms(torch.cat([sq.reshape(sq.shape[0], -1) for sq in records_sq], 1).double().sqrt())
+    return Dense(sum(r.grad_outputs[0].flatten(2).sum(2) for r in records), terms=terms)
 
 
 class _ConvBase(LayerRule):
@@ -347,9 +352,7 @@ class ConvRule(_ConvBase):
             else:
                 out["weight"] = self._ghost(layer, records, batch_size)
         if "bias" in layer.trainable:
-            if not go_sq:
-                go_sq = [r.grad_outputs[0].square().sum(1) for r in records]
-            out["bias"] = Dense(sum(r.grad_outputs[0].flatten(2).sum(2) for r in records), terms=_bias(go_sq))
+            out["bias"] = _bias(records, go_sq or None)
         return out
 
     def _ghost(self, layer, records, batch_size):
@@ -400,6 +403,5 @@ class ConvTransposeRule(_ConvBase):
             assert plan is not None and terms is not None
             out["weight"] = Dense(total, m.weight.shape, to_param=_to_weight(m.weight.shape, plan[0]), terms=terms)
         if "bias" in layer.trainable:
-            out["bias"] = Dense(sum(r.grad_outputs[0].flatten(2).sum(2) for r in records),
-                                terms=_bias([r.grad_outputs[0].square().sum(1) for r in records]))
+            out["bias"] = _bias(records)
         return out
