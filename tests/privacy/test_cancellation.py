@@ -350,7 +350,8 @@ def _null_space_targets(build, xa: torch.Tensor, scale: float):
     fixed = {n: p.detach() for n, p in m64.named_parameters() if n not in names}
 
     def out(params):
-        o = torch.func.functional_call(m64, {**params, **fixed}, (xa[None].double(),))
+        o = torch.func.functional_call(m64, {**params, **fixed}, (xa[None].double() if xa.is_floating_point()
+                                                                 else xa[None],))
         return (o[0] if isinstance(o, tuple) else o)[0].flatten()
 
     jac = torch.func.jacrev(out)(trained)
@@ -468,6 +469,8 @@ RULES = {  # name: (build, attacker's input, the ordinary example's input and ta
                           _rn(16, 8), _rn(16, 8)),
     "orthogonal_householder": (lambda: _P.orthogonal(nn.Linear(8, 6, bias=False), orthogonal_map="householder"),
                                _rn(16, 8), _rn(16, 8), _rn(16, 6)),
+    "weight_norm_embedding": (lambda: _P.weight_norm(nn.Embedding(10, 8)), torch.tensor([3] * 8 + [5] * 8),
+                              torch.randint(0, 10, (16,), generator=_G), _rn(16, 8)),
     "orthogonal_default_tall": (lambda: _P.orthogonal(nn.Linear(6, 8, bias=False)), _rn(16, 6), _rn(16, 6),
                                 _rn(16, 8)),
 }

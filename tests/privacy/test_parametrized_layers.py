@@ -709,3 +709,70 @@ def test_a_scalar_parameter_shared_by_two_layers():
     parametrize.register_parametrization(b, "weight", scale)
     model = nn.Sequential(a, nn.Tanh(), b, nn.Tanh(), nn.Linear(5, 3))
     _check(model, *_data(5))
+
+
+class _Tokens(nn.Module):
+    """A parametrized embedding (or bag) of token sequences, averaged, then a linear head."""
+
+    def __init__(self, table: nn.Module):
+        super().__init__()
+        self.table, self.head = table, nn.Linear(6, 3)
+
+    def forward(self, x):
+        out = self.table(x)
+        return self.head(out if out.dim() == 2 else out.mean(1))
+
+
+EMBEDDINGS = {
+    "weight_norm embedding": lambda: parametrizations.weight_norm(nn.Embedding(10, 6)),
+    "spectral_norm embedding, padding_idx": lambda: parametrizations.spectral_norm(
+        nn.Embedding(10, 6, padding_idx=0)).eval(),
+    "orthogonal embedding": lambda: parametrizations.orthogonal(nn.Embedding(10, 6)),
+    "weight_norm bag": lambda: parametrizations.weight_norm(nn.EmbeddingBag(10, 6, mode="mean")),
+}
+
+
+@pytest.mark.parametrize("name", EMBEDDINGS)
+def test_parametrized_embeddings_are_chained_and_exact(name, monkeypatch):
+    """An embedding's rule reads only its indices and output gradients: a parametrized embedding is chained
+    through its parametrizations (closed form or batched pull-back, and floored as they are), not replayed by the
+    torch.func fallback (which has no floor: tests/privacy/test_cancellation.py, weight_norm_embedding)."""
+    from lightning_dp.privacy.grad_sample.rules import functorch
+
+    torch.manual_seed(0)
+    model = _Tokens(EMBEDDINGS[name]()).double()
+
+    def replayed(*args, **kwargs):
+        raise AssertionError("the parametrized embedding was replayed by the torch.func fallback")
+
+    monkeypatch.setattr(functorch.FunctorchRule, "contributions", replayed)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, 10, (7, 5), generator=g), torch.randint(0, 3, (7,), generator=g)
+    params, ref = per_example_gradients(model, F.cross_entropy(model(x), y, reduction="none"))
+    engine = GradSampleEngine(model)
+    engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
+    with engine.record(batch_size=7):
+        F.cross_entropy(model(x), y).backward()
+    norms = engine.per_sample_norms()
+    factors = clip_factors(ref.norm(dim=1), 0.5)
+    summed = engine.clipped_sum(factors)
+    order = {id(p): i for i, p in enumerate(engine.parameters)}
+    engine.remove()
+    torch.testing.assert_close(norms, ref.norm(dim=1), rtol=1e-6, atol=1e-9)
+    flat = torch.cat([summed[order[id(p)]].reshape(-1) for p in params])
+    torch.testing.assert_close(flat, (factors[:, None] * ref).sum(0), rtol=1e-6, atol=1e-9)
+
+
+def test_a_parametrized_embedding_with_max_norm_is_refused_by_the_fallback():
+    """``max_norm`` renormalizes the table in place before each forward: not chained; the fallback's replay cannot
+    run ``embedding_renorm_`` per example, and says so (as before the embeddings were chained)."""
+    torch.manual_seed(0)
+    model = _Tokens(parametrizations.weight_norm(nn.Embedding(10, 6, max_norm=1.0))).double()
+    x, y = torch.randint(0, 10, (7, 5)), torch.randint(0, 3, (7,))
+    engine = GradSampleEngine(model)
+    with pytest.raises(PerSampleGradientError, match=r"table \(ParametrizedEmbedding\).*embedding_renorm_"):
+        engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
+        with engine.record(batch_size=7):
+            F.cross_entropy(model(x), y).backward()
+        engine.per_sample_norms()
+    engine.remove()

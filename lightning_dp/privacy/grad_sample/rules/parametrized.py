@@ -34,6 +34,7 @@ from lightning_dp.privacy.grad_sample.contributions import (Contribution, Dense,
                                                             floored)
 from lightning_dp.privacy.grad_sample.registry import LayerRule, PerSampleGradientError
 from lightning_dp.privacy.grad_sample.rules.conv import ConvRule, ConvTransposeRule
+from lightning_dp.privacy.grad_sample.rules.embedding import EmbeddingBagRule, EmbeddingRule
 from lightning_dp.privacy.grad_sample.rules.functorch import FunctorchRule, check_buffers_unchanged
 from lightning_dp.privacy.grad_sample.rules.linear import LinearRule, TransposedLinearRule
 
@@ -41,8 +42,9 @@ __all__ = ["ParametrizedRule", "CHAINED_RULES"]
 
 #: The rules whose per-sample gradients of the tensors a layer reads come from the layer's records and its
 #: hyperparameters alone (never the values of its weights, which a parametrization computes): a parametrized layer
-#: of theirs is chained through its parametrizations. Exact types: a user's subclass of one may read more.
-CHAINED_RULES = (LinearRule, TransposedLinearRule, ConvRule, ConvTransposeRule)
+#: of theirs is chained through its parametrizations (an embedding without ``max_norm``, which renormalizes the table
+#: in place before each forward). Exact types: a user's subclass of one may read more.
+CHAINED_RULES = (LinearRule, TransposedLinearRule, ConvRule, ConvTransposeRule, EmbeddingRule, EmbeddingBagRule)
 
 _PREFIX = "parametrizations."
 
@@ -82,7 +84,8 @@ class ParametrizedRule(FunctorchRule):
         if self.inner is None:
             return
         children = {name for name, _ in module.named_children()}
-        if not parametrize.is_parametrized(module) or children != {"parametrizations"}:
+        if not parametrize.is_parametrized(module) or children != {"parametrizations"} \
+                or getattr(module, "max_norm", None) is not None:
             self.inner = None
             return
         try:
