@@ -409,7 +409,8 @@ def _lipschitz(plist: Any, state: dict[str, Tensor], names: list[str]) -> dict[s
     Householder map ``2 sqrt(2 k) ||base||_2`` for ``k`` columns (``Q`` the first ``k`` columns of ``H_1 ... H_k``,
     ``H_i`` the exact reflection along ``v_i = e_i + a_i``, ``a_i`` column ``i`` of ``tril(X, -1)``, ``||v_i|| >= 1``:
     ``||dH_i||_F = 2 sqrt(2) ||d vhat_i|| <= 2 sqrt(2) ||da_i||``, the other factors orthogonal, and ``sum_i ||da_i||
-    <= sqrt(k) ||dX||``; the columns' signs are not differentiated). Not for stacked parametrizations, a
+    <= sqrt(k) ||dX||``; the columns' factors ``int(X_ii)``, +-1 as registered, are not differentiated, and scale
+    the bound by their largest magnitude). Not for stacked parametrizations, a
     parametrization's own parameters or your own: those keep no floor (docs/per_sample_gradients.md, "What the engine
     does not check")."""
     if not hasattr(plist, "0") or hasattr(plist, "1"):
@@ -428,10 +429,16 @@ def _lipschitz(plist: Any, state: dict[str, Tensor], names: list[str]) -> dict[s
     elif type(m) is _Orthogonal and plist.is_tensor and not state["original"].is_complex():
         base = state.get("0.base")
         scale = torch.linalg.matrix_norm(base.detach().double(), 2).amax() if base is not None else 1.0
-        # the Householder map: sqrt(2 k) times 2 for k columns (a tall matrix's, after the transpose)
-        factor = 1.0 if m.orthogonal_map in (_OrthMaps.matrix_exp, _OrthMaps.cayley) \
-            else 2 * math.sqrt(min(state["original"].shape[-2:]))
-        bounds = {"original": factor * math.sqrt(2) * torch.as_tensor(scale, dtype=torch.float64)}
+        bound = math.sqrt(2) * torch.as_tensor(scale, dtype=torch.float64)
+        if m.orthogonal_map not in (_OrthMaps.matrix_exp, _OrthMaps.cayley):
+            # the Householder map: 2 sqrt(k) more for k columns (a tall matrix's, after the transpose), times the
+            # largest factor int(X_ii) its columns are multiplied by (+-1 as registered; the noise of DP-SGD moves
+            # the diagonal, which has no gradient, and past 2 the factor grows: a review, 1.41x the bound at 2.5)
+            x = state["original"].detach()
+            tall = x if x.shape[-2] >= x.shape[-1] else x.mT
+            signs = tall.diagonal(dim1=-2, dim2=-1).int().abs().amax().clamp_min(1)
+            bound = bound * 2 * math.sqrt(min(x.shape[-2:])) * signs.to(torch.float64)
+        bounds = {"original": bound}
     else:
         return None
     return bounds if all(n in bounds for n in names) else None
