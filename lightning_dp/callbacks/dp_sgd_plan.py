@@ -50,7 +50,8 @@ from lightning_dp.privacy.users import (
     kept_records,
     user_ids_of,
 )
-from lightning_dp.privacy.validators import describe_mixing_layers, find_mixing_layers
+from lightning_dp.privacy.validators import (describe_mixing_layers, describe_noise_broken_parametrizations,
+                                             find_mixing_layers, find_noise_broken_parametrizations)
 
 __all__ = ["PRECISIONS", "Calibration", "PlannedMechanism", "Settings", "check_fit"]
 
@@ -343,6 +344,9 @@ def check_fit(settings: Settings, trainer: Trainer, pl_module: LightningModule,
     mixing = [] if settings.replace_batchnorm else find_mixing_layers(pl_module)  # replaced in setup otherwise
     if mixing:
         raise MisconfigurationException(describe_mixing_layers(mixing))
+    broken = find_noise_broken_parametrizations(pl_module)
+    if broken:
+        raise MisconfigurationException(describe_noise_broken_parametrizations(broken))
     if lengths and settings.noise_multiplier is None and ckpt_path is None:
         Lengths.of(settings, trainer).check_epochs(target_epsilon=settings.target_epsilon, who=who)
 

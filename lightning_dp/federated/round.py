@@ -160,6 +160,13 @@ class FederatedRound(LightningModule):
         self.save_hyperparameters({"model_class": f"{type(model).__module__}.{type(model).__qualname__}"})
 
         self.template = model
+        if self._accountable():  # noise on the whole model: a Householder orthogonal weight breaks at once
+            from lightning_dp.privacy.validators import (describe_noise_broken_parametrizations,
+                                                         find_noise_broken_parametrizations)
+
+            broken = find_noise_broken_parametrizations(model)
+            if broken:
+                raise ValueError(describe_noise_broken_parametrizations(broken))
         self.seed = int(seed) if seed is not None else fresh_seed()
         # the secret seed, the gate, the final spend, the summary (drawn now: a Flower node's round never fits)
         self.protocol = RunProtocol(self, seed=noise_seed, seed_name="noise_seed", draw_now=True, warn_fresh=True)

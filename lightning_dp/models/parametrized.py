@@ -21,7 +21,7 @@ __all__ = ["Parametrized", "PARAMETRIZATIONS"]
 PARAMETRIZATIONS = {
     "weight_norm": "w = g v / ||v|| per output unit (Salimans & Kingma 2016)",
     "spectral_norm": "w / sigma_max(w), sigma by one power iteration per training step (Miyato et al. 2018)",
-    "orthogonal": "w with orthonormal rows or columns (Lezcano-Casado 2019)",
+    "orthogonal": "w with orthonormal rows or columns (Lezcano-Casado 2019), by the matrix exponential",
 }
 
 #: the layer types whose weight :class:`Parametrized` parametrizes (a rule chains them: no per-example replay)
@@ -88,8 +88,12 @@ class Parametrized(nn.Module):
                                      "layer or convolution; name the nn.Linear / nn.ConvNd layers to parametrize")
                 chosen += [n for n in found if n not in chosen]
         apply = getattr(parametrizations, parametrization)
+        # orthogonal by the matrix exponential whatever the shape (torch's default for a matrix that is not square,
+        # the Householder map, keeps each column's sign in a diagonal that private training's noise moves, and
+        # DPSGD refuses it: lightning_dp.privacy.validators.find_noise_broken_parametrizations)
+        options = {"orthogonal_map": "matrix_exp"} if parametrization == "orthogonal" else {}
         for name in chosen:
-            apply(named[name])  # in place: the module's class becomes its parametrized subclass
+            apply(named[name], **options)  # in place: the module's class becomes its parametrized subclass
         self.network = network
         self.parametrization = parametrization
         #: the names of the parametrized layers in ``network``

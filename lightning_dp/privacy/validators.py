@@ -20,8 +20,9 @@ from torch import nn
 
 from lightning_dp.privacy.batch_dims import AmbiguousBatchDimError, batch_dim
 
-__all__ = ["MIXING_LAYERS", "CarriedState", "describe_carried_state", "describe_mixing_layers", "find_carried_state",
-           "find_mixing_layers", "replace_batchnorm"]
+__all__ = ["MIXING_LAYERS", "CarriedState", "describe_carried_state", "describe_mixing_layers",
+           "describe_noise_broken_parametrizations", "find_carried_state", "find_mixing_layers",
+           "find_noise_broken_parametrizations", "replace_batchnorm"]
 
 #: Module types whose output for one example depends on the other examples of the batch.
 MIXING_LAYERS: tuple[type[nn.modules.batchnorm._BatchNorm], ...] = (nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm)
@@ -50,6 +51,39 @@ def describe_mixing_layers(layers: list[tuple[str, nn.Module]]) -> str:
         "guarantee would not hold. Replace BatchNorm by GroupNorm (or LayerNorm), e.g. "
         "nn.GroupNorm(num_groups=math.gcd(32, C), num_channels=C), or pass replace_batchnorm=True to let "
         "lightning-dp do it (the model then trains from new normalization layers).")
+
+
+def find_noise_broken_parametrizations(model: nn.Module) -> list[str]:
+    """The names of trainable tensors parametrized by ``torch.nn.utils.parametrizations.orthogonal`` with the
+    Householder map (torch's default for a real matrix that is not square).
+
+    That map keeps each column's sign in its original's diagonal, which has no gradient and which torch casts to an
+    integer: noise added to every trainable parameter (DP-SGD's, a federated round's) moves it off +-1, and at the
+    first step torch zeroes the columns whose diagonal entry fell below 1 in magnitude (5 of 8 rows of an 8 x 16
+    weight after noise of 1e-3) and scales those past 2: the weight is no longer orthogonal, and the pull-back's
+    bound grows with it (docs/per_sample_gradients.md, "Parametrized layers")."""
+    from torch.nn.utils import parametrize
+    from torch.nn.utils.parametrizations import _Orthogonal, _OrthMaps
+
+    found = []
+    for name, module in model.named_modules():
+        if not parametrize.is_parametrized(module):
+            continue
+        for tensor, plist in module.parametrizations.items():
+            originals = [p for n, p in plist.named_parameters(recurse=False) if n.startswith("original")]
+            if any(type(m) is _Orthogonal and m.orthogonal_map == _OrthMaps.householder for m in plist) \
+                    and any(p.requires_grad for p in originals):
+                found.append(f"{name}.{tensor}" if name else tensor)
+    return found
+
+
+def describe_noise_broken_parametrizations(names: list[str]) -> str:
+    return (f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} parametrized by orthogonal() with the "
+            "Householder map (torch's default for a matrix that is not square), which keeps each column's sign in "
+            "a diagonal without gradient: the noise of private training moves it, and torch then zeroes or scales "
+            "columns, so the weight stops being orthogonal at the first step. Use "
+            "torch.nn.utils.parametrizations.orthogonal(module, orthogonal_map='matrix_exp') (or 'cayley'): any "
+            "shape, the same orthogonal weights, and a tight bound for the per-sample floor.")
 
 
 def replace_batchnorm(model: nn.Module, max_groups: int = 32) -> list[str]:

@@ -259,6 +259,27 @@ def test_batchnorm_is_refused_with_layer_name_and_fixed_on_request():
     assert isinstance(model.net[1], nn.GroupNorm)
 
 
+def test_orthogonal_householder_is_refused_with_the_fix():
+    """orthogonal()'s Householder map (torch's default on a matrix that is not square) keeps each column's sign in a
+    diagonal without gradient, which DP-SGD's noise moves: torch then zeroes or scales columns at the first step
+    (lightning_dp.privacy.validators.find_noise_broken_parametrizations). Refused before any data, with the map to
+    use; matrix_exp trains."""
+    from torch.nn.utils import parametrizations
+
+    net = nn.Sequential(parametrizations.orthogonal(nn.Linear(6, 8)), nn.Tanh(), nn.Linear(8, 3))
+    with pytest.raises(MisconfigurationException, match=r"0\.weight is parametrized by orthogonal\(\) with the "
+                                                        r"Householder map.*orthogonal_map='matrix_exp'"):
+        trainer(max_steps=1, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)]).fit(Classifier(net=net), BlobsData())
+    frozen = nn.Sequential(parametrizations.orthogonal(nn.Linear(6, 8)), nn.Tanh(), nn.Linear(8, 3))
+    frozen[0].requires_grad_(False)  # nothing of it trained: nothing noised
+    model = Classifier(net=nn.Sequential(parametrizations.orthogonal(nn.Linear(6, 8), orthogonal_map="matrix_exp"),
+                                         nn.Tanh(), nn.Linear(8, 3)))
+    for ok in (Classifier(net=frozen), model):
+        trainer(max_steps=2, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)]).fit(ok, BlobsData())
+    w = model.net[0].weight
+    torch.testing.assert_close(w.T @ w, torch.eye(6), atol=1e-5, rtol=0)
+
+
 def test_several_optimizers_refused():
     class Two(Classifier):
         def __init__(self):

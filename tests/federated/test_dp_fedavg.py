@@ -583,3 +583,22 @@ def test_a_model_with_dropout_trains_on_every_engine(update):
     t.fit(m, SyntheticLinearMixtureDataModule(seed=0))
     assert int(m.rounds) == 2 and torch.isfinite(m.hypotheses).all() and not torch.equal(m.hypotheses, start)
     assert math.isfinite(float(t.callback_metrics["val/loss"]))
+
+
+def test_a_householder_orthogonal_model_is_refused_where_the_round_adds_noise():
+    """The server's noise reaches the Householder original's diagonal (each column's sign, no gradient), and torch
+    then zeroes or scales columns (lightning_dp.privacy.validators.find_noise_broken_parametrizations): refused with
+    the map to use; without noise (nothing accounted) the round keeps it."""
+    from torch import nn
+    from torch.nn.utils import parametrizations
+
+    def model(kind):
+        return nn.Sequential(parametrizations.orthogonal(nn.Linear(3, 2), orthogonal_map=kind), nn.Linear(2, 1))
+
+    with pytest.raises(ValueError, match=r"0\.weight is parametrized by orthogonal\(\) with the Householder map"
+                                         r".*orthogonal_map='matrix_exp'"):
+        FederatedRound(model("householder"), selection=PoissonSelection(0.25), server_privacy=CentralGaussian(
+            noise_multiplier=1.0, clip=0.5), seed=0, noise_seed=1)
+    FederatedRound(model("matrix_exp"), selection=PoissonSelection(0.25),
+                   server_privacy=CentralGaussian(noise_multiplier=1.0, clip=0.5), seed=0, noise_seed=1)
+    FederatedRound(model("householder"), seed=0)

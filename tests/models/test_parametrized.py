@@ -28,6 +28,12 @@ def test_every_linear_layer_and_convolution_is_parametrized(kind):
     assert net(x).shape == (5, 10)
     if kind == "weight_norm":  # starts from the network's weights: the same function
         torch.testing.assert_close(net(x), plain(x))
+    if kind == "orthogonal":  # by the matrix exponential, which private training's noise leaves orthogonal
+        from lightning_dp.privacy.validators import find_noise_broken_parametrizations
+
+        assert find_noise_broken_parametrizations(net) == []
+        assert all(net.network.get_submodule(n).parametrizations.weight[0].orthogonal_map.name == "matrix_exp"
+                   for n in net.parametrized)
 
 
 def test_target_modules_pick_layers_and_the_network_itself_can_be_one():
