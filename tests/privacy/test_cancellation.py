@@ -454,6 +454,8 @@ RULES = {  # name: (build, attacker's input, the ordinary example's input and ta
     "gru_biases": (lambda: _biases_only(nn.GRU(4, 4, batch_first=True)), _rn(8, 4), _rn(8, 4), _rn(8, 4)),
     "attention_biases": (lambda: _Attention(True), _rn(8, 8), _rn(8, 8), _rn(8, 8)),
     "attention_input_zero": (lambda: _Attention(False), torch.zeros(4, 8), _rn(4, 8), _rn(4, 8)),
+    "prelu": (lambda: nn.PReLU(8, init=0.3), _rn(8, 6), _rn(8, 6), _rn(8, 6)),
+    "prelu_one_slope": (lambda: nn.PReLU(init=0.3), _rn(8, 6), _rn(8, 6), _rn(8, 6)),
     # parametrizations: the source's terms times a bound on the pull-back (rules/parametrized.py, _lipschitz); no
     # bias, whose own floor would cover the example
     "weight_norm": (lambda: _P.weight_norm(nn.Linear(8, 8, bias=False)), _rn(16, 8), _rn(16, 8), _rn(16, 8)),

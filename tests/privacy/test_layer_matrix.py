@@ -365,7 +365,10 @@ CASES: dict[str, Case] = {
     "instance_norm2d_affine": _simple(lambda: Pool(nn.Sequential(nn.Conv2d(2, 4, 3),
                                                                  nn.InstanceNorm2d(4, affine=True)), 4), 2, 6, 6),
     "rms_norm": _simple(lambda: nn.Sequential(nn.Linear(4, 6), nn.RMSNorm(6), nn.Linear(6, 3)), 4),
-    "prelu_functorch": _simple(lambda: nn.Sequential(nn.Linear(4, 6), nn.PReLU(6), nn.Linear(6, 3)), 4),
+    "prelu": _simple(lambda: nn.Sequential(nn.Linear(4, 6), nn.PReLU(6), nn.Linear(6, 3)), 4),
+    "prelu_one_slope_conv": _simple(lambda: Pool(nn.Sequential(nn.Conv2d(2, 4, 3), nn.PReLU(init=0.3)), 4), 2, 6, 6),
+    "prelu_per_channel_sequence": _simple(lambda: Pool(nn.Sequential(nn.Conv1d(2, 4, 3), nn.PReLU(4, init=0.3)), 4,
+                                                       dims=(2,)), 2, 7),
     # the originals of the parametrization are the parameters (more cases: tests/privacy/test_parametrized_layers.py)
     "weight_norm_parametrized_conv": _simple(lambda: Pool(nn.utils.parametrizations.weight_norm(nn.Conv2d(2, 4, 3)),
                                                           4), 2, 6, 6),
