@@ -318,6 +318,20 @@ def _resolve_adjacency(adjacency: str | None, accountant_kwargs: dict[str, Any],
     return adjacency
 
 
+def check_model(pl_module: LightningModule, *, replaced_later: bool = False) -> None:
+    """Refuse a model that private training cannot train as claimed: layers that mix the batch's examples (unless
+    ``replaced_later``: ``replace_batchnorm`` replaces them in setup), and parametrizations that the noise breaks
+    (orthogonal's Householder map). Run by :func:`check_fit`, and again when training starts and whenever the
+    engine follows a change of the trainable parameters: a model built or changed in ``setup`` or
+    ``configure_model`` (which run after the callbacks' setup), or a layer unfrozen mid-fit, is checked too."""
+    mixing = [] if replaced_later else find_mixing_layers(pl_module)
+    if mixing:
+        raise MisconfigurationException(describe_mixing_layers(mixing))
+    broken = find_noise_broken_parametrizations(pl_module)
+    if broken:
+        raise MisconfigurationException(describe_noise_broken_parametrizations(broken))
+
+
 def check_fit(settings: Settings, trainer: Trainer, pl_module: LightningModule,
               ckpt_path: str | os.PathLike[str] | None, *, lengths: bool, who: str) -> None:
     """:meth:`DPSGD.check_fit <lightning_dp.callbacks.DPSGD.check_fit>`: the refusals that need no data."""
@@ -341,12 +355,7 @@ def check_fit(settings: Settings, trainer: Trainer, pl_module: LightningModule,
         raise MisconfigurationException(
             "poisson_sampling=False is not supported under DDP (DistributedSampler repeats examples to pad "
             "shards, which breaks the per-epoch bound). Use poisson_sampling=True.")
-    mixing = [] if settings.replace_batchnorm else find_mixing_layers(pl_module)  # replaced in setup otherwise
-    if mixing:
-        raise MisconfigurationException(describe_mixing_layers(mixing))
-    broken = find_noise_broken_parametrizations(pl_module)
-    if broken:
-        raise MisconfigurationException(describe_noise_broken_parametrizations(broken))
+    check_model(pl_module, replaced_later=settings.replace_batchnorm)
     if lengths and settings.noise_multiplier is None and ckpt_path is None:
         Lengths.of(settings, trainer).check_epochs(target_epsilon=settings.target_epsilon, who=who)
 

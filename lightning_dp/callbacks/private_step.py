@@ -20,14 +20,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_dp.callbacks import batch_probe, training_data, virtual_batches
 from lightning_dp.callbacks.clipping import ClipStrategy, Release, StatisticStream
-from lightning_dp.callbacks.dp_sgd_plan import Calibration, Settings, check_fit
+from lightning_dp.callbacks.dp_sgd_plan import Calibration, Settings, check_fit, check_model
 from lightning_dp.callbacks.release_guard import ReleaseGuard
 from lightning_dp.privacy.batch_dims import split_batch
 from lightning_dp.privacy.clipping import check_max_grad_norm, clip_factors
 from lightning_dp.privacy.grad_sample import GradSampleEngine, PerSampleGradientError
 from lightning_dp.privacy.grad_sample.engine import _no_autocast
 from lightning_dp.privacy.noise import CLIP_STATISTIC, NOISE, derive_secret_generator, noisy_mean
-from lightning_dp.privacy.validators import describe_mixing_layers, find_mixing_layers, replace_batchnorm
+from lightning_dp.privacy.validators import find_mixing_layers, replace_batchnorm
 from lightning_dp.protocol import RunProtocol
 
 __all__ = ["PrivateStep", "compiled_pass", "fused_pass", "keeps_buffers", "loss_scale", "pass_weights"]
@@ -227,13 +227,10 @@ class PrivateStep:
         engine, the training data through ``privatize``, the chunked training step)."""
         check_fit(self.settings, trainer, pl_module, None, lengths=False, who=self.who)
         self.half_precision = _fix_loss_scale(trainer)
-        mixing = find_mixing_layers(pl_module)
-        if mixing and self.settings.replace_batchnorm:
+        if self.settings.replace_batchnorm and find_mixing_layers(pl_module):
             names = replace_batchnorm(pl_module)
             rank_zero_warn(f"DPSGD replaced {names} by GroupNorm (replace_batchnorm=True)")
-            mixing = find_mixing_layers(pl_module)
-        if mixing:
-            raise MisconfigurationException(describe_mixing_layers(mixing))
+        check_model(pl_module)
         self.protocol.setup(trainer)  # uploads refused, the gate installed, the secret seed fixed on every process
         self.engine = self._engine(trainer, pl_module)
         options = self.settings.compile_step
@@ -289,6 +286,8 @@ class PrivateStep:
                 "covers every row of an embedding table (a row that no example used still moves, or the release "
                 "would say which rows the batch used). Use torch.optim.Adam or SGD; nn.Embedding(sparse=True) itself "
                 "is fine.")
+        # the model as it trains (configure_model and the module's setup run after the callbacks' setup)
+        check_model(trainer.lightning_module)
         # the last line of defence, right before the optimizer updates (after every callback and clipping)
         self.guard.install(trainer.optimizers)
 
@@ -392,6 +391,7 @@ class PrivateStep:
         if self.engine.trainable_changed():
             # a layer was unfrozen (BackboneFinetuning, a hook setting requires_grad) or frozen: follow it
             rank_zero_info("DPSGD: the set of trainable parameters changed; rebuilding the per-sample gradient engine.")
+            check_model(pl_module)
             self.engine.remove()
             self.engine = self._engine(trainer, pl_module)
             self.clipping.trainable_changed()

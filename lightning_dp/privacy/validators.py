@@ -71,7 +71,7 @@ def find_noise_broken_parametrizations(model: nn.Module) -> list[str]:
             continue
         for tensor, plist in module.parametrizations.items():
             originals = [p for n, p in plist.named_parameters(recurse=False) if n.startswith("original")]
-            if any(type(m) is _Orthogonal and m.orthogonal_map == _OrthMaps.householder for m in plist) \
+            if any(isinstance(m, _Orthogonal) and m.orthogonal_map == _OrthMaps.householder for m in plist) \
                     and any(p.requires_grad for p in originals):
                 found.append(f"{name}.{tensor}" if name else tensor)
     return found

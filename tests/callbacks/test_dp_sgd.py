@@ -280,6 +280,21 @@ def test_orthogonal_householder_is_refused_with_the_fix():
     torch.testing.assert_close(w.T @ w, torch.eye(6), atol=1e-5, rtol=0)
 
 
+def test_a_householder_layer_made_in_configure_model_is_refused_when_training_starts():
+    """configure_model (and the module's setup) run after the callbacks' setup: DPSGD checks the model again when
+    training starts (a review: such a layer trained, two of its columns zeroed after 6 steps)."""
+    from torch.nn.utils import parametrizations, parametrize
+
+    class Late(Classifier):
+        def configure_model(self):
+            if not parametrize.is_parametrized(self.net[0]):
+                parametrizations.orthogonal(self.net[0])
+
+    with pytest.raises(MisconfigurationException, match=r"net\.0\.weight is parametrized by orthogonal\(\) with "
+                                                        r"the Householder map"):
+        trainer(max_steps=1, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)]).fit(Late(), BlobsData())
+
+
 def test_several_optimizers_refused():
     class Two(Classifier):
         def __init__(self):
@@ -704,3 +719,26 @@ def test_the_loader_runs_the_planned_steps_per_epoch():
     t = trainer(max_epochs=1, callbacks=[dp])
     t.fit(Classifier(), train_dataloaders=DataLoader(ds, batch_size=1))
     assert dp.data_facts.steps_per_epoch == 49 == t.global_step == dp._released
+
+
+def test_the_householder_check_sees_every_way_it_is_trained():
+    """find_noise_broken_parametrizations: a subclass of torch's orthogonal parametrization (a review found it
+    missed), nested modules; not the matrix exponential, Cayley, or a frozen original."""
+    from torch.nn.utils import parametrizations, parametrize
+    from torch.nn.utils.parametrizations import _Orthogonal, _OrthMaps
+
+    from lightning_dp.privacy.validators import find_noise_broken_parametrizations
+
+    class Mine(_Orthogonal):
+        pass
+
+    sub = nn.Linear(6, 4)
+    parametrize.register_parametrization(sub, "weight", Mine(sub.weight, _OrthMaps.householder))
+    nested = nn.Sequential(nn.Sequential(parametrizations.orthogonal(nn.Linear(6, 4))))
+    frozen = parametrizations.orthogonal(nn.Linear(6, 4))
+    frozen.requires_grad_(False)
+    assert find_noise_broken_parametrizations(sub) == ["weight"]
+    assert find_noise_broken_parametrizations(nested) == ["0.0.weight"]
+    for fine in (frozen, parametrizations.orthogonal(nn.Linear(6, 4), orthogonal_map="matrix_exp"),
+                 parametrizations.orthogonal(nn.Linear(6, 4), orthogonal_map="cayley")):
+        assert find_noise_broken_parametrizations(fine) == []

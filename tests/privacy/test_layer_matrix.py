@@ -88,6 +88,17 @@ class Pool(nn.Module):
         return self.head(torch.tanh(self.body(x)).mean(self.dims))
 
 
+class TimeFirstPReLU(nn.Module):
+    """One PReLU slope on a time-first ``(T, B, C)`` tensor (a non-batch-first RNN's or Transformer's output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.act, self.head = nn.Linear(4, 5), nn.PReLU(init=0.3), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(self.act(self.proj(x).transpose(0, 1)).mean(0))
+
+
 class Bag(nn.Module):
     def __init__(self, **kwargs):
         super().__init__()
@@ -367,6 +378,7 @@ CASES: dict[str, Case] = {
     "rms_norm": _simple(lambda: nn.Sequential(nn.Linear(4, 6), nn.RMSNorm(6), nn.Linear(6, 3)), 4),
     "prelu": _simple(lambda: nn.Sequential(nn.Linear(4, 6), nn.PReLU(6), nn.Linear(6, 3)), 4),
     "prelu_one_slope_conv": _simple(lambda: Pool(nn.Sequential(nn.Conv2d(2, 4, 3), nn.PReLU(init=0.3)), 4), 2, 6, 6),
+    "prelu_one_slope_time_first": _simple(TimeFirstPReLU, B, 4),
     "prelu_per_channel_sequence": _simple(lambda: Pool(nn.Sequential(nn.Conv1d(2, 4, 3), nn.PReLU(4, init=0.3)), 4,
                                                        dims=(2,)), 2, 7),
     # the originals of the parametrization are the parameters (more cases: tests/privacy/test_parametrized_layers.py)

@@ -20,9 +20,12 @@ __all__ = ["PReLURule"]
 @register_rule(nn.PReLU)
 class PReLURule(LayerRule):
     def check_dims(self, module, inputs, outputs, broadcast):
-        if not broadcast and (inputs[0] != 0 or outputs[0] != 0):
-            raise PerSampleGradientError(f"sees the batch at dimension {inputs[0]}; nn.PReLU takes (batch, channels, "
-                                         "...) inputs, its slopes along dimension 1")
+        # one slope: every entry alike, any layout (the records hold the batch first); a slope per channel reads the
+        # channels at dimension 1, which a layout with the batch elsewhere (time first) would not give it
+        if module.num_parameters > 1 and not broadcast and (inputs[0] != 0 or outputs[0] != 0):
+            raise PerSampleGradientError(f"sees the batch at dimension {inputs[0]}; nn.PReLU({module.num_parameters}) "
+                                         "takes (batch, channels, ...) inputs, its slopes along dimension 1: move the "
+                                         "batch first, or use one slope (nn.PReLU())")
 
     def contributions(self, layer, records, batch_size):
         m = layer.module
