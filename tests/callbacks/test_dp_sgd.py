@@ -294,6 +294,14 @@ def test_a_householder_layer_made_in_configure_model_is_refused_when_training_st
                                                         r"the Householder map"):
         trainer(max_steps=1, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)]).fit(Late(), BlobsData())
 
+    class LateNorm(Classifier):  # the same gap for a layer that mixes the batch's examples
+        def configure_model(self):
+            if not isinstance(self.net[1], nn.BatchNorm1d):
+                self.net[1] = nn.BatchNorm1d(16)
+
+    with pytest.raises(MisconfigurationException, match=r"net\.1 \(BatchNorm1d\).*GroupNorm"):
+        trainer(max_steps=1, callbacks=[DPSGD(noise_multiplier=1.0, seed=0)]).fit(LateNorm(), BlobsData())
+
 
 def test_several_optimizers_refused():
     class Two(Classifier):
