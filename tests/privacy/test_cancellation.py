@@ -426,6 +426,22 @@ class _Affine(nn.Module):
         return x * self.weight + self.bias
 
 
+class _Cells(nn.Module):
+    """A recurrent cell over a ``(B, T, d)`` input, one call a step, its state carried: the states ``(B, T, H)``."""
+
+    def __init__(self, cell: nn.Module):
+        super().__init__()
+        self.cell = cell
+
+    def forward(self, x):
+        h = x.new_zeros(x.shape[0], self.cell.hidden_size)
+        hx, outs = ((h, h) if isinstance(self.cell, nn.LSTMCell) else h), []
+        for t in range(x.shape[1]):
+            hx = self.cell(x[:, t], hx)
+            outs.append(hx[0] if isinstance(hx, tuple) else hx)
+        return torch.stack(outs, 1)
+
+
 def _scaled_g(module: nn.Module) -> nn.Module:
     """weight_norm with its rows' scales away from their norms (``g / ||v||`` from 0.1 to 10): the pull-back to
     ``v`` multiplies by up to 10."""
@@ -454,12 +470,15 @@ RULES = {  # name: (build, attacker's input, the ordinary example's input and ta
     "gru_biases": (lambda: _biases_only(nn.GRU(4, 4, batch_first=True)), _rn(8, 4), _rn(8, 4), _rn(8, 4)),
     "attention_biases": (lambda: _Attention(True), _rn(8, 8), _rn(8, 8), _rn(8, 8)),
     "attention_input_zero": (lambda: _Attention(False), torch.zeros(4, 8), _rn(4, 8), _rn(4, 8)),
+    "gru_cell_biases": (lambda: _biases_only(_Cells(nn.GRUCell(4, 4))), _rn(8, 4), _rn(8, 4), _rn(8, 4)),
+    "rnn_cell_biases": (lambda: _biases_only(_Cells(nn.RNNCell(4, 4))), _rn(8, 4), _rn(8, 4), _rn(8, 4)),
     "prelu": (lambda: nn.PReLU(8, init=0.3), _rn(8, 6), _rn(8, 6), _rn(8, 6)),
     "prelu_one_slope": (lambda: nn.PReLU(init=0.3), _rn(8, 6), _rn(8, 6), _rn(8, 6)),
     # parametrizations: the source's terms times a bound on the pull-back (rules/parametrized.py, _lipschitz); no
     # bias, whose own floor would cover the example
     "weight_norm": (lambda: _P.weight_norm(nn.Linear(8, 8, bias=False)), _rn(16, 8), _rn(16, 8), _rn(16, 8)),
-    "weight_norm_scaled": (lambda: _scaled_g(_P.weight_norm(nn.Linear(8, 8, bias=False))), _rn(16, 8), _rn(16, 8), _rn(16, 8)),
+    "weight_norm_scaled": (lambda: _scaled_g(_P.weight_norm(nn.Linear(8, 8, bias=False))), _rn(16, 8), _rn(16, 8),
+                           _rn(16, 8)),
     "weight_norm_conv": (lambda: _P.weight_norm(nn.Conv1d(4, 4, 3, bias=False)), _rn(4, 40), _rn(4, 40),
                          _rn(4, 38)),
     "spectral_norm": (lambda: _P.spectral_norm(nn.Linear(8, 8, bias=False)).eval(), _rn(16, 8), _rn(16, 8), _rn(16, 8)),

@@ -99,6 +99,24 @@ class TimeFirstPReLU(nn.Module):
         return self.head(self.act(self.proj(x).transpose(0, 1)).mean(0))
 
 
+class CellLoop(nn.Module):
+    """A recurrent cell called once a step over a ``(B, T, d)`` input, its state carried from zeros (``state``; a
+    first call without state beside later calls with one is two layouts, which the engine refuses) or never passed: a
+    decoder's loop; the mean of the hidden states, then a linear head."""
+
+    def __init__(self, cell: nn.Module, state: bool = True):
+        super().__init__()
+        self.cell, self.head, self.state = cell, nn.Linear(cell.hidden_size, 3), state
+
+    def forward(self, x):
+        h = x.new_zeros(x.shape[0], self.cell.hidden_size)
+        hx, outs = ((h, h) if isinstance(self.cell, nn.LSTMCell) else h), []
+        for t in range(x.shape[1]):
+            hx = self.cell(x[:, t], hx) if self.state else self.cell(x[:, t])
+            outs.append(hx[0] if isinstance(hx, tuple) else hx)
+        return self.head(torch.stack(outs, 1).mean(1))
+
+
 class Bag(nn.Module):
     def __init__(self, **kwargs):
         super().__init__()
@@ -378,6 +396,10 @@ CASES: dict[str, Case] = {
     "rms_norm": _simple(lambda: nn.Sequential(nn.Linear(4, 6), nn.RMSNorm(6), nn.Linear(6, 3)), 4),
     "prelu": _simple(lambda: nn.Sequential(nn.Linear(4, 6), nn.PReLU(6), nn.Linear(6, 3)), 4),
     "prelu_one_slope_conv": _simple(lambda: Pool(nn.Sequential(nn.Conv2d(2, 4, 3), nn.PReLU(init=0.3)), 4), 2, 6, 6),
+    "gru_cell_loop": _simple(lambda: CellLoop(nn.GRUCell(4, 5)), 3, 4),
+    "gru_cell_without_state": _simple(lambda: CellLoop(nn.GRUCell(4, 5), state=False), 3, 4),
+    "rnn_cell_tanh": _simple(lambda: CellLoop(nn.RNNCell(4, 5)), 3, 4),
+    "rnn_cell_relu_no_bias": _simple(lambda: CellLoop(nn.RNNCell(4, 5, bias=False, nonlinearity="relu")), 3, 4),
     "prelu_one_slope_time_first": _simple(TimeFirstPReLU, B, 4),
     "prelu_per_channel_sequence": _simple(lambda: Pool(nn.Sequential(nn.Conv1d(2, 4, 3), nn.PReLU(4, init=0.3)), 4,
                                                        dims=(2,)), 2, 7),
@@ -639,6 +661,7 @@ def test_the_floor_moves_honest_norms_little(monkeypatch):
 
 # -------------------------------------------------------------------------------------- refusals
 REFUSALS = {
+    "lstm_cell": (lambda: CellLoop(nn.LSTMCell(4, 5)), lambda m, x: m(x).sum(), r"nn.LSTMCell.*use nn.LSTM"),
     "lstm_dropout_between_layers": (lambda: nn.LSTM(4, 5, num_layers=2, dropout=0.2, batch_first=True),
                                     lambda m, x: m(x)[0].sum(),
                                     r"LSTM\(dropout=0.2\).*stack one-layer LSTMs with nn.Dropout"),

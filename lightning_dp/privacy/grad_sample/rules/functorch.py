@@ -1,7 +1,7 @@
 """The fallback rule: exact per-sample gradients of any module with ``torch.func`` (vmap over vjp).
 
 Used for every module that owns trainable parameters and has no registered rule (custom
-layers, ``nn.Bilinear``, ``nn.LSTMCell``, ...). Each example's call is replayed alone (its inputs sliced at the
+layers, ``nn.Bilinear``, ...). Each example's call is replayed alone (its inputs sliced at the
 batch dimensions the engine established, keyword tensors included, with a batch of one
 put back where the module expects it) and pulled back through the recorded output
 gradients. Exact, and slower than a dedicated rule: register one for a layer that matters
