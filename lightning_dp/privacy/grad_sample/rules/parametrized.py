@@ -355,10 +355,9 @@ def _weight_norm_bounds(g: Tensor, v: Tensor, dim: int, names: Any) -> dict[str,
     ``|s_o|``, so ``||(dg, dv)|| <= max(1, max_o |s_o|) ||dW||``, ``||dg|| <= ||dW||``, ``||dv|| <= max_o |s_o|
     ||dW||`` (the last also what bounds the rounding of ``v``'s pull-back where ``v`` is 1-D along its dimension,
     whose exact pull-back is 0). Both trained: the pair's bound goes to ``v`` and None (no floor) to ``g``, whose
-    gradient (one
-    direction of each row) is often near an eighth of ``dW``'s: floored on its own by ``||dW|| / 8`` it raised
-    every honest example's norm 0.2-3 % (a batch of 32, 3 seeds); ``max(||dv||^2, F^2) + ||dg||^2`` is at least
-    ``max(||(dg, dv)||^2, F^2)``, the floor of the pair."""
+    gradient (one direction of each row) is often near an eighth of ``dW``'s: floored on its own by ``||dW|| / 8``
+    it raised every honest example's norm 0.2-3 % (a batch of 32, 3 seeds); ``max(||dv||^2, F^2) + ||dg||^2`` is at
+    least ``max(||(dg, dv)||^2, F^2)``, the floor of the pair."""
     return _weight_norm_bounds_of(_row_scales(g.detach(), v.detach(), dim), names)
 
 
@@ -410,9 +409,8 @@ def _lipschitz(plist: Any, state: dict[str, Tensor], names: list[str]) -> dict[s
     ``H_i`` the exact reflection along ``v_i = e_i + a_i``, ``a_i`` column ``i`` of ``tril(X, -1)``, ``||v_i|| >= 1``:
     ``||dH_i||_F = 2 sqrt(2) ||d vhat_i|| <= 2 sqrt(2) ||da_i||``, the other factors orthogonal, and ``sum_i ||da_i||
     <= sqrt(k) ||dX||``; the columns' factors ``int(X_ii)``, +-1 as registered, are not differentiated, and scale
-    the bound by their largest magnitude). Not for stacked parametrizations, a
-    parametrization's own parameters or your own: those keep no floor (docs/per_sample_gradients.md, "What the engine
-    does not check")."""
+    the bound by their largest magnitude). Not for stacked parametrizations, a parametrization's own parameters or
+    your own: those keep no floor (docs/per_sample_gradients.md, "What the engine does not check")."""
     if not hasattr(plist, "0") or hasattr(plist, "1"):
         return None
     m = plist[0]
