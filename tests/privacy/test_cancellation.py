@@ -561,50 +561,27 @@ def test_a_users_records_whose_gradients_cancel_are_floored_as_its_terms():
     without positions: 255 users of two records whose gradients cancel (output gradients ``+-L v``, plus ``v`` on
     the second), and one ordinary user added. Each record's gradient is one of its user's terms
     (``Dense.grouped``); without that the users' sums moved 8.3 C apart."""
-    sums = []
-    for extra in (True, False):
-        torch.manual_seed(0)
+    def bias_only():
         layer = nn.Linear(8, 8)
         layer.weight.requires_grad_(False)
-        g = torch.Generator().manual_seed(1)
-        v = torch.randn(8, generator=g)
-        v = v / v.norm()
-        n = 510 + extra
-        x = torch.zeros(n, 8)
-        with torch.no_grad():
-            y = layer(x)
-        y[:510:2] += 3e6 * v
-        y[1:510:2] += -3e6 * v + v
-        if extra:
-            x[510], y[510] = torch.randn(8, generator=g), torch.randn(8, generator=g)
-        engine = GradSampleEngine(layer)
-        engine.probe(lambda k: ((layer(x[:k]) - y[:k]) ** 2).sum(1).mean())
-        with engine.record(batch_size=n):
-            ((layer(x) - y) ** 2).sum(1).mean().backward()
-        engine.per_sample_norms()
-        norms = engine.group_norms([2] * 255 + [1] * extra)
-        sums.append(engine.clipped_sum(clip_factors(norms, 1.0))[0])
-        engine.remove()
-    assert float((sums[0] - sums[1]).double().norm()) <= TOLERANCE
+        return layer
+
+    assert _cancelling_users_apart(bias_only, lambda g: torch.zeros(8)) <= TOLERANCE
 
 
-@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
-def test_a_users_parametrized_records_whose_gradients_cancel_are_floored_as_their_terms(kind):
-    """User-level grouping of a parametrized linear layer on vectors (the closed-form pull-back of a grouped source):
-    255 users of two records with the same input whose output gradients cancel (``+-L u``, plus ``u`` on the
-    second), and one ordinary user added. Before the pull-back's floor (its source's terms times a bound on ``J^T``)
-    the users' sums moved apart by many C; within C with it."""
+def _cancelling_users_apart(build, record_input) -> float:
+    """How far apart the clipped sums of neighbouring user-level batches are: 255 users of two records with the same
+    input (``record_input(g)``, drawn after the unit direction ``u``) whose output gradients under a squared loss
+    cancel (``+-3e6 u``, plus ``u`` on the second), with and without one ordinary user; ``build()`` the layer."""
     sums = []
     for extra in (True, False):
         torch.manual_seed(0)
-        layer = getattr(_P, kind)(nn.Linear(8, 8, bias=False))
-        if kind == "spectral_norm":
-            layer.eval()
+        layer = build()
         g = torch.Generator().manual_seed(1)
-        u, w = torch.randn(8, generator=g), torch.randn(8, generator=g)
-        u, w = u / u.norm(), w / w.norm()
+        u = torch.randn(8, generator=g)
+        u = u / u.norm()
         n = 510 + extra
-        x = w.repeat(n, 1)
+        x = record_input(g).repeat(n, 1)
         with torch.no_grad():
             y = layer(x)
         y[:510:2] += 3e6 * u
@@ -619,7 +596,24 @@ def test_a_users_parametrized_records_whose_gradients_cancel_are_floored_as_thei
         norms = engine.group_norms([2] * 255 + [1] * extra)
         sums.append(torch.cat([t.double().reshape(-1) for t in engine.clipped_sum(clip_factors(norms, 1.0))]))
         engine.remove()
-    assert float((sums[0] - sums[1]).norm()) <= TOLERANCE
+    return float((sums[0] - sums[1]).norm())
+
+
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
+def test_a_users_parametrized_records_whose_gradients_cancel_are_floored_as_their_terms(kind):
+    """User-level grouping of a parametrized linear layer on vectors (the closed-form pull-back of a grouped source):
+    255 users of two records with the same input whose output gradients cancel (``+-L u``, plus ``u`` on the
+    second), and one ordinary user added. Before the pull-back's floor (its source's terms times a bound on ``J^T``)
+    the users' sums moved apart by many C; within C with it."""
+    def build():
+        layer = getattr(_P, kind)(nn.Linear(8, 8, bias=False))
+        return layer.eval() if kind == "spectral_norm" else layer
+
+    def unit(g):
+        w = torch.randn(8, generator=g)
+        return w / w.norm()
+
+    assert _cancelling_users_apart(build, unit) <= TOLERANCE
 
 
 def test_the_parametrizations_floors_move_honest_norms_little():

@@ -27,7 +27,7 @@ def _check(model, x, y, *, train=True, c=0.5, reference=None):
     """Norms and clipped sum of the engine against per-example autograd (of ``reference``, default ``model``,
     sharing its parameters); nested probe batches from one batch."""
     model = model.double().train(train)
-    x = x.double()
+    x = x.double() if x.is_floating_point() else x  # token ids stay integers
     params, ref = per_example_gradients(model, F.cross_entropy((reference or model)(x[:B]), y[:B], reduction="none"))
     engine = GradSampleEngine(model)
     engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))

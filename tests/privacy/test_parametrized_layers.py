@@ -748,19 +748,7 @@ def test_parametrized_embeddings_are_chained_and_exact(name, monkeypatch):
     monkeypatch.setattr(functorch.FunctorchRule, "contributions", replayed)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randint(0, 10, (7, 5), generator=g), torch.randint(0, 3, (7,), generator=g)
-    params, ref = per_example_gradients(model, F.cross_entropy(model(x), y, reduction="none"))
-    engine = GradSampleEngine(model)
-    engine.probe(lambda n: F.cross_entropy(model(x[:n]), y[:n]))
-    with engine.record(batch_size=7):
-        F.cross_entropy(model(x), y).backward()
-    norms = engine.per_sample_norms()
-    factors = clip_factors(ref.norm(dim=1), 0.5)
-    summed = engine.clipped_sum(factors)
-    order = {id(p): i for i, p in enumerate(engine.parameters)}
-    engine.remove()
-    torch.testing.assert_close(norms, ref.norm(dim=1), rtol=1e-6, atol=1e-9)
-    flat = torch.cat([summed[order[id(p)]].reshape(-1) for p in params])
-    torch.testing.assert_close(flat, (factors[:, None] * ref).sum(0), rtol=1e-6, atol=1e-9)
+    _check(model, x, y, train=model.table.training)
 
 
 def test_a_parametrized_embedding_with_max_norm_is_refused_by_the_fallback():
