@@ -348,9 +348,9 @@ def _closed_form(plist: Any, state: dict[str, Tensor], one_map: bool, names: lis
     return None
 
 
-def _weight_norm_bounds(g: Tensor, v: Tensor, dim: int, names: Any) -> dict[str, Tensor | None]:
+def _weight_norm_bounds(s: Tensor, names: Any) -> dict[str, Tensor | None]:
     """``weight_norm``'s bounds for :func:`_lipschitz`, float64 scalars, for the trainable originals ``names`` of
-    ``g`` (``original0``) and ``v`` (``original1``). Per row ``o`` (:func:`_rows`), ``dg_o = <dW_o, vhat_o>`` and
+    ``g`` (``original0``) and ``v`` (``original1``), from the rows' scales ``s`` (:func:`_row_scales`). Per row ``o`` (:func:`_rows`), ``dg_o = <dW_o, vhat_o>`` and
     ``dv_o = s_o (dW_o - dg_o vhat_o)`` (``s_o = g_o / ||v_o||``): orthogonal parts of ``dW_o`` scaled by 1 and
     ``|s_o|``, so ``||(dg, dv)|| <= max(1, max_o |s_o|) ||dW||``, ``||dg|| <= ||dW||``, ``||dv|| <= max_o |s_o|
     ||dW||`` (the last also what bounds the rounding of ``v``'s pull-back where ``v`` is 1-D along its dimension,
@@ -358,7 +358,11 @@ def _weight_norm_bounds(g: Tensor, v: Tensor, dim: int, names: Any) -> dict[str,
     gradient (one direction of each row) is often near an eighth of ``dW``'s: floored on its own by ``||dW|| / 8``
     it raised every honest example's norm 0.2-3 % (a batch of 32, 3 seeds); ``max(||dv||^2, F^2) + ||dg||^2`` is at
     least ``max(||(dg, dv)||^2, F^2)``, the floor of the pair."""
-    return _weight_norm_bounds_of(_row_scales(g.detach(), v.detach(), dim), names)
+    s = s.detach().abs().max().double()
+    one = torch.ones((), dtype=torch.float64, device=s.device)
+    if "original0" in names and "original1" in names:
+        return {"original0": None, "original1": torch.maximum(s, one)}
+    return {"original0": one} if "original0" in names else {"original1": s}
 
 
 def _row_scales(g: Tensor, v: Tensor, dim: int) -> Tensor:
@@ -366,15 +370,6 @@ def _row_scales(g: Tensor, v: Tensor, dim: int) -> Tensor:
     entry its own row)."""
     rows = _rows(v, dim) if v.dim() > 1 or dim == -1 else v.reshape(-1, 1)
     return g.reshape(-1) / torch.linalg.vector_norm(rows, dim=1)
-
-
-def _weight_norm_bounds_of(s: Tensor, names: Any) -> dict[str, Tensor | None]:
-    """:func:`_weight_norm_bounds` from the rows' scales ``s``."""
-    s = s.abs().max().double()
-    one = torch.ones((), dtype=torch.float64, device=s.device)
-    if "original0" in names and "original1" in names:
-        return {"original0": None, "original1": torch.maximum(s, one)}
-    return {"original0": one} if "original0" in names else {"original1": s}
 
 
 def _spectral_bound(theta: Tensor, u: Tensor, v: Tensor, eps: float) -> Tensor:
@@ -417,7 +412,7 @@ def _lipschitz(plist: Any, state: dict[str, Tensor], names: list[str]) -> dict[s
     if type(m) is _WeightNorm and not plist.is_tensor and plist.ntensors == 2:
         v = state["original1"]
         dim = m.dim if m.dim == -1 else m.dim % max(v.dim(), 1)
-        bounds = _weight_norm_bounds(state["original0"], v, dim, names)
+        bounds = _weight_norm_bounds(_row_scales(state["original0"], v, dim), names)
     elif type(m) is _SpectralNorm and plist.is_tensor:
         theta = state["original"]
         if theta.dim() > 1:  # M(theta) with rows along dim
@@ -548,7 +543,7 @@ class _WeightNormPullback(_Pullback):
 
     def bound(self, name: str) -> Tensor | None:
         if self._bounds is None:
-            self._bounds = _weight_norm_bounds_of(self.s, self.names)
+            self._bounds = _weight_norm_bounds(self.s, self.names)
         return self._bounds[name]
 
     def shape_of(self, name: str) -> torch.Size:

@@ -191,8 +191,7 @@ class CellRule(RecurrentRule):
 
     ``nn.LSTMCell`` is refused: its cell state output also makes its hidden output inside the call, and in a loop
     that carries the state the output gradients the engine records for it are not those of its callers (a layer
-    matrix case: norms 11 % off, the same through the torch.func fallback before this rule); the step below handles
-    it once they are."""
+    matrix case: norms 11 % off, the same through the torch.func fallback before this rule)."""
 
     def check(self, module, trainable):
         if isinstance(module, nn.LSTMCell):
@@ -212,11 +211,9 @@ class CellRule(RecurrentRule):
 
     @staticmethod
     def mode(module: nn.Module) -> str:
-        if isinstance(module, nn.LSTMCell):
-            return "LSTM"
         if isinstance(module, nn.GRUCell):
             return "GRU"
-        return "RNN_TANH" if module.nonlinearity == "tanh" else "RNN_RELU"
+        return "RNN_TANH" if module.nonlinearity == "tanh" else "RNN_RELU"  # nn.LSTMCell: refused in check
 
     def forward_context(self, module: nn.Module, extra: dict[str, Any]) -> Any:
         return contextlib.nullcontext()  # the cell's own forward: nothing fused to unroll
@@ -228,18 +225,12 @@ class CellRule(RecurrentRule):
 
 
 def _cell_call(m: nn.Module, mode: str, r, batch_size: int) -> dict[str, tuple[Tensor, Tensor | None]]:
-    """``{parameter name: (pre-activation gradients (B, 1, G*H), input (B, 1, ·) or None)}`` of one call of a cell."""
+    """``{parameter name: (pre-activation gradients (B, 1, G*H), input (B, 1, ·) or None)}`` of one call of an
+    RNN or GRU cell."""
     x = r.input(0).detach()
     hx = r.args[1] if len(r.args) > 1 else r.kwargs.get("hx")
-    if hx is None:
-        h = x.new_zeros(batch_size, m.hidden_size)
-        c = h if mode == "LSTM" else None
-    elif mode == "LSTM":
-        h, c = hx
-    else:
-        h, c = hx, None
-    h = h.detach().to(x.dtype)
-    c = c.detach().to(x.dtype) if c is not None else None
+    h = (x.new_zeros(batch_size, m.hidden_size) if hx is None else hx).detach().to(x.dtype)
+
     # in the records' dtype (at least float32, also under bf16-true weights)
     def weight(name: str) -> Tensor | None:
         t = getattr(m, name, None)
@@ -253,12 +244,12 @@ def _cell_call(m: nn.Module, mode: str, r, batch_size: int) -> dict[str, tuple[T
         if mode == "GRU":  # the reset gate multiplies gh: the two pre-activations stay apart
             leaves = [gi.detach().requires_grad_(), gh.detach().requires_grad_()]
             out = _cell(mode, leaves[0], leaves[1], h, None)
-        else:  # LSTM and RNN add them before any nonlinearity: one gradient for both
+        else:  # an RNN adds them before its nonlinearity: one gradient for both
             leaves = [(gi + gh).detach().requires_grad_()]
-            out = _cell(mode, leaves[0], None, h, c)
-        outputs: list[Tensor] = [out[0]] if out[1] is None else [out[0], out[1]]
-        given = [g if g is not None else torch.zeros_like(o) for o, g in zip(outputs, r.grad_outputs)]
-        raw = torch.autograd.grad(outputs, leaves, given, allow_unused=True)
+            out = _cell(mode, leaves[0], None, h, None)
+        go = r.grad_outputs[0]
+        raw = torch.autograd.grad(out[0], leaves, go if go is not None else torch.zeros_like(out[0]),
+                                  allow_unused=True)
     grads = [(torch.zeros_like(t) if g is None else g)[:, None] for g, t in zip(raw, leaves)]
     d_ih, d_hh = (grads[0], grads[1]) if mode == "GRU" else (grads[0], grads[0])
     return {"weight_ih": (d_ih, x[:, None]), "weight_hh": (d_hh, h[:, None]), "bias_ih": (d_ih, None),
